@@ -1,0 +1,3 @@
+from sparseserve.entrypoints.cli import main
+
+main()

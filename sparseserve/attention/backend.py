@@ -1,0 +1,69 @@
+"""The attention-backend interface every attention implementation plugs into.
+
+KV cache layout (DESIGN.md principle 3), one tensor for the whole model:
+    kv_cache: [num_layers, num_blocks, num_kv_heads, 2, block_size, head_dim]
+A layer sees kv_cache[layer] = [num_blocks, num_kv_heads, 2, block_size, head_dim]; one
+(token block, KV head) entry holds K then V of `block_size` tokens contiguously: a head block.
+A request owns token blocks through its block table; slot = block_id * block_size + offset.
+
+Batch layout of one step: tokens are flat [T]; the first `num_decodes` sequences are decodes
+(one query token each), the rest prefill chunks. The query tokens of sequence b are
+query_start_loc[b]:query_start_loc[b+1]; they are the last tokens of its context, so query i of
+sequence b sits at position seq_lens[b] - q_len[b] + i and attends causally.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor     # int64 [T]: where each new token's K/V goes; -1 = padding, skipped
+    query_start_loc: torch.Tensor  # int32 [B + 1]: cumulative query lengths
+    seq_lens: torch.Tensor         # int32 [B]: context length including this step's tokens (0 = padding)
+    block_tables: torch.Tensor     # int32 [B, max_blocks]: token block ids; entries past a sequence's end unused
+    num_decodes: int               # sequences [0, num_decodes) have one query token each
+    max_query_len: int             # host-side upper bounds, fixed while a CUDA graph replays
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.numel()
+
+
+class AttentionBackend:
+    """Writes the step's new K/V into the cache, then attends. Subclasses implement both halves."""
+
+    name = "base"
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: layer `layer_idx`'s cache. Returns [T, Hq, D].
+
+        layer_idx lets per-layer policies (dense first layers, streaming heads) and probes act."""
+        self.store_kv(k, v, kv_cache, meta.slot_mapping)
+        return self.attend(q, kv_cache, meta, scale)
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from sparseserve.attention.torch_ref import TorchBackend
+        return TorchBackend()
+    if name == "triton":
+        if device.type != "cuda":
+            raise ValueError("attention_backend='triton' needs a CUDA device; use 'torch' on CPU")
+        from sparseserve.attention.triton_backend import TritonBackend
+        return TritonBackend()
+    raise ValueError(f"unknown attention backend {name!r} (choose auto, triton or torch)")

@@ -1,0 +1,85 @@
+"""Engine configuration: frozen dataclasses, one field per LLM keyword argument and CLI flag.
+
+Every field of the sub-configs is also a keyword of `LLM(...)` and a `--flag-with-dashes` of the CLI;
+`EngineConfig.from_kwargs` routes flat keywords to the sub-config that owns them, so a new option
+is added in exactly one place.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = field(default=256, metadata={"help": "Maximum number of sequences in one step."})
+    max_num_batched_tokens: int = field(
+        default=8192, metadata={"help": "Token budget of one engine step (prefill chunks + decodes)."})
+    enable_chunked_prefill: bool = field(
+        default=True, metadata={"help": "Split prompts longer than the step's token budget into chunks."})
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = field(default=32, metadata={"help": "Tokens per KV token block."})
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "Fraction of GPU memory the engine may use (weights, activations, KV)."})
+    kv_cache_memory: int | None = field(
+        default=None, metadata={"help": "Bytes of KV cache; overrides gpu_memory_utilization sizing."})
+    num_gpu_blocks_override: int | None = field(
+        default=None, metadata={"help": "Exact number of KV token blocks (testing, capacity experiments)."})
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = field(default=None, metadata={"help": "Hugging Face model directory (default: embedded model)."})
+    tokenizer: str | None = field(default=None, metadata={"help": "Tokenizer directory (default: the model's)."})
+    dtype: str = field(default="auto", metadata={
+        "help": "auto (the checkpoint's), float32, bfloat16 or float16.",
+        "choices": ["auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32"]})
+    device: str = field(default="auto", metadata={"help": "auto (CUDA when present), cuda or cpu.",
+                                                   "choices": ["auto", "cuda", "cpu"]})
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "Longest prompt + output in tokens (default: the model's)."})
+    seed: int = field(default=0, metadata={"help": "Seed of the engine's random state."})
+    enforce_eager: bool = field(default=False, metadata={"help": "Disable CUDA graphs."})
+    attention_backend: str = field(default="auto", metadata={
+        "help": "auto (triton on CUDA, torch otherwise), triton or torch.", "choices": ["auto", "triton", "torch"]})
+
+
+_SUBCONFIGS = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @staticmethod
+    def arg_fields() -> list[dataclasses.Field]:
+        """All user-facing options, in CLI order."""
+        return [f for cls in _SUBCONFIGS.values() for f in fields(cls)]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        parts: dict[str, dict[str, Any]] = {name: {} for name in _SUBCONFIGS}
+        for key, value in kwargs.items():
+            owner = next((n for n, c in _SUBCONFIGS.items() if key in {f.name for f in fields(c)}), None)
+            if owner is None:
+                raise TypeError(f"unknown engine argument {key!r}")
+            parts[owner][key] = value
+        return cls(**{name: _SUBCONFIGS[name](**vals) for name, vals in parts.items()})

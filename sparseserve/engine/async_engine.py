@@ -1,0 +1,240 @@
+"""AsyncLLMEngine: the synchronous LLMEngine driven by a dedicated thread, consumed from asyncio.
+
+Why a thread: an engine step is long, blocking work (model forward); running it on the event loop
+would stall every HTTP connection. The thread applies queued adds and aborts between steps (so the
+engine itself is only ever touched by that thread), runs `engine.step()`, and hands the outputs to
+the event loop with `loop.call_soon_threadsafe`. Each request's outputs go to its RequestStream.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparseserve.outputs import RequestOutput
+from sparseserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestAborted(RuntimeError):
+    """The request was aborted (shutdown, engine failure) before it finished."""
+
+
+class RequestStream:
+    """Async iterator over a request's cumulative RequestOutputs; ends after the finished one."""
+
+    def __init__(self, request_id: str, engine: "AsyncLLMEngine") -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        # Outputs are cumulative, so a slow consumer may skip to the newest one.
+        while not self._queue.empty() and not isinstance(item, BaseException):
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        """Abort unless finished; safe to call more than once (e.g. from a `finally`)."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+@dataclass
+class _Tracking:
+    """Per-request timing for the latency metrics (event-loop side only)."""
+    stream: RequestStream
+    arrival: float
+    last_token_time: float | None = None
+    num_tokens: int = 0
+
+
+@dataclass
+class _Pending:
+    adds: list[tuple[str, Any, SamplingParams, asyncio.Future]] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: Any, metrics: Any | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.stats: Any = None  # latest EngineStats, published by the engine thread
+        self._cond = threading.Condition()
+        self._pending = _Pending()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._requests: dict[str, _Tracking] = {}  # touched on the event loop only
+        self._live: set[str] = set()  # ids inside the engine; touched by the engine thread only
+
+    @classmethod
+    def from_kwargs(cls, **engine_kwargs: Any) -> "AsyncLLMEngine":
+        from sparseserve.engine.engine import LLMEngine
+        return cls(LLMEngine.from_kwargs(**engine_kwargs))
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def start(self) -> None:
+        """Start the engine thread; must be called from the event loop that consumes outputs."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncLLMEngine already started")
+        self._loop = asyncio.get_running_loop()
+        self.stats = self.engine.get_stats()
+        self._thread = threading.Thread(target=self._run, name="sparseserve-engine", daemon=True)
+        self._thread.start()
+
+    async def add_request(self, request_id: str, prompt: str | list[int],
+                          params: SamplingParams) -> RequestStream:
+        """Queue a request; returns once the engine accepted it (ValueError if it rejected it)."""
+        if not self.is_running:
+            raise RequestAborted("engine is not running")
+        assert self._loop is not None
+        stream = RequestStream(request_id, self)
+        self._requests[request_id] = _Tracking(stream, time.monotonic())
+        accepted = self._loop.create_future()
+        with self._cond:
+            self._pending.adds.append((request_id, prompt, params, accepted))
+            self._cond.notify()
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        except BaseException:
+            self._requests.pop(request_id, None)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; takes effect before the next step. Unknown ids are ignored."""
+        with self._cond:
+            self._pending.aborts.append(request_id)
+            self._cond.notify()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._forget, request_id)
+
+    async def shutdown(self) -> None:
+        """Stop the thread after its current step; abort every request still in flight."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        for rid in list(self._requests):
+            self._requests.pop(rid).stream.put(RequestAborted("server is shutting down"))
+
+    # ---- engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine, loop = self.engine, self._loop
+        assert loop is not None
+        while True:
+            with self._cond:
+                while not (self._stopping or self._pending.adds or self._pending.aborts
+                           or engine.has_unfinished_requests()):
+                    self._cond.wait()
+                pending, self._pending = self._pending, _Pending()
+                stopping = self._stopping
+            # Adds first: an abort queued together with its own add must find the request.
+            for rid, prompt, params, accepted in pending.adds:
+                error: BaseException | None = None
+                try:
+                    engine.add_request(rid, prompt, params)
+                    self._live.add(rid)
+                except Exception as e:  # ValueError: user error; anything else reported too
+                    error = e
+                loop.call_soon_threadsafe(_resolve, accepted, error)
+            aborts = pending.aborts
+            if stopping:
+                aborts = aborts + list(self._live)
+            if aborts:
+                self._safe_abort(aborts)
+            if stopping:
+                self.stats = engine.get_stats()
+                return
+            outputs: list[RequestOutput] = []
+            if engine.has_unfinished_requests():
+                try:
+                    outputs = engine.step()
+                except Exception as e:  # a failed step must not take the server down
+                    logger.exception("engine step failed; aborting the requests in flight")
+                    loop.call_soon_threadsafe(self._fail_all, e)
+                    self._safe_abort(list(self._live))
+            self._live.difference_update(o.request_id for o in outputs if o.finished)
+            self.stats = engine.get_stats()
+            if outputs:
+                loop.call_soon_threadsafe(self._dispatch, outputs, time.monotonic())
+
+    def _safe_abort(self, request_ids: list[str]) -> None:
+        # Only ids still inside the engine: aborting finished or rejected ones is a no-op anyway.
+        live = [rid for rid in request_ids if rid in self._live]
+        if not live:
+            return
+        self._live.difference_update(live)
+        try:
+            self.engine.abort_request(live)
+        except Exception:
+            logger.exception("abort_request failed for %s", live)
+
+    # ---- event loop ----------------------------------------------------------------------
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid in list(self._requests):
+            self._requests.pop(rid).stream.put(RequestAborted(f"engine step failed: {error}"))
+
+    def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
+        for out in outputs:
+            tr = self._requests.get(out.request_id)
+            if tr is None:  # aborted meanwhile
+                continue
+            if self.metrics is not None:
+                self._observe(tr, out, now)
+            tr.stream.put(out)
+            if out.finished:
+                del self._requests[out.request_id]
+
+    def _observe(self, tr: _Tracking, out: RequestOutput, now: float) -> None:
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if num_tokens > tr.num_tokens:
+            if tr.last_token_time is None:
+                self.metrics.observe_first_token(now - tr.arrival)
+            else:
+                self.metrics.observe_inter_token(now - tr.last_token_time)
+            tr.last_token_time, tr.num_tokens = now, num_tokens
+        if out.finished:
+            reason = out.outputs[0].finish_reason if out.outputs else None
+            self.metrics.observe_finished(now - tr.arrival, reason)
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the waiter was cancelled; its abort is already queued
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

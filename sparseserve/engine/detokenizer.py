@@ -1,0 +1,41 @@
+"""Incremental detokenization and stop conditions for one sequence."""
+from __future__ import annotations
+
+from sparseserve.engine.request import Sequence
+
+
+def detokenize_incrementally(tokenizer, seq: Sequence) -> str:
+    """Decodes the newest tokens against a few tokens of context, so multi-byte characters and
+    leading spaces come out right; holds text back while it ends in an incomplete character."""
+    ids = seq.token_ids
+    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
+    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
+    if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        return full[len(prefix):]
+    return ""
+
+
+def check_stop(seq: Sequence, new_text: str, eos_token_ids: set[int], max_model_len: int) -> None:
+    """Sets finish_reason/stop_reason (vLLM semantics); trims a matched stop string from the text."""
+    p = seq.params
+    token = seq.token_ids[-1]
+    if not p.ignore_eos and token in eos_token_ids:
+        seq.finish_reason = "stop"
+        return
+    if token in p.stop_token_ids:
+        seq.finish_reason, seq.stop_reason = "stop", token
+        return
+    if p.stop_strs and new_text:
+        # Only the tail can hold a new match: the new text plus a stop string's length of context.
+        window = len(new_text) + max(len(s) for s in p.stop_strs)
+        start = max(len(seq.output_text) - window, 0)
+        for stop in p.stop_strs:
+            at = seq.output_text.find(stop, start)
+            if at != -1:
+                cut = at + len(stop) if p.include_stop_str_in_output else at
+                seq.output_text = seq.output_text[:cut]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return
+    if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= max_model_len:
+        seq.finish_reason = "length"

@@ -1,0 +1,177 @@
+"""LLMEngine: requests in, one scheduled model step at a time, outputs out."""
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from sparseserve.config import EngineConfig
+from sparseserve.engine.detokenizer import check_stop, detokenize_incrementally
+from sparseserve.engine.request import Sequence
+from sparseserve.engine.runner import ModelRunner
+from sparseserve.engine.scheduler import Scheduler
+from sparseserve.kvcache.blocks import BlockAllocator
+from sparseserve.layers.sampler import SamplerOutput
+from sparseserve.models.loader import resolve_model_dir
+from sparseserve.outputs import CompletionOutput, Logprob, RequestOutput
+from sparseserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks_used: int
+    num_blocks_total: int
+    num_preemptions: int        # cumulative counters from here on
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        mc = config.model_config
+        model_dir = resolve_model_dir(mc.model)
+        self.model_name = "sparseserve-default" if mc.model is None else model_dir.name
+        self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or model_dir, local_files_only=True)
+        self.model_runner = ModelRunner(config, model_dir)
+        self.max_model_len = self.model_runner.max_model_len
+        self.allocator = BlockAllocator(self.model_runner.num_blocks)
+        self.scheduler = Scheduler(config.scheduler_config, self.allocator, config.cache_config.block_size)
+        eos = set(self.model_runner.arch.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos
+        self.requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        logger.info("engine ready: model=%s device=%s dtype=%s max_model_len=%d", model_dir,
+                    self.model_runner.device, self.model_runner.dtype, self.max_model_len)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    def tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("a prompt must be a string, a list of token ids, or {'prompt_token_ids': [...]}")
+
+    def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None) -> None:
+        """Validates fully before anything is allocated: an invalid request raises ValueError and changes nothing."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_runner.arch.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; with at least one output token that exceeds "
+                             f"max_model_len={self.max_model_len}")
+        seqs = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                seed = params.seed if i == 0 else hash((params.seed, i)) & (2**63 - 1)
+                gen = torch.Generator(device=self.model_runner.device).manual_seed(seed)
+            seqs.append(Sequence(next(self._seq_ids), request_id, i, ids, params, gen))
+        self.requests[request_id] = _Request(request_id, text, ids, seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                if not seq.finished:
+                    seq.finish_reason = "abort"
+                    self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(len(s.running), len(s.waiting), self.allocator.num_used, self.allocator.num_blocks,
+                           s.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens)
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        sampled, out = self.model_runner.execute(sched.scheduled)
+        for seq, n in sched.scheduled:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.num_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+        if out is None:
+            return []
+        self._append_tokens(sampled, out)
+        touched = dict.fromkeys(seq.request_id for seq in sampled)  # ordered, unique
+        return [self._make_output(self.requests[rid]) for rid in touched]
+
+    def _append_tokens(self, seqs: list[Sequence], out: SamplerOutput) -> None:
+        tokens = out.token_ids.tolist()  # the step's one host sync
+        lps = out.logprobs.tolist() if out.logprobs is not None else None
+        lp_ids = out.logprob_token_ids.tolist() if out.logprob_token_ids is not None else None
+        ranks = out.sampled_ranks.tolist() if out.sampled_ranks is not None else None
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            seq.token_ids.append(token)
+            self.num_generation_tokens += 1
+            if lps is not None:
+                seq.cumulative_logprob += lps[i][0]
+                if seq.logprobs is not None:
+                    k = seq.params.logprobs
+                    entry = {token: Logprob(lps[i][0], ranks[i], self.tokenizer.decode([token]))}
+                    for r, (tid, lp) in enumerate(zip(lp_ids[i][1:k + 1], lps[i][1:k + 1])):
+                        entry.setdefault(tid, Logprob(lp, r + 1, self.tokenizer.decode([tid])))
+                    seq.logprobs.append(entry)
+            new_text = detokenize_incrementally(self.tokenizer, seq)
+            seq.output_text += new_text
+            check_stop(seq, new_text, self.eos_token_ids, self.max_model_len)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+
+    def _make_output(self, req: _Request) -> RequestOutput:
+        """Cumulative output of a request; a finished request leaves the table."""
+        finished = all(s.finished for s in req.seqs)
+        if finished:
+            self.requests.pop(req.request_id, None)
+        outs = [CompletionOutput(
+            index=s.index, text=s.output_text, token_ids=list(s.output_token_ids),
+            cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+            logprobs=list(s.logprobs) if s.logprobs is not None else None,
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in req.seqs]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished)

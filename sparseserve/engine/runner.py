@@ -1,0 +1,175 @@
+"""Model runner: owns the model, the KV cache and the sampler; turns a schedule into batch tensors."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sparseserve.attention.backend import AttentionMetadata, get_attention_backend
+from sparseserve.config import EngineConfig
+from sparseserve.engine.request import Sequence
+from sparseserve.kvcache.blocks import blocks_needed
+from sparseserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from sparseserve.models.config import ArchConfig
+from sparseserve.models.loader import build_model, load_hf_config, resolve_dtype
+
+logger = logging.getLogger(__name__)
+CPU_DEFAULT_KV_BYTES = 2 << 30
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_idx: torch.Tensor            # token index of each sampled sequence's last query token
+    sampled: list[Sequence]             # the sequences that get a new token this step
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' asked for, but no CUDA device is available")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"unsupported device {device!r}: choose auto, cuda or cpu")
+    return torch.device(device)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+        mc, cc = config.model_config, config.cache_config
+        self.config = config
+        self.device = resolve_device(mc.device)
+        hf_config = load_hf_config(model_dir)
+        self.arch = ArchConfig.from_hf(hf_config)
+        self.dtype = resolve_dtype(mc.dtype, hf_config)
+        self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
+        if self.max_model_len > self.arch.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                             f"{self.arch.max_position_embeddings}")
+        self.block_size = cc.block_size
+        self.attn_backend = get_attention_backend(mc.attention_backend, self.device)
+        torch.manual_seed(mc.seed)
+        self.model = build_model(self.arch, self.attn_backend, model_dir, self.dtype, self.device)
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))
+        self.num_blocks = self._num_kv_blocks()
+        if self.num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(f"the KV cache holds {self.num_blocks * self.block_size} tokens, fewer than "
+                             f"max_model_len={self.max_model_len}: lower max_model_len or give more KV memory")
+        a = self.arch
+        self.kv_cache = torch.empty(a.num_layers, self.num_blocks, a.num_kv_heads, 2, self.block_size, a.head_dim,
+                                    dtype=self.dtype, device=self.device)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
+                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+
+    @property
+    def block_bytes(self) -> int:
+        a = self.arch
+        return a.num_layers * a.num_kv_heads * 2 * self.block_size * a.head_dim * self.dtype.itemsize
+
+    def _num_kv_blocks(self) -> int:
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override
+        if cc.kv_cache_memory is not None:
+            return cc.kv_cache_memory // self.block_bytes
+        if self.device.type == "cuda":
+            return self._profile_kv_bytes() // self.block_bytes
+        # CPU: never more than every sequence at full length could use; memory is touched lazily.
+        cap = sc.max_num_seqs * blocks_needed(self.max_model_len, self.block_size)
+        return min(CPU_DEFAULT_KV_BYTES // self.block_bytes, cap)
+
+    @torch.inference_mode()
+    def _profile_kv_bytes(self) -> int:
+        """KV bytes = gpu_memory_utilization * total - (what is in use now + the peak of a full-budget step)."""
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        n = min(sc.max_num_batched_tokens, self.max_model_len)
+        a = self.arch
+        scratch = torch.empty(a.num_layers, blocks_needed(n, self.block_size), a.num_kv_heads, 2, self.block_size,
+                              a.head_dim, dtype=self.dtype, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=self.device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(scratch.shape[1], dtype=torch.int32, device=self.device)[None],
+            num_decodes=0, max_query_len=n, max_seq_len=n)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, torch.arange(n, device=self.device), scratch, meta)
+        self.model.compute_logits(hidden[: sc.max_num_seqs])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before - scratch.numel() * scratch.element_size()
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        kv_bytes = int(total * cc.gpu_memory_utilization) - (total - free) - peak
+        if kv_bytes <= 0:
+            raise ValueError(f"no GPU memory left for the KV cache at gpu_memory_utilization="
+                             f"{cc.gpu_memory_utilization}: raise it or lower max_num_batched_tokens")
+        return kv_bytes
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepBatch:
+        # Decodes (one query token) first: the attention backend runs its decode kernel on them.
+        scheduled = sorted(scheduled, key=lambda item: item[1] != 1)
+        ids: list[int] = []
+        starts, q_lens, seq_lens, sample_rows, sampled = [], [], [], [], []
+        for b, (seq, n) in enumerate(scheduled):
+            c = seq.num_computed_tokens
+            ids.extend(seq.token_ids[c:c + n])
+            starts.append(c)
+            q_lens.append(n)
+            seq_lens.append(c + n)
+            if c + n == seq.num_tokens:
+                sample_rows.append(b)
+                sampled.append(seq)
+        max_blocks = max(len(s.block_table) for s, _ in scheduled)
+        tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
+        for b, (seq, _) in enumerate(scheduled):
+            tables[b, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        q_lens_t = torch.tensor(q_lens)
+        qsl = torch.zeros(len(scheduled) + 1, dtype=torch.int32)
+        qsl[1:] = q_lens_t.cumsum(0)
+        seq_idx = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens_t)
+        positions = torch.tensor(starts).repeat_interleave(q_lens_t) + torch.arange(len(ids)) - qsl[:-1].long()[seq_idx]
+        slots = tables[seq_idx, positions // self.block_size].long() * self.block_size + positions % self.block_size
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev, non_blocking=True), query_start_loc=qsl.to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=tables.to(dev, non_blocking=True), num_decodes=sum(1 for n in q_lens if n == 1),
+            max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+        sample_idx = qsl[1:].long()[sample_rows] - 1
+        return StepBatch(torch.tensor(ids).to(dev, non_blocking=True), positions.to(dev, non_blocking=True), meta,
+                         sample_idx.to(dev, non_blocking=True), sampled)
+
+    def sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
+        ps = [s.params for s in seqs]
+        vocab = self.arch.vocab_size
+        dev = self.device
+        logprobs = [p.logprobs for p in ps if p.logprobs is not None]
+        return SamplingMetadata(
+            temperature=torch.tensor([p.temperature for p in ps], dtype=torch.float32).to(dev),
+            top_k=torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps]).to(dev),
+            top_p=torch.tensor([p.top_p for p in ps], dtype=torch.float32).to(dev),
+            min_p=torch.tensor([p.min_p for p in ps], dtype=torch.float32).to(dev),
+            generators={i: s.generator for i, s in enumerate(seqs) if s.generator is not None and not s.params.greedy},
+            all_greedy=all(p.greedy for p in ps),
+            need_top_k=any(0 < p.top_k < vocab for p in ps),
+            need_top_p=any(p.top_p < 1.0 for p in ps),
+            need_min_p=any(p.min_p > 0.0 for p in ps),
+            max_num_logprobs=max(logprobs) if logprobs else None)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SamplerOutput | None]:
+        batch = self.prepare(scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta)
+        if not batch.sampled:
+            return [], None
+        logits = self.model.compute_logits(hidden[batch.sample_idx])
+        out = self.sampler(logits, self.sampling_metadata(batch.sampled))
+        return batch.sampled, out

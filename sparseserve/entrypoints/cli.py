@@ -1,0 +1,110 @@
+"""`sparseserve` command line: generate, serve, bench. Engine flags come from the config dataclasses,
+so every LLM keyword argument is a flag of the same name with dashes."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Any
+
+from sparseserve.config import EngineConfig
+
+_TYPES = {"int": int, "float": float, "str": str}
+# `sparseserve bench NAME` runs module NAME's add_cli_args(parser) + main(args).
+BENCHMARKS = {"serve": "sparseserve.bench.serve", "accuracy": "sparseserve.bench.accuracy",
+              "throughput": "sparseserve.bench.throughput", "kernels": "sparseserve.bench.kernels"}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("engine")
+    for f in EngineConfig.arg_fields():
+        if f.name == "model":
+            if positional_model:
+                group.add_argument("model", nargs="?", default=None, help=f.metadata["help"])
+            else:
+                group.add_argument("--model", default=None, help=f.metadata["help"])
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type).replace(" | None", "")
+        kw: dict[str, Any] = {"default": f.default, "help": f.metadata["help"] + f" (default: {f.default})"}
+        if kind == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        else:
+            group.add_argument(flag, type=_TYPES[kind], choices=f.metadata.get("choices"), **kw)
+    return parser
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    return {f.name: getattr(args, f.name) for f in EngineConfig.arg_fields()}
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="Generate completions offline.")
+    add_engine_args(p)
+    p.add_argument("--prompt", action="append", help="A prompt (repeatable).")
+    p.add_argument("--prompt-file", help="Read one prompt from a file (e.g. a long document with a question).")
+    p.add_argument("--chat", action="store_true", help="Wrap each prompt in the model's chat template.")
+    p.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate per prompt.")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy.")
+    p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass.")
+    p.add_argument("--top-k", type=int, default=-1, help="Top-k sampling (-1 disables).")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> None:
+    from sparseserve import LLM, SamplingParams
+
+    prompts = list(args.prompt or [])
+    if args.prompt_file:
+        with open(args.prompt_file) as f:
+            prompts.append(f.read())
+    if not prompts:
+        prompts = ["The best way to learn a new language is"]
+    llm = LLM(**engine_kwargs_from_args(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k)
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        shown = prompt if len(prompt) <= 200 else prompt[:90] + " [...] " + prompt[-90:]
+        print(f"Prompt ({len(out.prompt_token_ids)} tokens): {shown!r}\nOutput: {out.outputs[0].text!r}\n")
+
+
+def _add_module_command(sub, name: str, module: str, help: str) -> None:
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name == module:
+            return  # not built yet in this checkout
+        raise
+    p = sub.add_parser(name, help=help)
+    mod.add_cli_args(p)
+    p.set_defaults(func=mod.main)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sparseserve", description="Long-context LLM serving with sparse attention.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_module_command(sub, "serve", "sparseserve.entrypoints.api_server", "Start the OpenAI-compatible server.")
+    bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench", required=True)
+    for name, module in BENCHMARKS.items():
+        _add_module_command(bench, name, module, f"{name} benchmark")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Prometheus metrics of the API server, named like vLLM's (``vllm:`` -> ``sparseserve:``).
+
+Engine state (running/waiting requests, KV blocks, cumulative token and preemption counters) is
+read at scrape time from the snapshot that the engine thread publishes after every step, so a
+scrape never touches the engine itself. Per-request latencies are observed on the event loop
+by the AsyncLLMEngine as outputs arrive.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+# Buckets follow vLLM's choices: TTFT and ITL span milliseconds to minutes (long prompts on CPU).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class _EngineStatsCollector:
+    """Exposes the latest EngineStats snapshot as gauges and counters."""
+
+    def __init__(self, get_stats: Callable[[], Any], model_name: str) -> None:
+        self._get_stats = get_stats
+        self._model_name = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._get_stats()
+        if stats is None:  # engine thread has not published a snapshot yet
+            return
+        label = [self._model_name]
+
+        def gauge(name: str, doc: str, value: float) -> Metric:
+            m = GaugeMetricFamily(f"sparseserve:{name}", doc, labels=["model_name"])
+            m.add_metric(label, value)
+            return m
+
+        def counter(name: str, doc: str, value: float) -> Metric:
+            m = CounterMetricFamily(f"sparseserve:{name}", doc, labels=["model_name"])
+            m.add_metric(label, value)
+            return m
+
+        total = stats.num_blocks_total
+        yield gauge("num_requests_running", "Number of requests in model execution batches.", stats.num_running)
+        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting)
+        yield gauge("kv_cache_blocks_used", "KV token blocks in use.", stats.num_blocks_used)
+        yield gauge("kv_cache_blocks_total", "KV token blocks in the pool.", total)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                    stats.num_blocks_used / total if total else 0.0)
+        yield counter("num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions)
+        yield counter("prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens)
+        yield counter("generation_tokens", "Number of generation tokens processed.", stats.num_generation_tokens)
+
+
+class ServerMetrics:
+    """One registry per server, so several in-process servers (tests) never collide."""
+
+    def __init__(self, get_stats: Callable[[], Any], model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        kw: dict[str, Any] = {"labelnames": ["model_name"], "registry": self.registry}
+        self._ttft = Histogram("sparseserve:time_to_first_token_seconds",
+                               "Histogram of time to first token in seconds.", buckets=_TTFT_BUCKETS, **kw)
+        self._itl = Histogram("sparseserve:inter_token_latency_seconds",
+                              "Histogram of inter-token latency in seconds.", buckets=_ITL_BUCKETS, **kw)
+        self._e2e = Histogram("sparseserve:e2e_request_latency_seconds",
+                              "Histogram of end-to-end request latency in seconds.", buckets=_E2E_BUCKETS, **kw)
+        self._success = Counter("sparseserve:request_success", "Count of successfully processed requests.",
+                                labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self.registry.register(_EngineStatsCollector(get_stats, model_name))
+
+    def observe_first_token(self, seconds: float) -> None:
+        self._ttft.labels(self.model_name).observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self._itl.labels(self.model_name).observe(seconds)
+
+    def observe_finished(self, e2e_seconds: float, finish_reason: str | None) -> None:
+        self._e2e.labels(self.model_name).observe(e2e_seconds)
+        self._success.labels(self.model_name, finish_reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sum every sample of a Prometheus text exposition by sample name (labels dropped).
+
+    Used by tests and the benchmark to compare the server's counters with client-side counts.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals

@@ -1,0 +1,112 @@
+"""Model directories in Hugging Face format: config, dtype, and safetensors weights (single or sharded)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from sparseserve.attention.backend import AttentionBackend
+from sparseserve.models.config import ArchConfig
+from sparseserve.models.llama import LlamaForCausalLM
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "default"
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    path = DEFAULT_MODEL_DIR if model is None else Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory not found: {path} (expected a Hugging Face model directory)")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in model directory {path}")
+    return path
+
+
+def load_hf_config(path: Path):
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError) as e:  # unknown model_type and similar
+        raise ValueError(f"unsupported or invalid model config in {path}: {e}") from e
+
+
+def resolve_dtype(dtype: str, hf_config) -> torch.dtype:
+    if dtype == "auto":
+        found = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+        found = _DTYPES.get(found, None) if isinstance(found, str) else found
+        if found not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"unsupported checkpoint dtype {found}; pass dtype= float32, bfloat16 or float16")
+        return found
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}: choose auto, float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def build_model(cfg: ArchConfig, backend: AttentionBackend, path: Path, dtype: torch.dtype,
+                device: torch.device) -> LlamaForCausalLM:
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg, backend)
+    finally:
+        torch.set_default_dtype(prev)
+    load_weights(model, path)
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def load_weights(model: LlamaForCausalLM, path: Path) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if "rotary_emb.inv_freq" in name:
+                    continue  # recomputed from the config
+                if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+                    continue
+                target, shard = name, None
+                for proj, (packed, idx) in model.packed_modules.items():
+                    if f".{proj}." in name:
+                        target, shard = name.replace(f".{proj}.", f".{packed}."), idx
+                        break
+                if target not in params:
+                    raise ValueError(f"unexpected weight {name!r} in {file.name}")
+                param = params[target]
+                tensor = f.get_tensor(name)
+                if shard is not None:
+                    sizes = model.shard_sizes(target.split(".")[-2])
+                    param = param.narrow(0, sum(sizes[:shard]), sizes[shard])
+                if param.shape != tensor.shape:
+                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                param.copy_(tensor)
+                loaded.add(target if shard is None else f"{target}#{shard}")
+    expected = set()
+    for pname in params:
+        packed = pname.split(".")[-2]
+        if packed in ("qkv_proj", "gate_up_proj"):
+            expected.update(f"{pname}#{i}" for i in range(len(model.shard_sizes(packed))))
+        else:
+            expected.add(pname)
+    if model.cfg.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint in {path} is missing weights: {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))
