@@ -62,11 +62,9 @@ def decode(tok: Any, ids: list[int]) -> str:
 def leading_special_ids(tok: Any) -> list[int]:
     """The ids a tokenizer puts in front of plain text (BOS for Llama-style tokenizers), so that
     prompts given as ids match prompts given as strings."""
-    if hasattr(tok, "post_processor") or not callable(tok):
-        out = tok.encode("a", add_special_tokens=True)  # raw tokenizers.Tokenizer
-        full, plain = list(out.ids), encode(tok, "a")
-    else:
-        full, plain = list(tok("a")["input_ids"]), encode(tok, "a")
+    out = tok.encode("a", add_special_tokens=True)
+    full = list(out.ids) if hasattr(out, "ids") else list(out)  # raw tokenizers.Tokenizer or HF
+    plain = encode(tok, "a")
     return full[: len(full) - len(plain)] if full[len(full) - len(plain):] == plain else []
 
 
@@ -121,7 +119,12 @@ class TaskSample:
     answer: str                  # the exact-match target (no leading space)
     answer_ids: list[int]        # ids of " " + answer: the completion the model is trained on
     meta: dict = field(default_factory=dict)  # needle depths, keys: for reports and debugging
-    prompt_text: str = ""
+    tokenizer: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def prompt_text(self) -> str:
+        """The prompt as text (decoded on demand: decoding 32K tokens is not free)."""
+        return decode(self.tokenizer, self.prompt_ids)
 
 
 class TokenCorpus:
@@ -201,8 +204,7 @@ class TaskBuilder:
         assert len(ids) == length, (len(ids), length)
         meta = dict(meta, depths=[round(d, 3) for d, _ in needles])
         return TaskSample(task=task, length=length, prompt_ids=ids, answer=answer,
-                          answer_ids=self.enc(" " + answer), meta=meta,
-                          prompt_text=decode(self.tok, ids))
+                          answer_ids=self.enc(" " + answer), meta=meta, tokenizer=self.tok)
 
 
 # -- the tasks ---------------------------------------------------------------------------------
@@ -249,26 +251,28 @@ def _hex(rng: np.random.Generator, n: int = 8) -> str:
 def kv_retrieval(b: TaskBuilder, length: int, rng: np.random.Generator) -> TaskSample:
     """A long table of random hex keys and values, no essay: every line is a distractor."""
     pairs: list[tuple[str, str]] = []
-    pieces: list[list[int]] = []
     seen: set[str] = set()
-    total = 0
-    while total < length:  # enough lines; the assembly cuts the haystack to fit
-        k, v = _hex(rng), _hex(rng)
-        if k in seen:
-            continue
-        seen.add(k)
-        pairs.append((k, v))
-        pieces.append(b.enc(f"\n{k} = {v}"))
-        total += len(pieces[-1])
-    head = len(b.bos) + len(b.enc_cached(KV_PREFIX))
-    room = length - head - 24  # the question takes about 20 tokens; pick a line surely kept
+    pieces: list[list[int]] = []
+    while sum(len(p) for p in pieces) < length:  # enough lines; the assembly cuts the haystack to fit
+        new = []
+        for _ in range(max(8, (length - sum(len(p) for p in pieces)) // 12)):
+            k, v = _hex(rng), _hex(rng)
+            if k not in seen:
+                seen.add(k)
+                new.append((k, v))
+        pairs += new
+        pieces += b._encode_many([f"\n{k} = {v}" for k, v in new])
+    # The haystack room, as `assemble` will compute it; question lengths differ by a token or two
+    # between keys, hence the margin, so that the asked line is surely kept whole.
+    question = "\nQuestion: What is the value of key {}?\nAnswer:"
+    room = length - len(b.bos) - len(b.enc_cached(KV_PREFIX)) - len(b.enc(question.format(pairs[0][0]))) - 4
     ends = np.cumsum([len(p) for p in pieces])
     kept = max(1, int(np.searchsorted(ends, room, side="right")))
     q = int(rng.integers(kept))
     corpus = TokenCorpus(pieces)
     hay, starts = corpus.ids, corpus.starts
     return b.assemble("kv_retrieval", length, KV_PREFIX, hay, starts, [],
-                      f"\nQuestion: What is the value of key {pairs[q][0]}?\nAnswer:", pairs[q][1],
+                      question.format(pairs[q][0]), pairs[q][1],
                       {"num_pairs": kept, "asked_index": q})
 
 

@@ -49,8 +49,11 @@ class LLMEngine:
         mc = config.model_config
         model_dir = resolve_model_dir(mc.model)
         self.model_name = "sparseserve-default" if mc.model is None else model_dir.name
-        self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or model_dir, local_files_only=True)
-        self.model_runner = ModelRunner(config, model_dir)
+        self.model_runner = ModelRunner(config, model_dir)  # refuses unsupported models first
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or model_dir, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"could not load a tokenizer from {mc.tokenizer or model_dir}: {e}") from e
         self.max_model_len = self.model_runner.max_model_len
         self.allocator = BlockAllocator(self.model_runner.num_blocks)
         self.scheduler = Scheduler(config.scheduler_config, self.allocator, config.cache_config.block_size)

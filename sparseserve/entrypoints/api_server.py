@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
 `build_app` wires an AsyncLLMEngine into a FastAPI app; `add_cli_args` / `run_server` are what
-`sparseserve serve` calls. Request handling (prompt building, streaming) lives in `serving.py`-like
-helpers below; every failure is answered with an OpenAI-style error body and never stops the server.
+`sparseserve serve` calls. Every failure is answered with an OpenAI-style error body
+({"error": {"message", "type", "param", "code"}}) and never stops the server.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import os
 import socket
 import threading
 from typing import Any, AsyncIterator, Iterator
@@ -22,10 +23,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from sparseserve.entrypoints.cli import add_engine_args, engine_kwargs_from_args
 from sparseserve.engine.async_engine import AsyncLLMEngine, RequestAborted
-from sparseserve.entrypoints import streaming
-from sparseserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse,
-                                              ModelCard, ModelList, random_id)
+from sparseserve.entrypoints.protocol import (ChatCompletionRequest, ChatFormat, CompletionFormat, CompletionRequest,
+                                              DeltaState, ErrorInfo, ErrorResponse, ModelCard, ModelList, random_id,
+                                              usage_of)
 from sparseserve.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,6 @@ class ServerConfig:
     served_model_names: tuple[str, ...]
     api_key: str | None = None
     max_request_body_bytes: int = 16 * 1024 * 1024
-    max_n: int = 16
 
 
 class BodySizeLimit:
@@ -108,9 +109,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                            param="model", code="model_not_found")
         return name
 
+    max_num_seqs = llm.config.scheduler_config.max_num_seqs
+
     def check_n(n: int) -> None:
-        if n > config.max_n:
-            raise APIError(400, f"n must be at most {config.max_n}, got {n}.", param="n")
+        if n > max_num_seqs:  # its sequences could never run in one batch
+            raise APIError(400, f"n must be at most max_num_seqs={max_num_seqs}, got {n}.", param="n")
 
     async def submit(prefix: str, prompt: str | list[int], params: Any) -> tuple[str, Any]:
         request_id = random_id(prefix)
@@ -147,7 +150,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             raise APIError(400, "echo and suffix are not supported.", param="echo" if req.echo else "suffix")
         params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
         request_id, stream = await submit("cmpl", prompt, params)
-        fmt = streaming.CompletionFormat(request_id, model, req.logprobs, llm.tokenizer)
+        fmt = CompletionFormat(request_id, model, req.logprobs, llm.tokenizer)
         return await respond(fmt, stream, req, raw)
 
     @router.post("/v1/chat/completions")
@@ -161,26 +164,26 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=False,
                                        add_generation_prompt=req.add_generation_prompt)
         prompt_ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        if max_tokens is None:  # OpenAI chat default: the rest of the context
-            max_tokens = max(1, llm.max_model_len - len(prompt_ids))
         k = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling(req, max_tokens, k)
+        # None (OpenAI's chat default) lets the engine generate up to max_model_len.
+        params = sampling(req, req.max_completion_tokens or req.max_tokens, k)
         request_id, stream = await submit("chatcmpl", prompt_ids, params)
-        fmt = streaming.ChatFormat(request_id, model, k, tokenizer)
+        fmt = ChatFormat(request_id, model, k, tokenizer)
         return await respond(fmt, stream, req, raw)
 
     async def respond(fmt: Any, stream: Any, req: Any, raw: Request) -> Response:
         hold = max((len(s) for s in ([req.stop] if isinstance(req.stop, str) else req.stop or [])), default=1) - 1
         if req.stream:
-            events = streaming.sse_events(fmt, stream, hold, req.include_usage)
+            events = sse_events(fmt, stream, hold, req.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            final = await streaming.last_output(stream, raw)
+            final = await last_output(stream, raw)
         except RequestAborted as e:
             raise APIError(503, str(e), type="service_unavailable") from None
         finally:
             stream.abort()
+        if final is None:  # nobody is listening; nginx's "client closed request"
+            return error_response(499, "client disconnected")
         return JSONResponse(fmt.full_response(final).model_dump())
 
     app = FastAPI(title="SparseServe", lifespan=lifespan)
@@ -220,4 +223,117 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         logger.exception("unhandled error")
         return error_response(500, f"Internal server error: {type(e).__name__}", type="internal_error")
 
-    return BodySizeLimit(app, config.max_request_body_bytes)  # type: ignore[return-value]
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
+    return app
+
+
+async def sse_events(fmt: Any, stream: Any, hold: int, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events of one request. A client that disconnects cancels this generator
+    (Starlette cancels the response task), and the `finally` aborts the request, freeing its blocks."""
+    state, last = DeltaState(), None
+    try:
+        async for out in stream:
+            last = out
+            for chunk in fmt.chunks(state.deltas(out, hold)):
+                yield f"data: {chunk.model_dump_json()}\n\n"
+        if include_usage and last is not None:
+            yield f"data: {fmt.usage_chunk(usage_of(last)).model_dump_json()}\n\n"
+    except RequestAborted as e:
+        body = ErrorResponse(error=ErrorInfo(message=str(e), type="service_unavailable", code=503))
+        yield f"data: {body.model_dump_json()}\n\n"
+    finally:
+        stream.abort()
+    yield "data: [DONE]\n\n"
+
+
+async def last_output(stream: Any, raw: Request) -> Any | None:
+    """The final output of a non-streamed request, or None when the client went away first
+    (nothing else notices a disconnect before the response is written)."""
+    async def collect() -> Any:
+        out = None
+        async for out in stream:
+            pass
+        return out
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        work.cancel()  # no-op when done
+    return work.result() if work in done else None
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)  # positional MODEL and every engine flag, straight from EngineConfig
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="Address to listen on (default: 127.0.0.1, loopback only; 0.0.0.0 exposes the server).")
+    g.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000).")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="Model name(s) clients use in the `model` field (default: the model dir's name).")
+    g.add_argument("--api-key", default=os.environ.get("SPARSESERVE_API_KEY"),
+                   help="Require 'Authorization: Bearer KEY' on /v1 (default: $SPARSESERVE_API_KEY, else none).")
+    g.add_argument("--max-request-body-bytes", type=int, default=ServerConfig.max_request_body_bytes,
+                   help="Larger request bodies get 413 (default: %(default)s).")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted "
+                        "(default: %(default)s).")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="Log level of uvicorn (default: %(default)s).")
+
+
+def run_server(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from sparseserve.engine.engine import LLMEngine
+
+    engine = LLMEngine.from_kwargs(**engine_kwargs_from_args(args))
+    config = ServerConfig(served_model_names=tuple(args.served_model_name or [engine.model_name]),
+                          api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes)
+    app = build_app(AsyncLLMEngine(engine), config)
+    effective = {**dataclasses.asdict(engine.config), "max_model_len": engine.max_model_len,
+                 "num_kv_blocks": engine.get_stats().num_blocks_total, "host": args.host, "port": args.port,
+                 "served_model_names": list(config.served_model_names), "api_key": "set" if args.api_key else "none",
+                 "max_request_body_bytes": config.max_request_body_bytes, "shutdown_timeout": args.shutdown_timeout}
+    logger.info("effective config: %s", json.dumps(effective, default=str))
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        logger.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
+    # uvicorn handles SIGINT/SIGTERM: stop accepting, wait up to the timeout for in-flight
+    # requests, then run the lifespan shutdown, which aborts what is left.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout)
+
+
+main = run_server  # `sparseserve serve` dispatches to the module's main(args)
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1") -> Iterator[str]:
+    """Run `app` with uvicorn in a background thread on a free port; yields its base URL.
+    For tests and harnesses that need a real socket (streaming, disconnects, the openai client)."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))  # bound before the thread starts, so the port cannot be taken meanwhile
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError("server thread died during startup")
+            threading.Event().wait(0.02)
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()

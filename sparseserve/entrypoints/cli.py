@@ -12,8 +12,9 @@ from sparseserve.config import EngineConfig
 
 _TYPES = {"int": int, "float": float, "str": str}
 # `sparseserve bench NAME` runs module NAME's add_cli_args(parser) + main(args).
-BENCHMARKS = {"serve": "sparseserve.bench.serve", "accuracy": "sparseserve.bench.accuracy",
-              "throughput": "sparseserve.bench.throughput", "kernels": "sparseserve.bench.kernels"}
+BENCHMARKS = {"serve": ("sparseserve.bench.serve", "Load-test an OpenAI-compatible server."),
+              "accuracy": ("sparseserve.bench.accuracy", "Long-context task accuracy per attention policy."),
+              "throughput": ("sparseserve.bench.throughput", "Offline generation throughput vs transformers.")}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> argparse.ArgumentParser:
@@ -73,32 +74,31 @@ def _run_generate(args: argparse.Namespace) -> None:
         print(f"Prompt ({len(out.prompt_token_ids)} tokens): {shown!r}\nOutput: {out.outputs[0].text!r}\n")
 
 
-def _add_module_command(sub, name: str, module: str, help: str) -> None:
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name == module:
-            return  # not built yet in this checkout
-        raise
+def _add_module_command(sub, name: str, module: str, help: str, load: bool) -> None:
+    """Imports the module (server, benchmark) only when its command runs, so startup stays light."""
     p = sub.add_parser(name, help=help)
-    mod.add_cli_args(p)
-    p.set_defaults(func=mod.main)
+    if load:
+        mod = importlib.import_module(module)
+        mod.add_cli_args(p)
+        p.set_defaults(func=mod.main)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="sparseserve", description="Long-context LLM serving with sparse attention.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    _add_module_command(sub, "serve", "sparseserve.entrypoints.api_server", "Start the OpenAI-compatible server.")
+    _add_module_command(sub, "serve", "sparseserve.entrypoints.api_server", "Start the OpenAI-compatible server.",
+                        load=argv[:1] == ["serve"])
     bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench", required=True)
-    for name, module in BENCHMARKS.items():
-        _add_module_command(bench, name, module, f"{name} benchmark")
+    for name, (module, help) in BENCHMARKS.items():
+        _add_module_command(bench, name, module, help, load=argv[:2] == ["bench", name])
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         args.func(args)
     except (ValueError, FileNotFoundError) as e:

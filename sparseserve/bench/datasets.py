@@ -1,0 +1,138 @@
+"""Prompts for benchmarks and accuracy tasks, built from the essays in ../shared/data/haystack, and
+request traces from ../shared/data/traces (Mooncake format).
+
+With a tokenizer, lengths are exact: `len(tokenizer.encode(text, add_special_tokens=False))` equals
+the requested length. Without one, text is cut by a measured characters-per-token ratio.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+TRACE_BLOCK_TOKENS = 512  # one Mooncake hash id stands for 512 prompt tokens
+
+
+def data_dir() -> Path:
+    """../shared/data relative to the project root; $SPARSESERVE_DATA_DIR overrides it."""
+    env = os.environ.get("SPARSESERVE_DATA_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+@lru_cache(maxsize=1)
+def haystack_corpus() -> str:
+    """All essays, in file-name order, separated by blank lines."""
+    folder = data_dir() / "haystack"
+    files = sorted(folder.glob("*.txt"))
+    if not files:
+        raise FileNotFoundError(f"no haystack essays in {folder} (set SPARSESERVE_DATA_DIR)")
+    return "\n\n".join(f.read_text(encoding="utf-8").strip() for f in files)
+
+
+_CORPUS_IDS: dict[int, tuple[Any, list[int]]] = {}  # id(tokenizer) -> (tokenizer, ids); keeps it alive
+
+
+def _corpus_ids(tokenizer: Any) -> list[int]:
+    entry = _CORPUS_IDS.get(id(tokenizer))
+    if entry is None:
+        entry = _CORPUS_IDS[id(tokenizer)] = (tokenizer, tokenizer.encode(haystack_corpus(), add_special_tokens=False))
+    return entry[1]
+
+
+def haystack_token_ids(tokenizer: Any, num_tokens: int, seed: int | str) -> list[int]:
+    """`num_tokens` consecutive corpus tokens from a seeded start (wrapping around the corpus)."""
+    ids = _corpus_ids(tokenizer)
+    start = random.Random(seed).randrange(len(ids))
+    reps = (start + num_tokens) // len(ids) + 1
+    return (ids * reps)[start:start + num_tokens] if reps > 1 else ids[start:start + num_tokens]
+
+
+def fit_text(tokenizer: Any, ids: list[int], seed: int | str = 0) -> str:
+    """Text that re-tokenizes to exactly len(ids) tokens, starting with the text of `ids`.
+
+    Decoding then re-encoding may merge or split tokens where pieces meet; the tail is trimmed or
+    topped up with more haystack tokens until the count matches (a few rounds at most)."""
+    target = len(ids)
+    text = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    for round_ in range(8):
+        got = tokenizer.encode(text, add_special_tokens=False)
+        if len(got) == target:
+            return text
+        if len(got) > target:
+            got = got[:target]
+        else:
+            got = got + haystack_token_ids(tokenizer, target - len(got), f"{seed}:fill:{round_}")
+        text = tokenizer.decode(got, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return text  # pathological tokenizer: within a token or two of the target
+
+
+def haystack_text(tokenizer: Any, num_tokens: int, seed: int | str = 0) -> str:
+    """Natural filler text of exactly `num_tokens` tokens (without special tokens), reproducible by seed."""
+    return fit_text(tokenizer, haystack_token_ids(tokenizer, num_tokens, seed), seed)
+
+
+class PromptBuilder:
+    """Prompts of given token lengths: exact with a tokenizer, else `chars_per_token` approximations."""
+
+    def __init__(self, tokenizer: Any | None = None, chars_per_token: float | None = None) -> None:
+        if tokenizer is None and chars_per_token is None:
+            raise ValueError("PromptBuilder needs a tokenizer or a chars_per_token ratio")
+        self.tokenizer, self.chars_per_token = tokenizer, chars_per_token
+
+    def _chars(self, num_tokens: int, seed: int | str) -> str:
+        corpus = haystack_corpus()
+        n = max(1, round(num_tokens * self.chars_per_token))
+        start = random.Random(seed).randrange(len(corpus))
+        return (corpus * (n // len(corpus) + 2))[start:start + n]
+
+    def prompt(self, num_tokens: int, seed: int | str) -> str:
+        if self.tokenizer is None:
+            return self._chars(num_tokens, seed)
+        return haystack_text(self.tokenizer, num_tokens, seed)
+
+    def trace_prompt(self, hash_ids: list[int], num_tokens: int, seed: int | str) -> str:
+        """Equal hash ids give equal 512-token text blocks, so shared prefixes of the trace are shared
+        here too; `num_tokens` cuts the last block (or pads with a request-specific tail)."""
+        block_seed = [f"{seed}:block:{h}" for h in hash_ids]
+        tail_seed = f"{seed}:tail:{','.join(map(str, hash_ids))}:{num_tokens}"
+        if self.tokenizer is None:
+            text = "".join(self._chars(TRACE_BLOCK_TOKENS, s) for s in block_seed)
+            want = round(num_tokens * self.chars_per_token)
+            return (text + self._chars(num_tokens, tail_seed))[:want]
+        ids = [t for s in block_seed for t in haystack_token_ids(self.tokenizer, TRACE_BLOCK_TOKENS, s)]
+        ids = ids[:num_tokens] + haystack_token_ids(self.tokenizer, max(0, num_tokens - len(ids)), tail_seed)
+        return fit_text(self.tokenizer, ids, tail_seed)
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    arrival_s: float  # seconds after the start of the replay, already time-scaled
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def load_trace(path: str | Path, num_requests: int | None = None, time_scale: float = 1.0,
+               max_input_len: int | None = None, max_output_len: int | None = None) -> list[TraceRequest]:
+    """The first `num_requests` records of a Mooncake trace. `time_scale` multiplies the gaps between
+    arrivals (0.1 = ten times faster); lengths are capped, and hash ids beyond the cap dropped."""
+    out: list[TraceRequest] = []
+    with open(path) as f:
+        for line in f:
+            if num_requests is not None and len(out) >= num_requests:
+                break
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            n_in = rec["input_length"] if max_input_len is None else min(rec["input_length"], max_input_len)
+            n_out = rec["output_length"] if max_output_len is None else min(rec["output_length"], max_output_len)
+            blocks = -(-n_in // TRACE_BLOCK_TOKENS)
+            out.append(TraceRequest(rec["timestamp"] / 1000.0, max(1, n_in), max(1, n_out),
+                                    tuple(rec.get("hash_ids", []))[:blocks]))
+    t0 = out[0].arrival_s if out else 0.0
+    return [TraceRequest((r.arrival_s - t0) * time_scale, r.input_length, r.output_length, r.hash_ids)
+            for r in out]

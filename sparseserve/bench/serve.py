@@ -1,0 +1,266 @@
+"""`sparseserve bench serve`: load generator for any OpenAI-compatible server (SparseServe, vLLM, SGLang).
+
+Streams completions over httpx, with Poisson arrivals at one or several rates or a replayed Mooncake
+trace, and reports TTFT, TPOT, ITL and end-to-end latency (mean, p50, p90, p99), request and token
+throughput, and goodput under SLOs. Prompts come from the haystack essays (bench/datasets.py).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from sparseserve.bench.datasets import PromptBuilder, haystack_corpus, load_trace
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    prompt: str
+    prompt_len: int   # intended length; the server's usage count is reported when it sends one
+    output_len: int
+    arrival_s: float  # seconds after the start of the run
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def _payload(args: argparse.Namespace, model: str, spec: RequestSpec, chat: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "max_tokens": spec.output_len, "stream": True,
+                            "stream_options": {"include_usage": True}, "temperature": args.temperature,
+                            "ignore_eos": args.ignore_eos, "seed": args.seed}
+    if chat:
+        body["messages"] = [{"role": "user", "content": spec.prompt}]
+    else:
+        body["prompt"] = spec.prompt
+    return body
+
+
+async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], spec: RequestSpec) -> RequestResult:
+    res = RequestResult(prompt_tokens=spec.prompt_len)
+    start = last = time.perf_counter()
+    chunks = 0
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                msg = json.loads(data)
+                if "error" in msg:
+                    res.error = str(msg["error"])
+                    return res
+                if msg.get("usage"):
+                    res.prompt_tokens = msg["usage"]["prompt_tokens"]
+                    res.output_tokens = msg["usage"]["completion_tokens"]
+                choice = (msg.get("choices") or [{}])[0]
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last, chunks = now, chunks + 1
+        res.e2e = time.perf_counter() - start
+        res.output_tokens = res.output_tokens or chunks  # servers without usage: one token a chunk
+        res.success = chunks > 0 or res.output_tokens > 0
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run_load(client: httpx.AsyncClient, url: str, bodies: list[dict[str, Any]], specs: list[RequestSpec],
+                   max_concurrency: int | None) -> tuple[list[RequestResult], float]:
+    """Sends each request at its arrival time; returns the results and the wall time of the run."""
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one(body: dict[str, Any], spec: RequestSpec) -> RequestResult:
+        await asyncio.sleep(max(0.0, start + spec.arrival_s - time.perf_counter()))
+        if gate is None:
+            return await send_request(client, url, body, spec)
+        async with gate:
+            return await send_request(client, url, body, spec)
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(b, s) for b, s in zip(bodies, specs)))
+    return list(results), time.perf_counter() - start
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    if math.isinf(rate):
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
+    return list(np.cumsum(gaps) - gaps[0])  # the first request leaves at once
+
+
+def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    a = np.asarray(values) * scale
+    return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}}
+
+
+def summarize(results: list[RequestResult], duration: float, slo_ms: dict[str, float]) -> dict[str, Any]:
+    """Latencies in milliseconds; throughputs per second of wall time; goodput counts the requests
+    that met every given SLO (ttft, tpot, e2e)."""
+    ok = [r for r in results if r.success]
+    tpot = {id(r): (r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1}
+    good = [r for r in ok if (r.ttft * 1e3 <= slo_ms.get("ttft", math.inf)
+                              and tpot.get(id(r), 0.0) * 1e3 <= slo_ms.get("tpot", math.inf)
+                              and r.e2e * 1e3 <= slo_ms.get("e2e", math.inf))]
+    prompt_tokens, output_tokens = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "total_input_tokens": prompt_tokens, "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
+        "total_token_throughput": (prompt_tokens + output_tokens) / duration,
+        "goodput": len(good) / duration if slo_ms else None, "slo_ms": slo_ms,
+        "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(list(tpot.values())),
+        "itl_ms": _stats([x for r in ok for x in r.itl]), "e2e_ms": _stats([r.e2e for r in ok]),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+    }
+
+
+def plot(runs: list[dict[str, Any]], path: str | Path) -> None:
+    """Latency and throughput against the offered request rate."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [r["request_rate"] for r in runs]
+    fig, (lat, thr) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E")):
+        for q, style in (("p50", "-o"), ("p99", "--x")):
+            lat.plot(rates, [r[key][q] for r in runs], style, label=f"{label} {q}")
+    lat.set(xlabel="request rate (req/s)", ylabel="latency (ms)", yscale="log", title="Latency")
+    lat.legend(fontsize=7)
+    thr.plot(rates, [r["output_throughput"] for r in runs], "-o", label="output tok/s")
+    thr.plot(rates, [r["total_token_throughput"] for r in runs], "-s", label="total tok/s")
+    thr.set(xlabel="request rate (req/s)", ylabel="tokens/s", title="Throughput")
+    thr.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+async def _calibrate_chars_per_token(client: httpx.AsyncClient, base: str, model: str) -> float:
+    """Without a tokenizer: one probe through /v1/completions, its usage gives the ratio."""
+    probe = haystack_corpus()[:1500]  # a few hundred tokens: fits any context
+    r = await client.post(f"{base}/v1/completions", json={"model": model, "prompt": probe, "max_tokens": 1})
+    r.raise_for_status()
+    return len(probe) / r.json()["usage"]["prompt_tokens"]
+
+
+def _specs(args: argparse.Namespace, builder: PromptBuilder, rate: float | None) -> list[RequestSpec]:
+    if args.trace:
+        trace = load_trace(args.trace, args.num_prompts, args.trace_time_scale, args.max_input_len, args.max_output_len)
+        return [RequestSpec(builder.trace_prompt(list(t.hash_ids), t.input_length, args.seed), t.input_length,
+                            t.output_length, t.arrival_s) for t in trace]
+    arrivals = poisson_arrivals(args.num_prompts, rate, args.seed)
+    return [RequestSpec(builder.prompt(args.input_len, f"{args.seed}:{i}"), args.input_len, args.output_len, t)
+            for i, t in enumerate(arrivals)]
+
+
+async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    base = args.base_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    chat = args.endpoint.endswith("chat/completions")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(headers=headers, timeout=args.timeout, limits=limits) as client:
+        model = args.model or (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
+        if args.tokenizer:
+            from transformers import AutoTokenizer
+            builder = PromptBuilder(AutoTokenizer.from_pretrained(args.tokenizer))
+        else:
+            builder = PromptBuilder(chars_per_token=await _calibrate_chars_per_token(client, base, model))
+        runs = []
+        for rate in ([None] if args.trace else args.request_rate):
+            specs = _specs(args, builder, rate)
+            bodies = [_payload(args, model, s, chat) for s in specs]
+            results, duration = await run_load(client, base + args.endpoint, bodies, specs, args.max_concurrency)
+            summary = {"request_rate": rate if rate is None or math.isfinite(rate) else "inf",
+                       **summarize(results, duration, dict(args.slo))}
+            if args.save_details:
+                summary["requests"] = [asdict(r) for r in results]
+            runs.append(summary)
+            _print_summary(summary)
+    return {"base_url": base, "endpoint": args.endpoint, "model": model, "trace": args.trace,
+            "seed": args.seed, "exact_prompt_lengths": args.tokenizer is not None, "runs": runs}
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    print(f"rate={s['request_rate']} completed={s['completed']} failed={s['failed']} "
+          f"duration={s['duration_s']:.2f}s req/s={s['request_throughput']:.2f} "
+          f"out tok/s={s['output_throughput']:.1f} goodput={s['goodput']}")
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        print(f"  {key:8s} " + " ".join(f"{q}={v:.1f}" for q, v in s[key].items()))
+    for e in s["errors"]:
+        print(f"  error: {e}")
+
+
+def _slo(text: str) -> tuple[str, float]:
+    name, _, ms = text.partition(":")
+    if name not in ("ttft", "tpot", "e2e") or not ms:
+        raise argparse.ArgumentTypeError("SLOs look like ttft:500 tpot:50 e2e:10000 (milliseconds)")
+    return name, float(ms)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    p = parser.add_argument
+    p("--base-url", default="http://127.0.0.1:8000", help="Server root, e.g. http://127.0.0.1:8000.")
+    p("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
+      help="API to load (default: %(default)s).")
+    p("--model", default=None, help="Model name to request (default: the first of /v1/models).")
+    p("--api-key", default=None, help="Sent as 'Authorization: Bearer KEY'.")
+    p("--tokenizer", default=None, help="Tokenizer dir for exact prompt lengths (default: calibrate the "
+                                        "characters per token from the server's usage counts).")
+    p("--request-rate", type=float, nargs="+", default=[math.inf],
+      help="Poisson arrival rate(s) in requests/s; several run one after another ('inf': all at once).")
+    p("--num-prompts", type=int, default=100, help="Requests per rate (or trace records to replay).")
+    p("--input-len", type=int, default=1024, help="Prompt tokens of each Poisson request.")
+    p("--output-len", type=int, default=128, help="max_tokens of each Poisson request.")
+    p("--trace", default=None, help="Replay a Mooncake trace (jsonl) instead of Poisson arrivals.")
+    p("--trace-time-scale", type=float, default=1.0, help="Multiplies trace inter-arrival times (0.1 = 10x faster).")
+    p("--max-input-len", type=int, default=None, help="Cap on trace prompt lengths.")
+    p("--max-output-len", type=int, default=None, help="Cap on trace output lengths.")
+    p("--max-concurrency", type=int, default=None, help="At most this many requests in flight.")
+    p("--temperature", type=float, default=0.0, help="Sampling temperature (default: greedy).")
+    p("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+      help="Ask for exactly max_tokens tokens (vLLM/SGLang extension; default: on).")
+    p("--slo", type=_slo, nargs="*", default=[], help="Goodput SLOs in ms, e.g. ttft:500 tpot:50 e2e:10000.")
+    p("--seed", type=int, default=0, help="Seed of prompts, arrivals and sampling.")
+    p("--timeout", type=float, default=600.0, help="Per-request timeout in seconds.")
+    p("--output-json", default=None, help="Write the results here.")
+    p("--plot", default=None, help="Latency/throughput-vs-rate plot (PNG) when several rates run "
+                                   "(default: next to --output-json).")
+    p("--save-details", action="store_true", help="Include per-request results in the JSON.")
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    report = asyncio.run(run_benchmark(args))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=2))
+    plot_path = args.plot or (Path(args.output_json).with_suffix(".png") if args.output_json else None)
+    if plot_path and len(report["runs"]) > 1:
+        plot(report["runs"], plot_path)
+    return report

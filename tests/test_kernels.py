@@ -1,0 +1,181 @@
+"""Triton attention kernels against their torch references (torch_ref.py).
+
+Without CUDA the kernels run on the CPU under the Triton interpreter (small shapes, CI); with CUDA the
+same tests run on the GPU, plus larger shapes and a CUDA-graph replay check.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the @triton.jit of the kernel modules
+pytest.importorskip("triton")
+
+from sparseserve.attention.backend import AttentionMetadata  # noqa: E402
+from sparseserve.attention.torch_ref import TorchBackend, paged_attention_ref, store_kv_ref  # noqa: E402
+from sparseserve.attention.triton_backend import TritonBackend  # noqa: E402
+from sparseserve.kernels.paged_decode import DecodeConfig, paged_decode  # noqa: E402
+from sparseserve.kernels.paged_prefill import PrefillConfig, paged_prefill  # noqa: E402
+from sparseserve.kernels.store_kv import store_kv  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+# The Triton 3.9 interpreter multiplies bf16 tl.dot operands as their raw uint16 bits
+# (InterpreterBuilder.create_dot), so bf16 attention is checked on the GPU only.
+ATTN_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def make_batch(decode_lens: list[int], prefills: list[tuple[int, int]], hq: int, hkv: int, d: int, bs: int,
+               dtype: torch.dtype, slack: int = 0) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random cache, queries and metadata: decodes of the given context lengths (0 = padding), then
+    prefill chunks (prefix_len, q_len). Block ids are shuffled, table entries past a sequence's end
+    are random valid ids (the kernels must not read them), max_seq_len exceeds the longest by `slack`."""
+    seq_lens = decode_lens + [p + n for p, n in prefills]
+    q_lens = [1] * len(decode_lens) + [n for _, n in prefills]
+    max_seq_len = max(seq_lens) + slack
+    width = -(-max_seq_len // bs)
+    need = [-(-n // bs) for n in seq_lens]
+    num_blocks = sum(need) + 3
+    tables = torch.randint(0, num_blocks, (len(seq_lens), width), dtype=torch.int32)
+    ids = torch.randperm(num_blocks, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = ids[start:start + n]
+        start += n
+    slots = []
+    for b, (n, ql) in enumerate(zip(seq_lens, q_lens)):
+        for pos in range(n - ql, n):
+            slots.append(int(tables[b, pos // bs]) * bs + pos % bs if pos >= 0 else -1)
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        query_start_loc=qsl.to(DEVICE), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=tables.to(DEVICE), num_decodes=len(decode_lens),
+        max_query_len=max(q_lens), max_seq_len=max_seq_len)
+    cache = torch.randn(num_blocks, hkv, 2, bs, d, device=DEVICE).to(dtype)
+    q = torch.randn(len(slots), hq, d, device=DEVICE).to(dtype)
+    return q, cache, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hkv,d,bs", [(2, 64, 16), (3, 48, 32)])
+def test_store_kv(dtype, hkv, d, bs):
+    torch.manual_seed(1)
+    num_blocks, t = 6, 13
+    slots = torch.randperm(num_blocks * bs, device=DEVICE)[:t]
+    slots[[0, 5, 12]] = -1  # CUDA-graph padding rows
+    # k and v as views into one projection output, as a fused QKV matmul leaves them.
+    kv = torch.randn(t, 2 * hkv + 1, d, device=DEVICE).to(dtype)
+    k, v = kv[:, :hkv], kv[:, hkv:2 * hkv]
+    ref = torch.randn(num_blocks, hkv, 2, bs, d, device=DEVICE).to(dtype)
+    out = ref.clone()
+    store_kv_ref(k, v, ref, slots)
+    store_kv(k, v, out, slots)
+    assert torch.equal(out, ref)
+
+
+DECODE_CASES = [  # (hq, hkv, d, bs, config)
+    (4, 4, 64, 16, DecodeConfig(tile_n=16, target_programs=64)),  # MHA, many splits
+    (8, 2, 64, 32, DecodeConfig(tile_n=16, target_programs=40)),  # GQA, tiles of half a block
+    (6, 2, 32, 16, DecodeConfig(tile_n=32, target_programs=1)),   # group of 3, one split, 2 blocks a tile
+    (8, 2, 64, 16, None),                                         # default launch plan
+]
+
+
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,bs,config", DECODE_CASES)
+def test_paged_decode(dtype, hq, hkv, d, bs, config):
+    torch.manual_seed(2)
+    lens = [0, 1, bs - 1, bs, 3 * bs + 5, 150]
+    q, cache, meta = make_batch(lens, [], hq, hkv, d, bs, dtype, slack=2 * bs + 3)
+    ref = paged_attention_ref(q, cache, meta, d ** -0.5)
+    out = torch.full_like(q, float("nan"))
+    paged_decode(q, cache, meta.block_tables, meta.seq_lens, d ** -0.5, meta.max_seq_len, out=out, config=config)
+    assert torch.isfinite(out).all()
+    assert torch.count_nonzero(out[0]) == 0  # seq_len 0: zeros
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+PREFILL_CASES = [  # (hq, hkv, d, bs, config)
+    (4, 4, 64, 16, PrefillConfig(block_m=16, block_n=16)),
+    (8, 2, 64, 32, PrefillConfig(block_m=32, block_n=16)),  # 8 queries x 4 heads a program
+    (6, 2, 32, 16, PrefillConfig(block_m=32, block_n=32)),  # group of 3: 10 queries, 2 rows idle
+]
+
+
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,bs,config", PREFILL_CASES)
+def test_paged_prefill(dtype, hq, hkv, d, bs, config):
+    torch.manual_seed(3)
+    # A first chunk, chunks after a prefix (aligned or not), and a one-token chunk.
+    prefills = [(0, 9), (37, 20), (2 * bs, 1), (3 * bs, 2 * bs + 5)]
+    q, cache, meta = make_batch([], prefills, hq, hkv, d, bs, dtype, slack=5)
+    ref = paged_attention_ref(q, cache, meta, d ** -0.5)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, d ** -0.5,
+                  meta.max_query_len, out=out, config=config)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+def test_backend_mixed_batch(dtype):
+    """Decodes (one of them padding) then prefill chunks, store_kv included, against TorchBackend."""
+    torch.manual_seed(4)
+    hq, hkv, d, bs = 8, 2, 64, 16
+    q, cache, meta = make_batch([40, 0, 17], [(0, 12), (21, 30), (33, 1)], hq, hkv, d, bs, dtype, slack=7)
+    k = torch.randn(q.shape[0], hkv, d, device=DEVICE).to(dtype)
+    v = torch.randn_like(k)
+    ref_cache = cache.clone()
+    ref = TorchBackend().forward(0, q, k, v, ref_cache, meta, d ** -0.5)
+    out = TritonBackend().forward(0, q, k, v, cache, meta, d ** -0.5)
+    assert torch.equal(cache, ref_cache)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+@pytest.mark.parametrize("hq,hkv,bs", [(32, 8, 32), (32, 32, 16), (28, 4, 64)])
+def test_large_shapes_gpu(dtype, hq, hkv, bs):
+    torch.manual_seed(5)
+    d = 128
+    decode_lens = [0, 1, 4099, 777, 2 * bs, 8191]
+    q, cache, meta = make_batch(decode_lens, [(3000, 517), (0, 1024), (bs, 1)], hq, hkv, d, bs, dtype, slack=100)
+    ref = paged_attention_ref(q, cache, meta, d ** -0.5)
+    out = TritonBackend().attend(q, cache, meta, d ** -0.5)
+    nd = meta.num_decodes
+    assert torch.isfinite(out).all()
+    assert rel_err(out[:nd], ref[:nd]) < TOL[dtype]
+    assert rel_err(out[nd:], ref[nd:]) < TOL[dtype]
+
+
+@gpu_only
+def test_decode_cuda_graph_replay():
+    """One capture at a max_seq_len bound; replays with new seq_lens/tables must match the reference."""
+    torch.manual_seed(6)
+    hq, hkv, d, bs, batch, bound = 32, 8, 128, 32, 4, 4096
+    q, cache, meta = make_batch([bound] * batch, [], hq, hkv, d, bs, torch.bfloat16)
+    backend = TritonBackend()
+    backend.attend(q, cache, meta, d ** -0.5)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.attend(q, cache, meta, d ** -0.5)
+    for lens in ([4096, 1, 0, 2000], [33, 4000, 64, 1025]):
+        meta.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        meta.block_tables.copy_(meta.block_tables[torch.randperm(batch, device=DEVICE)])
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = paged_attention_ref(q, cache, meta, d ** -0.5)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) < 1e-2
