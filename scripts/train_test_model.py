@@ -209,7 +209,10 @@ def build_model(args, tok):
     cfg = LlamaConfig(
         vocab_size=tok.get_vocab_size(), hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads, max_position_embeddings=max(args.max_len, 32768),
+        head_dim=args.hidden // args.heads,
+        # Trained up to --max-len; the table is larger so that an engine's max_model_len can hold a
+        # max-length prompt plus its answer (RoPE is computed, not learned).
+        max_position_embeddings=max(2 * args.max_len, 65536),
         rope_theta=args.rope_theta, rms_norm_eps=1e-5, tie_word_embeddings=True,
         bos_token_id=tok.token_to_id("<|bos|>"), eos_token_id=tok.token_to_id("<|eos|>"),
         pad_token_id=tok.token_to_id("<|pad|>"), initializer_range=0.02)
@@ -357,7 +360,15 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), fused=dev == "cuda")
 
-    preflight(model, args, dev)
+    for _ in range(3):  # halve the step's tokens if the longest shape does not fit in memory
+        try:
+            preflight(model, args, dev)
+            break
+        except torch.OutOfMemoryError:
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            args.tokens_per_step //= 2
+            print(f"preflight out of memory: --tokens-per-step {args.tokens_per_step}", flush=True)
     stream = BatchStream(builder, (args.seed, args.steps, args.tokens_per_step, args.max_len, eos, pad,
                                    args.curriculum_from), args.steps, args.workers)
     log, t_train, hist = [], time.time(), {"ans": [], "lm": []}

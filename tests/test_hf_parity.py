@@ -8,6 +8,7 @@ from sparseserve import LLM, SamplingParams
 from sparseserve.engine.request import Sequence
 from tests.conftest import VARIANTS
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on the GPU the Triton backend runs, in float32
 PROMPT_LENS = (3, 17, 41, 70)
 MAX_TOKENS = 12
 
@@ -19,8 +20,9 @@ def prompts_for(seed: int = 0) -> list[list[int]]:
 
 def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     model.generation_config.eos_token_id = None
+    model.to(DEVICE)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+        out = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                              do_sample=False, pad_token_id=1)
     return out[0, len(prompt):].tolist()
 
@@ -35,7 +37,7 @@ def test_greedy_matches_transformers(hf_models, variant):
     expected = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     assert all(len(set(e)) > 3 for e in expected), "degenerate reference outputs make a weak test"
     # All prompts batched together; block_size 16 so prompts span several partially filled blocks.
-    llm = LLM(str(path), device="cpu", dtype="float32", block_size=16, max_model_len=256)
+    llm = LLM(str(path), device=DEVICE, dtype="float32", block_size=16, max_model_len=256)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == expected
     assert llm.llm_engine.allocator.num_used == 0
@@ -46,11 +48,11 @@ def test_chunked_prefill_and_preemption_match_transformers(hf_models):
     prompts = prompts_for(1)
     expected = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     # Token budget smaller than the prompts: every long prompt is prefilled in chunks, mixed with decodes.
-    llm = LLM(str(path), device="cpu", dtype="float32", block_size=16, max_model_len=128,
+    llm = LLM(str(path), device=DEVICE, dtype="float32", block_size=16, max_model_len=128,
               max_num_batched_tokens=16)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     # A pool of 8 blocks (128 tokens) cannot hold all four requests at once: preemption by recompute.
-    llm = LLM(str(path), device="cpu", dtype="float32", block_size=16, max_model_len=128,
+    llm = LLM(str(path), device=DEVICE, dtype="float32", block_size=16, max_model_len=128,
               max_num_batched_tokens=32, num_gpu_blocks_override=8)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == expected
@@ -79,8 +81,8 @@ def test_prompt_logits_match_transformers(hf_models, variant):
     path, hf = hf_models[variant]
     prompt = prompts_for(2)[-1]
     with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0].float()
-    llm = LLM(str(path), device="cpu", dtype="float32", block_size=16, max_model_len=256)
+        ref = hf.to(DEVICE)(torch.tensor([prompt], device=DEVICE)).logits[0].float()
+    llm = LLM(str(path), device=DEVICE, dtype="float32", block_size=16, max_model_len=256)
     got = engine_prompt_logits(llm, prompt)
     rel = (got - ref).norm() / ref.norm()
     assert rel < 1e-4, f"relative error {rel:.2e}"

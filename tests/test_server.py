@@ -133,6 +133,7 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
     ({"model": MODEL, "prompt": "hi", "temperature": [1]}, AUTH, 422, "temperature"),
     ({"model": "gpt-4", "prompt": "hi"}, AUTH, 404, "does not exist"),
     ({"model": MODEL, "prompt": [7] * 300}, AUTH, 400, "max_model_len"),
+    ({"model": MODEL, "prompt": [7] * 200, "max_tokens": 100}, AUTH, 400, "200 in the prompt, 100 to generate"),
     ({"model": MODEL, "prompt": ""}, AUTH, 400, "empty"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, AUTH, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, AUTH, 400, "max_tokens"),
@@ -218,3 +219,86 @@ def test_shutdown_aborts_in_flight_requests():
 
     asyncio.run(scenario())
     assert engine.stats.num_blocks_used == 0 and not engine.engine.has_unfinished_requests()
+
+
+def test_non_streamed_request_aborted_when_client_leaves(server):
+    url, _ = server
+    before = metrics(url)
+    body = {"model": MODEL, "prompt": "Tell a long story.", "max_tokens": 240, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(5, read=0.15))
+    after = wait_idle(url)
+    assert after["sparseserve:generation_tokens_total"] - before["sparseserve:generation_tokens_total"] < 240
+
+
+def test_serve_cli_flags_have_help_and_loopback_default():
+    import argparse
+
+    from sparseserve.entrypoints.api_server import add_cli_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    flags = {s for a in parser._actions for s in a.option_strings}
+    for flag in ("--host", "--port", "--max-model-len", "--gpu-memory-utilization", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--block-size", "--dtype", "--enforce-eager", "--served-model-name",
+                 "--api-key", "--seed"):
+        assert flag in flags
+    assert all(a.help for a in parser._actions)
+    args = parser.parse_args([])
+    assert args.host == "127.0.0.1" and args.model is None
+
+
+def test_sigterm_lets_in_flight_stream_finish(tmp_path):
+    """A real `serve` process: SIGTERM while a request streams; it completes, then the process exits."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ("import argparse, logging, sys; from sparseserve.entrypoints import api_server as a; "
+            "logging.basicConfig(level=logging.INFO); p = argparse.ArgumentParser(); a.add_cli_args(p); "
+            "a.run_server(p.parse_args(sys.argv[1:]))")
+    proc = subprocess.Popen([sys.executable, "-c", code, "--device", "cpu", "--port", str(port), "--max-model-len",
+                             "512", "--num-gpu-blocks-override", "64", "--uvicorn-log-level", "warning"], stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.1)
+        body = {"prompt": "Tell a long story.", "max_tokens": 150, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once shut down
+        assert "effective config" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_failing_engine_step_fails_only_its_requests(server, monkeypatch):
+    url, engine = server
+    real_step = engine.engine.step
+
+    def broken_step():
+        monkeypatch.setattr(engine.engine, "step", real_step)  # fail once
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine.engine, "step", broken_step)
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, headers=AUTH, timeout=30)
+    assert r.status_code == 503 and "boom" in r.json()["error"]["message"]
+    wait_idle(url)
+    ok = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, headers=AUTH, timeout=30)
+    assert ok.status_code == 200

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -147,7 +148,7 @@ def plot(runs: list[dict[str, Any]], path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates = [r["request_rate"] for r in runs]
+    rates = [str(r["request_rate"]) for r in runs]  # categorical axis: "inf" sits after the finite rates
     fig, (lat, thr) = plt.subplots(1, 2, figsize=(11, 4))
     for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E")):
         for q, style in (("p50", "-o"), ("p99", "--x")):
@@ -257,6 +258,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the report
+    if args.output_json:
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
     report = asyncio.run(run_benchmark(args))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))

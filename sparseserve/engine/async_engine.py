@@ -148,6 +148,19 @@ class AsyncLLMEngine:
     # ---- engine thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve_forever()
+        except BaseException as e:  # a bug here must not leave awaiting requests hanging forever
+            logger.exception("engine thread died")
+            with self._cond:
+                self._stopping = True
+                pending, self._pending = self._pending, _Pending()
+            assert self._loop is not None
+            for *_, accepted in pending.adds:
+                self._loop.call_soon_threadsafe(_resolve, accepted, RequestAborted(f"engine failed: {e}"))
+            self._loop.call_soon_threadsafe(self._fail_all, e)
+
+    def _serve_forever(self) -> None:
         engine, loop = self.engine, self._loop
         assert loop is not None
         while True:
@@ -180,8 +193,9 @@ class AsyncLLMEngine:
                     outputs = engine.step()
                 except Exception as e:  # a failed step must not take the server down
                     logger.exception("engine step failed; aborting the requests in flight")
-                    loop.call_soon_threadsafe(self._fail_all, e)
-                    self._safe_abort(list(self._live))
+                    failed = list(self._live)
+                    loop.call_soon_threadsafe(self._fail_all, e, failed)
+                    self._safe_abort(failed)
             self._live.difference_update(o.request_id for o in outputs if o.finished)
             self.stats = engine.get_stats()
             if outputs:
@@ -203,9 +217,11 @@ class AsyncLLMEngine:
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def _fail_all(self, error: BaseException) -> None:
-        for rid in list(self._requests):
-            self._requests.pop(rid).stream.put(RequestAborted(f"engine step failed: {error}"))
+    def _fail_all(self, error: BaseException, request_ids: list[str] | None = None) -> None:
+        for rid in list(self._requests) if request_ids is None else request_ids:
+            tracking = self._requests.pop(rid, None)
+            if tracking is not None:
+                tracking.stream.put(RequestAborted(f"engine failed: {error}"))
 
     def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:

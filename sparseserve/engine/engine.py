@@ -97,6 +97,10 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; with at least one output token that exceeds "
                              f"max_model_len={self.max_model_len}")
+        sc = self.config.scheduler_config
+        if not sc.enable_chunked_prefill and len(ids) > sc.max_num_batched_tokens:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_num_batched_tokens="
+                             f"{sc.max_num_batched_tokens} with chunked prefill disabled")
         seqs = []
         for i in range(params.n):
             gen = None

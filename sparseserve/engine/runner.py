@@ -42,6 +42,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         mc, cc = config.model_config, config.cache_config
         self.config = config
+        self.model_dir = model_dir
         self.device = resolve_device(mc.device)
         hf_config = load_hf_config(model_dir)
         self.arch = ArchConfig.from_hf(hf_config)
@@ -64,6 +65,11 @@ class ModelRunner:
                                     dtype=self.dtype, device=self.device)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+        self.graphs = None
+        if self.device.type == "cuda" and not mc.enforce_eager:
+            from sparseserve.engine.cuda_graph import DecodeGraphs
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler_config.max_num_seqs,
+                                       self.max_model_len, self.block_size)
 
     @property
     def block_bytes(self) -> int:
@@ -167,9 +173,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SamplerOutput | None]:
         batch = self.prepare(scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta)
-        if not batch.sampled:
-            return [], None
-        logits = self.model.compute_logits(hidden[batch.sample_idx])
+        if self.graphs is not None and len(batch.sampled) == batch.meta.num_seqs \
+                and self.graphs.can_run(batch.meta.num_seqs, batch.meta.num_decodes):
+            logits = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta)
+            if not batch.sampled:
+                return [], None
+            logits = self.model.compute_logits(hidden[batch.sample_idx])
         out = self.sampler(logits, self.sampling_metadata(batch.sampled))
         return batch.sampled, out

@@ -23,8 +23,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from sparseserve.entrypoints.cli import add_engine_args, engine_kwargs_from_args
 from sparseserve.engine.async_engine import AsyncLLMEngine, RequestAborted
+from sparseserve.entrypoints.cli import add_engine_args, engine_kwargs_from_args
 from sparseserve.entrypoints.protocol import (ChatCompletionRequest, ChatFormat, CompletionFormat, CompletionRequest,
                                               DeltaState, ErrorInfo, ErrorResponse, ModelCard, ModelList, random_id,
                                               usage_of)
@@ -117,6 +117,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     async def submit(prefix: str, prompt: str | list[int], params: Any) -> tuple[str, Any]:
         request_id = random_id(prefix)
+        if isinstance(prompt, str):  # tokenized here (off the event loop) to check the context length
+            prompt = await asyncio.to_thread(llm.tokenizer.encode, prompt)
+        if params.max_tokens is not None and len(prompt) + params.max_tokens > llm.max_model_len:
+            raise APIError(400, f"This model's maximum context length (max_model_len) is {llm.max_model_len} tokens; the request "
+                           f"asks for {len(prompt) + params.max_tokens} ({len(prompt)} in the prompt, "
+                           f"{params.max_tokens} to generate).", param="max_tokens")
         try:
             return request_id, await engine.add_request(request_id, prompt, params)
         except ValueError as e:
@@ -166,7 +172,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         prompt_ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
         k = (req.top_logprobs or 0) if req.logprobs else None
         # None (OpenAI's chat default) lets the engine generate up to max_model_len.
-        params = sampling(req, req.max_completion_tokens or req.max_tokens, k)
+        max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        params = sampling(req, max_tokens, k)
         request_id, stream = await submit("chatcmpl", prompt_ids, params)
         fmt = ChatFormat(request_id, model, k, tokenizer)
         return await respond(fmt, stream, req, raw)

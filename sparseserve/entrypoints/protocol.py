@@ -41,7 +41,7 @@ class _SamplingRequest(BaseModel):
     presence_penalty: float = 0.0
     user: str | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams validates the values and raises ValueError with a user-facing message."""
         if self.frequency_penalty or self.presence_penalty:
             raise ValueError("frequency_penalty and presence_penalty are not supported")

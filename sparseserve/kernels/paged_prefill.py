@@ -69,11 +69,14 @@ def _prefill_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Rows per program (query tokens x GQA group), key tile, and the launch shape."""
+    """Rows per program (query tokens x GQA group), key tile, and the launch shape.
+
+    Defaults: among the best of a sweep on an 8K bf16 chunk, D=128, on an H200 (BENCH_KERNELS_NOTES.md).
+    """
     block_m: int = 128
-    block_n: int = 64
+    block_n: int = 32
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 2
 
 
 def default_prefill_config(dtype: torch.dtype, head_dim: int) -> PrefillConfig:

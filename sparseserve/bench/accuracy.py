@@ -1,0 +1,226 @@
+"""`sparseserve bench accuracy`: RULER-style long-context accuracy of a model under attention policies.
+
+    sparseserve bench accuracy [MODEL] --lengths 4096,16384 --num-samples 20 \\
+        --tasks passkey,niah_single --policies dense topk:sparse_budget=1024 --device cuda
+
+Generates the tasks of sparseserve/bench/tasks.py at the given lengths from --seed and the essays,
+runs them through the engine with greedy decoding under each policy, scores exact match, prints a
+table (task x length, one column per policy, dense first as the reference) and writes JSON. With
+--probe-steps it also reports, per layer, how much of the true softmax mass the policy's attended
+tokens cover and the relative error of its attention output against dense (attention_probe.py).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sparseserve.bench import tasks as T
+
+# The one place where attention policies get their engine arguments. A policy given on the command
+# line as "name:key=value,key=value" starts from this entry (or from nothing, for a new name) and
+# overrides keys, so new policies and budgets need no change here.
+POLICIES: dict[str, dict[str, Any]] = {
+    "dense": {},
+}
+
+
+@dataclass
+class Policy:
+    name: str
+    engine_args: dict[str, Any]
+
+
+def _value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_policy(spec: str) -> Policy:
+    """"dense", "topk" or "topk:sparse_budget=1024,sparse_policy=topk" (a label plus engine args)."""
+    name, _, rest = spec.partition(":")
+    name = name.strip()
+    if not name:
+        raise ValueError(f"empty policy name in {spec!r}")
+    if name not in POLICIES and not rest:
+        raise ValueError(f"unknown policy {name!r}: known are {', '.join(POLICIES)}; "
+                         f"or give engine arguments, e.g. {name}:sparse_policy=topk,sparse_budget=2048")
+    args = dict(POLICIES.get(name, {}))
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        key, eq, val = item.partition("=")
+        if not eq:
+            raise ValueError(f"policy argument {item!r} in {spec!r} is not key=value")
+        args[key.strip().replace("-", "_")] = _value(val.strip())
+    label = name if not rest or name not in POLICIES else spec
+    return Policy(label, args)
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, help="HF model directory (default: embedded model)")
+    parser.add_argument("--lengths", default="4096,16384", help="prompt lengths in tokens, comma-separated")
+    parser.add_argument("--num-samples", type=int, default=20, help="samples per task and length")
+    parser.add_argument("--tasks", default=",".join(T.TASKS), help=f"comma-separated, from {', '.join(T.TASKS)}")
+    parser.add_argument("--policies", nargs="+", default=["dense"],
+                        help="attention policies: NAME or NAME:key=value,...; dense is always run first")
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the task samples")
+    parser.add_argument("--data-dir", default=None, help="essay folder (default: ../shared/data/haystack)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="engine max_model_len (default: longest length + answer room)")
+    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra engine argument for every policy (repeatable), e.g. attention_backend=torch")
+    parser.add_argument("--probe-steps", type=int, default=4,
+                        help="decode steps per probed request for the attention report (0: no report)")
+    parser.add_argument("--probe-samples", type=int, default=2, help="requests per task and length probed")
+    parser.add_argument("--output", default="accuracy.json", help="JSON results file")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _engine_args(args: argparse.Namespace, max_len: int) -> dict[str, Any]:
+    extra = {}
+    for item in args.engine_arg:
+        key, eq, val = item.partition("=")
+        if not eq:
+            raise ValueError(f"--engine-arg {item!r} is not KEY=VALUE")
+        extra[key.strip().replace("-", "_")] = _value(val.strip())
+    return {"device": args.device, "dtype": args.dtype, "max_model_len": max_len, **extra}
+
+
+def _free(llm: Any) -> None:
+    del llm
+    gc.collect()
+    try:
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+
+
+def run_policy(llm: Any, samples: list[T.TaskSample], use_tqdm: bool) -> list[dict]:
+    """Greedy answers of all samples in one batch (the engine schedules them), scored by exact match."""
+    from sparseserve import SamplingParams
+    params = [SamplingParams(temperature=0.0, max_tokens=len(s.answer_ids) + 4) for s in samples]
+    outs = llm.generate([s.prompt_ids for s in samples], params, use_tqdm=use_tqdm)
+    rows = []
+    for i, (s, o) in enumerate(zip(samples, outs)):
+        text = o.outputs[0].text
+        rows.append({"task": s.task, "length": s.length, "index": i, "answer": s.answer,
+                     "output": text, "output_token_ids": list(o.outputs[0].token_ids),
+                     "correct": T.is_correct(text, s.answer)})
+    return rows
+
+
+def accuracy_table(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """{task: {length: accuracy}} of one policy's rows."""
+    acc: dict[str, dict[str, list[bool]]] = {}
+    for r in rows:
+        acc.setdefault(r["task"], {}).setdefault(str(r["length"]), []).append(r["correct"])
+    return {t: {n: sum(v) / len(v) for n, v in d.items()} for t, d in acc.items()}
+
+
+def format_table(results: dict[str, dict[str, dict[str, float]]], tasks: list[str], lengths: list[int],
+                 ref: str = "dense") -> str:
+    """Rows task x length, one column per policy (the reference first), accuracies in percent;
+    other columns also show their difference to the reference."""
+    names = [ref] + [p for p in results if p != ref] if ref in results else list(results)
+    width = max(12, *(len(n) + 2 for n in names))
+    lines = [f"{'task':<20}{'length':>8}" + "".join(f"{n:>{width}}" for n in names)]
+    for t in tasks:
+        for n in lengths:
+            cells = []
+            base = results.get(ref, {}).get(t, {}).get(str(n))
+            for p in names:
+                a = results[p].get(t, {}).get(str(n))
+                cell = "-" if a is None else f"{100 * a:.1f}"
+                if a is not None and base is not None and p != ref:
+                    cell += f" ({100 * (a - base):+.0f})"
+                cells.append(f"{cell:>{width}}")
+            lines.append(f"{t:<20}{n:>8}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> dict:
+    from sparseserve import LLM
+    from sparseserve.bench import attention_probe
+
+    tasks = _csv(args.tasks)
+    bad = [t for t in tasks if t not in T.TASKS]
+    if bad:
+        raise SystemExit(f"unknown task(s) {', '.join(bad)}: choose from {', '.join(T.TASKS)}")
+    lengths = [int(x) for x in _csv(args.lengths)]
+    policies = [parse_policy(s) for s in args.policies]
+    if not any(p.name == "dense" for p in policies):
+        policies.insert(0, Policy("dense", dict(POLICIES["dense"])))
+    policies.sort(key=lambda p: p.name != "dense")  # the reference column first
+    essays = T.load_essays(T.find_haystack_dir(args.data_dir))
+    max_len = args.max_model_len or max(lengths) + 64
+
+    samples: list[T.TaskSample] | None = None
+    results: dict[str, dict] = {}
+    rows_by_policy: dict[str, list[dict]] = {}
+    probes: dict[str, dict] = {}
+    timing: dict[str, float] = {}
+    model_desc = None
+    for pol in policies:
+        t0 = time.time()
+        engine_args = {**_engine_args(args, max_len), **pol.engine_args}
+        if args.probe_steps:
+            engine_args["enforce_eager"] = True  # the probe wraps the attention backend in Python
+        llm = LLM(model=args.model, **engine_args)
+        if samples is None:  # built once, with the tokenizer of the model under test
+            tok = llm.llm_engine.tokenizer
+            builder = T.TaskBuilder(tok, essays, eos_id=tok.eos_token_id)
+            samples = T.build_suite(builder, tasks, lengths, args.num_samples, args.seed)
+            model_desc = str(llm.llm_engine.model_name)
+        rows = run_policy(llm, samples, use_tqdm=not args.quiet)
+        rows_by_policy[pol.name] = rows
+        results[pol.name] = accuracy_table(rows)
+        if args.probe_steps:
+            probe_samples = [s for t in tasks for n in lengths
+                             for s in [x for x in samples if x.task == t and x.length == n][:args.probe_samples]]
+            probes[pol.name] = attention_probe.probe(llm, probe_samples, args.probe_steps)
+        timing[pol.name] = round(time.time() - t0, 2)
+        _free(llm)
+        llm = None
+
+    print(f"\nexact-match accuracy (%), model {model_desc}, {args.num_samples} samples per cell, seed {args.seed}")
+    print(format_table(results, tasks, lengths))
+    if probes:
+        print("\nattention probe: softmax mass covered / relative output error vs dense, per layer")
+        for name, rep in probes.items():
+            print(attention_probe.format_report(name, rep))
+    out = {"model": args.model or "embedded default", "model_name": model_desc, "seed": args.seed,
+           "num_samples": args.num_samples, "tasks": tasks, "lengths": lengths,
+           "policies": {p.name: p.engine_args for p in policies}, "accuracy": results,
+           "probe": probes, "seconds": timing,
+           "samples": {name: rows for name, rows in rows_by_policy.items()}}
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(out, indent=1))
+        print(f"\nwrote {args.output}")
+    return out
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cli_args(p)
+    main(p.parse_args())
