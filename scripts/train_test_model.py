@@ -36,8 +36,6 @@ SPECIALS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 # chat turn is the whole prompt ("...\nQuestion: ...\nAnswer:").
 CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['content'] }}"
                  "{% if not loop.last %}\n{% endif %}{% endfor %}")
-TASK_MIX = {"passkey": 0.1, "niah_single": 0.2, "niah_multikey": 0.2, "kv_retrieval": 0.15,
-            "variable_tracking": 0.15, "lm": 0.2}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--curriculum-from", type=float, default=0.0,
                    help="where in the length curriculum to start (0..1; for resumed runs)")
     p.add_argument("--save-every", type=int, default=500)
+    p.add_argument("--extra-qa", type=int, default=8, help="extra questions per training sample (kv, multikey)")
     p.add_argument("--workers", type=int, default=8, help="batch-building processes")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, short lengths, few steps")
@@ -129,7 +128,7 @@ def save_tokenizer(tok, out: Path, max_len: int) -> None:
 def phase_lengths(frac: float, max_len: int) -> tuple[list[int], list[float]]:
     """The curriculum: short sequences first (formats are learned cheaply), then long ones, and
     shorter lengths kept in the mix so they are not forgotten."""
-    plan = [(0.12, {512: 1.0}), (0.25, {1024: 0.5, 2048: 0.5}), (0.45, {2048: 0.4, 4096: 0.6}),
+    plan = [(0.2, {256: 0.5, 512: 0.5}), (0.3, {1024: 0.5, 2048: 0.5}), (0.45, {2048: 0.4, 4096: 0.6}),
             (0.65, {4096: 0.5, 8192: 0.5}),
             (1.01, {4096: 0.15, 8192: 0.25, 16384: 0.35, 32768: 0.25})]
     mix = next(m for end, m in plan if frac < end)
@@ -137,38 +136,63 @@ def phase_lengths(frac: float, max_len: int) -> tuple[list[int], list[float]]:
     return list(mix), [w / sum(mix.values()) for w in mix.values()]
 
 
+def task_mix(frac: float) -> dict[str, float]:
+    """Row kinds per phase. "copy" rows (a random token string, then the same string again, loss on
+    the repeat) form induction heads early; without them the answer loss sat at chance for 2000
+    steps (run 1, ACCURACY_NOTES.md). "lm" rows are essay text."""
+    if frac < 0.2:
+        return {"copy": 0.25, "passkey": 0.1, "niah_single": 0.1, "niah_multikey": 0.15,
+                "kv_retrieval": 0.25, "variable_tracking": 0.05, "lm": 0.1}
+    return {"copy": 0.05, "passkey": 0.1, "niah_single": 0.2, "niah_multikey": 0.2,
+            "kv_retrieval": 0.2, "variable_tracking": 0.15, "lm": 0.1}
+
+
 def make_batch(builder: T.TaskBuilder, seed: int, steps: int, tokens: int, max_len: int,
-               eos: int, pad: int, curriculum_from: float, step: int) -> dict:
+               eos: int, pad: int, curriculum_from: float, extra_qa: int, step: int) -> dict:
     rng = np.random.default_rng([seed, 2, step])
-    lens, weights = phase_lengths(curriculum_from + (1 - curriculum_from) * step / steps, max_len)
+    frac = curriculum_from + (1 - curriculum_from) * step / steps
+    lens, weights = phase_lengths(frac, max_len)
     length = int(rng.choice(lens, p=weights))
-    rows = max(1, min(tokens // length, 64))  # short phases need fewer tokens (and CPU time)
-    names = list(TASK_MIX)
-    probs = np.array(list(TASK_MIX.values()))
-    seqs, answer_spans, lm_rows = [], [], []
+    rows = max(1, min(tokens // length, 128))  # short phases need fewer tokens (and CPU time)
+    mix = task_mix(frac)
+    names, probs = list(mix), np.array(list(mix.values()))
+    vocab = builder.vocab_size
+    seqs: list[list[int]] = []
+    spans: dict[str, list[tuple[int, int, int]]] = {"ans": [], "lm": [], "copy": []}  # (row, from, to)
     for r in range(rows):
         kind = names[rng.choice(len(names), p=probs / probs.sum())]
         if kind == "lm":
             hay, _ = builder.essays.slice(rng, length - len(builder.bos))
             seqs.append(builder.bos + hay.tolist())
-            answer_spans.append((0, 0))
-            lm_rows.append(r)
+            # A random subset of positions keeps the LM logits cheap at long lengths.
+            for t in rng.choice(length - 1, size=min(length - 1, 1024), replace=False):
+                spans["lm"].append((r, int(t), int(t) + 1))
+        elif kind == "copy":
+            half = (length - len(builder.bos)) // 2
+            rand = rng.integers(3, vocab, size=half).tolist()
+            seqs.append(builder.bos + rand + rand)
+            start = len(builder.bos) + half
+            spans["copy"].append((r, start, start + half - 1))
         else:
             s = builder.build(kind, length, rng)
-            seqs.append(s.prompt_ids + s.answer_ids + [eos])
-            answer_spans.append((length, length + len(s.answer_ids) + 1))
+            seq = s.prompt_ids + s.answer_ids + [eos]
+            spans["ans"].append((r, length - 1, len(seq) - 1))
+            for q_ids, a_ids in builder.extra_qa(s, rng, extra_qa):
+                seq += q_ids
+                a0 = len(seq) - 1
+                seq += a_ids + [eos]
+                spans["ans"].append((r, a0, len(seq) - 1))
+            seqs.append(seq)
     width = max(len(s) for s in seqs)
     ids = np.full((rows, width), pad, dtype=np.int64)
     for r, s in enumerate(seqs):
         ids[r, :len(s)] = s
-    # Targets: position t predicts token t+1. Answer positions: the last prompt token onwards.
-    ans_pos = [(r, t) for r, (a, b) in enumerate(answer_spans) for t in range(a - 1, b - 1)]
-    lm_pos = []
-    for r in lm_rows:  # a random subset of positions keeps the LM logits cheap at long lengths
-        k = min(length - 1, 2048)
-        lm_pos += [(r, int(t)) for t in rng.choice(length - 1, size=k, replace=False)]
-    return {"ids": ids, "length": length, "ans": np.array(ans_pos, dtype=np.int64).reshape(-1, 2),
-            "lm": np.array(lm_pos, dtype=np.int64).reshape(-1, 2)}
+    # Positions whose next token is supervised: [from, to) of each span.
+    out = {"ids": ids, "length": length}
+    for key, sp in spans.items():
+        pos = [(r, t) for r, a, b in sp for t in range(a, b)]
+        out[key] = np.array(pos, dtype=np.int64).reshape(-1, 2)
+    return out
 
 
 _WORKER: dict = {}
@@ -239,22 +263,23 @@ def check_sdpa_gqa(device: str) -> None:
         print("sdpa: no fused GQA kernel; repeating KV heads instead")
 
 
-def loss_fn(model, batch: dict, device: str, lm_weight: float = 0.5) -> tuple[torch.Tensor, float, float]:
+LOSS_WEIGHTS = {"ans": 1.0, "copy": 0.5, "lm": 0.3}
+
+
+def loss_fn(model, batch: dict, device: str) -> tuple[torch.Tensor, dict[str, float]]:
     ids = batch["ids"].to(device)
     h = model.model(input_ids=ids).last_hidden_state  # logits only where a loss is taken
-    out, a_val, l_val = 0.0, float("nan"), float("nan")
-    for key, w in (("ans", 1.0), ("lm", lm_weight)):
+    total, parts = 0.0, {}
+    for key, w in LOSS_WEIGHTS.items():
         pos = batch[key].to(device)
         if len(pos) == 0:
+            parts[key] = float("nan")
             continue
         logits = model.lm_head(h[pos[:, 0], pos[:, 1]]).float()
         loss = F.cross_entropy(logits, ids[pos[:, 0], pos[:, 1] + 1])
-        out = out + w * loss
-        if key == "ans":
-            a_val = loss.item()
-        else:
-            l_val = loss.item()
-    return out, a_val, l_val
+        total = total + w * loss
+        parts[key] = loss.item()
+    return total, parts
 
 
 def preflight(model, args, dev: str) -> None:
@@ -370,8 +395,8 @@ def main(argv: list[str] | None = None) -> None:
             args.tokens_per_step //= 2
             print(f"preflight out of memory: --tokens-per-step {args.tokens_per_step}", flush=True)
     stream = BatchStream(builder, (args.seed, args.steps, args.tokens_per_step, args.max_len, eos, pad,
-                                   args.curriculum_from), args.steps, args.workers)
-    log, t_train, hist = [], time.time(), {"ans": [], "lm": []}
+                                   args.curriculum_from, args.extra_qa), args.steps, args.workers)
+    log, t_train, hist = [], time.time(), {}
     step = 0
     for step in range(args.steps):
         batch = stream.get(step)
@@ -379,21 +404,24 @@ def main(argv: list[str] | None = None) -> None:
             g["lr"] = lr_at(step, args.steps, args.lr)
         model.train()
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-            loss, a_loss, l_loss = loss_fn(model, batch, dev)
+            loss, parts = loss_fn(model, batch, dev)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        hist["ans"].append(a_loss)
-        hist["lm"].append(l_loss)
+        for k, v in parts.items():
+            hist.setdefault(k, []).append(v)
         if step % 25 == 0 or step == args.steps - 1:
             el = time.time() - t_train
-            rec = {"step": step, "len": batch["length"], "ans_loss": float(np.nanmean(hist["ans"][-25:])),
-                   "lm_loss": float(np.nanmean(hist["lm"][-25:])), "lr": lr_at(step, args.steps, args.lr),
+            rec = {"step": step, "len": batch["length"], "lr": lr_at(step, args.steps, args.lr),
                    "elapsed_s": round(el, 1)}
+            with np.errstate(all="ignore"):
+                rec.update({f"{k}_loss": float(np.nanmean(v[-25:])) if not np.all(np.isnan(v[-25:])) else None
+                            for k, v in hist.items()})
             log.append(rec)
-            print(f"step {step:5d} len {batch['length']:6d} ans_loss {rec['ans_loss']:.4f} "
-                  f"lm_loss {rec['lm_loss']:.4f} lr {rec['lr']:.2e} {el:6.1f}s", flush=True)
+            losses = " ".join(f"{k} {rec[f'{k}_loss']:.3f}" if rec[f"{k}_loss"] is not None else f"{k} -"
+                              for k in hist)
+            print(f"step {step:5d} len {batch['length']:6d} {losses} lr {rec['lr']:.2e} {el:6.1f}s", flush=True)
         if args.eval_every and step and step % args.eval_every == 0:
             model.eval()
             n = batch["length"]

@@ -151,6 +151,7 @@ class TaskBuilder:
     def __init__(self, tokenizer: Any, essays: list[str], eos_id: int | None = None) -> None:
         self.tok = tokenizer
         self.bos = leading_special_ids(tokenizer)
+        self.vocab_size = tokenizer.get_vocab_size() if hasattr(tokenizer, "get_vocab_size") else len(tokenizer)
         self.eos_id = eos_id
         sentences = [s for e in essays for s in split_sentences(e)]
         self.essays = TokenCorpus(self._encode_many([" " + s for s in sentences]))
@@ -174,6 +175,16 @@ class TaskBuilder:
         if task not in GENERATORS:
             raise ValueError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
         return GENERATORS[task](self, length, rng)
+
+    def extra_qa(self, sample: TaskSample, rng: np.random.Generator, k: int) -> list[tuple[list[int], list[int]]]:
+        """Up to k more (question ids, answer ids) about the same context (other needles or keys), for
+        training only: they multiply the answer tokens a long sequence supervises. Drawn after the
+        sample, so the sample itself does not depend on k."""
+        pool = sample.meta.get("qa_pool", [])
+        if not pool or k <= 0:
+            return []
+        pick = rng.choice(len(pool), size=min(k, len(pool)), replace=False)
+        return [(self.enc(pool[i][0]), self.enc(" " + pool[i][1])) for i in pick]
 
     # -- assembly -------------------------------------------------------------------------------
     def assemble(self, task: str, length: int, prefix: str, hay: np.ndarray, starts: np.ndarray,
@@ -232,8 +243,13 @@ def _niah(b: TaskBuilder, length: int, rng: np.random.Generator, task: str, num_
                       "Secret numbers are hidden in the essays below. Remember them: "
                       "you will be asked for one of them.\n",
                       hay, starts, needles,
-                      f"\nQuestion: What is the secret number of the {keys[q]}?\nAnswer:",
-                      values[q], {"keys": keys, "asked": keys[q], "depth": needles[q][0]})
+                      NIAH_QUESTION.format(keys[q]),
+                      values[q], {"keys": keys, "asked": keys[q], "depth": needles[q][0],
+                                  "qa_pool": [(NIAH_QUESTION.format(k), v) for i, (k, v) in
+                                              enumerate(zip(keys, values)) if i != q]})
+
+
+NIAH_QUESTION = "\nQuestion: What is the secret number of the {}?\nAnswer:"
 
 
 def niah_single(b: TaskBuilder, length: int, rng: np.random.Generator) -> TaskSample:
@@ -273,7 +289,9 @@ def kv_retrieval(b: TaskBuilder, length: int, rng: np.random.Generator) -> TaskS
     hay, starts = corpus.ids, corpus.starts
     return b.assemble("kv_retrieval", length, KV_PREFIX, hay, starts, [],
                       question.format(pairs[q][0]), pairs[q][1],
-                      {"num_pairs": kept, "asked_index": q})
+                      {"num_pairs": kept, "asked_index": q,
+                       "qa_pool": [(question.format(pairs[i][0]), pairs[i][1])
+                                   for i in rng.choice(kept, size=min(kept, 33), replace=False) if i != q][:32]})
 
 
 KV_PREFIX = "Below is a table of keys and values. Find the value of the key asked for at the end."

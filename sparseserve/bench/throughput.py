@@ -29,6 +29,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=256, help="Generated tokens per request.")
     p.add_argument("--batch-sizes", type=_ints, default=[1, 16, 32], help="Concurrent requests (engine).")
     p.add_argument("--hf-batch-sizes", type=_ints, default=[], help="Batch sizes for transformers' generate.")
+    p.add_argument("--hf-input-lens", type=_ints, default=None, help="Prompt lengths for transformers "
+                   "(default: --input-lens).")
     p.add_argument("--dtype", default="bfloat16", help="Model dtype.")
     p.add_argument("--device", default="auto", help="auto, cuda or cpu.")
     p.add_argument("--max-num-batched-tokens", type=int, default=32768, help="Engine step token budget.")
@@ -157,7 +159,7 @@ def main(args: argparse.Namespace) -> None:
         from transformers import AutoModelForCausalLM
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype) if args.dtype != "auto"
                                                   else "auto", attn_implementation="sdpa").to(dev).eval()
-        for length in args.input_lens:
+        for length in args.hf_input_lens or args.input_lens:
             for batch in args.hf_batch_sizes:
                 r = run_hf(hf, make_prompts(batch, length, vocab, args.seed), args.output_len)
                 rows.append({"engine": "transformers", "input": length, "batch": batch} | r)
