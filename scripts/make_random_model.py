@@ -32,7 +32,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    config = LlamaConfig(**PRESETS[args.preset], dtype="bfloat16")
+    if (args.out / "config.json").exists():
+        raise SystemExit(f"{args.out} exists; remove it first")
+    config = LlamaConfig(**PRESETS[args.preset], dtype="bfloat16", architectures=["LlamaForCausalLM"])
     args.out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(args.out)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,8 +42,12 @@ def main() -> None:
     c = config
     kv = c.num_key_value_heads * c.hidden_size // c.num_attention_heads
 
-    def rand(*shape) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, device=dev, dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
+    def rand(*shape, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=dev, dtype=torch.float32) * std).to(torch.bfloat16).cpu()
+
+    # Residual-branch outputs scaled by 1/sqrt(2 * layers) (GPT-2's init): without it a deep random
+    # network is chaotic and bf16 rounding alone moves its logits by several percent.
+    out_std = 0.02 / (2 * c.num_hidden_layers) ** 0.5
 
     ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
     weight_map: dict[str, str] = {}
@@ -59,10 +65,10 @@ def main() -> None:
                 p + "self_attn.q_proj.weight": rand(c.hidden_size, c.hidden_size),
                 p + "self_attn.k_proj.weight": rand(kv, c.hidden_size),
                 p + "self_attn.v_proj.weight": rand(kv, c.hidden_size),
-                p + "self_attn.o_proj.weight": rand(c.hidden_size, c.hidden_size),
+                p + "self_attn.o_proj.weight": rand(c.hidden_size, c.hidden_size, std=out_std),
                 p + "mlp.gate_proj.weight": rand(c.intermediate_size, c.hidden_size),
                 p + "mlp.up_proj.weight": rand(c.intermediate_size, c.hidden_size),
-                p + "mlp.down_proj.weight": rand(c.hidden_size, c.intermediate_size),
+                p + "mlp.down_proj.weight": rand(c.hidden_size, c.intermediate_size, std=out_std),
                 p + "input_layernorm.weight": ones(c.hidden_size),
                 p + "post_attention_layernorm.weight": ones(c.hidden_size)})
         if s == len(shards) - 1:

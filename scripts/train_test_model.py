@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where in the length curriculum to start (0..1; for resumed runs)")
     p.add_argument("--save-every", type=int, default=500)
     p.add_argument("--extra-qa", type=int, default=8, help="extra questions per training sample (kv, multikey)")
-    p.add_argument("--workers", type=int, default=8, help="batch-building processes")
+    p.add_argument("--workers", type=int, default=12, help="batch-building processes")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, short lengths, few steps")
     args = p.parse_args(argv)
@@ -141,10 +141,10 @@ def task_mix(frac: float) -> dict[str, float]:
     the repeat) form induction heads early; without them the answer loss sat at chance for 2000
     steps (run 1, ACCURACY_NOTES.md). "lm" rows are essay text."""
     if frac < 0.2:
-        return {"copy": 0.25, "passkey": 0.1, "niah_single": 0.1, "niah_multikey": 0.15,
-                "kv_retrieval": 0.25, "variable_tracking": 0.05, "lm": 0.1}
-    return {"copy": 0.05, "passkey": 0.1, "niah_single": 0.2, "niah_multikey": 0.2,
-            "kv_retrieval": 0.2, "variable_tracking": 0.15, "lm": 0.1}
+        return {"copy": 0.4, "passkey": 0.1, "niah_single": 0.05, "niah_multikey": 0.1,
+                "kv_retrieval": 0.3, "lm": 0.05}
+    return {"copy": 0.1, "passkey": 0.1, "niah_single": 0.2, "niah_multikey": 0.2,
+            "kv_retrieval": 0.15, "variable_tracking": 0.15, "lm": 0.1}
 
 
 def make_batch(builder: T.TaskBuilder, seed: int, steps: int, tokens: int, max_len: int,
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.eval_every and step and step % args.eval_every == 0:
             model.eval()
             n = batch["length"]
-            acc, _ = evaluate(model, builder, tok, ["niah_single", "niah_multikey"], [n], 16,
+            acc, _ = evaluate(model, builder, tok, ["passkey", "niah_single", "niah_multikey", "kv_retrieval"], [n], 16,
                               args.seed + 999, eos, dev)
             print(f"  quick eval @ {n}: " + ", ".join(f"{k[0]} {100 * v:.0f}%" for k, v in acc.items()), flush=True)
         if args.save_every and step and step % args.save_every == 0:

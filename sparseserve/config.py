@@ -60,7 +60,62 @@ class ModelConfig:
         "help": "auto (triton on CUDA, torch otherwise), triton or torch.", "choices": ["auto", "triton", "torch"]})
 
 
-_SUBCONFIGS = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig}
+SPARSE_POLICIES = ["dense", "topk", "topp"]
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Dynamic sparse decode attention (DESIGN.md principle 6). Prefill always runs dense."""
+    sparse_policy: str = field(default="dense", metadata={
+        "help": "Decode attention: dense, topk (fixed token budget) or topp (adaptive budget, mass p).",
+        "choices": SPARSE_POLICIES})
+    sparse_budget: int = field(default=2048, metadata={
+        "help": "Tokens each (sequence, KV head) attends per decode step, sink and local window included "
+                "(topk); the cap of the adaptive budget (topp). Shorter contexts run dense."})
+    sparse_top_p: float = field(default=0.95, metadata={
+        "help": "topp: the estimated softmax mass the selected blocks must reach."})
+    sparse_reuse: int = field(default=1, metadata={
+        "help": "Recompute a sequence's block selection every this many decode steps (1: every step)."})
+    sparse_dense_layers: int = field(default=2, metadata={"help": "The first N layers always attend densely."})
+    sparse_sink_blocks: int = field(default=1, metadata={"help": "Leading token blocks always attended."})
+    sparse_local_blocks: int = field(default=4, metadata={
+        "help": "Most recent token blocks always attended (the local window, >= 1)."})
+    sparse_dense_context: int | None = field(default=None, metadata={
+        "help": "Steps whose longest context is at most this many tokens run dense (default: the budget); "
+                "0 sends every decode through scoring, selection and the sparse kernel (testing)."})
+    streaming_heads: str | None = field(default=None, metadata={
+        "help": "JSON file of (layer, KV head) pairs that only see sink + local window "
+                "(python -m sparseserve.bench.calibrate proposes one)."})
+    logical_page_size: int | None = field(default=None, metadata={
+        "help": "Tokens per key-metadata page inside a block (hierarchical paging; default: block_size)."})
+
+    def __post_init__(self) -> None:
+        if self.sparse_policy not in SPARSE_POLICIES:
+            raise ValueError(f"sparse_policy must be one of {', '.join(SPARSE_POLICIES)}, got {self.sparse_policy!r}")
+        if self.sparse_budget < 1:
+            raise ValueError(f"sparse_budget must be >= 1, got {self.sparse_budget}")
+        if not 0.0 < self.sparse_top_p <= 1.0:
+            raise ValueError(f"sparse_top_p must be in (0, 1], got {self.sparse_top_p}")
+        if self.sparse_reuse < 1:
+            raise ValueError(f"sparse_reuse must be >= 1, got {self.sparse_reuse}")
+        if self.sparse_dense_layers < 0 or self.sparse_sink_blocks < 0:
+            raise ValueError("sparse_dense_layers and sparse_sink_blocks must be >= 0")
+        if self.sparse_local_blocks < 1:
+            raise ValueError(f"sparse_local_blocks must be >= 1 (the decode token's own block), "
+                             f"got {self.sparse_local_blocks}")
+        if self.sparse_dense_context is not None and self.sparse_dense_context < 0:
+            raise ValueError(f"sparse_dense_context must be >= 0, got {self.sparse_dense_context}")
+        lps = self.logical_page_size
+        if lps is not None and (lps < 1 or lps & (lps - 1)):
+            raise ValueError(f"logical_page_size must be a power of two, got {lps}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.sparse_policy != "dense"
+
+
+_SUBCONFIGS = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig,
+               "sparse_config": SparseConfig}
 
 
 @dataclass(frozen=True)
@@ -68,6 +123,16 @@ class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    sparse_config: SparseConfig = field(default_factory=SparseConfig)
+
+    def __post_init__(self) -> None:
+        sp, bs = self.sparse_config, self.cache_config.block_size
+        if sp.logical_page_size is not None and sp.logical_page_size > bs:
+            raise ValueError(f"logical_page_size {sp.logical_page_size} exceeds block_size {bs}")
+        if sp.enabled and sp.sparse_budget // bs < sp.sparse_sink_blocks + sp.sparse_local_blocks + 1:
+            raise ValueError(f"sparse_budget {sp.sparse_budget} holds {sp.sparse_budget // bs} blocks of {bs} "
+                             f"tokens: need more than sink + local = "
+                             f"{sp.sparse_sink_blocks + sp.sparse_local_blocks}")
 
     @staticmethod
     def arg_fields() -> list[dataclasses.Field]:

@@ -56,6 +56,15 @@ class _EngineStatsCollector:
         yield counter("num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions)
         yield counter("prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens)
         yield counter("generation_tokens", "Number of generation tokens processed.", stats.num_generation_tokens)
+        selections = getattr(stats, "sparse_selections", 0)
+        if selections:  # sparse decode on: blocks attended per (sequence, layer, KV head) selection
+            yield counter("sparse_blocks_selected", "Blocks in all sparse decode selections.",
+                          stats.sparse_blocks_selected)
+            yield counter("sparse_selections", "Sparse decode selections (sequence x layer x KV head).", selections)
+            yield gauge("sparse_mean_blocks_attended", "Mean blocks per sparse decode selection.",
+                        stats.sparse_blocks_selected / selections)
+            yield gauge("sparse_mean_budget_tokens", "Mean tokens per sparse decode selection (the budget used).",
+                        stats.sparse_blocks_selected * stats.sparse_block_size / selections)
 
 
 class ServerMetrics:

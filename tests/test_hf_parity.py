@@ -9,6 +9,7 @@ from sparseserve.engine.request import Sequence
 from tests.conftest import VARIANTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on the GPU the Triton backend runs, in float32
+KV = dict(kv_cache_memory=1 << 28)  # several engines live in one test process
 PROMPT_LENS = (3, 17, 41, 70)
 MAX_TOKENS = 12
 
@@ -37,7 +38,7 @@ def test_greedy_matches_transformers(hf_models, variant):
     expected = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     assert all(len(set(e)) > 3 for e in expected), "degenerate reference outputs make a weak test"
     # All prompts batched together; block_size 16 so prompts span several partially filled blocks.
-    llm = LLM(str(path), device=DEVICE, dtype="float32", block_size=16, max_model_len=256)
+    llm = LLM(str(path), device=DEVICE, dtype="float32", block_size=16, max_model_len=256, **KV)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == expected
     assert llm.llm_engine.allocator.num_used == 0
@@ -49,7 +50,7 @@ def test_chunked_prefill_and_preemption_match_transformers(hf_models):
     expected = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     # Token budget smaller than the prompts: every long prompt is prefilled in chunks, mixed with decodes.
     llm = LLM(str(path), device=DEVICE, dtype="float32", block_size=16, max_model_len=128,
-              max_num_batched_tokens=16)
+              max_num_batched_tokens=16, **KV)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     # A pool of 8 blocks (128 tokens) cannot hold all four requests at once: preemption by recompute.
     llm = LLM(str(path), device=DEVICE, dtype="float32", block_size=16, max_model_len=128,
@@ -82,7 +83,7 @@ def test_prompt_logits_match_transformers(hf_models, variant):
     prompt = prompts_for(2)[-1]
     with torch.no_grad():
         ref = hf.to(DEVICE)(torch.tensor([prompt], device=DEVICE)).logits[0].float()
-    llm = LLM(str(path), device=DEVICE, dtype="float32", block_size=16, max_model_len=256)
+    llm = LLM(str(path), device=DEVICE, dtype="float32", block_size=16, max_model_len=256, **KV)
     got = engine_prompt_logits(llm, prompt)
     rel = (got - ref).norm() / ref.norm()
     assert rel < 1e-4, f"relative error {rel:.2e}"

@@ -64,9 +64,27 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> 
         if first_token_at is None and engine.num_generation_tokens - gen0 >= len(prompts):
             first_token_at = te - t0  # every request has its first token: the batch's prefill is done
     total = time.perf_counter() - t0
-    return {"total_s": total, "prefill_s": first_token_at,
-            "decode_step_ms": 1e3 * statistics.median(decode_steps) if decode_steps else None,
-            "output_tok_s": len(prompts) * output_len / total}
+    out = {"total_s": total, "prefill_s": first_token_at,
+           "decode_step_ms": 1e3 * statistics.median(decode_steps) if decode_steps else None,
+           "output_tok_s": len(prompts) * output_len / total}
+    graphs = engine.model_runner.graphs
+    if graphs is not None and len(prompts) <= graphs.buckets[-1]:
+        # The decode forward alone (graph replay on the last step's inputs): the rest of a step is
+        # scheduling, sampling and detokenization on the host.
+        bucket = next(b for b in graphs.buckets if b >= len(prompts))
+        out["gpu_forward_ms"] = _time_ms(graphs.graphs[bucket].replay)
+    return out
+
+
+def _time_ms(fn, iters: int = 10) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def run_hf(model, prompts: list[list[int]], output_len: int) -> dict:

@@ -33,13 +33,15 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.trash_slot = max_batch  # per-sequence state row that padding rows may touch
+        self.state_slots = torch.full((n,), self.trash_slot, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         pool = None
         for b in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory pool
             meta = AttentionMetadata(self.slot_mapping[:b], self.query_start_loc[: b + 1], self.seq_lens[:b],
                                      self.block_tables[:b], num_decodes=b, max_query_len=1,
-                                     max_seq_len=max_model_len)
+                                     max_seq_len=max_model_len, state_slots=self.state_slots[:b])
 
             def step(b=b, meta=meta):
                 hidden = model(self.input_ids[:b], self.positions[:b], kv_cache, meta)
@@ -68,5 +70,8 @@ class DecodeGraphs:
         self.seq_lens[:b].copy_(meta.seq_lens, non_blocking=True)
         self.seq_lens[b:bucket].zero_()
         self.block_tables[:b, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
+        if meta.state_slots is not None:
+            self.state_slots[:b].copy_(meta.state_slots, non_blocking=True)
+            self.state_slots[b:bucket].fill_(self.trash_slot)
         self.graphs[bucket].replay()
         return self.logits[bucket][:b]

@@ -31,6 +31,9 @@ class EngineStats:
     num_preemptions: int        # cumulative counters from here on
     num_prompt_tokens: int
     num_generation_tokens: int
+    sparse_blocks_selected: int = 0  # sparse decode: blocks in all selections so far
+    sparse_selections: int = 0       # selections made: one per (decode sequence, sparse layer, KV head)
+    sparse_block_size: int = 0
 
 
 @dataclass
@@ -130,9 +133,10 @@ class LLMEngine:
         return len(self.requests)
 
     def get_stats(self) -> EngineStats:
-        s = self.scheduler
+        s, sparse = self.scheduler, self.model_runner.sparse
         return EngineStats(len(s.running), len(s.waiting), self.allocator.num_used, self.allocator.num_blocks,
-                           s.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens)
+                           s.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens,
+                           *(sparse.sparse_stats() if sparse is not None else ()))
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()

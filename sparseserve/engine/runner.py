@@ -1,6 +1,7 @@
 """Model runner: owns the model, the KV cache and the sampler; turns a schedule into batch tensors."""
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +10,7 @@ import torch
 
 from sparseserve.attention.backend import AttentionMetadata, get_attention_backend
 from sparseserve.config import EngineConfig
-from sparseserve.engine.request import Sequence
+from sparseserve.engine.request import Sequence, SequenceStatus
 from sparseserve.kvcache.blocks import blocks_needed
 from sparseserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from sparseserve.models.config import ArchConfig
@@ -26,6 +27,22 @@ class StepBatch:
     meta: AttentionMetadata
     sample_idx: torch.Tensor            # token index of each sampled sequence's last query token
     sampled: list[Sequence]             # the sequences that get a new token this step
+
+
+class StateSlots:
+    """Per-sequence state slots 0..n-1 (the sparse backend's selection cache and step counters):
+    a sequence holds one while it runs; finished or preempted sequences give theirs back."""
+
+    def __init__(self, n: int) -> None:
+        self.free = list(range(n - 1, -1, -1))
+        self.held: dict[Sequence, int] = {}
+
+    def assign(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        """(slot of each sequence, slots whose state must be reset: sequences (re)starting at token 0)."""
+        for seq in [s for s in self.held if s.status is not SequenceStatus.RUNNING]:
+            self.free.append(self.held.pop(seq))
+        slots = [self.held[s] if s in self.held else self.held.setdefault(s, self.free.pop()) for s in seqs]
+        return slots, [slot for s, slot in zip(seqs, slots) if s.num_computed_tokens == 0]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -53,6 +70,14 @@ class ModelRunner:
                              f"{self.arch.max_position_embeddings}")
         self.block_size = cc.block_size
         self.attn_backend = get_attention_backend(mc.attention_backend, self.device)
+        self.sparse = None
+        if config.sparse_config.enabled:
+            from sparseserve.attention.sparse import SparseBackend
+            a, n = self.arch, config.scheduler_config.max_num_seqs
+            self.sparse = self.attn_backend = SparseBackend(
+                self.attn_backend, config.sparse_config, a.num_layers, a.num_kv_heads, a.head_dim, self.block_size,
+                self.dtype, self.device, n)
+            self.state_slots = StateSlots(n)
         torch.manual_seed(mc.seed)
         self.model = build_model(self.arch, self.attn_backend, model_dir, self.dtype, self.device)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))
@@ -65,6 +90,8 @@ class ModelRunner:
                                     dtype=self.dtype, device=self.device)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+        if self.sparse is not None:
+            self.sparse.allocate(self.num_blocks)
         self.graphs = None
         if self.device.type == "cuda" and not mc.enforce_eager:
             from sparseserve.engine.cuda_graph import DecodeGraphs
@@ -74,7 +101,8 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         a = self.arch
-        return a.num_layers * a.num_kv_heads * 2 * self.block_size * a.head_dim * self.dtype.itemsize
+        kv = a.num_layers * a.num_kv_heads * 2 * self.block_size * a.head_dim * self.dtype.itemsize
+        return kv + (self.sparse.metadata_block_bytes if self.sparse is not None else 0)
 
     def _num_kv_blocks(self) -> int:
         cc, sc = self.config.cache_config, self.config.scheduler_config
@@ -92,6 +120,8 @@ class ModelRunner:
     def _profile_kv_bytes(self) -> int:
         """KV bytes = gpu_memory_utilization * total - (what is in use now + the peak of a full-budget step)."""
         cc, sc = self.config.cache_config, self.config.scheduler_config
+        gc.collect()  # an engine dropped just before still holds its KV cache until collected
+        torch.cuda.empty_cache()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
@@ -120,38 +150,41 @@ class ModelRunner:
         return kv_bytes
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepBatch:
+        """Batch tensors for one step, built in plain Python (per sequence and per block, never per
+        token for slots) and moved to the device in one copy per tensor."""
         # Decodes (one query token) first: the attention backend runs its decode kernel on them.
         scheduled = sorted(scheduled, key=lambda item: item[1] != 1)
+        bs = self.block_size
         ids: list[int] = []
-        starts, q_lens, seq_lens, sample_rows, sampled = [], [], [], [], []
-        for b, (seq, n) in enumerate(scheduled):
-            c = seq.num_computed_tokens
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl, seq_lens, sample_idx, sampled = [0], [], [], []
+        for seq, n in scheduled:
+            c, table = seq.num_computed_tokens, seq.block_table
             ids.extend(seq.token_ids[c:c + n])
-            starts.append(c)
-            q_lens.append(n)
+            positions.extend(range(c, c + n))
+            for blk in range(c // bs, (c + n - 1) // bs + 1):  # the slots of tokens [c, c + n), block by block
+                lo, hi = max(c, blk * bs), min(c + n, (blk + 1) * bs)
+                base = table[blk] * bs - blk * bs
+                slots.extend(range(base + lo, base + hi))
+            qsl.append(qsl[-1] + n)
             seq_lens.append(c + n)
             if c + n == seq.num_tokens:
-                sample_rows.append(b)
+                sample_idx.append(qsl[-1] - 1)
                 sampled.append(seq)
-        max_blocks = max(len(s.block_table) for s, _ in scheduled)
-        tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
-        for b, (seq, _) in enumerate(scheduled):
-            tables[b, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
-        q_lens_t = torch.tensor(q_lens)
-        qsl = torch.zeros(len(scheduled) + 1, dtype=torch.int32)
-        qsl[1:] = q_lens_t.cumsum(0)
-        seq_idx = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens_t)
-        positions = torch.tensor(starts).repeat_interleave(q_lens_t) + torch.arange(len(ids)) - qsl[:-1].long()[seq_idx]
-        slots = tables[seq_idx, positions // self.block_size].long() * self.block_size + positions % self.block_size
+        width = max(len(s.block_table) for s, _ in scheduled)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s, _ in scheduled]
         dev = self.device
+
+        def to_dev(x: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+
         meta = AttentionMetadata(
-            slot_mapping=slots.to(dev, non_blocking=True), query_start_loc=qsl.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=tables.to(dev, non_blocking=True), num_decodes=sum(1 for n in q_lens if n == 1),
-            max_query_len=max(q_lens), max_seq_len=max(seq_lens))
-        sample_idx = qsl[1:].long()[sample_rows] - 1
-        return StepBatch(torch.tensor(ids).to(dev, non_blocking=True), positions.to(dev, non_blocking=True), meta,
-                         sample_idx.to(dev, non_blocking=True), sampled)
+            slot_mapping=to_dev(slots), query_start_loc=to_dev(qsl, torch.int32),
+            seq_lens=to_dev(seq_lens, torch.int32), block_tables=to_dev(tables, torch.int32),
+            num_decodes=sum(1 for _, n in scheduled if n == 1), max_query_len=max(n for _, n in scheduled),
+            max_seq_len=max(seq_lens))
+        return StepBatch(to_dev(ids), to_dev(positions), meta, to_dev(sample_idx), sampled)
 
     def sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
         ps = [s.params for s in seqs]

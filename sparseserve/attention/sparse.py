@@ -1,0 +1,174 @@
+"""SparseBackend: dense prefill, sparse decode (DESIGN.md principles 2, 3 and 6).
+
+Wraps a dense backend (torch reference on CPU, Triton on CUDA). Every step it stores the new K/V
+through the dense backend and refreshes the key metadata of the pages it wrote. Prefill chunks
+attend densely. Decodes of a sparse layer are scored against the metadata, select blocks
+(selection.py) and attend only those (kernels/sparse_decode.py); the first `sparse_dense_layers`
+layers and steps whose longest context fits the budget run dense.
+
+Per-sequence state lives in fixed GPU buffers indexed by the state slot that the runner gives each
+running sequence (AttentionMetadata.state_slots; slot max_num_seqs is the trash row of CUDA-graph
+padding): the cached selection lists and decode-step counters of reuse. Everything a decode step
+does depends only on tensor shapes and host-side bounds, so it can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from sparseserve.attention.backend import AttentionBackend, AttentionMetadata
+from sparseserve.attention.selection import (SelectionParams, attended_blocks, block_scores_ref,
+                                             update_selection_ref)
+from sparseserve.config import SparseConfig
+from sparseserve.kvcache.metadata import allocate_key_meta, update_key_meta_ref
+
+
+def load_streaming_heads(path: str | None, num_layers: int, num_kv_heads: int) -> torch.Tensor:
+    """bool [num_layers, num_kv_heads] from {"streaming_heads": {"<layer>": [kv_head, ...]}}."""
+    mask = torch.zeros(num_layers, num_kv_heads, dtype=torch.bool)
+    if path is None:
+        return mask
+    try:
+        spec = json.loads(Path(path).read_text())["streaming_heads"]
+        for layer, heads in spec.items():
+            for h in heads:
+                if not (0 <= int(layer) < num_layers and 0 <= int(h) < num_kv_heads):
+                    raise ValueError(f"(layer {layer}, KV head {h}) is outside the model's "
+                                     f"{num_layers} layers x {num_kv_heads} KV heads")
+                mask[int(layer), int(h)] = True
+    except (OSError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
+        raise ValueError(f"could not read streaming heads from {path}: {e!r}") from e
+    return mask
+
+
+def sparse_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      sel_rows: torch.Tensor, local: int, max_seq_len: int, scale: float) -> torch.Tensor:
+    """Attention of decode queries q [B, Hq, D] over the blocks their lists sel_rows [B, Hkv, cap]
+    name plus the local window, in float32 (reference of kernels/sparse_decode.py)."""
+    batch, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, _, block_size, _ = kv_cache.shape
+    mb = max(1, -(-max_seq_len // block_size))
+    ctx = mb * block_size
+    blocks = attended_blocks(sel_rows, seq_lens, local, block_size, mb)  # [B, Hkv, MB]
+    kv = kv_cache[block_tables[:, :mb].long()].float()  # [B, MB, Hkv, 2, bs, D]
+    k = kv[:, :, :, 0].permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, ctx, head_dim)
+    v = kv[:, :, :, 1].permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, ctx, head_dim)
+    visible = blocks.repeat_interleave(block_size, -1) & (torch.arange(ctx, device=q.device) < seq_lens[:, None])[:, None]
+    qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    s = torch.einsum("bhgd,bhkd->bhgk", qg, k) * scale
+    probs = torch.softmax(s.masked_fill(~visible[:, :, None], float("-inf")), -1).nan_to_num(0.0)
+    return torch.einsum("bhgk,bhkd->bhgd", probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+class SparseBackend(AttentionBackend):
+    name = "sparse"
+
+    def __init__(self, dense: AttentionBackend, config: SparseConfig, num_layers: int, num_kv_heads: int,
+                 head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device, max_num_seqs: int) -> None:
+        self.dense = dense
+        self.use_triton = dense.name == "triton"
+        page = config.logical_page_size or block_size
+        self.params = SelectionParams(config.sparse_policy, config.sparse_budget // block_size,
+                                      config.sparse_sink_blocks, config.sparse_local_blocks, config.sparse_top_p,
+                                      config.sparse_reuse, block_size, page,
+                                      short_dense=config.sparse_dense_context != 0)
+        self.dense_layers = config.sparse_dense_layers
+        self.dense_context = config.sparse_budget if config.sparse_dense_context is None else config.sparse_dense_context
+        self.shape = (num_layers, num_kv_heads, head_dim, block_size, dtype, device)
+        self.streaming = load_streaming_heads(config.streaming_heads, num_layers, num_kv_heads).to(device)
+        slots = max_num_seqs + 1  # + the trash slot of CUDA-graph padding rows
+        self.sel = torch.full((num_layers, slots, num_kv_heads, self.params.cap), -1, dtype=torch.int32, device=device)
+        self.counter = torch.zeros(num_layers, slots, num_kv_heads, dtype=torch.int32, device=device)
+        self.stats = torch.zeros(2, dtype=torch.int64, device=device)  # blocks selected, selections
+        self.rows = torch.arange(slots, dtype=torch.int32, device=device)  # default slots: row b -> slot b
+        self.key_meta: torch.Tensor | None = None
+        # What the metadata adds to each token block: the runner sizes the KV cache with it.
+        self.metadata_block_bytes = num_layers * num_kv_heads * 2 * (block_size // page) * head_dim * dtype.itemsize
+
+    def allocate(self, num_blocks: int) -> None:
+        """Key metadata for a cache of num_blocks blocks. Until then (the runner's memory-profiling
+        prefill runs before the cache exists) the backend is dense."""
+        num_layers, hkv, head_dim, block_size, dtype, device = self.shape
+        self.key_meta = allocate_key_meta(num_layers, num_blocks, hkv, block_size, self.params.page_size, head_dim,
+                                          dtype, device)
+
+    def reset_slots(self, slots: list[int]) -> None:
+        """Sequences (re)starting in these slots: their first decode step selects afresh."""
+        if slots:
+            self.counter[:, torch.tensor(slots, device=self.counter.device)] = 0
+
+    def sparse_stats(self) -> tuple[int, int, int]:
+        """(blocks selected, selections, block size) since start; a selection is one (sequence, layer,
+        KV head) list, made every decode step of a sparse layer (every R-th with reuse)."""
+        blocks, selections = self.stats.tolist()
+        return blocks, selections, self.params.block_size
+
+    def is_sparse(self, layer_idx: int, meta: AttentionMetadata) -> bool:
+        """Host-side decision (fixed while a CUDA graph replays: max_seq_len is its bound)."""
+        return (self.key_meta is not None and layer_idx >= self.dense_layers and meta.num_decodes > 0
+                and meta.max_seq_len > self.dense_context)
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self.dense.store_kv(k, v, kv_cache, meta.slot_mapping)
+        if self.key_meta is not None:
+            self._update_key_meta(kv_cache, self.key_meta[layer_idx], meta.slot_mapping)
+        if not self.is_sparse(layer_idx, meta):
+            return self.dense.attend(q, kv_cache, meta, scale)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if meta.num_seqs > nd:  # prefill chunks: dense, on a metadata view without the decodes
+            sub = AttentionMetadata(meta.slot_mapping[nd:], meta.query_start_loc[nd:] - nd, meta.seq_lens[nd:],
+                                    meta.block_tables[nd:], num_decodes=0, max_query_len=meta.max_query_len,
+                                    max_seq_len=meta.max_seq_len)
+            out[nd:] = self.dense.attend(q[nd:], kv_cache, sub, scale)
+        self._decode(layer_idx, q[:nd], kv_cache, meta, scale, out[:nd])
+        return out
+
+    def store_kv(self, k, v, kv_cache, slot_mapping):
+        self.dense.store_kv(k, v, kv_cache, slot_mapping)
+
+    def attend(self, q, kv_cache, meta, scale):
+        raise NotImplementedError("SparseBackend attends per layer: call forward(layer_idx, ...)")
+
+    def _slots(self, meta: AttentionMetadata) -> torch.Tensor:
+        nd = meta.num_decodes
+        return (meta.state_slots if meta.state_slots is not None else self.rows)[:nd]
+
+    def _update_key_meta(self, kv_cache: torch.Tensor, key_meta: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if self.use_triton:
+            from sparseserve.kernels.block_score import update_key_meta
+            update_key_meta(kv_cache, key_meta, slot_mapping, self.params.page_size)
+        else:
+            update_key_meta_ref(kv_cache, key_meta, slot_mapping, self.params.page_size)
+
+    def _decode(self, layer_idx: int, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, out: torch.Tensor) -> None:
+        nd, p = meta.num_decodes, self.params
+        tables, seq_lens, slots = meta.block_tables[:nd], meta.seq_lens[:nd], self._slots(meta)
+        mb = max(1, -(-meta.max_seq_len // p.block_size))
+        key_meta, sel, counter = self.key_meta[layer_idx], self.sel[layer_idx], self.counter[layer_idx]
+        streaming = self.streaming[layer_idx]
+        if self.use_triton:
+            from sparseserve.kernels.block_score import score_and_select
+            from sparseserve.kernels.sparse_decode import sparse_decode
+            score_and_select(q, key_meta, tables, seq_lens, slots, sel, counter, self.stats, streaming, p, mb, scale)
+            sparse_decode(q, kv_cache, tables, seq_lens, sel, slots, p.local, scale, out=out)
+        else:
+            scores = block_scores_ref(q, key_meta, tables, seq_lens, mb, p.block_size, scale)
+            update_selection_ref(scores, seq_lens, slots, sel, counter, self.stats, streaming, p)
+            out.copy_(sparse_decode_ref(q, kv_cache, tables, seq_lens, sel[slots.long()], p.local, meta.max_seq_len,
+                                        scale))
+
+    def attended_blocks(self, layer_idx: int, meta: AttentionMetadata) -> torch.Tensor:
+        """bool [num_decodes, Hkv, max_blocks] of the step just run (for bench/attention_probe.py)."""
+        nd, bs = meta.num_decodes, self.params.block_size
+        mb = meta.block_tables.shape[1]
+        seq_lens = meta.seq_lens[:nd]
+        if not self.is_sparse(layer_idx, meta):
+            nb = (seq_lens.long() + bs - 1) // bs
+            return (torch.arange(mb, device=nb.device)[None] < nb[:, None])[:, None].expand(-1, self.shape[1], -1)
+        sel = self.sel[layer_idx][self._slots(meta).long()]
+        return attended_blocks(sel, seq_lens, self.params.local, bs, mb)

@@ -1,0 +1,177 @@
+"""Sparse decode speed against dense, side by side in one run (DESIGN.md: ratios, not absolute times).
+
+    python -m sparseserve.bench.sparse [--kernel] [--step MODEL_DIR] [--json out.json]
+
+--kernel: one layer's decode attention at 128K context, batch 8, Llama-3.1-8B heads (32/8, D=128),
+bf16, blocks of 32: the dense paged kernel against sparse decode with scoring and selection
+included (topk and topp at budget 2048, without and with reuse R=4), each captured in a CUDA graph
+(R consecutive steps per graph, so reuse is timed as it runs), plus a breakdown of the parts.
+--step: the whole decode step (model forward + sampling) of MODEL_DIR at 128K context, batch 4, with
+sparse topk 2048 and then dense, on the same weights and KV cache (random KV: cost does not depend
+on the values). Both report the median of many replays.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+
+import torch
+import triton
+
+from sparseserve.attention.backend import AttentionMetadata
+from sparseserve.attention.sparse import SparseBackend
+from sparseserve.attention.triton_backend import TritonBackend
+from sparseserve.bench.hardware import hbm_bandwidth, print_table
+from sparseserve.config import SparseConfig
+from sparseserve.kernels.block_score import block_scores, select_blocks
+from sparseserve.kernels.paged_decode import paged_decode
+from sparseserve.kernels.sparse_decode import sparse_decode
+from sparseserve.kvcache.metadata import rebuild_key_meta
+
+DTYPE = torch.bfloat16
+
+
+def graph_ms(fn, calls: int = 1) -> float:
+    """Median time of one call of fn, from replays of a CUDA graph of `calls` consecutive calls."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") / calls
+
+
+def kernel_bench(batch: int = 8, ctx: int = 131072, hq: int = 32, hkv: int = 8, d: int = 128, bs: int = 32,
+                 budget: int = 2048) -> list[dict]:
+    per_seq = triton.cdiv(ctx, bs)
+    cache = torch.randn(batch * per_seq, hkv, 2, bs, d, device="cuda", dtype=DTYPE)
+    tables = torch.randperm(batch * per_seq, device="cuda", dtype=torch.int32).view(batch, per_seq)
+    seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, hq, d, device="cuda", dtype=DTYPE)
+    out = torch.empty_like(q)
+    scale = d ** -0.5
+    meta = AttentionMetadata(torch.full((batch,), -1, device="cuda"), torch.arange(batch + 1, device="cuda",
+                             dtype=torch.int32), seq_lens, tables, num_decodes=batch, max_query_len=1, max_seq_len=ctx)
+    kv_bytes = 2 * batch * hkv * ctx * d * DTYPE.itemsize
+    dense_ms = graph_ms(lambda: paged_decode(q, cache, tables, seq_lens, scale, ctx, out=out))
+    rows = [{"case": f"dense paged decode B={batch} L={ctx}", "ms": dense_ms, "speedup": 1.0,
+             "tb_s": kv_bytes / dense_ms / 1e9}]
+    ref = out.clone()
+    for policy, reuse in (("topk", 1), ("topk", 4), ("topp", 1), ("topp", 4)):
+        cfg = SparseConfig(sparse_policy=policy, sparse_budget=budget, sparse_reuse=reuse, sparse_top_p=0.9,
+                           sparse_dense_layers=0)
+        sp = SparseBackend(TritonBackend(), cfg, 1, hkv, d, bs, DTYPE, cache.device, max_num_seqs=batch)
+        sp.allocate(cache.shape[0])
+        rebuild_key_meta(cache[None], sp.key_meta, bs)
+        ms = graph_ms(lambda: sp._decode(0, q, cache, meta, scale, out), calls=reuse)
+        blocks, selections, _ = sp.sparse_stats()
+        rows.append({"case": f"sparse {policy} budget={budget} R={reuse}", "ms": ms, "speedup": dense_ms / ms,
+                     "mean_blocks": blocks / max(selections, 1)})
+        if policy == "topk" and reuse == 1:  # the parts, each in its own graph
+            p, mb, slots = sp.params, per_seq, sp.rows[:batch]
+            km, sel, cnt = sp.key_meta[0], sp.sel[0], sp.counter[0]
+            scores = block_scores(q, km, tables, seq_lens, slots, cnt, p, mb, scale)
+            parts = {"score": lambda: block_scores(q, km, tables, seq_lens, slots, cnt, p, mb, scale),
+                     "select": lambda: select_blocks(scores, seq_lens, slots, sel, cnt, sp.stats, sp.streaming[0], p),
+                     "attend": lambda: sparse_decode(q, cache, tables, seq_lens, sel, slots, p.local, scale, out=out)}
+            for name, fn in parts.items():
+                t = graph_ms(fn)
+                rows.append({"case": f"  part: {name}", "ms": t, "speedup": dense_ms / t})
+        del sp
+    rows[0]["rel_err_vs_dense_full_budget"] = full_budget_error(q, cache, meta, ref, scale, bs)
+    del cache
+    torch.cuda.empty_cache()
+    return rows
+
+
+def full_budget_error(q, cache, meta, dense_out, scale, bs) -> float:
+    """Sparse path (scoring and selection included) with a budget covering the context vs dense."""
+    cfg = SparseConfig(sparse_policy="topk", sparse_budget=meta.max_seq_len + bs, sparse_dense_layers=0,
+                       sparse_dense_context=0)
+    sp = SparseBackend(TritonBackend(), cfg, 1, cache.shape[1], q.shape[-1], bs, DTYPE, q.device, q.shape[0])
+    sp.allocate(cache.shape[0])
+    rebuild_key_meta(cache[None], sp.key_meta, bs)
+    out = torch.empty_like(q)
+    sp._decode(0, q, cache, meta, scale, out)
+    return ((out.float() - dense_out.float()).norm() / dense_out.float().norm()).item()
+
+
+def step_bench(model_dir: str, ctx: int = 131056, batch: int = 4, budget: int = 2048, dense_layers: int = 2,
+               steps: int = 20) -> list[dict]:
+    from sparseserve.engine.cuda_graph import DecodeGraphs
+    from sparseserve.engine.engine import LLMEngine
+    from sparseserve.engine.request import Sequence, SequenceStatus
+    from sparseserve.kvcache.blocks import blocks_needed
+    from sparseserve.sampling_params import SamplingParams
+
+    max_len = ctx + 16
+    engine = LLMEngine.from_kwargs(model=model_dir, dtype="bfloat16", max_model_len=max_len, max_num_seqs=batch,
+                                   num_gpu_blocks_override=batch * blocks_needed(max_len, 32) + 8,
+                                   sparse_policy="topk", sparse_budget=budget, sparse_dense_layers=dense_layers)
+    runner, sparse = engine.model_runner, engine.model_runner.sparse
+    runner.kv_cache.normal_()
+    rebuild_key_meta(runner.kv_cache, sparse.key_meta, sparse.params.page_size)
+    seqs = []
+    for i in range(batch):
+        seq = Sequence(i, f"b{i}", 0, [100 + i] * ctx, SamplingParams(temperature=0.0))
+        seq.block_table = engine.allocator.allocate(blocks_needed(ctx, runner.block_size))
+        seq.num_computed_tokens, seq.status = ctx - 1, SequenceStatus.RUNNING
+        seqs.append(seq)
+    scheduled = [(s, 1) for s in seqs]
+
+    def measure(label: str) -> dict:
+        runner.execute(scheduled)  # warm-up; the sequences stay at ctx tokens: every step is alike
+        torch.cuda.synchronize()
+        walls = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            runner.execute(scheduled)
+            torch.cuda.synchronize()
+            walls.append(1e3 * (time.perf_counter() - t0))
+        graph = runner.graphs.graphs[batch]
+        replay = triton.testing.do_bench(graph.replay, warmup=5, rep=max(100, int(3 * statistics.median(walls))),
+                                         return_mode="median")
+        return {"case": f"{label} step B={batch} L={ctx}", "graph_ms": replay, "engine_step_ms": statistics.median(walls)}
+
+    rows = [measure(f"sparse topk {budget} dense_layers={dense_layers}")]
+    for m in runner.model.modules():  # same weights and cache, dense attention, graphs captured anew
+        if getattr(m, "backend", None) is sparse:
+            m.backend = sparse.dense
+    runner.graphs = None
+    torch.cuda.empty_cache()
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, batch, max_len, runner.block_size)
+    rows.append(measure("dense"))
+    for key in ("graph_ms", "engine_step_ms"):
+        rows[0][f"speedup_{key}"] = rows[1][key] / rows[0][key]
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernel", action="store_true", help="One layer's decode attention (default if no --step).")
+    ap.add_argument("--step", metavar="MODEL_DIR", help="Whole decode step of this model (Llama-3.1-8B config).")
+    ap.add_argument("--json", help="Write the results here.")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "hbm_bytes_per_s": hbm_bandwidth()}
+    if args.kernel or not args.step:
+        result["kernel"] = kernel_bench()
+        print_table(result["kernel"], f"one layer, sparse vs dense decode attention ({result['device']})")
+    if args.step:
+        result["step"] = step_bench(args.step)
+        print_table(result["step"], f"decode step ({result['device']})")
+    print(f"{result['date']}  torch {result['torch']}  triton {result['triton']}  "
+          f"HBM copy {result['hbm_bytes_per_s'] / 1e12:.2f} TB/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

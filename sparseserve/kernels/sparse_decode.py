@@ -1,0 +1,157 @@
+"""Sparse paged decode: attention of one query token per sequence over a list of selected blocks.
+
+Each (sequence, KV head) attends the blocks of its selection list (logical block indices, -1 padded,
+in sel[slot, kvh]) that lie before the current local window, plus that window (the last `local`
+blocks, which move on as tokens arrive while a list is reused). Kernel 1 splits this list of
+cap + local entries over programs (sequence, KV head, split); each loads a tile of whole head blocks
+and serves all query heads of the group with it, and writes a partial output and its log-sum-exp.
+Kernel 2 merges the splits. Tiles with no valid entry (padding of adaptive budgets, entries inside the
+window) are skipped without loading K/V. Reference: attention/sparse.py sparse_decode_ref.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, sel_ptr, part_out_ptr, part_lse_ptr,
+                         qk_scale, entries_per_split,
+                         stride_qt, stride_qh, stride_cb, stride_ch, stride_ckv, stride_tb, stride_ss,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr,
+                         LOCAL: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE_E: tl.constexpr,
+                         DOT_PREC: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)  # 0 for padding rows: no entry is valid
+    nb = tl.cdiv(seq_len, BLOCK_SIZE)
+    local_start = tl.maximum(nb - LOCAL, 0)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    sel_row = sel_ptr + slot * stride_ss + kvh * CAP
+    table_row = table_ptr + b.to(tl.int64) * stride_tb
+
+    g = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + g
+    q_mask = (g[:, None] < GROUP) & (dims[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
+    kv_base = cache_ptr + kvh * stride_ch
+
+    t = tl.arange(0, TILE_E * BLOCK_SIZE)  # token t of a tile: entry t // BLOCK_SIZE, row t % BLOCK_SIZE
+    off = t % BLOCK_SIZE
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    e_start = split * entries_per_split
+    for e0 in range(e_start, e_start + entries_per_split, TILE_E):
+        e = e0 + t // BLOCK_SIZE
+        listed = e < CAP
+        j = tl.load(sel_row + e, mask=listed, other=-1)
+        j = tl.where(listed, j, local_start + e - CAP)
+        ok = tl.where(listed, (j >= 0) & (j < local_start), j < nb) & (e < CAP + LOCAL)
+        ok = ok & (j * BLOCK_SIZE + off < seq_len)
+        if tl.max(ok.to(tl.int32), 0) > 0:
+            blk = tl.load(table_row + j, mask=ok, other=0).to(tl.int64)
+            k_ptrs = kv_base + (blk * stride_cb + off * HEAD_DIM)[:, None] + dims[None, :]
+            kv_mask = ok[:, None] & (dims[None, :] < HEAD_DIM)
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible token yet: avoid inf - inf
+            p = tl.exp2(s - m_shift[:, None])
+            alpha = tl.exp2(m_i - m_shift)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+
+    # part_out [B, Hq, num_splits, BLOCK_D], part_lse [B, Hq, num_splits]; an empty split: zeros and -inf.
+    row = (b * tl.num_programs(1) * GROUP + heads).to(tl.int64) * tl.num_programs(2) + split
+    tl.store(part_out_ptr + row[:, None] * BLOCK_D + dims[None, :], acc / tl.where(l_i > 0, l_i, 1.0)[:, None],
+             mask=q_mask)
+    tl.store(part_lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=g < GROUP)
+
+
+@triton.jit
+def _sparse_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
+                         NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
+    """Log-sum-exp merge of one (sequence, query head); a row that attended nothing gets zeros."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row0 = (b * NUM_Q_HEADS + h).to(tl.int64) * num_splits
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    smask = splits < num_splits
+    lse = tl.load(part_lse_ptr + row0 + splits, mask=smask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+    part = tl.load(part_out_ptr + (row0 + splits)[:, None] * BLOCK_D + dims[None, :], mask=smask[:, None], other=0.0)
+    denom = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * part, 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+@dataclass(frozen=True)
+class SparseDecodeConfig:
+    tile_n: int = 64            # tokens a tile (whole blocks: at least one)
+    target_programs: int = 0    # 0: 4 per multiprocessor
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def split_plan(batch: int, num_kv_heads: int, entries: int, tile_e: int, device: torch.device,
+               config: SparseDecodeConfig) -> tuple[int, int]:
+    """(entries per split, number of splits) from shapes only, so the grid is fixed under a CUDA graph."""
+    target = config.target_programs or 4 * _num_sms(device)
+    tiles = triton.cdiv(entries, tile_e)
+    splits = min(tiles, max(1, triton.cdiv(target, batch * num_kv_heads)))
+    per_split = triton.cdiv(tiles, splits)
+    return per_split * tile_e, triton.cdiv(tiles, per_split)
+
+
+def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  sel: torch.Tensor, slots: torch.Tensor, local: int, scale: float, out: torch.Tensor | None = None,
+                  config: SparseDecodeConfig | None = None) -> torch.Tensor:
+    """q: [B, Hq, D]; sel: one layer's lists [S + 1, Hkv, cap]; slots: int32 [B]. Returns (fills) out [B, Hq, D]."""
+    batch, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, _, block_size, _ = kv_cache.shape
+    cap = sel.shape[-1]
+    assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim and q.stride(2) == 1 and sel.stride(2) == 1
+    config = config or SparseDecodeConfig(tile_n=32 if q.dtype == torch.float32 else 64)
+    out = torch.empty_like(q) if out is None else out
+    if batch == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    tile_e = max(1, config.tile_n // block_size, 16 // block_size)  # tl.dot needs 16 rows
+    per_split, num_splits = split_plan(batch, num_kv_heads, cap + local, tile_e, q.device, config)
+    block_d = triton.next_power_of_2(head_dim)
+    part_out = torch.empty(batch, num_q_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    _sparse_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, kv_cache, block_tables, seq_lens, slots, sel, part_out, part_lse, scale * LOG2E, per_split,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        block_tables.stride(0), sel.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, CAP=cap, LOCAL=local,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, TILE_E=tile_e,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    _sparse_merge_kernel[(batch, num_q_heads)](
+        part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
+    return out

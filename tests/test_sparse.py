@@ -1,0 +1,119 @@
+"""Sparse decode on the CPU through the public API: config and flags, the selection reference, the
+engine (sparse path with a covering budget == dense, token for token; small budgets run, attend less
+and free every block), streaming heads and their calibration, stats and /metrics."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from sparseserve import LLM, SamplingParams
+from sparseserve.attention.selection import SelectionParams, select_ref
+from sparseserve.bench.attention_probe import AttentionProbe
+from sparseserve.config import EngineConfig
+from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
+from sparseserve.metrics import ServerMetrics, parse_metrics
+
+BS = 8  # small blocks: the tiny prompts span many of them
+COMMON = dict(device="cpu", block_size=BS, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(10, 2000, (n,), generator=g).tolist() for n in (120, 75, 30)]
+
+
+def run(model_dir, probe: bool = False, **kw) -> tuple[list[list[int]], LLM, dict | None]:
+    llm = LLM(str(model_dir), **COMMON, **kw)
+    if not probe:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)], llm, None
+    with AttentionProbe(llm.llm_engine.model_runner.attn_backend) as p:
+        outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm, p.report()["layers"]
+
+
+def test_config_and_flags():
+    cfg = EngineConfig.from_kwargs(sparse_policy="topp", sparse_budget=4096, sparse_top_p=0.9, sparse_reuse=4,
+                                   sparse_dense_layers=1, streaming_heads="h.json", logical_page_size=8)
+    assert cfg.sparse_config.sparse_top_p == 0.9 and cfg.sparse_config.enabled
+    args = build_parser(["generate"]).parse_args(
+        ["generate", "--sparse-policy", "topk", "--sparse-budget", "1024", "--sparse-reuse", "2",
+         "--streaming-heads", "h.json", "--logical-page-size", "16", "--sparse-dense-layers", "0"])
+    kw = engine_kwargs_from_args(args)
+    assert kw["sparse_policy"] == "topk" and kw["sparse_budget"] == 1024 and kw["logical_page_size"] == 16
+    bad = [dict(sparse_policy="quest"), dict(sparse_top_p=0.0), dict(sparse_reuse=0), dict(sparse_local_blocks=0),
+           dict(logical_page_size=48), dict(logical_page_size=64, block_size=32),
+           dict(sparse_policy="topk", sparse_budget=128, block_size=32)]  # 4 blocks: no room past sink + local
+    for kwargs in bad:
+        with pytest.raises(ValueError):
+            EngineConfig.from_kwargs(**kwargs)
+
+
+def test_selection_reference():
+    """topk keeps the k best masses; topp the fewest best reaching p; sink and local always."""
+    p = SelectionParams("topk", cap=4, sink=1, local=1, top_p=0.5, reuse=1, block_size=1, page_size=1)
+    scores = torch.log(torch.tensor([[[0.05, 0.3, 0.02, 0.25, 0.03, 0.2, 0.15]]]))  # masses, sum 1
+    lens = torch.tensor([7])
+    assert sorted(select_ref(scores, lens, torch.tensor([False]), p)[0, 0].tolist()) == [0, 1, 3, 6]
+    topp = dataclasses.replace(p, policy="topp", top_p=0.45)  # sink + local hold 0.2: one more block
+    assert sorted(select_ref(scores, lens, torch.tensor([False]), topp)[0, 0].tolist()) == [-1, 0, 1, 6]
+    assert sorted(select_ref(scores, lens, torch.tensor([True]), p)[0, 0].tolist()) == [-1, -1, 0, 6]
+
+
+def test_full_budget_equals_dense(tiny_model_dir):
+    """Chunked prefill mixed with decodes; the sparse runs score, select and run the sparse attention
+    for every decode (sparse_dense_context=0) with a budget covering every block."""
+    dense, _, _ = run(tiny_model_dir)
+    forced = dict(sparse_budget=1024, sparse_dense_layers=0, sparse_dense_context=0, sparse_local_blocks=2)
+    topk, llm, probe = run(tiny_model_dir, probe=True, sparse_policy="topk", **forced)
+    assert topk == dense
+    assert all(r["mass_min"] > 1 - 1e-6 and r["rel_err_max"] < 1e-4 for r in probe.values())
+    stats = llm.llm_engine.get_stats()
+    assert stats.sparse_selections == 2 * 2 * 3 * (GREEDY.max_tokens - 1)  # layers x KV heads x seqs x decodes
+    topp, _, _ = run(tiny_model_dir, sparse_policy="topp", sparse_top_p=1.0, **forced)
+    assert topp == dense
+
+
+def test_small_budget(tiny_model_dir, tmp_path):
+    """Budgets far below the context: decodes attend less (probe mass < 1), outputs stay well formed,
+    reuse, hierarchical pages and streaming heads run, every block comes back."""
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({"streaming_heads": {"1": [0]}}))
+    cases = [dict(sparse_policy="topk", sparse_budget=4 * BS, sparse_dense_layers=0),
+             dict(sparse_policy="topp", sparse_budget=6 * BS, sparse_top_p=0.6, sparse_reuse=3, logical_page_size=2,
+                  sparse_dense_layers=1, streaming_heads=str(heads))]
+    for kw in cases:
+        outs, llm, probe = run(tiny_model_dir, probe=True, sparse_sink_blocks=1, sparse_local_blocks=2, **kw)
+        assert all(len(o) == GREEDY.max_tokens for o in outs)
+        sparse_layers = [r for layer, r in probe.items() if int(layer) >= kw["sparse_dense_layers"]]
+        assert min(r["mass_min"] for r in sparse_layers) < 0.999
+        engine = llm.llm_engine
+        stats = engine.get_stats()
+        assert stats.num_blocks_used == 0 and not engine.has_unfinished_requests()
+        engine.allocator.check()
+        assert 0 < stats.sparse_blocks_selected <= stats.sparse_selections * kw["sparse_budget"] // BS
+        text = ServerMetrics(lambda: stats, "m").render().decode()
+        got = parse_metrics(text)
+        assert got["sparseserve:sparse_mean_budget_tokens"] <= kw["sparse_budget"]
+        assert got["sparseserve:sparse_selections_total"] == stats.sparse_selections
+
+
+def test_calibrate_streaming_heads(tiny_model_dir, tmp_path):
+    from sparseserve.bench import calibrate
+    p = argparse.ArgumentParser()
+    calibrate.add_cli_args(p)
+    out = tmp_path / "heads.json"
+    args = p.parse_args([str(tiny_model_dir), "--out", str(out), "--random-prompts", "--lengths", "48",
+                         "--num-samples", "1", "--decode-steps", "2", "--threshold", "0", "--max-fraction", "0.5",
+                         "--sparse-dense-layers", "1", "--block-size", str(BS), "--sparse-local-blocks", "2",
+                         "--device", "cpu"])
+    res = calibrate.main(args)
+    assert res["streaming_heads"] and set(res["streaming_heads"]) == {"1"}  # layer 0 stays dense
+    assert len(res["streaming_heads"]["1"]) == 1  # half of the sparse layers' 2 KV heads
+    outs, _, _ = run(tiny_model_dir, sparse_policy="topk", sparse_budget=4 * BS, sparse_dense_layers=1,
+                     sparse_local_blocks=2, streaming_heads=str(out))
+    assert all(len(o) == GREEDY.max_tokens for o in outs)

@@ -1,0 +1,250 @@
+"""Sparse-decode Triton kernels (kernels/block_score.py, kernels/sparse_decode.py) against their torch
+references. Without CUDA they run under the Triton interpreter on small shapes; with CUDA the same
+tests run on the GPU, plus large shapes and a CUDA-graph replay of the whole sparse decode path.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the @triton.jit of the kernel modules
+pytest.importorskip("triton")
+
+from sparseserve.attention.backend import AttentionMetadata  # noqa: E402
+from sparseserve.attention.selection import SelectionParams, block_scores_ref, update_selection_ref  # noqa: E402
+from sparseserve.attention.sparse import SparseBackend, sparse_decode_ref  # noqa: E402
+from sparseserve.attention.torch_ref import TorchBackend, paged_attention_ref  # noqa: E402
+from sparseserve.attention.triton_backend import TritonBackend  # noqa: E402
+from sparseserve.config import SparseConfig  # noqa: E402
+from sparseserve.kernels.block_score import block_scores, select_blocks, update_key_meta  # noqa: E402
+from sparseserve.kernels.sparse_decode import SparseDecodeConfig, sparse_decode  # noqa: E402
+from sparseserve.kvcache.metadata import allocate_key_meta, rebuild_key_meta, update_key_meta_ref  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEV = torch.device("cuda" if ON_GPU else "cpu")
+# The Triton interpreter multiplies bf16 dot operands as raw bits (see test_kernels.py): bf16 on the GPU only.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def decode_batch(lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype, slack: int = 0):
+    """Random cache (shuffled blocks), decode queries and metadata; seq_len 0 = padding row."""
+    width = -(-(max(lens) + slack) // bs)
+    num_blocks = sum(-(-n // bs) for n in lens) + 2
+    ids = torch.randperm(num_blocks, dtype=torch.int32)
+    tables = torch.randint(0, num_blocks, (len(lens), width), dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(lens):
+        tables[b, : -(-n // bs)] = ids[start:start - (-n // bs)]
+        start += -(-n // bs)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((len(lens),), -1, dtype=torch.int64, device=DEV),
+        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEV), block_tables=tables.to(DEV),
+        num_decodes=len(lens), max_query_len=1, max_seq_len=max(lens) + slack)
+    cache = torch.randn(num_blocks, hkv, 2, bs, d, device=DEV).to(dtype)
+    return torch.randn(len(lens), hq, d, device=DEV).to(dtype), cache, meta
+
+
+def params(policy: str, cap: int, bs: int, page: int, reuse: int = 1, top_p: float = 0.9) -> SelectionParams:
+    return SelectionParams(policy, cap, sink=1, local=2, top_p=top_p, reuse=reuse, block_size=bs, page_size=page)
+
+
+@pytest.mark.parametrize("bs,page", [(16, 16), (16, 4)])
+def test_update_key_meta(bs, page):
+    """Prefill chunks (one starting mid-page), decodes and padding: the kernel equals the reference,
+    and the reference equals min/max over each page's written tokens."""
+    torch.manual_seed(0)
+    hkv, d, nblocks = 2, 32, 12
+    cache = torch.randn(nblocks, hkv, 2, bs, d, device=DEV)
+    owner = torch.randperm(nblocks)
+    seqs = [(owner[:5].tolist(), 0, 37), (owner[5:8].tolist(), 21, 44), (owner[8:10].tolist(), 17, 18)]
+    slots = [-1]
+    for table, start, end in seqs:
+        slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+    slots.append(-1)
+    slot_mapping = torch.tensor(slots, device=DEV)
+    ref = allocate_key_meta(1, nblocks, hkv, bs, page, d, cache.dtype, DEV)[0]
+    out = ref.clone()
+    update_key_meta_ref(cache, ref, slot_mapping, page)
+    update_key_meta(cache, out, slot_mapping, page)
+    assert torch.equal(out[:nblocks], ref[:nblocks])
+    for table, start, end in seqs:
+        for p0 in range(start // page * page, end, page):
+            blk, off = table[p0 // bs], p0 % bs
+            keys = cache[blk, :, 0, off: off + min(page, end - p0)]
+            assert torch.equal(ref[blk, :, 0, off // page], keys.amin(1))
+            assert torch.equal(ref[blk, :, 1, off // page], keys.amax(1))
+
+
+def scored_batch(lens, hq, hkv, d, bs, page, dtype, slack=0):
+    q, cache, meta = decode_batch(lens, hq, hkv, d, bs, dtype, slack)
+    key_meta = allocate_key_meta(1, cache.shape[0], hkv, bs, page, d, dtype, DEV)
+    rebuild_key_meta(cache[None], key_meta, page)
+    return q, cache, meta, key_meta[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,bs,page", [(8, 2, 16, 16), (6, 2, 16, 4), (4, 4, 32, 32)])
+def test_block_scores(dtype, hq, hkv, bs, page):
+    torch.manual_seed(1)
+    d, cap = 32, 4
+    lens = [0, 3 * bs, 9 * bs + 5, 20 * bs - 1]
+    q, _, meta, key_meta = scored_batch(lens, hq, hkv, d, bs, page, dtype, slack=bs + 3)
+    mb = -(-meta.max_seq_len // bs)
+    p = params("topk", cap, bs, page)
+    slots = torch.arange(len(lens), dtype=torch.int32, device=DEV)
+    counter = torch.zeros(len(lens), hkv, dtype=torch.int32, device=DEV)
+    out = block_scores(q, key_meta, meta.block_tables, meta.seq_lens, slots, counter, p, mb, d ** -0.5)
+    ref = block_scores_ref(q, key_meta, meta.block_tables, meta.seq_lens, mb, bs, d ** -0.5)
+    for b, n in enumerate(lens):  # written where selection reads: rows with more than cap blocks
+        nb = -(-n // bs)
+        if nb > cap:
+            assert rel_err(out[b, :, :nb], ref[b, :, :nb]) < TOL[dtype]
+            assert torch.isinf(ref[b, :, nb:]).all()
+
+
+@pytest.mark.parametrize("policy,top_p", [("topk", 1.0), ("topp", 0.5), ("topp", 0.9)])
+def test_select_blocks(policy, top_p):
+    """Lists from the bit-pattern binary search equal the sort-based reference, over reuse steps, with
+    a streaming head and rows that fit the cap (all blocks) or are padding."""
+    torch.manual_seed(2)
+    hq, hkv, bs, cap, nslots = 8, 4, 16, 6, 6
+    lens = [40 * bs, 3 * bs, 0, 17 * bs + 3, 64 * bs]
+    p = params(policy, cap, bs, bs, reuse=2, top_p=top_p)
+    slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
+    streaming = torch.tensor([False, True, False, False], device=DEV)
+    state = [(torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
+              torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV),
+              torch.zeros(2, dtype=torch.int64, device=DEV)) for _ in range(2)]
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    for step in range(3):
+        # Sharp random scores: distinct masses; -inf past each row's end, as scoring leaves them.
+        scores = 4 * torch.randn(len(lens), hq, 64, device=DEV)
+        past_end = torch.arange(64, device=DEV)[None, None] >= -(-seq_lens[:, None, None] // bs)
+        scores.masked_fill_(past_end, float("-inf"))
+        update_selection_ref(scores, seq_lens, slots, *state[0], streaming, p)
+        select_blocks(scores, seq_lens, slots, *state[1], streaming, p)
+        for a, b in zip(state[0], state[1]):
+            assert torch.equal(a.sort(-1).values if a.dim() == 3 else a, b.sort(-1).values if b.dim() == 3 else b), step
+    sel = state[0][0]
+    assert sorted(sel[0, 0].tolist()) == [-1, -1, -1, 0, 1, 2]  # 3 blocks <= cap: all of them
+    assert sorted(sel[4, 1].tolist()) == [-1, -1, -1, 0, 38, 39]  # streaming head: sink + local only
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,bs,config", [(8, 2, 64, 16, SparseDecodeConfig(tile_n=32, target_programs=24)),
+                                                 (6, 2, 32, 16, SparseDecodeConfig(tile_n=16, target_programs=1)),
+                                                 (4, 4, 64, 32, None)])
+def test_sparse_decode(dtype, hq, hkv, d, bs, config):
+    """Random lists with padding, entries inside the local window, and a padding row."""
+    torch.manual_seed(3)
+    lens = [0, 1, 5 * bs, 13 * bs + 7, 9 * bs + 1]
+    q, cache, meta = decode_batch(lens, hq, hkv, d, bs, dtype, slack=2 * bs)
+    cap = 5
+    sel = torch.full((len(lens) + 1, hkv, cap), -1, dtype=torch.int32, device=DEV)
+    for b, n in enumerate(lens):
+        nb = -(-n // bs)
+        for h in range(hkv):
+            pick = torch.randperm(max(nb, 1))[: torch.randint(0, cap + 1, ()).item()]
+            sel[b, h, : pick.numel()] = pick.to(torch.int32)
+    slots = torch.arange(len(lens), dtype=torch.int32, device=DEV)
+    ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, sel[: len(lens)], 2, meta.max_seq_len,
+                            d ** -0.5)
+    out = torch.full_like(q, float("nan"))
+    sparse_decode(q, cache, meta.block_tables, meta.seq_lens, sel, slots, 2, d ** -0.5, out=out, config=config)
+    assert torch.isfinite(out).all() and torch.count_nonzero(out[0]) == 0
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def sparse_backend(dense, policy: str, budget: int, bs: int, hkv: int, d: int, dtype, num_blocks: int, **kw):
+    cfg = SparseConfig(sparse_policy=policy, sparse_budget=budget, sparse_dense_layers=0, sparse_dense_context=0,
+                       sparse_local_blocks=2, **kw)
+    backend = SparseBackend(dense, cfg, 1, hkv, d, bs, dtype, DEV, max_num_seqs=8)
+    backend.allocate(num_blocks)
+    return backend
+
+
+@pytest.mark.parametrize("policy,budget", [("topk", 4096), ("topk", 64), ("topp", 96)])
+def test_backend_triton_vs_torch(policy, budget):
+    """A decode batch (store, metadata update, scoring, selection, attention) through SparseBackend on
+    each dense backend; with a budget covering every block the sparse path equals dense attention."""
+    torch.manual_seed(4)
+    hq, hkv, d, bs = 8, 2, 32, 16
+    q, cache, meta = decode_batch([0, 150, 70, 33], hq, hkv, d, bs, torch.float32, slack=bs)
+    k, v = torch.randn(meta.num_seqs, hkv, d, device=DEV), torch.randn(meta.num_seqs, hkv, d, device=DEV)
+    meta.slot_mapping = torch.tensor([-1] + [int(meta.block_tables[b, (n - 1) // bs]) * bs + (n - 1) % bs
+                                             for b, n in enumerate(meta.seq_lens.tolist()) if b > 0], device=DEV)
+    outs, caches = [], []
+    for dense in (TorchBackend(), TritonBackend()):
+        backend = sparse_backend(dense, policy, budget, bs, hkv, d, torch.float32, cache.shape[0])
+        c = cache.clone()
+        rebuild_key_meta(c[None], backend.key_meta, bs)
+        outs.append(backend.forward(0, q, k, v, c, meta, d ** -0.5))
+        caches.append(c)
+    assert torch.equal(caches[0], caches[1])
+    assert rel_err(outs[1], outs[0]) < 1e-5
+    if budget >= 150:
+        assert rel_err(outs[0], paged_attention_ref(q, caches[0], meta, d ** -0.5)) < 1e-5
+
+
+@gpu_only
+@pytest.mark.parametrize("policy", ["topk", "topp"])
+def test_large_decode_cuda_graph(policy):
+    """Llama-8B head shapes, 64K context, bf16: the captured sparse decode (scoring, selection with reuse,
+    kernel) replays against the references computed from the lists it left."""
+    torch.manual_seed(5)
+    hq, hkv, d, bs, lens = 32, 8, 128, 32, [65536, 40000, 0, 2047]
+    q, cache, meta = decode_batch(lens, hq, hkv, d, bs, torch.bfloat16)
+    backend = sparse_backend(TritonBackend(), policy, 2048, bs, hkv, d, torch.bfloat16, cache.shape[0],
+                             sparse_reuse=2)
+    rebuild_key_meta(cache[None], backend.key_meta, bs)
+    out = torch.empty_like(q)
+    backend._decode(0, q, cache, meta, d ** -0.5, out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend._decode(0, q, cache, meta, d ** -0.5, out)
+    backend.counter.zero_()
+    for step in range(3):
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        slots = torch.arange(len(lens), device=DEV)
+        ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, backend.sel[0][slots], 2,
+                                meta.max_seq_len, d ** -0.5)
+        assert rel_err(out, ref) < 1e-2, step
+    nb = (meta.seq_lens + bs - 1) // bs
+    counts = (backend.sel[0][: len(lens)] >= 0).sum(-1)
+    assert (counts[0] <= 64).all() and (counts[1] <= 64).all() and (counts[3] == nb[3]).all()
+
+
+@gpu_only
+def test_engine_gpu_sparse_equals_dense(tiny_model_dir):
+    """float32 on the GPU with CUDA graphs: a covering budget through scoring, selection and the sparse
+    kernel gives dense's tokens; a small budget (reuse, hierarchical pages) runs and frees every block."""
+    from sparseserve import LLM, SamplingParams
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 2000, (n,), generator=g).tolist() for n in (700, 300, 90)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    common = dict(device="cuda", dtype="float32", block_size=16, max_model_len=1024, max_num_seqs=4,
+                  gpu_memory_utilization=0.3)
+
+    def run(**kw):
+        llm = LLM(str(tiny_model_dir), **common, **kw)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        return outs, llm.llm_engine.get_stats()
+
+    dense, _ = run()
+    full, stats = run(sparse_policy="topk", sparse_budget=1024, sparse_dense_layers=0, sparse_dense_context=0)
+    assert full == dense and stats.sparse_selections > 0
+    small, stats = run(sparse_policy="topp", sparse_budget=128, sparse_top_p=0.8, sparse_reuse=4,
+                       logical_page_size=4, sparse_dense_layers=1)
+    assert all(len(o) == params.max_tokens for o in small) and stats.num_blocks_used == 0
+    assert stats.sparse_blocks_selected <= stats.sparse_selections * 128 // 16
