@@ -9,4 +9,4 @@ mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 date -u
-python3 scripts/train_test_model.py --data-dir .out/data/haystack --out "$OUT" --time-limit 6.8 "$@"
+python3 scripts/train_test_model.py --data-dir .out/data/haystack --out "$OUT" --time-limit 7.0 "$@"

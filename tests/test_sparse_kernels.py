@@ -19,7 +19,7 @@ from sparseserve.attention.sparse import SparseBackend, sparse_decode_ref  # noq
 from sparseserve.attention.torch_ref import TorchBackend, paged_attention_ref  # noqa: E402
 from sparseserve.attention.triton_backend import TritonBackend  # noqa: E402
 from sparseserve.config import SparseConfig  # noqa: E402
-from sparseserve.kernels.block_score import block_scores, select_blocks, update_key_meta  # noqa: E402
+from sparseserve.kernels.block_score import SelectConfig, block_scores, select_blocks, update_key_meta  # noqa: E402
 from sparseserve.kernels.sparse_decode import SparseDecodeConfig, sparse_decode  # noqa: E402
 from sparseserve.kvcache.metadata import allocate_key_meta, rebuild_key_meta, update_key_meta_ref  # noqa: E402
 
@@ -112,8 +112,8 @@ def test_block_scores(dtype, hq, hkv, bs, page):
             assert torch.isinf(ref[b, :, nb:]).all()
 
 
-@pytest.mark.parametrize("policy,top_p", [("topk", 1.0), ("topp", 0.5), ("topp", 0.9)])
-def test_select_blocks(policy, top_p):
+@pytest.mark.parametrize("policy,top_p,ways", [("topk", 1.0, 2), ("topk", 1.0, 8), ("topp", 0.5, 4), ("topp", 0.9, 4)])
+def test_select_blocks(policy, top_p, ways):
     """Lists from the bit-pattern binary search equal the sort-based reference, over reuse steps, with
     a streaming head and rows that fit the cap (all blocks) or are padding."""
     torch.manual_seed(2)
@@ -132,7 +132,7 @@ def test_select_blocks(policy, top_p):
         past_end = torch.arange(64, device=DEV)[None, None] >= -(-seq_lens[:, None, None] // bs)
         scores.masked_fill_(past_end, float("-inf"))
         update_selection_ref(scores, seq_lens, slots, *state[0], streaming, p)
-        select_blocks(scores, seq_lens, slots, *state[1], streaming, p)
+        select_blocks(scores, seq_lens, slots, *state[1], streaming, p, SelectConfig(ways=ways))
         for a, b in zip(state[0], state[1]):
             assert torch.equal(a.sort(-1).values if a.dim() == 3 else a, b.sort(-1).values if b.dim() == 3 else b), step
     sel = state[0][0]
@@ -222,28 +222,39 @@ def test_large_decode_cuda_graph(policy):
         assert rel_err(out, ref) < 1e-2, step
     nb = (meta.seq_lens + bs - 1) // bs
     counts = (backend.sel[0][: len(lens)] >= 0).sum(-1)
-    assert (counts[0] <= 64).all() and (counts[1] <= 64).all() and (counts[3] == nb[3]).all()
+    assert (counts[:2] <= 64).all() and (counts[3] <= nb[3]).all()
+    if policy == "topk":  # with sparse_dense_context=0 a short context is still scored: all of it fits
+        assert (counts[:2] == 64).all() and (counts[3] == nb[3]).all()
 
 
 @gpu_only
-def test_engine_gpu_sparse_equals_dense(tiny_model_dir):
-    """float32 on the GPU with CUDA graphs: a covering budget through scoring, selection and the sparse
-    kernel gives dense's tokens; a small budget (reuse, hierarchical pages) runs and frees every block."""
+def test_engine_gpu_sparse_equals_dense(hf_models):
+    """float32 on the GPU: a covering budget through scoring, selection and the sparse kernel matches
+    dense attention (probe, eager) and gives dense's tokens with CUDA graphs (an untied model, whose
+    logits are far apart); a small budget (reuse, hierarchical pages) runs and frees every block."""
     from sparseserve import LLM, SamplingParams
+    from sparseserve.bench.attention_probe import AttentionProbe
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 2000, (n,), generator=g).tolist() for n in (700, 300, 90)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     common = dict(device="cuda", dtype="float32", block_size=16, max_model_len=1024, max_num_seqs=4,
                   gpu_memory_utilization=0.3)
+    full = dict(sparse_policy="topk", sparse_budget=1024, sparse_dense_layers=0, sparse_dense_context=0)
+
+    llm = LLM(str(hf_models["llama3-gqa-d128-tied-rope"][0]), **common, **full, enforce_eager=True)
+    with AttentionProbe(llm.llm_engine.model_runner.attn_backend) as probe:
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    layers = probe.report()["layers"].values()
+    assert all(r["mass_min"] > 1 - 1e-5 and r["rel_err_max"] < 1e-4 for r in layers), layers
 
     def run(**kw):
-        llm = LLM(str(tiny_model_dir), **common, **kw)
+        llm = LLM(str(hf_models["qwen2-gqa-bias"][0]), **common, **kw)
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         return outs, llm.llm_engine.get_stats()
 
     dense, _ = run()
-    full, stats = run(sparse_policy="topk", sparse_budget=1024, sparse_dense_layers=0, sparse_dense_context=0)
-    assert full == dense and stats.sparse_selections > 0
+    sparse, stats = run(**full)
+    assert sparse == dense and stats.sparse_selections > 0
     small, stats = run(sparse_policy="topp", sparse_budget=128, sparse_top_p=0.8, sparse_reuse=4,
                        logical_page_size=4, sparse_dense_layers=1)
     assert all(len(o) == params.max_tokens for o in small) and stats.num_blocks_used == 0

@@ -27,8 +27,8 @@ class AttentionMetadata:
     num_decodes: int               # sequences [0, num_decodes) have one query token each
     max_query_len: int             # host-side upper bounds, fixed while a CUDA graph replays
     max_seq_len: int
-    # int32 [B]: each sequence's slot in per-sequence state buffers (sparse selection reuse), from
-    # 0..max_num_seqs-1; None: row b uses slot b (kernel tests, benchmarks).
+    # int32 [B]: each sequence's slot (0..max_num_seqs-1) in per-sequence state buffers (sparse
+    # selection reuse); None: row b uses slot b (kernel tests, benchmarks).
     state_slots: torch.Tensor | None = None
 
     @property

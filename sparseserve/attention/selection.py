@@ -107,8 +107,8 @@ def select_ref(scores: torch.Tensor, seq_lens: torch.Tensor, streaming: torch.Te
 def update_selection_ref(scores: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor,
                          counter: torch.Tensor, stats: torch.Tensor, streaming: torch.Tensor,
                          p: SelectionParams) -> None:
-    """Writes the new lists into sel [S + 1, Hkv, cap] at the rows' state slots, for the (slot, KV head)
-    pairs due a recomputation (every step without reuse); counter [S + 1, Hkv] counts decode steps;
+    """Writes the new lists into sel [S, Hkv, cap] at the rows' state slots, for the (slot, KV head)
+    pairs due a recomputation (every step without reuse); counter [S, Hkv] counts decode steps;
     stats [2] (int64) accumulates (blocks selected, selections). Padding rows (seq_len 0) change nothing."""
     lists = select_ref(scores, seq_lens, streaming, p)
     live = (seq_lens > 0)[:, None].expand(-1, sel.shape[1])

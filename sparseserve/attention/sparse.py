@@ -7,8 +7,8 @@ attend densely. Decodes of a sparse layer are scored against the metadata, selec
 layers and steps whose longest context fits the budget run dense.
 
 Per-sequence state lives in fixed GPU buffers indexed by the state slot that the runner gives each
-running sequence (AttentionMetadata.state_slots; slot max_num_seqs is the trash row of CUDA-graph
-padding): the cached selection lists and decode-step counters of reuse. Everything a decode step
+running sequence (AttentionMetadata.state_slots): the cached selection lists and the decode-step
+counters of reuse. Padding rows of CUDA graphs (seq_len 0) never touch the state. Everything a decode step
 does depends only on tensor shapes and host-side bounds, so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ class SparseBackend(AttentionBackend):
         self.dense_context = config.sparse_budget if config.sparse_dense_context is None else config.sparse_dense_context
         self.shape = (num_layers, num_kv_heads, head_dim, block_size, dtype, device)
         self.streaming = load_streaming_heads(config.streaming_heads, num_layers, num_kv_heads).to(device)
-        slots = max_num_seqs + 1  # + the trash slot of CUDA-graph padding rows
+        slots = max_num_seqs
         self.sel = torch.full((num_layers, slots, num_kv_heads, self.params.cap), -1, dtype=torch.int32, device=device)
         self.counter = torch.zeros(num_layers, slots, num_kv_heads, dtype=torch.int32, device=device)
         self.stats = torch.zeros(2, dtype=torch.int64, device=device)  # blocks selected, selections

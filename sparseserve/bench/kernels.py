@@ -21,6 +21,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
+from sparseserve.bench.hardware import hbm_bandwidth
 from sparseserve.kernels.paged_decode import DecodeConfig, default_decode_config, paged_decode, split_plan
 from sparseserve.kernels.paged_prefill import PrefillConfig, default_prefill_config, paged_prefill
 
@@ -66,10 +67,9 @@ def sdpa_flash(q, k, v, **kw):
 
 
 def bench_copy() -> dict:
-    src = torch.randn(1 << 29, device="cuda", dtype=DTYPE)  # 1 GiB
-    dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src))
-    return {"kind": "copy", "name": "d2d copy 1 GiB", "ms": ms, "tbps": 2 * src.nbytes / ms / 1e9}
+    nbytes = 1 << 30
+    bps = hbm_bandwidth(nbytes)
+    return {"kind": "copy", "name": "d2d copy 1 GiB", "ms": 2 * nbytes / bps * 1e3, "tbps": bps / 1e12}
 
 
 @functools.lru_cache(maxsize=1)  # the config sweep reuses one shape's inputs
@@ -174,11 +174,12 @@ def print_table(rows: list[dict]) -> None:
               f"{r.get('rel_err_vs_sdpa', math.nan):8.1e}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", help="write every number to this file")
     parser.add_argument("--sweep", action="store_true", help="also time launch configurations")
-    args = parser.parse_args()
+
+
+def main(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "rows": []}
@@ -204,4 +205,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cli_args(ap)
+    main(ap.parse_args())

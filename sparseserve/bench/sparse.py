@@ -13,6 +13,7 @@ on the values). Both report the median of many replays.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import statistics
@@ -26,9 +27,9 @@ from sparseserve.attention.sparse import SparseBackend
 from sparseserve.attention.triton_backend import TritonBackend
 from sparseserve.bench.hardware import hbm_bandwidth, print_table
 from sparseserve.config import SparseConfig
-from sparseserve.kernels.block_score import block_scores, select_blocks
+from sparseserve.kernels.block_score import ScoreConfig, SelectConfig, block_scores, select_blocks
 from sparseserve.kernels.paged_decode import paged_decode
-from sparseserve.kernels.sparse_decode import sparse_decode
+from sparseserve.kernels.sparse_decode import SparseDecodeConfig, num_sms, sparse_decode
 from sparseserve.kvcache.metadata import rebuild_key_meta
 
 DTYPE = torch.bfloat16
@@ -71,20 +72,40 @@ def kernel_bench(batch: int = 8, ctx: int = 131072, hq: int = 32, hkv: int = 8, 
         blocks, selections, _ = sp.sparse_stats()
         rows.append({"case": f"sparse {policy} budget={budget} R={reuse}", "ms": ms, "speedup": dense_ms / ms,
                      "mean_blocks": blocks / max(selections, 1)})
-        if policy == "topk" and reuse == 1:  # the parts, each in its own graph
-            p, mb, slots = sp.params, per_seq, sp.rows[:batch]
-            km, sel, cnt = sp.key_meta[0], sp.sel[0], sp.counter[0]
-            scores = block_scores(q, km, tables, seq_lens, slots, cnt, p, mb, scale)
-            parts = {"score": lambda: block_scores(q, km, tables, seq_lens, slots, cnt, p, mb, scale),
-                     "select": lambda: select_blocks(scores, seq_lens, slots, sel, cnt, sp.stats, sp.streaming[0], p),
-                     "attend": lambda: sparse_decode(q, cache, tables, seq_lens, sel, slots, p.local, scale, out=out)}
-            for name, fn in parts.items():
-                t = graph_ms(fn)
-                rows.append({"case": f"  part: {name}", "ms": t, "speedup": dense_ms / t})
+        if reuse == 1:
+            rows += parts(sp, q, cache, tables, seq_lens, scale, per_seq, out, dense_ms, sweep=policy == "topk")
         del sp
     rows[0]["rel_err_vs_dense_full_budget"] = full_budget_error(q, cache, meta, ref, scale, bs)
     del cache
     torch.cuda.empty_cache()
+    return rows
+
+
+def parts(sp: SparseBackend, q, cache, tables, seq_lens, scale, mb, out, dense_ms, sweep: bool) -> list[dict]:
+    """Scoring, selection and attention, each in its own graph; with sweep, over launch configurations
+    (the first of each is the default)."""
+    p, slots = sp.params, sp.rows[: q.shape[0]]
+    km, sel, cnt = sp.key_meta[0], sp.sel[0], sp.counter[0]
+    scores = block_scores(q, km, tables, seq_lens, slots, cnt, p, mb, scale)
+    variants = {
+        "score": [ScoreConfig()] + ([ScoreConfig(r, w) for r in (64, 128, 256) for w in (4, 8)] if sweep else []),
+        "select": [SelectConfig()] + ([SelectConfig(k, w) for k in (2, 4, 8) for w in (4, 8, 16)] if sweep else []),
+        "attend": [SparseDecodeConfig()] + ([SparseDecodeConfig(t, n * num_sms(q.device))
+                                            for t, n in ((64, 8), (128, 4), (128, 16), (256, 8), (64, 16))]
+                                           if sweep else [])}
+    calls = {"score": lambda c: block_scores(q, km, tables, seq_lens, slots, cnt, p, mb, scale, c),
+             "select": lambda c: select_blocks(scores, seq_lens, slots, sel, cnt, sp.stats, sp.streaming[0], p, c),
+             "attend": lambda c: sparse_decode(q, cache, tables, seq_lens, sel, slots, p.local, scale, out=out,
+                                               config=c)}
+    rows = []
+    for name, configs in variants.items():
+        for i, c in enumerate(dict.fromkeys(configs)):
+            row = {"case": f"  {p.policy} {name} {'default ' if i == 0 else ''}{vars(c)}"}
+            try:
+                t = graph_ms(lambda: calls[name](c))
+                rows.append(row | {"ms": t, "speedup": dense_ms / t})
+            except Exception as e:  # out of shared memory or registers: record and go on
+                rows.append(row | {"error": str(e).splitlines()[0][:80]})
     return rows
 
 
@@ -133,20 +154,30 @@ def step_bench(model_dir: str, ctx: int = 131056, batch: int = 4, budget: int = 
             torch.cuda.synchronize()
             walls.append(1e3 * (time.perf_counter() - t0))
         graph = runner.graphs.graphs[batch]
-        replay = triton.testing.do_bench(graph.replay, warmup=5, rep=max(100, int(3 * statistics.median(walls))),
+        replay = triton.testing.do_bench(graph.replay, warmup=5, rep=max(300, int(10 * statistics.median(walls))),
                                          return_mode="median")
         return {"case": f"{label} step B={batch} L={ctx}", "graph_ms": replay, "engine_step_ms": statistics.median(walls)}
 
+    def use(backend) -> None:  # same weights and cache, another attention backend, graphs captured anew
+        for m in runner.model.modules():
+            if getattr(m, "backend", None) is not None:
+                m.backend = backend
+        runner.graphs = None
+        torch.cuda.empty_cache()
+        runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, batch, max_len, runner.block_size)
+
     rows = [measure(f"sparse topk {budget} dense_layers={dense_layers}")]
-    for m in runner.model.modules():  # same weights and cache, dense attention, graphs captured anew
-        if getattr(m, "backend", None) is sparse:
-            m.backend = sparse.dense
-    runner.graphs = None
-    torch.cuda.empty_cache()
-    runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, batch, max_len, runner.block_size)
+    for change in ({"sparse_reuse": 4}, {"sparse_dense_layers": 0}, {"sparse_dense_layers": 0, "sparse_reuse": 4}):
+        variant = SparseBackend(sparse.dense, dataclasses.replace(engine.config.sparse_config, **change),
+                                *sparse.shape, max_num_seqs=batch)
+        variant.key_meta = sparse.key_meta
+        use(variant)
+        rows.append(measure(f"sparse topk {budget} " + " ".join(f"{k[7:]}={v}" for k, v in change.items())))
+    use(sparse.dense)
     rows.append(measure("dense"))
-    for key in ("graph_ms", "engine_step_ms"):
-        rows[0][f"speedup_{key}"] = rows[1][key] / rows[0][key]
+    for row in rows[:-1]:
+        for key in ("graph_ms", "engine_step_ms"):
+            row[f"speedup_{key}"] = rows[-1][key] / row[key]
     return rows
 
 

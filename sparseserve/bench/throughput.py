@@ -66,6 +66,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> 
     total = time.perf_counter() - t0
     out = {"total_s": total, "prefill_s": first_token_at,
            "decode_step_ms": 1e3 * statistics.median(decode_steps) if decode_steps else None,
+           "decode_step_mean_ms": 1e3 * statistics.fmean(decode_steps) if decode_steps else None,
            "output_tok_s": len(prompts) * output_len / total}
     graphs = engine.model_runner.graphs
     if graphs is not None and len(prompts) <= graphs.buckets[-1]:
@@ -87,21 +88,26 @@ def _time_ms(fn, iters: int = 10) -> float:
     return start.elapsed_time(end) / iters
 
 
-def run_hf(model, prompts: list[list[int]], output_len: int) -> dict:
+def run_hf(model, prompts: list[list[int]], output_len: int, compile: bool) -> dict:
+    """transformers' generate with a static cache; `compile` is its default for static caches (the
+    first call compiles, so an identical call warms up), False is the same cache run eagerly."""
     ids = torch.tensor(prompts, device=model.device)
-    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-    static = {"cache_implementation": "static"} if model.device.type == "cuda" else {}
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None, max_new_tokens=output_len,
+              min_new_tokens=output_len)
+    if model.device.type == "cuda":
+        kw |= dict(cache_implementation="static", disable_compile=not compile)
     try:
-        model.generate(ids[:, :16], max_new_tokens=2, min_new_tokens=2, **kw, **static)  # warm-up
+        model.generate(ids if compile else ids[:, :16], **kw)  # warm-up
         _sync(model.device)
         t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw, **static)
-        _sync(model.device)
-        prefill = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kw, **static)
+        model.generate(ids, **kw)
         _sync(model.device)
         total = time.perf_counter() - t0
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            model(ids, logits_to_keep=1)
+            _sync(model.device)
+            prefill = time.perf_counter() - t0
     except torch.OutOfMemoryError:
         return {"total_s": "OOM"}
     finally:
@@ -179,15 +185,18 @@ def main(args: argparse.Namespace) -> None:
                                                   else "auto", attn_implementation="sdpa").to(dev).eval()
         for length in args.hf_input_lens or args.input_lens:
             for batch in args.hf_batch_sizes:
-                r = run_hf(hf, make_prompts(batch, length, vocab, args.seed), args.output_len)
-                rows.append({"engine": "transformers", "input": length, "batch": batch} | r)
-                print_table([rows[-1]])
+                for compile in (True, False) if dev.type == "cuda" else (False,):
+                    r = run_hf(hf, make_prompts(batch, length, vocab, args.seed), args.output_len, compile)
+                    name = "transformers" if compile or dev.type != "cuda" else "transformers-nocompile"
+                    rows.append({"engine": name, "input": length, "batch": batch} | r)
+                    print_table([rows[-1]])
     result["rows"] = rows
     for r in rows:  # side-by-side ratios at equal (input, batch)
-        peer = next((p for p in rows if p["engine"] == "transformers" and p["input"] == r["input"]
-                     and p["batch"] == r["batch"] and isinstance(p.get("total_s"), float)), None)
-        if r["engine"] == "sparseserve" and peer and isinstance(r.get("output_tok_s"), float):
-            r["speedup_vs_hf"] = r["output_tok_s"] / peer["output_tok_s"]
+        for peer_name, col in (("transformers", "speedup_vs_hf"), ("transformers-nocompile", "speedup_vs_hf_nocompile")):
+            peer = next((p for p in rows if p["engine"] == peer_name and p["input"] == r["input"]
+                         and p["batch"] == r["batch"] and isinstance(p.get("total_s"), float)), None)
+            if r["engine"] == "sparseserve" and peer and isinstance(r.get("output_tok_s"), float):
+                r[col] = r["output_tok_s"] / peer["output_tok_s"]
     print_table(rows, f"throughput on {result['device']} ({result['model']})")
     if "hbm_bytes_per_s" in result:
         print(f"HBM {result['hbm_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {result['matmul_flops'] / 1e12:.0f} TFLOP/s")

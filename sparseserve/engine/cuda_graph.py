@@ -33,8 +33,8 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.trash_slot = max_batch  # per-sequence state row that padding rows may touch
-        self.state_slots = torch.full((n,), self.trash_slot, dtype=torch.int32, device=dev)
+        # Per-sequence state slots (sparse decode); padding rows (seq_len 0) never touch their slot's state.
+        self.state_slots = torch.arange(n, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         pool = None
@@ -72,6 +72,5 @@ class DecodeGraphs:
         self.block_tables[:b, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
         if meta.state_slots is not None:
             self.state_slots[:b].copy_(meta.state_slots, non_blocking=True)
-            self.state_slots[b:bucket].fill_(self.trash_slot)
         self.graphs[bucket].replay()
         return self.logits[bucket][:b]

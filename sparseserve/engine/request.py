@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sparseserve.outputs import Logprob
@@ -38,6 +39,7 @@ class Sequence:
     # incremental detokenization offsets into token_ids
     prefix_offset: int = 0
     read_offset: int = 0
+    _table_array: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -45,6 +47,17 @@ class Sequence:
         self.prefix_offset = max(self.read_offset - 6, 0)
         if self.params.logprobs is not None:
             self.logprobs = []
+
+    def block_table_array(self) -> np.ndarray:
+        """The block table as int32, rebuilt only when blocks were added: between releases the table
+        only grows, so an equal length means equal contents (O(1) per decode step, not O(blocks))."""
+        if self._table_array is None or len(self._table_array) != len(self.block_table):
+            self._table_array = np.asarray(self.block_table, dtype=np.int32)
+        return self._table_array
+
+    def release_blocks(self) -> list[int]:
+        blocks, self.block_table, self._table_array = self.block_table, [], None
+        return blocks
 
     @property
     def num_tokens(self) -> int:

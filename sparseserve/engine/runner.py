@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from sparseserve.attention.backend import AttentionMetadata, get_attention_backend
@@ -77,7 +78,7 @@ class ModelRunner:
             self.sparse = self.attn_backend = SparseBackend(
                 self.attn_backend, config.sparse_config, a.num_layers, a.num_kv_heads, a.head_dim, self.block_size,
                 self.dtype, self.device, n)
-            self.state_slots = StateSlots(n)
+            self.seq_slots = StateSlots(n)
         torch.manual_seed(mc.seed)
         self.model = build_model(self.arch, self.attn_backend, model_dir, self.dtype, self.device)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))
@@ -172,18 +173,25 @@ class ModelRunner:
             if c + n == seq.num_tokens:
                 sample_idx.append(qsl[-1] - 1)
                 sampled.append(seq)
-        width = max(len(s.block_table) for s, _ in scheduled)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s, _ in scheduled]
+        tables = np.zeros((len(scheduled), max(len(s.block_table) for s, _ in scheduled)), dtype=np.int32)
+        for b, (seq, _) in enumerate(scheduled):
+            table = seq.block_table_array()
+            tables[b, : len(table)] = table
         dev = self.device
 
         def to_dev(x: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
             return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
 
+        state_slots = None
+        if self.sparse is not None:
+            seq_slots, fresh = self.seq_slots.assign([seq for seq, _ in scheduled])
+            self.sparse.reset_slots(fresh)
+            state_slots = to_dev(seq_slots, torch.int32)
         meta = AttentionMetadata(
             slot_mapping=to_dev(slots), query_start_loc=to_dev(qsl, torch.int32),
-            seq_lens=to_dev(seq_lens, torch.int32), block_tables=to_dev(tables, torch.int32),
+            seq_lens=to_dev(seq_lens, torch.int32), block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
             num_decodes=sum(1 for _, n in scheduled if n == 1), max_query_len=max(n for _, n in scheduled),
-            max_seq_len=max(seq_lens))
+            max_seq_len=max(seq_lens), state_slots=state_slots)
         return StepBatch(to_dev(ids), to_dev(positions), meta, to_dev(sample_idx), sampled)
 
     def sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:

@@ -91,8 +91,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.block_table)
-        seq.block_table = []
+        self.allocator.free(seq.release_blocks())
 
     def finish(self, seq: Sequence) -> None:
         """Removes a finished or aborted sequence wherever it is and returns its blocks."""

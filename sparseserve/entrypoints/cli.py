@@ -14,7 +14,9 @@ _TYPES = {"int": int, "float": float, "str": str}
 # `sparseserve bench NAME` runs module NAME's add_cli_args(parser) + main(args).
 BENCHMARKS = {"serve": ("sparseserve.bench.serve", "Load-test an OpenAI-compatible server."),
               "accuracy": ("sparseserve.bench.accuracy", "Long-context task accuracy per attention policy."),
-              "throughput": ("sparseserve.bench.throughput", "Offline generation throughput vs transformers.")}
+              "throughput": ("sparseserve.bench.throughput", "Offline generation throughput vs transformers."),
+              "parity": ("sparseserve.bench.parity", "Prompt logits and greedy tokens vs transformers."),
+              "kernels": ("sparseserve.bench.kernels", "Attention kernels vs torch SDPA (GPU).")}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> argparse.ArgumentParser:

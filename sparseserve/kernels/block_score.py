@@ -7,6 +7,8 @@ at once, so the whole decode step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -14,6 +16,18 @@ import triton.language as tl
 from sparseserve.attention.selection import SelectionParams
 
 MAX_SELECT_BLOCKS = 16384  # one selection program holds a row of block scores in registers
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    rows: int = 64        # metadata rows (blocks x pages) a program scores
+    num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class SelectConfig:
+    ways: int = 4         # thresholds tested per search round (a power of two >= 2)
+    num_warps: int = 0    # 0: by the row length
 
 
 @triton.jit
@@ -108,12 +122,15 @@ def _score_kernel(q_ptr, meta_ptr, table_ptr, seq_lens_ptr, slots_ptr, counter_p
 def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, stats_ptr, streaming_ptr,
                    mass_target, max_blocks, stride_ss, stride_cs,
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr, SINK: tl.constexpr,
-                   LOCAL: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, NB_PAD: tl.constexpr):
+                   LOCAL: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, MASS: tl.constexpr,
+                   WAYS: tl.constexpr, ITERS: tl.constexpr, NB_PAD: tl.constexpr):
     """Program (sequence, KV head): the selection list (reference: select_ref / update_selection_ref).
 
-    Without a sort: a binary search over the bit patterns of the (non-negative float) block masses
-    finds the largest threshold t at which the candidates >= t number at least k = cap - #forced or
-    bring the mass to the target (topp); 31 halvings of [0, +inf] end exactly on a mass value.
+    Without a sort: a search over the bit patterns of the (non-negative float) block masses, which
+    order like the masses, finds the largest threshold t at which the candidates >= t number at least
+    k = cap - #forced or (MASS: topp) bring the mass to the target. Each round tests WAYS thresholds
+    at once (one reduction for all) and keeps the interval between the last that passes and the
+    next; ITERS rounds narrow [0, +inf] to one bit pattern, so t is exactly a mass value.
     Candidates above t, then ties at t, fill the list after the forced blocks, in block order.
     """
     b = tl.program_id(0)
@@ -146,14 +163,20 @@ def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, st
         fmass = tl.sum(tl.where(forced, r, 0.0), 0)
         k = CAP - n_forced
         bits = r.to(tl.int32, bitcast=True)
-        lo = tl.full([], 0, tl.int32)
-        hi = tl.full([], 0x7F800001, tl.int32)  # one past +inf: the search ends on a finite mass
-        for _ in range(31):
-            mid = lo + (hi - lo) // 2
-            ge = cand & (bits >= mid)
-            ok = (tl.sum(ge.to(tl.int32), 0) >= k) | (fmass + tl.sum(tl.where(ge, r, 0.0), 0) >= mass_target)
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid)
+        lo = tl.full([], 0, tl.int32)  # the answer is in [lo, hi); lo = 0 (every candidate) if none passes
+        hi = tl.full([], 0x7F800001, tl.int32)  # one past +inf
+        w = tl.arange(0, WAYS)
+        for _ in range(ITERS):
+            step = tl.cdiv(hi - lo, WAYS)
+            th = lo + w * step  # th[0] = lo
+            ge = cand[None, :] & (bits[None, :] >= th[:, None])  # [WAYS, NB_PAD]
+            ok = tl.sum(ge.to(tl.int32), 1) >= k
+            if MASS:
+                ok = ok | (fmass + tl.sum(tl.where(ge, r[None, :], 0.0), 1) >= mass_target)
+            # The test is monotone in t: the passing thresholds are a prefix, th[0] counted in.
+            n_ok = tl.sum(((ok & (th < hi)) | (w == 0)).to(tl.int32), 0)
+            hi = tl.minimum(lo + n_ok * step, hi)
+            lo = lo + (n_ok - 1) * step
         chosen_hi = cand & (bits > lo)
         chosen_eq = cand & (bits == lo)
     n_hi = tl.sum(chosen_hi.to(tl.int32), 0)
@@ -171,14 +194,15 @@ def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, st
 
 def block_scores(q: torch.Tensor, key_meta: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  slots: torch.Tensor, counter: torch.Tensor, p: SelectionParams, max_blocks: int,
-                 scale: float) -> torch.Tensor:
+                 scale: float, config: ScoreConfig | None = None) -> torch.Tensor:
     """float32 [B, Hq, max_blocks] (Triton twin of block_scores_ref), written only where selection
     reads it: rows with more than cap blocks that recompute this step, blocks inside the context."""
     batch, num_q_heads, head_dim = q.shape
     _, hkv, _, pages, _ = key_meta.shape
     assert counter.stride(1) == 1
     scores = torch.empty(batch, num_q_heads, max_blocks, dtype=torch.float32, device=q.device)
-    block_n = max(1, 64 // pages)  # 64 metadata rows a program: two [G, D] x [D, 64] dots
+    config = config or ScoreConfig()
+    block_n = max(1, config.rows // pages)  # two [G, D] x [D, rows] dots a program
     group = num_q_heads // hkv
     _score_kernel[(batch, hkv, triton.cdiv(max_blocks, block_n))](
         q, key_meta, block_tables, seq_lens, slots, counter, scores, scale,
@@ -187,13 +211,16 @@ def block_scores(q: torch.Tensor, key_meta: torch.Tensor, block_tables: torch.Te
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=p.block_size, PAGES=pages, CAP=p.cap, REUSE=p.reuse,
         SHORT_DENSE=p.short_dense, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_N=block_n, DOT_PREC="ieee" if key_meta.dtype == torch.float32 else "tf32", num_warps=4)
+        BLOCK_N=block_n, DOT_PREC="ieee" if key_meta.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps)
     return scores
 
 
 def select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor,
-                  counter: torch.Tensor, stats: torch.Tensor, streaming: torch.Tensor, p: SelectionParams) -> None:
-    """Triton twin of update_selection_ref: new lists into sel [S + 1, Hkv, cap] at the rows' slots."""
+                  counter: torch.Tensor, stats: torch.Tensor, streaming: torch.Tensor, p: SelectionParams,
+                  config: SelectConfig | None = None) -> None:
+    """Triton twin of update_selection_ref: new lists into sel [S, Hkv, cap] at the rows' slots."""
+    config = config or SelectConfig()
     batch, num_q_heads, max_blocks = scores.shape
     hkv = sel.shape[1]
     if max_blocks > MAX_SELECT_BLOCKS:
@@ -205,7 +232,9 @@ def select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Ten
         scores, seq_lens, slots, sel, counter, stats, streaming.view(torch.uint8), p.mass_target, max_blocks,
         sel.stride(0), counter.stride(0),
         GROUP=num_q_heads // hkv, BLOCK_SIZE=p.block_size, CAP=p.cap, SINK=p.sink, LOCAL=p.local,
-        REUSE=p.reuse, SHORT_DENSE=p.short_dense, NB_PAD=nb_pad, num_warps=min(16, max(4, nb_pad // 256)))
+        REUSE=p.reuse, SHORT_DENSE=p.short_dense, MASS=p.policy == "topp", WAYS=config.ways,
+        ITERS=-(-31 // (config.ways.bit_length() - 1)) + 1, NB_PAD=nb_pad,
+        num_warps=config.num_warps or min(16, max(4, nb_pad // 256)))
 
 
 def score_and_select(q: torch.Tensor, key_meta: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

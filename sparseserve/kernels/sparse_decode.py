@@ -5,8 +5,8 @@ in sel[slot, kvh]) that lie before the current local window, plus that window (t
 blocks, which move on as tokens arrive while a list is reused). Kernel 1 splits this list of
 cap + local entries over programs (sequence, KV head, split); each loads a tile of whole head blocks
 and serves all query heads of the group with it, and writes a partial output and its log-sum-exp.
-Kernel 2 merges the splits. Tiles with no valid entry (padding of adaptive budgets, entries inside the
-window) are skipped without loading K/V. Reference: attention/sparse.py sparse_decode_ref.
+Kernel 2 merges the splits. Entries that are padding (adaptive budgets) or inside the window are
+masked off, so they load no K/V. Reference: attention/sparse.py sparse_decode_ref.
 """
 from __future__ import annotations
 
@@ -50,6 +50,8 @@ def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, s
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     e_start = split * entries_per_split
+    # No branch on empty tiles: a branch would stop the loop's loads from being pipelined, and masked-off
+    # entries (padding, entries inside the window) load nothing anyway.
     for e0 in range(e_start, e_start + entries_per_split, TILE_E):
         e = e0 + t // BLOCK_SIZE
         listed = e < CAP
@@ -57,21 +59,20 @@ def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, s
         j = tl.where(listed, j, local_start + e - CAP)
         ok = tl.where(listed, (j >= 0) & (j < local_start), j < nb) & (e < CAP + LOCAL)
         ok = ok & (j * BLOCK_SIZE + off < seq_len)
-        if tl.max(ok.to(tl.int32), 0) > 0:
-            blk = tl.load(table_row + j, mask=ok, other=0).to(tl.int64)
-            k_ptrs = kv_base + (blk * stride_cb + off * HEAD_DIM)[:, None] + dims[None, :]
-            kv_mask = ok[:, None] & (dims[None, :] < HEAD_DIM)
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-            v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-            s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible token yet: avoid inf - inf
-            p = tl.exp2(s - m_shift[:, None])
-            alpha = tl.exp2(m_i - m_shift)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
+        blk = tl.load(table_row + j, mask=ok, other=0).to(tl.int64)
+        k_ptrs = kv_base + (blk * stride_cb + off * HEAD_DIM)[:, None] + dims[None, :]
+        kv_mask = ok[:, None] & (dims[None, :] < HEAD_DIM)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible token yet: avoid inf - inf
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
 
     # part_out [B, Hq, num_splits, BLOCK_D], part_lse [B, Hq, num_splits]; an empty split: zeros and -inf.
     row = (b * tl.num_programs(1) * GROUP + heads).to(tl.int64) * tl.num_programs(2) + split
@@ -103,21 +104,21 @@ def _sparse_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride
 
 @dataclass(frozen=True)
 class SparseDecodeConfig:
-    tile_n: int = 64            # tokens a tile (whole blocks: at least one)
-    target_programs: int = 0    # 0: 4 per multiprocessor
+    tile_n: int = 128           # tokens a tile (whole blocks: at least one)
+    target_programs: int = 0    # 0: 8 per multiprocessor
     num_warps: int = 4
     num_stages: int = 2
 
 
 @functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def split_plan(batch: int, num_kv_heads: int, entries: int, tile_e: int, device: torch.device,
                config: SparseDecodeConfig) -> tuple[int, int]:
     """(entries per split, number of splits) from shapes only, so the grid is fixed under a CUDA graph."""
-    target = config.target_programs or 4 * _num_sms(device)
+    target = config.target_programs or 8 * num_sms(device)
     tiles = triton.cdiv(entries, tile_e)
     splits = min(tiles, max(1, triton.cdiv(target, batch * num_kv_heads)))
     per_split = triton.cdiv(tiles, splits)
@@ -127,12 +128,12 @@ def split_plan(batch: int, num_kv_heads: int, entries: int, tile_e: int, device:
 def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   sel: torch.Tensor, slots: torch.Tensor, local: int, scale: float, out: torch.Tensor | None = None,
                   config: SparseDecodeConfig | None = None) -> torch.Tensor:
-    """q: [B, Hq, D]; sel: one layer's lists [S + 1, Hkv, cap]; slots: int32 [B]. Returns (fills) out [B, Hq, D]."""
+    """q: [B, Hq, D]; sel: one layer's lists [S, Hkv, cap]; slots: int32 [B]. Returns (fills) out [B, Hq, D]."""
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     cap = sel.shape[-1]
     assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim and q.stride(2) == 1 and sel.stride(2) == 1
-    config = config or SparseDecodeConfig(tile_n=32 if q.dtype == torch.float32 else 64)
+    config = config or SparseDecodeConfig(tile_n=32 if q.dtype == torch.float32 else 128)
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
