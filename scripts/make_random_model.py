@@ -31,12 +31,17 @@ def main() -> None:
     ap.add_argument("--preset", choices=list(PRESETS), default="llama-3.1-8b")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config-only", action="store_true", help="No weights (for load_format='dummy').")
     args = ap.parse_args()
     if (args.out / "config.json").exists():
         raise SystemExit(f"{args.out} exists; remove it first")
     config = LlamaConfig(**PRESETS[args.preset], dtype="bfloat16", architectures=["LlamaForCausalLM"])
     args.out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(args.out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(DEFAULT_MODEL_DIR / f, args.out / f)  # ids past its vocab decode to nothing
+    if args.config_only:
+        return
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     c = config
@@ -80,8 +85,6 @@ def main() -> None:
         total += sum(t.numel() * t.element_size() for t in tensors.values())
     (args.out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(DEFAULT_MODEL_DIR / f, args.out / f)  # ids past its vocab decode to nothing
     print(f"wrote {args.out} ({args.preset}, random weights)")
 
 

@@ -55,6 +55,9 @@ class ModelConfig:
     max_model_len: int | None = field(
         default=None, metadata={"help": "Longest prompt + output in tokens (default: the model's)."})
     seed: int = field(default=0, metadata={"help": "Seed of the engine's random state."})
+    load_format: str = field(default="auto", metadata={
+        "help": "auto (the directory's safetensors) or dummy (random weights, for benchmarks).",
+        "choices": ["auto", "dummy"]})
     enforce_eager: bool = field(default=False, metadata={"help": "Disable CUDA graphs."})
     attention_backend: str = field(default="auto", metadata={
         "help": "auto (triton on CUDA, torch otherwise), triton or torch.", "choices": ["auto", "triton", "torch"]})

@@ -55,9 +55,11 @@ def sparse_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     kv = kv_cache[block_tables[:, :mb].long()].float()  # [B, MB, Hkv, 2, bs, D]
     k = kv[:, :, :, 0].permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, ctx, head_dim)
     v = kv[:, :, :, 1].permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, ctx, head_dim)
-    visible = blocks.repeat_interleave(block_size, -1) & (torch.arange(ctx, device=q.device) < seq_lens[:, None])[:, None]
+    in_context = torch.arange(ctx, device=q.device) < seq_lens[:, None]
+    visible = blocks.repeat_interleave(block_size, -1) & in_context[:, None]
     qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     s = torch.einsum("bhgd,bhkd->bhgk", qg, k) * scale
+    v = v.masked_fill(~visible[..., None], 0.0)  # unwritten cache memory may hold NaN: 0 * NaN is NaN
     probs = torch.softmax(s.masked_fill(~visible[:, :, None], float("-inf")), -1).nan_to_num(0.0)
     return torch.einsum("bhgk,bhkd->bhgd", probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
@@ -75,7 +77,8 @@ class SparseBackend(AttentionBackend):
                                       config.sparse_reuse, block_size, page,
                                       short_dense=config.sparse_dense_context != 0)
         self.dense_layers = config.sparse_dense_layers
-        self.dense_context = config.sparse_budget if config.sparse_dense_context is None else config.sparse_dense_context
+        dense_context = config.sparse_dense_context
+        self.dense_context = config.sparse_budget if dense_context is None else dense_context
         self.shape = (num_layers, num_kv_heads, head_dim, block_size, dtype, device)
         self.streaming = load_streaming_heads(config.streaming_heads, num_layers, num_kv_heads).to(device)
         slots = max_num_seqs

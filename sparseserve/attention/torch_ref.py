@@ -55,6 +55,9 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     visible = torch.arange(ctx, device=q.device)[None, None, :] <= pos_pad[:, :, None]  # [B, Mq, ctx]
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padding rows see nothing
+    # Cache memory past a sequence's end was never written and may hold NaN, and 0 * NaN is NaN.
+    unwritten = torch.arange(ctx, device=q.device)[None, :] >= meta.seq_lens.long()[:, None]  # [B, ctx]
+    v = v.masked_fill(unwritten[:, None, :, None], 0.0)
     out = torch.einsum("bhqk,bhkd->bqhd", probs, v)
     return out[seq_idx, local].to(q.dtype)
 

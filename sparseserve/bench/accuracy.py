@@ -90,6 +90,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-steps", type=int, default=4,
                         help="decode steps per probed request for the attention report (0: no report)")
     parser.add_argument("--probe-samples", type=int, default=2, help="requests per task and length probed")
+    parser.add_argument("--compare-hf", action="store_true",
+                        help="also run the samples through transformers (greedy) and report token parity")
     parser.add_argument("--output", default="accuracy.json", help="JSON results file")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -127,6 +129,53 @@ def run_policy(llm: Any, samples: list[T.TaskSample], use_tqdm: bool) -> list[di
                      "output": text, "output_token_ids": list(o.outputs[0].token_ids),
                      "correct": T.is_correct(text, s.answer)})
     return rows
+
+
+def _same_tokens(a: list[int], b: list[int], eos_ids: set[int]) -> bool:
+    """Equal greedy outputs, ignoring whether a trailing EOS is reported."""
+    strip = lambda x: x[:-1] if x and x[-1] in eos_ids else x  # noqa: E731
+    return strip(list(a)) == strip(list(b))
+
+
+def hf_greedy(model: str | None, samples: list[T.TaskSample], device: str, dtype: str,
+              eos_ids: set[int]) -> list[list[int]]:
+    """Greedy tokens of transformers' implementation for every sample: the parity reference.
+    Samples of one (task, length) have equal prompt lengths, so they batch without padding."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from sparseserve.models.loader import resolve_model_dir
+    path = resolve_model_dir(model)
+    dev = "cuda" if device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
+    kw = {} if dtype == "auto" else {"dtype": getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "half": "float16",
+                                                                 "fp32": "float32", "float": "float32"}.get(dtype, dtype))}
+    if not kw:
+        kw["dtype"] = "auto"
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **kw).to(dev).eval()
+    out: list[list[int] | None] = [None] * len(samples)
+    groups: dict[tuple[str, int], list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault((s.task, s.length), []).append(i)
+    with torch.no_grad():
+        for idx in groups.values():
+            rows = max(1, (1 << 19) // samples[idx[0]].length)
+            for j in range(0, len(idx), rows):
+                part = idx[j:j + rows]
+                ids = torch.tensor([samples[i].prompt_ids for i in part], device=dev)
+                steps = max(len(samples[i].answer_ids) + 4 for i in part)
+                res = hf(input_ids=ids, use_cache=True, logits_to_keep=1)
+                past, nxt = res.past_key_values, res.logits[:, -1].argmax(-1)
+                gen = [nxt]
+                for _ in range(steps - 1):
+                    res = hf(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
+                    past, nxt = res.past_key_values, res.logits[:, -1].argmax(-1)
+                    gen.append(nxt)
+                for i, row in zip(part, torch.stack(gen, 1).tolist()):
+                    # Cut as the engine does: at EOS (kept in the tokens), or at max_tokens.
+                    row = row[:len(samples[i].answer_ids) + 4]
+                    end = next((k for k, t in enumerate(row) if t in eos_ids), None)
+                    out[i] = row if end is None else row[:end + 1]
+    del hf
+    return out  # type: ignore[return-value]
 
 
 def accuracy_table(rows: list[dict]) -> dict[str, dict[str, float]]:
@@ -175,6 +224,7 @@ def main(args: argparse.Namespace) -> dict:
     max_len = args.max_model_len or max(lengths) + 64
 
     samples: list[T.TaskSample] | None = None
+    parity_out: dict | None = None
     results: dict[str, dict] = {}
     rows_by_policy: dict[str, list[dict]] = {}
     probes: dict[str, dict] = {}
@@ -192,6 +242,21 @@ def main(args: argparse.Namespace) -> dict:
             samples = T.build_suite(builder, tasks, lengths, args.num_samples, args.seed)
             model_desc = str(llm.llm_engine.model_name)
         rows = run_policy(llm, samples, use_tqdm=not args.quiet)
+        if args.compare_hf and pol.name == "dense" and "hf" not in rows_by_policy:
+            eos_ids = set(llm.llm_engine.eos_token_ids)
+            hf_ids = hf_greedy(args.model, samples, args.device, args.dtype, eos_ids)
+            tok = llm.llm_engine.tokenizer
+            hf_rows = []
+            for r, s, ids in zip(rows, samples, hf_ids):
+                text = tok.decode(ids, skip_special_tokens=True)
+                hf_rows.append({**r, "output": text, "output_token_ids": ids, "correct": T.is_correct(text, s.answer)})
+                r["hf_match"] = _same_tokens(r["output_token_ids"], ids, eos_ids)
+            rows_by_policy["hf"] = hf_rows
+            results["hf"] = accuracy_table(hf_rows)
+            parity = {}
+            for r in rows:
+                parity.setdefault(r["task"], {}).setdefault(str(r["length"]), []).append(r["hf_match"])
+            parity_out = {t: {n: sum(v) / len(v) for n, v in d.items()} for t, d in parity.items()}
         rows_by_policy[pol.name] = rows
         results[pol.name] = accuracy_table(rows)
         if args.probe_steps:
@@ -204,6 +269,9 @@ def main(args: argparse.Namespace) -> dict:
 
     print(f"\nexact-match accuracy (%), model {model_desc}, {args.num_samples} samples per cell, seed {args.seed}")
     print(format_table(results, tasks, lengths))
+    if parity_out is not None:
+        n_same = sum(r["hf_match"] for r in rows_by_policy["dense"])
+        print(f"\nparity with transformers (same greedy tokens): {n_same}/{len(samples)}")
     if probes:
         print("\nattention probe: softmax mass covered / relative output error vs dense, per layer")
         for name, rep in probes.items():
@@ -211,7 +279,7 @@ def main(args: argparse.Namespace) -> dict:
     out = {"model": args.model or "embedded default", "model_name": model_desc, "seed": args.seed,
            "num_samples": args.num_samples, "tasks": tasks, "lengths": lengths,
            "policies": {p.name: p.engine_args for p in policies}, "accuracy": results,
-           "probe": probes, "seconds": timing,
+           "probe": probes, "seconds": timing, "hf_parity": parity_out,
            "samples": {name: rows for name, rows in rows_by_policy.items()}}
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)

@@ -104,7 +104,8 @@ def main(args: argparse.Namespace) -> dict:
     if args.random_prompts:
         g = torch.Generator().manual_seed(args.seed)
         vocab = engine.model_runner.arch.vocab_size
-        prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths for _ in range(args.num_samples)]
+        prompts = [torch.randint(10, vocab, (n,), generator=g).tolist()
+                   for n in lengths for _ in range(args.num_samples)]
     else:
         tok = engine.tokenizer
         builder = T.TaskBuilder(tok, T.load_essays(T.find_haystack_dir(args.data_dir)), eos_id=tok.eos_token_id)

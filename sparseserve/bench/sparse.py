@@ -88,10 +88,11 @@ def parts(sp: SparseBackend, q, cache, tables, seq_lens, scale, mb, out, dense_m
     km, sel, cnt = sp.key_meta[0], sp.sel[0], sp.counter[0]
     scores = block_scores(q, km, tables, seq_lens, slots, cnt, p, mb, scale)
     variants = {
-        "score": [ScoreConfig()] + ([ScoreConfig(r, w) for r in (64, 128, 256) for w in (4, 8)] if sweep else []),
+        "score": [ScoreConfig()] + ([ScoreConfig(r, w, st) for r in (64, 128) for w in (4, 8) for st in (1, 3)]
+                                    if sweep else []),
         "select": [SelectConfig()] + ([SelectConfig(k, w) for k in (2, 4, 8) for w in (4, 8, 16)] if sweep else []),
-        "attend": [SparseDecodeConfig()] + ([SparseDecodeConfig(t, n * num_sms(q.device))
-                                            for t, n in ((64, 8), (128, 4), (128, 16), (256, 8), (64, 16))]
+        "attend": [SparseDecodeConfig()] + ([SparseDecodeConfig(t, n * num_sms(q.device), w, st)
+                                            for t, n in ((64, 8), (128, 8), (64, 16)) for w in (4, 8) for st in (1, 2)]
                                            if sweep else [])}
     calls = {"score": lambda c: block_scores(q, km, tables, seq_lens, slots, cnt, p, mb, scale, c),
              "select": lambda c: select_blocks(scores, seq_lens, slots, sel, cnt, sp.stats, sp.streaming[0], p, c),
@@ -156,7 +157,8 @@ def step_bench(model_dir: str, ctx: int = 131056, batch: int = 4, budget: int = 
         graph = runner.graphs.graphs[batch]
         replay = triton.testing.do_bench(graph.replay, warmup=5, rep=max(300, int(10 * statistics.median(walls))),
                                          return_mode="median")
-        return {"case": f"{label} step B={batch} L={ctx}", "graph_ms": replay, "engine_step_ms": statistics.median(walls)}
+        return {"case": f"{label} step B={batch} L={ctx}", "graph_ms": replay,
+                "engine_step_ms": statistics.median(walls)}
 
     def use(backend) -> None:  # same weights and cache, another attention backend, graphs captured anew
         for m in runner.model.modules():

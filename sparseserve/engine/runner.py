@@ -80,7 +80,7 @@ class ModelRunner:
                 self.dtype, self.device, n)
             self.seq_slots = StateSlots(n)
         torch.manual_seed(mc.seed)
-        self.model = build_model(self.arch, self.attn_backend, model_dir, self.dtype, self.device)
+        self.model = build_model(self.arch, self.attn_backend, model_dir, self.dtype, self.device, mc.load_format)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))
         self.num_blocks = self._num_kv_blocks()
         if self.num_blocks * self.block_size < self.max_model_len:

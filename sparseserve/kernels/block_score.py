@@ -22,6 +22,7 @@ MAX_SELECT_BLOCKS = 16384  # one selection program holds a row of block scores i
 class ScoreConfig:
     rows: int = 64        # metadata rows (blocks x pages) a program scores
     num_warps: int = 4
+    num_stages: int = 3   # Triton's default; one tile a program, so stages only cost shared memory
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ def _score_kernel(q_ptr, meta_ptr, table_ptr, seq_lens_ptr, slots_ptr, counter_p
     kmask = valid[:, None] & (dims < HEAD_DIM)[None, :]
     kmin = tl.load(ptrs, mask=kmask, other=0.0)
     kmax = tl.load(ptrs + stride_mm, mask=kmask, other=0.0)
-    s = tl.dot(q_pos, tl.trans(kmax), input_precision=DOT_PREC) + tl.dot(q_neg, tl.trans(kmin), input_precision=DOT_PREC)
+    s = (tl.dot(q_pos, tl.trans(kmax), input_precision=DOT_PREC)
+         + tl.dot(q_neg, tl.trans(kmin), input_precision=DOT_PREC))
     s = tl.where(valid[None, :], s * scale, float("-inf"))
     if PAGES > 1:
         s = tl.max(tl.reshape(s, (BLOCK_G, BLOCK_N, PAGES)), 2)
@@ -212,7 +214,7 @@ def block_scores(q: torch.Tensor, key_meta: torch.Tensor, block_tables: torch.Te
         SHORT_DENSE=p.short_dense, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n, DOT_PREC="ieee" if key_meta.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps)
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return scores
 
 

@@ -58,7 +58,7 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def build_model(cfg: ArchConfig, backend: AttentionBackend, path: Path, dtype: torch.dtype,
-                device: torch.device) -> LlamaForCausalLM:
+                device: torch.device, load_format: str = "auto") -> LlamaForCausalLM:
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -66,7 +66,12 @@ def build_model(cfg: ArchConfig, backend: AttentionBackend, path: Path, dtype: t
             model = LlamaForCausalLM(cfg, backend)
     finally:
         torch.set_default_dtype(prev)
-    load_weights(model, path)
+    if load_format == "dummy":
+        with torch.no_grad():  # small random weights, unit norms: a model that runs, not one that answers
+            for name, p in model.named_parameters():
+                p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
+    else:
+        load_weights(model, path)
     return model.eval().requires_grad_(False)
 
 
