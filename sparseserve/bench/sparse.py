@@ -6,9 +6,10 @@
 bf16, blocks of 32: the dense paged kernel against sparse decode with scoring and selection
 included (topk and topp at budget 2048, without and with reuse R=4), each captured in a CUDA graph
 (R consecutive steps per graph, so reuse is timed as it runs), plus a breakdown of the parts.
---step: the whole decode step (model forward + sampling) of MODEL_DIR at 128K context, batch 4, with
-sparse topk 2048 and then dense, on the same weights and KV cache (random KV: cost does not depend
-on the values). Both report the median of many replays.
+--step: the whole decode step (model forward + sampling) of MODEL_DIR's architecture (random weights:
+load_format='dummy') at 128K context, batch 4, with sparse topk 2048 variants and then dense, on the
+same weights and KV cache (random KV: cost does not depend on the values). Both report the median
+of many replays.
 """
 from __future__ import annotations
 
@@ -93,6 +94,8 @@ def parts(sp: SparseBackend, q, cache, tables, seq_lens, scale, mb, out, dense_m
         "select": [SelectConfig()] + ([SelectConfig(k, w) for k in (2, 4, 8) for w in (4, 8, 16)] if sweep else []),
         "attend": [SparseDecodeConfig()] + ([SparseDecodeConfig(t, n * num_sms(q.device), w, st)
                                             for t, n in ((64, 8), (128, 8), (64, 16)) for w in (4, 8) for st in (1, 2)]
+                                           # few programs, several tiles each: does the loop pipeline?
+                                           + [SparseDecodeConfig(t, 2 * num_sms(q.device), 4, 3) for t in (64, 128)]
                                            if sweep else [])}
     calls = {"score": lambda c: block_scores(q, km, tables, seq_lens, slots, cnt, p, mb, scale, c),
              "select": lambda c: select_blocks(scores, seq_lens, slots, sel, cnt, sp.stats, sp.streaming[0], p, c),
@@ -131,7 +134,8 @@ def step_bench(model_dir: str, ctx: int = 131056, batch: int = 4, budget: int = 
     from sparseserve.sampling_params import SamplingParams
 
     max_len = ctx + 16
-    engine = LLMEngine.from_kwargs(model=model_dir, dtype="bfloat16", max_model_len=max_len, max_num_seqs=batch,
+    engine = LLMEngine.from_kwargs(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=max_len,
+                                   max_num_seqs=batch,
                                    num_gpu_blocks_override=batch * blocks_needed(max_len, 32) + 8,
                                    sparse_policy="topk", sparse_budget=budget, sparse_dense_layers=dense_layers)
     runner, sparse = engine.model_runner, engine.model_runner.sparse
@@ -186,7 +190,7 @@ def step_bench(model_dir: str, ctx: int = 131056, batch: int = 4, budget: int = 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernel", action="store_true", help="One layer's decode attention (default if no --step).")
-    ap.add_argument("--step", metavar="MODEL_DIR", help="Whole decode step of this model (Llama-3.1-8B config).")
+    ap.add_argument("--step", metavar="MODEL_DIR", help="Whole decode step of this architecture (config.json).")
     ap.add_argument("--json", help="Write the results here.")
     args = ap.parse_args()
     torch.manual_seed(0)
