@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from sparseserve.attention.backend import AttentionBackend, AttentionMetadata
 from sparseserve.layers.activation import silu_and_mul
 from sparseserve.layers.norm import RMSNorm
-from sparseserve.layers.rotary import RotaryEmbedding, apply_rotary
+from sparseserve.layers.rotary import RotaryEmbedding, rotate_qk
 from sparseserve.models.config import ArchConfig
 
 
@@ -38,7 +38,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = rotate_qk(q, k, *rope)
         o = self.backend.forward(self.layer_idx, q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 

@@ -1,0 +1,65 @@
+"""Fused small-op kernels (kernels/small_ops.py) against the torch code they replace on the GPU."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the @triton.jit of the kernel module
+pytest.importorskip("triton")
+
+from sparseserve.kernels.small_ops import add_rmsnorm, rotary, silu_and_mul  # noqa: E402
+from sparseserve.layers.activation import silu_and_mul as silu_and_mul_ref  # noqa: E402
+from sparseserve.layers.norm import RMSNorm  # noqa: E402
+from sparseserve.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+DTYPES = list(TOL)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, hidden", [(1, 64), (5, 96), (33, 256)])
+def test_add_rmsnorm(dtype, tokens, hidden):
+    norm = RMSNorm(hidden, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(hidden))
+    norm = norm.to(dtype)
+    x = torch.randn(tokens, hidden, dtype=dtype)
+    res = torch.randn(tokens, hidden, dtype=dtype)
+    ref_out, ref_res = norm._norm(x + res), x + res
+    out, res_out = add_rmsnorm(x.to(DEVICE), res.to(DEVICE), norm.weight.to(DEVICE), 1e-5)
+    if dtype != torch.bfloat16 or DEVICE == "cuda":
+        assert torch.equal(res_out.cpu(), ref_res)  # the residual sum is rounded exactly as torch rounds it
+    else:  # the CPU interpreter truncates float32 -> bf16 instead of rounding to nearest even
+        ulp = 2.0 ** (torch.frexp(ref_res.float()).exponent.float() - 8)
+        assert ((res_out.float() - ref_res.float()).abs() <= ulp).all()
+    assert rel(out.cpu(), ref_out) < TOL[dtype]
+    assert rel(add_rmsnorm(x.to(DEVICE), None, norm.weight.to(DEVICE), 1e-5).cpu(), norm._norm(x)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, hq, hkv, d", [(1, 4, 2, 64), (7, 6, 3, 32), (20, 8, 1, 128)])
+def test_rotary_on_strided_qk(dtype, tokens, hq, hkv, d):
+    # q and k are views of one packed qkv row, as in the model.
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, dtype=dtype)
+    q = qkv[:, : hq * d].view(tokens, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d)
+    pos = torch.randint(0, 5000, (tokens,))
+    cos, sin = RotaryEmbedding(d, {"rope_theta": 10000.0})(pos, dtype)
+    q_out, k_out = rotary(*(t.to(DEVICE) for t in (q, k, cos, sin)))
+    assert rel(q_out.cpu(), apply_rotary(q, cos, sin)) < TOL[dtype]
+    assert rel(k_out.cpu(), apply_rotary(k, cos, sin)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, n", [(1, 64), (9, 1500)])
+def test_silu_and_mul(dtype, tokens, n):
+    x = torch.randn(tokens, 2 * n, dtype=dtype)
+    assert rel(silu_and_mul(x.to(DEVICE)).cpu(), silu_and_mul_ref(x)) < TOL[dtype]
