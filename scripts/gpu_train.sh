@@ -1,12 +1,28 @@
 #!/usr/bin/env bash
-# The one command run on the device machine: train the test model, save it under $OUT, evaluate it.
-# The essays travel in .out/data/haystack (name .out/data in the run's `carry`):
+# The one command run on the device machine.
+#   bash scripts/gpu_train.sh [train] [ARGS...]   train the test model, save it under $OUT, evaluate it
+#                                                 in transformers (ARGS go to scripts/train_test_model.py)
+#   bash scripts/gpu_train.sh eval [MODEL_DIR]    the accuracy harness in the engine (dense) with
+#                                                 transformers parity, JSON under $OUT
+# The essays travel in .out/data/haystack (name .out/data, and for eval the model dir, in `carry`):
 #   mkdir -p .out/data && cp -r ../shared/data/haystack .out/data/
-# Extra arguments go to scripts/train_test_model.py (e.g. --resume .out/prev --steps 600).
 set -euo pipefail
 OUT=${OUT:-.out/run}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 date -u
-python3 scripts/train_test_model.py --data-dir .out/data/haystack --out "$OUT" --time-limit 7.0 "$@"
+mode=train
+if [[ "${1:-}" == "train" || "${1:-}" == "eval" ]]; then mode=$1; shift; fi
+if [[ $mode == train ]]; then
+    python3 scripts/train_test_model.py --data-dir .out/data/haystack --out "$OUT" --time-limit 7.0 "$@"
+    exit
+fi
+model=${1:-.out/trained_model}
+acc="python3 -m sparseserve.bench.accuracy $model --data-dir .out/data/haystack --device cuda --compare-hf --quiet"
+# The targets (passkey, niah_single at 4K-16K), eagerly with the attention probe ...
+timeout 280 $acc --lengths 4096,8192,16384 --num-samples 50 --tasks passkey,niah_single \
+    --probe-steps 4 --probe-samples 2 --output "$OUT/acc_main.json" || echo "main run failed: $?"
+# ... then every task up to 32K (CUDA graphs on: no probe).
+timeout 250 $acc --lengths 4096,8192,16384,32768 --num-samples 20 --probe-steps 0 \
+    --output "$OUT/acc_all.json" || echo "all-task run failed: $?"

@@ -1,11 +1,16 @@
 """Tiny Hugging Face model directories with random weights, one per supported architecture variant."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU under the interpreter; must precede any @triton.jit.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from sparseserve.models.loader import DEFAULT_MODEL_DIR
 

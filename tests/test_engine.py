@@ -4,7 +4,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from sparseserve import LLM, SamplingParams
 from sparseserve.kvcache.blocks import BlockAllocator

@@ -5,33 +5,17 @@ same tests run on the GPU, plus larger shapes and a CUDA-graph replay check.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the @triton.jit of the kernel modules
-pytest.importorskip("triton")
-
-from sparseserve.attention.backend import AttentionMetadata  # noqa: E402
-from sparseserve.attention.torch_ref import TorchBackend, paged_attention_ref, store_kv_ref  # noqa: E402
-from sparseserve.attention.triton_backend import TritonBackend  # noqa: E402
-from sparseserve.kernels.paged_decode import DecodeConfig, paged_decode  # noqa: E402
-from sparseserve.kernels.paged_prefill import PrefillConfig, paged_prefill  # noqa: E402
-from sparseserve.kernels.store_kv import store_kv  # noqa: E402
-
-ON_GPU = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-# The Triton 3.9 interpreter multiplies bf16 tl.dot operands as their raw uint16 bits
-# (InterpreterBuilder.create_dot), so bf16 attention is checked on the GPU only.
-ATTN_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
-TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+from tests.kernel_utils import ATTN_DTYPES, DEVICE, TOL, gpu_only, rel_err
+from sparseserve.attention.backend import AttentionMetadata
+from sparseserve.attention.torch_ref import TorchBackend, paged_attention_ref, store_kv_ref
+from sparseserve.attention.triton_backend import TritonBackend
+from sparseserve.kernels.paged_decode import DecodeConfig, paged_decode
+from sparseserve.kernels.paged_prefill import PrefillConfig, paged_prefill
+from sparseserve.kernels.store_kv import store_kv
 
 
 def make_batch(decode_lens: list[int], prefills: list[tuple[int, int]], hq: int, hkv: int, d: int, bs: int,

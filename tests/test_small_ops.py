@@ -1,27 +1,17 @@
 """Fused small-op kernels (kernels/small_ops.py) against the torch code they replace on the GPU."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the @triton.jit of the kernel module
-pytest.importorskip("triton")
+from tests.kernel_utils import DEVICE, rel_err as rel
+from sparseserve.kernels.small_ops import add_rmsnorm, rotary, silu_and_mul
+from sparseserve.layers.activation import silu_and_mul as silu_and_mul_ref
+from sparseserve.layers.norm import RMSNorm
+from sparseserve.layers.rotary import RotaryEmbedding, apply_rotary
 
-from sparseserve.kernels.small_ops import add_rmsnorm, rotary, silu_and_mul  # noqa: E402
-from sparseserve.layers.activation import silu_and_mul as silu_and_mul_ref  # noqa: E402
-from sparseserve.layers.norm import RMSNorm  # noqa: E402
-from sparseserve.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = list(TOL)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -35,7 +25,7 @@ def test_add_rmsnorm(dtype, tokens, hidden):
     res = torch.randn(tokens, hidden, dtype=dtype)
     ref_out, ref_res = norm._norm(x + res), x + res
     out, res_out = add_rmsnorm(x.to(DEVICE), res.to(DEVICE), norm.weight.to(DEVICE), 1e-5)
-    if dtype != torch.bfloat16 or DEVICE == "cuda":
+    if dtype != torch.bfloat16 or DEVICE.type == "cuda":
         assert torch.equal(res_out.cpu(), ref_res)  # the residual sum is rounded exactly as torch rounds it
     else:  # the CPU interpreter truncates float32 -> bf16 instead of rounding to nearest even
         ulp = 2.0 ** (torch.frexp(ref_res.float()).exponent.float() - 8)

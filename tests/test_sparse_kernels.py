@@ -4,35 +4,20 @@ tests run on the GPU, plus large shapes and a CUDA-graph replay of the whole spa
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the @triton.jit of the kernel modules
-pytest.importorskip("triton")
-
-from sparseserve.attention.backend import AttentionMetadata  # noqa: E402
-from sparseserve.attention.selection import SelectionParams, block_scores_ref, update_selection_ref  # noqa: E402
-from sparseserve.attention.sparse import SparseBackend, sparse_decode_ref  # noqa: E402
-from sparseserve.attention.torch_ref import TorchBackend, paged_attention_ref  # noqa: E402
-from sparseserve.attention.triton_backend import TritonBackend  # noqa: E402
-from sparseserve.config import SparseConfig  # noqa: E402
-from sparseserve.kernels.block_score import SelectConfig, block_scores, select_blocks, update_key_meta  # noqa: E402
-from sparseserve.kernels.sparse_decode import SparseDecodeConfig, sparse_decode  # noqa: E402
-from sparseserve.kvcache.metadata import allocate_key_meta, rebuild_key_meta, update_key_meta_ref  # noqa: E402
-
-ON_GPU = torch.cuda.is_available()
-DEV = torch.device("cuda" if ON_GPU else "cpu")
-# The Triton interpreter multiplies bf16 dot operands as raw bits (see test_kernels.py): bf16 on the GPU only.
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
-TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+from tests.kernel_utils import ATTN_DTYPES as DTYPES, DEVICE as DEV, TOL, gpu_only, rel_err
+from sparseserve.attention.backend import AttentionMetadata
+from sparseserve.attention.selection import SelectionParams, block_scores_ref, update_selection_ref
+from sparseserve.attention.sparse import SparseBackend, sparse_decode_ref
+from sparseserve.attention.torch_ref import TorchBackend, paged_attention_ref
+from sparseserve.attention.triton_backend import TritonBackend
+from sparseserve.config import SparseConfig
+from sparseserve.kernels.block_score import SelectConfig, block_scores, select_blocks, update_key_meta
+from sparseserve.kernels.sparse_decode import SparseDecodeConfig, sparse_decode
+from sparseserve.kvcache.metadata import allocate_key_meta, rebuild_key_meta, update_key_meta_ref
 
 
 def decode_batch(lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype, slack: int = 0):

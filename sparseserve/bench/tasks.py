@@ -89,13 +89,19 @@ def split_sentences(text: str) -> list[str]:
 
 
 def find_haystack_dir(explicit: str | None = None) -> Path:
-    """The essays: an explicit path, else ../shared/data/haystack (from the repo root or the cwd),
-    else .out/data/haystack (the copy that travels to the GPU machine)."""
+    """The essays: an explicit path, else $SPARSESERVE_DATA_DIR/haystack or ../shared/data/haystack
+    (from the repo root or the cwd), else .out/data/haystack (the copy that travels to the GPU machine)."""
     if explicit:
         path = Path(explicit)
         if not path.is_dir():
             raise FileNotFoundError(f"haystack directory not found: {path}")
         return path
+    try:  # the benchmarks' data folder ($SPARSESERVE_DATA_DIR, else ../shared/data)
+        from sparseserve.bench.datasets import data_dir
+        if (data_dir() / "haystack").is_dir():
+            return data_dir() / "haystack"
+    except ImportError:
+        pass
     repo = Path(__file__).resolve().parents[2]
     for base in (Path.cwd(), repo):
         for rel in DEFAULT_HAYSTACK_DIRS:
@@ -338,3 +344,28 @@ def build_suite(builder: TaskBuilder, tasks: list[str], lengths: list[int], num_
                 seed: int) -> list[TaskSample]:
     return [builder.build(t, n, sample_rng(seed, t, n, i))
             for t in tasks for n in lengths for i in range(num_samples)]
+
+
+def _main(argv: list[str] | None = None) -> None:
+    """Prints one task prompt as text (for a demo: `sparseserve generate --prompt "$(python -m
+    sparseserve.bench.tasks niah_single 4096)"`); the expected answer goes to stderr."""
+    import argparse
+    import sys
+    from transformers import AutoTokenizer
+    from sparseserve.models.loader import resolve_model_dir
+    p = argparse.ArgumentParser(description=_main.__doc__)
+    p.add_argument("task", choices=TASKS)
+    p.add_argument("length", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="model directory whose tokenizer counts the tokens")
+    p.add_argument("--data-dir", default=None)
+    a = p.parse_args(argv)
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir(a.model))
+    s = TaskBuilder(tok, load_essays(find_haystack_dir(a.data_dir))).build(a.task, a.length,
+                                                                         sample_rng(a.seed, a.task, a.length, 0))
+    print(s.prompt_text)
+    print(f"expected answer: {s.answer}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    _main()

@@ -9,7 +9,6 @@ replays change `seq_lens`: programs whose split starts past their sequence's end
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
