@@ -4,6 +4,7 @@
 #                                                 in transformers (ARGS go to scripts/train_test_model.py)
 #   bash scripts/gpu_train.sh eval [MODEL_DIR]    the accuracy harness in the engine (dense) with
 #                                                 transformers parity, JSON under $OUT
+#   bash scripts/gpu_train.sh harness ARGS...     one harness run with ARGS (JSON: $OUT/acc.json)
 # The essays travel in .out/data/haystack (name .out/data, and for eval the model dir, in `carry`):
 #   mkdir -p .out/data && cp -r ../shared/data/haystack .out/data/
 set -euo pipefail
@@ -13,9 +14,13 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 date -u
 mode=train
-if [[ "${1:-}" == "train" || "${1:-}" == "eval" ]]; then mode=$1; shift; fi
+if [[ "${1:-}" == "train" || "${1:-}" == "eval" || "${1:-}" == "harness" ]]; then mode=$1; shift; fi
 if [[ $mode == train ]]; then
     python3 scripts/train_test_model.py --data-dir .out/data/haystack --out "$OUT" --time-limit 7.0 "$@"
+    exit
+fi
+if [[ $mode == harness ]]; then
+    python3 -m sparseserve.bench.accuracy --data-dir .out/data/haystack --output "$OUT/acc.json" "$@"
     exit
 fi
 model=${1:-.out/trained_model}

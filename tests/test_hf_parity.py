@@ -87,3 +87,15 @@ def test_prompt_logits_match_transformers(hf_models, variant):
     got = engine_prompt_logits(llm, prompt)
     rel = (got - ref).norm() / ref.norm()
     assert rel < 1e-4, f"relative error {rel:.2e}"
+
+
+def test_sharded_checkpoint_loads_like_single_file(hf_models, tmp_path):
+    path, hf = hf_models["llama-mha-d64-untied"]
+    hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="200KB")
+    for f in path.glob("tokenizer*"):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    assert (tmp_path / "model.safetensors.index.json").exists() and len(list(tmp_path.glob("*.safetensors"))) > 2
+    prompt = prompts_for(3)[1]
+    single = LLM(str(path), device=DEVICE, dtype="float32", block_size=16, max_model_len=256, **KV)
+    sharded = LLM(str(tmp_path), device=DEVICE, dtype="float32", block_size=16, max_model_len=256, **KV)
+    assert torch.equal(engine_prompt_logits(single, prompt), engine_prompt_logits(sharded, prompt))

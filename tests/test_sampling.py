@@ -86,3 +86,14 @@ def test_n_stop_and_logprobs(llm):
     assert o.finish_reason == "stop" and o.stop_reason == stop_str
     assert o.text == full.text[: full.text.index(stop_str)]
     assert llm.llm_engine.allocator.num_used == 0
+
+
+def test_chat_applies_the_template(llm):
+    tok = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "Where is the key?"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    out = llm.chat(messages, SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0]
+    assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+    assert out.prompt == text and len(out.outputs[0].token_ids) == 3
+    if tok.bos_token_id is not None:  # the template's BOS, once
+        assert out.prompt_token_ids.count(tok.bos_token_id) <= 1

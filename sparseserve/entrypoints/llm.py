@@ -53,7 +53,9 @@ class LLM:
         tok = self.llm_engine.tokenizer
         if not tok.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
-        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+        texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+        # The template writes its own special tokens (BOS); encoding must not add a second one.
+        prompts = [{"prompt": t, "prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
