@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 from sparseserve.models.loader import DEFAULT_MODEL_DIR
 
-VOCAB = 2048  # the embedded default tokenizer's size, so string prompts work on every test model
+VOCAB = 4096  # the embedded default tokenizer's size, so string prompts work on every test model
 
 # name -> (transformers config class name, config overrides)
 VARIANTS = {

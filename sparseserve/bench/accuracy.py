@@ -106,8 +106,7 @@ def _engine_args(args: argparse.Namespace, max_len: int) -> dict[str, Any]:
     return {"device": args.device, "dtype": args.dtype, "max_model_len": max_len, **extra}
 
 
-def _free(llm: Any) -> None:
-    del llm
+def _release_memory() -> None:
     gc.collect()
     try:
         import torch
@@ -131,6 +130,15 @@ def run_policy(llm: Any, samples: list[T.TaskSample], use_tqdm: bool) -> list[di
     return rows
 
 
+def mean_tokens_attended(llm: Any, samples: list[T.TaskSample]) -> float:
+    """Mean tokens a decode query attended (sparse layers; the engine's selection counters), or the
+    mean prompt length when nothing was sparse (dense)."""
+    stats = llm.llm_engine.get_stats()
+    if getattr(stats, "sparse_selections", 0):
+        return stats.sparse_blocks_selected * llm.llm_engine.config.cache_config.block_size / stats.sparse_selections
+    return sum(s.length for s in samples) / len(samples)
+
+
 def _same_tokens(a: list[int], b: list[int], eos_ids: set[int]) -> bool:
     """Equal greedy outputs, ignoring whether a trailing EOS is reported."""
     strip = lambda x: x[:-1] if x and x[-1] in eos_ids else x  # noqa: E731
@@ -151,13 +159,15 @@ def hf_greedy(model: str | None, samples: list[T.TaskSample], device: str, dtype
     if not kw:
         kw["dtype"] = "auto"
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **kw).to(dev).eval()
+    # Without a 16-bit dtype SDPA has no flash kernel and may materialise [heads, L, L] scores.
+    budget = (1 << 19) if hf.dtype in (torch.bfloat16, torch.float16) else 0
     out: list[list[int] | None] = [None] * len(samples)
     groups: dict[tuple[str, int], list[int]] = {}
     for i, s in enumerate(samples):
         groups.setdefault((s.task, s.length), []).append(i)
     with torch.no_grad():
         for idx in groups.values():
-            rows = max(1, (1 << 19) // samples[idx[0]].length)
+            rows = max(1, budget // samples[idx[0]].length)
             for j in range(0, len(idx), rows):
                 part = idx[j:j + rows]
                 ids = torch.tensor([samples[i].prompt_ids for i in part], device=dev)
@@ -175,6 +185,7 @@ def hf_greedy(model: str | None, samples: list[T.TaskSample], device: str, dtype
                     end = next((k for k, t in enumerate(row) if t in eos_ids), None)
                     out[i] = row if end is None else row[:end + 1]
     del hf
+    _release_memory()
     return out  # type: ignore[return-value]
 
 
@@ -225,10 +236,13 @@ def main(args: argparse.Namespace) -> dict:
 
     samples: list[T.TaskSample] | None = None
     parity_out: dict | None = None
+    eos_ids: set[int] | None = None
+    tok: Any = None
     results: dict[str, dict] = {}
     rows_by_policy: dict[str, list[dict]] = {}
     probes: dict[str, dict] = {}
     timing: dict[str, float] = {}
+    attended: dict[str, float] = {}
     model_desc = None
     for pol in policies:
         t0 = time.time()
@@ -242,33 +256,37 @@ def main(args: argparse.Namespace) -> dict:
             samples = T.build_suite(builder, tasks, lengths, args.num_samples, args.seed)
             model_desc = str(llm.llm_engine.model_name)
         rows = run_policy(llm, samples, use_tqdm=not args.quiet)
-        if args.compare_hf and pol.name == "dense" and "hf" not in rows_by_policy:
-            eos_ids = set(llm.llm_engine.eos_token_ids)
-            hf_ids = hf_greedy(args.model, samples, args.device, args.dtype, eos_ids)
-            tok = llm.llm_engine.tokenizer
-            hf_rows = []
-            for r, s, ids in zip(rows, samples, hf_ids):
-                text = tok.decode(ids, skip_special_tokens=True)
-                hf_rows.append({**r, "output": text, "output_token_ids": ids, "correct": T.is_correct(text, s.answer)})
-                r["hf_match"] = _same_tokens(r["output_token_ids"], ids, eos_ids)
-            rows_by_policy["hf"] = hf_rows
-            results["hf"] = accuracy_table(hf_rows)
-            parity = {}
-            for r in rows:
-                parity.setdefault(r["task"], {}).setdefault(str(r["length"]), []).append(r["hf_match"])
-            parity_out = {t: {n: sum(v) / len(v) for n, v in d.items()} for t, d in parity.items()}
+        if eos_ids is None:
+            eos_ids, tok = set(llm.llm_engine.eos_token_ids), llm.llm_engine.tokenizer
         rows_by_policy[pol.name] = rows
         results[pol.name] = accuracy_table(rows)
+        attended[pol.name] = mean_tokens_attended(llm, samples)
         if args.probe_steps:
             probe_samples = [s for t in tasks for n in lengths
                              for s in [x for x in samples if x.task == t and x.length == n][:args.probe_samples]]
             probes[pol.name] = attention_probe.probe(llm, probe_samples, args.probe_steps)
         timing[pol.name] = round(time.time() - t0, 2)
-        _free(llm)
         llm = None
+        _release_memory()  # the next engine (or the transformers reference) gets the GPU memory
+
+    if args.compare_hf:  # after the engines are gone: the reference needs the memory they held
+        hf_ids = hf_greedy(args.model, samples, args.device, args.dtype, eos_ids)
+        hf_rows = []
+        for r, s, ids in zip(rows_by_policy["dense"], samples, hf_ids):
+            text = tok.decode(ids, skip_special_tokens=True)
+            hf_rows.append({**r, "output": text, "output_token_ids": ids, "correct": T.is_correct(text, s.answer)})
+            r["hf_match"] = _same_tokens(r["output_token_ids"], ids, eos_ids)
+        rows_by_policy["hf"] = hf_rows
+        results["hf"] = accuracy_table(hf_rows)
+        parity: dict[str, dict[str, list[bool]]] = {}
+        for r in rows_by_policy["dense"]:
+            parity.setdefault(r["task"], {}).setdefault(str(r["length"]), []).append(r["hf_match"])
+        parity_out = {t: {n: sum(v) / len(v) for n, v in d.items()} for t, d in parity.items()}
 
     print(f"\nexact-match accuracy (%), model {model_desc}, {args.num_samples} samples per cell, seed {args.seed}")
     print(format_table(results, tasks, lengths))
+    print("mean tokens attended per decode query: "
+          + ", ".join(f"{name} {tokens:.0f}" for name, tokens in attended.items()))
     if parity_out is not None:
         n_same = sum(r["hf_match"] for r in rows_by_policy["dense"])
         print(f"\nparity with transformers (same greedy tokens): {n_same}/{len(samples)}")
@@ -279,7 +297,7 @@ def main(args: argparse.Namespace) -> dict:
     out = {"model": args.model or "embedded default", "model_name": model_desc, "seed": args.seed,
            "num_samples": args.num_samples, "tasks": tasks, "lengths": lengths,
            "policies": {p.name: p.engine_args for p in policies}, "accuracy": results,
-           "probe": probes, "seconds": timing, "hf_parity": parity_out,
+           "probe": probes, "seconds": timing, "mean_tokens_attended": attended, "hf_parity": parity_out,
            "samples": {name: rows for name, rows in rows_by_policy.items()}}
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)

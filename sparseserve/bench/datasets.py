@@ -82,6 +82,9 @@ class PromptBuilder:
         if tokenizer is None and chars_per_token is None:
             raise ValueError("PromptBuilder needs a tokenizer or a chars_per_token ratio")
         self.tokenizer, self.chars_per_token = tokenizer, chars_per_token
+        # A prompt of n tokens is what the server counts: text of n minus the special tokens (BOS)
+        # that the tokenizer adds on encode.
+        self.num_special = len(tokenizer.encode("", add_special_tokens=True)) if tokenizer is not None else 0
 
     def _chars(self, num_tokens: int, seed: int | str) -> str:
         corpus = haystack_corpus()
@@ -92,7 +95,7 @@ class PromptBuilder:
     def prompt(self, num_tokens: int, seed: int | str) -> str:
         if self.tokenizer is None:
             return self._chars(num_tokens, seed)
-        return haystack_text(self.tokenizer, num_tokens, seed)
+        return haystack_text(self.tokenizer, max(1, num_tokens - self.num_special), seed)
 
     def trace_prompt(self, hash_ids: list[int], num_tokens: int, seed: int | str) -> str:
         """Equal hash ids give equal 512-token text blocks, so shared prefixes of the trace are shared
@@ -103,6 +106,7 @@ class PromptBuilder:
             text = "".join(self._chars(TRACE_BLOCK_TOKENS, s) for s in block_seed)
             want = round(num_tokens * self.chars_per_token)
             return (text + self._chars(num_tokens, tail_seed))[:want]
+        num_tokens = max(1, num_tokens - self.num_special)
         ids = [t for s in block_seed for t in haystack_token_ids(self.tokenizer, TRACE_BLOCK_TOKENS, s)]
         ids = ids[:num_tokens] + haystack_token_ids(self.tokenizer, max(0, num_tokens - len(ids)), tail_seed)
         return fit_text(self.tokenizer, ids, tail_seed)

@@ -92,7 +92,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
-        if not ids:
+        if not ids or text == "":  # an empty string is empty even if the tokenizer adds a BOS
             raise ValueError("the prompt is empty")
         vocab = self.model_runner.arch.vocab_size
         if any(t < 0 or t >= vocab for t in ids):

@@ -118,6 +118,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def submit(prefix: str, prompt: str | list[int], params: Any) -> tuple[str, Any]:
         request_id = random_id(prefix)
         if isinstance(prompt, str):  # tokenized here (off the event loop) to check the context length
+            if not prompt:
+                raise APIError(400, "the prompt is empty", param="prompt")
             prompt = await asyncio.to_thread(llm.tokenizer.encode, prompt)
         if params.max_tokens is not None and len(prompt) + params.max_tokens > llm.max_model_len:
             raise APIError(400, f"This model's maximum context length (max_model_len) is {llm.max_model_len} tokens; the request "
