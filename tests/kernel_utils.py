@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
+import triton  # noqa: F401  (a test dependency: its absence must fail, not skip)
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")

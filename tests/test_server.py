@@ -6,6 +6,7 @@ import json
 import time
 
 import httpx
+import openai
 import pytest
 
 from sparseserve import LLM, SamplingParams
@@ -44,7 +45,6 @@ def wait_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
 
 
 def test_openai_client_drives_both_endpoints(server):
-    openai = pytest.importorskip("openai")
     url, _ = server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY)
     assert [m.id for m in client.models.list()] == [MODEL]

@@ -13,6 +13,8 @@ sequence b sits at position seq_lens[b] - q_len[b] + i and attends causally.
 """
 from __future__ import annotations
 
+import abc
+
 from dataclasses import dataclass
 
 import torch
@@ -36,26 +38,35 @@ class AttentionMetadata:
         return self.seq_lens.numel()
 
 
-class AttentionBackend:
-    """Writes the step's new K/V into the cache, then attends. Subclasses implement both halves."""
+class AttentionBackend(abc.ABC):
+    """What the model calls once per layer: write the step's new K/V, then attend."""
 
     name = "base"
 
+    @abc.abstractmethod
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: layer `layer_idx`'s cache. Returns [T, Hq, D].
 
         layer_idx lets per-layer policies (dense first layers, streaming heads) and probes act."""
+
+
+class PagedAttentionBackend(AttentionBackend):
+    """Dense paged attention, the same in every layer: store_kv then attend (torch or Triton)."""
+
+    def forward(self, layer_idx, q, k, v, kv_cache, meta, scale):
         self.store_kv(k, v, kv_cache, meta.slot_mapping)
         return self.attend(q, kv_cache, meta, scale)
 
+    @abc.abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
-        raise NotImplementedError
+        ...
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from sparseserve.attention.backend import AttentionBackend, AttentionMetadata
+from sparseserve.attention.backend import AttentionBackend, AttentionMetadata, PagedAttentionBackend
 from sparseserve.attention.selection import (SelectionParams, attended_blocks, block_scores_ref,
                                              update_selection_ref)
 from sparseserve.config import SparseConfig
@@ -67,7 +67,7 @@ def sparse_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
 class SparseBackend(AttentionBackend):
     name = "sparse"
 
-    def __init__(self, dense: AttentionBackend, config: SparseConfig, num_layers: int, num_kv_heads: int,
+    def __init__(self, dense: PagedAttentionBackend, config: SparseConfig, num_layers: int, num_kv_heads: int,
                  head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device, max_num_seqs: int) -> None:
         self.dense = dense
         self.use_triton = dense.name == "triton"
@@ -129,12 +129,6 @@ class SparseBackend(AttentionBackend):
             out[nd:] = self.dense.attend(q[nd:], kv_cache, sub, scale)
         self._decode(layer_idx, q[:nd], kv_cache, meta, scale, out[:nd])
         return out
-
-    def store_kv(self, k, v, kv_cache, slot_mapping):
-        self.dense.store_kv(k, v, kv_cache, slot_mapping)
-
-    def attend(self, q, kv_cache, meta, scale):
-        raise NotImplementedError("SparseBackend attends per layer: call forward(layer_idx, ...)")
 
     def _slots(self, meta: AttentionMetadata) -> torch.Tensor:
         nd = meta.num_decodes

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from sparseserve.attention.backend import AttentionBackend, AttentionMetadata
+from sparseserve.attention.backend import AttentionMetadata, PagedAttentionBackend
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -62,7 +62,7 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     return out[seq_idx, local].to(q.dtype)
 
 
-class TorchBackend(AttentionBackend):
+class TorchBackend(PagedAttentionBackend):
     name = "torch"
 
     def store_kv(self, k, v, kv_cache, slot_mapping):

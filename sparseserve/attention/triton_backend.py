@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from sparseserve.attention.backend import AttentionBackend, AttentionMetadata
+from sparseserve.attention.backend import AttentionMetadata, PagedAttentionBackend
 from sparseserve.kernels.paged_decode import paged_decode
 from sparseserve.kernels.paged_prefill import paged_prefill
 from sparseserve.kernels.store_kv import store_kv
 
 
-class TritonBackend(AttentionBackend):
+class TritonBackend(PagedAttentionBackend):
     """Same answers as TorchBackend (torch_ref.py). Launches depend only on tensor shapes and the
     host-side bounds in `meta`, never on device values, so a decode step can be graph-captured."""
 
