@@ -30,6 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked
 from sparseserve.bench import tasks as T  # noqa: E402
+from sparseserve.bench.accuracy import transformers_greedy  # noqa: E402
 
 SPECIALS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 # Renders messages as plain text after BOS: the model knows only the task format of tasks.py, so a
@@ -307,20 +308,9 @@ def lr_at(step: int, steps: int, base: float, warmup: int = 50) -> float:
 
 
 # -- evaluation ---------------------------------------------------------------------------------
-@torch.no_grad()
 def greedy(model, prompts: torch.Tensor, max_new: int, eos: int) -> list[list[int]]:
-    """Batched greedy decoding of equal-length prompts (no padding, so SDPA stays on its causal path)."""
-    out = model(input_ids=prompts, use_cache=True, logits_to_keep=1)
-    past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
-    gen = [nxt]
-    for _ in range(max_new - 1):
-        out = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
-        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
-        gen.append(nxt)
-    res = []
-    for row in torch.stack(gen, 1).tolist():
-        res.append(row[:row.index(eos)] if eos in row else row)
-    return res
+    """Greedy answers, cut at EOS."""
+    return [row[:row.index(eos)] if eos in row else row for row in transformers_greedy(model, prompts, max_new)]
 
 
 def evaluate(model, builder, tok, tasks, lengths, n, seed, eos, device, batch_tokens=1 << 20):

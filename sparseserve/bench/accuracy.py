@@ -145,6 +145,21 @@ def _same_tokens(a: list[int], b: list[int], eos_ids: set[int]) -> bool:
     return strip(list(a)) == strip(list(b))
 
 
+def transformers_greedy(model: Any, ids: Any, steps: int) -> list[list[int]]:
+    """Batched greedy decoding with transformers' KV cache: equal-length prompts, no padding (so SDPA
+    stays on its causal path). The reference of parity checks and of the training script's evaluation."""
+    import torch
+    with torch.no_grad():
+        res = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        past, nxt = res.past_key_values, res.logits[:, -1].argmax(-1)
+        gen = [nxt]
+        for _ in range(steps - 1):
+            res = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
+            past, nxt = res.past_key_values, res.logits[:, -1].argmax(-1)
+            gen.append(nxt)
+    return torch.stack(gen, 1).tolist()
+
+
 def hf_greedy(model: str | None, samples: list[T.TaskSample], device: str, dtype: str,
               eos_ids: set[int]) -> list[list[int]]:
     """Greedy tokens of transformers' implementation for every sample: the parity reference.
@@ -172,14 +187,7 @@ def hf_greedy(model: str | None, samples: list[T.TaskSample], device: str, dtype
                 part = idx[j:j + rows]
                 ids = torch.tensor([samples[i].prompt_ids for i in part], device=dev)
                 steps = max(len(samples[i].answer_ids) + 4 for i in part)
-                res = hf(input_ids=ids, use_cache=True, logits_to_keep=1)
-                past, nxt = res.past_key_values, res.logits[:, -1].argmax(-1)
-                gen = [nxt]
-                for _ in range(steps - 1):
-                    res = hf(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
-                    past, nxt = res.past_key_values, res.logits[:, -1].argmax(-1)
-                    gen.append(nxt)
-                for i, row in zip(part, torch.stack(gen, 1).tolist()):
+                for i, row in zip(part, transformers_greedy(hf, ids, steps)):
                     # Cut as the engine does: at EOS (kept in the tokens), or at max_tokens.
                     row = row[:len(samples[i].answer_ids) + 4]
                     end = next((k for k, t in enumerate(row) if t in eos_ids), None)
