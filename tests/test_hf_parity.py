@@ -99,3 +99,18 @@ def test_sharded_checkpoint_loads_like_single_file(hf_models, tmp_path):
     single = LLM(str(path), device=DEVICE, dtype="float32", block_size=16, max_model_len=256, **KV)
     sharded = LLM(str(tmp_path), device=DEVICE, dtype="float32", block_size=16, max_model_len=256, **KV)
     assert torch.equal(engine_prompt_logits(single, prompt), engine_prompt_logits(sharded, prompt))
+
+
+def test_reference_attention_in_query_chunks(hf_models, monkeypatch):
+    """The torch reference bounds its score memory by attending in query chunks: still exact."""
+    from sparseserve.attention import torch_ref
+
+    monkeypatch.setattr(torch_ref, "_SCORE_ELEMENTS", 4096)  # forces chunks of a few queries
+    path, hf = hf_models["qwen3-qknorm-d128"]
+    prompt = prompts_for(4)[-1]
+    with torch.no_grad():
+        ref = hf.to("cpu")(torch.tensor([prompt])).logits[0].float()
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=16, max_model_len=256,
+              attention_backend="torch", **KV)
+    got = engine_prompt_logits(llm, prompt)
+    assert (got - ref).norm() / ref.norm() < 1e-4

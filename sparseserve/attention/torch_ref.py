@@ -27,6 +27,9 @@ def token_positions(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor
     return seq_idx, local, pos
 
 
+_SCORE_ELEMENTS = 1 << 25
+
+
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                         scale: float) -> torch.Tensor:
     """Causal attention of each query token over its sequence's paged context, in float32."""
@@ -51,14 +54,20 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     qp[seq_idx, local] = q.float()
     pos_pad = torch.full((num_seqs, max_q), -1, dtype=torch.long, device=q.device)
     pos_pad[seq_idx, local] = pos
-    scores = torch.einsum("bqhd,bhkd->bhqk", qp, k) * scale
-    visible = torch.arange(ctx, device=q.device)[None, None, :] <= pos_pad[:, :, None]  # [B, Mq, ctx]
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padding rows see nothing
     # Cache memory past a sequence's end was never written and may hold NaN, and 0 * NaN is NaN.
     unwritten = torch.arange(ctx, device=q.device)[None, :] >= meta.seq_lens.long()[:, None]  # [B, ctx]
     v = v.masked_fill(unwritten[:, None, :, None], 0.0)
-    out = torch.einsum("bhqk,bhkd->bqhd", probs, v)
+    out = torch.empty_like(qp)
+    # Query chunks bound the float32 scores [B, Hq, chunk, ctx] to ~128 MB (long prompts on the CPU).
+    chunk = max(1, _SCORE_ELEMENTS // (num_seqs * num_q_heads * ctx))
+    keys = torch.arange(ctx, device=q.device)
+    for q0 in range(0, max_q, chunk):
+        rows = slice(q0, q0 + chunk)
+        scores = torch.einsum("bqhd,bhkd->bhqk", qp[:, rows], k) * scale
+        visible = keys[None, None, :] <= pos_pad[:, rows, None]  # [B, chunk, ctx]
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padding rows see nothing
+        out[:, rows] = torch.einsum("bhqk,bhkd->bqhd", probs, v)
     return out[seq_idx, local].to(q.dtype)
 
 
