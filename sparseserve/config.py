@@ -117,8 +117,50 @@ class SparseConfig:
         return self.sparse_policy != "dense"
 
 
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Hierarchical KV cache (DESIGN.md principles 4 and 5): every full head block written through to a
+    host store; sparse decode reads the blocks it selects through a pool of HBM head-block slots."""
+    kv_offload: bool = field(default=False, metadata={
+        "help": "Keep every full KV head block in a (pinned) host store and cache the selected ones in an "
+                "HBM slot pool (needs a sparse policy)."})
+    host_kv_memory: int | None = field(default=None, metadata={
+        "help": "Bytes of the host KV store (default: as many blocks as the device KV cache); must fit in "
+                "the host's available memory."})
+    hbm_cache_blocks: int | None = field(default=None, metadata={
+        "help": "Head-block slots of the HBM pool, shared by all layers and KV heads (default: one decode "
+                "step's selections of max_num_seqs sequences in every layer)."})
+
+    def __post_init__(self) -> None:
+        if self.host_kv_memory is not None and self.host_kv_memory < 1:
+            raise ValueError(f"host_kv_memory must be >= 1 byte, got {self.host_kv_memory}")
+        if self.hbm_cache_blocks is not None and self.hbm_cache_blocks < 1:
+            raise ValueError(f"hbm_cache_blocks must be >= 1, got {self.hbm_cache_blocks}")
+        if self.kv_offload and self.host_kv_memory is not None:
+            available = available_host_memory()
+            if available is not None and self.host_kv_memory > available:
+                raise ValueError(f"host_kv_memory={self.host_kv_memory} bytes exceeds the host's available "
+                                 f"memory ({available} bytes): lower it")
+
+
+def available_host_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import os
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 _SUBCONFIGS = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig,
-               "sparse_config": SparseConfig}
+               "sparse_config": SparseConfig, "offload_config": OffloadConfig}
 
 
 @dataclass(frozen=True)
@@ -127,9 +169,13 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     sparse_config: SparseConfig = field(default_factory=SparseConfig)
+    offload_config: OffloadConfig = field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
         sp, bs = self.sparse_config, self.cache_config.block_size
+        if self.offload_config.kv_offload and not sp.enabled:
+            raise ValueError("kv_offload needs a sparse decode policy (sparse_policy='topk' or 'topp'): with "
+                             "dense attention every block is read every step, so an HBM cache cannot help")
         if sp.logical_page_size is not None and sp.logical_page_size > bs:
             raise ValueError(f"logical_page_size {sp.logical_page_size} exceeds block_size {bs}")
         if sp.enabled and sp.sparse_budget // bs < sp.sparse_sink_blocks + sp.sparse_local_blocks + 1:

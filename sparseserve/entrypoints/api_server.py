@@ -25,9 +25,9 @@ from starlette.exceptions import HTTPException
 
 from sparseserve.engine.async_engine import AsyncLLMEngine, RequestAborted
 from sparseserve.entrypoints.cli import add_engine_args, engine_kwargs_from_args
-from sparseserve.entrypoints.protocol import (ChatCompletionRequest, ChatFormat, CompletionFormat, CompletionRequest,
-                                              DeltaState, ErrorInfo, ErrorResponse, ModelCard, ModelList, random_id,
-                                              usage_of)
+from sparseserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse,
+                                              ModelCard, ModelList, random_id)
+from sparseserve.entrypoints.serving import ChatFormat, CompletionFormat, last_output, sse_events
 from sparseserve.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -234,47 +234,6 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     return app
-
-
-async def sse_events(fmt: Any, stream: Any, hold: int, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events of one request. A client that disconnects cancels this generator
-    (Starlette cancels the response task), and the `finally` aborts the request, freeing its blocks."""
-    state, last = DeltaState(), None
-    try:
-        async for out in stream:
-            last = out
-            for chunk in fmt.chunks(state.deltas(out, hold)):
-                yield f"data: {chunk.model_dump_json()}\n\n"
-        if include_usage and last is not None:
-            yield f"data: {fmt.usage_chunk(usage_of(last)).model_dump_json()}\n\n"
-    except RequestAborted as e:
-        body = ErrorResponse(error=ErrorInfo(message=str(e), type="service_unavailable", code=503))
-        yield f"data: {body.model_dump_json()}\n\n"
-    finally:
-        stream.abort()
-    yield "data: [DONE]\n\n"
-
-
-async def last_output(stream: Any, raw: Request) -> Any | None:
-    """The final output of a non-streamed request, or None when the client went away first
-    (nothing else notices a disconnect before the response is written)."""
-    async def collect() -> Any:
-        out = None
-        async for out in stream:
-            pass
-        return out
-
-    async def disconnected() -> None:
-        while (await raw.receive())["type"] != "http.disconnect":
-            pass
-
-    work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
-    try:
-        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        work.cancel()  # no-op when done
-    return work.result() if work in done else None
 
 
 # ---- command line ------------------------------------------------------------------------------

@@ -1,0 +1,196 @@
+"""Turning engine outputs into OpenAI responses: logprobs, stream deltas, SSE events, and the
+final output of a non-streamed request (watching for a client that goes away)."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from sparseserve.engine.async_engine import RequestAborted
+from sparseserve.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
+                                              ChatResponseMessage, ChatStreamChoice, CompletionChoice,
+                                              CompletionLogprobs, CompletionResponse, ErrorInfo, ErrorResponse,
+                                              TokenLogprob, TopLogprob, UsageInfo)
+
+
+def _top(entry: dict[int, Any], k: int) -> list[tuple[int, Any]]:
+    """The k best alternatives of one position, best first."""
+    return sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and 1 <= lp.rank <= k),
+                  key=lambda t_lp: t_lp[1].rank)
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Any]], k: int, offset: int,
+                        decode: Any) -> CompletionLogprobs:
+    """Legacy completions format; `offset` is the text offset of the first token."""
+    out = CompletionLogprobs()
+    for tid, entry in zip(token_ids, logprobs):
+        sampled = entry[tid]
+        token = sampled.decoded_token if sampled.decoded_token is not None else decode(tid)
+        out.tokens.append(token)
+        out.token_logprobs.append(sampled.logprob)
+        out.top_logprobs.append({(lp.decoded_token if lp.decoded_token is not None else decode(t)): lp.logprob
+                                 for t, lp in _top(entry, k)} if k else None)
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Any]], k: int, decode: Any) -> ChatLogprobs:
+    def item(tid: int, lp: Any) -> TopLogprob:
+        token = lp.decoded_token if lp.decoded_token is not None else decode(tid)
+        return TopLogprob(token=token, logprob=max(lp.logprob, -9999.0), bytes=list(token.encode("utf-8")))
+
+    content = []
+    for tid, entry in zip(token_ids, logprobs):
+        sampled = item(tid, entry[tid])
+        tops = [item(t, lp) for t, lp in _top(entry, k)]
+        content.append(TokenLogprob(**sampled.model_dump(), top_logprobs=tops))
+    return ChatLogprobs(content=content)
+
+
+# ---- RequestOutput -> responses ---------------------------------------------------------------
+
+
+@dataclass
+class Delta:
+    """What one choice gained since the last chunk."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Any]] | None
+    text_offset: int
+    finish_reason: str | None
+
+
+@dataclass
+class DeltaState:
+    """Per-choice progress of a stream. Outputs are cumulative, so deltas are computed here."""
+    text_sent: dict[int, int] = field(default_factory=dict)
+    tokens_sent: dict[int, int] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)
+
+    def deltas(self, out: Any, hold: int) -> list[Delta]:
+        """`hold` characters stay back until the choice finishes: a stop string being matched may
+        still be cut from the end of the text, and what was sent cannot be taken back."""
+        result = []
+        for c in out.outputs:
+            if c.index in self.done:
+                continue
+            t0, k0 = self.text_sent.get(c.index, 0), self.tokens_sent.get(c.index, 0)
+            end = len(c.text) if c.finish_reason is not None else max(t0, len(c.text) - hold)
+            new_lp = c.logprobs[k0:] if c.logprobs is not None else None
+            if end == t0 and len(c.token_ids) == k0 and c.finish_reason is None:
+                continue
+            result.append(Delta(c.index, c.text[t0:end], list(c.token_ids[k0:]), new_lp, t0, c.finish_reason))
+            self.text_sent[c.index], self.tokens_sent[c.index] = end, len(c.token_ids)
+            if c.finish_reason is not None:
+                self.done.add(c.index)
+        return result
+
+
+def usage_of(out: Any) -> UsageInfo:
+    prompt = len(out.prompt_token_ids or [])
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class CompletionFormat:
+    def __init__(self, request_id: str, model: str, logprobs: int | None, tokenizer: Any) -> None:
+        self.id, self.model, self.k = request_id, model, logprobs
+        self._decode = lambda tid: tokenizer.decode([tid])
+
+    def _logprobs(self, token_ids: list[int], lps: Any, offset: int) -> CompletionLogprobs | None:
+        if self.k is None or lps is None:
+            return None
+        return completion_logprobs(token_ids, lps, self.k, offset, self._decode)
+
+    def chunks(self, deltas: list[Delta]) -> list[BaseModel]:
+        return [CompletionResponse(id=self.id, model=self.model, choices=[CompletionChoice(
+            index=d.index, text=d.text, logprobs=self._logprobs(d.token_ids, d.logprobs, d.text_offset),
+            finish_reason=d.finish_reason)]) for d in deltas]
+
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        return CompletionResponse(id=self.id, model=self.model, choices=[], usage=usage)
+
+    def full_response(self, out: Any) -> BaseModel:
+        choices = [CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                                    logprobs=self._logprobs(list(c.token_ids), c.logprobs, 0))
+                   for c in out.outputs]
+        return CompletionResponse(id=self.id, model=self.model, choices=choices, usage=usage_of(out))
+
+
+class ChatFormat:
+    def __init__(self, request_id: str, model: str, top_logprobs: int | None, tokenizer: Any) -> None:
+        self.id, self.model, self.k = request_id, model, top_logprobs
+        self._decode = lambda tid: tokenizer.decode([tid])
+        self._role_sent: set[int] = set()
+
+    def _logprobs(self, token_ids: list[int], lps: Any) -> ChatLogprobs | None:
+        if self.k is None or lps is None:
+            return None
+        return chat_logprobs(token_ids, lps, self.k, self._decode)
+
+    def chunks(self, deltas: list[Delta]) -> list[BaseModel]:
+        out = []
+        for d in deltas:
+            delta = {"content": d.text}
+            if d.index not in self._role_sent:  # OpenAI opens every choice with its role
+                self._role_sent.add(d.index)
+                delta["role"] = "assistant"
+            out.append(ChatCompletionChunk(id=self.id, model=self.model, choices=[ChatStreamChoice(
+                index=d.index, delta=delta, logprobs=self._logprobs(d.token_ids, d.logprobs),
+                finish_reason=d.finish_reason)]))
+        return out
+
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        return ChatCompletionChunk(id=self.id, model=self.model, choices=[], usage=usage)
+
+    def full_response(self, out: Any) -> BaseModel:
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                              logprobs=self._logprobs(list(c.token_ids), c.logprobs), finish_reason=c.finish_reason)
+                   for c in out.outputs]
+        return ChatCompletionResponse(id=self.id, model=self.model, choices=choices, usage=usage_of(out))
+
+
+async def sse_events(fmt: Any, stream: Any, hold: int, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events of one request. A client that disconnects cancels this generator
+    (Starlette cancels the response task), and the `finally` aborts the request, freeing its blocks."""
+    state, last = DeltaState(), None
+    try:
+        async for out in stream:
+            last = out
+            for chunk in fmt.chunks(state.deltas(out, hold)):
+                yield f"data: {chunk.model_dump_json()}\n\n"
+        if include_usage and last is not None:
+            yield f"data: {fmt.usage_chunk(usage_of(last)).model_dump_json()}\n\n"
+    except RequestAborted as e:
+        body = ErrorResponse(error=ErrorInfo(message=str(e), type="service_unavailable", code=503))
+        yield f"data: {body.model_dump_json()}\n\n"
+    finally:
+        stream.abort()
+    yield "data: [DONE]\n\n"
+
+
+async def last_output(stream: Any, raw: Request) -> Any | None:
+    """The final output of a non-streamed request, or None when the client went away first
+    (nothing else notices a disconnect before the response is written)."""
+    async def collect() -> Any:
+        out = None
+        async for out in stream:
+            pass
+        return out
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        work.cancel()  # no-op when done
+    return work.result() if work in done else None
