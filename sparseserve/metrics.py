@@ -65,6 +65,28 @@ class _EngineStatsCollector:
                         stats.sparse_blocks_selected / selections)
             yield gauge("sparse_mean_budget_tokens", "Mean tokens per sparse decode selection (the budget used).",
                         stats.sparse_blocks_selected * stats.sparse_block_size / selections)
+        if getattr(stats, "offload_hbm_slots", 0):
+            yield from _offload_metrics(stats, gauge, counter)
+
+
+def _offload_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable[Metric]:
+    """kv_offload on: HBM pool hit ratio, head blocks loaded per (decode step, sparse layer), host store use."""
+    hits, loads = stats.offload_hbm_hits, stats.offload_blocks_loaded
+    bypass, layer_steps = stats.offload_bypass_reads, stats.offload_layer_steps
+    requests = hits + loads + bypass
+    yield counter("offload_hbm_hits", "Listed head blocks found in the HBM pool.", hits)
+    yield counter("offload_head_blocks_loaded", "Head blocks copied host -> HBM pool (FlashH2D).", loads)
+    yield counter("offload_bypass_reads", "Head blocks read straight from the host store (set full).", bypass)
+    yield gauge("offload_hbm_hit_ratio", "HBM pool hits / listed head blocks read, since start.",
+                hits / requests if requests else 0.0)
+    yield gauge("offload_head_blocks_loaded_per_layer_step", "Head blocks loaded per (decode step, sparse layer).",
+                loads / layer_steps if layer_steps else 0.0)
+    # Cumulative bytes: rate() gives the transfer throughput over wall time (not the links' bandwidth).
+    yield counter("offload_h2d_bytes", "Bytes loaded host -> HBM pool.", stats.offload_h2d_bytes)
+    yield counter("offload_d2h_bytes", "Bytes written through to the host store.", stats.offload_d2h_bytes)
+    yield gauge("offload_host_blocks_used", "Token blocks of the host KV store in use.", stats.num_blocks_used)
+    yield gauge("offload_host_blocks_total", "Token blocks of the host KV store.", stats.offload_host_blocks)
+    yield gauge("offload_hbm_slots", "Head-block slots of the HBM pool.", stats.offload_hbm_slots)
 
 
 class ServerMetrics:

@@ -47,12 +47,49 @@ def sparse_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
                       sel_rows: torch.Tensor, local: int, max_seq_len: int, scale: float) -> torch.Tensor:
     """Attention of decode queries q [B, Hq, D] over the blocks their lists sel_rows [B, Hkv, cap]
     name plus the local window, in float32 (reference of kernels/sparse_decode.py)."""
-    batch, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, _, block_size, _ = kv_cache.shape
+    block_size = kv_cache.shape[3]
     mb = max(1, -(-max_seq_len // block_size))
-    ctx = mb * block_size
     blocks = attended_blocks(sel_rows, seq_lens, local, block_size, mb)  # [B, Hkv, MB]
     kv = kv_cache[block_tables[:, :mb].long()].float()  # [B, MB, Hkv, 2, bs, D]
+    return _attend_blocks_ref(q, kv, seq_lens, blocks, scale)
+
+
+def sparse_decode_offload_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                              seq_lens: torch.Tensor, sel_rows: torch.Tensor, listed_kv: torch.Tensor, local: int,
+                              max_seq_len: int, scale: float) -> torch.Tensor:
+    """sparse_decode_ref with the listed blocks (those before the local window) read from listed_kv
+    [B, Hkv, cap, 2, bs, D] (HBM pool slots or host store) instead of the device cache; only the local
+    window comes from kv_cache. Same arithmetic, so the outputs are bit-identical when the data are."""
+    batch, num_kv_heads, cap = sel_rows.shape
+    block_size = kv_cache.shape[3]
+    mb = max(1, -(-max_seq_len // block_size))
+    blocks = attended_blocks(sel_rows, seq_lens, local, block_size, mb)
+    nb = (seq_lens.long() + block_size - 1) // block_size
+    j = torch.arange(mb, device=q.device)[None]
+    window = (j >= (nb - local).clamp_min(0)[:, None]) & (j < nb[:, None])  # [B, MB]
+    kv = kv_cache[block_tables[:, :mb].long()].float()
+    kv = torch.where(window[:, :, None, None, None, None], kv, 0.0)  # no other block from the device cache
+    flat = torch.cat([kv.reshape(-1, *kv.shape[3:]), kv.new_zeros(1, *kv.shape[3:])])  # + a trash row
+    listed = listed_rows(sel_rows, seq_lens, local, block_size)
+    b = torch.arange(batch, device=q.device)[:, None, None]
+    h = torch.arange(num_kv_heads, device=q.device)[None, :, None]
+    dst = torch.where(listed, (b * mb + sel_rows.long().clamp(0, mb - 1)) * num_kv_heads + h, flat.shape[0] - 1)
+    flat[dst.reshape(-1)] = listed_kv.reshape(-1, *kv.shape[3:]).float()
+    return _attend_blocks_ref(q, flat[:-1].view_as(kv), seq_lens, blocks, scale)
+
+
+def listed_rows(sel_rows: torch.Tensor, seq_lens: torch.Tensor, local: int, block_size: int) -> torch.Tensor:
+    """bool [B, Hkv, cap]: list entries the kernel attends outside the local window (full blocks)."""
+    nb = (seq_lens.long() + block_size - 1) // block_size
+    return (sel_rows >= 0) & (sel_rows < (nb - local).clamp_min(0)[:, None, None])
+
+
+def _attend_blocks_ref(q: torch.Tensor, kv: torch.Tensor, seq_lens: torch.Tensor, blocks: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """Attention of q [B, Hq, D] over the blocks marked in blocks [B, Hkv, MB] of kv [B, MB, Hkv, 2, bs, D]."""
+    batch, num_q_heads, head_dim = q.shape
+    _, mb, num_kv_heads, _, block_size, _ = kv.shape
+    ctx = mb * block_size
     k = kv[:, :, :, 0].permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, ctx, head_dim)
     v = kv[:, :, :, 1].permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, ctx, head_dim)
     in_context = torch.arange(ctx, device=q.device) < seq_lens[:, None]
@@ -87,6 +124,8 @@ class SparseBackend(AttentionBackend):
         self.stats = torch.zeros(2, dtype=torch.int64, device=device)  # blocks selected, selections
         self.rows = torch.arange(slots, dtype=torch.int32, device=device)  # default slots: row b -> slot b
         self.key_meta: torch.Tensor | None = None
+        self.host = None  # kv_offload: kvcache/host.py HostKVStore and kvcache/pool.py HBMPool (attach_offload)
+        self.pool = None
         # What the metadata adds to each token block: the runner sizes the KV cache with it.
         self.metadata_block_bytes = num_layers * num_kv_heads * 2 * (block_size // page) * head_dim * dtype.itemsize
 
@@ -96,6 +135,11 @@ class SparseBackend(AttentionBackend):
         num_layers, hkv, head_dim, block_size, dtype, device = self.shape
         self.key_meta = allocate_key_meta(num_layers, num_blocks, hkv, block_size, self.params.page_size, head_dim,
                                           dtype, device)
+
+    def attach_offload(self, host, pool) -> None:
+        """Hierarchical KV cache: every step writes the blocks it fills through to `host`; sparse decodes
+        read the blocks they list (outside the local window) through the HBM `pool` (DESIGN.md 4, 5)."""
+        self.host, self.pool = host, pool
 
     def reset_slots(self, slots: list[int]) -> None:
         """Sequences (re)starting in these slots: their first decode step selects afresh."""
@@ -118,6 +162,8 @@ class SparseBackend(AttentionBackend):
         self.dense.store_kv(k, v, kv_cache, meta.slot_mapping)
         if self.key_meta is not None:
             self._update_key_meta(kv_cache, self.key_meta[layer_idx], meta.slot_mapping)
+        if self.host is not None:
+            self.host.store_step(layer_idx, kv_cache, k, v, meta.slot_mapping, meta.num_decodes)
         if not self.is_sparse(layer_idx, meta):
             return self.dense.attend(q, kv_cache, meta, scale)
         out = torch.empty_like(q)
@@ -152,12 +198,50 @@ class SparseBackend(AttentionBackend):
             from sparseserve.kernels.block_score import score_and_select
             from sparseserve.kernels.sparse_decode import sparse_decode
             score_and_select(q, key_meta, tables, seq_lens, slots, sel, counter, self.stats, streaming, p, mb, scale)
-            sparse_decode(q, kv_cache, tables, seq_lens, sel, slots, p.local, scale, out=out)
+            offload = None
+            if self.pool is not None:
+                key, loc = self._offload_plan(layer_idx, tables, seq_lens, sel[slots.long()])
+                offload = (self.pool.slots, self.host.flat(), loc, key)
+            sparse_decode(q, kv_cache, tables, seq_lens, sel, slots, p.local, scale, out=out, offload=offload)
         else:
             scores = block_scores_ref(q, key_meta, tables, seq_lens, mb, p.block_size, scale)
             update_selection_ref(scores, seq_lens, slots, sel, counter, self.stats, streaming, p)
+            if self.pool is not None:
+                out.copy_(self._offload_decode(layer_idx, q, kv_cache, tables, seq_lens, sel[slots.long()],
+                                               meta.max_seq_len, scale))
+                return
             out.copy_(sparse_decode_ref(q, kv_cache, tables, seq_lens, sel[slots.long()], p.local, meta.max_seq_len,
                                         scale))
+
+    def _offload_plan(self, layer_idx: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel_rows: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residency lookup of the listed head blocks (outside the local window), victims for the misses and
+        FlashH2D of the misses into their slots. Returns (key, loc), int64 [B, Hkv, cap]: each entry's
+        host store row and the slot to read it from (-1: bypass or not listed). Fixed shapes, no sync."""
+        p, pool = self.params, self.pool
+        listed = listed_rows(sel_rows, seq_lens, p.local, p.block_size)
+        blocks = torch.where(listed, tables.gather(1, sel_rows.clamp_min(0).flatten(1).long()).view_as(sel_rows), -1)
+        key = pool.keys(layer_idx, blocks).reshape(-1)
+        loc, load = pool.plan(key)
+        host_flat = self.host.flat()
+        if self.use_triton:
+            from sparseserve.kernels.flash_h2d import flash_h2d
+            flash_h2d(host_flat, pool.slots, key, load)
+        else:
+            pool.gather_ref(host_flat, key, load)
+        return key.view(sel_rows.shape), loc.view(sel_rows.shape)
+
+    def _offload_decode(self, layer_idx: int, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
+                        seq_lens: torch.Tensor, sel_rows: torch.Tensor, max_seq_len: int, scale: float
+                        ) -> torch.Tensor:
+        """The torch path: plan and load, then attention reading the listed blocks through their slots
+        (or the host store for bypass reads) and the local window from the device cache."""
+        p, pool = self.params, self.pool
+        key, loc = self._offload_plan(layer_idx, tables, seq_lens, sel_rows)
+        listed_kv = pool.read(self.host.flat(), key.reshape(-1), loc.reshape(-1)).view(*sel_rows.shape,
+                                                                                         *pool.slots.shape[1:])
+        return sparse_decode_offload_ref(q, kv_cache, tables, seq_lens, sel_rows, listed_kv, p.local, max_seq_len,
+                                         scale)
 
     def attended_blocks(self, layer_idx: int, meta: AttentionMetadata) -> torch.Tensor:
         """bool [num_decodes, Hkv, max_blocks] of the step just run (for bench/attention_probe.py)."""

@@ -34,6 +34,14 @@ class EngineStats:
     sparse_blocks_selected: int = 0  # sparse decode: blocks in all selections so far
     sparse_selections: int = 0       # selections made: one per (decode sequence, sparse layer, KV head)
     sparse_block_size: int = 0
+    offload_hbm_hits: int = 0         # kv_offload: listed head blocks found in the HBM pool
+    offload_blocks_loaded: int = 0    # head blocks copied host -> HBM pool (FlashH2D)
+    offload_bypass_reads: int = 0     # misses read straight from the host store (no evictable slot in the set)
+    offload_layer_steps: int = 0      # (decode step, sparse layer) pairs that went through the pool
+    offload_host_blocks: int = 0      # token blocks of the host store (gauge)
+    offload_hbm_slots: int = 0        # head-block slots of the HBM pool (gauge)
+    offload_h2d_bytes: int = 0        # bytes loaded host -> HBM pool
+    offload_d2h_bytes: int = 0        # bytes written through to the host store
 
 
 @dataclass
@@ -60,6 +68,8 @@ class LLMEngine:
         self.max_model_len = self.model_runner.max_model_len
         self.allocator = BlockAllocator(self.model_runner.num_blocks)
         self.scheduler = Scheduler(config.scheduler_config, self.allocator, config.cache_config.block_size)
+        if self.model_runner.hbm_pool is not None:
+            self.scheduler.on_free = self.model_runner.free_blocks
         eos = set(self.model_runner.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -136,7 +146,8 @@ class LLMEngine:
         s, sparse = self.scheduler, self.model_runner.sparse
         return EngineStats(len(s.running), len(s.waiting), self.allocator.num_used, self.allocator.num_blocks,
                            s.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens,
-                           *(sparse.sparse_stats() if sparse is not None else ()))
+                           *(sparse.sparse_stats() if sparse is not None else ()),
+                           *self.model_runner.offload_stats())
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()

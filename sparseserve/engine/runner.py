@@ -83,6 +83,20 @@ class ModelRunner:
         self.model = build_model(self.arch, self.attn_backend, model_dir, self.dtype, self.device, mc.load_format)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))
         self.num_blocks = self._num_kv_blocks()
+        oc = config.offload_config
+        if oc.kv_offload:
+            if self.device.type == "cuda":
+                # The Triton pieces (FlashH2D, write-through, sparse kernel through slots) pass their tests
+                # under the interpreter only; lift this guard once tests/test_flash_h2d.py passes on a GPU.
+                raise ValueError("kv_offload has been validated on the CPU path only so far (its GPU kernels, "
+                                 "UVA access and CUDA-graph capture are untested): use device='cpu'")
+            from sparseserve.kvcache.host import host_block_bytes
+            a = self.arch
+            hbb = host_block_bytes(a.num_layers, a.num_kv_heads, self.block_size, a.head_dim, self.dtype)
+            # The host store holds every token block; the device cache still mirrors them (OFFLOAD_NOTES.md),
+            # so the engine's blocks are the smaller of the two.
+            self.num_host_blocks = self.num_blocks if oc.host_kv_memory is None else oc.host_kv_memory // hbb
+            self.num_blocks = min(self.num_blocks, self.num_host_blocks)
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError(f"the KV cache holds {self.num_blocks * self.block_size} tokens, fewer than "
                              f"max_model_len={self.max_model_len}: lower max_model_len or give more KV memory")
@@ -93,11 +107,56 @@ class ModelRunner:
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
         if self.sparse is not None:
             self.sparse.allocate(self.num_blocks)
+        self.host_kv = self.hbm_pool = None
+        if config.offload_config.kv_offload:
+            self._setup_offload()
         self.graphs = None
         if self.device.type == "cuda" and not mc.enforce_eager:
             from sparseserve.engine.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler_config.max_num_seqs,
                                        self.max_model_len, self.block_size)
+
+    def _setup_offload(self) -> None:
+        from sparseserve.config import available_host_memory
+        from sparseserve.kvcache.host import HostKVStore, host_block_bytes
+        from sparseserve.kvcache.pool import HBMPool
+        a, oc, sp = self.arch, self.config.offload_config, self.sparse
+        need = (self.num_blocks + 1) * host_block_bytes(a.num_layers, a.num_kv_heads, self.block_size, a.head_dim,
+                                                        self.dtype)
+        avail = available_host_memory()
+        if avail is not None and need > avail:
+            raise ValueError(f"the host KV store needs {need} bytes, more than the host's available memory "
+                             f"({avail} bytes): set host_kv_memory lower")
+        self.host_kv = HostKVStore(a.num_layers, self.num_blocks, a.num_kv_heads, self.block_size, a.head_dim,
+                                   self.dtype, device=self.device)
+        slots = oc.hbm_cache_blocks
+        if slots is None:  # one decode step's lists of max_num_seqs sequences in every layer, at most everything
+            slots = min(a.num_layers * a.num_kv_heads * self.config.scheduler_config.max_num_seqs * sp.params.cap,
+                        a.num_layers * a.num_kv_heads * self.num_blocks)
+        self.hbm_pool = HBMPool(a.num_layers, self.num_blocks, a.num_kv_heads, self.block_size, a.head_dim,
+                                max(1, slots), self.dtype, self.device)
+        self.host_kv.attach_d2h(self.config.scheduler_config.max_num_batched_tokens)
+        sp.attach_offload(self.host_kv, self.hbm_pool)
+        logger.info("KV offload: host store %d blocks (%.2f GiB, pinned=%s), HBM pool %d head-block slots",
+                    self.num_blocks, self.host_kv.nbytes / 2**30, self.host_kv.data.is_pinned(),
+                    self.hbm_pool.num_slots)
+
+    def free_blocks(self, blocks: list[int]) -> None:
+        """The scheduler freed these token blocks: their HBM slots must not serve a later owner."""
+        if self.hbm_pool is not None:
+            self.hbm_pool.invalidate(blocks)
+
+    def offload_stats(self) -> tuple[int, ...]:
+        """(HBM hits, head blocks loaded, bypass reads, layer steps, host blocks, HBM slots, bytes loaded
+        host -> HBM, bytes written HBM -> host)."""
+        if self.hbm_pool is None:
+            return ()
+        pool, host = self.hbm_pool, self.host_kv
+        host.fence()
+        head_block = pool.slots[0].numel() * pool.slots.element_size()
+        hits, loads, bypass, steps = pool.stats.tolist()
+        return (hits, loads, bypass, steps, self.num_blocks, pool.num_slots, loads * head_block,
+                host.bytes_written())
 
     @property
     def block_bytes(self) -> int:
@@ -214,6 +273,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SamplerOutput | None]:
         batch = self.prepare(scheduled)
+        if self.host_kv is not None:
+            self.host_kv.fence()  # the previous step's FlashD2H scatters are in the store
         if self.graphs is not None and len(batch.sampled) == batch.meta.num_seqs \
                 and self.graphs.can_run(batch.meta.num_seqs, batch.meta.num_decodes):
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.meta)

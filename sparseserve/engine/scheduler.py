@@ -4,6 +4,7 @@ scheduling event, never a crash)."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sparseserve.config import SchedulerConfig
@@ -29,6 +30,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.on_free: Callable[[list[int]], None] | None = None  # kv_offload: drop freed blocks' HBM slots
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -91,7 +93,10 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.release_blocks())
+        blocks = seq.release_blocks()
+        self.allocator.free(blocks)
+        if self.on_free is not None:
+            self.on_free(blocks)
 
     def finish(self, seq: Sequence) -> None:
         """Removes a finished or aborted sequence wherever it is and returns its blocks."""

@@ -22,11 +22,12 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, sel_ptr, part_out_ptr, part_lse_ptr,
+                         pool_ptr, host_ptr, loc_ptr, key_ptr,
                          qk_scale, entries_per_split,
                          stride_qt, stride_qh, stride_cb, stride_ch, stride_ckv, stride_tb, stride_ss,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr,
                          LOCAL: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE_E: tl.constexpr,
-                         DOT_PREC: tl.constexpr):
+                         DOT_PREC: tl.constexpr, OFFLOAD: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -59,11 +60,34 @@ def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, s
         j = tl.where(listed, j, local_start + e - CAP)
         ok = tl.where(listed, (j >= 0) & (j < local_start), j < nb) & (e < CAP + LOCAL)
         ok = ok & (j * BLOCK_SIZE + off < seq_len)
-        blk = tl.load(table_row + j, mask=ok, other=0).to(tl.int64)
-        k_ptrs = kv_base + (blk * stride_cb + off * HEAD_DIM)[:, None] + dims[None, :]
-        kv_mask = ok[:, None] & (dims[None, :] < HEAD_DIM)
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0)
+        if OFFLOAD:  # listed entries through their HBM pool slot (or the host store: bypass), the window from the cache
+            in_list = ok & listed
+            lrow = (b.to(tl.int64) * tl.num_programs(1) + kvh) * CAP
+            pslot = tl.load(loc_ptr + lrow + e, mask=in_list, other=-1)
+            hkey = tl.load(key_ptr + lrow + e, mask=in_list, other=0)
+            in_pool = in_list & (pslot >= 0)
+            in_host = in_list & (pslot < 0)
+            in_cache = ok & ~listed
+            blk = tl.load(table_row + j, mask=in_cache, other=0).to(tl.int64)
+            row = (off * HEAD_DIM)[:, None] + dims[None, :]
+            c_ptrs = kv_base + (blk * stride_cb)[:, None] + row
+            p_ptrs = pool_ptr + (tl.maximum(pslot, 0) * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row
+            h_ptrs = host_ptr + (hkey * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row
+            dmask = dims[None, :] < HEAD_DIM
+            vo = BLOCK_SIZE * HEAD_DIM
+            # Exactly one of the three masks holds per entry, the others load 0: the sum is the value itself.
+            k = (tl.load(c_ptrs, mask=in_cache[:, None] & dmask, other=0.0)
+                 + tl.load(p_ptrs, mask=in_pool[:, None] & dmask, other=0.0)
+                 + tl.load(h_ptrs, mask=in_host[:, None] & dmask, other=0.0))
+            v = (tl.load(c_ptrs + stride_ckv, mask=in_cache[:, None] & dmask, other=0.0)
+                 + tl.load(p_ptrs + vo, mask=in_pool[:, None] & dmask, other=0.0)
+                 + tl.load(h_ptrs + vo, mask=in_host[:, None] & dmask, other=0.0))
+        else:
+            blk = tl.load(table_row + j, mask=ok, other=0).to(tl.int64)
+            k_ptrs = kv_base + (blk * stride_cb + off * HEAD_DIM)[:, None] + dims[None, :]
+            kv_mask = ok[:, None] & (dims[None, :] < HEAD_DIM)
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -127,8 +151,14 @@ def split_plan(batch: int, num_kv_heads: int, entries: int, tile_e: int, device:
 
 def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   sel: torch.Tensor, slots: torch.Tensor, local: int, scale: float, out: torch.Tensor | None = None,
-                  config: SparseDecodeConfig | None = None) -> torch.Tensor:
-    """q: [B, Hq, D]; sel: one layer's lists [S, Hkv, cap]; slots: int32 [B]. Returns (fills) out [B, Hq, D]."""
+                  config: SparseDecodeConfig | None = None,
+                  offload: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                  ) -> torch.Tensor:
+    """q: [B, Hq, D]; sel: one layer's lists [S, Hkv, cap]; slots: int32 [B]. Returns (fills) out [B, Hq, D].
+
+    offload (kv_offload): (pool slots [N, 2, bs, D], host store rows [R, 2, bs, D] (pinned: read over UVA),
+    loc, key: int64 [B, Hkv, cap]): listed entries outside the local window read slot loc, or host row key
+    where loc < 0 (bypass); the window still comes from kv_cache. Reference: sparse_decode_offload_ref."""
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     cap = sel.shape[-1]
@@ -143,13 +173,20 @@ def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
     block_d = triton.next_power_of_2(head_dim)
     part_out = torch.empty(batch, num_q_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    if offload is not None:
+        pool_slots, host_flat, loc, key = offload
+        assert pool_slots.is_contiguous() and host_flat.is_contiguous() and pool_slots.dtype == kv_cache.dtype
+        assert loc.shape == key.shape == (batch, num_kv_heads, cap) and loc.is_contiguous() and key.is_contiguous()
+    else:
+        pool_slots = host_flat = loc = key = kv_cache  # unused (OFFLOAD=False)
     _sparse_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, kv_cache, block_tables, seq_lens, slots, sel, part_out, part_lse, scale * LOG2E, per_split,
+        q, kv_cache, block_tables, seq_lens, slots, sel, part_out, part_lse, pool_slots, host_flat, loc, key,
+        scale * LOG2E, per_split,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0), sel.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, CAP=cap, LOCAL=local,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, TILE_E=tile_e,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", OFFLOAD=offload is not None,
         num_warps=config.num_warps, num_stages=config.num_stages)
     _sparse_merge_kernel[(batch, num_q_heads)](
         part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),

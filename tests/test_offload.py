@@ -1,0 +1,254 @@
+"""KV offload on the CPU (DESIGN.md principles 4, 5, 7): config and flags, the HBM pool's lookup and
+victim choice on hand-built cases and random requests, the offloaded decode reference, and the engine:
+offload on == offload off token for token under the same sparse policy (also with a pool so small
+that nearly every step evicts), with the accounting checked over random schedules."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sparseserve import LLM, SamplingParams
+from sparseserve.attention.sparse import sparse_decode_offload_ref, sparse_decode_ref
+from sparseserve.config import EngineConfig
+from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
+from sparseserve.kvcache.host import HostKVStore
+from sparseserve.kvcache.pool import HBMPool
+from sparseserve.metrics import ServerMetrics, parse_metrics
+
+BS = 8
+COMMON = dict(device="cpu", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+SPARSE = dict(block_size=BS, sparse_policy="topk", sparse_budget=4 * BS, sparse_dense_layers=0, sparse_sink_blocks=1,
+              sparse_local_blocks=2, sparse_dense_context=0)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(10, 2000, (n,), generator=g).tolist() for n in (120, 75, 30)]
+
+
+def test_config_flags_and_refusals(tiny_model_dir):
+    cfg = EngineConfig.from_kwargs(kv_offload=True, host_kv_memory=1 << 20, hbm_cache_blocks=64, **SPARSE)
+    assert cfg.offload_config.kv_offload and cfg.offload_config.hbm_cache_blocks == 64
+    args = build_parser(["generate"]).parse_args(["generate", "--kv-offload", "--host-kv-memory", "1048576",
+                                                  "--hbm-cache-blocks", "32", "--sparse-policy", "topk"])
+    kw = engine_kwargs_from_args(args)
+    assert kw["kv_offload"] is True and kw["host_kv_memory"] == 1 << 20 and kw["hbm_cache_blocks"] == 32
+    with pytest.raises(ValueError, match="sparse decode policy"):
+        EngineConfig.from_kwargs(kv_offload=True)
+    with pytest.raises(ValueError, match="available memory"):
+        EngineConfig.from_kwargs(kv_offload=True, host_kv_memory=1 << 60, **SPARSE)
+    for bad in (dict(hbm_cache_blocks=0), dict(host_kv_memory=0)):
+        with pytest.raises(ValueError):
+            EngineConfig.from_kwargs(kv_offload=True, **SPARSE, **bad)
+    # A host store too small for one max_model_len sequence is refused when the engine starts.
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(str(tiny_model_dir), **COMMON, kv_offload=True, host_kv_memory=4096, **SPARSE)
+
+
+def test_host_capacity_bounds_admission(tiny_model_dir):
+    """host_kv_memory smaller than the device KV memory: the engine has only the host store's blocks (the
+    scheduler admits and preempts against them) and still completes every request."""
+    block_bytes = 2 * 2 * 2 * BS * 128 * 4  # layers x KV heads x (K, V) x tokens x head_dim x float32
+    llm = LLM(str(tiny_model_dir), **{**COMMON, "max_model_len": 160}, kv_offload=True,
+              host_kv_memory=24 * block_bytes + block_bytes // 2, **SPARSE)
+    engine = llm.llm_engine
+    assert engine.allocator.num_blocks == 24 == engine.model_runner.kv_cache.shape[1]  # the mirror shrinks too
+    assert engine.model_runner.host_kv.data.shape[1] == 25  # + the trash row
+    outs = llm.generate(prompts(), GREEDY, use_tqdm=False)  # prompts + outputs need 32 blocks
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
+    stats = engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.num_blocks_used == 0 and stats.offload_host_blocks == 24
+
+
+def test_d2h_writer_scatters_tokens():
+    """FlashD2H host side: one staged copy per layer, worker threads scatter each token into its block row
+    (padding skipped); fence waits for them."""
+    torch.manual_seed(0)
+    store = HostKVStore(2, 4, 2, 4, 8, torch.float32, pin=False)
+    store.attach_d2h(max_tokens=8)
+    k, v = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    slots = torch.tensor([0, 1, 2, -1, 5, 15])
+    store.store_step(1, torch.zeros(4, 2, 2, 4, 8), k, v, slots, num_decode_tokens=0)
+    store.fence()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(store.data[1, slot // 4, :, 0, slot % 4], k[t])
+            assert torch.equal(store.data[1, slot // 4, :, 1, slot % 4], v[t])
+    assert not store.data[0].any() and store.d2h.tokens_written == 5
+    assert store.bytes_written() == 5 * 2 * 2 * 8 * 4
+
+
+def make_pool(num_slots: int, ways: int, blocks: int = 8, layers: int = 1, hkv: int = 1) -> HBMPool:
+    return HBMPool(layers, blocks, hkv, 2, 4, num_slots, torch.float32, torch.device("cpu"), ways=ways)
+
+
+def test_pool_hand_built_lru():
+    """One set of 4 ways: misses take free slots, then the least recently used slots the step does not
+    use; hits are never evicted; a miss finding no evictable way is a bypass; freed blocks drop out."""
+    pool = make_pool(4, 4)
+    k = lambda blocks: pool.keys(0, torch.tensor([blocks]))[0]  # noqa: E731  (Hkv = 1)
+    loc, load = pool.plan(k([0, 1, 2, -1]))
+    assert loc.tolist() == [0, 1, 2, -1] and load.tolist() == [0, 1, 2, -1]
+    loc, load = pool.plan(k([0, 3, 4]))  # 0 hits slot 0; 3 takes free slot 3; 4 evicts LRU block 1 (slot 1)
+    assert loc.tolist() == [0, 3, 1] and load.tolist() == [-1, 3, 1]
+    loc, load = pool.plan(k([5, 6, 7, 0, 3]))  # hits 0, 3; misses: slot 2 (used at t0), slot 1 (t1), bypass
+    assert loc.tolist() == [2, 1, -1, 0, 3] and load.tolist() == [2, 1, -1, -1, -1]
+    assert pool.stats.tolist() == [3, 7, 1, 3]  # hits, loads, bypass reads, layer steps
+    pool.check()
+    pool.invalidate([0, 6])  # block 0 (slot 0) and 6 (slot 1) freed: a re-allocated 0 must miss
+    assert pool.resident[k([0, 6])].tolist() == [-1, -1]
+    loc, load = pool.plan(k([0]))
+    assert load.tolist() == [0]  # a freed slot (the first of two), not one holding a live block
+    pool.check()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pool_random_requests(seed):
+    """Random requests of several layers and KV heads: every read returns the host's data, no slot is
+    loaded that the step also hits or loads twice, and the residency invariants hold."""
+    g = torch.Generator().manual_seed(seed)
+    layers, blocks, hkv, bs, d = 3, 12, 2, 2, 4
+    host = HostKVStore(layers, blocks, hkv, bs, d, torch.float32, pin=False)
+    host.data.copy_(torch.randn(host.data.shape, generator=g))
+    for slots, ways in ((6, 2), (16, 8), (64, 4)):
+        pool = make_pool(slots, ways, blocks, layers, hkv)
+        for step in range(40):
+            layer = step % layers
+            req = torch.stack([torch.randperm(blocks + 3, generator=g)[:5] - 3 for _ in range(hkv)])  # -1.. padding
+            req = req.clamp_min(-1)
+            key = pool.keys(layer, req).reshape(-1)
+            loc, load = pool.plan(key)
+            need = key != pool.trash_key
+            used = loc[loc >= 0]
+            assert used.numel() == used.unique().numel()
+            assert not ((loc >= 0) & ~need).any() and not ((load >= 0) & (load != loc)).any()
+            pool.gather_ref(host.flat(), key, load)
+            got = pool.read(host.flat(), key, loc)
+            assert torch.equal(got[need], host.flat()[key[need]])
+            pool.check()
+            if step % 7 == 6:
+                pool.invalidate(random.Random(step).sample(range(blocks), 3))
+                pool.check()
+        assert pool.stats[1] > pool.num_slots  # slots were reused (evictions)
+
+
+def test_offload_decode_reference_reads_only_the_window_from_the_device():
+    """The offloaded decode reads listed blocks from the given K/V only: with every block outside the
+    local window poisoned in the device cache it equals the plain reference on the clean cache."""
+    torch.manual_seed(0)
+    b, hq, hkv, d, bs, nblocks, local = 3, 4, 2, 16, 4, 20, 2
+    cache = torch.randn(nblocks, hkv, 2, bs, d)
+    tables = torch.stack([torch.randperm(nblocks)[:6] for _ in range(b)]).int()
+    seq_lens = torch.tensor([22, 13, 0], dtype=torch.int32)  # 6, 4 blocks; a padding row
+    sel = torch.tensor([[[0, 2, 4, -1], [1, 3, 5, 0]], [[0, 1, 2, 3], [2, -1, -1, -1]], [[-1] * 4] * 2]).int()
+    q = torch.randn(b, hq, d)
+    ref = sparse_decode_ref(q, cache, tables, seq_lens, sel, local, 22, d ** -0.5)
+    listed_kv = torch.stack(
+        [torch.stack([cache[tables[i, sel[i, h].clamp_min(0).long()].long(), h] for h in range(hkv)])
+         for i in range(b)])  # [B, Hkv, cap, 2, bs, D]
+    poisoned = cache.clone()
+    nb = (seq_lens + bs - 1) // bs
+    for i in range(b):
+        for j in range(max(0, int(nb[i]) - local)):
+            poisoned[tables[i, j].long()] = float("nan")
+    out = sparse_decode_offload_ref(q, poisoned, tables, seq_lens, sel, listed_kv, local, 22, d ** -0.5)
+    assert torch.equal(out, ref)
+
+
+def run(model_dir, **kw):
+    llm = LLM(str(model_dir), **COMMON, **kw)
+    outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.mark.parametrize("policy", [dict(), dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=6 * BS,
+                                                 sparse_reuse=2)])
+def test_offload_equals_no_offload(hf_models, policy):
+    """Same sparse policy, offload off vs on: identical greedy tokens with a roomy pool, a pool of a few
+    sets (evictions) and a pool of 4 slots (nearly every step evicts, misses overflow into bypass reads)."""
+    model_dir = hf_models["qwen2-gqa-bias"][0]
+    kw = {**SPARSE, **policy}
+    base, _ = run(model_dir, **kw)
+    for slots in (None, 24, 4):
+        got, llm = run(model_dir, kv_offload=True, hbm_cache_blocks=slots, **kw)
+        assert got == base, f"hbm_cache_blocks={slots}"
+        engine = llm.llm_engine
+        stats = engine.get_stats()
+        assert stats.offload_layer_steps > 0 and stats.offload_blocks_loaded > 0
+        assert stats.num_blocks_used == 0 and stats.offload_host_blocks == engine.allocator.num_blocks
+        engine.model_runner.hbm_pool.check()
+        assert engine.model_runner.host_kv.blocks_written.item() > 0
+        if slots is None:
+            assert stats.offload_hbm_hits > stats.offload_blocks_loaded  # selections repeat across steps
+        else:
+            assert stats.offload_blocks_loaded > stats.offload_hbm_slots  # slots were evicted and reused
+        if slots == 4:
+            assert stats.offload_bypass_reads > 0
+        got_metrics = parse_metrics(ServerMetrics(lambda: stats, "m").render().decode())
+        assert got_metrics["sparseserve:offload_head_blocks_loaded_total"] == stats.offload_blocks_loaded
+        assert 0 <= got_metrics["sparseserve:offload_hbm_hit_ratio"] <= 1
+        head_block = 2 * BS * 64 * 4  # K and V, head_dim 64, float32
+        assert stats.offload_h2d_bytes == stats.offload_blocks_loaded * head_block
+        assert stats.offload_d2h_bytes == got_metrics["sparseserve:offload_d2h_bytes_total"] > 0
+
+
+def random_schedule(model_dir, seed: int, check: bool, **kw) -> dict[str, list[list[int]]]:
+    """Random arrivals, aborts and steps with a KV pool small enough to preempt; returns every request's
+    tokens; with check, after every step: the block, host and HBM accounting, and the host store holding
+    every full block of the running sequences (FlashD2H + write-through) exactly as the device cache."""
+    rng = random.Random(seed)
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=96,
+              num_gpu_blocks_override=16, max_num_batched_tokens=rng.choice([16, 48]), max_num_seqs=4, **SPARSE, **kw)
+    engine = llm.llm_engine
+    live: list[str] = []
+    results: dict[str, list[list[int]]] = {}
+    pool = engine.model_runner.hbm_pool
+
+    def collect(outs):
+        for out in outs:
+            results[out.request_id] = [list(c.token_ids) for c in out.outputs]
+            if out.finished:
+                live.remove(out.request_id)
+
+    for i in range(30):
+        r = rng.random()
+        if r < 0.4:
+            prompt = [rng.randrange(10, 2000) for _ in range(rng.randint(1, 60))]
+            p = SamplingParams(max_tokens=rng.randint(1, 20), temperature=rng.choice([0.0, 1.0]),
+                               n=rng.choice([1, 1, 2]), ignore_eos=True)
+            engine.add_request(f"r{i}", prompt, p)
+            live.append(f"r{i}")
+        elif r < 0.5 and live:
+            engine.abort_request(live.pop(rng.randrange(len(live))))
+        collect(engine.step())
+        if check:
+            seqs = engine.scheduler.running + list(engine.scheduler.waiting)
+            held = [b for s in seqs for b in s.block_table]
+            assert len(held) == len(set(held)) == engine.allocator.num_used
+            engine.allocator.check()
+            pool.check()
+            runner = engine.model_runner
+            runner.host_kv.fence()
+            for seq in engine.scheduler.running:  # every full block is in the host store, as on the device
+                full = [seq.block_table[j] for j in range(seq.num_computed_tokens // BS)]
+                assert torch.equal(runner.host_kv.data[:, full], runner.kv_cache[:, full])
+            res = torch.nonzero(pool.resident >= 0)[:, 0]  # every cached head block belongs to a held block
+            blocks = (res // pool.num_kv_heads) % (pool.num_blocks + 1)
+            assert set(blocks.tolist()) <= set(held)
+    while engine.has_unfinished_requests():
+        collect(engine.step())
+    assert engine.allocator.num_used == 0
+    if check:
+        pool.check()
+        assert (pool.resident < 0).all() and (pool.owner < 0).all()  # everything freed left the pool
+    return results, engine.scheduler.num_preemptions
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed):
+    off, _ = random_schedule(tiny_model_dir, seed, check=False)
+    on, preemptions = random_schedule(tiny_model_dir, seed, check=True, kv_offload=True, hbm_cache_blocks=16)
+    assert on == off and preemptions > 0
