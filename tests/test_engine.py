@@ -7,6 +7,7 @@ import pytest
 
 from sparseserve import LLM, SamplingParams
 from sparseserve.kvcache.blocks import BlockAllocator
+from tests.schedules import drive_random_schedule, held_blocks
 
 
 @pytest.fixture(scope="module")
@@ -72,23 +73,7 @@ def test_pool_accounting_over_random_schedules(tiny_model_dir, seed):
     llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", block_size=16, max_model_len=96,
               num_gpu_blocks_override=10, max_num_batched_tokens=rng.choice([16, 48, 96]), max_num_seqs=6)
     engine = llm.llm_engine
-    live: list[str] = []
-    for i in range(40):
-        r = rng.random()
-        if r < 0.4:
-            prompt = [rng.randrange(10, 2000) for _ in range(rng.randint(1, 60))]
-            p = SamplingParams(max_tokens=rng.randint(1, 30), temperature=rng.choice([0.0, 1.0]),
-                               n=rng.choice([1, 1, 2]), ignore_eos=True)
-            engine.add_request(f"r{i}", prompt, p)
-            live.append(f"r{i}")
-        elif r < 0.5 and live:
-            engine.abort_request(live.pop(rng.randrange(len(live))))
-        for out in engine.step():
-            if out.finished:
-                live.remove(out.request_id)
-        held = [b for s in engine.scheduler.running + list(engine.scheduler.waiting) for b in s.block_table]
-        assert len(held) == len(set(held)) == engine.allocator.num_used
-        engine.allocator.check()
+    live = drive_random_schedule(engine, rng, steps=40, max_new=30, after_step=lambda _: held_blocks(engine))
     engine.abort_request(live[: len(live) // 2])
     while engine.has_unfinished_requests():
         engine.step()

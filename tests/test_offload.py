@@ -16,6 +16,7 @@ from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
 from sparseserve.kvcache.host import HostKVStore
 from sparseserve.kvcache.pool import HBMPool
 from sparseserve.metrics import ServerMetrics, parse_metrics
+from tests.schedules import drive_random_schedule, held_blocks
 
 BS = 8
 COMMON = dict(device="cpu", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
@@ -203,32 +204,17 @@ def random_schedule(model_dir, seed: int, check: bool, **kw) -> dict[str, list[l
     llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=96,
               num_gpu_blocks_override=16, max_num_batched_tokens=rng.choice([16, 48]), max_num_seqs=4, **SPARSE, **kw)
     engine = llm.llm_engine
-    live: list[str] = []
     results: dict[str, list[list[int]]] = {}
     pool = engine.model_runner.hbm_pool
 
     def collect(outs):
         for out in outs:
             results[out.request_id] = [list(c.token_ids) for c in out.outputs]
-            if out.finished:
-                live.remove(out.request_id)
 
-    for i in range(30):
-        r = rng.random()
-        if r < 0.4:
-            prompt = [rng.randrange(10, 2000) for _ in range(rng.randint(1, 60))]
-            p = SamplingParams(max_tokens=rng.randint(1, 20), temperature=rng.choice([0.0, 1.0]),
-                               n=rng.choice([1, 1, 2]), ignore_eos=True)
-            engine.add_request(f"r{i}", prompt, p)
-            live.append(f"r{i}")
-        elif r < 0.5 and live:
-            engine.abort_request(live.pop(rng.randrange(len(live))))
-        collect(engine.step())
+    def after_step(outs):
+        collect(outs)
         if check:
-            seqs = engine.scheduler.running + list(engine.scheduler.waiting)
-            held = [b for s in seqs for b in s.block_table]
-            assert len(held) == len(set(held)) == engine.allocator.num_used
-            engine.allocator.check()
+            held = held_blocks(engine)
             pool.check()
             runner = engine.model_runner
             runner.host_kv.fence()
@@ -238,6 +224,8 @@ def random_schedule(model_dir, seed: int, check: bool, **kw) -> dict[str, list[l
             res = torch.nonzero(pool.resident >= 0)[:, 0]  # every cached head block belongs to a held block
             blocks = (res // pool.num_kv_heads) % (pool.num_blocks + 1)
             assert set(blocks.tolist()) <= set(held)
+
+    drive_random_schedule(engine, rng, steps=30, max_new=20, after_step=after_step)
     while engine.has_unfinished_requests():
         collect(engine.step())
     assert engine.allocator.num_used == 0

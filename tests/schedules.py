@@ -1,0 +1,36 @@
+"""A random workload for accounting tests: arrivals (n up to 2), aborts and engine steps."""
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from sparseserve import SamplingParams
+
+
+def drive_random_schedule(engine, rng: random.Random, steps: int, max_new: int,
+                          after_step: Callable[[list], None]) -> list[str]:
+    """Runs `steps` rounds of (maybe add, maybe abort, step); after_step sees each step's outputs.
+    Returns the ids of requests still unfinished."""
+    live: list[str] = []
+    for i in range(steps):
+        r = rng.random()
+        if r < 0.4:
+            prompt = [rng.randrange(10, 2000) for _ in range(rng.randint(1, 60))]
+            p = SamplingParams(max_tokens=rng.randint(1, max_new), temperature=rng.choice([0.0, 1.0]),
+                               n=rng.choice([1, 1, 2]), ignore_eos=True)
+            engine.add_request(f"r{i}", prompt, p)
+            live.append(f"r{i}")
+        elif r < 0.5 and live:
+            engine.abort_request(live.pop(rng.randrange(len(live))))
+        outs = engine.step()
+        live[:] = [rid for rid in live if not any(o.finished and o.request_id == rid for o in outs)]
+        after_step(outs)
+    return live
+
+
+def held_blocks(engine) -> list[int]:
+    """Every token block held by a running or waiting sequence, checked against the allocator."""
+    held = [b for s in engine.scheduler.running + list(engine.scheduler.waiting) for b in s.block_table]
+    assert len(held) == len(set(held)) == engine.allocator.num_used
+    engine.allocator.check()
+    return held
