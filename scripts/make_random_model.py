@@ -39,7 +39,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(args.out)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(DEFAULT_MODEL_DIR / f, args.out / f)  # ids past its vocab decode to nothing
+        if (DEFAULT_MODEL_DIR / f).exists():
+            shutil.copy(DEFAULT_MODEL_DIR / f, args.out / f)  # ids past its vocab decode to nothing
     if args.config_only:
         return
     dev = "cuda" if torch.cuda.is_available() else "cpu"

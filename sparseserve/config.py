@@ -74,9 +74,13 @@ class SparseConfig:
         "choices": SPARSE_POLICIES})
     sparse_budget: int = field(default=2048, metadata={
         "help": "Tokens each (sequence, KV head) attends per decode step, sink and local window included "
-                "(topk); the cap of the adaptive budget (topp). Shorter contexts run dense."})
+                "(topk); topp: the candidates it prunes, at most this many tokens. Shorter contexts run dense."})
     sparse_top_p: float = field(default=0.95, metadata={
-        "help": "topp: the estimated softmax mass the selected blocks must reach."})
+        "help": "topp: the softmax mass the kept blocks must reach, estimated from q.k over the candidate "
+                "blocks (the best sparse_budget tokens by their key bounds)."})
+    sparse_topp_heads: str = field(default="mean", metadata={
+        "help": "topp: whose mass must reach p: the mean of a KV group's query heads, or each head (union).",
+        "choices": ["mean", "each"]})
     sparse_reuse: int = field(default=1, metadata={
         "help": "Recompute a sequence's block selection every this many decode steps (1: every step)."})
     sparse_dense_layers: int = field(default=2, metadata={"help": "The first N layers always attend densely."})
@@ -99,6 +103,8 @@ class SparseConfig:
             raise ValueError(f"sparse_budget must be >= 1, got {self.sparse_budget}")
         if not 0.0 < self.sparse_top_p <= 1.0:
             raise ValueError(f"sparse_top_p must be in (0, 1], got {self.sparse_top_p}")
+        if self.sparse_topp_heads not in ("mean", "each"):
+            raise ValueError(f"sparse_topp_heads must be mean or each, got {self.sparse_topp_heads!r}")
         if self.sparse_reuse < 1:
             raise ValueError(f"sparse_reuse must be >= 1, got {self.sparse_reuse}")
         if self.sparse_dense_layers < 0 or self.sparse_sink_blocks < 0:
@@ -125,11 +131,13 @@ class OffloadConfig:
         "help": "Keep every full KV head block in a (pinned) host store and cache the selected ones in an "
                 "HBM slot pool (needs a sparse policy)."})
     host_kv_memory: int | None = field(default=None, metadata={
-        "help": "Bytes of the host KV store (default: as many blocks as the device KV cache); must fit in "
-                "the host's available memory."})
+        "help": "Bytes of the host KV store, which holds every token block (default: max_num_seqs sequences of "
+                "max_model_len, at most half the host's available memory); must fit in the host's available "
+                "memory. The device then holds only the working set (num_gpu_blocks_override: its blocks)."})
     hbm_cache_blocks: int | None = field(default=None, metadata={
         "help": "Head-block slots of the HBM pool, shared by all layers and KV heads (default: one decode "
-                "step's selections of max_num_seqs sequences in every layer)."})
+                "step's selections of max_num_seqs sequences in every layer, at most half the device KV memory "
+                "left after key metadata and dense layers)."})
 
     def __post_init__(self) -> None:
         if self.host_kv_memory is not None and self.host_kv_memory < 1:

@@ -8,15 +8,16 @@ from sparseserve import SamplingParams
 
 
 def drive_random_schedule(engine, rng: random.Random, steps: int, max_new: int,
-                          after_step: Callable[[list], None]) -> list[str]:
+                          after_step: Callable[[list], None], greedy: bool = False) -> list[str]:
     """Runs `steps` rounds of (maybe add, maybe abort, step); after_step sees each step's outputs.
-    Returns the ids of requests still unfinished."""
+    greedy: no sampled requests (their tokens then do not depend on the schedule). Returns the ids of
+    requests still unfinished."""
     live: list[str] = []
     for i in range(steps):
         r = rng.random()
         if r < 0.4:
             prompt = [rng.randrange(10, 2000) for _ in range(rng.randint(1, 60))]
-            p = SamplingParams(max_tokens=rng.randint(1, max_new), temperature=rng.choice([0.0, 1.0]),
+            p = SamplingParams(max_tokens=rng.randint(1, max_new), temperature=rng.choice([0.0, 1.0]) * (not greedy),
                                n=rng.choice([1, 1, 2]), ignore_eos=True)
             engine.add_request(f"r{i}", prompt, p)
             live.append(f"r{i}")
@@ -29,8 +30,17 @@ def drive_random_schedule(engine, rng: random.Random, steps: int, max_new: int,
 
 
 def held_blocks(engine) -> list[int]:
-    """Every token block held by a running or waiting sequence, checked against the allocator."""
-    held = [b for s in engine.scheduler.running + list(engine.scheduler.waiting) for b in s.block_table]
+    """Every token block held by a running or waiting sequence, checked against the allocator; with
+    kv_offload also the device blocks (each mapped once, only by running sequences, inside their tables)."""
+    seqs = engine.scheduler.running + list(engine.scheduler.waiting)
+    held = [b for s in seqs for b in s.block_table]
     assert len(held) == len(set(held)) == engine.allocator.num_used
     engine.allocator.check()
+    dm = engine.scheduler.device_map
+    if dm is not None:
+        dev = [b for s in seqs for b in s.device_blocks]
+        assert len(dev) == len(set(dev)) == dm.allocator.num_used <= dm.num_blocks
+        dm.allocator.check()
+        assert not any(s.device_blocks for s in engine.scheduler.waiting)
+        assert all(s.device_start + len(s.device_blocks) <= len(s.block_table) for s in seqs)
     return held

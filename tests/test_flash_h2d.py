@@ -61,7 +61,7 @@ def test_sparse_decode_through_pool(policy, budget, slots):
         rebuild_key_meta(cache[None], backend.key_meta, bs)
         c = cache.clone()
         if offload:
-            host = HostKVStore(1, cache.shape[0], hkv, bs, d, torch.float32, pin=ON_GPU)
+            host = HostKVStore(1, cache.shape[0], hkv, bs, d, torch.float32, pin=ON_GPU, device=DEVICE)
             host.data[0, : cache.shape[0]] = cache.to(host.data.device)  # every block written through before
             pool = HBMPool(1, cache.shape[0], hkv, bs, d, slots, torch.float32, DEVICE, ways=4)
             backend.attach_offload(host, pool)
@@ -76,6 +76,34 @@ def test_sparse_decode_through_pool(policy, budget, slots):
     assert stats[0] == stats[1]  # the same plan on both paths
     hits, loads, bypass, _ = stats[0]
     assert loads > 0 and (bypass > 0 if slots == 8 else hits > 0)
+
+
+@pytest.mark.parametrize("remap", [False, True])
+def test_d2h_writer_stores_completed_blocks(remap):
+    """FlashD2H (one staged copy per layer, worker threads write rows) stores exactly the blocks that the
+    prefill tokens complete, at their host rows (the same ids, or token_slot_mapping's when the device
+    cache uses other ids); partial blocks and padding store nothing; decode tokens take the write-through
+    kernel; fence waits for the workers. Equal to the write-through reference."""
+    torch.manual_seed(2)
+    layers, blocks, hkv, bs, d = 2, 6, 2, 4, 8
+    cache = torch.randn(layers, blocks, hkv, 2, bs, d, device=DEVICE)
+    # decode token completing block 5, then prefill tokens: block 1 whole, block 3 partly, padding, block 0 end.
+    slots = torch.tensor([23, 4, 5, 6, 7, 12, 13, -1, 2, 3], device=DEVICE)
+    perm = torch.tensor([3, 0, 5, 4, 1, 2], device=DEVICE)  # device block -> host row
+    token_slots = torch.where(slots >= 0, perm[slots // bs] * bs + slots % bs, -1) if remap else None
+    out = HostKVStore(layers, blocks, hkv, bs, d, torch.float32, pin=ON_GPU, device=DEVICE)
+    out.attach_d2h(max_tokens=16, max_seqs=4)
+    ref = HostKVStore(layers, blocks, hkv, bs, d, torch.float32, pin=False)
+    for layer in range(layers):
+        out.store_step(layer, cache[layer], slots, num_decode_tokens=1, num_seqs=4, token_slot_mapping=token_slots)
+        ref.write_through_ref(layer, cache[layer].cpu(), slots.cpu(), None if token_slots is None
+                              else (token_slots // bs).cpu())
+    out.fence()
+    assert torch.equal(out.data, ref.data)
+    rows = perm[[5, 1, 0]].tolist() if remap else [5, 1, 0]
+    assert torch.equal(out.data[:, rows], cache[:, [5, 1, 0]].cpu())
+    assert not out.data[:, [r for r in range(blocks) if r not in rows]].any()
+    assert out.bytes_written() == 3 * layers * hkv * 2 * bs * d * 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -130,3 +158,32 @@ def test_offload_decode_cuda_graph():
     pool.check()
     hits, loads, bypass, steps = pool.stats.tolist()
     assert steps == 4 and loads > 0  # the warm-up call and 3 replays (capturing executes nothing)
+
+
+@gpu_only
+@pytest.mark.parametrize("enforce_eager", [True, False])
+@pytest.mark.parametrize("policy", [dict(), dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64,
+                                                 sparse_reuse=2)])
+def test_engine_offload_equals_no_offload_on_gpu(hf_models, enforce_eager, policy):
+    """On the GPU (Triton kernels, pinned store over UVA, CUDA graphs unless eager): offload on == off,
+    token for token, under the same sparse policy (topk; topp pruning through the pool, with reuse), with
+    a roomy pool and with a 4-slot pool (evictions every step, bypass reads)."""
+    from sparseserve import LLM
+    from tests.test_offload import GREEDY, SPARSE, prompts
+    model_dir = hf_models["qwen2-gqa-bias"][0]
+    common = dict(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                  kv_cache_memory=64 << 20, enforce_eager=enforce_eager, **{**SPARSE, **policy})
+
+    def tokens(**kw):
+        llm = LLM(str(model_dir), **common, **kw)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+        return outs, llm.llm_engine
+
+    base, _ = tokens()
+    for slots in (None, 4):
+        got, engine = tokens(kv_offload=True, hbm_cache_blocks=slots)
+        assert got == base, f"hbm_cache_blocks={slots}"
+        stats = engine.get_stats()
+        assert stats.offload_blocks_loaded > 0 and stats.num_blocks_used == 0
+        assert slots is None or stats.offload_bypass_reads > 0
+        engine.model_runner.hbm_pool.check()

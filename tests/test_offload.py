@@ -1,7 +1,9 @@
 """KV offload on the CPU (DESIGN.md principles 4, 5, 7): config and flags, the HBM pool's lookup and
-victim choice on hand-built cases and random requests, the offloaded decode reference, and the engine:
-offload on == offload off token for token under the same sparse policy (also with a pool so small
-that nearly every step evicts), with the accounting checked over random schedules."""
+victim choice on hand-built cases and random requests, the offloaded decode reference, the device block
+map (the device KV cache holds only the working set), and the engine: offload on == offload off token
+for token under the same sparse policy (also with a pool so small that nearly every step evicts, and a
+device block space so small that sequences wait for it), with the accounting of token blocks, device
+blocks and pool slots checked over random schedules."""
 from __future__ import annotations
 
 import random
@@ -16,6 +18,9 @@ from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
 from sparseserve.kvcache.host import HostKVStore
 from sparseserve.kvcache.pool import HBMPool
 from sparseserve.metrics import ServerMetrics, parse_metrics
+from sparseserve.engine.request import Sequence
+from sparseserve.kvcache.blocks import DeviceBlockMap
+from tests.kernel_utils import DEVICE
 from tests.schedules import drive_random_schedule, held_blocks
 
 BS = 8
@@ -56,30 +61,12 @@ def test_host_capacity_bounds_admission(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), **{**COMMON, "max_model_len": 160}, kv_offload=True,
               host_kv_memory=24 * block_bytes + block_bytes // 2, **SPARSE)
     engine = llm.llm_engine
-    assert engine.allocator.num_blocks == 24 == engine.model_runner.kv_cache.shape[1]  # the mirror shrinks too
-    assert engine.model_runner.host_kv.data.shape[1] == 25  # + the trash row
+    assert engine.allocator.num_blocks == 24 == engine.model_runner.num_device_blocks  # never more device blocks
+    assert engine.model_runner.host_kv.data.shape[1] == 25 == engine.model_runner.kv_cache.shape[1]  # + trash
     outs = llm.generate(prompts(), GREEDY, use_tqdm=False)  # prompts + outputs need 32 blocks
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
     stats = engine.get_stats()
     assert stats.num_preemptions > 0 and stats.num_blocks_used == 0 and stats.offload_host_blocks == 24
-
-
-def test_d2h_writer_scatters_tokens():
-    """FlashD2H host side: one staged copy per layer, worker threads scatter each token into its block row
-    (padding skipped); fence waits for them."""
-    torch.manual_seed(0)
-    store = HostKVStore(2, 4, 2, 4, 8, torch.float32, pin=False)
-    store.attach_d2h(max_tokens=8)
-    k, v = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
-    slots = torch.tensor([0, 1, 2, -1, 5, 15])
-    store.store_step(1, torch.zeros(4, 2, 2, 4, 8), k, v, slots, num_decode_tokens=0)
-    store.fence()
-    for t, slot in enumerate(slots.tolist()):
-        if slot >= 0:
-            assert torch.equal(store.data[1, slot // 4, :, 0, slot % 4], k[t])
-            assert torch.equal(store.data[1, slot // 4, :, 1, slot % 4], v[t])
-    assert not store.data[0].any() and store.d2h.tokens_written == 5
-    assert store.bytes_written() == 5 * 2 * 2 * 8 * 4
 
 
 def make_pool(num_slots: int, ways: int, blocks: int = 8, layers: int = 1, hkv: int = 1) -> HBMPool:
@@ -159,23 +146,132 @@ def test_offload_decode_reference_reads_only_the_window_from_the_device():
     assert torch.equal(out, ref)
 
 
+def test_device_block_map_working_set():
+    """Prefill steps map every block of the sequence; a decode only its local window (the rest released
+    at once, the range only moves forward); a one-token chunk that is not the last token is a prefill."""
+    dm = DeviceBlockMap(num_blocks=8, local_blocks=2, block_size=4, token_blocks=32)
+    seq = Sequence(0, "r", 0, list(range(13)), GREEDY)  # 13 prompt tokens: 4 blocks
+    seq.block_table = list(range(100, 104))
+    assert dm.can_map(seq, 8) and dm.num_to_allocate(seq, 8) == 2
+    dm.map(seq, 8)
+    assert (seq.device_start, len(seq.device_blocks)) == (0, 2)
+    seq.num_computed_tokens = 8
+    dm.map(seq, 1)  # token 8 of 13: still a prefill, all blocks
+    assert (seq.device_start, len(seq.device_blocks)) == (0, 3)
+    seq.num_computed_tokens = 9
+    assert dm.num_to_allocate(seq, 4) == 1
+    dm.map(seq, 4)
+    seq.num_computed_tokens = 13
+    seq.token_ids.append(7)  # the first decode: window = blocks 2, 3; blocks 0, 1 released
+    assert dm.num_to_allocate(seq, 1) == -2
+    dm.map(seq, 1)
+    assert (seq.device_start, len(seq.device_blocks)) == (2, 2) and dm.allocator.num_used == 2
+    table = seq.device_table_array(trash=8)
+    assert table[:2].tolist() == [8, 8] and table[2:].tolist() == seq.device_blocks
+    for t in range(14, 17):  # token 16 opens block 4: block 2 leaves, net zero
+        seq.num_computed_tokens = t
+        seq.token_ids.append(7)
+        assert dm.num_to_allocate(seq, 1) == 0
+        dm.map(seq, 1)
+    assert (seq.device_start, len(seq.device_blocks)) == (3, 2) and dm.allocator.num_used == 2
+    fresh = Sequence(1, "r", 0, list(range(30)), GREEDY)  # 8 blocks: more than the 6 free
+    assert not dm.can_admit(fresh, [seq]) and dm.can_admit(Sequence(2, "r", 0, list(range(24)), GREEDY), [seq])
+    dm.release(seq)
+    assert dm.allocator.num_used == 0 and seq.device_blocks == []
+    dm.allocator.check()
+
+
+def test_device_cache_holds_the_working_set_only(hf_models):
+    """A device block cache of 17 blocks (one max_model_len sequence) and a host store of 4 x 17: the device
+    cache is smaller than the host store, the four requests decode together although their blocks would
+    not fit the device cache whole, prefills wait for device blocks, and the tokens equal offload off."""
+    model_dir = hf_models["qwen2-gqa-bias"][0]
+    kw = dict(SPARSE, max_model_len=136)
+    p = [x[:100] for x in prompts()] + [prompts()[1][:90]]  # 13 + 10 + 4 + 12 blocks with their outputs
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    base = [o.outputs[0].token_ids for o in LLM(str(model_dir), **{**COMMON, **kw}).generate(p, params, use_tqdm=False)]
+    llm = LLM(str(model_dir), **{**COMMON, **kw}, kv_offload=True, num_gpu_blocks_override=17)
+    engine, runner = llm.llm_engine, llm.llm_engine.model_runner
+    assert runner.kv_cache.shape[1] == 18 and runner.host_kv.data.shape[1] == 4 * 17 + 1  # + trash rows
+    for i, prompt in enumerate(p):
+        engine.add_request(str(i), prompt, params)
+    outs, most, waited = {}, 0, False
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o.outputs[0].token_ids
+        running = engine.scheduler.running
+        held_blocks(engine)
+        if len(running) == 4:
+            most = max(most, sum(len(s.block_table) for s in running))
+        waited |= bool(engine.scheduler.waiting) and engine.allocator.num_free >= 17
+    assert most > runner.num_device_blocks  # four sequences at once, more blocks than the device cache has
+    assert waited  # a request waited for device blocks while token blocks were free
+    assert [outs[str(i)] for i in range(len(p))] == base
+    stats = engine.get_stats()
+    assert stats.offload_device_blocks == 17 and stats.offload_device_blocks_used == 0 == stats.num_blocks_used
+    engine.device_map.allocator.check()
+
+
+@pytest.mark.parametrize("page", [4, 2])
+def test_key_meta_update_rows_by_token_block(page):
+    """kv_offload: keys are read from device blocks, the metadata rows are the token blocks (meta_slots);
+    the Triton update kernel (interpreter on CPU) equals the reference, and both equal metadata rebuilt from a
+    cache indexed by token block."""
+    from sparseserve.kernels.block_score import update_key_meta
+    from sparseserve.kvcache.metadata import allocate_key_meta, rebuild_key_meta, update_key_meta_ref
+    torch.manual_seed(2)
+    bs, hkv, d, dev_blocks, token_blocks = 4, 2, 8, 3, 6
+    cache = torch.randn(dev_blocks, hkv, 2, bs, d, device=DEVICE)
+    dev_of = {5: 0, 1: 2, 3: 1}  # token block -> device block
+    tokens = [(5, o) for o in range(4)] + [(1, o) for o in range(3)] + [(3, 0)]  # block 1 partial, 3 one token
+    slots = torch.tensor([dev_of[b] * bs + o for b, o in tokens] + [-1], device=DEVICE)
+    meta_slots = torch.tensor([b * bs + o for b, o in tokens] + [-1], device=DEVICE)
+    metas = [allocate_key_meta(1, token_blocks, hkv, bs, page, d, torch.float32, torch.device(DEVICE))[0]
+             for _ in range(2)]
+    update_key_meta_ref(cache, metas[0], slots, page, meta_slots)
+    update_key_meta(cache, metas[1], slots, page, meta_slots)
+    assert torch.equal(metas[0][:token_blocks], metas[1][:token_blocks])  # (row token_blocks: trash)
+    full = torch.zeros(token_blocks, hkv, 2, bs, d, device=DEVICE)
+    for b, dv in dev_of.items():
+        full[b] = cache[dv]
+    expect = allocate_key_meta(1, token_blocks, hkv, bs, page, d, torch.float32, torch.device(DEVICE))
+    rebuild_key_meta(full[None], expect, page)
+    assert torch.equal(metas[0][5], expect[0, 5])  # a full block
+    keys = cache[2, :, 0, :3]  # partial block 1: its 3 tokens, pages over them
+    for pg in range(bs // page):
+        k = keys[:, pg * page: (pg + 1) * page]
+        assert torch.equal(metas[0][1, :, 0, pg], k.amin(1)) and torch.equal(metas[0][1, :, 1, pg], k.amax(1))
+    assert not metas[0][[0, 2, 4]].any()
+    assert torch.equal(metas[0][3, :, 0, 0], cache[1, :, 0, 0]) and torch.equal(metas[0][3, :, 1, 0], cache[1, :, 0, 0])
+
+
 def run(model_dir, **kw):
-    llm = LLM(str(model_dir), **COMMON, **kw)
+    llm = LLM(str(model_dir), **{**COMMON, **kw})
     outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], llm
 
 
 @pytest.mark.parametrize("policy", [dict(), dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=6 * BS,
-                                                 sparse_reuse=2)])
+                                                 sparse_reuse=2), dict(sparse_dense_layers=1)])
 def test_offload_equals_no_offload(hf_models, policy):
     """Same sparse policy, offload off vs on: identical greedy tokens with a roomy pool, a pool of a few
-    sets (evictions) and a pool of 4 slots (nearly every step evicts, misses overflow into bypass reads)."""
+    sets (evictions) and a pool of 4 slots (nearly every step evicts, misses overflow into bypass reads),
+    and a device block space of one max_model_len sequence (prompts wait for device blocks). A dense
+    first layer keeps its own full-size device cache."""
     model_dir = hf_models["qwen2-gqa-bias"][0]
-    kw = {**SPARSE, **policy}
+    kw = {**SPARSE, **policy, "max_model_len": 136}
     base, _ = run(model_dir, **kw)
-    for slots in (None, 24, 4):
-        got, llm = run(model_dir, kv_offload=True, hbm_cache_blocks=slots, **kw)
-        assert got == base, f"hbm_cache_blocks={slots}"
+    for slots, device_blocks in ((None, None), (24, None), (4, None), (24, 17)):
+        got, llm = run(model_dir, kv_offload=True, hbm_cache_blocks=slots, num_gpu_blocks_override=device_blocks,
+                       **kw)
+        assert got == base, f"hbm_cache_blocks={slots}, device blocks {device_blocks}"
+        runner = llm.llm_engine.model_runner
+        dense = policy.get("sparse_dense_layers", 0)
+        assert len(runner.kv_caches) == 2 and runner.kv_cache.shape[0] == 2 - dense
+        if dense:
+            assert runner.dense_kv_cache.shape[1] == llm.llm_engine.allocator.num_blocks
+        if device_blocks is not None:
+            assert runner.kv_cache.shape[1] == device_blocks + 1 < runner.host_kv.data.shape[1]
         engine = llm.llm_engine
         stats = engine.get_stats()
         assert stats.offload_layer_steps > 0 and stats.offload_blocks_loaded > 0
@@ -196,13 +292,13 @@ def test_offload_equals_no_offload(hf_models, policy):
         assert stats.offload_d2h_bytes == got_metrics["sparseserve:offload_d2h_bytes_total"] > 0
 
 
-def random_schedule(model_dir, seed: int, check: bool, **kw) -> dict[str, list[list[int]]]:
+def random_schedule(model_dir, seed: int, check: bool, greedy: bool = False, **kw) -> dict[str, list[list[int]]]:
     """Random arrivals, aborts and steps with a KV pool small enough to preempt; returns every request's
     tokens; with check, after every step: the block, host and HBM accounting, and the host store holding
     every full block of the running sequences (FlashD2H + write-through) exactly as the device cache."""
     rng = random.Random(seed)
     llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=96,
-              num_gpu_blocks_override=16, max_num_batched_tokens=rng.choice([16, 48]), max_num_seqs=4, **SPARSE, **kw)
+              max_num_batched_tokens=rng.choice([16, 48]), max_num_seqs=4, **{**SPARSE, **kw})
     engine = llm.llm_engine
     results: dict[str, list[list[int]]] = {}
     pool = engine.model_runner.hbm_pool
@@ -218,25 +314,44 @@ def random_schedule(model_dir, seed: int, check: bool, **kw) -> dict[str, list[l
             pool.check()
             runner = engine.model_runner
             runner.host_kv.fence()
-            for seq in engine.scheduler.running:  # every full block is in the host store, as on the device
-                full = [seq.block_table[j] for j in range(seq.num_computed_tokens // BS)]
-                assert torch.equal(runner.host_kv.data[:, full], runner.kv_cache[:, full])
+            for seq in engine.scheduler.running:  # every full block on the device is in the host store, equal
+                full = range(seq.device_start, min(seq.num_computed_tokens // BS,
+                                                   seq.device_start + len(seq.device_blocks)))
+                dev = [seq.device_blocks[j - seq.device_start] for j in full]
+                assert torch.equal(runner.host_kv.data[:, [seq.block_table[j] for j in full]],
+                                   runner.kv_cache[:, dev])
             res = torch.nonzero(pool.resident >= 0)[:, 0]  # every cached head block belongs to a held block
             blocks = (res // pool.num_kv_heads) % (pool.num_blocks + 1)
             assert set(blocks.tolist()) <= set(held)
 
-    drive_random_schedule(engine, rng, steps=30, max_new=20, after_step=after_step)
+    drive_random_schedule(engine, rng, steps=30, max_new=20, after_step=after_step, greedy=greedy)
     while engine.has_unfinished_requests():
         collect(engine.step())
     assert engine.allocator.num_used == 0
     if check:
+        held_blocks(engine)
+        assert engine.scheduler.device_map.allocator.num_used == 0
         pool.check()
         assert (pool.resident < 0).all() and (pool.owner < 0).all()  # everything freed left the pool
     return results, engine.scheduler.num_preemptions
 
 
+HOST_16 = 16 * 2 * 2 * 2 * BS * 128 * 4  # 16 token blocks of the tiny model in the host store
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed):
-    off, _ = random_schedule(tiny_model_dir, seed, check=False)
-    on, preemptions = random_schedule(tiny_model_dir, seed, check=True, kv_offload=True, hbm_cache_blocks=16)
+    """16 token blocks both ways (host store with offload); with offload first as many device blocks (the
+    schedule, sampled tokens included, equals offload off), then 12, one max_model_len sequence: sequences
+    wait for device blocks, so the schedule differs. Greedy requests and a budget covering max_model_len
+    then (a one-token prefill chunk is a decode, attended sparsely: with a smaller budget its tokens would
+    depend on the schedule); every block still goes through scoring, selection and the pool."""
+    off, _ = random_schedule(tiny_model_dir, seed, check=False, num_gpu_blocks_override=16)
+    on, preemptions = random_schedule(tiny_model_dir, seed, check=True, kv_offload=True, hbm_cache_blocks=16,
+                                      host_kv_memory=HOST_16)
     assert on == off and preemptions > 0
+    covering = dict(greedy=True, sparse_budget=12 * BS)
+    off, _ = random_schedule(tiny_model_dir, seed, check=False, num_gpu_blocks_override=16, **covering)
+    on, _ = random_schedule(tiny_model_dir, seed, check=True, kv_offload=True, hbm_cache_blocks=16,
+                            host_kv_memory=HOST_16, num_gpu_blocks_override=12, **covering)
+    assert on == off

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sparseserve import LLM, SamplingParams
-from sparseserve.attention.selection import SelectionParams, select_ref
+from sparseserve.attention.selection import SelectionParams, prune_ref, select_ref
 from sparseserve.bench.attention_probe import AttentionProbe
 from sparseserve.config import EngineConfig
 from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
@@ -45,7 +45,7 @@ def test_config_and_flags():
          "--streaming-heads", "h.json", "--logical-page-size", "16", "--sparse-dense-layers", "0"])
     kw = engine_kwargs_from_args(args)
     assert kw["sparse_policy"] == "topk" and kw["sparse_budget"] == 1024 and kw["logical_page_size"] == 16
-    bad = [dict(sparse_policy="quest"), dict(sparse_top_p=0.0), dict(sparse_reuse=0), dict(sparse_local_blocks=0),
+    bad = [dict(sparse_policy="quest"), dict(sparse_top_p=0.0), dict(sparse_topp_heads="max"), dict(sparse_reuse=0), dict(sparse_local_blocks=0),
            dict(logical_page_size=48), dict(logical_page_size=64, block_size=32),
            dict(sparse_policy="topk", sparse_budget=128, block_size=32)]  # 4 blocks: no room past sink + local
     for kwargs in bad:
@@ -62,6 +62,32 @@ def test_selection_reference():
     topp = dataclasses.replace(p, policy="topp", top_p=0.45)  # sink + local hold 0.2: one more block
     assert sorted(select_ref(scores, lens, torch.tensor([False]), topp)[0, 0].tolist()) == [-1, 0, 1, 6]
     assert sorted(select_ref(scores, lens, torch.tensor([True]), p)[0, 0].tolist()) == [-1, -1, 0, 6]
+
+
+def test_prune_reference():
+    """topp's pruning: masses from the blocks' lse, softmax over the whole list (sink and local included),
+    averaged over the KV group; the fewest best candidates reaching p; ties at the threshold all kept."""
+    # One sequence of 10 one-token blocks, list: sink 0, local 9, candidates 3, 5, 7, then padding.
+    lists = torch.tensor([[[0, 9, 3, 5, 7, -1]]], dtype=torch.int32)
+    head0 = [0.5, 0.1, 0.3, 0.06, 0.04, 1.0]  # the last entry is padding: ignored
+    head1 = [0.9, 0.1, 1e-9, 1e-9, 1e-9, 1.0]  # all its mass on sink + local
+    lse = torch.tensor([[head0, head1]]).log()  # a one-token block's lse is its logit
+    lens = torch.tensor([10])  # group mean: sink + local 0.8, then 0.15, 0.03, 0.02
+    p = SelectionParams("topp", cap=6, sink=1, local=1, top_p=0.9, reuse=1, block_size=1, page_size=1)
+    for top_p, kept in [(0.79, [0, 9]), (0.9, [0, 9, 3]), (0.96, [0, 9, 3, 5]), (0.99, [0, 9, 3, 5, 7]),
+                        (1.0, [0, 9, 3, 5, 7])]:
+        got = prune_ref(lse, lists, lens, dataclasses.replace(p, top_p=top_p))[0, 0].tolist()
+        assert got == kept + [-1] * (6 - len(kept)), top_p
+    # Each head on its own: head 0 needs 3 and 5 to reach 0.94 (0.6 + 0.3 + 0.06), the group's mean only 3.
+    assert prune_ref(lse, lists, lens, dataclasses.replace(p, top_p=0.94))[0, 0].tolist() == [0, 9, 3, -1, -1, -1]
+    each = dataclasses.replace(p, top_p=0.94, per_head=True)
+    assert prune_ref(lse, lists, lens, each)[0, 0].tolist() == [0, 9, 3, 5, -1, -1]
+    tie = lse.clone()
+    tie[0, 0, 3:5] = torch.tensor([0.05, 0.05]).log()
+    assert prune_ref(tie, lists, lens, dataclasses.replace(p, top_p=0.96))[0, 0].tolist() == [0, 9, 3, 5, 7, -1]
+    # A context that fits the cap keeps every block (all forced), whatever p.
+    assert prune_ref(lse, lists, torch.tensor([6]), dataclasses.replace(p, top_p=0.5))[0, 0].tolist() == \
+        lists[0, 0].tolist()
 
 
 def test_full_budget_equals_dense(hf_models):
@@ -98,6 +124,8 @@ def test_small_budget(tiny_model_dir, tmp_path):
         assert stats.num_blocks_used == 0 and not engine.has_unfinished_requests()
         engine.allocator.check()
         assert 0 < stats.sparse_blocks_selected <= stats.sparse_selections * kw["sparse_budget"] // BS
+        if kw["sparse_policy"] == "topp":  # the counters report the pruned lists, shorter than the candidates
+            assert stats.sparse_blocks_selected < stats.sparse_selections * kw["sparse_budget"] // BS
         text = ServerMetrics(lambda: stats, "m").render().decode()
         got = parse_metrics(text)
         assert got["sparseserve:sparse_mean_budget_tokens"] <= kw["sparse_budget"]

@@ -15,7 +15,8 @@ from sparseserve.attention.sparse import SparseBackend, sparse_decode_ref
 from sparseserve.attention.torch_ref import TorchBackend, paged_attention_ref
 from sparseserve.attention.triton_backend import TritonBackend
 from sparseserve.config import SparseConfig
-from sparseserve.kernels.block_score import SelectConfig, block_scores, select_blocks, update_key_meta
+from sparseserve.kernels.block_score import (ScoreConfig, SelectConfig, block_scores, score_and_select, select_blocks,
+                                             update_key_meta)
 from sparseserve.kernels.sparse_decode import SparseDecodeConfig, sparse_decode
 from sparseserve.kvcache.metadata import allocate_key_meta, rebuild_key_meta, update_key_meta_ref
 
@@ -78,8 +79,11 @@ def scored_batch(lens, hq, hkv, d, bs, page, dtype, slack=0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv,bs,page", [(8, 2, 16, 16), (6, 2, 16, 4), (4, 4, 32, 32)])
-def test_block_scores(dtype, hq, hkv, bs, page):
+@pytest.mark.parametrize("hq,hkv,bs,page,config", [(8, 2, 16, 16, None), (6, 2, 16, 4, None), (4, 4, 32, 32, None),
+                                                   # several pipelined tiles a program, several splits a row
+                                                   (8, 2, 16, 16, ScoreConfig(rows=16, tiles=3)),
+                                                   (6, 2, 16, 4, ScoreConfig(rows=16, tiles=2, num_stages=2))])
+def test_block_scores(dtype, hq, hkv, bs, page, config):
     torch.manual_seed(1)
     d, cap = 32, 4
     lens = [0, 3 * bs, 9 * bs + 5, 20 * bs - 1]
@@ -88,7 +92,7 @@ def test_block_scores(dtype, hq, hkv, bs, page):
     p = params("topk", cap, bs, page)
     slots = torch.arange(len(lens), dtype=torch.int32, device=DEV)
     counter = torch.zeros(len(lens), hkv, dtype=torch.int32, device=DEV)
-    out = block_scores(q, key_meta, meta.block_tables, meta.seq_lens, slots, counter, p, mb, d ** -0.5)
+    out = block_scores(q, key_meta, meta.block_tables, meta.seq_lens, slots, counter, p, mb, d ** -0.5, config)
     ref = block_scores_ref(q, key_meta, meta.block_tables, meta.seq_lens, mb, bs, d ** -0.5)
     for b, n in enumerate(lens):  # written where selection reads: rows with more than cap blocks
         nb = -(-n // bs)
@@ -125,9 +129,66 @@ def test_select_blocks(policy, top_p, ways):
     assert sorted(sel[4, 1].tolist()) == [-1, -1, -1, 0, 38, 39]  # streaming head: sink + local only
 
 
+@pytest.mark.parametrize("policy,top_p,sink,local,ways,tied", [("topk", 1.0, 1, 2, 4, True), ("topk", 1.0, 3, 4, 2, True),
+                                                                ("topp", 0.6, 1, 2, 1, False),
+                                                                ("topp", 0.05, 1, 2, 8, False),
+                                                                ("topp", 0.9, 3, 4, 4, False)])
+def test_select_blocks_edges(policy, top_p, sink, local, ways, tied):
+    """The early-stopping search against the reference: masses with many exact ties (topk: coarse
+    scores, constant rows; topp fills ties at its threshold up to the cap, the reference stops at p, so
+    topp gets distinct masses), forced blocks that carry the target mass (topp 0.05) or fill the cap
+    (sink 3 + local 4 > cap 6), one threshold a round (ways=1), long and short rows."""
+    torch.manual_seed(6)
+    hq, hkv, bs, cap = 6, 2, 16, 6
+    lens = [200 * bs, 7 * bs, 31 * bs + 1, 64 * bs, 6 * bs, 100 * bs]
+    p = SelectionParams(policy, cap, sink=sink, local=local, top_p=top_p, reuse=1, block_size=bs, page_size=bs)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    slots = torch.arange(len(lens), dtype=torch.int32, device=DEV)
+    streaming = torch.zeros(hkv, dtype=torch.bool, device=DEV)
+    if tied:
+        scores = torch.randint(-2, 3, (len(lens), hq, 256), device=DEV).float()
+        scores[1] = 0.0  # one mass for every block
+        scores[5, :, ::2] = 3.0
+    else:
+        scores = 4 * torch.randn(len(lens), hq, 256, device=DEV)
+    past_end = torch.arange(256, device=DEV)[None, None] >= -(-seq_lens[:, None, None] // bs)
+    scores.masked_fill_(past_end, float("-inf"))
+    state = [(torch.full((len(lens), hkv, cap), -1, dtype=torch.int32, device=DEV),
+              torch.zeros(len(lens), hkv, dtype=torch.int32, device=DEV),
+              torch.zeros(2, dtype=torch.int64, device=DEV)) for _ in range(2)]
+    update_selection_ref(scores, seq_lens, slots, *state[0], streaming, p)
+    select_blocks(scores, seq_lens, slots, *state[1], streaming, p, SelectConfig(ways=ways))
+    assert torch.equal(state[0][0].sort(-1).values, state[1][0].sort(-1).values)
+    assert torch.equal(state[0][2], state[1][2])
+
+
+@pytest.mark.parametrize("policy", ["topk", "topp"])
+def test_score_and_select(policy):
+    """Scoring then selection (the engine's Triton path) equal the references over reuse steps: lists,
+    reuse counters and stats, with padding, short and long rows, pages and a streaming head."""
+    torch.manual_seed(7)
+    hq, hkv, d, bs, page = 8, 2, 32, 16, 8
+    lens = [40 * bs + 3, 0, 5 * bs, 70 * bs, 33 * bs - 1]
+    q, _, meta, key_meta = scored_batch(lens, hq, hkv, d, bs, page, torch.float32)
+    mb = -(-meta.max_seq_len // bs)
+    p = params(policy, 6, bs, page, reuse=2)
+    slots = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32, device=DEV)
+    streaming = torch.tensor([False, True], device=DEV)
+    state = [(torch.full((5, hkv, 6), -1, dtype=torch.int32, device=DEV), torch.zeros(5, hkv, dtype=torch.int32,
+              device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV)) for _ in range(2)]
+    for step in range(3):
+        q = torch.randn_like(q)
+        scores = block_scores_ref(q, key_meta, meta.block_tables, meta.seq_lens, mb, bs, d ** -0.5)
+        update_selection_ref(scores, meta.seq_lens, slots, *state[0], streaming, p)
+        score_and_select(q, key_meta, meta.block_tables, meta.seq_lens, slots, *state[1], streaming, p, mb, d ** -0.5)
+        assert torch.equal(state[0][0].sort(-1).values, state[1][0].sort(-1).values), step
+        assert torch.equal(state[0][1], state[1][1]) and torch.equal(state[0][2], state[1][2]), step
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d,bs,config", [(8, 2, 64, 16, SparseDecodeConfig(tile_n=32, target_programs=24)),
                                                  (6, 2, 32, 16, SparseDecodeConfig(tile_n=16, target_programs=1)),
+                                                 (8, 2, 64, 16, SparseDecodeConfig(tile_n=16, num_stages=3, tiles=2)),
                                                  (4, 4, 64, 32, None)])
 def test_sparse_decode(dtype, hq, hkv, d, bs, config):
     """Random lists with padding, entries inside the local window, and a padding row."""

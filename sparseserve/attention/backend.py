@@ -14,7 +14,7 @@ sequence b sits at position seq_lens[b] - q_len[b] + i and attends causally.
 from __future__ import annotations
 
 import abc
-
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,10 +32,22 @@ class AttentionMetadata:
     # int32 [B]: each sequence's slot (0..max_num_seqs-1) in per-sequence state buffers (sparse
     # selection reuse); None: row b uses slot b (kernel tests, benchmarks).
     state_slots: torch.Tensor | None = None
+    # kv_offload (engine/runner.py prepare): slot_mapping and block_tables address the device block cache,
+    # which holds only the working set (released table entries name its trash row); these address the
+    # token blocks (host store rows, key-metadata rows, HBM pool keys). None: the same as the above.
+    token_slot_mapping: torch.Tensor | None = None
+    token_block_tables: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.numel()
+
+    def token_view(self) -> "AttentionMetadata":
+        """The same step addressed by token block (layers whose device cache is indexed by token block)."""
+        if self.token_slot_mapping is None:
+            return self
+        return dataclasses.replace(self, slot_mapping=self.token_slot_mapping, block_tables=self.token_block_tables,
+                                   token_slot_mapping=None, token_block_tables=None)
 
 
 class AttentionBackend(abc.ABC):

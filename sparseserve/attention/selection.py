@@ -13,6 +13,10 @@ Selection of one (sequence, KV head), over the blocks 0..nb-1 of its context:
   topk:   the k = cap - #forced best other blocks;
   topp:   the fewest best other blocks that bring the estimated mass (forced included) to p, at most k;
   streaming heads pick no other block.
+(select_ref's topp estimates masses from the bounds alone, which are loose. The engine's topp policy
+selects then prunes, as Twilight does: topk over the bounds picks `cap` candidates, then prune_ref
+keeps the fewest candidates whose mass, estimated from q.k over each block's real keys, brings the
+mass of the list to p. See SelectionParams.candidates and prune_selection_ref.)
 The result is a list of `cap` logical block indices (positions in the block table), padded with -1.
 With reuse R, a (sequence slot, KV head) recomputes its list every R-th decode step and keeps it
 otherwise; the sparse kernel always adds the current local window, so tokens that arrive while a
@@ -20,7 +24,7 @@ list is reused are attended.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -36,11 +40,23 @@ class SelectionParams:
     block_size: int
     page_size: int
     short_dense: bool = True  # a context of at most cap blocks selects all of them without scoring
+    per_head: bool = False    # topp pruning: each query head's mass reaches p (union), not the group's mean
 
     @property
     def mass_target(self) -> float:
         """topk never stops on mass: a target above any total."""
         return self.top_p if self.policy == "topp" else 2.0
+
+    @property
+    def prune_target(self) -> float:
+        """topp's pruning target; p = 1 keeps every candidate (no float total can be trusted to reach 1)."""
+        return self.top_p if self.top_p < 1.0 else float("inf")
+
+    @property
+    def candidates(self) -> "SelectionParams":
+        """The first stage of the engine's topp: topk over the bounds fills the `cap` entries with
+        candidates, which prune_selection_ref then trims (topk's own stage is the whole selection)."""
+        return replace(self, policy="topk") if self.policy == "topp" else self
 
 
 def block_scores_ref(q: torch.Tensor, key_meta: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -134,3 +150,68 @@ def attended_blocks(sel_rows: torch.Tensor, seq_lens: torch.Tensor, local: int, 
     mask = torch.zeros(*sel_rows.shape[:2], max_blocks + 1, dtype=torch.bool, device=sel_rows.device)
     mask.scatter_(-1, idx, True)
     return mask[..., :max_blocks] | window[:, None]
+
+
+def block_lse_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  lists: torch.Tensor, scale: float) -> torch.Tensor:
+    """float32 [B, Hq, cap]: per query head, log-sum-exp of scale * q.k over the valid tokens of each block
+    of lists [B, Hkv, cap] (the block's real attention mass, unnormalised, in log space); -inf for -1
+    entries. kv_cache: one layer [NB, Hkv, 2, bs, D]. Reference of kernels/topp_prune.py's first kernel."""
+    batch, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, _, block_size, _ = kv_cache.shape
+    cap = lists.shape[-1]
+    listed = lists >= 0
+    blocks = block_tables.long().gather(1, lists.clamp_min(0).long().flatten(1)).view_as(lists)
+    heads = torch.arange(num_kv_heads, device=q.device)[None, :, None]
+    keys = kv_cache[blocks, heads, 0].float()  # [B, Hkv, cap, bs, D]
+    qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    s = torch.einsum("bhgd,bhctd->bhgct", qg, keys) * scale
+    token = lists.long()[..., None] * block_size + torch.arange(block_size, device=q.device)
+    valid = listed[..., None] & (token < seq_lens.long()[:, None, None, None])  # [B, Hkv, cap, bs]
+    s = s.masked_fill(~valid[:, :, None], float("-inf"))  # also hides unwritten (maybe NaN) cache memory
+    return torch.logsumexp(s, -1).reshape(batch, num_q_heads, cap)
+
+
+def prune_ref(lse: torch.Tensor, lists: torch.Tensor, seq_lens: torch.Tensor, p: SelectionParams) -> torch.Tensor:
+    """Twilight's top-p pruning of candidate lists [B, Hkv, cap] (forced blocks and candidates, -1 padded).
+
+    Mass of an entry: per query head, the softmax of the blocks' lse [B, Hq, cap] over the listed
+    entries (sink and local included, so a head whose mass sits there asks for nothing more), averaged
+    over the KV group (p.per_head: each head on its own). Keeps the forced entries and the candidates of
+    mass >= t, for the largest t at which forced + those candidates reach p (the fewest best; ties at t
+    all kept; every candidate when the total stays below p); per_head keeps the union over the heads.
+    Returns the kept entries in list order, then -1."""
+    batch, num_kv_heads, cap = lists.shape
+    listed = lists >= 0
+    logits = lse.view(batch, num_kv_heads, -1, cap).masked_fill(~listed[:, :, None], float("-inf"))
+    mass = torch.softmax(logits, -1).nan_to_num(0.0)  # [B, Hkv, G, cap]; padding rows are all -inf
+    mass = mass if p.per_head else mass.mean(2, keepdim=True)
+    nb = ((seq_lens.long() + p.block_size - 1) // p.block_size)[:, None, None]
+    forced = listed & ((lists < p.sink) | (lists >= nb - p.local) | ((nb <= p.cap) & p.short_dense))
+    forced, cand = forced[:, :, None], (listed & ~forced)[:, :, None]
+    vals = torch.where(cand, mass, -1.0).sort(-1, descending=True).values
+    reach = (mass * forced).sum(-1, keepdim=True) + vals.clamp_min(0).cumsum(-1) >= p.prune_target
+    first = torch.where(reach & (vals >= 0), torch.arange(cap, device=lists.device), cap).amin(-1, keepdim=True)
+    forced_reach = (mass * forced).sum(-1, keepdim=True) >= p.prune_target
+    threshold = torch.where(forced_reach, float("inf"),
+                            torch.where(first < cap, vals.gather(-1, first.clamp_max(cap - 1)), 0.0))
+    keep = (forced | (cand & (mass >= threshold))).any(2)
+    out = torch.full((batch, num_kv_heads, cap + 1), -1, dtype=lists.dtype, device=lists.device)
+    out.scatter_(-1, torch.where(keep, keep.cumsum(-1) - 1, cap), lists)  # column cap: the dropped
+    return out[..., :cap]
+
+
+def prune_selection_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor,
+                        p: SelectionParams, scale: float) -> None:
+    """topp's second stage, right after update_selection_ref(..., p.candidates) wrote candidate lists:
+    prunes, in place, the lists recomputed this step (reuse: update_selection_ref has already counted the
+    step, so those are the rows whose counter - 1 is a multiple of R) and takes the dropped entries off
+    stats[0], so the counters report the blocks attended."""
+    slots = slots.long()
+    live = (seq_lens > 0)[:, None].expand(-1, sel.shape[1])
+    due = live & ((counter[slots] - 1) % p.reuse == 0) if p.reuse > 1 else live
+    lists = sel[slots]
+    pruned = prune_ref(block_lse_ref(q, kv_cache, block_tables, seq_lens, lists, scale), lists, seq_lens, p)
+    sel[slots] = torch.where(due[..., None], pruned, lists)
+    stats[0] -= (((lists >= 0).sum(-1) - (pruned >= 0).sum(-1)) * due).sum()

@@ -20,7 +20,7 @@ import torch
 
 from sparseserve.attention.backend import AttentionBackend, AttentionMetadata, PagedAttentionBackend
 from sparseserve.attention.selection import (SelectionParams, attended_blocks, block_scores_ref,
-                                             update_selection_ref)
+                                             prune_selection_ref, update_selection_ref)
 from sparseserve.config import SparseConfig
 from sparseserve.kvcache.metadata import allocate_key_meta, update_key_meta_ref
 
@@ -60,22 +60,32 @@ def sparse_decode_offload_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tab
     """sparse_decode_ref with the listed blocks (those before the local window) read from listed_kv
     [B, Hkv, cap, 2, bs, D] (HBM pool slots or host store) instead of the device cache; only the local
     window comes from kv_cache. Same arithmetic, so the outputs are bit-identical when the data are."""
+    ctx = offload_context_ref(kv_cache, block_tables, seq_lens, sel_rows, listed_kv, local, max_seq_len)
+    blocks = attended_blocks(sel_rows, seq_lens, local, kv_cache.shape[3], ctx.shape[1])
+    return _attend_blocks_ref(q, ctx, seq_lens, blocks, scale)
+
+
+def offload_context_ref(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        sel_rows: torch.Tensor, listed_kv: torch.Tensor, local: int, max_seq_len: int
+                        ) -> torch.Tensor:
+    """float32 [B, MB, Hkv, 2, bs, D]: each sequence's context as a decode may read it under kv_offload:
+    the local window from kv_cache (through block_tables, the device blocks), the listed blocks before it
+    from listed_kv, zeros elsewhere (no other block may come from the device cache)."""
     batch, num_kv_heads, cap = sel_rows.shape
     block_size = kv_cache.shape[3]
-    mb = max(1, -(-max_seq_len // block_size))
-    blocks = attended_blocks(sel_rows, seq_lens, local, block_size, mb)
+    mb, dev = max(1, -(-max_seq_len // block_size)), sel_rows.device
     nb = (seq_lens.long() + block_size - 1) // block_size
-    j = torch.arange(mb, device=q.device)[None]
+    j = torch.arange(mb, device=dev)[None]
     window = (j >= (nb - local).clamp_min(0)[:, None]) & (j < nb[:, None])  # [B, MB]
     kv = kv_cache[block_tables[:, :mb].long()].float()
     kv = torch.where(window[:, :, None, None, None, None], kv, 0.0)  # no other block from the device cache
     flat = torch.cat([kv.reshape(-1, *kv.shape[3:]), kv.new_zeros(1, *kv.shape[3:])])  # + a trash row
     listed = listed_rows(sel_rows, seq_lens, local, block_size)
-    b = torch.arange(batch, device=q.device)[:, None, None]
-    h = torch.arange(num_kv_heads, device=q.device)[None, :, None]
+    b = torch.arange(batch, device=dev)[:, None, None]
+    h = torch.arange(num_kv_heads, device=dev)[None, :, None]
     dst = torch.where(listed, (b * mb + sel_rows.long().clamp(0, mb - 1)) * num_kv_heads + h, flat.shape[0] - 1)
     flat[dst.reshape(-1)] = listed_kv.reshape(-1, *kv.shape[3:]).float()
-    return _attend_blocks_ref(q, flat[:-1].view_as(kv), seq_lens, blocks, scale)
+    return flat[:-1].view_as(kv)
 
 
 def listed_rows(sel_rows: torch.Tensor, seq_lens: torch.Tensor, local: int, block_size: int) -> torch.Tensor:
@@ -112,7 +122,8 @@ class SparseBackend(AttentionBackend):
         self.params = SelectionParams(config.sparse_policy, config.sparse_budget // block_size,
                                       config.sparse_sink_blocks, config.sparse_local_blocks, config.sparse_top_p,
                                       config.sparse_reuse, block_size, page,
-                                      short_dense=config.sparse_dense_context != 0)
+                                      short_dense=config.sparse_dense_context != 0,
+                                      per_head=config.sparse_topp_heads == "each")
         self.dense_layers = config.sparse_dense_layers
         dense_context = config.sparse_dense_context
         self.dense_context = config.sparse_budget if dense_context is None else dense_context
@@ -154,16 +165,23 @@ class SparseBackend(AttentionBackend):
 
     def is_sparse(self, layer_idx: int, meta: AttentionMetadata) -> bool:
         """Host-side decision (fixed while a CUDA graph replays: max_seq_len is its bound)."""
+        # kv_offload: the device cache holds only the decodes' local windows, so their other blocks can only
+        # be read through the pool: short contexts go the sparse way too (selecting every block).
         return (self.key_meta is not None and layer_idx >= self.dense_layers and meta.num_decodes > 0
-                and meta.max_seq_len > self.dense_context)
+                and (meta.max_seq_len > self.dense_context or self.host is not None))
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.host is not None and layer_idx < self.dense_layers:
+            # kv_offload: a dense layer keeps every block in its own full-size device cache, indexed by token
+            # block (engine/runner.py), and never reads the host store: nothing to write through.
+            return self.dense.forward(layer_idx, q, k, v, kv_cache, meta.token_view(), scale)
         self.dense.store_kv(k, v, kv_cache, meta.slot_mapping)
         if self.key_meta is not None:
-            self._update_key_meta(kv_cache, self.key_meta[layer_idx], meta.slot_mapping)
+            self._update_key_meta(kv_cache, self.key_meta[layer_idx], meta.slot_mapping, meta.token_slot_mapping)
         if self.host is not None:
-            self.host.store_step(layer_idx, kv_cache, k, v, meta.slot_mapping, meta.num_decodes)
+            self.host.store_step(layer_idx, kv_cache, meta.slot_mapping, meta.num_decodes, meta.num_seqs,
+                                 meta.token_slot_mapping)
         if not self.is_sparse(layer_idx, meta):
             return self.dense.attend(q, kv_cache, meta, scale)
         out = torch.empty_like(q)
@@ -180,48 +198,70 @@ class SparseBackend(AttentionBackend):
         nd = meta.num_decodes
         return (meta.state_slots if meta.state_slots is not None else self.rows)[:nd]
 
-    def _update_key_meta(self, kv_cache: torch.Tensor, key_meta: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def _update_key_meta(self, kv_cache: torch.Tensor, key_meta: torch.Tensor, slot_mapping: torch.Tensor,
+                         meta_slots: torch.Tensor | None) -> None:
+        """meta_slots (kv_offload): the tokens' slots in token blocks, whose metadata rows get the update."""
         if self.use_triton:
             from sparseserve.kernels.block_score import update_key_meta
-            update_key_meta(kv_cache, key_meta, slot_mapping, self.params.page_size)
+            update_key_meta(kv_cache, key_meta, slot_mapping, self.params.page_size, meta_slots)
         else:
-            update_key_meta_ref(kv_cache, key_meta, slot_mapping, self.params.page_size)
+            update_key_meta_ref(kv_cache, key_meta, slot_mapping, self.params.page_size, meta_slots)
 
     def _decode(self, layer_idx: int, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, out: torch.Tensor) -> None:
         nd, p = meta.num_decodes, self.params
         tables, seq_lens, slots = meta.block_tables[:nd], meta.seq_lens[:nd], self._slots(meta)
+        # kv_offload: scoring (metadata rows) and the pool address token blocks; `tables` (the device block
+        # cache) serves only the local windows.
+        token_tables = tables if meta.token_block_tables is None else meta.token_block_tables[:nd]
         mb = max(1, -(-meta.max_seq_len // p.block_size))
         key_meta, sel, counter = self.key_meta[layer_idx], self.sel[layer_idx], self.counter[layer_idx]
         streaming = self.streaming[layer_idx]
         if self.use_triton:
             from sparseserve.kernels.block_score import score_and_select
             from sparseserve.kernels.sparse_decode import sparse_decode
-            score_and_select(q, key_meta, tables, seq_lens, slots, sel, counter, self.stats, streaming, p, mb, scale)
+            # topp: candidates (topk over the bounds), then pruned on q.k over their keys (Twilight).
+            score_and_select(q, key_meta, token_tables, seq_lens, slots, sel, counter, self.stats, streaming,
+                             p.candidates, mb, scale)
             offload = None
-            if self.pool is not None:
-                key, loc = self._offload_plan(layer_idx, tables, seq_lens, sel[slots.long()])
+            if self.pool is not None:  # topp: the candidates are loaded, so pruning reads their keys from HBM
+                key, loc = self._offload_plan(layer_idx, token_tables, seq_lens, sel[slots.long()])
                 offload = (self.pool.slots, self.host.flat(), loc, key)
+            if p.policy == "topp":
+                from sparseserve.kernels.topp_prune import topp_prune
+                topp_prune(q, kv_cache, tables, seq_lens, slots, sel, counter, self.stats, p, scale, offload=offload)
+                if offload is not None:  # the lists shrank in place: look their entries up again (no state change)
+                    key = self._offload_keys(layer_idx, token_tables, seq_lens, sel[slots.long()])
+                    offload = (self.pool.slots, self.host.flat(), self.pool.resident[key], key)
             sparse_decode(q, kv_cache, tables, seq_lens, sel, slots, p.local, scale, out=out, offload=offload)
         else:
-            scores = block_scores_ref(q, key_meta, tables, seq_lens, mb, p.block_size, scale)
-            update_selection_ref(scores, seq_lens, slots, sel, counter, self.stats, streaming, p)
+            scores = block_scores_ref(q, key_meta, token_tables, seq_lens, mb, p.block_size, scale)
+            update_selection_ref(scores, seq_lens, slots, sel, counter, self.stats, streaming, p.candidates)
             if self.pool is not None:
-                out.copy_(self._offload_decode(layer_idx, q, kv_cache, tables, seq_lens, sel[slots.long()],
+                out.copy_(self._offload_decode(layer_idx, q, kv_cache, tables, token_tables, seq_lens, slots,
                                                meta.max_seq_len, scale))
                 return
+            if p.policy == "topp":
+                prune_selection_ref(q, kv_cache, tables, seq_lens, slots, sel, counter, self.stats, p, scale)
             out.copy_(sparse_decode_ref(q, kv_cache, tables, seq_lens, sel[slots.long()], p.local, meta.max_seq_len,
                                         scale))
+
+    def _offload_keys(self, layer_idx: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel_rows: torch.Tensor
+                      ) -> torch.Tensor:
+        """int64 [B, Hkv, cap]: the host store row (pool key) of each listed entry before the local window,
+        the pool's trash key elsewhere. tables: token block tables."""
+        p = self.params
+        listed = listed_rows(sel_rows, seq_lens, p.local, p.block_size)
+        blocks = torch.where(listed, tables.gather(1, sel_rows.clamp_min(0).flatten(1).long()).view_as(sel_rows), -1)
+        return self.pool.keys(layer_idx, blocks)
 
     def _offload_plan(self, layer_idx: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel_rows: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Residency lookup of the listed head blocks (outside the local window), victims for the misses and
         FlashH2D of the misses into their slots. Returns (key, loc), int64 [B, Hkv, cap]: each entry's
         host store row and the slot to read it from (-1: bypass or not listed). Fixed shapes, no sync."""
-        p, pool = self.params, self.pool
-        listed = listed_rows(sel_rows, seq_lens, p.local, p.block_size)
-        blocks = torch.where(listed, tables.gather(1, sel_rows.clamp_min(0).flatten(1).long()).view_as(sel_rows), -1)
-        key = pool.keys(layer_idx, blocks).reshape(-1)
+        pool = self.pool
+        key = self._offload_keys(layer_idx, tables, seq_lens, sel_rows).reshape(-1)
         loc, load = pool.plan(key)
         host_flat = self.host.flat()
         if self.use_triton:
@@ -232,16 +272,24 @@ class SparseBackend(AttentionBackend):
         return key.view(sel_rows.shape), loc.view(sel_rows.shape)
 
     def _offload_decode(self, layer_idx: int, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
-                        seq_lens: torch.Tensor, sel_rows: torch.Tensor, max_seq_len: int, scale: float
-                        ) -> torch.Tensor:
-        """The torch path: plan and load, then attention reading the listed blocks through their slots
-        (or the host store for bypass reads) and the local window from the device cache."""
-        p, pool = self.params, self.pool
-        key, loc = self._offload_plan(layer_idx, tables, seq_lens, sel_rows)
+                        token_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, max_seq_len: int,
+                        scale: float) -> torch.Tensor:
+        """The torch path: plan and load the listed blocks (topp: the candidates), then attention reading them
+        through their slots (or the host store for bypass reads) and the local window from the device cache
+        (tables). topp prunes the candidates on their keys read the same way, then attends the kept ones."""
+        p, pool, sel, counter = self.params, self.pool, self.sel[layer_idx], self.counter[layer_idx]
+        sel_rows = sel[slots.long()]
+        key, loc = self._offload_plan(layer_idx, token_tables, seq_lens, sel_rows)
         listed_kv = pool.read(self.host.flat(), key.reshape(-1), loc.reshape(-1)).view(*sel_rows.shape,
                                                                                          *pool.slots.shape[1:])
-        return sparse_decode_offload_ref(q, kv_cache, tables, seq_lens, sel_rows, listed_kv, p.local, max_seq_len,
-                                         scale)
+        ctx = offload_context_ref(kv_cache, tables, seq_lens, sel_rows, listed_kv, p.local, max_seq_len)
+        if p.policy == "topp":  # every block a list may keep is in ctx: [B, MB] logical blocks, flattened
+            batch, mb = ctx.shape[:2]
+            ctx, ctx_tables = ctx.flatten(0, 1), torch.arange(batch * mb, device=q.device).view(batch, mb)
+            prune_selection_ref(q, ctx, ctx_tables, seq_lens, slots, sel, counter, self.stats, p, scale)
+            return sparse_decode_ref(q, ctx, ctx_tables, seq_lens, sel[slots.long()], p.local, max_seq_len, scale)
+        blocks = attended_blocks(sel_rows, seq_lens, p.local, p.block_size, ctx.shape[1])
+        return _attend_blocks_ref(q, ctx, seq_lens, blocks, scale)
 
     def attended_blocks(self, layer_idx: int, meta: AttentionMetadata) -> torch.Tensor:
         """bool [num_decodes, Hkv, max_blocks] of the step just run (for bench/attention_probe.py)."""

@@ -48,7 +48,7 @@ def graph_ms(fn, calls: int = 1) -> float:
 
 
 def kernel_bench(batch: int = 8, ctx: int = 131072, hq: int = 32, hkv: int = 8, d: int = 128, bs: int = 32,
-                 budget: int = 2048) -> list[dict]:
+                 budget: int = 2048, sweep: bool = False, profile: bool = False) -> list[dict]:
     per_seq = triton.cdiv(ctx, bs)
     cache = torch.randn(batch * per_seq, hkv, 2, bs, d, device="cuda", dtype=DTYPE)
     tables = torch.randperm(batch * per_seq, device="cuda", dtype=torch.int32).view(batch, per_seq)
@@ -73,8 +73,12 @@ def kernel_bench(batch: int = 8, ctx: int = 131072, hq: int = 32, hkv: int = 8, 
         blocks, selections, _ = sp.sparse_stats()
         rows.append({"case": f"sparse {policy} budget={budget} R={reuse}", "ms": ms, "speedup": dense_ms / ms,
                      "mean_blocks": blocks / max(selections, 1)})
+        print(f"{rows[-1]['case']}: {1e3 * ms:.1f} us", flush=True)
+        if profile and policy == "topk":
+            rows += kernel_profile(lambda: sp._decode(0, q, cache, meta, scale, out), reuse)
         if reuse == 1:
-            rows += parts(sp, q, cache, tables, seq_lens, scale, per_seq, out, dense_ms, sweep=policy == "topk")
+            rows += parts(sp, q, cache, tables, seq_lens, scale, per_seq, out, dense_ms,
+                          sweep=sweep and policy == "topk")
         del sp
     rows[0]["rel_err_vs_dense_full_budget"] = full_budget_error(q, cache, meta, ref, scale, bs)
     del cache
@@ -82,21 +86,48 @@ def kernel_bench(batch: int = 8, ctx: int = 131072, hq: int = 32, hkv: int = 8, 
     return rows
 
 
+def kernel_profile(fn, calls: int) -> list[dict]:
+    """Mean GPU time per step of each kernel of fn's CUDA graph (R calls), from the PyTorch profiler:
+    what the graph replay's time holds besides the kernels is launch gaps."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    reps = 20
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0))
+        if us > 0:
+            rows.append({"case": f"    kernel {e.key[:60]} (x{e.count / reps / calls:.2g}/step)",
+                         "ms": us / 1e3 / reps / calls})
+    return rows
+
+
 def parts(sp: SparseBackend, q, cache, tables, seq_lens, scale, mb, out, dense_ms, sweep: bool) -> list[dict]:
     """Scoring, selection and attention, each in its own graph; with sweep, over launch configurations
-    (the first of each is the default)."""
+    (the first of each is the default). tb_s: the bytes a part must read (metadata; K/V of the list
+    entries and the local window) over its time."""
     p, slots = sp.params, sp.rows[: q.shape[0]]
     km, sel, cnt = sp.key_meta[0], sp.sel[0], sp.counter[0]
     scores = block_scores(q, km, tables, seq_lens, slots, cnt, p, mb, scale)
+    batch, hkv = q.shape[0], km.shape[1]
+    nbytes = {"score": batch * mb * km[0].numel() * km.element_size(),
+              "attend": batch * hkv * (p.cap + p.local) * cache[0, 0].numel() * cache.element_size()}
     variants = {
-        "score": [ScoreConfig()] + ([ScoreConfig(r, w, st) for r in (64, 128) for w in (4, 8) for st in (1, 3)]
-                                    if sweep else []),
-        "select": [SelectConfig()] + ([SelectConfig(k, w) for k in (2, 4, 8) for w in (4, 8, 16)] if sweep else []),
-        "attend": [SparseDecodeConfig()] + ([SparseDecodeConfig(t, n * num_sms(q.device), w, st)
-                                            for t, n in ((64, 8), (128, 8), (64, 16)) for w in (4, 8) for st in (1, 2)]
-                                           # few programs, several tiles each: does the loop pipeline?
-                                           + [SparseDecodeConfig(t, 2 * num_sms(q.device), 4, 3) for t in (64, 128)]
-                                           if sweep else [])}
+        "score": [ScoreConfig()] + ([ScoreConfig(r, 4, st, t) for r in (64, 128) for st in (1, 3, 4) for t in (4, 8, 16)]
+                                    + [ScoreConfig(64, 8, 3, 8)] if sweep else []),
+        "select": [SelectConfig()] + ([SelectConfig(k, w) for k in (2, 4, 8) for w in (8, 16)] if sweep else []),
+        "attend": [sparse_decode_default(q)] + ([SparseDecodeConfig(t, 0, 4, st, n) for t in (64, 128)
+                                                 for n in (2, 3, 4, 6) for st in (2, 3, 4)]
+                                                + [SparseDecodeConfig(64, 0, 8, 3, 4), SparseDecodeConfig(128, 0, 8, 3, 4),
+                                                   SparseDecodeConfig()]  # the one-tile-a-program default of run 2
+                                                if sweep else [])}
     calls = {"score": lambda c: block_scores(q, km, tables, seq_lens, slots, cnt, p, mb, scale, c),
              "select": lambda c: select_blocks(scores, seq_lens, slots, sel, cnt, sp.stats, sp.streaming[0], p, c),
              "attend": lambda c: sparse_decode(q, cache, tables, seq_lens, sel, slots, p.local, scale, out=out,
@@ -107,10 +138,17 @@ def parts(sp: SparseBackend, q, cache, tables, seq_lens, scale, mb, out, dense_m
             row = {"case": f"  {p.policy} {name} {'default ' if i == 0 else ''}{vars(c)}"}
             try:
                 t = graph_ms(lambda: calls[name](c))
-                rows.append(row | {"ms": t, "speedup": dense_ms / t})
+                rows.append(row | {"ms": t, "speedup": dense_ms / t}
+                            | ({"tb_s": nbytes[name] / t / 1e9} if name in nbytes else {}))
+                print(f"{row['case']}: {1e3 * t:.1f} us", flush=True)
             except Exception as e:  # out of shared memory or registers: record and go on
                 rows.append(row | {"error": str(e).splitlines()[0][:80]})
     return rows
+
+
+def sparse_decode_default(q: torch.Tensor) -> SparseDecodeConfig:
+    from sparseserve.kernels.sparse_decode import FAST_CONFIG
+    return SparseDecodeConfig(tile_n=32) if q.dtype == torch.float32 else FAST_CONFIG
 
 
 def full_budget_error(q, cache, meta, dense_out, scale, bs) -> float:
@@ -192,13 +230,15 @@ def main() -> None:
     ap.add_argument("--kernel", action="store_true", help="One layer's decode attention (default if no --step).")
     ap.add_argument("--step", metavar="MODEL_DIR", help="Whole decode step of this architecture (config.json).")
     ap.add_argument("--json", help="Write the results here.")
+    ap.add_argument("--sweep", action="store_true", help="--kernel: also time the parts over launch configurations.")
+    ap.add_argument("--profile", action="store_true", help="--kernel: kernel times inside the topk graphs.")
     args = ap.parse_args()
     torch.manual_seed(0)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "hbm_bytes_per_s": hbm_bandwidth()}
     if args.kernel or not args.step:
-        result["kernel"] = kernel_bench()
+        result["kernel"] = kernel_bench(sweep=args.sweep, profile=args.profile)
         print_table(result["kernel"], f"one layer, sparse vs dense decode attention ({result['device']})")
     if args.step:
         result["step"] = step_bench(args.step)

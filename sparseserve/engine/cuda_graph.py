@@ -3,6 +3,9 @@
 A decode step of a large model is hundreds of small kernels; replaying a captured graph removes
 their launch gaps. Padding rows (batch < bucket) carry slot -1 and seq_len 0, which the attention
 kernels skip, so a graph can serve any batch up to its bucket size.
+
+With kv_offload the step also reads token-block tables and slots (AttentionMetadata.token_*): static
+buffers too, so the graph replays with new device and token block tables alike.
 """
 from __future__ import annotations
 
@@ -22,8 +25,10 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_cache: torch.Tensor, max_batch: int, max_model_len: int, block_size: int) -> None:
-        dev = kv_cache.device
+    def __init__(self, model, kv_caches: torch.Tensor | list[torch.Tensor], max_batch: int, max_model_len: int,
+                 block_size: int, offload: bool = False) -> None:
+        """kv_caches: one tensor [L, NB, ...] or one per layer (kv_offload: dense and sparse layers differ)."""
+        dev = kv_caches[0].device
         self.buckets = batch_buckets(max_batch)
         n = self.buckets[-1]
         self.max_blocks = blocks_needed(max_model_len, block_size)
@@ -35,16 +40,22 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         # Per-sequence state slots (sparse decode); padding rows (seq_len 0) never touch their slot's state.
         self.state_slots = torch.arange(n, dtype=torch.int32, device=dev)
+        self.token_slot_mapping = self.token_block_tables = None
+        if offload:
+            self.token_slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
+            self.token_block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         pool = None
         for b in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory pool
             meta = AttentionMetadata(self.slot_mapping[:b], self.query_start_loc[: b + 1], self.seq_lens[:b],
                                      self.block_tables[:b], num_decodes=b, max_query_len=1,
-                                     max_seq_len=max_model_len, state_slots=self.state_slots[:b])
+                                     max_seq_len=max_model_len, state_slots=self.state_slots[:b],
+                                     token_slot_mapping=None if not offload else self.token_slot_mapping[:b],
+                                     token_block_tables=None if not offload else self.token_block_tables[:b])
 
             def step(b=b, meta=meta):
-                hidden = model(self.input_ids[:b], self.positions[:b], kv_cache, meta)
+                hidden = model(self.input_ids[:b], self.positions[:b], kv_caches, meta)
                 return model.compute_logits(hidden)
 
             step()  # compiles kernels outside the capture
@@ -72,5 +83,10 @@ class DecodeGraphs:
         self.block_tables[:b, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
         if meta.state_slots is not None:
             self.state_slots[:b].copy_(meta.state_slots, non_blocking=True)
+        if self.token_slot_mapping is not None:
+            self.token_slot_mapping[:b].copy_(meta.token_slot_mapping, non_blocking=True)
+            self.token_slot_mapping[b:bucket].fill_(-1)
+            self.token_block_tables[:b, : meta.token_block_tables.shape[1]].copy_(meta.token_block_tables,
+                                                                                  non_blocking=True)
         self.graphs[bucket].replay()
         return self.logits[bucket][:b]

@@ -13,7 +13,7 @@ from sparseserve.engine.detokenizer import check_stop, detokenize_incrementally
 from sparseserve.engine.request import Sequence
 from sparseserve.engine.runner import ModelRunner
 from sparseserve.engine.scheduler import Scheduler
-from sparseserve.kvcache.blocks import BlockAllocator
+from sparseserve.kvcache.blocks import BlockAllocator, DeviceBlockMap
 from sparseserve.layers.sampler import SamplerOutput
 from sparseserve.models.loader import resolve_model_dir
 from sparseserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -42,6 +42,8 @@ class EngineStats:
     offload_hbm_slots: int = 0        # head-block slots of the HBM pool (gauge)
     offload_h2d_bytes: int = 0        # bytes loaded host -> HBM pool
     offload_d2h_bytes: int = 0        # bytes written through to the host store
+    offload_device_blocks_used: int = 0   # device block cache (the working set): blocks mapped (gauge)
+    offload_device_blocks: int = 0        # device block cache: blocks (gauge)
 
 
 @dataclass
@@ -67,7 +69,12 @@ class LLMEngine:
             raise ValueError(f"could not load a tokenizer from {mc.tokenizer or model_dir}: {e}") from e
         self.max_model_len = self.model_runner.max_model_len
         self.allocator = BlockAllocator(self.model_runner.num_blocks)
-        self.scheduler = Scheduler(config.scheduler_config, self.allocator, config.cache_config.block_size)
+        runner, bs = self.model_runner, config.cache_config.block_size
+        self.device_map = None
+        if runner.num_device_blocks is not None:  # kv_offload: the device cache holds the working set only
+            self.device_map = DeviceBlockMap(runner.num_device_blocks, config.sparse_config.sparse_local_blocks, bs,
+                                             runner.num_blocks)
+        self.scheduler = Scheduler(config.scheduler_config, self.allocator, bs, self.device_map)
         if self.model_runner.hbm_pool is not None:
             self.scheduler.on_free = self.model_runner.free_blocks
         eos = set(self.model_runner.arch.eos_token_ids)
@@ -143,11 +150,14 @@ class LLMEngine:
         return len(self.requests)
 
     def get_stats(self) -> EngineStats:
-        s, sparse = self.scheduler, self.model_runner.sparse
-        return EngineStats(len(s.running), len(s.waiting), self.allocator.num_used, self.allocator.num_blocks,
-                           s.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens,
-                           *(sparse.sparse_stats() if sparse is not None else ()),
-                           *self.model_runner.offload_stats())
+        s, sparse, dm = self.scheduler, self.model_runner.sparse, self.device_map
+        stats = EngineStats(len(s.running), len(s.waiting), self.allocator.num_used, self.allocator.num_blocks,
+                            s.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens,
+                            *(sparse.sparse_stats() if sparse is not None else ()),
+                            *self.model_runner.offload_stats())
+        if dm is not None:
+            stats.offload_device_blocks_used, stats.offload_device_blocks = dm.allocator.num_used, dm.num_blocks
+        return stats
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()

@@ -82,45 +82,82 @@ class ModelRunner:
         torch.manual_seed(mc.seed)
         self.model = build_model(self.arch, self.attn_backend, model_dir, self.dtype, self.device, mc.load_format)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))
-        self.num_blocks = self._num_kv_blocks()
-        oc = config.offload_config
-        if oc.kv_offload:
-            if self.device.type == "cuda":
-                # The Triton pieces (FlashH2D, write-through, sparse kernel through slots) pass their tests
-                # under the interpreter only; lift this guard once tests/test_flash_h2d.py passes on a GPU.
-                raise ValueError("kv_offload has been validated on the CPU path only so far (its GPU kernels, "
-                                 "UVA access and CUDA-graph capture are untested): use device='cpu'")
-            from sparseserve.kvcache.host import host_block_bytes
-            a = self.arch
-            hbb = host_block_bytes(a.num_layers, a.num_kv_heads, self.block_size, a.head_dim, self.dtype)
-            # The host store holds every token block; the device cache still mirrors them (OFFLOAD_NOTES.md),
-            # so the engine's blocks are the smaller of the two.
-            self.num_host_blocks = self.num_blocks if oc.host_kv_memory is None else oc.host_kv_memory // hbb
-            self.num_blocks = min(self.num_blocks, self.num_host_blocks)
+        self.layout = None  # kv_offload: kvcache/layout.py OffloadLayout (the device budget's split)
+        self.num_device_blocks: int | None = None
+        if config.offload_config.kv_offload:
+            self.layout = self._plan_offload()
+            self.num_blocks, self.num_device_blocks = self.layout.token_blocks, self.layout.device_blocks
+        else:
+            self.num_blocks = self._num_kv_blocks()
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError(f"the KV cache holds {self.num_blocks * self.block_size} tokens, fewer than "
                              f"max_model_len={self.max_model_len}: lower max_model_len or give more KV memory")
         a = self.arch
-        self.kv_cache = torch.empty(a.num_layers, self.num_blocks, a.num_kv_heads, 2, self.block_size, a.head_dim,
-                                    dtype=self.dtype, device=self.device)
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
+        shape = (a.num_kv_heads, 2, self.block_size, a.head_dim)
+        if self.layout is None:
+            self.kv_cache = torch.empty(a.num_layers, self.num_blocks, *shape, dtype=self.dtype, device=self.device)
+            self.kv_caches: torch.Tensor | list[torch.Tensor] = self.kv_cache
+        else:
+            # The device block cache of the sparse layers (+ a trash row that released table entries name) and
+            # a full-size cache, indexed by token block, for the dense layers. The model takes one tensor a layer.
+            dl = self.layout.dense_layers
+            self.kv_cache = torch.empty(a.num_layers - dl, self.num_device_blocks + 1, *shape, dtype=self.dtype,
+                                        device=self.device)
+            self.dense_kv_cache = torch.empty(dl, self.num_blocks, *shape, dtype=self.dtype, device=self.device)
+            self.kv_caches = list(self.dense_kv_cache) + list(self.kv_cache)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.kv_cache.shape[1], self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
         if self.sparse is not None:
             self.sparse.allocate(self.num_blocks)
         self.host_kv = self.hbm_pool = None
-        if config.offload_config.kv_offload:
+        if self.layout is not None:
             self._setup_offload()
         self.graphs = None
         if self.device.type == "cuda" and not mc.enforce_eager:
             from sparseserve.engine.cuda_graph import DecodeGraphs
-            self.graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler_config.max_num_seqs,
-                                       self.max_model_len, self.block_size)
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, config.scheduler_config.max_num_seqs,
+                                       self.max_model_len, self.block_size, offload=self.layout is not None)
+
+    def _plan_offload(self):
+        """Token blocks from the host store's size; the device budget split by kvcache/layout.py."""
+        from sparseserve.config import available_host_memory
+        from sparseserve.kvcache.host import host_block_bytes
+        from sparseserve.kvcache.layout import OffloadLayout
+        a, oc, cc, sc = self.arch, self.config.offload_config, self.config.cache_config, self.config.scheduler_config
+        hbb = host_block_bytes(a.num_layers, a.num_kv_heads, self.block_size, a.head_dim, self.dtype)
+        if oc.host_kv_memory is not None:
+            token_blocks = oc.host_kv_memory // hbb
+        else:  # what every sequence at full length could use, at most half the host's available memory
+            token_blocks = sc.max_num_seqs * blocks_needed(self.max_model_len, self.block_size)
+            avail = available_host_memory()
+            if avail is not None:
+                token_blocks = min(token_blocks, avail // 2 // hbb)
+        if token_blocks * self.block_size < self.max_model_len:
+            raise ValueError(f"the host KV store holds {token_blocks * self.block_size} tokens, fewer than "
+                             f"max_model_len={self.max_model_len}: raise host_kv_memory or lower max_model_len")
+        budget = None
+        if cc.num_gpu_blocks_override is None:
+            budget = cc.kv_cache_memory or (self._profile_kv_bytes() if self.device.type == "cuda"
+                                            else CPU_DEFAULT_KV_BYTES)
+        sp = self.sparse
+        layout = OffloadLayout.plan(
+            budget=budget, device_blocks=cc.num_gpu_blocks_override, token_blocks=token_blocks,
+            pool_slots=oc.hbm_cache_blocks,
+            # one decode step's lists of max_num_seqs sequences in every layer, at most every head block
+            default_pool_slots=a.num_layers * a.num_kv_heads * min(sc.max_num_seqs * sp.params.cap, token_blocks),
+            min_device_blocks=blocks_needed(self.max_model_len, self.block_size), num_layers=a.num_layers,
+            dense_layers=sp.dense_layers, kv_layer_block_bytes=hbb // a.num_layers,
+            meta_block_bytes=sp.metadata_block_bytes,
+            head_block_bytes=2 * self.block_size * a.head_dim * self.dtype.itemsize)
+        logger.info("KV offload device budget%s: %s", "" if budget is None else f" {budget / 2**30:.2f} GiB",
+                    layout.describe())
+        return layout
 
     def _setup_offload(self) -> None:
         from sparseserve.config import available_host_memory
         from sparseserve.kvcache.host import HostKVStore, host_block_bytes
         from sparseserve.kvcache.pool import HBMPool
-        a, oc, sp = self.arch, self.config.offload_config, self.sparse
+        a, sp = self.arch, self.sparse
         need = (self.num_blocks + 1) * host_block_bytes(a.num_layers, a.num_kv_heads, self.block_size, a.head_dim,
                                                         self.dtype)
         avail = available_host_memory()
@@ -129,17 +166,14 @@ class ModelRunner:
                              f"({avail} bytes): set host_kv_memory lower")
         self.host_kv = HostKVStore(a.num_layers, self.num_blocks, a.num_kv_heads, self.block_size, a.head_dim,
                                    self.dtype, device=self.device)
-        slots = oc.hbm_cache_blocks
-        if slots is None:  # one decode step's lists of max_num_seqs sequences in every layer, at most everything
-            slots = min(a.num_layers * a.num_kv_heads * self.config.scheduler_config.max_num_seqs * sp.params.cap,
-                        a.num_layers * a.num_kv_heads * self.num_blocks)
         self.hbm_pool = HBMPool(a.num_layers, self.num_blocks, a.num_kv_heads, self.block_size, a.head_dim,
-                                max(1, slots), self.dtype, self.device)
-        self.host_kv.attach_d2h(self.config.scheduler_config.max_num_batched_tokens)
+                                self.layout.pool_slots, self.dtype, self.device)
+        sc = self.config.scheduler_config
+        self.host_kv.attach_d2h(sc.max_num_batched_tokens, sc.max_num_seqs)
         sp.attach_offload(self.host_kv, self.hbm_pool)
-        logger.info("KV offload: host store %d blocks (%.2f GiB, pinned=%s), HBM pool %d head-block slots",
-                    self.num_blocks, self.host_kv.nbytes / 2**30, self.host_kv.data.is_pinned(),
-                    self.hbm_pool.num_slots)
+        logger.info("KV offload: host store %d blocks (%.2f GiB, pinned=%s), device block cache %d blocks, "
+                    "HBM pool %d head-block slots", self.num_blocks, self.host_kv.nbytes / 2**30,
+                    self.host_kv.data.is_pinned(), self.num_device_blocks, self.hbm_pool.num_slots)
 
     def free_blocks(self, blocks: list[int]) -> None:
         """The scheduler freed these token blocks: their HBM slots must not serve a later owner."""
@@ -211,13 +245,18 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepBatch:
         """Batch tensors for one step, built in plain Python (per sequence and per block, never per
-        token for slots) and moved to the device in one copy per tensor."""
+        token for slots) and moved to the device in one copy per tensor.
+
+        kv_offload: slot_mapping and block_tables address the device block cache (released entries name its
+        trash row); token_slot_mapping and token_block_tables the token blocks (host store rows, metadata
+        rows, HBM pool keys)."""
         # Decodes (one query token) first: the attention backend runs its decode kernel on them.
         scheduled = sorted(scheduled, key=lambda item: item[1] != 1)
-        bs = self.block_size
+        bs, offload = self.block_size, self.num_device_blocks is not None
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        dev_slots: list[int] = []
         qsl, seq_lens, sample_idx, sampled = [0], [], [], []
         for seq, n in scheduled:
             c, table = seq.num_computed_tokens, seq.block_table
@@ -227,30 +266,42 @@ class ModelRunner:
                 lo, hi = max(c, blk * bs), min(c + n, (blk + 1) * bs)
                 base = table[blk] * bs - blk * bs
                 slots.extend(range(base + lo, base + hi))
+                if offload:
+                    base = seq.device_blocks[blk - seq.device_start] * bs - blk * bs
+                    dev_slots.extend(range(base + lo, base + hi))
             qsl.append(qsl[-1] + n)
             seq_lens.append(c + n)
             if c + n == seq.num_tokens:
                 sample_idx.append(qsl[-1] - 1)
                 sampled.append(seq)
-        tables = np.zeros((len(scheduled), max(len(s.block_table) for s, _ in scheduled)), dtype=np.int32)
+        width = max(len(s.block_table) for s, _ in scheduled)
+        tables = np.zeros((len(scheduled), width), dtype=np.int32)
+        dev_tables = np.zeros((len(scheduled), width), dtype=np.int32) if offload else None
         for b, (seq, _) in enumerate(scheduled):
             table = seq.block_table_array()
             tables[b, : len(table)] = table
+            if offload:
+                dev_tables[b, : len(table)] = seq.device_table_array(self.num_device_blocks)
         dev = self.device
 
         def to_dev(x: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
             return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+
+        def table_to_dev(x: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(x).to(dev, non_blocking=True)
 
         state_slots = None
         if self.sparse is not None:
             seq_slots, fresh = self.seq_slots.assign([seq for seq, _ in scheduled])
             self.sparse.reset_slots(fresh)
             state_slots = to_dev(seq_slots, torch.int32)
+        token_slots, token_tables = (to_dev(slots), table_to_dev(tables)) if offload else (None, None)
         meta = AttentionMetadata(
-            slot_mapping=to_dev(slots), query_start_loc=to_dev(qsl, torch.int32),
-            seq_lens=to_dev(seq_lens, torch.int32), block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+            slot_mapping=to_dev(dev_slots if offload else slots), query_start_loc=to_dev(qsl, torch.int32),
+            seq_lens=to_dev(seq_lens, torch.int32), block_tables=table_to_dev(dev_tables if offload else tables),
             num_decodes=sum(1 for _, n in scheduled if n == 1), max_query_len=max(n for _, n in scheduled),
-            max_seq_len=max(seq_lens), state_slots=state_slots)
+            max_seq_len=max(seq_lens), state_slots=state_slots, token_slot_mapping=token_slots,
+            token_block_tables=token_tables)
         return StepBatch(to_dev(ids), to_dev(positions), meta, to_dev(sample_idx), sampled)
 
     def sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
@@ -274,12 +325,14 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SamplerOutput | None]:
         batch = self.prepare(scheduled)
         if self.host_kv is not None:
-            self.host_kv.fence()  # the previous step's FlashD2H scatters are in the store
+            # Before any kernel of this step: the previous steps' FlashD2H copies are in the store, so the
+            # device blocks the scheduler released for this step may be rewritten (kvcache/blocks.py).
+            self.host_kv.fence()
         if self.graphs is not None and len(batch.sampled) == batch.meta.num_seqs \
                 and self.graphs.can_run(batch.meta.num_seqs, batch.meta.num_decodes):
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         else:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta)
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
             if not batch.sampled:
                 return [], None
             logits = self.model.compute_logits(hidden[batch.sample_idx])

@@ -1,6 +1,11 @@
 """Continuous batching: FCFS, chunked prefill mixed with decode under a per-step token budget,
 preemption by recompute when KV blocks run out (the scheduler owns memory: out of blocks is a
-scheduling event, never a crash)."""
+scheduling event, never a crash).
+
+With kv_offload there are two block spaces: token blocks (host store rows, the allocator) and device
+blocks (the device KV cache, DeviceBlockMap), which hold only the working set: every block of a
+prefilling sequence, the local window of a decoding one. A step is scheduled only if both fit; a
+waiting sequence that does not fit waits, a running one preempts the newest running sequences."""
 from __future__ import annotations
 
 from collections import deque
@@ -9,7 +14,7 @@ from dataclasses import dataclass, field
 
 from sparseserve.config import SchedulerConfig
 from sparseserve.engine.request import Sequence, SequenceStatus
-from sparseserve.kvcache.blocks import BlockAllocator, blocks_needed
+from sparseserve.kvcache.blocks import BlockAllocator, DeviceBlockMap, blocks_needed
 
 
 @dataclass
@@ -23,9 +28,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int,
+                 device_map: DeviceBlockMap | None = None) -> None:
         self.config = config
         self.allocator = allocator
+        self.device_map = device_map  # kv_offload: the device KV cache's blocks
         self.block_size = block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -65,7 +72,8 @@ class Scheduler:
             if remaining > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(remaining, budget)
-            if not self._can_grow(seq, n):
+            if not self._can_grow(seq, n) or (self.device_map is not None
+                                              and not self.device_map.can_admit(seq, self.running)):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -77,12 +85,15 @@ class Scheduler:
 
     def _can_grow(self, seq: Sequence, n: int) -> bool:
         need = blocks_needed(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table)
-        return self.allocator.can_allocate(max(need, 0))
+        return self.allocator.can_allocate(max(need, 0)) and (self.device_map is None
+                                                               or self.device_map.can_map(seq, n))
 
     def _grow(self, seq: Sequence, n: int) -> None:
         need = blocks_needed(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table)
         if need > 0:
             seq.block_table.extend(self.allocator.allocate(need))
+        if self.device_map is not None:
+            self.device_map.map(seq, n)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV, requeue at the front; its tokens so far are its new prompt."""
@@ -93,6 +104,8 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _release(self, seq: Sequence) -> None:
+        if self.device_map is not None:
+            self.device_map.release(seq)
         blocks = seq.release_blocks()
         self.allocator.free(blocks)
         if self.on_free is not None:

@@ -20,23 +20,25 @@ MAX_SELECT_BLOCKS = 16384  # one selection program holds a row of block scores i
 
 @dataclass(frozen=True)
 class ScoreConfig:
-    rows: int = 64        # metadata rows (blocks x pages) a program scores
+    rows: int = 64        # metadata rows (blocks x pages) of a tile: two [G, D] x [D, rows] dots
     num_warps: int = 4
-    num_stages: int = 3   # Triton's default; one tile a program, so stages only cost shared memory
+    num_stages: int = 3   # software pipelining of the tile loop
+    tiles: int = 8        # tiles a program loops over (fewer when the context is short)
 
 
 @dataclass(frozen=True)
 class SelectConfig:
-    ways: int = 4         # thresholds tested per search round (a power of two >= 2)
-    num_warps: int = 0    # 0: by the row length
+    ways: int = 2         # thresholds tested per search round (a power of two)
+    num_warps: int = 0    # 0: by the row length (8 at 4096 blocks)
 
 
 @triton.jit
-def _key_meta_kernel(cache_ptr, meta_ptr, slot_ptr, num_tokens,
+def _key_meta_kernel(cache_ptr, meta_ptr, slot_ptr, meta_slot_ptr, num_tokens,
                      stride_cb, stride_ch, stride_mb, stride_mh, stride_mm,
                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (token, KV head): if the token is the last one this step writes into its page, the
-    page's min/max over its tokens so far, read back from the cache (reference: update_key_meta_ref)."""
+    page's min/max over its tokens so far, read back from the cache (reference: update_key_meta_ref).
+    The metadata row is the token block of meta_slot (kv_offload: the cache holds device blocks)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
@@ -46,6 +48,7 @@ def _key_meta_kernel(cache_ptr, meta_ptr, slot_ptr, num_tokens,
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     page = off // PAGE
+    mblk = tl.load(meta_slot_ptr + t) // BLOCK_SIZE
     rows = page * PAGE + tl.arange(0, PAGE)
     dims = tl.arange(0, BLOCK_D)
     mask = (rows <= off)[:, None] & (dims < HEAD_DIM)[None, :]
@@ -53,20 +56,23 @@ def _key_meta_kernel(cache_ptr, meta_ptr, slot_ptr, num_tokens,
                    mask=mask, other=0.0)
     kmin = tl.min(tl.where(mask, keys, float("inf")), 0)
     kmax = tl.max(tl.where(mask, keys, float("-inf")), 0)
-    dst = meta_ptr + blk * stride_mb + h * stride_mh + page * HEAD_DIM + dims
+    dst = meta_ptr + mblk * stride_mb + h * stride_mh + page * HEAD_DIM + dims
     tl.store(dst, kmin.to(meta_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
     tl.store(dst + stride_mm, kmax.to(meta_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-def update_key_meta(kv_cache: torch.Tensor, key_meta: torch.Tensor, slot_mapping: torch.Tensor, page_size: int) -> None:
-    """kv_cache: one layer [NB, Hkv, 2, bs, D] (this step's K/V already stored); key_meta: [NB + 1, Hkv, 2, P, D]."""
+def update_key_meta(kv_cache: torch.Tensor, key_meta: torch.Tensor, slot_mapping: torch.Tensor, page_size: int,
+                    meta_slots: torch.Tensor | None = None) -> None:
+    """kv_cache: one layer [NB, Hkv, 2, bs, D] (this step's K/V already stored); key_meta: [NB + 1, Hkv, 2, P, D].
+    meta_slots (kv_offload): the tokens' slots in token blocks, whose metadata rows are updated (None: slot_mapping)."""
     num_tokens = slot_mapping.numel()
     _, hkv, _, block_size, head_dim = kv_cache.shape
     assert key_meta.stride(-1) == 1 and key_meta.stride(-2) == head_dim and kv_cache.stride(3) == head_dim
     if num_tokens == 0:
         return
+    meta_slots = slot_mapping if meta_slots is None else meta_slots
     _key_meta_kernel[(num_tokens, hkv)](
-        kv_cache, key_meta, slot_mapping, num_tokens,
+        kv_cache, key_meta, slot_mapping, meta_slots, num_tokens,
         kv_cache.stride(0), kv_cache.stride(1), key_meta.stride(0), key_meta.stride(1), key_meta.stride(2),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGE=page_size, BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=1)
@@ -75,17 +81,22 @@ def update_key_meta(kv_cache: torch.Tensor, key_meta: torch.Tensor, slot_mapping
 @triton.jit
 def _score_kernel(q_ptr, meta_ptr, table_ptr, seq_lens_ptr, slots_ptr, counter_ptr, scores_ptr, scale,
                   stride_qt, stride_qh, stride_mb, stride_mh, stride_mm, stride_tb, stride_cs, max_blocks,
+                  blocks_per_split,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
                   CAP: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Program (sequence, KV head, chunk of BLOCK_N blocks): scores[b, h, n] = scale * max over the
-    block's pages of q+ . kmax + q- . kmin, for the GROUP query heads h (reference: block_scores_ref)."""
+                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Program (sequence, KV head, split of blocks_per_split blocks): scores[b, h, n] = scale * max over
+    the block's pages of q+ . kmax + q- . kmin, for the GROUP query heads h (reference: block_scores_ref).
+
+    The split is a loop over tiles of BLOCK_N blocks that Triton software-pipelines (NUM_STAGES): the
+    block-table and metadata loads of the next tiles are issued while a tile is scored (on an H200,
+    3 stages: 2.8 TB/s standalone, 3.5 TB/s inside the decode graph; 1 stage: 2.4 TB/s)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    n0 = tl.program_id(2) * BLOCK_N
+    n_start = tl.program_id(2) * blocks_per_split
     seq_len = tl.load(seq_lens_ptr + b)
     nb = tl.cdiv(seq_len, BLOCK_SIZE)
-    if n0 >= nb:
+    if n_start >= nb:
         return
     if (nb <= CAP) & SHORT_DENSE:  # every block is selected anyway
         return
@@ -93,6 +104,7 @@ def _score_kernel(q_ptr, meta_ptr, table_ptr, seq_lens_ptr, slots_ptr, counter_p
         slot = tl.load(slots_ptr + b).to(tl.int64)
         if tl.load(counter_ptr + slot * stride_cs + kvh) % REUSE != 0:
             return
+    n_end = tl.minimum(n_start + blocks_per_split, nb)
     g = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
@@ -102,22 +114,25 @@ def _score_kernel(q_ptr, meta_ptr, table_ptr, seq_lens_ptr, slots_ptr, counter_p
     q_neg = tl.minimum(q, 0.0).to(meta_ptr.dtype.element_ty)
     # Rows: BLOCK_N blocks x PAGES pages; a page's min then max sit stride_mm apart.
     r = tl.arange(0, BLOCK_N * PAGES)
-    n = n0 + r // PAGES
     page = r % PAGES
-    valid = (n * BLOCK_SIZE + page * (BLOCK_SIZE // PAGES)) < seq_len
-    blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + n, mask=valid, other=0).to(tl.int64)
-    ptrs = meta_ptr + (blk * stride_mb + kvh * stride_mh + page * HEAD_DIM)[:, None] + dims[None, :]
-    kmask = valid[:, None] & (dims < HEAD_DIM)[None, :]
-    kmin = tl.load(ptrs, mask=kmask, other=0.0)
-    kmax = tl.load(ptrs + stride_mm, mask=kmask, other=0.0)
-    s = (tl.dot(q_pos, tl.trans(kmax), input_precision=DOT_PREC)
-         + tl.dot(q_neg, tl.trans(kmin), input_precision=DOT_PREC))
-    s = tl.where(valid[None, :], s * scale, float("-inf"))
-    if PAGES > 1:
-        s = tl.max(tl.reshape(s, (BLOCK_G, BLOCK_N, PAGES)), 2)
-    nn = n0 + tl.arange(0, BLOCK_N)
-    row = (b * tl.num_programs(1) * GROUP + heads).to(tl.int64) * max_blocks
-    tl.store(scores_ptr + row[:, None] + nn[None, :], s, mask=(g < GROUP)[:, None] & (nn < nb)[None, :])
+    table_row = table_ptr + b.to(tl.int64) * stride_tb
+    meta_head = meta_ptr + kvh * stride_mh + page * HEAD_DIM
+    score_row = scores_ptr + (b * tl.num_programs(1) * GROUP + heads).to(tl.int64) * max_blocks
+    for n0 in tl.range(n_start, n_end, BLOCK_N, num_stages=NUM_STAGES):
+        n = n0 + r // PAGES
+        valid = (n < n_end) & ((n * BLOCK_SIZE + page * (BLOCK_SIZE // PAGES)) < seq_len)
+        blk = tl.load(table_row + n, mask=valid, other=0).to(tl.int64)
+        ptrs = meta_head[:, None] + (blk * stride_mb)[:, None] + dims[None, :]
+        kmask = valid[:, None] & (dims < HEAD_DIM)[None, :]
+        kmin = tl.load(ptrs, mask=kmask, other=0.0)
+        kmax = tl.load(ptrs + stride_mm, mask=kmask, other=0.0)
+        s = (tl.dot(q_pos, tl.trans(kmax), input_precision=DOT_PREC)
+             + tl.dot(q_neg, tl.trans(kmin), input_precision=DOT_PREC))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        if PAGES > 1:
+            s = tl.max(tl.reshape(s, (BLOCK_G, BLOCK_N, PAGES)), 2)
+        nn = n0 + tl.arange(0, BLOCK_N)
+        tl.store(score_row[:, None] + nn[None, :], s, mask=(g < GROUP)[:, None] & (nn < n_end)[None, :])
 
 
 @triton.jit
@@ -125,15 +140,20 @@ def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, st
                    mass_target, max_blocks, stride_ss, stride_cs,
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr, SINK: tl.constexpr,
                    LOCAL: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, MASS: tl.constexpr,
-                   WAYS: tl.constexpr, ITERS: tl.constexpr, NB_PAD: tl.constexpr):
+                   WAYS: tl.constexpr, NB_PAD: tl.constexpr, HEADS: tl.constexpr):
     """Program (sequence, KV head): the selection list (reference: select_ref / update_selection_ref).
 
     Without a sort: a search over the bit patterns of the (non-negative float) block masses, which
     order like the masses, finds the largest threshold t at which the candidates >= t number at least
-    k = cap - #forced or (MASS: topp) bring the mass to the target. Each round tests WAYS thresholds
-    at once (one reduction for all) and keeps the interval between the last that passes and the
-    next; ITERS rounds narrow [0, +inf] to one bit pattern, so t is exactly a mass value.
+    k = cap - #forced or (MASS: topp) bring the mass to the target; that t is a candidate's mass.
+    The search keeps [lo, hi) with lo passing (or 0: every candidate) and hi failing, and the counts
+    of candidates >= lo and >= hi. Each round tests WAYS thresholds spread over (lo, hi) with one 2-D
+    compare and reduction; it stops once at most one candidate lies in [lo, hi) (then t is that
+    candidate, or lo): random masses take ~7 rounds of 4 ways or ~11 of 2 ways, where a search down to
+    one bit pattern takes 16 or 31.
     Candidates above t, then ties at t, fill the list after the forced blocks, in block order.
+    Only B x Hkv programs, one row of masses each, so every pass over the row counts: one 2-D softmax
+    (HEADS rows at a time), forced blocks ranked in closed form, one packed scan for the chosen ones.
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -149,44 +169,72 @@ def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, st
     nb = tl.cdiv(seq_len, BLOCK_SIZE)
     j = tl.arange(0, NB_PAD)
     valid = j < nb
-    forced = valid & ((j < SINK) | (j >= nb - LOCAL) | ((nb <= CAP) & SHORT_DENSE))
-    n_forced = tl.sum(forced.to(tl.int32), 0)
+    # Forced blocks are [0, sink_end) and [local_start, nb): ranked in closed form, no scan needed.
+    all_forced = (nb <= CAP) & SHORT_DENSE
+    sink_end = tl.where(all_forced, nb, tl.minimum(nb, SINK))
+    local_start = tl.maximum(nb - LOCAL, sink_end)
+    forced = valid & ((j < sink_end) | (j >= local_start))
+    n_forced = sink_end + nb - local_start
     chosen_hi = j < 0  # all false
     chosen_eq = j < 0
     if (nb > CAP) | (not SHORT_DENSE):
+        # Estimated mass: mean over the group's query heads of each head's softmax over the blocks,
+        # HEADS rows of scores at a time ([HEADS, NB_PAD]: two reductions for all of them).
         r = tl.zeros([NB_PAD], tl.float32)
-        for g in tl.static_range(GROUP):
-            row = (b * tl.num_programs(1) * GROUP + kvh * GROUP + g).to(tl.int64) * max_blocks
-            s = tl.load(scores_ptr + row + j, mask=valid, other=float("-inf"))
-            e = tl.exp(s - tl.max(s, 0))
-            r += e / tl.sum(e, 0)
+        h = tl.arange(0, HEADS)
+        for g0 in tl.static_range(0, GROUP, HEADS):
+            live = g0 + h < GROUP
+            row = (b * tl.num_programs(1) * GROUP + kvh * GROUP + g0 + h).to(tl.int64) * max_blocks
+            s = tl.load(scores_ptr + row[:, None] + j[None, :], mask=live[:, None] & valid[None, :],
+                        other=float("-inf"))
+            e = tl.exp(s - tl.where(live, tl.max(s, 1), 0.0)[:, None])  # rows past the group: exp(-inf) = 0
+            r += tl.sum(e / tl.where(live, tl.sum(e, 1), 1.0)[:, None], 0)
         r = r / GROUP
         cand = valid & (forced == 0) & (tl.load(streaming_ptr + kvh) == 0)
-        fmass = tl.sum(tl.where(forced, r, 0.0), 0)
+        bits = tl.where(cand, r.to(tl.int32, bitcast=True), -1)  # non-candidates below every threshold
         k = CAP - n_forced
-        bits = r.to(tl.int32, bitcast=True)
-        lo = tl.full([], 0, tl.int32)  # the answer is in [lo, hi); lo = 0 (every candidate) if none passes
-        hi = tl.full([], 0x7F800001, tl.int32)  # one past +inf
+        top_ok = k <= 0  # does t above every candidate pass? then nothing is chosen
+        if MASS:
+            fmass = tl.sum(tl.where(forced, r, 0.0), 0)
+            top_ok = top_ok | (fmass >= mass_target)
+        hi = tl.max(bits, 0) + 1
+        lo = tl.where(top_ok, hi, 0)
+        c_lo = tl.where(top_ok, 0, tl.sum(cand.to(tl.int32), 0))  # candidates >= lo, and >= hi
+        c_hi = c_lo * 0
         w = tl.arange(0, WAYS)
-        for _ in range(ITERS):
-            step = tl.cdiv(hi - lo, WAYS)
-            th = lo + w * step  # th[0] = lo
-            ge = cand[None, :] & (bits[None, :] >= th[:, None])  # [WAYS, NB_PAD]
-            ok = tl.sum(ge.to(tl.int32), 1) >= k
+        bits2 = bits[None, :]
+        if MASS:
+            r2 = r[None, :]
+        while (c_lo - c_hi > 1) & (hi - lo > 1):
+            gap = tl.cdiv(hi - lo, WAYS + 1)
+            th = lo + (w + 1) * gap
+            inside = th < hi
+            ge = bits2 >= th[:, None]  # [WAYS, NB_PAD]
+            cnt = tl.sum(ge.to(tl.int32), 1)
+            ok = cnt >= k
             if MASS:
-                ok = ok | (fmass + tl.sum(tl.where(ge, r[None, :], 0.0), 1) >= mass_target)
-            # The test is monotone in t: the passing thresholds are a prefix, th[0] counted in.
-            n_ok = tl.sum(((ok & (th < hi)) | (w == 0)).to(tl.int32), 0)
-            hi = tl.minimum(lo + n_ok * step, hi)
-            lo = lo + (n_ok - 1) * step
-        chosen_hi = cand & (bits > lo)
-        chosen_eq = cand & (bits == lo)
-    n_hi = tl.sum(chosen_hi.to(tl.int32), 0)
-    pos = tl.where(forced, tl.cumsum(forced.to(tl.int32), 0) - 1,
-                   tl.where(chosen_hi, n_forced + tl.cumsum(chosen_hi.to(tl.int32), 0) - 1,
-                            n_forced + n_hi + tl.cumsum(chosen_eq.to(tl.int32), 0) - 1))
-    keep = ((forced.to(tl.int32) + chosen_hi.to(tl.int32) + chosen_eq.to(tl.int32)) > 0) & (pos < CAP)
-    count = tl.minimum(n_forced + n_hi + tl.sum(chosen_eq.to(tl.int32), 0), CAP)
+                ok = ok | (fmass + tl.sum(tl.where(ge, r2, 0.0), 1) >= mass_target)
+            ok = ok & inside  # monotone in t: the passing thresholds are a prefix
+            fail = inside & (ok == 0)
+            n_ok = tl.sum(ok.to(tl.int32), 0)
+            c_lo = tl.min(tl.where(ok, cnt, c_lo), 0)
+            c_hi = tl.max(tl.where(fail, cnt, c_hi), 0)
+            hi = tl.minimum(lo + (n_ok + 1) * gap, hi)
+            lo = lo + n_ok * gap
+        # At most one candidate in [lo, hi) (or hi = lo + 1): t is it, or lo.
+        t = tl.maximum(lo, tl.max(tl.where(bits < hi, bits, -1), 0))
+        chosen_hi = bits > t
+        chosen_eq = cand & (bits == t)
+    # One scan ranks both chosen sets: chosen_hi counts in the low 16 bits, chosen_eq in the high ones
+    # (NB_PAD <= MAX_SELECT_BLOCKS < 2**15).
+    packed = chosen_hi.to(tl.int32) + chosen_eq.to(tl.int32) * 65536
+    rank = tl.cumsum(packed, 0)
+    total = tl.sum(packed, 0)
+    n_hi = total & 0xFFFF
+    pos = tl.where(forced, tl.where(j < sink_end, j, sink_end + j - local_start),
+                   tl.where(chosen_hi, n_forced + (rank & 0xFFFF) - 1, n_forced + n_hi + (rank >> 16) - 1))
+    keep = ((forced.to(tl.int32) + packed) != 0) & (pos < CAP)
+    count = tl.minimum(n_forced + n_hi + (total >> 16), CAP)
     row = sel_ptr + slot * stride_ss + kvh * CAP
     tl.store(row + pos, j, mask=keep)
     tl.store(row + j, tl.full([NB_PAD], -1, tl.int32), mask=(j >= count) & (j < CAP))
@@ -204,17 +252,18 @@ def block_scores(q: torch.Tensor, key_meta: torch.Tensor, block_tables: torch.Te
     assert counter.stride(1) == 1
     scores = torch.empty(batch, num_q_heads, max_blocks, dtype=torch.float32, device=q.device)
     config = config or ScoreConfig()
-    block_n = max(1, config.rows // pages)  # two [G, D] x [D, rows] dots a program
+    block_n = max(1, config.rows // pages)
+    per_split = block_n * max(1, min(config.tiles, triton.cdiv(max_blocks, block_n)))
     group = num_q_heads // hkv
-    _score_kernel[(batch, hkv, triton.cdiv(max_blocks, block_n))](
+    _score_kernel[(batch, hkv, triton.cdiv(max_blocks, per_split))](
         q, key_meta, block_tables, seq_lens, slots, counter, scores, scale,
         q.stride(0), q.stride(1), key_meta.stride(0), key_meta.stride(1), key_meta.stride(2),
-        block_tables.stride(0), counter.stride(0), max_blocks,
+        block_tables.stride(0), counter.stride(0), max_blocks, per_split,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=p.block_size, PAGES=pages, CAP=p.cap, REUSE=p.reuse,
         SHORT_DENSE=p.short_dense, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n, DOT_PREC="ieee" if key_meta.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        NUM_STAGES=config.num_stages, num_warps=config.num_warps)
     return scores
 
 
@@ -234,9 +283,9 @@ def select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Ten
         scores, seq_lens, slots, sel, counter, stats, streaming.view(torch.uint8), p.mass_target, max_blocks,
         sel.stride(0), counter.stride(0),
         GROUP=num_q_heads // hkv, BLOCK_SIZE=p.block_size, CAP=p.cap, SINK=p.sink, LOCAL=p.local,
-        REUSE=p.reuse, SHORT_DENSE=p.short_dense, MASS=p.policy == "topp", WAYS=config.ways,
-        ITERS=-(-31 // (config.ways.bit_length() - 1)) + 1, NB_PAD=nb_pad,
-        num_warps=config.num_warps or min(16, max(4, nb_pad // 256)))
+        REUSE=p.reuse, SHORT_DENSE=p.short_dense, MASS=p.policy == "topp", WAYS=config.ways, NB_PAD=nb_pad,
+        HEADS=min(triton.next_power_of_2(num_q_heads // hkv), max(1, 16384 // nb_pad)),
+        num_warps=config.num_warps or min(16, max(4, nb_pad // 512)))
 
 
 def score_and_select(q: torch.Tensor, key_meta: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

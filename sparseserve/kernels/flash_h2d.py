@@ -4,14 +4,14 @@ UVA; one program copies one head block (K and V of block_size tokens, contiguous
 Requests that load nothing (hits, bypass reads, padding: load < 0) return at once, so the grid has the
 fixed size of the layer's requests (capturable). Reference: kvcache/pool.py HBMPool.gather_ref.
 
-write_through_blocks is the other direction for the blocks a step completes (capturable, one program
-per token of the step; only block-ending tokens copy): the device cache's head blocks of that token
-block are stored straight into the pinned host store over UVA. It is an interim stand-in for FlashD2H
-(one contiguous device-to-host copy per layer on a side stream + CPU scatter threads), fit for decode,
-where few blocks fill per step. Reference: kvcache/host.py HostKVStore.write_through_ref.
+write_through_blocks is the other direction for the blocks that decode tokens complete (capturable, one
+program per token; only block-ending tokens copy): the device cache's head blocks of that token block
+are stored straight into the pinned host store over UVA. Decode fills few blocks per step, and a step
+captured in a CUDA graph cannot hand work to host threads, so this, not FlashD2H (kvcache/host.py), is
+the decode path. Reference: kvcache/host.py HostKVStore.write_through_ref.
 
-Status: both kernels are tested against their references under the Triton interpreter on CPU only;
-their bandwidth and UVA access to pinned memory have not been measured or checked on a GPU yet.
+Both kernels pass their tests on an H200 and under the Triton interpreter; FlashH2D's bandwidth:
+BENCHMARKS.md (python -m sparseserve.bench.offload --transfers).
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def _flash_h2d_kernel(host_ptr, slots_ptr, key_ptr, load_ptr, ELEMS: tl.constexp
             tl.store(dst_base + idx, tl.load(src_base + idx, mask=m), mask=m)
 
 
-def flash_h2d(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, load: torch.Tensor) -> None:
+def flash_h2d(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, load: torch.Tensor,
+              chunk: int = 4096, num_warps: int = 4) -> None:
     """slots[load[i]] = host_flat[key[i]] for every i with load[i] >= 0.
 
     host_flat: [R, 2, bs, D] (pinned on a GPU host); slots: [S, 2, bs, D] on the device; key, load: int64 [N]."""
@@ -45,34 +46,41 @@ def flash_h2d(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, l
     if n == 0:
         return
     elems = slots[0].numel()
-    chunk = min(triton.next_power_of_2(elems), 4096)
+    chunk = min(triton.next_power_of_2(elems), chunk)
     _flash_h2d_kernel[(n,)](host_flat, slots, key.contiguous(), load.contiguous(), ELEMS=elems, CHUNK=chunk,
-                            num_warps=4)
+                            num_warps=num_warps)
 
 
 @triton.jit
-def _write_through_kernel(cache_ptr, host_ptr, slot_ptr, BLOCK_SIZE: tl.constexpr, ELEMS: tl.constexpr,
-                          CHUNK: tl.constexpr):
+def _write_through_kernel(cache_ptr, host_ptr, slot_ptr, dst_ptr, BLOCK_SIZE: tl.constexpr, ELEMS: tl.constexpr,
+                          CHUNK: tl.constexpr, HAS_DST: tl.constexpr):
     i = tl.program_id(0)
     slot = tl.load(slot_ptr + i)
     if (slot >= 0) & ((slot + 1) % BLOCK_SIZE == 0):
         blk = slot // BLOCK_SIZE
+        dst = blk
+        if HAS_DST:
+            dst = tl.load(dst_ptr + i).to(tl.int64)
         offs = tl.arange(0, CHUNK)
         for start in range(0, ELEMS, CHUNK):
             idx = start + offs
             m = idx < ELEMS
-            tl.store(host_ptr + blk * ELEMS + idx, tl.load(cache_ptr + blk * ELEMS + idx, mask=m), mask=m)
+            tl.store(host_ptr + dst * ELEMS + idx, tl.load(cache_ptr + blk * ELEMS + idx, mask=m), mask=m)
 
 
-def write_through_blocks(kv_cache: torch.Tensor, host_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """host_layer[blk] = kv_cache[blk] for every token block that a token of slot_mapping completes.
+def write_through_blocks(kv_cache: torch.Tensor, host_layer: torch.Tensor, slot_mapping: torch.Tensor,
+                         host_blocks: torch.Tensor | None = None) -> None:
+    """host_layer[dst] = kv_cache[blk] for every token block blk that a token of slot_mapping completes;
+    dst = host_blocks[i] of that token (default: blk).
 
-    kv_cache: one layer [NB, Hkv, 2, bs, D]; host_layer: the store's layer [NB + 1, Hkv, 2, bs, D] (pinned)."""
+    kv_cache: one layer [NB, Hkv, 2, bs, D]; host_layer: the store's layer [R + 1, Hkv, 2, bs, D] (pinned)."""
     assert kv_cache.is_contiguous() and host_layer.is_contiguous() and kv_cache.dtype == host_layer.dtype
     assert kv_cache.shape[1:] == host_layer.shape[1:]
     t = slot_mapping.numel()
     if t == 0:
         return
     elems = kv_cache[0].numel()
-    _write_through_kernel[(t,)](kv_cache, host_layer, slot_mapping.contiguous(), BLOCK_SIZE=kv_cache.shape[3],
-                                ELEMS=elems, CHUNK=min(triton.next_power_of_2(elems), 4096), num_warps=4)
+    dst = slot_mapping if host_blocks is None else host_blocks.contiguous()
+    _write_through_kernel[(t,)](kv_cache, host_layer, slot_mapping.contiguous(), dst, BLOCK_SIZE=kv_cache.shape[3],
+                                ELEMS=elems, CHUNK=min(triton.next_power_of_2(elems), 4096),
+                                HAS_DST=host_blocks is not None, num_warps=4)

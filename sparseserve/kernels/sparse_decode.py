@@ -51,9 +51,13 @@ def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, s
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     e_start = split * entries_per_split
+    e_end = tl.minimum(e_start + entries_per_split, CAP + LOCAL)
+    # A loop of config.tiles tiles a program (num_stages: Triton's software pipelining of the loop). On an
+    # H200 this is about as fast as one tile a program (SPARSE_NOTES.md, speed): the kernel is not bound
+    # by the list -> block table -> K/V chain of loads alone.
     # No branch on empty tiles: a branch would stop the loop's loads from being pipelined, and masked-off
     # entries (padding, entries inside the window) load nothing anyway.
-    for e0 in range(e_start, e_start + entries_per_split, TILE_E):
+    for e0 in range(e_start, e_end, TILE_E):
         e = e0 + t // BLOCK_SIZE
         listed = e < CAP
         j = tl.load(sel_row + e, mask=listed, other=-1)
@@ -129,9 +133,17 @@ def _sparse_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride
 @dataclass(frozen=True)
 class SparseDecodeConfig:
     tile_n: int = 128           # tokens a tile (whole blocks: at least one)
-    target_programs: int = 0    # 0: 8 per multiprocessor
+    target_programs: int = 0    # 0: 8 per multiprocessor (used when tiles == 0)
     num_warps: int = 4
     num_stages: int = 2
+    tiles: int = 0              # tiles a program loops over (0: as many as target_programs leaves)
+
+
+# bf16/fp16 without offload: a few tiles a program, 3 stages (best of the GPU sweep in SPARSE_NOTES.md by
+# about 1 us). The offload path keeps one tile a program: it loads K and V three ways a tile (cache, pool,
+# host), so deeper pipelines would need three times the shared memory.
+FAST_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=4, num_stages=3, tiles=4)
+OFFLOAD_CONFIG = SparseDecodeConfig(tile_n=128)
 
 
 @functools.lru_cache(maxsize=8)
@@ -142,10 +154,13 @@ def num_sms(device: torch.device) -> int:
 def split_plan(batch: int, num_kv_heads: int, entries: int, tile_e: int, device: torch.device,
                config: SparseDecodeConfig) -> tuple[int, int]:
     """(entries per split, number of splits) from shapes only, so the grid is fixed under a CUDA graph."""
-    target = config.target_programs or 8 * num_sms(device)
     tiles = triton.cdiv(entries, tile_e)
-    splits = min(tiles, max(1, triton.cdiv(target, batch * num_kv_heads)))
-    per_split = triton.cdiv(tiles, splits)
+    if config.tiles:
+        per_split = min(tiles, config.tiles)
+    else:
+        target = config.target_programs or 8 * num_sms(device)
+        splits = min(tiles, max(1, triton.cdiv(target, batch * num_kv_heads)))
+        per_split = triton.cdiv(tiles, splits)
     return per_split * tile_e, triton.cdiv(tiles, per_split)
 
 
@@ -163,7 +178,9 @@ def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     cap = sel.shape[-1]
     assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim and q.stride(2) == 1 and sel.stride(2) == 1
-    config = config or SparseDecodeConfig(tile_n=32 if q.dtype == torch.float32 else 128)
+    if config is None:
+        config = (SparseDecodeConfig(tile_n=32) if q.dtype == torch.float32
+                  else OFFLOAD_CONFIG if offload is not None else FAST_CONFIG)
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out

@@ -9,21 +9,38 @@ kernels/flash_h2d.py), plain memory on CPU. Viewed flat as [num_layers * (num_bl
 head block (layer, block, kv_head) is row (layer * (num_blocks + 1) + block) * Hkv + kv_head: the same
 index as the HBM pool's residency map (kvcache/pool.py).
 
-Host block ids are the engine's token block ids (one allocator, sized to min(device blocks, host blocks)).
+Rows are token (host) block ids; the device cache may use other ids (store_step's host_blocks maps them).
 
-Two ways in (store_step): the tokens of a step go through FlashD2H (D2HWriter: one contiguous copy per
-layer into a staging buffer, CPU worker threads scatter it into the block layout while later layers
-compute); blocks that a decode token completes are also written through whole (write_through), which
-is all a step captured in a CUDA graph does. fence() waits for the workers; the runner calls it before
-every step, and no step reads a block written in the same step (decodes read only their own full
-blocks before the local window, prefill chunks nothing through the store).
+Two ways in (store_step), both whole blocks, only once a block is full: blocks that decode tokens
+complete are written through by a Triton kernel over UVA (all a step captured in a CUDA graph can do);
+blocks that prefill chunks complete leave through FlashD2H (D2HWriter: a device-side gather and one
+contiguous copy per layer into pinned staging on a side stream, CPU worker threads write the rows while
+later layers compute). fence() waits for the workers; the runner calls it before every step, and no step
+reads a block written in the same step (decodes read only their own full blocks before the local window,
+prefill chunks nothing through the store).
 """
 from __future__ import annotations
 
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+
+def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Page-locked host memory of exactly this size, readable by GPU kernels over UVA. Not pin_memory=True:
+    torch's pinned allocator rounds sizes up to a power of two, so an 88 GiB store would ask the driver
+    for 128 GiB and fail. Plain memory registered with CUDA instead."""
+    t = torch.zeros(shape, dtype=dtype)
+    cudart = torch.cuda.cudart()
+    nbytes = t.numel() * t.element_size()
+    err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
+    if int(getattr(err, "value", err)) != 0:
+        raise MemoryError(f"could not page-lock {nbytes / 2**30:.1f} GiB of host memory for the KV store "
+                          f"(cudaHostRegister: {err}): lower host_kv_memory")
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t
 
 
 def host_block_bytes(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -37,8 +54,8 @@ class HostKVStore:
         pin = torch.cuda.is_available() if pin is None else pin
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.data = torch.zeros(num_layers, num_blocks + 1, num_kv_heads, 2, block_size, head_dim, dtype=dtype,
-                                pin_memory=pin)
+        shape = (num_layers, num_blocks + 1, num_kv_heads, 2, block_size, head_dim)
+        self.data = pinned_zeros(shape, dtype) if pin else torch.zeros(shape, dtype=dtype)
         # Full token blocks x layers written through; on the compute device, so counting never syncs.
         self.blocks_written = torch.zeros((), dtype=torch.int64, device=device)
         self.d2h: D2HWriter | None = None
@@ -51,122 +68,140 @@ class HostKVStore:
         """[num_layers * (num_blocks + 1) * Hkv, 2, bs, D]: one row per head block."""
         return self.data.view(-1, *self.data.shape[3:])
 
-    def attach_d2h(self, max_tokens: int, num_threads: int = 2) -> None:
-        self.d2h = D2HWriter(self, max_tokens, num_threads)
+    def attach_d2h(self, max_tokens: int, max_seqs: int, num_threads: int = 4) -> None:
+        self.d2h = D2HWriter(self, max_tokens, max_seqs, num_threads)
 
     def fence(self) -> None:
         if self.d2h is not None:
             self.d2h.fence()
 
-    def store_step(self, layer: int, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   slot_mapping: torch.Tensor, num_decode_tokens: int) -> None:
-        """One layer's new K/V after store_kv. Blocks that a one-token entry (a decode, or a one-token
-        prefill chunk) completes are written through whole from the device cache; every token of a step
-        that is not being captured in a CUDA graph also goes through FlashD2H. Why both: a captured
-        decode step cannot run host threads, so its tokens reach the store only when their block
-        completes (whole); a block completed by a prefill chunk may hold earlier one-token entries, which
-        FlashD2H wrote token by token because they ran outside a graph (only pure decode steps are
-        captured, and a decoding sequence completes its blocks with decodes)."""
+    def store_step(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_decode_tokens: int,
+                   num_seqs: int, token_slot_mapping: torch.Tensor | None = None) -> None:
+        """One layer's step after store_kv: every token block that a token of the step completes goes to the
+        store whole, from the device cache. Decode tokens (the first num_decode_tokens, one per sequence)
+        complete at most one block each: the write-through kernel stores those over UVA, which is also all
+        a step captured in a CUDA graph can do (no host threads there). The prefill chunks' completed
+        blocks leave through FlashD2H (one contiguous copy per layer, CPU scatter). A partial block is
+        never stored: it stays in HBM until the token that fills it arrives.
+
+        slot_mapping: [T] device cache slots (-1: padding); token_slot_mapping: [T] the same tokens' slots
+        in token blocks (host store rows), when the device cache is not indexed by token block (None: the
+        same ids)."""
+        nd = num_decode_tokens
+        host_blocks = None if token_slot_mapping is None else token_slot_mapping // self.block_size
         if self.d2h is None:
-            self.write_through(layer, kv_cache, slot_mapping)
+            self.write_through(layer, kv_cache, slot_mapping, host_blocks)
             return
-        if num_decode_tokens:
-            self.write_through(layer, kv_cache, slot_mapping[:num_decode_tokens])
-        if not (kv_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
-            self.d2h.submit(layer, k, v, slot_mapping)
+        if nd:
+            self.write_through(layer, kv_cache, slot_mapping[:nd], None if host_blocks is None else host_blocks[:nd])
+        if slot_mapping.numel() > nd:
+            self.d2h.submit(layer, kv_cache, slot_mapping[nd:], num_seqs - nd,
+                            None if host_blocks is None else host_blocks[nd:])
 
     def bytes_written(self) -> int:
         """Bytes written into the store so far (whole blocks + FlashD2H tokens; syncs)."""
-        _, _, hkv, _, bs, head_dim = self.data.shape
-        token = hkv * 2 * head_dim * self.data.element_size()
-        return int(self.blocks_written) * bs * token + (self.d2h.tokens_written if self.d2h is not None else 0) * token
+        block = self.data[0, 0].numel() * self.data.element_size()
+        return (int(self.blocks_written) + (self.d2h.blocks_written if self.d2h is not None else 0)) * block
 
-    def write_through(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write_through(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      host_blocks: torch.Tensor | None = None) -> None:
         """The write-through of one layer's step: the Triton kernel on a GPU, the reference on CPU."""
         if kv_cache.is_cuda:
             from sparseserve.kernels.flash_h2d import write_through_blocks
-            write_through_blocks(kv_cache, self.data[layer], slot_mapping)
+            write_through_blocks(kv_cache, self.data[layer], slot_mapping, host_blocks)
             self.blocks_written += ((slot_mapping >= 0) & ((slot_mapping + 1) % self.block_size == 0)).sum()
         else:
-            self.write_through_ref(layer, kv_cache, slot_mapping)
+            self.write_through_ref(layer, kv_cache, slot_mapping, host_blocks)
 
-    def write_through_ref(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write_through_ref(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          host_blocks: torch.Tensor | None = None) -> None:
         """After store_kv of `layer`: copy every token block that this step's tokens complete (the token at
-        offset block_size - 1 was written) from the device cache layer [NB, Hkv, 2, bs, D] to the store.
-        Fixed shapes ([T] blocks, the rest to the trash row). The CPU reference of FlashD2H: on a GPU
-        this copy must leave the device in one contiguous transfer on a side stream (not done yet;
-        write_through uses the interim UVA kernel kernels/flash_h2d.py write_through_blocks there)."""
+        offset block_size - 1 was written) from the device cache layer [NB, Hkv, 2, bs, D] to the store
+        row host_blocks[i] (default: the same block id). Fixed shapes ([T] blocks, the rest to the trash
+        row). Reference of write_through_blocks and of FlashD2H."""
         if slot_mapping.numel() == 0:
             return
         bs, trash = self.block_size, self.num_blocks
         ends = (slot_mapping >= 0) & ((slot_mapping + 1) % bs == 0)
-        blk = torch.where(ends, slot_mapping // bs, trash)
-        src = kv_cache[blk.clamp_max(kv_cache.shape[0] - 1)]
-        dst = blk.to(self.data.device)
+        src = kv_cache[torch.where(ends, slot_mapping // bs, 0)]
+        dst = torch.where(ends, slot_mapping // bs if host_blocks is None else host_blocks, trash).to(self.data.device)
         self.data[layer][dst] = src.to(self.data.device)
         self.blocks_written += ends.sum().to(self.blocks_written.device)
 
 
+def completed_blocks(slot_mapping: torch.Tensor, block_size: int, n: int,
+                     host_blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(device blocks, host blocks) [n] of the token blocks that the tokens of slot_mapping complete,
+    compacted to the front on the device without a host sync (fixed shape; -1 pads). n must bound their
+    count: floor(T / block_size) + the number of sequences does."""
+    ends = (slot_mapping >= 0) & ((slot_mapping + 1) % block_size == 0)
+    pos = torch.where(ends, torch.cumsum(ends, 0) - 1, n)  # n: a spare row that takes the rest
+    src = torch.full((n + 1,), -1, dtype=torch.int64, device=slot_mapping.device)
+    dst = torch.full_like(src, -1)
+    src.scatter_(0, pos, slot_mapping // block_size)
+    dst.scatter_(0, pos, slot_mapping // block_size if host_blocks is None else host_blocks.long())
+    return src[:n], dst[:n]
+
+
 class D2HWriter:
-    """FlashD2H (DESIGN.md principle 5): the new K/V of a step's prefill tokens leave in one contiguous copy
-    per layer into a staging buffer (pinned on a GPU host; [L, max_tokens, Hkv, 2, D] plus the tokens'
-    slots), and CPU worker threads scatter them into the store's block layout, overlapped with the
-    following layers. Token granular: a block is complete in the store once all its tokens are.
+    """FlashD2H (DESIGN.md principle 5) for the blocks that prefill chunks complete: per layer, a gather of
+    those blocks from the device cache into one contiguous device buffer, one copy of it into pinned
+    staging ([L, max_blocks, Hkv, 2, bs, D]) with the blocks' host ids, both on a side stream after the
+    compute stream's work so far; a CPU worker thread waits for the copy's event and writes the staged
+    blocks into the store rows (index_copy_: one contiguous row per block, no per-token scatter), while
+    the following layers compute. Block granular and sync-free: the compaction runs on the device and
+    the worker learns the block ids from the staged copy. fence() waits for the workers."""
 
-    On CUDA the copy is issued on a side stream after the compute stream's work so far, and a worker
-    waits for its event before scattering. That branch has NOT been run on a GPU yet (the engine
-    refuses kv_offload on CUDA); on CPU the copy is synchronous and the scatter runs on the threads."""
-
-    def __init__(self, store: HostKVStore, max_tokens: int, num_threads: int = 2) -> None:
-        num_layers, _, hkv, _, _, head_dim = store.data.shape
+    def __init__(self, store: HostKVStore, max_tokens: int, max_seqs: int, num_threads: int = 4) -> None:
+        num_layers, _, hkv, _, bs, head_dim = store.data.shape
         pin = store.data.is_pinned()
         self.store = store
-        self.staging = torch.empty(num_layers, max_tokens, hkv, 2, head_dim, dtype=store.data.dtype, pin_memory=pin)
-        self.staged_slots = torch.empty(num_layers, max_tokens, dtype=torch.int64, pin_memory=pin)
+        self.max_blocks = max_tokens // bs + max_seqs
+        self.staging = torch.empty(num_layers, self.max_blocks, hkv, 2, bs, head_dim, dtype=store.data.dtype,
+                                   pin_memory=pin)
+        self.staged_ids = torch.empty(num_layers, self.max_blocks, dtype=torch.int64, pin_memory=pin)
         self.workers = ThreadPoolExecutor(num_threads, thread_name_prefix="sparseserve-d2h")
         self.pending: list[Future] = []
         self.stream = None
-        self.tokens_written = 0  # token x layer entries scattered (stats)
+        self.blocks_written = 0  # token blocks x layers written (stats)
         self._lock = threading.Lock()
 
-    def submit(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """k, v: [T, Hkv, D] of one layer; slot_mapping [T] (-1: padding, skipped)."""
-        t = slot_mapping.numel()
-        if t > self.staging.shape[1]:
-            raise ValueError(f"{t} tokens exceed the D2H staging buffer of {self.staging.shape[1]}")
-        staged, slots = self.staging[layer, :t], self.staged_slots[layer, :t]
+    def submit(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_seqs: int,
+               host_blocks: torch.Tensor | None = None) -> None:
+        """kv_cache: the layer's device cache [NB, Hkv, 2, bs, D] after store_kv; slot_mapping [T] (-1:
+        padding) of the prefill tokens of num_seqs sequences; host_blocks as in HostKVStore.store_step."""
+        n = min(slot_mapping.numel() // self.store.block_size + num_seqs, self.max_blocks)
+        staged, ids = self.staging[layer, :n], self.staged_ids[layer, :n]
         event = None
-        if k.is_cuda:
-            self.stream = self.stream or torch.cuda.Stream(k.device)
-            self.stream.wait_stream(torch.cuda.current_stream(k.device))
+        if kv_cache.is_cuda:
+            self.stream = self.stream or torch.cuda.Stream(kv_cache.device)
+            self.stream.wait_stream(torch.cuda.current_stream(kv_cache.device))
             with torch.cuda.stream(self.stream):
-                staged[:, :, 0].copy_(k, non_blocking=True)
-                staged[:, :, 1].copy_(v, non_blocking=True)
-                slots.copy_(slot_mapping, non_blocking=True)
+                src, dst = completed_blocks(slot_mapping, self.store.block_size, n, host_blocks)
+                staged.copy_(kv_cache[src.clamp_min(0)], non_blocking=True)
+                ids.copy_(dst, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            for x in (k, v, slot_mapping):
+            # The side stream reads these after the compute stream may have freed them.
+            for x in (kv_cache, slot_mapping) + (() if host_blocks is None else (host_blocks,)):
                 x.record_stream(self.stream)
         else:
-            staged[:, :, 0] = k
-            staged[:, :, 1] = v
-            slots.copy_(slot_mapping)
-        self.pending.append(self.workers.submit(self._scatter, layer, t, event))
+            src, dst = completed_blocks(slot_mapping, self.store.block_size, n, host_blocks)
+            staged.copy_(kv_cache[src.clamp_min(0)])
+            ids.copy_(dst)
+        self.pending.append(self.workers.submit(self._write, layer, n, event))
 
-    def _scatter(self, layer: int, t: int, event) -> None:
+    def _write(self, layer: int, n: int, event) -> None:
         if event is not None:
             event.synchronize()
-        slots = self.staged_slots[layer, :t]
-        valid = slots >= 0
-        s = slots[valid]
-        bs = self.store.block_size
-        # Advanced indices around slices put the token dim first: [n, Hkv, 2, D].
-        self.store.data[layer][s // bs, :, :, s % bs] = self.staging[layer, :t][valid]
+        ids = self.staged_ids[layer, :n]
+        valid = ids >= 0
+        self.store.data[layer].index_copy_(0, torch.where(valid, ids, self.store.num_blocks), self.staging[layer, :n])
         with self._lock:
-            self.tokens_written += int(s.numel())
+            self.blocks_written += int(valid.sum())
 
     def fence(self) -> None:
-        """Wait for every scatter submitted so far (re-raising a worker's error)."""
+        """Wait for every write submitted so far (re-raising a worker's error)."""
         pending, self.pending = self.pending, []
         for f in pending:
             f.result()

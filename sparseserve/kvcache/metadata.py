@@ -30,23 +30,28 @@ def page_end_tokens(slot_mapping: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 def update_key_meta_ref(kv_cache: torch.Tensor, key_meta: torch.Tensor, slot_mapping: torch.Tensor,
-                        page_size: int) -> None:
+                        page_size: int, meta_slots: torch.Tensor | None = None) -> None:
     """After store_kv: recompute min/max of every page this step wrote, from the cache itself.
 
-    kv_cache: one layer [num_blocks, Hkv, 2, block_size, D]; key_meta: that layer's
-    [num_blocks + 1, Hkv, 2, P, D]. A page's tokens up to the page-end token are valid (tokens are
-    written in order), so stale keys of a block's previous owner are never folded in.
+    kv_cache: one layer [cache_blocks, Hkv, 2, block_size, D]; key_meta: that layer's
+    [num_blocks + 1, Hkv, 2, P, D] (row num_blocks: trash). A page's tokens up to the page-end token are
+    valid (tokens are written in order), so stale keys of a block's previous owner are never folded in.
+    meta_slots (kv_offload, where the cache holds device blocks): the same tokens' slots in token blocks,
+    whose rows are updated; None: slot_mapping (the cache is indexed by token block).
     """
-    num_blocks, _, _, block_size, _ = kv_cache.shape
+    cache_blocks, _, _, block_size, _ = kv_cache.shape
+    trash = key_meta.shape[0] - 1
     if slot_mapping.numel() == 0:
         return
+    meta_slots = slot_mapping if meta_slots is None else meta_slots
     end = page_end_tokens(slot_mapping, page_size)
     slot = slot_mapping.clamp_min(0)
-    blk = torch.where(end, slot // block_size, num_blocks)  # everything but page ends goes to the trash row
+    src = torch.where(end, slot // block_size, 0)
+    blk = torch.where(end, meta_slots.clamp_min(0) // block_size, trash)  # all but page ends: the trash row
     off = slot % block_size
     page = off // page_size
     rows = page[:, None] * page_size + torch.arange(page_size, device=slot.device)  # [T, ps]
-    keys = kv_cache[:, :, 0][blk.clamp_max(num_blocks - 1)]  # [T, Hkv, bs, D]
+    keys = kv_cache[:, :, 0][src.clamp_max(cache_blocks - 1)]  # [T, Hkv, bs, D]
     keys = keys.gather(2, rows[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1]))  # [T, Hkv, ps, D]
     valid = (rows <= off[:, None])[:, None, :, None]
     kmin = keys.masked_fill(~valid, float("inf")).amin(2)

@@ -73,7 +73,8 @@ class HBMPool:
         hit = need & (slot >= 0)
         miss = need & (slot < 0)
         in_use = torch.zeros(self.num_slots + 1, dtype=torch.bool, device=key.device)
-        in_use[torch.where(hit, slot, trash_slot)] = True
+        # index_fill_, not `x[idx] = scalar`: the latter copies a CPU scalar, which CUDA-graph capture forbids.
+        in_use.index_fill_(0, torch.where(hit, slot, trash_slot), True)
         # Rank of each miss among the misses of its set: a sort of the N requests, not of the pool.
         set_id = torch.where(miss, self.set_of(key), self.num_sets)
         sorted_set, order = torch.sort(set_id, stable=True)
@@ -89,14 +90,14 @@ class HBMPool:
         load = torch.where(ok, victim, -1)
         # Evict the victims' previous blocks, then install the new owners.
         old = self.owner[torch.where(ok, victim, trash_slot)]
-        self.resident[torch.where(ok & (old >= 0), old, trash_key)] = -1
+        self.resident.index_fill_(0, torch.where(ok & (old >= 0), old, trash_key), -1)
         self.owner[torch.where(ok, victim, trash_slot)] = torch.where(ok, key, -1)
         self.resident[torch.where(ok, key, trash_key)] = victim
-        self.resident[trash_key] = -1
-        self.owner[trash_slot] = -1
+        self.resident[trash_key].fill_(-1)  # fill_: `x[i] = -1` copies a CPU scalar (no graph capture)
+        self.owner[trash_slot].fill_(-1)
         loc = torch.where(hit, slot, load)
         self.last_use[torch.where(loc >= 0, loc, trash_slot)] = self.clock
-        self.last_use[trash_slot] = -1
+        self.last_use[trash_slot].fill_(-1)
         self.clock += 1
         self.stats += torch.stack([hit.sum(), ok.sum(), (miss & ~ok).sum(), torch.ones_like(self.clock)])
         return loc, load

@@ -1,0 +1,312 @@
+"""KV offload benchmarks on the GPU, each side by side with its contrast in one run (DESIGN.md: ratios).
+
+    python -m sparseserve.bench.offload --transfers [--prefill MODEL] [--capacity MODEL] [--json out.json]
+
+--transfers, H2D: 2048 random 16 KB head blocks of a pinned host store gathered into HBM slots by
+FlashH2D (one Triton kernel reading the store over UVA), against one large pinned copy of the same
+bytes (the PCIe ceiling) and a per-block copy loop (what a naive engine does).
+--transfers, D2H: one layer's K/V of a 32K-token prefill leaving the GPU: FlashD2H's contiguous copy
+into pinned staging (side stream) plus the CPU writes into the store rows, against per-block copies.
+--prefill MODEL: a 32K-token prompt's prefill (MODEL's architecture, random weights) without saving to
+the host, with FlashD2H saving (kv_offload), and with a per-block synchronous copy loop instead.
+--capacity MODEL: GPU memory capped at --gpu-memory-gb (default 40, the papers' GPUs), 32K-token
+prompts, 256 output tokens: dense attention with every block in HBM against topk 2048 with kv_offload,
+each at several request counts: the most requests running at once and the decode throughput; the
+decode step of the offload runs split into selection, H2D and attention (CUDA events around each
+phase on a few eager decode steps in the middle of the run).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+
+import torch
+
+from sparseserve.bench.hardware import _time_ms, print_table
+from sparseserve.kernels.flash_h2d import flash_h2d
+
+DTYPE = torch.bfloat16
+
+
+def h2d_bench(num_blocks: int = 2048, store_blocks: int = 65536, bs: int = 32, d: int = 128) -> list[dict]:
+    """GB/s of moving num_blocks random head blocks ([2, bs, d] bf16 = 16 KB) host -> HBM."""
+    host = torch.empty(store_blocks, 2, bs, d, dtype=DTYPE, pin_memory=True)
+    host.view(torch.int16).random_(-2**15, 2**15 - 1)
+    slots = torch.empty(num_blocks + 1, 2, bs, d, dtype=DTYPE, device="cuda")
+    key = torch.randperm(store_blocks)[:num_blocks].cuda()
+    load = torch.arange(num_blocks, device="cuda")
+    nbytes = num_blocks * host[0].numel() * host.element_size()
+    contiguous = host[:num_blocks]  # one large pinned copy of the same byte count: the link's ceiling
+    dst = torch.empty_like(contiguous, device="cuda")
+    key_cpu = key.tolist()
+
+    def per_block() -> None:
+        for i, k in enumerate(key_cpu):
+            slots[i].copy_(host[k], non_blocking=True)
+
+    rows = []
+    for name, fn in [("one large pinned copy", lambda: dst.copy_(contiguous, non_blocking=True)),
+                     ("FlashH2D (Triton, UVA gather)", lambda: flash_h2d(host, slots, key, load)),
+                     ("per-block copy loop", per_block)] + [
+                     (f"FlashH2D chunk={c} warps={w}", lambda c=c, w=w: flash_h2d(host, slots, key, load, c, w))
+                     for c in (1024, 2048, 8192) for w in (2, 4, 8)]:
+        ms = _time_ms(fn, iters=20)
+        rows.append({"h2d": name, "blocks": num_blocks, "MB": nbytes / 1e6, "ms": ms, "GB/s": nbytes / ms / 1e6})
+    flash_h2d(host, slots, key, load)
+    # Bit patterns, not values: random bits include NaNs, which never compare equal.
+    assert torch.equal(slots[:num_blocks].cpu().view(torch.int16), host[key.cpu()].view(torch.int16)), \
+        "FlashH2D gathered wrong blocks"
+    for r in rows:
+        r["vs large copy"] = r["GB/s"] / rows[0]["GB/s"]
+    return rows
+
+
+def d2h_bench(tokens: int = 32768, hkv: int = 8, d: int = 128, bs: int = 32) -> list[dict]:
+    """One layer's new K/V of a `tokens` prefill leaving the GPU into the host store's block layout."""
+    from sparseserve.kvcache.host import HostKVStore
+    nblk = tokens // bs
+    store = HostKVStore(1, nblk, hkv, bs, d, DTYPE, pin=True, device=torch.device("cuda"))
+    store.attach_d2h(tokens, max_seqs=1)
+    k = torch.randn(tokens, hkv, d, dtype=DTYPE, device="cuda")
+    v = torch.randn_like(k)
+    slot_mapping = torch.arange(tokens, device="cuda")
+    cache = torch.empty(nblk, hkv, 2, bs, d, dtype=DTYPE, device="cuda")
+    cache[:, :, 0] = k.view(nblk, bs, hkv, d).transpose(1, 2)
+    cache[:, :, 1] = v.view(nblk, bs, hkv, d).transpose(1, 2)
+    nbytes = 2 * k.numel() * k.element_size()
+
+    def flash() -> None:
+        store.d2h.submit(0, cache, slot_mapping, num_seqs=1)
+        store.fence()
+
+    def per_block() -> None:
+        for b in range(nblk):
+            store.data[0, b].copy_(cache[b], non_blocking=True)
+        torch.cuda.synchronize()
+
+    rows = []
+    for name, fn in [("FlashD2H (staging copy + CPU row writes)", flash), ("per-block copies", per_block)]:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        ms = sorted(times)[2] * 1e3
+        rows.append({"d2h (one layer)": name, "tokens": tokens, "MB": nbytes / 1e6, "ms": ms,
+                     "GB/s": nbytes / ms / 1e6})
+    flash()
+    assert torch.equal(store.data[0, :nblk], cache.cpu()), "FlashD2H scattered wrong tokens"
+    return rows
+
+
+def _engine(model: str, **kw):
+    """A fresh engine on random weights, after the previous one's memory (the caller dropped it) is back."""
+    import gc
+    from sparseserve.engine.engine import LLMEngine
+    gc.collect()  # engines hold reference cycles
+    torch.cuda.empty_cache()
+    return LLMEngine.from_kwargs(model=model, load_format="dummy", dtype="bfloat16", **kw)
+
+
+def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 32000, (n, length), generator=g).tolist()
+
+
+OFFLOAD = dict(sparse_policy="topk", sparse_budget=2048, kv_offload=True)
+
+
+def prefill_bench(model: str, tokens: int = 32768, reps: int = 3) -> list[dict]:
+    """Prefill time of one `tokens` prompt: no saving (sparse topk, no offload), FlashD2H saving, and
+    per-block synchronous copies (the same blocks, one cudaMemcpy each, on the compute stream)."""
+    from sparseserve.kvcache import host as host_mod
+    from sparseserve.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    flash_submit = host_mod.D2HWriter.submit
+
+    def per_block_submit(self, layer, kv_cache, slot_mapping, num_seqs, host_blocks=None):
+        n = slot_mapping.numel() // self.store.block_size + num_seqs
+        src, dst = host_mod.completed_blocks(slot_mapping, self.store.block_size, n, host_blocks)
+        for s_, d_ in zip(src.tolist(), dst.tolist()):
+            if s_ >= 0:
+                self.store.data[layer, d_].copy_(kv_cache[s_])
+
+    rows = []
+    for name, kw, submit in [("no saving", dict(sparse_policy="topk", sparse_budget=2048), flash_submit),
+                             ("FlashD2H saving", OFFLOAD, flash_submit),
+                             ("per-block copies", OFFLOAD, per_block_submit)]:
+        host_mod.D2HWriter.submit = submit
+        try:
+            engine = _engine(model, max_model_len=tokens + 64, max_num_seqs=1, max_num_batched_tokens=8192,
+                             gpu_memory_utilization=0.6, **kw)
+            times = []
+            for r in range(reps + 1):
+                engine.add_request(f"p{r}", _prompts(1, tokens, seed=r)[0], params)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                while engine.has_unfinished_requests():
+                    engine.step()
+                if engine.model_runner.host_kv is not None:
+                    engine.model_runner.host_kv.fence()  # the saving is part of the prefill's cost
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            engine = None
+        finally:
+            host_mod.D2HWriter.submit = flash_submit
+        ms = 1e3 * sorted(times[1:])[len(times[1:]) // 2]  # the first run compiles
+        rows.append({"prefill": name, "tokens": tokens, "ms": ms})
+    for r in rows:
+        r["vs no saving"] = r["ms"] / rows[0]["ms"]
+    return rows
+
+
+class _PhaseTimer:
+    """CUDA events around the sparse decode phases (selection, H2D, attention) of eager steps."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.on = False
+
+    def wrap(self, name: str, fn):
+        def timed(*a, **k):
+            if not self.on:
+                return fn(*a, **k)
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            out = fn(*a, **k)
+            e1.record()
+            self.events.append((name, e0, e1))
+            return out
+        return timed
+
+    def totals_ms(self) -> dict[str, float]:
+        torch.cuda.synchronize()
+        out: dict[str, float] = {}
+        for name, e0, e1 in self.events:
+            out[name] = out.get(name, 0.0) + e0.elapsed_time(e1)
+        return out
+
+
+def capacity_run(model: str, n: int, gpu_gb: float, output_len: int, prompt_len: int, offload: bool,
+                 host_gb: float, reuse: int = 1, profile: bool = False) -> dict:
+    from sparseserve.attention import sparse as sparse_mod
+    from sparseserve.kernels import block_score, sparse_decode as sd_mod
+    from sparseserve.sampling_params import SamplingParams
+    total = torch.cuda.get_device_properties(0).total_memory
+    kw = dict(OFFLOAD, host_kv_memory=int(host_gb * 2**30), sparse_reuse=reuse) if offload else dict(sparse_policy="dense")
+    engine = _engine(model, max_model_len=prompt_len + output_len, max_num_seqs=max(n, 1),
+                     max_num_batched_tokens=8192, gpu_memory_utilization=gpu_gb * 1e9 / total, **kw)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i, p in enumerate(_prompts(n, prompt_len)):
+        engine.add_request(f"c{i}", p, params)
+    sched = engine.scheduler
+    timer = _PhaseTimer()
+    patched = [(block_score, "score_and_select"), (sd_mod, "sparse_decode"), (sparse_mod.SparseBackend, "_offload_plan")]
+    originals = [getattr(m, a) for m, a in patched]
+    for (m, a), f in zip(patched, originals):
+        setattr(m, a, timer.wrap({"score_and_select": "selection", "sparse_decode": "attention",
+                                  "_offload_plan": "h2d"}[a], f))
+    max_running, decode_tokens, decode_s, decode_steps, split_steps, out_replay = 0, 0, 0.0, 0, 0, [None]
+    t0 = time.perf_counter()
+    try:
+        while engine.has_unfinished_requests():
+            max_running = max(max_running, len(sched.running))
+            # Every running request decodes (some may wait for memory: dense's batch is what fits).
+            decode_only = bool(sched.running) and all(
+                s.num_tokens - s.num_computed_tokens == 1 for s in sched.running)
+            nrun = len(sched.running)
+            split = offload and decode_only and decode_steps >= 100 and split_steps < 5
+            graphs = engine.model_runner.graphs
+            if split:  # a few eager steps with events around the phases
+                engine.model_runner.graphs, timer.on = None, True
+            if decode_only and decode_steps == 110 and graphs is not None and nrun in graphs.graphs:
+                # The decode graph alone (a replay of the last step's inputs): GPU time vs the whole step.
+                out_replay = [_time_ms(graphs.graphs[nrun].replay, iters=3)]
+                if profile:
+                    from torch.profiler import ProfilerActivity, profile as tprofile
+                    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+                        graphs.graphs[nrun].replay()
+                        torch.cuda.synchronize()
+                    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+            ts = time.perf_counter()
+            engine.step()
+            te = time.perf_counter()
+            if split:
+                engine.model_runner.graphs, timer.on = graphs, False
+                split_steps += 1
+            elif decode_only:
+                decode_tokens += nrun
+                decode_s += te - ts
+                decode_steps += 1
+    finally:
+        for (m, a), f in zip(patched, originals):
+            setattr(m, a, f)
+    stats = engine.get_stats()
+    out = {"config": f"topk 2048 + kv_offload, R={reuse}" if offload else "dense", "requests": n,
+           "max_running": max_running, "decode_tok_s": decode_tokens / decode_s if decode_s else None,
+           "decode_step_ms": 1e3 * decode_s / decode_steps if decode_steps else None,
+           "graph_replay_ms": out_replay[0], "total_s": time.perf_counter() - t0,
+           "preemptions": stats.num_preemptions}
+    if offload:
+        lookups = stats.offload_hbm_hits + stats.offload_blocks_loaded + stats.offload_bypass_reads
+        out["hbm_hit_ratio"] = stats.offload_hbm_hits / lookups if lookups else None
+        out["bypass_reads"] = stats.offload_bypass_reads
+        out["h2d_GB"] = stats.offload_h2d_bytes / 1e9
+        out["hbm_pool_GiB"] = stats.offload_hbm_slots * engine.model_runner.hbm_pool.slots[0].numel() * 2 / 2**30
+        out["device_blocks"] = stats.offload_device_blocks
+        out.update({f"eager_{k}_ms": v / max(split_steps, 1) for k, v in timer.totals_ms().items()})
+        engine.model_runner.host_kv.fence()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--transfers", action="store_true", help="FlashH2D / FlashD2H against their contrasts")
+    p.add_argument("--prefill", metavar="MODEL", help="32K prefill with and without FlashD2H saving")
+    p.add_argument("--capacity", metavar="MODEL", help="concurrency and decode throughput, dense vs offload")
+    p.add_argument("--dense-requests", default="4,5,8", help="request counts for dense (--capacity)")
+    p.add_argument("--offload-requests", default="20,24", help="request counts for offload (--capacity)")
+    p.add_argument("--profile", action="store_true", help="kernel table of one decode graph replay (--capacity)")
+    p.add_argument("--reuse", default="1", help="sparse_reuse values for offload (--capacity)")
+    p.add_argument("--gpu-memory-gb", type=float, default=40.0, help="GPU memory cap (--capacity)")
+    p.add_argument("--host-kv-gb", type=float, default=100.0, help="host KV store size (--capacity)")
+    p.add_argument("--prompt-len", type=int, default=32768)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the offload benchmarks need a CUDA GPU")
+    result = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+              "torch": torch.__version__}
+    if args.transfers:
+        result["h2d"] = h2d_bench()
+        print_table(result["h2d"], "Host -> HBM, 2048 random 16 KB head blocks")
+        result["d2h"] = d2h_bench()
+        print_table(result["d2h"], "HBM -> host store, one layer of a 32K prefill (8 KV heads, D=128)")
+    if args.prefill:
+        result["prefill"] = prefill_bench(args.prefill, args.prompt_len)
+        print_table(result["prefill"], f"Prefill of one {args.prompt_len}-token prompt, saving to the host store")
+    if args.capacity:
+        rows = []
+        runs = [(False, n, 1) for n in args.dense_requests.split(",") if n] + [
+            (True, n, r) for n in args.offload_requests.split(",") if n for r in args.reuse.split(",")]
+        for offload, n, r in runs:
+            rows.append(capacity_run(args.capacity, int(n), args.gpu_memory_gb, args.output_len, args.prompt_len,
+                                     offload, args.host_kv_gb, int(r), args.profile))
+            print_table(rows[-1:], "")
+        result["capacity"] = rows
+        best = {c: max((r["decode_tok_s"] or 0) for r in rows if r["config"] == c) for c in {r["config"] for r in rows}}
+        print_table(rows, f"{args.prompt_len}-token prompts, {args.output_len} out, GPU memory capped at "
+                          f"{args.gpu_memory_gb:g} GB; best decode tok/s: {best}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

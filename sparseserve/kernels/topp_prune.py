@@ -1,0 +1,219 @@
+"""Triton: topp's second stage, Twilight's select-then-prune at block granularity.
+
+The first stage (kernels/block_score.py with SelectionParams.candidates) fills each due list with the
+forced blocks (sink, local window) and the top candidates by their min/max bounds. Here:
+
+  1. _block_lse_kernel, program (sequence, KV head, tile of list entries): for every listed block and
+     query head of the group, the log-sum-exp of scale * q.k over the block's valid tokens (its real,
+     unnormalised attention mass). Reads only K, of at most `cap` blocks.
+  2. _prune_kernel, program (sequence, KV head): per query head the softmax of those lse over the list,
+     averaged over the group; keeps the forced entries and the fewest best candidates that bring the
+     mass to p (a search over the masses' bit patterns, as in block_score.py's selection: no sort),
+     compacts the list in place and takes the dropped entries off the selection counter.
+
+Both skip padding rows, rows that fit the cap (all their blocks are forced) and, with reuse, rows
+that keep their list this step, so the grid depends only on shapes: capturable in a CUDA graph.
+References: attention/selection.py block_lse_ref, prune_ref, prune_selection_ref.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparseserve.attention.selection import SelectionParams
+
+MAX_PRUNE_CAP = 4096  # one prune program holds a list in registers
+
+
+@triton.jit
+def _skip(seq_lens_ptr, slots_ptr, counter_ptr, b, kvh, stride_cs,
+          BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr):
+    """Whether row b's list for KV head kvh stays as it is: a padding row, a context that fits the cap
+    (every block forced), or, with reuse, a list kept this step. The selection kernel has already
+    counted the step, so a recomputed list's counter - 1 is a multiple of REUSE."""
+    seq_len = tl.load(seq_lens_ptr + b)
+    skip = (seq_len == 0) | ((tl.cdiv(seq_len, BLOCK_SIZE) <= CAP) & SHORT_DENSE)
+    if REUSE > 1:
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        skip = skip | ((tl.load(counter_ptr + slot * stride_cs + kvh) - 1) % REUSE != 0)
+    return skip
+
+
+@triton.jit
+def _block_lse_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, lse_ptr, scale,
+                      pool_ptr, host_ptr, loc_ptr, key_ptr,
+                      stride_qt, stride_qh, stride_cb, stride_ch, stride_tb, stride_ss, stride_cs,
+                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr,
+                      REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                      TILE_E: tl.constexpr, DOT_PREC: tl.constexpr, OFFLOAD: tl.constexpr, LOCAL: tl.constexpr):
+    """lse[b, kvh * GROUP + g, e] for the TILE_E list entries e of this program (reference: block_lse_ref).
+    OFFLOAD: entries before the local window read K through their HBM pool slot loc[b, kvh, e] (or the
+    host store row key[b, kvh, e] when loc < 0: a bypass), as the sparse decode kernel does; the window
+    comes from the device cache."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    if _skip(seq_lens_ptr, slots_ptr, counter_ptr, b, kvh, stride_cs, BLOCK_SIZE, CAP, REUSE, SHORT_DENSE):
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=(g < GROUP)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    t = tl.arange(0, TILE_E * BLOCK_SIZE)  # token t of the tile: entry t // BLOCK_SIZE, row t % BLOCK_SIZE
+    e = tl.program_id(2) * TILE_E + t // BLOCK_SIZE
+    off = t % BLOCK_SIZE
+    j = tl.load(sel_ptr + slot * stride_ss + kvh * CAP + e, mask=e < CAP, other=-1)
+    ok = (j >= 0) & (j * BLOCK_SIZE + off < seq_len)
+    dmask = (dims < HEAD_DIM)[None, :]
+    if OFFLOAD:
+        listed = ok & (j < tl.maximum(tl.cdiv(seq_len, BLOCK_SIZE) - LOCAL, 0))
+        lrow = (b.to(tl.int64) * tl.num_programs(1) + kvh) * CAP
+        pslot = tl.load(loc_ptr + lrow + e, mask=listed & (e < CAP), other=-1)
+        hkey = tl.load(key_ptr + lrow + e, mask=listed & (e < CAP), other=0)
+        in_cache = ok & ~listed
+        blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + j, mask=in_cache, other=0).to(tl.int64)
+        row = (off * HEAD_DIM)[:, None] + dims[None, :]  # K: the first half of a [2, bs, D] head block
+        k = tl.load(cache_ptr + (blk * stride_cb + kvh * stride_ch)[:, None] + row,
+                    mask=in_cache[:, None] & dmask, other=0.0)
+        k += tl.load(pool_ptr + (tl.maximum(pslot, 0) * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row,
+                     mask=(listed & (pslot >= 0))[:, None] & dmask, other=0.0)
+        k += tl.load(host_ptr + (hkey * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row,
+                     mask=(listed & (pslot < 0))[:, None] & dmask, other=0.0)
+    else:
+        blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + j, mask=ok, other=0).to(tl.int64)
+        k = tl.load(cache_ptr + (blk * stride_cb + kvh * stride_ch + off * HEAD_DIM)[:, None] + dims[None, :],
+                    mask=ok[:, None] & dmask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale  # [BLOCK_G, TILE_E * BLOCK_SIZE]
+    s = tl.reshape(tl.where(ok[None, :], s, float("-inf")), (BLOCK_G, TILE_E, BLOCK_SIZE))
+    m = tl.max(s, 2)
+    m = tl.where(m == float("-inf"), 0.0, m)  # an empty entry: exp gives 0 below, lse -inf
+    total = tl.sum(tl.exp(s - m[:, :, None]), 2)
+    lse = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+    ee = tl.program_id(2) * TILE_E + tl.arange(0, TILE_E)
+    row = (b * tl.num_programs(1) * GROUP + heads).to(tl.int64) * CAP
+    tl.store(lse_ptr + row[:, None] + ee[None, :], lse, mask=(g < GROUP)[:, None] & (ee < CAP)[None, :])
+
+
+@triton.jit
+def _keep_top_p(r, forced, cand, top_p, WAYS: tl.constexpr, ITERS: tl.constexpr):
+    """The candidates of mass r >= t, for the largest t at which forced + those reach top_p. A search
+    over bit patterns (non-negative floats order like their int32 patterns): each round tests WAYS
+    thresholds and keeps the interval after the last that passes; no sort."""
+    fmass = tl.sum(tl.where(forced, r, 0.0), 0)
+    bits = r.to(tl.int32, bitcast=True)
+    lo = tl.full([], 0, tl.int32)  # stays 0 (every candidate) if no threshold reaches p
+    hi = tl.full([], 0x7F800001, tl.int32)  # one past +inf: forced alone reaching p keeps no candidate
+    w = tl.arange(0, WAYS)
+    for _ in range(ITERS):
+        step = tl.cdiv(hi - lo, WAYS)
+        th = lo + w * step
+        ge = cand[None, :] & (bits[None, :] >= th[:, None])  # [WAYS, CAP_PAD]
+        ok = fmass + tl.sum(tl.where(ge, r[None, :], 0.0), 1) >= top_p
+        n_ok = tl.sum(((ok & (th < hi)) | (w == 0)).to(tl.int32), 0)  # monotone: the passes are a prefix
+        hi = tl.minimum(lo + n_ok * step, hi)
+        lo = lo + (n_ok - 1) * step
+    return cand & (bits >= lo)
+
+
+@triton.jit
+def _prune_kernel(lse_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, stats_ptr, top_p, stride_ss, stride_cs,
+                  GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr, SINK: tl.constexpr,
+                  LOCAL: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, PER_HEAD: tl.constexpr,
+                  BLOCK_G: tl.constexpr, CAP_PAD: tl.constexpr, WAYS: tl.constexpr, ITERS: tl.constexpr):
+    """Prunes the list of (b, kvh) in place (reference: prune_ref / prune_selection_ref)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    if _skip(seq_lens_ptr, slots_ptr, counter_ptr, b, kvh, stride_cs, BLOCK_SIZE, CAP, REUSE, SHORT_DENSE):
+        return
+    nb = tl.cdiv(tl.load(seq_lens_ptr + b), BLOCK_SIZE)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    e = tl.arange(0, CAP_PAD)
+    sel_row = sel_ptr + slot * stride_ss + kvh * CAP
+    j = tl.load(sel_row + e, mask=e < CAP, other=-1)
+    listed = j >= 0
+    forced = listed & ((j < SINK) | (j >= nb - LOCAL))
+    cand = listed & ~forced
+    # Per query head: softmax over the listed entries; then the group's mean (or each head on its own).
+    g = tl.arange(0, BLOCK_G)
+    valid = (g < GROUP)[:, None] & listed[None, :]
+    lse = tl.load(lse_ptr + ((b * tl.num_programs(1) * GROUP + kvh * GROUP + g).to(tl.int64) * CAP)[:, None]
+                  + e[None, :], mask=valid, other=float("-inf"))
+    m = tl.max(lse, 1)
+    x = tl.where(valid, tl.exp(lse - tl.where(m == float("-inf"), 0.0, m)[:, None]), 0.0)
+    z = tl.sum(x, 1)
+    probs = x / tl.where(z > 0, z, 1.0)[:, None]  # [BLOCK_G, CAP_PAD]
+    keep = forced
+    if PER_HEAD:
+        for h in tl.static_range(GROUP):
+            keep = keep | _keep_top_p(tl.sum(tl.where(g[:, None] == h, probs, 0.0), 0), forced, cand, top_p,
+                                      WAYS, ITERS)
+    else:
+        keep = keep | _keep_top_p(tl.sum(probs, 0) / GROUP, forced, cand, top_p, WAYS, ITERS)
+    count = tl.sum(keep.to(tl.int32), 0)
+    pos = tl.cumsum(keep.to(tl.int32), 0) - 1
+    tl.store(sel_row + pos, j, mask=keep)  # pos <= e: every entry was read before any store
+    tl.store(sel_row + e, tl.full([CAP_PAD], -1, tl.int32), mask=(e >= count) & (e < CAP))
+    tl.atomic_add(stats_ptr, (count - tl.sum(listed.to(tl.int32), 0)).to(tl.int64))
+
+
+def block_lse(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+              slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor, p: SelectionParams, scale: float,
+              tile_n: int = 128, offload: tuple | None = None) -> torch.Tensor:
+    """float32 [B, Hq, cap]: block_lse_ref of the lists sel[slots], written for the rows that prune.
+    offload: (pool slots, host store rows, loc, key) as for kernels/sparse_decode.py sparse_decode."""
+    batch, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, _, block_size, _ = kv_cache.shape
+    cap = sel.shape[-1]
+    assert cap == p.cap and sel.stride(2) == 1 and counter.stride(1) == 1
+    assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim and q.stride(2) == 1
+    group = num_q_heads // num_kv_heads
+    lse = torch.empty(batch, num_q_heads, cap, dtype=torch.float32, device=q.device)
+    if batch == 0:
+        return lse
+    tile_e = max(1, tile_n // block_size, 16 // block_size)  # tl.dot needs 16 rows
+    if offload is not None:
+        pool_slots, host_flat, loc, key = offload
+        assert pool_slots.is_contiguous() and host_flat.is_contiguous() and loc.is_contiguous() and key.is_contiguous()
+    else:
+        pool_slots = host_flat = loc = key = kv_cache  # unused (OFFLOAD=False)
+    _block_lse_kernel[(batch, num_kv_heads, triton.cdiv(cap, tile_e))](
+        q, kv_cache, block_tables, seq_lens, slots, sel, counter, lse, scale, pool_slots, host_flat, loc, key,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), sel.stride(0),
+        counter.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, CAP=cap, REUSE=p.reuse, SHORT_DENSE=p.short_dense,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        TILE_E=tile_e, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", OFFLOAD=offload is not None,
+        LOCAL=p.local, num_warps=4)
+    return lse
+
+
+def prune_lists(lse: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor,
+                counter: torch.Tensor, stats: torch.Tensor, p: SelectionParams, ways: int = 4) -> None:
+    """Prunes the lists sel[slots] in place from their blocks' lse [B, Hq, cap] (prune_ref); stats[0] loses
+    the dropped entries."""
+    batch, num_q_heads, cap = lse.shape
+    num_kv_heads = sel.shape[1]
+    if batch == 0:
+        return
+    if cap > MAX_PRUNE_CAP:
+        raise ValueError(f"topp prunes lists of up to {MAX_PRUNE_CAP} blocks, got {cap}: lower sparse_budget")
+    assert cap == p.cap == sel.shape[-1] and sel.stride(2) == 1 and counter.stride(1) == 1 and lse.is_contiguous()
+    group = num_q_heads // num_kv_heads
+    _prune_kernel[(batch, num_kv_heads)](
+        lse, seq_lens, slots, sel, counter, stats, p.prune_target, sel.stride(0), counter.stride(0),
+        GROUP=group, BLOCK_SIZE=p.block_size, CAP=cap, SINK=p.sink, LOCAL=p.local, REUSE=p.reuse,
+        SHORT_DENSE=p.short_dense, PER_HEAD=p.per_head, BLOCK_G=triton.next_power_of_2(group), CAP_PAD=max(16, triton.next_power_of_2(cap)),
+        WAYS=ways, ITERS=-(-31 // (ways.bit_length() - 1)) + 1, num_warps=4)
+
+
+def topp_prune(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor,
+               p: SelectionParams, scale: float, offload: tuple | None = None) -> None:
+    """Triton twin of prune_selection_ref: prunes, in place, the candidate lists sel [S, Hkv, cap] that the
+    selection kernel just wrote for the decode rows q [B, Hq, D]. kv_cache: one layer [NB, Hkv, 2, bs, D].
+    offload: the candidates' K read through the HBM pool (block_lse)."""
+    lse = block_lse(q, kv_cache, block_tables, seq_lens, slots, sel, counter, p, scale, offload=offload)
+    prune_lists(lse, seq_lens, slots, sel, counter, stats, p)

@@ -1,0 +1,66 @@
+"""kv_offload: how the device KV budget is split (DESIGN.md principle 4: DRAM is the store, HBM the cache).
+
+Token blocks (the scheduler's allocator) are the host store's rows. On the device:
+  - key metadata of EVERY token block (scoring reads it each step; ~1/32 of the KV bytes with one page a
+    block, 1/16 with two);
+  - the first `dense_layers` layers keep a full-size KV cache indexed by token block (they attend to every
+    block every step, so offloading them would load everything);
+  - the device block cache of the other layers: the working set only (prefilling sequences whole, decode
+    windows with their tails; kvcache/blocks.py DeviceBlockMap);
+  - the HBM pool of head-block slots (kvcache/pool.py) through which sparse decode reads the rest.
+The device block cache must hold at least one max_model_len sequence (a prefill reads all its blocks).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class OffloadLayout:
+    token_blocks: int          # host store rows = the scheduler's token blocks
+    device_blocks: int         # rows of the device block cache (sparse layers), without its trash row
+    pool_slots: int            # HBM pool head-block slots
+    dense_layers: int          # layers with a full-size device cache
+    token_block_bytes: int     # device bytes per token block: full-size dense layers + metadata
+    device_block_bytes: int    # bytes of one device block (every sparse layer and KV head)
+    head_block_bytes: int      # bytes of one pool slot
+
+    @classmethod
+    def plan(cls, *, budget: int | None, device_blocks: int | None, token_blocks: int, pool_slots: int | None,
+             default_pool_slots: int, min_device_blocks: int, num_layers: int, dense_layers: int,
+             kv_layer_block_bytes: int, meta_block_bytes: int, head_block_bytes: int) -> "OffloadLayout":
+        """budget: device bytes for all of it (None: device_blocks given, the rest sized without a budget).
+        kv_layer_block_bytes: K and V of one token block in one layer (every KV head)."""
+        dense_layers = min(dense_layers, num_layers)
+        if dense_layers == num_layers:
+            raise ValueError(f"kv_offload with sparse_dense_layers={dense_layers} >= the model's {num_layers} "
+                             f"layers offloads nothing: lower sparse_dense_layers")
+        token_bytes = dense_layers * kv_layer_block_bytes + meta_block_bytes
+        device_bytes = (num_layers - dense_layers) * kv_layer_block_bytes
+        if device_blocks is None:
+            assert budget is not None
+            rest = budget - token_blocks * token_bytes - device_bytes  # (the device cache's trash row)
+            if pool_slots is None:  # at most half of what is left: the device cache needs the other half
+                pool_slots = min(default_pool_slots, max(rest, 0) // 2 // head_block_bytes)
+            device_blocks = min((rest - pool_slots * head_block_bytes) // device_bytes, token_blocks)
+        elif pool_slots is None:
+            pool_slots = default_pool_slots
+        layout = cls(token_blocks, max(device_blocks, 0), max(pool_slots, 0), dense_layers, token_bytes,
+                     device_bytes, head_block_bytes)
+        if layout.device_blocks < min_device_blocks or layout.pool_slots < 1:
+            raise ValueError(
+                f"kv_offload: {layout.describe()}; the device block cache needs at least {min_device_blocks} "
+                f"blocks (one max_model_len sequence) and the pool one slot: lower host_kv_memory, "
+                f"hbm_cache_blocks, sparse_dense_layers or max_model_len, or give the KV cache more memory")
+        return layout
+
+    def describe(self) -> str:
+        return (f"{self.token_blocks} token blocks (metadata + {self.dense_layers} dense layers: "
+                f"{self.token_blocks * self.token_block_bytes / GiB:.2f} GiB), device block cache "
+                f"{self.device_blocks} blocks ({(self.device_blocks + 1) * self.device_block_bytes / GiB:.2f} GiB), "
+                f"HBM pool {self.pool_slots} head-block slots "
+                f"({self.pool_slots * self.head_block_bytes / GiB:.2f} GiB)")

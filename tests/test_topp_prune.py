@@ -1,0 +1,136 @@
+"""kernels/topp_prune.py (topp's select-then-prune) against its torch references in attention/selection.py,
+on random inputs. Without CUDA the kernels run under the Triton interpreter on small shapes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernel_utils import DEVICE as DEV, TOL, rel_err
+from sparseserve.attention.selection import (SelectionParams, block_lse_ref, prune_ref, prune_selection_ref,
+                                             update_selection_ref)
+from sparseserve.kernels.topp_prune import block_lse, prune_lists, topp_prune
+
+
+def batch(lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype, sharp: float):
+    """Decode queries (times `sharp`: peaked attention, so that pruning has something to choose), a
+    cache of shuffled blocks and block tables; seq_len 0 is a padding row."""
+    width = max(-(-n // bs) for n in lens) + 1
+    num_blocks = sum(-(-n // bs) for n in lens) + 2
+    ids = torch.randperm(num_blocks, dtype=torch.int32)
+    tables = torch.randint(0, num_blocks, (len(lens), width), dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(lens):
+        nb = -(-n // bs)
+        tables[b, :nb] = ids[start:start + nb]
+        start += nb
+    q = (sharp * torch.randn(len(lens), hq, d)).to(dtype)
+    cache = torch.randn(num_blocks, hkv, 2, bs, d).to(dtype)
+    return q.to(DEV), cache.to(DEV), tables.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
+
+
+def candidates(seq_lens: torch.Tensor, slots: torch.Tensor, state, streaming: torch.Tensor, p: SelectionParams,
+               scores: torch.Tensor) -> None:
+    """The first stage, as the engine runs it: topk over bound scores [B, Hq, MB] fills the lists."""
+    past_end = torch.arange(scores.shape[-1], device=DEV)[None, None] >= -(-seq_lens[:, None, None] // p.block_size)
+    update_selection_ref(scores.masked_fill(past_end, float("-inf")), seq_lens, slots, *state, streaming,
+                         p.candidates)
+
+
+def random_scores(seq_lens: torch.Tensor, hq: int, bs: int) -> torch.Tensor:
+    return 3 * torch.randn(len(seq_lens), hq, int(seq_lens.max() + bs - 1) // bs, device=DEV)
+
+
+LENS = [40 * 16, 3 * 16, 0, 17 * 16 + 3, 25 * 16 + 1]  # long rows, one that fits the cap, padding, partial blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 2, 32, 16), (6, 2, 16, 8), (4, 4, 64, 32)])
+def test_block_lse(dtype, hq, hkv, d, bs):
+    """Per query head log-sum-exp of q.k over each listed block's valid tokens, on the rows that prune."""
+    torch.manual_seed(0)
+    lens = [n * bs // 16 for n in LENS]
+    q, cache, tables, seq_lens = batch(lens, hq, hkv, d, bs, dtype, sharp=1.0)
+    p = SelectionParams("topp", cap=7, sink=1, local=2, top_p=0.9, reuse=1, block_size=bs, page_size=bs)
+    slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
+    state = (torch.full((6, hkv, p.cap), -1, dtype=torch.int32, device=DEV),
+             torch.zeros(6, hkv, dtype=torch.int32, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV))
+    candidates(seq_lens, slots, state, torch.zeros(hkv, dtype=torch.bool, device=DEV), p,
+               random_scores(seq_lens, hq, bs))
+    sel = state[0]
+    out = block_lse(q, cache, tables, seq_lens, slots, sel, state[1], p, d ** -0.5)
+    ref = block_lse_ref(q, cache, tables, seq_lens, sel[slots.long()], d ** -0.5)
+    rows = [b for b, n in enumerate(lens) if -(-n // bs) > p.cap]  # the others keep every block: not written
+    assert len(rows) == 3
+    listed = (sel[slots.long()][rows] >= 0).repeat_interleave(hq // hkv, 1)
+    assert torch.isinf(ref[rows][~listed]).all() and torch.isfinite(ref[rows][listed]).all()
+    assert rel_err(out[rows][listed], ref[rows][listed]) < TOL[dtype]
+    assert torch.equal(out[rows][~listed], ref[rows][~listed])
+
+
+@pytest.mark.parametrize("top_p,per_head", [(0.5, False), (0.8, False), (0.95, False), (1.0, False), (0.8, True)])
+def test_prune_lists(top_p, per_head):
+    """Given the same lse, the kernel's lists equal prune_ref's, order included, over reuse steps; stats[0]
+    loses exactly the dropped entries."""
+    torch.manual_seed(1)
+    hq, hkv, bs, cap, nslots = 8, 4, 16, 9, 6
+    seq_lens = torch.tensor(LENS, dtype=torch.int32, device=DEV)
+    slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
+    streaming = torch.tensor([False, True, False, False], device=DEV)
+    p = SelectionParams("topp", cap=cap, sink=1, local=2, top_p=top_p, reuse=2, block_size=bs, page_size=bs,
+                        per_head=per_head)
+    state = (torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
+             torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV))
+    pruned_any = kept_any = False
+    for step in range(3):
+        candidates(seq_lens, slots, state, streaming, p, random_scores(seq_lens, hq, bs))
+        before = [t.clone() for t in state]
+        lse = 4 * torch.randn(len(LENS), hq, cap, device=DEV)  # peaked masses; -1 entries are ignored
+        prune_lists(lse, seq_lens, slots, *state, p)
+        sel, counter, stats = before
+        due = (seq_lens > 0)[:, None] & ((counter[slots.long()] - 1) % p.reuse == 0)
+        lists = sel[slots.long()]
+        want = torch.where(due[..., None], prune_ref(lse, lists, seq_lens, p), lists)
+        assert torch.equal(state[0][slots.long()], want), step
+        assert torch.equal(state[1], counter)
+        assert int(state[2][0]) == int(stats[0]) - int(((lists >= 0).sum(-1) - (want >= 0).sum(-1)).sum())
+        assert torch.equal(state[2][1], stats[1])
+        n_listed, n_kept = (lists >= 0).sum(-1), (want >= 0).sum(-1)
+        pruned_any |= bool((n_kept < n_listed).any())
+        kept_any |= bool((due & (n_kept > 3)).any())  # a candidate past sink + 2 local kept
+    assert pruned_any == (top_p < 1.0) and kept_any
+    # The streaming head's lists hold only sink + local, the short row all its 3 blocks: nothing pruned.
+    assert sorted(state[0][4, 1].tolist()) == [-1] * (cap - 3) + [0, 38, 39]
+    assert sorted(state[0][0, 0].tolist()) == [-1] * (cap - 3) + [0, 1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32])
+@pytest.mark.parametrize("top_p,reuse,per_head", [(0.6, 1, False), (0.9, 3, False), (0.7, 1, True)])
+def test_topp_prune_vs_reference(dtype, top_p, reuse, per_head):
+    """Both kernels together against prune_selection_ref on fresh candidate lists, over reuse steps."""
+    torch.manual_seed(2)
+    hq, hkv, d, bs, cap, nslots = 8, 2, 32, 16, 8, 6
+    q, cache, tables, seq_lens = batch(LENS, hq, hkv, d, bs, dtype, sharp=3.0)
+    slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
+    streaming = torch.zeros(hkv, dtype=torch.bool, device=DEV)
+    p = SelectionParams("topp", cap=cap, sink=1, local=2, top_p=top_p, reuse=reuse, block_size=bs, page_size=bs,
+                        per_head=per_head)
+    states = [(torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
+               torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV))
+              for _ in range(2)]
+    live, n_listed = seq_lens > 0, 0
+    for step in range(4):
+        q = 3 * torch.randn_like(q)
+        scores = random_scores(seq_lens, hq, bs)
+        for state in states:  # the same candidates for both
+            candidates(seq_lens, slots, state, streaming, p, scores)
+        n_cand = int(states[0][2][0])
+        prune_selection_ref(q, cache, tables, seq_lens, slots, *states[0], p, d ** -0.5)
+        topp_prune(q, cache, tables, seq_lens, slots, *states[1], p, d ** -0.5)
+        for a, b in zip(*states):
+            assert torch.equal(a, b), step
+        if step % reuse == 0:  # something pruned; the counter reports exactly what the new lists hold
+            assert int(states[1][2][0]) < n_cand
+            assert int(states[1][2][0]) - n_listed == int((states[1][0][slots[live].long()] >= 0).sum())
+        else:
+            assert int(states[1][2][0]) == n_listed
+        n_listed = int(states[1][2][0])
