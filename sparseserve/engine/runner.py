@@ -281,7 +281,7 @@ class ModelRunner:
             table = seq.block_table_array()
             tables[b, : len(table)] = table
             if offload:
-                dev_tables[b, : len(table)] = seq.device_table_array(self.num_device_blocks)
+                seq.fill_device_row(dev_tables[b], self.num_device_blocks)
         dev = self.device
 
         def to_dev(x: list, dtype: torch.dtype = torch.long) -> torch.Tensor:

@@ -120,12 +120,14 @@ class DeviceBlockMap:
             raise RuntimeError(f"sequence {seq.seq_id} needs token block {lo} on the device again after "
                                f"releasing it (device range starts at {seq.device_start})")
         cut = min(lo - seq.device_start, len(seq.device_blocks))
-        released = seq.device_blocks[:cut]
-        self.allocator.free(released)
-        seq.device_blocks = seq.device_blocks[cut:]
-        seq.device_start += cut
-        if not seq.device_blocks:
-            seq.device_start = lo
+        released: list[int] = []
+        if cut:  # a decode's window moves once per block_size steps: most steps release nothing
+            released = seq.device_blocks[:cut]
+            self.allocator.free(released)
+            seq.device_blocks = seq.device_blocks[cut:]
+            seq.device_start += cut
+            if not seq.device_blocks:
+                seq.device_start = lo
         end = seq.device_start + len(seq.device_blocks)
         if hi > end:
             seq.device_blocks.extend(self.allocator.allocate(hi - end))
