@@ -167,10 +167,10 @@ def test_device_block_map_working_set():
     assert dm.num_to_allocate(seq, 1) == -2
     dm.map(seq, 1)
     assert (seq.device_start, len(seq.device_blocks)) == (2, 2) and dm.allocator.num_used == 2
-    table = seq.device_table_array(trash=8)
-    assert table[:2].tolist() == [8, 8] and table[2:].tolist() == seq.device_blocks
     row = np.zeros(6, dtype=np.int32)  # a row of a wider step table: written in place, its tail untouched
     seq.fill_device_row(row, trash=8)
+    table = row[:4]
+    assert table[:2].tolist() == [8, 8] and table[2:].tolist() == seq.device_blocks
     assert row.tolist() == table.tolist() + [0, 0]
     for t in range(14, 17):  # token 16 opens block 4: block 2 leaves, net zero
         seq.num_computed_tokens = t

@@ -282,14 +282,15 @@ class SparseBackend(AttentionBackend):
         key, loc = self._offload_plan(layer_idx, token_tables, seq_lens, sel_rows)
         listed_kv = pool.read(self.host.flat(), key.reshape(-1), loc.reshape(-1)).view(*sel_rows.shape,
                                                                                          *pool.slots.shape[1:])
+        if p.policy != "topp":
+            return sparse_decode_offload_ref(q, kv_cache, tables, seq_lens, sel_rows, listed_kv, p.local,
+                                             max_seq_len, scale)
+        # topp: every block a list may keep is in ctx ([B, MB] logical blocks, flattened); prune, then attend.
         ctx = offload_context_ref(kv_cache, tables, seq_lens, sel_rows, listed_kv, p.local, max_seq_len)
-        if p.policy == "topp":  # every block a list may keep is in ctx: [B, MB] logical blocks, flattened
-            batch, mb = ctx.shape[:2]
-            ctx, ctx_tables = ctx.flatten(0, 1), torch.arange(batch * mb, device=q.device).view(batch, mb)
-            prune_selection_ref(q, ctx, ctx_tables, seq_lens, slots, sel, counter, self.stats, p, scale)
-            return sparse_decode_ref(q, ctx, ctx_tables, seq_lens, sel[slots.long()], p.local, max_seq_len, scale)
-        blocks = attended_blocks(sel_rows, seq_lens, p.local, p.block_size, ctx.shape[1])
-        return _attend_blocks_ref(q, ctx, seq_lens, blocks, scale)
+        batch, mb = ctx.shape[:2]
+        ctx, ctx_tables = ctx.flatten(0, 1), torch.arange(batch * mb, device=q.device).view(batch, mb)
+        prune_selection_ref(q, ctx, ctx_tables, seq_lens, slots, sel, counter, self.stats, p, scale)
+        return sparse_decode_ref(q, ctx, ctx_tables, seq_lens, sel[slots.long()], p.local, max_seq_len, scale)
 
     def attended_blocks(self, layer_idx: int, meta: AttentionMetadata) -> torch.Tensor:
         """bool [num_decodes, Hkv, max_blocks] of the step just run (for bench/attention_probe.py)."""

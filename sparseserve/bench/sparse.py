@@ -30,7 +30,7 @@ from sparseserve.bench.hardware import hbm_bandwidth, print_table
 from sparseserve.config import SparseConfig
 from sparseserve.kernels.block_score import ScoreConfig, SelectConfig, block_scores, select_blocks
 from sparseserve.kernels.paged_decode import paged_decode
-from sparseserve.kernels.sparse_decode import SparseDecodeConfig, num_sms, sparse_decode
+from sparseserve.kernels.sparse_decode import SparseDecodeConfig, sparse_decode
 from sparseserve.kvcache.metadata import rebuild_key_meta
 
 DTYPE = torch.bfloat16

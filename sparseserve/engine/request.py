@@ -59,16 +59,10 @@ class Sequence:
             self._table_array = np.asarray(self.block_table, dtype=np.int32)
         return self._table_array
 
-    def device_table_array(self, trash: int) -> np.ndarray:
-        """kv_offload: the device block of each token block, `trash` where it has none (released or past the
-        device range): int32 [len(block_table)]."""
-        table = np.empty(len(self.block_table), dtype=np.int32)
-        self.fill_device_row(table, trash)
-        return table
-
     def fill_device_row(self, row: np.ndarray, trash: int) -> None:
-        """Writes device_table_array(trash) into row[:len(block_table)] in place: the step's table is built
-        without a temporary array per sequence."""
+        """kv_offload: writes the device block of each token block into row[:len(block_table)] in place
+        (`trash` where it has none: released or past the device range); the step's table needs no
+        temporary array per sequence."""
         row[: len(self.block_table)] = trash
         row[self.device_start: self.device_start + len(self.device_blocks)] = self.device_blocks
 
