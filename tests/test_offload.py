@@ -6,6 +6,7 @@ device block space so small that sequences wait for it), with the accounting of 
 blocks and pool slots checked over random schedules."""
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -21,6 +22,7 @@ from sparseserve.kvcache.pool import HBMPool
 from sparseserve.metrics import ServerMetrics, parse_metrics
 from sparseserve.engine.request import Sequence
 from sparseserve.kvcache.blocks import DeviceBlockMap
+from sparseserve.kvcache.layout import GiB, OffloadLayout
 from tests.kernel_utils import DEVICE
 from tests.schedules import drive_random_schedule, held_blocks
 
@@ -70,8 +72,11 @@ def test_host_capacity_bounds_admission(tiny_model_dir):
     assert stats.num_preemptions > 0 and stats.num_blocks_used == 0 and stats.offload_host_blocks == 24
 
 
-def make_pool(num_slots: int, ways: int, blocks: int = 8, layers: int = 1, hkv: int = 1) -> HBMPool:
-    return HBMPool(layers, blocks, hkv, 2, 4, num_slots, torch.float32, torch.device("cpu"), ways=ways)
+def make_pool(num_slots: int, ways: int, blocks: int = 8, layers: int = 1, hkv: int = 1,
+              use_triton: bool = False) -> HBMPool:
+    """use_triton: the Triton plan (kernels/pool_plan.py; under the interpreter without CUDA)."""
+    device = DEVICE if use_triton else torch.device("cpu")
+    return HBMPool(layers, blocks, hkv, 2, 4, num_slots, torch.float32, device, ways=ways, use_triton=use_triton)
 
 
 def test_pool_hand_built_lru():
@@ -94,21 +99,23 @@ def test_pool_hand_built_lru():
     pool.check()
 
 
+@pytest.mark.parametrize("use_triton", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_pool_random_requests(seed):
+def test_pool_random_requests(seed, use_triton):
     """Random requests of several layers and KV heads: every read returns the host's data, no slot is
-    loaded that the step also hits or loads twice, and the residency invariants hold."""
+    loaded that the step also hits or loads twice, and the residency invariants hold (torch and Triton
+    plans)."""
     g = torch.Generator().manual_seed(seed)
     layers, blocks, hkv, bs, d = 3, 12, 2, 2, 4
     host = HostKVStore(layers, blocks, hkv, bs, d, torch.float32, pin=False)
     host.data.copy_(torch.randn(host.data.shape, generator=g))
     for slots, ways in ((6, 2), (16, 8), (64, 4)):
-        pool = make_pool(slots, ways, blocks, layers, hkv)
+        pool = make_pool(slots, ways, blocks, layers, hkv, use_triton)
         for step in range(40):
             layer = step % layers
             req = torch.stack([torch.randperm(blocks + 3, generator=g)[:5] - 3 for _ in range(hkv)])  # -1.. padding
             req = req.clamp_min(-1)
-            key = pool.keys(layer, req).reshape(-1)
+            key = pool.keys(layer, req.to(pool.resident.device)).reshape(-1)
             loc, load = pool.plan(key)
             need = key != pool.trash_key
             used = loc[loc >= 0]
@@ -116,7 +123,7 @@ def test_pool_random_requests(seed):
             assert not ((loc >= 0) & ~need).any() and not ((load >= 0) & (load != loc)).any()
             pool.gather_ref(host.flat(), key, load)
             got = pool.read(host.flat(), key, loc)
-            assert torch.equal(got[need], host.flat()[key[need]])
+            assert torch.equal(got[need].cpu(), host.flat()[key[need].cpu()])
             pool.check()
             if step % 7 == 6:
                 pool.invalidate(random.Random(step).sample(range(blocks), 3))
@@ -145,6 +152,37 @@ def test_offload_decode_reference_reads_only_the_window_from_the_device():
             poisoned[tables[i, j].long()] = float("nan")
     out = sparse_decode_offload_ref(q, poisoned, tables, seq_lens, sel, listed_kv, local, 22, d ** -0.5)
     assert torch.equal(out, ref)
+
+
+def test_offload_layout_split():
+    """The issue-7 benchmark's shapes (Llama-3.1-8B, bf16, bs 32, 2 dense layers, 20 x 1032 token blocks, 12.3
+    GiB left for the device cache and the pool): the device block cache gets what the scheduler asks for, the
+    pool all the rest; explicit sizes win; a tight budget keeps half for the pool down to one sequence."""
+    hb, kv_layer, seq, want, tokens = 2 * 32 * 128 * 2, 8 * 2 * 32 * 128 * 2, 1032, 1032 + 20 * 5 + 256, 20640
+    dev_bytes = 30 * kv_layer
+    fixed = tokens * (2 * kv_layer + 130_000) + dev_bytes  # metadata + dense layers, the device trash row
+
+    def plan(rest: int | None, **kw) -> OffloadLayout:
+        args = dict(budget=None if rest is None else fixed + rest, device_blocks=None, token_blocks=tokens,
+                    pool_slots=None, default_pool_slots=32 * 8 * 20 * 64, min_device_blocks=seq,
+                    want_device_blocks=want, num_layers=32, dense_layers=2, kv_layer_block_bytes=kv_layer, meta_block_bytes=130_000,
+                    head_block_bytes=hb)
+        return OffloadLayout.plan(**{**args, **kw})
+
+    rest = int(12.3 * GiB)
+    layout = plan(rest)
+    assert layout.device_blocks == want and layout.head_block_bytes == hb
+    assert 0 <= rest - want * dev_bytes - layout.pool_slots * hb < hb  # the pool takes all the rest
+    assert layout.pool_slots * hb > 7 * GiB  # was 5 GiB (at most half, capped at one step's lists)
+    assert plan(rest, pool_slots=1000).device_blocks == (rest - 1000 * hb) // dev_bytes  # explicit pool
+    assert plan(None, device_blocks=1500).pool_slots == 32 * 8 * 20 * 64  # explicit device cache, no budget
+    tight = plan(9 * GiB)  # the wanted device cache (5.1 GiB) is more than half: it gives way to 4.5 GiB
+    assert tight.device_blocks == 9 * GiB // 2 // dev_bytes < want and tight.pool_slots * hb > 4.5 * GiB - hb
+    assert plan(6 * GiB).device_blocks == seq  # never below one max_model_len sequence
+    every = plan(10**6 * GiB)  # the pool stops at every head block of the sparse layers, the device cache
+    assert every.pool_slots == tokens * 30 * 8 and every.device_blocks == tokens  # gets the remainder
+    with pytest.raises(ValueError, match="one max_model_len sequence"):
+        plan(int(3.5 * GiB))
 
 
 def test_device_block_map_working_set():
@@ -222,7 +260,7 @@ def test_key_meta_update_rows_by_token_block(page):
     the Triton update kernel (interpreter on CPU) equals the reference, and both equal metadata rebuilt from a
     cache indexed by token block."""
     from sparseserve.kernels.block_score import update_key_meta
-    from sparseserve.kvcache.metadata import allocate_key_meta, rebuild_key_meta, update_key_meta_ref
+    from sparseserve.kvcache.metadata import allocate_key_meta, quantize_key_meta, rebuild_key_meta, update_key_meta_ref
     torch.manual_seed(2)
     bs, hkv, d, dev_blocks, token_blocks = 4, 2, 8, 3, 6
     cache = torch.randn(dev_blocks, hkv, 2, bs, d, device=DEVICE)
@@ -230,23 +268,28 @@ def test_key_meta_update_rows_by_token_block(page):
     tokens = [(5, o) for o in range(4)] + [(1, o) for o in range(3)] + [(3, 0)]  # block 1 partial, 3 one token
     slots = torch.tensor([dev_of[b] * bs + o for b, o in tokens] + [-1], device=DEVICE)
     meta_slots = torch.tensor([b * bs + o for b, o in tokens] + [-1], device=DEVICE)
-    metas = [allocate_key_meta(1, token_blocks, hkv, bs, page, d, torch.float32, torch.device(DEVICE))[0]
-             for _ in range(2)]
+    metas = [allocate_key_meta(1, token_blocks, hkv, bs, page, d, torch.device(DEVICE))[0] for _ in range(2)]
     update_key_meta_ref(cache, metas[0], slots, page, meta_slots)
     update_key_meta(cache, metas[1], slots, page, meta_slots)
-    assert torch.equal(metas[0][:token_blocks], metas[1][:token_blocks])  # (row token_blocks: trash)
+    for got, want in ((metas[1].codes, metas[0].codes), (metas[1].scale, metas[0].scale)):
+        assert torch.equal(got[:token_blocks], want[:token_blocks])  # (row token_blocks: trash)
     full = torch.zeros(token_blocks, hkv, 2, bs, d, device=DEVICE)
     for b, dv in dev_of.items():
         full[b] = cache[dv]
-    expect = allocate_key_meta(1, token_blocks, hkv, bs, page, d, torch.float32, torch.device(DEVICE))
+    expect = allocate_key_meta(1, token_blocks, hkv, bs, page, d, torch.device(DEVICE))
     rebuild_key_meta(full[None], expect, page)
-    assert torch.equal(metas[0][5], expect[0, 5])  # a full block
+    got = metas[0]
+    assert torch.equal(got.codes[5], expect.codes[0, 5]) and torch.equal(got.scale[5], expect.scale[0, 5])  # full
+
+    def assert_page(blk: int, pg: int, keys: torch.Tensor) -> None:  # keys [Hkv, n, D]
+        codes, scale = quantize_key_meta(keys.amin(1), keys.amax(1))
+        assert torch.equal(got.codes[blk, :, :, pg], codes) and torch.equal(got.scale[blk, :, pg], scale)
+
     keys = cache[2, :, 0, :3]  # partial block 1: its 3 tokens, pages over them
     for pg in range(bs // page):
-        k = keys[:, pg * page: (pg + 1) * page]
-        assert torch.equal(metas[0][1, :, 0, pg], k.amin(1)) and torch.equal(metas[0][1, :, 1, pg], k.amax(1))
-    assert not metas[0][[0, 2, 4]].any()
-    assert torch.equal(metas[0][3, :, 0, 0], cache[1, :, 0, 0]) and torch.equal(metas[0][3, :, 1, 0], cache[1, :, 0, 0])
+        assert_page(1, pg, keys[:, pg * page: (pg + 1) * page])
+    assert not got.codes[[0, 2, 4]].any() and not got.scale[[0, 2, 4]].any()
+    assert_page(3, 0, cache[1, :, 0, :1])
 
 
 def run(model_dir, **kw):
@@ -296,16 +339,20 @@ def test_offload_equals_no_offload(hf_models, policy):
         assert stats.offload_d2h_bytes == got_metrics["sparseserve:offload_d2h_bytes_total"] > 0
 
 
-def random_schedule(model_dir, seed: int, check: bool, greedy: bool = False, **kw) -> dict[str, list[list[int]]]:
+def random_schedule(model_dir, seed: int, check: bool, greedy: bool = False, triton_plan: bool = False,
+                    **kw) -> dict[str, list[list[int]]]:
     """Random arrivals, aborts and steps with a KV pool small enough to preempt; returns every request's
     tokens; with check, after every step: the block, host and HBM accounting, and the host store holding
-    every full block of the running sequences (FlashD2H + write-through) exactly as the device cache."""
+    every full block of the running sequences (FlashD2H + write-through) exactly as the device cache.
+    triton_plan: the HBM pool plans with its Triton kernels (under the interpreter without CUDA)."""
     rng = random.Random(seed)
     llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=96,
               max_num_batched_tokens=rng.choice([16, 48]), max_num_seqs=4, **{**SPARSE, **kw})
     engine = llm.llm_engine
     results: dict[str, list[list[int]]] = {}
     pool = engine.model_runner.hbm_pool
+    if triton_plan:
+        pool.use_triton = True
 
     def collect(outs):
         for out in outs:
@@ -343,19 +390,24 @@ def random_schedule(model_dir, seed: int, check: bool, greedy: bool = False, **k
 HOST_16 = 16 * 2 * 2 * 2 * BS * 128 * 4  # 16 token blocks of the tiny model in the host store
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed):
+@pytest.mark.parametrize("seed, triton_plan", [(0, False), (1, True)])
+def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, triton_plan):
     """16 token blocks both ways (host store with offload); with offload first as many device blocks (the
     schedule, sampled tokens included, equals offload off), then 12, one max_model_len sequence: sequences
     wait for device blocks, so the schedule differs. Greedy requests and a budget covering max_model_len
     then (a one-token prefill chunk is a decode, attended sparsely: with a smaller budget its tokens would
-    depend on the schedule); every block still goes through scoring, selection and the pool."""
+    depend on the schedule); every block still goes through scoring, selection and the pool (its torch
+    plan, or its Triton plan)."""
+    if triton_plan and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the engine runs on CPU here: its Triton plan needs the interpreter (test_pool_plan.py and "
+                    "test_flash_h2d.py cover the plan on a GPU)")
     off, _ = random_schedule(tiny_model_dir, seed, check=False, num_gpu_blocks_override=16)
     on, preemptions = random_schedule(tiny_model_dir, seed, check=True, kv_offload=True, hbm_cache_blocks=16,
-                                      host_kv_memory=HOST_16)
+                                      host_kv_memory=HOST_16, triton_plan=triton_plan)
     assert on == off and preemptions > 0
     covering = dict(greedy=True, sparse_budget=12 * BS)
     off, _ = random_schedule(tiny_model_dir, seed, check=False, num_gpu_blocks_override=16, **covering)
     on, _ = random_schedule(tiny_model_dir, seed, check=True, kv_offload=True, hbm_cache_blocks=16,
-                            host_kv_memory=HOST_16, num_gpu_blocks_override=12, **covering)
+                            host_kv_memory=HOST_16, num_gpu_blocks_override=12, triton_plan=triton_plan,
+                            **covering)
     assert on == off

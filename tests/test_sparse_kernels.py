@@ -18,7 +18,7 @@ from sparseserve.config import SparseConfig
 from sparseserve.kernels.block_score import (ScoreConfig, SelectConfig, block_scores, score_and_select, select_blocks,
                                              update_key_meta)
 from sparseserve.kernels.sparse_decode import SparseDecodeConfig, sparse_decode
-from sparseserve.kvcache.metadata import allocate_key_meta, rebuild_key_meta, update_key_meta_ref
+from sparseserve.kvcache.metadata import allocate_key_meta, quantize_key_meta, rebuild_key_meta, update_key_meta_ref
 
 
 def decode_batch(lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype, slack: int = 0):
@@ -44,13 +44,14 @@ def params(policy: str, cap: int, bs: int, page: int, reuse: int = 1, top_p: flo
     return SelectionParams(policy, cap, sink=1, local=2, top_p=top_p, reuse=reuse, block_size=bs, page_size=page)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bs,page", [(16, 16), (16, 4)])
-def test_update_key_meta(bs, page):
-    """Prefill chunks (one starting mid-page), decodes and padding: the kernel equals the reference,
-    and the reference equals min/max over each page's written tokens."""
+def test_update_key_meta(bs, page, dtype):
+    """Prefill chunks (one starting mid-page), decodes and padding: the kernel writes the reference's
+    codes and scales bit for bit, and the reference quantizes min/max over each page's written tokens."""
     torch.manual_seed(0)
     hkv, d, nblocks = 2, 32, 12
-    cache = torch.randn(nblocks, hkv, 2, bs, d, device=DEV)
+    cache = torch.randn(nblocks, hkv, 2, bs, d, device=DEV).to(dtype)
     owner = torch.randperm(nblocks)
     seqs = [(owner[:5].tolist(), 0, 37), (owner[5:8].tolist(), 21, 44), (owner[8:10].tolist(), 17, 18)]
     slots = [-1]
@@ -58,22 +59,52 @@ def test_update_key_meta(bs, page):
         slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
     slots.append(-1)
     slot_mapping = torch.tensor(slots, device=DEV)
-    ref = allocate_key_meta(1, nblocks, hkv, bs, page, d, cache.dtype, DEV)[0]
-    out = ref.clone()
+    ref, out = (allocate_key_meta(1, nblocks, hkv, bs, page, d, DEV)[0] for _ in range(2))
     update_key_meta_ref(cache, ref, slot_mapping, page)
     update_key_meta(cache, out, slot_mapping, page)
-    assert torch.equal(out[:nblocks], ref[:nblocks])
+    assert torch.equal(out.codes[:nblocks], ref.codes[:nblocks])
+    assert torch.equal(out.scale[:nblocks], ref.scale[:nblocks])
     for table, start, end in seqs:
         for p0 in range(start // page * page, end, page):
             blk, off = table[p0 // bs], p0 % bs
             keys = cache[blk, :, 0, off: off + min(page, end - p0)]
-            assert torch.equal(ref[blk, :, 0, off // page], keys.amin(1))
-            assert torch.equal(ref[blk, :, 1, off // page], keys.amax(1))
+            codes, scale = quantize_key_meta(keys.amin(1), keys.amax(1))
+            assert torch.equal(ref.codes[blk, :, :, off // page], codes)
+            assert torch.equal(ref.scale[blk, :, off // page], scale)
+
+
+def test_key_meta_brackets_keys():
+    """codes_min * scale <= min and codes_max * scale >= max of each page's keys up to float32 rounding (so
+    the score stays an upper bound of q.k), at most one code step (scale) away, for keys of magnitudes
+    1e-33 (below AMAX_FLOOR) to 1e30, a page with one large channel among tiny ones, and an all-zero page;
+    the kernel writes the reference's codes and scales bit for bit on all of them."""
+    torch.manual_seed(8)
+    bs, page, hkv, d = 8, 4, 2, 16
+    magnitude = torch.tensor([1e-33, 1e-20, 1e-3, 1.0, 1e3, 1e30])  # one per block
+    cache = torch.randn(magnitude.numel(), hkv, 2, bs, d) * magnitude[:, None, None, None, None]
+    cache[2, 1, 0, :page, 3] *= 1e20
+    cache[3, 0, 0, page:] = 0.0
+    cache = cache.to(DEV)
+    nblocks = cache.shape[0]
+    slot_mapping = torch.arange(nblocks * bs, device=DEV)
+    ref, out = (allocate_key_meta(1, nblocks, hkv, bs, page, d, DEV)[0] for _ in range(2))
+    update_key_meta_ref(cache, ref, slot_mapping, page)
+    update_key_meta(cache, out, slot_mapping, page)
+    assert torch.equal(out.codes[:nblocks], ref.codes[:nblocks])
+    assert torch.equal(out.scale[:nblocks], ref.scale[:nblocks])
+    pages = cache[:, :, 0].double().view(nblocks, hkv, bs // page, page, d)
+    kmin, kmax = pages.amin(3), pages.amax(3)  # [NB, Hkv, P, D]
+    scale = ref.scale[:nblocks, :, :, None].double()
+    lo, hi = ref.codes[:nblocks, :, 0].double() * scale, ref.codes[:nblocks, :, 1].double() * scale
+    slack = 2 ** -21 * torch.maximum(kmin.abs(), kmax.abs())  # a few float32 roundings
+    assert (lo <= kmin + slack).all() and (hi >= kmax - slack).all()
+    assert (kmin - lo <= scale + slack).all() and (hi - kmax <= scale + slack).all()
+    assert not ref.codes[3, 0, :, 1].any() and torch.isfinite(ref.scale).all()
 
 
 def scored_batch(lens, hq, hkv, d, bs, page, dtype, slack=0):
     q, cache, meta = decode_batch(lens, hq, hkv, d, bs, dtype, slack)
-    key_meta = allocate_key_meta(1, cache.shape[0], hkv, bs, page, d, dtype, DEV)
+    key_meta = allocate_key_meta(1, cache.shape[0], hkv, bs, page, d, DEV)
     rebuild_key_meta(cache[None], key_meta, page)
     return q, cache, meta, key_meta[0]
 

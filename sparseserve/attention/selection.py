@@ -2,7 +2,8 @@
 kernels/block_score.py is tested against).
 
 Scoring (DESIGN.md principle 6): the bound of q.k over a page is sum_d max(q_d kmax_d, q_d kmin_d)
-= q+ . kmax + q- . kmin (q+ = max(q, 0), q- = min(q, 0)): two dot products. A block scores the max
+= q+ . kmax + q- . kmin (q+ = max(q, 0), q- = min(q, 0)): two dot products, over the page's int8 codes
+times its scale (kvcache/metadata.py: rounded outward, so still a bound). A block scores the max
 over its pages. Per query head the scaled bounds are softmax-normalised into an estimate of each
 block's attention mass; the estimates are averaged over the query heads of a KV group, so each KV
 head gets one selection that serves its whole group (principle 3).
@@ -27,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+
+from sparseserve.kvcache.metadata import KeyMeta
 
 
 @dataclass(frozen=True)
@@ -59,23 +62,25 @@ class SelectionParams:
         return replace(self, policy="topk") if self.policy == "topp" else self
 
 
-def block_scores_ref(q: torch.Tensor, key_meta: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+def block_scores_ref(q: torch.Tensor, key_meta: KeyMeta, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      max_blocks: int, block_size: int, scale: float) -> torch.Tensor:
-    """q: [B, Hq, D] decode queries; key_meta: one layer [NB + 1, Hkv, 2, P, D].
+    """q: [B, Hq, D] decode queries; key_meta: one layer's (codes [NB + 1, Hkv, 2, P, D], scale [NB + 1, Hkv, P]).
 
     Returns float32 [B, Hq, max_blocks]: scale * (block's bound), -inf past the sequence's end."""
     batch, num_q_heads, _ = q.shape
-    _, num_kv_heads, _, pages, _ = key_meta.shape
+    _, num_kv_heads, _, pages, _ = key_meta.codes.shape
     group = num_q_heads // num_kv_heads
     tables = block_tables[:, :max_blocks].long()
-    meta = key_meta[tables].float()  # [B, MB, Hkv, 2, P, D]
+    codes = key_meta.codes[tables].float()  # [B, MB, Hkv, 2, P, D]
+    page_scale = key_meta.scale[tables].permute(0, 2, 1, 3)[:, :, None]  # [B, Hkv, 1, MB, P]
     qg = q.float().view(batch, num_kv_heads, group, -1)
-    bound = (torch.einsum("bhgd,bnhpd->bhgnp", qg.clamp_min(0), meta[:, :, :, 1])
-             + torch.einsum("bhgd,bnhpd->bhgnp", qg.clamp_max(0), meta[:, :, :, 0]))
+    dots = (torch.einsum("bhgd,bnhpd->bhgnp", qg.clamp_min(0), codes[:, :, :, 1])
+            + torch.einsum("bhgd,bnhpd->bhgnp", qg.clamp_max(0), codes[:, :, :, 0]))
+    bound = dots * (page_scale * scale)  # the kernel's order: scale applied per page, before the max
     page_start = torch.arange(max_blocks * pages, device=q.device).view(max_blocks, pages) * (block_size // pages)
     valid = page_start[None] < seq_lens.long()[:, None, None]  # [B, MB, P]
     bound = bound.masked_fill(~valid[:, None, None], float("-inf")).amax(-1)
-    return (bound * scale).reshape(batch, num_q_heads, max_blocks)
+    return bound.reshape(batch, num_q_heads, max_blocks)
 
 
 def block_masses(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

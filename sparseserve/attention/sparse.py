@@ -22,7 +22,7 @@ from sparseserve.attention.backend import AttentionBackend, AttentionMetadata, P
 from sparseserve.attention.selection import (SelectionParams, attended_blocks, block_scores_ref,
                                              prune_selection_ref, update_selection_ref)
 from sparseserve.config import SparseConfig
-from sparseserve.kvcache.metadata import allocate_key_meta, update_key_meta_ref
+from sparseserve.kvcache.metadata import KeyMeta, allocate_key_meta, key_meta_block_bytes, update_key_meta_ref
 
 
 def load_streaming_heads(path: str | None, num_layers: int, num_kv_heads: int) -> torch.Tensor:
@@ -134,18 +134,18 @@ class SparseBackend(AttentionBackend):
         self.counter = torch.zeros(num_layers, slots, num_kv_heads, dtype=torch.int32, device=device)
         self.stats = torch.zeros(2, dtype=torch.int64, device=device)  # blocks selected, selections
         self.rows = torch.arange(slots, dtype=torch.int32, device=device)  # default slots: row b -> slot b
-        self.key_meta: torch.Tensor | None = None
+        self.key_meta: KeyMeta | None = None
         self.host = None  # kv_offload: kvcache/host.py HostKVStore and kvcache/pool.py HBMPool (attach_offload)
         self.pool = None
         # What the metadata adds to each token block: the runner sizes the KV cache with it.
-        self.metadata_block_bytes = num_layers * num_kv_heads * 2 * (block_size // page) * head_dim * dtype.itemsize
+        self.metadata_block_bytes = num_layers * key_meta_block_bytes(num_kv_heads, block_size // page, head_dim)
 
     def allocate(self, num_blocks: int) -> None:
         """Key metadata for a cache of num_blocks blocks. Until then (the runner's memory-profiling
         prefill runs before the cache exists) the backend is dense."""
-        num_layers, hkv, head_dim, block_size, dtype, device = self.shape
+        num_layers, hkv, head_dim, block_size, _, device = self.shape
         self.key_meta = allocate_key_meta(num_layers, num_blocks, hkv, block_size, self.params.page_size, head_dim,
-                                          dtype, device)
+                                          device)
 
     def attach_offload(self, host, pool) -> None:
         """Hierarchical KV cache: every step writes the blocks it fills through to `host`; sparse decodes
@@ -198,7 +198,7 @@ class SparseBackend(AttentionBackend):
         nd = meta.num_decodes
         return (meta.state_slots if meta.state_slots is not None else self.rows)[:nd]
 
-    def _update_key_meta(self, kv_cache: torch.Tensor, key_meta: torch.Tensor, slot_mapping: torch.Tensor,
+    def _update_key_meta(self, kv_cache: torch.Tensor, key_meta: KeyMeta, slot_mapping: torch.Tensor,
                          meta_slots: torch.Tensor | None) -> None:
         """meta_slots (kv_offload): the tokens' slots in token blocks, whose metadata rows get the update."""
         if self.use_triton:

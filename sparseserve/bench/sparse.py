@@ -5,7 +5,10 @@
 --kernel: one layer's decode attention at 128K context, batch 8, Llama-3.1-8B heads (32/8, D=128),
 bf16, blocks of 32: the dense paged kernel against sparse decode with scoring and selection
 included (topk and topp at budget 2048, without and with reuse R=4), each captured in a CUDA graph
-(R consecutive steps per graph, so reuse is timed as it runs), plus a breakdown of the parts.
+(R consecutive steps per graph, so reuse is timed as it runs), plus a breakdown of the parts. Each
+variant is timed as the engine runs it, per layer inside one graph of --layers distinct layers (own
+cache and metadata each), and also as a graph of that one layer, which adds the ~5 us a graph replay
+costs on an H200 (paid once per decode step in the engine, not once per layer).
 --step: the whole decode step (model forward + sampling) of MODEL_DIR's architecture (random weights:
 load_format='dummy') at 128K context, batch 4, with sparse topk 2048 variants and then dense, on the
 same weights and KV cache (random KV: cost does not depend on the values). Both report the median
@@ -31,7 +34,7 @@ from sparseserve.config import SparseConfig
 from sparseserve.kernels.block_score import ScoreConfig, SelectConfig, block_scores, select_blocks
 from sparseserve.kernels.paged_decode import paged_decode
 from sparseserve.kernels.sparse_decode import SparseDecodeConfig, sparse_decode
-from sparseserve.kvcache.metadata import rebuild_key_meta
+from sparseserve.kvcache.metadata import key_meta_block_bytes, rebuild_key_meta
 
 DTYPE = torch.bfloat16
 
@@ -48,9 +51,10 @@ def graph_ms(fn, calls: int = 1) -> float:
 
 
 def kernel_bench(batch: int = 8, ctx: int = 131072, hq: int = 32, hkv: int = 8, d: int = 128, bs: int = 32,
-                 budget: int = 2048, sweep: bool = False, profile: bool = False) -> list[dict]:
+                 budget: int = 2048, layers: int = 8, sweep: bool = False, profile: bool = False) -> list[dict]:
     per_seq = triton.cdiv(ctx, bs)
-    cache = torch.randn(batch * per_seq, hkv, 2, bs, d, device="cuda", dtype=DTYPE)
+    caches = torch.randn(layers, batch * per_seq, hkv, 2, bs, d, device="cuda", dtype=DTYPE)
+    cache = caches[0]
     tables = torch.randperm(batch * per_seq, device="cuda", dtype=torch.int32).view(batch, per_seq)
     seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     q = torch.randn(batch, hq, d, device="cuda", dtype=DTYPE)
@@ -58,30 +62,38 @@ def kernel_bench(batch: int = 8, ctx: int = 131072, hq: int = 32, hkv: int = 8, 
     scale = d ** -0.5
     meta = AttentionMetadata(torch.full((batch,), -1, device="cuda"), torch.arange(batch + 1, device="cuda",
                              dtype=torch.int32), seq_lens, tables, num_decodes=batch, max_query_len=1, max_seq_len=ctx)
+
+    def timed(layer_call, calls: int = 1) -> tuple[float, float]:
+        """(per layer in a graph of all layers, in a graph of layer 0 alone), ms per call."""
+        per_layer = graph_ms(lambda: [layer_call(i) for i in range(layers)], calls) / layers
+        return per_layer, graph_ms(lambda: layer_call(0), calls)
+
     kv_bytes = 2 * batch * hkv * ctx * d * DTYPE.itemsize
-    dense_ms = graph_ms(lambda: paged_decode(q, cache, tables, seq_lens, scale, ctx, out=out))
+    dense_ms, dense_1 = timed(lambda i: paged_decode(q, caches[i], tables, seq_lens, scale, ctx, out=out))
     rows = [{"case": f"dense paged decode B={batch} L={ctx}", "ms": dense_ms, "speedup": 1.0,
-             "tb_s": kv_bytes / dense_ms / 1e9}]
+             "tb_s": kv_bytes / dense_ms / 1e9, "ms_1layer_graph": dense_1, "speedup_1layer_graph": 1.0}]
+    paged_decode(q, cache, tables, seq_lens, scale, ctx, out=out)
     ref = out.clone()
     for policy, reuse in (("topk", 1), ("topk", 4), ("topp", 1), ("topp", 4)):
         cfg = SparseConfig(sparse_policy=policy, sparse_budget=budget, sparse_reuse=reuse, sparse_top_p=0.9,
                            sparse_dense_layers=0)
-        sp = SparseBackend(TritonBackend(), cfg, 1, hkv, d, bs, DTYPE, cache.device, max_num_seqs=batch)
+        sp = SparseBackend(TritonBackend(), cfg, layers, hkv, d, bs, DTYPE, cache.device, max_num_seqs=batch)
         sp.allocate(cache.shape[0])
-        rebuild_key_meta(cache[None], sp.key_meta, bs)
-        ms = graph_ms(lambda: sp._decode(0, q, cache, meta, scale, out), calls=reuse)
+        rebuild_key_meta(caches, sp.key_meta, bs)
+        ms, ms_1 = timed(lambda i: sp._decode(i, q, caches[i], meta, scale, out), reuse)
         blocks, selections, _ = sp.sparse_stats()
         rows.append({"case": f"sparse {policy} budget={budget} R={reuse}", "ms": ms, "speedup": dense_ms / ms,
+                     "ms_1layer_graph": ms_1, "speedup_1layer_graph": dense_1 / ms_1,
                      "mean_blocks": blocks / max(selections, 1)})
-        print(f"{rows[-1]['case']}: {1e3 * ms:.1f} us", flush=True)
+        print(f"{rows[-1]['case']}: {1e3 * ms:.1f} us a layer ({1e3 * ms_1:.1f} us in a one-layer graph)", flush=True)
         if profile and policy == "topk":
             rows += kernel_profile(lambda: sp._decode(0, q, cache, meta, scale, out), reuse)
         if reuse == 1:
-            rows += parts(sp, q, cache, tables, seq_lens, scale, per_seq, out, dense_ms,
+            rows += parts(sp, q, cache, tables, seq_lens, scale, per_seq, out, dense_1,
                           sweep=sweep and policy == "topk")
         del sp
     rows[0]["rel_err_vs_dense_full_budget"] = full_budget_error(q, cache, meta, ref, scale, bs)
-    del cache
+    del caches, cache
     torch.cuda.empty_cache()
     return rows
 
@@ -116,8 +128,8 @@ def parts(sp: SparseBackend, q, cache, tables, seq_lens, scale, mb, out, dense_m
     p, slots = sp.params, sp.rows[: q.shape[0]]
     km, sel, cnt = sp.key_meta[0], sp.sel[0], sp.counter[0]
     scores = block_scores(q, km, tables, seq_lens, slots, cnt, p, mb, scale)
-    batch, hkv = q.shape[0], km.shape[1]
-    nbytes = {"score": batch * mb * km[0].numel() * km.element_size(),
+    batch, hkv, d = q.shape[0], km.codes.shape[1], q.shape[-1]
+    nbytes = {"score": batch * mb * key_meta_block_bytes(hkv, p.block_size // p.page_size, d),
               "attend": batch * hkv * (p.cap + p.local) * cache[0, 0].numel() * cache.element_size()}
     variants = {
         "score": [ScoreConfig()] + ([ScoreConfig(r, 4, st, t) for r in (64, 128) for st in (1, 3, 4) for t in (4, 8, 16)]

@@ -140,12 +140,18 @@ class ModelRunner:
             budget = cc.kv_cache_memory or (self._profile_kv_bytes() if self.device.type == "cuda"
                                             else CPU_DEFAULT_KV_BYTES)
         sp = self.sparse
+        seq_blocks = blocks_needed(self.max_model_len, self.block_size)
         layout = OffloadLayout.plan(
             budget=budget, device_blocks=cc.num_gpu_blocks_override, token_blocks=token_blocks,
             pool_slots=oc.hbm_cache_blocks,
             # one decode step's lists of max_num_seqs sequences in every layer, at most every head block
             default_pool_slots=a.num_layers * a.num_kv_heads * min(sc.max_num_seqs * sp.params.cap, token_blocks),
-            min_device_blocks=blocks_needed(self.max_model_len, self.block_size), num_layers=a.num_layers,
+            min_device_blocks=seq_blocks,
+            # DeviceBlockMap: one whole prefill, a decode window (+1 block of slack) of every sequence, and one
+            # step's prefill tokens, so short prompts can be admitted next to a long prefill
+            want_device_blocks=seq_blocks + sc.max_num_seqs * (sp.params.local + 1)
+            + blocks_needed(min(sc.max_num_batched_tokens, self.max_model_len), self.block_size),
+            num_layers=a.num_layers,
             dense_layers=sp.dense_layers, kv_layer_block_bytes=hbb // a.num_layers,
             meta_block_bytes=sp.metadata_block_bytes,
             head_block_bytes=2 * self.block_size * a.head_dim * self.dtype.itemsize)

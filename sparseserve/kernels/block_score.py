@@ -13,17 +13,22 @@ import torch
 import triton
 import triton.language as tl
 
+from sparseserve.kernels.pdl import pdl_wait, use_pdl
+
 from sparseserve.attention.selection import SelectionParams
+from sparseserve.kvcache.metadata import AMAX_FLOOR, KeyMeta
 
 MAX_SELECT_BLOCKS = 16384  # one selection program holds a row of block scores in registers
 
 
 @dataclass(frozen=True)
 class ScoreConfig:
-    rows: int = 64        # metadata rows (blocks x pages) of a tile: two [G, D] x [D, rows] dots
+    # int8 metadata (H200 sweep, 128K context): 128 rows x 2 tiles a program 20.9 / 33.6 us at batch 4 / 8,
+    # the former 64 x 8 26.2 / 34.7 us (more programs: a short kernel is latency-bound at small batches).
+    rows: int = 128       # metadata rows (blocks x pages) of a tile: two [G, D] x [D, rows] dots
     num_warps: int = 4
     num_stages: int = 3   # software pipelining of the tile loop
-    tiles: int = 8        # tiles a program loops over (fewer when the context is short)
+    tiles: int = 2        # tiles a program loops over (fewer when the context is short)
 
 
 @dataclass(frozen=True)
@@ -33,12 +38,16 @@ class SelectConfig:
 
 
 @triton.jit
-def _key_meta_kernel(cache_ptr, meta_ptr, slot_ptr, meta_slot_ptr, num_tokens,
-                     stride_cb, stride_ch, stride_mb, stride_mh, stride_mm,
-                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr):
+def _key_meta_kernel(cache_ptr, codes_ptr, scale_ptr, slot_ptr, meta_slot_ptr, num_tokens,
+                     stride_cb, stride_ch, stride_mb, stride_mh, stride_mm, stride_sb, stride_sh,
+                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
+                     AMAX_FLOOR: tl.constexpr, PDL: tl.constexpr):
     """Program (token, KV head): if the token is the last one this step writes into its page, the
-    page's min/max over its tokens so far, read back from the cache (reference: update_key_meta_ref).
-    The metadata row is the token block of meta_slot (kv_offload: the cache holds device blocks)."""
+    page's min/max over its tokens so far, read back from the cache and quantized to int8 codes and a
+    scale (reference: update_key_meta_ref, quantize_key_meta: the same float32 operations, divisions
+    rounded as IEEE's so that both agree bit for bit). The metadata row is the token block of
+    meta_slot (kv_offload: the cache holds device blocks)."""
+    pdl_wait(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
@@ -53,44 +62,57 @@ def _key_meta_kernel(cache_ptr, meta_ptr, slot_ptr, meta_slot_ptr, num_tokens,
     dims = tl.arange(0, BLOCK_D)
     mask = (rows <= off)[:, None] & (dims < HEAD_DIM)[None, :]
     keys = tl.load(cache_ptr + blk * stride_cb + h * stride_ch + rows[:, None] * HEAD_DIM + dims[None, :],
-                   mask=mask, other=0.0)
+                   mask=mask, other=0.0).to(tl.float32)
     kmin = tl.min(tl.where(mask, keys, float("inf")), 0)
     kmax = tl.max(tl.where(mask, keys, float("-inf")), 0)
-    dst = meta_ptr + mblk * stride_mb + h * stride_mh + page * HEAD_DIM + dims
-    tl.store(dst, kmin.to(meta_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
-    tl.store(dst + stride_mm, kmax.to(meta_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    amax = tl.max(tl.where(dims < HEAD_DIM, tl.maximum(tl.abs(kmin), tl.abs(kmax)), 0.0), 0)
+    amax = tl.maximum(amax, AMAX_FLOOR)
+    inv = tl.math.div_rn(127.0, amax)
+    cmin = tl.minimum(tl.maximum(tl.math.floor(kmin * inv), -127.0), 127.0).to(tl.int8)
+    cmax = tl.minimum(tl.maximum(tl.math.ceil(kmax * inv), -127.0), 127.0).to(tl.int8)
+    dst = codes_ptr + mblk * stride_mb + h * stride_mh + page * HEAD_DIM + dims
+    tl.store(dst, cmin, mask=dims < HEAD_DIM)
+    tl.store(dst + stride_mm, cmax, mask=dims < HEAD_DIM)
+    tl.store(scale_ptr + mblk * stride_sb + h * stride_sh + page, tl.math.div_rn(amax, 127.0))
 
 
-def update_key_meta(kv_cache: torch.Tensor, key_meta: torch.Tensor, slot_mapping: torch.Tensor, page_size: int,
+def update_key_meta(kv_cache: torch.Tensor, key_meta: KeyMeta, slot_mapping: torch.Tensor, page_size: int,
                     meta_slots: torch.Tensor | None = None) -> None:
-    """kv_cache: one layer [NB, Hkv, 2, bs, D] (this step's K/V already stored); key_meta: [NB + 1, Hkv, 2, P, D].
+    """kv_cache: one layer [NB, Hkv, 2, bs, D] (this step's K/V already stored); key_meta: that layer's.
     meta_slots (kv_offload): the tokens' slots in token blocks, whose metadata rows are updated (None: slot_mapping)."""
     num_tokens = slot_mapping.numel()
     _, hkv, _, block_size, head_dim = kv_cache.shape
-    assert key_meta.stride(-1) == 1 and key_meta.stride(-2) == head_dim and kv_cache.stride(3) == head_dim
+    codes, scale = key_meta.codes, key_meta.scale
+    assert codes.stride(-1) == 1 and codes.stride(-2) == head_dim and scale.stride(-1) == 1
+    assert kv_cache.stride(3) == head_dim
     if num_tokens == 0:
         return
     meta_slots = slot_mapping if meta_slots is None else meta_slots
+    pdl = use_pdl(kv_cache.device)
     _key_meta_kernel[(num_tokens, hkv)](
-        kv_cache, key_meta, slot_mapping, meta_slots, num_tokens,
-        kv_cache.stride(0), kv_cache.stride(1), key_meta.stride(0), key_meta.stride(1), key_meta.stride(2),
+        kv_cache, codes, scale, slot_mapping, meta_slots, num_tokens,
+        kv_cache.stride(0), kv_cache.stride(1), codes.stride(0), codes.stride(1), codes.stride(2),
+        scale.stride(0), scale.stride(1),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGE=page_size, BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=1)
+        AMAX_FLOOR=AMAX_FLOOR, num_warps=1, PDL=pdl, launch_pdl=pdl)
 
 
 @triton.jit
-def _score_kernel(q_ptr, meta_ptr, table_ptr, seq_lens_ptr, slots_ptr, counter_ptr, scores_ptr, scale,
-                  stride_qt, stride_qh, stride_mb, stride_mh, stride_mm, stride_tb, stride_cs, max_blocks,
-                  blocks_per_split,
+def _score_kernel(q_ptr, codes_ptr, page_scale_ptr, table_ptr, seq_lens_ptr, slots_ptr, counter_ptr, scores_ptr,
+                  scale, stride_qt, stride_qh, stride_mb, stride_mh, stride_mm, stride_sb, stride_sh, stride_tb,
+                  stride_cs, max_blocks, blocks_per_split,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
                   CAP: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, NUM_STAGES: tl.constexpr):
+                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
     """Program (sequence, KV head, split of blocks_per_split blocks): scores[b, h, n] = scale * max over
-    the block's pages of q+ . kmax + q- . kmin, for the GROUP query heads h (reference: block_scores_ref).
+    the block's pages of page_scale * (q+ . codes_max + q- . codes_min), for the GROUP query heads h
+    (reference: block_scores_ref). The int8 codes enter the dots in q's dtype (integers up to 127 are
+    exact in bf16 and fp16).
 
     The split is a loop over tiles of BLOCK_N blocks that Triton software-pipelines (NUM_STAGES): the
     block-table and metadata loads of the next tiles are issued while a tile is scored (on an H200,
     3 stages: 2.8 TB/s standalone, 3.5 TB/s inside the decode graph; 1 stage: 2.4 TB/s)."""
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     n_start = tl.program_id(2) * blocks_per_split
@@ -110,25 +132,27 @@ def _score_kernel(q_ptr, meta_ptr, table_ptr, seq_lens_ptr, slots_ptr, counter_p
     heads = kvh * GROUP + g
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=(g < GROUP)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
-    q_pos = tl.maximum(q, 0.0).to(meta_ptr.dtype.element_ty)
-    q_neg = tl.minimum(q, 0.0).to(meta_ptr.dtype.element_ty)
-    # Rows: BLOCK_N blocks x PAGES pages; a page's min then max sit stride_mm apart.
+    q_pos = tl.maximum(q, 0.0).to(q_ptr.dtype.element_ty)
+    q_neg = tl.minimum(q, 0.0).to(q_ptr.dtype.element_ty)
+    # Rows: BLOCK_N blocks x PAGES pages; a page's min then max codes sit stride_mm apart.
     r = tl.arange(0, BLOCK_N * PAGES)
     page = r % PAGES
     table_row = table_ptr + b.to(tl.int64) * stride_tb
-    meta_head = meta_ptr + kvh * stride_mh + page * HEAD_DIM
+    codes_head = codes_ptr + kvh * stride_mh + page * HEAD_DIM
+    page_scale_head = page_scale_ptr + kvh * stride_sh + page
     score_row = scores_ptr + (b * tl.num_programs(1) * GROUP + heads).to(tl.int64) * max_blocks
     for n0 in tl.range(n_start, n_end, BLOCK_N, num_stages=NUM_STAGES):
         n = n0 + r // PAGES
         valid = (n < n_end) & ((n * BLOCK_SIZE + page * (BLOCK_SIZE // PAGES)) < seq_len)
         blk = tl.load(table_row + n, mask=valid, other=0).to(tl.int64)
-        ptrs = meta_head[:, None] + (blk * stride_mb)[:, None] + dims[None, :]
+        ptrs = codes_head[:, None] + (blk * stride_mb)[:, None] + dims[None, :]
         kmask = valid[:, None] & (dims < HEAD_DIM)[None, :]
-        kmin = tl.load(ptrs, mask=kmask, other=0.0)
-        kmax = tl.load(ptrs + stride_mm, mask=kmask, other=0.0)
-        s = (tl.dot(q_pos, tl.trans(kmax), input_precision=DOT_PREC)
-             + tl.dot(q_neg, tl.trans(kmin), input_precision=DOT_PREC))
-        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        cmin = tl.load(ptrs, mask=kmask, other=0).to(q_ptr.dtype.element_ty)
+        cmax = tl.load(ptrs + stride_mm, mask=kmask, other=0).to(q_ptr.dtype.element_ty)
+        row_scale = tl.load(page_scale_head + blk * stride_sb, mask=valid, other=0.0) * scale
+        s = (tl.dot(q_pos, tl.trans(cmax), input_precision=DOT_PREC)
+             + tl.dot(q_neg, tl.trans(cmin), input_precision=DOT_PREC))
+        s = tl.where(valid[None, :], s * row_scale[None, :], float("-inf"))
         if PAGES > 1:
             s = tl.max(tl.reshape(s, (BLOCK_G, BLOCK_N, PAGES)), 2)
         nn = n0 + tl.arange(0, BLOCK_N)
@@ -140,7 +164,7 @@ def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, st
                    mass_target, max_blocks, stride_ss, stride_cs,
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr, SINK: tl.constexpr,
                    LOCAL: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, MASS: tl.constexpr,
-                   WAYS: tl.constexpr, NB_PAD: tl.constexpr, HEADS: tl.constexpr):
+                   WAYS: tl.constexpr, NB_PAD: tl.constexpr, HEADS: tl.constexpr, PDL: tl.constexpr):
     """Program (sequence, KV head): the selection list (reference: select_ref / update_selection_ref).
 
     Without a sort: a search over the bit patterns of the (non-negative float) block masses, which
@@ -155,6 +179,7 @@ def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, st
     Only B x Hkv programs, one row of masses each, so every pass over the row counts: one 2-D softmax
     (HEADS rows at a time), forced blocks ranked in closed form, one packed scan for the chosen ones.
     """
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
@@ -242,28 +267,31 @@ def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, st
     tl.atomic_add(stats_ptr + 1, 1)
 
 
-def block_scores(q: torch.Tensor, key_meta: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+def block_scores(q: torch.Tensor, key_meta: KeyMeta, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  slots: torch.Tensor, counter: torch.Tensor, p: SelectionParams, max_blocks: int,
                  scale: float, config: ScoreConfig | None = None) -> torch.Tensor:
     """float32 [B, Hq, max_blocks] (Triton twin of block_scores_ref), written only where selection
     reads it: rows with more than cap blocks that recompute this step, blocks inside the context."""
     batch, num_q_heads, head_dim = q.shape
-    _, hkv, _, pages, _ = key_meta.shape
-    assert counter.stride(1) == 1
+    codes, page_scale = key_meta.codes, key_meta.scale
+    _, hkv, _, pages, _ = codes.shape
+    assert counter.stride(1) == 1 and codes.stride(-1) == 1 and codes.stride(-2) == head_dim
+    assert page_scale.stride(-1) == 1
     scores = torch.empty(batch, num_q_heads, max_blocks, dtype=torch.float32, device=q.device)
     config = config or ScoreConfig()
     block_n = max(1, config.rows // pages)
     per_split = block_n * max(1, min(config.tiles, triton.cdiv(max_blocks, block_n)))
     group = num_q_heads // hkv
+    pdl = use_pdl(q.device)
     _score_kernel[(batch, hkv, triton.cdiv(max_blocks, per_split))](
-        q, key_meta, block_tables, seq_lens, slots, counter, scores, scale,
-        q.stride(0), q.stride(1), key_meta.stride(0), key_meta.stride(1), key_meta.stride(2),
-        block_tables.stride(0), counter.stride(0), max_blocks, per_split,
+        q, codes, page_scale, block_tables, seq_lens, slots, counter, scores, scale,
+        q.stride(0), q.stride(1), codes.stride(0), codes.stride(1), codes.stride(2),
+        page_scale.stride(0), page_scale.stride(1), block_tables.stride(0), counter.stride(0), max_blocks, per_split,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=p.block_size, PAGES=pages, CAP=p.cap, REUSE=p.reuse,
         SHORT_DENSE=p.short_dense, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_N=block_n, DOT_PREC="ieee" if key_meta.dtype == torch.float32 else "tf32",
-        NUM_STAGES=config.num_stages, num_warps=config.num_warps)
+        BLOCK_N=block_n, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_STAGES=config.num_stages, num_warps=config.num_warps, PDL=pdl, launch_pdl=pdl)
     return scores
 
 
@@ -279,16 +307,17 @@ def select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Ten
                          f"{max_blocks}: raise block_size or lower max_model_len")
     assert sel.shape[-1] == p.cap and sel.stride(2) == 1 and counter.stride(1) == 1
     nb_pad = max(triton.next_power_of_2(max_blocks), triton.next_power_of_2(p.cap), 16)
+    pdl = use_pdl(scores.device)
     _select_kernel[(batch, hkv)](
         scores, seq_lens, slots, sel, counter, stats, streaming.view(torch.uint8), p.mass_target, max_blocks,
         sel.stride(0), counter.stride(0),
         GROUP=num_q_heads // hkv, BLOCK_SIZE=p.block_size, CAP=p.cap, SINK=p.sink, LOCAL=p.local,
         REUSE=p.reuse, SHORT_DENSE=p.short_dense, MASS=p.policy == "topp", WAYS=config.ways, NB_PAD=nb_pad,
         HEADS=min(triton.next_power_of_2(num_q_heads // hkv), max(1, 16384 // nb_pad)),
-        num_warps=config.num_warps or min(16, max(4, nb_pad // 512)))
+        num_warps=config.num_warps or min(16, max(4, nb_pad // 512)), PDL=pdl, launch_pdl=pdl)
 
 
-def score_and_select(q: torch.Tensor, key_meta: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+def score_and_select(q: torch.Tensor, key_meta: KeyMeta, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor,
                      streaming: torch.Tensor, p: SelectionParams, max_blocks: int, scale: float) -> None:
     """Scores then selects for the decode rows q [B, Hq, D]; max_blocks: host-side bound of the context."""

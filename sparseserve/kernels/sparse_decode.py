@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparseserve.kernels.pdl import pdl_wait, use_pdl
+
 LOG2E = 1.4426950408889634
 
 
@@ -27,7 +29,8 @@ def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, s
                          stride_qt, stride_qh, stride_cb, stride_ch, stride_ckv, stride_tb, stride_ss,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr,
                          LOCAL: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE_E: tl.constexpr,
-                         DOT_PREC: tl.constexpr, OFFLOAD: tl.constexpr):
+                         DOT_PREC: tl.constexpr, OFFLOAD: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -69,23 +72,18 @@ def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, s
             lrow = (b.to(tl.int64) * tl.num_programs(1) + kvh) * CAP
             pslot = tl.load(loc_ptr + lrow + e, mask=in_list, other=-1)
             hkey = tl.load(key_ptr + lrow + e, mask=in_list, other=0)
-            in_pool = in_list & (pslot >= 0)
-            in_host = in_list & (pslot < 0)
-            in_cache = ok & ~listed
-            blk = tl.load(table_row + j, mask=in_cache, other=0).to(tl.int64)
+            blk = tl.load(table_row + j, mask=ok & ~listed, other=0).to(tl.int64)
             row = (off * HEAD_DIM)[:, None] + dims[None, :]
-            c_ptrs = kv_base + (blk * stride_cb)[:, None] + row
-            p_ptrs = pool_ptr + (tl.maximum(pslot, 0) * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row
-            h_ptrs = host_ptr + (hkey * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row
-            dmask = dims[None, :] < HEAD_DIM
-            vo = BLOCK_SIZE * HEAD_DIM
-            # Exactly one of the three masks holds per entry, the others load 0: the sum is the value itself.
-            k = (tl.load(c_ptrs, mask=in_cache[:, None] & dmask, other=0.0)
-                 + tl.load(p_ptrs, mask=in_pool[:, None] & dmask, other=0.0)
-                 + tl.load(h_ptrs, mask=in_host[:, None] & dmask, other=0.0))
-            v = (tl.load(c_ptrs + stride_ckv, mask=in_cache[:, None] & dmask, other=0.0)
-                 + tl.load(p_ptrs + vo, mask=in_pool[:, None] & dmask, other=0.0)
-                 + tl.load(h_ptrs + vo, mask=in_host[:, None] & dmask, other=0.0))
+            # One pointer per entry (a select, not three masked loads: a third of the load instructions and
+            # of the pipeline's shared memory): pool slot, host row (UVA) or device cache.
+            k_ptrs = tl.where((in_list & (pslot >= 0))[:, None],
+                              pool_ptr + (tl.maximum(pslot, 0) * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row,
+                              tl.where(in_list[:, None], host_ptr + (hkey * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row,
+                                       kv_base + (blk * stride_cb)[:, None] + row))
+            v_ptrs = k_ptrs + tl.where(in_list, BLOCK_SIZE * HEAD_DIM, stride_ckv)[:, None]
+            kv_mask = ok[:, None] & (dims[None, :] < HEAD_DIM)
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         else:
             blk = tl.load(table_row + j, mask=ok, other=0).to(tl.int64)
             k_ptrs = kv_base + (blk * stride_cb + off * HEAD_DIM)[:, None] + dims[None, :]
@@ -112,8 +110,9 @@ def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, s
 @triton.jit
 def _sparse_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
                          NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_S: tl.constexpr):
+                         BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """Log-sum-exp merge of one (sequence, query head); a row that attended nothing gets zeros."""
+    pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     row0 = (b * NUM_Q_HEADS + h).to(tl.int64) * num_splits
@@ -139,11 +138,11 @@ class SparseDecodeConfig:
     tiles: int = 0              # tiles a program loops over (0: as many as target_programs leaves)
 
 
-# bf16/fp16 without offload: a few tiles a program, 3 stages (best of the GPU sweep in SPARSE_NOTES.md by
-# about 1 us). The offload path keeps one tile a program: it loads K and V three ways a tile (cache, pool,
-# host), so deeper pipelines would need three times the shared memory.
+# bf16/fp16 (offload too: one load of K and one of V a tile either way): a few tiles a program, 3 stages,
+# the best of the GPU sweeps in SPARSE_NOTES.md. Fewer, longer programs balanced over the multiprocessors
+# (2 splits of 9 tiles at batch 8) and smaller tiles (1-2 blocks) were slower: the kernel is bound by
+# its loop's chain of dependent loads more than by bytes.
 FAST_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=4, num_stages=3, tiles=4)
-OFFLOAD_CONFIG = SparseDecodeConfig(tile_n=128)
 
 
 @functools.lru_cache(maxsize=8)
@@ -179,8 +178,7 @@ def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
     cap = sel.shape[-1]
     assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim and q.stride(2) == 1 and sel.stride(2) == 1
     if config is None:
-        config = (SparseDecodeConfig(tile_n=32) if q.dtype == torch.float32
-                  else OFFLOAD_CONFIG if offload is not None else FAST_CONFIG)
+        config = SparseDecodeConfig(tile_n=32) if q.dtype == torch.float32 else FAST_CONFIG
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
@@ -196,6 +194,7 @@ def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
         assert loc.shape == key.shape == (batch, num_kv_heads, cap) and loc.is_contiguous() and key.is_contiguous()
     else:
         pool_slots = host_flat = loc = key = kv_cache  # unused (OFFLOAD=False)
+    pdl = use_pdl(q.device)
     _sparse_split_kernel[(batch, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, slots, sel, part_out, part_lse, pool_slots, host_flat, loc, key,
         scale * LOG2E, per_split,
@@ -203,10 +202,10 @@ def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
         block_tables.stride(0), sel.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, CAP=cap, LOCAL=local,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, TILE_E=tile_e,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", OFFLOAD=offload is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", OFFLOAD=offload is not None, PDL=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     _sparse_merge_kernel[(batch, num_q_heads)](
         part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
         NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparseserve.kernels.pdl import pdl_wait, use_pdl
+
 from sparseserve.attention.selection import SelectionParams
 
 MAX_PRUNE_CAP = 4096  # one prune program holds a list in registers
@@ -46,11 +48,12 @@ def _block_lse_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, sel_
                       stride_qt, stride_qh, stride_cb, stride_ch, stride_tb, stride_ss, stride_cs,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr,
                       REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                      TILE_E: tl.constexpr, DOT_PREC: tl.constexpr, OFFLOAD: tl.constexpr, LOCAL: tl.constexpr):
+                      TILE_E: tl.constexpr, DOT_PREC: tl.constexpr, OFFLOAD: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr):
     """lse[b, kvh * GROUP + g, e] for the TILE_E list entries e of this program (reference: block_lse_ref).
     OFFLOAD: entries before the local window read K through their HBM pool slot loc[b, kvh, e] (or the
     host store row key[b, kvh, e] when loc < 0: a bypass), as the sparse decode kernel does; the window
     comes from the device cache."""
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     if _skip(seq_lens_ptr, slots_ptr, counter_ptr, b, kvh, stride_cs, BLOCK_SIZE, CAP, REUSE, SHORT_DENSE):
@@ -122,8 +125,9 @@ def _keep_top_p(r, forced, cand, top_p, WAYS: tl.constexpr, ITERS: tl.constexpr)
 def _prune_kernel(lse_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, stats_ptr, top_p, stride_ss, stride_cs,
                   GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr, SINK: tl.constexpr,
                   LOCAL: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, PER_HEAD: tl.constexpr,
-                  BLOCK_G: tl.constexpr, CAP_PAD: tl.constexpr, WAYS: tl.constexpr, ITERS: tl.constexpr):
+                  BLOCK_G: tl.constexpr, CAP_PAD: tl.constexpr, WAYS: tl.constexpr, ITERS: tl.constexpr, PDL: tl.constexpr):
     """Prunes the list of (b, kvh) in place (reference: prune_ref / prune_selection_ref)."""
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     if _skip(seq_lens_ptr, slots_ptr, counter_ptr, b, kvh, stride_cs, BLOCK_SIZE, CAP, REUSE, SHORT_DENSE):
@@ -179,6 +183,7 @@ def block_lse(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tenso
         assert pool_slots.is_contiguous() and host_flat.is_contiguous() and loc.is_contiguous() and key.is_contiguous()
     else:
         pool_slots = host_flat = loc = key = kv_cache  # unused (OFFLOAD=False)
+    pdl = use_pdl(q.device)
     _block_lse_kernel[(batch, num_kv_heads, triton.cdiv(cap, tile_e))](
         q, kv_cache, block_tables, seq_lens, slots, sel, counter, lse, scale, pool_slots, host_flat, loc, key,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), sel.stride(0),
@@ -186,7 +191,7 @@ def block_lse(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tenso
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, CAP=cap, REUSE=p.reuse, SHORT_DENSE=p.short_dense,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         TILE_E=tile_e, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", OFFLOAD=offload is not None,
-        LOCAL=p.local, num_warps=4)
+        LOCAL=p.local, num_warps=4, PDL=pdl, launch_pdl=pdl)
     return lse
 
 
@@ -202,11 +207,12 @@ def prune_lists(lse: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, 
         raise ValueError(f"topp prunes lists of up to {MAX_PRUNE_CAP} blocks, got {cap}: lower sparse_budget")
     assert cap == p.cap == sel.shape[-1] and sel.stride(2) == 1 and counter.stride(1) == 1 and lse.is_contiguous()
     group = num_q_heads // num_kv_heads
+    pdl = use_pdl(lse.device)
     _prune_kernel[(batch, num_kv_heads)](
         lse, seq_lens, slots, sel, counter, stats, p.prune_target, sel.stride(0), counter.stride(0),
         GROUP=group, BLOCK_SIZE=p.block_size, CAP=cap, SINK=p.sink, LOCAL=p.local, REUSE=p.reuse,
         SHORT_DENSE=p.short_dense, PER_HEAD=p.per_head, BLOCK_G=triton.next_power_of_2(group), CAP_PAD=max(16, triton.next_power_of_2(cap)),
-        WAYS=ways, ITERS=-(-31 // (ways.bit_length() - 1)) + 1, num_warps=4)
+        WAYS=ways, ITERS=-(-31 // (ways.bit_length() - 1)) + 1, num_warps=4, PDL=pdl, launch_pdl=pdl)
 
 
 def topp_prune(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

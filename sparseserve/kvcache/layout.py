@@ -9,6 +9,17 @@ Token blocks (the scheduler's allocator) are the host store's rows. On the devic
     windows with their tails; kvcache/blocks.py DeviceBlockMap);
   - the HBM pool of head-block slots (kvcache/pool.py) through which sparse decode reads the rest.
 The device block cache must hold at least one max_model_len sequence (a prefill reads all its blocks).
+
+How the budget left after metadata and dense layers is split: the device block cache gets what the
+scheduler can use (`want_device_blocks`, from the runner: one max_model_len prefill, the decode windows of
+max_num_seqs sequences and one step's prefill tokens for short prompts admitted beside a long one), the
+pool all the rest, up to every head block of the sparse layers (beyond that the device cache takes the
+remainder, up to the token blocks). The pool is what decode throughput depends on: one step's listed head
+blocks of 20 x 32K requests on Llama-3.1-8B are ~4.6 GB, and every one the pool misses crosses PCIe;
+more device blocks would only let more prompts prefill at once. On a tight budget the device cache gives way
+down to one max_model_len sequence before the pool gets less than half. An explicit pool size
+(`hbm_cache_blocks`) leaves the rest to the device cache; an explicit device cache size
+(`num_gpu_blocks_override`) is not checked against a budget.
 """
 from __future__ import annotations
 
@@ -31,10 +42,11 @@ class OffloadLayout:
 
     @classmethod
     def plan(cls, *, budget: int | None, device_blocks: int | None, token_blocks: int, pool_slots: int | None,
-             default_pool_slots: int, min_device_blocks: int, num_layers: int, dense_layers: int,
-             kv_layer_block_bytes: int, meta_block_bytes: int, head_block_bytes: int) -> "OffloadLayout":
-        """budget: device bytes for all of it (None: device_blocks given, the rest sized without a budget).
-        kv_layer_block_bytes: K and V of one token block in one layer (every KV head)."""
+             default_pool_slots: int, min_device_blocks: int, want_device_blocks: int, num_layers: int,
+             dense_layers: int, kv_layer_block_bytes: int, meta_block_bytes: int, head_block_bytes: int
+             ) -> "OffloadLayout":
+        """budget: device bytes for all of it (None: device_blocks given, the pool `pool_slots` or else
+        `default_pool_slots`). kv_layer_block_bytes: K and V of one token block in one layer (every KV head)."""
         dense_layers = min(dense_layers, num_layers)
         if dense_layers == num_layers:
             raise ValueError(f"kv_offload with sparse_dense_layers={dense_layers} >= the model's {num_layers} "
@@ -44,8 +56,14 @@ class OffloadLayout:
         if device_blocks is None:
             assert budget is not None
             rest = budget - token_blocks * token_bytes - device_bytes  # (the device cache's trash row)
-            if pool_slots is None:  # at most half of what is left: the device cache needs the other half
-                pool_slots = min(default_pool_slots, max(rest, 0) // 2 // head_block_bytes)
+            if pool_slots is None:
+                device_blocks = min(max(want_device_blocks, min_device_blocks), token_blocks)
+                if device_blocks * device_bytes > rest // 2:  # tight: the pool keeps at least half
+                    device_blocks = max(min_device_blocks, rest // 2 // device_bytes)
+                every_head_block = token_blocks * (device_bytes // head_block_bytes)
+                pool_slots = min(max(rest - device_blocks * device_bytes, 0) // head_block_bytes, every_head_block)
+            # The device cache takes what the pool leaves: more than above only when the pool is explicit or
+            # holds every head block.
             device_blocks = min((rest - pool_slots * head_block_bytes) // device_bytes, token_blocks)
         elif pool_slots is None:
             pool_slots = default_pool_slots

@@ -14,7 +14,8 @@ the misses of each set the least recently used slots of that set that the step d
 and the other misses' victims), in rank order: no sort of the whole pool, only of each missing block's
 `ways` candidates. A miss that finds no free way in its set (more misses in a set than evictable ways)
 is a bypass: it is read straight from the host store this step (on a GPU a UVA read; here a gather)
-and not cached. All of it is tensor ops with fixed shapes and no host sync (capturable).
+and not cached. Fixed shapes and no host sync (capturable): `plan_ref` in torch ops (CPU, tests), two
+Triton kernels on CUDA (kernels/pool_plan.py: the ~25 torch ops cost ~5 ms a decode step on an H200).
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ _HASH = 2654435761
 
 class HBMPool:
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                 num_slots: int, dtype: torch.dtype, device: torch.device, ways: int = 8) -> None:
+                 num_slots: int, dtype: torch.dtype, device: torch.device, ways: int = 8,
+                 use_triton: bool | None = None) -> None:
         if num_slots < 1:
             raise ValueError(f"the HBM pool needs at least one slot, got {num_slots}")
         self.ways = min(ways, num_slots)
@@ -42,6 +44,13 @@ class HBMPool:
         self.clock = torch.zeros((), dtype=torch.int64, device=device)
         # hits, head blocks loaded (H2D), bypass reads, layer steps planned
         self.stats = torch.zeros(4, dtype=torch.int64, device=device)
+        # The Triton plan (None: on CUDA; tests force it under the interpreter) and its scratch: misses per
+        # set (zero between calls: the kernel resets what it counts), each set's queue of misses by rank, and
+        # the clock of the call in flight.
+        self.use_triton = device.type == "cuda" if use_triton is None else use_triton
+        self.set_misses = torch.zeros(self.num_sets, dtype=torch.int32, device=device)
+        self.set_queue = torch.zeros(n, dtype=torch.int32, device=device)
+        self.plan_cur = torch.zeros(1, dtype=torch.int64, device=device)
 
     @property
     def trash_slot(self) -> int:
@@ -61,6 +70,14 @@ class HBMPool:
         return (key * _HASH) % self.num_sets
 
     def plan(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """plan_ref's contract; on the GPU the Triton kernels, which may pair a set's misses with its victims
+        in another order (the victims, hits and bypass count per set are the reference's)."""
+        if self.use_triton:
+            from sparseserve.kernels.pool_plan import pool_plan
+            return pool_plan(self, key, _HASH)
+        return self.plan_ref(key)
+
+    def plan_ref(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's step. key: int64 [N] head blocks the step reads (trash key: none), each at most once
         (true while sequences share no blocks; prefix sharing would need a dedupe here).
 
@@ -121,7 +138,8 @@ class HBMPool:
 
     def check(self) -> None:
         """Accounting invariants (tests; syncs): owner and resident are inverse maps, no slot holds two
-        blocks, the trash entries stay empty."""
+        blocks, the trash entries stay empty, the Triton plan's miss counters are back to zero."""
+        assert not self.set_misses.any(), "a set's miss counter was not reset"
         owner, resident = self.owner[: self.num_slots].cpu(), self.resident.cpu()
         assert self.owner[self.trash_slot].item() == -1 and resident[self.trash_key].item() == -1
         held = owner >= 0

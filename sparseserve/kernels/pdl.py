@@ -1,0 +1,41 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the decode layer's chain of short kernels.
+
+A sparse decode layer runs several short kernels back to back (store_kv, metadata update, scoring,
+selection, sparse attention and its merge). Inside a CUDA graph each boundary still costs ~2 us on an H200
+(the next kernel's launch and ramp-up after the previous one drained: SPARSE_NOTES.md). Launched with PDL,
+a kernel's programs may start while its predecessor finishes; `pdl_wait` is their first statement, before
+any memory access, and blocks until the predecessor completed and its writes are visible, so the order of
+reads and writes is exactly that of a plain launch. Each kernel then lets its own successor launch early.
+Every kernel of such a chain must call `pdl_wait` on every path (also before an early return): a kernel
+that exits without waiting would let its successor run ahead of the grid before it.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+# SPARSESERVE_PDL=0 turns it off (benchmarks compare; a driver without PDL in graphs).
+ENABLED = os.environ.get("SPARSESERVE_PDL", "1") != "0"
+
+
+@functools.lru_cache(maxsize=8)
+def _capable(device: torch.device) -> bool:
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Pass as the kernel's PDL constexpr and as `launch_pdl=` of its launch."""
+    return ENABLED and _capable(device)
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
