@@ -1,8 +1,8 @@
 """kv_offload: how the device KV budget is split (DESIGN.md principle 4: DRAM is the store, HBM the cache).
 
 Token blocks (the scheduler's allocator) are the host store's rows. On the device:
-  - key metadata of EVERY token block (scoring reads it each step; ~1/32 of the KV bytes with one page a
-    block, 1/16 with two);
+  - key metadata of EVERY token block (scoring reads it each step; int8 codes and a float32 scale per page:
+    ~1/63 of the KV bytes with one page a block, 1/32 with two);
   - the first `dense_layers` layers keep a full-size KV cache indexed by token block (they attend to every
     block every step, so offloading them would load everything);
   - the device block cache of the other layers: the working set only (prefilling sequences whole, decode
