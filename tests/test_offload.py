@@ -165,8 +165,8 @@ def test_offload_layout_split():
     def plan(rest: int | None, **kw) -> OffloadLayout:
         args = dict(budget=None if rest is None else fixed + rest, device_blocks=None, token_blocks=tokens,
                     pool_slots=None, default_pool_slots=32 * 8 * 20 * 64, min_device_blocks=seq,
-                    want_device_blocks=want, num_layers=32, dense_layers=2, kv_layer_block_bytes=kv_layer, meta_block_bytes=130_000,
-                    head_block_bytes=hb)
+                    want_device_blocks=want, num_layers=32, dense_layers=2, kv_layer_block_bytes=kv_layer,
+                    meta_block_bytes=130_000, head_block_bytes=hb)
         return OffloadLayout.plan(**{**args, **kw})
 
     rest = int(12.3 * GiB)

@@ -6,7 +6,7 @@
 bf16, blocks of 32: the dense paged kernel against sparse decode with scoring and selection
 included (topk and topp at budget 2048, without and with reuse R=4), each captured in a CUDA graph
 (R consecutive steps per graph, so reuse is timed as it runs), plus a breakdown of the parts. Each
-variant is timed as the engine runs it, per layer inside one graph of --layers distinct layers (own
+variant is timed as the engine runs it, per layer inside one graph of 8 distinct layers (own
 cache and metadata each), and also as a graph of that one layer, which adds the ~5 us a graph replay
 costs on an H200 (paid once per decode step in the engine, not once per layer).
 --step: the whole decode step (model forward + sampling) of MODEL_DIR's architecture (random weights:

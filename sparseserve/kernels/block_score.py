@@ -13,9 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseserve.kernels.pdl import pdl_wait, use_pdl
-
 from sparseserve.attention.selection import SelectionParams
+from sparseserve.kernels.pdl import pdl_wait, use_pdl
 from sparseserve.kvcache.metadata import AMAX_FLOOR, KeyMeta
 
 MAX_SELECT_BLOCKS = 16384  # one selection program holds a row of block scores in registers
@@ -103,7 +102,8 @@ def _score_kernel(q_ptr, codes_ptr, page_scale_ptr, table_ptr, seq_lens_ptr, slo
                   stride_cs, max_blocks, blocks_per_split,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
                   CAP: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, NUM_STAGES: tl.constexpr,
+                  PDL: tl.constexpr):
     """Program (sequence, KV head, split of blocks_per_split blocks): scores[b, h, n] = scale * max over
     the block's pages of page_scale * (q+ . codes_max + q- . codes_min), for the GROUP query heads h
     (reference: block_scores_ref). The int8 codes enter the dots in q's dtype (integers up to 127 are

@@ -48,7 +48,8 @@ def _block_lse_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, sel_
                       stride_qt, stride_qh, stride_cb, stride_ch, stride_tb, stride_ss, stride_cs,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr,
                       REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                      TILE_E: tl.constexpr, DOT_PREC: tl.constexpr, OFFLOAD: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr):
+                      TILE_E: tl.constexpr, DOT_PREC: tl.constexpr, OFFLOAD: tl.constexpr, LOCAL: tl.constexpr,
+                      PDL: tl.constexpr):
     """lse[b, kvh * GROUP + g, e] for the TILE_E list entries e of this program (reference: block_lse_ref).
     OFFLOAD: entries before the local window read K through their HBM pool slot loc[b, kvh, e] (or the
     host store row key[b, kvh, e] when loc < 0: a bypass), as the sparse decode kernel does; the window
@@ -125,7 +126,8 @@ def _keep_top_p(r, forced, cand, top_p, WAYS: tl.constexpr, ITERS: tl.constexpr)
 def _prune_kernel(lse_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, stats_ptr, top_p, stride_ss, stride_cs,
                   GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr, SINK: tl.constexpr,
                   LOCAL: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, PER_HEAD: tl.constexpr,
-                  BLOCK_G: tl.constexpr, CAP_PAD: tl.constexpr, WAYS: tl.constexpr, ITERS: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_G: tl.constexpr, CAP_PAD: tl.constexpr, WAYS: tl.constexpr, ITERS: tl.constexpr,
+                  PDL: tl.constexpr):
     """Prunes the list of (b, kvh) in place (reference: prune_ref / prune_selection_ref)."""
     pdl_wait(PDL)
     b = tl.program_id(0)

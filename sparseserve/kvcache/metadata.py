@@ -9,8 +9,8 @@ otherwise one page per block). The extra block `num_blocks` is a trash row: padd
 
 int8 codes on a symmetric per-page scale: scoring reads every block's metadata each step and is
 bound by HBM bandwidth, and int8 halves what it reads against bf16 (a head block of one page at
-D = 128: 256 bytes of codes + 4 of scale instead of 512). The min is rounded down and the max up, so codes * scale still bracket the
-keys and the score q+ . max + q- . min stays an upper bound of q.k over the page (up to float32
+D = 128: 256 bytes of codes + 4 of scale instead of 512). The min is rounded down and the max up, so
+codes * scale still bracket the keys and the score q+ . max + q- . min stays an upper bound of q.k over the page (up to float32
 rounding); the bound only gets looser by at most one code step (amax / 127) per channel.
 """
 from __future__ import annotations
