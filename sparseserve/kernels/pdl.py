@@ -4,9 +4,10 @@ A sparse decode layer runs several short kernels back to back (store_kv, metadat
 selection, sparse attention and its merge). Launched with PDL, a kernel's programs may start while its
 predecessor finishes (on an H200 the 8B decode step at batch 4 / 128K went 7.31 -> 7.21 ms: SPARSE_NOTES.md).
 `pdl_wait` is their first statement, before any memory access, and blocks until the predecessor completed and
-its writes are visible, so the order of reads and writes is exactly that of a plain launch. Each kernel then lets its own successor launch early.
-Every kernel of such a chain must call `pdl_wait` on every path (also before an early return): a kernel
-that exits without waiting would let its successor run ahead of the grid before it.
+its writes are visible, so the order of reads and writes is exactly that of a plain launch. Each kernel then
+lets its own successor launch early. Every kernel of such a chain must call `pdl_wait` on every path (also
+before an early return): a kernel that exits without waiting would let its successor run ahead of the grid
+before it.
 """
 from __future__ import annotations
 
