@@ -4,20 +4,19 @@ tests run on the GPU, plus large shapes and a CUDA-graph replay of the whole spa
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from tests.kernel_utils import ATTN_DTYPES as DTYPES, DEVICE as DEV, TOL, gpu_only, rel_err
 from sparseserve.attention.backend import AttentionMetadata
 from sparseserve.attention.selection import SelectionParams, block_scores_ref, update_selection_ref
-from sparseserve.attention.sparse import SparseBackend, sparse_decode_ref
+from sparseserve.attention.sparse import SparseBackend, sparse_decode_offload_ref, sparse_decode_ref
 from sparseserve.attention.torch_ref import TorchBackend, paged_attention_ref
 from sparseserve.attention.triton_backend import TritonBackend
 from sparseserve.config import SparseConfig
 from sparseserve.kernels.block_score import (ScoreConfig, SelectConfig, block_scores, score_and_select, select_blocks,
                                              update_key_meta)
-from sparseserve.kernels.sparse_decode import SparseDecodeConfig, sparse_decode
+from sparseserve.kernels.sparse_decode import SparseDecodeConfig, sparse_decode, split_plan
 from sparseserve.kvcache.metadata import allocate_key_meta, quantize_key_meta, rebuild_key_meta, update_key_meta_ref
 
 
@@ -227,17 +226,70 @@ def test_sparse_decode(dtype, hq, hkv, d, bs, config):
     lens = [0, 1, 5 * bs, 13 * bs + 7, 9 * bs + 1]
     q, cache, meta = decode_batch(lens, hq, hkv, d, bs, dtype, slack=2 * bs)
     cap = 5
+    sel = random_lists(lens, hkv, bs, cap)
+    slots = torch.arange(len(lens), dtype=torch.int32, device=DEV)
+    ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, sel[: len(lens)], 2, meta.max_seq_len,
+                            d ** -0.5)
+    out = torch.full_like(q, float("nan"))
+    sparse_decode(q, cache, meta.block_tables, meta.seq_lens, sel, slots, 2, d ** -0.5, out=out, config=config)
+    assert torch.isfinite(out).all() and torch.count_nonzero(out[0]) == 0
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def random_lists(lens: list[int], hkv: int, bs: int, cap: int) -> torch.Tensor:
+    """[B + 1, Hkv, cap] lists of 0..cap distinct blocks of each row (entries in the window too), -1 padded."""
     sel = torch.full((len(lens) + 1, hkv, cap), -1, dtype=torch.int32, device=DEV)
     for b, n in enumerate(lens):
         nb = -(-n // bs)
         for h in range(hkv):
             pick = torch.randperm(max(nb, 1))[: torch.randint(0, cap + 1, ()).item()]
             sel[b, h, : pick.numel()] = pick.to(torch.int32)
+    return sel
+
+
+def offload_inputs(cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, sel: torch.Tensor, local: int):
+    """Listed K/V (fresh random data) spread over pool slots and host rows (loc -1: bypass); every block before
+    a window poisoned in the device cache. Returns (offload tuple, listed_kv, poisoned cache)."""
+    batch, hkv, cap = sel.shape
+    bs, d = cache.shape[3], cache.shape[4]
+    listed_kv = torch.randn(batch, hkv, cap, 2, bs, d, device=DEV).to(cache.dtype)
+    n = batch * hkv * cap
+    loc, key = torch.randperm(n, device=DEV), torch.randperm(n, device=DEV)
+    bypass = torch.rand(n, device=DEV) < 0.5
+    loc[bypass] = -1
+    pool, host = torch.zeros_like(listed_kv).view(n, 2, bs, d), torch.zeros_like(listed_kv).view(n, 2, bs, d)
+    pool[loc[~bypass]] = listed_kv.view(n, 2, bs, d)[~bypass]
+    host[key[bypass]] = listed_kv.view(n, 2, bs, d)[bypass]
+    poisoned = cache.clone()
+    for b, nb in enumerate(((seq_lens + bs - 1) // bs).tolist()):
+        poisoned[tables[b, : max(0, nb - local)].long()] = float("nan")
+    return (pool, host, loc.view(batch, hkv, cap), key.view(batch, hkv, cap)), listed_kv, poisoned
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("tile_n,tiles,splits", [(16, 1, 7), (32, 2, 2), (128, 0, 1)])
+def test_sparse_decode_splits(dtype, offload, tile_n, tiles, splits):
+    """The split kernel and its merge match the reference over several splits (and one), offloaded (listed
+    blocks from pool slots or host rows, the device cache before the window poisoned) or not."""
+    torch.manual_seed(9)
+    hq, hkv, d, bs, cap, local = 6, 2, 32, 16, 5, 2
+    lens = [0, 1, 5 * bs, 13 * bs + 7, 9 * bs + 1]
+    q, cache, meta = decode_batch(lens, hq, hkv, d, bs, dtype, slack=2 * bs)
+    sel = random_lists(lens, hkv, bs, cap)[: len(lens)]
     slots = torch.arange(len(lens), dtype=torch.int32, device=DEV)
-    ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, sel[: len(lens)], 2, meta.max_seq_len,
-                            d ** -0.5)
+    kw = {}
+    if offload:
+        kw["offload"], listed_kv, cache = offload_inputs(cache, meta.block_tables, meta.seq_lens, sel, local)
+        ref = sparse_decode_offload_ref(q, cache, meta.block_tables, meta.seq_lens, sel, listed_kv, local,
+                                        meta.max_seq_len, d ** -0.5)
+    else:
+        ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, sel, local, meta.max_seq_len, d ** -0.5)
+    config = SparseDecodeConfig(tile_n=tile_n, tiles=tiles, target_programs=1)
+    assert split_plan(len(lens), hkv, cap + local, max(1, tile_n // bs), q.device, config)[1] == splits
     out = torch.full_like(q, float("nan"))
-    sparse_decode(q, cache, meta.block_tables, meta.seq_lens, sel, slots, 2, d ** -0.5, out=out, config=config)
+    sparse_decode(q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, d ** -0.5, out=out, config=config,
+                  **kw)
     assert torch.isfinite(out).all() and torch.count_nonzero(out[0]) == 0
     assert rel_err(out, ref) < TOL[dtype]
 

@@ -177,7 +177,7 @@ class SparseBackend(AttentionBackend):
             # block (engine/runner.py), and never reads the host store: nothing to write through.
             return self.dense.forward(layer_idx, q, k, v, kv_cache, meta.token_view(), scale)
         self.dense.store_kv(k, v, kv_cache, meta.slot_mapping)
-        if self.key_meta is not None:
+        if self.key_meta is not None and layer_idx >= self.dense_layers:  # dense layers never score
             self._update_key_meta(kv_cache, self.key_meta[layer_idx], meta.slot_mapping, meta.token_slot_mapping)
         if self.host is not None:
             self.host.store_step(layer_idx, kv_cache, meta.slot_mapping, meta.num_decodes, meta.num_seqs,

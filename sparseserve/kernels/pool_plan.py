@@ -10,11 +10,11 @@ atomic increment of the set's miss counter and, if the rank is below `ways`, ent
 (`queue[set * ways + rank]`); a miss ranked `ways` or later is a bypass already (a set has `ways` slots).
 
 Kernel 2 (one program per chunk of requests): the rank-0 miss of each set leads it, so each set is
-handled by exactly one lane and nothing in a set races. The leader ranks the set's ways by (last use,
-way) in registers (8 ways: an 8 x 8 comparison), gives the rank-r queued miss the r-th way while that
-way is evictable (older than the clock), evicts its previous owner, installs the new one, stamps the
-way and resets the set's counter to zero for the next call (so no per-call zeroing is needed). The
-misses no evictable way is left for keep loc = load = -1 (bypass reads).
+handled by exactly one lane and nothing in a set races. The leader gives the rank-r queued miss the
+r-th least recently used way of the set (in rounds: one argmin over the ways each, as many rounds as the
+set has misses) while that way is evictable (older than the clock), evicts its previous owner, installs
+the new one, stamps the way and resets the set's counter to zero for the next call (so no per-call
+zeroing is needed). The misses no evictable way is left for keep loc = load = -1 (bypass reads).
 
 Atomic ranks make the pairing of a set's misses with its victims order-dependent on a GPU; the victims
 chosen in each set, the hits, the number of bypass reads per set, the last-use stamps and the statistics
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from sparseserve.kvcache.pool import HBMPool
 
 BLOCK_LOOKUP = 512
-BLOCK_EVICT = 64  # x 8 x 8 way comparisons a program
+BLOCK_EVICT = 64
 
 
 @triton.jit
@@ -77,28 +77,31 @@ def _evict_kernel(key_ptr, rank_ptr, resident_ptr, owner_ptr, last_use_ptr, cloc
     count = tl.load(count_ptr + set_id, mask=lead, other=0)
     clock = tl.load(cur_ptr)
     w = tl.arange(0, WAYS_P2)
-    slot = set_id[:, None] * WAYS + w[None, :]  # [BLOCK, WAYS_P2]
     valid = lead[:, None] & (w[None, :] < WAYS)
-    age = tl.load(last_use_ptr + slot, mask=valid, other=clock)  # padding ways look in use
-    # pos[b, w]: how many ways of the set come before way w in (last use, way) order (the reference's
-    # stable sort); in-use ways (age == clock) come last.
-    a_w, a_o = age[:, :, None], age[:, None, :]
-    before = (a_o < a_w) | ((a_o == a_w) & (w[None, None, :] < w[None, :, None]))
-    pos = tl.sum(before.to(tl.int32), axis=2)
-    take = valid & (age < clock) & (pos < count[:, None])
-    j = tl.load(queue_ptr + set_id[:, None] * WAYS + pos, mask=take, other=0)
-    new = tl.load(key_ptr + j, mask=take, other=0)
-    old = tl.load(owner_ptr + slot, mask=take, other=-1)
-    tl.store(resident_ptr + old, tl.full(old.shape, -1, tl.int64), mask=take & (old >= 0))
-    tl.store(owner_ptr + slot, new, mask=take)
-    tl.store(resident_ptr + new, slot, mask=take)
-    tl.store(last_use_ptr + slot, tl.zeros_like(slot) + clock, mask=take)
-    tl.store(loc_ptr + j, slot, mask=take)
-    tl.store(load_ptr + j, slot, mask=take)
+    age = tl.load(last_use_ptr + set_id[:, None] * WAYS + w[None, :], mask=valid, other=clock)  # padding: in use
+    # Round r gives the rank-r miss the least recently used way left (argmin: the first of equally old ways,
+    # the reference's stable (last use, way) order) while it is evictable (older than the clock: in-use ways
+    # carry the clock). A set has few misses a step, so this is a few rounds, not a ways x ways comparison.
+    loads = tl.zeros([BLOCK], tl.int64)
+    for r in range(0, tl.max(tl.minimum(count, WAYS), 0)):
+        way = tl.argmin(age, 1)
+        take = lead & (r < count) & (tl.min(age, 1) < clock)
+        slot = set_id * WAYS + way
+        j = tl.load(queue_ptr + set_id * WAYS + r, mask=take, other=0)
+        new = tl.load(key_ptr + j, mask=take, other=0)
+        old = tl.load(owner_ptr + slot, mask=take, other=-1)
+        tl.store(resident_ptr + old, tl.full(old.shape, -1, tl.int64), mask=take & (old >= 0))
+        tl.store(owner_ptr + slot, new, mask=take)
+        tl.store(resident_ptr + new, slot, mask=take)
+        tl.store(last_use_ptr + slot, tl.zeros_like(slot) + clock, mask=take)
+        tl.store(loc_ptr + j, slot, mask=take)
+        tl.store(load_ptr + j, slot, mask=take)
+        age = tl.where(w[None, :] == way[:, None], clock, age)
+        loads += take.to(tl.int64)
     tl.store(count_ptr + set_id, tl.zeros_like(count), mask=lead)
-    loads = tl.sum(tl.sum(take.to(tl.int64), axis=1), axis=0)
-    tl.atomic_add(stats_ptr + 1, loads, sem="relaxed")
-    tl.atomic_add(stats_ptr + 2, -loads, sem="relaxed")
+    total = tl.sum(loads, axis=0)
+    tl.atomic_add(stats_ptr + 1, total, sem="relaxed")
+    tl.atomic_add(stats_ptr + 2, -total, sem="relaxed")
     if pid == 0:
         tl.store(clock_ptr, clock + 1)
 
