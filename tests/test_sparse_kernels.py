@@ -16,7 +16,7 @@ from sparseserve.attention.triton_backend import TritonBackend
 from sparseserve.config import SparseConfig
 from sparseserve.kernels.block_score import (ScoreConfig, SelectConfig, block_scores, score_and_select, select_blocks,
                                              update_key_meta)
-from sparseserve.kernels.sparse_decode import SparseDecodeConfig, sparse_decode, split_plan
+from sparseserve.kernels.sparse_decode import SparseDecodeConfig, sparse_decode, split_plan, tma_capable
 from sparseserve.kvcache.metadata import allocate_key_meta, quantize_key_meta, rebuild_key_meta, update_key_meta_ref
 
 
@@ -219,9 +219,12 @@ def test_score_and_select(policy):
 @pytest.mark.parametrize("hq,hkv,d,bs,config", [(8, 2, 64, 16, SparseDecodeConfig(tile_n=32, target_programs=24)),
                                                  (6, 2, 32, 16, SparseDecodeConfig(tile_n=16, target_programs=1)),
                                                  (8, 2, 64, 16, SparseDecodeConfig(tile_n=16, num_stages=3, tiles=2)),
+                                                 (8, 2, 64, 16, SparseDecodeConfig(tile_n=32, tiles=2, num_stages=3,
+                                                                                   tma=True)),
+                                                 (6, 2, 32, 16, SparseDecodeConfig(tile_n=16, tiles=1, tma=True)),
                                                  (4, 4, 64, 32, None)])
 def test_sparse_decode(dtype, hq, hkv, d, bs, config):
-    """Random lists with padding, entries inside the local window, and a padding row."""
+    """Random lists with padding, entries inside the local window, and a padding row (tma: the TMA gather)."""
     torch.manual_seed(3)
     lens = [0, 1, 5 * bs, 13 * bs + 7, 9 * bs + 1]
     q, cache, meta = decode_batch(lens, hq, hkv, d, bs, dtype, slack=2 * bs)
@@ -230,6 +233,9 @@ def test_sparse_decode(dtype, hq, hkv, d, bs, config):
     slots = torch.arange(len(lens), dtype=torch.int32, device=DEV)
     ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, sel[: len(lens)], 2, meta.max_seq_len,
                             d ** -0.5)
+    if config is not None and config.tma:  # the TMA kernel runs, not the fallback
+        per_split = split_plan(len(lens), hkv, cap + 2, max(1, config.tile_n // bs), q.device, config)[0]
+        assert tma_capable(cache, None) and per_split & (per_split - 1) == 0
     out = torch.full_like(q, float("nan"))
     sparse_decode(q, cache, meta.block_tables, meta.seq_lens, sel, slots, 2, d ** -0.5, out=out, config=config)
     assert torch.isfinite(out).all() and torch.count_nonzero(out[0]) == 0

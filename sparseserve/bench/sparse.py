@@ -33,7 +33,7 @@ from sparseserve.bench.hardware import hbm_bandwidth, print_table
 from sparseserve.config import SparseConfig
 from sparseserve.kernels.block_score import ScoreConfig, SelectConfig, block_scores, select_blocks
 from sparseserve.kernels.paged_decode import paged_decode
-from sparseserve.kernels.sparse_decode import SparseDecodeConfig, sparse_decode
+from sparseserve.kernels.sparse_decode import FAST_CONFIG, SparseDecodeConfig, default_config, sparse_decode
 from sparseserve.kvcache.metadata import key_meta_block_bytes, rebuild_key_meta
 
 DTYPE = torch.bfloat16
@@ -135,7 +135,7 @@ def parts(sp: SparseBackend, q, cache, tables, seq_lens, scale, mb, out, dense_m
         "score": [ScoreConfig()] + ([ScoreConfig(r, 4, st, t) for r in (64, 128) for st in (1, 3, 4) for t in (4, 8, 16)]
                                     + [ScoreConfig(64, 8, 3, 8)] if sweep else []),
         "select": [SelectConfig()] + ([SelectConfig(k, w) for k in (2, 4, 8) for w in (8, 16)] if sweep else []),
-        "attend": [sparse_decode_default(q)] + ([SparseDecodeConfig(t, 0, 4, st, n) for t in (64, 128)
+        "attend": [sparse_decode_default(q, cache), FAST_CONFIG] + ([SparseDecodeConfig(t, 0, 4, st, n) for t in (64, 128)
                                                  for n in (2, 3, 4, 6) for st in (2, 3, 4)]
                                                 + [SparseDecodeConfig(64, 0, 8, 3, 4), SparseDecodeConfig(128, 0, 8, 3, 4),
                                                    SparseDecodeConfig()]  # the one-tile-a-program default of run 2
@@ -158,9 +158,8 @@ def parts(sp: SparseBackend, q, cache, tables, seq_lens, scale, mb, out, dense_m
     return rows
 
 
-def sparse_decode_default(q: torch.Tensor) -> SparseDecodeConfig:
-    from sparseserve.kernels.sparse_decode import FAST_CONFIG
-    return SparseDecodeConfig(tile_n=32) if q.dtype == torch.float32 else FAST_CONFIG
+def sparse_decode_default(q: torch.Tensor, cache: torch.Tensor) -> SparseDecodeConfig:
+    return SparseDecodeConfig(tile_n=32) if q.dtype == torch.float32 else default_config(cache, None)
 
 
 def full_budget_error(q, cache, meta, dense_out, scale, bs) -> float:
