@@ -119,11 +119,11 @@ def _sparse_split_tma_kernel(q_ptr, kv_desc, table_ptr, seq_lens_ptr, slots_ptr,
     """The split kernel with the block gather done by TMA (tensor descriptor over the layer's cache viewed as
     [blocks x Hkv x 2 x block_size, D] rows; one [block_size, D] box for K and one for V a block).
 
-    Why: with plain loads Triton does not run a tile's K/V loads ahead of a load their addresses come from
-    (SPARSE_NOTES.md, leave-one-out: ~8.5 us of 33). Here a program loads its SPLIT_E list entries and their
-    physical blocks once, up front; the loop then takes the i-th valid entry's block out of registers (a masked
-    sum), so no load of the loop depends on another and the pipeliner issues the TMA copies NUM_STAGES - 1
-    blocks ahead. The loop runs over valid entries only (padding and in-window list entries cost nothing)."""
+    A program loads its SPLIT_E list entries and their physical blocks once, up front; the loop then takes the
+    i-th valid entry's block out of registers (a masked sum), so no load of the loop depends on another and the
+    pipeliner issues the TMA copies NUM_STAGES - 1 blocks ahead. The loop runs over valid entries only (padding
+    and in-window list entries cost nothing). Written to remove the plain kernel's list -> table -> K/V load
+    chain; on an H200 it gains 1-2 us a layer, not more (SPARSE_NOTES.md, fourth session)."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -206,12 +206,10 @@ class SparseDecodeConfig:
 
 # bf16/fp16 (offload too: one load of K and one of V a tile either way): a few tiles a program, 3 stages,
 # the best of the GPU sweeps in SPARSE_NOTES.md. Fewer, longer programs balanced over the multiprocessors
-# (2 splits of 9 tiles at batch 8) and smaller tiles (1-2 blocks) were slower: the kernel is bound by
-# its loop's chain of dependent loads more than by bytes.
+# (2 splits of 9 tiles at batch 8) and smaller tiles (1-2 blocks) were slower.
 FAST_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=4, num_stages=3, tiles=4)
 # Where TMA applies (bf16/fp16 on Hopper, no offload): 16 blocks a program, 2 warps, 3 stages. On an H200 (B=8,
-# 128K, budget 2048) 1.2-1.8 us a layer faster than FAST_CONFIG in two runs, not the ~8 us the leave-one-out
-# promised: with no load of its loop depending on another, the kernel still reads at ~2.4 TB/s.
+# 128K, budget 2048) 1.2-1.8 us a layer faster than FAST_CONFIG in three runs; it still reads at ~2.2 TB/s.
 TMA_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=2, num_stages=3, tiles=4, tma=True)
 
 
