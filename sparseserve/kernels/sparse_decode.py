@@ -25,6 +25,30 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr):
+    """Online-softmax update of the group's query heads with one tile of keys/values (visible: its columns)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    s = tl.where(visible[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible token yet: avoid inf - inf
+    p = tl.exp2(s - m_shift[:, None])
+    alpha = tl.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_partial(part_out_ptr, part_lse_ptr, b, heads, split, dims, g, q_mask, m_i, l_i, acc, GROUP: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """part_out [B, Hq, num_splits, BLOCK_D], part_lse [B, Hq, num_splits]; an empty split: zeros and -inf."""
+    row = (b * tl.num_programs(1) * GROUP + heads).to(tl.int64) * tl.num_programs(2) + split
+    tl.store(part_out_ptr + row[:, None] * BLOCK_D + dims[None, :], acc / tl.where(l_i > 0, l_i, 1.0)[:, None],
+             mask=q_mask)
+    tl.store(part_lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=g < GROUP)
+
+
+@triton.jit
 def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, sel_ptr, part_out_ptr, part_lse_ptr,
                          pool_ptr, host_ptr, loc_ptr, key_ptr,
                          qk_scale, entries_per_split,
@@ -92,21 +116,8 @@ def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, s
             kv_mask = ok[:, None] & (dims[None, :] < HEAD_DIM)
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible token yet: avoid inf - inf
-        p = tl.exp2(s - m_shift[:, None])
-        alpha = tl.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
-
-    # part_out [B, Hq, num_splits, BLOCK_D], part_lse [B, Hq, num_splits]; an empty split: zeros and -inf.
-    row = (b * tl.num_programs(1) * GROUP + heads).to(tl.int64) * tl.num_programs(2) + split
-    tl.store(part_out_ptr + row[:, None] * BLOCK_D + dims[None, :], acc / tl.where(l_i > 0, l_i, 1.0)[:, None],
-             mask=q_mask)
-    tl.store(part_lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=g < GROUP)
+        m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, qk_scale, DOT_PREC)
+    _store_partial(part_out_ptr, part_lse_ptr, b, heads, split, dims, g, q_mask, m_i, l_i, acc, GROUP, BLOCK_D)
 
 
 @triton.jit
@@ -156,20 +167,8 @@ def _sparse_split_tma_kernel(q_ptr, kv_desc, table_ptr, seq_lens_ptr, slots_ptr,
         first = tl.sum(tl.where(pick, j, 0), 0) * BLOCK_SIZE
         k = kv_desc.load([r, 0])
         v = kv_desc.load([r + BLOCK_SIZE, 0])
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        s = tl.where((first + tok < seq_len)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_shift[:, None])
-        alpha = tl.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
-
-    row = (b * tl.num_programs(1) * GROUP + heads).to(tl.int64) * tl.num_programs(2) + split
-    tl.store(part_out_ptr + row[:, None] * BLOCK_D + dims[None, :], acc / tl.where(l_i > 0, l_i, 1.0)[:, None],
-             mask=q_mask)
-    tl.store(part_lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=g < GROUP)
+        m_i, l_i, acc = _attend_tile(q, k, v, first + tok < seq_len, m_i, l_i, acc, qk_scale, DOT_PREC)
+    _store_partial(part_out_ptr, part_lse_ptr, b, heads, split, dims, g, q_mask, m_i, l_i, acc, GROUP, BLOCK_D)
 
 
 @triton.jit
