@@ -208,7 +208,7 @@ class SparseDecodeConfig:
 # (2 splits of 9 tiles at batch 8) and smaller tiles (1-2 blocks) were slower.
 FAST_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=4, num_stages=3, tiles=4)
 # Where TMA applies (bf16/fp16 on Hopper, no offload): 16 blocks a program, 2 warps, 3 stages. On an H200 (B=8,
-# 128K, budget 2048) 1.2-1.8 us a layer faster than FAST_CONFIG in three runs; it still reads at ~2.2 TB/s.
+# 128K, budget 2048) 1.2-1.8 us a layer faster than FAST_CONFIG (two runs side by side); still ~2.2 TB/s.
 TMA_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=2, num_stages=3, tiles=4, tma=True)
 
 
