@@ -53,6 +53,12 @@ def attend_tile(acc, m_i, l_i, q, kv_base, table_row, tile_start, kv_end, pos, d
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if MASKED:
         s = tl.where((tok[None, :] <= pos[:, None]) & tmask[None, :], s, float("-inf"))
+    return softmax_update(acc, m_i, l_i, s, v, DOT_PREC)
+
+
+@triton.jit
+def softmax_update(acc, m_i, l_i, s, v, DOT_PREC: tl.constexpr):
+    """Fold a tile's log2-domain scores s [M, N] (-inf: hidden) and values v [N, D] into (acc, m, l)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no visible token yet keeps m = -inf; shift by 0 instead to avoid inf - inf.
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparseserve.kernels.paged_decode import softmax_update
 from sparseserve.kernels.pdl import pdl_wait, use_pdl
 
 LOG2E = 1.4426950408889634
@@ -28,14 +29,8 @@ LOG2E = 1.4426950408889634
 def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr):
     """Online-softmax update of the group's query heads with one tile of keys/values (visible: its columns)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-    s = tl.where(visible[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible token yet: avoid inf - inf
-    p = tl.exp2(s - m_shift[:, None])
-    alpha = tl.exp2(m_i - m_shift)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-    return m_new, l_i, acc
+    acc, m_i, l_i = softmax_update(acc, m_i, l_i, tl.where(visible[None, :], s, float("-inf")), v, DOT_PREC)
+    return m_i, l_i, acc
 
 
 @triton.jit
