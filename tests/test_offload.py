@@ -257,9 +257,10 @@ def test_device_cache_holds_the_working_set_only(hf_models):
 @pytest.mark.parametrize("page", [4, 2])
 def test_key_meta_update_rows_by_token_block(page):
     """kv_offload: keys are read from device blocks, the metadata rows are the token blocks (meta_slots);
-    the Triton update kernel (interpreter on CPU) equals the reference, and both equal metadata rebuilt from a
+    the fused Triton store + update kernel (interpreter on CPU) equals the reference, and both equal metadata rebuilt from a
     cache indexed by token block."""
-    from sparseserve.kernels.block_score import update_key_meta
+    from sparseserve.attention.torch_ref import store_kv_ref
+    from sparseserve.kernels.block_score import store_kv_key_meta
     from sparseserve.kvcache.metadata import allocate_key_meta, quantize_key_meta, rebuild_key_meta, update_key_meta_ref
     torch.manual_seed(2)
     bs, hkv, d, dev_blocks, token_blocks = 4, 2, 8, 3, 6
@@ -269,8 +270,12 @@ def test_key_meta_update_rows_by_token_block(page):
     slots = torch.tensor([dev_of[b] * bs + o for b, o in tokens] + [-1], device=DEVICE)
     meta_slots = torch.tensor([b * bs + o for b, o in tokens] + [-1], device=DEVICE)
     metas = [allocate_key_meta(1, token_blocks, hkv, bs, page, d, torch.device(DEVICE))[0] for _ in range(2)]
+    k, v = (torch.randn(len(slots), hkv, d, device=DEVICE) for _ in range(2))
+    got = cache.clone()
+    store_kv_ref(k, v, cache, slots)
     update_key_meta_ref(cache, metas[0], slots, page, meta_slots)
-    update_key_meta(cache, metas[1], slots, page, meta_slots)
+    store_kv_key_meta(k, v, got, metas[1], slots, page, meta_slots)
+    assert torch.equal(got, cache)
     for got, want in ((metas[1].codes, metas[0].codes), (metas[1].scale, metas[0].scale)):
         assert torch.equal(got[:token_blocks], want[:token_blocks])  # (row token_blocks: trash)
     full = torch.zeros(token_blocks, hkv, 2, bs, d, device=DEVICE)

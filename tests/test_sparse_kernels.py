@@ -11,11 +11,11 @@ from tests.kernel_utils import ATTN_DTYPES as DTYPES, DEVICE as DEV, TOL, gpu_on
 from sparseserve.attention.backend import AttentionMetadata
 from sparseserve.attention.selection import SelectionParams, block_scores_ref, update_selection_ref
 from sparseserve.attention.sparse import SparseBackend, sparse_decode_offload_ref, sparse_decode_ref
-from sparseserve.attention.torch_ref import TorchBackend, paged_attention_ref
+from sparseserve.attention.torch_ref import TorchBackend, paged_attention_ref, store_kv_ref
 from sparseserve.attention.triton_backend import TritonBackend
 from sparseserve.config import SparseConfig
 from sparseserve.kernels.block_score import (ScoreConfig, SelectConfig, block_scores, score_and_select, select_blocks,
-                                             update_key_meta)
+                                             store_kv_key_meta)
 from sparseserve.kernels.sparse_decode import SparseDecodeConfig, sparse_decode, split_plan, tma_capable
 from sparseserve.kvcache.metadata import allocate_key_meta, quantize_key_meta, rebuild_key_meta, update_key_meta_ref
 
@@ -46,8 +46,10 @@ def params(policy: str, cap: int, bs: int, page: int, reuse: int = 1, top_p: flo
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bs,page", [(16, 16), (16, 4)])
 def test_update_key_meta(bs, page, dtype):
-    """Prefill chunks (one starting mid-page), decodes and padding: the kernel writes the reference's
-    codes and scales bit for bit, and the reference quantizes min/max over each page's written tokens."""
+    """Prefill chunks (one starting mid-page), decodes and padding: the fused store + metadata kernel writes the
+    cache and the reference's codes and scales bit for bit (the step's slots hold other keys before, so a
+    kernel reading this step's rows back from the cache would be caught), and the reference quantizes min/max
+    over each page's written tokens."""
     torch.manual_seed(0)
     hkv, d, nblocks = 2, 32, 12
     cache = torch.randn(nblocks, hkv, 2, bs, d, device=DEV).to(dtype)
@@ -58,9 +60,13 @@ def test_update_key_meta(bs, page, dtype):
         slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
     slots.append(-1)
     slot_mapping = torch.tensor(slots, device=DEV)
+    k, v = (torch.randn(len(slots), hkv, d, device=DEV).to(dtype) for _ in range(2))
     ref, out = (allocate_key_meta(1, nblocks, hkv, bs, page, d, DEV)[0] for _ in range(2))
+    got = cache.clone()
+    store_kv_ref(k, v, cache, slot_mapping)
     update_key_meta_ref(cache, ref, slot_mapping, page)
-    update_key_meta(cache, out, slot_mapping, page)
+    store_kv_key_meta(k, v, got, out, slot_mapping, page)
+    assert torch.equal(got, cache)
     assert torch.equal(out.codes[:nblocks], ref.codes[:nblocks])
     assert torch.equal(out.scale[:nblocks], ref.scale[:nblocks])
     for table, start, end in seqs:
@@ -72,11 +78,16 @@ def test_update_key_meta(bs, page, dtype):
             assert torch.equal(ref.scale[blk, :, off // page], scale)
 
 
+def as_step(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [NB * bs, Hkv, D] of a cache's every slot in order (a prefill of all of it)."""
+    return tuple(cache[:, :, i].transpose(1, 2).flatten(0, 1) for i in range(2))
+
+
 def test_key_meta_brackets_keys():
     """codes_min * scale <= min and codes_max * scale >= max of each page's keys up to float32 rounding (so
     the score stays an upper bound of q.k), at most one code step (scale) away, for keys of magnitudes
     1e-33 (below AMAX_FLOOR) to 1e30, a page with one large channel among tiny ones, and an all-zero page;
-    the kernel writes the reference's codes and scales bit for bit on all of them."""
+    the fused store + metadata kernel writes the reference's codes and scales bit for bit on all of them."""
     torch.manual_seed(8)
     bs, page, hkv, d = 8, 4, 2, 16
     magnitude = torch.tensor([1e-33, 1e-20, 1e-3, 1.0, 1e3, 1e30])  # one per block
@@ -88,7 +99,7 @@ def test_key_meta_brackets_keys():
     slot_mapping = torch.arange(nblocks * bs, device=DEV)
     ref, out = (allocate_key_meta(1, nblocks, hkv, bs, page, d, DEV)[0] for _ in range(2))
     update_key_meta_ref(cache, ref, slot_mapping, page)
-    update_key_meta(cache, out, slot_mapping, page)
+    store_kv_key_meta(*as_step(cache), torch.zeros_like(cache), out, slot_mapping, page)
     assert torch.equal(out.codes[:nblocks], ref.codes[:nblocks])
     assert torch.equal(out.scale[:nblocks], ref.scale[:nblocks])
     pages = cache[:, :, 0].double().view(nblocks, hkv, bs // page, page, d)

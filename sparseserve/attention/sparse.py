@@ -176,9 +176,11 @@ class SparseBackend(AttentionBackend):
             # kv_offload: a dense layer keeps every block in its own full-size device cache, indexed by token
             # block (engine/runner.py), and never reads the host store: nothing to write through.
             return self.dense.forward(layer_idx, q, k, v, kv_cache, meta.token_view(), scale)
-        self.dense.store_kv(k, v, kv_cache, meta.slot_mapping)
         if self.key_meta is not None and layer_idx >= self.dense_layers:  # dense layers never score
-            self._update_key_meta(kv_cache, self.key_meta[layer_idx], meta.slot_mapping, meta.token_slot_mapping)
+            self._store_kv_key_meta(k, v, kv_cache, self.key_meta[layer_idx], meta.slot_mapping,
+                                    meta.token_slot_mapping)
+        else:
+            self.dense.store_kv(k, v, kv_cache, meta.slot_mapping)
         if self.host is not None:
             self.host.store_step(layer_idx, kv_cache, meta.slot_mapping, meta.num_decodes, meta.num_seqs,
                                  meta.token_slot_mapping)
@@ -198,13 +200,15 @@ class SparseBackend(AttentionBackend):
         nd = meta.num_decodes
         return (meta.state_slots if meta.state_slots is not None else self.rows)[:nd]
 
-    def _update_key_meta(self, kv_cache: torch.Tensor, key_meta: KeyMeta, slot_mapping: torch.Tensor,
-                         meta_slots: torch.Tensor | None) -> None:
-        """meta_slots (kv_offload): the tokens' slots in token blocks, whose metadata rows get the update."""
+    def _store_kv_key_meta(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, key_meta: KeyMeta,
+                           slot_mapping: torch.Tensor, meta_slots: torch.Tensor | None) -> None:
+        """store_kv, then the metadata of the pages the step's tokens end (Triton: one kernel). meta_slots
+        (kv_offload): the tokens' slots in token blocks, whose metadata rows get the update."""
         if self.use_triton:
-            from sparseserve.kernels.block_score import update_key_meta
-            update_key_meta(kv_cache, key_meta, slot_mapping, self.params.page_size, meta_slots)
+            from sparseserve.kernels.block_score import store_kv_key_meta
+            store_kv_key_meta(k, v, kv_cache, key_meta, slot_mapping, self.params.page_size, meta_slots)
         else:
+            self.dense.store_kv(k, v, kv_cache, slot_mapping)
             update_key_meta_ref(kv_cache, key_meta, slot_mapping, self.params.page_size, meta_slots)
 
     def _decode(self, layer_idx: int, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

@@ -1,7 +1,8 @@
-"""Triton kernels of sparse decode's bookkeeping: key-metadata update, block scoring, block selection.
+"""Triton kernels of sparse decode's bookkeeping: K/V store with the key-metadata update, block scoring, block
+selection.
 
-References: kvcache/metadata.py (update_key_meta_ref) and attention/selection.py (block_scores_ref,
-update_selection_ref). Grids depend only on shapes and host-side bounds; programs past a sequence's
+References: attention/torch_ref.py (store_kv_ref), kvcache/metadata.py (update_key_meta_ref) and
+attention/selection.py (block_scores_ref, update_selection_ref). Grids depend only on shapes and host-side bounds; programs past a sequence's
 end, of padding rows, or of (sequence, KV head) pairs that reuse their selection this step return
 at once, so the whole decode step can be captured in a CUDA graph.
 """
@@ -37,61 +38,85 @@ class SelectConfig:
 
 
 @triton.jit
-def _key_meta_kernel(cache_ptr, codes_ptr, scale_ptr, slot_ptr, meta_slot_ptr, num_tokens,
-                     stride_cb, stride_ch, stride_mb, stride_mh, stride_mm, stride_sb, stride_sh,
-                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
-                     AMAX_FLOOR: tl.constexpr, PDL: tl.constexpr):
-    """Program (token, KV head): if the token is the last one this step writes into its page, the
-    page's min/max over its tokens so far, read back from the cache and quantized to int8 codes and a
-    scale (reference: update_key_meta_ref, quantize_key_meta: the same float32 operations, divisions
-    rounded as IEEE's so that both agree bit for bit). The metadata row is the token block of
-    meta_slot (kv_offload: the cache holds device blocks)."""
-    pdl_wait(PDL)
+def _store_kv_key_meta_kernel(k_ptr, v_ptr, cache_ptr, codes_ptr, scale_ptr, slot_ptr, meta_slot_ptr, num_tokens,
+                              stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ch, stride_ckv,
+                              stride_mb, stride_mh, stride_mm, stride_sb, stride_sh,
+                              HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE: tl.constexpr,
+                              BLOCK_D: tl.constexpr, AMAX_FLOOR: tl.constexpr, PDL: tl.constexpr):
+    """Program (token, KV head): stores the token's K and V (store_kv), and if the token is the last one this
+    step writes into its page, recomputes the page's min/max over its tokens so far, quantized to int8 codes
+    and a scale (reference: store_kv_ref then update_key_meta_ref, quantize_key_meta: the same float32
+    operations, divisions rounded as IEEE's, so that both agree bit for bit). One launch instead of two in
+    every sparse layer. The page's rows that this step writes (a prefill chunk's earlier tokens: other
+    programs of this launch store them) are taken from k, the others from the cache (earlier steps). The
+    metadata row is the token block of meta_slot (kv_offload: the cache holds device blocks)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
-    slot = tl.load(slot_ptr + t)
+    slot = tl.load(slot_ptr + t)  # step inputs: read before pdl_wait (kernels/pdl.py)
     nxt = tl.load(slot_ptr + t + 1, mask=t + 1 < num_tokens, other=-1)
-    if (slot < 0) | ((nxt == slot + 1) & ((slot + 1) % PAGE != 0)):
-        return
+    mblk = tl.load(meta_slot_ptr + t) // BLOCK_SIZE
+    dims = tl.arange(0, BLOCK_D)
+    dmask = dims < HEAD_DIM
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     page = off // PAGE
-    mblk = tl.load(meta_slot_ptr + t) // BLOCK_SIZE
     rows = page * PAGE + tl.arange(0, PAGE)
-    dims = tl.arange(0, BLOCK_D)
-    mask = (rows <= off)[:, None] & (dims < HEAD_DIM)[None, :]
-    keys = tl.load(cache_ptr + blk * stride_cb + h * stride_ch + rows[:, None] * HEAD_DIM + dims[None, :],
-                   mask=mask, other=0.0).to(tl.float32)
+    back = off - rows  # row r holds the token `back` slots before this one
+    src = t - back
+    earlier = (rows <= off) & (src >= 0)
+    # A row is this step's when the token `back` places earlier in the batch has the slot `back` places earlier
+    # (a sequence's tokens of a step are consecutive in the batch and in their slots).
+    in_step = earlier & (tl.load(slot_ptr + src, mask=earlier, other=-1) == slot - back)
+    pdl_wait(PDL)
+    if slot < 0:
+        return
+    head_row = cache_ptr + blk * stride_cb + h * stride_ch
+    k_src = k_ptr + h * stride_kh + dims
+    tl.store(head_row + off * HEAD_DIM + dims,
+             tl.load(k_src + t.to(tl.int64) * stride_kt, mask=dmask).to(cache_ptr.dtype.element_ty), mask=dmask)
+    tl.store(head_row + stride_ckv + off * HEAD_DIM + dims,
+             tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + dims, mask=dmask).to(
+                 cache_ptr.dtype.element_ty), mask=dmask)
+    if (nxt == slot + 1) & ((slot + 1) % PAGE != 0):  # not the page's last token this step
+        return
+    mask = (rows <= off)[:, None] & dmask[None, :]
+    from_k = in_step[:, None] & dmask[None, :]
+    keys = tl.load(k_src[None, :] + (src.to(tl.int64) * stride_kt)[:, None], mask=from_k, other=0.0)
+    keys = keys.to(cache_ptr.dtype.element_ty)  # as stored
+    old = tl.load(head_row + rows[:, None] * HEAD_DIM + dims[None, :], mask=mask & ~from_k, other=0.0)
+    keys = tl.where(from_k, keys, old).to(tl.float32)
     kmin = tl.min(tl.where(mask, keys, float("inf")), 0)
     kmax = tl.max(tl.where(mask, keys, float("-inf")), 0)
-    amax = tl.max(tl.where(dims < HEAD_DIM, tl.maximum(tl.abs(kmin), tl.abs(kmax)), 0.0), 0)
+    amax = tl.max(tl.where(dmask, tl.maximum(tl.abs(kmin), tl.abs(kmax)), 0.0), 0)
     amax = tl.maximum(amax, AMAX_FLOOR)
     inv = tl.math.div_rn(127.0, amax)
     cmin = tl.minimum(tl.maximum(tl.math.floor(kmin * inv), -127.0), 127.0).to(tl.int8)
     cmax = tl.minimum(tl.maximum(tl.math.ceil(kmax * inv), -127.0), 127.0).to(tl.int8)
     dst = codes_ptr + mblk * stride_mb + h * stride_mh + page * HEAD_DIM + dims
-    tl.store(dst, cmin, mask=dims < HEAD_DIM)
-    tl.store(dst + stride_mm, cmax, mask=dims < HEAD_DIM)
+    tl.store(dst, cmin, mask=dmask)
+    tl.store(dst + stride_mm, cmax, mask=dmask)
     tl.store(scale_ptr + mblk * stride_sb + h * stride_sh + page, tl.math.div_rn(amax, 127.0))
 
 
-def update_key_meta(kv_cache: torch.Tensor, key_meta: KeyMeta, slot_mapping: torch.Tensor, page_size: int,
-                    meta_slots: torch.Tensor | None = None) -> None:
-    """kv_cache: one layer [NB, Hkv, 2, bs, D] (this step's K/V already stored); key_meta: that layer's.
-    meta_slots (kv_offload): the tokens' slots in token blocks, whose metadata rows are updated (None: slot_mapping)."""
+def store_kv_key_meta(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, key_meta: KeyMeta,
+                      slot_mapping: torch.Tensor, page_size: int, meta_slots: torch.Tensor | None = None) -> None:
+    """store_kv of k, v [T, Hkv, D] into kv_cache (one layer [NB, Hkv, 2, bs, D]) and the key-metadata
+    update of the pages they end (key_meta: that layer's). meta_slots (kv_offload): the tokens' slots in
+    token blocks, whose metadata rows are updated (None: slot_mapping)."""
     num_tokens = slot_mapping.numel()
     _, hkv, _, block_size, head_dim = kv_cache.shape
     codes, scale = key_meta.codes, key_meta.scale
     assert codes.stride(-1) == 1 and codes.stride(-2) == head_dim and scale.stride(-1) == 1
-    assert kv_cache.stride(3) == head_dim
+    assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim and k.stride(2) == 1 and v.stride(2) == 1
+    assert k.shape == v.shape == (num_tokens, hkv, head_dim)
     if num_tokens == 0:
         return
     meta_slots = slot_mapping if meta_slots is None else meta_slots
     pdl = use_pdl(kv_cache.device)
-    _key_meta_kernel[(num_tokens, hkv)](
-        kv_cache, codes, scale, slot_mapping, meta_slots, num_tokens,
-        kv_cache.stride(0), kv_cache.stride(1), codes.stride(0), codes.stride(1), codes.stride(2),
-        scale.stride(0), scale.stride(1),
+    _store_kv_key_meta_kernel[(num_tokens, hkv)](
+        k, v, kv_cache, codes, scale, slot_mapping, meta_slots, num_tokens,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        codes.stride(0), codes.stride(1), codes.stride(2), scale.stride(0), scale.stride(1),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGE=page_size, BLOCK_D=triton.next_power_of_2(head_dim),
         AMAX_FLOOR=AMAX_FLOOR, num_warps=1, PDL=pdl, launch_pdl=pdl)
 
@@ -112,20 +137,20 @@ def _score_kernel(q_ptr, codes_ptr, page_scale_ptr, table_ptr, seq_lens_ptr, slo
     The split is a loop over tiles of BLOCK_N blocks that Triton software-pipelines (NUM_STAGES): the
     block-table and metadata loads of the next tiles are issued while a tile is scored (on an H200,
     3 stages: 2.8 TB/s standalone, 3.5 TB/s inside the decode graph; 1 stage: 2.4 TB/s)."""
-    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     n_start = tl.program_id(2) * blocks_per_split
+    # Whether this program has work: from step inputs and the reuse counter (selection's, of an earlier
+    # step), read before pdl_wait (kernels/pdl.py), so that a reused step's programs exit on release.
     seq_len = tl.load(seq_lens_ptr + b)
     nb = tl.cdiv(seq_len, BLOCK_SIZE)
-    if n_start >= nb:
-        return
-    if (nb <= CAP) & SHORT_DENSE:  # every block is selected anyway
-        return
+    idle = (n_start >= nb) | ((nb <= CAP) & SHORT_DENSE)  # past the end; or every block is selected anyway
     if REUSE > 1:
         slot = tl.load(slots_ptr + b).to(tl.int64)
-        if tl.load(counter_ptr + slot * stride_cs + kvh) % REUSE != 0:
-            return
+        idle = idle | (tl.load(counter_ptr + slot * stride_cs + kvh) % REUSE != 0)
+    pdl_wait(PDL)
+    if idle:
+        return
     n_end = tl.minimum(n_start + blocks_per_split, nb)
     g = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
@@ -179,16 +204,17 @@ def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, st
     Only B x Hkv programs, one row of masses each, so every pass over the row counts: one 2-D softmax
     (HEADS rows at a time), forced blocks ranked in closed form, one packed scan for the chosen ones.
     """
-    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b)
-    if seq_len == 0:
-        return
+    seq_len = tl.load(seq_lens_ptr + b)  # step inputs and this kernel's own counter: before pdl_wait
     slot = tl.load(slots_ptr + b).to(tl.int64)
     if REUSE > 1:
-        step = tl.load(counter_ptr + slot * stride_cs + kvh)
-        tl.store(counter_ptr + slot * stride_cs + kvh, step + 1)
+        step = tl.load(counter_ptr + slot * stride_cs + kvh, mask=seq_len > 0, other=0)
+    pdl_wait(PDL)
+    if seq_len == 0:
+        return
+    if REUSE > 1:
+        tl.store(counter_ptr + slot * stride_cs + kvh, step + 1)  # after the wait: scoring reads it
         if step % REUSE != 0:
             return
     nb = tl.cdiv(seq_len, BLOCK_SIZE)

@@ -3,11 +3,15 @@
 A sparse decode layer runs several short kernels back to back (store_kv, metadata update, scoring,
 selection, sparse attention and its merge). Launched with PDL, a kernel's programs may start while its
 predecessor finishes (on an H200 the 8B decode step at batch 4 / 128K went 7.31 -> 7.21 ms: SPARSE_NOTES.md).
-`pdl_wait` is their first statement, before any memory access, and blocks until the predecessor completed and
-its writes are visible, so the order of reads and writes is exactly that of a plain launch. Each kernel then
-lets its own successor launch early. Every kernel of such a chain must call `pdl_wait` on every path (also
-before an early return): a kernel that exits without waiting would let its successor run ahead of the grid
-before it.
+`pdl_wait` blocks until the predecessor completed and its writes are visible; then the kernel lets its own
+successor launch early. So when a kernel starts, every launch before its predecessor has completed (the
+predecessor waited for them before letting it launch), and only the predecessor may still be running.
+Before `pdl_wait` a kernel may therefore load what its predecessor does not write (the step's inputs:
+sequence lengths, state slots, slot mappings, the reuse counters of earlier steps), so these loads and the
+decisions on them overlap the predecessor's tail; it writes nothing and reads no activation there (q: a
+direct caller may have just produced it). Every kernel of such a chain must call `pdl_wait` on every path
+(also before an early return): a kernel that exits without waiting would let its successor run ahead of the
+grid before it.
 """
 from __future__ import annotations
 

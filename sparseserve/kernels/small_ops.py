@@ -5,7 +5,8 @@ cost time (about 2 ms of a 15 ms Llama-8B decode step at batch 32, measured by
 scripts/profile_decode.py); one program per token row does each in a single pass. Torch references:
 layers/norm.py RMSNorm._norm, layers/rotary.py apply_rotary, layers/activation.py silu_and_mul.
 Arithmetic is float32 with one rounding at the end (the references round between ops, so bf16
-results can differ in the last bit).
+results can differ in the last bit). Launched with programmatic dependent launch (kernels/pdl.py) where
+the GPU has it, so a launch overlaps its predecessor's tail.
 """
 from __future__ import annotations
 
@@ -13,13 +14,17 @@ import torch
 import triton
 import triton.language as tl
 
+from sparseserve.kernels.pdl import pdl_wait, use_pdl
+
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: read before pdl_wait
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
     if HAS_RES:
         # The sum is rounded to the model dtype first, as the torch residual add does.
@@ -29,7 +34,6 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     normed = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)  # HF rounds before the weight
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n_cols + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -41,9 +45,11 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     res_out = torch.empty_like(x2) if residual is not None else out
     res = residual.reshape(-1, shape[-1]) if residual is not None else x2
     if x2.shape[0]:
+        pdl = use_pdl(x.device)
         _add_rmsnorm_kernel[(x2.shape[0],)](x2, res, weight, out, res_out, shape[-1], eps,
                                             HAS_RES=residual is not None,
-                                            BLOCK=triton.next_power_of_2(shape[-1]), num_warps=4)
+                                            BLOCK=triton.next_power_of_2(shape[-1]), num_warps=4, PDL=pdl,
+                                            launch_pdl=pdl)
     if residual is None:
         return out.view(shape)
     return out.view(shape), res_out.view(shape)
@@ -52,7 +58,8 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, stride_qt, stride_qh, stride_kt,
                    stride_kh, NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -81,15 +88,18 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens:
         cos, sin = cos.reshape(num_tokens, -1).contiguous(), sin.reshape(num_tokens, -1).contiguous()
+        pdl = use_pdl(q.device)
         _rotary_kernel[(num_tokens,)](q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0),
                                       k.stride(1), NUM_Q=num_q, NUM_K=num_k, HALF=head_dim // 2,
                                       BLOCK_H=triton.next_power_of_2(max(num_q, num_k)),
-                                      BLOCK_D=triton.next_power_of_2(head_dim // 2), num_warps=4)
+                                      BLOCK_D=triton.next_power_of_2(head_dim // 2), num_warps=4, PDL=pdl,
+                                      launch_pdl=pdl)
     return q_out, k_out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -105,5 +115,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(n))
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, n, BLOCK=block, num_warps=4)
+        pdl = use_pdl(x.device)
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, n, BLOCK=block, num_warps=4, PDL=pdl,
+                                                                    launch_pdl=pdl)
     return out.view(*x.shape[:-1], n)

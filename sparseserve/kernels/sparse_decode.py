@@ -51,14 +51,14 @@ def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, s
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr,
                          LOCAL: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE_E: tl.constexpr,
                          DOT_PREC: tl.constexpr, OFFLOAD: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)  # 0 for padding rows: no entry is valid
+    slot = tl.load(slots_ptr + b).to(tl.int64)  # step inputs: read before pdl_wait (kernels/pdl.py)
+    pdl_wait(PDL)
     nb = tl.cdiv(seq_len, BLOCK_SIZE)
     local_start = tl.maximum(nb - LOCAL, 0)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
     sel_row = sel_ptr + slot * stride_ss + kvh * CAP
     table_row = table_ptr + b.to(tl.int64) * stride_tb
 
@@ -130,14 +130,14 @@ def _sparse_split_tma_kernel(q_ptr, kv_desc, table_ptr, seq_lens_ptr, slots_ptr,
     pipeliner issues the TMA copies NUM_STAGES - 1 blocks ahead. The loop runs over valid entries only (padding
     and in-window list entries cost nothing). Written to remove the plain kernel's list -> table -> K/V load
     chain; on an H200 it gains 1-2 us a layer, not more (SPARSE_NOTES.md, fourth session)."""
-    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    slot = tl.load(slots_ptr + b).to(tl.int64)  # step inputs: read before pdl_wait (kernels/pdl.py)
+    pdl_wait(PDL)
     nb = tl.cdiv(seq_len, BLOCK_SIZE)
     local_start = tl.maximum(nb - LOCAL, 0)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
@@ -191,7 +191,7 @@ def _sparse_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride
 @dataclass(frozen=True)
 class SparseDecodeConfig:
     tile_n: int = 128           # tokens a tile (whole blocks: at least one)
-    target_programs: int = 0    # 0: 8 per multiprocessor (used when tiles == 0)
+    target_programs: int = 0    # tiles == 0: programs aimed at (0: 8 a multiprocessor); else the least (0: 2 an SM)
     num_warps: int = 4
     num_stages: int = 2
     tiles: int = 0              # tiles a program loops over (0: as many as target_programs leaves)
@@ -232,6 +232,12 @@ def split_plan(batch: int, num_kv_heads: int, entries: int, tile_e: int, device:
     tiles = triton.cdiv(entries, tile_e)
     if config.tiles:
         per_split = min(tiles, config.tiles)
+        # Halved while the grid would have fewer than target_programs (default: two a multiprocessor): the
+        # kernel is short and latency-bound at small batches (H200, batch 4, 128K: 8 blocks a program 15.3 us,
+        # 16 blocks 18.3 us).
+        least = config.target_programs or 2 * num_sms(device)
+        while per_split > 1 and batch * num_kv_heads * triton.cdiv(tiles, per_split) < least:
+            per_split //= 2
     else:
         target = config.target_programs or 8 * num_sms(device)
         splits = min(tiles, max(1, triton.cdiv(target, batch * num_kv_heads)))

@@ -49,7 +49,7 @@ def allocate_key_meta(num_layers: int, num_blocks: int, num_kv_heads: int, block
 
 def quantize_key_meta(kmin: torch.Tensor, kmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Page min/max [..., D] -> (int8 codes [..., 2, D], float32 scale [...]), codes_min * scale <= kmin and
-    codes_max * scale >= kmax. The same float32 operations, in the same order, as _key_meta_kernel, with
+    codes_max * scale >= kmax. The same float32 operations, in the same order, as _store_kv_key_meta_kernel, with
     IEEE-rounded divisions of tensor by tensor (torch on CUDA turns a division by a Python scalar into a
     multiplication by its reciprocal), so the kernel and this reference agree bit for bit."""
     kmin, kmax = kmin.float(), kmax.float()
