@@ -257,8 +257,8 @@ def test_device_cache_holds_the_working_set_only(hf_models):
 @pytest.mark.parametrize("page", [4, 2])
 def test_key_meta_update_rows_by_token_block(page):
     """kv_offload: keys are read from device blocks, the metadata rows are the token blocks (meta_slots);
-    the fused Triton store + update kernel (interpreter on CPU) equals the reference, and both equal metadata rebuilt from a
-    cache indexed by token block."""
+    the fused Triton store + update kernel (interpreter on CPU) equals the reference, and both equal metadata
+    rebuilt from a cache indexed by token block."""
     from sparseserve.attention.torch_ref import store_kv_ref
     from sparseserve.kernels.block_score import store_kv_key_meta
     from sparseserve.kvcache.metadata import allocate_key_meta, quantize_key_meta, rebuild_key_meta, update_key_meta_ref

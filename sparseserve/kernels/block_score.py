@@ -2,9 +2,9 @@
 selection.
 
 References: attention/torch_ref.py (store_kv_ref), kvcache/metadata.py (update_key_meta_ref) and
-attention/selection.py (block_scores_ref, update_selection_ref). Grids depend only on shapes and host-side bounds; programs past a sequence's
-end, of padding rows, or of (sequence, KV head) pairs that reuse their selection this step return
-at once, so the whole decode step can be captured in a CUDA graph.
+attention/selection.py (block_scores_ref, update_selection_ref). Grids depend only on shapes and host-side
+bounds; programs past a sequence's end, of padding rows, or of (sequence, KV head) pairs that reuse their
+selection this step return at once, so the whole decode step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
