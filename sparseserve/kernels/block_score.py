@@ -25,9 +25,11 @@ MAX_SELECT_BLOCKS = 16384  # one selection program holds a row of block scores i
 class ScoreConfig:
     # int8 metadata (H200 sweep, 128K context): 128 rows x 2 tiles a program 20.9 / 33.6 us at batch 4 / 8,
     # the former 64 x 8 26.2 / 34.7 us (more programs: a short kernel is latency-bound at small batches).
+    # 2 stages (the second tile's loads in flight during the first; less shared memory than 3): 15.2 / 26.3 us
+    # a layer in an 8-layer graph against 15.8 / 26.6 with 3 (fifth session, twice each).
     rows: int = 128       # metadata rows (blocks x pages) of a tile: two [G, D] x [D, rows] dots
     num_warps: int = 4
-    num_stages: int = 3   # software pipelining of the tile loop
+    num_stages: int = 2   # software pipelining of the tile loop
     tiles: int = 2        # tiles a program loops over (fewer when the context is short)
 
 
