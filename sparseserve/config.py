@@ -83,6 +83,11 @@ class SparseConfig:
         "choices": ["mean", "each"]})
     sparse_reuse: int = field(default=1, metadata={
         "help": "Recompute a sequence's block selection every this many decode steps (1: every step)."})
+    sparse_lag: int = field(default=0, metadata={
+        "help": "1: a decode step attends the blocks selected from the previous step's query, so scoring and "
+                "selection run beside the attention (a second CUDA stream) instead of before it; a prefill "
+                "selects from its last token for the first decode. 0: each step selects from its own query.",
+        "choices": [0, 1]})
     sparse_dense_layers: int = field(default=2, metadata={"help": "The first N layers always attend densely."})
     sparse_sink_blocks: int = field(default=1, metadata={"help": "Leading token blocks always attended."})
     sparse_local_blocks: int = field(default=4, metadata={
@@ -107,6 +112,8 @@ class SparseConfig:
             raise ValueError(f"sparse_topp_heads must be mean or each, got {self.sparse_topp_heads!r}")
         if self.sparse_reuse < 1:
             raise ValueError(f"sparse_reuse must be >= 1, got {self.sparse_reuse}")
+        if self.sparse_lag not in (0, 1):
+            raise ValueError(f"sparse_lag must be 0 or 1, got {self.sparse_lag}")
         if self.sparse_dense_layers < 0 or self.sparse_sink_blocks < 0:
             raise ValueError("sparse_dense_layers and sparse_sink_blocks must be >= 0")
         if self.sparse_local_blocks < 1:
@@ -184,6 +191,9 @@ class EngineConfig:
         if self.offload_config.kv_offload and not sp.enabled:
             raise ValueError("kv_offload needs a sparse decode policy (sparse_policy='topk' or 'topp'): with "
                              "dense attention every block is read every step, so an HBM cache cannot help")
+        if self.offload_config.kv_offload and sp.sparse_lag:
+            raise ValueError("sparse_lag=1 does not work with kv_offload yet: the offload path loads each "
+                             "step's own selection before its attention")
         if sp.logical_page_size is not None and sp.logical_page_size > bs:
             raise ValueError(f"logical_page_size {sp.logical_page_size} exceeds block_size {bs}")
         if sp.enabled and sp.sparse_budget // bs < sp.sparse_sink_blocks + sp.sparse_local_blocks + 1:

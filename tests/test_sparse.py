@@ -42,12 +42,14 @@ def test_config_and_flags():
     assert cfg.sparse_config.sparse_top_p == 0.9 and cfg.sparse_config.enabled
     args = build_parser(["generate"]).parse_args(
         ["generate", "--sparse-policy", "topk", "--sparse-budget", "1024", "--sparse-reuse", "2",
-         "--streaming-heads", "h.json", "--logical-page-size", "16", "--sparse-dense-layers", "0"])
+         "--streaming-heads", "h.json", "--logical-page-size", "16", "--sparse-dense-layers", "0", "--sparse-lag", "1"])
     kw = engine_kwargs_from_args(args)
     assert kw["sparse_policy"] == "topk" and kw["sparse_budget"] == 1024 and kw["logical_page_size"] == 16
+    assert kw["sparse_lag"] == 1
     bad = [dict(sparse_policy="quest"), dict(sparse_top_p=0.0), dict(sparse_topp_heads="max"), dict(sparse_reuse=0), dict(sparse_local_blocks=0),
            dict(logical_page_size=48), dict(logical_page_size=64, block_size=32),
-           dict(sparse_policy="topk", sparse_budget=128, block_size=32)]  # 4 blocks: no room past sink + local
+           dict(sparse_policy="topk", sparse_budget=128, block_size=32),  # 4 blocks: no room past sink + local
+           dict(sparse_lag=2), dict(sparse_policy="topk", sparse_lag=1, kv_offload=True)]
     for kwargs in bad:
         with pytest.raises(ValueError):
             EngineConfig.from_kwargs(**kwargs)
@@ -104,6 +106,11 @@ def test_full_budget_equals_dense(hf_models):
     assert stats.sparse_selections == 2 * 2 * 3 * (GREEDY.max_tokens - 1)  # layers x KV heads x seqs x decodes
     topp, _, _ = run(model_dir, sparse_policy="topp", sparse_top_p=1.0, **forced)
     assert topp == dense
+    # sparse_lag: each step attends the list of the step before (the prefill's last token for the first decode)
+    lagged, llm, _ = run(model_dir, sparse_policy="topk", sparse_lag=1, **forced)
+    assert lagged == dense
+    # every decode, and every prefill chunk's end (at least one a sequence)
+    assert llm.llm_engine.get_stats().sparse_selections >= 2 * 2 * 3 * GREEDY.max_tokens
 
 
 def test_small_budget(tiny_model_dir, tmp_path):

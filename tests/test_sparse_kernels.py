@@ -9,13 +9,14 @@ import torch
 
 from tests.kernel_utils import ATTN_DTYPES as DTYPES, DEVICE as DEV, TOL, gpu_only, rel_err
 from sparseserve.attention.backend import AttentionMetadata
-from sparseserve.attention.selection import SelectionParams, block_scores_ref, update_selection_ref
+from sparseserve.attention.selection import (SelectionParams, block_lse_ref, block_scores_ref, prune_ref, select_ref,
+                                             step_slots_ref, update_selection_ref)
 from sparseserve.attention.sparse import SparseBackend, sparse_decode_offload_ref, sparse_decode_ref
 from sparseserve.attention.torch_ref import TorchBackend, paged_attention_ref, store_kv_ref
 from sparseserve.attention.triton_backend import TritonBackend
 from sparseserve.config import SparseConfig
 from sparseserve.kernels.block_score import (ScoreConfig, SelectConfig, block_scores, score_and_select, select_blocks,
-                                             store_kv_key_meta)
+                                             step_slots, store_kv_key_meta)
 from sparseserve.kernels.sparse_decode import SparseDecodeConfig, sparse_decode, split_plan, tma_capable
 from sparseserve.kvcache.metadata import allocate_key_meta, quantize_key_meta, rebuild_key_meta, update_key_meta_ref
 
@@ -342,6 +343,76 @@ def test_backend_triton_vs_torch(policy, budget):
         assert rel_err(outs[0], paged_attention_ref(q, caches[0], meta, d ** -0.5)) < 1e-5
 
 
+def test_step_slots():
+    """sparse_lag's read and write rows: the Triton kernel equals step_slots_ref, and the rule itself: a decode
+    reads the row its latest earlier selection (every R-th context, or the prefill's end) wrote, never the row
+    being written."""
+    for reuse in (1, 2, 3):
+        lens = torch.tensor([0, 1, 5, 6, 7, 8, 9, 12, 30, 31], dtype=torch.int32, device=DEV)
+        slots = torch.randperm(16, device=DEV)[: lens.numel()].to(torch.int32)
+        read, write = step_slots_ref(lens, slots, 7, reuse, 16)
+        got = step_slots(lens, slots, 7, reuse, 16)
+        assert torch.equal(got[0], read) and torch.equal(got[1], write)
+        for s in range(1, 40):  # one sequence in slot 3, prefilled to 1..39 tokens, then 12 decodes
+            one = torch.tensor([3], dtype=torch.int32, device=DEV)
+            row = int(step_slots_ref(torch.tensor([s], device=DEV), one, 0, reuse, 16)[1])  # the prefill's end
+            for n in range(s + 1, s + 13):
+                r, w = (int(x) for x in step_slots_ref(torch.tensor([n], device=DEV), one, 1, reuse, 16))
+                assert r == row and w != r and (w >= 0) == (n % reuse == 0) and r % 16 == 3
+                row = w if w >= 0 else row
+
+
+def _extend(cache: torch.Tensor, meta: AttentionMetadata, steps: int, bs: int) -> torch.Tensor:
+    """Fresh cache blocks for the block-table entries the next `steps` tokens of each sequence enter."""
+    extra = []
+    for b, n in enumerate(meta.seq_lens.tolist()):
+        for blk in range(-(-n // bs) if n else 0, -(-(n + steps) // bs) if n else 0):
+            meta.block_tables[b, blk] = cache.shape[0] + len(extra)
+            extra.append(torch.randn_like(cache[0]))
+    return torch.cat([cache, torch.stack(extra)]) if extra else cache
+
+
+@pytest.mark.parametrize("dense", ["torch", "triton"])
+@pytest.mark.parametrize("policy,reuse", [("topk", 1), ("topk", 2), ("topp", 1)])
+def test_lagged_selection(dense, policy, reuse):
+    """sparse_lag=1 through SparseBackend.forward: a prefill's last token selects, then decode steps. Each decode
+    attends the list of the latest earlier selection (the prefill's end, then each decode at a context that is
+    a multiple of R), recomputed here from the references on the queries and key metadata of that step."""
+    torch.manual_seed(9)
+    hq, hkv, d, bs, steps, scale = 8, 2, 32, 16, 4, 32 ** -0.5
+    q, cache, meta = decode_batch([158, 0, 95, 200], hq, hkv, d, bs, torch.float32, slack=steps + 1)
+    cache = _extend(cache, meta, steps, bs)
+    backend = sparse_backend(TorchBackend() if dense == "torch" else TritonBackend(), policy, 6 * bs, bs, hkv, d,
+                             torch.float32, cache.shape[0], sparse_reuse=reuse, sparse_lag=1, sparse_top_p=0.8)
+    rebuild_key_meta(cache[None], backend.key_meta, bs)
+    p, mb = backend.params, -(-meta.max_seq_len // bs)
+    live = meta.seq_lens > 0
+    latest = torch.full((4, hkv, p.cap), -1, dtype=torch.int32, device=DEV)
+    selections = 0
+    for step in range(steps + 1):  # step 0: a prefill chunk of one token a sequence; then decodes
+        if step:
+            meta.seq_lens += live.to(torch.int32)
+        meta.num_decodes = 0 if step == 0 else 4
+        pos = (meta.seq_lens.long() - 1).clamp_min(0)
+        meta.slot_mapping = torch.where(live, meta.block_tables.long().gather(1, (pos // bs)[:, None])[:, 0] * bs
+                                        + pos % bs, -1)
+        q, k, v = (torch.randn(4, h, d, device=DEV) for h in (hq, hkv, hkv))
+        out = backend.forward(0, q, k, v, cache, meta, scale)
+        if step:
+            ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, latest, p.local, meta.max_seq_len,
+                                    scale)
+            assert rel_err(out[live], ref[live]) < 1e-5, step
+        scores = block_scores_ref(q, backend.key_meta[0], meta.block_tables, meta.seq_lens, mb, bs, scale)
+        lists = select_ref(scores, meta.seq_lens, torch.zeros(hkv, dtype=torch.bool, device=DEV), p.candidates)
+        if policy == "topp":
+            lists = prune_ref(block_lse_ref(q, cache, meta.block_tables, meta.seq_lens, lists, scale), lists,
+                              meta.seq_lens, p)
+        due = live & ((step == 0) | (meta.seq_lens % reuse == 0))
+        latest = torch.where(due[:, None, None], lists, latest)
+        selections += int(due.sum()) * hkv
+    assert int(backend.stats[1]) == selections
+
+
 @gpu_only
 @pytest.mark.parametrize("policy", ["topk", "topp"])
 def test_large_decode_cuda_graph(policy):
@@ -403,6 +474,8 @@ def test_engine_gpu_sparse_equals_dense(hf_models):
     dense, _ = run()
     sparse, stats = run(**full)
     assert sparse == dense and stats.sparse_selections > 0
+    lagged, stats = run(**full, sparse_lag=1)  # selection on a side stream of the captured graphs
+    assert lagged == dense and stats.sparse_selections > 0
     small, stats = run(sparse_policy="topp", sparse_budget=128, sparse_top_p=0.8, sparse_reuse=4,
                        logical_page_size=4, sparse_dense_layers=1)
     assert all(len(o) == params.max_tokens for o in small) and stats.num_blocks_used == 0

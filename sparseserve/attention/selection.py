@@ -21,7 +21,8 @@ mass of the list to p. See SelectionParams.candidates and prune_selection_ref.)
 The result is a list of `cap` logical block indices (positions in the block table), padded with -1.
 With reuse R, a (sequence slot, KV head) recomputes its list every R-th decode step and keeps it
 otherwise; the sparse kernel always adds the current local window, so tokens that arrive while a
-list is reused are attended.
+list is reused are attended. With sparse_lag=1 a step attends the list selected at an earlier step
+(step_slots_ref), so its own selection can run beside its attention.
 """
 from __future__ import annotations
 
@@ -130,16 +131,34 @@ def update_selection_ref(scores: torch.Tensor, seq_lens: torch.Tensor, slots: to
                          p: SelectionParams) -> None:
     """Writes the new lists into sel [S, Hkv, cap] at the rows' state slots, for the (slot, KV head)
     pairs due a recomputation (every step without reuse); counter [S, Hkv] counts decode steps;
-    stats [2] (int64) accumulates (blocks selected, selections). Padding rows (seq_len 0) change nothing."""
-    lists = select_ref(scores, seq_lens, streaming, p)
-    live = (seq_lens > 0)[:, None].expand(-1, sel.shape[1])
-    slots = slots.long()
+    stats [2] (int64) accumulates (blocks selected, selections). Padding rows (seq_len 0) and rows of slot -1
+    change nothing."""
+    rows = (seq_lens > 0) & (slots >= 0)  # slot -1 (sparse_lag: a reused step) selects nothing
+    lists, slots = select_ref(scores[rows], seq_lens[rows], streaming, p), slots[rows].long()
+    live = torch.ones(slots.numel(), sel.shape[1], dtype=torch.bool, device=sel.device)
     due = live & (counter[slots] % p.reuse == 0) if p.reuse > 1 else live
     sel[slots] = torch.where(due[..., None], lists, sel[slots])
     if p.reuse > 1:
         counter[slots] += live.to(counter.dtype)
     stats[0] += ((lists >= 0).sum(-1) * due).sum()
     stats[1] += due.sum()
+
+
+def step_slots_ref(seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int, reuse: int, num_slots: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_lag=1: where a step's rows read and write their lists. Slot x keeps two lists, in rows x and
+    x + num_slots of the selection buffer, so the attention reads one while the next is written beside it.
+    A selection made at a context of s tokens (from the query of token s - 1) goes to row
+    x + num_slots * ((s // R + 1) % 2); a decode at context s reads the row of the latest selection made at a
+    context below s: x + num_slots * (((s - 1) // R + 1) % 2). Decodes select at contexts that are multiples of
+    R (reuse); prefill chunks at their end, every chunk, so a request's first decode attends the list of its
+    last prompt token. Returns (read, write) int32 [B]; write -1: no selection (or a padding row)."""
+    s = seq_lens.long()
+    read = slots.long() + num_slots * (torch.div(s - 1, reuse, rounding_mode="floor") + 1).remainder(2)
+    decode = torch.arange(s.numel(), device=s.device) < num_decodes
+    due = (s > 0) & (~decode | (s % reuse == 0))
+    write = torch.where(due, slots.long() + num_slots * ((s // reuse + 1) % 2), -1)
+    return read.to(torch.int32), write.to(torch.int32)
 
 
 def attended_blocks(sel_rows: torch.Tensor, seq_lens: torch.Tensor, local: int, block_size: int,
@@ -213,8 +232,9 @@ def prune_selection_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     prunes, in place, the lists recomputed this step (reuse: update_selection_ref has already counted the
     step, so those are the rows whose counter - 1 is a multiple of R) and takes the dropped entries off
     stats[0], so the counters report the blocks attended."""
-    slots = slots.long()
-    live = (seq_lens > 0)[:, None].expand(-1, sel.shape[1])
+    rows = (seq_lens > 0) & (slots >= 0)
+    q, block_tables, seq_lens, slots = q[rows], block_tables[rows], seq_lens[rows], slots[rows].long()
+    live = torch.ones(slots.numel(), sel.shape[1], dtype=torch.bool, device=sel.device)
     due = live & ((counter[slots] - 1) % p.reuse == 0) if p.reuse > 1 else live
     lists = sel[slots]
     pruned = prune_ref(block_lse_ref(q, kv_cache, block_tables, seq_lens, lists, scale), lists, seq_lens, p)

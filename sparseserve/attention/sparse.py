@@ -8,19 +8,23 @@ layers and steps whose longest context fits the budget run dense.
 
 Per-sequence state lives in fixed GPU buffers indexed by the state slot that the runner gives each
 running sequence (AttentionMetadata.state_slots): the cached selection lists and the decode-step
-counters of reuse. Padding rows of CUDA graphs (seq_len 0) never touch the state. Everything a decode step
+counters of reuse. With sparse_lag=1 a decode attends the list selected at an earlier step (the previous
+one without reuse; a prefill's last token selects for the first decode), and each sparse layer scores and
+selects the next lists on a side CUDA stream beside its attention and the rest of the step: two lists a
+slot (selection.step_slots_ref), the side stream joined at the step's last layer. Padding rows of CUDA graphs (seq_len 0) never touch the state. Everything a decode step
 does depends only on tensor shapes and host-side bounds, so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from sparseserve.attention.backend import AttentionBackend, AttentionMetadata, PagedAttentionBackend
 from sparseserve.attention.selection import (SelectionParams, attended_blocks, block_scores_ref,
-                                             prune_selection_ref, update_selection_ref)
+                                             prune_selection_ref, step_slots_ref, update_selection_ref)
 from sparseserve.config import SparseConfig
 from sparseserve.kvcache.metadata import KeyMeta, allocate_key_meta, key_meta_block_bytes, update_key_meta_ref
 
@@ -124,16 +128,25 @@ class SparseBackend(AttentionBackend):
                                       config.sparse_reuse, block_size, page,
                                       short_dense=config.sparse_dense_context != 0,
                                       per_head=config.sparse_topp_heads == "each")
+        # sparse_lag: selection kernels get no reuse (the step's write rows say which sequences select).
+        self.lag = config.sparse_lag
+        self.kernel_params = replace(self.params, reuse=1) if self.lag else self.params
         self.dense_layers = config.sparse_dense_layers
         dense_context = config.sparse_dense_context
         self.dense_context = config.sparse_budget if dense_context is None else dense_context
         self.shape = (num_layers, num_kv_heads, head_dim, block_size, dtype, device)
         self.streaming = load_streaming_heads(config.streaming_heads, num_layers, num_kv_heads).to(device)
         slots = max_num_seqs
-        self.sel = torch.full((num_layers, slots, num_kv_heads, self.params.cap), -1, dtype=torch.int32, device=device)
+        # sparse_lag: two lists a slot (step_slots_ref), the one attended and the one being selected.
+        self.sel = torch.full((num_layers, slots * (1 + self.lag), num_kv_heads, self.params.cap), -1,
+                              dtype=torch.int32, device=device)
         self.counter = torch.zeros(num_layers, slots, num_kv_heads, dtype=torch.int32, device=device)
         self.stats = torch.zeros(2, dtype=torch.int64, device=device)  # blocks selected, selections
         self.rows = torch.arange(slots, dtype=torch.int32, device=device)  # default slots: row b -> slot b
+        self.step_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # sparse_lag: (read, write) of the step
+        self.step_meta: AttentionMetadata | None = None
+        self.side = torch.cuda.Stream(device) if self.lag and device.type == "cuda" else None
+        self.pending: list[torch.Tensor] = []  # sparse_lag: queries the side stream reads, until end_step
         self.key_meta: KeyMeta | None = None
         self.host = None  # kv_offload: kvcache/host.py HostKVStore and kvcache/pool.py HBMPool (attach_offload)
         self.pool = None
@@ -176,6 +189,8 @@ class SparseBackend(AttentionBackend):
             # kv_offload: a dense layer keeps every block in its own full-size device cache, indexed by token
             # block (engine/runner.py), and never reads the host store: nothing to write through.
             return self.dense.forward(layer_idx, q, k, v, kv_cache, meta.token_view(), scale)
+        if self.lag and (layer_idx == 0 or self.step_meta is not meta):
+            self.begin_step(meta)
         if self.key_meta is not None and layer_idx >= self.dense_layers:  # dense layers never score
             self._store_kv_key_meta(k, v, kv_cache, self.key_meta[layer_idx], meta.slot_mapping,
                                     meta.token_slot_mapping)
@@ -184,6 +199,42 @@ class SparseBackend(AttentionBackend):
         if self.host is not None:
             self.host.store_step(layer_idx, kv_cache, meta.slot_mapping, meta.num_decodes, meta.num_seqs,
                                  meta.token_slot_mapping)
+        return self.attend_layer(layer_idx, q, kv_cache, meta, scale)
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """sparse_lag: the step's read and write rows (step_slots_ref). forward() calls it at layer 0, before
+        the layer's K/V store: kernels read the rows before their PDL wait (kernels/pdl.py), so the launch
+        that writes them must not be their direct predecessor."""
+        self.step_rows, self.step_meta = self._step_rows(meta), meta
+
+    def attend_layer(self, layer_idx: int, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float) -> torch.Tensor:
+        """A layer's attention once its K/V are stored. sparse_lag: the next steps' lists are selected from
+        this step's queries on a side stream, beside this layer's attention and the rest of the layer (the
+        stream is joined back at the step's last layer, end_step)."""
+        if self.lag and self.key_meta is not None and layer_idx >= self.dense_layers:
+            if self.side is None:
+                self._select_next(layer_idx, q, kv_cache, meta, scale)
+            else:
+                self.side.wait_stream(torch.cuda.current_stream(q.device))
+                with torch.cuda.stream(self.side):
+                    self._select_next(layer_idx, q, kv_cache, meta, scale)
+                self.pending.append(q)
+        out = self._attend(layer_idx, q, kv_cache, meta, scale)
+        if layer_idx == self.shape[0] - 1:
+            self.end_step()
+        return out
+
+    def end_step(self) -> None:
+        """Joins the side stream into the current one (a CUDA graph capture must join every fork). Until then
+        the main stream writes nothing the side stream reads: layer L's metadata and cache change only at the
+        next step; the queries it reads are kept alive here, so their memory is not reused before."""
+        if self.pending:
+            torch.cuda.current_stream(self.side.device).wait_stream(self.side)
+            self.pending.clear()
+
+    def _attend(self, layer_idx: int, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
         if not self.is_sparse(layer_idx, meta):
             return self.dense.attend(q, kv_cache, meta, scale)
         out = torch.empty_like(q)
@@ -195,6 +246,25 @@ class SparseBackend(AttentionBackend):
             out[nd:] = self.dense.attend(q[nd:], kv_cache, sub, scale)
         self._decode(layer_idx, q[:nd], kv_cache, meta, scale, out[:nd])
         return out
+
+    def _step_rows(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """sparse_lag: (read, write) selection-buffer rows of the step's sequences (step_slots_ref)."""
+        slots = self.rows[:meta.num_seqs] if meta.state_slots is None else meta.state_slots
+        if self.use_triton:
+            from sparseserve.kernels.block_score import step_slots
+            return step_slots(meta.seq_lens, slots, meta.num_decodes, self.params.reuse, self.rows.numel())
+        return step_slots_ref(meta.seq_lens, slots, meta.num_decodes, self.params.reuse, self.rows.numel())
+
+    def _select_next(self, layer_idx: int, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float) -> None:
+        """sparse_lag: selection from each sequence's last query token of the step, into its write row: the
+        decodes' (every R-th step), and the prefill chunks' (the last prompt token's list serves the first
+        decode). Runs every step of a sparse layer, dense-context ones too, so the lists stay current."""
+        if meta.num_seqs > meta.num_decodes:
+            q = q[meta.query_start_loc[1:].long() - 1]
+        tables = meta.block_tables if meta.token_block_tables is None else meta.token_block_tables
+        self._select(layer_idx, q, kv_cache, meta.block_tables, tables, meta.seq_lens, self.step_rows[1],
+                     max(1, -(-meta.max_seq_len // self.params.block_size)), scale)
 
     def _slots(self, meta: AttentionMetadata) -> torch.Tensor:
         nd = meta.num_decodes
@@ -211,44 +281,62 @@ class SparseBackend(AttentionBackend):
             self.dense.store_kv(k, v, kv_cache, slot_mapping)
             update_key_meta_ref(kv_cache, key_meta, slot_mapping, self.params.page_size, meta_slots)
 
+    def _select(self, layer_idx: int, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
+                token_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, mb: int,
+                scale: float, prune: bool = True) -> None:
+        """Scoring and selection of the rows q [B, Hq, D] into their slots' lists (slot -1: none); topp
+        selects candidates, then (prune) keeps those that carry the mass, on their keys in kv_cache."""
+        p, key_meta = self.kernel_params, self.key_meta[layer_idx]
+        sel, counter, streaming = self.sel[layer_idx], self.counter[layer_idx], self.streaming[layer_idx]
+        prune = prune and p.policy == "topp"
+        if self.use_triton:
+            from sparseserve.kernels.block_score import score_and_select
+            score_and_select(q, key_meta, token_tables, seq_lens, slots, sel, counter, self.stats, streaming,
+                             p.candidates, mb, scale)
+            if prune:
+                from sparseserve.kernels.topp_prune import topp_prune
+                topp_prune(q, kv_cache, tables, seq_lens, slots, sel, counter, self.stats, p, scale)
+            return
+        scores = block_scores_ref(q, key_meta, token_tables, seq_lens, mb, p.block_size, scale)
+        update_selection_ref(scores, seq_lens, slots, sel, counter, self.stats, streaming, p.candidates)
+        if prune:
+            prune_selection_ref(q, kv_cache, tables, seq_lens, slots, sel, counter, self.stats, p, scale)
+
     def _decode(self, layer_idx: int, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, out: torch.Tensor) -> None:
         nd, p = meta.num_decodes, self.params
-        tables, seq_lens, slots = meta.block_tables[:nd], meta.seq_lens[:nd], self._slots(meta)
+        tables, seq_lens = meta.block_tables[:nd], meta.seq_lens[:nd]
         # kv_offload: scoring (metadata rows) and the pool address token blocks; `tables` (the device block
         # cache) serves only the local windows.
         token_tables = tables if meta.token_block_tables is None else meta.token_block_tables[:nd]
         mb = max(1, -(-meta.max_seq_len // p.block_size))
-        key_meta, sel, counter = self.key_meta[layer_idx], self.sel[layer_idx], self.counter[layer_idx]
-        streaming = self.streaming[layer_idx]
-        if self.use_triton:
-            from sparseserve.kernels.block_score import score_and_select
-            from sparseserve.kernels.sparse_decode import sparse_decode
-            # topp: candidates (topk over the bounds), then pruned on q.k over their keys (Twilight).
-            score_and_select(q, key_meta, token_tables, seq_lens, slots, sel, counter, self.stats, streaming,
-                             p.candidates, mb, scale)
-            offload = None
-            if self.pool is not None:  # topp: the candidates are loaded, so pruning reads their keys from HBM
-                key, loc = self._offload_plan(layer_idx, token_tables, seq_lens, sel[slots.long()])
-                offload = (self.pool.slots, self.host.flat(), loc, key)
-            if p.policy == "topp":
-                from sparseserve.kernels.topp_prune import topp_prune
-                topp_prune(q, kv_cache, tables, seq_lens, slots, sel, counter, self.stats, p, scale, offload=offload)
-                if offload is not None:  # the lists shrank in place: look their entries up again (no state change)
-                    key = self._offload_keys(layer_idx, token_tables, seq_lens, sel[slots.long()])
-                    offload = (self.pool.slots, self.host.flat(), self.pool.resident[key], key)
-            sparse_decode(q, kv_cache, tables, seq_lens, sel, slots, p.local, scale, out=out, offload=offload)
+        if self.lag:  # the list selected at an earlier step; forward() selects the next one beside this
+            slots = self.step_rows[0][:nd]
         else:
-            scores = block_scores_ref(q, key_meta, token_tables, seq_lens, mb, p.block_size, scale)
-            update_selection_ref(scores, seq_lens, slots, sel, counter, self.stats, streaming, p.candidates)
+            slots = self._slots(meta)
+            self._select(layer_idx, q, kv_cache, tables, token_tables, seq_lens, slots, mb, scale,
+                         prune=self.pool is None)
+        if not self.use_triton:
             if self.pool is not None:
                 out.copy_(self._offload_decode(layer_idx, q, kv_cache, tables, token_tables, seq_lens, slots,
                                                meta.max_seq_len, scale))
-                return
+            else:
+                out.copy_(sparse_decode_ref(q, kv_cache, tables, seq_lens, self.sel[layer_idx][slots.long()], p.local,
+                                            meta.max_seq_len, scale))
+            return
+        from sparseserve.kernels.sparse_decode import sparse_decode
+        sel, offload = self.sel[layer_idx], None
+        if self.pool is not None:  # topp: the candidates are loaded, so pruning reads their keys from HBM
+            key, loc = self._offload_plan(layer_idx, token_tables, seq_lens, sel[slots.long()])
+            offload = (self.pool.slots, self.host.flat(), loc, key)
             if p.policy == "topp":
-                prune_selection_ref(q, kv_cache, tables, seq_lens, slots, sel, counter, self.stats, p, scale)
-            out.copy_(sparse_decode_ref(q, kv_cache, tables, seq_lens, sel[slots.long()], p.local, meta.max_seq_len,
-                                        scale))
+                from sparseserve.kernels.topp_prune import topp_prune
+                topp_prune(q, kv_cache, tables, seq_lens, slots, sel, self.counter[layer_idx], self.stats, p, scale,
+                           offload=offload)
+                # the lists shrank in place: look their entries up again (no state change)
+                key = self._offload_keys(layer_idx, token_tables, seq_lens, sel[slots.long()])
+                offload = (self.pool.slots, self.host.flat(), self.pool.resident[key], key)
+        sparse_decode(q, kv_cache, tables, seq_lens, sel, slots, p.local, scale, out=out, offload=offload)
 
     def _offload_keys(self, layer_idx: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel_rows: torch.Tensor
                       ) -> torch.Tensor:
@@ -304,5 +392,5 @@ class SparseBackend(AttentionBackend):
         if not self.is_sparse(layer_idx, meta):
             nb = (seq_lens.long() + bs - 1) // bs
             return (torch.arange(mb, device=nb.device)[None] < nb[:, None])[:, None].expand(-1, self.shape[1], -1)
-        sel = self.sel[layer_idx][self._slots(meta).long()]
-        return attended_blocks(sel, seq_lens, self.params.local, bs, mb)
+        slots = self.step_rows[0][:nd] if self.lag else self._slots(meta)
+        return attended_blocks(self.sel[layer_idx][slots.long()], seq_lens, self.params.local, bs, mb)

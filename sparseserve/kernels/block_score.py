@@ -2,7 +2,7 @@
 selection.
 
 References: attention/torch_ref.py (store_kv_ref), kvcache/metadata.py (update_key_meta_ref) and
-attention/selection.py (block_scores_ref, update_selection_ref). Grids depend only on shapes and host-side
+attention/selection.py (block_scores_ref, update_selection_ref, step_slots_ref). Grids depend only on shapes and host-side
 bounds; programs past a sequence's end, of padding rows, or of (sequence, KV head) pairs that reuse their
 selection this step return at once, so the whole decode step can be captured in a CUDA graph.
 """
@@ -146,10 +146,11 @@ def _score_kernel(q_ptr, codes_ptr, page_scale_ptr, table_ptr, seq_lens_ptr, slo
     # step), read before pdl_wait (kernels/pdl.py), so that a reused step's programs exit on release.
     seq_len = tl.load(seq_lens_ptr + b)
     nb = tl.cdiv(seq_len, BLOCK_SIZE)
-    idle = (n_start >= nb) | ((nb <= CAP) & SHORT_DENSE)  # past the end; or every block is selected anyway
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    # past the end; every block is selected anyway; or no selection (slot -1: sparse_lag's reused steps)
+    idle = (n_start >= nb) | ((nb <= CAP) & SHORT_DENSE) | (slot < 0)
     if REUSE > 1:
-        slot = tl.load(slots_ptr + b).to(tl.int64)
-        idle = idle | (tl.load(counter_ptr + slot * stride_cs + kvh) % REUSE != 0)
+        idle = idle | (tl.load(counter_ptr + slot * stride_cs + kvh, mask=slot >= 0, other=0) % REUSE != 0)
     pdl_wait(PDL)
     if idle:
         return
@@ -210,10 +211,11 @@ def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, st
     kvh = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)  # step inputs and this kernel's own counter: before pdl_wait
     slot = tl.load(slots_ptr + b).to(tl.int64)
+    selects = (seq_len > 0) & (slot >= 0)  # slot -1: no selection this step (sparse_lag)
     if REUSE > 1:
-        step = tl.load(counter_ptr + slot * stride_cs + kvh, mask=seq_len > 0, other=0)
+        step = tl.load(counter_ptr + slot * stride_cs + kvh, mask=selects, other=0)
     pdl_wait(PDL)
-    if seq_len == 0:
+    if not selects:
         return
     if REUSE > 1:
         tl.store(counter_ptr + slot * stride_cs + kvh, step + 1)  # after the wait: scoring reads it
@@ -353,3 +355,29 @@ def score_and_select(q: torch.Tensor, key_meta: KeyMeta, block_tables: torch.Ten
         return
     scores = block_scores(q, key_meta, block_tables, seq_lens, slots, counter, p, max_blocks, scale)
     select_blocks(scores, seq_lens, slots, sel, counter, stats, streaming, p)
+
+
+@triton.jit
+def _step_slots_kernel(seq_lens_ptr, slots_ptr, read_ptr, write_ptr, batch, num_decodes, reuse, num_slots,
+                       BLOCK: tl.constexpr):
+    """sparse_lag=1: the selection-buffer rows each sequence reads and writes this step (step_slots_ref)."""
+    i = tl.arange(0, BLOCK)
+    m = i < batch
+    s = tl.load(seq_lens_ptr + i, mask=m, other=0)
+    x = tl.load(slots_ptr + i, mask=m, other=0)
+    prev = tl.where(s > 0, (s - 1) // reuse, -1)  # floor((s - 1) / R); integer division truncates
+    tl.store(read_ptr + i, x + num_slots * ((prev + 1) % 2), mask=m)
+    due = (s > 0) & ((i >= num_decodes) | (s % reuse == 0))
+    tl.store(write_ptr + i, tl.where(due, x + num_slots * ((s // reuse + 1) % 2), -1), mask=m)
+
+
+def step_slots(seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int, reuse: int, num_slots: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of step_slots_ref: (read, write) int32 [B], one launch a step."""
+    batch = seq_lens.numel()
+    read = torch.empty(batch, dtype=torch.int32, device=seq_lens.device)
+    write = torch.empty_like(read)
+    if batch:
+        _step_slots_kernel[(1,)](seq_lens, slots, read, write, batch, num_decodes, reuse, num_slots,
+                                 BLOCK=max(16, triton.next_power_of_2(batch)), num_warps=1)
+    return read, write
