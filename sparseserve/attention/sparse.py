@@ -172,7 +172,8 @@ class SparseBackend(AttentionBackend):
 
     def sparse_stats(self) -> tuple[int, int, int]:
         """(blocks selected, selections, block size) since start; a selection is one (sequence, layer,
-        KV head) list, made every decode step of a sparse layer (every R-th with reuse)."""
+        KV head) list, made every decode step of a sparse layer (every R-th with reuse; sparse_lag: also at
+        each prefill chunk's end)."""
         blocks, selections = self.stats.tolist()
         return blocks, selections, self.params.block_size
 
