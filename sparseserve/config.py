@@ -84,8 +84,8 @@ class SparseConfig:
     sparse_reuse: int = field(default=1, metadata={
         "help": "Recompute a sequence's block selection every this many decode steps (1: every step)."})
     sparse_lag: int = field(default=0, metadata={
-        "help": "1: a decode step attends the blocks selected from the previous step's query, so scoring and "
-                "selection run beside the attention (a second CUDA stream) instead of before it; a prefill "
+        "help": "1 (topk): a decode step attends the blocks selected from the previous step's query, so scoring "
+                "and selection run beside the attention (a second CUDA stream) instead of before it; a prefill "
                 "selects from its last token for the first decode. 0: each step selects from its own query.",
         "choices": [0, 1]})
     sparse_dense_layers: int = field(default=2, metadata={"help": "The first N layers always attend densely."})
@@ -114,6 +114,11 @@ class SparseConfig:
             raise ValueError(f"sparse_reuse must be >= 1, got {self.sparse_reuse}")
         if self.sparse_lag not in (0, 1):
             raise ValueError(f"sparse_lag must be 0 or 1, got {self.sparse_lag}")
+        if self.sparse_lag and self.sparse_policy == "topp":
+            # Measured (BENCHMARKS.md): topp keeps only the blocks that carry the selecting query's mass, and the
+            # next query needs others; niah_multikey fell from 58 to 8 points on the trained test model.
+            raise ValueError("sparse_lag=1 works with sparse_policy=topk only: topp's pruned lists fit the query "
+                             "that selected them, not the next one")
         if self.sparse_dense_layers < 0 or self.sparse_sink_blocks < 0:
             raise ValueError("sparse_dense_layers and sparse_sink_blocks must be >= 0")
         if self.sparse_local_blocks < 1:

@@ -232,9 +232,8 @@ def prune_selection_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     prunes, in place, the lists recomputed this step (reuse: update_selection_ref has already counted the
     step, so those are the rows whose counter - 1 is a multiple of R) and takes the dropped entries off
     stats[0], so the counters report the blocks attended."""
-    rows = (seq_lens > 0) & (slots >= 0)
-    q, block_tables, seq_lens, slots = q[rows], block_tables[rows], seq_lens[rows], slots[rows].long()
-    live = torch.ones(slots.numel(), sel.shape[1], dtype=torch.bool, device=sel.device)
+    slots = slots.long()
+    live = (seq_lens > 0)[:, None].expand(-1, sel.shape[1])
     due = live & ((counter[slots] - 1) % p.reuse == 0) if p.reuse > 1 else live
     lists = sel[slots]
     pruned = prune_ref(block_lse_ref(q, kv_cache, block_tables, seq_lens, lists, scale), lists, seq_lens, p)

@@ -4,8 +4,8 @@
 
 --kernel: one layer's decode attention at 128K context, batch 8, Llama-3.1-8B heads (32/8, D=128),
 bf16, blocks of 32: the dense paged kernel against sparse decode with scoring and selection
-included (topk and topp at budget 2048, without and with reuse R=4; and with sparse_lag=1, the selection
-beside the attention on a second stream), each captured in a CUDA graph
+included (topk and topp at budget 2048, without and with reuse R=4; and topk with sparse_lag=1, the
+selection beside the attention on a second stream), each captured in a CUDA graph
 (R consecutive steps per graph, so reuse is timed as it runs), plus a breakdown of the parts. Each
 variant is timed as the engine runs it, per layer inside one graph of 8 distinct layers (own
 cache and metadata each), and also as a graph of that one layer, which adds the ~5 us a graph replay
@@ -93,21 +93,21 @@ def kernel_bench(batch: int = 8, ctx: int = 131072, hq: int = 32, hkv: int = 8, 
             rows += parts(sp, q, cache, tables, seq_lens, scale, per_seq, out, dense_1,
                           sweep=sweep and policy == "topk")
         del sp
-    for policy, reuse in (("topk", 1), ("topk", 4), ("topp", 1)):
-        rows.append(lagged_row(policy, reuse, budget, caches, q, meta, scale, dense_ms, dense_1))
+    for reuse in (1, 4):
+        rows.append(lagged_row(reuse, budget, caches, q, meta, scale, dense_ms, dense_1))
     rows[0]["rel_err_vs_dense_full_budget"] = full_budget_error(q, cache, meta, ref, scale, bs)
     del caches, cache
     torch.cuda.empty_cache()
     return rows
 
 
-def lagged_row(policy: str, reuse: int, budget: int, caches, q, meta, scale, dense_ms, dense_1) -> dict:
+def lagged_row(reuse: int, budget: int, caches, q, meta, scale, dense_ms, dense_1) -> dict:
     """sparse_lag=1: each layer's scoring and selection (of the next step's lists) on a side stream beside its
     attention and the next layers', as SparseBackend.attend_layer runs them (joined at the step's end). R steps a graph whose contexts advance by one token,
     so that one of them selects (at the multiple of R) as in the engine; each step computes its rows once."""
     layers, batch, (_, hkv, _, bs, d) = caches.shape[0], q.shape[0], caches.shape[1:]
-    cfg = SparseConfig(sparse_policy=policy, sparse_budget=budget, sparse_reuse=reuse, sparse_top_p=0.9,
-                       sparse_dense_layers=0, sparse_lag=1)
+    cfg = SparseConfig(sparse_policy="topk", sparse_budget=budget, sparse_reuse=reuse, sparse_dense_layers=0,
+                       sparse_lag=1)
     sp = SparseBackend(TritonBackend(), cfg, layers, hkv, d, bs, DTYPE, q.device, max_num_seqs=batch)
     sp.allocate(caches.shape[1])
     rebuild_key_meta(caches, sp.key_meta, bs)
@@ -127,7 +127,7 @@ def lagged_row(policy: str, reuse: int, budget: int, caches, q, meta, scale, den
     mirror_lists(sp)
     ms, ms_1 = graph_ms(lambda: step(layers), reuse) / layers, graph_ms(lambda: step(1), reuse)
     blocks, selections, _ = sp.sparse_stats()
-    row = {"case": f"sparse {policy} budget={budget} R={reuse} lag=1", "ms": ms, "speedup": dense_ms / ms,
+    row = {"case": f"sparse topk budget={budget} R={reuse} lag=1", "ms": ms, "speedup": dense_ms / ms,
            "ms_1layer_graph": ms_1, "speedup_1layer_graph": dense_1 / ms_1, "mean_blocks": blocks / max(selections, 1)}
     print(f"{row['case']}: {1e3 * ms:.1f} us a layer ({1e3 * ms_1:.1f} us in a one-layer graph)", flush=True)
     return row

@@ -32,14 +32,13 @@ MAX_PRUNE_CAP = 4096  # one prune program holds a list in registers
 def _skip(seq_lens_ptr, slots_ptr, counter_ptr, b, kvh, stride_cs,
           BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr):
     """Whether row b's list for KV head kvh stays as it is: a padding row, a context that fits the cap
-    (every block forced), a row of slot -1 (no selection this step: sparse_lag), or, with reuse, a list kept
-    this step. The selection kernel has already counted the step, so a recomputed list's counter - 1 is a
-    multiple of REUSE."""
+    (every block forced), or, with reuse, a list kept this step. The selection kernel has already
+    counted the step, so a recomputed list's counter - 1 is a multiple of REUSE."""
     seq_len = tl.load(seq_lens_ptr + b)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    skip = (seq_len == 0) | ((tl.cdiv(seq_len, BLOCK_SIZE) <= CAP) & SHORT_DENSE) | (slot < 0)
+    skip = (seq_len == 0) | ((tl.cdiv(seq_len, BLOCK_SIZE) <= CAP) & SHORT_DENSE)
     if REUSE > 1:
-        skip = skip | ((tl.load(counter_ptr + slot * stride_cs + kvh, mask=slot >= 0, other=1) - 1) % REUSE != 0)
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        skip = skip | ((tl.load(counter_ptr + slot * stride_cs + kvh) - 1) % REUSE != 0)
     return skip
 
 
