@@ -11,8 +11,9 @@ running sequence (AttentionMetadata.state_slots): the cached selection lists and
 counters of reuse. With sparse_lag=1 a decode attends the list selected at an earlier step (the previous
 one without reuse; a prefill's last token selects for the first decode), and each sparse layer scores and
 selects the next lists on a side CUDA stream beside its attention and the rest of the step: two lists a
-slot (selection.step_slots_ref), the side stream joined at the step's last layer. Padding rows of CUDA graphs (seq_len 0) never touch the state. Everything a decode step
-does depends only on tensor shapes and host-side bounds, so it can be captured in a CUDA graph.
+slot (selection.step_slots_ref), the side stream joined at the step's last layer. Padding rows of CUDA
+graphs (seq_len 0) never touch the state. Everything a decode step does depends only on tensor shapes and
+host-side bounds, so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -322,8 +323,8 @@ class SparseBackend(AttentionBackend):
                 out.copy_(self._offload_decode(layer_idx, q, kv_cache, tables, token_tables, seq_lens, slots,
                                                meta.max_seq_len, scale))
             else:
-                out.copy_(sparse_decode_ref(q, kv_cache, tables, seq_lens, self.sel[layer_idx][slots.long()], p.local,
-                                            meta.max_seq_len, scale))
+                sel_rows = self.sel[layer_idx][slots.long()]
+                out.copy_(sparse_decode_ref(q, kv_cache, tables, seq_lens, sel_rows, p.local, meta.max_seq_len, scale))
             return
         from sparseserve.kernels.sparse_decode import sparse_decode
         sel, offload = self.sel[layer_idx], None

@@ -103,8 +103,9 @@ def kernel_bench(batch: int = 8, ctx: int = 131072, hq: int = 32, hkv: int = 8, 
 
 def lagged_row(reuse: int, budget: int, caches, q, meta, scale, dense_ms, dense_1) -> dict:
     """sparse_lag=1: each layer's scoring and selection (of the next step's lists) on a side stream beside its
-    attention and the next layers', as SparseBackend.attend_layer runs them (joined at the step's end). R steps a graph whose contexts advance by one token,
-    so that one of them selects (at the multiple of R) as in the engine; each step computes its rows once."""
+    attention and the next layers', as SparseBackend.attend_layer runs them (joined at the step's end). R
+    steps a graph whose contexts advance by one token, so that one of them selects (at the multiple of R) as
+    in the engine; each step computes its rows once."""
     layers, batch, (_, hkv, _, bs, d) = caches.shape[0], q.shape[0], caches.shape[1:]
     cfg = SparseConfig(sparse_policy="topk", sparse_budget=budget, sparse_reuse=reuse, sparse_dense_layers=0,
                        sparse_lag=1)

@@ -1,10 +1,11 @@
 """Triton kernels of sparse decode's bookkeeping: K/V store with the key-metadata update, block scoring, block
-selection.
+selection, and sparse_lag's list rows of a step.
 
 References: attention/torch_ref.py (store_kv_ref), kvcache/metadata.py (update_key_meta_ref) and
-attention/selection.py (block_scores_ref, update_selection_ref, step_slots_ref). Grids depend only on shapes and host-side
-bounds; programs past a sequence's end, of padding rows, or of (sequence, KV head) pairs that reuse their
-selection this step return at once, so the whole decode step can be captured in a CUDA graph.
+attention/selection.py (block_scores_ref, update_selection_ref, step_slots_ref). Grids depend only on shapes
+and host-side bounds; programs past a sequence's end, of padding rows, of rows that select nothing this step
+(slot -1), or of (sequence, KV head) pairs that reuse their selection return at once, so the whole decode
+step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
