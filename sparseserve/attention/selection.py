@@ -135,11 +135,11 @@ def update_selection_ref(scores: torch.Tensor, seq_lens: torch.Tensor, slots: to
     change nothing."""
     rows = (seq_lens > 0) & (slots >= 0)  # slot -1 (sparse_lag: a reused step) selects nothing
     lists, slots = select_ref(scores[rows], seq_lens[rows], streaming, p), slots[rows].long()
-    live = torch.ones(slots.numel(), sel.shape[1], dtype=torch.bool, device=sel.device)
-    due = live & (counter[slots] % p.reuse == 0) if p.reuse > 1 else live
+    # without reuse every row (sparse_lag's slots then index two list rows a slot: no counter row)
+    due = counter[slots] % p.reuse == 0 if p.reuse > 1 else torch.ones_like(lists[..., 0], dtype=torch.bool)
     sel[slots] = torch.where(due[..., None], lists, sel[slots])
     if p.reuse > 1:
-        counter[slots] += live.to(counter.dtype)
+        counter[slots] += 1
     stats[0] += ((lists >= 0).sum(-1) * due).sum()
     stats[1] += due.sum()
 
