@@ -7,7 +7,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
-python3 -m pytest tests/test_kernels.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
+python3 -m pytest tests/kernels/test_paged_attention.py tests/kernels/test_small_ops.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
 test_rc=${PIPESTATUS[0]}
 sweep=--sweep
 [ "${NO_SWEEP:-0}" = 1 ] && sweep=

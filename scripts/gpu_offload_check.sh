@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device run for KV offload (issue 7): GPU tests (FlashH2D, write-through, FlashD2H, the offloaded
+# One device run for KV offload: GPU tests (FlashH2D, write-through, FlashD2H, the offloaded
 # sparse decode through the pool and in a CUDA graph, engine offload on == off), then the benchmarks:
 # transfers (FlashH2D vs one large pinned copy vs a per-block loop; FlashD2H vs per-block copies), the
 # 32K prefill with and without saving, and capacity/throughput at a 40 GB cap (Llama-3.1-8B config,
@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; grep MemAvailabl
 [ -f /tmp/cfg8b/config.json ] || python3 scripts/make_random_model.py --config-only --out /tmp/cfg8b >/dev/null
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest tests/test_flash_h2d.py tests/test_offload.py -q -rs -p no:cacheprovider 2>&1 \
+  python3 -m pytest tests/kernels/test_flash_h2d.py tests/kernels/test_pool_plan.py tests/kvcache -q -rs -p no:cacheprovider 2>&1 \
     | tee "$OUT/pytest_offload.log" | tail -15
   rc=$(( rc || PIPESTATUS[0] ))
 fi

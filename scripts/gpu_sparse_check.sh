@@ -11,7 +11,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 what=${1:-all}
 test_rc=0
 if [ "$what" != bench ]; then
-  python3 -m pytest tests/test_sparse_kernels.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
+  python3 -m pytest tests/kernels/test_sparse_kernels.py tests/kernels/test_topp_prune.py tests/attention -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
   test_rc=${PIPESTATUS[0]}
 fi
 bench_rc=0

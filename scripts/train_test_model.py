@@ -438,13 +438,15 @@ def main(argv: list[str] | None = None) -> None:
 
     # Final accuracy: the saved bf16 checkpoint, reloaded through transformers.
     from transformers import AutoTokenizer, LlamaForCausalLM
-    hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").to(dev).eval()
+    hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    hf_model = hf_model.to(dev).eval()
     hf_tok = AutoTokenizer.from_pretrained(model_dir)
     assert hf_tok("The pass key is 123")["input_ids"] == tok.encode("The pass key is 123").ids
     tasks = args.eval_tasks.split(",")
     lengths = [int(x) for x in args.eval_lengths.split(",")]
     acc, answers = evaluate(hf_model, builder, tok, tasks, lengths, args.eval_samples, args.seed, eos, dev)
-    print_table(acc, tasks, lengths, f"dense accuracy, transformers, bf16, {args.eval_samples} samples, seed {args.seed}")
+    print_table(acc, tasks, lengths,
+                f"dense accuracy, transformers, bf16, {args.eval_samples} samples, seed {args.seed}")
     results.update(accuracy={f"{t}@{n}": a for (t, n), a in acc.items()},
                    examples={f"{t}@{n}": v[:3] for (t, n), v in answers.items()})
     (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from sparseserve.registry import SELECTION_POLICIES
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -60,18 +62,16 @@ class ModelConfig:
         "choices": ["auto", "dummy"]})
     enforce_eager: bool = field(default=False, metadata={"help": "Disable CUDA graphs."})
     attention_backend: str = field(default="auto", metadata={
-        "help": "auto (triton on CUDA, torch otherwise), triton or torch.", "choices": ["auto", "triton", "torch"]})
-
-
-SPARSE_POLICIES = ["dense", "topk", "topp"]
+        "help": "Kernels: auto (Triton on CUDA, the torch references otherwise), triton or torch (CUDA graphs "
+                "off).", "choices": ["auto", "triton", "torch"]})
 
 
 @dataclass(frozen=True)
 class SparseConfig:
     """Dynamic sparse decode attention (DESIGN.md principle 6). Prefill always runs dense."""
     sparse_policy: str = field(default="dense", metadata={
-        "help": "Decode attention: dense, topk (fixed token budget) or topp (adaptive budget, mass p).",
-        "choices": SPARSE_POLICIES})
+        "help": "Decode attention: dense, or a registered selection policy: topk (fixed token budget), topp "
+                "(adaptive budget, mass p)."})
     sparse_budget: int = field(default=2048, metadata={
         "help": "Tokens each (sequence, KV head) attends per decode step, sink and local window included "
                 "(topk); topp: the candidates it prunes, at most this many tokens. Shorter contexts run dense."})
@@ -102,8 +102,9 @@ class SparseConfig:
         "help": "Tokens per key-metadata page inside a block (hierarchical paging; default: block_size)."})
 
     def __post_init__(self) -> None:
-        if self.sparse_policy not in SPARSE_POLICIES:
-            raise ValueError(f"sparse_policy must be one of {', '.join(SPARSE_POLICIES)}, got {self.sparse_policy!r}")
+        if self.sparse_policy != "dense" and self.sparse_policy not in SELECTION_POLICIES:
+            raise ValueError(f"sparse_policy must be dense or one of {', '.join(SELECTION_POLICIES.names())}, "
+                             f"got {self.sparse_policy!r}")
         if self.sparse_budget < 1:
             raise ValueError(f"sparse_budget must be >= 1, got {self.sparse_budget}")
         if not 0.0 < self.sparse_top_p <= 1.0:
@@ -114,11 +115,9 @@ class SparseConfig:
             raise ValueError(f"sparse_reuse must be >= 1, got {self.sparse_reuse}")
         if self.sparse_lag not in (0, 1):
             raise ValueError(f"sparse_lag must be 0 or 1, got {self.sparse_lag}")
-        if self.sparse_lag and self.sparse_policy == "topp":
-            # Measured (BENCHMARKS.md): topp keeps only the blocks that carry the selecting query's mass, and the
-            # next query needs others; niah_multikey fell from 58 to 8 points on the trained test model.
-            raise ValueError("sparse_lag=1 works with sparse_policy=topk only: topp's pruned lists fit the query "
-                             "that selected them, not the next one")
+        if self.sparse_lag and self.enabled and not SELECTION_POLICIES.get(self.sparse_policy).supports_lag:
+            raise ValueError(f"sparse_lag=1 does not work with sparse_policy={self.sparse_policy}: its lists fit "
+                             f"the query that selected them, not the next one")
         if self.sparse_dense_layers < 0 or self.sparse_sink_blocks < 0:
             raise ValueError("sparse_dense_layers and sparse_sink_blocks must be >= 0")
         if self.sparse_local_blocks < 1:

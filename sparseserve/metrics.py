@@ -70,7 +70,7 @@ class _EngineStatsCollector:
 
 
 def _offload_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable[Metric]:
-    """kv_offload on: HBM pool hit ratio, head blocks loaded per (decode step, sparse layer), host store use."""
+    """KV offload on: HBM pool hit ratio, head blocks loaded per (decode step, sparse layer), host store use."""
     hits, loads = stats.offload_hbm_hits, stats.offload_blocks_loaded
     bypass, layer_steps = stats.offload_bypass_reads, stats.offload_layer_steps
     requests = hits + loads + bypass

@@ -31,16 +31,29 @@ def drive_random_schedule(engine, rng: random.Random, steps: int, max_new: int,
 
 def held_blocks(engine) -> list[int]:
     """Every token block held by a running or waiting sequence, checked against the allocator; with
-    kv_offload also the device blocks (each mapped once, only by running sequences, inside their tables)."""
+    KV offload also the device blocks (each mapped once, only by running sequences, inside their tables)."""
     seqs = engine.scheduler.running + list(engine.scheduler.waiting)
     held = [b for s in seqs for b in s.block_table]
     assert len(held) == len(set(held)) == engine.allocator.num_used
     engine.allocator.check()
-    dm = engine.scheduler.device_map
-    if dm is not None:
-        dev = [b for s in seqs for b in s.device_blocks]
+    offload = engine.model_runner.offload
+    if offload is not None:
+        dm = offload.device_map
+        dev = [b for s in seqs for b in dm.range_of(s)[1]]
         assert len(dev) == len(set(dev)) == dm.allocator.num_used <= dm.num_blocks
         dm.allocator.check()
-        assert not any(s.device_blocks for s in engine.scheduler.waiting)
-        assert all(s.device_start + len(s.device_blocks) <= len(s.block_table) for s in seqs)
+        assert not any(dm.range_of(s)[1] for s in engine.scheduler.waiting)
+        assert all(dm.range_of(s)[0] + len(dm.range_of(s)[1]) <= len(s.block_table) for s in seqs)
+        assert set(dm.ranges) <= {s.seq_id for s in engine.scheduler.running}
     return held
+
+
+def check_pool(offload) -> None:
+    """The HBM pool's invariants, and that every resident head block holds its host store row: a pool entry
+    never serves contents its block no longer has (blocks handed to a new owner leave the pool)."""
+    import torch
+    pool = offload.pool
+    pool.check()
+    keys = torch.nonzero(pool.resident[: pool.num_keys] >= 0)[:, 0]
+    slots = pool.resident[keys]
+    assert torch.equal(pool.slots[slots].cpu(), offload.host.flat()[keys.cpu()])

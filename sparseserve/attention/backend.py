@@ -1,95 +1,172 @@
-"""The attention-backend interface every attention implementation plugs into.
+"""The attention-backend interface every attention implementation plugs into, and its registry.
 
-KV cache layout (DESIGN.md principle 3), one tensor for the whole model:
-    kv_cache: [num_layers, num_blocks, num_kv_heads, 2, block_size, head_dim]
-A layer sees kv_cache[layer] = [num_blocks, num_kv_heads, 2, block_size, head_dim]; one
-(token block, KV head) entry holds K then V of `block_size` tokens contiguously: a head block.
+KV cache layout (DESIGN.md principle 3), one tensor a layer:
+    kv_cache: [num_blocks, num_kv_heads, 2, block_size, head_dim]
+one (token block, KV head) entry holds K then V of `block_size` tokens contiguously: a head block.
 A request owns token blocks through its block table; slot = block_id * block_size + offset.
 
 Batch layout of one step: tokens are flat [T]; the first `num_decodes` sequences are decodes
 (one query token each), the rest prefill chunks. The query tokens of sequence b are
 query_start_loc[b]:query_start_loc[b+1]; they are the last tokens of its context, so query i of
 sequence b sits at position seq_lens[b] - q_len[b] + i and attends causally.
+
+A backend is created from the registry by name, gets its per-step data in `prepare` (kept in
+`AttentionMetadata.backend_meta`), and owns the static buffers a CUDA graph of the decode step reads
+(`init_capture_graph`, `capture_metadata`, `prepare_for_replay`), so engine/cuda_graph.py stays generic.
 """
 from __future__ import annotations
 
 import abc
-import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+
+from sparseserve.kernels.paged_decode import paged_decode
+from sparseserve.kernels.paged_prefill import paged_prefill
+from sparseserve.registry import Registry
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor     # int64 [T]: where each new token's K/V goes; -1 = padding, skipped
+    slot_mapping: torch.Tensor     # int64 [T]: each new token's slot in token blocks; -1 = padding, skipped
     query_start_loc: torch.Tensor  # int32 [B + 1]: cumulative query lengths
     seq_lens: torch.Tensor         # int32 [B]: context length including this step's tokens (0 = padding)
     block_tables: torch.Tensor     # int32 [B, max_blocks]: token block ids; entries past a sequence's end unused
     num_decodes: int               # sequences [0, num_decodes) have one query token each
     max_query_len: int             # host-side upper bounds, fixed while a CUDA graph replays
     max_seq_len: int
-    # int32 [B]: each sequence's slot (0..max_num_seqs-1) in per-sequence state buffers (sparse
-    # selection reuse); None: row b uses slot b (kernel tests, benchmarks).
-    state_slots: torch.Tensor | None = None
-    # kv_offload (engine/runner.py prepare): slot_mapping and block_tables address the device block cache,
-    # which holds only the working set (released table entries name its trash row); these address the
-    # token blocks (host store rows, key-metadata rows, HBM pool keys). None: the same as the above.
-    token_slot_mapping: torch.Tensor | None = None
-    token_block_tables: torch.Tensor | None = None
+    backend_meta: Any = None       # the backend's own per-step data (AttentionBackend.prepare)
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.numel()
 
-    def token_view(self) -> "AttentionMetadata":
-        """The same step addressed by token block (layers whose device cache is indexed by token block)."""
-        if self.token_slot_mapping is None:
-            return self
-        return dataclasses.replace(self, slot_mapping=self.token_slot_mapping, block_tables=self.token_block_tables,
-                                   token_slot_mapping=None, token_block_tables=None)
+
+class ScheduledSequence(Protocol):
+    """What a backend may read of a scheduled sequence (engine/request.py Sequence)."""
+    seq_id: int
+    num_computed_tokens: int
+    block_table: list[int]
+
+
+# An observer sees every layer's attention after it ran: (layer, q, out, kv_cache, meta, scale). Probes and
+# calibration measure through it (eager steps only: a CUDA graph replays without Python).
+Observer = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], None]
+
+
+def attend_paged(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Dense causal attention of a mixed step: paged decode for the decodes, paged prefill for the rest."""
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd > 0:  # decodes come first, one token each: token i belongs to sequence i
+        paged_decode(q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, meta.max_seq_len,
+                     out=out[:nd])
+    if meta.num_seqs > nd:  # query_start_loc holds absolute token offsets: q and out are indexed as they are
+        paged_prefill(q, kv_cache, meta.block_tables[nd:], meta.seq_lens[nd:], meta.query_start_loc[nd:],
+                      scale, meta.max_query_len, out=out)
+    return out
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    """What a backend is built from: the model's attention shape and the engine's limits."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+    max_num_seqs: int
+    max_model_len: int
+    sparse: Any = None  # config.SparseConfig of a sparse backend
 
 
 class AttentionBackend(abc.ABC):
     """What the model calls once per layer: write the step's new K/V, then attend."""
 
-    name = "base"
+    def __init__(self, ctx: BackendContext) -> None:
+        self.ctx = ctx
+        self.observers: list[Observer] = []
+        self._graph: dict[str, torch.Tensor] | None = None
 
-    @abc.abstractmethod
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: layer `layer_idx`'s cache. Returns [T, Hq, D].
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: layer `layer_idx`'s cache. Returns [T, Hq, D]."""
+        out = self._forward(layer_idx, q, k, v, kv_cache, meta, scale)
+        for observe in self.observers:
+            observe(layer_idx, q, out, kv_cache, meta, scale)
+        return out
 
-        layer_idx lets per-layer policies (dense first layers, streaming heads) and probes act."""
+    @abc.abstractmethod
+    def _forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        ...
+
+    # ---- lifecycle (the runner) -----------------------------------------------------------------------
+
+    def block_bytes(self) -> int:
+        """Device bytes the backend keeps per token block besides K/V (the runner sizes the cache with it)."""
+        return 0
+
+    def allocate(self, num_blocks: int) -> None:
+        """The KV cache holds num_blocks token blocks (before that, e.g. the memory-profiling prefill, the
+        backend attends densely)."""
+
+    def prepare(self, scheduled: list[tuple[ScheduledSequence, int]], meta: AttentionMetadata) -> None:
+        """Per-step data of this backend into meta.backend_meta; rows follow `scheduled` (decodes first)."""
+
+    def release(self, seq_id: int) -> None:
+        """A sequence finished or was preempted: per-sequence state it holds is free again."""
+
+    def counters(self) -> dict[str, torch.Tensor]:
+        """Cumulative device counters (int64 scalars) for the engine's statistics, read without a sync."""
+        return {}
+
+    # ---- CUDA graphs of the decode step ----------------------------------------------------------------
+
+    def init_capture_graph(self, max_batch: int, max_blocks: int) -> None:
+        """Static buffers of the metadata a captured decode step reads (replays copy each step's into them)."""
+        dev = self.ctx.device
+        self._graph = {
+            "slot_mapping": torch.full((max_batch,), -1, dtype=torch.long, device=dev),
+            "seq_lens": torch.zeros(max_batch, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=dev),
+            "query_start_loc": torch.arange(max_batch + 1, dtype=torch.int32, device=dev),
+        }
+
+    def capture_metadata(self, batch: int) -> AttentionMetadata:
+        """The metadata of a pure-decode step of `batch` rows over the static buffers (padding rows: slot -1,
+        length 0, which every kernel skips)."""
+        g = self._graph
+        return AttentionMetadata(g["slot_mapping"][:batch], g["query_start_loc"][: batch + 1], g["seq_lens"][:batch],
+                                 g["block_tables"][:batch], num_decodes=batch, max_query_len=1,
+                                 max_seq_len=self.ctx.max_model_len)
+
+    def prepare_for_replay(self, meta: AttentionMetadata, batch: int) -> None:
+        """Copies a real step's metadata (meta.num_seqs rows) into the static buffers of bucket `batch`."""
+        g, b = self._graph, meta.num_seqs
+        g["slot_mapping"][:b].copy_(meta.slot_mapping, non_blocking=True)
+        g["slot_mapping"][b:batch].fill_(-1)
+        g["seq_lens"][:b].copy_(meta.seq_lens, non_blocking=True)
+        g["seq_lens"][b:batch].zero_()
+        g["block_tables"][:b, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
 
 
+ATTENTION_BACKENDS: Registry[type[AttentionBackend]] = Registry("attention backend",
+                                                                builtins="sparseserve.attention.sparse")
+
+
+@ATTENTION_BACKENDS.register("dense")
 class PagedAttentionBackend(AttentionBackend):
-    """Dense paged attention, the same in every layer: store_kv then attend (torch or Triton)."""
+    """Dense paged attention, the same in every layer: store_kv then attend."""
 
-    def forward(self, layer_idx, q, k, v, kv_cache, meta, scale):
-        self.store_kv(k, v, kv_cache, meta.slot_mapping)
-        return self.attend(q, kv_cache, meta, scale)
-
-    @abc.abstractmethod
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        ...
-
-    @abc.abstractmethod
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
-        ...
+    def _forward(self, layer_idx, q, k, v, kv_cache, meta, scale):
+        from sparseserve.kernels.store_kv import store_kv
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        return attend_paged(q, kv_cache, meta, scale)
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        from sparseserve.attention.torch_ref import TorchBackend
-        return TorchBackend()
-    if name == "triton":
-        if device.type != "cuda":
-            raise ValueError("attention_backend='triton' needs a CUDA device; use 'torch' on CPU")
-        from sparseserve.attention.triton_backend import TritonBackend
-        return TritonBackend()
-    raise ValueError(f"unknown attention backend {name!r} (choose auto, triton or torch)")
+def create_backend(name: str, ctx: BackendContext) -> AttentionBackend:
+    return ATTENTION_BACKENDS.get(name)(ctx)

@@ -96,7 +96,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-samples", type=int, default=2, help="requests per task and length probed")
     parser.add_argument("--compare-hf", action="store_true",
                         help="also run the samples through transformers (greedy) and report token parity")
-    parser.add_argument("--output", default="accuracy.json", help="JSON results file")
+    parser.add_argument("--output", default=None, help="JSON results file (default: print only)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -173,8 +173,8 @@ def hf_greedy(model: str | None, samples: list[T.TaskSample], device: str, dtype
     from sparseserve.models.loader import resolve_model_dir
     path = resolve_model_dir(model)
     dev = "cuda" if device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
-    kw = {} if dtype == "auto" else {"dtype": getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "half": "float16",
-                                                                 "fp32": "float32", "float": "float32"}.get(dtype, dtype))}
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+    kw = {} if dtype == "auto" else {"dtype": getattr(torch, aliases.get(dtype, dtype))}
     if not kw:
         kw["dtype"] = "auto"
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **kw).to(dev).eval()

@@ -1,9 +1,8 @@
 """Attention-level report: how close a policy's attention is to dense, per layer, at decode steps.
 
-The probe wraps the engine's attention backend (`llm.llm_engine.model_runner.attn_backend`; the model
-calls `backend.forward(layer_idx, q, k, v, kv_cache, meta, scale)` for every layer). After the real
-forward has run, for each decode query it recomputes dense attention in float32 over the request's
-whole context from the paged KV cache, and measures:
+The probe observes the engine's attention backend (`llm.llm_engine.model_runner.attn_backend`: an observer
+the backend calls after every layer's attention, attention/backend.py). For each decode query it recomputes
+dense attention in float32 over the request's whole context from the paged KV cache, and measures:
 
   mass:    the share of the dense softmax probability that falls on the tokens the policy attended
            (1 for dense; what a sparse policy drops is 1 - mass);
@@ -13,7 +12,8 @@ whole context from the paged KV cache, and measures:
 Which tokens a policy attended: a sparse backend exposes `attended_blocks(layer_idx, meta)`, a bool
 tensor [num_decodes, num_kv_heads, max_blocks] over the block table of the step just run (all query
 heads of a KV group share one selection). Without that method the backend is dense: every block.
-The engine must run eagerly (enforce_eager=True): a captured CUDA graph replays without Python.
+The engine must run eagerly (enforce_eager=True): a captured CUDA graph replays without Python; and without
+KV offload (the device cache then holds only the decode windows).
 """
 from __future__ import annotations
 
@@ -28,24 +28,19 @@ class AttentionProbe:
     def __init__(self, backend: Any) -> None:
         self.backend = backend
         self.records: dict[int, list[tuple[float, float, float]]] = {}  # layer -> (mass, min mass, rel_err)
-        self._orig = None
 
     def __enter__(self) -> "AttentionProbe":
-        self._orig = self.backend.forward
-        self.backend.forward = self._forward  # instance attribute: shadows the class method
+        self.backend.observers.append(self._observe)
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.backend.forward
-        self._orig = None
+        self.backend.observers.remove(self._observe)
 
-    def _forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_cache: torch.Tensor, meta: Any, scale: float) -> torch.Tensor:
-        out = self._orig(layer_idx, q, k, v, kv_cache, meta, scale)
+    def _observe(self, layer_idx: int, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, meta: Any,
+                 scale: float) -> None:
         if meta.num_decodes > 0:
             with torch.no_grad():
                 self._measure(layer_idx, q, out, kv_cache, meta, scale)
-        return out
 
     def _selection(self, layer_idx: int, meta: Any) -> torch.Tensor | None:
         fn = getattr(self.backend, "attended_blocks", None)

@@ -21,26 +21,22 @@ import torch
 
 
 class SinkLocalProbe:
-    """Wraps backend.forward; after each layer, for each decode query: mass on sink + local per KV head."""
+    """Observes the backend; after each layer, for each decode query: mass on sink + local per KV head."""
 
     def __init__(self, backend: Any, sink_blocks: int, local_blocks: int) -> None:
         self.backend, self.sink, self.local = backend, sink_blocks, local_blocks
         self.mass: dict[int, list[torch.Tensor]] = {}  # layer -> [Hkv] per decode query
 
     def __enter__(self) -> "SinkLocalProbe":
-        orig = self.backend.forward
-
-        def forward(layer_idx, q, k, v, kv_cache, meta, scale):
-            out = orig(layer_idx, q, k, v, kv_cache, meta, scale)
-            for b in range(meta.num_decodes):  # calibration, not the decode step: a Python loop is fine
-                self._measure(layer_idx, q[b], kv_cache, meta, b, scale)
-            return out
-
-        self.backend.forward = forward
+        self.backend.observers.append(self._observe)
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.backend.forward
+        self.backend.observers.remove(self._observe)
+
+    def _observe(self, layer_idx, q, out, kv_cache, meta, scale) -> None:
+        for b in range(meta.num_decodes):  # calibration, not the decode step: a Python loop is fine
+            self._measure(layer_idx, q[b], kv_cache, meta, b, scale)
 
     @torch.no_grad()
     def _measure(self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor, meta: Any, b: int, scale: float) -> None:

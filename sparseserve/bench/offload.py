@@ -18,6 +18,7 @@ phase on a few eager decode steps in the middle of the run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import time
@@ -25,7 +26,7 @@ import time
 import torch
 
 from sparseserve.bench.hardware import _time_ms, print_table
-from sparseserve.kernels.flash_h2d import flash_h2d
+from sparseserve.kernels.flash_h2d import flash_h2d_triton
 
 DTYPE = torch.bfloat16
 
@@ -48,13 +49,13 @@ def h2d_bench(num_blocks: int = 2048, store_blocks: int = 65536, bs: int = 32, d
 
     rows = []
     for name, fn in [("one large pinned copy", lambda: dst.copy_(contiguous, non_blocking=True)),
-                     ("FlashH2D (Triton, UVA gather)", lambda: flash_h2d(host, slots, key, load)),
+                     ("FlashH2D (Triton, UVA gather)", lambda: flash_h2d_triton(host, slots, key, load)),
                      ("per-block copy loop", per_block)] + [
-                     (f"FlashH2D chunk={c} warps={w}", lambda c=c, w=w: flash_h2d(host, slots, key, load, c, w))
+                     (f"FlashH2D chunk={c} warps={w}", lambda c=c, w=w: flash_h2d_triton(host, slots, key, load, c, w))
                      for c in (1024, 2048, 8192) for w in (2, 4, 8)]:
         ms = _time_ms(fn, iters=20)
         rows.append({"h2d": name, "blocks": num_blocks, "MB": nbytes / 1e6, "ms": ms, "GB/s": nbytes / ms / 1e6})
-    flash_h2d(host, slots, key, load)
+    flash_h2d_triton(host, slots, key, load)
     # Bit patterns, not values: random bits include NaNs, which never compare equal.
     assert torch.equal(slots[:num_blocks].cpu().view(torch.int16), host[key.cpu()].view(torch.int16)), \
         "FlashH2D gathered wrong blocks"
@@ -121,43 +122,52 @@ def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 OFFLOAD = dict(sparse_policy="topk", sparse_budget=2048, kv_offload=True)
 
 
-def prefill_bench(model: str, tokens: int = 32768, reps: int = 3) -> list[dict]:
-    """Prefill time of one `tokens` prompt: no saving (sparse topk, no offload), FlashD2H saving, and
-    per-block synchronous copies (the same blocks, one cudaMemcpy each, on the compute stream)."""
-    from sparseserve.kvcache import host as host_mod
-    from sparseserve.sampling_params import SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    flash_submit = host_mod.D2HWriter.submit
+class PerBlockWriter:
+    """The contrast to FlashD2H: each completed block copied with its own synchronous copy on the compute stream
+    (what a naive engine does). Set as the host store's writer (`host.d2h`) by prefill_bench."""
 
-    def per_block_submit(self, layer, kv_cache, slot_mapping, num_seqs, host_blocks=None):
+    def __init__(self, store) -> None:
+        self.store = store
+        self.blocks_written = 0
+
+    def submit(self, layer, kv_cache, slot_mapping, num_seqs, host_blocks=None) -> None:
+        from sparseserve.kvcache.host import completed_blocks
         n = slot_mapping.numel() // self.store.block_size + num_seqs
-        src, dst = host_mod.completed_blocks(slot_mapping, self.store.block_size, n, host_blocks)
+        src, dst = completed_blocks(slot_mapping, self.store.block_size, n, host_blocks)
         for s_, d_ in zip(src.tolist(), dst.tolist()):
             if s_ >= 0:
                 self.store.data[layer, d_].copy_(kv_cache[s_])
+                self.blocks_written += 1
 
+    def fence(self) -> None:
+        pass
+
+
+def prefill_bench(model: str, tokens: int = 32768, reps: int = 3) -> list[dict]:
+    """Prefill time of one `tokens` prompt: no saving (sparse topk, no offload), FlashD2H saving, and
+    per-block synchronous copies (the same blocks, one cudaMemcpy each, on the compute stream)."""
+    from sparseserve.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     rows = []
-    for name, kw, submit in [("no saving", dict(sparse_policy="topk", sparse_budget=2048), flash_submit),
-                             ("FlashD2H saving", OFFLOAD, flash_submit),
-                             ("per-block copies", OFFLOAD, per_block_submit)]:
-        host_mod.D2HWriter.submit = submit
-        try:
-            engine = _engine(model, max_model_len=tokens + 64, max_num_seqs=1, max_num_batched_tokens=8192,
-                             gpu_memory_utilization=0.6, **kw)
-            times = []
-            for r in range(reps + 1):
-                engine.add_request(f"p{r}", _prompts(1, tokens, seed=r)[0], params)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                while engine.has_unfinished_requests():
-                    engine.step()
-                if engine.model_runner.host_kv is not None:
-                    engine.model_runner.host_kv.fence()  # the saving is part of the prefill's cost
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            engine = None
-        finally:
-            host_mod.D2HWriter.submit = flash_submit
+    for name, kw, per_block in [("no saving", dict(sparse_policy="topk", sparse_budget=2048), False),
+                                ("FlashD2H saving", OFFLOAD, False), ("per-block copies", OFFLOAD, True)]:
+        engine = _engine(model, max_model_len=tokens + 64, max_num_seqs=1, max_num_batched_tokens=8192,
+                         gpu_memory_utilization=0.6, **kw)
+        offload = engine.model_runner.offload
+        if per_block:
+            offload.host.d2h = PerBlockWriter(offload.host)
+        times = []
+        for r in range(reps + 1):
+            engine.add_request(f"p{r}", _prompts(1, tokens, seed=r)[0], params)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
+            if offload is not None:
+                offload.fence()  # the saving is part of the prefill's cost
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        engine = None
         ms = 1e3 * sorted(times[1:])[len(times[1:]) // 2]  # the first run compiles
         rows.append({"prefill": name, "tokens": tokens, "ms": ms})
     for r in rows:
@@ -165,114 +175,95 @@ def prefill_bench(model: str, tokens: int = 32768, reps: int = 3) -> list[dict]:
     return rows
 
 
-class _PhaseTimer:
-    """CUDA events around the sparse decode phases (selection, H2D, attention) of eager steps."""
+class PhaseTimer:
+    """CUDA events around named phases: the library calls `phase(name)` where a timer is attached (the sparse
+    backend: selection, h2d, attention; the decode graphs: graph). Off: no events."""
 
     def __init__(self) -> None:
         self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.on = False
 
-    def wrap(self, name: str, fn):
-        def timed(*a, **k):
-            if not self.on:
-                return fn(*a, **k)
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            out = fn(*a, **k)
-            e1.record()
-            self.events.append((name, e0, e1))
-            return out
-        return timed
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if not self.on:
+            yield
+            return
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        yield
+        e1.record()
+        self.events.append((name, e0, e1))
 
     def totals_ms(self) -> dict[str, float]:
+        """Summed milliseconds per phase."""
         torch.cuda.synchronize()
         out: dict[str, float] = {}
-        for name, e0, e1 in self.events:
-            out[name] = out.get(name, 0.0) + e0.elapsed_time(e1)
+        for n, e0, e1 in self.events:
+            out[n] = out.get(n, 0.0) + e0.elapsed_time(e1)
         return out
+
+    def times_ms(self, name: str) -> list[float]:
+        torch.cuda.synchronize()
+        return [e0.elapsed_time(e1) for n, e0, e1 in self.events if n == name]
 
 
 def capacity_run(model: str, n: int, gpu_gb: float, output_len: int, prompt_len: int, offload: bool,
                  host_gb: float, reuse: int = 1, profile: bool = False) -> dict:
-    from sparseserve.attention import sparse as sparse_mod
-    from sparseserve.kernels import block_score, sparse_decode as sd_mod
     from sparseserve.sampling_params import SamplingParams
     total = torch.cuda.get_device_properties(0).total_memory
-    kw = dict(OFFLOAD, host_kv_memory=int(host_gb * 2**30), sparse_reuse=reuse) if offload else dict(sparse_policy="dense")
+    kw = (dict(OFFLOAD, host_kv_memory=int(host_gb * 2**30), sparse_reuse=reuse) if offload
+          else dict(sparse_policy="dense"))
     engine = _engine(model, max_model_len=prompt_len + output_len, max_num_seqs=max(n, 1),
                      max_num_batched_tokens=8192, gpu_memory_utilization=gpu_gb * 1e9 / total, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, p in enumerate(_prompts(n, prompt_len)):
         engine.add_request(f"c{i}", p, params)
-    sched = engine.scheduler
-    timer = _PhaseTimer()
-    from sparseserve.engine.cuda_graph import DecodeGraphs
-    graph_ms: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-    run_graph = DecodeGraphs.run
-
-    def timed_run(self, *a, **k):  # GPU time of each real decode step's graph (input copies + replay)
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        out = run_graph(self, *a, **k)
-        e1.record()
-        graph_ms.append((e0, e1))
-        return out
-    DecodeGraphs.run = timed_run
-    patched = [(block_score, "score_and_select"), (sd_mod, "sparse_decode"), (sparse_mod.SparseBackend, "_offload_plan")]
-    originals = [getattr(m, a) for m, a in patched]
-    for (m, a), f in zip(patched, originals):
-        setattr(m, a, timer.wrap({"score_and_select": "selection", "sparse_decode": "attention",
-                                  "_offload_plan": "h2d"}[a], f))
+    sched, runner = engine.scheduler, engine.model_runner
+    phases, graph_timer = PhaseTimer(), PhaseTimer()
+    graph_timer.on = True  # GPU time of each real decode step's graph (input copies + replay)
+    if runner.graphs is not None:
+        runner.graphs.timer = graph_timer
+    if offload:
+        runner.attn_backend.timer = phases
     max_running, decode_tokens, decode_s, decode_steps, split_steps = 0, 0, 0.0, 0, 0
-    schedule, last = sched.schedule, []
-
-    def recording_schedule():
-        last[:] = [schedule()]
-        return last[0]
-    sched.schedule = recording_schedule
     t0 = time.perf_counter()
-    try:
-        while engine.has_unfinished_requests():
-            max_running = max(max_running, len(sched.running))
-            # Expected pure decode (every running request decodes, none waits to be admitted); whether the
-            # step was one is read from what the scheduler really scheduled (an admission adds a prefill chunk).
-            expect_decode = bool(sched.running) and not sched.waiting and all(
-                s.num_tokens - s.num_computed_tokens == 1 for s in sched.running)
-            nrun = len(sched.running)
-            split = offload and expect_decode and decode_steps >= 100 and split_steps < 5
-            graphs = engine.model_runner.graphs
-            if split:  # a few eager steps with events around the phases
-                engine.model_runner.graphs, timer.on = None, True
-            if profile and expect_decode and decode_steps == 110 and graphs is not None and nrun in graphs.graphs:
-                # Kernel split of the decode graph (a replay of the last step's inputs: the pool is warmer
-                # than in a real step, so FlashH2D shows less than it moves in the steps themselves).
-                from torch.profiler import ProfilerActivity, profile as tprofile
-                with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
-                    graphs.graphs[nrun].replay()
-                    torch.cuda.synchronize()
-                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
-            ts = time.perf_counter()
-            engine.step()
-            te = time.perf_counter()
-            # A pure decode step: one new token per sequence, none of them a prompt token. Steps that also
-            # prefill (an admitted request's chunk) are not decode throughput, on either side.
-            decoded = bool(last) and bool(last[0].scheduled) and all(
-                n == 1 and seq.num_computed_tokens > seq.num_prompt_tokens for seq, n in last[0].scheduled)
-            if split:
-                engine.model_runner.graphs, timer.on = graphs, False
-                split_steps += 1
-            elif decoded:
-                decode_tokens += len(last[0].scheduled)
-                decode_s += te - ts
-                decode_steps += 1
-    finally:
-        sched.schedule = schedule
-        DecodeGraphs.run = run_graph
-        for (m, a), f in zip(patched, originals):
-            setattr(m, a, f)
+    while engine.has_unfinished_requests():
+        max_running = max(max_running, len(sched.running))
+        # Expected pure decode (every running request decodes, none waits to be admitted); whether the
+        # step was one is read from what the scheduler really scheduled (an admission adds a prefill chunk).
+        expect_decode = bool(sched.running) and not sched.waiting and all(
+            s.num_tokens - s.num_computed_tokens == 1 for s in sched.running)
+        nrun = len(sched.running)
+        split = offload and expect_decode and decode_steps >= 100 and split_steps < 5
+        graphs = runner.graphs
+        if split:  # a few eager steps with events around the phases
+            runner.graphs, phases.on = None, True
+        if profile and expect_decode and decode_steps == 110 and graphs is not None and nrun in graphs.graphs:
+            # Kernel split of the decode graph (a replay of the last step's inputs: the pool is warmer
+            # than in a real step, so FlashH2D shows less than it moves in the steps themselves).
+            from torch.profiler import ProfilerActivity, profile as tprofile
+            with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+                graphs.graphs[nrun].replay()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+        ts = time.perf_counter()
+        engine.step()
+        te = time.perf_counter()
+        last = engine.last_schedule
+        # A pure decode step: one new token per sequence, none of them a prompt token. Steps that also
+        # prefill (an admitted request's chunk) are not decode throughput, on either side.
+        decoded = last is not None and bool(last.scheduled) and all(
+            n == 1 and seq.num_computed_tokens > seq.num_prompt_tokens for seq, n in last.scheduled)
+        if split:
+            runner.graphs, phases.on = graphs, False
+            split_steps += 1
+        elif decoded:
+            decode_tokens += len(last.scheduled)
+            decode_s += te - ts
+            decode_steps += 1
     torch.cuda.synchronize()
-    replays = sorted(e0.elapsed_time(e1) for e0, e1 in graph_ms)
-    stats = engine.get_stats()
+    replays = sorted(graph_timer.times_ms("graph"))
+    stats = engine.get_stats(sync=True)
     out = {"config": f"topk 2048 + kv_offload, R={reuse}" if offload else "dense", "requests": n,
            "max_running": max_running, "decode_tok_s": decode_tokens / decode_s if decode_s else None,
            "decode_step_ms": 1e3 * decode_s / decode_steps if decode_steps else None,
@@ -287,10 +278,9 @@ def capacity_run(model: str, n: int, gpu_gb: float, output_len: int, prompt_len:
         out["hbm_hit_ratio"] = stats.offload_hbm_hits / lookups if lookups else None
         out["bypass_reads"] = stats.offload_bypass_reads
         out["h2d_GB"] = stats.offload_h2d_bytes / 1e9
-        out["hbm_pool_GiB"] = stats.offload_hbm_slots * engine.model_runner.hbm_pool.slots[0].numel() * 2 / 2**30
+        out["hbm_pool_GiB"] = stats.offload_hbm_slots * runner.offload.layout.head_block_bytes / 2**30
         out["device_blocks"] = stats.offload_device_blocks
-        out.update({f"eager_{k}_ms": v / max(split_steps, 1) for k, v in timer.totals_ms().items()})
-        engine.model_runner.host_kv.fence()
+        out.update({f"eager_{k}_ms": v / max(split_steps, 1) for k, v in phases.totals_ms().items()})
     return out
 
 

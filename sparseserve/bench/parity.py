@@ -24,7 +24,7 @@ def prompt_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     try:
         batch = runner.prepare([(seq, len(prompt))])
         with torch.inference_mode():
-            hidden = runner.model(batch.input_ids, batch.positions, runner.kv_cache, batch.meta)
+            hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)
             return runner.model.compute_logits(hidden)
     finally:
         engine.allocator.free(seq.block_table)
@@ -57,7 +57,8 @@ def main(args: argparse.Namespace) -> dict:
     floor = ((eager - ref).norm() / ref.norm()).item()
     agree = next((i for i, (a, b) in enumerate(zip(our_tokens, hf_tokens)) if a != b), len(our_tokens))
     row = {"model": llm.llm_engine.model_name, "dtype": str(dtype).removeprefix("torch."), "device": dev.type,
-           "prompt_len": args.prompt_len, "logits_rel_err": rel, "hf_eager_vs_sdpa_rel_err": floor, "argmax_agree": (ours.argmax(-1) == ref.argmax(-1))
+           "prompt_len": args.prompt_len, "logits_rel_err": rel, "hf_eager_vs_sdpa_rel_err": floor,
+           "argmax_agree": (ours.argmax(-1) == ref.argmax(-1))
            .float().mean().item(), "greedy_tokens_equal_prefix": f"{agree}/{len(our_tokens)}"}
     print_table([row], f"parity vs transformers ({time.strftime('%Y-%m-%d')})")
     if args.json:

@@ -27,17 +27,38 @@ import time
 import torch
 import triton
 
-from sparseserve.attention.backend import AttentionMetadata
-from sparseserve.attention.sparse import SparseBackend
-from sparseserve.attention.triton_backend import TritonBackend
+from sparseserve.attention.backend import AttentionMetadata, BackendContext, create_backend
+from sparseserve.attention.sparse import SparseBackend, SparseStepMeta
 from sparseserve.bench.hardware import hbm_bandwidth, print_table
 from sparseserve.config import SparseConfig
-from sparseserve.kernels.block_score import ScoreConfig, SelectConfig, block_scores, select_blocks
+from sparseserve.kernels.block_score import ScoreConfig, SelectConfig, block_scores_triton, select_blocks_triton
+from sparseserve.kernels.key_meta import rebuild_key_meta
 from sparseserve.kernels.paged_decode import paged_decode
-from sparseserve.kernels.sparse_decode import FAST_CONFIG, SparseDecodeConfig, default_config, sparse_decode
-from sparseserve.kvcache.metadata import key_meta_block_bytes, rebuild_key_meta
+from sparseserve.kernels.sparse_decode import FAST_CONFIG, SparseDecodeConfig, default_config, sparse_decode_triton
+from sparseserve.kvcache.metadata import key_meta_block_bytes
 
 DTYPE = torch.bfloat16
+
+
+def backend(cfg: SparseConfig, layers: int, hkv: int, d: int, bs: int, batch: int, caches) -> SparseBackend:
+    """A sparse backend over given caches (one [NB, Hkv, 2, bs, D] a layer), its key metadata built from them."""
+    num_blocks = caches[0].shape[0]
+    sp = SparseBackend(BackendContext(layers, hkv, d, bs, DTYPE, caches[0].device, batch, 1 << 30, cfg))
+    sp.allocate(num_blocks)
+    rebuild_key_meta(caches, sp.key_meta.codes, sp.key_meta.scale, bs)
+    return sp
+
+
+def with_slots(meta: AttentionMetadata) -> AttentionMetadata:
+    """Row b in state slot b (what the runner's prepare gives a batch of fresh sequences)."""
+    slots = torch.arange(meta.num_seqs, dtype=torch.int32, device=meta.seq_lens.device)
+    meta.backend_meta = SparseStepMeta(slots, meta)
+    return meta
+
+
+def selection_counts(sp: SparseBackend) -> tuple[int, int]:
+    c = sp.counters()
+    return int(c["sparse_blocks_selected"]), int(c["sparse_selections"])
 
 
 def graph_ms(fn, calls: int = 1) -> float:
@@ -61,8 +82,9 @@ def kernel_bench(batch: int = 8, ctx: int = 131072, hq: int = 32, hkv: int = 8, 
     q = torch.randn(batch, hq, d, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)
     scale = d ** -0.5
-    meta = AttentionMetadata(torch.full((batch,), -1, device="cuda"), torch.arange(batch + 1, device="cuda",
-                             dtype=torch.int32), seq_lens, tables, num_decodes=batch, max_query_len=1, max_seq_len=ctx)
+    meta = with_slots(AttentionMetadata(torch.full((batch,), -1, device="cuda"),
+                                        torch.arange(batch + 1, device="cuda", dtype=torch.int32), seq_lens, tables,
+                                        num_decodes=batch, max_query_len=1, max_seq_len=ctx))
 
     def timed(layer_call, calls: int = 1) -> tuple[float, float]:
         """(per layer in a graph of all layers, in a graph of layer 0 alone), ms per call."""
@@ -78,25 +100,23 @@ def kernel_bench(batch: int = 8, ctx: int = 131072, hq: int = 32, hkv: int = 8, 
     for policy, reuse in (("topk", 1), ("topk", 4), ("topp", 1), ("topp", 4)):
         cfg = SparseConfig(sparse_policy=policy, sparse_budget=budget, sparse_reuse=reuse, sparse_top_p=0.9,
                            sparse_dense_layers=0)
-        sp = SparseBackend(TritonBackend(), cfg, layers, hkv, d, bs, DTYPE, cache.device, max_num_seqs=batch)
-        sp.allocate(cache.shape[0])
-        rebuild_key_meta(caches, sp.key_meta, bs)
-        ms, ms_1 = timed(lambda i: sp._decode(i, q, caches[i], meta, scale, out), reuse)
-        blocks, selections, _ = sp.sparse_stats()
+        sp = backend(cfg, layers, hkv, d, bs, batch, caches)
+        ms, ms_1 = timed(lambda i: sp.attend(i, q, caches[i], meta, scale), reuse)
+        blocks, selections = selection_counts(sp)
         rows.append({"case": f"sparse {policy} budget={budget} R={reuse}", "ms": ms, "speedup": dense_ms / ms,
                      "ms_1layer_graph": ms_1, "speedup_1layer_graph": dense_1 / ms_1,
                      "mean_blocks": blocks / max(selections, 1)})
         print(f"{rows[-1]['case']}: {1e3 * ms:.1f} us a layer ({1e3 * ms_1:.1f} us in a one-layer graph)", flush=True)
         if profile and policy == "topk":
-            rows += kernel_profile(lambda: sp._decode(0, q, cache, meta, scale, out), reuse)
+            rows += kernel_profile(lambda: sp.attend(0, q, cache, meta, scale), reuse)
         if reuse == 1:
-            rows += parts(sp, q, cache, tables, seq_lens, scale, per_seq, out, dense_1,
+            rows += parts(sp, policy, q, cache, tables, seq_lens, scale, per_seq, out, dense_1,
                           sweep=sweep and policy == "topk")
-        del sp
+        sp = None  # frees its buffers before the next variant
     for reuse in (1, 4):
         rows.append(lagged_row(reuse, budget, caches, q, meta, scale, dense_ms, dense_1))
     rows[0]["rel_err_vs_dense_full_budget"] = full_budget_error(q, cache, meta, ref, scale, bs)
-    del caches, cache
+    caches = cache = None
     torch.cuda.empty_cache()
     return rows
 
@@ -109,10 +129,8 @@ def lagged_row(reuse: int, budget: int, caches, q, meta, scale, dense_ms, dense_
     layers, batch, (_, hkv, _, bs, d) = caches.shape[0], q.shape[0], caches.shape[1:]
     cfg = SparseConfig(sparse_policy="topk", sparse_budget=budget, sparse_reuse=reuse, sparse_dense_layers=0,
                        sparse_lag=1)
-    sp = SparseBackend(TritonBackend(), cfg, layers, hkv, d, bs, DTYPE, q.device, max_num_seqs=batch)
-    sp.allocate(caches.shape[1])
-    rebuild_key_meta(caches, sp.key_meta, bs)
-    metas = [dataclasses.replace(meta, seq_lens=meta.seq_lens + c + 1 - reuse) for c in range(reuse)]
+    sp = backend(cfg, layers, hkv, d, bs, batch, caches)
+    metas = [with_slots(dataclasses.replace(meta, seq_lens=meta.seq_lens + c + 1 - reuse)) for c in range(reuse)]
     state = {"call": 0}
 
     def step(n: int) -> None:
@@ -127,7 +145,7 @@ def lagged_row(reuse: int, budget: int, caches, q, meta, scale, dense_ms, dense_
         step(layers)
     mirror_lists(sp)
     ms, ms_1 = graph_ms(lambda: step(layers), reuse) / layers, graph_ms(lambda: step(1), reuse)
-    blocks, selections, _ = sp.sparse_stats()
+    blocks, selections = selection_counts(sp)
     row = {"case": f"sparse topk budget={budget} R={reuse} lag=1", "ms": ms, "speedup": dense_ms / ms,
            "ms_1layer_graph": ms_1, "speedup_1layer_graph": dense_1 / ms_1, "mean_blocks": blocks / max(selections, 1)}
     print(f"{row['case']}: {1e3 * ms:.1f} us a layer ({1e3 * ms_1:.1f} us in a one-layer graph)", flush=True)
@@ -138,7 +156,7 @@ def mirror_lists(sp: SparseBackend) -> None:
     """sparse_lag where the benchmark's contexts do not grow past the step it replays: a sequence's steps then
     read one of its two list rows and write the other, so copy the fuller row over both (as a growing
     context would have the latest selection in the row it reads)."""
-    a, b = sp.sel.chunk(2, dim=1)
+    a, b = sp.state.sel.chunk(2, dim=1)
     src = torch.where(((a >= 0).sum(-1) >= (b >= 0).sum(-1))[..., None], a, b)
     a.copy_(src)
     b.copy_(src)
@@ -167,33 +185,43 @@ def kernel_profile(fn, calls: int) -> list[dict]:
     return rows
 
 
-def parts(sp: SparseBackend, q, cache, tables, seq_lens, scale, mb, out, dense_ms, sweep: bool) -> list[dict]:
+def parts(sp: SparseBackend, policy: str, q, cache, tables, seq_lens, scale, mb, out, dense_ms, sweep: bool
+          ) -> list[dict]:
     """Scoring, selection and attention, each in its own graph; with sweep, over launch configurations
     (the first of each is the default). tb_s: the bytes a part must read (metadata; K/V of the list
     entries and the local window) over its time."""
-    p, slots = sp.params, sp.rows[: q.shape[0]]
-    km, sel, cnt = sp.key_meta[0], sp.sel[0], sp.counter[0]
-    scores = block_scores(q, km, tables, seq_lens, slots, cnt, p, mb, scale)
+    p, slots = sp.params, torch.arange(q.shape[0], dtype=torch.int32, device=q.device)
+    km, sel, cnt = sp.key_meta[0], sp.state.sel[0], sp.state.counter[0]
+    args = p.kernel_args()
+    top_p = p.top_p if policy == "topp" else None
+    score_args = dict(max_blocks=mb, block_size=p.block_size, cap=p.cap, reuse=args["reuse"],
+                      short_dense=p.short_dense, scale=scale)
+    scores = block_scores_triton(q, km.codes, km.scale, tables, seq_lens, slots, cnt, **score_args)
     batch, hkv, d = q.shape[0], km.codes.shape[1], q.shape[-1]
     nbytes = {"score": batch * mb * key_meta_block_bytes(hkv, p.block_size // p.page_size, d),
               "attend": batch * hkv * (p.cap + p.local) * cache[0, 0].numel() * cache.element_size()}
     variants = {
-        "score": [ScoreConfig()] + ([ScoreConfig(r, 4, st, t) for r in (64, 128) for st in (1, 3, 4) for t in (4, 8, 16)]
+        "score": [ScoreConfig()] + ([ScoreConfig(r, 4, st, t) for r in (64, 128) for st in (1, 3, 4)
+                                     for t in (4, 8, 16)]
                                     + [ScoreConfig(64, 8, 3, 8)] if sweep else []),
         "select": [SelectConfig()] + ([SelectConfig(k, w) for k in (2, 4, 8) for w in (8, 16)] if sweep else []),
-        "attend": [sparse_decode_default(q, cache), FAST_CONFIG] + ([SparseDecodeConfig(t, 0, 4, st, n) for t in (64, 128)
+        "attend": [sparse_decode_default(q, cache), FAST_CONFIG] + ([SparseDecodeConfig(t, 0, 4, st, n)
+                                                                     for t in (64, 128)
                                                  for n in (2, 3, 4, 6) for st in (2, 3, 4)]
-                                                + [SparseDecodeConfig(64, 0, 8, 3, 4), SparseDecodeConfig(128, 0, 8, 3, 4),
+                                                + [SparseDecodeConfig(64, 0, 8, 3, 4),
+                                                   SparseDecodeConfig(128, 0, 8, 3, 4),
                                                    SparseDecodeConfig()]  # the one-tile-a-program default of run 2
                                                 if sweep else [])}
-    calls = {"score": lambda c: block_scores(q, km, tables, seq_lens, slots, cnt, p, mb, scale, c),
-             "select": lambda c: select_blocks(scores, seq_lens, slots, sel, cnt, sp.stats, sp.streaming[0], p, c),
-             "attend": lambda c: sparse_decode(q, cache, tables, seq_lens, sel, slots, p.local, scale, out=out,
-                                               config=c)}
+    calls = {"score": lambda c: block_scores_triton(q, km.codes, km.scale, tables, seq_lens, slots, cnt, **score_args,
+                                                    config=c),
+             "select": lambda c: select_blocks_triton(scores, seq_lens, slots, sel, cnt, sp.state.stats,
+                                                      sp.state.streaming[0], **args, top_p=top_p, config=c),
+             "attend": lambda c: sparse_decode_triton(q, cache, tables, seq_lens, sel, slots, p.local, scale, out=out,
+                                                      config=c)}
     rows = []
     for name, configs in variants.items():
         for i, c in enumerate(dict.fromkeys(configs)):
-            row = {"case": f"  {p.policy} {name} {'default ' if i == 0 else ''}{vars(c)}"}
+            row = {"case": f"  {policy} {name} {'default ' if i == 0 else ''}{vars(c)}"}
             try:
                 t = graph_ms(lambda: calls[name](c))
                 rows.append(row | {"ms": t, "speedup": dense_ms / t}
@@ -212,17 +240,13 @@ def full_budget_error(q, cache, meta, dense_out, scale, bs) -> float:
     """Sparse path (scoring and selection included) with a budget covering the context vs dense."""
     cfg = SparseConfig(sparse_policy="topk", sparse_budget=meta.max_seq_len + bs, sparse_dense_layers=0,
                        sparse_dense_context=0)
-    sp = SparseBackend(TritonBackend(), cfg, 1, cache.shape[1], q.shape[-1], bs, DTYPE, q.device, q.shape[0])
-    sp.allocate(cache.shape[0])
-    rebuild_key_meta(cache[None], sp.key_meta, bs)
-    out = torch.empty_like(q)
-    sp._decode(0, q, cache, meta, scale, out)
+    sp = backend(cfg, 1, cache.shape[1], q.shape[-1], bs, q.shape[0], [cache])
+    out = sp.attend(0, q, cache, meta, scale)
     return ((out.float() - dense_out.float()).norm() / dense_out.float().norm()).item()
 
 
 def step_bench(model_dir: str, ctx: int = 131056, batch: int = 4, budget: int = 2048, dense_layers: int = 2,
                steps: int = 20) -> list[dict]:
-    from sparseserve.engine.cuda_graph import DecodeGraphs
     from sparseserve.engine.engine import LLMEngine
     from sparseserve.engine.request import Sequence, SequenceStatus
     from sparseserve.kvcache.blocks import blocks_needed
@@ -233,9 +257,10 @@ def step_bench(model_dir: str, ctx: int = 131056, batch: int = 4, budget: int = 
                                    max_num_seqs=batch,
                                    num_gpu_blocks_override=batch * blocks_needed(max_len, 32) + 8,
                                    sparse_policy="topk", sparse_budget=budget, sparse_dense_layers=dense_layers)
-    runner, sparse = engine.model_runner, engine.model_runner.sparse
-    runner.kv_cache.normal_()
-    rebuild_key_meta(runner.kv_cache, sparse.key_meta, sparse.params.page_size)
+    runner, sparse = engine.model_runner, engine.model_runner.attn_backend
+    for cache in runner.kv_caches:
+        cache.normal_()
+    rebuild_key_meta(runner.kv_caches, sparse.key_meta.codes, sparse.key_meta.scale, sparse.params.page_size)
     seqs = []
     for i in range(batch):
         seq = Sequence(i, f"b{i}", 0, [100 + i] * ctx, SamplingParams(temperature=0.0))
@@ -259,27 +284,20 @@ def step_bench(model_dir: str, ctx: int = 131056, batch: int = 4, budget: int = 
         return {"case": f"{label} step B={batch} L={ctx}", "graph_ms": replay,
                 "engine_step_ms": statistics.median(walls)}
 
-    def use(backend) -> None:  # same weights and cache, another attention backend, graphs captured anew
-        for m in runner.model.modules():
-            if getattr(m, "backend", None) is not None:
-                m.backend = backend
-        runner.graphs = None
-        torch.cuda.empty_cache()
-        runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, batch, max_len, runner.block_size)
-
     rows = [measure(f"sparse topk {budget} dense_layers={dense_layers}")]
     # sparse_lag with reuse is left out: at a fixed context every step would select (or none would).
     for change in ({"sparse_reuse": 4}, {"sparse_dense_layers": 0}, {"sparse_dense_layers": 0, "sparse_reuse": 4},
                    {"sparse_lag": 1}, {"sparse_lag": 1, "sparse_dense_layers": 0}):
-        variant = SparseBackend(sparse.dense, dataclasses.replace(engine.config.sparse_config, **change),
-                                *sparse.shape, max_num_seqs=batch)
+        # same weights and cache, another attention backend (graphs captured anew), sharing the key metadata
+        variant = SparseBackend(dataclasses.replace(sparse.ctx, sparse=dataclasses.replace(sparse.ctx.sparse,
+                                                                                             **change)))
         variant.key_meta = sparse.key_meta
-        use(variant)
-        if variant.lag:
+        runner.set_attention_backend(variant)
+        if variant.params.lag:
             runner.execute(scheduled)
             mirror_lists(variant)
         rows.append(measure(f"sparse topk {budget} " + " ".join(f"{k[7:]}={v}" for k, v in change.items())))
-    use(sparse.dense)
+    runner.set_attention_backend(create_backend("dense", sparse.ctx))
     rows.append(measure("dense"))
     for row in rows[:-1]:
         for key in ("graph_ms", "engine_step_ms"):

@@ -152,7 +152,8 @@ def main(args: argparse.Namespace) -> None:
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
     dev = engine.model_runner.device
     result: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                    "date": time.strftime("%Y-%m-%d"), "model": engine.model_name, "args": {k: v for k, v in vars(args).items() if k != "func"}}
+                    "date": time.strftime("%Y-%m-%d"), "model": engine.model_name,
+              "args": {k: v for k, v in vars(args).items() if k != "func"}}
     if dev.type == "cuda":
         result["hbm_bytes_per_s"] = hbm_bandwidth()
         result["matmul_flops"] = matmul_flops()
@@ -192,14 +193,16 @@ def main(args: argparse.Namespace) -> None:
                     print_table([rows[-1]])
     result["rows"] = rows
     for r in rows:  # side-by-side ratios at equal (input, batch)
-        for peer_name, col in (("transformers", "speedup_vs_hf"), ("transformers-nocompile", "speedup_vs_hf_nocompile")):
+        for peer_name, col in (("transformers", "speedup_vs_hf"),
+                               ("transformers-nocompile", "speedup_vs_hf_nocompile")):
             peer = next((p for p in rows if p["engine"] == peer_name and p["input"] == r["input"]
                          and p["batch"] == r["batch"] and isinstance(p.get("total_s"), float)), None)
             if r["engine"] == "sparseserve" and peer and isinstance(r.get("output_tok_s"), float):
                 r[col] = r["output_tok_s"] / peer["output_tok_s"]
     print_table(rows, f"throughput on {result['device']} ({result['model']})")
     if "hbm_bytes_per_s" in result:
-        print(f"HBM {result['hbm_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {result['matmul_flops'] / 1e12:.0f} TFLOP/s")
+        print(f"HBM {result['hbm_bytes_per_s'] / 1e12:.2f} TB/s, "
+              f"bf16 matmul {result['matmul_flops'] / 1e12:.0f} TFLOP/s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

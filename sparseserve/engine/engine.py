@@ -13,37 +13,14 @@ from sparseserve.engine.detokenizer import check_stop, detokenize_incrementally
 from sparseserve.engine.request import Sequence
 from sparseserve.engine.runner import ModelRunner
 from sparseserve.engine.scheduler import Scheduler
-from sparseserve.kvcache.blocks import BlockAllocator, DeviceBlockMap
+from sparseserve.engine.stats import DeviceCounters, EngineStats
+from sparseserve.kvcache.blocks import BlockAllocator
 from sparseserve.layers.sampler import SamplerOutput
 from sparseserve.models.loader import resolve_model_dir
 from sparseserve.outputs import CompletionOutput, Logprob, RequestOutput
 from sparseserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_blocks_used: int
-    num_blocks_total: int
-    num_preemptions: int        # cumulative counters from here on
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    sparse_blocks_selected: int = 0  # sparse decode: blocks in all selections so far
-    sparse_selections: int = 0       # selections made: one per (decode sequence, sparse layer, KV head)
-    sparse_block_size: int = 0
-    offload_hbm_hits: int = 0         # kv_offload: listed head blocks found in the HBM pool
-    offload_blocks_loaded: int = 0    # head blocks copied host -> HBM pool (FlashH2D)
-    offload_bypass_reads: int = 0     # misses read straight from the host store (no evictable slot in the set)
-    offload_layer_steps: int = 0      # (decode step, sparse layer) pairs that went through the pool
-    offload_host_blocks: int = 0      # token blocks of the host store (gauge)
-    offload_hbm_slots: int = 0        # head-block slots of the HBM pool (gauge)
-    offload_h2d_bytes: int = 0        # bytes loaded host -> HBM pool
-    offload_d2h_bytes: int = 0        # bytes written through to the host store
-    offload_device_blocks_used: int = 0   # device block cache (the working set): blocks mapped (gauge)
-    offload_device_blocks: int = 0        # device block cache: blocks (gauge)
 
 
 @dataclass
@@ -68,15 +45,12 @@ class LLMEngine:
         except (OSError, ValueError) as e:
             raise ValueError(f"could not load a tokenizer from {mc.tokenizer or model_dir}: {e}") from e
         self.max_model_len = self.model_runner.max_model_len
-        self.allocator = BlockAllocator(self.model_runner.num_blocks)
-        runner, bs = self.model_runner, config.cache_config.block_size
-        self.device_map = None
-        if runner.num_device_blocks is not None:  # kv_offload: the device cache holds the working set only
-            self.device_map = DeviceBlockMap(runner.num_device_blocks, config.sparse_config.sparse_local_blocks, bs,
-                                             runner.num_blocks)
-        self.scheduler = Scheduler(config.scheduler_config, self.allocator, bs, self.device_map)
-        if self.model_runner.hbm_pool is not None:
-            self.scheduler.on_free = self.model_runner.free_blocks
+        runner = self.model_runner
+        self.allocator = BlockAllocator(runner.num_blocks)
+        self.scheduler = Scheduler(config.scheduler_config, self.allocator, config.cache_config.block_size,
+                                   runner.offload)
+        self.counters = DeviceCounters(runner.attn_backend.counters())
+        self.last_schedule = None  # the newest step's SchedulerOutput (benchmarks read what ran)
         eos = set(self.model_runner.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -103,7 +77,8 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError("a prompt must be a string, a list of token ids, or {'prompt_token_ids': [...]}")
 
-    def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int] | dict,
+                    params: SamplingParams | None = None) -> None:
         """Validates fully before anything is allocated: an invalid request raises ValueError and changes nothing."""
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -141,7 +116,7 @@ class LLMEngine:
             for seq in req.seqs:
                 if not seq.finished:
                     seq.finish_reason = "abort"
-                    self.scheduler.finish(seq)
+                    self._finish(seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -149,21 +124,36 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    def get_stats(self) -> EngineStats:
-        s, sparse, dm = self.scheduler, self.model_runner.sparse, self.device_map
-        stats = EngineStats(len(s.running), len(s.waiting), self.allocator.num_used, self.allocator.num_blocks,
-                            s.num_preemptions, self.num_prompt_tokens, self.num_generation_tokens,
-                            *(sparse.sparse_stats() if sparse is not None else ()),
-                            *self.model_runner.offload_stats())
-        if dm is not None:
-            stats.offload_device_blocks_used, stats.offload_device_blocks = dm.allocator.num_used, dm.num_blocks
-        return stats
+    def get_stats(self, sync: bool = False) -> EngineStats:
+        """Host counters now, device counters as of the newest landed copy (one step late; sync=True waits for
+        the device and the host store's writers: tests and benchmarks)."""
+        runner, s = self.model_runner, self.scheduler
+        offload = runner.offload
+        if sync and offload is not None:
+            offload.fence()
+        values = self.counters.values(sync=sync)
+        values.update(num_running=len(s.running), num_waiting=len(s.waiting), num_blocks_used=self.allocator.num_used,
+                      num_blocks_total=self.allocator.num_blocks, num_preemptions=s.num_preemptions,
+                      num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens)
+        if "sparse_selections" in values:
+            values["sparse_block_size"] = runner.block_size
+        if offload is not None:
+            g = offload.gauges()
+            values.update(g)
+            layer_block = g["offload_head_block_bytes"] * runner.arch.num_kv_heads
+            values["offload_h2d_bytes"] = values["offload_blocks_loaded"] * g["offload_head_block_bytes"]
+            written = values["offload_blocks_written"] + g["offload_d2h_blocks_written"]
+            values["offload_d2h_bytes"] = written * layer_block
+        return EngineStats.from_values(values)
 
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        sched = self.last_schedule = self.scheduler.schedule()
+        for seq in sched.preempted:
+            self.model_runner.release(seq.seq_id)
         if sched.is_empty:
             return []
         sampled, out = self.model_runner.execute(sched.scheduled)
+        self.counters.refresh()
         for seq, n in sched.scheduled:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
@@ -173,6 +163,10 @@ class LLMEngine:
         self._append_tokens(sampled, out)
         touched = dict.fromkeys(seq.request_id for seq in sampled)  # ordered, unique
         return [self._make_output(self.requests[rid]) for rid in touched]
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.model_runner.release(seq.seq_id)
 
     def _append_tokens(self, seqs: list[Sequence], out: SamplerOutput) -> None:
         tokens = out.token_ids.tolist()  # the step's one host sync
@@ -194,7 +188,7 @@ class LLMEngine:
             seq.output_text += new_text
             check_stop(seq, new_text, self.eos_token_ids, self.max_model_len)
             if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
+                self._finish(seq)
 
     def _make_output(self, req: _Request) -> RequestOutput:
         """Cumulative output of a request; a finished request leaves the table."""

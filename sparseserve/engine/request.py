@@ -30,10 +30,6 @@ class Sequence:
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0     # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
-    # kv_offload: device KV cache blocks of token blocks device_start .. device_start + len - 1 (the working
-    # set, kvcache/blocks.py DeviceBlockMap); without offload the device cache is indexed by block_table.
-    device_start: int = 0
-    device_blocks: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     output_text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
@@ -58,13 +54,6 @@ class Sequence:
         if self._table_array is None or len(self._table_array) != len(self.block_table):
             self._table_array = np.asarray(self.block_table, dtype=np.int32)
         return self._table_array
-
-    def fill_device_row(self, row: np.ndarray, trash: int) -> None:
-        """kv_offload: writes the device block of each token block into row[:len(block_table)] in place
-        (`trash` where it has none: released or past the device range); the step's table needs no
-        temporary array per sequence."""
-        row[: len(self.block_table)] = trash
-        row[self.device_start: self.device_start + len(self.device_blocks)] = self.device_blocks
 
     def release_blocks(self) -> list[int]:
         blocks, self.block_table, self._table_array = self.block_table, [], None

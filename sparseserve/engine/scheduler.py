@@ -2,19 +2,29 @@
 preemption by recompute when KV blocks run out (the scheduler owns memory: out of blocks is a
 scheduling event, never a crash).
 
-With kv_offload there are two block spaces: token blocks (host store rows, the allocator) and device
-blocks (the device KV cache, DeviceBlockMap), which hold only the working set: every block of a
-prefilling sequence, the local window of a decoding one. A step is scheduled only if both fit; a
-waiting sequence that does not fit waits, a running one preempts the newest running sequences."""
+Under KV offload there is a second block space (`device_space`, kvcache/offload.py OffloadCache): token
+blocks (the allocator) are host store rows, and the device block cache holds only the working set: every
+block of a prefilling sequence, the local window of a decoding one. A step is scheduled only if both fit;
+a waiting sequence that does not fit waits, a running one preempts the newest running sequences."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from sparseserve.config import SchedulerConfig
 from sparseserve.engine.request import Sequence, SequenceStatus
-from sparseserve.kvcache.blocks import BlockAllocator, DeviceBlockMap, blocks_needed
+from sparseserve.kvcache.blocks import BlockAllocator, blocks_needed
+
+
+class DeviceSpace(Protocol):
+    """A second, smaller block space a step must also fit (the offload cache's device block cache)."""
+
+    def can_schedule(self, seq: Sequence, n: int) -> bool: ...
+    def can_admit(self, seq: Sequence, running: list[Sequence]) -> bool: ...
+    def schedule(self, seq: Sequence, n: int) -> None: ...
+    def free(self, seq: Sequence) -> None: ...
+    def on_allocate(self, blocks: list[int]) -> None: ...
 
 
 @dataclass
@@ -29,15 +39,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int,
-                 device_map: DeviceBlockMap | None = None) -> None:
+                 device_space: DeviceSpace | None = None) -> None:
         self.config = config
         self.allocator = allocator
-        self.device_map = device_map  # kv_offload: the device KV cache's blocks
+        self.device_space = device_space
         self.block_size = block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.on_free: Callable[[list[int]], None] | None = None  # kv_offload: drop freed blocks' HBM slots
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -72,8 +81,8 @@ class Scheduler:
             if remaining > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(remaining, budget)
-            if not self._can_grow(seq, n) or (self.device_map is not None
-                                              and not self.device_map.can_admit(seq, self.running)):
+            if not self._can_grow(seq, n) or (self.device_space is not None
+                                              and not self.device_space.can_admit(seq, self.running)):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -85,15 +94,18 @@ class Scheduler:
 
     def _can_grow(self, seq: Sequence, n: int) -> bool:
         need = blocks_needed(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table)
-        return self.allocator.can_allocate(max(need, 0)) and (self.device_map is None
-                                                               or self.device_map.can_map(seq, n))
+        return self.allocator.can_allocate(max(need, 0)) and (self.device_space is None
+                                                               or self.device_space.can_schedule(seq, n))
 
     def _grow(self, seq: Sequence, n: int) -> None:
         need = blocks_needed(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table)
         if need > 0:
-            seq.block_table.extend(self.allocator.allocate(need))
-        if self.device_map is not None:
-            self.device_map.map(seq, n)
+            blocks = self.allocator.allocate(need)
+            seq.block_table.extend(blocks)
+            if self.device_space is not None:
+                self.device_space.on_allocate(blocks)
+        if self.device_space is not None:
+            self.device_space.schedule(seq, n)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV, requeue at the front; its tokens so far are its new prompt."""
@@ -104,12 +116,9 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _release(self, seq: Sequence) -> None:
-        if self.device_map is not None:
-            self.device_map.release(seq)
-        blocks = seq.release_blocks()
-        self.allocator.free(blocks)
-        if self.on_free is not None:
-            self.on_free(blocks)
+        if self.device_space is not None:
+            self.device_space.free(seq)
+        self.allocator.free(seq.release_blocks())
 
     def finish(self, seq: Sequence) -> None:
         """Removes a finished or aborted sequence wherever it is and returns its blocks."""

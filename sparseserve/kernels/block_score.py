@@ -1,23 +1,39 @@
-"""Triton kernels of sparse decode's bookkeeping: K/V store with the key-metadata update, block scoring, block
-selection, and sparse_lag's list rows of a step.
+"""Sparse decode's selection: block scoring against the key metadata, block selection, and the lagged
+selection's list rows of a step.
 
-References: attention/torch_ref.py (store_kv_ref), kvcache/metadata.py (update_key_meta_ref) and
-attention/selection.py (block_scores_ref, update_selection_ref, step_slots_ref). Grids depend only on shapes
-and host-side bounds; programs past a sequence's end, of padding rows, of rows that select nothing this step
-(slot -1), or of (sequence, KV head) pairs that reuse their selection return at once, so the whole decode
-step can be captured in a CUDA graph.
+Scoring (DESIGN.md principle 6): the bound of q.k over a page is sum_d max(q_d kmax_d, q_d kmin_d)
+= q+ . kmax + q- . kmin (q+ = max(q, 0), q- = min(q, 0)): two dot products, over the page's int8 codes
+times its scale (kernels/key_meta.py: rounded outward, so still a bound). A block scores the max
+over its pages. Per query head the scaled bounds are softmax-normalised into an estimate of each
+block's attention mass; the estimates are averaged over the query heads of a KV group, so each KV
+head gets one selection that serves its whole group (principle 3).
+
+Selection of one (sequence, KV head), over the blocks 0..nb-1 of its context:
+  forced: the first `sink` blocks, the last `local` blocks, and every block when nb <= cap (unless
+          short_dense is off: then short contexts go through scoring and selection too);
+  topk (top_p None): the k = cap - #forced best other blocks;
+  top_p:  the fewest best other blocks that bring the estimated mass (forced included) to p, at most k
+          (the bounds are loose; the engine's topp policy selects topk candidates here and prunes them
+          on their real keys: kernels/topp_prune.py);
+  streaming heads pick no other block.
+The result is a list of `cap` logical block indices (positions in the block table), padded with -1.
+With reuse R, a (sequence slot, KV head) recomputes its list every R-th decode step and keeps it
+otherwise (counter [S, Hkv] counts decode steps); the sparse kernel always adds the current local window,
+so tokens that arrive while a list is reused are attended. step_slots: with lagged selection a step attends
+the list selected at an earlier step, so its own selection can run beside its attention.
+
+Kernels: grids depend only on shapes and host-side bounds; programs past a sequence's end, of padding rows,
+of rows that select nothing this step (slot -1), or of (sequence, KV head) pairs that reuse their selection
+return at once, so the whole decode step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
-from sparseserve.attention.selection import SelectionParams
+from sparseserve.kernels.dispatch import tl, triton, use_triton
 from sparseserve.kernels.pdl import pdl_wait, use_pdl
-from sparseserve.kvcache.metadata import AMAX_FLOOR, KeyMeta
 
 MAX_SELECT_BLOCKS = 16384  # one selection program holds a row of block scores in registers
 
@@ -27,7 +43,7 @@ class ScoreConfig:
     # int8 metadata (H200 sweep, 128K context): 128 rows x 2 tiles a program 20.9 / 33.6 us at batch 4 / 8,
     # the former 64 x 8 26.2 / 34.7 us (more programs: a short kernel is latency-bound at small batches).
     # 2 stages (the second tile's loads in flight during the first; less shared memory than 3): 15.2 / 26.3 us
-    # a layer in an 8-layer graph against 15.8 / 26.6 with 3 (fifth session, twice each).
+    # a layer in an 8-layer graph against 15.8 / 26.6 with 3.
     rows: int = 128       # metadata rows (blocks x pages) of a tile: two [G, D] x [D, rows] dots
     num_warps: int = 4
     num_stages: int = 2   # software pipelining of the tile loop
@@ -40,88 +56,149 @@ class SelectConfig:
     num_warps: int = 0    # 0: by the row length (8 at 4096 blocks)
 
 
-@triton.jit
-def _store_kv_key_meta_kernel(k_ptr, v_ptr, cache_ptr, codes_ptr, scale_ptr, slot_ptr, meta_slot_ptr, num_tokens,
-                              stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ch, stride_ckv,
-                              stride_mb, stride_mh, stride_mm, stride_sb, stride_sh,
-                              HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE: tl.constexpr,
-                              BLOCK_D: tl.constexpr, AMAX_FLOOR: tl.constexpr, PDL: tl.constexpr):
-    """Program (token, KV head): stores the token's K and V (store_kv), and if the token is the last one this
-    step writes into its page, recomputes the page's min/max over its tokens so far, quantized to int8 codes
-    and a scale (reference: store_kv_ref then update_key_meta_ref, quantize_key_meta: the same float32
-    operations, divisions rounded as IEEE's, so that both agree bit for bit). One launch instead of two in
-    every sparse layer. The page's rows that this step writes (a prefill chunk's earlier tokens: other
-    programs of this launch store them) are taken from k, the others from the cache (earlier steps). The
-    metadata row is the token block of meta_slot (kv_offload: the cache holds device blocks)."""
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    slot = tl.load(slot_ptr + t)  # step inputs: read before pdl_wait (kernels/pdl.py)
-    nxt = tl.load(slot_ptr + t + 1, mask=t + 1 < num_tokens, other=-1)
-    mblk = tl.load(meta_slot_ptr + t) // BLOCK_SIZE
-    dims = tl.arange(0, BLOCK_D)
-    dmask = dims < HEAD_DIM
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
-    page = off // PAGE
-    rows = page * PAGE + tl.arange(0, PAGE)
-    back = off - rows  # row r holds the token `back` slots before this one
-    src = t - back
-    earlier = (rows <= off) & (src >= 0)
-    # A row is this step's when the token `back` places earlier in the batch has the slot `back` places earlier
-    # (a sequence's tokens of a step are consecutive in the batch and in their slots).
-    in_step = earlier & (tl.load(slot_ptr + src, mask=earlier, other=-1) == slot - back)
-    pdl_wait(PDL)
-    if slot < 0:
-        return
-    head_row = cache_ptr + blk * stride_cb + h * stride_ch
-    k_src = k_ptr + h * stride_kh + dims
-    tl.store(head_row + off * HEAD_DIM + dims,
-             tl.load(k_src + t.to(tl.int64) * stride_kt, mask=dmask).to(cache_ptr.dtype.element_ty), mask=dmask)
-    tl.store(head_row + stride_ckv + off * HEAD_DIM + dims,
-             tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + dims, mask=dmask).to(
-                 cache_ptr.dtype.element_ty), mask=dmask)
-    if (nxt == slot + 1) & ((slot + 1) % PAGE != 0):  # not the page's last token this step
-        return
-    mask = (rows <= off)[:, None] & dmask[None, :]
-    from_k = in_step[:, None] & dmask[None, :]
-    keys = tl.load(k_src[None, :] + (src.to(tl.int64) * stride_kt)[:, None], mask=from_k, other=0.0)
-    keys = keys.to(cache_ptr.dtype.element_ty)  # as stored
-    old = tl.load(head_row + rows[:, None] * HEAD_DIM + dims[None, :], mask=mask & ~from_k, other=0.0)
-    keys = tl.where(from_k, keys, old).to(tl.float32)
-    kmin = tl.min(tl.where(mask, keys, float("inf")), 0)
-    kmax = tl.max(tl.where(mask, keys, float("-inf")), 0)
-    amax = tl.max(tl.where(dmask, tl.maximum(tl.abs(kmin), tl.abs(kmax)), 0.0), 0)
-    amax = tl.maximum(amax, AMAX_FLOOR)
-    inv = tl.math.div_rn(127.0, amax)
-    cmin = tl.minimum(tl.maximum(tl.math.floor(kmin * inv), -127.0), 127.0).to(tl.int8)
-    cmax = tl.minimum(tl.maximum(tl.math.ceil(kmax * inv), -127.0), 127.0).to(tl.int8)
-    dst = codes_ptr + mblk * stride_mb + h * stride_mh + page * HEAD_DIM + dims
-    tl.store(dst, cmin, mask=dmask)
-    tl.store(dst + stride_mm, cmax, mask=dmask)
-    tl.store(scale_ptr + mblk * stride_sb + h * stride_sh + page, tl.math.div_rn(amax, 127.0))
+def mass_target(top_p: float | None) -> float:
+    """What selection stops at: topk (None) never stops on mass, so a target above any total."""
+    return 2.0 if top_p is None else top_p
 
 
-def store_kv_key_meta(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, key_meta: KeyMeta,
-                      slot_mapping: torch.Tensor, page_size: int, meta_slots: torch.Tensor | None = None) -> None:
-    """store_kv of k, v [T, Hkv, D] into kv_cache (one layer [NB, Hkv, 2, bs, D]) and the key-metadata
-    update of the pages they end (key_meta: that layer's). meta_slots (kv_offload): the tokens' slots in
-    token blocks, whose metadata rows are updated (None: slot_mapping)."""
-    num_tokens = slot_mapping.numel()
-    _, hkv, _, block_size, head_dim = kv_cache.shape
-    codes, scale = key_meta.codes, key_meta.scale
-    assert codes.stride(-1) == 1 and codes.stride(-2) == head_dim and scale.stride(-1) == 1
-    assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim and k.stride(2) == 1 and v.stride(2) == 1
-    assert k.shape == v.shape == (num_tokens, hkv, head_dim)
-    if num_tokens == 0:
+# ---- references -----------------------------------------------------------------------------------------
+
+
+def block_scores_ref(q: torch.Tensor, codes: torch.Tensor, page_scale: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, max_blocks: int, block_size: int, scale: float) -> torch.Tensor:
+    """q: [B, Hq, D] decode queries; codes [NB + 1, Hkv, 2, P, D], page_scale [NB + 1, Hkv, P]: one layer's
+    key metadata. Returns float32 [B, Hq, max_blocks]: scale * (block's bound), -inf past the sequence's end."""
+    batch, num_q_heads, _ = q.shape
+    _, num_kv_heads, _, pages, _ = codes.shape
+    group = num_q_heads // num_kv_heads
+    tables = block_tables[:, :max_blocks].long()
+    page_codes = codes[tables].float()  # [B, MB, Hkv, 2, P, D]
+    scales = page_scale[tables].permute(0, 2, 1, 3)[:, :, None]  # [B, Hkv, 1, MB, P]
+    qg = q.float().view(batch, num_kv_heads, group, -1)
+    dots = (torch.einsum("bhgd,bnhpd->bhgnp", qg.clamp_min(0), page_codes[:, :, :, 1])
+            + torch.einsum("bhgd,bnhpd->bhgnp", qg.clamp_max(0), page_codes[:, :, :, 0]))
+    bound = dots * (scales * scale)  # the kernel's order: scale applied per page, before the max
+    page_start = torch.arange(max_blocks * pages, device=q.device).view(max_blocks, pages) * (block_size // pages)
+    valid = page_start[None] < seq_lens.long()[:, None, None]  # [B, MB, P]
+    bound = bound.masked_fill(~valid[:, None, None], float("-inf")).amax(-1)
+    return bound.reshape(batch, num_q_heads, max_blocks)
+
+
+def block_masses(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Estimated softmax mass of each block per query head, averaged over the KV group: [B, Hkv, MB]."""
+    batch, num_q_heads, mb = scores.shape
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows of padding sequences are all -inf
+    return probs.view(batch, num_kv_heads, num_q_heads // num_kv_heads, mb).mean(2)
+
+
+def forced_blocks(seq_lens: torch.Tensor, max_blocks: int, *, block_size: int, cap: int, sink: int, local: int,
+                  short_dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid, forced) masks [B, MB]: blocks inside the context, and those always selected."""
+    nb = (seq_lens.long() + block_size - 1) // block_size
+    j = torch.arange(max_blocks, device=seq_lens.device)[None]
+    valid = j < nb[:, None]
+    forced = valid & ((j < sink) | (j >= nb[:, None] - local) | ((nb[:, None] <= cap) & short_dense))
+    return valid, forced
+
+
+def select_ref(scores: torch.Tensor, seq_lens: torch.Tensor, streaming: torch.Tensor, *, block_size: int, cap: int,
+               sink: int, local: int, short_dense: bool = True, top_p: float | None = None) -> torch.Tensor:
+    """The selection lists [B, Hkv, cap] (int32, -1 padded): forced blocks first, then the chosen
+    ones, each in block order. streaming: bool [Hkv]."""
+    batch, _, mb = scores.shape
+    hkv = streaming.numel()
+    r = block_masses(scores, hkv)
+    valid, forced = forced_blocks(seq_lens, mb, block_size=block_size, cap=cap, sink=sink, local=local,
+                                  short_dense=short_dense)
+    forced = forced[:, None].expand(batch, hkv, mb)
+    cand = valid[:, None] & ~forced & ~streaming[None, :, None]
+    n_forced = forced.sum(-1, keepdim=True)
+    fmass = (r * forced).sum(-1, keepdim=True)
+    vals, order = torch.where(cand, r, -1.0).sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(mb, device=scores.device)
+    mass_before = vals.clamp_min(0).cumsum(-1) - vals.clamp_min(0)
+    take = (vals >= 0) & (rank < cap - n_forced) & (fmass + mass_before < mass_target(top_p))
+    chosen = torch.zeros_like(cand).scatter(-1, order, take)
+    pos = torch.where(forced, forced.cumsum(-1) - 1, n_forced + chosen.cumsum(-1) - 1)
+    keep = forced | chosen
+    out = torch.full((batch, hkv, cap + 1), -1, dtype=torch.int32, device=scores.device)
+    blocks = torch.arange(mb, dtype=torch.int32, device=scores.device).expand(batch, hkv, mb)
+    out.scatter_(-1, torch.where(keep, pos, cap).clamp_max(cap), blocks)  # column cap: the dropped
+    out[..., cap] = -1
+    return out[..., :cap]
+
+
+def select_blocks_ref(scores: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor,
+                      counter: torch.Tensor, stats: torch.Tensor, streaming: torch.Tensor, *, block_size: int,
+                      cap: int, sink: int, local: int, reuse: int = 1, short_dense: bool = True,
+                      top_p: float | None = None) -> None:
+    """Writes the new lists into sel [S, Hkv, cap] at the rows' state slots, for the (slot, KV head)
+    pairs due a recomputation (every step without reuse); counter [S, Hkv] counts decode steps;
+    stats [2] (int64) accumulates (blocks selected, selections). Padding rows (seq_len 0) and rows of slot -1
+    change nothing."""
+    rows = (seq_lens > 0) & (slots >= 0)  # slot -1 (lagged selection: a reused step) selects nothing
+    lists = select_ref(scores[rows], seq_lens[rows], streaming, block_size=block_size, cap=cap, sink=sink,
+                       local=local, short_dense=short_dense, top_p=top_p)
+    slots = slots[rows].long()
+    # without reuse every row (lagged selection's slots then index two list rows a slot: no counter row)
+    due = counter[slots] % reuse == 0 if reuse > 1 else torch.ones_like(lists[..., 0], dtype=torch.bool)
+    sel[slots] = torch.where(due[..., None], lists, sel[slots])
+    if reuse > 1:
+        counter[slots] += 1
+    stats[0] += ((lists >= 0).sum(-1) * due).sum()
+    stats[1] += due.sum()
+
+
+def score_and_select_ref(q: torch.Tensor, codes: torch.Tensor, page_scale: torch.Tensor, block_tables: torch.Tensor,
+                         seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor,
+                         stats: torch.Tensor, streaming: torch.Tensor, *, max_blocks: int, scale: float,
+                         block_size: int, cap: int, sink: int, local: int, reuse: int = 1, short_dense: bool = True,
+                         top_p: float | None = None) -> None:
+    """Scores then selects for the decode rows q [B, Hq, D] into sel (select_blocks_ref); max_blocks: a
+    host-side bound of the contexts in blocks."""
+    scores = block_scores_ref(q, codes, page_scale, block_tables, seq_lens, max_blocks, block_size, scale)
+    select_blocks_ref(scores, seq_lens, slots, sel, counter, stats, streaming, block_size=block_size, cap=cap,
+                      sink=sink, local=local, reuse=reuse, short_dense=short_dense, top_p=top_p)
+
+
+def step_slots_ref(seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int, reuse: int, num_slots: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lagged selection: where a step's rows read and write their lists. Slot x keeps two lists, in rows x and
+    x + num_slots of the selection buffer, so the attention reads one while the next is written beside it.
+    A selection made at a context of s tokens (from the query of token s - 1) goes to row
+    x + num_slots * ((s // R + 1) % 2); a decode at context s reads the row of the latest selection made at a
+    context below s: x + num_slots * (((s - 1) // R + 1) % 2). Decodes select at contexts that are multiples of
+    R (reuse); prefill chunks at their end, every chunk, so a request's first decode attends the list of its
+    last prompt token. Returns (read, write) int32 [B]; write -1: no selection (or a padding row)."""
+    s = seq_lens.long()
+    read = slots.long() + num_slots * (torch.div(s - 1, reuse, rounding_mode="floor") + 1).remainder(2)
+    decode = torch.arange(s.numel(), device=s.device) < num_decodes
+    due = (s > 0) & (~decode | (s % reuse == 0))
+    write = torch.where(due, slots.long() + num_slots * ((s // reuse + 1) % 2), -1)
+    return read.to(torch.int32), write.to(torch.int32)
+
+
+# ---- dispatchers ----------------------------------------------------------------------------------------
+
+
+def score_and_select(q: torch.Tensor, codes: torch.Tensor, page_scale: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor,
+                     stats: torch.Tensor, streaming: torch.Tensor, **kw) -> None:
+    """score_and_select_ref's contract."""
+    if q.shape[0] == 0:
         return
-    meta_slots = slot_mapping if meta_slots is None else meta_slots
-    pdl = use_pdl(kv_cache.device)
-    _store_kv_key_meta_kernel[(num_tokens, hkv)](
-        k, v, kv_cache, codes, scale, slot_mapping, meta_slots, num_tokens,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        codes.stride(0), codes.stride(1), codes.stride(2), scale.stride(0), scale.stride(1),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGE=page_size, BLOCK_D=triton.next_power_of_2(head_dim),
-        AMAX_FLOOR=AMAX_FLOOR, num_warps=1, PDL=pdl, launch_pdl=pdl)
+    fn = score_and_select_triton if use_triton(q) else score_and_select_ref
+    fn(q, codes, page_scale, block_tables, seq_lens, slots, sel, counter, stats, streaming, **kw)
+
+
+def step_slots(seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int, reuse: int, num_slots: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """step_slots_ref's contract."""
+    fn = step_slots_triton if use_triton(seq_lens) else step_slots_ref
+    return fn(seq_lens, slots, num_decodes, reuse, num_slots)
+
+
+# ---- Triton ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -194,7 +271,7 @@ def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, st
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr, SINK: tl.constexpr,
                    LOCAL: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, MASS: tl.constexpr,
                    WAYS: tl.constexpr, NB_PAD: tl.constexpr, HEADS: tl.constexpr, PDL: tl.constexpr):
-    """Program (sequence, KV head): the selection list (reference: select_ref / update_selection_ref).
+    """Program (sequence, KV head): the selection list (reference: select_blocks_ref).
 
     Without a sort: a search over the bit patterns of the (non-negative float) block masses, which
     order like the masses, finds the largest threshold t at which the candidates >= t number at least
@@ -298,13 +375,13 @@ def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, st
     tl.atomic_add(stats_ptr + 1, 1)
 
 
-def block_scores(q: torch.Tensor, key_meta: KeyMeta, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 slots: torch.Tensor, counter: torch.Tensor, p: SelectionParams, max_blocks: int,
-                 scale: float, config: ScoreConfig | None = None) -> torch.Tensor:
-    """float32 [B, Hq, max_blocks] (Triton twin of block_scores_ref), written only where selection
-    reads it: rows with more than cap blocks that recompute this step, blocks inside the context."""
+def block_scores_triton(q: torch.Tensor, codes: torch.Tensor, page_scale: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, slots: torch.Tensor, counter: torch.Tensor, *, max_blocks: int,
+                        block_size: int, cap: int, reuse: int, short_dense: bool, scale: float,
+                        config: ScoreConfig | None = None) -> torch.Tensor:
+    """float32 [B, Hq, max_blocks] (block_scores_ref), written only where selection reads it: rows with
+    more than cap blocks that recompute this step, blocks inside the context."""
     batch, num_q_heads, head_dim = q.shape
-    codes, page_scale = key_meta.codes, key_meta.scale
     _, hkv, _, pages, _ = codes.shape
     assert counter.stride(1) == 1 and codes.stride(-1) == 1 and codes.stride(-2) == head_dim
     assert page_scale.stride(-1) == 1
@@ -318,50 +395,52 @@ def block_scores(q: torch.Tensor, key_meta: KeyMeta, block_tables: torch.Tensor,
         q, codes, page_scale, block_tables, seq_lens, slots, counter, scores, scale,
         q.stride(0), q.stride(1), codes.stride(0), codes.stride(1), codes.stride(2),
         page_scale.stride(0), page_scale.stride(1), block_tables.stride(0), counter.stride(0), max_blocks, per_split,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=p.block_size, PAGES=pages, CAP=p.cap, REUSE=p.reuse,
-        SHORT_DENSE=p.short_dense, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGES=pages, CAP=cap, REUSE=reuse,
+        SHORT_DENSE=short_dense, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_STAGES=config.num_stages, num_warps=config.num_warps, PDL=pdl, launch_pdl=pdl)
     return scores
 
 
-def select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor,
-                  counter: torch.Tensor, stats: torch.Tensor, streaming: torch.Tensor, p: SelectionParams,
-                  config: SelectConfig | None = None) -> None:
-    """Triton twin of update_selection_ref: new lists into sel [S, Hkv, cap] at the rows' slots."""
+def select_blocks_triton(scores: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor,
+                         counter: torch.Tensor, stats: torch.Tensor, streaming: torch.Tensor, *, block_size: int,
+                         cap: int, sink: int, local: int, reuse: int = 1, short_dense: bool = True,
+                         top_p: float | None = None, config: SelectConfig | None = None) -> None:
+    """select_blocks_ref's contract: new lists into sel [S, Hkv, cap] at the rows' slots."""
     config = config or SelectConfig()
     batch, num_q_heads, max_blocks = scores.shape
     hkv = sel.shape[1]
     if max_blocks > MAX_SELECT_BLOCKS:
         raise ValueError(f"sparse selection handles up to {MAX_SELECT_BLOCKS} blocks per sequence, got "
                          f"{max_blocks}: raise block_size or lower max_model_len")
-    assert sel.shape[-1] == p.cap and sel.stride(2) == 1 and counter.stride(1) == 1
-    nb_pad = max(triton.next_power_of_2(max_blocks), triton.next_power_of_2(p.cap), 16)
+    assert sel.shape[-1] == cap and sel.stride(2) == 1 and counter.stride(1) == 1
+    nb_pad = max(triton.next_power_of_2(max_blocks), triton.next_power_of_2(cap), 16)
     pdl = use_pdl(scores.device)
     _select_kernel[(batch, hkv)](
-        scores, seq_lens, slots, sel, counter, stats, streaming.view(torch.uint8), p.mass_target, max_blocks,
+        scores, seq_lens, slots, sel, counter, stats, streaming.view(torch.uint8), mass_target(top_p), max_blocks,
         sel.stride(0), counter.stride(0),
-        GROUP=num_q_heads // hkv, BLOCK_SIZE=p.block_size, CAP=p.cap, SINK=p.sink, LOCAL=p.local,
-        REUSE=p.reuse, SHORT_DENSE=p.short_dense, MASS=p.policy == "topp", WAYS=config.ways, NB_PAD=nb_pad,
+        GROUP=num_q_heads // hkv, BLOCK_SIZE=block_size, CAP=cap, SINK=sink, LOCAL=local,
+        REUSE=reuse, SHORT_DENSE=short_dense, MASS=top_p is not None, WAYS=config.ways, NB_PAD=nb_pad,
         HEADS=min(triton.next_power_of_2(num_q_heads // hkv), max(1, 16384 // nb_pad)),
         num_warps=config.num_warps or min(16, max(4, nb_pad // 512)), PDL=pdl, launch_pdl=pdl)
 
 
-def score_and_select(q: torch.Tensor, key_meta: KeyMeta, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor,
-                     streaming: torch.Tensor, p: SelectionParams, max_blocks: int, scale: float) -> None:
-    """Scores then selects for the decode rows q [B, Hq, D]; max_blocks: host-side bound of the context."""
-    if q.shape[0] == 0:
-        return
-    scores = block_scores(q, key_meta, block_tables, seq_lens, slots, counter, p, max_blocks, scale)
-    select_blocks(scores, seq_lens, slots, sel, counter, stats, streaming, p)
+def score_and_select_triton(q: torch.Tensor, codes: torch.Tensor, page_scale: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor,
+                            counter: torch.Tensor, stats: torch.Tensor, streaming: torch.Tensor, *, max_blocks: int,
+                            scale: float, block_size: int, cap: int, sink: int, local: int, reuse: int = 1,
+                            short_dense: bool = True, top_p: float | None = None) -> None:
+    scores = block_scores_triton(q, codes, page_scale, block_tables, seq_lens, slots, counter, max_blocks=max_blocks,
+                                 block_size=block_size, cap=cap, reuse=reuse, short_dense=short_dense, scale=scale)
+    select_blocks_triton(scores, seq_lens, slots, sel, counter, stats, streaming, block_size=block_size, cap=cap,
+                         sink=sink, local=local, reuse=reuse, short_dense=short_dense, top_p=top_p)
 
 
 @triton.jit
 def _step_slots_kernel(seq_lens_ptr, slots_ptr, read_ptr, write_ptr, batch, num_decodes, reuse, num_slots,
                        BLOCK: tl.constexpr):
-    """sparse_lag=1: the selection-buffer rows each sequence reads and writes this step (step_slots_ref)."""
+    """Lagged selection: the selection-buffer rows each sequence reads and writes this step (step_slots_ref)."""
     i = tl.arange(0, BLOCK)
     m = i < batch
     s = tl.load(seq_lens_ptr + i, mask=m, other=0)
@@ -372,9 +451,9 @@ def _step_slots_kernel(seq_lens_ptr, slots_ptr, read_ptr, write_ptr, batch, num_
     tl.store(write_ptr + i, tl.where(due, x + num_slots * ((s // reuse + 1) % 2), -1), mask=m)
 
 
-def step_slots(seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int, reuse: int, num_slots: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of step_slots_ref: (read, write) int32 [B], one launch a step."""
+def step_slots_triton(seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int, reuse: int, num_slots: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """step_slots_ref's contract, one launch a step."""
     batch = seq_lens.numel()
     read = torch.empty(batch, dtype=torch.int32, device=seq_lens.device)
     write = torch.empty_like(read)

@@ -2,13 +2,13 @@
 store into their HBM pool slots. The host store is pinned, so on a GPU the kernel reads it directly over
 UVA; one program copies one head block (K and V of block_size tokens, contiguous in both layouts).
 Requests that load nothing (hits, bypass reads, padding: load < 0) return at once, so the grid has the
-fixed size of the layer's requests (capturable). Reference: kvcache/pool.py HBMPool.gather_ref.
+fixed size of the layer's requests (capturable).
 
 write_through_blocks is the other direction for the blocks that decode tokens complete (capturable, one
 program per token; only block-ending tokens copy): the device cache's head blocks of that token block
 are stored straight into the pinned host store over UVA. Decode fills few blocks per step, and a step
 captured in a CUDA graph cannot hand work to host threads, so this, not FlashD2H (kvcache/host.py), is
-the decode path. Reference: kvcache/host.py HostKVStore.write_through_ref.
+the decode path.
 
 Both kernels pass their tests on an H200 and under the Triton interpreter; FlashH2D's bandwidth:
 BENCHMARKS.md (python -m sparseserve.bench.offload --transfers).
@@ -16,8 +16,43 @@ BENCHMARKS.md (python -m sparseserve.bench.offload --transfers).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from sparseserve.kernels.dispatch import tl, triton, use_triton
+
+
+def flash_h2d_ref(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, load: torch.Tensor) -> None:
+    """slots[load[i]] = host_flat[key[i]] for every i with load[i] >= 0.
+
+    host_flat: [R, 2, bs, D] (pinned on a GPU host); slots: [S, 2, bs, D] on the device; key, load: int64 [N]."""
+    todo = load >= 0
+    slots[load[todo]] = host_flat[key[todo].to(host_flat.device)].to(slots.device)
+
+
+def flash_h2d(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, load: torch.Tensor) -> None:
+    """flash_h2d_ref's contract."""
+    (flash_h2d_triton if use_triton(slots) else flash_h2d_ref)(host_flat, slots, key, load)
+
+
+def write_through_ref(kv_cache: torch.Tensor, host_layer: torch.Tensor, slot_mapping: torch.Tensor,
+                      host_blocks: torch.Tensor | None = None) -> None:
+    """host_layer[dst] = kv_cache[blk] for every token block blk that a token of slot_mapping completes (the
+    token at offset block_size - 1 was written); dst = host_blocks[i] of that token (default: blk).
+
+    kv_cache: one layer [NB, Hkv, 2, bs, D]; host_layer: the store's layer [R + 1, Hkv, 2, bs, D], whose last
+    row takes the tokens that complete nothing (fixed shapes)."""
+    if slot_mapping.numel() == 0:
+        return
+    bs, trash = kv_cache.shape[3], host_layer.shape[0] - 1
+    ends = (slot_mapping >= 0) & ((slot_mapping + 1) % bs == 0)
+    src = kv_cache[torch.where(ends, slot_mapping // bs, 0)]
+    dst = torch.where(ends, slot_mapping // bs if host_blocks is None else host_blocks, trash)
+    host_layer[dst.to(host_layer.device)] = src.to(host_layer.device)
+
+
+def write_through(kv_cache: torch.Tensor, host_layer: torch.Tensor, slot_mapping: torch.Tensor,
+                  host_blocks: torch.Tensor | None = None) -> None:
+    """write_through_ref's contract."""
+    (write_through_triton if use_triton(kv_cache) else write_through_ref)(kv_cache, host_layer, slot_mapping,
+                                                                            host_blocks)
 
 
 @triton.jit
@@ -35,11 +70,8 @@ def _flash_h2d_kernel(host_ptr, slots_ptr, key_ptr, load_ptr, ELEMS: tl.constexp
             tl.store(dst_base + idx, tl.load(src_base + idx, mask=m), mask=m)
 
 
-def flash_h2d(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, load: torch.Tensor,
-              chunk: int = 4096, num_warps: int = 4) -> None:
-    """slots[load[i]] = host_flat[key[i]] for every i with load[i] >= 0.
-
-    host_flat: [R, 2, bs, D] (pinned on a GPU host); slots: [S, 2, bs, D] on the device; key, load: int64 [N]."""
+def flash_h2d_triton(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, load: torch.Tensor,
+                     chunk: int = 4096, num_warps: int = 4) -> None:
     assert host_flat.is_contiguous() and slots.is_contiguous() and host_flat.shape[1:] == slots.shape[1:]
     assert host_flat.dtype == slots.dtype
     n = key.numel()
@@ -68,12 +100,8 @@ def _write_through_kernel(cache_ptr, host_ptr, slot_ptr, dst_ptr, BLOCK_SIZE: tl
             tl.store(host_ptr + dst * ELEMS + idx, tl.load(cache_ptr + blk * ELEMS + idx, mask=m), mask=m)
 
 
-def write_through_blocks(kv_cache: torch.Tensor, host_layer: torch.Tensor, slot_mapping: torch.Tensor,
+def write_through_triton(kv_cache: torch.Tensor, host_layer: torch.Tensor, slot_mapping: torch.Tensor,
                          host_blocks: torch.Tensor | None = None) -> None:
-    """host_layer[dst] = kv_cache[blk] for every token block blk that a token of slot_mapping completes;
-    dst = host_blocks[i] of that token (default: blk).
-
-    kv_cache: one layer [NB, Hkv, 2, bs, D]; host_layer: the store's layer [R + 1, Hkv, 2, bs, D] (pinned)."""
     assert kv_cache.is_contiguous() and host_layer.is_contiguous() and kv_cache.dtype == host_layer.dtype
     assert kv_cache.shape[1:] == host_layer.shape[1:]
     t = slot_mapping.numel()

@@ -12,8 +12,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+from sparseserve.kernels.dispatch import tl, triton, use_triton
 
 LOG2E = 1.4426950408889634
 
@@ -158,7 +157,7 @@ class DecodeConfig:
     """Launch parameters; `target_programs` sets the number of splits (programs = B * Hkv * splits).
 
     Defaults: the best of a sweep at B=8, 32K context, 32/8 heads, D=128, bf16 on an H200
-    (BENCH_KERNELS_NOTES.md). Several waves of programs keep the last, partly filled wave cheap.
+    (docs/kernels.md). Several waves of programs keep the last, partly filled wave cheap.
     """
     tile_n: int = 128
     target_programs: int = 0  # 0: 8 per multiprocessor
@@ -187,10 +186,54 @@ def split_plan(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.de
     return split_size, max(1, triton.cdiv(max_seq_len, split_size))
 
 
+def sequence_kv(kv_cache: torch.Tensor, table_row: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence's first `length` tokens, float32 [Hkv, length, D] each, from one layer's paged
+    cache [NB, Hkv, 2, bs, D] through its block table row (the references' gather)."""
+    _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    nb = -(-length // block_size)
+    kv = kv_cache[table_row[:nb].long()].float()  # [nb, Hkv, 2, bs, D]
+    kv = kv.permute(2, 1, 0, 3, 4).reshape(2, num_kv_heads, nb * block_size, head_dim)[:, :, :length]
+    return kv[0], kv[1]
+
+
+def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+               ) -> torch.Tensor:
+    """Causal attention in float32 of queries q [n, Hq, D] at `positions` [n] over k, v [Hkv, L, D] (query
+    head h reads KV head h // group, as transformers' repeat_kv); returns float32 [n, Hq, D]."""
+    n, num_q_heads, head_dim = q.shape
+    num_kv_heads, length, _ = k.shape
+    qg = q.float().view(n, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    s = torch.einsum("nhgd,hkd->nhgk", qg, k) * scale
+    visible = torch.arange(length, device=q.device)[None, :] <= positions[:, None]  # [n, L]
+    probs = torch.softmax(s.masked_fill(~visible[:, None, None], float("-inf")), -1).nan_to_num(0.0)
+    return torch.einsum("nhgk,hkd->nhgd", probs, v).reshape(n, num_q_heads, head_dim)
+
+
+def paged_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float, max_seq_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, Hq, D], one query per sequence at position seq_lens[b] - 1; returns (or fills) out [B, Hq, D].
+    One sequence at a time over its own context (no padding to the longest); rows of length 0 give zeros."""
+    out = torch.empty_like(q) if out is None else out
+    for b, length in enumerate(seq_lens.tolist()):
+        if length <= 0:
+            out[b] = 0
+            continue
+        k, v = sequence_kv(kv_cache, block_tables[b], length)
+        pos = torch.full((1,), length - 1, device=q.device)
+        out[b] = attend_ref(q[b:b + 1], k, v, pos, scale)[0].to(out.dtype)
+    return out
+
+
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 scale: float, max_seq_len: int, out: torch.Tensor | None = None,
-                 config: DecodeConfig | None = None) -> torch.Tensor:
-    """q: [B, Hq, D], one query per sequence at position seq_lens[b] - 1; returns (or fills) out [B, Hq, D]."""
+                 scale: float, max_seq_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_decode_ref's contract."""
+    fn = paged_decode_triton if use_triton(q) else paged_decode_ref
+    return fn(q, kv_cache, block_tables, seq_lens, scale, max_seq_len, out)
+
+
+def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        scale: float, max_seq_len: int, out: torch.Tensor | None = None,
+                        config: DecodeConfig | None = None) -> torch.Tensor:
     batch, num_q_heads, head_dim = q.shape
     config = config or default_decode_config(q.dtype, head_dim)
     _, num_kv_heads, _, block_size, _ = kv_cache.shape

@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+from sparseserve.kernels.dispatch import tl, triton, use_triton
 
-from sparseserve.kernels.paged_decode import LOG2E, attend_tile
+from sparseserve.kernels.paged_decode import LOG2E, attend_ref, attend_tile, sequence_kv
 
 
 @triton.jit
@@ -71,7 +70,7 @@ def _prefill_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
 class PrefillConfig:
     """Rows per program (query tokens x GQA group), key tile, and the launch shape.
 
-    Defaults: among the best of a sweep on an 8K bf16 chunk, D=128, on an H200 (BENCH_KERNELS_NOTES.md).
+    Defaults: among the best of a sweep on an 8K bf16 chunk, D=128, on an H200 (docs/kernels.md).
     """
     block_m: int = 128
     block_n: int = 32
@@ -85,14 +84,49 @@ def default_prefill_config(dtype: torch.dtype, head_dim: int) -> PrefillConfig:
     return PrefillConfig()
 
 
-def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                  query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                  out: torch.Tensor | None = None, config: PrefillConfig | None = None) -> torch.Tensor:
+# The references' float32 scores of one query chunk stay near 64 MB however long the context.
+_REF_SCORE_ELEMENTS = 1 << 24
+
+
+def paged_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged attention for the sequences of query_start_loc (absolute token offsets into q).
 
     q: [T, Hq, D]; block_tables/seq_lens: one row per sequence, query_start_loc one more entry;
-    fills out[query tokens] (only those rows are written) and returns out.
+    fills out[query tokens] (only those rows are written) and returns out. The reference runs one sequence
+    at a time (no padding across sequences) in query chunks whose keys end at the chunk's last position, so
+    its cost is each sequence's own causal work and its memory is bounded.
     """
+    out = torch.empty_like(q) if out is None else out
+    num_q_heads = q.shape[1]
+    starts = query_start_loc.tolist()
+    for b, length in enumerate(seq_lens.tolist()):
+        q0, q1 = starts[b], starts[b + 1]
+        if q1 <= q0 or length <= 0:
+            continue
+        k, v = sequence_kv(kv_cache, block_tables[b], length)
+        first = length - (q1 - q0)  # position of the chunk's first query
+        chunk = max(1, _REF_SCORE_ELEMENTS // (num_q_heads * length))
+        for c0 in range(q0, q1, chunk):
+            c1 = min(c0 + chunk, q1)
+            pos = torch.arange(first + c0 - q0, first + c1 - q0, device=q.device)
+            end = first + c1 - q0  # keys past the chunk's last query are never visible
+            out[c0:c1] = attend_ref(q[c0:c1], k[:, :end], v[:, :end], pos, scale).to(out.dtype)
+    return out
+
+
+def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_prefill_ref's contract."""
+    fn = paged_prefill_triton if use_triton(q) else paged_prefill_ref
+    return fn(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, out)
+
+
+def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                         query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                         out: torch.Tensor | None = None, config: PrefillConfig | None = None) -> torch.Tensor:
     num_q_heads, head_dim = q.shape[1:]
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     assert num_q_heads % num_kv_heads == 0 and kv_cache.shape[4] == head_dim

@@ -2,9 +2,8 @@
 
 A sparse decode layer runs several short kernels back to back (the K/V store with the metadata update,
 scoring, selection, sparse attention and its merge), and every layer the small ops (kernels/small_ops.py).
-Launched with PDL, a kernel's programs may start while its predecessor finishes (on an H200 the 8B decode step
-at batch 4 / 128K went 7.31 -> 7.21 ms with the sparse kernels, 6.92 -> 6.85 ms with the small ops:
-SPARSE_NOTES.md).
+Launched with PDL, a kernel's programs may start while its predecessor finishes (measured in
+docs/sparse.md: about 1.5% of an 8B decode step).
 `pdl_wait` blocks until the predecessor completed and its writes are visible; then the kernel lets its own
 successor launch early. So when a kernel starts, every launch before its predecessor has completed (the
 predecessor waited for them before letting it launch), and only the predecessor may still be running.
@@ -21,9 +20,10 @@ import functools
 import os
 
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from sparseserve.kernels.dispatch import HAS_TRITON, tl, triton
+
+if HAS_TRITON:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # SPARSESERVE_PDL=0 turns it off (benchmarks compare; a driver without PDL in graphs).
 ENABLED = os.environ.get("SPARSESERVE_PDL", "1") != "0"

@@ -2,17 +2,16 @@
 
 At decode batch sizes each of these is a handful of tiny torch kernels whose launches, not bytes,
 cost time (about 2 ms of a 15 ms Llama-8B decode step at batch 32, measured by
-scripts/profile_decode.py); one program per token row does each in a single pass. Torch references:
-layers/norm.py RMSNorm._norm, layers/rotary.py apply_rotary, layers/activation.py silu_and_mul.
-Arithmetic is float32 with one rounding at the end (the references round between ops, so bf16
+scripts/profile_decode.py); one program per token row does each in a single pass. The torch references
+(`*_ref`) compute as transformers does. Arithmetic is float32 with one rounding at the end (the references
+round between ops, so bf16
 results can differ in the last bit). Launched with programmatic dependent launch (kernels/pdl.py) where
 the GPU has it, so a launch overlaps its predecessor's tail.
 """
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from sparseserve.kernels.dispatch import tl, triton, use_triton
 
 from sparseserve.kernels.pdl import pdl_wait, use_pdl
 
@@ -37,8 +36,30 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps
     tl.store(out_ptr + row * n_cols + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalised in float32, rounded to x's dtype before the weight."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """RMSNorm(x) or, with a residual, (RMSNorm(x + residual), x + residual)."""
+    if residual is None:
+        return rmsnorm_ref(x, weight, eps)
+    x = x + residual
+    return rmsnorm_ref(x, weight, eps), x
+
+
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """RMSNorm(x) or, with a residual, (RMSNorm(x + residual), x + residual). x: [..., H] contiguous."""
+    """add_rmsnorm_ref's contract."""
+    if use_triton(x):
+        return add_rmsnorm_triton(x.contiguous(), residual, weight, eps)
+    return add_rmsnorm_ref(x, residual, weight, eps)
+
+
+def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """x: [..., H] contiguous."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     out = torch.empty_like(x2)
@@ -80,7 +101,23 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, stride_
         tl.store(dst + obase + HALF, (x2 * c + x1 * s).to(dst.dtype.element_ty), mask=m)
 
 
+def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated in halves (transformers' rotate_half convention); cos, sin [T, 1, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [T, Hq, D] and k [T, Hkv, D] rotated; returns new q, k."""
+    return apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
+
+
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """rotary_ref's contract (q and k of a token in one kernel on the GPU)."""
+    return (rotary_triton if use_triton(q) else rotary_ref)(q, k, cos, sin)
+
+
+def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q [T, Hq, D], k [T, Hkv, D] (views with unit last stride); cos, sin [T, 1, D/2]. Returns new q, k."""
     num_tokens, num_q, head_dim = q.shape
     num_k = k.shape[1]
@@ -108,7 +145,18 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constex
     tl.store(out_ptr + row * n + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2n] = [gate | up] (the packed gate_up projection) -> silu(gate) * up, [..., n]."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul_ref's contract."""
+    return (silu_and_mul_triton if use_triton(x) else silu_and_mul_ref)(x)
+
+
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2n] = [gate | up] -> silu(gate) * up, [T, n]."""
     n = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * n)

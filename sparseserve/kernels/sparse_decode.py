@@ -7,7 +7,11 @@ cap + local entries over programs (sequence, KV head, split); each loads a tile 
 and serves all query heads of the group with it, and writes a partial output and its log-sum-exp.
 Kernel 2 merges the splits. Entries that are padding (adaptive budgets) or inside the window are
 masked off, so they load no K/V. On Hopper without offload a twin of kernel 1 gathers the blocks with TMA
-(`_sparse_split_tma_kernel`, TMA_CONFIG). Reference: attention/sparse.py sparse_decode_ref.
+(`_sparse_split_tma_kernel`, TMA_CONFIG).
+
+Under KV offload (`offload` = (pool slots [N, 2, bs, D], host store rows [R, 2, bs, D], loc, key: int64
+[B, Hkv, cap])) the listed blocks before the local window are read from HBM pool slot `loc`, or straight from
+the pinned host row `key` over UVA where loc < 0 (a bypass read); the window still comes from kv_cache.
 """
 from __future__ import annotations
 
@@ -16,13 +20,121 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+from sparseserve.kernels.dispatch import tl, triton, use_triton
 
 from sparseserve.kernels.paged_decode import softmax_update
 from sparseserve.kernels.pdl import pdl_wait, use_pdl
 
 LOG2E = 1.4426950408889634
+
+
+# ---- references -----------------------------------------------------------------------------------------
+
+
+def listed_rows(sel_rows: torch.Tensor, seq_lens: torch.Tensor, local: int, block_size: int) -> torch.Tensor:
+    """bool [B, Hkv, cap]: list entries the kernel attends outside the local window (full blocks)."""
+    nb = (seq_lens.long() + block_size - 1) // block_size
+    return (sel_rows >= 0) & (sel_rows < (nb - local).clamp_min(0)[:, None, None])
+
+
+def attended_blocks(sel_rows: torch.Tensor, seq_lens: torch.Tensor, local: int, block_size: int,
+                    max_blocks: int) -> torch.Tensor:
+    """bool [B, Hkv, MB]: the blocks the sparse kernel attends, from the lists sel_rows [B, Hkv, cap]:
+    listed blocks before the current local window, plus that window (it moves as tokens arrive)."""
+    nb = (seq_lens.long() + block_size - 1) // block_size
+    local_start = (nb - local).clamp_min(0)
+    j = torch.arange(max_blocks, device=seq_lens.device)[None]
+    window = (j >= local_start[:, None]) & (j < nb[:, None])
+    listed = (sel_rows >= 0) & (sel_rows < local_start[:, None, None])
+    idx = torch.where(listed, sel_rows.long(), max_blocks).clamp_max(max_blocks)
+    mask = torch.zeros(*sel_rows.shape[:2], max_blocks + 1, dtype=torch.bool, device=sel_rows.device)
+    mask.scatter_(-1, idx, True)
+    return mask[..., :max_blocks] | window[:, None]
+
+
+def read_listed_ref(offload: tuple) -> torch.Tensor:
+    """[B, Hkv, cap, 2, bs, D]: each entry's head block from its pool slot loc, or from host row key where
+    loc < 0 (entries that are not listed read something that is masked later)."""
+    pool_slots, host_flat, loc, key = offload
+    from_pool = pool_slots[loc.clamp_min(0)]
+    from_host = host_flat[key.clamp(0, host_flat.shape[0] - 1).to(host_flat.device)].to(pool_slots.device)
+    return torch.where((loc >= 0)[..., None, None, None], from_pool, from_host)
+
+
+def offload_context_ref(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        sel_rows: torch.Tensor, local: int, offload: tuple) -> torch.Tensor:
+    """float32 [B, MB, Hkv, 2, bs, D]: each sequence's context as a decode may read it under offload: the
+    local window from kv_cache (through block_tables), the listed blocks before it through the pool view,
+    zeros elsewhere (no other block may come from the device cache)."""
+    batch, num_kv_heads, _ = sel_rows.shape
+    block_size = kv_cache.shape[3]
+    mb, dev = _max_blocks(seq_lens, block_size), sel_rows.device
+    nb = (seq_lens.long() + block_size - 1) // block_size
+    j = torch.arange(mb, device=dev)[None]
+    window = (j >= (nb - local).clamp_min(0)[:, None]) & (j < nb[:, None])  # [B, MB]
+    kv = kv_cache[block_tables[:, :mb].long()].float()
+    kv = torch.where(window[:, :, None, None, None, None], kv, 0.0)  # no other block from the device cache
+    flat = torch.cat([kv.reshape(-1, *kv.shape[3:]), kv.new_zeros(1, *kv.shape[3:])])  # + a trash row
+    listed = listed_rows(sel_rows, seq_lens, local, block_size)
+    b = torch.arange(batch, device=dev)[:, None, None]
+    h = torch.arange(num_kv_heads, device=dev)[None, :, None]
+    dst = torch.where(listed, (b * mb + sel_rows.long().clamp(0, mb - 1)) * num_kv_heads + h, flat.shape[0] - 1)
+    flat[dst.reshape(-1)] = read_listed_ref(offload).reshape(-1, *kv.shape[3:]).float()
+    return flat[:-1].view_as(kv)
+
+
+def attend_blocks_ref(q: torch.Tensor, kv: torch.Tensor, seq_lens: torch.Tensor, blocks: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Attention of q [B, Hq, D] over the blocks marked in blocks [B, Hkv, MB] of kv [B, MB, Hkv, 2, bs, D]."""
+    batch, num_q_heads, head_dim = q.shape
+    _, mb, num_kv_heads, _, block_size, _ = kv.shape
+    ctx = mb * block_size
+    k = kv[:, :, :, 0].permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, ctx, head_dim)
+    v = kv[:, :, :, 1].permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, ctx, head_dim)
+    in_context = torch.arange(ctx, device=q.device) < seq_lens[:, None]
+    visible = blocks.repeat_interleave(block_size, -1) & in_context[:, None]
+    qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    s = torch.einsum("bhgd,bhkd->bhgk", qg, k) * scale
+    v = v.masked_fill(~visible[..., None], 0.0)  # unwritten cache memory may hold NaN: 0 * NaN is NaN
+    probs = torch.softmax(s.masked_fill(~visible[:, :, None], float("-inf")), -1).nan_to_num(0.0)
+    return torch.einsum("bhgk,bhkd->bhgd", probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+def _max_blocks(seq_lens: torch.Tensor, block_size: int) -> int:
+    return max(1, -(-int(seq_lens.max()) // block_size)) if seq_lens.numel() else 1
+
+
+def sparse_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      sel: torch.Tensor, slots: torch.Tensor, local: int, scale: float, out: torch.Tensor | None = None,
+                      offload: tuple | None = None) -> torch.Tensor:
+    """Attention of decode queries q [B, Hq, D] over the blocks their lists sel[slots] ([S, Hkv, cap], one
+    layer's) name plus the local window, in float32; fills (or returns) out [B, Hq, D]. Under offload the
+    listed blocks come through the pool view (module docstring), with the same arithmetic, so the outputs are
+    bit-identical when the data are."""
+    block_size = kv_cache.shape[3]
+    sel_rows = sel[slots.long()]
+    mb = _max_blocks(seq_lens, block_size)
+    blocks = attended_blocks(sel_rows, seq_lens, local, block_size, mb)  # [B, Hkv, MB]
+    if offload is None:
+        kv = kv_cache[block_tables[:, :mb].long()].float()  # [B, MB, Hkv, 2, bs, D]
+    else:
+        kv = offload_context_ref(kv_cache, block_tables, seq_lens, sel_rows, local, offload)
+    res = attend_blocks_ref(q, kv, seq_lens, blocks, scale)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
+
+
+def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  sel: torch.Tensor, slots: torch.Tensor, local: int, scale: float, out: torch.Tensor | None = None,
+                  offload: tuple | None = None) -> torch.Tensor:
+    """sparse_decode_ref's contract."""
+    fn = sparse_decode_triton if use_triton(q) else sparse_decode_ref
+    return fn(q, kv_cache, block_tables, seq_lens, sel, slots, local, scale, out=out, offload=offload)
+
+
+# ---- Triton ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -77,7 +189,7 @@ def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, s
     e_start = split * entries_per_split
     e_end = tl.minimum(e_start + entries_per_split, CAP + LOCAL)
     # A loop of config.tiles tiles a program (num_stages: Triton's software pipelining of the loop). On an
-    # H200 this is about as fast as one tile a program (SPARSE_NOTES.md, speed): the kernel is not bound
+    # H200 this is about as fast as one tile a program (docs/sparse.md): the kernel is not bound
     # by the list -> block table -> K/V chain of loads alone.
     # No branch on empty tiles: a branch would stop the loop's loads from being pipelined, and masked-off
     # entries (padding, entries inside the window) load nothing anyway.
@@ -129,7 +241,7 @@ def _sparse_split_tma_kernel(q_ptr, kv_desc, table_ptr, seq_lens_ptr, slots_ptr,
     i-th valid entry's block out of registers (a masked sum), so no load of the loop depends on another and the
     pipeliner issues the TMA copies NUM_STAGES - 1 blocks ahead. The loop runs over valid entries only (padding
     and in-window list entries cost nothing). Written to remove the plain kernel's list -> table -> K/V load
-    chain; on an H200 it gains 1-2 us a layer, not more (SPARSE_NOTES.md, fourth session)."""
+    chain; on an H200 it gains 1-2 us a layer, not more (docs/sparse.md)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -199,7 +311,7 @@ class SparseDecodeConfig:
 
 
 # bf16/fp16 (offload too: one load of K and one of V a tile either way): a few tiles a program, 3 stages,
-# the best of the GPU sweeps in SPARSE_NOTES.md. Fewer, longer programs balanced over the multiprocessors
+# the best of the GPU sweeps in docs/sparse.md. Fewer, longer programs balanced over the multiprocessors
 # (2 splits of 9 tiles at batch 8) and smaller tiles (1-2 blocks) were slower.
 FAST_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=4, num_stages=3, tiles=4)
 # Where TMA applies (bf16/fp16 on Hopper, no offload): 16 blocks a program, 2 warps, 3 stages. On an H200 (B=8,
@@ -245,16 +357,11 @@ def split_plan(batch: int, num_kv_heads: int, entries: int, tile_e: int, device:
     return per_split * tile_e, triton.cdiv(tiles, per_split)
 
 
-def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                  sel: torch.Tensor, slots: torch.Tensor, local: int, scale: float, out: torch.Tensor | None = None,
-                  config: SparseDecodeConfig | None = None,
-                  offload: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                  ) -> torch.Tensor:
-    """q: [B, Hq, D]; sel: one layer's lists [S, Hkv, cap]; slots: int32 [B]. Returns (fills) out [B, Hq, D].
-
-    offload (kv_offload): (pool slots [N, 2, bs, D], host store rows [R, 2, bs, D] (pinned: read over UVA),
-    loc, key: int64 [B, Hkv, cap]): listed entries outside the local window read slot loc, or host row key
-    where loc < 0 (bypass); the window still comes from kv_cache. Reference: sparse_decode_offload_ref."""
+def sparse_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                         sel: torch.Tensor, slots: torch.Tensor, local: int, scale: float,
+                         out: torch.Tensor | None = None, offload: tuple | None = None,
+                         config: SparseDecodeConfig | None = None) -> torch.Tensor:
+    """q: [B, Hq, D]; sel: one layer's lists [S, Hkv, cap]; slots: int32 [B]. Returns (fills) out [B, Hq, D]."""
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     cap = sel.shape[-1]

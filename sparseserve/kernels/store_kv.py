@@ -1,9 +1,8 @@
-"""Triton kernel that writes a step's new K/V into the paged cache."""
+"""store_kv: a step's new K/V into the paged cache (one layer [num_blocks, Hkv, 2, block_size, D])."""
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from sparseserve.kernels.dispatch import tl, triton, use_triton
 
 from sparseserve.kernels.pdl import pdl_wait, use_pdl
 
@@ -14,7 +13,7 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
                      stride_cb, stride_ch, stride_ckv,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """One program per token: all KV heads of token t go to slot_mapping[t] (reference: store_kv_ref).
+    """One program per token: all KV heads of token t go to slot_mapping[t].
 
     A slot of -1 (CUDA-graph padding) returns at once, so padded rows touch no memory.
     """
@@ -36,8 +35,23 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
     tl.store(dst + stride_ckv, tl.load(src_v, mask=mask).to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """k, v: [T, Hkv, D] into kv_cache [num_blocks, Hkv, 2, block_size, D] at slot_mapping (-1 skipped)."""
+    block_size = kv_cache.shape[3]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    blk, off = slots // block_size, slots % block_size
+    # Advanced indices separated by a slice put the token dim first: [n, Hkv, D].
+    kv_cache[blk, :, 0, off] = k[valid].to(kv_cache.dtype)
+    kv_cache[blk, :, 1, off] = v[valid].to(kv_cache.dtype)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """store_kv_ref's contract."""
+    (store_kv_triton if use_triton(k) else store_kv_ref)(k, v, kv_cache, slot_mapping)
+
+
+def store_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     num_tokens, num_kv_heads, head_dim = k.shape
     block_size = kv_cache.shape[3]
     assert kv_cache.shape[1] == num_kv_heads and kv_cache.shape[4] == head_dim

@@ -1,31 +1,121 @@
-"""Triton: topp's second stage, Twilight's select-then-prune at block granularity.
+"""topp's second stage: Twilight's select-then-prune at block granularity.
 
-The first stage (kernels/block_score.py with SelectionParams.candidates) fills each due list with the
-forced blocks (sink, local window) and the top candidates by their min/max bounds. Here:
+The first stage (kernels/block_score.py, topk over the key bounds) fills each due list with the forced blocks
+(sink, local window) and the top candidates by their min/max bounds. Here:
 
-  1. _block_lse_kernel, program (sequence, KV head, tile of list entries): for every listed block and
-     query head of the group, the log-sum-exp of scale * q.k over the block's valid tokens (its real,
-     unnormalised attention mass). Reads only K, of at most `cap` blocks.
-  2. _prune_kernel, program (sequence, KV head): per query head the softmax of those lse over the list,
-     averaged over the group; keeps the forced entries and the fewest best candidates that bring the
-     mass to p (a search over the masses' bit patterns, as in block_score.py's selection: no sort),
-     compacts the list in place and takes the dropped entries off the selection counter.
+  1. block lse, program (sequence, KV head, tile of list entries): for every listed block and query head of
+     the group, the log-sum-exp of scale * q.k over the block's valid tokens (its real, unnormalised
+     attention mass). Reads only K, of at most `cap` blocks.
+  2. prune, program (sequence, KV head): per query head the softmax of those lse over the list (sink and
+     local included, so a head whose mass sits there asks for nothing more), averaged over the group
+     (per_head: each head on its own, the union kept); keeps the forced entries and the candidates of mass
+     >= t, for the largest t at which forced + those candidates reach p (the fewest best; ties at t all
+     kept; every candidate when the total stays below p), compacts the list in place and takes the dropped
+     entries off the selection counter. The kernel searches the masses' bit patterns instead of sorting.
 
-Both skip padding rows, rows that fit the cap (all their blocks are forced) and, with reuse, rows
-that keep their list this step, so the grid depends only on shapes: capturable in a CUDA graph.
-References: attention/selection.py block_lse_ref, prune_ref, prune_selection_ref.
+Both skip padding rows, rows that fit the cap (all their blocks are forced) and, with reuse, rows that keep
+their list this step, so the grid depends only on shapes: capturable in a CUDA graph. Under KV offload the
+candidates' keys are read through the HBM pool view (`offload`, as in kernels/sparse_decode.py).
 """
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from sparseserve.kernels.dispatch import tl, triton, use_triton
 from sparseserve.kernels.pdl import pdl_wait, use_pdl
-
-from sparseserve.attention.selection import SelectionParams
+from sparseserve.kernels.sparse_decode import offload_context_ref
 
 MAX_PRUNE_CAP = 4096  # one prune program holds a list in registers
+
+
+def prune_target(top_p: float) -> float:
+    """p = 1 keeps every candidate (no float total can be trusted to reach 1)."""
+    return top_p if top_p < 1.0 else float("inf")
+
+
+# ---- references -----------------------------------------------------------------------------------------
+
+
+def block_lse_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  lists: torch.Tensor, scale: float) -> torch.Tensor:
+    """float32 [B, Hq, cap]: per query head, log-sum-exp of scale * q.k over the valid tokens of each block
+    of lists [B, Hkv, cap] (the block's real attention mass, unnormalised, in log space); -inf for -1
+    entries. kv_cache: one layer [NB, Hkv, 2, bs, D]."""
+    batch, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, _, block_size, _ = kv_cache.shape
+    cap = lists.shape[-1]
+    listed = lists >= 0
+    blocks = block_tables.long().gather(1, lists.clamp_min(0).long().flatten(1)).view_as(lists)
+    heads = torch.arange(num_kv_heads, device=q.device)[None, :, None]
+    keys = kv_cache[blocks, heads, 0].float()  # [B, Hkv, cap, bs, D]
+    qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    s = torch.einsum("bhgd,bhctd->bhgct", qg, keys) * scale
+    token = lists.long()[..., None] * block_size + torch.arange(block_size, device=q.device)
+    valid = listed[..., None] & (token < seq_lens.long()[:, None, None, None])  # [B, Hkv, cap, bs]
+    s = s.masked_fill(~valid[:, :, None], float("-inf"))  # also hides unwritten (maybe NaN) cache memory
+    return torch.logsumexp(s, -1).reshape(batch, num_q_heads, cap)
+
+
+def prune_ref(lse: torch.Tensor, lists: torch.Tensor, seq_lens: torch.Tensor, *, block_size: int, sink: int,
+              local: int, top_p: float, short_dense: bool = True, per_head: bool = False) -> torch.Tensor:
+    """The pruned candidate lists [B, Hkv, cap] (forced blocks and candidates, -1 padded) from the blocks'
+    lse [B, Hq, cap] (module docstring, step 2): the kept entries in list order, then -1."""
+    batch, num_kv_heads, cap = lists.shape
+    listed = lists >= 0
+    logits = lse.view(batch, num_kv_heads, -1, cap).masked_fill(~listed[:, :, None], float("-inf"))
+    mass = torch.softmax(logits, -1).nan_to_num(0.0)  # [B, Hkv, G, cap]; padding rows are all -inf
+    mass = mass if per_head else mass.mean(2, keepdim=True)
+    nb = ((seq_lens.long() + block_size - 1) // block_size)[:, None, None]
+    forced = listed & ((lists < sink) | (lists >= nb - local) | ((nb <= cap) & short_dense))
+    forced, cand = forced[:, :, None], (listed & ~forced)[:, :, None]
+    target = prune_target(top_p)
+    vals = torch.where(cand, mass, -1.0).sort(-1, descending=True).values
+    reach = (mass * forced).sum(-1, keepdim=True) + vals.clamp_min(0).cumsum(-1) >= target
+    first = torch.where(reach & (vals >= 0), torch.arange(cap, device=lists.device), cap).amin(-1, keepdim=True)
+    forced_reach = (mass * forced).sum(-1, keepdim=True) >= target
+    threshold = torch.where(forced_reach, float("inf"),
+                            torch.where(first < cap, vals.gather(-1, first.clamp_max(cap - 1)), 0.0))
+    keep = (forced | (cand & (mass >= threshold))).any(2)
+    out = torch.full((batch, num_kv_heads, cap + 1), -1, dtype=lists.dtype, device=lists.device)
+    out.scatter_(-1, torch.where(keep, keep.cumsum(-1) - 1, cap), lists)  # column cap: the dropped
+    return out[..., :cap]
+
+
+def topp_prune_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor, *, sink: int,
+                   local: int, top_p: float, scale: float, reuse: int = 1, short_dense: bool = True,
+                   per_head: bool = False, offload: tuple | None = None) -> None:
+    """Right after the first stage wrote candidate lists into sel [S, Hkv, cap] for the decode rows q
+    [B, Hq, D]: prunes, in place, the lists recomputed this step (reuse: the first stage has already counted
+    the step, so those are the rows whose counter - 1 is a multiple of R) and takes the dropped entries off
+    stats[0], so the counters report the blocks attended. offload: (pool slots, host rows, loc, key) as for
+    kernels/sparse_decode.py: the listed blocks before the local window are read through them."""
+    block_size = kv_cache.shape[3]
+    slots = slots.long()
+    live = (seq_lens > 0)[:, None].expand(-1, sel.shape[1])
+    due = live & ((counter[slots] - 1) % reuse == 0) if reuse > 1 else live
+    lists = sel[slots]
+    if offload is not None:  # every block a list may keep, as [B * MB] logical blocks
+        ctx = offload_context_ref(kv_cache, block_tables, seq_lens, lists, local, offload)
+        kv_cache = ctx.flatten(0, 1)
+        block_tables = torch.arange(kv_cache.shape[0], device=q.device).view(ctx.shape[:2])
+    lse = block_lse_ref(q, kv_cache, block_tables, seq_lens, lists, scale)
+    pruned = prune_ref(lse, lists, seq_lens, block_size=block_size, sink=sink, local=local, top_p=top_p,
+                       short_dense=short_dense, per_head=per_head)
+    sel[slots] = torch.where(due[..., None], pruned, lists)
+    stats[0] -= (((lists >= 0).sum(-1) - (pruned >= 0).sum(-1)) * due).sum()
+
+
+def topp_prune(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor, **kw) -> None:
+    """topp_prune_ref's contract."""
+    if q.shape[0] == 0:
+        return
+    fn = topp_prune_triton if use_triton(q) else topp_prune_ref
+    fn(q, kv_cache, block_tables, seq_lens, slots, sel, counter, stats, **kw)
+
+
+# ---- Triton ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -165,15 +255,15 @@ def _prune_kernel(lse_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, stats_
     tl.atomic_add(stats_ptr, (count - tl.sum(listed.to(tl.int32), 0)).to(tl.int64))
 
 
-def block_lse(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-              slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor, p: SelectionParams, scale: float,
-              tile_n: int = 128, offload: tuple | None = None) -> torch.Tensor:
-    """float32 [B, Hq, cap]: block_lse_ref of the lists sel[slots], written for the rows that prune.
-    offload: (pool slots, host store rows, loc, key) as for kernels/sparse_decode.py sparse_decode."""
+def block_lse_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor, *, local: int, scale: float,
+                     reuse: int = 1, short_dense: bool = True, tile_n: int = 128, offload: tuple | None = None
+                     ) -> torch.Tensor:
+    """float32 [B, Hq, cap]: block_lse_ref of the lists sel[slots], written for the rows that prune."""
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     cap = sel.shape[-1]
-    assert cap == p.cap and sel.stride(2) == 1 and counter.stride(1) == 1
+    assert sel.stride(2) == 1 and counter.stride(1) == 1
     assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim and q.stride(2) == 1
     group = num_q_heads // num_kv_heads
     lse = torch.empty(batch, num_q_heads, cap, dtype=torch.float32, device=q.device)
@@ -190,15 +280,17 @@ def block_lse(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tenso
         q, kv_cache, block_tables, seq_lens, slots, sel, counter, lse, scale, pool_slots, host_flat, loc, key,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), sel.stride(0),
         counter.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, CAP=cap, REUSE=p.reuse, SHORT_DENSE=p.short_dense,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, CAP=cap, REUSE=reuse, SHORT_DENSE=short_dense,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         TILE_E=tile_e, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", OFFLOAD=offload is not None,
-        LOCAL=p.local, num_warps=4, PDL=pdl, launch_pdl=pdl)
+        LOCAL=local, num_warps=4, PDL=pdl, launch_pdl=pdl)
     return lse
 
 
-def prune_lists(lse: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor,
-                counter: torch.Tensor, stats: torch.Tensor, p: SelectionParams, ways: int = 4) -> None:
+def prune_lists_triton(lse: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor,
+                       counter: torch.Tensor, stats: torch.Tensor, *, block_size: int, sink: int, local: int,
+                       top_p: float, reuse: int = 1, short_dense: bool = True, per_head: bool = False,
+                       ways: int = 4) -> None:
     """Prunes the lists sel[slots] in place from their blocks' lse [B, Hq, cap] (prune_ref); stats[0] loses
     the dropped entries."""
     batch, num_q_heads, cap = lse.shape
@@ -207,21 +299,22 @@ def prune_lists(lse: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, 
         return
     if cap > MAX_PRUNE_CAP:
         raise ValueError(f"topp prunes lists of up to {MAX_PRUNE_CAP} blocks, got {cap}: lower sparse_budget")
-    assert cap == p.cap == sel.shape[-1] and sel.stride(2) == 1 and counter.stride(1) == 1 and lse.is_contiguous()
+    assert cap == sel.shape[-1] and sel.stride(2) == 1 and counter.stride(1) == 1 and lse.is_contiguous()
     group = num_q_heads // num_kv_heads
     pdl = use_pdl(lse.device)
     _prune_kernel[(batch, num_kv_heads)](
-        lse, seq_lens, slots, sel, counter, stats, p.prune_target, sel.stride(0), counter.stride(0),
-        GROUP=group, BLOCK_SIZE=p.block_size, CAP=cap, SINK=p.sink, LOCAL=p.local, REUSE=p.reuse,
-        SHORT_DENSE=p.short_dense, PER_HEAD=p.per_head, BLOCK_G=triton.next_power_of_2(group), CAP_PAD=max(16, triton.next_power_of_2(cap)),
+        lse, seq_lens, slots, sel, counter, stats, prune_target(top_p), sel.stride(0), counter.stride(0),
+        GROUP=group, BLOCK_SIZE=block_size, CAP=cap, SINK=sink, LOCAL=local, REUSE=reuse,
+        SHORT_DENSE=short_dense, PER_HEAD=per_head, BLOCK_G=triton.next_power_of_2(group),
+        CAP_PAD=max(16, triton.next_power_of_2(cap)),
         WAYS=ways, ITERS=-(-31 // (ways.bit_length() - 1)) + 1, num_warps=4, PDL=pdl, launch_pdl=pdl)
 
 
-def topp_prune(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-               slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor,
-               p: SelectionParams, scale: float, offload: tuple | None = None) -> None:
-    """Triton twin of prune_selection_ref: prunes, in place, the candidate lists sel [S, Hkv, cap] that the
-    selection kernel just wrote for the decode rows q [B, Hq, D]. kv_cache: one layer [NB, Hkv, 2, bs, D].
-    offload: the candidates' K read through the HBM pool (block_lse)."""
-    lse = block_lse(q, kv_cache, block_tables, seq_lens, slots, sel, counter, p, scale, offload=offload)
-    prune_lists(lse, seq_lens, slots, sel, counter, stats, p)
+def topp_prune_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor, *, sink: int,
+                      local: int, top_p: float, scale: float, reuse: int = 1, short_dense: bool = True,
+                      per_head: bool = False, offload: tuple | None = None) -> None:
+    lse = block_lse_triton(q, kv_cache, block_tables, seq_lens, slots, sel, counter, local=local, scale=scale,
+                           reuse=reuse, short_dense=short_dense, offload=offload)
+    prune_lists_triton(lse, seq_lens, slots, sel, counter, stats, block_size=kv_cache.shape[3], sink=sink,
+                       local=local, top_p=top_p, reuse=reuse, short_dense=short_dense, per_head=per_head)

@@ -27,6 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from sparseserve.kernels.flash_h2d import write_through
+
 
 def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Page-locked host memory of exactly this size, readable by GPU kernels over UVA. Not pin_memory=True:
@@ -89,7 +91,7 @@ class HostKVStore:
         same ids)."""
         nd = num_decode_tokens
         host_blocks = None if token_slot_mapping is None else token_slot_mapping // self.block_size
-        if self.d2h is None:
+        if self.d2h is None:  # CPU: every token through the same path
             self.write_through(layer, kv_cache, slot_mapping, host_blocks)
             return
         if nd:
@@ -105,27 +107,11 @@ class HostKVStore:
 
     def write_through(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       host_blocks: torch.Tensor | None = None) -> None:
-        """The write-through of one layer's step: the Triton kernel on a GPU, the reference on CPU."""
-        if kv_cache.is_cuda:
-            from sparseserve.kernels.flash_h2d import write_through_blocks
-            write_through_blocks(kv_cache, self.data[layer], slot_mapping, host_blocks)
-            self.blocks_written += ((slot_mapping >= 0) & ((slot_mapping + 1) % self.block_size == 0)).sum()
-        else:
-            self.write_through_ref(layer, kv_cache, slot_mapping, host_blocks)
-
-    def write_through_ref(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                          host_blocks: torch.Tensor | None = None) -> None:
-        """After store_kv of `layer`: copy every token block that this step's tokens complete (the token at
-        offset block_size - 1 was written) from the device cache layer [NB, Hkv, 2, bs, D] to the store
-        row host_blocks[i] (default: the same block id). Fixed shapes ([T] blocks, the rest to the trash
-        row). Reference of write_through_blocks and of FlashD2H."""
-        if slot_mapping.numel() == 0:
-            return
-        bs, trash = self.block_size, self.num_blocks
-        ends = (slot_mapping >= 0) & ((slot_mapping + 1) % bs == 0)
-        src = kv_cache[torch.where(ends, slot_mapping // bs, 0)]
-        dst = torch.where(ends, slot_mapping // bs if host_blocks is None else host_blocks, trash).to(self.data.device)
-        self.data[layer][dst] = src.to(self.data.device)
+        """After store_kv of `layer`: every token block that a token of slot_mapping completes goes from the
+        device cache layer [NB, Hkv, 2, bs, D] to store row host_blocks[i] (default: the same block id), fixed
+        shapes (kernels/flash_h2d.py write_through)."""
+        write_through(kv_cache, self.data[layer], slot_mapping, host_blocks)
+        ends = (slot_mapping >= 0) & ((slot_mapping + 1) % self.block_size == 0)
         self.blocks_written += ends.sum().to(self.blocks_written.device)
 
 

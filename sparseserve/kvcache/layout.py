@@ -1,4 +1,4 @@
-"""kv_offload: how the device KV budget is split (DESIGN.md principle 4: DRAM is the store, HBM the cache).
+"""KV offload: how the device KV budget is split (DESIGN.md principle 4: DRAM is the store, HBM the cache).
 
 Token blocks (the scheduler's allocator) are the host store's rows. On the device:
   - key metadata of EVERY token block (scoring reads it each step; int8 codes and a float32 scale per page:
@@ -49,7 +49,7 @@ class OffloadLayout:
         `default_pool_slots`). kv_layer_block_bytes: K and V of one token block in one layer (every KV head)."""
         dense_layers = min(dense_layers, num_layers)
         if dense_layers == num_layers:
-            raise ValueError(f"kv_offload with sparse_dense_layers={dense_layers} >= the model's {num_layers} "
+            raise ValueError(f"KV offload with sparse_dense_layers={dense_layers} >= the model's {num_layers} "
                              f"layers offloads nothing: lower sparse_dense_layers")
         token_bytes = dense_layers * kv_layer_block_bytes + meta_block_bytes
         device_bytes = (num_layers - dense_layers) * kv_layer_block_bytes
@@ -71,7 +71,7 @@ class OffloadLayout:
                      device_bytes, head_block_bytes)
         if layout.device_blocks < min_device_blocks or layout.pool_slots < 1:
             raise ValueError(
-                f"kv_offload: {layout.describe()}; the device block cache needs at least {min_device_blocks} "
+                f"KV offload: {layout.describe()}; the device block cache needs at least {min_device_blocks} "
                 f"blocks (one max_model_len sequence) and the pool one slot: lower host_kv_memory, "
                 f"hbm_cache_blocks, sparse_dense_layers or max_model_len, or give the KV cache more memory")
         return layout

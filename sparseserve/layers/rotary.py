@@ -43,14 +43,3 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos()[:, None, :].to(dtype), freqs.sin()[:, None, :].to(dtype)
 
 
-def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    if q.is_cuda:  # q and k of a token in one fused kernel
-        from sparseserve.kernels.small_ops import rotary
-        return rotary(q, k, cos, sin)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated in halves (transformers' rotate_half convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -10,9 +10,9 @@ from torch import nn
 import torch.nn.functional as F
 
 from sparseserve.attention.backend import AttentionBackend, AttentionMetadata
-from sparseserve.layers.activation import silu_and_mul
+from sparseserve.kernels.small_ops import rotary, silu_and_mul
 from sparseserve.layers.norm import RMSNorm
-from sparseserve.layers.rotary import RotaryEmbedding, rotate_qk
+from sparseserve.layers.rotary import RotaryEmbedding
 from sparseserve.models.config import ArchConfig
 
 
@@ -38,7 +38,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate_qk(q, k, *rope)
+        q, k = rotary(q, k, *rope)
         o = self.backend.forward(self.layer_idx, q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -104,6 +104,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head.weight).float()

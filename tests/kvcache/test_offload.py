@@ -14,17 +14,19 @@ import pytest
 import torch
 
 from sparseserve import LLM, SamplingParams
-from sparseserve.attention.sparse import sparse_decode_offload_ref, sparse_decode_ref
 from sparseserve.config import EngineConfig
+from sparseserve.engine.request import Sequence
 from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
+from sparseserve.kernels.dispatch import forced
+from sparseserve.kernels.flash_h2d import flash_h2d
+from sparseserve.kernels.sparse_decode import read_listed_ref, sparse_decode_ref
 from sparseserve.kvcache.host import HostKVStore
+from sparseserve.kvcache.layout import GiB, OffloadLayout
+from sparseserve.kvcache.offload import DeviceBlockMap
 from sparseserve.kvcache.pool import HBMPool
 from sparseserve.metrics import ServerMetrics, parse_metrics
-from sparseserve.engine.request import Sequence
-from sparseserve.kvcache.blocks import DeviceBlockMap
-from sparseserve.kvcache.layout import GiB, OffloadLayout
 from tests.kernel_utils import DEVICE
-from tests.schedules import drive_random_schedule, held_blocks
+from tests.schedules import check_pool, drive_random_schedule, held_blocks
 
 BS = 8
 COMMON = dict(device="cpu", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
@@ -64,8 +66,9 @@ def test_host_capacity_bounds_admission(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), **{**COMMON, "max_model_len": 160}, kv_offload=True,
               host_kv_memory=24 * block_bytes + block_bytes // 2, **SPARSE)
     engine = llm.llm_engine
-    assert engine.allocator.num_blocks == 24 == engine.model_runner.num_device_blocks  # never more device blocks
-    assert engine.model_runner.host_kv.data.shape[1] == 25 == engine.model_runner.kv_cache.shape[1]  # + trash
+    offload = engine.model_runner.offload
+    assert engine.allocator.num_blocks == 24 == offload.device_map.num_blocks  # never more device blocks
+    assert offload.host.data.shape[1] == 25 == engine.model_runner.kv_caches[-1].shape[0]  # + trash
     outs = llm.generate(prompts(), GREEDY, use_tqdm=False)  # prompts + outputs need 32 blocks
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
     stats = engine.get_stats()
@@ -73,10 +76,8 @@ def test_host_capacity_bounds_admission(tiny_model_dir):
 
 
 def make_pool(num_slots: int, ways: int, blocks: int = 8, layers: int = 1, hkv: int = 1,
-              use_triton: bool = False) -> HBMPool:
-    """use_triton: the Triton plan (kernels/pool_plan.py; under the interpreter without CUDA)."""
-    device = DEVICE if use_triton else torch.device("cpu")
-    return HBMPool(layers, blocks, hkv, 2, 4, num_slots, torch.float32, device, ways=ways, use_triton=use_triton)
+              device: torch.device = torch.device("cpu")) -> HBMPool:
+    return HBMPool(layers, blocks, hkv, 2, 4, num_slots, torch.float32, device, ways=ways)
 
 
 def test_pool_hand_built_lru():
@@ -99,9 +100,9 @@ def test_pool_hand_built_lru():
     pool.check()
 
 
-@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_pool_random_requests(seed, use_triton):
+def test_pool_random_requests(seed, impl):
     """Random requests of several layers and KV heads: every read returns the host's data, no slot is
     loaded that the step also hits or loads twice, and the residency invariants hold (torch and Triton
     plans)."""
@@ -110,19 +111,20 @@ def test_pool_random_requests(seed, use_triton):
     host = HostKVStore(layers, blocks, hkv, bs, d, torch.float32, pin=False)
     host.data.copy_(torch.randn(host.data.shape, generator=g))
     for slots, ways in ((6, 2), (16, 8), (64, 4)):
-        pool = make_pool(slots, ways, blocks, layers, hkv, use_triton)
+        pool = make_pool(slots, ways, blocks, layers, hkv, DEVICE if impl == "triton" else torch.device("cpu"))
         for step in range(40):
             layer = step % layers
             req = torch.stack([torch.randperm(blocks + 3, generator=g)[:5] - 3 for _ in range(hkv)])  # -1.. padding
             req = req.clamp_min(-1)
             key = pool.keys(layer, req.to(pool.resident.device)).reshape(-1)
-            loc, load = pool.plan(key)
+            with forced(impl):
+                loc, load = pool.plan(key)
+                flash_h2d(host.flat(), pool.slots, key, load)
             need = key != pool.trash_key
             used = loc[loc >= 0]
             assert used.numel() == used.unique().numel()
             assert not ((loc >= 0) & ~need).any() and not ((load >= 0) & (load != loc)).any()
-            pool.gather_ref(host.flat(), key, load)
-            got = pool.read(host.flat(), key, loc)
+            got = read_listed_ref((pool.slots, host.flat(), loc, key))
             assert torch.equal(got[need].cpu(), host.flat()[key[need].cpu()])
             pool.check()
             if step % 7 == 6:
@@ -141,16 +143,26 @@ def test_offload_decode_reference_reads_only_the_window_from_the_device():
     seq_lens = torch.tensor([22, 13, 0], dtype=torch.int32)  # 6, 4 blocks; a padding row
     sel = torch.tensor([[[0, 2, 4, -1], [1, 3, 5, 0]], [[0, 1, 2, 3], [2, -1, -1, -1]], [[-1] * 4] * 2]).int()
     q = torch.randn(b, hq, d)
-    ref = sparse_decode_ref(q, cache, tables, seq_lens, sel, local, 22, d ** -0.5)
+    slots = torch.arange(b)
+    ref = sparse_decode_ref(q, cache, tables, seq_lens, sel, slots, local, d ** -0.5)
     listed_kv = torch.stack(
         [torch.stack([cache[tables[i, sel[i, h].clamp_min(0).long()].long(), h] for h in range(hkv)])
          for i in range(b)])  # [B, Hkv, cap, 2, bs, D]
+    # half the entries from pool slots, half straight from host rows (loc -1)
+    n = listed_kv[:, :, :, 0, 0, 0].numel()
+    loc = torch.arange(n).view(sel.shape)
+    loc[:, :, ::2] = -1
+    key = torch.randperm(n).view(sel.shape)
+    host = torch.zeros(n, 2, bs, d)
+    host[key.flatten()] = listed_kv.reshape(n, 2, bs, d)
+    offload = (listed_kv.reshape(n, 2, bs, d).clone(), host, loc, key)
+    offload[0][loc[loc < 0].new_tensor(list(range(0, n, 2)))] = float("nan")  # slots the bypass entries never read
     poisoned = cache.clone()
     nb = (seq_lens + bs - 1) // bs
     for i in range(b):
         for j in range(max(0, int(nb[i]) - local)):
             poisoned[tables[i, j].long()] = float("nan")
-    out = sparse_decode_offload_ref(q, poisoned, tables, seq_lens, sel, listed_kv, local, 22, d ** -0.5)
+    out = sparse_decode_ref(q, poisoned, tables, seq_lens, sel, slots, local, d ** -0.5, offload=offload)
     assert torch.equal(out, ref)
 
 
@@ -193,10 +205,11 @@ def test_device_block_map_working_set():
     seq.block_table = list(range(100, 104))
     assert dm.can_map(seq, 8) and dm.num_to_allocate(seq, 8) == 2
     dm.map(seq, 8)
-    assert (seq.device_start, len(seq.device_blocks)) == (0, 2)
+    span = lambda: (dm.range_of(seq)[0], len(dm.range_of(seq)[1]))  # noqa: E731
+    assert span() == (0, 2)
     seq.num_computed_tokens = 8
     dm.map(seq, 1)  # token 8 of 13: still a prefill, all blocks
-    assert (seq.device_start, len(seq.device_blocks)) == (0, 3)
+    assert span() == (0, 3)
     seq.num_computed_tokens = 9
     assert dm.num_to_allocate(seq, 4) == 1
     dm.map(seq, 4)
@@ -204,22 +217,22 @@ def test_device_block_map_working_set():
     seq.token_ids.append(7)  # the first decode: window = blocks 2, 3; blocks 0, 1 released
     assert dm.num_to_allocate(seq, 1) == -2
     dm.map(seq, 1)
-    assert (seq.device_start, len(seq.device_blocks)) == (2, 2) and dm.allocator.num_used == 2
+    assert span() == (2, 2) and dm.allocator.num_used == 2
     row = np.zeros(6, dtype=np.int32)  # a row of a wider step table: written in place, its tail untouched
-    seq.fill_device_row(row, trash=8)
+    dm.fill_row(seq, row, len(seq.block_table))
     table = row[:4]
-    assert table[:2].tolist() == [8, 8] and table[2:].tolist() == seq.device_blocks
+    assert table[:2].tolist() == [8, 8] and table[2:].tolist() == dm.range_of(seq)[1]  # 8: the trash row
     assert row.tolist() == table.tolist() + [0, 0]
     for t in range(14, 17):  # token 16 opens block 4: block 2 leaves, net zero
         seq.num_computed_tokens = t
         seq.token_ids.append(7)
         assert dm.num_to_allocate(seq, 1) == 0
         dm.map(seq, 1)
-    assert (seq.device_start, len(seq.device_blocks)) == (3, 2) and dm.allocator.num_used == 2
+    assert span() == (3, 2) and dm.allocator.num_used == 2
     fresh = Sequence(1, "r", 0, list(range(30)), GREEDY)  # 8 blocks: more than the 6 free
     assert not dm.can_admit(fresh, [seq]) and dm.can_admit(Sequence(2, "r", 0, list(range(24)), GREEDY), [seq])
     dm.release(seq)
-    assert dm.allocator.num_used == 0 and seq.device_blocks == []
+    assert dm.allocator.num_used == 0 and dm.range_of(seq) == (0, [])
     dm.allocator.check()
 
 
@@ -234,7 +247,7 @@ def test_device_cache_holds_the_working_set_only(hf_models):
     base = [o.outputs[0].token_ids for o in LLM(str(model_dir), **{**COMMON, **kw}).generate(p, params, use_tqdm=False)]
     llm = LLM(str(model_dir), **{**COMMON, **kw}, kv_offload=True, num_gpu_blocks_override=17)
     engine, runner = llm.llm_engine, llm.llm_engine.model_runner
-    assert runner.kv_cache.shape[1] == 18 and runner.host_kv.data.shape[1] == 4 * 17 + 1  # + trash rows
+    assert runner.kv_caches[-1].shape[0] == 18 and runner.offload.host.data.shape[1] == 4 * 17 + 1  # + trash rows
     for i, prompt in enumerate(p):
         engine.add_request(str(i), prompt, params)
     outs, most, waited = {}, 0, False
@@ -246,22 +259,23 @@ def test_device_cache_holds_the_working_set_only(hf_models):
         if len(running) == 4:
             most = max(most, sum(len(s.block_table) for s in running))
         waited |= bool(engine.scheduler.waiting) and engine.allocator.num_free >= 17
-    assert most > runner.num_device_blocks  # four sequences at once, more blocks than the device cache has
+    assert most > runner.offload.device_map.num_blocks  # four at once, more blocks than the device cache has
     assert waited  # a request waited for device blocks while token blocks were free
     assert [outs[str(i)] for i in range(len(p))] == base
     stats = engine.get_stats()
     assert stats.offload_device_blocks == 17 and stats.offload_device_blocks_used == 0 == stats.num_blocks_used
-    engine.device_map.allocator.check()
+    runner.offload.device_map.allocator.check()
 
 
 @pytest.mark.parametrize("page", [4, 2])
 def test_key_meta_update_rows_by_token_block(page):
-    """kv_offload: keys are read from device blocks, the metadata rows are the token blocks (meta_slots);
+    """KV offload: keys are read from device blocks, the metadata rows are the token blocks (meta_slots);
     the fused Triton store + update kernel (interpreter on CPU) equals the reference, and both equal metadata
     rebuilt from a cache indexed by token block."""
-    from sparseserve.attention.torch_ref import store_kv_ref
-    from sparseserve.kernels.block_score import store_kv_key_meta
-    from sparseserve.kvcache.metadata import allocate_key_meta, quantize_key_meta, rebuild_key_meta, update_key_meta_ref
+    from sparseserve.kernels.key_meta import (quantize_key_meta, rebuild_key_meta, store_kv_key_meta_triton,
+                                              update_key_meta_ref)
+    from sparseserve.kernels.store_kv import store_kv_ref
+    from sparseserve.kvcache.metadata import allocate_key_meta
     torch.manual_seed(2)
     bs, hkv, d, dev_blocks, token_blocks = 4, 2, 8, 3, 6
     cache = torch.randn(dev_blocks, hkv, 2, bs, d, device=DEVICE)
@@ -273,8 +287,8 @@ def test_key_meta_update_rows_by_token_block(page):
     k, v = (torch.randn(len(slots), hkv, d, device=DEVICE) for _ in range(2))
     got = cache.clone()
     store_kv_ref(k, v, cache, slots)
-    update_key_meta_ref(cache, metas[0], slots, page, meta_slots)
-    store_kv_key_meta(k, v, got, metas[1], slots, page, meta_slots)
+    update_key_meta_ref(cache, metas[0].codes, metas[0].scale, slots, page, meta_slots)
+    store_kv_key_meta_triton(k, v, got, metas[1].codes, metas[1].scale, slots, page, meta_slots)
     assert torch.equal(got, cache)
     for got, want in ((metas[1].codes, metas[0].codes), (metas[1].scale, metas[0].scale)):
         assert torch.equal(got[:token_blocks], want[:token_blocks])  # (row token_blocks: trash)
@@ -282,7 +296,7 @@ def test_key_meta_update_rows_by_token_block(page):
     for b, dv in dev_of.items():
         full[b] = cache[dv]
     expect = allocate_key_meta(1, token_blocks, hkv, bs, page, d, torch.device(DEVICE))
-    rebuild_key_meta(full[None], expect, page)
+    rebuild_key_meta(full[None], expect.codes, expect.scale, page)
     got = metas[0]
     assert torch.equal(got.codes[5], expect.codes[0, 5]) and torch.equal(got.scale[5], expect.scale[0, 5])  # full
 
@@ -319,17 +333,18 @@ def test_offload_equals_no_offload(hf_models, policy):
         assert got == base, f"hbm_cache_blocks={slots}, device blocks {device_blocks}"
         runner = llm.llm_engine.model_runner
         dense = policy.get("sparse_dense_layers", 0)
-        assert len(runner.kv_caches) == 2 and runner.kv_cache.shape[0] == 2 - dense
-        if dense:
-            assert runner.dense_kv_cache.shape[1] == llm.llm_engine.allocator.num_blocks
+        num_tokens = llm.llm_engine.allocator.num_blocks
+        assert len(runner.kv_caches) == 2
+        assert [c.shape[0] == num_tokens for c in runner.kv_caches] == [True] * dense + [False] * (2 - dense) \
+            or device_blocks is None  # dense layers: a full-size cache by token block
         if device_blocks is not None:
-            assert runner.kv_cache.shape[1] == device_blocks + 1 < runner.host_kv.data.shape[1]
+            assert runner.kv_caches[-1].shape[0] == device_blocks + 1 < runner.offload.host.data.shape[1]
         engine = llm.llm_engine
-        stats = engine.get_stats()
+        stats = engine.get_stats(sync=True)
         assert stats.offload_layer_steps > 0 and stats.offload_blocks_loaded > 0
         assert stats.num_blocks_used == 0 and stats.offload_host_blocks == engine.allocator.num_blocks
-        engine.model_runner.hbm_pool.check()
-        assert engine.model_runner.host_kv.blocks_written.item() > 0
+        runner.offload.pool.check()
+        assert runner.offload.host.blocks_written.item() > 0
         if slots is None:
             assert stats.offload_hbm_hits > stats.offload_blocks_loaded  # selections repeat across steps
         else:
@@ -355,9 +370,15 @@ def random_schedule(model_dir, seed: int, check: bool, greedy: bool = False, tri
               max_num_batched_tokens=rng.choice([16, 48]), max_num_seqs=4, **{**SPARSE, **kw})
     engine = llm.llm_engine
     results: dict[str, list[list[int]]] = {}
-    pool = engine.model_runner.hbm_pool
-    if triton_plan:
-        pool.use_triton = True
+    offload = engine.model_runner.offload
+    pool = offload.pool if offload is not None else None
+    if triton_plan:  # only the plan on the Triton path (the whole engine under the interpreter is too slow)
+        plan = pool.plan
+
+        def triton_pool_plan(key):
+            with forced("triton"):
+                return plan(key)
+        pool.plan = triton_pool_plan
 
     def collect(outs):
         for out in outs:
@@ -366,19 +387,15 @@ def random_schedule(model_dir, seed: int, check: bool, greedy: bool = False, tri
     def after_step(outs):
         collect(outs)
         if check:
-            held = held_blocks(engine)
-            pool.check()
-            runner = engine.model_runner
-            runner.host_kv.fence()
+            held_blocks(engine)
+            offload.fence()
+            sparse_caches = torch.stack(engine.model_runner.kv_caches[offload.dense_layers:])
             for seq in engine.scheduler.running:  # every full block on the device is in the host store, equal
-                full = range(seq.device_start, min(seq.num_computed_tokens // BS,
-                                                   seq.device_start + len(seq.device_blocks)))
-                dev = [seq.device_blocks[j - seq.device_start] for j in full]
-                assert torch.equal(runner.host_kv.data[:, [seq.block_table[j] for j in full]],
-                                   runner.kv_cache[:, dev])
-            res = torch.nonzero(pool.resident >= 0)[:, 0]  # every cached head block belongs to a held block
-            blocks = (res // pool.num_kv_heads) % (pool.num_blocks + 1)
-            assert set(blocks.tolist()) <= set(held)
+                start, blocks = offload.device_map.range_of(seq)
+                full = range(start, min(seq.num_computed_tokens // BS, start + len(blocks)))
+                dev = [blocks[j - start] for j in full]
+                assert torch.equal(offload.host.data[:, [seq.block_table[j] for j in full]], sparse_caches[:, dev])
+            check_pool(offload)
 
     drive_random_schedule(engine, rng, steps=30, max_new=20, after_step=after_step, greedy=greedy)
     while engine.has_unfinished_requests():
@@ -386,9 +403,8 @@ def random_schedule(model_dir, seed: int, check: bool, greedy: bool = False, tri
     assert engine.allocator.num_used == 0
     if check:
         held_blocks(engine)
-        assert engine.scheduler.device_map.allocator.num_used == 0
-        pool.check()
-        assert (pool.resident < 0).all() and (pool.owner < 0).all()  # everything freed left the pool
+        assert offload.device_map.allocator.num_used == 0
+        check_pool(offload)
     return results, engine.scheduler.num_preemptions
 
 
@@ -396,7 +412,7 @@ HOST_16 = 16 * 2 * 2 * 2 * BS * 128 * 4  # 16 token blocks of the tiny model in 
 
 
 # The engine runs on CPU here, so its Triton plan runs under the interpreter only (on a GPU machine
-# test_pool_plan.py and test_flash_h2d.py cover the plan on CUDA tensors).
+# kernels/test_pool_plan.py and kernels/test_flash_h2d.py cover the plan on CUDA tensors).
 @pytest.mark.parametrize("seed, triton_plan",
                          [(0, False)] + ([(1, True)] if os.environ.get("TRITON_INTERPRET") == "1" else []))
 def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, triton_plan):

@@ -1,5 +1,5 @@
 """The HBM pool plan's Triton kernels (kernels/pool_plan.py; TRITON_INTERPRET on CPU) against the torch
-reference HBMPool.plan_ref, step by step from the same state: the hits and their slots, the victims
+reference pool_plan_ref, step by step from the same state: the hits and their slots, the victims
 chosen in each set, the bypass reads per set, the LRU clock stamps, the statistics and the invariants
 are the reference's; only which miss of a set gets which victim may differ (atomic ranks on a GPU)."""
 from __future__ import annotations
@@ -9,14 +9,15 @@ import random
 import pytest
 import torch
 
+from sparseserve.kernels.dispatch import forced
 from sparseserve.kvcache.pool import HBMPool
 from tests.kernel_utils import DEVICE, gpu_only
 
 STATE = ("resident", "owner", "last_use", "clock", "stats")
 
 
-def make(layers: int, blocks: int, hkv: int, slots: int, ways: int, use_triton: bool) -> HBMPool:
-    return HBMPool(layers, blocks, hkv, 2, 4, slots, torch.float32, DEVICE, ways=ways, use_triton=use_triton)
+def make(layers: int, blocks: int, hkv: int, slots: int, ways: int) -> HBMPool:
+    return HBMPool(layers, blocks, hkv, 2, 4, slots, torch.float32, DEVICE, ways=ways)
 
 
 def requests(pool: HBMPool, g: torch.Generator, per_head: int, batch: int) -> torch.Tensor:
@@ -31,13 +32,15 @@ def requests(pool: HBMPool, g: torch.Generator, per_head: int, batch: int) -> to
 
 
 def compare_step(pool: HBMPool, ref: HBMPool, key: torch.Tensor) -> int:
-    """One plan of `pool` (Triton) against plan_ref of `ref` started from the same state; returns the
+    """One plan of `pool` (Triton) against the reference plan of `ref` started from the same state; returns the
     step's bypass reads."""
     for name in STATE:
         getattr(ref, name).copy_(getattr(pool, name))
     before = pool.resident[key].clone()
-    loc_r, load_r = ref.plan_ref(key)
-    loc, load = pool.plan(key)
+    with forced("torch"):
+        loc_r, load_r = ref.plan(key)
+    with forced("triton"):
+        loc, load = pool.plan(key)
     need = key != pool.trash_key
     hit, miss = need & (before >= 0), need & (before < 0)
     for lc, ld in ((loc, load), (loc_r, load_r)):
@@ -68,8 +71,8 @@ def compare_step(pool: HBMPool, ref: HBMPool, key: torch.Tensor) -> int:
 def test_triton_plan_matches_reference(slots, ways, per_head, batch, bypasses):
     g = torch.Generator().manual_seed(slots * 100 + per_head)
     layers, hkv, blocks = 2, 2, batch * per_head + 4  # few blocks: hits across steps
-    pool = make(layers, blocks, hkv, slots, ways, use_triton=True)
-    ref = make(layers, blocks, hkv, slots, ways, use_triton=False)
+    pool = make(layers, blocks, hkv, slots, ways)
+    ref = make(layers, blocks, hkv, slots, ways)
     bypass = 0
     for step in range(8):
         bypass += compare_step(pool, ref, requests(pool, g, per_head, batch))
@@ -83,7 +86,7 @@ def test_triton_plan_matches_reference(slots, ways, per_head, batch, bypasses):
 
 def test_triton_plan_empty_and_padding_only():
     """A call without requests, or only padding, still advances the clock and counts a layer step."""
-    pool, ref = make(1, 4, 1, 4, 4, use_triton=True), make(1, 4, 1, 4, 4, use_triton=False)
+    pool, ref = make(1, 4, 1, 4, 4), make(1, 4, 1, 4, 4)
     for key in (torch.empty(0, dtype=torch.int64, device=DEVICE),
                 torch.full((5,), pool.trash_key, dtype=torch.int64, device=DEVICE)):
         compare_step(pool, ref, key)
@@ -94,7 +97,7 @@ def test_triton_plan_empty_and_padding_only():
 def test_triton_plan_cuda_graph():
     """Captured once, replayed on new requests: each replay equals the reference from the same state."""
     g = torch.Generator().manual_seed(0)
-    pool, ref = make(2, 64, 2, 96, 8, use_triton=True), make(2, 64, 2, 96, 8, use_triton=False)
+    pool, ref = make(2, 64, 2, 96, 8), make(2, 64, 2, 96, 8)
     key = requests(pool, g, 12, 4)
     pool.plan(key)  # warm-up (compiles the kernels)
     graph = torch.cuda.CUDAGraph()
@@ -105,7 +108,8 @@ def test_triton_plan_cuda_graph():
         for name in STATE:
             getattr(ref, name).copy_(getattr(pool, name))
         before = pool.resident[key].clone()
-        loc_r, load_r = ref.plan_ref(key)
+        with forced("torch"):
+            loc_r, load_r = ref.plan(key)
         graph.replay()
         hit = (key != pool.trash_key) & (before >= 0)
         assert torch.equal(loc[hit], loc_r[hit])

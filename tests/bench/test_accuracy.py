@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from sparseserve.attention.backend import AttentionMetadata
-from sparseserve.attention.torch_ref import TorchBackend
+from sparseserve.attention.backend import AttentionMetadata, BackendContext, PagedAttentionBackend, attend_paged
+from sparseserve.kernels.store_kv import store_kv
 from sparseserve.bench import accuracy
 from sparseserve.bench import tasks as T
 from sparseserve.bench.attention_probe import AttentionProbe
@@ -88,13 +88,14 @@ def test_format_table_reference_first():
     assert "100.0" in row and "50.0 (-50)" in row
 
 
-class _HalfBackend(TorchBackend):
+class _HalfBackend(PagedAttentionBackend):
     """Attends to the first block of every request only, and says so (as a sparse policy would)."""
 
-    def attend(self, q, kv_cache, meta, scale):
+    def _forward(self, layer_idx, q, k, v, kv_cache, meta, scale):
+        store_kv(k, v, kv_cache, meta.slot_mapping)
         cut = AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens.clamp(max=kv_cache.shape[3]),
                                 meta.block_tables, meta.num_decodes, meta.max_query_len, kv_cache.shape[3])
-        return super().attend(q, kv_cache, cut, scale)
+        return attend_paged(q, kv_cache, cut, scale)
 
     def attended_blocks(self, layer_idx, meta):
         sel = torch.zeros(meta.num_decodes, 2, meta.block_tables.shape[1], dtype=torch.bool)
@@ -102,22 +103,23 @@ class _HalfBackend(TorchBackend):
         return sel
 
 
-@pytest.mark.parametrize("backend_cls", [TorchBackend, _HalfBackend])
+@pytest.mark.parametrize("backend_cls", [PagedAttentionBackend, _HalfBackend])
 def test_probe_mass_and_error(backend_cls):
     torch.manual_seed(0)
     num_blocks, hkv, bs, d, hq, n = 6, 2, 4, 8, 4, 14  # one decode request with 14 tokens of context
     cache = torch.randn(num_blocks, hkv, 2, bs, d)
-    meta = AttentionMetadata(slot_mapping=torch.tensor([n - 1]), query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+    meta = AttentionMetadata(slot_mapping=torch.tensor([n - 1]),
+                             query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
                              seq_lens=torch.tensor([n], dtype=torch.int32),
                              block_tables=torch.tensor([[3, 0, 5, 1]], dtype=torch.int32),
                              num_decodes=1, max_query_len=1, max_seq_len=n)
     q, k, v = torch.randn(1, hq, d), torch.randn(1, hkv, d), torch.randn(1, hkv, d)
-    backend = backend_cls()
+    backend = backend_cls(BackendContext(1, hkv, d, bs, torch.float32, torch.device("cpu"), 1, 64))
     with AttentionProbe(backend) as probe:
         backend.forward(0, q, k, v, cache, meta, d ** -0.5)
-    assert "forward" not in vars(backend)  # unwrapped again
+    assert not backend.observers  # removed again
     rep = probe.report()["layers"]["0"]
-    if backend_cls is TorchBackend:
+    if backend_cls is PagedAttentionBackend:
         assert rep["mass_mean"] == pytest.approx(1.0) and rep["rel_err_max"] < 1e-5
     else:  # mass on the first block, recomputed by hand
         keys = cache[[3, 0, 5, 1], :, 0].permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :n]

@@ -1,19 +1,31 @@
-"""FlashH2D (kernels/flash_h2d.py) against the pool's torch gather, and the sparse decode kernel reading
-through HBM pool slots against the torch offload path (TRITON_INTERPRET on CPU, small shapes)."""
+"""FlashH2D and the write-through (kernels/flash_h2d.py) against their torch references, FlashD2H, and the sparse
+decode path reading through HBM pool slots against the one without offload (TRITON_INTERPRET on CPU, small
+shapes)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.kernel_utils import DEVICE, ON_GPU, gpu_only, rel_err
-from tests.test_sparse_kernels import decode_batch, sparse_backend
-from sparseserve.attention.sparse import sparse_decode_ref
-from sparseserve.attention.torch_ref import TorchBackend
-from sparseserve.attention.triton_backend import TritonBackend
-from sparseserve.kvcache.metadata import rebuild_key_meta
-from sparseserve.kernels.flash_h2d import flash_h2d, write_through_blocks
+from sparseserve.kernels.dispatch import forced
+from sparseserve.kernels.flash_h2d import flash_h2d_ref, flash_h2d_triton, write_through_ref, write_through_triton
+from sparseserve.kernels.key_meta import rebuild_key_meta
+from sparseserve.kernels.sparse_decode import sparse_decode_ref
 from sparseserve.kvcache.host import HostKVStore
+from sparseserve.attention.sparse import SparseStepMeta
+from sparseserve.kvcache.offload import DeviceBlockMap, OffloadCache, OffloadStep
+from sparseserve.kvcache.layout import OffloadLayout
 from sparseserve.kvcache.pool import HBMPool
+from tests.attention.test_sparse_backend import sparse_backend, with_slots
+from tests.kernel_utils import DEVICE, ON_GPU, gpu_only, rel_err
+from tests.kernels.test_sparse_kernels import decode_batch
+
+
+def offload_cache(host: HostKVStore, pool: HBMPool, num_blocks: int, local: int = 2) -> OffloadCache:
+    """An offload cache around a given store and pool for a one-layer backend test: every layer sparse, the
+    device cache the test's own (its step addressing is the token addressing)."""
+    bs, d = host.block_size, host.data.shape[-1]
+    layout = OffloadLayout(num_blocks, num_blocks, pool.num_slots, 0, 0, 0, 2 * bs * d * host.data.element_size())
+    return OffloadCache(layout, host, pool, DeviceBlockMap(num_blocks, local, bs, num_blocks), [], bs, local)
 
 
 @pytest.mark.parametrize("dtype, bs, d", [(torch.float32, 4, 16), (torch.float16, 8, 64)])
@@ -29,8 +41,8 @@ def test_flash_h2d_matches_gather(dtype, bs, d):
     key = ref.keys(1, req).reshape(-1)
     loc, load = ref.plan(key)
     assert (load >= 0).sum().item() == 5  # all misses, all placed (2 sets of 4 ways)
-    ref.gather_ref(host.flat(), key, load)
-    flash_h2d(host.flat(), out.slots, key, load)
+    flash_h2d_ref(host.flat(), ref.slots, key, load)
+    flash_h2d_triton(host.flat(), out.slots, key, load)
     n = ref.num_slots
     assert torch.equal(out.slots[:n], ref.slots[:n])
     for k, slot in zip(key.tolist(), loc.tolist()):
@@ -40,7 +52,7 @@ def test_flash_h2d_matches_gather(dtype, bs, d):
 
 @pytest.mark.parametrize("policy, budget, slots", [("topk", 64, 8), ("topp", 96, 64)])
 def test_sparse_decode_through_pool(policy, budget, slots):
-    """Decode steps through SparseBackend with kv_offload on the torch and the Triton path (scoring,
+    """Decode steps through SparseBackend with KV offload on the torch and the Triton path (scoring,
     selection, pool plan, FlashH2D, the sparse kernel reading slots / host rows / the window): both equal
     the backend without offload, although every block outside the local windows is poisoned in the
     device cache of the offload runs. 8 slots: evictions and bypass reads; 64: hits."""
@@ -56,17 +68,23 @@ def test_sparse_decode_through_pool(policy, budget, slots):
         for j in range(max(0, -(-n // bs) - 2)):  # local window: the last 2 blocks
             poisoned[int(meta.block_tables[b, j])] = float("nan")
     outs, stats = [], []
-    for dense, offload in ((TorchBackend(), False), (TorchBackend(), True), (TritonBackend(), True)):
-        backend = sparse_backend(dense, policy, budget, bs, hkv, d, torch.float32, cache.shape[0])
-        rebuild_key_meta(cache[None], backend.key_meta, bs)
+    for impl, offload in (("torch", False), ("torch", True), ("triton", True)):
+        backend = sparse_backend(policy, budget, bs, hkv, d, torch.float32, cache.shape[0])
         c = cache.clone()
+        with_slots(meta)
         if offload:
             host = HostKVStore(1, cache.shape[0], hkv, bs, d, torch.float32, pin=ON_GPU, device=DEVICE)
             host.data[0, : cache.shape[0]] = cache.to(host.data.device)  # every block written through before
             pool = HBMPool(1, cache.shape[0], hkv, bs, d, slots, torch.float32, DEVICE, ways=4)
-            backend.attach_offload(host, pool)
+            oc = offload_cache(host, pool, cache.shape[0])
+            backend.allocate(cache.shape[0], oc)
+            # the test's device cache holds every block under its token id: the same addressing
+            meta.backend_meta = SparseStepMeta(meta.backend_meta.slots, meta,
+                                               OffloadStep(meta.slot_mapping, meta.block_tables))
             c = poisoned.clone()
-        outs.append([backend.forward(0, q, k, v, c, meta, d ** -0.5) for _ in range(3)])
+        rebuild_key_meta(cache[None], backend.key_meta.codes, backend.key_meta.scale, bs)
+        with forced(impl):
+            outs.append([backend.forward(0, q, k, v, c, meta, d ** -0.5) for _ in range(3)])
         if offload:
             pool.check()
             stats.append(pool.stats.tolist())
@@ -96,8 +114,8 @@ def test_d2h_writer_stores_completed_blocks(remap):
     ref = HostKVStore(layers, blocks, hkv, bs, d, torch.float32, pin=False)
     for layer in range(layers):
         out.store_step(layer, cache[layer], slots, num_decode_tokens=1, num_seqs=4, token_slot_mapping=token_slots)
-        ref.write_through_ref(layer, cache[layer].cpu(), slots.cpu(), None if token_slots is None
-                              else (token_slots // bs).cpu())
+        write_through_ref(cache[layer].cpu(), ref.data[layer], slots.cpu(), None if token_slots is None
+                          else (token_slots // bs).cpu())
     out.fence()
     assert torch.equal(out.data, ref.data)
     rows = perm[[5, 1, 0]].tolist() if remap else [5, 1, 0]
@@ -116,8 +134,9 @@ def test_write_through_matches_reference(dtype):
     slots = torch.tensor([3, -1, 5, 6, 7, 11, 12, 27, 19], device=DEVICE)  # ends: blocks 0, 1, 2, 6, 4
     ref = HostKVStore(layers, blocks, hkv, bs, d, dtype, pin=False)
     out = HostKVStore(layers, blocks, hkv, bs, d, dtype, pin=ON_GPU)
-    ref.write_through_ref(1, cache[1].cpu(), slots.cpu())
-    write_through_blocks(cache[1], out.data[1], slots)
+    with forced("torch"):
+        ref.write_through(1, cache[1].cpu(), slots.cpu())
+    write_through_triton(cache[1], out.data[1], slots)
     assert torch.equal(out.data[:, :blocks], ref.data[:, :blocks])
     written = sorted({b for b in (0, 1, 2, 6, 4)})
     assert torch.equal(ref.data[1, written], cache[1, written].cpu()) and ref.blocks_written.item() == 5
@@ -126,34 +145,34 @@ def test_write_through_matches_reference(dtype):
 
 @gpu_only
 def test_offload_decode_cuda_graph():
-    """NOT RUN YET (written in a session without a GPU). The offloaded sparse decode (scoring, selection,
-    pool plan, FlashH2D from the pinned store over UVA, the kernel through slots) captured in a CUDA graph
-    and replayed with new queries, against the plain reference on the lists it left; the device cache
-    is poisoned outside the local windows, so every listed block must come through the pool."""
+    """The offloaded sparse decode (scoring, selection, pool plan, FlashH2D from the pinned store over UVA, the
+    kernel through slots) captured in a CUDA graph and replayed with new queries, against the plain reference on
+    the lists it left; the device cache is poisoned outside the local windows, so every listed block must come
+    through the pool."""
     torch.manual_seed(5)
     hq, hkv, d, bs, lens = 32, 8, 128, 32, [16384, 9000, 0, 2047]
     q, cache, meta = decode_batch(lens, hq, hkv, d, bs, torch.bfloat16)
-    backend = sparse_backend(TritonBackend(), "topk", 1024, bs, hkv, d, torch.bfloat16, cache.shape[0])
-    rebuild_key_meta(cache[None], backend.key_meta, bs)
+    backend = sparse_backend("topk", 1024, bs, hkv, d, torch.bfloat16, cache.shape[0])
     host = HostKVStore(1, cache.shape[0], hkv, bs, d, torch.bfloat16, pin=True, device=DEVICE)
     assert host.data.is_pinned()
     host.data[0, : cache.shape[0]] = cache.cpu()
     pool = HBMPool(1, cache.shape[0], hkv, bs, d, 256, torch.bfloat16, DEVICE)  # < one step's 3 x 8 x 32 lists
-    backend.attach_offload(host, pool)
+    backend.allocate(cache.shape[0], offload_cache(host, pool, cache.shape[0]))
+    rebuild_key_meta(cache[None], backend.key_meta.codes, backend.key_meta.scale, bs)
     poisoned = cache.clone()
     for b, n in enumerate(lens):
         poisoned[meta.block_tables[b, : max(0, -(-n // bs) - 2)].long()] = float("nan")
-    out = torch.empty_like(q)
-    backend._decode(0, q, poisoned, meta, d ** -0.5, out)  # compile outside the capture
+    sm = SparseStepMeta(with_slots(meta).backend_meta.slots, meta, OffloadStep(meta.slot_mapping, meta.block_tables))
+    meta.backend_meta = sm
+    backend.attend(0, q, poisoned, meta, d ** -0.5)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        backend._decode(0, q, poisoned, meta, d ** -0.5, out)
+        out = backend.attend(0, q, poisoned, meta, d ** -0.5)
     for step in range(3):
         q.copy_(torch.randn_like(q))
         graph.replay()
-        slots = torch.arange(len(lens), device=DEVICE)
-        ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, backend.sel[0][slots], 2,
-                                meta.max_seq_len, d ** -0.5)
+        ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, backend.state.sel[0], sm.slots, 2,
+                                d ** -0.5)
         assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-2, step
     pool.check()
     hits, loads, bypass, steps = pool.stats.tolist()
@@ -169,7 +188,7 @@ def test_engine_offload_equals_no_offload_on_gpu(hf_models, enforce_eager, polic
     token for token, under the same sparse policy (topk; topp pruning through the pool, with reuse), with
     a roomy pool and with a 4-slot pool (evictions every step, bypass reads)."""
     from sparseserve import LLM
-    from tests.test_offload import GREEDY, SPARSE, prompts
+    from tests.kvcache.test_offload import GREEDY, SPARSE, prompts
     model_dir = hf_models["qwen2-gqa-bias"][0]
     common = dict(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
                   kv_cache_memory=64 << 20, enforce_eager=enforce_eager, **{**SPARSE, **policy})
@@ -186,4 +205,4 @@ def test_engine_offload_equals_no_offload_on_gpu(hf_models, enforce_eager, polic
         stats = engine.get_stats()
         assert stats.offload_blocks_loaded > 0 and stats.num_blocks_used == 0
         assert slots is None or stats.offload_bypass_reads > 0
-        engine.model_runner.hbm_pool.check()
+        engine.model_runner.offload.pool.check()

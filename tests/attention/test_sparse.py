@@ -4,17 +4,17 @@ and free every block), streaming heads and their calibration, stats and /metrics
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 import pytest
 import torch
 
 from sparseserve import LLM, SamplingParams
-from sparseserve.attention.selection import SelectionParams, prune_ref, select_ref
 from sparseserve.bench.attention_probe import AttentionProbe
 from sparseserve.config import EngineConfig
 from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
+from sparseserve.kernels.block_score import select_ref
+from sparseserve.kernels.topp_prune import prune_ref
 from sparseserve.metrics import ServerMetrics, parse_metrics
 
 BS = 8  # small blocks: the tiny prompts span many of them
@@ -46,7 +46,8 @@ def test_config_and_flags():
     kw = engine_kwargs_from_args(args)
     assert kw["sparse_policy"] == "topk" and kw["sparse_budget"] == 1024 and kw["logical_page_size"] == 16
     assert kw["sparse_lag"] == 1
-    bad = [dict(sparse_policy="quest"), dict(sparse_top_p=0.0), dict(sparse_topp_heads="max"), dict(sparse_reuse=0), dict(sparse_local_blocks=0),
+    bad = [dict(sparse_policy="quest"), dict(sparse_top_p=0.0), dict(sparse_topp_heads="max"), dict(sparse_reuse=0),
+           dict(sparse_local_blocks=0),
            dict(logical_page_size=48), dict(logical_page_size=64, block_size=32),
            dict(sparse_policy="topk", sparse_budget=128, block_size=32),  # 4 blocks: no room past sink + local
            dict(sparse_lag=2), dict(sparse_policy="topk", sparse_lag=1, kv_offload=True),
@@ -58,13 +59,13 @@ def test_config_and_flags():
 
 def test_selection_reference():
     """topk keeps the k best masses; topp the fewest best reaching p; sink and local always."""
-    p = SelectionParams("topk", cap=4, sink=1, local=1, top_p=0.5, reuse=1, block_size=1, page_size=1)
+    p = dict(cap=4, sink=1, local=1, block_size=1)
     scores = torch.log(torch.tensor([[[0.05, 0.3, 0.02, 0.25, 0.03, 0.2, 0.15]]]))  # masses, sum 1
     lens = torch.tensor([7])
-    assert sorted(select_ref(scores, lens, torch.tensor([False]), p)[0, 0].tolist()) == [0, 1, 3, 6]
-    topp = dataclasses.replace(p, policy="topp", top_p=0.45)  # sink + local hold 0.2: one more block
-    assert sorted(select_ref(scores, lens, torch.tensor([False]), topp)[0, 0].tolist()) == [-1, 0, 1, 6]
-    assert sorted(select_ref(scores, lens, torch.tensor([True]), p)[0, 0].tolist()) == [-1, -1, 0, 6]
+    assert sorted(select_ref(scores, lens, torch.tensor([False]), **p)[0, 0].tolist()) == [0, 1, 3, 6]
+    topp = dict(p, top_p=0.45)  # sink + local hold 0.2: one more block
+    assert sorted(select_ref(scores, lens, torch.tensor([False]), **topp)[0, 0].tolist()) == [-1, 0, 1, 6]
+    assert sorted(select_ref(scores, lens, torch.tensor([True]), **p)[0, 0].tolist()) == [-1, -1, 0, 6]
 
 
 def test_prune_reference():
@@ -76,21 +77,19 @@ def test_prune_reference():
     head1 = [0.9, 0.1, 1e-9, 1e-9, 1e-9, 1.0]  # all its mass on sink + local
     lse = torch.tensor([[head0, head1]]).log()  # a one-token block's lse is its logit
     lens = torch.tensor([10])  # group mean: sink + local 0.8, then 0.15, 0.03, 0.02
-    p = SelectionParams("topp", cap=6, sink=1, local=1, top_p=0.9, reuse=1, block_size=1, page_size=1)
+    p = dict(sink=1, local=1, block_size=1)
     for top_p, kept in [(0.79, [0, 9]), (0.9, [0, 9, 3]), (0.96, [0, 9, 3, 5]), (0.99, [0, 9, 3, 5, 7]),
                         (1.0, [0, 9, 3, 5, 7])]:
-        got = prune_ref(lse, lists, lens, dataclasses.replace(p, top_p=top_p))[0, 0].tolist()
+        got = prune_ref(lse, lists, lens, top_p=top_p, **p)[0, 0].tolist()
         assert got == kept + [-1] * (6 - len(kept)), top_p
     # Each head on its own: head 0 needs 3 and 5 to reach 0.94 (0.6 + 0.3 + 0.06), the group's mean only 3.
-    assert prune_ref(lse, lists, lens, dataclasses.replace(p, top_p=0.94))[0, 0].tolist() == [0, 9, 3, -1, -1, -1]
-    each = dataclasses.replace(p, top_p=0.94, per_head=True)
-    assert prune_ref(lse, lists, lens, each)[0, 0].tolist() == [0, 9, 3, 5, -1, -1]
+    assert prune_ref(lse, lists, lens, top_p=0.94, **p)[0, 0].tolist() == [0, 9, 3, -1, -1, -1]
+    assert prune_ref(lse, lists, lens, top_p=0.94, per_head=True, **p)[0, 0].tolist() == [0, 9, 3, 5, -1, -1]
     tie = lse.clone()
     tie[0, 0, 3:5] = torch.tensor([0.05, 0.05]).log()
-    assert prune_ref(tie, lists, lens, dataclasses.replace(p, top_p=0.96))[0, 0].tolist() == [0, 9, 3, 5, 7, -1]
+    assert prune_ref(tie, lists, lens, top_p=0.96, **p)[0, 0].tolist() == [0, 9, 3, 5, 7, -1]
     # A context that fits the cap keeps every block (all forced), whatever p.
-    assert prune_ref(lse, lists, torch.tensor([6]), dataclasses.replace(p, top_p=0.5))[0, 0].tolist() == \
-        lists[0, 0].tolist()
+    assert prune_ref(lse, lists, torch.tensor([6]), top_p=0.5, **p)[0, 0].tolist() == lists[0, 0].tolist()
 
 
 def test_full_budget_equals_dense(hf_models):
@@ -169,6 +168,5 @@ def test_preemption_reuses_state_slots(tiny_model_dir, lag):
     engine = llm.llm_engine
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
     assert engine.get_stats().num_preemptions > 0 and engine.get_stats().num_blocks_used == 0
-    slots = engine.model_runner.seq_slots
-    assert len(slots.free) + len(slots.held) == COMMON["max_num_seqs"]
-    assert len(set(slots.free) | set(slots.held.values())) == COMMON["max_num_seqs"]
+    state = engine.model_runner.attn_backend.state
+    assert not state.held_slots() and state.num_free_slots == COMMON["max_num_seqs"]  # every slot back

@@ -23,7 +23,8 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     model.generation_config.eos_token_id = None
     model.to(DEVICE)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+        out = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens,
                              do_sample=False, pad_token_id=1)
     return out[0, len(prompt):].tolist()
 
@@ -71,7 +72,7 @@ def engine_prompt_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     runner = engine.model_runner
     batch = runner.prepare([(seq, len(prompt))])
     with torch.inference_mode():
-        hidden = runner.model(batch.input_ids, batch.positions, runner.kv_cache, batch.meta)
+        hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)
         logits = runner.model.compute_logits(hidden)
     engine.allocator.free(seq.block_table)
     return logits
@@ -103,9 +104,9 @@ def test_sharded_checkpoint_loads_like_single_file(hf_models, tmp_path):
 
 def test_reference_attention_in_query_chunks(hf_models, monkeypatch):
     """The torch reference bounds its score memory by attending in query chunks: still exact."""
-    from sparseserve.attention import torch_ref
+    from sparseserve.kernels import paged_prefill
 
-    monkeypatch.setattr(torch_ref, "_SCORE_ELEMENTS", 4096)  # forces chunks of a few queries
+    monkeypatch.setattr(paged_prefill, "_REF_SCORE_ELEMENTS", 4096)  # forces chunks of a few queries
     path, hf = hf_models["qwen3-qknorm-d128"]
     prompt = prompts_for(4)[-1]
     with torch.no_grad():

@@ -1,14 +1,19 @@
-"""kernels/topp_prune.py (topp's select-then-prune) against its torch references in attention/selection.py,
-on random inputs. Without CUDA the kernels run under the Triton interpreter on small shapes."""
+"""kernels/topp_prune.py (topp's select-then-prune) against its torch references, on random inputs. Without CUDA
+the kernels run under the Triton interpreter on small shapes."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from sparseserve.kernels.block_score import select_blocks_ref
+from sparseserve.kernels.topp_prune import (block_lse_ref, block_lse_triton, prune_lists_triton, prune_ref,
+                                            topp_prune_ref, topp_prune_triton)
 from tests.kernel_utils import DEVICE as DEV, TOL, rel_err
-from sparseserve.attention.selection import (SelectionParams, block_lse_ref, prune_ref, prune_selection_ref,
-                                             update_selection_ref)
-from sparseserve.kernels.topp_prune import block_lse, prune_lists, topp_prune
+
+
+def params(cap: int, bs: int, top_p: float, reuse: int = 1, per_head: bool = False) -> dict:
+    return dict(cap=cap, block_size=bs, sink=1, local=2, top_p=top_p, reuse=reuse, short_dense=True,
+                per_head=per_head)
 
 
 def batch(lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype, sharp: float):
@@ -28,12 +33,13 @@ def batch(lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype: torch.dtyp
     return q.to(DEV), cache.to(DEV), tables.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
 
 
-def candidates(seq_lens: torch.Tensor, slots: torch.Tensor, state, streaming: torch.Tensor, p: SelectionParams,
+def candidates(seq_lens: torch.Tensor, slots: torch.Tensor, state, streaming: torch.Tensor, p: dict,
                scores: torch.Tensor) -> None:
     """The first stage, as the engine runs it: topk over bound scores [B, Hq, MB] fills the lists."""
-    past_end = torch.arange(scores.shape[-1], device=DEV)[None, None] >= -(-seq_lens[:, None, None] // p.block_size)
-    update_selection_ref(scores.masked_fill(past_end, float("-inf")), seq_lens, slots, *state, streaming,
-                         p.candidates)
+    bs = p["block_size"]
+    past_end = torch.arange(scores.shape[-1], device=DEV)[None, None] >= -(-seq_lens[:, None, None] // bs)
+    select_blocks_ref(scores.masked_fill(past_end, float("-inf")), seq_lens, slots, *state, streaming, block_size=bs,
+                      cap=p["cap"], sink=p["sink"], local=p["local"], reuse=p["reuse"])
 
 
 def random_scores(seq_lens: torch.Tensor, hq: int, bs: int) -> torch.Tensor:
@@ -50,16 +56,16 @@ def test_block_lse(dtype, hq, hkv, d, bs):
     torch.manual_seed(0)
     lens = [n * bs // 16 for n in LENS]
     q, cache, tables, seq_lens = batch(lens, hq, hkv, d, bs, dtype, sharp=1.0)
-    p = SelectionParams("topp", cap=7, sink=1, local=2, top_p=0.9, reuse=1, block_size=bs, page_size=bs)
+    p = params(7, bs, 0.9)
     slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
-    state = (torch.full((6, hkv, p.cap), -1, dtype=torch.int32, device=DEV),
+    state = (torch.full((6, hkv, p["cap"]), -1, dtype=torch.int32, device=DEV),
              torch.zeros(6, hkv, dtype=torch.int32, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV))
     candidates(seq_lens, slots, state, torch.zeros(hkv, dtype=torch.bool, device=DEV), p,
                random_scores(seq_lens, hq, bs))
     sel = state[0]
-    out = block_lse(q, cache, tables, seq_lens, slots, sel, state[1], p, d ** -0.5)
+    out = block_lse_triton(q, cache, tables, seq_lens, slots, sel, state[1], local=2, scale=d ** -0.5)
     ref = block_lse_ref(q, cache, tables, seq_lens, sel[slots.long()], d ** -0.5)
-    rows = [b for b, n in enumerate(lens) if -(-n // bs) > p.cap]  # the others keep every block: not written
+    rows = [b for b, n in enumerate(lens) if -(-n // bs) > p["cap"]]  # the others keep every block: not written
     assert len(rows) == 3
     listed = (sel[slots.long()][rows] >= 0).repeat_interleave(hq // hkv, 1)
     assert torch.isinf(ref[rows][~listed]).all() and torch.isfinite(ref[rows][listed]).all()
@@ -76,8 +82,7 @@ def test_prune_lists(top_p, per_head):
     seq_lens = torch.tensor(LENS, dtype=torch.int32, device=DEV)
     slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
     streaming = torch.tensor([False, True, False, False], device=DEV)
-    p = SelectionParams("topp", cap=cap, sink=1, local=2, top_p=top_p, reuse=2, block_size=bs, page_size=bs,
-                        per_head=per_head)
+    p = params(cap, bs, top_p, reuse=2, per_head=per_head)
     state = (torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
              torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV))
     pruned_any = kept_any = False
@@ -85,11 +90,12 @@ def test_prune_lists(top_p, per_head):
         candidates(seq_lens, slots, state, streaming, p, random_scores(seq_lens, hq, bs))
         before = [t.clone() for t in state]
         lse = 4 * torch.randn(len(LENS), hq, cap, device=DEV)  # peaked masses; -1 entries are ignored
-        prune_lists(lse, seq_lens, slots, *state, p)
+        prune_lists_triton(lse, seq_lens, slots, *state, **{k: v for k, v in p.items() if k != "cap"})
         sel, counter, stats = before
-        due = (seq_lens > 0)[:, None] & ((counter[slots.long()] - 1) % p.reuse == 0)
+        due = (seq_lens > 0)[:, None] & ((counter[slots.long()] - 1) % p["reuse"] == 0)
         lists = sel[slots.long()]
-        want = torch.where(due[..., None], prune_ref(lse, lists, seq_lens, p), lists)
+        pruned = prune_ref(lse, lists, seq_lens, block_size=bs, sink=1, local=2, top_p=top_p, per_head=per_head)
+        want = torch.where(due[..., None], pruned, lists)
         assert torch.equal(state[0][slots.long()], want), step
         assert torch.equal(state[1], counter)
         assert int(state[2][0]) == int(stats[0]) - int(((lists >= 0).sum(-1) - (want >= 0).sum(-1)).sum())
@@ -106,14 +112,14 @@ def test_prune_lists(top_p, per_head):
 @pytest.mark.parametrize("dtype", [torch.float32])
 @pytest.mark.parametrize("top_p,reuse,per_head", [(0.6, 1, False), (0.9, 3, False), (0.7, 1, True)])
 def test_topp_prune_vs_reference(dtype, top_p, reuse, per_head):
-    """Both kernels together against prune_selection_ref on fresh candidate lists, over reuse steps."""
+    """Both kernels together against topp_prune_ref on fresh candidate lists, over reuse steps."""
     torch.manual_seed(2)
     hq, hkv, d, bs, cap, nslots = 8, 2, 32, 16, 8, 6
     q, cache, tables, seq_lens = batch(LENS, hq, hkv, d, bs, dtype, sharp=3.0)
     slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
     streaming = torch.zeros(hkv, dtype=torch.bool, device=DEV)
-    p = SelectionParams("topp", cap=cap, sink=1, local=2, top_p=top_p, reuse=reuse, block_size=bs, page_size=bs,
-                        per_head=per_head)
+    p = params(cap, bs, top_p, reuse=reuse, per_head=per_head)
+    kw = dict(sink=1, local=2, top_p=top_p, reuse=reuse, per_head=per_head, scale=d ** -0.5)
     states = [(torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
                torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV))
               for _ in range(2)]
@@ -124,8 +130,8 @@ def test_topp_prune_vs_reference(dtype, top_p, reuse, per_head):
         for state in states:  # the same candidates for both
             candidates(seq_lens, slots, state, streaming, p, scores)
         n_cand = int(states[0][2][0])
-        prune_selection_ref(q, cache, tables, seq_lens, slots, *states[0], p, d ** -0.5)
-        topp_prune(q, cache, tables, seq_lens, slots, *states[1], p, d ** -0.5)
+        topp_prune_ref(q, cache, tables, seq_lens, slots, *states[0], **kw)
+        topp_prune_triton(q, cache, tables, seq_lens, slots, *states[1], **kw)
         for a, b in zip(*states):
             assert torch.equal(a, b), step
         if step % reuse == 0:  # something pruned; the counter reports exactly what the new lists hold

@@ -1,24 +1,23 @@
-"""Sparse-decode Triton kernels (kernels/block_score.py, kernels/sparse_decode.py) against their torch
-references. Without CUDA they run under the Triton interpreter on small shapes; with CUDA the same
-tests run on the GPU, plus large shapes and a CUDA-graph replay of the whole sparse decode path.
+"""Sparse-decode Triton kernels (kernels/key_meta.py, kernels/block_score.py, kernels/sparse_decode.py) against
+their torch references. Without CUDA they run under the Triton interpreter on small shapes; with CUDA the same
+tests run on the GPU.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.kernel_utils import ATTN_DTYPES as DTYPES, DEVICE as DEV, TOL, gpu_only, rel_err
 from sparseserve.attention.backend import AttentionMetadata
-from sparseserve.attention.selection import (SelectionParams, block_scores_ref, select_ref, step_slots_ref,
-                                             update_selection_ref)
-from sparseserve.attention.sparse import SparseBackend, sparse_decode_offload_ref, sparse_decode_ref
-from sparseserve.attention.torch_ref import TorchBackend, paged_attention_ref, store_kv_ref
-from sparseserve.attention.triton_backend import TritonBackend
-from sparseserve.config import SparseConfig
-from sparseserve.kernels.block_score import (ScoreConfig, SelectConfig, block_scores, score_and_select, select_blocks,
-                                             step_slots, store_kv_key_meta)
-from sparseserve.kernels.sparse_decode import SparseDecodeConfig, sparse_decode, split_plan, tma_capable
-from sparseserve.kvcache.metadata import allocate_key_meta, quantize_key_meta, rebuild_key_meta, update_key_meta_ref
+from sparseserve.kernels.block_score import (ScoreConfig, SelectConfig, block_scores_ref, block_scores_triton,
+                                             score_and_select_triton, select_blocks_ref, select_blocks_triton,
+                                             step_slots_ref, step_slots_triton)
+from sparseserve.kernels.key_meta import (quantize_key_meta, rebuild_key_meta, store_kv_key_meta_triton,
+                                          update_key_meta_ref)
+from sparseserve.kernels.sparse_decode import (SparseDecodeConfig, read_listed_ref, sparse_decode_ref,
+                                               sparse_decode_triton, split_plan, tma_capable)
+from sparseserve.kernels.store_kv import store_kv_ref
+from sparseserve.kvcache.metadata import allocate_key_meta
+from tests.kernel_utils import ATTN_DTYPES as DTYPES, DEVICE as DEV, TOL, rel_err
 
 
 def decode_batch(lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype, slack: int = 0):
@@ -40,8 +39,10 @@ def decode_batch(lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype: tor
     return torch.randn(len(lens), hq, d, device=DEV).to(dtype), cache, meta
 
 
-def params(policy: str, cap: int, bs: int, page: int, reuse: int = 1, top_p: float = 0.9) -> SelectionParams:
-    return SelectionParams(policy, cap, sink=1, local=2, top_p=top_p, reuse=reuse, block_size=bs, page_size=page)
+def params(policy: str, cap: int, bs: int, reuse: int = 1, top_p: float = 0.9, sink: int = 1, local: int = 2) -> dict:
+    """The selection kernels' keyword arguments (topk: no mass target)."""
+    return dict(block_size=bs, cap=cap, sink=sink, local=local, reuse=reuse, short_dense=True,
+                top_p=top_p if policy == "topp" else None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -65,8 +66,8 @@ def test_update_key_meta(bs, page, dtype):
     ref, out = (allocate_key_meta(1, nblocks, hkv, bs, page, d, DEV)[0] for _ in range(2))
     got = cache.clone()
     store_kv_ref(k, v, cache, slot_mapping)
-    update_key_meta_ref(cache, ref, slot_mapping, page)
-    store_kv_key_meta(k, v, got, out, slot_mapping, page)
+    update_key_meta_ref(cache, ref.codes, ref.scale, slot_mapping, page)
+    store_kv_key_meta_triton(k, v, got, out.codes, out.scale, slot_mapping, page)
     assert torch.equal(got, cache)
     assert torch.equal(out.codes[:nblocks], ref.codes[:nblocks])
     assert torch.equal(out.scale[:nblocks], ref.scale[:nblocks])
@@ -99,8 +100,8 @@ def test_key_meta_brackets_keys():
     nblocks = cache.shape[0]
     slot_mapping = torch.arange(nblocks * bs, device=DEV)
     ref, out = (allocate_key_meta(1, nblocks, hkv, bs, page, d, DEV)[0] for _ in range(2))
-    update_key_meta_ref(cache, ref, slot_mapping, page)
-    store_kv_key_meta(*as_step(cache), torch.zeros_like(cache), out, slot_mapping, page)
+    update_key_meta_ref(cache, ref.codes, ref.scale, slot_mapping, page)
+    store_kv_key_meta_triton(*as_step(cache), torch.zeros_like(cache), out.codes, out.scale, slot_mapping, page)
     assert torch.equal(out.codes[:nblocks], ref.codes[:nblocks])
     assert torch.equal(out.scale[:nblocks], ref.scale[:nblocks])
     pages = cache[:, :, 0].double().view(nblocks, hkv, bs // page, page, d)
@@ -116,7 +117,7 @@ def test_key_meta_brackets_keys():
 def scored_batch(lens, hq, hkv, d, bs, page, dtype, slack=0):
     q, cache, meta = decode_batch(lens, hq, hkv, d, bs, dtype, slack)
     key_meta = allocate_key_meta(1, cache.shape[0], hkv, bs, page, d, DEV)
-    rebuild_key_meta(cache[None], key_meta, page)
+    rebuild_key_meta(cache[None], key_meta.codes, key_meta.scale, page)
     return q, cache, meta, key_meta[0]
 
 
@@ -131,11 +132,12 @@ def test_block_scores(dtype, hq, hkv, bs, page, config):
     lens = [0, 3 * bs, 9 * bs + 5, 20 * bs - 1]
     q, _, meta, key_meta = scored_batch(lens, hq, hkv, d, bs, page, dtype, slack=bs + 3)
     mb = -(-meta.max_seq_len // bs)
-    p = params("topk", cap, bs, page)
     slots = torch.arange(len(lens), dtype=torch.int32, device=DEV)
     counter = torch.zeros(len(lens), hkv, dtype=torch.int32, device=DEV)
-    out = block_scores(q, key_meta, meta.block_tables, meta.seq_lens, slots, counter, p, mb, d ** -0.5, config)
-    ref = block_scores_ref(q, key_meta, meta.block_tables, meta.seq_lens, mb, bs, d ** -0.5)
+    out = block_scores_triton(q, key_meta.codes, key_meta.scale, meta.block_tables, meta.seq_lens, slots, counter,
+                              max_blocks=mb, block_size=bs, cap=cap, reuse=1, short_dense=True, scale=d ** -0.5,
+                              config=config)
+    ref = block_scores_ref(q, key_meta.codes, key_meta.scale, meta.block_tables, meta.seq_lens, mb, bs, d ** -0.5)
     for b, n in enumerate(lens):  # written where selection reads: rows with more than cap blocks
         nb = -(-n // bs)
         if nb > cap:
@@ -150,7 +152,7 @@ def test_select_blocks(policy, top_p, ways):
     torch.manual_seed(2)
     hq, hkv, bs, cap, nslots = 8, 4, 16, 6, 6
     lens = [40 * bs, 3 * bs, 0, 17 * bs + 3, 64 * bs]
-    p = params(policy, cap, bs, bs, reuse=2, top_p=top_p)
+    p = params(policy, cap, bs, reuse=2, top_p=top_p)
     slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
     streaming = torch.tensor([False, True, False, False], device=DEV)
     state = [(torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
@@ -162,8 +164,8 @@ def test_select_blocks(policy, top_p, ways):
         scores = 4 * torch.randn(len(lens), hq, 64, device=DEV)
         past_end = torch.arange(64, device=DEV)[None, None] >= -(-seq_lens[:, None, None] // bs)
         scores.masked_fill_(past_end, float("-inf"))
-        update_selection_ref(scores, seq_lens, slots, *state[0], streaming, p)
-        select_blocks(scores, seq_lens, slots, *state[1], streaming, p, SelectConfig(ways=ways))
+        select_blocks_ref(scores, seq_lens, slots, *state[0], streaming, **p)
+        select_blocks_triton(scores, seq_lens, slots, *state[1], streaming, **p, config=SelectConfig(ways=ways))
         for a, b in zip(state[0], state[1]):
             assert torch.equal(a.sort(-1).values if a.dim() == 3 else a, b.sort(-1).values if b.dim() == 3 else b), step
     sel = state[0][0]
@@ -171,7 +173,8 @@ def test_select_blocks(policy, top_p, ways):
     assert sorted(sel[4, 1].tolist()) == [-1, -1, -1, 0, 38, 39]  # streaming head: sink + local only
 
 
-@pytest.mark.parametrize("policy,top_p,sink,local,ways,tied", [("topk", 1.0, 1, 2, 4, True), ("topk", 1.0, 3, 4, 2, True),
+@pytest.mark.parametrize("policy,top_p,sink,local,ways,tied", [("topk", 1.0, 1, 2, 4, True),
+                                                                ("topk", 1.0, 3, 4, 2, True),
                                                                 ("topp", 0.6, 1, 2, 1, False),
                                                                 ("topp", 0.05, 1, 2, 8, False),
                                                                 ("topp", 0.9, 3, 4, 4, False)])
@@ -183,7 +186,7 @@ def test_select_blocks_edges(policy, top_p, sink, local, ways, tied):
     torch.manual_seed(6)
     hq, hkv, bs, cap = 6, 2, 16, 6
     lens = [200 * bs, 7 * bs, 31 * bs + 1, 64 * bs, 6 * bs, 100 * bs]
-    p = SelectionParams(policy, cap, sink=sink, local=local, top_p=top_p, reuse=1, block_size=bs, page_size=bs)
+    p = params(policy, cap, bs, top_p=top_p, sink=sink, local=local)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
     slots = torch.arange(len(lens), dtype=torch.int32, device=DEV)
     streaming = torch.zeros(hkv, dtype=torch.bool, device=DEV)
@@ -198,8 +201,8 @@ def test_select_blocks_edges(policy, top_p, sink, local, ways, tied):
     state = [(torch.full((len(lens), hkv, cap), -1, dtype=torch.int32, device=DEV),
               torch.zeros(len(lens), hkv, dtype=torch.int32, device=DEV),
               torch.zeros(2, dtype=torch.int64, device=DEV)) for _ in range(2)]
-    update_selection_ref(scores, seq_lens, slots, *state[0], streaming, p)
-    select_blocks(scores, seq_lens, slots, *state[1], streaming, p, SelectConfig(ways=ways))
+    select_blocks_ref(scores, seq_lens, slots, *state[0], streaming, **p)
+    select_blocks_triton(scores, seq_lens, slots, *state[1], streaming, **p, config=SelectConfig(ways=ways))
     assert torch.equal(state[0][0].sort(-1).values, state[1][0].sort(-1).values)
     assert torch.equal(state[0][2], state[1][2])
 
@@ -213,16 +216,18 @@ def test_score_and_select(policy):
     lens = [40 * bs + 3, 0, 5 * bs, 70 * bs, 33 * bs - 1]
     q, _, meta, key_meta = scored_batch(lens, hq, hkv, d, bs, page, torch.float32)
     mb = -(-meta.max_seq_len // bs)
-    p = params(policy, 6, bs, page, reuse=2)
+    p = params(policy, 6, bs, reuse=2)
     slots = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32, device=DEV)
     streaming = torch.tensor([False, True], device=DEV)
     state = [(torch.full((5, hkv, 6), -1, dtype=torch.int32, device=DEV), torch.zeros(5, hkv, dtype=torch.int32,
               device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV)) for _ in range(2)]
     for step in range(3):
         q = torch.randn_like(q)
-        scores = block_scores_ref(q, key_meta, meta.block_tables, meta.seq_lens, mb, bs, d ** -0.5)
-        update_selection_ref(scores, meta.seq_lens, slots, *state[0], streaming, p)
-        score_and_select(q, key_meta, meta.block_tables, meta.seq_lens, slots, *state[1], streaming, p, mb, d ** -0.5)
+        scores = block_scores_ref(q, key_meta.codes, key_meta.scale, meta.block_tables, meta.seq_lens, mb, bs,
+                                  d ** -0.5)
+        select_blocks_ref(scores, meta.seq_lens, slots, *state[0], streaming, **p)
+        score_and_select_triton(q, key_meta.codes, key_meta.scale, meta.block_tables, meta.seq_lens, slots, *state[1],
+                                streaming, max_blocks=mb, scale=d ** -0.5, **p)
         assert torch.equal(state[0][0].sort(-1).values, state[1][0].sort(-1).values), step
         assert torch.equal(state[0][1], state[1][1]) and torch.equal(state[0][2], state[1][2]), step
 
@@ -243,13 +248,12 @@ def test_sparse_decode(dtype, hq, hkv, d, bs, config):
     cap = 5
     sel = random_lists(lens, hkv, bs, cap)
     slots = torch.arange(len(lens), dtype=torch.int32, device=DEV)
-    ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, sel[: len(lens)], 2, meta.max_seq_len,
-                            d ** -0.5)
+    ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, sel, slots, 2, d ** -0.5)
     if config is not None and config.tma:  # the TMA kernel runs, not the fallback
         per_split = split_plan(len(lens), hkv, cap + 2, max(1, config.tile_n // bs), q.device, config)[0]
         assert tma_capable(cache, None) and per_split & (per_split - 1) == 0
     out = torch.full_like(q, float("nan"))
-    sparse_decode(q, cache, meta.block_tables, meta.seq_lens, sel, slots, 2, d ** -0.5, out=out, config=config)
+    sparse_decode_triton(q, cache, meta.block_tables, meta.seq_lens, sel, slots, 2, d ** -0.5, out=out, config=config)
     assert torch.isfinite(out).all() and torch.count_nonzero(out[0]) == 0
     assert rel_err(out, ref) < TOL[dtype]
 
@@ -299,59 +303,28 @@ def test_sparse_decode_splits(dtype, offload, tile_n, tiles, splits):
     kw = {}
     if offload:
         kw["offload"], listed_kv, cache = offload_inputs(cache, meta.block_tables, meta.seq_lens, sel, local)
-        ref = sparse_decode_offload_ref(q, cache, meta.block_tables, meta.seq_lens, sel, listed_kv, local,
-                                        meta.max_seq_len, d ** -0.5)
-    else:
-        ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, sel, local, meta.max_seq_len, d ** -0.5)
+        assert torch.equal(read_listed_ref(kw["offload"]), listed_kv)  # the view serves the listed blocks
+    ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, d ** -0.5, **kw)
+    if offload:  # the poisoned blocks before the window were never read
+        assert torch.isfinite(ref).all()
     config = SparseDecodeConfig(tile_n=tile_n, tiles=tiles, target_programs=1)
     assert split_plan(len(lens), hkv, cap + local, max(1, tile_n // bs), q.device, config)[1] == splits
     out = torch.full_like(q, float("nan"))
-    sparse_decode(q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, d ** -0.5, out=out, config=config,
-                  **kw)
+    sparse_decode_triton(q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, d ** -0.5, out=out,
+                         config=config, **kw)
     assert torch.isfinite(out).all() and torch.count_nonzero(out[0]) == 0
     assert rel_err(out, ref) < TOL[dtype]
 
 
-def sparse_backend(dense, policy: str, budget: int, bs: int, hkv: int, d: int, dtype, num_blocks: int, **kw):
-    cfg = SparseConfig(sparse_policy=policy, sparse_budget=budget, sparse_dense_layers=0, sparse_dense_context=0,
-                       sparse_local_blocks=2, **kw)
-    backend = SparseBackend(dense, cfg, 1, hkv, d, bs, dtype, DEV, max_num_seqs=8)
-    backend.allocate(num_blocks)
-    return backend
-
-
-@pytest.mark.parametrize("policy,budget", [("topk", 4096), ("topk", 64), ("topp", 96)])
-def test_backend_triton_vs_torch(policy, budget):
-    """A decode batch (store, metadata update, scoring, selection, attention) through SparseBackend on
-    each dense backend; with a budget covering every block the sparse path equals dense attention."""
-    torch.manual_seed(4)
-    hq, hkv, d, bs = 8, 2, 32, 16
-    q, cache, meta = decode_batch([0, 150, 70, 33], hq, hkv, d, bs, torch.float32, slack=bs)
-    k, v = torch.randn(meta.num_seqs, hkv, d, device=DEV), torch.randn(meta.num_seqs, hkv, d, device=DEV)
-    meta.slot_mapping = torch.tensor([-1] + [int(meta.block_tables[b, (n - 1) // bs]) * bs + (n - 1) % bs
-                                             for b, n in enumerate(meta.seq_lens.tolist()) if b > 0], device=DEV)
-    outs, caches = [], []
-    for dense in (TorchBackend(), TritonBackend()):
-        backend = sparse_backend(dense, policy, budget, bs, hkv, d, torch.float32, cache.shape[0])
-        c = cache.clone()
-        rebuild_key_meta(c[None], backend.key_meta, bs)
-        outs.append(backend.forward(0, q, k, v, c, meta, d ** -0.5))
-        caches.append(c)
-    assert torch.equal(caches[0], caches[1])
-    assert rel_err(outs[1], outs[0]) < 1e-5
-    if budget >= 150:
-        assert rel_err(outs[0], paged_attention_ref(q, caches[0], meta, d ** -0.5)) < 1e-5
-
-
 def test_step_slots():
-    """sparse_lag's read and write rows: the Triton kernel equals step_slots_ref, and the rule itself: a decode
+    """Lagged selection's read and write rows: the Triton kernel equals step_slots_ref, and the rule itself: a decode
     reads the row its latest earlier selection (every R-th context, or the prefill's end) wrote, never the row
     being written."""
     for reuse in (1, 2, 3):
         lens = torch.tensor([0, 1, 5, 6, 7, 8, 9, 12, 30, 31], dtype=torch.int32, device=DEV)
         slots = torch.randperm(16, device=DEV)[: lens.numel()].to(torch.int32)
         read, write = step_slots_ref(lens, slots, 7, reuse, 16)
-        got = step_slots(lens, slots, 7, reuse, 16)
+        got = step_slots_triton(lens, slots, 7, reuse, 16)
         assert torch.equal(got[0], read) and torch.equal(got[1], write)
         for s in range(1, 40):  # one sequence in slot 3, prefilled to 1..39 tokens, then 12 decodes
             one = torch.tensor([3], dtype=torch.int32, device=DEV)
@@ -362,118 +335,3 @@ def test_step_slots():
                 row = w if w >= 0 else row
 
 
-def _extend(cache: torch.Tensor, meta: AttentionMetadata, steps: int, bs: int) -> torch.Tensor:
-    """Fresh cache blocks for the block-table entries the next `steps` tokens of each sequence enter."""
-    extra = []
-    for b, n in enumerate(meta.seq_lens.tolist()):
-        for blk in range(-(-n // bs) if n else 0, -(-(n + steps) // bs) if n else 0):
-            meta.block_tables[b, blk] = cache.shape[0] + len(extra)
-            extra.append(torch.randn_like(cache[0]))
-    return torch.cat([cache, torch.stack(extra)]) if extra else cache
-
-
-@pytest.mark.parametrize("dense", ["torch", "triton"])
-@pytest.mark.parametrize("reuse", [1, 2])
-def test_lagged_selection(dense, reuse):
-    """sparse_lag=1 through SparseBackend.forward: a prefill's last token selects, then decode steps. Each decode
-    attends the list of the latest earlier selection (the prefill's end, then each decode at a context that is
-    a multiple of R), recomputed here from the references on the queries and key metadata of that step."""
-    torch.manual_seed(9)
-    hq, hkv, d, bs, steps, scale = 8, 2, 32, 16, 4, 32 ** -0.5
-    q, cache, meta = decode_batch([158, 0, 95, 200], hq, hkv, d, bs, torch.float32, slack=steps + 1)
-    cache = _extend(cache, meta, steps, bs)
-    backend = sparse_backend(TorchBackend() if dense == "torch" else TritonBackend(), "topk", 6 * bs, bs, hkv, d,
-                             torch.float32, cache.shape[0], sparse_reuse=reuse, sparse_lag=1)
-    rebuild_key_meta(cache[None], backend.key_meta, bs)
-    p, mb = backend.params, -(-meta.max_seq_len // bs)
-    live = meta.seq_lens > 0
-    latest = torch.full((4, hkv, p.cap), -1, dtype=torch.int32, device=DEV)
-    selections = 0
-    for step in range(steps + 1):  # step 0: a prefill chunk of one token a sequence; then decodes
-        if step:
-            meta.seq_lens += live.to(torch.int32)
-        meta.num_decodes = 0 if step == 0 else 4
-        pos = (meta.seq_lens.long() - 1).clamp_min(0)
-        meta.slot_mapping = torch.where(live, meta.block_tables.long().gather(1, (pos // bs)[:, None])[:, 0] * bs
-                                        + pos % bs, -1)
-        q, k, v = (torch.randn(4, h, d, device=DEV) for h in (hq, hkv, hkv))
-        out = backend.forward(0, q, k, v, cache, meta, scale)
-        if step:
-            ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, latest, p.local, meta.max_seq_len,
-                                    scale)
-            assert rel_err(out[live], ref[live]) < 1e-5, step
-        scores = block_scores_ref(q, backend.key_meta[0], meta.block_tables, meta.seq_lens, mb, bs, scale)
-        lists = select_ref(scores, meta.seq_lens, torch.zeros(hkv, dtype=torch.bool, device=DEV), p)
-        due = live & ((step == 0) | (meta.seq_lens % reuse == 0))
-        latest = torch.where(due[:, None, None], lists, latest)
-        selections += int(due.sum()) * hkv
-    assert int(backend.stats[1]) == selections
-
-
-@gpu_only
-@pytest.mark.parametrize("policy", ["topk", "topp"])
-def test_large_decode_cuda_graph(policy):
-    """Llama-8B head shapes, 64K context, bf16: the captured sparse decode (scoring, selection with reuse,
-    kernel) replays against the references computed from the lists it left."""
-    torch.manual_seed(5)
-    hq, hkv, d, bs, lens = 32, 8, 128, 32, [65536, 40000, 0, 2047]
-    q, cache, meta = decode_batch(lens, hq, hkv, d, bs, torch.bfloat16)
-    backend = sparse_backend(TritonBackend(), policy, 2048, bs, hkv, d, torch.bfloat16, cache.shape[0],
-                             sparse_reuse=2)
-    rebuild_key_meta(cache[None], backend.key_meta, bs)
-    out = torch.empty_like(q)
-    backend._decode(0, q, cache, meta, d ** -0.5, out)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        backend._decode(0, q, cache, meta, d ** -0.5, out)
-    backend.counter.zero_()
-    for step in range(3):
-        q.copy_(torch.randn_like(q))
-        graph.replay()
-        slots = torch.arange(len(lens), device=DEV)
-        ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, backend.sel[0][slots], 2,
-                                meta.max_seq_len, d ** -0.5)
-        assert rel_err(out, ref) < 1e-2, step
-    nb = (meta.seq_lens + bs - 1) // bs
-    counts = (backend.sel[0][: len(lens)] >= 0).sum(-1)
-    assert (counts[:2] <= 64).all() and (counts[3] <= nb[3]).all()
-    if policy == "topk":  # with sparse_dense_context=0 a short context is still scored: all of it fits
-        assert (counts[:2] == 64).all() and (counts[3] == nb[3]).all()
-
-
-@gpu_only
-def test_engine_gpu_sparse_equals_dense(hf_models):
-    """float32 on the GPU: a covering budget through scoring, selection and the sparse kernel matches
-    dense attention (probe, eager) and gives dense's tokens with CUDA graphs (an untied model, whose
-    logits are far apart); a small budget (reuse, hierarchical pages) runs and frees every block."""
-    from sparseserve import LLM, SamplingParams
-    from sparseserve.bench.attention_probe import AttentionProbe
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 2000, (n,), generator=g).tolist() for n in (700, 300, 90)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    # A fixed KV size: engines of this test (and other GPU users) must not starve each other's profiling.
-    common = dict(device="cuda", dtype="float32", block_size=16, max_model_len=1024, max_num_seqs=4,
-                  kv_cache_memory=256 << 20)
-    full = dict(sparse_policy="topk", sparse_budget=1024, sparse_dense_layers=0, sparse_dense_context=0)
-
-    llm = LLM(str(hf_models["llama3-gqa-d128-tied-rope"][0]), **common, **full, enforce_eager=True)
-    with AttentionProbe(llm.llm_engine.model_runner.attn_backend) as probe:
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    layers = probe.report()["layers"].values()
-    del llm
-    assert all(r["mass_min"] > 1 - 1e-5 and r["rel_err_max"] < 1e-4 for r in layers), layers
-
-    def run(**kw):
-        llm = LLM(str(hf_models["qwen2-gqa-bias"][0]), **common, **kw)
-        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        return outs, llm.llm_engine.get_stats()
-
-    dense, _ = run()
-    sparse, stats = run(**full)
-    assert sparse == dense and stats.sparse_selections > 0
-    lagged, stats = run(**full, sparse_lag=1)  # selection on a side stream of the captured graphs
-    assert lagged == dense and stats.sparse_selections > 0
-    small, stats = run(sparse_policy="topp", sparse_budget=128, sparse_top_p=0.8, sparse_reuse=4,
-                       logical_page_size=4, sparse_dense_layers=1)
-    assert all(len(o) == params.max_tokens for o in small) and stats.num_blocks_used == 0
-    assert stats.sparse_blocks_selected <= stats.sparse_selections * 128 // 16

@@ -1,4 +1,4 @@
-"""Triton attention kernels against their torch references (torch_ref.py).
+"""Triton attention kernels against their torch references (store_kv, paged decode, paged prefill).
 
 Without CUDA the kernels run on the CPU under the Triton interpreter (small shapes, CI); with CUDA the
 same tests run on the GPU, plus larger shapes and a CUDA-graph replay check.
@@ -9,13 +9,33 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sparseserve.attention.backend import AttentionMetadata, attend_paged
+from sparseserve.kernels.dispatch import forced
+from sparseserve.kernels.paged_decode import DecodeConfig, paged_decode_ref, paged_decode_triton
+from sparseserve.kernels.paged_prefill import PrefillConfig, paged_prefill_ref, paged_prefill_triton
+from sparseserve.kernels.store_kv import store_kv_ref, store_kv_triton
 from tests.kernel_utils import ATTN_DTYPES, DEVICE, TOL, gpu_only, rel_err
-from sparseserve.attention.backend import AttentionMetadata
-from sparseserve.attention.torch_ref import TorchBackend, paged_attention_ref, store_kv_ref
-from sparseserve.attention.triton_backend import TritonBackend
-from sparseserve.kernels.paged_decode import DecodeConfig, paged_decode
-from sparseserve.kernels.paged_prefill import PrefillConfig, paged_prefill
-from sparseserve.kernels.store_kv import store_kv
+
+
+def paged_attention_ref(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of every query token over its whole context, each one on its own, in float64: an
+    independent check of the references and kernels (slow; small shapes only)."""
+    out = torch.zeros_like(q, dtype=torch.float64)
+    bs, hkv = cache.shape[3], cache.shape[1]
+    group = q.shape[1] // hkv
+    qsl, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    for b, n in enumerate(lens):
+        ql = qsl[b + 1] - qsl[b]
+        if n == 0:
+            continue
+        blocks = meta.block_tables[b, : -(-n // bs)].long()
+        kv = cache[blocks].double().permute(2, 1, 0, 3, 4).reshape(2, hkv, -1, cache.shape[-1])[:, :, :n]
+        k, v = kv[0].repeat_interleave(group, 0), kv[1].repeat_interleave(group, 0)
+        for i in range(ql):
+            pos = n - ql + i
+            s = torch.einsum("hd,hkd->hk", q[qsl[b] + i].double(), k[:, : pos + 1]) * scale
+            out[qsl[b] + i] = torch.einsum("hk,hkd->hd", torch.softmax(s, -1), v[:, : pos + 1])
+    return out.to(q.dtype)
 
 
 def make_batch(decode_lens: list[int], prefills: list[tuple[int, int]], hq: int, hkv: int, d: int, bs: int,
@@ -63,7 +83,7 @@ def test_store_kv(dtype, hkv, d, bs):
     ref = torch.randn(num_blocks, hkv, 2, bs, d, device=DEVICE).to(dtype)
     out = ref.clone()
     store_kv_ref(k, v, ref, slots)
-    store_kv(k, v, out, slots)
+    store_kv_triton(k, v, out, slots)
     assert torch.equal(out, ref)
 
 
@@ -82,10 +102,13 @@ def test_paged_decode(dtype, hq, hkv, d, bs, config):
     lens = [0, 1, bs - 1, bs, 3 * bs + 5, 150]
     q, cache, meta = make_batch(lens, [], hq, hkv, d, bs, dtype, slack=2 * bs + 3)
     ref = paged_attention_ref(q, cache, meta, d ** -0.5)
+    torch_ref = paged_decode_ref(q, cache, meta.block_tables, meta.seq_lens, d ** -0.5, meta.max_seq_len)
+    assert rel_err(torch_ref, ref) < TOL[dtype]
     out = torch.full_like(q, float("nan"))
-    paged_decode(q, cache, meta.block_tables, meta.seq_lens, d ** -0.5, meta.max_seq_len, out=out, config=config)
+    paged_decode_triton(q, cache, meta.block_tables, meta.seq_lens, d ** -0.5, meta.max_seq_len, out=out,
+                        config=config)
     assert torch.isfinite(out).all()
-    assert torch.count_nonzero(out[0]) == 0  # seq_len 0: zeros
+    assert torch.count_nonzero(out[0]) == 0 == torch.count_nonzero(torch_ref[0])  # seq_len 0: zeros
     assert rel_err(out, ref) < TOL[dtype]
 
 
@@ -104,11 +127,25 @@ def test_paged_prefill(dtype, hq, hkv, d, bs, config):
     prefills = [(0, 9), (37, 20), (2 * bs, 1), (3 * bs, 2 * bs + 5)]
     q, cache, meta = make_batch([], prefills, hq, hkv, d, bs, dtype, slack=5)
     ref = paged_attention_ref(q, cache, meta, d ** -0.5)
+    torch_ref = paged_prefill_ref(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, d ** -0.5,
+                                  meta.max_query_len)
+    assert rel_err(torch_ref, ref) < TOL[dtype]
     out = torch.full_like(q, float("nan"))
-    paged_prefill(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, d ** -0.5,
-                  meta.max_query_len, out=out, config=config)
+    paged_prefill_triton(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, d ** -0.5,
+                         meta.max_query_len, out=out, config=config)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_prefill_ref_query_chunks(monkeypatch):
+    """The reference's query chunking (bounded memory for long prompts) does not change its result."""
+    import sparseserve.kernels.paged_prefill as pp
+    torch.manual_seed(7)
+    q, cache, meta = make_batch([], [(0, 40), (17, 23)], 4, 2, 16, 8, torch.float32)
+    args = (q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.25, meta.max_query_len)
+    whole = paged_prefill_ref(*args)
+    monkeypatch.setattr(pp, "_REF_SCORE_ELEMENTS", 4 * 40 * 3)  # chunks of 3 queries
+    assert torch.allclose(paged_prefill_ref(*args), whole, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", ATTN_DTYPES)
@@ -120,8 +157,12 @@ def test_backend_mixed_batch(dtype):
     k = torch.randn(q.shape[0], hkv, d, device=DEVICE).to(dtype)
     v = torch.randn_like(k)
     ref_cache = cache.clone()
-    ref = TorchBackend().forward(0, q, k, v, ref_cache, meta, d ** -0.5)
-    out = TritonBackend().forward(0, q, k, v, cache, meta, d ** -0.5)
+    with forced("torch"):
+        store_kv_ref(k, v, ref_cache, meta.slot_mapping)
+        ref = attend_paged(q, ref_cache, meta, d ** -0.5)
+    with forced("triton"):
+        store_kv_triton(k, v, cache, meta.slot_mapping)
+        out = attend_paged(q, cache, meta, d ** -0.5)
     assert torch.equal(cache, ref_cache)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < TOL[dtype]
@@ -135,8 +176,9 @@ def test_large_shapes_gpu(dtype, hq, hkv, bs):
     d = 128
     decode_lens = [0, 1, 4099, 777, 2 * bs, 8191]
     q, cache, meta = make_batch(decode_lens, [(3000, 517), (0, 1024), (bs, 1)], hq, hkv, d, bs, dtype, slack=100)
-    ref = paged_attention_ref(q, cache, meta, d ** -0.5)
-    out = TritonBackend().attend(q, cache, meta, d ** -0.5)
+    with forced("torch"):
+        ref = attend_paged(q, cache, meta, d ** -0.5)
+    out = attend_paged(q, cache, meta, d ** -0.5)
     nd = meta.num_decodes
     assert torch.isfinite(out).all()
     assert rel_err(out[:nd], ref[:nd]) < TOL[dtype]
@@ -149,17 +191,17 @@ def test_decode_cuda_graph_replay():
     torch.manual_seed(6)
     hq, hkv, d, bs, batch, bound = 32, 8, 128, 32, 4, 4096
     q, cache, meta = make_batch([bound] * batch, [], hq, hkv, d, bs, torch.bfloat16)
-    backend = TritonBackend()
-    backend.attend(q, cache, meta, d ** -0.5)  # compile outside the capture
+    attend_paged(q, cache, meta, d ** -0.5)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = backend.attend(q, cache, meta, d ** -0.5)
+        out = attend_paged(q, cache, meta, d ** -0.5)
     for lens in ([4096, 1, 0, 2000], [33, 4000, 64, 1025]):
         meta.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         meta.block_tables.copy_(meta.block_tables[torch.randperm(batch, device=DEVICE)])
         q.copy_(torch.randn_like(q))
         out.fill_(float("nan"))
         graph.replay()
-        ref = paged_attention_ref(q, cache, meta, d ** -0.5)
+        with forced("torch"):
+            ref = attend_paged(q, cache, meta, d ** -0.5)
         assert torch.isfinite(out).all()
         assert rel_err(out, ref) < 1e-2

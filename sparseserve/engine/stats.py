@@ -1,0 +1,81 @@
+"""The engine's statistics: one named snapshot (EngineStats), with the device counters read one step late.
+
+Counters that the GPU increments inside a step (blocks selected, HBM pool hits and loads, blocks written
+through) are never read with a host sync on the serving path (DESIGN.md principle 2): `DeviceCounters`
+copies them into pinned memory asynchronously after a step and hands out the newest copy that has landed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks_used: int = 0
+    num_blocks_total: int = 0
+    num_preemptions: int = 0           # cumulative counters from here on
+    num_prompt_tokens: int = 0         # prompt tokens computed (recomputation after preemption included)
+    num_generation_tokens: int = 0
+    sparse_blocks_selected: int = 0    # sparse decode: blocks in all selections so far
+    sparse_selections: int = 0         # selections made: one per (decode sequence, sparse layer, KV head)
+    sparse_block_size: int = 0
+    offload_hbm_hits: int = 0          # KV offload: listed head blocks found in the HBM pool
+    offload_blocks_loaded: int = 0     # head blocks copied host -> HBM pool (FlashH2D)
+    offload_bypass_reads: int = 0      # misses read straight from the host store (no evictable slot in the set)
+    offload_layer_steps: int = 0       # (decode step, sparse layer) pairs that went through the pool
+    offload_host_blocks: int = 0       # token blocks of the host store (gauge)
+    offload_hbm_slots: int = 0         # head-block slots of the HBM pool (gauge)
+    offload_h2d_bytes: int = 0         # bytes loaded host -> HBM pool
+    offload_d2h_bytes: int = 0         # bytes written through to the host store
+    offload_device_blocks_used: int = 0  # device block cache (the working set): blocks mapped (gauge)
+    offload_device_blocks: int = 0       # device block cache: blocks (gauge)
+
+    @classmethod
+    def from_values(cls, values: dict[str, int]) -> "EngineStats":
+        """Fills the fields by name (values may hold more keys)."""
+        return cls(**{f.name: int(values[f.name]) for f in fields(cls) if f.name in values})
+
+
+class DeviceCounters:
+    """Named cumulative int64 device counters, read without a sync: `refresh()` (after a step) starts an
+    asynchronous copy into pinned memory unless the previous copy is still in flight; `values()` returns the
+    newest copy that has landed (one step late at most on a busy GPU). On CPU both are immediate."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.names = list(tensors)
+        self._src = [t.reshape(()) for t in tensors.values()]
+        self._values = {n: 0 for n in self.names}
+        self._cuda = bool(self._src) and self._src[0].is_cuda
+        self._pinned = torch.zeros(len(self._src), dtype=torch.int64, pin_memory=self._cuda)
+        self._event: torch.cuda.Event | None = None
+
+    def refresh(self) -> None:
+        if not self._src:
+            return
+        if not self._cuda:
+            self._values = dict(zip(self.names, torch.stack(self._src).tolist()))
+            return
+        if self._event is not None:
+            if not self._event.query():
+                return
+            self._values = dict(zip(self.names, self._pinned.tolist()))
+        self._pinned.copy_(torch.stack(self._src), non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def values(self, sync: bool = False) -> dict[str, int]:
+        """The newest landed copy; sync=True waits for the device first (tests, benchmarks)."""
+        if sync and self._src:
+            if self._cuda:
+                torch.cuda.current_stream(self._src[0].device).synchronize()
+                self._event = None
+                self._values = dict(zip(self.names, torch.stack(self._src).tolist()))
+            else:
+                self.refresh()
+        elif self._cuda and self._event is not None and self._event.query():
+            self._values = dict(zip(self.names, self._pinned.tolist()))
+        return dict(self._values)

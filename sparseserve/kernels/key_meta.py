@@ -1,0 +1,187 @@
+"""Key metadata of head blocks (DESIGN.md principle 6): per page of `page_size` tokens, the per-channel min and
+max of the keys as int8 codes on a symmetric float32 scale, updated as a step's tokens are stored.
+
+One layer's metadata (allocated by kvcache/metadata.py): codes int8 [NB + 1, Hkv, 2 (min, max), P, D] and
+scale float32 [NB + 1, Hkv, P]; row NB is a trash row that every token not ending a page writes, so the
+update has fixed shapes and never filters on the host. The min is rounded down and the max up, so
+codes * scale still bracket the keys and the score q+ . max + q- . min stays an upper bound of q.k over the
+page (up to float32 rounding); the bound only gets looser by at most one code step (amax / 127) per channel.
+
+store_kv_key_meta (the engine's sparse layers): store_kv and the update of the pages the step's tokens end,
+one Triton kernel on the GPU; the rows of a page this step writes come from k, the others from the cache,
+so chunked prefill stays exact and bit-identical to the reference.
+"""
+from __future__ import annotations
+
+import torch
+
+from sparseserve.kernels.dispatch import tl, triton, use_triton
+from sparseserve.kernels.pdl import pdl_wait, use_pdl
+from sparseserve.kernels.store_kv import store_kv_ref
+
+# The floor of a page's largest |key|: an all-zero page gets codes 0 and a finite 127 / amax.
+AMAX_FLOOR = 1e-30
+
+
+def quantize_key_meta(kmin: torch.Tensor, kmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page min/max [..., D] -> (int8 codes [..., 2, D], float32 scale [...]), codes_min * scale <= kmin and
+    codes_max * scale >= kmax. The same float32 operations, in the same order, as _store_kv_key_meta_kernel, with
+    IEEE-rounded divisions of tensor by tensor (torch on CUDA turns a division by a Python scalar into a
+    multiplication by its reciprocal), so the kernel and this reference agree bit for bit."""
+    kmin, kmax = kmin.float(), kmax.float()
+    amax = torch.maximum(kmin.abs(), kmax.abs()).amax(-1).clamp_min(AMAX_FLOOR)
+    levels = torch.full_like(amax, 127.0)
+    inv = (levels / amax)[..., None]
+    codes = torch.stack([(kmin * inv).floor(), (kmax * inv).ceil()], -2).clamp(-127.0, 127.0)
+    return codes.to(torch.int8), amax / levels
+
+
+def page_end_tokens(slot_mapping: torch.Tensor, page_size: int) -> torch.Tensor:
+    """True for the last token a step writes into each page. A sequence's new tokens are consecutive
+    in the batch and in its slots, so a page ends where the next token is not the next slot of the
+    same page (or at the batch's end)."""
+    nxt = torch.cat([slot_mapping[1:], slot_mapping.new_full((1,), -1)])
+    return (slot_mapping >= 0) & ((nxt != slot_mapping + 1) | ((slot_mapping + 1) % page_size == 0))
+
+
+def update_key_meta_ref(kv_cache: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                        slot_mapping: torch.Tensor, page_size: int, meta_slots: torch.Tensor | None = None) -> None:
+    """After store_kv: recompute min/max of every page this step wrote, from the cache itself.
+
+    kv_cache: one layer [cache_blocks, Hkv, 2, block_size, D]; codes, scale: that layer's metadata (last
+    row: trash). A page's tokens up to the page-end token are valid (tokens are written in order), so stale keys
+    of a block's previous owner are never folded in. meta_slots (KV offload, where the cache holds device
+    blocks): the same tokens' slots in token blocks, whose rows are updated; None: slot_mapping (the cache
+    is indexed by token block).
+    """
+    cache_blocks, _, _, block_size, _ = kv_cache.shape
+    trash = scale.shape[0] - 1
+    if slot_mapping.numel() == 0:
+        return
+    meta_slots = slot_mapping if meta_slots is None else meta_slots
+    end = page_end_tokens(slot_mapping, page_size)
+    slot = slot_mapping.clamp_min(0)
+    src = torch.where(end, slot // block_size, 0)
+    blk = torch.where(end, meta_slots.clamp_min(0) // block_size, trash)  # all but page ends: the trash row
+    off = slot % block_size
+    page = off // page_size
+    rows = page[:, None] * page_size + torch.arange(page_size, device=slot.device)  # [T, ps]
+    keys = kv_cache[:, :, 0][src.clamp_max(cache_blocks - 1)]  # [T, Hkv, bs, D]
+    keys = keys.gather(2, rows[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1]))  # [T, Hkv, ps, D]
+    valid = (rows <= off[:, None])[:, None, :, None]
+    kmin = keys.masked_fill(~valid, float("inf")).amin(2)
+    kmax = keys.masked_fill(~valid, float("-inf")).amax(2)
+    page_codes, page_scale = quantize_key_meta(kmin, kmax)  # [T, Hkv, 2, D], [T, Hkv]
+    codes[blk, :, :, page] = page_codes
+    scale[blk, :, page] = page_scale
+
+
+def rebuild_key_meta(kv_caches, codes: torch.Tensor, scale: torch.Tensor, page_size: int) -> None:
+    """Metadata of every full block of every layer from the caches (one [NB, Hkv, 2, bs, D] a layer: a list or a
+    [L, NB, ...] tensor) into codes, scale [L, NB + 1, ...] (benchmarks and tests that fill caches directly)."""
+    for layer, cache in enumerate(kv_caches):
+        k = cache[:, :, 0]  # [NB, Hkv, bs, D]
+        nb, hkv, bs, d = k.shape
+        pages = k.reshape(nb, hkv, bs // page_size, page_size, d)
+        page_codes, page_scale = quantize_key_meta(pages.amin(3), pages.amax(3))  # [NB, Hkv, P, 2, D], [NB, Hkv, P]
+        codes[layer, :nb] = page_codes.transpose(2, 3)
+        scale[layer, :nb] = page_scale
+
+def store_kv_key_meta_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, codes: torch.Tensor,
+                          scale: torch.Tensor, slot_mapping: torch.Tensor, page_size: int,
+                          meta_slots: torch.Tensor | None = None) -> None:
+    """store_kv of k, v [T, Hkv, D] into kv_cache (one layer [NB, Hkv, 2, bs, D]), then the metadata update of
+    the pages they end. meta_slots: the tokens' slots in the blocks that index the metadata, where the cache
+    is indexed otherwise (a device block cache under KV offload); None: slot_mapping."""
+    store_kv_ref(k, v, kv_cache, slot_mapping)
+    update_key_meta_ref(kv_cache, codes, scale, slot_mapping, page_size, meta_slots)
+
+
+def store_kv_key_meta(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, codes: torch.Tensor,
+                      scale: torch.Tensor, slot_mapping: torch.Tensor, page_size: int,
+                      meta_slots: torch.Tensor | None = None) -> None:
+    """store_kv_key_meta_ref's contract."""
+    fn = store_kv_key_meta_triton if use_triton(k) else store_kv_key_meta_ref
+    fn(k, v, kv_cache, codes, scale, slot_mapping, page_size, meta_slots)
+
+
+@triton.jit
+def _store_kv_key_meta_kernel(k_ptr, v_ptr, cache_ptr, codes_ptr, scale_ptr, slot_ptr, meta_slot_ptr, num_tokens,
+                              stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ch, stride_ckv,
+                              stride_mb, stride_mh, stride_mm, stride_sb, stride_sh,
+                              HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE: tl.constexpr,
+                              BLOCK_D: tl.constexpr, AMAX_FLOOR: tl.constexpr, PDL: tl.constexpr):
+    """Program (token, KV head): stores the token's K and V (store_kv), and if the token is the last one this
+    step writes into its page, recomputes the page's min/max over its tokens so far, quantized to int8 codes
+    and a scale (reference: store_kv_ref then update_key_meta_ref, quantize_key_meta: the same float32
+    operations, divisions rounded as IEEE's, so that both agree bit for bit). One launch instead of two in
+    every sparse layer. The page's rows that this step writes (a prefill chunk's earlier tokens: other
+    programs of this launch store them) are taken from k, the others from the cache (earlier steps). The
+    metadata row is the token block of meta_slot (KV offload: the cache holds device blocks)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t)  # step inputs: read before pdl_wait (kernels/pdl.py)
+    nxt = tl.load(slot_ptr + t + 1, mask=t + 1 < num_tokens, other=-1)
+    mblk = tl.load(meta_slot_ptr + t) // BLOCK_SIZE
+    dims = tl.arange(0, BLOCK_D)
+    dmask = dims < HEAD_DIM
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    page = off // PAGE
+    rows = page * PAGE + tl.arange(0, PAGE)
+    back = off - rows  # row r holds the token `back` slots before this one
+    src = t - back
+    earlier = (rows <= off) & (src >= 0)
+    # A row is this step's when the token `back` places earlier in the batch has the slot `back` places earlier
+    # (a sequence's tokens of a step are consecutive in the batch and in their slots).
+    in_step = earlier & (tl.load(slot_ptr + src, mask=earlier, other=-1) == slot - back)
+    pdl_wait(PDL)
+    if slot < 0:
+        return
+    head_row = cache_ptr + blk * stride_cb + h * stride_ch
+    k_src = k_ptr + h * stride_kh + dims
+    tl.store(head_row + off * HEAD_DIM + dims,
+             tl.load(k_src + t.to(tl.int64) * stride_kt, mask=dmask).to(cache_ptr.dtype.element_ty), mask=dmask)
+    tl.store(head_row + stride_ckv + off * HEAD_DIM + dims,
+             tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + dims, mask=dmask).to(
+                 cache_ptr.dtype.element_ty), mask=dmask)
+    if (nxt == slot + 1) & ((slot + 1) % PAGE != 0):  # not the page's last token this step
+        return
+    mask = (rows <= off)[:, None] & dmask[None, :]
+    from_k = in_step[:, None] & dmask[None, :]
+    keys = tl.load(k_src[None, :] + (src.to(tl.int64) * stride_kt)[:, None], mask=from_k, other=0.0)
+    keys = keys.to(cache_ptr.dtype.element_ty)  # as stored
+    old = tl.load(head_row + rows[:, None] * HEAD_DIM + dims[None, :], mask=mask & ~from_k, other=0.0)
+    keys = tl.where(from_k, keys, old).to(tl.float32)
+    kmin = tl.min(tl.where(mask, keys, float("inf")), 0)
+    kmax = tl.max(tl.where(mask, keys, float("-inf")), 0)
+    amax = tl.max(tl.where(dmask, tl.maximum(tl.abs(kmin), tl.abs(kmax)), 0.0), 0)
+    amax = tl.maximum(amax, AMAX_FLOOR)
+    inv = tl.math.div_rn(127.0, amax)
+    cmin = tl.minimum(tl.maximum(tl.math.floor(kmin * inv), -127.0), 127.0).to(tl.int8)
+    cmax = tl.minimum(tl.maximum(tl.math.ceil(kmax * inv), -127.0), 127.0).to(tl.int8)
+    dst = codes_ptr + mblk * stride_mb + h * stride_mh + page * HEAD_DIM + dims
+    tl.store(dst, cmin, mask=dmask)
+    tl.store(dst + stride_mm, cmax, mask=dmask)
+    tl.store(scale_ptr + mblk * stride_sb + h * stride_sh + page, tl.math.div_rn(amax, 127.0))
+
+
+def store_kv_key_meta_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, codes: torch.Tensor,
+                             scale: torch.Tensor, slot_mapping: torch.Tensor, page_size: int,
+                             meta_slots: torch.Tensor | None = None) -> None:
+    """One program per (token, KV head); only page-end tokens update metadata."""
+    num_tokens = slot_mapping.numel()
+    _, hkv, _, block_size, head_dim = kv_cache.shape
+    assert codes.stride(-1) == 1 and codes.stride(-2) == head_dim and scale.stride(-1) == 1
+    assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim and k.stride(2) == 1 and v.stride(2) == 1
+    assert k.shape == v.shape == (num_tokens, hkv, head_dim)
+    if num_tokens == 0:
+        return
+    meta_slots = slot_mapping if meta_slots is None else meta_slots
+    pdl = use_pdl(kv_cache.device)
+    _store_kv_key_meta_kernel[(num_tokens, hkv)](
+        k, v, kv_cache, codes, scale, slot_mapping, meta_slots, num_tokens,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        codes.stride(0), codes.stride(1), codes.stride(2), scale.stride(0), scale.stride(1),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGE=page_size, BLOCK_D=triton.next_power_of_2(head_dim),
+        AMAX_FLOOR=AMAX_FLOOR, num_warps=1, PDL=pdl, launch_pdl=pdl)

@@ -1,0 +1,326 @@
+"""The hierarchical KV cache as one component (DESIGN.md principles 4 and 5): `OffloadCache`.
+
+With kv_offload every full head block lives in a pinned host store (kvcache/host.py), written through once as
+its tokens arrive; the device keeps, per token block, the key metadata and the dense layers' K/V, and for the
+sparse layers only each running sequence's working set (its prefill's blocks, its decode window: the device
+block cache, `DeviceBlockMap`) plus a unified pool of HBM head-block slots (kvcache/pool.py) through which
+sparse decode reads the other blocks it selects. How the device budget is split: kvcache/layout.py.
+
+Everything outside reaches the offload path through this class:
+  - the runner builds it (`build`) and takes its per-layer caches (`kv_caches`) and each step's device
+    addressing (`prepare_step`: slots and tables of the device block cache), and fences it before a step;
+  - the scheduler asks its device block space whether a step fits (`can_schedule`, `can_admit`), maps a
+    step's blocks (`schedule`), releases a sequence's (`free`) and reports token blocks handed to a new owner
+    (`on_allocate`: their pool slots are stale);
+  - the sparse backend writes each layer's new full blocks through (`write_through`) and reads a layer's
+    selected blocks into an HBM view (`read`: pool lookup, victims and FlashH2D of the misses; `lookup` after
+    the lists changed without loading);
+  - CUDA graphs replay the step's device addressing from static buffers (`init_capture_graph`,
+    `capture_step`, `prepare_for_replay`);
+  - statistics: `counters()` (device, read without a sync) and `gauges()`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sparseserve.config import OffloadConfig, available_host_memory
+from sparseserve.kernels.flash_h2d import flash_h2d
+from sparseserve.kernels.sparse_decode import listed_rows
+from sparseserve.kvcache.blocks import BlockAllocator, blocks_needed
+from sparseserve.kvcache.host import HostKVStore, host_block_bytes
+from sparseserve.kvcache.layout import OffloadLayout
+from sparseserve.kvcache.pool import HBMPool
+
+logger = logging.getLogger(__name__)
+
+# A view of a layer's selected blocks for the sparse kernels: (pool slots, host rows, loc, key).
+OffloadView = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class OffloadStep:
+    """One step's addressing of the sparse layers' device block cache (token-block addressing is the step's
+    AttentionMetadata). Released entries of a table name the cache's trash row."""
+    slot_mapping: torch.Tensor  # int64 [T]
+    block_tables: torch.Tensor  # int32 [B, W]
+
+
+class DeviceBlockMap:
+    """The device block cache's rows and which token blocks of each sequence they hold.
+
+    A sequence maps a contiguous range of its token blocks [start, start + len(blocks)) to device blocks:
+      - a step that prefills (more than one new token, or one token that is not the last one to compute)
+        needs every block of the sequence: dense prefill attention reads all earlier blocks;
+      - a decode (the one token left) needs the local window only (the last `local_blocks` blocks, tail
+        included): the sparse kernel reads every other listed block through the HBM pool or the host store.
+    Blocks leaving that range are released when the step is scheduled. The range only moves forward (a
+    sequence never prefills after decoding unless preempted, which releases everything), so no block is
+    ever loaded back into the device cache.
+
+    Why releasing at scheduling time is safe: a released block left the window, so it is full and was
+    written in an earlier step; the runner fences the host store before it launches a step's kernels
+    (every write-through of earlier steps is in the store), and the step reads the block through the pool /
+    host row only, so a new owner may overwrite the device block in that same step."""
+
+    def __init__(self, num_blocks: int, local_blocks: int, block_size: int, token_blocks: int) -> None:
+        self.allocator = BlockAllocator(num_blocks)
+        self.token_blocks = token_blocks
+        self.local_blocks = local_blocks
+        self.block_size = block_size
+        self.ranges: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (start, device blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    def range_of(self, seq) -> tuple[int, list[int]]:
+        return self.ranges.get(seq.seq_id, (0, []))
+
+    def hot_range(self, seq, n: int) -> tuple[int, int]:
+        """Token-block indices [lo, hi) that must be on the device for a step computing n new tokens."""
+        c = seq.num_computed_tokens
+        hi = blocks_needed(c + n, self.block_size)
+        decode = n == 1 and c + 1 == seq.num_tokens
+        return (max(hi - self.local_blocks, 0) if decode else 0), hi
+
+    def num_to_allocate(self, seq, n: int) -> int:
+        """Device blocks this step takes from the free list, net of what the sequence itself releases."""
+        lo, hi = self.hot_range(seq, n)
+        start, blocks = self.range_of(seq)
+        held = len(blocks)
+        missing = hi - max(lo, start + held) if held else hi - lo
+        releasable = min(max(lo - start, 0), held)
+        return missing - releasable
+
+    def can_map(self, seq, n: int) -> bool:
+        return self.allocator.can_allocate(max(self.num_to_allocate(seq, n), 0))
+
+    def can_admit(self, seq, running: list) -> bool:
+        """Whether a waiting sequence may start: the device blocks its whole prefill will need fit next to
+        what the running prefills still need (admitting a prompt whose later chunks cannot get their blocks
+        would only preempt it again). Always true when the device space is as large as the token space."""
+        if self.num_blocks >= self.token_blocks:
+            return True
+        reserved = sum(self._prefill_rest(s) for s in running)
+        return self.allocator.num_free - reserved >= blocks_needed(seq.num_tokens, self.block_size)
+
+    def _prefill_rest(self, seq) -> int:
+        """Device blocks a running sequence still has to map to finish its prefill."""
+        if seq.num_computed_tokens + 1 >= seq.num_tokens:
+            return 0
+        start, blocks = self.range_of(seq)
+        return blocks_needed(seq.num_tokens, self.block_size) - start - len(blocks)
+
+    def map(self, seq, n: int) -> list[int]:
+        """Releases the sequence's device blocks before the step's range and maps the blocks it adds.
+        Returns the released device blocks (already back on the free list)."""
+        lo, hi = self.hot_range(seq, n)
+        start, blocks = self.range_of(seq)
+        if not blocks:
+            start = lo
+        if lo < start:
+            raise RuntimeError(f"sequence {seq.seq_id} needs token block {lo} on the device again after "
+                               f"releasing it (device range starts at {start})")
+        cut = min(lo - start, len(blocks))
+        released: list[int] = []
+        if cut:  # a decode's window moves once per block_size steps: most steps release nothing
+            released = blocks[:cut]
+            self.allocator.free(released)
+            blocks = blocks[cut:]
+            start = start + cut if blocks else lo
+        end = start + len(blocks)
+        if hi > end:
+            blocks = blocks + self.allocator.allocate(hi - end)
+        self.ranges[seq.seq_id] = (start, blocks)
+        return released
+
+    def release(self, seq) -> None:
+        _, blocks = self.ranges.pop(seq.seq_id, (0, []))
+        self.allocator.free(blocks)
+
+    def fill_row(self, seq, row: np.ndarray, width: int) -> None:
+        """Writes the device block of each of the sequence's first `width` token blocks into row[:width] in
+        place (the trash row where it has none)."""
+        start, blocks = self.range_of(seq)
+        row[:width] = self.num_blocks
+        row[start: start + len(blocks)] = blocks
+
+
+class OffloadCache:
+    def __init__(self, layout: OffloadLayout, host: HostKVStore, pool: HBMPool, device_map: DeviceBlockMap,
+                 kv_caches: list[torch.Tensor], block_size: int, local_blocks: int) -> None:
+        self.layout, self.host, self.pool, self.device_map = layout, host, pool, device_map
+        self.kv_caches = kv_caches
+        self.block_size, self.local_blocks = block_size, local_blocks
+        self.dense_layers = layout.dense_layers
+        self._graph: dict[str, torch.Tensor] | None = None
+
+    @classmethod
+    def build(cls, config: OffloadConfig, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+              dtype: torch.dtype, device: torch.device, dense_layers: int, local_blocks: int, cap: int,
+              metadata_block_bytes: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+              budget: int | None, device_blocks: int | None) -> "OffloadCache":
+        """The host store sized from config.host_kv_memory (default: max_num_seqs sequences of max_model_len,
+        at most half the host's available memory), the device budget (bytes; None: device_blocks given) split
+        by OffloadLayout, and everything allocated."""
+        hbb = host_block_bytes(num_layers, num_kv_heads, block_size, head_dim, dtype)
+        seq_blocks = blocks_needed(max_model_len, block_size)
+        if config.host_kv_memory is not None:
+            token_blocks = config.host_kv_memory // hbb
+        else:
+            token_blocks = max_num_seqs * seq_blocks
+            avail = available_host_memory()
+            if avail is not None:
+                token_blocks = min(token_blocks, avail // 2 // hbb)
+        if token_blocks * block_size < max_model_len:
+            raise ValueError(f"the host KV store holds {token_blocks * block_size} tokens, fewer than "
+                             f"max_model_len={max_model_len}: raise host_kv_memory or lower max_model_len")
+        layout = OffloadLayout.plan(
+            budget=budget, device_blocks=device_blocks, token_blocks=token_blocks, pool_slots=config.hbm_cache_blocks,
+            # one decode step's lists of max_num_seqs sequences in every layer, at most every head block
+            default_pool_slots=num_layers * num_kv_heads * min(max_num_seqs * cap, token_blocks),
+            min_device_blocks=seq_blocks,
+            # one whole prefill, a decode window (+1 block of slack) of every sequence, and one step's prefill
+            # tokens, so short prompts can be admitted next to a long prefill
+            want_device_blocks=seq_blocks + max_num_seqs * (local_blocks + 1)
+            + blocks_needed(min(max_num_batched_tokens, max_model_len), block_size),
+            num_layers=num_layers, dense_layers=dense_layers, kv_layer_block_bytes=hbb // num_layers,
+            meta_block_bytes=metadata_block_bytes, head_block_bytes=2 * block_size * head_dim * dtype.itemsize)
+        logger.info("KV offload device budget%s: %s", "" if budget is None else f" {budget / 2**30:.2f} GiB",
+                    layout.describe())
+        need = (layout.token_blocks + 1) * hbb
+        avail = available_host_memory()
+        if avail is not None and need > avail:
+            raise ValueError(f"the host KV store needs {need} bytes, more than the host's available memory "
+                             f"({avail} bytes): set host_kv_memory lower")
+        shape = (num_kv_heads, 2, block_size, head_dim)
+        dl = layout.dense_layers
+        # The dense layers attend every block every step: a full-size cache indexed by token block. The sparse
+        # layers' device block cache (+ a trash row that released table entries name) holds the working set.
+        dense_cache = torch.empty(dl, layout.token_blocks, *shape, dtype=dtype, device=device)
+        sparse_cache = torch.empty(num_layers - dl, layout.device_blocks + 1, *shape, dtype=dtype, device=device)
+        host = HostKVStore(num_layers, layout.token_blocks, num_kv_heads, block_size, head_dim, dtype, device=device)
+        host.attach_d2h(max_num_batched_tokens, max_num_seqs)
+        pool = HBMPool(num_layers, layout.token_blocks, num_kv_heads, block_size, head_dim, layout.pool_slots, dtype,
+                       device)
+        device_map = DeviceBlockMap(layout.device_blocks, local_blocks, block_size, layout.token_blocks)
+        logger.info("KV offload: host store %d blocks (%.2f GiB, pinned=%s), device block cache %d blocks, "
+                    "HBM pool %d head-block slots", layout.token_blocks, host.nbytes / 2**30, host.data.is_pinned(),
+                    layout.device_blocks, pool.num_slots)
+        return cls(layout, host, pool, device_map, list(dense_cache) + list(sparse_cache), block_size, local_blocks)
+
+    @property
+    def num_token_blocks(self) -> int:
+        return self.layout.token_blocks
+
+    def offloads(self, layer: int) -> bool:
+        """Whether a layer's blocks live in the host store (the dense layers keep theirs on the device)."""
+        return layer >= self.dense_layers
+
+    # ---- the scheduler ------------------------------------------------------------------------------------
+
+    def can_schedule(self, seq, n: int) -> bool:
+        return self.device_map.can_map(seq, n)
+
+    def can_admit(self, seq, running: list) -> bool:
+        return self.device_map.can_admit(seq, running)
+
+    def schedule(self, seq, n: int) -> None:
+        self.device_map.map(seq, n)
+
+    def free(self, seq) -> None:
+        self.device_map.release(seq)
+
+    def on_allocate(self, blocks: list[int]) -> None:
+        """Token blocks given to a new owner: the pool must not serve their previous contents."""
+        self.pool.invalidate(blocks)
+
+    # ---- the runner ---------------------------------------------------------------------------------------
+
+    def prepare_step(self, scheduled: list, device: torch.device) -> OffloadStep:
+        """Device cache slots of the step's tokens and device tables of its sequences, in `scheduled` order
+        ((sequence, new tokens) pairs), built per sequence and block, moved in one copy per tensor."""
+        bs, dm = self.block_size, self.device_map
+        slots: list[int] = []
+        for seq, n in scheduled:
+            c = seq.num_computed_tokens
+            start, blocks = dm.range_of(seq)
+            for blk in range(c // bs, (c + n - 1) // bs + 1):  # tokens [c, c + n), block by block
+                lo, hi = max(c, blk * bs), min(c + n, (blk + 1) * bs)
+                base = blocks[blk - start] * bs - blk * bs
+                slots.extend(range(base + lo, base + hi))
+        width = max(len(seq.block_table) for seq, _ in scheduled)
+        tables = np.zeros((len(scheduled), width), dtype=np.int32)
+        for b, (seq, _) in enumerate(scheduled):
+            dm.fill_row(seq, tables[b], len(seq.block_table))
+        return OffloadStep(torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True),
+                           torch.from_numpy(tables).to(device, non_blocking=True))
+
+    def fence(self) -> None:
+        """Before any kernel of a step: earlier steps' FlashD2H copies are in the store, so device blocks the
+        scheduler released for this step may be rewritten."""
+        self.host.fence()
+
+    # ---- the sparse backend, per layer --------------------------------------------------------------------
+
+    def write_through(self, layer: int, kv_cache: torch.Tensor, step: OffloadStep, token_slot_mapping: torch.Tensor,
+                      num_decodes: int, num_seqs: int) -> None:
+        """Every token block a token of this step completes goes to the host store whole (kvcache/host.py)."""
+        self.host.store_step(layer, kv_cache, step.slot_mapping, num_decodes, num_seqs, token_slot_mapping)
+
+    def keys(self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel_rows: torch.Tensor) -> torch.Tensor:
+        """int64 [B, Hkv, cap]: the host row (pool key) of each listed entry before the local window, the pool's
+        trash key elsewhere. tables: token block tables."""
+        listed = listed_rows(sel_rows, seq_lens, self.local_blocks, self.block_size)
+        blocks = torch.where(listed, tables.gather(1, sel_rows.clamp_min(0).flatten(1).long()).view_as(sel_rows), -1)
+        return self.pool.keys(layer, blocks)
+
+    def read(self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel_rows: torch.Tensor) -> OffloadView:
+        """Residency lookup of the listed head blocks, victims for the misses and FlashH2D of the misses into
+        their slots; the view the sparse kernels read them through. Fixed shapes, no sync."""
+        key = self.keys(layer, tables, seq_lens, sel_rows).reshape(-1)
+        loc, load = self.pool.plan(key)
+        host_flat = self.host.flat()
+        flash_h2d(host_flat, self.pool.slots, key, load)
+        return self.pool.slots, host_flat, loc.view(sel_rows.shape), key.view(sel_rows.shape)
+
+    def lookup(self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel_rows: torch.Tensor) -> OffloadView:
+        """The view of lists that shrank in place after `read` (no state change, nothing loaded)."""
+        key = self.keys(layer, tables, seq_lens, sel_rows)
+        return self.pool.slots, self.host.flat(), self.pool.resident[key], key
+
+    # ---- CUDA graphs --------------------------------------------------------------------------------------
+
+    def init_capture_graph(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
+        self._graph = {"slot_mapping": torch.full((max_batch,), -1, dtype=torch.long, device=device),
+                       "block_tables": torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)}
+
+    def capture_step(self, batch: int) -> OffloadStep:
+        return OffloadStep(self._graph["slot_mapping"][:batch], self._graph["block_tables"][:batch])
+
+    def prepare_for_replay(self, step: OffloadStep, batch: int) -> None:
+        g, b = self._graph, step.slot_mapping.numel()
+        g["slot_mapping"][:b].copy_(step.slot_mapping, non_blocking=True)
+        g["slot_mapping"][b:batch].fill_(-1)
+        g["block_tables"][:b, : step.block_tables.shape[1]].copy_(step.block_tables, non_blocking=True)
+
+    # ---- statistics ---------------------------------------------------------------------------------------
+
+    def counters(self) -> dict[str, torch.Tensor]:
+        """Cumulative device counters: pool hits, head blocks loaded (FlashH2D), bypass reads, layer steps, and
+        token blocks x layers written through by decode steps."""
+        s = self.pool.stats
+        return {"offload_hbm_hits": s[0], "offload_blocks_loaded": s[1], "offload_bypass_reads": s[2],
+                "offload_layer_steps": s[3], "offload_blocks_written": self.host.blocks_written}
+
+    def gauges(self) -> dict[str, int]:
+        """Host-side values: sizes, the device block cache in use, and FlashD2H's blocks written."""
+        return {"offload_host_blocks": self.layout.token_blocks, "offload_hbm_slots": self.pool.num_slots,
+                "offload_head_block_bytes": self.layout.head_block_bytes,
+                "offload_device_blocks": self.device_map.num_blocks,
+                "offload_device_blocks_used": self.device_map.allocator.num_used,
+                "offload_d2h_blocks_written": self.host.d2h.blocks_written if self.host.d2h is not None else 0}

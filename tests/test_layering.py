@@ -1,0 +1,151 @@
+"""The package's shape: kernels/ is the bottom layer, the import graph between subpackages has no cycle, the KV
+offload path is reached through one component, and a selection policy plugs in with one registration."""
+from __future__ import annotations
+
+import ast
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import sparseserve
+from sparseserve.attention.selection import DecodeRows, SelectionPolicy, SelectionState
+from sparseserve.registry import SELECTION_POLICIES
+
+PKG = Path(sparseserve.__file__).parent
+
+
+def _imports(path: Path) -> set[str]:
+    """Every sparseserve module a file imports, at top level or lazily inside functions."""
+    tree = ast.parse(path.read_text())
+    mods: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods.update(a.name for a in node.names if a.name.startswith("sparseserve"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "sparseserve":
+                mods.update(f"sparseserve.{a.name}" for a in node.names)
+            elif node.module.startswith("sparseserve."):
+                mods.add(node.module)
+    return mods
+
+
+def _unit(module: str) -> str:
+    """The node of the graph a module belongs to: its subpackage, or the top-level module itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "sparseserve"
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG.parent).with_suffix("")
+        module = ".".join(rel.parts).removesuffix(".__init__")
+        if module in ("sparseserve", "sparseserve.__main__"):
+            continue  # the public facade re-exports from the top
+        src = _unit(module)
+        for dep in _imports(path):
+            dst = _unit(dep)
+            if dst != src:
+                graph.setdefault(src, set()).add(dst)
+    return graph
+
+
+def test_kernels_import_nothing_above_them():
+    above = ("attention", "kvcache", "engine", "models", "entrypoints", "layers", "bench", "config", "registry")
+    for path in (PKG / "kernels").glob("*.py"):
+        bad = {m for m in _imports(path) if _unit(m) in above}
+        assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+def test_subpackage_import_graph_has_no_cycle():
+    graph = _graph()
+    assert graph.get("kernels", set()) <= set(), graph.get("kernels")
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == 1:
+                raise AssertionError(f"import cycle: {' -> '.join(path + [node, nxt])}")
+            if nxt not in state:
+                visit(nxt, path + [node])
+        state[node] = 2
+
+    for node in list(graph):
+        if node not in state:
+            visit(node, [])
+
+
+def test_kv_offload_is_reached_through_one_component():
+    """Only the config, the offload cache itself and the runner's construction of it (and benchmarks) name
+    the option."""
+    out = subprocess.run(["grep", "-rn", "kv_offload", str(PKG)], capture_output=True, text=True).stdout
+    allowed = ("config.py", "kvcache/offload.py", "bench/")
+    hits = [line for line in out.splitlines() if not any(f"sparseserve/{a}" in line for a in allowed)]
+    runner = [line for line in hits if "engine/runner.py" in line]
+    assert len(runner) == 1 and "if config.offload_config.kv_offload" in runner[0], runner
+    assert [line for line in hits if line not in runner] == []
+
+
+class RecentBlocks(SelectionPolicy):
+    """A test-only policy: the most recent blocks of the context (the cap's worth), nothing scored."""
+
+    def select(self, layer: int, q: torch.Tensor, rows: DecodeRows, state: SelectionState, key_meta) -> None:
+        cap = self.params.cap
+        nb = (rows.seq_lens.long() + self.params.block_size - 1) // self.params.block_size
+        blocks = nb[:, None] - cap + torch.arange(cap, device=nb.device)[None]  # the last `cap` blocks
+        lists = torch.where(blocks >= 0, blocks, -1).to(torch.int32)[:, None].expand(-1, state.sel.shape[2], -1)
+        live = (rows.seq_lens > 0) & (rows.slots >= 0)
+        state.sel[layer][rows.slots[live].long()] = lists[live]
+        state.stats[0] += (lists[live] >= 0).sum()
+        state.stats[1] += live.sum() * state.sel.shape[2]
+
+
+@pytest.fixture
+def recent_policy():
+    SELECTION_POLICIES.register("recent")(RecentBlocks)
+    yield "recent"
+    SELECTION_POLICIES.unregister("recent")
+
+
+def test_a_policy_is_one_class_and_one_registration(tiny_model_dir, recent_policy):
+    """The registered policy runs through the engine: with a budget covering the context it gives dense's
+    tokens; with a small one each decode attends exactly its most recent blocks (the attention probe)."""
+    from sparseserve import LLM, SamplingParams
+    from sparseserve.bench.attention_probe import AttentionProbe
+    common = dict(device="cpu", block_size=8, max_model_len=160, max_num_seqs=2, enforce_eager=True)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, 2000, (n,), generator=g).tolist() for n in (90, 41)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def run(**kw):
+        llm = LLM(str(tiny_model_dir), **common, **kw)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], llm
+
+    dense, _ = run()
+    full, _ = run(sparse_policy=recent_policy, sparse_budget=160, sparse_dense_layers=0, sparse_dense_context=0)
+    assert full == dense
+    _, llm = run(sparse_policy=recent_policy, sparse_budget=32, sparse_dense_layers=0, sparse_dense_context=0,
+                 sparse_sink_blocks=0, sparse_local_blocks=1)
+    backend = llm.llm_engine.model_runner.attn_backend
+    seen = []
+
+    def check(layer, q, out, kv_cache, meta, scale):
+        blocks = backend.attended_blocks(layer, meta)  # [B, Hkv, MB]
+        nb = (meta.seq_lens[: meta.num_decodes] + 7) // 8
+        for b, n in enumerate(nb.tolist()):
+            want = torch.zeros(blocks.shape[-1], dtype=torch.bool)
+            want[max(0, n - 4): n] = True
+            assert torch.equal(blocks[b, 0], want) and torch.equal(blocks[b, 1], want)
+            seen.append(n)
+
+    with AttentionProbe(backend):
+        backend.observers.append(check)
+        llm.generate(prompts, params, use_tqdm=False)
+    assert max(seen) > 4  # contexts longer than the budget were checked
+    with pytest.raises(ValueError, match="recent"):  # the config validates against the registry
+        from sparseserve.config import EngineConfig
+        SELECTION_POLICIES.unregister("recent")
+        EngineConfig.from_kwargs(sparse_policy="recent")
