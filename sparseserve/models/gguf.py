@@ -201,7 +201,10 @@ def _write_weights(gguf, reader, arch: str, config, out: Path) -> None:
     it cannot place."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+    )
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
