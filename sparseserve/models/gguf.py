@@ -3,8 +3,8 @@
 A ``.gguf`` file is converted once into a Hugging Face model directory (config.json, safetensors weights,
 tokenizer files with the chat template, generation_config.json) under a cache directory; every later load
 reads that directory like any other checkpoint, so it costs a safetensors load, not a dequantization.
-The `gguf` library reads and dequantizes the tensors (an optional dependency: ``pip install
-sparseserve[gguf]``); transformers' GGUF support builds the config and tokenizer, maps tensor names and
+The `gguf` library reads and dequantizes the tensors and names them (its tensor-name tables; an optional
+dependency: ``pip install sparseserve[gguf]``); transformers' GGUF support builds the config and tokenizer and
 undoes llama.cpp's Q/K row permutation.
 
 Dequantized weights are stored in float32: a quantized value is ``scale * q (+ min)`` with a float16 scale,
