@@ -47,7 +47,8 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = field(default=None, metadata={"help": "Hugging Face model directory (default: embedded model)."})
+    model: str | None = field(default=None, metadata={
+        "help": "Hugging Face model directory, GGUF file or known name (default: the embedded model)."})
     tokenizer: str | None = field(default=None, metadata={"help": "Tokenizer directory (default: the model's)."})
     dtype: str = field(default="auto", metadata={
         "help": "auto (the checkpoint's), float32, bfloat16 or float16.",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -38,7 +39,8 @@ class LLMEngine:
         self.config = config
         mc = config.model_config
         model_dir = resolve_model_dir(mc.model)
-        self.model_name = "sparseserve-default" if mc.model is None else model_dir.name
+        # A GGUF file or a known model name is served under its own name, not its converted directory's.
+        self.model_name = "sparseserve-default" if mc.model is None else os.path.basename(os.path.normpath(mc.model))
         self.model_runner = ModelRunner(config, model_dir)  # refuses unsupported models first
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or model_dir, local_files_only=True)

@@ -23,8 +23,9 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     group = parser.add_argument_group("engine")
     for f in EngineConfig.arg_fields():
         if f.name == "model":
-            if positional_model:
+            if positional_model:  # `serve MODEL` or `serve --model MODEL`, as in vLLM
                 group.add_argument("model", nargs="?", default=None, help=f.metadata["help"])
+                group.add_argument("--model", dest="model_option", default=None, help="Same as MODEL.")
             else:
                 group.add_argument("--model", default=None, help=f.metadata["help"])
             continue
@@ -39,7 +40,13 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    return {f.name: getattr(args, f.name) for f in EngineConfig.arg_fields()}
+    kwargs = {f.name: getattr(args, f.name) for f in EngineConfig.arg_fields()}
+    option = getattr(args, "model_option", None)
+    if option is not None:
+        if kwargs["model"] not in (None, option):
+            raise ValueError(f"two models given: {kwargs['model']!r} and --model {option!r}")
+        kwargs["model"] = option
+    return kwargs
 
 
 def _add_generate(sub) -> None:
@@ -103,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser(argv).parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ImportError) as e:  # ImportError: a missing optional extra
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

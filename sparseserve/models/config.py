@@ -8,6 +8,16 @@ from sparseserve.layers.rotary import SUPPORTED_ROPE_TYPES
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 
+def rope_parameters(hf) -> dict:
+    """RoPE settings in either spelling: transformers 5's `rope_parameters` (theta and scaling in one dict), or
+    the older top-level `rope_theta` beside an optional `rope_scaling` dict (`type` or `rope_type`)."""
+    rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    if rope.get("rope_theta") is None:
+        rope["rope_theta"] = getattr(hf, "rope_theta", None) or 10000.0
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    return rope
+
+
 @dataclass(frozen=True)
 class ArchConfig:
     architecture: str
@@ -41,9 +51,8 @@ class ArchConfig:
         uses_window = getattr(hf, "use_sliding_window", arch == "MistralForCausalLM")
         if window is not None and uses_window:
             raise ValueError(f"unsupported: sliding-window attention (sliding_window={window})")
-        rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-        rope.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope = rope_parameters(hf)
+        rope_type = rope["rope_type"]
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope scaling type {rope_type!r} "
                              f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")

@@ -1,4 +1,5 @@
-"""Model directories in Hugging Face format: config, dtype, and safetensors weights (single or sharded)."""
+"""Model directories in Hugging Face format: config, dtype, and safetensors weights (single or sharded).
+GGUF files resolve to a directory converted from them (models/gguf.py)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ from safetensors import safe_open
 
 from sparseserve.attention.backend import AttentionBackend
 from sparseserve.models.config import ArchConfig
+from sparseserve.models.gguf import KNOWN_MODELS, gguf_model_dir, is_gguf_path
 from sparseserve.models.llama import LlamaForCausalLM
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default"
@@ -18,9 +20,16 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float
 
 
 def resolve_model_dir(model: str | None) -> Path:
+    """A Hugging Face model directory for `model`: a directory, a .gguf file (converted once, then cached), a
+    known model name (`smollm2`) when no such path exists, or None for the embedded model."""
     path = DEFAULT_MODEL_DIR if model is None else Path(model).expanduser()
+    if model is not None and not path.exists() and model in KNOWN_MODELS:
+        path = KNOWN_MODELS[model]()
+    if is_gguf_path(path):
+        return gguf_model_dir(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory not found: {path} (expected a Hugging Face model directory)")
+        raise FileNotFoundError(f"model directory not found: {path} "
+                                "(expected a Hugging Face model directory or a .gguf file)")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in model directory {path}")
     return path
