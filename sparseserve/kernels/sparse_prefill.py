@@ -184,7 +184,7 @@ def _sparse_prefill_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, qsl_ptr, i
                            SINK: tl.constexpr, LOCAL: tl.constexpr, DENSE: tl.constexpr, STREAMING: tl.constexpr,
                            DOT_PREC: tl.constexpr):
     """One (sequence, BLOCK_Q queries, KV head) program: sink tiles, listed middle tiles, local + diagonal tiles
-    (reference: sparse_prefill_ref). Every loop but the last runs without masks."""
+    (reference: sparse_prefill_ref). Only the diagonal loop masks scores."""
     b = tl.program_id(0)
     first_q = (num_progs - 1 - tl.program_id(1)) * BLOCK_Q  # the last (heaviest) query tiles first
     kvh = tl.program_id(2)
@@ -216,28 +216,26 @@ def _sparse_prefill_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, qsl_ptr, i
     l_i = tl.zeros([BLOCK_M], tl.float32)
     kv_end = tl.minimum(seq_len, ctx_start + first_q + BLOCK_Q)  # one past the program's last query
     full_end = (ctx_start + first_q) // BLOCK_N * BLOCK_N  # keys before it are visible to every row
-    for tile in range(0, s_end * K_TILE, BLOCK_N):  # sink
-        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, kv_base, table_row, tile, kv_end, pos, dims, qk_scale,
-                                    stride_cb, stride_ckv, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, DOT_PREC)
-    skip_middle = False
+    # One unmasked loop over BLOCK_N-key steps: the sink, then the listed middle tiles, then the local window up
+    # to full_end (one software pipeline instead of three loops, each with its own prologue and registers).
+    SUB: tl.constexpr = K_TILE // BLOCK_N
+    n_listed = lo - s_end  # DENSE: the middle tiles in order
     if STREAMING:
-        skip_middle = tl.load(stream_ptr + kvh) != 0
-    if not skip_middle:
+        n_listed = tl.where(tl.load(stream_ptr + kvh) != 0, 0, n_listed)
+    list_row = idx_ptr + b.to(tl.int64) * stride_ib + kvh * stride_ih + t * stride_it
+    if not DENSE:
+        n_listed = tl.minimum(n_listed, tl.load(cnt_ptr + b.to(tl.int64) * stride_nb + kvh * stride_nh + t))
+    sink_steps = s_end * SUB
+    list_end = sink_steps + n_listed * SUB
+    for i in range(list_end + (full_end - lo * K_TILE) // BLOCK_N):
+        e = i - sink_steps
+        listed = (i >= sink_steps) & (i < list_end)
         if DENSE:
-            for tile in range(s_end * K_TILE, lo * K_TILE, BLOCK_N):
-                acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, kv_base, table_row, tile, kv_end, pos, dims,
-                                            qk_scale, stride_cb, stride_ckv, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                                            False, DOT_PREC)
+            j = s_end + e // SUB
         else:
-            row = b.to(tl.int64) * stride_ib + kvh * stride_ih + t * stride_it
-            count = tl.load(cnt_ptr + b.to(tl.int64) * stride_nb + kvh * stride_nh + t)
-            for i in range(count):
-                tile0 = tl.load(idx_ptr + row + i) * K_TILE
-                for sub in tl.static_range(0, K_TILE, BLOCK_N):
-                    acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, kv_base, table_row, tile0 + sub, kv_end, pos,
-                                                dims, qk_scale, stride_cb, stride_ckv, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
-                                                BLOCK_N, False, DOT_PREC)
-    for tile in range(lo * K_TILE, full_end, BLOCK_N):  # local window, unmasked part
+            j = tl.load(list_row + e // SUB, mask=listed, other=0)
+        tile = tl.where(i < sink_steps, i * BLOCK_N,
+                        tl.where(listed, j * K_TILE + (e % SUB) * BLOCK_N, lo * K_TILE + (i - list_end) * BLOCK_N))
         acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, kv_base, table_row, tile, kv_end, pos, dims, qk_scale,
                                     stride_cb, stride_ckv, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, DOT_PREC)
     for tile in range(full_end, kv_end, BLOCK_N):  # diagonal: causal mask
@@ -252,10 +250,11 @@ def _sparse_prefill_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, qsl_ptr, i
 class SparsePrefillConfig:
     """Rows a program (query tokens x padded GQA group), keys a step (divides k_tile), launch shape.
 
-    Defaults follow the dense prefill kernel (128 rows, 8 warps); a tile of 64 keys serves wgmma's N well.
+    Defaults follow the dense prefill kernel (128 x 32, 8 warps): compiled for sm_90a, 64-key steps need more than
+    255 registers a thread (spills), 32-key steps do not.
     `python -m sparseserve.bench.sparse_prefill --sweep` times the alternatives on the GPU."""
     block_m: int = 128
-    block_n: int = 64
+    block_n: int = 32
     num_warps: int = 8
     num_stages: int = 2
 
@@ -263,7 +262,7 @@ class SparsePrefillConfig:
 def default_sparse_prefill_config(dtype: torch.dtype, head_dim: int, k_tile: int) -> SparsePrefillConfig:
     if dtype == torch.float32 or head_dim > 128:  # keep the tiles within shared memory
         return SparsePrefillConfig(block_m=64, block_n=min(32, k_tile), num_warps=4)
-    return SparsePrefillConfig(block_n=min(64, k_tile))
+    return SparsePrefillConfig(block_n=min(32, k_tile))
 
 
 def _use_triton(t: torch.Tensor) -> bool:
