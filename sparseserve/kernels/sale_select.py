@@ -245,7 +245,7 @@ def _quant_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, mean_ptr, mean_q_ptr,
         for g in tl.static_range(GROUP):
             hq = h * GROUP + g
             mq = tl.load(mean_q_ptr + (b * tl.num_programs(1) * GROUP + hq) * BLOCK_D + dims)  # [B, Hq, BLOCK_D]
-            tl.store(qmk_ptr + b * stride_qmb + hq * stride_qmh + r, tl.sum(x * mq[None, :], 1))
+            tl.store(qmk_ptr + b * stride_qmb + hq * stride_qmh + r, tl.sum(x * mq[None, :], 1), mask=w_mask)
 
 
 @triton.jit
