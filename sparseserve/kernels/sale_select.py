@@ -43,6 +43,7 @@ from sparseserve.kernels.sparse_prefill import TileLayout, tile_classes
 BACKEND = "auto"
 
 FP8_MAX = 448.0  # the largest finite e4m3 value
+_SCORE_ELEMENTS = 1 << 25
 
 
 class QKCodes(NamedTuple):
@@ -125,28 +126,28 @@ def select_tiles_ref(codes: QKCodes, seq_lens: torch.Tensor, query_start_loc: to
     lens = seq_lens.long().tolist()
     keys = torch.arange(length, device=dev)
     ktile = keys // layout.k_tile
+    k_code_f = k_code.float()
+    # Query rows a step (whole tiles), bounding the float32 estimates [Hq, rows, L] (long prompts on the CPU).
+    step = max(1, _SCORE_ELEMENTS // (num_q_heads * length * layout.q_tile)) * layout.q_tile
     for b in range(batch):
-        q_len = qsl[b + 1] - qsl[b]
-        if q_len == 0:
-            continue
-        qi = torch.arange(q_len, device=dev)
-        qtile = qi // layout.q_tile
-        pos = lens[b] - q_len + qi
-        s = torch.einsum("thd,hjd->htj", q_code[qsl[b]:qsl[b + 1]].float(),
-                         k_code[b].float().repeat_interleave(group, 0))  # [Hq, q_len, L]
-        est = s * k_scale[b].repeat_interleave(group, 0)[:, None, :] * q_scale[qsl[b]:qsl[b + 1]].T[:, :, None]
-        est = est + qmk[b][:, None, :]
-        z = est * c
-        ref = forced[b][qtile][:, ktile] & (keys[None, :] <= pos[:, None])  # [q_len, L]
-        zr = z.masked_fill(~ref, float("-inf"))
-        m = zr.amax(-1, keepdim=True)
-        lse2 = m + torch.log2(torch.exp2(zr - m).sum(-1, keepdim=True))
-        t_raw = (lse2 + log2_thr[:, None, None]) / c
-        over = ((est - t_raw) * c).masked_fill(~middle[b][qtile][:, ktile][None], float("-inf"))  # [Hq, q_len, L]
-        over = over.view(num_kv_heads, group, q_len, n_kt, layout.k_tile).amax(dim=(1, 4))  # [Hkv, q_len, n_kt]
-        tile_max = torch.full((num_kv_heads, n_qt, n_kt), float("-inf"), device=dev)
-        tile_max.scatter_reduce_(1, qtile[None, :, None].expand_as(over), over, "amax")
-        margin[b] = tile_max
+        for r0 in range(0, qsl[b + 1] - qsl[b], step):
+            rows = torch.arange(r0, min(r0 + step, qsl[b + 1] - qsl[b]), device=dev)
+            toks = qsl[b] + rows
+            qtile = rows // layout.q_tile
+            pos = lens[b] - (qsl[b + 1] - qsl[b]) + rows
+            s = torch.einsum("thgd,hjd->hgtj", q_code[toks].float().view(-1, num_kv_heads, group, q_code.shape[2]),
+                             k_code_f[b])  # [Hkv, G, rows, L]
+            sq = q_scale[toks].T.reshape(num_kv_heads, group, -1, 1)
+            est = s * k_scale[b][:, None, None, :] * sq + qmk[b].view(num_kv_heads, group, 1, length)  # kernel order
+            z = est * c
+            ref = forced[b][qtile][:, ktile] & (keys[None, :] <= pos[:, None])  # [rows, L]
+            zr = z.masked_fill(~ref, float("-inf"))
+            m = zr.amax(-1, keepdim=True)
+            lse2 = m + torch.log2(torch.exp2(zr - m).sum(-1, keepdim=True))
+            t_raw = (lse2 + log2_thr.view(num_kv_heads, group, 1, 1)) / c
+            over = ((est - t_raw) * c).masked_fill(~middle[b][qtile][:, ktile], float("-inf"))
+            over = over.amax(1).view(num_kv_heads, -1, n_kt, layout.k_tile).amax(-1)  # [Hkv, rows, n_kt]
+            margin[b].scatter_reduce_(1, qtile[None, :, None].expand_as(over), over, "amax")
     if streaming is not None:
         margin.masked_fill_(streaming.to(device=dev, dtype=torch.bool)[None, :, None, None], float("-inf"))
     keep = middle[:, None] & (margin > 0)

@@ -151,24 +151,25 @@ def sparse_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
     q_lens = qsl[1:] - qsl[:-1]
     seq_idx = torch.repeat_interleave(torch.arange(batch, device=q.device), q_lens, output_size=num_tokens)
     local = torch.arange(num_tokens, device=q.device) - qsl[seq_idx]
-    qp = q.new_zeros(batch, max_query_len, num_q_heads, head_dim, dtype=torch.float32)
-    qp[seq_idx, local] = q.float()
+    qp = q.new_zeros(batch, max_query_len, num_kv_heads, group, head_dim, dtype=torch.float32)
+    qp[seq_idx, local] = q.float().view(num_tokens, num_kv_heads, group, head_dim)
     ctx_start = seq_lens.long() - q_lens
     qpos = ctx_start[:, None] + torch.arange(max_query_len, device=q.device)[None, :]  # [B, maxq]
     qvalid = torch.arange(max_query_len, device=q.device)[None, :] < q_lens[:, None]
     res = torch.zeros_like(qp)
+    # Query chunks bound the float32 scores [B, Hkv, group, chunk, ctx] (long prompts on the CPU).
     chunk = max(1, _SCORE_ELEMENTS // (batch * num_q_heads * ctx))
     qtile = torch.arange(max_query_len, device=q.device) // layout.q_tile
     ktile = (keys // layout.k_tile).clamp_max(n_kt - 1)
     for q0 in range(0, max_query_len, chunk):
         rows = slice(q0, q0 + chunk)
-        # [B, Hkv, chunk, ctx]: the tile of (query, key) allowed, and the key causal and inside the context
+        # [B, Hkv, chunk, ctx]: the (query, key) tile allowed, the key causal (so inside the context), a real query
         vis = allowed[:, :, qtile[rows]][..., ktile] & (keys[None, None, :] <= qpos[:, rows, None])[:, None]
-        vis = vis & qvalid[:, None, rows, None]
-        vis = vis.repeat_interleave(group, dim=1)
-        scores = torch.einsum("bqhd,bhkd->bhqk", qp[:, rows], k.repeat_interleave(group, dim=1)) * scale
+        vis = (vis & qvalid[:, None, rows, None])[:, :, None]
+        scores = torch.einsum("bqhgd,bhkd->bhgqk", qp[:, rows], k) * scale
         probs = torch.softmax(scores.masked_fill(~vis, float("-inf")), dim=-1).nan_to_num(0.0)
-        res[:, rows] = torch.einsum("bhqk,bhkd->bqhd", probs, v.repeat_interleave(group, dim=1))
+        res[:, rows] = torch.einsum("bhgqk,bhkd->bqhgd", probs, v)
+    res = res.view(batch, max_query_len, num_q_heads, head_dim)
     out[:] = res[seq_idx, local].to(out.dtype)
     return out
 
