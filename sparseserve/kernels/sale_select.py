@@ -7,11 +7,12 @@
    Then q_i . k_j = s_q[i] s_k[j] (q_code[i] . k_code[j]) + qmk[h, j] + (terms constant along row i), and those
    constant terms cancel in every softmax and in the relative score below, so the estimate is
        est_ij = s_q[i] s_k[j] (q_code[i] . k_code[j]) + qmk[h(i), j].
-   fp8 e4m3, not int8: both run at the same tensor-core rate on H100/H200 (neither has int4 instructions),
-   but the fp8 dot accumulates in fp32, so the scales and the mean term apply with two fp32 operations per
-   element and no int32 -> fp32 conversion; e4m3 keeps a 3-bit mantissa at every magnitude where int8 keeps
-   7 bits only near a token's absmax, and the mean subtraction removes the shared offsets (outlier channels)
-   that would otherwise set that absmax.
+   fp8 e4m3, not int8 (H100/H200 have no int4 tensor-core instructions; int8 and fp8 run at the same rate, twice
+   bf16's): the fp8 dot accumulates in fp32, so the two scales and the mean term apply as one multiply and one
+   fused multiply-add per element, with no int32 -> fp32 conversion (int8's per element cost, on the part of the
+   pass that is not tensor-core work). Precision is not what decides: e4m3's 3-bit mantissa (a few % per code,
+   averaging out over D) is finer than SALE's own 4-bit codes, and the estimate only has to rank tiles. The
+   kernel rounds to the e4m3 grid itself (_round_e4m3), so its codes equal torch's float8_e4m3fn cast.
 2. Selection (kernel _select_kernel), program (sequence, query tile, KV head). For every query row i its
    reference statistics over the tiles the attention computes anyway (the forced tiles: sink, local window,
    diagonal; causally visible keys only), in log2 units z = est * scale * log2(e):
@@ -23,9 +24,14 @@
    important (the union: the group shares the tile's K/V loads). The main loop has no exp: per element an fp8
    dot, a multiply, a fused multiply-add and a max. threshold 0 keeps every tile without estimating; a
    streaming KV head keeps none (forced tiles only).
+   On Hopper the group's heads run one after the other (a static loop) as [q_tile, k_tile] x D fp8 wgmma dots
+   against the key tile loaded once; a program walks its middle tiles `chunk` at a time with one reduction over
+   rows a chunk. Its cost is a QK^T at fp8 (a quarter of dense attention's tensor-core work) plus the per-element
+   ops above, so it is a fixed fraction of dense attention at every length (the benchmark measures it).
 Outputs: mask uint8 [B, Hkv, n_q_tiles, n_k_tiles] (1: computed; forced tiles included), and the middle tiles
 as the attention kernel's lists kv_index int32 [B, Hkv, n_q_tiles, n_k_tiles] / kv_count int32 [B, Hkv, n_q_tiles].
-References: quantize_qk_ref, select_tiles_ref (sale_select_ref: both).
+References: quantize_qk_ref, select_tiles_ref (sale_select_ref: both). Nothing waits on the host: grids and
+buffers follow host-side bounds (max_query_len, max_seq_len), thresholds and streaming flags are device tensors.
 """
 from __future__ import annotations
 
@@ -224,7 +230,7 @@ def _quant_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, mean_ptr, mean_q_ptr,
         blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + r // BLOCK_SIZE, mask=ok, other=0)
         ptrs = x_ptr + (blk.to(tl.int64) * stride_cb + h * stride_ch + (r % BLOCK_SIZE) * HEAD_DIM)[:, None]
         out_row = (b * tl.num_programs(1) + h).to(tl.int64) * stride_oa + r.to(tl.int64) * stride_ob
-        s_row = b * stride_st + h * stride_sh + r.to(tl.int64)
+        s_row = b.to(tl.int64) * stride_st + h * stride_sh + r
         w_mask = r < length  # every position of L is written
     else:
         q_start = tl.load(qsl_ptr + b)
@@ -246,7 +252,8 @@ def _quant_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, mean_ptr, mean_q_ptr,
         for g in tl.static_range(GROUP):
             hq = h * GROUP + g
             mq = tl.load(mean_q_ptr + (b * tl.num_programs(1) * GROUP + hq) * BLOCK_D + dims)  # [B, Hq, BLOCK_D]
-            tl.store(qmk_ptr + b * stride_qmb + hq * stride_qmh + r, tl.sum(x * mq[None, :], 1), mask=w_mask)
+            tl.store(qmk_ptr + b.to(tl.int64) * stride_qmb + hq * stride_qmh + r, tl.sum(x * mq[None, :], 1),
+                     mask=w_mask)
 
 
 @triton.jit
