@@ -11,9 +11,10 @@ query. Then its key tiles split into
 with lo = max(diag - local, 0) and s_end = min(sink, lo). Middle tiles lie wholly before p0 and need no causal
 mask; only the diagonal tiles are masked (causally, per query).
 
-Masks are per KV head, shared by its query heads (GQA): a program loads each K/V tile once for the whole group,
-as the decode kernels do, so a per-query-head mask would not save loads, only the smaller half of the work.
-The kernel takes the mask as lists, which is what lets it skip tiles without a branch per tile:
+Masks are per KV head, shared by its query heads (GQA): a program computes a tile for the whole group from one
+load of its K/V, as the decode kernels do, so it can skip a tile only when every head of the group may; a
+per-query-head mask would save no work over their union (what kernels/sale_select.py keeps). The kernel takes
+the mask as lists, which is what lets it skip tiles without a branch per tile:
     kv_index int32 [B, Hkv, n_q_tiles, n_k_tiles]: the middle tiles to compute, first kv_count entries;
     kv_count int32 [B, Hkv, n_q_tiles].
 tile_lists() turns a dense tile mask (uint8/bool [B, Hkv, n_q_tiles, n_k_tiles], 1 = compute) into them;
@@ -22,7 +23,9 @@ kernels/sale_select.py writes both directly. With kv_index None every middle til
 Program (sequence, BLOCK_Q queries, KV head): rows are BLOCK_Q query tokens x GROUP_PAD heads (row r: token
 r // GROUP_PAD, head r % GROUP_PAD; heads >= GROUP are padding rows, so groups of 3 work), BLOCK_Q divides
 q_tile, so a program lies in one query tile. Programs start with the last query tiles (the most work under the
-causal mask) so the tail of the grid is short. Reference: sparse_prefill_ref.
+causal mask) so the tail of the grid is short. Sink, listed and local tiles run in one unmasked loop (one
+software pipeline), the diagonal in a masked one; compiled for sm_90a at the default 128 x 32 this is the dense
+prefill kernel's footprint (196 registers, no spills, wgmma). Reference: sparse_prefill_ref.
 """
 from __future__ import annotations
 
