@@ -1,0 +1,512 @@
+"""SALE's selection pass: which (query tile, key tile) pairs of a prefill chunk the sparse attention computes.
+
+1. Quantization (kernel _quant_kernel, after _sum_kernel's per-sequence means). Per sequence, Q~ = q - mean_q
+   (mean over the chunk's queries, per query head) and K~ = k - mean_k (over the context's keys, per KV head);
+   each token's row of a head is scaled by its own absmax / 448 and rounded to fp8 e4m3:
+       q_code[i] = e4m3(Q~_i / s_q[i]),  k_code[j] = e4m3(K~_j / s_k[j]),  qmk[h, j] = mean_q[h] . K~_j (fp32).
+   Then q_i . k_j = s_q[i] s_k[j] (q_code[i] . k_code[j]) + qmk[h, j] + (terms constant along row i), and those
+   constant terms cancel in every softmax and in the relative score below, so the estimate is
+       est_ij = s_q[i] s_k[j] (q_code[i] . k_code[j]) + qmk[h(i), j].
+   fp8 e4m3, not int8 (H100/H200 have no int4 tensor-core instructions; int8 and fp8 run at the same rate, twice
+   bf16's): the fp8 dot accumulates in fp32, so the two scales and the mean term apply as one multiply and one
+   fused multiply-add per element, with no int32 -> fp32 conversion (int8's per element cost, on the part of the
+   pass that is not tensor-core work). Precision is not what decides: e4m3's 3-bit mantissa (a few % per code,
+   averaging out over D) is finer than SALE's own 4-bit codes, and the estimate only has to rank tiles. The
+   kernel rounds to the e4m3 grid itself (_round_e4m3), so its codes equal torch's float8_e4m3fn cast.
+2. Selection (kernel _select_kernel), program (sequence, query tile, KV head). For every query row i its
+   reference statistics over the tiles the attention computes anyway (the forced tiles: sink, local window,
+   diagonal; causally visible keys only), in log2 units z = est * scale * log2(e):
+       m_i = max_j z_ij,  l_i = sum_j 2^(z_ij - m_i).
+   SALE's Relative Attention Score of element (i, j) is 2^(z_ij - m_i) / l_i: its estimated weight relative to
+   the sink + local region. It is important when that exceeds the head's threshold, compared without exp:
+       z_ij > m_i + log2(l_i) + log2(threshold[h])  <=>  est_ij > T_i := (m_i + log2 l_i + log2 thr) / (scale log2 e).
+   A middle tile (kernels/sparse_prefill.py) is kept when any element of any query head of the KV group is
+   important (the union: the group shares the tile's K/V loads). The main loop has no exp: per element an fp8
+   dot, a multiply, a fused multiply-add and a max. threshold 0 keeps every tile without estimating; a
+   streaming KV head keeps none (forced tiles only).
+   On Hopper the group's heads run one after the other (a static loop) as [q_tile, k_tile] x D fp8 wgmma dots
+   against the key tile loaded once; a program walks its middle tiles `chunk` at a time with one reduction over
+   rows a chunk. Its cost is a QK^T at fp8 (a quarter of dense attention's tensor-core work) plus the per-element
+   ops above, so it is a fixed fraction of dense attention at every length (the benchmark measures it).
+Outputs: mask uint8 [B, Hkv, n_q_tiles, n_k_tiles] (1: computed; forced tiles included), and the middle tiles
+as the attention kernel's lists kv_index int32 [B, Hkv, n_q_tiles, n_k_tiles] / kv_count int32 [B, Hkv, n_q_tiles].
+References: quantize_qk_ref, select_tiles_ref (sale_select_ref: both). Nothing waits on the host: grids and
+buffers follow host-side bounds (max_query_len, max_seq_len), thresholds and streaming flags are device tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from sparseserve.kernels.paged_decode import LOG2E
+from sparseserve.kernels.sparse_prefill import TileLayout, tile_classes
+
+# "auto": Triton on CUDA tensors, the torch references otherwise; tests set "triton" (interpreter) or "torch".
+BACKEND = "auto"
+
+FP8_MAX = 448.0  # the largest finite e4m3 value
+_SCORE_ELEMENTS = 1 << 25
+
+
+class QKCodes(NamedTuple):
+    """Quantized Q and K of a batch of chunks; L = n_k_tiles * k_tile (keys past seq_len: code 0, scale 1)."""
+    q_code: torch.Tensor  # float8_e4m3fn [T, Hq, D]
+    q_scale: torch.Tensor  # float32 [T, Hq]
+    k_code: torch.Tensor  # float8_e4m3fn [B, Hkv, L, D]
+    k_scale: torch.Tensor  # float32 [B, Hkv, L]
+    qmk: torch.Tensor     # float32 [B, Hq, L]: mean_q[h] . K~_j
+
+
+def _gather_keys(kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """float32 [B, Hkv, length, D]: the first `length` keys of every sequence (past a sequence's end: garbage)."""
+    block_size = kv_cache.shape[3]
+    nblk = triton.cdiv(length, block_size)
+    k = kv_cache[block_tables[:, :nblk].long(), :, 0].float()  # [B, nblk, Hkv, bs, D]
+    b, _, hkv, _, d = k.shape
+    return k.permute(0, 2, 1, 3, 4).reshape(b, hkv, nblk * block_size, d)[:, :, :length]
+
+
+def _quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row (last dim) absmax scaling to e4m3, the kernel's arithmetic: (codes, scales)."""
+    absmax = x.abs().amax(-1)
+    inv = torch.where(absmax > 0, FP8_MAX / absmax.where(absmax > 0, 1.0), 0.0)
+    scale = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
+    return (x * inv[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def _means_ref(q, keys, seq_lens, query_start_loc, length):
+    """(mean_q [B, Hq, D], mean_k [B, Hkv, D]) in float32; an empty range has mean 0."""
+    qsl = query_start_loc.long()
+    q_lens = qsl[1:] - qsl[:-1]
+    batch = q_lens.numel()
+    seq_idx = torch.repeat_interleave(torch.arange(batch, device=q.device), q_lens, output_size=q.shape[0])
+    mean_q = torch.zeros(batch, q.shape[1], q.shape[2], dtype=torch.float32, device=q.device)
+    mean_q.index_add_(0, seq_idx, q.float())
+    mean_q /= q_lens.clamp_min(1)[:, None, None]
+    valid = torch.arange(length, device=q.device)[None, :] < seq_lens.long()[:, None]  # [B, L]
+    mean_k = torch.where(valid[:, None, :, None], keys, 0.0).sum(2) / seq_lens.long().clamp_min(1)[:, None, None]
+    return mean_q, mean_k
+
+
+def quantize_qk_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, max_seq_len: int, layout: TileLayout) -> QKCodes:
+    """Stage 1 in torch (module docstring)."""
+    num_q_heads = q.shape[1]
+    num_kv_heads = kv_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    length = layout.num_k_tiles(max_seq_len) * layout.k_tile
+    keys = _gather_keys(kv_cache, block_tables, length)
+    mean_q, mean_k = _means_ref(q, keys, seq_lens, query_start_loc, length)
+    qsl = query_start_loc.long()
+    seq_idx = torch.repeat_interleave(torch.arange(seq_lens.numel(), device=q.device), qsl[1:] - qsl[:-1],
+                                      output_size=q.shape[0])
+    q_code, q_scale = _quantize_rows_ref(q.float() - mean_q[seq_idx])
+    valid = torch.arange(length, device=q.device)[None, :] < seq_lens.long()[:, None]
+    kt = torch.where(valid[:, None, :, None], keys - mean_k[:, :, None], 0.0)  # K~, zero past the end
+    k_code, k_scale = _quantize_rows_ref(kt)
+    qmk = torch.einsum("bhgd,bhjd->bhgj", mean_q.view(-1, num_kv_heads, group, q.shape[2]), kt)
+    return QKCodes(q_code, q_scale, k_code, k_scale, qmk.reshape(-1, num_q_heads, length))
+
+
+def select_tiles_ref(codes: QKCodes, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                     max_query_len: int, max_seq_len: int, layout: TileLayout, thresholds: torch.Tensor,
+                     streaming: torch.Tensor | None = None, with_margin: bool = False):
+    """Stage 2 in torch: (mask, kv_index, kv_count), plus with_margin the float32 [B, Hkv, n_q_tiles, n_k_tiles]
+    max over each middle tile's rows and keys of (est - T) * scale * log2(e) (> 0: kept; -inf where not
+    estimated), which tells tests how far each decision is from its boundary."""
+    q_code, q_scale, k_code, k_scale, qmk = codes
+    num_q_heads = q_code.shape[1]
+    batch, num_kv_heads, length, _ = k_code.shape
+    group = num_q_heads // num_kv_heads
+    n_qt, n_kt = layout.num_q_tiles(max_query_len), layout.num_k_tiles(max_seq_len)
+    dev = q_code.device
+    forced, middle = tile_classes(seq_lens, query_start_loc, n_qt, n_kt, layout)
+    margin = torch.full((batch, num_kv_heads, n_qt, n_kt), float("-inf"), device=dev)
+    c = scale * LOG2E
+    log2_thr = torch.log2(thresholds.float().clamp_min(0)).to(dev)
+    qsl = query_start_loc.long().tolist()
+    lens = seq_lens.long().tolist()
+    keys = torch.arange(length, device=dev)
+    ktile = keys // layout.k_tile
+    k_code_f = k_code.float()
+    # Query rows a step (whole tiles), bounding the float32 estimates [Hq, rows, L] (long prompts on the CPU).
+    step = max(1, _SCORE_ELEMENTS // (num_q_heads * length * layout.q_tile)) * layout.q_tile
+    for b in range(batch):
+        for r0 in range(0, qsl[b + 1] - qsl[b], step):
+            rows = torch.arange(r0, min(r0 + step, qsl[b + 1] - qsl[b]), device=dev)
+            toks = qsl[b] + rows
+            qtile = rows // layout.q_tile
+            pos = lens[b] - (qsl[b + 1] - qsl[b]) + rows
+            s = torch.einsum("thgd,hjd->hgtj", q_code[toks].float().view(-1, num_kv_heads, group, q_code.shape[2]),
+                             k_code_f[b])  # [Hkv, G, rows, L]
+            sq = q_scale[toks].T.reshape(num_kv_heads, group, -1, 1)
+            est = s * k_scale[b][:, None, None, :] * sq + qmk[b].view(num_kv_heads, group, 1, length)  # kernel order
+            z = est * c
+            ref = forced[b][qtile][:, ktile] & (keys[None, :] <= pos[:, None])  # [rows, L]
+            zr = z.masked_fill(~ref, float("-inf"))
+            m = zr.amax(-1, keepdim=True)
+            lse2 = m + torch.log2(torch.exp2(zr - m).sum(-1, keepdim=True))
+            t_raw = (lse2 + log2_thr.view(num_kv_heads, group, 1, 1)) / c
+            over = ((est - t_raw) * c).masked_fill(~middle[b][qtile][:, ktile], float("-inf"))
+            over = over.amax(1).view(num_kv_heads, -1, n_kt, layout.k_tile).amax(-1)  # [Hkv, rows, n_kt]
+            margin[b].scatter_reduce_(1, qtile[None, :, None].expand_as(over), over, "amax")
+    if streaming is not None:
+        margin.masked_fill_(streaming.to(device=dev, dtype=torch.bool)[None, :, None, None], float("-inf"))
+    keep = middle[:, None] & (margin > 0)
+    mask = (forced[:, None] | keep).to(torch.uint8)
+    count = keep.sum(-1, dtype=torch.int32)
+    index = torch.argsort((~keep).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
+    return (mask, index, count, margin) if with_margin else (mask, index, count)
+
+
+@triton.jit
+def _round_e4m3(x):
+    """x (float32) rounded to the nearest e4m3 value (ties to even), saturating at +-448; converting the result
+    to fp8 is then exact, whatever rounding the conversion itself does."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    bits = x.to(tl.int32, bitcast=True)
+    # Normal range: keep 3 mantissa bits, round half to even on the dropped 20.
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+    # Subnormal range (|x| < 2^-6): multiples of 2^-9; adding 1.5 * 2^14 (ulp 2^-9) rounds to them.
+    return tl.where(tl.abs(x) < 0.015625, (x + 24576.0) - 24576.0, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _sum_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, part_ptr, split_len,
+                stride_xt, stride_xh, stride_cb, stride_ch, stride_tb,
+                PAGED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+                TOK: tl.constexpr):
+    """part[b, h, split] = sum of the rows of head h in the split's range: the chunk's queries of sequence b (q),
+    or, PAGED, the keys of the context (the cache, through the block table)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    if PAGED:
+        n = tl.load(seq_lens_ptr + b)
+    else:
+        q_start = tl.load(qsl_ptr + b)
+        n = tl.load(qsl_ptr + b + 1) - q_start
+    start = split * split_len
+    end = tl.minimum(start + split_len, n)
+    rows = tl.arange(0, TOK)
+    dims = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for r0 in range(start, end, TOK):
+        r = r0 + rows
+        m = (r < end)[:, None] & (dims < HEAD_DIM)[None, :]
+        if PAGED:
+            blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + r // BLOCK_SIZE, mask=r < end, other=0)
+            ptrs = x_ptr + (blk.to(tl.int64) * stride_cb + h * stride_ch + (r % BLOCK_SIZE) * HEAD_DIM)[:, None]
+        else:
+            ptrs = x_ptr + ((q_start + r).to(tl.int64) * stride_xt + h * stride_xh)[:, None]
+        acc += tl.sum(tl.load(ptrs + dims[None, :], mask=m, other=0.0).to(tl.float32), 0)
+    row = (b * tl.num_programs(1) + h) * tl.num_programs(2) + split
+    tl.store(part_ptr + row.to(tl.int64) * BLOCK_D + dims, acc)
+
+
+@triton.jit
+def _quant_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, mean_ptr, mean_q_ptr, code_ptr, scale_ptr, qmk_ptr,
+                  length, stride_xt, stride_xh, stride_cb, stride_ch, stride_tb, stride_oa, stride_ob, stride_st,
+                  stride_sh, stride_mb, stride_mh, stride_qmb, stride_qmh,
+                  PAGED: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  BLOCK_D: tl.constexpr, TOK: tl.constexpr):
+    """Quantizes TOK rows of head h (stage 1 of the module docstring; reference: quantize_qk_ref).
+
+    Not PAGED: the chunk's queries of sequence b -> code [T, Hq, D], scale [T, Hq].
+    PAGED: context positions of sequence b (every position < L; past seq_len: code 0, scale 1, qmk 0)
+    -> code [B, Hkv, L, D], scale [B, Hkv, L], and qmk [B, Hq, L] for the GROUP query heads of KV head h."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    r = tl.program_id(2) * TOK + tl.arange(0, TOK)
+    dims = tl.arange(0, BLOCK_D)
+    dmask = (dims < HEAD_DIM)[None, :]
+    mean = tl.load(mean_ptr + b * stride_mb + h * stride_mh + dims, mask=dims < HEAD_DIM, other=0.0)
+    if PAGED:
+        ok = r < tl.load(seq_lens_ptr + b)
+        blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + r // BLOCK_SIZE, mask=ok, other=0)
+        ptrs = x_ptr + (blk.to(tl.int64) * stride_cb + h * stride_ch + (r % BLOCK_SIZE) * HEAD_DIM)[:, None]
+        out_row = (b * tl.num_programs(1) + h).to(tl.int64) * stride_oa + r.to(tl.int64) * stride_ob
+        s_row = b.to(tl.int64) * stride_st + h * stride_sh + r
+        w_mask = r < length  # every position of L is written
+    else:
+        q_start = tl.load(qsl_ptr + b)
+        ok = r < tl.load(qsl_ptr + b + 1) - q_start
+        tok = (q_start + r).to(tl.int64)
+        ptrs = x_ptr + (tok * stride_xt + h * stride_xh)[:, None]
+        out_row = tok * stride_oa + h * stride_ob
+        s_row = tok * stride_st + h * stride_sh
+        w_mask = ok
+    x = tl.load(ptrs + dims[None, :], mask=ok[:, None] & dmask, other=0.0).to(tl.float32)
+    x = tl.where(ok[:, None] & dmask, x - mean[None, :], 0.0)
+    absmax = tl.max(tl.abs(x), 1)
+    inv = tl.where(absmax > 0, 448.0 / tl.where(absmax > 0, absmax, 1.0), 0.0)
+    scale = tl.where(absmax > 0, absmax / 448.0, 1.0)
+    code = _round_e4m3(x * inv[:, None]).to(code_ptr.dtype.element_ty)
+    tl.store(code_ptr + out_row[:, None] + dims[None, :], code, mask=w_mask[:, None] & dmask)
+    tl.store(scale_ptr + s_row, scale, mask=w_mask)
+    if PAGED:
+        for g in tl.static_range(GROUP):
+            hq = h * GROUP + g
+            mq = tl.load(mean_q_ptr + (b * tl.num_programs(1) * GROUP + hq) * BLOCK_D + dims)  # [B, Hq, BLOCK_D]
+            tl.store(qmk_ptr + b.to(tl.int64) * stride_qmb + hq * stride_qmh + r, tl.sum(x * mq[None, :], 1),
+                     mask=w_mask)
+
+
+@triton.jit
+def _select_kernel(q_code_ptr, q_scale_ptr, k_code_ptr, k_scale_ptr, qmk_ptr, seq_lens_ptr, qsl_ptr, log2_thr_ptr,
+                   stream_ptr, mask_ptr, idx_ptr, cnt_ptr, c_log2, num_q_tiles,
+                   stride_qct, stride_qch, stride_qst, stride_qsh, stride_kcb, stride_kch, stride_ksb, stride_ksh,
+                   stride_qmb, stride_qmh, stride_mb, stride_mh, stride_mt, stride_nb, stride_nh,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, Q_TILE: tl.constexpr,
+                   K_TILE: tl.constexpr, SINK: tl.constexpr, LOCAL: tl.constexpr, CHUNK: tl.constexpr,
+                   STREAMING: tl.constexpr):
+    """Program (sequence, query tile, KV head): the tile's mask row and middle-tile list (reference:
+    select_tiles_ref). Query heads are handled one after the other (a static loop), each a [Q_TILE, K_TILE]
+    dot against the key tile loaded once for the group. CHUNK key tiles a step share one reduction over rows."""
+    b = tl.program_id(0)
+    t = num_q_tiles - 1 - tl.program_id(1)  # the last (heaviest) query tiles first
+    kvh = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if t * Q_TILE >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx_start = seq_len - q_len
+    p0 = ctx_start + t * Q_TILE
+    last = (tl.minimum(p0 + Q_TILE, seq_len) - 1) // K_TILE
+    lo = tl.maximum(p0 // K_TILE - LOCAL, 0)
+    s_end = tl.minimum(lo, SINK)
+    mrow = b.to(tl.int64) * stride_mb + kvh * stride_mh + t * stride_mt  # mask and index rows: same layout
+    jv = tl.arange(0, CHUNK)
+    ones = tl.full([CHUNK], 1, tl.uint8)
+    for j0 in range(0, s_end, CHUNK):
+        tl.store(mask_ptr + mrow + j0 + jv, ones, mask=j0 + jv < s_end)
+    for j0 in range(lo, last + 1, CHUNK):
+        tl.store(mask_ptr + mrow + j0 + jv, ones, mask=j0 + jv <= last)
+
+    count = tl.zeros([], tl.int32)
+    active = lo > s_end  # the tile has middle tiles
+    if STREAMING:
+        active = active & (tl.load(stream_ptr + kvh) == 0)
+    if active:
+        keep_all = False
+        for g in tl.static_range(GROUP):
+            keep_all = keep_all | (tl.load(log2_thr_ptr + kvh * GROUP + g) == float("-inf"))
+        if keep_all:  # threshold 0 for a head of the group: every middle tile, no estimate
+            for j0 in range(s_end, lo, CHUNK):
+                j = j0 + jv
+                tl.store(mask_ptr + mrow + j, ones, mask=j < lo)
+                tl.store(idx_ptr + mrow + j - s_end, j, mask=j < lo)
+            count = lo - s_end
+        else:
+            qi = t * Q_TILE + tl.arange(0, Q_TILE)
+            row_ok = qi < q_len
+            pos = ctx_start + qi
+            tok = (q_start + qi).to(tl.int64)
+            dims = tl.arange(0, BLOCK_D)
+            dmask = (dims < HEAD_DIM)[None, :]
+            kk = tl.arange(0, K_TILE)
+            k_base = k_code_ptr + b.to(tl.int64) * stride_kcb + kvh * stride_kch
+            ks_base = k_scale_ptr + b.to(tl.int64) * stride_ksb + kvh * stride_ksh
+            qm_base = qmk_ptr + b.to(tl.int64) * stride_qmb + kvh * GROUP * stride_qmh
+            codes = ()
+            scales = ()
+            for g in tl.static_range(GROUP):
+                h = kvh * GROUP + g
+                codes = codes + (tl.load(q_code_ptr + (tok * stride_qct + h * stride_qch)[:, None] + dims[None, :],
+                                         mask=row_ok[:, None] & dmask, other=0.0),)
+                scales = scales + (tl.load(q_scale_ptr + tok * stride_qst + h * stride_qsh, mask=row_ok,
+                                           other=0.0),)
+            # Reference statistics over the forced tiles: [0, s_end) then [lo, last].
+            ms = ()
+            ls = ()
+            for g in tl.static_range(GROUP):
+                ms = ms + (tl.full([Q_TILE], float("-inf"), tl.float32),)
+                ls = ls + (tl.zeros([Q_TILE], tl.float32),)
+            for i in range(s_end + last + 1 - lo):
+                j = tl.where(i < s_end, i, lo + i - s_end)
+                keys = j * K_TILE + kk
+                k = tl.load(k_base + (keys * HEAD_DIM)[:, None] + dims[None, :], mask=dmask, other=0.0)
+                ksc = tl.load(ks_base + keys)
+                vis = (keys[None, :] <= pos[:, None]) & row_ok[:, None]
+                new_ms = ()
+                new_ls = ()
+                for g in tl.static_range(GROUP):
+                    qmk = tl.load(qm_base + g * stride_qmh + keys)
+                    s = tl.dot(codes[g], tl.trans(k))
+                    z = tl.where(vis, (s * ksc[None, :] * scales[g][:, None] + qmk[None, :]) * c_log2,
+                                 float("-inf"))
+                    m_new = tl.maximum(ms[g], tl.max(z, 1))
+                    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    new_ls = new_ls + (ls[g] * tl.exp2(ms[g] - m_shift) + tl.sum(tl.exp2(z - m_shift[:, None]), 1),)
+                    new_ms = new_ms + (m_new,)
+                ms = new_ms
+                ls = new_ls
+            t_raw = ()
+            for g in tl.static_range(GROUP):
+                lse2 = ms[g] + tl.log2(tl.where(ls[g] > 0, ls[g], 1.0))
+                thr = tl.load(log2_thr_ptr + kvh * GROUP + g)
+                t_raw = t_raw + (tl.where(row_ok, (lse2 + thr) / c_log2, float("inf")),)
+            # Middle tiles, CHUNK a step: per row whether any of its elements clears its bound.
+            for j0 in range(s_end, lo, CHUNK):
+                hits = tl.zeros([Q_TILE, CHUNK], tl.int32)
+                for cc in tl.static_range(CHUNK):
+                    keys = (j0 + cc) * K_TILE + kk
+                    in_range = keys < lo * K_TILE
+                    k = tl.load(k_base + (keys * HEAD_DIM)[:, None] + dims[None, :], mask=in_range[:, None] & dmask,
+                                other=0.0)
+                    ksc = tl.load(ks_base + keys, mask=in_range, other=0.0)
+                    row_hit = tl.zeros([Q_TILE], tl.int32)
+                    for g in tl.static_range(GROUP):
+                        qmk = tl.load(qm_base + g * stride_qmh + keys, mask=in_range, other=0.0)
+                        s = tl.dot(codes[g], tl.trans(k))
+                        est = s * ksc[None, :] * scales[g][:, None] + qmk[None, :]
+                        row_hit = row_hit | (tl.max(est, 1) > t_raw[g]).to(tl.int32)
+                    hits = hits | tl.where(jv[None, :] == cc, row_hit[:, None], 0)
+                j = j0 + jv
+                keep = (tl.max(hits, 0) > 0) & (j < lo)
+                tl.store(mask_ptr + mrow + j, keep.to(tl.uint8), mask=j < lo)
+                slot = count + tl.cumsum(keep.to(tl.int32), 0) - 1
+                tl.store(idx_ptr + mrow + slot, j, mask=keep)
+                count += tl.sum(keep.to(tl.int32), 0)
+    tl.store(cnt_ptr + b.to(tl.int64) * stride_nb + kvh * stride_nh + t, count)
+
+
+@dataclass(frozen=True)
+class SelectConfig:
+    """Launch shapes. `chunk` key tiles share one reduction over a query tile's rows. Compiled for sm_90a
+    (D=128, group 4, 64 x 64 tiles): 8 warps hold chunk 4 in 192 registers a thread, 4 warps spill past chunk 1;
+    quantization programs of 32 rows and 4 warps stay at ~170 registers (64 rows spill)."""
+    chunk: int = 4
+    num_warps: int = 8
+    num_stages: int = 2
+    quant_tok: int = 32  # rows a quantization program
+
+
+def _empty_codes(q, num_seqs, num_kv_heads, length) -> QKCodes:
+    dev, (t, hq, d) = q.device, q.shape
+    return QKCodes(torch.empty(t, hq, d, dtype=torch.float8_e4m3fn, device=dev),
+                   torch.empty(t, hq, dtype=torch.float32, device=dev),
+                   torch.empty(num_seqs, num_kv_heads, length, d, dtype=torch.float8_e4m3fn, device=dev),
+                   torch.empty(num_seqs, num_kv_heads, length, dtype=torch.float32, device=dev),
+                   torch.empty(num_seqs, hq, length, dtype=torch.float32, device=dev))
+
+
+def quantize_qk_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int, layout: TileLayout,
+                       config: SelectConfig | None = None) -> QKCodes:
+    """Stage 1 with Triton: two _sum_kernel launches (the means, as partial sums a split), two _quant_kernel."""
+    config = config or SelectConfig()
+    num_seqs = seq_lens.numel()
+    num_q_heads, head_dim = q.shape[1:]
+    _, num_kv_heads, _, block_size, _ = kv_cache.shape
+    group = num_q_heads // num_kv_heads
+    length = layout.num_k_tiles(max_seq_len) * layout.k_tile
+    codes = _empty_codes(q, num_seqs, num_kv_heads, length)
+    if num_seqs == 0 or max_query_len == 0:
+        return codes
+    assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim and q.stride(2) == 1
+    block_d = triton.next_power_of_2(head_dim)
+    tok = config.quant_tok
+    common = {"HEAD_DIM": head_dim, "BLOCK_SIZE": block_size, "BLOCK_D": block_d}
+    cache_strides = (kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0))
+    sums = []
+    for paged, heads, n in ((False, num_q_heads, max_query_len), (True, num_kv_heads, max_seq_len)):
+        # Enough programs to fill the GPU: about four waves of 132 multiprocessors.
+        splits = max(1, min(triton.cdiv(n, tok), triton.cdiv(512, num_seqs * heads)))
+        split_len = triton.cdiv(triton.cdiv(n, splits), tok) * tok
+        part = torch.empty(num_seqs, heads, splits, block_d, dtype=torch.float32, device=q.device)
+        _sum_kernel[(num_seqs, heads, splits)](
+            kv_cache if paged else q, block_tables, seq_lens, query_start_loc, part, split_len,
+            q.stride(0), q.stride(1), *cache_strides, PAGED=paged, TOK=tok, **common, num_warps=4)
+        sums.append(part.sum(2))
+    qsl = query_start_loc.long()
+    mean_q = sums[0] / (qsl[1:] - qsl[:-1]).clamp_min(1)[:, None, None]
+    mean_k = (sums[1] / seq_lens.long().clamp_min(1)[:, None, None]).contiguous()
+    mean_q = mean_q.contiguous()  # [B, Hq, BLOCK_D] (padding dims zero)
+    q_code, q_scale, k_code, k_scale, qmk = codes
+    _quant_kernel[(num_seqs, num_q_heads, triton.cdiv(max_query_len, tok))](
+        q, block_tables, seq_lens, query_start_loc, mean_q, mean_q, q_code, q_scale, qmk, length,
+        q.stride(0), q.stride(1), *cache_strides, q_code.stride(0), q_code.stride(1), q_scale.stride(0),
+        q_scale.stride(1), mean_q.stride(0), mean_q.stride(1), 0, 0,
+        PAGED=False, GROUP=group, TOK=tok, **common, num_warps=4)
+    _quant_kernel[(num_seqs, num_kv_heads, triton.cdiv(length, tok))](
+        kv_cache, block_tables, seq_lens, query_start_loc, mean_k, mean_q, k_code, k_scale, qmk, length,
+        q.stride(0), q.stride(1), *cache_strides, k_code.stride(1), k_code.stride(2), k_scale.stride(0),
+        k_scale.stride(1), mean_k.stride(0), mean_k.stride(1), qmk.stride(0), qmk.stride(1),
+        PAGED=True, GROUP=group, TOK=tok, **common, num_warps=4)
+    return codes
+
+
+def select_tiles_triton(codes: QKCodes, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                        max_query_len: int, max_seq_len: int, layout: TileLayout, thresholds: torch.Tensor,
+                        streaming: torch.Tensor | None = None, config: SelectConfig | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 2 with Triton (select_tiles_ref's contract): (mask, kv_index, kv_count)."""
+    config = config or SelectConfig()
+    q_code, q_scale, k_code, k_scale, qmk = codes
+    num_q_heads, head_dim = q_code.shape[1:]
+    num_seqs, num_kv_heads, length, _ = k_code.shape
+    n_qt, n_kt = layout.num_q_tiles(max_query_len), layout.num_k_tiles(max_seq_len)
+    assert length == n_kt * layout.k_tile and k_code.is_contiguous() and q_code.stride(2) == 1
+    dev = q_code.device
+    mask = torch.zeros(num_seqs, num_kv_heads, n_qt, n_kt, dtype=torch.uint8, device=dev)
+    index = torch.empty(num_seqs, num_kv_heads, n_qt, n_kt, dtype=torch.int32, device=dev)
+    count = torch.zeros(num_seqs, num_kv_heads, n_qt, dtype=torch.int32, device=dev)
+    if num_seqs == 0 or max_query_len == 0:
+        return mask, index, count
+    log2_thr = torch.log2(thresholds.to(device=dev, dtype=torch.float32).clamp_min(0)).contiguous()
+    stream = streaming.to(device=dev, dtype=torch.bool) if streaming is not None else log2_thr
+    _select_kernel[(num_seqs, n_qt, num_kv_heads)](
+        q_code, q_scale, k_code, k_scale, qmk, seq_lens, query_start_loc, log2_thr, stream, mask, index, count,
+        scale * LOG2E, n_qt,
+        q_code.stride(0), q_code.stride(1), q_scale.stride(0), q_scale.stride(1), k_code.stride(0),
+        k_code.stride(1), k_scale.stride(0), k_scale.stride(1), qmk.stride(0), qmk.stride(1),
+        mask.stride(0), mask.stride(1), mask.stride(2), count.stride(0), count.stride(1),
+        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        Q_TILE=layout.q_tile, K_TILE=layout.k_tile, SINK=layout.sink, LOCAL=layout.local, CHUNK=config.chunk,
+        STREAMING=streaming is not None, num_warps=config.num_warps, num_stages=config.num_stages)
+    return mask, index, count
+
+
+def sale_select_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float, max_query_len: int, max_seq_len: int,
+                    layout: TileLayout, thresholds: torch.Tensor, streaming: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    codes = quantize_qk_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, max_seq_len, layout)
+    return select_tiles_ref(codes, seq_lens, query_start_loc, scale, max_query_len, max_seq_len, layout, thresholds,
+                            streaming)
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    if BACKEND not in ("auto", "triton", "torch"):
+        raise ValueError(f"sale_select.BACKEND must be auto, triton or torch, got {BACKEND!r}")
+    return BACKEND == "triton" or (BACKEND == "auto" and t.is_cuda)
+
+
+def sale_select(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                query_start_loc: torch.Tensor, scale: float, max_query_len: int, max_seq_len: int,
+                layout: TileLayout, thresholds: torch.Tensor, streaming: torch.Tensor | None = None,
+                config: SelectConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tiles of the prefill chunks of query_start_loc that sparse_prefill computes (module docstring).
+
+    q: [T, Hq, D] (the queries the attention will use); kv_cache: one layer, the chunks' K already stored;
+    thresholds: float [Hq], >= 0 (0: every tile); streaming: bool [Hkv] or None. Returns (mask uint8
+    [B, Hkv, n_q_tiles, n_k_tiles], kv_index int32 [same], kv_count int32 [B, Hkv, n_q_tiles])."""
+    num_q_heads = q.shape[1]
+    num_kv_heads = kv_cache.shape[1]
+    if num_q_heads % num_kv_heads or thresholds.shape != (num_q_heads,):
+        raise ValueError(f"thresholds must be [num_q_heads={num_q_heads}], got {tuple(thresholds.shape)}")
+    if streaming is not None and streaming.shape != (num_kv_heads,):
+        raise ValueError(f"streaming must be [num_kv_heads={num_kv_heads}], got {tuple(streaming.shape)}")
+    if not _use_triton(q):
+        return sale_select_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
+                               max_seq_len, layout, thresholds, streaming)
+    codes = quantize_qk_triton(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
+                               layout, config)
+    return select_tiles_triton(codes, seq_lens, query_start_loc, scale, max_query_len, max_seq_len, layout,
+                               thresholds, streaming, config)
