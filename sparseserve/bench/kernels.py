@@ -22,8 +22,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from sparseserve.bench.hardware import hbm_bandwidth
-from sparseserve.kernels.paged_decode import DecodeConfig, default_decode_config, paged_decode, split_plan
-from sparseserve.kernels.paged_prefill import PrefillConfig, default_prefill_config, paged_prefill
+from sparseserve.kernels.paged_decode import DecodeConfig, default_decode_config, paged_decode_triton, split_plan
+from sparseserve.kernels.paged_prefill import PrefillConfig, default_prefill_config, paged_prefill_triton
 
 DTYPE = torch.bfloat16
 # (batch, context, q heads, kv heads, head_dim, block_size); the first row is the headline target.
@@ -87,7 +87,7 @@ def bench_decode(shape: tuple, config: DecodeConfig | None = None, with_sdpa: bo
     scale = d ** -0.5
     nbytes = 2 * batch * hkv * ctx * d * DTYPE.itemsize + 2 * q.nbytes
     config = config or default_decode_config(q.dtype, d)
-    ms = bench_ms(lambda: paged_decode(q, cache, tables, seq_lens, scale, ctx, out=out, config=config))
+    ms = bench_ms(lambda: paged_decode_triton(q, cache, tables, seq_lens, scale, ctx, out=out, config=config))
     row = {"kind": "decode", "name": f"decode B={batch} L={ctx} Hq={hq} Hkv={hkv} D={d} bs={bs}",
            "ms": ms, "tbps": nbytes / ms / 1e9, "config": vars(config),
            "split_size_num_splits": split_plan(batch, hkv, ctx, q.device, config)}
@@ -96,7 +96,7 @@ def bench_decode(shape: tuple, config: DecodeConfig | None = None, with_sdpa: bo
         q4 = q.unsqueeze(2)  # [B, Hq, 1, D]
         try:
             ref = sdpa_flash(q4, k, v, scale=scale).squeeze(2)
-            paged_decode(q, cache, tables, seq_lens, scale, ctx, out=out, config=config)
+            paged_decode_triton(q, cache, tables, seq_lens, scale, ctx, out=out, config=config)
             row["rel_err_vs_sdpa"] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             row["sdpa_ms"] = bench_ms(lambda: sdpa_flash(q4, k, v, scale=scale))
             row["sdpa_tbps"] = nbytes / row["sdpa_ms"] / 1e9
@@ -117,7 +117,7 @@ def bench_prefill(shape: tuple, config: PrefillConfig | None = None, with_sdpa: 
     out = torch.empty_like(q)
     scale = d ** -0.5
     flops = 4 * d * hq * (chunk * prefix + chunk * (chunk + 1) / 2)
-    ms = bench_ms(lambda: paged_prefill(q, cache, tables, seq_lens, qsl, scale, chunk, out=out, config=config))
+    ms = bench_ms(lambda: paged_prefill_triton(q, cache, tables, seq_lens, qsl, scale, chunk, out=out, config=config))
     row = {"kind": "prefill", "name": f"prefill chunk={chunk} prefix={prefix} Hq={hq} Hkv={hkv} D={d} bs={bs}",
            "ms": ms, "tflops": flops / ms / 1e9, "config": vars(config or default_prefill_config(q.dtype, d))}
     if with_sdpa:

@@ -39,14 +39,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
+from sparseserve.kernels.dispatch import tl, triton, use_triton
 from sparseserve.kernels.paged_decode import LOG2E
 from sparseserve.kernels.sparse_prefill import TileLayout, tile_classes
 
-# "auto": Triton on CUDA tensors, the torch references otherwise; tests set "triton" (interpreter) or "torch".
-BACKEND = "auto"
 
 FP8_MAX = 448.0  # the largest finite e4m3 value
 _SCORE_ELEMENTS = 1 << 25
@@ -64,7 +61,7 @@ class QKCodes(NamedTuple):
 def _gather_keys(kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
     """float32 [B, Hkv, length, D]: the first `length` keys of every sequence (past a sequence's end: garbage)."""
     block_size = kv_cache.shape[3]
-    nblk = triton.cdiv(length, block_size)
+    nblk = -(-length // block_size)
     k = kv_cache[block_tables[:, :nblk].long(), :, 0].float()  # [B, nblk, Hkv, bs, D]
     b, _, hkv, _, d = k.shape
     return k.permute(0, 2, 1, 3, 4).reshape(b, hkv, nblk * block_size, d)[:, :, :length]
@@ -482,12 +479,6 @@ def sale_select_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                             streaming)
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    if BACKEND not in ("auto", "triton", "torch"):
-        raise ValueError(f"sale_select.BACKEND must be auto, triton or torch, got {BACKEND!r}")
-    return BACKEND == "triton" or (BACKEND == "auto" and t.is_cuda)
-
-
 def sale_select(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                 query_start_loc: torch.Tensor, scale: float, max_query_len: int, max_seq_len: int,
                 layout: TileLayout, thresholds: torch.Tensor, streaming: torch.Tensor | None = None,
@@ -503,7 +494,7 @@ def sale_select(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
         raise ValueError(f"thresholds must be [num_q_heads={num_q_heads}], got {tuple(thresholds.shape)}")
     if streaming is not None and streaming.shape != (num_kv_heads,):
         raise ValueError(f"streaming must be [num_kv_heads={num_kv_heads}], got {tuple(streaming.shape)}")
-    if not _use_triton(q):
+    if not use_triton(q):
         return sale_select_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
                                max_seq_len, layout, thresholds, streaming)
     codes = quantize_qk_triton(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,

@@ -32,14 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
+from sparseserve.kernels.dispatch import tl, triton, use_triton
 from sparseserve.kernels.paged_decode import LOG2E, attend_tile
-
-# "auto": the Triton kernel on CUDA tensors, the torch reference otherwise. Tests set "triton" to run the kernel
-# under the interpreter on the CPU, or "torch" to force the reference.
-BACKEND = "auto"
 
 
 @dataclass(frozen=True)
@@ -59,10 +54,10 @@ class TileLayout:
             raise ValueError(f"sink and local must be >= 0, got {self.sink}, {self.local}")
 
     def num_q_tiles(self, max_query_len: int) -> int:
-        return max(1, triton.cdiv(max_query_len, self.q_tile))
+        return max(1, -(-max_query_len // self.q_tile))
 
     def num_k_tiles(self, max_seq_len: int) -> int:
-        return max(1, triton.cdiv(max_seq_len, self.k_tile))
+        return max(1, -(-max_seq_len // self.k_tile))
 
 
 def tile_geometry(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_q_tiles: int, layout: TileLayout
@@ -142,7 +137,7 @@ def sparse_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
     n_qt, n_kt = layout.num_q_tiles(max_query_len), layout.num_k_tiles(max_seq_len)
     allowed = _allowed_tiles(seq_lens, query_start_loc, num_kv_heads, n_qt, n_kt, layout, kv_index, kv_count,
                              streaming)
-    max_blocks = max(1, triton.cdiv(max_seq_len, block_size))
+    max_blocks = max(1, -(-max_seq_len // block_size))
     kv = kv_cache[block_tables[:, :max_blocks].long()].float()  # [B, MB, Hkv, 2, bs, D]
     ctx = max_blocks * block_size
     k = kv[:, :, :, 0].permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, ctx, head_dim)
@@ -269,12 +264,6 @@ def default_sparse_prefill_config(dtype: torch.dtype, head_dim: int, k_tile: int
     return SparsePrefillConfig(block_n=min(32, k_tile))
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    if BACKEND not in ("auto", "triton", "torch"):
-        raise ValueError(f"sparse_prefill.BACKEND must be auto, triton or torch, got {BACKEND!r}")
-    return BACKEND == "triton" or (BACKEND == "auto" and t.is_cuda)
-
-
 def sparse_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, scale: float, max_query_len: int, max_seq_len: int,
                    layout: TileLayout, kv_index: torch.Tensor | None = None, kv_count: torch.Tensor | None = None,
@@ -298,7 +287,7 @@ def sparse_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
                                  or kv_count.shape != kv_index.shape[:3]):
         raise ValueError(f"kv_index {tuple(kv_index.shape)} / kv_count {tuple(kv_count.shape)} do not match "
                          f"(B, Hkv, n_q_tiles) = {(seq_lens.numel(), num_kv_heads, n_qt)}")
-    if not _use_triton(q):
+    if not use_triton(q):
         return sparse_prefill_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
                                   max_seq_len, layout, kv_index, kv_count, streaming, out)
     assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim and q.stride(2) == 1

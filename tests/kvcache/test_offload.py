@@ -108,7 +108,7 @@ def test_pool_random_requests(seed, impl):
     plans)."""
     g = torch.Generator().manual_seed(seed)
     layers, blocks, hkv, bs, d = 3, 12, 2, 2, 4
-    host = HostKVStore(layers, blocks, hkv, bs, d, torch.float32, pin=False)
+    host = HostKVStore(layers, blocks, hkv, bs, d, torch.float32, pin=impl == "triton" and DEVICE.type == "cuda")
     host.data.copy_(torch.randn(host.data.shape, generator=g))
     for slots, ways in ((6, 2), (16, 8), (64, 4)):
         pool = make_pool(slots, ways, blocks, layers, hkv, DEVICE if impl == "triton" else torch.device("cpu"))

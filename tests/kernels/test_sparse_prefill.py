@@ -7,11 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparseserve.attention.backend import AttentionMetadata
-from sparseserve.attention.torch_ref import paged_attention_ref
-from sparseserve.kernels import sale_select as sale_mod
-from sparseserve.kernels import sparse_prefill as sparse_mod
-from sparseserve.kernels.paged_prefill import PrefillConfig, paged_prefill
+from sparseserve.kernels.dispatch import forced
+from sparseserve.kernels.paged_prefill import PrefillConfig, paged_prefill, paged_prefill_ref, paged_prefill_triton
 from sparseserve.kernels.sale_select import (
     SelectConfig,
     quantize_qk_ref,
@@ -55,20 +52,19 @@ def make_chunks(chunks, hq, hkv, d, bs, dtype, seed=0):
     qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     cache = torch.randn(num_blocks, hkv, 2, bs, d, generator=g)
     q = torch.randn(sum(q_lens), hq, d, generator=g)
-    return (q.to(DEV, dtype), cache.to(DEV, dtype), tables.to(DEV), torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
+    return (q.to(DEV, dtype), cache.to(DEV, dtype), tables.to(DEV),
+            torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
             qsl.to(DEV), max(q_lens), max(seq_lens))
 
 
 def dense_ref(q, cache, tables, seq_lens, qsl, max_q, max_s, scale):
-    meta = AttentionMetadata(slot_mapping=None, query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
-                             num_decodes=0, max_query_len=max_q, max_seq_len=max_s)
-    return paged_attention_ref(q, cache, meta, scale)
+    return paged_prefill_ref(q, cache, tables, seq_lens, qsl, scale, max_q)
 
 
 @pytest.fixture
-def triton_backends(monkeypatch):
-    monkeypatch.setattr(sparse_mod, "BACKEND", "triton")
-    monkeypatch.setattr(sale_mod, "BACKEND", "triton")
+def triton_backends():
+    with forced("triton"):
+        yield
 
 
 # (hq, hkv, d, bs, layout, config, dtype): groups of 1, 3 and 4; a query tile served by two programs (group 4:
@@ -101,7 +97,9 @@ def test_sparse_prefill_kernel(triton_backends, hq, hkv, d, bs, layout, config, 
     assert rel_err(out, ref) < TOL[dtype]
     dense = dense_ref(*args[:5], max_q, max_s, scale)
     assert rel_err(ref, dense) > 0.05  # the tiles left out carry weight
-    torch.testing.assert_close(sparse_prefill_ref(*args), dense, atol=1e-5, rtol=1e-5)
+    # every tile: the reference equals dense (float32 math in both; fp16 outputs may round one ulp apart)
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(sparse_prefill_ref(*args), dense, atol=tol, rtol=tol)
 
 
 def test_tile_lists_and_classes():
@@ -115,7 +113,8 @@ def test_tile_lists_and_classes():
     for b, (prefix, n) in enumerate(CHUNKS):
         for t in range(n_qt):
             first, last = prefix + t * 16, min(prefix + t * 16 + 16, prefix + n) - 1
-            causal = torch.arange(n_kt, device=DEV) <= last // 16 if t * 16 < n else torch.zeros(n_kt, dtype=torch.bool, device=DEV)
+            causal = (torch.arange(n_kt, device=DEV) <= last // 16 if t * 16 < n
+                      else torch.zeros(n_kt, dtype=torch.bool, device=DEV))
             assert torch.equal(forced[b, t] | middle[b, t], causal)
             if t * 16 < n:
                 assert forced[b, t, 0] and forced[b, t, first // 16: last // 16 + 1].all()
@@ -145,7 +144,8 @@ def test_quantize_kernel(triton_backends):
     torch.testing.assert_close(got.k_scale, ref.k_scale, rtol=1e-5, atol=0)
     torch.testing.assert_close(got.qmk, ref.qmk, rtol=1e-4, atol=1e-4)
     past = ~valid[:, None].expand_as(got.k_scale)
-    assert (got.k_code.float()[past] == 0).all() and (got.k_scale[past] == 1).all() and (got.qmk[:, :2][past] == 0).all()
+    assert (got.k_code.float()[past] == 0).all() and (got.k_scale[past] == 1).all()
+    assert (got.qmk[:, :2][past] == 0).all()
     # est_ij - q_i.k_j is constant along each row, up to the e4m3 rounding of the codes (rms).
     b, t0, n = 3, int(qsl[3]), CHUNKS[3][1]
     keys = cache[tables[b, : -(-int(seq_lens[b]) // 16)].long(), :, 0].permute(1, 0, 2, 3).reshape(2, -1, 64)
@@ -232,7 +232,8 @@ def test_dense_when_threshold_zero(triton_backends):
     args = (q, cache, tables, seq_lens, qsl, scale, max_q, max_s, layout)
     cfg = SparsePrefillConfig(64, 32, 4, 2)
     sparse = sparse_prefill(*args, index, count, config=cfg)
-    dense = paged_prefill(q, cache, tables, seq_lens, qsl, scale, max_q, config=PrefillConfig(block_m=64, block_n=32))
+    dense = paged_prefill_triton(q, cache, tables, seq_lens, qsl, scale, max_q,
+                                 config=PrefillConfig(block_m=64, block_n=32))
     ref = dense_ref(*args[:5], max_q, max_s, scale)
     assert rel_err(sparse, ref) < TOL[torch.float32]
     assert rel_err(sparse, dense) < TOL[torch.float32]
