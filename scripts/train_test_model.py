@@ -140,7 +140,7 @@ def phase_lengths(frac: float, max_len: int) -> tuple[list[int], list[float]]:
 def task_mix(frac: float) -> dict[str, float]:
     """Row kinds per phase. "copy" rows (a random token string, then the same string again, loss on
     the repeat) form induction heads early; without them the answer loss sat at chance for 2000
-    steps (run 1, ACCURACY_NOTES.md). "lm" rows are essay text."""
+    steps (run 1, docs/accuracy.md). "lm" rows are essay text."""
     if frac < 0.06:  # pure copying first: the induction circuit every task below reuses
         return {"copy": 1.0}
     if frac < 0.2:
