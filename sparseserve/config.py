@@ -7,6 +7,7 @@ is added in exactly one place.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -17,7 +18,7 @@ from sparseserve.registry import SELECTION_POLICIES
 class SchedulerConfig:
     max_num_seqs: int = field(default=256, metadata={"help": "Maximum number of sequences in one step."})
     max_num_batched_tokens: int = field(
-        default=8192, metadata={"help": "Token budget of one engine step (prefill chunks + decodes)."})
+        default=8192, metadata={"help": "Token budget of one engine step (prefill chunks + decodes).", "size": True})
     enable_chunked_prefill: bool = field(
         default=True, metadata={"help": "Split prompts longer than the step's token budget into chunks."})
 
@@ -34,9 +35,12 @@ class CacheConfig:
     gpu_memory_utilization: float = field(
         default=0.9, metadata={"help": "Fraction of GPU memory the engine may use (weights, activations, KV)."})
     kv_cache_memory: int | None = field(
-        default=None, metadata={"help": "Bytes of KV cache; overrides gpu_memory_utilization sizing."})
+        default=None, metadata={"help": "Bytes of KV cache, e.g. 2GiB; overrides gpu_memory_utilization sizing "
+                                        "(default: sized by gpu_memory_utilization).",
+                                "size": True, "flag": "kv_cache_memory_bytes"})  # vLLM's name first
     num_gpu_blocks_override: int | None = field(
-        default=None, metadata={"help": "Exact number of KV token blocks (testing, capacity experiments)."})
+        default=None, metadata={"help": "Exact number of KV token blocks (testing, capacity experiments; default: "
+                                        "sized from memory)."})
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -56,7 +60,8 @@ class ModelConfig:
     device: str = field(default="auto", metadata={"help": "auto (CUDA when present), cuda or cpu.",
                                                    "choices": ["auto", "cuda", "cpu"]})
     max_model_len: int | None = field(
-        default=None, metadata={"help": "Longest prompt + output in tokens (default: the model's)."})
+        default=None, metadata={"help": "Longest prompt + output in tokens, e.g. 32k or 32K (default: the model's).",
+                                "size": True})
     seed: int = field(default=0, metadata={"help": "Seed of the engine's random state."})
     load_format: str = field(default="auto", metadata={
         "help": "auto (the directory's safetensors) or dummy (random weights, for benchmarks).",
@@ -73,7 +78,7 @@ class SparseConfig:
     sparse_policy: str = field(default="dense", metadata={
         "help": "Decode attention: dense, or a registered selection policy: topk (fixed token budget), topp "
                 "(adaptive budget, mass p)."})
-    sparse_budget: int = field(default=2048, metadata={
+    sparse_budget: int = field(default=2048, metadata={"size": True,
         "help": "Tokens each (sequence, KV head) attends per decode step, sink and local window included "
                 "(topk); topp: the candidates it prunes, at most this many tokens. Shorter contexts run dense."})
     sparse_top_p: float = field(default=0.95, metadata={
@@ -93,12 +98,12 @@ class SparseConfig:
     sparse_sink_blocks: int = field(default=1, metadata={"help": "Leading token blocks always attended."})
     sparse_local_blocks: int = field(default=4, metadata={
         "help": "Most recent token blocks always attended (the local window, >= 1)."})
-    sparse_dense_context: int | None = field(default=None, metadata={
+    sparse_dense_context: int | None = field(default=None, metadata={"size": True,
         "help": "Steps whose longest context is at most this many tokens run dense (default: the budget); "
                 "0 sends every decode through scoring, selection and the sparse kernel (testing)."})
     streaming_heads: str | None = field(default=None, metadata={
         "help": "JSON file of (layer, KV head) pairs that only see sink + local window "
-                "(python -m sparseserve.bench.calibrate proposes one)."})
+                "(python -m sparseserve.bench.calibrate proposes one; default: none)."})
     logical_page_size: int | None = field(default=None, metadata={
         "help": "Tokens per key-metadata page inside a block (hierarchical paging; default: block_size)."})
 
@@ -142,7 +147,7 @@ class OffloadConfig:
     kv_offload: bool = field(default=False, metadata={
         "help": "Keep every full KV head block in a (pinned) host store and cache the selected ones in an "
                 "HBM slot pool (needs a sparse policy)."})
-    host_kv_memory: int | None = field(default=None, metadata={
+    host_kv_memory: int | None = field(default=None, metadata={"size": True,
         "help": "Bytes of the host KV store, which holds every token block (default: max_num_seqs sequences of "
                 "max_model_len, at most half the host's available memory); must fit in the host's available "
                 "memory. The device then holds only the working set (num_gpu_blocks_override: its blocks)."})
@@ -161,6 +166,37 @@ class OffloadConfig:
             if available is not None and self.host_kv_memory > available:
                 raise ValueError(f"host_kv_memory={self.host_kv_memory} bytes exceeds the host's available "
                                  f"memory ({available} bytes): lower it")
+
+
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """A number of tokens or bytes, plain (4096, 4e9) or with a unit. One letter follows vLLM: k, m, g, t are
+    powers of 1000 and K, M, G, T powers of 1024 (32k = 32000, 32K = 32768); kB, MB, GB, TB (any case) are
+    powers of 1000 and KiB, MiB, GiB, TiB powers of 1024; B is bytes. Decimals work with every unit (1.5G)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    s = str(text).strip()
+    m = re.fullmatch(r"(\d+\.?\d*(?:[eE]\d+)?|\.\d+)\s*([A-Za-z]{0,3})", s)
+    if m is None:
+        raise ValueError(f"invalid size {text!r}: write e.g. 4096, 32k, 32K, 2GiB or 1.5G")
+    number, unit = m.groups()
+    u = unit.lower()
+    if unit in ("", "b", "B"):
+        mult = 1
+    elif len(unit) == 1 and u in _DECIMAL:
+        mult = _BINARY[u] if unit.isupper() else _DECIMAL[u]
+    elif len(unit) == 2 and u[1] == "b" and u[0] in _DECIMAL:
+        mult = _DECIMAL[u[0]]
+    elif len(unit) == 3 and u[1:] == "ib" and u[0] in _BINARY:
+        mult = _BINARY[u[0]]
+    else:
+        raise ValueError(f"invalid size {text!r}: unknown unit {unit!r} (k, K, kB, KiB, ... up to T)")
+    if mult == 1 and number.isdigit():
+        return int(number)
+    return int(float(number) * mult)
 
 
 def available_host_memory() -> int | None:
@@ -213,10 +249,14 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Also takes vLLM's names where ours differ (metadata "flag") and sizes as strings ("32k", "2GiB")."""
         parts: dict[str, dict[str, Any]] = {name: {} for name in _SUBCONFIGS}
+        aliases = {f.metadata["flag"]: f.name for f in cls.arg_fields() if "flag" in f.metadata}
+        sizes = {f.name for f in cls.arg_fields() if f.metadata.get("size")}
         for key, value in kwargs.items():
+            key = aliases.get(key, key)
             owner = next((n for n, c in _SUBCONFIGS.items() if key in {f.name for f in fields(c)}), None)
             if owner is None:
                 raise TypeError(f"unknown engine argument {key!r}")
-            parts[owner][key] = value
+            parts[owner][key] = parse_size(value) if key in sizes and isinstance(value, str) else value
         return cls(**{name: _SUBCONFIGS[name](**vals) for name, vals in parts.items()})

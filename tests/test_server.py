@@ -248,46 +248,6 @@ def test_serve_cli_flags_have_help_and_loopback_default():
     assert args.host == "127.0.0.1" and args.model is None
 
 
-def test_sigterm_lets_in_flight_stream_finish(tmp_path):
-    """A real `serve` process: SIGTERM while a request streams; it completes, then the process exits."""
-    import signal
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    code = ("import argparse, logging, sys; from sparseserve.entrypoints import api_server as a; "
-            "logging.basicConfig(level=logging.INFO); p = argparse.ArgumentParser(); a.add_cli_args(p); "
-            "a.run_server(p.parse_args(sys.argv[1:]))")
-    proc = subprocess.Popen([sys.executable, "-c", code, "--device", "cpu", "--port", str(port), "--max-model-len",
-                             "512", "--num-gpu-blocks-override", "64", "--uvicorn-log-level", "warning"], stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.1)
-        body = {"prompt": "Tell a long story.", "max_tokens": 150, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
-            lines = r.iter_lines()
-            next(line for line in lines if line.startswith("data: "))
-            proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data: ")]
-        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
-        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once shut down
-        assert "effective config" in proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
 def test_failing_engine_step_fails_only_its_requests(server, monkeypatch):
     url, engine = server
     real_step = engine.engine.step

@@ -20,6 +20,7 @@ import httpx
 import numpy as np
 
 from sparseserve.bench.datasets import PromptBuilder, haystack_corpus, load_trace
+from sparseserve.config import parse_size
 
 
 @dataclass(frozen=True)
@@ -221,50 +222,84 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 def _slo(text: str) -> tuple[str, float]:
     name, _, ms = text.partition(":")
+    name = {"e2el": "e2e"}.get(name, name)  # vLLM's name of the end-to-end latency
     if name not in ("ttft", "tpot", "e2e") or not ms:
         raise argparse.ArgumentTypeError("SLOs look like ttft:500 tpot:50 e2e:10000 (milliseconds)")
     return name, float(ms)
 
 
+def _count(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Flags; where vLLM's `bench serve` names one differently, its name is an alias."""
     p = parser.add_argument
-    p("--base-url", default="http://127.0.0.1:8000", help="Server root, e.g. http://127.0.0.1:8000.")
+    p("--base-url", default="http://127.0.0.1:8000", help="Server root (default: %(default)s).")
     p("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
       help="API to load (default: %(default)s).")
     p("--model", default=None, help="Model name to request (default: the first of /v1/models).")
-    p("--api-key", default=None, help="Sent as 'Authorization: Bearer KEY'.")
+    p("--api-key", default=None, help="Sent as 'Authorization: Bearer KEY' (default: none).")
     p("--tokenizer", default=None, help="Tokenizer dir for exact prompt lengths (default: calibrate the "
                                         "characters per token from the server's usage counts).")
     p("--request-rate", type=float, nargs="+", default=[math.inf],
-      help="Poisson arrival rate(s) in requests/s; several run one after another ('inf': all at once).")
-    p("--num-prompts", type=int, default=100, help="Requests per rate (or trace records to replay).")
-    p("--input-len", type=int, default=1024, help="Prompt tokens of each Poisson request.")
-    p("--output-len", type=int, default=128, help="max_tokens of each Poisson request.")
-    p("--trace", default=None, help="Replay a Mooncake trace (jsonl) instead of Poisson arrivals.")
-    p("--trace-time-scale", type=float, default=1.0, help="Multiplies trace inter-arrival times (0.1 = 10x faster).")
-    p("--max-input-len", type=int, default=None, help="Cap on trace prompt lengths.")
-    p("--max-output-len", type=int, default=None, help="Cap on trace output lengths.")
-    p("--max-concurrency", type=int, default=None, help="At most this many requests in flight.")
-    p("--temperature", type=float, default=0.0, help="Sampling temperature (default: greedy).")
+      help="Poisson arrival rate(s) in requests/s; several run one after another; inf sends all at once "
+           "(default: inf).")
+    p("--num-prompts", type=int, default=100, help="Requests per rate, or trace records to replay (default: "
+                                                   "%(default)s).")
+    p("--input-len", "--random-input-len", dest="input_len", type=_count, default=1024,
+      help="Prompt tokens of each Poisson request; 1k, 4K work (default: %(default)s).")
+    p("--output-len", "--random-output-len", dest="output_len", type=_count, default=128,
+      help="max_tokens of each Poisson request (default: %(default)s).")
+    p("--trace", default=None, help="Replay a Mooncake trace (jsonl) instead of Poisson arrivals (default: none).")
+    p("--trace-time-scale", type=float, default=1.0,
+      help="Multiplies trace inter-arrival times; 0.1 replays 10x faster (default: %(default)s).")
+    p("--max-input-len", type=_count, default=None, help="Cap on trace prompt lengths (default: none).")
+    p("--max-output-len", type=_count, default=None, help="Cap on trace output lengths (default: none).")
+    p("--max-concurrency", type=int, default=None, help="At most this many requests in flight (default: no cap).")
+    p("--temperature", type=float, default=0.0, help="Sampling temperature (default: %(default)s, greedy).")
     p("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
       help="Ask for exactly max_tokens tokens (vLLM/SGLang extension; default: on).")
-    p("--slo", type=_slo, nargs="*", default=[], help="Goodput SLOs in ms, e.g. ttft:500 tpot:50 e2e:10000.")
-    p("--seed", type=int, default=0, help="Seed of prompts, arrivals and sampling.")
-    p("--timeout", type=float, default=600.0, help="Per-request timeout in seconds.")
-    p("--output-json", default=None, help="Write the results here.")
+    p("--slo", "--goodput", dest="slo", type=_slo, nargs="*", default=[],
+      help="Goodput SLOs in ms, e.g. ttft:500 tpot:50 e2e:10000 (e2el works too; default: none, no goodput).")
+    p("--seed", type=int, default=0, help="Seed of prompts, arrivals and sampling (default: %(default)s).")
+    p("--timeout", type=float, default=600.0, help="Per-request timeout in seconds (default: %(default)s).")
+    p("--output-json", default=None, help="Write the results here (default: none; see --save-result).")
+    p("--save-result", action="store_true",
+      help="Write the results to --result-dir/--result-filename when no --output-json is given (default: off).")
+    p("--result-dir", default=".", help="Folder of --save-result (default: the working directory).")
+    p("--result-filename", default=None,
+      help="File name of --save-result (default: serve-<endpoint>-<date>.json).")
     p("--plot", default=None, help="Latency/throughput-vs-rate plot (PNG) when several rates run "
-                                   "(default: next to --output-json).")
-    p("--save-details", action="store_true", help="Include per-request results in the JSON.")
+                                   "(default: next to the JSON results, if any).")
+    p("--save-details", "--save-detailed", dest="save_details", action="store_true",
+      help="Include per-request results in the JSON (default: off).")
+
+
+def output_path(args: argparse.Namespace) -> Path | None:
+    """--output-json, else with --save-result the vLLM-style --result-dir / --result-filename."""
+    if args.output_json:
+        return Path(args.output_json)
+    if not args.save_result:
+        return None
+    name = args.result_filename or (f"serve-{args.endpoint.strip('/').replace('/', '-')}-"
+                                    f"{time.strftime('%Y%m%d-%H%M%S')}.json")
+    return Path(args.result_dir) / name
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the report
-    if args.output_json:
-        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+    out = output_path(args)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
     report = asyncio.run(run_benchmark(args))
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps(report, indent=2))
-    plot_path = args.plot or (Path(args.output_json).with_suffix(".png") if args.output_json else None)
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2))
+        print(f"results: {out}")
+    plot_path = args.plot or (out.with_suffix(".png") if out is not None else None)
     if plot_path and len(report["runs"]) > 1:
         plot(report["runs"], plot_path)
     return report

@@ -16,9 +16,10 @@ cut, and `TaskSample.prompt_text` gives that text for display.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -108,6 +109,24 @@ def find_haystack_dir(explicit: str | None = None) -> Path:
             if (base / rel).is_dir():
                 return base / rel
     raise FileNotFoundError("essay haystack not found: pass --data-dir (expected ../shared/data/haystack)")
+
+
+# The needle demo's haystack when the essays are absent (a plain clone): noise in RULER's manner, short
+# sentences that carry nothing to retrieve, generated from these word lists.
+_NOISE_SUBJECTS = [("grass", "green"), ("sky", "blue"), ("sun", "warm"), ("sea", "deep"), ("snow", "white"),
+                   ("night", "dark"), ("road", "long"), ("river", "slow"), ("stone", "grey"), ("wind", "cold"),
+                   ("field", "wide"), ("hill", "quiet"), ("morning", "still"), ("forest", "old"), ("lake", "calm")]
+_NOISE_FORMS = ["The {0} is {1}.", "The {0} is {1} today.", "Here the {0} stays {1}.", "The {0} was {1} again.",
+                "Far away, the {0} is {1}.", "Day after day the {0} is {1}."]
+
+
+def builtin_filler(num_sentences: int = 3000, seed: int = 0) -> list[str]:
+    """One 'essay' of plain noise sentences ("The grass is green. The sky is blue today. ..."), about 8 tokens
+    each, so 3000 cover a 16K haystack before the corpus wraps around."""
+    rng = np.random.default_rng(seed)
+    subjects = rng.integers(len(_NOISE_SUBJECTS), size=num_sentences)
+    forms = rng.integers(len(_NOISE_FORMS), size=num_sentences)
+    return [" ".join(_NOISE_FORMS[f].format(*_NOISE_SUBJECTS[s]) for s, f in zip(subjects, forms))]
 
 
 def load_essays(data_dir: str | Path) -> list[str]:
@@ -351,7 +370,9 @@ def _main(argv: list[str] | None = None) -> None:
     sparseserve.bench.tasks niah_single 4096)"`); the expected answer goes to stderr."""
     import argparse
     import sys
+
     from transformers import AutoTokenizer
+
     from sparseserve.models.loader import resolve_model_dir
     p = argparse.ArgumentParser(description=_main.__doc__)
     p.add_argument("task", choices=TASKS)
@@ -361,8 +382,14 @@ def _main(argv: list[str] | None = None) -> None:
     p.add_argument("--data-dir", default=None)
     a = p.parse_args(argv)
     tok = AutoTokenizer.from_pretrained(resolve_model_dir(a.model))
-    s = TaskBuilder(tok, load_essays(find_haystack_dir(a.data_dir))).build(a.task, a.length,
-                                                                         sample_rng(a.seed, a.task, a.length, 0))
+    try:
+        essays = load_essays(find_haystack_dir(a.data_dir))
+    except FileNotFoundError as e:
+        if a.data_dir:
+            p.error(str(e))
+        print(f"note: {e}; the haystack is the built-in filler sentences instead", file=sys.stderr)
+        essays = builtin_filler()
+    s = TaskBuilder(tok, essays).build(a.task, a.length, sample_rng(a.seed, a.task, a.length, 0))
     print(s.prompt_text)
     print(f"expected answer: {s.answer}", file=sys.stderr)
 

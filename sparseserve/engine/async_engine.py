@@ -25,13 +25,14 @@ class RequestAborted(RuntimeError):
 
 
 class RequestStream:
-    """Async iterator over a request's cumulative RequestOutputs; ends after the finished one."""
+    """Async iterator over a request's RequestOutput deltas (outputs.py); ends after the finished one."""
 
     def __init__(self, request_id: str, engine: "AsyncLLMEngine") -> None:
         self.request_id = request_id
         self.finished = False
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._error: BaseException | None = None  # raised after the deltas queued before it
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self._queue.put_nowait(item)
@@ -40,15 +41,22 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
+        if self._error is not None:
+            self.finished, error, self._error = True, self._error, None
+            raise error
         if self.finished:
             raise StopAsyncIteration
         item = await self._queue.get()
-        # Outputs are cumulative, so a slow consumer may skip to the newest one.
-        while not self._queue.empty() and not isinstance(item, BaseException):
-            item = self._queue.get_nowait()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        # A slow consumer gets the deltas that queued up meanwhile as one.
+        while not self._queue.empty() and not item.finished:
+            nxt = self._queue.get_nowait()
+            if isinstance(nxt, BaseException):
+                self._error = nxt
+                break
+            item.add(nxt)
         self.finished = item.finished
         return item
 
@@ -82,10 +90,16 @@ class AsyncLLMEngine:
         self._cond = threading.Condition()
         self._pending = _Pending()
         self._stopping = False
+        self._draining = False  # a graceful shutdown began: no new requests
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._requests: dict[str, _Tracking] = {}  # touched on the event loop only
+        self._idle = asyncio.Event()  # set while _requests is empty (used by drain)
         self._live: set[str] = set()  # ids inside the engine; touched by the engine thread only
+        # Watchdog: the engine thread's last sign of progress (a step completed or work picked up) and whether
+        # it is waiting for work; read by /health from the event loop.
+        self._heartbeat = time.monotonic()
+        self._waiting_for_work = True
 
     @classmethod
     def from_kwargs(cls, **engine_kwargs: Any) -> "AsyncLLMEngine":
@@ -95,6 +109,23 @@ class AsyncLLMEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def accepting(self) -> bool:
+        """Running and not draining: new requests are admitted."""
+        return self.is_running and not self._draining
+
+    def seconds_without_progress(self) -> float:
+        """How long the engine thread has been inside one step (or between steps) while it has work; 0 while
+        it waits for work. A value beyond the watchdog timeout means the loop is stuck (/health answers 503)."""
+        if self._waiting_for_work:
+            return 0.0
+        return max(0.0, time.monotonic() - self._heartbeat)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in flight (accepted or being added, not yet finished)."""
+        return len(self._requests)
 
     def start(self) -> None:
         """Start the engine thread; must be called from the event loop that consumes outputs."""
@@ -108,11 +139,12 @@ class AsyncLLMEngine:
     async def add_request(self, request_id: str, prompt: str | list[int],
                           params: SamplingParams) -> RequestStream:
         """Queue a request; returns once the engine accepted it (ValueError if it rejected it)."""
-        if not self.is_running:
-            raise RequestAborted("engine is not running")
+        if not self.accepting:
+            raise RequestAborted("server is shutting down" if self._draining else "engine is not running")
         assert self._loop is not None
         stream = RequestStream(request_id, self)
         self._requests[request_id] = _Tracking(stream, time.monotonic())
+        self._idle.clear()
         accepted = self._loop.create_future()
         with self._cond:
             self._pending.adds.append((request_id, prompt, params, accepted))
@@ -123,7 +155,7 @@ class AsyncLLMEngine:
             self.abort(request_id)
             raise
         except BaseException:
-            self._requests.pop(request_id, None)
+            self._forget(request_id)
             raise
         return stream
 
@@ -135,15 +167,40 @@ class AsyncLLMEngine:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._forget, request_id)
 
-    async def shutdown(self) -> None:
-        """Stop the thread after its current step; abort every request still in flight."""
+    async def drain(self, timeout: float, force: asyncio.Event | None = None) -> None:
+        """Graceful stop: refuse new requests, give those in flight up to `timeout` seconds (or until `force`
+        is set) to finish, then abort the rest, whose streams raise RequestAborted, and stop the thread."""
+        self._draining = True
+        if self._requests:
+            logger.info("draining %d request(s) for up to %.1f s", len(self._requests), timeout)
+            waits = [asyncio.ensure_future(self._idle.wait())]
+            if force is not None:
+                waits.append(asyncio.ensure_future(force.wait()))
+            try:
+                await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+        await self.shutdown("the server is shutting down and the request did not finish within the shutdown "
+                            "timeout" if self._requests else "server is shutting down")
+
+    async def shutdown(self, reason: str = "server is shutting down", join_timeout: float = 30.0) -> None:
+        """Stop the thread after its current step; abort every request still in flight. Safe to call twice."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-        for rid in list(self._requests):
-            self._requests.pop(rid).stream.put(RequestAborted("server is shutting down"))
+        aborted = list(self._requests)
+        for rid in aborted:  # their handlers answer now, whatever the engine thread is doing
+            self._requests.pop(rid).stream.put(RequestAborted(reason))
+        self._idle.set()
+        if self._thread is not None and self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join, join_timeout)
+            if self._thread.is_alive():  # a step that does not end; the thread is a daemon
+                logger.error("the engine step did not end within %.0f s of the shutdown", join_timeout)
+                return
+            stats = self.stats
+            logger.info("engine stopped: %d request(s) aborted, %d KV blocks in use", len(aborted),
+                        stats.num_blocks_used if stats is not None else -1)
 
     # ---- engine thread -------------------------------------------------------------------
 
@@ -167,7 +224,10 @@ class AsyncLLMEngine:
             with self._cond:
                 while not (self._stopping or self._pending.adds or self._pending.aborts
                            or engine.has_unfinished_requests()):
+                    self._waiting_for_work = True
                     self._cond.wait()
+                self._heartbeat = time.monotonic()
+                self._waiting_for_work = False
                 pending, self._pending = self._pending, _Pending()
                 stopping = self._stopping
             # Adds first: an abort queued together with its own add must find the request.
@@ -216,11 +276,14 @@ class AsyncLLMEngine:
 
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        if not self._requests:
+            self._idle.set()
 
     def _fail_all(self, error: BaseException, request_ids: list[str] | None = None) -> None:
         for rid in list(self._requests) if request_ids is None else request_ids:
-            tracking = self._requests.pop(rid, None)
+            tracking = self._requests.get(rid)
             if tracking is not None:
+                self._forget(rid)
                 tracking.stream.put(RequestAborted(f"engine failed: {error}"))
 
     def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
@@ -232,16 +295,17 @@ class AsyncLLMEngine:
                 self._observe(tr, out, now)
             tr.stream.put(out)
             if out.finished:
-                del self._requests[out.request_id]
+                self._forget(out.request_id)
 
     def _observe(self, tr: _Tracking, out: RequestOutput, now: float) -> None:
-        num_tokens = sum(len(c.token_ids) for c in out.outputs)
-        if num_tokens > tr.num_tokens:
+        new_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if new_tokens:
             if tr.last_token_time is None:
                 self.metrics.observe_first_token(now - tr.arrival)
             else:
                 self.metrics.observe_inter_token(now - tr.last_token_time)
-            tr.last_token_time, tr.num_tokens = now, num_tokens
+            tr.last_token_time = now
+            tr.num_tokens += new_tokens
         if out.finished:
             reason = out.outputs[0].finish_reason if out.outputs else None
             self.metrics.observe_finished(now - tr.arrival, reason)

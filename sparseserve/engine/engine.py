@@ -5,7 +5,7 @@ import itertools
 import logging
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,7 +19,7 @@ from sparseserve.kvcache.blocks import BlockAllocator
 from sparseserve.layers.sampler import SamplerOutput
 from sparseserve.models.loader import resolve_model_dir
 from sparseserve.outputs import CompletionOutput, Logprob, RequestOutput
-from sparseserve.sampling_params import SamplingParams
+from sparseserve.sampling_params import ParameterError, SamplingParams, is_int
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,14 @@ class _Request:
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[Sequence]
+    # What the deltas have carried so far, per sequence: output tokens, characters of text.
+    tokens_sent: list[int] = field(init=False)
+    text_sent: list[int] = field(init=False)
+    finished_sent: set[int] = field(default_factory=set)  # sequences whose final delta went out
+
+    def __post_init__(self) -> None:
+        self.tokens_sent = [0] * len(self.seqs)
+        self.text_sent = [0] * len(self.seqs)
 
 
 class LLMEngine:
@@ -75,9 +83,10 @@ class LLMEngine:
             prompt = prompt.get("prompt")
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             return None, list(prompt)
-        raise ValueError("a prompt must be a string, a list of token ids, or {'prompt_token_ids': [...]}")
+        raise ParameterError("a prompt must be a string, a list of token ids, or {'prompt_token_ids': [...]}",
+                             "prompt")
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict,
                     params: SamplingParams | None = None) -> None:
@@ -87,17 +96,24 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
         if not ids or text == "":  # an empty string is empty even if the tokenizer adds a BOS
-            raise ValueError("the prompt is empty")
+            raise ParameterError("the prompt is empty", "prompt")
         vocab = self.model_runner.arch.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if not all(is_int(t) and 0 <= t < vocab for t in ids):
+            raise ParameterError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ParameterError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; with at least one output token that exceeds "
-                             f"max_model_len={self.max_model_len}")
+            raise ParameterError(f"the prompt has {len(ids)} tokens; with at least one output token that exceeds "
+                                 f"max_model_len={self.max_model_len}", "prompt")
         sc = self.config.scheduler_config
         if not sc.enable_chunked_prefill and len(ids) > sc.max_num_batched_tokens:
-            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_num_batched_tokens="
-                             f"{sc.max_num_batched_tokens} with chunked prefill disabled")
+            raise ParameterError(f"the prompt has {len(ids)} tokens, more than max_num_batched_tokens="
+                                 f"{sc.max_num_batched_tokens} with chunked prefill disabled", "prompt")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            # vLLM's behaviour offline: generate what fits, end with finish_reason "length", and say so.
+            logger.warning("request %s: max_tokens=%d is cut to %d by max_model_len=%d (%d prompt tokens)",
+                           request_id, params.max_tokens, self.max_model_len - len(ids), self.max_model_len,
+                           len(ids))
         seqs = []
         for i in range(params.n):
             gen = None
@@ -193,13 +209,25 @@ class LLMEngine:
                 self._finish(seq)
 
     def _make_output(self, req: _Request) -> RequestOutput:
-        """Cumulative output of a request; a finished request leaves the table."""
+        """The step's delta of a request: per sequence that advanced, its new tokens, logprobs and text (the
+        last `stop_hold` characters stay back until it finishes; see SamplingParams.stop_hold). A finished
+        request leaves the table."""
         finished = all(s.finished for s in req.seqs)
         if finished:
             self.requests.pop(req.request_id, None)
-        outs = [CompletionOutput(
-            index=s.index, text=s.output_text, token_ids=list(s.output_token_ids),
-            cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
-            logprobs=list(s.logprobs) if s.logprobs is not None else None,
-            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in req.seqs]
+        outs = []
+        for s in req.seqs:
+            i, k0, t0 = s.index, req.tokens_sent[s.index], req.text_sent[s.index]
+            done = s.finish_reason is not None
+            if i in req.finished_sent or (s.num_output_tokens == k0 and not done):
+                continue
+            t1 = len(s.output_text) if done else max(t0, len(s.output_text) - s.params.stop_hold)
+            outs.append(CompletionOutput(
+                index=i, text=s.output_text[t0:t1], token_ids=s.token_ids[s.num_prompt_tokens + k0:],
+                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+                logprobs=s.logprobs[k0:] if s.logprobs is not None else None,
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+            req.tokens_sent[i], req.text_sent[i] = s.num_output_tokens, t1
+            if done:
+                req.finished_sent.add(i)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished)

@@ -3,12 +3,13 @@ so every LLM keyword argument is a flag of the same name with dashes."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import sys
 from typing import Any
 
-from sparseserve.config import EngineConfig
+from sparseserve.config import EngineConfig, parse_size
 
 _TYPES = {"int": int, "float": float, "str": str}
 # `sparseserve bench NAME` runs module NAME's add_cli_args(parser) + main(args).
@@ -19,23 +20,43 @@ BENCHMARKS = {"serve": ("sparseserve.bench.serve", "Load-test an OpenAI-compatib
               "kernels": ("sparseserve.bench.kernels", "Attention kernels vs torch SDPA (GPU).")}
 
 
+def size(text: str) -> int:
+    """argparse type of the length and memory flags: 4096, 32k (32000), 32K (32768), 2GiB, 1.5G, 4e9."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _help(f: dataclasses.Field) -> str:
+    """The field's help with exactly one default: its own words when it has them, else the value."""
+    text = f.metadata["help"]
+    if "default" not in text:
+        text += f" (default: {'none' if f.default is None else f.default})"
+    return text.replace("%", "%%")  # argparse %-formats help strings
+
+
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> argparse.ArgumentParser:
     group = parser.add_argument_group("engine")
     for f in EngineConfig.arg_fields():
         if f.name == "model":
             if positional_model:  # `serve MODEL` or `serve --model MODEL`, as in vLLM
-                group.add_argument("model", nargs="?", default=None, help=f.metadata["help"])
-                group.add_argument("--model", dest="model_option", default=None, help="Same as MODEL.")
+                group.add_argument("model", nargs="?", default=None, help=_help(f))
+                group.add_argument("--model", dest="model_option", default=None,
+                                   help="Same as MODEL (default: MODEL, else the embedded model).")
             else:
-                group.add_argument("--model", default=None, help=f.metadata["help"])
+                group.add_argument("--model", default=None, help=_help(f))
             continue
-        flag = "--" + f.name.replace("_", "-")
+        # vLLM's spelling first where it differs from the field's; the field's stays as an alias
+        names = [f.metadata["flag"], f.name] if "flag" in f.metadata else [f.name]
+        flags = ["--" + n.replace("_", "-") for n in names]
         kind = str(f.type).replace(" | None", "")
-        kw: dict[str, Any] = {"default": f.default, "help": f.metadata["help"] + f" (default: {f.default})"}
+        kw: dict[str, Any] = {"default": f.default, "help": _help(f), "dest": f.name}
         if kind == "bool":
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
         else:
-            group.add_argument(flag, type=_TYPES[kind], choices=f.metadata.get("choices"), **kw)
+            typ = size if f.metadata.get("size") else _TYPES[kind]
+            group.add_argument(*flags, type=typ, choices=f.metadata.get("choices"), **kw)
     return parser
 
 

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from sparseserve.engine.engine import LLMEngine
 from sparseserve.outputs import RequestOutput
-from sparseserve.sampling_params import SamplingParams
+from sparseserve.sampling_params import ParameterError, SamplingParams
 
 PromptType = str | list[int] | dict
 
@@ -37,9 +37,14 @@ class LLM:
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = str(next(self._ids))
-                engine.add_request(rid, prompt, p)
+                try:
+                    engine.add_request(rid, prompt, p)
+                except ParameterError as e:
+                    if len(prompts) == 1:
+                        raise
+                    raise ParameterError(f"prompt {i}: {e}", e.param) from None
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)  # all or nothing: a bad prompt leaves no request behind
@@ -61,13 +66,18 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         pending = set(ids)
-        done: dict[str, RequestOutput] = {}
+        outputs: dict[str, RequestOutput] = {}  # the engine's deltas, folded
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         try:
             while pending:
                 for out in engine.step():
-                    if out.finished and out.request_id in pending:
-                        done[out.request_id] = out
+                    if out.request_id not in pending:
+                        continue
+                    if out.request_id in outputs:
+                        outputs[out.request_id].add(out)
+                    else:
+                        outputs[out.request_id] = out
+                    if out.finished:
                         pending.discard(out.request_id)
                         bar.update(1)
         except BaseException:
@@ -75,4 +85,4 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [done[i] for i in ids]
+        return [outputs[i] for i in ids]

@@ -9,13 +9,42 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictInt
 
-from sparseserve.sampling_params import SamplingParams
+from sparseserve.sampling_params import (
+    SEED_MAX,
+    SEED_MIN,
+    ParameterError,
+    SamplingParams,
+)
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def invalid_unicode(value: Any, path: str = "") -> str | None:
+    """The path ("prompt", "messages.0.content") of the first string in a parsed JSON value that is not valid
+    Unicode: JSON may escape a lone UTF-16 surrogate ("\\ud800"), which no tokenizer or encoder accepts."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = invalid_unicode(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -31,8 +60,8 @@ class _SamplingRequest(BaseModel):
     min_p: float | None = None
     n: int = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[StrictInt] | None = None  # strict: JSON true is no token id
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -41,9 +70,10 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """SamplingParams validates the values and raises ValueError with a user-facing message."""
-        if self.frequency_penalty or self.presence_penalty:
-            raise ValueError("frequency_penalty and presence_penalty are not supported")
+        """SamplingParams validates the values and raises ParameterError with a user-facing message."""
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                raise ParameterError(f"{name} is not supported", name)
         kw: dict[str, Any] = dict(n=self.n, temperature=self.temperature, top_p=self.top_p,
                                   max_tokens=max_tokens, ignore_eos=self.ignore_eos)
         optional = dict(top_k=self.top_k, min_p=self.min_p, stop=self.stop,
@@ -57,7 +87,7 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None

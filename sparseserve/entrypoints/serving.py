@@ -3,17 +3,33 @@ final output of a non-streamed request (watching for a client that goes away).""
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from pydantic import BaseModel
 
 from sparseserve.engine.async_engine import RequestAborted
-from sparseserve.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
-                                              ChatResponseMessage, ChatStreamChoice, CompletionChoice,
-                                              CompletionLogprobs, CompletionResponse, ErrorInfo, ErrorResponse,
-                                              TokenLogprob, TopLogprob, UsageInfo)
+from sparseserve.entrypoints.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    ErrorInfo,
+    ErrorResponse,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+
+logger = logging.getLogger(__name__)
 
 
 def _top(entry: dict[int, Any], k: int) -> list[tuple[int, Any]]:
@@ -66,32 +82,31 @@ class Delta:
 
 
 @dataclass
-class DeltaState:
-    """Per-choice progress of a stream. Outputs are cumulative, so deltas are computed here."""
-    text_sent: dict[int, int] = field(default_factory=dict)
-    tokens_sent: dict[int, int] = field(default_factory=dict)
-    done: set[int] = field(default_factory=set)
+class StreamState:
+    """Per-choice progress of a response, built from the engine's deltas (the engine holds back the text
+    that a stop string may still cut, so every delta's text is final)."""
+    prompt_tokens: int = 0
+    text_len: dict[int, int] = field(default_factory=dict)
+    num_tokens: dict[int, int] = field(default_factory=dict)
 
-    def deltas(self, out: Any, hold: int) -> list[Delta]:
-        """`hold` characters stay back until the choice finishes: a stop string being matched may
-        still be cut from the end of the text, and what was sent cannot be taken back."""
+    def deltas(self, out: Any) -> list[Delta]:
+        self.prompt_tokens = len(out.prompt_token_ids or [])
         result = []
         for c in out.outputs:
-            if c.index in self.done:
-                continue
-            t0, k0 = self.text_sent.get(c.index, 0), self.tokens_sent.get(c.index, 0)
-            end = len(c.text) if c.finish_reason is not None else max(t0, len(c.text) - hold)
-            new_lp = c.logprobs[k0:] if c.logprobs is not None else None
-            if end == t0 and len(c.token_ids) == k0 and c.finish_reason is None:
-                continue
-            result.append(Delta(c.index, c.text[t0:end], list(c.token_ids[k0:]), new_lp, t0, c.finish_reason))
-            self.text_sent[c.index], self.tokens_sent[c.index] = end, len(c.token_ids)
-            if c.finish_reason is not None:
-                self.done.add(c.index)
+            offset = self.text_len.get(c.index, 0)
+            result.append(Delta(c.index, c.text, list(c.token_ids), c.logprobs, offset, c.finish_reason))
+            self.text_len[c.index] = offset + len(c.text)
+            self.num_tokens[c.index] = self.num_tokens.get(c.index, 0) + len(c.token_ids)
         return result
+
+    def usage(self) -> UsageInfo:
+        completion = sum(self.num_tokens.values())
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
+                         total_tokens=self.prompt_tokens + completion)
 
 
 def usage_of(out: Any) -> UsageInfo:
+    """Usage of a cumulative (folded) output."""
     prompt = len(out.prompt_token_ids or [])
     completion = sum(len(c.token_ids) for c in out.outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
@@ -155,33 +170,43 @@ class ChatFormat:
         return ChatCompletionResponse(id=self.id, model=self.model, choices=choices, usage=usage_of(out))
 
 
-async def sse_events(fmt: Any, stream: Any, hold: int, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events of one request. A client that disconnects cancels this generator
+def error_event(message: str, type: str, code: int) -> str:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type, code=code))
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+async def sse_events(fmt: Any, stream: Any, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events of one request; every stream ends with `data: [DONE]`, after an error event when
+    the request failed (shutdown, engine failure, a bug). A client that disconnects cancels this generator
     (Starlette cancels the response task), and the `finally` aborts the request, freeing its blocks."""
-    state, last = DeltaState(), None
+    state = StreamState()
     try:
         async for out in stream:
-            last = out
-            for chunk in fmt.chunks(state.deltas(out, hold)):
+            for chunk in fmt.chunks(state.deltas(out)):
                 yield f"data: {chunk.model_dump_json()}\n\n"
-        if include_usage and last is not None:
-            yield f"data: {fmt.usage_chunk(usage_of(last)).model_dump_json()}\n\n"
+        if include_usage:
+            yield f"data: {fmt.usage_chunk(state.usage()).model_dump_json()}\n\n"
     except RequestAborted as e:
-        body = ErrorResponse(error=ErrorInfo(message=str(e), type="service_unavailable", code=503))
-        yield f"data: {body.model_dump_json()}\n\n"
+        yield error_event(str(e), "service_unavailable", 503)
+    except Exception as e:  # the status line went out long ago: report in band, keep the connection sane
+        logger.exception("stream %s failed", getattr(stream, "request_id", "?"))
+        yield error_event(f"Internal server error: {type(e).__name__}", "internal_error", 500)
     finally:
         stream.abort()
     yield "data: [DONE]\n\n"
 
 
 async def last_output(stream: Any, raw: Request) -> Any | None:
-    """The final output of a non-streamed request, or None when the client went away first
+    """The whole (folded) output of a non-streamed request, or None when the client went away first
     (nothing else notices a disconnect before the response is written)."""
     async def collect() -> Any:
-        out = None
+        total = None
         async for out in stream:
-            pass
-        return out
+            if total is None:
+                total = out
+            else:
+                total.add(out)
+        return total
 
     async def disconnected() -> None:
         while (await raw.receive())["type"] != "http.disconnect":

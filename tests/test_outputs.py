@@ -1,0 +1,73 @@
+"""The engine's output path: per-step deltas (vLLM's RequestOutputKind.DELTA), folded by the offline API."""
+from __future__ import annotations
+
+import pytest
+
+from sparseserve import LLM, SamplingParams
+from sparseserve.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), device="cpu", dtype="float32", block_size=16, max_model_len=256)
+
+
+def run_steps(llm: LLM, prompt: str, params: SamplingParams) -> list[RequestOutput]:
+    engine = llm.llm_engine
+    engine.add_request("r", prompt, params)
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += [o for o in engine.step() if o.request_id == "r"]
+    return deltas
+
+
+def test_deltas_fold_into_the_offline_result(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=9, logprobs=2, ignore_eos=True)
+    final = llm.generate(["Hello there"], params, use_tqdm=False)[0]
+    deltas = run_steps(llm, "Hello there", params)
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    for i, ref in enumerate(final.outputs):
+        mine = [c for d in deltas for c in d.outputs if c.index == i]
+        assert sum(len(c.token_ids) for c in mine) == len(ref.token_ids) == 9
+        assert all(len(c.token_ids) == 1 for c in mine)  # one new token per step: no step repeats what was sent
+        assert [t for c in mine for t in c.token_ids] == ref.token_ids
+        assert "".join(c.text for c in mine) == ref.text
+        assert [e for c in mine for e in c.logprobs] == ref.logprobs
+        assert mine[-1].cumulative_logprob == ref.cumulative_logprob
+        assert [c.finish_reason for c in mine] == [None] * 8 + ["length"]
+    folded = deltas[0]
+    for d in deltas[1:]:
+        folded.add(d)
+    folded.request_id = final.request_id  # generate() numbers its own requests
+    assert folded == final
+
+
+def test_stop_string_text_is_held_back_until_final(llm):
+    """A delta never carries text that a stop string later cuts: the concatenation of what was sent
+    is, at every step, a prefix of the final text."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    full = llm.generate(["Once upon a time"], greedy, use_tqdm=False)[0].outputs[0].text
+    stop = full[len(full) // 2:][:4]
+    assert len(stop.strip()) >= 2, full
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop, "zz"])
+    deltas = run_steps(llm, "Once upon a time", params)
+    final = full[:full.index(stop)]
+    sent = ""
+    for d in deltas:
+        sent += "".join(c.text for c in d.outputs)
+        assert final.startswith(sent)
+    assert sent == final and deltas[-1].outputs[0].finish_reason == "stop"
+    assert deltas[-1].outputs[0].stop_reason == stop
+
+
+def test_request_output_add():
+    def lp(x: float) -> dict[int, Logprob]:
+        return {1: Logprob(x, 1)}
+    a = RequestOutput("r", "p", [1], [CompletionOutput(0, "a", [1], -1.0, [lp(-1.0)])])
+    a.add(RequestOutput("r", "p", [1], [CompletionOutput(1, "x", [9], None, None)]))
+    a.add(RequestOutput("r", "p", [1], [CompletionOutput(0, "b", [2], -3.0, [lp(-2.0)], "stop", "b")], True))
+    assert a.finished and [c.index for c in a.outputs] == [0, 1]
+    c0 = a.outputs[0]
+    assert (c0.text, c0.token_ids, c0.cumulative_logprob, c0.finish_reason, c0.stop_reason) == \
+        ("ab", [1, 2], -3.0, "stop", "b")
+    assert [e[1].logprob for e in c0.logprobs] == [-1.0, -2.0]

@@ -1,0 +1,221 @@
+"""5xx hygiene, request validation and the API's conventions, against a real server on the embedded model:
+every error is OpenAI JSON that names its `param`, invalid Unicode is a 400, and no error resets a kept-alive
+connection."""
+from __future__ import annotations
+
+import http.client
+import json
+import math
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from sparseserve.engine.async_engine import AsyncLLMEngine
+from sparseserve.engine.engine import LLMEngine
+from sparseserve.entrypoints.api_server import ServerConfig, build_app, serve_in_thread
+
+ENGINE_KW = dict(device="cpu", seed=0, max_model_len=256, num_gpu_blocks_override=256, max_num_seqs=16)
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = AsyncLLMEngine(LLMEngine.from_kwargs(**ENGINE_KW))
+    app = build_app(engine, ServerConfig(served_model_names=("tiny",), api_key=KEY, max_request_body_bytes=65536))
+    with serve_in_thread(app) as url:
+        yield url, engine
+
+
+def post(url: str, path: str, body: dict | bytes, headers: dict | None = None) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()  # json escapes surrogates
+    return httpx.post(f"{url}{path}", content=content, timeout=60,
+                      headers={**AUTH, "content-type": "application/json", **(headers or {})})
+
+
+def assert_openai_error(r: httpx.Response | http.client.HTTPResponse, status: int, body: bytes | None = None) -> dict:
+    assert r.status == status if isinstance(r, http.client.HTTPResponse) else r.status_code == status
+    err = json.loads(body if body is not None else r.content)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "\ud800", "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": "fine \udfff text", "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": ["\udc00"], "max_tokens": 2}, "prompt.0"),
+    ("/v1/completions", {"prompt": "ok", "stop": ["\ud83d"], "max_tokens": 2}, "stop.0"),
+    ("/v1/completions", {"prompt": "ok", "model": "\ud800", "max_tokens": 2}, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2},
+     "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "ok"},
+                                           {"role": "user", "content": [{"type": "text", "text": "a\udbffb"}]}],
+                              "max_tokens": 2}, "messages.1.content.0.text"),
+])
+def test_lone_surrogates_are_a_400_naming_the_param(server, path, body, param):
+    url, _ = server
+    r = post(url, path, body)
+    err = assert_openai_error(r, 400)
+    assert err["param"] == param and err["message"] == \
+        f"{param} is not valid Unicode (it holds a lone UTF-16 surrogate)."
+    assert post(url, path, {**body, "prompt": "ok", "messages": CHAT, "stop": None, "model": None}).status_code == 200
+
+
+def test_raw_invalid_utf8_is_a_400(server):
+    url, _ = server
+    r = post(url, "/v1/completions", b'{"prompt": "\xff\xfe", "max_tokens": 2}')
+    assert_openai_error(r, 400)
+
+
+def _request(conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None = None,
+             headers: dict | None = None) -> tuple[http.client.HTTPResponse, bytes]:
+    conn.request(method, path, body=body, headers={**AUTH, "content-type": "application/json", **(headers or {})})
+    r = conn.getresponse()
+    return r, r.read()
+
+
+def test_one_kept_alive_connection_survives_every_error(server, monkeypatch):
+    """One socket: 400, 401, 404, 405, 422, a 500 from an unexpected exception and a 503, each an OpenAI error,
+    then a good request on the same socket. Only the 413 (its body is left unread) closes, and says so."""
+    url, engine = server
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    good = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    _, _ = _request(conn, "POST", "/v1/completions", good)
+    sock = conn.sock
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("tokenizer exploded")
+
+    tokenizer = engine.engine.tokenizer
+    cases = [
+        ("POST", "/v1/completions", b"{nope", {}, 400),
+        ("POST", "/v1/completions", good, {"Authorization": "Bearer wrong"}, 401),
+        ("GET", "/v1/nothing", None, {}, 404),
+        ("GET", "/v1/completions", None, {}, 405),
+        ("POST", "/v1/completions", b'{"prompt": 5}', {}, 422),
+        ("POST", "/v1/completions", json.dumps({"prompt": "\ud800"}).encode(), {}, 400),
+        ("POST", "/v1/completions", good, {}, 500),
+        ("POST", "/v1/completions", json.dumps({"prompt": "hi", "temperature": math.nan}).encode(), {}, 400),
+    ]
+    for method, path, body, headers, status in cases:
+        if status == 500:
+            monkeypatch.setattr(tokenizer, "encode", boom)
+        r, data = _request(conn, method, path, body, headers)
+        monkeypatch.undo()
+        err = assert_openai_error(r, status, data)
+        assert r.getheader("connection") != "close", (status, err)
+        if status == 405:
+            assert r.getheader("allow") == "POST"
+        if status == 500:
+            assert err["type"] == "internal_error" and "RuntimeError" in err["message"]
+        r, data = _request(conn, "POST", "/v1/completions", good)
+        assert r.status == 200 and json.loads(data)["usage"]["completion_tokens"] == 2
+        assert conn.sock is sock, f"the connection was replaced after the {status}"
+    r, data = _request(conn, "POST", "/v1/completions", b'{"prompt": "' + b"x" * 70000 + b'"}')
+    assert_openai_error(r, 413, data)
+    assert r.getheader("connection") == "close"
+    conn.close()
+
+
+def test_bearer_scheme_is_case_insensitive_and_required(server):
+    url, _ = server
+    body = {"prompt": "hi", "max_tokens": 1}
+    for auth in (f"Bearer {KEY}", f"bearer {KEY}", f"BEARER  {KEY}"):
+        assert post(url, "/v1/completions", body, {"Authorization": auth}).status_code == 200, auth
+    for auth in (KEY, f"Basic {KEY}", f"Bearer{KEY}", "Bearer", f"Bearer {KEY}x", ""):
+        r = post(url, "/v1/completions", body, {"Authorization": auth})
+        assert assert_openai_error(r, 401)["code"] == "invalid_api_key", auth
+
+
+# Each validation failure of the API, with the `param` it must name. NaN and Infinity are JSON extensions that
+# Python's json (and so the server) accepts.
+VALIDATION_CASES = [
+    ({"prompt": "hi", "temperature": math.nan}, 400, "temperature"),
+    ({"prompt": "hi", "temperature": math.inf}, 400, "temperature"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": math.nan}, 400, "top_p"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "min_p": 2}, 400, "min_p"),
+    ({"prompt": "hi", "top_k": -5}, 400, "top_k"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
+    ({"prompt": "hi", "n": 17}, 400, "n"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": [7] * 200, "max_tokens": 100}, 400, "max_tokens"),
+    ({"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ({"prompt": "hi", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
+    ({"prompt": "hi", "stop_token_ids": [True]}, 422, "stop_token_ids.0"),
+    ({"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ({"prompt": [True, False]}, 422, "prompt"),
+    ({"prompt": [[1, True]]}, 422, "prompt"),
+    ({"prompt": [5, 99999]}, 400, "prompt"),
+    ({"prompt": [-3]}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": "hi", "seed": 2**64}, 422, "seed"),
+    ({"prompt": "hi", "seed": -2**63 - 1}, 422, "seed"),
+    ({"prompt": "hi", "seed": 1e30}, 422, "seed"),
+    ({"prompt": "hi", "logprobs": 21}, 422, "logprobs"),
+    ({"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"prompt": "hi", "echo": True}, 400, "echo"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("body, status, param", VALIDATION_CASES)
+def test_validation_errors_name_their_param(server, body, status, param):
+    url, _ = server
+    err = assert_openai_error(post(url, "/v1/completions", body), status)
+    assert err["param"] == param, err
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"messages": CHAT, "temperature": math.nan}, 400, "temperature"),
+    ({"messages": CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
+    ({"messages": CHAT, "top_logprobs": 30, "logprobs": True}, 422, "top_logprobs"),
+    ({"messages": CHAT, "stop_token_ids": [4096]}, 400, "stop_token_ids"),
+    ({"messages": [{"role": "user", "content": "x " * 300}], "max_tokens": 1}, 400, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, 422, "messages.0.role"),
+    ({"messages": []}, 422, "messages"),
+])
+def test_chat_validation_errors_name_their_param(server, body, status, param):
+    url, _ = server
+    err = assert_openai_error(post(url, "/v1/chat/completions", body), status)
+    assert err["param"] == param, err
+
+
+def test_tiny_temperature_is_greedy_and_negative_seed_works(server):
+    url, _ = server
+    base = {"prompt": "The founders", "max_tokens": 6, "ignore_eos": True}
+    greedy = post(url, "/v1/completions", {**base, "temperature": 0}).json()["choices"][0]["text"]
+    tiny = post(url, "/v1/completions", {**base, "temperature": 1e-45, "seed": -7}).json()["choices"][0]["text"]
+    assert tiny == greedy
+
+
+def test_openapi_lists_errors_and_event_stream(server):
+    url, _ = server
+    doc = httpx.get(f"{url}/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert {"200", "400", "401", "404", "413", "422", "503"} <= set(responses), path
+        assert {"application/json", "text/event-stream"} <= set(responses["200"]["content"])
+        assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    assert "503" in doc["paths"]["/health"]["get"]["responses"]
+
+
+def test_docs_can_be_disabled_and_metrics_protected(server):
+    _, engine = server  # the app is only built, never started: no second engine thread
+    app = build_app(engine, ServerConfig(served_model_names=("tiny",), api_key=KEY, metrics_require_api_key=True,
+                                         disable_fastapi_docs=True))
+    client = TestClient(app)
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert_openai_error(client.get(path), 404)
+    assert_openai_error(client.get("/metrics"), 401)
+    assert_openai_error(client.get("/metrics", headers={"Authorization": "Bearer nope"}), 401)
+    assert client.get("/metrics", headers=AUTH).status_code == 200
+    open_app = build_app(engine, ServerConfig(served_model_names=("tiny",), api_key=KEY))
+    assert TestClient(open_app).get("/metrics").status_code == 200
+    assert TestClient(open_app).get("/docs").status_code == 200
