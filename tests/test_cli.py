@@ -30,3 +30,54 @@ def test_generate_command_reports_bad_input():
     out = subprocess.run([sys.executable, "-m", "sparseserve", "generate", "/no/such/model", "--device", "cpu"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "model directory not found" in out.stderr
+
+
+def _parsers():
+    """generate, serve and bench serve: the parsers whose help a user reads first."""
+    import argparse
+
+    from sparseserve.bench.serve import add_cli_args as bench_serve_args
+    from sparseserve.entrypoints.api_server import add_cli_args as serve_args
+    bench = argparse.ArgumentParser()
+    bench_serve_args(bench)
+    serve = argparse.ArgumentParser()
+    serve_args(serve)
+    generate = build_parser(["generate"])._subparsers._group_actions[0].choices["generate"]
+    return {"generate": generate, "serve": serve, "bench serve": bench}
+
+
+def test_every_flag_states_one_default():
+    for name, parser in _parsers().items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if action.dest == "help":
+                continue
+            text = formatter._expand_help(action)  # the help as printed, %(default)s filled in
+            assert text.count("default") == 1, (name, action.option_strings or action.dest, text)
+            assert "default: None" not in text, (name, action.option_strings, text)
+
+
+def test_sizes_and_vllm_flag_names():
+    args = build_parser([]).parse_args(["generate", "--max-model-len", "32k", "--max-num-batched-tokens", "4K",
+                                        "--kv-cache-memory-bytes", "2GiB", "--host-kv-memory", "1.5G"])
+    kw = engine_kwargs_from_args(args)
+    assert (kw["max_model_len"], kw["max_num_batched_tokens"]) == (32000, 4096)
+    assert (kw["kv_cache_memory"], kw["host_kv_memory"]) == (2 * 2**30, 3 * 2**29)
+    old = build_parser([]).parse_args(["generate", "--kv-cache-memory", "1000"])  # the old spelling still works
+    assert engine_kwargs_from_args(old)["kv_cache_memory"] == 1000
+    out = subprocess.run([sys.executable, "-m", "sparseserve", "generate", "--max-model-len", "lots"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "invalid size 'lots'" in out.stderr
+
+
+def test_bench_serve_takes_vllm_names(tmp_path):
+    from sparseserve.bench.serve import output_path
+    bench = _parsers()["bench serve"]
+    args = bench.parse_args(["--random-input-len", "2k", "--random-output-len", "64", "--goodput", "ttft:500",
+                             "e2el:9000", "--save-result", "--result-dir", str(tmp_path), "--result-filename",
+                             "r.json", "--save-detailed"])
+    assert (args.input_len, args.output_len, args.save_details) == (2000, 64, True)
+    assert dict(args.slo) == {"ttft": 500.0, "e2e": 9000.0}
+    assert output_path(args) == tmp_path / "r.json"
+    assert output_path(bench.parse_args([])) is None
+    assert output_path(bench.parse_args(["--output-json", "x.json", "--save-result"])).name == "x.json"

@@ -73,13 +73,15 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="Generate completions offline.")
     add_engine_args(p)
-    p.add_argument("--prompt", action="append", help="A prompt (repeatable).")
-    p.add_argument("--prompt-file", help="Read one prompt from a file (e.g. a long document with a question).")
-    p.add_argument("--chat", action="store_true", help="Wrap each prompt in the model's chat template.")
-    p.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate per prompt.")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy.")
-    p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass.")
-    p.add_argument("--top-k", type=int, default=-1, help="Top-k sampling (-1 disables).")
+    p.add_argument("--prompt", action="append",
+                   help="A prompt (repeatable; default: a short sentence when no --prompt-file is given).")
+    p.add_argument("--prompt-file", help="Read one prompt from a file, e.g. a long document with a question "
+                                         "(default: none).")
+    p.add_argument("--chat", action="store_true", help="Wrap each prompt in the model's chat template (default: off).")
+    p.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate per prompt (default: %(default)s).")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s).")
+    p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (default: %(default)s).")
+    p.add_argument("--top-k", type=int, default=-1, help="Top-k sampling, -1 disables it (default: %(default)s).")
     p.set_defaults(func=_run_generate)
 
 
