@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import time
 from urllib.parse import urlparse
 
 import httpx
@@ -219,3 +220,36 @@ def test_docs_can_be_disabled_and_metrics_protected(server):
     open_app = build_app(engine, ServerConfig(served_model_names=("tiny",), api_key=KEY))
     assert TestClient(open_app).get("/metrics").status_code == 200
     assert TestClient(open_app).get("/docs").status_code == 200
+
+
+def test_an_exception_mid_stream_ends_it_with_an_error_event(server, monkeypatch):
+    """After the status line went out, a failure is reported in band: an error event, then [DONE], and the
+    connection stays usable."""
+    from sparseserve.entrypoints import serving
+    url, engine = server
+    real, calls = serving.CompletionFormat.chunks, [0]
+
+    def flaky(self, deltas):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("formatting failed")
+        return real(self, deltas)
+
+    monkeypatch.setattr(serving.CompletionFormat, "chunks", flaky)
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    body = json.dumps({"prompt": "hi", "max_tokens": 8, "ignore_eos": True, "stream": True}).encode()
+    r, data = _request(conn, "POST", "/v1/completions", body)
+    sock = conn.sock
+    events = [line[6:] for line in data.decode().splitlines() if line.startswith("data: ")]
+    assert r.status == 200 and events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == 500 and err["type"] == "internal_error" and len(events) == 4
+    monkeypatch.undo()
+    r, data = _request(conn, "POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}).encode())
+    assert r.status == 200 and conn.sock is sock
+    conn.close()
+    deadline = time.monotonic() + 20  # the failed stream's request was aborted: its blocks are free
+    while engine.stats.num_blocks_used:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)

@@ -19,6 +19,7 @@ from sparseserve.engine.async_engine import AsyncLLMEngine
 from sparseserve.engine.engine import LLMEngine
 from sparseserve.entrypoints.api_server import ServerConfig, build_app
 from sparseserve.entrypoints.http_server import running_server
+from sparseserve.metrics import parse_metrics
 
 ENGINE_KW = dict(device="cpu", seed=0, max_model_len=512, num_gpu_blocks_override=256, max_num_seqs=16)
 
@@ -130,6 +131,10 @@ def test_sigterm_past_the_deadline_in_a_real_process():
         with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: "))
+            deadline = time.monotonic() + 60  # both requests running
+            while parse_metrics(httpx.get(f"{url}/metrics").text)["sparseserve:num_requests_running"] < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
             proc.send_signal(signal.SIGTERM)
             time.sleep(0.2)
             results["refused"] = httpx.post(f"{url}/v1/completions", json=body, timeout=30)

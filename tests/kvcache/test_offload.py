@@ -252,8 +252,8 @@ def test_device_cache_holds_the_working_set_only(hf_models):
         engine.add_request(str(i), prompt, params)
     outs, most, waited = {}, 0, False
     while engine.has_unfinished_requests():
-        for o in engine.step():
-            outs[o.request_id] = o.outputs[0].token_ids
+        for o in engine.step():  # deltas: each step's new tokens
+            outs.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
         running = engine.scheduler.running
         held_blocks(engine)
         if len(running) == 4:
@@ -380,9 +380,12 @@ def random_schedule(model_dir, seed: int, check: bool, greedy: bool = False, tri
                 return plan(key)
         pool.plan = triton_pool_plan
 
-    def collect(outs):
+    def collect(outs):  # the engine's outputs are deltas: append each step's new tokens
         for out in outs:
-            results[out.request_id] = [list(c.token_ids) for c in out.outputs]
+            seqs = results.setdefault(out.request_id, [])
+            for c in out.outputs:
+                seqs.extend([] for _ in range(c.index + 1 - len(seqs)))
+                seqs[c.index].extend(c.token_ids)
 
     def after_step(outs):
         collect(outs)
