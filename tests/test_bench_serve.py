@@ -61,6 +61,7 @@ def test_haystack_prompts_have_exact_lengths_and_shared_prefixes(tokenizer):
     assert a.startswith(block[:-20]) and b.startswith(block[:-20])  # same hash ids -> same text blocks
 
 
+@pytest.mark.slow
 def test_poisson_rates_agree_with_server_metrics(server, tmp_path):
     before = counters(server)
     report = run_bench(server, tmp_path, "--tokenizer", str(DEFAULT_MODEL_DIR), "--request-rate", "20", "inf",
@@ -80,6 +81,7 @@ def test_poisson_rates_agree_with_server_metrics(server, tmp_path):
     assert (tmp_path / "out.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not TRACE.exists(), reason="Mooncake trace not found")
 def test_trace_replay_without_tokenizer(server, tmp_path):
     """No tokenizer: prompt lengths are calibrated from the server's usage, so only roughly right."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from sparseserve.config import EngineConfig
 from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
 
@@ -19,6 +21,7 @@ def test_every_engine_option_is_a_flag():
     assert cfg.cache_config.block_size == 16 and cfg.model_config.enforce_eager
 
 
+@pytest.mark.slow
 def test_generate_command_on_embedded_default():
     out = subprocess.run([sys.executable, "-m", "sparseserve", "generate", "--device", "cpu", "--max-tokens", "5",
                           "--prompt", "Hello there"], capture_output=True, text=True, timeout=300)
@@ -26,6 +29,7 @@ def test_generate_command_on_embedded_default():
     assert "Output:" in out.stdout and "Hello there" in out.stdout
 
 
+@pytest.mark.slow
 def test_generate_command_reports_bad_input():
     out = subprocess.run([sys.executable, "-m", "sparseserve", "generate", "/no/such/model", "--device", "cpu"],
                          capture_output=True, text=True, timeout=300)
@@ -65,9 +69,11 @@ def test_sizes_and_vllm_flag_names():
     assert (kw["kv_cache_memory"], kw["host_kv_memory"]) == (2 * 2**30, 3 * 2**29)
     old = build_parser([]).parse_args(["generate", "--kv-cache-memory", "1000"])  # the old spelling still works
     assert engine_kwargs_from_args(old)["kv_cache_memory"] == 1000
-    out = subprocess.run([sys.executable, "-m", "sparseserve", "generate", "--max-model-len", "lots"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2 and "invalid size 'lots'" in out.stderr
+
+def test_a_bad_size_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser([]).parse_args(["generate", "--max-model-len", "lots"])
+    assert e.value.code == 2 and "invalid size 'lots'" in capsys.readouterr().err
 
 
 def test_bench_serve_takes_vllm_names(tmp_path):

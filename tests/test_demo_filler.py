@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from transformers import AutoTokenizer
 
 from sparseserve import LLM, SamplingParams
@@ -11,6 +12,7 @@ from sparseserve.bench import tasks
 from sparseserve.models.loader import resolve_model_dir
 
 
+@pytest.mark.slow
 def test_demo_prompt_without_essays(monkeypatch, capsys):
     def missing(explicit=None):
         raise FileNotFoundError("essay haystack not found")

@@ -85,6 +85,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[dict
     return texts, usage
 
 
+@pytest.mark.slow
 def test_64_concurrent_streams_match_offline_generate(server):
     url, _ = server
     prompts = [f"Request {i}: the startup founders said" for i in range(64)]

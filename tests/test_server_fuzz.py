@@ -132,11 +132,13 @@ def assert_healthy_and_idle(url: str) -> None:
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.slow
 def test_fuzz_completions(server):
     fuzz(server, "/v1/completions", completion_bodies())
     assert_healthy_and_idle(server)
 
 
+@pytest.mark.slow
 def test_fuzz_chat_completions(server):
     fuzz(server, "/v1/chat/completions", chat_bodies())
     assert_healthy_and_idle(server)

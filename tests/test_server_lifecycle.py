@@ -113,6 +113,7 @@ def start_server_process(*flags: str) -> tuple[subprocess.Popen, str]:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_sigterm_past_the_deadline_in_a_real_process():
     """SIGTERM with a stream and a non-streamed request that cannot finish within --shutdown-timeout: the stream
     ends with an error event and [DONE], the other request gets a 503 JSON, a new request a 503, the blocks are
@@ -152,6 +153,7 @@ def test_sigterm_past_the_deadline_in_a_real_process():
     assert "2 request(s) aborted, 0 KV blocks in use" in log, log
 
 
+@pytest.mark.slow
 def test_sigterm_lets_in_flight_stream_finish():
     """Within the timeout, a request in flight completes normally; then the process exits with 0."""
     proc, url = start_server_process("--max-model-len", "512", "--num-gpu-blocks-override", "64")
