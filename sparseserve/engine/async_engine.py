@@ -189,6 +189,9 @@ class AsyncLLMEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify()
+            unseen, self._pending.adds = self._pending.adds, []  # the thread may be stuck in a step
+        for *_, accepted in unseen:
+            _resolve(accepted, RequestAborted(reason))
         aborted = list(self._requests)
         for rid in aborted:  # their handlers answer now, whatever the engine thread is doing
             self._requests.pop(rid).stream.put(RequestAborted(reason))

@@ -27,30 +27,11 @@ from starlette.exceptions import HTTPException
 from sparseserve.config import parse_size
 from sparseserve.engine.async_engine import AsyncLLMEngine, RequestAborted
 from sparseserve.entrypoints.cli import add_engine_args, engine_kwargs_from_args
-from sparseserve.entrypoints.http_server import (
-    ClientLimits,
-    DrainingServer,
-    running_server,
-    uvicorn_config,
-)
-from sparseserve.entrypoints.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    ErrorInfo,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-    invalid_unicode,
-    random_id,
-)
-from sparseserve.entrypoints.serving import (
-    ChatFormat,
-    CompletionFormat,
-    last_output,
-    sse_events,
-)
+from sparseserve.entrypoints.http_server import ClientLimits, DrainingServer, running_server, uvicorn_config
+from sparseserve.entrypoints.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                              CompletionResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList,
+                                              invalid_unicode, random_id)
+from sparseserve.entrypoints.serving import ChatFormat, CompletionFormat, last_output, sse_events
 from sparseserve.metrics import CONTENT_TYPE, ServerMetrics
 from sparseserve.sampling_params import ParameterError
 

@@ -183,10 +183,13 @@ class DrainingServer(uvicorn.Server):
 
     def request_shutdown(self) -> None:
         """Thread- and signal-safe: the first call drains, the second aborts what is in flight, a third exits."""
-        if self._loop is None or self._loop.is_closed():
-            self.should_exit = True  # not started yet
-            return
-        self._loop.call_soon_threadsafe(self._on_shutdown_request)
+        try:
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._on_shutdown_request)
+                return
+        except RuntimeError:  # the loop is closed: the server has stopped already
+            pass
+        self.should_exit = True  # not started yet
 
     def _on_shutdown_request(self) -> None:
         assert self._force is not None

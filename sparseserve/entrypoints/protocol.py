@@ -11,12 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, StrictInt
 
-from sparseserve.sampling_params import (
-    SEED_MAX,
-    SEED_MIN,
-    ParameterError,
-    SamplingParams,
-)
+from sparseserve.sampling_params import SEED_MAX, SEED_MIN, ParameterError, SamplingParams
 
 
 def random_id(prefix: str) -> str:

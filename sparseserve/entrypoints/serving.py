@@ -12,22 +12,10 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from sparseserve.engine.async_engine import RequestAborted
-from sparseserve.entrypoints.protocol import (
-    ChatChoice,
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    ChatLogprobs,
-    ChatResponseMessage,
-    ChatStreamChoice,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionResponse,
-    ErrorInfo,
-    ErrorResponse,
-    TokenLogprob,
-    TopLogprob,
-    UsageInfo,
-)
+from sparseserve.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
+                                              ChatResponseMessage, ChatStreamChoice, CompletionChoice,
+                                              CompletionLogprobs, CompletionResponse, ErrorInfo, ErrorResponse,
+                                              TokenLogprob, TopLogprob, UsageInfo)
 
 logger = logging.getLogger(__name__)
 
