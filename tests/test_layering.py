@@ -110,6 +110,7 @@ def recent_policy():
     SELECTION_POLICIES.unregister("recent")
 
 
+@pytest.mark.slow
 def test_a_policy_is_one_class_and_one_registration(tiny_model_dir, recent_policy):
     """The registered policy runs through the engine: with a budget covering the context it gives dense's
     tokens; with a small one each decode attends exactly its most recent blocks (the attention probe)."""

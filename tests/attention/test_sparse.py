@@ -92,6 +92,7 @@ def test_prune_reference():
     assert prune_ref(lse, lists, torch.tensor([6]), top_p=0.5, **p)[0, 0].tolist() == lists[0, 0].tolist()
 
 
+@pytest.mark.slow
 def test_full_budget_equals_dense(hf_models):
     """Chunked prefill mixed with decodes; the sparse runs score, select and run the sparse attention
     for every decode (sparse_dense_context=0) with a budget covering every block. An untied model: its

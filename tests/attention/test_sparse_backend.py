@@ -33,6 +33,7 @@ def with_slots(meta: AttentionMetadata) -> AttentionMetadata:
     return meta
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy,budget", [("topk", 4096), ("topk", 64), ("topp", 96)])
 def test_backend_triton_vs_torch(policy, budget):
     """A decode batch (store, metadata update, scoring, selection, attention) through SparseBackend on each
@@ -69,6 +70,7 @@ def _extend(cache: torch.Tensor, meta: AttentionMetadata, steps: int, bs: int) -
     return torch.cat([cache, torch.stack(extra)]) if extra else cache
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("reuse", [1, 2])
 def test_lagged_selection(impl, reuse):

@@ -128,6 +128,7 @@ def test_probe_mass_and_error(backend_cls):
         assert rep["mass_mean"] < 1 and rep["rel_err_mean"] > 1e-3
 
 
+@pytest.mark.slow
 def test_harness_end_to_end_cpu(tmp_path, capsys):
     _haystack_dir()
     parser = argparse.ArgumentParser()

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from sparseserve.bench import sparse_prefill as bench
 
 
+@pytest.mark.slow
 def test_sparse_prefill_bench_rows(tmp_path):
     parser = argparse.ArgumentParser()
     bench.add_cli_args(parser)

@@ -65,6 +65,7 @@ def test_allocator_detects_double_free():
     a.check()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_pool_accounting_over_random_schedules(tiny_model_dir, seed):
     """Random arrivals, aborts and steps with a pool small enough to preempt: after every step the

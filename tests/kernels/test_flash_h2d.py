@@ -50,6 +50,7 @@ def test_flash_h2d_matches_gather(dtype, bs, d):
             assert torch.equal(out.slots[slot].cpu(), host.flat()[k])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy, budget, slots", [("topk", 64, 8), ("topp", 96, 64)])
 def test_sparse_decode_through_pool(policy, budget, slots):
     """Decode steps through SparseBackend with KV offload on the torch and the Triton path (scoring,

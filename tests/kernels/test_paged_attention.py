@@ -95,6 +95,7 @@ DECODE_CASES = [  # (hq, hkv, d, bs, config)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ATTN_DTYPES)
 @pytest.mark.parametrize("hq,hkv,d,bs,config", DECODE_CASES)
 def test_paged_decode(dtype, hq, hkv, d, bs, config):
@@ -119,6 +120,7 @@ PREFILL_CASES = [  # (hq, hkv, d, bs, config)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ATTN_DTYPES)
 @pytest.mark.parametrize("hq,hkv,d,bs,config", PREFILL_CASES)
 def test_paged_prefill(dtype, hq, hkv, d, bs, config):

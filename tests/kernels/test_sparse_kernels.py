@@ -45,6 +45,7 @@ def params(policy: str, cap: int, bs: int, reuse: int = 1, top_p: float = 0.9, s
                 top_p=top_p if policy == "topp" else None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bs,page", [(16, 16), (16, 4)])
 def test_update_key_meta(bs, page, dtype):
@@ -145,6 +146,7 @@ def test_block_scores(dtype, hq, hkv, bs, page, config):
             assert torch.isinf(ref[b, :, nb:]).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy,top_p,ways", [("topk", 1.0, 2), ("topk", 1.0, 8), ("topp", 0.5, 4), ("topp", 0.9, 4)])
 def test_select_blocks(policy, top_p, ways):
     """Lists from the bit-pattern binary search equal the sort-based reference, over reuse steps, with
@@ -173,6 +175,7 @@ def test_select_blocks(policy, top_p, ways):
     assert sorted(sel[4, 1].tolist()) == [-1, -1, -1, 0, 38, 39]  # streaming head: sink + local only
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy,top_p,sink,local,ways,tied", [("topk", 1.0, 1, 2, 4, True),
                                                                 ("topk", 1.0, 3, 4, 2, True),
                                                                 ("topp", 0.6, 1, 2, 1, False),
@@ -232,6 +235,7 @@ def test_score_and_select(policy):
         assert torch.equal(state[0][1], state[1][1]) and torch.equal(state[0][2], state[1][2]), step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d,bs,config", [(8, 2, 64, 16, SparseDecodeConfig(tile_n=32, target_programs=24)),
                                                  (6, 2, 32, 16, SparseDecodeConfig(tile_n=16, target_programs=1)),
@@ -288,6 +292,7 @@ def offload_inputs(cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Te
     return (pool, host, loc.view(batch, hkv, cap), key.view(batch, hkv, cap)), listed_kv, poisoned
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.parametrize("tile_n,tiles,splits", [(16, 1, 7), (32, 2, 2), (128, 0, 1)])

@@ -79,6 +79,7 @@ ATTN_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hq,hkv,d,bs,layout,config,dtype", ATTN_CASES)
 def test_sparse_prefill_kernel(triton_backends, hq, hkv, d, bs, layout, config, dtype):
     """Random tile masks and a streaming head: the kernel equals the reference; the mask matters (the output
@@ -166,6 +167,7 @@ SELECT_CASES = [  # (hq, hkv, d, bs, layout)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hq,hkv,d,bs,layout", SELECT_CASES)
 def test_select_kernel(triton_backends, hq, hkv, d, bs, layout):
     """Stage 2 on the same codes: the kernel's mask equals the reference's wherever the decision is further than
@@ -218,6 +220,7 @@ def test_relative_score_picks_the_heavy_tile():
         assert kept == [3], (thr, kept)
 
 
+@pytest.mark.slow
 def test_dense_when_threshold_zero(triton_backends):
     """Threshold 0: the selection keeps every tile and sparse prefill equals dense prefill (the paged prefill
     kernel and the reference), with and without the lists."""

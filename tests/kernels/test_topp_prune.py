@@ -73,6 +73,7 @@ def test_block_lse(dtype, hq, hkv, d, bs):
     assert torch.equal(out[rows][~listed], ref[rows][~listed])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_p,per_head", [(0.5, False), (0.8, False), (0.95, False), (1.0, False), (0.8, True)])
 def test_prune_lists(top_p, per_head):
     """Given the same lse, the kernel's lists equal prune_ref's, order included, over reuse steps; stats[0]
@@ -109,6 +110,7 @@ def test_prune_lists(top_p, per_head):
     assert sorted(state[0][0, 0].tolist()) == [-1] * (cap - 3) + [0, 1, 2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32])
 @pytest.mark.parametrize("top_p,reuse,per_head", [(0.6, 1, False), (0.9, 3, False), (0.7, 1, True)])
 def test_topp_prune_vs_reference(dtype, top_p, reuse, per_head):

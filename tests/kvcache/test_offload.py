@@ -100,6 +100,7 @@ def test_pool_hand_built_lru():
     pool.check()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_pool_random_requests(seed, impl):
@@ -317,6 +318,7 @@ def run(model_dir, **kw):
     return [o.outputs[0].token_ids for o in outs], llm
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", [dict(), dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=6 * BS,
                                                  sparse_reuse=2), dict(sparse_dense_layers=1)])
 def test_offload_equals_no_offload(hf_models, policy):
@@ -416,6 +418,7 @@ HOST_16 = 16 * 2 * 2 * 2 * BS * 128 * 4  # 16 token blocks of the tiny model in 
 
 # The engine runs on CPU here, so its Triton plan runs under the interpreter only (on a GPU machine
 # kernels/test_pool_plan.py and kernels/test_flash_h2d.py cover the plan on CUDA tensors).
+@pytest.mark.slow
 @pytest.mark.parametrize("seed, triton_plan",
                          [(0, False)] + ([(1, True)] if os.environ.get("TRITON_INTERPRET") == "1" else []))
 def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, triton_plan):

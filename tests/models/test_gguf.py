@@ -184,6 +184,7 @@ def test_every_accepted_type_is_exercised():
     assert {t.name for t in ALL_TYPES} == set(G.GGUF_TENSOR_TYPES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_prompt_logits_match_transformers_on_the_same_gguf(tmp_path, case):
     arch, tied, types, dims = CASES[case]

@@ -48,6 +48,7 @@ def test_finds_the_installed_file():
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 90e6
 
 
+@pytest.mark.slow
 def test_config_of_the_converted_model(smollm2):
     llm, _ = smollm2
     arch = llm.llm_engine.model_runner.arch
@@ -56,6 +57,7 @@ def test_config_of_the_converted_model(smollm2):
     assert llm.llm_engine.model_name == "smollm2"
 
 
+@pytest.mark.slow
 def test_greedy_batched_with_chunked_prefill_matches_transformers(smollm2):
     llm, hf = smollm2
     tok = llm.get_tokenizer()
@@ -72,6 +74,7 @@ def test_greedy_batched_with_chunked_prefill_matches_transformers(smollm2):
             assert out.outputs[0].token_ids == ref
 
 
+@pytest.mark.slow
 def test_prompt_logits_match_transformers(smollm2):
     llm, hf = smollm2
     prompt = llm.get_tokenizer().encode(PROMPTS[2])
@@ -82,6 +85,7 @@ def test_prompt_logits_match_transformers(smollm2):
     assert rel < 1e-3, f"relative error {rel:.2e}"
 
 
+@pytest.mark.slow
 def test_chat_with_the_gguf_tokenizer_and_template(smollm2):
     from transformers import AutoTokenizer
 

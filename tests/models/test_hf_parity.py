@@ -32,6 +32,7 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_matches_transformers(hf_models, variant):
     path, hf = hf_models[variant]
@@ -45,6 +46,7 @@ def test_greedy_matches_transformers(hf_models, variant):
     assert llm.llm_engine.allocator.num_used == 0
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_preemption_match_transformers(hf_models):
     path, hf = hf_models["qwen2-gqa-bias"]
     prompts = prompts_for(1)
