@@ -52,7 +52,7 @@ class ModelRunner:
         self.device = resolve_device(mc.device)
         hf_config = load_hf_config(model_dir)
         self.arch = a = ArchConfig.from_hf(hf_config)
-        self.dtype = resolve_dtype(mc.dtype, hf_config)
+        self.dtype = resolve_dtype(mc.dtype, hf_config, self.device)
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         if self.max_model_len > self.arch.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "

@@ -196,17 +196,20 @@ def sequence_kv(kv_cache: torch.Tensor, table_row: torch.Tensor, length: int) ->
     return kv[0], kv[1]
 
 
-def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
-               ) -> torch.Tensor:
-    """Causal attention in float32 of queries q [n, Hq, D] at `positions` [n] over k, v [Hkv, L, D] (query
-    head h reads KV head h // group, as transformers' repeat_kv); returns float32 [n, Hq, D]."""
+def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, scale: float) -> torch.Tensor:
+    """Causal attention in float32 of the n queries q [n, Hq, D] at positions first .. first + n - 1 over the
+    keys k, v [Hkv, L, D] (L >= first + n; query head h reads KV head h // group, as transformers' repeat_kv);
+    returns float32 [n, Hq, D]. torch's SDPA (its fused CPU kernel) with a mask that lets query i see keys up to
+    first + i."""
     n, num_q_heads, head_dim = q.shape
     num_kv_heads, length, _ = k.shape
-    qg = q.float().view(n, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    s = torch.einsum("nhgd,hkd->nhgk", qg, k) * scale
-    visible = torch.arange(length, device=q.device)[None, :] <= positions[:, None]  # [n, L]
-    probs = torch.softmax(s.masked_fill(~visible[:, None, None], float("-inf")), -1).nan_to_num(0.0)
-    return torch.einsum("nhgk,hkd->nhgd", probs, v).reshape(n, num_q_heads, head_dim)
+    mask = None  # one query at the end sees every key
+    if not (n == 1 and first + 1 >= length):
+        mask = torch.arange(length, device=q.device)[None, :] <= first + torch.arange(n, device=q.device)[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=scale,
+        enable_gqa=num_q_heads != num_kv_heads)
+    return out[0].transpose(0, 1)
 
 
 def paged_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -219,8 +222,7 @@ def paged_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
             out[b] = 0
             continue
         k, v = sequence_kv(kv_cache, block_tables[b], length)
-        pos = torch.full((1,), length - 1, device=q.device)
-        out[b] = attend_ref(q[b:b + 1], k, v, pos, scale)[0].to(out.dtype)
+        out[b] = attend_ref(q[b:b + 1], k, v, length - 1, scale)[0].to(out.dtype)
     return out
 
 

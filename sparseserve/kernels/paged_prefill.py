@@ -110,9 +110,8 @@ def paged_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         chunk = max(1, _REF_SCORE_ELEMENTS // (num_q_heads * length))
         for c0 in range(q0, q1, chunk):
             c1 = min(c0 + chunk, q1)
-            pos = torch.arange(first + c0 - q0, first + c1 - q0, device=q.device)
             end = first + c1 - q0  # keys past the chunk's last query are never visible
-            out[c0:c1] = attend_ref(q[c0:c1], k[:, :end], v[:, :end], pos, scale).to(out.dtype)
+            out[c0:c1] = attend_ref(q[c0:c1], k[:, :end], v[:, :end], first + c0 - q0, scale).to(out.dtype)
     return out
 
 

@@ -43,13 +43,15 @@ def load_hf_config(path: Path):
         raise ValueError(f"unsupported or invalid model config in {path}: {e}") from e
 
 
-def resolve_dtype(dtype: str, hf_config) -> torch.dtype:
+def resolve_dtype(dtype: str, hf_config, device: torch.device | None = None) -> torch.dtype:
+    """auto: the checkpoint's dtype on a GPU; float32 on the CPU, where half-precision matmuls and attention are
+    several times slower than float32 (no half-precision units to use)."""
     if dtype == "auto":
         found = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
         found = _DTYPES.get(found, None) if isinstance(found, str) else found
         if found not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"unsupported checkpoint dtype {found}; pass dtype= float32, bfloat16 or float16")
-        return found
+        return torch.float32 if device is not None and device.type == "cpu" else found
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}: choose auto, float32, bfloat16 or float16")
     return _DTYPES[dtype]
