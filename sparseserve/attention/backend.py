@@ -72,7 +72,7 @@ def attend_paged(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadat
         paged_decode(q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, meta.max_seq_len,
                      out=out[:nd])
     if meta.num_seqs > nd:
-        (prefill or _DENSE_PREFILL).attend(layer, q, kv_cache, meta, scale, out)
+        (_DENSE_PREFILL if prefill is None else prefill).attend(layer, q, kv_cache, meta, scale, out)
     return out
 
 
