@@ -16,11 +16,12 @@ from sparseserve.attention.prefill import SalePrefill, create_prefill, load_pref
 from sparseserve.config import EngineConfig, SparseConfig
 from sparseserve.engine.stats import EngineStats
 from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
+from sparseserve.kernels.dispatch import forced
 from sparseserve.kernels.paged_prefill import paged_prefill_ref
 from sparseserve.kernels.sale_select import sale_select_ref
 from sparseserve.kernels.sparse_prefill import TileLayout, sparse_prefill_ref, tile_classes
 from sparseserve.metrics import ServerMetrics, parse_metrics
-from tests.kernel_utils import rel_err
+from tests.kernel_utils import gpu_only, rel_err
 
 DEV = torch.device("cpu")
 # (tokens already in the cache, new tokens): two decodes, then a chunk after a 300-token prefix (a prefix-cache
@@ -55,12 +56,12 @@ def mixed_step(hq: int, hkv: int, d: int, bs: int, seed: int = 0):
 
 
 def make_backend(name: str, hq: int, hkv: int, d: int, bs: int, num_blocks: int, num_layers: int = 1,
-                 **prefill) -> object:
+                 device: str = "cpu", **prefill) -> object:
     sparse = dict(sparse_policy="topk", sparse_budget=4096, sparse_dense_layers=0, sparse_dense_context=0,
                   sparse_local_blocks=2) if name == "sparse" else {}
     cfg = SparseConfig(**sparse, **prefill)
-    ctx = BackendContext(num_layers, hkv, d, bs, torch.float32, DEV, max_num_seqs=8, max_model_len=4096, sparse=cfg,
-                         num_q_heads=hq)
+    ctx = BackendContext(num_layers, hkv, d, bs, torch.float32, torch.device(device), max_num_seqs=8,
+                         max_model_len=4096, sparse=cfg, num_q_heads=hq)
     backend = create_backend(name, ctx)
     backend.allocate(num_blocks)
     return backend
@@ -165,6 +166,30 @@ def test_unprepared_and_short_steps_run_dense():
         c = backend.counters()
         computed, dense = int(c["prefill_tiles_computed"]), int(c["prefill_tiles_dense"])
         assert computed == dense and (dense > 0) == (prepared is not None)
+
+
+@gpu_only
+@pytest.mark.parametrize("threshold", [0.0, 1e4])
+def test_triton_path_equals_torch_path(threshold):
+    """On the GPU: the mixed step through the dense backend with the Triton kernels equals the references (a
+    streaming KV head, a row below min_len; thresholds whose decisions sit far from any boundary: every middle
+    tile, or none), counters included."""
+    hq, hkv, d, bs = 6, 2, 32, 16
+    step = mixed_step(hq, hkv, d, bs, seed=3)
+    q, k, v, cache = (x.cuda() for x in step[:4])
+    meta = step[4]
+    meta = AttentionMetadata(meta.slot_mapping.cuda(), meta.query_start_loc.cuda(), meta.seq_lens.cuda(),
+                             meta.block_tables.cuda(), meta.num_decodes, meta.max_query_len, meta.max_seq_len)
+    outs, counts = {}, {}
+    for impl in ("torch", "triton"):
+        backend = make_backend("dense", hq, hkv, d, bs, cache.shape[0], sparse_prefill="sale",
+                               sparse_prefill_threshold=threshold, sparse_prefill_min_len=300, device="cuda")
+        backend.prefill.streaming[0] = torch.tensor([False, True], device="cuda")
+        with forced(impl):
+            outs[impl] = run_step(backend, q, k, v, cache.clone(), meta, step[5])
+        counts[impl] = {n: int(c) for n, c in backend.counters().items()}
+    assert rel_err(outs["triton"], outs["torch"]) < 1e-5
+    assert counts["triton"] == counts["torch"]
 
 
 # ---- the calibration file -------------------------------------------------------------------------------------
