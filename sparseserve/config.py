@@ -7,6 +7,7 @@ is added in exactly one place.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -74,7 +75,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class SparseConfig:
-    """Dynamic sparse decode attention (DESIGN.md principle 6). Prefill always runs dense."""
+    """Dynamic sparse attention: sparse decode (DESIGN.md principle 6) and SALE's sparse prefill
+    (attention/prefill.py)."""
     sparse_policy: str = field(default="dense", metadata={
         "help": "Decode attention: dense, or a registered selection policy: topk (fixed token budget), topp "
                 "(adaptive budget, mass p)."})
@@ -106,6 +108,21 @@ class SparseConfig:
                 "(python -m sparseserve.bench.calibrate proposes one; default: none)."})
     logical_page_size: int | None = field(default=None, metadata={
         "help": "Tokens per key-metadata page inside a block (hierarchical paging; default: block_size)."})
+    sparse_prefill: str = field(default="dense", metadata={
+        "help": "Prefill attention: dense, or sale (SALE: an fp8 estimate of every (query tile, key tile) pair "
+                "picks the tiles whose relative attention score clears the head's threshold; block-sparse "
+                "attention over them, the sink, local and diagonal tiles always included).",
+        "choices": ["dense", "sale"]})
+    sparse_prefill_threshold: float = field(default=0.01, metadata={
+        "help": "sale: the threshold of every query head when no calibration file is given (0 keeps every tile: "
+                "dense prefill); an element counts when its estimated weight exceeds this share of the sink + "
+                "local region's softmax mass."})
+    sparse_prefill_min_len: int = field(default=8192, metadata={
+        "help": "sale: prefill chunks whose context (earlier tokens + the chunk) is shorter than this run dense, "
+                "so prompts shorter than this stay dense."})
+    sparse_prefill_calibration: str | None = field(default=None, metadata={
+        "help": "sale: JSON file of per-(layer, query head) thresholds (python -m sparseserve.bench.calibrate "
+                "--prefill writes one); overrides sparse_prefill_threshold."})
 
     def __post_init__(self) -> None:
         if self.sparse_policy != "dense" and self.sparse_policy not in SELECTION_POLICIES:
@@ -134,6 +151,14 @@ class SparseConfig:
         lps = self.logical_page_size
         if lps is not None and (lps < 1 or lps & (lps - 1)):
             raise ValueError(f"logical_page_size must be a power of two, got {lps}")
+        if self.sparse_prefill not in ("dense", "sale"):
+            raise ValueError(f"sparse_prefill must be dense or sale, got {self.sparse_prefill!r}")
+        if not math.isfinite(self.sparse_prefill_threshold) or self.sparse_prefill_threshold < 0:
+            raise ValueError(f"sparse_prefill_threshold must be finite and >= 0, got {self.sparse_prefill_threshold}")
+        if self.sparse_prefill_min_len < 0:
+            raise ValueError(f"sparse_prefill_min_len must be >= 0, got {self.sparse_prefill_min_len}")
+        if self.sparse_prefill_calibration is not None and self.sparse_prefill != "sale":
+            raise ValueError("sparse_prefill_calibration needs sparse_prefill='sale'")
 
     @property
     def enabled(self) -> bool:

@@ -67,6 +67,8 @@ class _EngineStatsCollector:
                         stats.sparse_blocks_selected * stats.sparse_block_size / selections)
         if getattr(stats, "offload_hbm_slots", 0):
             yield from _offload_metrics(stats, gauge, counter)
+        if getattr(stats, "prefill_tiles_dense", 0):
+            yield from _sparse_prefill_metrics(stats, counter)
 
 
 def _offload_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable[Metric]:
@@ -87,6 +89,14 @@ def _offload_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable
     yield gauge("offload_host_blocks_used", "Token blocks of the host KV store in use.", stats.num_blocks_used)
     yield gauge("offload_host_blocks_total", "Token blocks of the host KV store.", stats.offload_host_blocks)
     yield gauge("offload_hbm_slots", "Head-block slots of the HBM pool.", stats.offload_hbm_slots)
+
+
+def _sparse_prefill_metrics(stats: Any, counter: Callable) -> Iterable[Metric]:
+    """Sparse prefill on: attention tiles computed against the causally visible ones (dense prefill's work)."""
+    yield counter("prefill_tiles_computed", "Sparse prefill: (query tile, key tile, KV head) attention tiles "
+                  "computed, all layers.", stats.prefill_tiles_computed)
+    yield counter("prefill_tiles_dense", "Sparse prefill: causally visible attention tiles (what dense prefill "
+                  "computes), all layers.", stats.prefill_tiles_dense)
 
 
 class ServerMetrics:

@@ -13,6 +13,8 @@ sequence b sits at position seq_lens[b] - q_len[b] + i and attends causally.
 A backend is created from the registry by name, gets its per-step data in `prepare` (kept in
 `AttentionMetadata.backend_meta`), and owns the static buffers a CUDA graph of the decode step reads
 (`init_capture_graph`, `capture_metadata`, `prepare_for_replay`), so engine/cuda_graph.py stays generic.
+Every backend attends the prefill chunks of a step through its `prefill` object (attention/prefill.py: dense,
+or SALE's sparse prefill), the one place where that choice is made.
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ from typing import Any, Protocol
 
 import torch
 
+from sparseserve.attention.prefill import DensePrefill, create_prefill
 from sparseserve.kernels.paged_decode import paged_decode
-from sparseserve.kernels.paged_prefill import paged_prefill
 from sparseserve.registry import Registry
 
 
@@ -38,6 +40,7 @@ class AttentionMetadata:
     max_query_len: int             # host-side upper bounds, fixed while a CUDA graph replays
     max_seq_len: int
     backend_meta: Any = None       # the backend's own per-step data (AttentionBackend.prepare)
+    prefill_meta: Any = None       # its prefill attention's per-step data (attention/prefill.py; None: dense)
 
     @property
     def num_seqs(self) -> int:
@@ -56,16 +59,20 @@ class ScheduledSequence(Protocol):
 Observer = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], None]
 
 
-def attend_paged(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Dense causal attention of a mixed step: paged decode for the decodes, paged prefill for the rest."""
+_DENSE_PREFILL = DensePrefill()
+
+
+def attend_paged(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                 prefill: DensePrefill | None = None, layer: int = 0) -> torch.Tensor:
+    """Causal attention of a mixed step: paged decode for the decodes (dense), the prefill chunks through
+    `prefill` (a backend's prefill attention for layer `layer`; None: dense paged prefill)."""
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd > 0:  # decodes come first, one token each: token i belongs to sequence i
         paged_decode(q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, meta.max_seq_len,
                      out=out[:nd])
-    if meta.num_seqs > nd:  # query_start_loc holds absolute token offsets: q and out are indexed as they are
-        paged_prefill(q, kv_cache, meta.block_tables[nd:], meta.seq_lens[nd:], meta.query_start_loc[nd:],
-                      scale, meta.max_query_len, out=out)
+    if meta.num_seqs > nd:
+        (_DENSE_PREFILL if prefill is None else prefill).attend(layer, q, kv_cache, meta, scale, out)
     return out
 
 
@@ -80,7 +87,8 @@ class BackendContext:
     device: torch.device
     max_num_seqs: int
     max_model_len: int
-    sparse: Any = None  # config.SparseConfig of a sparse backend
+    sparse: Any = None  # config.SparseConfig (sparse decode, sparse prefill)
+    num_q_heads: int | None = None  # per-query-head settings (sparse prefill thresholds) need it
 
 
 class AttentionBackend(abc.ABC):
@@ -90,6 +98,7 @@ class AttentionBackend(abc.ABC):
         self.ctx = ctx
         self.observers: list[Observer] = []
         self._graph: dict[str, torch.Tensor] | None = None
+        self.prefill: DensePrefill = create_prefill(ctx)  # how prefill chunks attend (benchmarks may swap it)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -115,14 +124,16 @@ class AttentionBackend(abc.ABC):
         backend attends densely)."""
 
     def prepare(self, scheduled: list[tuple[ScheduledSequence, int]], meta: AttentionMetadata) -> None:
-        """Per-step data of this backend into meta.backend_meta; rows follow `scheduled` (decodes first)."""
+        """Per-step data of this backend into meta.backend_meta, of its prefill attention into
+        meta.prefill_meta; rows follow `scheduled` (decodes first). Subclasses call this first."""
+        meta.prefill_meta = self.prefill.prepare(scheduled, meta)
 
     def release(self, seq_id: int) -> None:
         """A sequence finished or was preempted: per-sequence state it holds is free again."""
 
     def counters(self) -> dict[str, torch.Tensor]:
         """Cumulative device counters (int64 scalars) for the engine's statistics, read without a sync."""
-        return {}
+        return self.prefill.counters()
 
     # ---- CUDA graphs of the decode step ----------------------------------------------------------------
 
@@ -160,12 +171,12 @@ ATTENTION_BACKENDS: Registry[type[AttentionBackend]] = Registry("attention backe
 
 @ATTENTION_BACKENDS.register("dense")
 class PagedAttentionBackend(AttentionBackend):
-    """Dense paged attention, the same in every layer: store_kv then attend."""
+    """Dense paged decode, the same in every layer: store_kv then attend (prefill chunks through `prefill`)."""
 
     def _forward(self, layer_idx, q, k, v, kv_cache, meta, scale):
         from sparseserve.kernels.store_kv import store_kv
         store_kv(k, v, kv_cache, meta.slot_mapping)
-        return attend_paged(q, kv_cache, meta, scale)
+        return attend_paged(q, kv_cache, meta, scale, self.prefill, layer_idx)
 
 
 def create_backend(name: str, ctx: BackendContext) -> AttentionBackend:

@@ -1,4 +1,4 @@
-"""SparseBackend: dense prefill, sparse decode (DESIGN.md principles 2, 3 and 6).
+"""SparseBackend: sparse decode (DESIGN.md principles 2, 3 and 6); prefill through attention/prefill.py.
 
 Per layer it orchestrates, on fixed-shape GPU buffers (so a decode step can be captured in a CUDA graph):
   store     the step's K/V and the key metadata of the pages they end (kernels/key_meta.py); under KV offload
@@ -8,7 +8,8 @@ Per layer it orchestrates, on fixed-shape GPU buffers (so a decode step can be c
             context fits the budget run dense;
   read      under KV offload the listed blocks are looked up in the HBM pool and the misses loaded (FlashH2D);
   refine    the policy may trim its lists on the blocks' real keys (topp);
-  attend    the lists plus the local window (kernels/sparse_decode.py); prefill chunks attend densely.
+  attend    the lists plus the local window (kernels/sparse_decode.py); prefill chunks attend through the
+            backend's prefill attention (dense, or SALE's sparse prefill), addressed like the decodes.
 With lagged selection a decode attends the list selected at an earlier step (the previous one without reuse;
 a prefill's last token selects for the first decode), and each sparse layer selects the next lists from this
 step's queries on a side CUDA stream beside its attention and the rest of the step (joined at the last layer).
@@ -73,6 +74,7 @@ class SparseBackend(AttentionBackend):
         self.offload = offload
 
     def prepare(self, scheduled, meta: AttentionMetadata) -> None:
+        super().prepare(scheduled, meta)
         slots = torch.tensor(self.state.assign([seq.seq_id for seq, _ in scheduled]), dtype=torch.int32)
         step = None if self.offload is None else self.offload.prepare_step(scheduled, self.ctx.device)
         meta.backend_meta = SparseStepMeta(slots.to(self.ctx.device, non_blocking=True), self._cache_view(meta, step),
@@ -83,14 +85,15 @@ class SparseBackend(AttentionBackend):
 
     def counters(self) -> dict[str, torch.Tensor]:
         out = {"sparse_blocks_selected": self.state.stats[0], "sparse_selections": self.state.stats[1]}
-        return out | (self.offload.counters() if self.offload is not None else {})
+        return out | super().counters() | (self.offload.counters() if self.offload is not None else {})
 
     @staticmethod
     def _cache_view(meta: AttentionMetadata, step: OffloadStep | None) -> AttentionMetadata:
         if step is None:
             return meta
         return AttentionMetadata(step.slot_mapping, meta.query_start_loc, meta.seq_lens, step.block_tables,
-                                 meta.num_decodes, meta.max_query_len, meta.max_seq_len)
+                                 meta.num_decodes, meta.max_query_len, meta.max_seq_len,
+                                 prefill_meta=meta.prefill_meta)
 
     def is_sparse(self, layer: int, meta: AttentionMetadata) -> bool:
         """Host-side decision (fixed while a CUDA graph replays: max_seq_len is its bound). Under offload the
@@ -110,7 +113,7 @@ class SparseBackend(AttentionBackend):
         if self.offload is not None and not self.offload.offloads(layer):
             # a dense layer keeps every block in a full-size cache indexed by token block: nothing to write through
             store_kv(k, v, kv_cache, meta.slot_mapping)
-            return attend_paged(q, kv_cache, meta, scale)
+            return attend_paged(q, kv_cache, meta, scale, self.prefill, layer)
         cm = meta if sm is None else sm.cache
         if self.key_meta is None or layer < self.dense_layers:  # dense layers never score
             store_kv(k, v, kv_cache, cm.slot_mapping)
@@ -141,13 +144,11 @@ class SparseBackend(AttentionBackend):
         sm: SparseStepMeta | None = meta.backend_meta
         cm = meta if sm is None else sm.cache
         if not self.is_sparse(layer, meta):
-            return attend_paged(q, kv_cache, cm, scale)
+            return attend_paged(q, kv_cache, cm, scale, self.prefill, layer)
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if meta.num_seqs > nd:  # prefill chunks: dense, on a metadata view without the decodes
-            sub = AttentionMetadata(cm.slot_mapping[nd:], cm.query_start_loc[nd:] - nd, cm.seq_lens[nd:],
-                                    cm.block_tables[nd:], 0, meta.max_query_len, meta.max_seq_len)
-            out[nd:] = attend_paged(q[nd:], kv_cache, sub, scale)
+        if meta.num_seqs > nd:  # the prefill chunks
+            self.prefill.attend(layer, q, kv_cache, cm, scale, out)
         q, p, state = q[:nd], self.params, self.state
         rows = DecodeRows(meta.seq_lens[:nd], meta.block_tables[:nd], cm.block_tables[:nd], sm.slots[:nd],
                           self._max_blocks(meta), scale)

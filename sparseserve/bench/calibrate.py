@@ -1,8 +1,10 @@
-"""Streaming-head calibration: proposes the --streaming-heads file from a dense run.
+"""Offline calibration from a dense run: streaming heads (the --streaming-heads file), or with --prefill the
+per-head thresholds of SALE's sparse prefill (the --sparse-prefill-calibration file; bench/prefill_calibration.py).
 
     python -m sparseserve.bench.calibrate [MODEL] --lengths 8192 --num-samples 4 --out heads.json
+    python -m sparseserve.bench.calibrate [MODEL] --prefill --lengths 16384 --num-samples 2 --out prefill.json
 
-Runs long-context task prompts (bench/tasks.py; --random-prompts for random tokens) densely for a few
+Streaming heads: runs long-context task prompts (bench/tasks.py; --random-prompts for random tokens) densely for a few
 decode steps and measures, per (layer, KV head), the share of each decode query's softmax mass that
 falls on the sink blocks and the local window (the blocks a streaming head keeps), averaged over the
 query heads of the group. A head whose mass there stays at or above --threshold at every measured
@@ -18,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from sparseserve.bench import prefill_calibration
 
 
 class SinkLocalProbe:
@@ -71,7 +75,9 @@ def propose(mass: dict[int, list[torch.Tensor]], threshold: float, dense_layers:
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="Model directory (default: embedded model).")
-    p.add_argument("--out", required=True, help="Streaming-heads JSON file to write.")
+    p.add_argument("--out", required=True, help="JSON file to write (streaming heads, or --prefill thresholds).")
+    p.add_argument("--prefill", action="store_true",
+                   help="Calibrate the per-head thresholds of sparse prefill (sparse_prefill=sale) instead.")
     p.add_argument("--lengths", default="8192", help="Prompt lengths in tokens, comma-separated.")
     p.add_argument("--num-samples", type=int, default=2, help="Prompts per task and length.")
     p.add_argument("--tasks", default="niah_single,variable_tracking", help="Tasks of bench/tasks.py.")
@@ -87,26 +93,34 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="Model dtype.")
     p.add_argument("--data-dir", default=None, help="Essay folder of the tasks.")
     p.add_argument("--seed", type=int, default=0)
+    prefill_calibration.add_cli_args(p)
+
+
+def calibration_prompts(engine: Any, args: argparse.Namespace) -> list[list[int]]:
+    """Task prompts (bench/tasks.py) or random tokens, --num-samples of each length (and task)."""
+    from sparseserve.bench import tasks as T
+
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    if args.random_prompts:
+        g = torch.Generator().manual_seed(args.seed)
+        vocab = engine.model_runner.arch.vocab_size
+        return [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths for _ in range(args.num_samples)]
+    tok = engine.tokenizer
+    builder = T.TaskBuilder(tok, T.load_essays(T.find_haystack_dir(args.data_dir)), eos_id=tok.eos_token_id)
+    samples = T.build_suite(builder, [t for t in args.tasks.split(",") if t], lengths, args.num_samples, args.seed)
+    return [s.prompt_ids for s in samples]
 
 
 def main(args: argparse.Namespace) -> dict:
     from sparseserve import LLM, SamplingParams
-    from sparseserve.bench import tasks as T
 
+    if args.prefill:
+        return prefill_calibration.main(args, lambda engine: calibration_prompts(engine, args))
     lengths = [int(x) for x in args.lengths.split(",") if x]
     llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size, enforce_eager=True,
               max_model_len=max(lengths) + args.decode_steps + 8)
     engine = llm.llm_engine
-    if args.random_prompts:
-        g = torch.Generator().manual_seed(args.seed)
-        vocab = engine.model_runner.arch.vocab_size
-        prompts = [torch.randint(10, vocab, (n,), generator=g).tolist()
-                   for n in lengths for _ in range(args.num_samples)]
-    else:
-        tok = engine.tokenizer
-        builder = T.TaskBuilder(tok, T.load_essays(T.find_haystack_dir(args.data_dir)), eos_id=tok.eos_token_id)
-        samples = T.build_suite(builder, [t for t in args.tasks.split(",") if t], lengths, args.num_samples, args.seed)
-        prompts = [s.prompt_ids for s in samples]
+    prompts = calibration_prompts(engine, args)
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_steps + 1, ignore_eos=True)
     with SinkLocalProbe(engine.model_runner.attn_backend, args.sparse_sink_blocks, args.sparse_local_blocks) as probe:
         llm.generate(prompts, params, use_tqdm=False)

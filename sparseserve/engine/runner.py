@@ -65,7 +65,7 @@ class ModelRunner:
                              "use 'torch' on CPU")
         sparse = config.sparse_config
         ctx = BackendContext(a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.dtype, self.device,
-                             sc.max_num_seqs, self.max_model_len, sparse)
+                             sc.max_num_seqs, self.max_model_len, sparse, num_q_heads=a.num_heads)
         self.attn_backend = create_backend("sparse" if sparse.enabled else "dense", ctx)
         torch.manual_seed(mc.seed)
         with self._kernels():

@@ -33,6 +33,8 @@ class EngineStats:
     offload_d2h_bytes: int = 0         # bytes written through to the host store
     offload_device_blocks_used: int = 0  # device block cache (the working set): blocks mapped (gauge)
     offload_device_blocks: int = 0       # device block cache: blocks (gauge)
+    prefill_tiles_computed: int = 0    # sparse prefill: (query tile, key tile, KV head) tiles computed, all layers
+    prefill_tiles_dense: int = 0       # ... and the causally visible ones (what dense prefill computes)
 
     @classmethod
     def from_values(cls, values: dict[str, int]) -> "EngineStats":

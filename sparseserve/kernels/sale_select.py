@@ -59,12 +59,14 @@ class QKCodes(NamedTuple):
 
 
 def _gather_keys(kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """float32 [B, Hkv, length, D]: the first `length` keys of every sequence (past a sequence's end: garbage)."""
+    """float32 [B, Hkv, length, D]: the first `length` keys of every sequence (past a sequence's end: garbage).
+    The table may cover fewer than `length` positions (it covers max_seq_len, `length` is whole key tiles)."""
     block_size = kv_cache.shape[3]
-    nblk = -(-length // block_size)
+    nblk = min(-(-length // block_size), block_tables.shape[1])
     k = kv_cache[block_tables[:, :nblk].long(), :, 0].float()  # [B, nblk, Hkv, bs, D]
     b, _, hkv, _, d = k.shape
-    return k.permute(0, 2, 1, 3, 4).reshape(b, hkv, nblk * block_size, d)[:, :, :length]
+    k = k.permute(0, 2, 1, 3, 4).reshape(b, hkv, nblk * block_size, d)
+    return torch.nn.functional.pad(k, (0, 0, 0, max(length - nblk * block_size, 0)))[:, :, :length]
 
 
 def _quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

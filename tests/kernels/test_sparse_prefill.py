@@ -161,6 +161,18 @@ def test_quantize_kernel(triton_backends):
     assert spread < 0.05 * exact.std(), (spread, exact.std())
 
 
+def test_quantize_with_tables_as_wide_as_the_context(triton_backends):
+    """Block tables cover max_seq_len, not the key tiles rounded up past it (what the engine passes): the codes
+    equal those from wider tables, on both paths."""
+    layout = TileLayout(q_tile=16, k_tile=64)
+    q, cache, tables, seq_lens, qsl, max_q, max_s = make_chunks([(50, 20), (0, 40)], 4, 2, 32, 16, torch.float32)
+    narrow = tables[:, : -(-max_s // 16)]  # 5 blocks: 80 positions, the key tiles 128
+    for quantize in (lambda t: quantize_qk_ref(q, cache, t, seq_lens, qsl, max_s, layout),
+                     lambda t: quantize_qk_triton(q, cache, t.contiguous(), seq_lens, qsl, max_q, max_s, layout)):
+        for got, want in zip(quantize(narrow), quantize(tables)):
+            assert torch.equal(got.float(), want.float())
+
+
 SELECT_CASES = [  # (hq, hkv, d, bs, layout)
     (4, 4, 64, 16, TileLayout(q_tile=16, k_tile=16, sink=1, local=1)),
     (8, 2, 128, 32, TileLayout(q_tile=16, k_tile=16, sink=1, local=2)),
