@@ -36,6 +36,7 @@ def generate(model_dir, backend: str, **kw) -> tuple[list[list[int]], LLM]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)], llm
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_group3_engine_triton_equals_torch(hf_models, mode):
     path, hf = hf_models["llama-gqa3-d64-tied"]

@@ -222,6 +222,7 @@ def test_select_blocks_edges(policy, top_p, sink, local, ways, tied, hq, hkv):
     assert torch.equal(state[0][2], state[1][2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["topk", "topp"])
 def test_select_blocks_wide_rows_group3(policy):
     """Rows of more than 4096 blocks: the selection kernel takes the group's score rows two at a time (HEADS = 2),
@@ -246,7 +247,7 @@ def test_select_blocks_wide_rows_group3(policy):
     assert torch.equal(state[0][2], state[1][2])
 
 
-@pytest.mark.parametrize("hq,hkv", [(8, 2), pytest.param(9, 3, id="group3-9q3kv"),
+@pytest.mark.parametrize("hq,hkv", [(8, 2), pytest.param(9, 3, id="group3-9q3kv", marks=pytest.mark.slow),
                                     pytest.param(7, 1, id="group7-7q1kv")])
 @pytest.mark.parametrize("policy", ["topk", "topp"])
 def test_score_and_select(policy, hq, hkv):
@@ -367,6 +368,7 @@ def test_sparse_decode_splits(dtype, offload, tile_n, tiles, splits, hq=6, hkv=2
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.parametrize("hq,hkv", [pytest.param(9, 3, id="group3-9q3kv"), pytest.param(15, 3, id="group5-15q3kv"),
                                     pytest.param(7, 1, id="group7-7q1kv")])

@@ -134,7 +134,7 @@ def test_tile_lists_and_classes():
         assert index[b, h, t, : count[b, h, t]].tolist() == torch.nonzero(keep[b, h, t]).flatten().tolist()
 
 
-@pytest.mark.parametrize("hq,hkv", [(6, 2), pytest.param(15, 3, id="group5-15q3kv"),
+@pytest.mark.parametrize("hq,hkv", [(6, 2), pytest.param(15, 3, id="group5-15q3kv", marks=pytest.mark.slow),
                                     pytest.param(7, 1, id="group7-7q1kv")])
 def test_quantize_kernel(triton_backends, hq, hkv):
     """Stage 1: the kernels' fp8 codes equal the reference's (the rounding helper against torch's e4m3 cast),

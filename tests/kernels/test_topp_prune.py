@@ -160,6 +160,7 @@ def test_topp_prune_vs_reference(dtype, top_p, reuse, per_head, hq, hkv):
         n_listed = int(states[1][2][0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hq,hkv", [(8, 2), pytest.param(9, 3, id="group3-9q3kv"),
                                     pytest.param(15, 3, id="group5-15q3kv"), pytest.param(7, 1, id="group7-7q1kv")])
 def test_topp_prune_offload(hq, hkv):
