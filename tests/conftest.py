@@ -31,6 +31,9 @@ VARIANTS = {
                                               hidden_size=128, tie_word_embeddings=True)),
     "mistral-gqa": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=128,
                                           head_dim=32, sliding_window=None, tie_word_embeddings=False)),
+    # SmolLM2-135M's attention shape: 9 query heads over 3 KV heads (a GQA group of 3), head_dim 64, tied embeddings
+    "llama-gqa3-d64-tied": ("LlamaConfig", dict(num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                                                hidden_size=576, tie_word_embeddings=True)),
 }
 
 

@@ -71,7 +71,7 @@ def make_batch(decode_lens: list[int], prefills: list[tuple[int, int]], hq: int,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("hkv,d,bs", [(2, 64, 16), (3, 48, 32)])
+@pytest.mark.parametrize("hkv,d,bs", [(2, 64, 16), (3, 48, 32), pytest.param(5, 64, 16, id="group-5kv")])
 def test_store_kv(dtype, hkv, d, bs):
     torch.manual_seed(1)
     num_blocks, t = 6, 13
@@ -93,11 +93,17 @@ DECODE_CASES = [  # (hq, hkv, d, bs, config)
     (6, 2, 32, 16, DecodeConfig(tile_n=32, target_programs=1)),   # group of 3, one split, 2 blocks a tile
     (8, 2, 64, 16, None),                                         # default launch plan
 ]
+# GQA groups that are not powers of two (SmolLM2-135M: 9 query / 3 KV heads), padded to BLOCK_G rows in the kernel.
+ODD_GROUP_DECODE_CASES = [
+    pytest.param(9, 3, 64, 16, DecodeConfig(tile_n=16, target_programs=24), id="group3-9q3kv"),
+    pytest.param(15, 3, 32, 16, DecodeConfig(tile_n=32, target_programs=1), id="group5-15q3kv"),
+    pytest.param(7, 1, 64, 16, None, id="group7-7q1kv"),
+]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ATTN_DTYPES)
-@pytest.mark.parametrize("hq,hkv,d,bs,config", DECODE_CASES)
+@pytest.mark.parametrize("hq,hkv,d,bs,config", DECODE_CASES + ODD_GROUP_DECODE_CASES)
 def test_paged_decode(dtype, hq, hkv, d, bs, config):
     torch.manual_seed(2)
     lens = [0, 1, bs - 1, bs, 3 * bs + 5, 150]
@@ -118,11 +124,16 @@ PREFILL_CASES = [  # (hq, hkv, d, bs, config)
     (8, 2, 64, 32, PrefillConfig(block_m=32, block_n=16)),  # 8 queries x 4 heads a program
     (6, 2, 32, 16, PrefillConfig(block_m=32, block_n=32)),  # group of 3: 10 queries, 2 rows idle
 ]
+ODD_GROUP_PREFILL_CASES = [  # rows r = query r // GROUP, head r % GROUP; the rows past BLOCK_Q * GROUP idle
+    pytest.param(9, 3, 64, 16, None, id="group3-9q3kv"),  # default plan: 21 queries a program, 1 row idle
+    pytest.param(15, 3, 32, 16, PrefillConfig(block_m=32, block_n=16), id="group5-15q3kv"),  # 6 queries, 2 idle
+    pytest.param(7, 1, 64, 16, PrefillConfig(block_m=64, block_n=32), id="group7-7q1kv"),  # 9 queries, 1 idle
+]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ATTN_DTYPES)
-@pytest.mark.parametrize("hq,hkv,d,bs,config", PREFILL_CASES)
+@pytest.mark.parametrize("hq,hkv,d,bs,config", PREFILL_CASES + ODD_GROUP_PREFILL_CASES)
 def test_paged_prefill(dtype, hq, hkv, d, bs, config):
     torch.manual_seed(3)
     # A first chunk, chunks after a prefix (aligned or not), and a one-token chunk.
@@ -151,10 +162,11 @@ def test_prefill_ref_query_chunks(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ATTN_DTYPES)
-def test_backend_mixed_batch(dtype):
+@pytest.mark.parametrize("hq,hkv", [(8, 2), pytest.param(9, 3, id="group3-9q3kv")])
+def test_backend_mixed_batch(dtype, hq, hkv):
     """Decodes (one of them padding) then prefill chunks, store_kv included, against TorchBackend."""
     torch.manual_seed(4)
-    hq, hkv, d, bs = 8, 2, 64, 16
+    d, bs = 64, 16
     q, cache, meta = make_batch([40, 0, 17], [(0, 12), (21, 30), (33, 1)], hq, hkv, d, bs, dtype, slack=7)
     k = torch.randn(q.shape[0], hkv, d, device=DEVICE).to(dtype)
     v = torch.randn_like(k)
@@ -172,10 +184,10 @@ def test_backend_mixed_batch(dtype):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", ATTN_DTYPES)
-@pytest.mark.parametrize("hq,hkv,bs", [(32, 8, 32), (32, 32, 16), (28, 4, 64)])
-def test_large_shapes_gpu(dtype, hq, hkv, bs):
+@pytest.mark.parametrize("hq,hkv,bs,d", [(32, 8, 32, 128), (32, 32, 16, 128), (28, 4, 64, 128),
+                                         pytest.param(9, 3, 32, 64, id="group3-smollm2")])
+def test_large_shapes_gpu(dtype, hq, hkv, bs, d):
     torch.manual_seed(5)
-    d = 128
     decode_lens = [0, 1, 4099, 777, 2 * bs, 8191]
     q, cache, meta = make_batch(decode_lens, [(3000, 517), (0, 1024), (bs, 1)], hq, hkv, d, bs, dtype, slack=100)
     with forced("torch"):

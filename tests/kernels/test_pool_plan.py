@@ -61,16 +61,17 @@ def compare_step(pool: HBMPool, ref: HBMPool, key: torch.Tensor) -> int:
     return int(bypass.sum())
 
 
-@pytest.mark.parametrize("slots, ways, per_head, batch, bypasses", [
-    (8, 4, 6, 2, True),      # two sets: many misses per set, bypass reads every step
-    (6, 8, 3, 2, True),      # ways clipped to 6 slots: one set, ways not a power of two
-    (1, 8, 2, 2, True),      # a single slot
-    (64, 8, 10, 8, True),    # 160 requests: several programs in kernel 2
-    (16, 8, 3, 1, False),    # few misses per set: which free / equally old ways go first matters
+@pytest.mark.parametrize("slots, ways, per_head, batch, bypasses, hkv", [
+    (8, 4, 6, 2, True, 2),      # two sets: many misses per set, bypass reads every step
+    (6, 8, 3, 2, True, 2),      # ways clipped to 6 slots: one set, ways not a power of two
+    (1, 8, 2, 2, True, 2),      # a single slot
+    (64, 8, 10, 8, True, 2),    # 160 requests: several programs in kernel 2
+    (16, 8, 3, 1, False, 2),    # few misses per set: which free / equally old ways go first matters
+    pytest.param(24, 8, 4, 3, True, 3, id="group-3kv"),  # 3 KV heads (SmolLM2): keys of (layer, block, head)
 ])
-def test_triton_plan_matches_reference(slots, ways, per_head, batch, bypasses):
+def test_triton_plan_matches_reference(slots, ways, per_head, batch, bypasses, hkv):
     g = torch.Generator().manual_seed(slots * 100 + per_head)
-    layers, hkv, blocks = 2, 2, batch * per_head + 4  # few blocks: hits across steps
+    layers, blocks = 2, batch * per_head + 4  # few blocks: hits across steps
     pool = make(layers, blocks, hkv, slots, ways)
     ref = make(layers, blocks, hkv, slots, ways)
     bypass = 0

@@ -41,7 +41,8 @@ def test_rmsnorm_ref_matches_transformers():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens, hq, hkv, d", [(1, 4, 2, 64), (7, 6, 3, 32), (20, 8, 1, 128)])
+@pytest.mark.parametrize("tokens, hq, hkv, d", [(1, 4, 2, 64), (7, 6, 3, 32), (20, 8, 1, 128),
+                                              pytest.param(5, 9, 3, 64, id="group3-9q3kv")])
 def test_rotary_on_strided_qk(dtype, tokens, hq, hkv, d):
     # q and k are views of one packed qkv row, as in the model.
     qkv = torch.randn(tokens, (hq + 2 * hkv) * d, dtype=dtype)

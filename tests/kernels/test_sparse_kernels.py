@@ -17,7 +17,7 @@ from sparseserve.kernels.sparse_decode import (SparseDecodeConfig, read_listed_r
                                                sparse_decode_triton, split_plan, tma_capable)
 from sparseserve.kernels.store_kv import store_kv_ref
 from sparseserve.kvcache.metadata import allocate_key_meta
-from tests.kernel_utils import ATTN_DTYPES as DTYPES, DEVICE as DEV, TOL, rel_err
+from tests.kernel_utils import ATTN_DTYPES as DTYPES, DEVICE as DEV, TOL, gpu_only, rel_err
 
 
 def decode_batch(lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype, slack: int = 0):
@@ -47,14 +47,14 @@ def params(policy: str, cap: int, bs: int, reuse: int = 1, top_p: float = 0.9, s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("bs,page", [(16, 16), (16, 4)])
-def test_update_key_meta(bs, page, dtype):
+@pytest.mark.parametrize("bs,page,hkv", [(16, 16, 2), (16, 4, 2), pytest.param(16, 4, 3, id="group-3kv")])
+def test_update_key_meta(bs, page, hkv, dtype):
     """Prefill chunks (one starting mid-page), decodes and padding: the fused store + metadata kernel writes the
     cache and the reference's codes and scales bit for bit (the step's slots hold other keys before, so a
     kernel reading this step's rows back from the cache would be caught), and the reference quantizes min/max
     over each page's written tokens."""
     torch.manual_seed(0)
-    hkv, d, nblocks = 2, 32, 12
+    d, nblocks = 32, 12
     cache = torch.randn(nblocks, hkv, 2, bs, d, device=DEV).to(dtype)
     owner = torch.randperm(nblocks)
     seqs = [(owner[:5].tolist(), 0, 37), (owner[5:8].tolist(), 21, 44), (owner[8:10].tolist(), 17, 18)]
@@ -126,7 +126,12 @@ def scored_batch(lens, hq, hkv, d, bs, page, dtype, slack=0):
 @pytest.mark.parametrize("hq,hkv,bs,page,config", [(8, 2, 16, 16, None), (6, 2, 16, 4, None), (4, 4, 32, 32, None),
                                                    # several pipelined tiles a program, several splits a row
                                                    (8, 2, 16, 16, ScoreConfig(rows=16, tiles=3)),
-                                                   (6, 2, 16, 4, ScoreConfig(rows=16, tiles=2, num_stages=2))])
+                                                   (6, 2, 16, 4, ScoreConfig(rows=16, tiles=2, num_stages=2)),
+                                                   # groups that are not powers of two: rows past GROUP masked
+                                                   pytest.param(9, 3, 16, 16, None, id="group3-9q3kv"),
+                                                   pytest.param(15, 3, 16, 4, ScoreConfig(rows=16, tiles=2),
+                                                                id="group5-15q3kv"),
+                                                   pytest.param(7, 1, 16, 16, None, id="group7-7q1kv")])
 def test_block_scores(dtype, hq, hkv, bs, page, config):
     torch.manual_seed(1)
     d, cap = 32, 4
@@ -146,17 +151,21 @@ def test_block_scores(dtype, hq, hkv, bs, page, config):
             assert torch.isinf(ref[b, :, nb:]).all()
 
 
+SELECT_HEADS = [(8, 4), pytest.param(9, 3, id="group3-9q3kv"), pytest.param(7, 1, id="group7-7q1kv")]
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("hq,hkv", SELECT_HEADS)
 @pytest.mark.parametrize("policy,top_p,ways", [("topk", 1.0, 2), ("topk", 1.0, 8), ("topp", 0.5, 4), ("topp", 0.9, 4)])
-def test_select_blocks(policy, top_p, ways):
+def test_select_blocks(policy, top_p, ways, hq, hkv):
     """Lists from the bit-pattern binary search equal the sort-based reference, over reuse steps, with
     a streaming head and rows that fit the cap (all blocks) or are padding."""
     torch.manual_seed(2)
-    hq, hkv, bs, cap, nslots = 8, 4, 16, 6, 6
+    bs, cap, nslots = 16, 6, 6
     lens = [40 * bs, 3 * bs, 0, 17 * bs + 3, 64 * bs]
     p = params(policy, cap, bs, reuse=2, top_p=top_p)
     slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
-    streaming = torch.tensor([False, True, False, False], device=DEV)
+    streaming = torch.arange(hkv, device=DEV) == 1  # KV head 1 (if any) streams
     state = [(torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
               torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV),
               torch.zeros(2, dtype=torch.int64, device=DEV)) for _ in range(2)]
@@ -172,22 +181,25 @@ def test_select_blocks(policy, top_p, ways):
             assert torch.equal(a.sort(-1).values if a.dim() == 3 else a, b.sort(-1).values if b.dim() == 3 else b), step
     sel = state[0][0]
     assert sorted(sel[0, 0].tolist()) == [-1, -1, -1, 0, 1, 2]  # 3 blocks <= cap: all of them
-    assert sorted(sel[4, 1].tolist()) == [-1, -1, -1, 0, 38, 39]  # streaming head: sink + local only
+    if hkv > 1:
+        assert sorted(sel[4, 1].tolist()) == [-1, -1, -1, 0, 38, 39]  # streaming head: sink + local only
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("hq,hkv", [(6, 2), pytest.param(10, 2, id="group5-10q2kv"),
+                                    pytest.param(7, 1, id="group7-7q1kv")])
 @pytest.mark.parametrize("policy,top_p,sink,local,ways,tied", [("topk", 1.0, 1, 2, 4, True),
                                                                 ("topk", 1.0, 3, 4, 2, True),
                                                                 ("topp", 0.6, 1, 2, 1, False),
                                                                 ("topp", 0.05, 1, 2, 8, False),
                                                                 ("topp", 0.9, 3, 4, 4, False)])
-def test_select_blocks_edges(policy, top_p, sink, local, ways, tied):
+def test_select_blocks_edges(policy, top_p, sink, local, ways, tied, hq, hkv):
     """The early-stopping search against the reference: masses with many exact ties (topk: coarse
     scores, constant rows; topp fills ties at its threshold up to the cap, the reference stops at p, so
     topp gets distinct masses), forced blocks that carry the target mass (topp 0.05) or fill the cap
     (sink 3 + local 4 > cap 6), one threshold a round (ways=1), long and short rows."""
     torch.manual_seed(6)
-    hq, hkv, bs, cap = 6, 2, 16, 6
+    bs, cap = 16, 6
     lens = [200 * bs, 7 * bs, 31 * bs + 1, 64 * bs, 6 * bs, 100 * bs]
     p = params(policy, cap, bs, top_p=top_p, sink=sink, local=local)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
@@ -210,18 +222,45 @@ def test_select_blocks_edges(policy, top_p, sink, local, ways, tied):
     assert torch.equal(state[0][2], state[1][2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["topk", "topp"])
-def test_score_and_select(policy):
+def test_select_blocks_wide_rows_group3(policy):
+    """Rows of more than 4096 blocks: the selection kernel takes the group's score rows two at a time (HEADS = 2),
+    so with a group of 3 its second pass has one live row and one past the group (masked)."""
+    torch.manual_seed(10)
+    hq, hkv, bs, cap, mb = 9, 3, 16, 8, 5000
+    lens = [mb * bs, 3000 * bs + 5, 0, 4100 * bs]
+    p = params(policy, cap, bs, top_p=0.5)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    slots = torch.arange(len(lens), dtype=torch.int32, device=DEV)
+    streaming = torch.zeros(hkv, dtype=torch.bool, device=DEV)
+    # a few sharp peaks a head, so topp stops on mass well before the cap
+    scores = torch.randn(len(lens), hq, mb, device=DEV)
+    scores.scatter_(-1, torch.randint(0, 3000, (len(lens), hq, 4), device=DEV), 12.0)
+    scores.masked_fill_(torch.arange(mb, device=DEV)[None, None] >= -(-seq_lens[:, None, None] // bs), float("-inf"))
+    state = [(torch.full((len(lens), hkv, cap), -1, dtype=torch.int32, device=DEV),
+              torch.zeros(len(lens), hkv, dtype=torch.int32, device=DEV),
+              torch.zeros(2, dtype=torch.int64, device=DEV)) for _ in range(2)]
+    select_blocks_ref(scores, seq_lens, slots, *state[0], streaming, **p)
+    select_blocks_triton(scores, seq_lens, slots, *state[1], streaming, **p)
+    assert torch.equal(state[0][0].sort(-1).values, state[1][0].sort(-1).values)
+    assert torch.equal(state[0][2], state[1][2])
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), pytest.param(9, 3, id="group3-9q3kv", marks=pytest.mark.slow),
+                                    pytest.param(7, 1, id="group7-7q1kv")])
+@pytest.mark.parametrize("policy", ["topk", "topp"])
+def test_score_and_select(policy, hq, hkv):
     """Scoring then selection (the engine's Triton path) equal the references over reuse steps: lists,
     reuse counters and stats, with padding, short and long rows, pages and a streaming head."""
     torch.manual_seed(7)
-    hq, hkv, d, bs, page = 8, 2, 32, 16, 8
+    d, bs, page = 32, 16, 8
     lens = [40 * bs + 3, 0, 5 * bs, 70 * bs, 33 * bs - 1]
     q, _, meta, key_meta = scored_batch(lens, hq, hkv, d, bs, page, torch.float32)
     mb = -(-meta.max_seq_len // bs)
     p = params(policy, 6, bs, reuse=2)
     slots = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32, device=DEV)
-    streaming = torch.tensor([False, True], device=DEV)
+    streaming = torch.arange(hkv, device=DEV) == 1  # KV head 1 (if any) streams
     state = [(torch.full((5, hkv, 6), -1, dtype=torch.int32, device=DEV), torch.zeros(5, hkv, dtype=torch.int32,
               device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV)) for _ in range(2)]
     for step in range(3):
@@ -243,7 +282,15 @@ def test_score_and_select(policy):
                                                  (8, 2, 64, 16, SparseDecodeConfig(tile_n=32, tiles=2, num_stages=3,
                                                                                    tma=True)),
                                                  (6, 2, 32, 16, SparseDecodeConfig(tile_n=16, tiles=1, tma=True)),
-                                                 (4, 4, 64, 32, None)])
+                                                 (4, 4, 64, 32, None),
+                                                 # groups that are not powers of two, plain and TMA kernels
+                                                 pytest.param(9, 3, 64, 16, SparseDecodeConfig(tile_n=32,
+                                                              target_programs=24), id="group3-9q3kv"),
+                                                 pytest.param(9, 3, 64, 16, SparseDecodeConfig(tile_n=32, tiles=2,
+                                                              tma=True), id="group3-9q3kv-tma"),
+                                                 pytest.param(15, 3, 32, 16, SparseDecodeConfig(tile_n=16, tiles=1,
+                                                              tma=True), id="group5-15q3kv-tma"),
+                                                 pytest.param(7, 1, 64, 16, None, id="group7-7q1kv")])
 def test_sparse_decode(dtype, hq, hkv, d, bs, config):
     """Random lists with padding, entries inside the local window, and a padding row (tma: the TMA gather)."""
     torch.manual_seed(3)
@@ -296,11 +343,11 @@ def offload_inputs(cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Te
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.parametrize("tile_n,tiles,splits", [(16, 1, 7), (32, 2, 2), (128, 0, 1)])
-def test_sparse_decode_splits(dtype, offload, tile_n, tiles, splits):
+def test_sparse_decode_splits(dtype, offload, tile_n, tiles, splits, hq=6, hkv=2):
     """The split kernel and its merge match the reference over several splits (and one), offloaded (listed
     blocks from pool slots or host rows, the device cache before the window poisoned) or not."""
     torch.manual_seed(9)
-    hq, hkv, d, bs, cap, local = 6, 2, 32, 16, 5, 2
+    d, bs, cap, local = 32, 16, 5, 2
     lens = [0, 1, 5 * bs, 13 * bs + 7, 9 * bs + 1]
     q, cache, meta = decode_batch(lens, hq, hkv, d, bs, dtype, slack=2 * bs)
     sel = random_lists(lens, hkv, bs, cap)[: len(lens)]
@@ -319,6 +366,53 @@ def test_sparse_decode_splits(dtype, offload, tile_n, tiles, splits):
                          config=config, **kw)
     assert torch.isfinite(out).all() and torch.count_nonzero(out[0]) == 0
     assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("hq,hkv", [pytest.param(9, 3, id="group3-9q3kv"), pytest.param(15, 3, id="group5-15q3kv"),
+                                    pytest.param(7, 1, id="group7-7q1kv")])
+def test_sparse_decode_splits_odd_groups(hq, hkv, offload):
+    """Groups that are not powers of two through the split kernel, several splits and the merge, with the
+    offloaded reads (pool slots, host rows) and without."""
+    test_sparse_decode_splits(torch.float32, offload, 32, 2, 2, hq=hq, hkv=hkv)
+
+
+@gpu_only
+@pytest.mark.parametrize("offload", [False, True])
+def test_large_decode_group3_gpu(offload):
+    """SmolLM2-135M's attention shape (9 query / 3 KV heads, D=64) in bf16 at 8K contexts with the default launch
+    configs (the TMA gather on Hopper without offload): the scores against their reference, and the sparse kernel
+    on the lists the selection kernel left against the reference (offloaded: through pool slots and host rows,
+    the device cache before each window poisoned)."""
+    torch.manual_seed(11)
+    hq, hkv, d, bs, cap, local = 9, 3, 64, 32, 64, 2
+    lens = [8192, 5000, 0, 8000 - 7]
+    q, cache, meta, key_meta = scored_batch(lens, hq, hkv, d, bs, bs, torch.bfloat16)
+    mb, scale = -(-meta.max_seq_len // bs), d ** -0.5
+    slots = torch.arange(len(lens), dtype=torch.int32, device=DEV)
+    sel = torch.full((len(lens), hkv, cap), -1, dtype=torch.int32, device=DEV)
+    counter = torch.zeros(len(lens), hkv, dtype=torch.int32, device=DEV)
+    stats = torch.zeros(2, dtype=torch.int64, device=DEV)
+    scores = block_scores_triton(q, key_meta.codes, key_meta.scale, meta.block_tables, meta.seq_lens, slots, counter,
+                                 max_blocks=mb, block_size=bs, cap=cap, reuse=1, short_dense=True, scale=scale)
+    ref = block_scores_ref(q, key_meta.codes, key_meta.scale, meta.block_tables, meta.seq_lens, mb, bs, scale)
+    for b, n in enumerate(lens):
+        if -(-n // bs) > cap:
+            assert rel_err(scores[b, :, : -(-n // bs)], ref[b, :, : -(-n // bs)]) < TOL[torch.bfloat16], b
+    score_and_select_triton(q, key_meta.codes, key_meta.scale, meta.block_tables, meta.seq_lens, slots, sel, counter,
+                            stats, torch.zeros(hkv, dtype=torch.bool, device=DEV), max_blocks=mb, scale=scale,
+                            **params("topk", cap, bs, local=local))
+    assert ((sel[[0, 1, 3]] >= 0).sum(-1) == cap).all()  # every long row fills its budget
+    kw = {}
+    if offload:
+        kw["offload"], _, cache = offload_inputs(cache, meta.block_tables, meta.seq_lens, sel, local)
+    else:
+        assert tma_capable(cache, None)
+    ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, scale, **kw)
+    out = torch.full_like(q, float("nan"))
+    sparse_decode_triton(q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, scale, out=out, **kw)
+    assert torch.isfinite(out).all() and rel_err(out, ref) < TOL[torch.bfloat16]
 
 
 def test_step_slots():

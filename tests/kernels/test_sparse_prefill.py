@@ -76,6 +76,13 @@ ATTN_CASES = [
      torch.float16),
     (8, 2, 128, 16, TileLayout(q_tile=16, k_tile=16, sink=2, local=1), SparsePrefillConfig(32, 16, 4, 2),
      torch.float32),
+    # groups that are not powers of two: GROUP_PAD rows a query, the padding heads masked
+    pytest.param(9, 3, 64, 16, TileLayout(q_tile=16, k_tile=16, sink=1, local=1), SparsePrefillConfig(32, 16, 4, 2),
+                 torch.float32, id="group3-9q3kv"),
+    pytest.param(15, 3, 32, 16, TileLayout(q_tile=16, k_tile=32, sink=1, local=1), SparsePrefillConfig(64, 16, 4, 2),
+                 torch.float16, id="group5-15q3kv"),
+    pytest.param(7, 1, 64, 16, TileLayout(q_tile=16, k_tile=16, sink=1, local=1), None, torch.float32,
+                 id="group7-7q1kv"),
 ]
 
 
@@ -127,11 +134,14 @@ def test_tile_lists_and_classes():
         assert index[b, h, t, : count[b, h, t]].tolist() == torch.nonzero(keep[b, h, t]).flatten().tolist()
 
 
-def test_quantize_kernel(triton_backends):
+@pytest.mark.parametrize("hq,hkv", [(6, 2), pytest.param(15, 3, id="group5-15q3kv", marks=pytest.mark.slow),
+                                    pytest.param(7, 1, id="group7-7q1kv")])
+def test_quantize_kernel(triton_backends, hq, hkv):
     """Stage 1: the kernels' fp8 codes equal the reference's (the rounding helper against torch's e4m3 cast),
     scales and the mean term agree to float32 rounding, and the estimate is q.k up to a per-row constant."""
     layout = TileLayout(q_tile=16, k_tile=16)
-    q, cache, tables, seq_lens, qsl, max_q, max_s = make_chunks(CHUNKS, 6, 2, 64, 16, torch.float32, seed=4)
+    group = hq // hkv
+    q, cache, tables, seq_lens, qsl, max_q, max_s = make_chunks(CHUNKS, hq, hkv, 64, 16, torch.float32, seed=4)
     q = q * torch.linspace(0.1, 8.0, 64, device=DEV) + 3.0  # uneven channels and a shared offset
     ref = quantize_qk_ref(q, cache, tables, seq_lens, qsl, max_s, layout)
     # 64-row programs over 160 key positions: the last program's rows past the end must not be written.
@@ -146,15 +156,15 @@ def test_quantize_kernel(triton_backends):
     torch.testing.assert_close(got.qmk, ref.qmk, rtol=1e-4, atol=1e-4)
     past = ~valid[:, None].expand_as(got.k_scale)
     assert (got.k_code.float()[past] == 0).all() and (got.k_scale[past] == 1).all()
-    assert (got.qmk[:, :2][past] == 0).all()
+    assert (got.qmk[~valid[:, None].expand_as(got.qmk)] == 0).all()  # every query head
     # est_ij - q_i.k_j is constant along each row, up to the e4m3 rounding of the codes (rms).
     b, t0, n = 3, int(qsl[3]), CHUNKS[3][1]
-    keys = cache[tables[b, : -(-int(seq_lens[b]) // 16)].long(), :, 0].permute(1, 0, 2, 3).reshape(2, -1, 64)
-    keys = keys[:, : int(seq_lens[b])].repeat_interleave(3, 0)  # [Hq, L, D]
+    keys = cache[tables[b, : -(-int(seq_lens[b]) // 16)].long(), :, 0].permute(1, 0, 2, 3).reshape(hkv, -1, 64)
+    keys = keys[:, : int(seq_lens[b])].repeat_interleave(group, 0)  # [Hq, L, D]
     exact = torch.einsum("thd,hjd->htj", q[t0:t0 + n], keys)
     codes = torch.einsum("thd,hjd->htj", ref.q_code[t0:t0 + n].float(),
-                         ref.k_code[b].float().repeat_interleave(3, 0)[:, : int(seq_lens[b])])
-    est = (codes * ref.k_scale[b].repeat_interleave(3, 0)[:, None, : int(seq_lens[b])]
+                         ref.k_code[b].float().repeat_interleave(group, 0)[:, : int(seq_lens[b])])
+    est = (codes * ref.k_scale[b].repeat_interleave(group, 0)[:, None, : int(seq_lens[b])]
            * ref.q_scale[t0:t0 + n].T[:, :, None] + ref.qmk[b][:, None, : int(seq_lens[b])])
     diff = est - exact
     spread = (diff - diff.mean(-1, keepdim=True)).pow(2).mean().sqrt()  # e4m3: a few % of each code
@@ -176,6 +186,8 @@ def test_quantize_with_tables_as_wide_as_the_context(triton_backends):
 SELECT_CASES = [  # (hq, hkv, d, bs, layout)
     (4, 4, 64, 16, TileLayout(q_tile=16, k_tile=16, sink=1, local=1)),
     (8, 2, 128, 32, TileLayout(q_tile=16, k_tile=16, sink=1, local=2)),
+    pytest.param(9, 3, 64, 16, TileLayout(q_tile=16, k_tile=16, sink=1, local=1), id="group3-9q3kv"),
+    pytest.param(10, 2, 32, 16, TileLayout(q_tile=16, k_tile=16, sink=1, local=2), id="group5-10q2kv"),
 ]
 
 
@@ -192,7 +204,7 @@ def test_select_kernel(triton_backends, hq, hkv, d, bs, layout):
     forced, middle = tile_classes(seq_lens, qsl, n_qt, n_kt, layout)
     streaming = torch.zeros(hkv, dtype=torch.bool, device=DEV)
     streaming[0] = True
-    mids = torch.tensor([0.2, 0.3, 0.5, 0.3, 0.25, 0.4, 0.3, 0.5][:hq], device=DEV)
+    mids = torch.tensor([0.2, 0.3, 0.5, 0.3, 0.25, 0.4, 0.3, 0.5] * 2, device=DEV)[:hq]
     densities = {}
     for name, thr in (("zero", torch.zeros(hq, device=DEV)), ("mid", mids), ("large", torch.full((hq,), 1e4))):
         args = (codes, seq_lens, qsl, scale, max_q, max_s, layout, thr, streaming)
@@ -233,10 +245,11 @@ def test_relative_score_picks_the_heavy_tile():
 
 
 @pytest.mark.slow
-def test_dense_when_threshold_zero(triton_backends):
+@pytest.mark.parametrize("hq,hkv", [(8, 2), pytest.param(9, 3, id="group3-9q3kv")])
+def test_dense_when_threshold_zero(triton_backends, hq, hkv):
     """Threshold 0: the selection keeps every tile and sparse prefill equals dense prefill (the paged prefill
     kernel and the reference), with and without the lists."""
-    hq, hkv, d, bs = 8, 2, 64, 16
+    d, bs = 64, 16
     layout = TileLayout(q_tile=16, k_tile=32, sink=1, local=1)
     q, cache, tables, seq_lens, qsl, max_q, max_s = make_chunks(CHUNKS, hq, hkv, d, bs, torch.float32, seed=7)
     scale = d ** -0.5
@@ -299,11 +312,11 @@ def test_bad_inputs():
 
 
 @gpu_only
-@pytest.mark.parametrize("hq,hkv", [(32, 8), (12, 4)])
-def test_gpu_long_chunks_bf16(hq, hkv):
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (12, 4, 128), pytest.param(9, 3, 64, id="group3-smollm2")])
+def test_gpu_long_chunks_bf16(hq, hkv, d):
     """bf16 on the GPU at realistic tiles (64 x 64, default configs): selection kernel vs reference on the same
     codes, sparse attention vs reference on its lists, and threshold 0 against the dense prefill kernel."""
-    d, bs = 128, 32
+    bs = 32
     layout = TileLayout()
     chunks = [(0, 1500), (2048, 1024), (333, 700)]
     q, cache, tables, seq_lens, qsl, max_q, max_s = make_chunks(chunks, hq, hkv, d, bs, torch.bfloat16, seed=9)

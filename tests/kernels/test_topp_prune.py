@@ -9,6 +9,7 @@ from sparseserve.kernels.block_score import select_blocks_ref
 from sparseserve.kernels.topp_prune import (block_lse_ref, block_lse_triton, prune_lists_triton, prune_ref,
                                             topp_prune_ref, topp_prune_triton)
 from tests.kernel_utils import DEVICE as DEV, TOL, rel_err
+from tests.kernels.test_sparse_kernels import offload_inputs
 
 
 def params(cap: int, bs: int, top_p: float, reuse: int = 1, per_head: bool = False) -> dict:
@@ -50,7 +51,10 @@ LENS = [40 * 16, 3 * 16, 0, 17 * 16 + 3, 25 * 16 + 1]  # long rows, one that fit
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 2, 32, 16), (6, 2, 16, 8), (4, 4, 64, 32)])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 2, 32, 16), (6, 2, 16, 8), (4, 4, 64, 32),
+                                         pytest.param(9, 3, 64, 16, id="group3-9q3kv"),
+                                         pytest.param(15, 3, 32, 8, id="group5-15q3kv"),
+                                         pytest.param(7, 1, 32, 16, id="group7-7q1kv")])
 def test_block_lse(dtype, hq, hkv, d, bs):
     """Per query head log-sum-exp of q.k over each listed block's valid tokens, on the rows that prune."""
     torch.manual_seed(0)
@@ -73,16 +77,23 @@ def test_block_lse(dtype, hq, hkv, d, bs):
     assert torch.equal(out[rows][~listed], ref[rows][~listed])
 
 
+PRUNE_CASES = [(0.5, False, 8, 4), (0.8, False, 8, 4), (0.95, False, 8, 4), (1.0, False, 8, 4), (0.8, True, 8, 4),
+               pytest.param(0.8, False, 9, 3, id="group3-9q3kv"),
+               pytest.param(0.8, True, 9, 3, id="group3-9q3kv-per-head"),
+               pytest.param(0.8, False, 15, 3, id="group5-15q3kv"),
+               pytest.param(0.8, False, 7, 1, id="group7-7q1kv")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("top_p,per_head", [(0.5, False), (0.8, False), (0.95, False), (1.0, False), (0.8, True)])
-def test_prune_lists(top_p, per_head):
+@pytest.mark.parametrize("top_p,per_head,hq,hkv", PRUNE_CASES)
+def test_prune_lists(top_p, per_head, hq, hkv):
     """Given the same lse, the kernel's lists equal prune_ref's, order included, over reuse steps; stats[0]
     loses exactly the dropped entries."""
     torch.manual_seed(1)
-    hq, hkv, bs, cap, nslots = 8, 4, 16, 9, 6
+    bs, cap, nslots = 16, 9, 6
     seq_lens = torch.tensor(LENS, dtype=torch.int32, device=DEV)
     slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
-    streaming = torch.tensor([False, True, False, False], device=DEV)
+    streaming = torch.arange(hkv, device=DEV) == 1  # KV head 1 (if any) streams
     p = params(cap, bs, top_p, reuse=2, per_head=per_head)
     state = (torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
              torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV))
@@ -106,17 +117,22 @@ def test_prune_lists(top_p, per_head):
         kept_any |= bool((due & (n_kept > 3)).any())  # a candidate past sink + 2 local kept
     assert pruned_any == (top_p < 1.0) and kept_any
     # The streaming head's lists hold only sink + local, the short row all its 3 blocks: nothing pruned.
-    assert sorted(state[0][4, 1].tolist()) == [-1] * (cap - 3) + [0, 38, 39]
+    if hkv > 1:
+        assert sorted(state[0][4, 1].tolist()) == [-1] * (cap - 3) + [0, 38, 39]
     assert sorted(state[0][0, 0].tolist()) == [-1] * (cap - 3) + [0, 1, 2]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32])
-@pytest.mark.parametrize("top_p,reuse,per_head", [(0.6, 1, False), (0.9, 3, False), (0.7, 1, True)])
-def test_topp_prune_vs_reference(dtype, top_p, reuse, per_head):
+@pytest.mark.parametrize("top_p,reuse,per_head,hq,hkv", [(0.6, 1, False, 8, 2), (0.9, 3, False, 8, 2),
+                                                         (0.7, 1, True, 8, 2),
+                                                         pytest.param(0.6, 1, False, 9, 3, id="group3-9q3kv"),
+                                                         pytest.param(0.9, 2, False, 15, 3, id="group5-15q3kv"),
+                                                         pytest.param(0.6, 1, False, 7, 1, id="group7-7q1kv")])
+def test_topp_prune_vs_reference(dtype, top_p, reuse, per_head, hq, hkv):
     """Both kernels together against topp_prune_ref on fresh candidate lists, over reuse steps."""
     torch.manual_seed(2)
-    hq, hkv, d, bs, cap, nslots = 8, 2, 32, 16, 8, 6
+    d, bs, cap, nslots = 32, 16, 8, 6
     q, cache, tables, seq_lens = batch(LENS, hq, hkv, d, bs, dtype, sharp=3.0)
     slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
     streaming = torch.zeros(hkv, dtype=torch.bool, device=DEV)
@@ -142,3 +158,28 @@ def test_topp_prune_vs_reference(dtype, top_p, reuse, per_head):
         else:
             assert int(states[1][2][0]) == n_listed
         n_listed = int(states[1][2][0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hq,hkv", [(8, 2), pytest.param(9, 3, id="group3-9q3kv"),
+                                    pytest.param(15, 3, id="group5-15q3kv"), pytest.param(7, 1, id="group7-7q1kv")])
+def test_topp_prune_offload(hq, hkv):
+    """Under KV offload the candidates' keys come through the HBM pool view (pool slots, host rows for bypass
+    reads) and the device cache before each local window is poisoned: both kernels equal topp_prune_ref."""
+    torch.manual_seed(3)
+    d, bs, cap, nslots, top_p = 32, 16, 8, 6, 0.6
+    q, cache, tables, seq_lens = batch(LENS, hq, hkv, d, bs, torch.float32, sharp=3.0)
+    slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
+    p = params(cap, bs, top_p)
+    state = (torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
+             torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV))
+    candidates(seq_lens, slots, state, torch.zeros(hkv, dtype=torch.bool, device=DEV), p,
+               random_scores(seq_lens, hq, bs))
+    offload, _, poisoned = offload_inputs(cache, tables, seq_lens, state[0][slots.long()], p["local"])
+    kw = dict(sink=1, local=2, top_p=top_p, scale=d ** -0.5, offload=offload)
+    states = [tuple(t.clone() for t in state) for _ in range(2)]
+    topp_prune_ref(q, poisoned, tables, seq_lens, slots, *states[0], **kw)
+    topp_prune_triton(q, poisoned, tables, seq_lens, slots, *states[1], **kw)
+    for a, b in zip(*states):
+        assert torch.equal(a, b)
+    assert int(states[1][2][0]) < int(state[2][0])  # something was pruned
