@@ -153,5 +153,5 @@ def test_gpu_engine_sparse_prefill(hf_models):
     offload, stats = go(**SALE0, **sparse, kv_offload=True)
     assert offload == dense and stats.prefill_tiles_dense > 0
     cut, stats = go(sparse_prefill="sale", sparse_prefill_threshold=1.0, sparse_prefill_min_len=0)
-    assert all(len(o) == params.max_tokens for o in cut)
+    assert [len(o) for o in cut] == [len(o) for o in dense]  # (the 500-token prompt's output is cut by the context)
     assert 0 < stats.prefill_tiles_computed < stats.prefill_tiles_dense
