@@ -20,12 +20,27 @@ class SchedulerConfig:
         default=8192, metadata={"help": "Token budget of one engine step (prefill chunks + decodes)."})
     enable_chunked_prefill: bool = field(
         default=True, metadata={"help": "Split prompts longer than the step's token budget into chunks."})
+    init_new_token_ratio: float = field(default=0.7, metadata={
+        "help": "Admission: the fraction of its remaining max_tokens each running request is expected to still "
+                "generate; a request is admitted only if the KV blocks left cover its prompt, its own expected "
+                "output and the running requests' (0: admit whatever fits its prompt now)."})
+    min_new_token_ratio: float = field(default=0.1, metadata={
+        "help": "Admission: the lowest the expected fraction decays to while nothing is preempted (a preemption "
+                "raises it halfway to 1)."})
+    new_token_ratio_decay_steps: int = field(default=600, metadata={
+        "help": "Admission: engine steps over which the expected fraction decays from its initial value to the "
+                "minimum."})
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0:
+            raise ValueError(f"need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got "
+                             f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
+        if self.new_token_ratio_decay_steps < 1:
+            raise ValueError(f"new_token_ratio_decay_steps must be >= 1, got {self.new_token_ratio_decay_steps}")
 
 
 @dataclass(frozen=True)
@@ -37,6 +52,10 @@ class CacheConfig:
         default=None, metadata={"help": "Bytes of KV cache; overrides gpu_memory_utilization sizing."})
     num_gpu_blocks_override: int | None = field(
         default=None, metadata={"help": "Exact number of KV token blocks (testing, capacity experiments)."})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "Automatic prefix caching: full KV blocks are cached by the hash of their tokens and shared by "
+                "later requests with the same prefix (and a preempted request's by its return); unreferenced "
+                "cached blocks are evicted least recently used."})
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

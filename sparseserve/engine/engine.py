@@ -48,9 +48,11 @@ class LLMEngine:
             raise ValueError(f"could not load a tokenizer from {mc.tokenizer or model_dir}: {e}") from e
         self.max_model_len = self.model_runner.max_model_len
         runner = self.model_runner
-        self.allocator = BlockAllocator(runner.num_blocks)
+        self.allocator = BlockAllocator(runner.num_blocks, enable_caching=config.cache_config.enable_prefix_caching)
+        # A sparse policy attends one-token chunks sparsely (as decode rows): prompt chunks then take >= 2 tokens.
         self.scheduler = Scheduler(config.scheduler_config, self.allocator, config.cache_config.block_size,
-                                   runner.offload)
+                                   runner.offload, max_model_len=self.max_model_len,
+                                   min_chunk=2 if config.sparse_config.enabled else 1)
         self.counters = DeviceCounters(runner.attn_backend.counters())
         self.last_schedule = None  # the newest step's SchedulerOutput (benchmarks read what ran)
         eos = set(self.model_runner.arch.eos_token_ids)
@@ -86,6 +88,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError("cache_salt must be a non-empty string")
         if not ids or text == "":  # an empty string is empty even if the tokenizer adds a BOS
             raise ValueError("the prompt is empty")
         vocab = self.model_runner.arch.vocab_size
@@ -104,7 +109,7 @@ class LLMEngine:
             if params.seed is not None:
                 seed = params.seed if i == 0 else hash((params.seed, i)) & (2**63 - 1)
                 gen = torch.Generator(device=self.model_runner.device).manual_seed(seed)
-            seqs.append(Sequence(next(self._seq_ids), request_id, i, ids, params, gen))
+            seqs.append(Sequence(next(self._seq_ids), request_id, i, ids, params, gen, cache_salt=salt))
         self.requests[request_id] = _Request(request_id, text, ids, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -120,6 +125,10 @@ class LLMEngine:
                     seq.finish_reason = "abort"
                     self._finish(seq)
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached block no request holds (benchmarks that must start cold); returns how many."""
+        return self.allocator.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -134,9 +143,13 @@ class LLMEngine:
         if sync and offload is not None:
             offload.fence()
         values = self.counters.values(sync=sync)
-        values.update(num_running=len(s.running), num_waiting=len(s.waiting), num_blocks_used=self.allocator.num_used,
-                      num_blocks_total=self.allocator.num_blocks, num_preemptions=s.num_preemptions,
-                      num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens)
+        alloc, pc = self.allocator, s.prefix_stats
+        values.update(num_running=len(s.running), num_waiting=len(s.waiting), num_blocks_used=alloc.num_used,
+                      num_blocks_total=alloc.num_blocks, num_preemptions=s.num_preemptions,
+                      num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
+                      prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
+                      prefix_cache_blocks=alloc.num_cached, prefix_cache_evictions=alloc.num_evictions,
+                      host_prefix_cache_queries=pc.host_queries, host_prefix_cache_hits=pc.host_hits)
         if "sparse_selections" in values:
             values["sparse_block_size"] = runner.block_size
         if offload is not None:
@@ -154,12 +167,15 @@ class LLMEngine:
             self.model_runner.release(seq.seq_id)
         if sched.is_empty:
             return []
+        if self.model_runner.offload is not None:
+            self.model_runner.offload.begin_step()  # the blocks this schedule restores, before any kernel
         sampled, out = self.model_runner.execute(sched.scheduled)
         self.counters.refresh()
         for seq, n in sched.scheduled:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
+            self.scheduler.cache_full_blocks(seq)
         if out is None:
             return []
         self._append_tokens(sampled, out)

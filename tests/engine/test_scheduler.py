@@ -9,6 +9,7 @@ from sparseserve.kvcache.blocks import BlockAllocator
 from sparseserve.sampling_params import SamplingParams
 
 BS = 4
+NO_RESERVE = dict(init_new_token_ratio=0.0, min_new_token_ratio=0.0)  # admit whatever fits its next chunk now
 
 
 def seq(i: int, prompt_len: int) -> Sequence:
@@ -43,7 +44,7 @@ def test_budget_fcfs_and_chunked_prefill():
 
 
 def test_preempts_newest_and_requeues_it_first():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), BlockAllocator(6), BS)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, **NO_RESERVE), BlockAllocator(6), BS)
     old, new = seq(0, 12), seq(1, 12)  # 3 full blocks each: the pool is full after both prefill
     sched.add(old)
     sched.add(new)
