@@ -155,3 +155,49 @@ def test_caching_on_equals_off_over_random_schedules(tiny_model_dir, path, seed)
     if engine.model_runner.offload is not None:
         engine.model_runner.offload.pool.check()
         assert stats.offload_blocks_restored > 0
+
+
+SELECTIVE = dict(block_size=BS, sparse_budget=4 * BS, sparse_dense_layers=0, sparse_sink_blocks=1,
+                 sparse_local_blocks=2, sparse_dense_context=0, max_model_len=160, max_num_batched_tokens=256)
+
+
+@pytest.mark.parametrize("policy", [
+    dict(sparse_policy="topk"),
+    dict(sparse_policy="topk", sparse_lag=1),
+    dict(sparse_policy="topk", sparse_reuse=3),
+    dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=6 * BS),
+    dict(sparse_policy="topk", kv_offload=True, hbm_cache_blocks=24),
+    dict(sparse_policy="topk", kv_offload=True, num_gpu_blocks_override=21),  # prefills wait for device blocks
+])
+def test_sparse_selection_over_shared_blocks(tiny_model_dir, tmp_path, policy):
+    """A budget of 4 blocks of contexts up to 14: selection really chooses, from key metadata of blocks another
+    request computed (shared by reference; under KV offload their K/V restored from the host store). Tokens
+    equal caching off, with hits ending inside, at and one token before a block's end (a request then computes
+    a block and a token: two tokens at least, so its last prompt token is attended in a prefill chunk), lagged
+    selection (the first decode of a request with a cached prefix attends what its prefill chunk selected),
+    reuse, a streaming head and the device block cache too small for the four requests' prefills at once."""
+    import json
+    heads = tmp_path / "streaming.json"
+    heads.write_text(json.dumps({"streaming_heads": {"1": [1]}}))
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(10, 2000, (90,), generator=g).tolist()
+    tail = torch.randint(10, 2000, (12,), generator=g).tolist()
+    first = [base]
+    later = [base[:70] + tail[:10], base + tail[:5], base[:45], base[:81], base[:88] + tail[:1]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for caching in (False, True):
+        llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", enable_prefix_caching=caching,
+                  streaming_heads=str(heads), **{**SELECTIVE, **policy})
+        a = llm.generate(first, params, use_tqdm=False)
+        b = llm.generate(later, params, use_tqdm=False)
+        outs[caching] = [o.outputs[0].token_ids for o in a + b]
+        stats = llm.llm_engine.get_stats(sync=True)
+        assert stats.sparse_selections > 0
+        if caching:
+            # 81 tokens: 10 full blocks, but one token would be left: 9 blocks hit, a block and a token computed
+            hits = 64 + 88 + 40 + 72 + 80
+            assert stats.prefix_cache_hits == hits and stats.num_preemptions == 0
+            if policy.get("kv_offload"):
+                assert stats.offload_blocks_restored >= hits // BS
+    assert outs[True] == outs[False]
