@@ -56,12 +56,27 @@ class CacheConfig:
         "help": "Automatic prefix caching: full KV blocks are cached by the hash of their tokens and shared by "
                 "later requests with the same prefix (and a preempted request's by its return); unreferenced "
                 "cached blocks are evicted least recently used."})
+    host_prefix_cache_memory: int | None = field(default=None, metadata={
+        "help": "Bytes of (pinned) host memory for the prefix cache's host tier without KV offload: full blocks "
+                "are written through to it and a request whose prefix the device evicted copies it back instead "
+                "of recomputing it (a preempted request too). Default: no host tier. With KV offload the host "
+                "KV store is that tier."})
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.host_prefix_cache_memory is not None:
+            if self.host_prefix_cache_memory < 1:
+                raise ValueError(f"host_prefix_cache_memory must be >= 1 byte, got {self.host_prefix_cache_memory}")
+            if not self.enable_prefix_caching:
+                raise ValueError("host_prefix_cache_memory is the prefix cache's host tier: it needs "
+                                 "enable_prefix_caching")
+            available = available_host_memory()
+            if available is not None and self.host_prefix_cache_memory > available:
+                raise ValueError(f"host_prefix_cache_memory={self.host_prefix_cache_memory} bytes exceeds the "
+                                 f"host's available memory ({available} bytes): lower it")
 
 
 @dataclass(frozen=True)
@@ -215,6 +230,9 @@ class EngineConfig:
         if self.offload_config.kv_offload and not sp.enabled:
             raise ValueError("kv_offload needs a sparse decode policy (sparse_policy='topk' or 'topp'): with "
                              "dense attention every block is read every step, so an HBM cache cannot help")
+        if self.offload_config.kv_offload and self.cache_config.host_prefix_cache_memory is not None:
+            raise ValueError("host_prefix_cache_memory is the host tier without KV offload: with kv_offload the "
+                             "host KV store already holds the prefix cache (size it with host_kv_memory)")
         if self.offload_config.kv_offload and sp.sparse_lag:
             raise ValueError("sparse_lag=1 does not work with kv_offload yet: the offload path loads each "
                              "step's own selection before its attention")

@@ -48,10 +48,12 @@ class LLMEngine:
             raise ValueError(f"could not load a tokenizer from {mc.tokenizer or model_dir}: {e}") from e
         self.max_model_len = self.model_runner.max_model_len
         runner = self.model_runner
-        self.allocator = BlockAllocator(runner.num_blocks, enable_caching=config.cache_config.enable_prefix_caching)
+        cc = config.cache_config
+        self.allocator = BlockAllocator(runner.num_blocks, enable_caching=cc.enable_prefix_caching)
+        self.host_cache = self._build_host_cache() if cc.host_prefix_cache_memory is not None else None
         # A sparse policy attends one-token chunks sparsely (as decode rows): prompt chunks then take >= 2 tokens.
-        self.scheduler = Scheduler(config.scheduler_config, self.allocator, config.cache_config.block_size,
-                                   runner.offload, max_model_len=self.max_model_len,
+        self.scheduler = Scheduler(config.scheduler_config, self.allocator, cc.block_size, runner.offload,
+                                   self.host_cache, max_model_len=self.max_model_len,
                                    min_chunk=2 if config.sparse_config.enabled else 1)
         self.counters = DeviceCounters(runner.attn_backend.counters())
         self.last_schedule = None  # the newest step's SchedulerOutput (benchmarks read what ran)
@@ -65,6 +67,20 @@ class LLMEngine:
         self.num_generation_tokens = 0
         logger.info("engine ready: model=%s device=%s dtype=%s max_model_len=%d", model_dir,
                     self.model_runner.device, self.model_runner.dtype, self.max_model_len)
+
+    def _build_host_cache(self):
+        """The prefix cache's host tier (kvcache/host_cache.py) over every tensor indexed by token block: the KV
+        cache and, with a sparse policy, the backend's key metadata."""
+        from sparseserve.kvcache.host_cache import HostPrefixCache, layer_stack
+        runner = self.model_runner
+        tensors = [layer_stack(runner.kv_caches)]
+        key_meta = getattr(runner.attn_backend, "key_meta", None)
+        if key_meta is not None:
+            tensors += [key_meta.codes, key_meta.scale]
+        num_slots = self.config.cache_config.host_prefix_cache_memory // HostPrefixCache.block_bytes(tensors)
+        cache = HostPrefixCache(tensors, num_slots)
+        logger.info("prefix cache host tier: %d blocks (%.2f GiB)", num_slots, cache.nbytes / 2**30)
+        return cache
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "LLMEngine":
@@ -150,6 +166,9 @@ class LLMEngine:
                       prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
                       prefix_cache_blocks=alloc.num_cached, prefix_cache_evictions=alloc.num_evictions,
                       host_prefix_cache_queries=pc.host_queries, host_prefix_cache_hits=pc.host_hits)
+        if self.host_cache is not None:
+            values.update(host_prefix_cache_blocks=self.host_cache.num_used,
+                          host_prefix_cache_evictions=self.host_cache.num_evictions)
         if "sparse_selections" in values:
             values["sparse_block_size"] = runner.block_size
         if offload is not None:
@@ -169,6 +188,8 @@ class LLMEngine:
             return []
         if self.model_runner.offload is not None:
             self.model_runner.offload.begin_step()  # the blocks this schedule restores, before any kernel
+        if self.host_cache is not None:
+            self.host_cache.begin_step()
         sampled, out = self.model_runner.execute(sched.scheduled)
         self.counters.refresh()
         for seq, n in sched.scheduled:

@@ -97,6 +97,8 @@ def run_schedule(model_dir, seed: int, caching: bool, check: bool, **kw) -> tupl
     """A random schedule (arrivals of prompts sharing prefixes, aborts, steps) on a KV cache small enough to
     preempt, greedy requests; returns every request's tokens. check: the accounting after every step."""
     rng = random.Random(seed)
+    if not caching:
+        kw.pop("host_prefix_cache_memory", None)  # the host tier is the prefix cache's
     llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=96, max_num_seqs=5,
               max_num_batched_tokens=rng.choice([16, 48]), enable_prefix_caching=caching, **{**NO_RESERVE, **kw})
     engine = llm.llm_engine
@@ -110,6 +112,8 @@ def run_schedule(model_dir, seed: int, caching: bool, check: bool, **kw) -> tupl
         if check:
             held_blocks(engine)
             contents.check()
+            if engine.host_cache is not None:
+                engine.host_cache.check()
 
     drive_random_schedule(engine, rng, steps=40, max_new=24, after_step=after_step, greedy=True,
                           prompts=shared_prefix_prompts(seed), aborted=aborted)
@@ -136,14 +140,17 @@ PATHS = {
     "topp": dict(block_size=BS, num_gpu_blocks_override=16, sparse_policy="topp", sparse_top_p=1.0, **COVERING),
     "offload": dict(block_size=BS, sparse_policy="topk", kv_offload=True, hbm_cache_blocks=16,
                     host_kv_memory=16 * 2 * 2 * 2 * BS * 128 * 4, **COVERING),
+    # the host tier: blocks the small device cache evicts (a preempted request's too) are copied back
+    "dense+host": dict(block_size=16, num_gpu_blocks_override=7, host_prefix_cache_memory=4 << 20),
+    "topk+host": dict(block_size=BS, num_gpu_blocks_override=16, sparse_policy="topk", host_prefix_cache_memory=4 << 20,
+                      **COVERING),
     # a device block cache of one max_model_len sequence: prefills wait for it, decodes are paused
     "offload-paused": dict(block_size=BS, sparse_policy="topk", kv_offload=True, hbm_cache_blocks=16,
                            host_kv_memory=16 * 2 * 2 * 2 * BS * 128 * 4, num_gpu_blocks_override=12, **COVERING),
 }
 
 
-@pytest.mark.parametrize("path", list(PATHS))
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("path, seed", [(p, 0) for p in PATHS] + [("dense", 1), ("offload-paused", 1)])
 def test_caching_on_equals_off_over_random_schedules(tiny_model_dir, path, seed):
     off, aborted, _ = run_schedule(tiny_model_dir, seed, caching=False, check=False, **PATHS[path])
     on, aborted_on, engine = run_schedule(tiny_model_dir, seed, caching=True, check=True, **PATHS[path])
@@ -155,6 +162,8 @@ def test_caching_on_equals_off_over_random_schedules(tiny_model_dir, path, seed)
     if engine.model_runner.offload is not None:
         engine.model_runner.offload.pool.check()
         assert stats.offload_blocks_restored > 0
+    if engine.host_cache is not None:
+        assert stats.host_prefix_cache_hits > 0 and engine.host_cache.num_restored > 0
 
 
 SELECTIVE = dict(block_size=BS, sparse_budget=4 * BS, sparse_dense_layers=0, sparse_sink_blocks=1,
