@@ -60,7 +60,8 @@ class HostPrefixCache:
         self._blocks = [t.shape[1] for t in device_tensors]
         self._layers = [t.shape[0] for t in device_tensors]
         shapes = [(t.shape[0], num_slots, *t.shape[2:]) for t in device_tensors]
-        host = [pinned_zeros(s, t.dtype) if pin else torch.zeros(s, dtype=t.dtype) for s, t in zip(shapes, device_tensors)]
+        host = [pinned_zeros(s, t.dtype) if pin else torch.zeros(s, dtype=t.dtype)
+                for s, t in zip(shapes, device_tensors)]
         self.host = [h.view(-1, *h.shape[2:]) for h in host]
         self._slot_of: OrderedDict[BlockHash, int] = OrderedDict()  # first = least recently used
         self._free = list(range(num_slots - 1, -1, -1))
