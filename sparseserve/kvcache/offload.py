@@ -352,7 +352,7 @@ class OffloadCache:
         slot of one representative (whichever occurrence the scatter into `_claim` kept)."""
         key = self.keys(layer, tables, seq_lens, sel_rows).reshape(-1)
         pos = torch.arange(key.numel(), dtype=torch.int32, device=key.device)
-        self._claim.index_put_((key,), pos)
+        self._claim.scatter_(0, key, pos)
         rep = self._claim[key].long()
         unique = torch.where(rep == pos, key, self.pool.trash_key)
         loc, load = self.pool.plan(unique)

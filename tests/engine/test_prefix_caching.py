@@ -15,6 +15,7 @@ from sparseserve import LLM, SamplingParams
 from sparseserve.config import EngineConfig
 from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
 from tests.conftest import make_hf_model
+from tests.kernel_utils import gpu_only
 from tests.schedules import CachedBlockContents, drive_random_schedule, held_blocks, shared_prefix_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -99,8 +100,9 @@ def run_schedule(model_dir, seed: int, caching: bool, check: bool, **kw) -> tupl
     rng = random.Random(seed)
     if not caching:
         kw.pop("host_prefix_cache_memory", None)  # the host tier is the prefix cache's
-    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=96, max_num_seqs=5,
-              max_num_batched_tokens=rng.choice([16, 48]), enable_prefix_caching=caching, **{**NO_RESERVE, **kw})
+    llm = LLM(str(model_dir), **{"device": "cpu", "dtype": "float32", "max_model_len": 96, "max_num_seqs": 5,
+                                 "max_num_batched_tokens": rng.choice([16, 48]), "enable_prefix_caching": caching,
+                                 **NO_RESERVE, **kw})
     engine = llm.llm_engine
     results: dict[str, tuple[bool, list[list[int]]]] = {}
     aborted: set[str] = set()
@@ -178,7 +180,7 @@ SELECTIVE = dict(block_size=BS, sparse_budget=4 * BS, sparse_dense_layers=0, spa
     dict(sparse_policy="topk", kv_offload=True, hbm_cache_blocks=24),
     dict(sparse_policy="topk", kv_offload=True, num_gpu_blocks_override=21),  # prefills wait for device blocks
 ])
-def test_sparse_selection_over_shared_blocks(tiny_model_dir, tmp_path, policy):
+def test_sparse_selection_over_shared_blocks(tiny_model_dir, tmp_path, policy, device="cpu"):
     """A budget of 4 blocks of contexts up to 14: selection really chooses, from key metadata of blocks another
     request computed (shared by reference; under KV offload their K/V restored from the host store). Tokens
     equal caching off, with hits ending inside, at and one token before a block's end (a request then computes
@@ -196,7 +198,7 @@ def test_sparse_selection_over_shared_blocks(tiny_model_dir, tmp_path, policy):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = {}
     for caching in (False, True):
-        llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", enable_prefix_caching=caching,
+        llm = LLM(str(tiny_model_dir), device=device, dtype="float32", enable_prefix_caching=caching,
                   streaming_heads=str(heads), **{**SELECTIVE, **policy})
         a = llm.generate(first, params, use_tqdm=False)
         b = llm.generate(later, params, use_tqdm=False)
@@ -210,3 +212,21 @@ def test_sparse_selection_over_shared_blocks(tiny_model_dir, tmp_path, policy):
             if policy.get("kv_offload"):
                 assert stats.offload_blocks_restored >= hits // BS
     assert outs[True] == outs[False]
+
+
+@gpu_only
+@pytest.mark.parametrize("path", ["dense", "topk", "offload", "offload-paused", "dense+host"])
+def test_cuda_graphs_caching_on_equals_off(tiny_model_dir, tmp_path, path):
+    """On the GPU: Triton kernels, decode steps replayed from CUDA graphs, FlashH2D restores and the host tier's
+    UVA copies; caching on equals caching off over a random schedule and over shared prefixes with a selecting
+    budget."""
+    kw = {**PATHS[path], "device": "cuda"}
+    off, aborted, _ = run_schedule(tiny_model_dir, 0, caching=False, check=False, **kw)
+    on, _, engine = run_schedule(tiny_model_dir, 0, caching=True, check=True, **kw)
+    assert engine.model_runner.graphs is not None
+    assert_same_tokens(on, off, aborted)
+    assert engine.get_stats(sync=True).prefix_cache_hits > 0
+    if path in ("topk", "offload"):
+        extra = dict(kv_offload=True, hbm_cache_blocks=24) if path == "offload" else {}
+        test_sparse_selection_over_shared_blocks(tiny_model_dir, tmp_path, dict(sparse_policy="topk", **extra),
+                                                 device="cuda")
