@@ -32,3 +32,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache (None: not yet scheduled)

@@ -239,4 +239,5 @@ class LLMEngine:
             cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
             logprobs=list(s.logprobs) if s.logprobs is not None else None,
             finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in req.seqs]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
+                             num_cached_tokens=req.seqs[0].num_cached_tokens)

@@ -44,21 +44,24 @@ def test_repeated_4k_prompt_computes_only_its_last_block_and_salt_isolates(long_
     engine = llm.llm_engine
     prompt = torch.randint(10, 4000, (4096,), generator=torch.Generator().manual_seed(0)).tolist()
 
-    def run(request: dict) -> tuple[list[int], int, dict]:
+    def run(request: dict) -> tuple[list[int], int | None, dict]:
         before = engine.get_stats()
         out = llm.generate([request], GREEDY, use_tqdm=False)[0]
         after = engine.get_stats()
         delta = {k: getattr(after, k) - getattr(before, k) for k in
                  ("num_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits")}
-        return out.outputs[0].token_ids, engine.scheduler.prefix_stats, delta
+        return out.outputs[0].token_ids, out.num_cached_tokens, delta
 
-    first, _, d1 = run({"prompt_token_ids": prompt})
+    first, cached, d1 = run({"prompt_token_ids": prompt})
+    assert cached == 0
     assert d1 == {"num_prompt_tokens": 4096, "prefix_cache_queries": 4096, "prefix_cache_hits": 0}
-    second, _, d2 = run({"prompt_token_ids": prompt})
+    second, cached, d2 = run({"prompt_token_ids": prompt})
+    assert cached == 4064
     # 128 full blocks; the last is recomputed (a request always computes its last token): 32 tokens
     assert d2 == {"num_prompt_tokens": 32, "prefix_cache_queries": 4096, "prefix_cache_hits": 4064}
     assert second == first
-    salted, _, d3 = run({"prompt_token_ids": prompt, "cache_salt": "tenant-a"})
+    salted, cached, d3 = run({"prompt_token_ids": prompt, "cache_salt": "tenant-a"})
+    assert cached == 0
     assert d3 == {"num_prompt_tokens": 4096, "prefix_cache_queries": 4096, "prefix_cache_hits": 0}
     assert salted == first
     _, _, d4 = run({"prompt_token_ids": prompt, "cache_salt": "tenant-a"})
@@ -208,6 +211,7 @@ def test_sparse_selection_over_shared_blocks(tiny_model_dir, tmp_path, policy, d
         if caching:
             # 81 tokens: 10 full blocks, but one token would be left: 9 blocks hit, a block and a token computed
             hits = 64 + 88 + 40 + 72 + 80
+            assert [o.num_cached_tokens for o in a + b] == [0, 64, 88, 40, 72, 80]
             assert stats.prefix_cache_hits == hits and stats.num_preemptions == 0
             if policy.get("kv_offload"):
                 assert stats.offload_blocks_restored >= hits // BS
