@@ -234,3 +234,21 @@ def test_cuda_graphs_caching_on_equals_off(tiny_model_dir, tmp_path, path):
         extra = dict(kv_offload=True, hbm_cache_blocks=24) if path == "offload" else {}
         test_sparse_selection_over_shared_blocks(tiny_model_dir, tmp_path, dict(sparse_policy="topk", **extra),
                                                  device="cuda")
+
+
+def test_prefix_cache_metrics(tiny_model_dir):
+    """The server's Prometheus exposition of the prefix-cache statistics (vLLM's names and meaning)."""
+    from sparseserve.metrics import ServerMetrics, parse_metrics
+    llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", block_size=16, max_model_len=128,
+              num_gpu_blocks_override=8, host_prefix_cache_memory=1 << 22)
+    prompt = list(range(100, 180))
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    stats = llm.llm_engine.get_stats()
+    got = parse_metrics(ServerMetrics(lambda: stats, "m").render().decode())
+    assert got["sparseserve:prefix_cache_queries_total"] == 160 and got["sparseserve:prefix_cache_hits_total"] == 64
+    assert got["sparseserve:host_prefix_cache_queries_total"] == 160 - 64
+    assert got["sparseserve:host_prefix_cache_hits_total"] == 0
+    assert got["sparseserve:prefix_cache_blocks"] == stats.prefix_cache_blocks > 0
+    assert got["sparseserve:host_prefix_cache_blocks"] == stats.host_prefix_cache_blocks == 5
+    assert got["sparseserve:prefix_cache_evictions_total"] == 0
