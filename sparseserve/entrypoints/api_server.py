@@ -115,7 +115,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         if n > max_num_seqs:  # its sequences could never run in one batch
             raise APIError(400, f"n must be at most max_num_seqs={max_num_seqs}, got {n}.", param="n")
 
-    async def submit(prefix: str, prompt: str | list[int], params: Any) -> tuple[str, Any]:
+    async def submit(prefix: str, prompt: str | list[int], params: Any, cache_salt: str | None = None
+                     ) -> tuple[str, Any]:
         request_id = random_id(prefix)
         if isinstance(prompt, str):  # tokenized here (off the event loop) to check the context length
             if not prompt:
@@ -125,6 +126,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             raise APIError(400, f"This model's maximum context length (max_model_len) is {llm.max_model_len} tokens; the request "
                            f"asks for {len(prompt) + params.max_tokens} ({len(prompt)} in the prompt, "
                            f"{params.max_tokens} to generate).", param="max_tokens")
+        if cache_salt is not None:
+            prompt = {"prompt_token_ids": prompt, "cache_salt": cache_salt}
         try:
             return request_id, await engine.add_request(request_id, prompt, params)
         except ValueError as e:
@@ -157,7 +160,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         if req.echo or req.suffix:
             raise APIError(400, "echo and suffix are not supported.", param="echo" if req.echo else "suffix")
         params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
-        request_id, stream = await submit("cmpl", prompt, params)
+        request_id, stream = await submit("cmpl", prompt, params, req.cache_salt)
         fmt = CompletionFormat(request_id, model, req.logprobs, llm.tokenizer)
         return await respond(fmt, stream, req, raw)
 
@@ -176,7 +179,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         # None (OpenAI's chat default) lets the engine generate up to max_model_len.
         max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         params = sampling(req, max_tokens, k)
-        request_id, stream = await submit("chatcmpl", prompt_ids, params)
+        request_id, stream = await submit("chatcmpl", prompt_ids, params, req.cache_salt)
         fmt = ChatFormat(request_id, model, k, tokenizer)
         return await respond(fmt, stream, req, raw)
 

@@ -13,7 +13,7 @@ from sparseserve.engine.async_engine import RequestAborted
 from sparseserve.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                                               ChatResponseMessage, ChatStreamChoice, CompletionChoice,
                                               CompletionLogprobs, CompletionResponse, ErrorInfo, ErrorResponse,
-                                              TokenLogprob, TopLogprob, UsageInfo)
+                                              PromptTokensDetails, TokenLogprob, TopLogprob, UsageInfo)
 
 
 def _top(entry: dict[int, Any], k: int) -> list[tuple[int, Any]]:
@@ -94,7 +94,9 @@ class DeltaState:
 def usage_of(out: Any) -> UsageInfo:
     prompt = len(out.prompt_token_ids or [])
     completion = sum(len(c.token_ids) for c in out.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = getattr(out, "num_cached_tokens", None)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=None if cached is None else PromptTokensDetails(cached_tokens=cached))
 
 
 class CompletionFormat:
