@@ -22,12 +22,27 @@ class SchedulerConfig:
         default=8192, metadata={"help": "Token budget of one engine step (prefill chunks + decodes).", "size": True})
     enable_chunked_prefill: bool = field(
         default=True, metadata={"help": "Split prompts longer than the step's token budget into chunks."})
+    init_new_token_ratio: float = field(default=0.7, metadata={
+        "help": "Admission: the fraction of its remaining max_tokens each running request is expected to still "
+                "generate; a request is admitted only if the KV blocks left cover its prompt, its own expected "
+                "output and the running requests' (0: admit whatever fits its prompt now)."})
+    min_new_token_ratio: float = field(default=0.1, metadata={
+        "help": "Admission: the lowest the expected fraction decays to while nothing is preempted (a preemption "
+                "raises it halfway to 1)."})
+    new_token_ratio_decay_steps: int = field(default=600, metadata={
+        "help": "Admission: engine steps over which the expected fraction decays from its initial value to the "
+                "minimum."})
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0:
+            raise ValueError(f"need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got "
+                             f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
+        if self.new_token_ratio_decay_steps < 1:
+            raise ValueError(f"new_token_ratio_decay_steps must be >= 1, got {self.new_token_ratio_decay_steps}")
 
 
 @dataclass(frozen=True)
@@ -42,12 +57,31 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = field(
         default=None, metadata={"help": "Exact number of KV token blocks (testing, capacity experiments; default: "
                                         "sized from memory)."})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "Automatic prefix caching: full KV blocks are cached by the hash of their tokens and shared by "
+                "later requests with the same prefix (and a preempted request's by its return); unreferenced "
+                "cached blocks are evicted least recently used."})
+    host_prefix_cache_memory: int | None = field(default=None, metadata={"size": True,
+        "help": "Bytes of (pinned) host memory for the prefix cache's host tier without KV offload: full blocks "
+                "are written through to it and a request whose prefix the device evicted copies it back instead "
+                "of recomputing it (a preempted request too). Default: no host tier. With KV offload the host "
+                "KV store is that tier."})
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.host_prefix_cache_memory is not None:
+            if self.host_prefix_cache_memory < 1:
+                raise ValueError(f"host_prefix_cache_memory must be >= 1 byte, got {self.host_prefix_cache_memory}")
+            if not self.enable_prefix_caching:
+                raise ValueError("host_prefix_cache_memory is the prefix cache's host tier: it needs "
+                                 "enable_prefix_caching")
+            available = available_host_memory()
+            if available is not None and self.host_prefix_cache_memory > available:
+                raise ValueError(f"host_prefix_cache_memory={self.host_prefix_cache_memory} bytes exceeds the "
+                                 f"host's available memory ({available} bytes): lower it")
 
 
 @dataclass(frozen=True)
@@ -257,6 +291,9 @@ class EngineConfig:
         if self.offload_config.kv_offload and not sp.enabled:
             raise ValueError("kv_offload needs a sparse decode policy (sparse_policy='topk' or 'topp'): with "
                              "dense attention every block is read every step, so an HBM cache cannot help")
+        if self.offload_config.kv_offload and self.cache_config.host_prefix_cache_memory is not None:
+            raise ValueError("host_prefix_cache_memory is the host tier without KV offload: with kv_offload the "
+                             "host KV store already holds the prefix cache (size it with host_kv_memory)")
         if self.offload_config.kv_offload and sp.sparse_lag:
             raise ValueError("sparse_lag=1 does not work with kv_offload yet: the offload path loads each "
                              "step's own selection before its attention")

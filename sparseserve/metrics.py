@@ -56,6 +56,7 @@ class _EngineStatsCollector:
         yield counter("num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions)
         yield counter("prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens)
         yield counter("generation_tokens", "Number of generation tokens processed.", stats.num_generation_tokens)
+        yield from _prefix_cache_metrics(stats, gauge, counter)
         selections = getattr(stats, "sparse_selections", 0)
         if selections:  # sparse decode on: blocks attended per (sequence, layer, KV head) selection
             yield counter("sparse_blocks_selected", "Blocks in all sparse decode selections.",
@@ -69,6 +70,26 @@ class _EngineStatsCollector:
             yield from _offload_metrics(stats, gauge, counter)
         if getattr(stats, "prefill_tiles_dense", 0):
             yield from _sparse_prefill_metrics(stats, counter)
+
+
+def _prefix_cache_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable[Metric]:
+    """vLLM's prefix-cache counters (prompt tokens looked up and found at first admissions), for the device cache
+    and the host tier (the tokens the device cache missed, found in host memory), and the cached blocks."""
+    yield counter("prefix_cache_queries", "Prefix cache queries: prompt tokens looked up.",
+                  getattr(stats, "prefix_cache_queries", 0))
+    yield counter("prefix_cache_hits", "Prefix cache hits: prompt tokens found cached.",
+                  getattr(stats, "prefix_cache_hits", 0))
+    yield counter("host_prefix_cache_queries", "Host-tier prefix cache queries: prompt tokens the device cache "
+                  "missed, looked up in host memory.", getattr(stats, "host_prefix_cache_queries", 0))
+    yield counter("host_prefix_cache_hits", "Host-tier prefix cache hits: prompt tokens restored from host memory.",
+                  getattr(stats, "host_prefix_cache_hits", 0))
+    yield gauge("prefix_cache_blocks", "KV blocks holding a cached prefix block (in use or free).",
+                getattr(stats, "prefix_cache_blocks", 0))
+    yield counter("prefix_cache_evictions", "Cached KV blocks taken back for new contents.",
+                  getattr(stats, "prefix_cache_evictions", 0))
+    yield gauge("host_prefix_cache_blocks", "Host-tier blocks in use.", getattr(stats, "host_prefix_cache_blocks", 0))
+    yield counter("host_prefix_cache_evictions", "Host-tier blocks evicted.",
+                  getattr(stats, "host_prefix_cache_evictions", 0))
 
 
 def _offload_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable[Metric]:

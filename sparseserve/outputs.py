@@ -49,6 +49,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache (None: not yet scheduled)
 
     def add(self, delta: RequestOutput) -> None:
         """Folds a later delta of the same request into this output (vLLM's `RequestOutput.add`):
@@ -63,3 +64,5 @@ class RequestOutput:
                                                  c.finish_reason, c.stop_reason)
         self.outputs = sorted(mine.values(), key=lambda c: c.index)
         self.finished = delta.finished
+        if delta.num_cached_tokens is not None:
+            self.num_cached_tokens = delta.num_cached_tokens

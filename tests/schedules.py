@@ -4,38 +4,79 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+import torch
+
 from sparseserve import SamplingParams
 
 
+def random_prompt(rng: random.Random) -> list[int]:
+    return [rng.randrange(10, 2000) for _ in range(rng.randint(1, 60))]
+
+
+def shared_prefix_prompts(seed: int, num_bases: int = 3, max_len: int = 60) -> Callable[[random.Random], list[int]]:
+    """Prompts that share prefixes at random lengths: a random cut of one of a few base prompts plus a random
+    tail (sometimes none: a whole repeat of a cut), so cache hits start and stop anywhere in a block."""
+    base_rng = random.Random(f"bases:{seed}")
+    bases = [[base_rng.randrange(10, 2000) for _ in range(max_len)] for _ in range(num_bases)]
+
+    def prompt(rng: random.Random) -> list[int]:
+        head = rng.choice(bases)[: rng.randint(0, max_len)]
+        tail = [rng.randrange(10, 2000) for _ in range(rng.choice([0, 0, rng.randint(1, 12)]))]
+        return (head + tail)[:max_len] or [rng.randrange(10, 2000)]
+
+    return prompt
+
+
 def drive_random_schedule(engine, rng: random.Random, steps: int, max_new: int,
-                          after_step: Callable[[list], None], greedy: bool = False) -> list[str]:
+                          after_step: Callable[[list], None], greedy: bool = False,
+                          prompts: Callable[[random.Random], list[int]] = random_prompt,
+                          aborted: set[str] | None = None) -> list[str]:
     """Runs `steps` rounds of (maybe add, maybe abort, step); after_step sees each step's outputs.
-    greedy: no sampled requests (their tokens then do not depend on the schedule). Returns the ids of
+    greedy: no sampled requests (their tokens then do not depend on the schedule). prompts: each new
+    request's prompt from the schedule's random state. The workload (prompts, parameters, which request an
+    abort names) depends only on rng, never on the engine, so two engines see the same requests; an abort of
+    a request that already finished does nothing (aborted: collects the ids aborts named). Returns the ids of
     requests still unfinished."""
-    live: list[str] = []
+    added: list[str] = []
+    done: set[str] = set()
     for i in range(steps):
         r = rng.random()
         if r < 0.4:
-            prompt = [rng.randrange(10, 2000) for _ in range(rng.randint(1, 60))]
+            prompt = prompts(rng)
             p = SamplingParams(max_tokens=rng.randint(1, max_new), temperature=rng.choice([0.0, 1.0]) * (not greedy),
                                n=rng.choice([1, 1, 2]), ignore_eos=True)
             engine.add_request(f"r{i}", prompt, p)
-            live.append(f"r{i}")
-        elif r < 0.5 and live:
-            engine.abort_request(live.pop(rng.randrange(len(live))))
+            added.append(f"r{i}")
+        elif r < 0.5 and added:
+            victim = added[rng.randrange(len(added))]
+            engine.abort_request(victim)
+            done.add(victim)
+            if aborted is not None:
+                aborted.add(victim)
         outs = engine.step()
-        live[:] = [rid for rid in live if not any(o.finished and o.request_id == rid for o in outs)]
+        done.update(o.request_id for o in outs if o.finished)
         after_step(outs)
-    return live
+    return [rid for rid in added if rid not in done]
 
 
 def held_blocks(engine) -> list[int]:
-    """Every token block held by a running or waiting sequence, checked against the allocator; with
-    KV offload also the device blocks (each mapped once, only by running sequences, inside their tables)."""
+    """Every token block held by a running or waiting sequence, checked against the allocator (a block shared
+    through the prefix cache once per holder: its reference count; a block in no table: free or evictable;
+    the leading cached blocks of each table cached under the sequence's own hashes); with KV offload also the
+    device blocks (each mapped once, only by running sequences, inside their tables)."""
+    from collections import Counter
     seqs = engine.scheduler.running + list(engine.scheduler.waiting)
     held = [b for s in seqs for b in s.block_table]
-    assert len(held) == len(set(held)) == engine.allocator.num_used
-    engine.allocator.check()
+    alloc = engine.allocator
+    refs = Counter(held)
+    assert len(refs) == alloc.num_used
+    assert all(alloc.ref_count(b) == r for b, r in refs.items()), "reference count != holders"
+    alloc.check()
+    if alloc.cache is not None:
+        for s in seqs:
+            for j in range(s.num_cached_blocks):
+                h = alloc.cache.hash_of(s.block_table[j])
+                assert h is None or h == s.block_hashes[j], "a held block is cached under other tokens"
     offload = engine.model_runner.offload
     if offload is not None:
         dm = offload.device_map
@@ -57,3 +98,43 @@ def check_pool(offload) -> None:
     keys = torch.nonzero(pool.resident[: pool.num_keys] >= 0)[:, 0]
     slots = pool.resident[keys]
     assert torch.equal(pool.slots[slots].cpu(), offload.host.flat()[keys.cpu()])
+
+
+class CachedBlockContents:
+    """Checks that a block's contents never change while it stays cached under one hash: K/V of every layer
+    (under KV offload the sparse layers' host store rows) and the key metadata. A snapshot is taken when a
+    block is first seen cached and dropped when it leaves the cache (evicted, maybe reused)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.seen: dict[int, tuple[bytes, list]] = {}
+        self.num_checked = 0
+
+    def data(self, block: int) -> list:
+        runner = self.engine.model_runner
+        off = runner.offload
+        if off is None:
+            out = [c[block] for c in runner.kv_caches]
+        else:
+            out = [c[block] for c in runner.kv_caches[: off.dense_layers]] + [off.host.data[off.dense_layers:, block]]
+        km = getattr(runner.attn_backend, "key_meta", None)
+        if km is not None:
+            out += [km.codes[:, block], km.scale[:, block]]
+        return [t.clone() for t in out]
+
+    def check(self) -> None:
+        cache = self.engine.allocator.cache
+        if cache is None:
+            return
+        if self.engine.model_runner.offload is not None:
+            self.engine.model_runner.offload.fence()
+        current = dict(cache._hash_of)
+        for b in [b for b, (h, _) in self.seen.items() if current.get(b) != h]:
+            del self.seen[b]
+        for b, h in current.items():
+            now = self.data(b)
+            if b in self.seen:
+                assert all(map(torch.equal, self.seen[b][1], now)), f"cached block {b} was overwritten"
+                self.num_checked += 1
+            else:
+                self.seen[b] = (h, now)

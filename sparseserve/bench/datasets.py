@@ -6,15 +6,22 @@ the requested length. Without one, text is cut by a measured characters-per-toke
 """
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import random
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 TRACE_BLOCK_TOKENS = 512  # one Mooncake hash id stands for 512 prompt tokens
+# Where a trace block may start and end: a single space before a letter, after a non-space character. Byte-level
+# BPE pre-tokenizers (GPT-2's and Llama 3's) always split there, so the block tokenizes the same alone and inside
+# any prompt, and equal hash ids give equal token ids.
+_BLOCK_EDGE = re.compile(r"(?<=\S) (?=[^\W\d_])")
+_FILLERS = (" the", " a", " and", " of")
 
 
 def data_dir() -> Path:
@@ -85,6 +92,7 @@ class PromptBuilder:
         # A prompt of n tokens is what the server counts: text of n minus the special tokens (BOS)
         # that the tokenizer adds on encode.
         self.num_special = len(tokenizer.encode("", add_special_tokens=True)) if tokenizer is not None else 0
+        self._blocks: dict[tuple, str] = {}  # (hash id, seed) -> trace block text
 
     def _chars(self, num_tokens: int, seed: int | str) -> str:
         corpus = haystack_corpus()
@@ -97,19 +105,51 @@ class PromptBuilder:
             return self._chars(num_tokens, seed)
         return haystack_text(self.tokenizer, max(1, num_tokens - self.num_special), seed)
 
+    def trace_block(self, hash_id: int | str, seed: int | str) -> str:
+        """The text of one trace block: exactly TRACE_BLOCK_TOKENS tokens, tokenized the same alone and inside
+        any prompt (it starts and ends at a pre-tokenizer boundary, `_BLOCK_EDGE`), so prompts sharing hash ids
+        share token ids. Haystack words up to the last boundary that fits, topped up with a one-token word."""
+        key = (hash_id, seed)
+        if key in self._blocks:
+            return self._blocks[key]
+        tok = self.tokenizer
+        text = tok.decode(haystack_token_ids(tok, 2 * TRACE_BLOCK_TOKENS, f"{seed}:block:{hash_id}"),
+                          skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        edges = [m.start() for m in _BLOCK_EDGE.finditer(text)]
+        text = text[edges[0]:] if edges else " " + text.strip()
+        edges = [e - edges[0] for e in edges] if edges else []
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        starts = [a for a, _ in enc["offset_mapping"]]
+        fit = [e for e in edges if bisect.bisect_left(starts, e) <= TRACE_BLOCK_TOKENS] or [len(text)]
+        block = text[: fit[-1]].rstrip()
+        n = len(tok.encode(block, add_special_tokens=False))
+        filler = next((f for f in _FILLERS if len(tok.encode(f, add_special_tokens=False)) == 1), _FILLERS[0])
+        block += filler * max(TRACE_BLOCK_TOKENS - n, 0)
+        ids = tok.encode(block, add_special_tokens=False)
+        if len(ids) != TRACE_BLOCK_TOKENS:  # an unusual tokenizer: exact length, sharing at word boundaries
+            block = fit_text(tok, ids[:TRACE_BLOCK_TOKENS], f"{seed}:block:{hash_id}")
+        self._blocks[key] = block
+        return block
+
     def trace_prompt(self, hash_ids: list[int], num_tokens: int, seed: int | str) -> str:
-        """Equal hash ids give equal 512-token text blocks, so shared prefixes of the trace are shared
-        here too; `num_tokens` cuts the last block (or pads with a request-specific tail)."""
-        block_seed = [f"{seed}:block:{h}" for h in hash_ids]
+        """Equal hash ids give equal 512-token text blocks (`trace_block`), so the trace's shared prefixes are
+        shared token for token by the server's tokenizer; `num_tokens` cuts the last block (past the hash ids:
+        request-specific blocks). Without a tokenizer the blocks are equal text of approximate length, and
+        tokens may differ where blocks meet."""
         tail_seed = f"{seed}:tail:{','.join(map(str, hash_ids))}:{num_tokens}"
         if self.tokenizer is None:
+            block_seed = [f"{seed}:block:{h}" for h in hash_ids]
             text = "".join(self._chars(TRACE_BLOCK_TOKENS, s) for s in block_seed)
             want = round(num_tokens * self.chars_per_token)
             return (text + self._chars(num_tokens, tail_seed))[:want]
         num_tokens = max(1, num_tokens - self.num_special)
-        ids = [t for s in block_seed for t in haystack_token_ids(self.tokenizer, TRACE_BLOCK_TOKENS, s)]
-        ids = ids[:num_tokens] + haystack_token_ids(self.tokenizer, max(0, num_tokens - len(ids)), tail_seed)
-        return fit_text(self.tokenizer, ids, tail_seed)
+        full, rem = divmod(num_tokens, TRACE_BLOCK_TOKENS)
+        ids = list(hash_ids) + [f"{tail_seed}:{i}" for i in range(max(0, full + 1 - len(hash_ids)))]
+        text = "".join(self.trace_block(h, seed) for h in ids[:full])
+        if rem:
+            cut = self.tokenizer.encode(self.trace_block(ids[full], seed), add_special_tokens=False)[:rem]
+            text += fit_text(self.tokenizer, cut, tail_seed)
+        return text
 
 
 @dataclass(frozen=True)

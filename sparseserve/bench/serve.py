@@ -183,6 +183,38 @@ def _specs(args: argparse.Namespace, builder: PromptBuilder, rate: float | None)
             for i, t in enumerate(arrivals)]
 
 
+_CACHE_COUNTERS = ("prefix_cache_queries_total", "prefix_cache_hits_total", "host_prefix_cache_queries_total",
+                   "host_prefix_cache_hits_total")
+
+
+async def _cache_counters(client: httpx.AsyncClient, base: str) -> dict[str, float] | None:
+    """The server's cumulative prefix-cache counters from /metrics (SparseServe's names, or vLLM's), None when
+    it exposes none."""
+    from sparseserve.metrics import parse_metrics
+    try:
+        r = await client.get(f"{base}/metrics")
+        r.raise_for_status()
+        metrics = parse_metrics(r.text)
+    except (httpx.HTTPError, ValueError):
+        return None
+    for ns in ("sparseserve", "vllm"):
+        if f"{ns}:prefix_cache_queries_total" in metrics:
+            return {name: metrics.get(f"{ns}:{name}", 0.0) for name in _CACHE_COUNTERS}
+    return None
+
+
+def cache_hit_rates(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """Prefix-cache hit rates of a run from the counters' deltas: tokens found / prompt tokens looked up (the
+    device cache, the host tier for what it missed, and both together)."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in _CACHE_COUNTERS}
+    q, hq = d["prefix_cache_queries_total"], d["host_prefix_cache_queries_total"]
+    hits, host_hits = d["prefix_cache_hits_total"], d["host_prefix_cache_hits_total"]
+    return {"queries": q, "hits": hits, "host_hits": host_hits, "hit_rate": hits / q if q else 0.0,
+            "host_hit_rate": host_hits / hq if hq else 0.0, "total_hit_rate": (hits + host_hits) / q if q else 0.0}
+
+
 async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     base = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -199,9 +231,11 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         for rate in ([None] if args.trace else args.request_rate):
             specs = _specs(args, builder, rate)
             bodies = [_payload(args, model, s, chat) for s in specs]
+            cache_before = await _cache_counters(client, base)
             results, duration = await run_load(client, base + args.endpoint, bodies, specs, args.max_concurrency)
             summary = {"request_rate": rate if rate is None or math.isfinite(rate) else "inf",
-                       **summarize(results, duration, dict(args.slo))}
+                       **summarize(results, duration, dict(args.slo)),
+                       "prefix_cache": cache_hit_rates(cache_before, await _cache_counters(client, base))}
             if args.save_details:
                 summary["requests"] = [asdict(r) for r in results]
             runs.append(summary)
@@ -216,6 +250,11 @@ def _print_summary(s: dict[str, Any]) -> None:
           f"out tok/s={s['output_throughput']:.1f} goodput={s['goodput']}")
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         print(f"  {key:8s} " + " ".join(f"{q}={v:.1f}" for q, v in s[key].items()))
+    cache = s.get("prefix_cache")
+    if cache is not None:
+        print(f"  prefix cache hit rate {100 * cache['hit_rate']:.1f}% of {cache['queries']:.0f} prompt tokens "
+              f"(host tier {100 * cache['host_hit_rate']:.1f}% of the rest; "
+              f"together {100 * cache['total_hit_rate']:.1f}%)")
     for e in s["errors"]:
         print(f"  error: {e}")
 

@@ -47,6 +47,7 @@ def make_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[in
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    engine.reset_prefix_cache()  # rows reuse prompts (one seed): each row prefills its own, as a cold engine would
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}", p, params)
     sched = engine.scheduler

@@ -56,9 +56,13 @@ class LLMEngine:
             raise ValueError(f"could not load a tokenizer from {mc.tokenizer or model_dir}: {e}") from e
         self.max_model_len = self.model_runner.max_model_len
         runner = self.model_runner
-        self.allocator = BlockAllocator(runner.num_blocks)
-        self.scheduler = Scheduler(config.scheduler_config, self.allocator, config.cache_config.block_size,
-                                   runner.offload)
+        cc = config.cache_config
+        self.allocator = BlockAllocator(runner.num_blocks, enable_caching=cc.enable_prefix_caching)
+        self.host_cache = self._build_host_cache() if cc.host_prefix_cache_memory is not None else None
+        # A sparse policy attends one-token chunks sparsely (as decode rows): prompt chunks then take >= 2 tokens.
+        self.scheduler = Scheduler(config.scheduler_config, self.allocator, cc.block_size, runner.offload,
+                                   self.host_cache, max_model_len=self.max_model_len,
+                                   min_chunk=2 if config.sparse_config.enabled else 1)
         self.counters = DeviceCounters(runner.attn_backend.counters())
         self.last_schedule = None  # the newest step's SchedulerOutput (benchmarks read what ran)
         eos = set(self.model_runner.arch.eos_token_ids)
@@ -71,6 +75,20 @@ class LLMEngine:
         self.num_generation_tokens = 0
         logger.info("engine ready: model=%s device=%s dtype=%s max_model_len=%d", model_dir,
                     self.model_runner.device, self.model_runner.dtype, self.max_model_len)
+
+    def _build_host_cache(self):
+        """The prefix cache's host tier (kvcache/host_cache.py) over every tensor indexed by token block: the KV
+        cache and, with a sparse policy, the backend's key metadata."""
+        from sparseserve.kvcache.host_cache import HostPrefixCache, layer_stack
+        runner = self.model_runner
+        tensors = [layer_stack(runner.kv_caches)]
+        key_meta = getattr(runner.attn_backend, "key_meta", None)
+        if key_meta is not None:
+            tensors += [key_meta.codes, key_meta.scale]
+        num_slots = self.config.cache_config.host_prefix_cache_memory // HostPrefixCache.block_bytes(tensors)
+        cache = HostPrefixCache(tensors, num_slots)
+        logger.info("prefix cache host tier: %d blocks (%.2f GiB)", num_slots, cache.nbytes / 2**30)
+        return cache
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "LLMEngine":
@@ -95,6 +113,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ParameterError("cache_salt must be a non-empty string", "cache_salt")
         if not ids or text == "":  # an empty string is empty even if the tokenizer adds a BOS
             raise ParameterError("the prompt is empty", "prompt")
         vocab = self.model_runner.arch.vocab_size
@@ -120,7 +141,7 @@ class LLMEngine:
             if params.seed is not None:
                 seed = params.seed if i == 0 else hash((params.seed, i)) & (2**63 - 1)
                 gen = torch.Generator(device=self.model_runner.device).manual_seed(seed)
-            seqs.append(Sequence(next(self._seq_ids), request_id, i, ids, params, gen))
+            seqs.append(Sequence(next(self._seq_ids), request_id, i, ids, params, gen, cache_salt=salt))
         self.requests[request_id] = _Request(request_id, text, ids, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -136,6 +157,10 @@ class LLMEngine:
                     seq.finish_reason = "abort"
                     self._finish(seq)
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached block no request holds (benchmarks that must start cold); returns how many."""
+        return self.allocator.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -150,9 +175,16 @@ class LLMEngine:
         if sync and offload is not None:
             offload.fence()
         values = self.counters.values(sync=sync)
-        values.update(num_running=len(s.running), num_waiting=len(s.waiting), num_blocks_used=self.allocator.num_used,
-                      num_blocks_total=self.allocator.num_blocks, num_preemptions=s.num_preemptions,
-                      num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens)
+        alloc, pc = self.allocator, s.prefix_stats
+        values.update(num_running=len(s.running), num_waiting=len(s.waiting), num_blocks_used=alloc.num_used,
+                      num_blocks_total=alloc.num_blocks, num_preemptions=s.num_preemptions,
+                      num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
+                      prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
+                      prefix_cache_blocks=alloc.num_cached, prefix_cache_evictions=alloc.num_evictions,
+                      host_prefix_cache_queries=pc.host_queries, host_prefix_cache_hits=pc.host_hits)
+        if self.host_cache is not None:
+            values.update(host_prefix_cache_blocks=self.host_cache.num_used,
+                          host_prefix_cache_evictions=self.host_cache.num_evictions)
         if "sparse_selections" in values:
             values["sparse_block_size"] = runner.block_size
         if offload is not None:
@@ -170,12 +202,17 @@ class LLMEngine:
             self.model_runner.release(seq.seq_id)
         if sched.is_empty:
             return []
+        if self.model_runner.offload is not None:
+            self.model_runner.offload.begin_step()  # the blocks this schedule restores, before any kernel
+        if self.host_cache is not None:
+            self.host_cache.begin_step()
         sampled, out = self.model_runner.execute(sched.scheduled)
         self.counters.refresh()
         for seq, n in sched.scheduled:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
+            self.scheduler.cache_full_blocks(seq)
         if out is None:
             return []
         self._append_tokens(sampled, out)
@@ -230,4 +267,5 @@ class LLMEngine:
             req.tokens_sent[i], req.text_sent[i] = s.num_output_tokens, t1
             if done:
                 req.finished_sent.add(i)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
+                             num_cached_tokens=req.seqs[0].num_cached_tokens)

@@ -30,6 +30,14 @@ class Sequence:
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0     # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    cache_salt: str | None = None    # prefix caching: only requests with the same salt share blocks
+    # Prefix caching: hashes of the full blocks of token_ids (kvcache/prefix_cache.py), computed as they fill;
+    # how many leading blocks of block_table were offered to the cache; the prompt tokens the cache served
+    # at the first admission (vLLM's num_cached_tokens; None before it).
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    num_cached_blocks: int = 0
+    num_cached_tokens: int | None = None
+    num_preemptions: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     output_text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
@@ -57,6 +65,7 @@ class Sequence:
 
     def release_blocks(self) -> list[int]:
         blocks, self.block_table, self._table_array = self.block_table, [], None
+        self.num_cached_blocks = 0
         return blocks
 
     @property

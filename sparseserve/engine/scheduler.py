@@ -1,13 +1,36 @@
-"""Continuous batching: FCFS, chunked prefill mixed with decode under a per-step token budget,
-preemption by recompute when KV blocks run out (the scheduler owns memory: out of blocks is a
-scheduling event, never a crash).
+"""Continuous batching: FCFS, chunked prefill mixed with decode under a per-step token budget, automatic prefix
+caching, admission that leaves the running batch room to grow, and preemption when KV blocks run out anyway
+(the scheduler owns memory: out of blocks is a scheduling event, never a crash). docs/prefix_cache.md has the
+whole design.
 
-Under KV offload there is a second block space (`device_space`, kvcache/offload.py OffloadCache): token
-blocks (the allocator) are host store rows, and the device block cache holds only the working set: every
-block of a prefilling sequence, the local window of a decoding one. A step is scheduled only if both fit;
-a waiting sequence that does not fit waits, a running one preempts the newest running sequences."""
+Prefix caching (kvcache/prefix_cache.py, kvcache/blocks.py): a sequence admitted without blocks first takes
+the longest cached prefix of its full blocks by reference (then, when there is one, the next blocks found in
+the host tier, `HostCache`, copied back into new blocks), and computes only the rest; every block its steps
+fill is offered to the cache (`cache_full_blocks`). A sequence always computes at least `min_chunk` tokens
+of its own (one; two with a sparse attention policy, see below).
+
+Admission (SGLang's conservative estimate, adapted): a waiting sequence is admitted only if the free KV
+blocks cover what the running sequences still need (their prompt remainders plus `new_token_ratio` of their
+remaining max_tokens) and its own prompt and expected output. The ratio decays each step towards
+min_new_token_ratio and rises halfway to 1 at every preemption, so the estimate follows what the workload
+really generates.
+
+Preemption: the newest running sequences give their blocks back. A recompute victim's full blocks stay in
+the prefix cache (free, evicted last-in-first-out along its chain), so it re-admits through the cache and
+recomputes only what was evicted. Under KV offload there is a second block space (`device_space`,
+kvcache/offload.py OffloadCache): token blocks (the allocator) are host store rows, and the device block
+cache holds only the working set: every block of a prefilling sequence, the local window of a decoding one.
+A step is scheduled only if both fit; when only the device space is short the victim is paused instead
+(`DeviceSpace.pause`): it keeps its token blocks and computed tokens (all of its K/V is in the host store)
+and resumes by copying its window back, with no prefill at all. A paused sequence gives its token blocks
+back (becoming a recompute victim) when token blocks run short.
+
+With a sparse attention policy a one-token chunk runs as a decode row (attended sparsely), so a prompt token
+computed alone would be attended differently than in a prefill chunk: prefill chunks then have at least two
+tokens (`min_chunk`), which also keeps a prefix-cache hit from changing any token."""
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -15,6 +38,10 @@ from typing import Protocol
 from sparseserve.config import SchedulerConfig
 from sparseserve.engine.request import Sequence, SequenceStatus
 from sparseserve.kvcache.blocks import BlockAllocator, blocks_needed
+from sparseserve.kvcache.prefix_cache import extend_block_hashes
+
+# The admission estimate of a request without max_tokens (or a huge one) counts at most this many outputs.
+RESERVE_CLIP_TOKENS = 4096
 
 
 class DeviceSpace(Protocol):
@@ -24,7 +51,17 @@ class DeviceSpace(Protocol):
     def can_admit(self, seq: Sequence, running: list[Sequence]) -> bool: ...
     def schedule(self, seq: Sequence, n: int) -> None: ...
     def free(self, seq: Sequence) -> None: ...
+    def pause(self, seq: Sequence) -> None: ...
     def on_allocate(self, blocks: list[int]) -> None: ...
+
+
+class HostCache(Protocol):
+    """The prefix cache's host tier without KV offload (kvcache/host_cache.py): full blocks by hash in host
+    memory, restored by copy into newly allocated blocks."""
+
+    def lookup(self, hashes: list[bytes]) -> int: ...
+    def restore(self, blocks: list[int], hashes: list[bytes]) -> None: ...
+    def store(self, blocks: list[int], hashes: list[bytes]) -> None: ...
 
 
 @dataclass
@@ -37,22 +74,42 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class PrefixCacheStats:
+    """Prompt tokens looked up and found at first admissions (vLLM's meaning: re-admissions after a
+    preemption are not counted), per tier: the allocator's cache, then the host tier for the rest."""
+    queries: int = 0
+    hits: int = 0
+    host_queries: int = 0
+    host_hits: int = 0
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int,
-                 device_space: DeviceSpace | None = None) -> None:
+                 device_space: DeviceSpace | None = None, host_cache: HostCache | None = None, *,
+                 max_model_len: int | None = None, min_chunk: int = 1) -> None:
         self.config = config
         self.allocator = allocator
         self.device_space = device_space
+        self.host_cache = host_cache
         self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.min_chunk = min_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.new_token_ratio = config.init_new_token_ratio
+        self._ratio_decay = (config.init_new_token_ratio - config.min_new_token_ratio) / \
+            config.new_token_ratio_decay_steps
+        self.prefix_stats = PrefixCacheStats()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # ---- one step -----------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -61,44 +118,59 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self._can_grow(seq, n):
+            n = self._chunk(seq, seq.num_computed_tokens, budget)
+            if n == 0:  # a prefill chunk that the budget left cannot hold: next step
+                i += 1
+                continue
+            while True:
+                tokens_ok = self.allocator.can_allocate(self._new_blocks(seq, n))
+                if tokens_ok and (self.device_space is None or self.device_space.can_schedule(seq, n)):
+                    self._grow(seq, n)
+                    out.scheduled.append((seq, n))
+                    budget -= n
+                    i += 1
+                    break
+                if not tokens_ok and self._drop_paused():
+                    continue
                 victim = self.running.pop()
-                self._preempt(victim)
+                self._preempt(victim, keep=tokens_ok)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
-            else:
-                self._grow(seq, n)
-                out.scheduled.append((seq, n))
-                budget -= n
-                i += 1
         # Admit waiting sequences while budget, batch slots and blocks allow (not after a preemption:
         # admitting would only evict again).
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            if remaining > budget and not self.config.enable_chunked_prefill:
-                break
-            n = min(remaining, budget)
-            if not self._can_grow(seq, n) or (self.device_space is not None
-                                              and not self.device_space.can_admit(seq, self.running)):
+            n = self._admit(seq, budget)
+            if n == 0:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self._grow(seq, n)
             out.scheduled.append((seq, n))
             budget -= n
+        self._adapt_ratio(bool(out.preempted))
         return out
 
-    def _can_grow(self, seq: Sequence, n: int) -> bool:
-        need = blocks_needed(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table)
-        return self.allocator.can_allocate(max(need, 0)) and (self.device_space is None
-                                                               or self.device_space.can_schedule(seq, n))
+    def _chunk(self, seq: Sequence, computed: int, budget: int) -> int:
+        """Tokens to compute for `seq` this step (0: none). With min_chunk > 1 a prefill chunk never has
+        fewer tokens, nor leaves fewer behind; only the single token left of a decode runs alone."""
+        remaining = seq.num_tokens - computed
+        if remaining > budget and not self.config.enable_chunked_prefill:
+            return 0
+        n = min(remaining, budget)
+        if remaining > 1 and self.min_chunk > 1:
+            if 0 < remaining - n < self.min_chunk:
+                n = remaining - self.min_chunk
+            if n < self.min_chunk:  # (a budget this small for the whole step: run it anyway, never starve)
+                return 0 if budget < self.config.max_num_batched_tokens else min(remaining, budget)
+        return n
+
+    def _new_blocks(self, seq: Sequence, n: int) -> int:
+        return max(blocks_needed(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table), 0)
 
     def _grow(self, seq: Sequence, n: int) -> None:
-        need = blocks_needed(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table)
+        need = self._new_blocks(seq, n)
         if need > 0:
             blocks = self.allocator.allocate(need)
             seq.block_table.extend(blocks)
@@ -107,13 +179,146 @@ class Scheduler:
         if self.device_space is not None:
             self.device_space.schedule(seq, n)
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop the KV, requeue at the front; its tokens so far are its new prompt."""
-        self._release(seq)
-        seq.num_computed_tokens = 0
+    # ---- admission ----------------------------------------------------------------------------------------
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Admits the head of the waiting queue if it fits (prefix-cache hits taken, blocks allocated, device
+        space mapped); returns the tokens it computes this step, 0 (and nothing changed) if it must wait."""
+        if seq.block_table:  # paused under KV offload: everything computed is still there
+            return self._resume(seq, budget)
+        bs, alloc = self.block_size, self.allocator
+        hashes = self._prompt_hashes(seq)
+        hit = alloc.lookup(hashes)
+        host_hit = self.host_cache.lookup(hashes[len(hit):]) if self.host_cache is not None and hit != hashes else 0
+        computed = (len(hit) + host_hit) * bs
+        n = self._chunk(seq, computed, budget)
+        if n == 0:
+            return 0
+        need = blocks_needed(computed + n, bs) - len(hit)
+        parked = sum(1 for b in hit if alloc.ref_count(b) == 0)  # hits that leave the free blocks when shared
+        if not alloc.can_allocate(need + parked):
+            return 0
+        if not self._fits_with_growth(seq, held=len(hit), taken=parked):
+            return 0
+        seq.num_computed_tokens = computed  # what the device space's checks read
+        if self.device_space is not None and not (self.device_space.can_admit(seq, self.running)
+                                                  and self.device_space.can_schedule(seq, n)):
+            seq.num_computed_tokens = 0
+            return 0
+        alloc.share(hit)
+        seq.block_table = list(hit)
+        if host_hit:
+            restored = alloc.allocate(host_hit)
+            tier = hashes[len(hit):len(hit) + host_hit]
+            self.host_cache.restore(restored, tier)
+            for b, h in zip(restored, tier):
+                alloc.cache_block(b, h)
+            seq.block_table += restored
+        seq.num_cached_blocks = len(seq.block_table)
+        if seq.num_cached_tokens is None:  # first admission: the request's prefix-cache statistics
+            seq.num_cached_tokens = computed
+            st = self.prefix_stats
+            st.queries += seq.num_tokens
+            st.hits += len(hit) * bs
+            if self.host_cache is not None:
+                st.host_queries += seq.num_tokens - len(hit) * bs
+                st.host_hits += host_hit * bs
+        self._grow(seq, n)
+        return n
+
+    def _resume(self, seq: Sequence, budget: int) -> int:
+        n = self._chunk(seq, seq.num_computed_tokens, budget)
+        if n == 0 or not self.allocator.can_allocate(self._new_blocks(seq, n)):
+            return 0
+        if not self._fits_with_growth(seq, held=len(seq.block_table), taken=0):
+            return 0
+        if self.device_space is not None and not (self.device_space.can_admit(seq, self.running)
+                                                  and self.device_space.can_schedule(seq, n)):
+            return 0
+        self._grow(seq, n)
+        return n
+
+    def _prompt_hashes(self, seq: Sequence) -> list[bytes]:
+        """Hashes of the blocks a cache hit may cover: full blocks leaving at least min_chunk tokens."""
+        if not self.allocator.enable_caching:
+            return []
+        bs = self.block_size
+        limit = max(seq.num_tokens - self.min_chunk, 0) // bs
+        return extend_block_hashes(seq.block_hashes, seq.token_ids, bs, limit, seq.cache_salt)[:limit]
+
+    def _expected_outputs(self, seq: Sequence) -> int:
+        """new_token_ratio of the outputs a sequence may still generate (at most RESERVE_CLIP_TOKENS)."""
+        left = RESERVE_CLIP_TOKENS
+        if seq.params.max_tokens is not None:
+            left = min(left, seq.params.max_tokens - seq.num_output_tokens)
+        if self.max_model_len is not None:
+            left = min(left, self.max_model_len - seq.num_tokens)
+        return math.ceil(self.new_token_ratio * max(left, 0))
+
+    def _future_blocks(self, seq: Sequence, held: int) -> int:
+        """Blocks a sequence holding `held` is still expected to take: all its tokens and expected outputs."""
+        return max(blocks_needed(seq.num_tokens + self._expected_outputs(seq), self.block_size) - held, 0)
+
+    def _fits_with_growth(self, seq: Sequence, held: int, taken: int) -> bool:
+        """The admission rule (module docstring): the free blocks, less `taken` (cached hits the admission
+        takes off the free list), cover the running sequences' expected blocks and the candidate's. Always
+        true when nothing runs (a lone request may use every block) or the rule is off (ratio 0)."""
+        if not self.running or self.config.init_new_token_ratio == 0.0:
+            return True
+        reserved = sum(self._future_blocks(s, len(s.block_table)) for s in self.running)
+        return self.allocator.num_free - taken - reserved >= self._future_blocks(seq, held)
+
+    def _adapt_ratio(self, preempted: bool) -> None:
+        cfg = self.config
+        if preempted:
+            self.new_token_ratio += (1.0 - self.new_token_ratio) / 2
+        elif self.running:
+            self.new_token_ratio = max(cfg.min_new_token_ratio, self.new_token_ratio - self._ratio_decay)
+
+    # ---- prefix caching -----------------------------------------------------------------------------------
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """After a step: the blocks its computed tokens filled join the prefix cache (and, new to it, the
+        host tier)."""
+        alloc = self.allocator
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if not alloc.enable_caching or full <= seq.num_cached_blocks:
+            return
+        hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, full, seq.cache_salt)
+        fresh_blocks, fresh_hashes = [], []
+        for j in range(seq.num_cached_blocks, full):
+            if alloc.cache_block(seq.block_table[j], hashes[j]):
+                fresh_blocks.append(seq.block_table[j])
+                fresh_hashes.append(hashes[j])
+        seq.num_cached_blocks = full
+        if self.host_cache is not None and fresh_blocks:
+            self.host_cache.store(fresh_blocks, fresh_hashes)
+
+    # ---- preemption and release ---------------------------------------------------------------------------
+
+    def _preempt(self, seq: Sequence, keep: bool) -> None:
+        """keep (only the device space is short): pause, the computed K/V stays in the host store. Otherwise
+        recompute: the blocks go back (full ones stay cached), its tokens so far are its new prompt. Either
+        way it is requeued at the front."""
+        if keep and self.device_space is not None:
+            self.device_space.pause(seq)
+        else:
+            self._release(seq)
+            seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _drop_paused(self) -> bool:
+        """Token blocks ran short: the newest paused sequence gives its blocks back (its full blocks stay
+        cached). False when none is paused."""
+        for seq in reversed(self.waiting):
+            if seq.block_table:
+                self._release(seq)
+                seq.num_computed_tokens = 0
+                return True
+        return False
 
     def _release(self, seq: Sequence) -> None:
         if self.device_space is not None:

@@ -20,6 +20,14 @@ class EngineStats:
     num_preemptions: int = 0           # cumulative counters from here on
     num_prompt_tokens: int = 0         # prompt tokens computed (recomputation after preemption included)
     num_generation_tokens: int = 0
+    prefix_cache_queries: int = 0      # prompt tokens looked up in the prefix cache at first admissions
+    prefix_cache_hits: int = 0         # ... and found there (vLLM's meaning: tokens, preemptions not counted)
+    prefix_cache_blocks: int = 0       # blocks holding a cached prefix block, referenced or not (gauge)
+    prefix_cache_evictions: int = 0    # cached blocks taken back for new contents
+    host_prefix_cache_queries: int = 0  # host tier (KV offload off): prompt tokens the device cache missed
+    host_prefix_cache_hits: int = 0     # ... and found in host memory (restored by copy)
+    host_prefix_cache_blocks: int = 0   # host tier blocks in use (gauge)
+    host_prefix_cache_evictions: int = 0
     sparse_blocks_selected: int = 0    # sparse decode: blocks in all selections so far
     sparse_selections: int = 0         # selections made: one per (decode sequence, sparse layer, KV head)
     sparse_block_size: int = 0
@@ -35,6 +43,7 @@ class EngineStats:
     offload_device_blocks: int = 0       # device block cache: blocks (gauge)
     prefill_tiles_computed: int = 0    # sparse prefill: (query tile, key tile, KV head) tiles computed, all layers
     prefill_tiles_dense: int = 0       # ... and the causally visible ones (what dense prefill computes)
+    offload_blocks_restored: int = 0     # token blocks copied host store -> device block cache (cache hits, resumes)
 
     @classmethod
     def from_values(cls, values: dict[str, int]) -> "EngineStats":

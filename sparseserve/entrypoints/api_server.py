@@ -209,7 +209,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         if n > max_num_seqs:  # its sequences could never run in one batch
             raise APIError(400, f"n must be at most max_num_seqs={max_num_seqs}, got {n}.", param="n")
 
-    async def submit(prefix: str, prompt: str | list[int], params: Any, prompt_param: str) -> tuple[str, Any]:
+    async def submit(prefix: str, prompt: str | list[int], params: Any, prompt_param: str,
+                     cache_salt: str | None = None) -> tuple[str, Any]:
         request_id = random_id(prefix)
         if isinstance(prompt, str):  # tokenized here (off the event loop) to check the context length
             if not prompt:
@@ -221,6 +222,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                            f"the request asks for {len(prompt) + params.max_tokens} ({len(prompt)} in the prompt, "
                            f"{params.max_tokens} to generate).",
                            param=prompt_param if len(prompt) >= llm.max_model_len else "max_tokens")
+        if cache_salt is not None:
+            prompt = {"prompt_token_ids": prompt, "cache_salt": cache_salt}
         try:
             return request_id, await engine.add_request(request_id, prompt, params)
         except ParameterError as e:
@@ -256,7 +259,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         if req.echo or req.suffix:
             raise APIError(400, "echo and suffix are not supported.", param="echo" if req.echo else "suffix")
         params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
-        request_id, stream = await submit("cmpl", prompt, params, "prompt")
+        request_id, stream = await submit("cmpl", prompt, params, "prompt", req.cache_salt)
         fmt = CompletionFormat(request_id, model, req.logprobs, llm.tokenizer)
         return await respond(fmt, stream, req, raw)
 
@@ -280,7 +283,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         # None (OpenAI's chat default) lets the engine generate up to max_model_len.
         max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         params = sampling(req, max_tokens, k)
-        request_id, stream = await submit("chatcmpl", prompt_ids, params, "messages")
+        request_id, stream = await submit("chatcmpl", prompt_ids, params, "messages", req.cache_salt)
         fmt = ChatFormat(request_id, model, k, tokenizer)
         return await respond(fmt, stream, req, raw)
 

@@ -63,6 +63,8 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     user: str | None = None
+    # vLLM's extension: only requests with the same salt share prefix-cache blocks (tenant isolation)
+    cache_salt: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams validates the values and raises ParameterError with a user-facing message."""
@@ -114,10 +116,15 @@ class ChatCompletionRequest(_SamplingRequest):
 # ---- responses ---------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -15,7 +15,7 @@ from sparseserve.engine.async_engine import RequestAborted
 from sparseserve.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                                               ChatResponseMessage, ChatStreamChoice, CompletionChoice,
                                               CompletionLogprobs, CompletionResponse, ErrorInfo, ErrorResponse,
-                                              TokenLogprob, TopLogprob, UsageInfo)
+                                              PromptTokensDetails, TokenLogprob, TopLogprob, UsageInfo)
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +74,14 @@ class StreamState:
     """Per-choice progress of a response, built from the engine's deltas (the engine holds back the text
     that a stop string may still cut, so every delta's text is final)."""
     prompt_tokens: int = 0
+    cached_tokens: int | None = None
     text_len: dict[int, int] = field(default_factory=dict)
     num_tokens: dict[int, int] = field(default_factory=dict)
 
     def deltas(self, out: Any) -> list[Delta]:
         self.prompt_tokens = len(out.prompt_token_ids or [])
+        if getattr(out, "num_cached_tokens", None) is not None:
+            self.cached_tokens = out.num_cached_tokens
         result = []
         for c in out.outputs:
             offset = self.text_len.get(c.index, 0)
@@ -89,15 +92,18 @@ class StreamState:
 
     def usage(self) -> UsageInfo:
         completion = sum(self.num_tokens.values())
-        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
-                         total_tokens=self.prompt_tokens + completion)
+        return usage_info(self.prompt_tokens, completion, self.cached_tokens)
 
 
 def usage_of(out: Any) -> UsageInfo:
     """Usage of a cumulative (folded) output."""
-    prompt = len(out.prompt_token_ids or [])
-    completion = sum(len(c.token_ids) for c in out.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return usage_info(len(out.prompt_token_ids or []), sum(len(c.token_ids) for c in out.outputs),
+                      getattr(out, "num_cached_tokens", None))
+
+
+def usage_info(prompt: int, completion: int, cached: int | None) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=None if cached is None else PromptTokensDetails(cached_tokens=cached))
 
 
 class CompletionFormat:

@@ -10,8 +10,13 @@ Everything outside reaches the offload path through this class:
   - the runner builds it (`build`) and takes its per-layer caches (`kv_caches`) and each step's device
     addressing (`prepare_step`: slots and tables of the device block cache), and fences it before a step;
   - the scheduler asks its device block space whether a step fits (`can_schedule`, `can_admit`), maps a
-    step's blocks (`schedule`), releases a sequence's (`free`) and reports token blocks handed to a new owner
-    (`on_allocate`: their pool slots are stale);
+    step's blocks (`schedule`), releases a sequence's (`free`) or pauses it (`pause`: its partial tail block
+    saved to its host row, its device blocks released, everything it computed kept in the store) and reports
+    token blocks handed to a new owner (`on_allocate`: their pool slots are stale);
+  - blocks mapped over tokens already computed (a prefix-cache hit, a paused sequence resuming) are restored
+    from their host rows into the device block cache by one FlashH2D gather (`begin_step`, before the step's
+    kernels), never recomputed: the key metadata and the dense layers' K/V are indexed by token block and
+    never left the device (docs/prefix_cache.md);
   - the sparse backend writes each layer's new full blocks through (`write_through`) and reads a layer's
     selected blocks into an HBM view (`read`: pool lookup, victims and FlashH2D of the misses; `lookup` after
     the lists changed without loading);
@@ -100,13 +105,19 @@ class DeviceBlockMap:
         return self.allocator.can_allocate(max(self.num_to_allocate(seq, n), 0))
 
     def can_admit(self, seq, running: list) -> bool:
-        """Whether a waiting sequence may start: the device blocks its whole prefill will need fit next to
-        what the running prefills still need (admitting a prompt whose later chunks cannot get their blocks
-        would only preempt it again). Always true when the device space is as large as the token space."""
+        """Whether a waiting sequence may start: the device blocks its whole prefill will need (a paused
+        sequence that was decoding: its window) fit next to what the running prefills still need (admitting a
+        prompt whose later chunks cannot get their blocks would only preempt it again). Always true when the
+        device space is as large as the token space."""
         if self.num_blocks >= self.token_blocks:
             return True
         reserved = sum(self._prefill_rest(s) for s in running)
-        return self.allocator.num_free - reserved >= blocks_needed(seq.num_tokens, self.block_size)
+        if seq.num_computed_tokens + 1 >= seq.num_tokens:
+            lo, hi = self.hot_range(seq, 1)
+            need = hi - lo
+        else:
+            need = blocks_needed(seq.num_tokens, self.block_size)
+        return self.allocator.num_free - reserved >= need
 
     def _prefill_rest(self, seq) -> int:
         """Device blocks a running sequence still has to map to finish its prefill."""
@@ -152,11 +163,19 @@ class DeviceBlockMap:
 
 class OffloadCache:
     def __init__(self, layout: OffloadLayout, host: HostKVStore, pool: HBMPool, device_map: DeviceBlockMap,
-                 kv_caches: list[torch.Tensor], block_size: int, local_blocks: int) -> None:
+                 kv_caches: list[torch.Tensor], block_size: int, local_blocks: int,
+                 sparse_cache: torch.Tensor | None = None) -> None:
         self.layout, self.host, self.pool, self.device_map = layout, host, pool, device_map
         self.kv_caches = kv_caches
         self.block_size, self.local_blocks = block_size, local_blocks
         self.dense_layers = layout.dense_layers
+        # The sparse layers' device block cache as one tensor [L - dense, device blocks + 1, Hkv, 2, bs, D] (the
+        # last kv_caches are its layers): restores and pauses address it whole.
+        self.sparse_cache = sparse_cache
+        self._restores: list[tuple[int, int]] = []  # (token block = host row, device block) before the next step
+        self.num_restored_blocks = 0  # token blocks restored into the device block cache (stats)
+        # read(): head block key -> one position requesting it (scratch; only just-written entries are read)
+        self._claim = torch.zeros(pool.num_keys + 1, dtype=torch.int32, device=pool.resident.device)
         self._graph: dict[str, torch.Tensor] | None = None
 
     @classmethod
@@ -211,7 +230,8 @@ class OffloadCache:
         logger.info("KV offload: host store %d blocks (%.2f GiB, pinned=%s), device block cache %d blocks, "
                     "HBM pool %d head-block slots", layout.token_blocks, host.nbytes / 2**30, host.data.is_pinned(),
                     layout.device_blocks, pool.num_slots)
-        return cls(layout, host, pool, device_map, list(dense_cache) + list(sparse_cache), block_size, local_blocks)
+        return cls(layout, host, pool, device_map, list(dense_cache) + list(sparse_cache), block_size, local_blocks,
+                   sparse_cache)
 
     @property
     def num_token_blocks(self) -> int:
@@ -230,10 +250,54 @@ class OffloadCache:
         return self.device_map.can_admit(seq, running)
 
     def schedule(self, seq, n: int) -> None:
-        self.device_map.map(seq, n)
+        """Maps the step's device blocks; those newly mapped over computed tokens (only a sequence that
+        (re)starts with computed tokens has any: a prefix-cache hit, a paused sequence) are queued for
+        restoring from their host rows."""
+        dm = self.device_map
+        old_start, old = dm.range_of(seq)
+        dm.map(seq, n)
+        start, blocks = dm.range_of(seq)
+        first = old_start + len(old) if old else start
+        for j in range(max(first, start), min(start + len(blocks), blocks_needed(seq.num_computed_tokens,
+                                                                                   self.block_size))):
+            self._restores.append((seq.block_table[j], blocks[j - start]))
 
     def free(self, seq) -> None:
         self.device_map.release(seq)
+
+    def pause(self, seq) -> None:
+        """Preemption that keeps the work: the sequence keeps its token blocks (host rows hold every full block
+        it computed) and its partial tail block, not yet written through, is saved to its host row now; its
+        device blocks are released. Resuming restores its window (or all of it, mid-prefill) by copy."""
+        c, bs = seq.num_computed_tokens, self.block_size
+        start, blocks = self.device_map.range_of(seq)
+        if c % bs and start <= c // bs < start + len(blocks):
+            mine = set(blocks)
+            self._restores = [(row, dev) for row, dev in self._restores if dev not in mine]
+            row, dev = seq.block_table[c // bs], blocks[c // bs - start]
+            self.host.data[self.dense_layers:, row].copy_(self.sparse_cache[:, dev])
+        self.device_map.release(seq)
+
+    def begin_step(self) -> None:
+        """Before any kernel of a step: the host store's pending writes land (fence), then the blocks the
+        schedule mapped over computed tokens are copied from their host rows into the device block cache, every
+        sparse layer and KV head in one FlashH2D gather."""
+        self.fence()
+        if not self._restores:
+            return
+        rows = torch.tensor([r for r, _ in self._restores], dtype=torch.int64)
+        devs = torch.tensor([d for _, d in self._restores], dtype=torch.int64)
+        self._restores = []
+        self.num_restored_blocks += rows.numel()
+        dl, num_layers = self.dense_layers, self.host.data.shape[0]
+        hkv = self.host.data.shape[2]
+        layers = torch.arange(dl, num_layers)[:, None, None]
+        heads = torch.arange(hkv)[None, None, :]
+        key = ((layers * (self.host.num_blocks + 1) + rows[None, :, None]) * hkv + heads).reshape(-1)
+        load = (((layers - dl) * (self.sparse_cache.shape[1]) + devs[None, :, None]) * hkv + heads).reshape(-1)
+        dev = self.sparse_cache.device
+        flash_h2d(self.host.flat(), self.sparse_cache.view(-1, *self.sparse_cache.shape[3:]),
+                  key.to(dev, non_blocking=True), load.to(dev, non_blocking=True))
 
     def on_allocate(self, blocks: list[int]) -> None:
         """Token blocks given to a new owner: the pool must not serve their previous contents."""
@@ -281,12 +345,20 @@ class OffloadCache:
 
     def read(self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel_rows: torch.Tensor) -> OffloadView:
         """Residency lookup of the listed head blocks, victims for the misses and FlashH2D of the misses into
-        their slots; the view the sparse kernels read them through. Fixed shapes, no sync."""
+        their slots; the view the sparse kernels read them through. Fixed shapes, no sync.
+
+        Sequences sharing prefix-cached token blocks may list the same head block: the pool plans each block
+        once (its plan assumes distinct requests), so every repeat is planned as a non-request and reads the
+        slot of one representative (whichever occurrence the scatter into `_claim` kept)."""
         key = self.keys(layer, tables, seq_lens, sel_rows).reshape(-1)
-        loc, load = self.pool.plan(key)
+        pos = torch.arange(key.numel(), dtype=torch.int32, device=key.device)
+        self._claim.scatter_(0, key, pos)
+        rep = self._claim[key].long()
+        unique = torch.where(rep == pos, key, self.pool.trash_key)
+        loc, load = self.pool.plan(unique)
         host_flat = self.host.flat()
-        flash_h2d(host_flat, self.pool.slots, key, load)
-        return self.pool.slots, host_flat, loc.view(sel_rows.shape), key.view(sel_rows.shape)
+        flash_h2d(host_flat, self.pool.slots, unique, load)
+        return self.pool.slots, host_flat, loc[rep].view(sel_rows.shape), key.view(sel_rows.shape)
 
     def lookup(self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel_rows: torch.Tensor) -> OffloadView:
         """The view of lists that shrank in place after `read` (no state change, nothing loaded)."""
@@ -323,4 +395,5 @@ class OffloadCache:
                 "offload_head_block_bytes": self.layout.head_block_bytes,
                 "offload_device_blocks": self.device_map.num_blocks,
                 "offload_device_blocks_used": self.device_map.allocator.num_used,
+                "offload_blocks_restored": self.num_restored_blocks,
                 "offload_d2h_blocks_written": self.host.d2h.blocks_written if self.host.d2h is not None else 0}

@@ -162,7 +162,8 @@ def test_preemption_reuses_state_slots(tiny_model_dir, lag):
     """A KV pool too small for every sequence: preempted sequences give their state slot back and
     select afresh when they run again (lag: from the recomputed prefill's last token); the run completes
     and every block and slot comes back."""
-    small_pool = {**COMMON, "num_gpu_blocks_override": 24, "max_model_len": 160}  # prompts + outputs need 32
+    small_pool = {**COMMON, "num_gpu_blocks_override": 24, "max_model_len": 160,  # prompts + outputs need 32
+                  "init_new_token_ratio": 0.0, "min_new_token_ratio": 0.0}  # admit what fits now: preemptions happen
     llm = LLM(str(tiny_model_dir), **small_pool, sparse_policy="topk", sparse_budget=4 * BS, sparse_dense_layers=0,
               sparse_local_blocks=2, sparse_reuse=2, sparse_lag=lag)
     outs = llm.generate(prompts(), GREEDY, use_tqdm=False)

@@ -1,5 +1,6 @@
 """The scheduler on its own (no model): token budget, FCFS admission, chunked prefill, preemption of the newest
-running sequence when blocks run out, and a second block space (the offload cache's device blocks)."""
+running sequence when blocks run out, a second block space (the offload cache's device blocks), prefix-cache
+hits on admission, the admission estimate that leaves room to grow, and preemption that keeps the work."""
 from __future__ import annotations
 
 from sparseserve.config import SchedulerConfig
@@ -9,6 +10,7 @@ from sparseserve.kvcache.blocks import BlockAllocator
 from sparseserve.sampling_params import SamplingParams
 
 BS = 4
+NO_RESERVE = dict(init_new_token_ratio=0.0, min_new_token_ratio=0.0)  # admit whatever fits its next chunk now
 
 
 def seq(i: int, prompt_len: int) -> Sequence:
@@ -16,10 +18,12 @@ def seq(i: int, prompt_len: int) -> Sequence:
 
 
 def run_step(sched: Scheduler):
-    """One schedule, then what the engine does after the model step: tokens computed, one sampled."""
+    """One schedule, then what the engine does after the model step: tokens computed (the blocks they fill
+    offered to the prefix cache), one sampled."""
     out = sched.schedule()
     for s, n in out.scheduled:
         s.num_computed_tokens += n
+        sched.cache_full_blocks(s)
         if s.num_computed_tokens == s.num_tokens:
             s.token_ids.append(0)
     return out
@@ -43,7 +47,7 @@ def test_budget_fcfs_and_chunked_prefill():
 
 
 def test_preempts_newest_and_requeues_it_first():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), BlockAllocator(6), BS)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, **NO_RESERVE), BlockAllocator(6), BS)
     old, new = seq(0, 12), seq(1, 12)  # 3 full blocks each: the pool is full after both prefill
     sched.add(old)
     sched.add(new)
@@ -78,7 +82,7 @@ class DeviceSpace:
     """A device block space of `size` blocks that holds every block of each scheduled sequence."""
 
     def __init__(self, size: int) -> None:
-        self.size, self.held, self.allocated = size, {}, []
+        self.size, self.held, self.allocated, self.paused = size, {}, [], []
 
     def can_schedule(self, s, n):
         return sum(self.held.values()) - self.held.get(s.seq_id, 0) + -(-(s.num_computed_tokens + n) // BS) <= self.size
@@ -91,6 +95,10 @@ class DeviceSpace:
 
     def free(self, s):
         self.held.pop(s.seq_id, None)
+
+    def pause(self, s):
+        self.held.pop(s.seq_id, None)
+        self.paused.append(s.seq_id)
 
     def on_allocate(self, blocks):
         self.allocated += blocks
@@ -109,3 +117,151 @@ def test_a_second_block_space_limits_admission():
     assert space.held == {}
     out = run_step(sched)
     assert [s.seq_id for s, _ in out.scheduled] == [1] and space.allocated[-3:] == b.block_table
+
+
+def seq_of(i: int, prompt: list[int], max_tokens: int = 8) -> Sequence:
+    return Sequence(i, f"r{i}", 0, list(prompt), SamplingParams(max_tokens=max_tokens))
+
+
+def test_admission_takes_the_cached_prefix():
+    """A finished request's full blocks stay cached: a repeat shares them by reference and computes only the
+    rest, at least its last token (min_chunk 1) or two (min_chunk 2, a sparse policy)."""
+    alloc = BlockAllocator(16, enable_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, **NO_RESERVE), alloc, BS)
+    prompt = list(range(100, 112))  # 3 full blocks
+    a = seq_of(0, prompt)
+    sched.add(a)
+    run_step(sched)
+    table = list(a.block_table)
+    sched.finish(a)
+    assert alloc.num_evictable == 3 and alloc.num_used == 0
+    b = seq_of(1, prompt)
+    sched.add(b)
+    out = run_step(sched)
+    assert out.scheduled == [(b, 4)] and b.block_table[:2] == table[:2]  # the last block is recomputed
+    assert b.num_cached_tokens == 8 and sched.prefix_stats.hits == 8 and sched.prefix_stats.queries == 24
+    c = seq_of(2, prompt + [5])  # shares all 3 blocks with b's (b's third block is a duplicate, uncached)
+    sched.add(c)
+    out = run_step(sched)
+    assert out.scheduled == [(b, 1), (c, 1)] and c.block_table[:3] == table and alloc.ref_count(table[0]) == 2
+    salted = seq_of(3, prompt + [5])
+    salted.cache_salt = "other tenant"
+    sched.add(salted)
+    run_step(sched)
+    assert salted.num_cached_tokens == 0 and not set(salted.block_table) & set(table)
+    alloc.check()
+    two = Scheduler(SchedulerConfig(max_num_batched_tokens=64, **NO_RESERVE), alloc, BS, min_chunk=2)
+    d = seq_of(4, prompt + [5])
+    two.add(d)
+    out = run_step(two)
+    assert out.scheduled == [(d, 5)] and d.num_cached_tokens == 8  # a block and a token
+
+
+def test_min_chunk_never_leaves_a_lone_prompt_token():
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, **NO_RESERVE), BlockAllocator(64), BS, min_chunk=2)
+    a, b = seq_of(0, range(9)), seq_of(1, range(3))
+    sched.add(a)
+    sched.add(b)
+    out = run_step(sched)
+    assert out.scheduled == [(a, 7)]  # 8 would leave 1; b's 3 tokens cannot split into chunks of >= 2 in 1
+    out = run_step(sched)
+    assert out.scheduled == [(a, 2), (b, 3)]
+    out = run_step(sched)
+    assert out.scheduled == [(a, 1), (b, 1)]  # decodes run alone
+    tiny = Scheduler(SchedulerConfig(max_num_batched_tokens=1, **NO_RESERVE), BlockAllocator(64), BS, min_chunk=2)
+    c = seq_of(2, range(3))
+    tiny.add(c)
+    assert run_step(tiny).scheduled == [(c, 1)]  # a step budget of 1: better a lone token than never
+
+
+def test_admission_leaves_room_for_the_running_batch_to_grow():
+    """Each running request is expected to still produce new_token_ratio of its remaining max_tokens: a
+    request whose prompt fits now but would leave too little is not admitted (with the rule off it is, and
+    the batch then preempts)."""
+    cfg = dict(max_num_batched_tokens=64, init_new_token_ratio=0.5, min_new_token_ratio=0.5)
+    sched = Scheduler(SchedulerConfig(**cfg), BlockAllocator(12), BS)
+    a, b = seq_of(0, range(8), max_tokens=40), seq_of(1, range(50, 58), max_tokens=40)
+    sched.add(a)
+    sched.add(b)
+    out = run_step(sched)
+    # a: 8 prompt + 20 expected = 7 blocks; b would need 7 of the 12 - 7 = 5 left: waits
+    assert [s for s, _ in out.scheduled] == [a] and list(sched.waiting) == [b]
+    for _ in range(4):
+        run_step(sched)
+    assert list(sched.waiting) == [b] and sched.num_preemptions == 0
+    sched.finish(a)
+    assert [s for s, _ in run_step(sched).scheduled] == [b]
+    greedy = Scheduler(SchedulerConfig(max_num_batched_tokens=64, **NO_RESERVE), BlockAllocator(12), BS)
+    a, b = seq_of(0, range(8), max_tokens=40), seq_of(1, range(50, 58), max_tokens=40)
+    greedy.add(a)
+    greedy.add(b)
+    assert len(run_step(greedy).scheduled) == 2
+    while not greedy.num_preemptions:
+        run_step(greedy)
+
+
+def test_new_token_ratio_decays_and_rises_at_preemption():
+    cfg = SchedulerConfig(max_num_batched_tokens=64, init_new_token_ratio=0.6, min_new_token_ratio=0.2,
+                          new_token_ratio_decay_steps=4)
+    sched = Scheduler(cfg, BlockAllocator(6), BS)
+    old, new = seq_of(0, range(12), max_tokens=1000), seq_of(1, range(20, 32), max_tokens=1000)
+    sched.add(old)
+    run_step(sched)
+    assert abs(sched.new_token_ratio - 0.5) < 1e-9  # (0.6 - 0.2) / 4 a step with requests running
+    sched.running.append(new)  # force a second resident (as the rule-off admission would)
+    new.status = SequenceStatus.RUNNING
+    new.block_table = sched.allocator.allocate(3)
+    new.num_computed_tokens = 12
+    new.token_ids.append(0)
+    out = run_step(sched)
+    assert out.preempted == [new] and abs(sched.new_token_ratio - 0.75) < 1e-9  # halfway to 1
+    for _ in range(10):
+        run_step(sched)
+    assert sched.new_token_ratio == 0.2
+
+
+def test_preempted_blocks_stay_cached_and_are_taken_back():
+    """A recompute victim's full blocks stay in the prefix cache (parked tail first, so growth evicts its tail
+    before its head); re-admitted, it takes back what survived and recomputes only the rest."""
+    alloc = BlockAllocator(6, enable_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, **NO_RESERVE), alloc, BS)
+    old, new = seq_of(0, range(12)), seq_of(1, range(50, 62))
+    sched.add(old)
+    sched.add(new)
+    run_step(sched)
+    kept = list(new.block_table)
+    out = run_step(sched)  # old needs a 4th block: new is preempted, its 3 blocks parked, its tail evicted
+    assert out.preempted == [new] and new.block_table == [] and new.num_computed_tokens == 0
+    assert alloc.num_evictable == 2 and alloc.lookup(new.block_hashes) == kept[:2]
+    sched.finish(old)
+    out = run_step(sched)
+    assert out.scheduled == [(new, 13 - 8)] and new.block_table[:2] == kept[:2]  # 8 of its 13 tokens kept
+    assert new.num_cached_tokens == 0  # statistics count first admissions only
+    alloc.check()
+
+
+def test_device_space_shortage_pauses_and_token_shortage_drops_the_pause():
+    """Only the device space is short: the victim is paused (keeps its token blocks and computed tokens,
+    resumes without recompute). Token blocks short: a paused sequence gives its blocks back first (its full
+    blocks stay cached), before any running sequence is preempted."""
+    for tokens in (16, 8):
+        space = DeviceSpace(7)
+        alloc = BlockAllocator(tokens, enable_caching=True)
+        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, **NO_RESERVE), alloc, BS, space)
+        a, b = seq_of(0, range(12), max_tokens=20), seq_of(1, range(50, 62), max_tokens=20)
+        sched.add(a)
+        sched.add(b)
+        assert len(run_step(sched).scheduled) == 2  # 3 + 3 device blocks
+        out = run_step(sched)  # a's 13th token: 4 device blocks; b's would make 8 > 7: b pauses
+        assert out.preempted == [b] and space.paused == [1] and sched.waiting[0] is b
+        assert len(b.block_table) == 3 and b.num_computed_tokens == 12 == b.num_tokens - 1  # nothing to redo
+        if tokens == 16:
+            sched.finish(a)
+            assert run_step(sched).scheduled == [(b, 1)]  # resumes with a decode, no prefill
+            assert sched.num_preemptions == 1
+        else:
+            while b.block_table:  # a grows; at its 6th token block none is free: b's blocks are taken back
+                assert [s for s, _ in run_step(sched).scheduled] == [a]
+            assert b.num_computed_tokens == 0 and len(a.block_table) == 6 and sched.num_preemptions == 1
+            assert alloc.num_used == 6 and not sched.running[1:]
+        alloc.check()

@@ -64,7 +64,8 @@ def test_host_capacity_bounds_admission(tiny_model_dir):
     scheduler admits and preempts against them) and still completes every request."""
     block_bytes = 2 * 2 * 2 * BS * 128 * 4  # layers x KV heads x (K, V) x tokens x head_dim x float32
     llm = LLM(str(tiny_model_dir), **{**COMMON, "max_model_len": 160}, kv_offload=True,
-              host_kv_memory=24 * block_bytes + block_bytes // 2, **SPARSE)
+              host_kv_memory=24 * block_bytes + block_bytes // 2, init_new_token_ratio=0.0, min_new_token_ratio=0.0,
+              **SPARSE)  # greedy admission: preempts
     engine = llm.llm_engine
     offload = engine.model_runner.offload
     assert engine.allocator.num_blocks == 24 == offload.device_map.num_blocks  # never more device blocks
@@ -369,7 +370,8 @@ def random_schedule(model_dir, seed: int, check: bool, greedy: bool = False, tri
     triton_plan: the HBM pool plans with its Triton kernels (under the interpreter without CUDA)."""
     rng = random.Random(seed)
     llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=96,
-              max_num_batched_tokens=rng.choice([16, 48]), max_num_seqs=4, **{**SPARSE, **kw})
+              max_num_batched_tokens=rng.choice([16, 48]), max_num_seqs=4,
+              **{**SPARSE, "init_new_token_ratio": 0.0, "min_new_token_ratio": 0.0, **kw})  # greedy admission
     engine = llm.llm_engine
     results: dict[str, list[list[int]]] = {}
     offload = engine.model_runner.offload
