@@ -163,6 +163,19 @@ class OffloadConfig:
                                  f"memory ({available} bytes): lower it")
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (docs/tensor_parallel.md): the model's heads, MLP and vocabulary split over ranks."""
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "GPUs (ranks) the model is split over: one worker process per rank, NCCL on CUDA, gloo on CPU; "
+                "started by torchrun when its environment is set (multi-host), otherwise spawned by rank 0. "
+                "1: no process group."})
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
 def available_host_memory() -> int | None:
     """MemAvailable of /proc/meminfo in bytes (None where unknown)."""
     try:
@@ -180,7 +193,8 @@ def available_host_memory() -> int | None:
 
 
 _SUBCONFIGS = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig,
-               "sparse_config": SparseConfig, "offload_config": OffloadConfig}
+               "sparse_config": SparseConfig, "offload_config": OffloadConfig,
+               "parallel_config": ParallelConfig}
 
 
 @dataclass(frozen=True)
@@ -190,6 +204,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     sparse_config: SparseConfig = field(default_factory=SparseConfig)
     offload_config: OffloadConfig = field(default_factory=OffloadConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         sp, bs = self.sparse_config, self.cache_config.block_size
