@@ -12,6 +12,7 @@ return their input, so the model runs the same code at every size.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger(__name__)
 # Seconds a collective of the model or of construction may wait for the other ranks (weights load at different
 # speeds; NCCL's own default is 10 minutes).
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("SPARSESERVE_TP_TIMEOUT", 1800))
@@ -104,7 +106,10 @@ def destroy_tp_group() -> None:
     global _TP
     _TP = TPGroup()
     if dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001 - after an abort (a rank died) the groups may be half gone already
+            logger.warning("leaving the tensor-parallel process group: %s", e)
 
 
 def abort_tp_group() -> None:

@@ -45,6 +45,11 @@ from sparseserve.models.config import ArchConfig
 from sparseserve.models.loader import load_hf_config
 
 logger = logging.getLogger(__name__)
+# What the forkserver imports once for all the workers it starts (each then starts in milliseconds): this module,
+# the components a runner builds, and transformers' config classes of the supported architectures.
+WORKER_PRELOAD = ["sparseserve.engine.parallel", "sparseserve.attention.sparse", "sparseserve.attention.policies",
+                  "sparseserve.kvcache.offload", "transformers.models.auto.configuration_auto",
+                  *(f"transformers.models.{m}.configuration_{m}" for m in ("llama", "qwen2", "qwen3", "mistral"))]
 
 
 def build_runner(config: EngineConfig, model_dir: Path) -> "ModelRunner | TPDriver":
@@ -225,6 +230,7 @@ class _Session:
             else:
                 time.sleep(0.01)
         if self.failure is not None:
+            self.close()  # leaves the process group: a new engine may start in this process
             raise RuntimeError(f"{self.failure}; the tensor-parallel engine has stopped")
 
     def close(self) -> None:
@@ -295,7 +301,7 @@ def _spawn(config: EngineConfig, model_dir: Path, device_type: str) -> TPDriver:
     tp_size = config.parallel_config.tensor_parallel_size
     check_devices(tp_size, device_type, tp_size)
     workers = WorkerProcesses(tp_size, _worker_main, (config, model_dir, os.getpid()),
-                              preload=["sparseserve.engine.parallel"])
+                              preload=WORKER_PRELOAD)
     session = None
     try:
         workers.wait_ready()
