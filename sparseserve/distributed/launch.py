@@ -100,8 +100,16 @@ class WorkerProcesses:
             if waiting:
                 time.sleep(0.01)
 
-    def failure(self) -> str | None:
-        """Why a worker is gone (None while all run): its rank, exit status and, if it wrote one, its error."""
+    def failure(self, wait_s: float = 0.0) -> str | None:
+        """Why a worker is gone (None while all run): its rank, exit status and, if it wrote one, its error.
+        wait_s: how long to wait for an exit to show (a failed collective may report a peer's closed connections
+        before the peer's process is reaped)."""
+        deadline = time.monotonic() + wait_s
+        while (msg := self._failure()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return msg
+
+    def _failure(self) -> str | None:
         for rank, p in enumerate(self.procs, start=1):
             code = p.exitcode
             if code is None:

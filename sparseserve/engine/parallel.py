@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,18 +216,11 @@ class _Session:
                 self.workers.shutdown(timeout_s=0.0)
 
     def check(self, grace_s: float = 0.0) -> None:
-        """Raises if a rank is gone; grace_s: how long to wait for a spawned worker's exit to be seen (a failed
-        collective may report a peer's closed connections before its process is reaped)."""
+        """Raises if a rank is gone (grace_s: WorkerProcesses.failure's wait_s)."""
         if self.closed.is_set() and self.failure is None:
             raise RuntimeError("the tensor-parallel engine was shut down")
-        deadline = time.monotonic() + grace_s
-        while self.failure is None and self.workers is not None:
-            if (msg := self.workers.failure()) is not None:
-                self.fail(msg)
-            elif time.monotonic() >= deadline:
-                break
-            else:
-                time.sleep(0.01)
+        if self.failure is None and self.workers is not None and (msg := self.workers.failure(grace_s)) is not None:
+            self.fail(msg)
         if self.failure is not None:
             self.close()  # leaves the process group: a new engine may start in this process
             raise RuntimeError(f"{self.failure}; the tensor-parallel engine has stopped")
@@ -287,7 +279,8 @@ class TPDriver:
                     torch.cuda.current_stream(self.runner.device).synchronize()
         except Exception as e:
             s.check(grace_s=2.0)  # a dead rank explains the failure better than the collective's error
-            s.fail(f"a tensor-parallel step failed: {e}")
+            s.fail(f"a tensor-parallel step failed: {e}")  # the ranks are out of step: stop them all
+            s.close()
             raise RuntimeError(f"a tensor-parallel step failed ({e}); the engine has stopped") from e
         s.check()
         return sampled, out
@@ -311,7 +304,7 @@ def _spawn(config: EngineConfig, model_dir: Path, device_type: str) -> TPDriver:
         return TPDriver(ModelRunner(config, model_dir), session)
     except BaseException as e:
         # A worker's failure explains a failed collective (RuntimeError); rank 0's own errors speak for themselves.
-        why = workers.failure() if isinstance(e, RuntimeError) else None
+        why = workers.failure(wait_s=2.0) if isinstance(e, RuntimeError) else None
         if session is not None:
             session.fail(why or f"rank 0 failed: {e}")
             session.close()

@@ -3,8 +3,9 @@ every supported architecture (tests/conftest.py VARIANTS: MHA, GQA, a single KV 
 qkv bias, q/k norm, tied and untied embeddings). Greedy tokens equal tensor_parallel_size=1's, and so do the
 logprobs up to float rounding (the row-parallel sums add in another order), with dense attention, topk sparse
 decode, and topk with KV offload; under a random schedule with aborts and preemptions too. A worker that dies
-stops rank 0 with an error naming it, within a bounded time; a rank 0 that dies stops its worker; and the
-torchrun path (every rank from the environment, the same CLI command on each) gives the same tokens."""
+stops rank 0 with an error naming it, within a bounded time (and so does one failing at start); a rank 0 that
+dies stops its worker; and the torchrun path (every rank from the environment, the same CLI command on each)
+gives the same tokens."""
 from __future__ import annotations
 
 import os
@@ -20,6 +21,8 @@ import pytest
 import torch
 
 from sparseserve import LLM, SamplingParams
+from sparseserve.distributed.launch import WorkerProcesses, report_worker_error, worker_setup
+from sparseserve.engine.parallel import WORKER_PRELOAD
 from sparseserve.kvcache.host import host_block_bytes
 from tests.conftest import VARIANTS
 from tests.schedules import drive_random_schedule
@@ -203,3 +206,36 @@ def test_torchrun_environment_runs_the_same_command_on_every_rank(tiny_model_dir
     ref = LLM(str(tiny_model_dir), device="cpu", max_model_len=128).generate(
         ["The secret number is"], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0].outputs[0].text
     assert f"Output: {ref!r}" in outs[0][0] and "Output:" not in outs[1][0]
+
+
+def _fails_after_joining(rank: int, world_size: int, port: int, env: dict, parent_pid: int) -> None:
+    store = worker_setup(rank, port, env, parent_pid)
+    try:
+        raise ValueError("the worker's own error")
+    except ValueError:
+        report_worker_error(store, rank)
+        os._exit(1)
+
+
+def _dies_before_joining(rank: int, world_size: int, port: int, env: dict, parent_pid: int) -> None:
+    os._exit(3)
+
+
+def test_a_worker_failing_at_start_is_named():
+    """Rank 0 names a worker that fails while starting, with the error it reported; one that dies before the
+    rendezvous ends rank 0's wait at once instead of a timeout."""
+    workers = WorkerProcesses(2, _fails_after_joining, (os.getpid(),), preload=WORKER_PRELOAD)
+    try:
+        msg = workers.failure(wait_s=FAILURE_BOUND_S)
+        assert msg is not None and "rank 1" in msg and "exited with status 1" in msg
+        assert "ValueError: the worker's own error" in msg
+    finally:
+        workers.shutdown()
+    workers = WorkerProcesses(2, _dies_before_joining, (os.getpid(),), preload=WORKER_PRELOAD)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 1 .* exited with status 3"):
+            workers.wait_ready(timeout_s=600)
+        assert time.monotonic() - t0 < FAILURE_BOUND_S
+    finally:
+        workers.shutdown()
