@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import threading
 import time
 import traceback
@@ -145,6 +146,7 @@ def worker_setup(rank: int, port: int, env: dict[str, str], parent_pid: int) -> 
     store the worker joins the process group with."""
     os.environ.clear()
     os.environ.update(env)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops us
     _watch_parent(parent_pid)
     store = dist.TCPStore("127.0.0.1", port, is_master=False,
                           timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))

@@ -20,6 +20,7 @@ a peer's connections close, and a worker stops when rank 0 is gone (distributed/
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import threading
@@ -258,7 +259,11 @@ class TPDriver:
     def __getattr__(self, name: str) -> Any:
         if name in ("runner", "_session"):
             raise AttributeError(name)
-        return getattr(self.runner, name)
+        value = getattr(self.runner, name)
+        if inspect.ismethod(value):  # it would run on rank 0 alone and leave the other ranks behind
+            raise AttributeError(f"ModelRunner.{name} is not available under tensor parallelism: only what "
+                                 f"TPDriver sends to every rank is (engine/parallel.py)")
+        return value
 
     def release(self, seq_id: int) -> None:
         self.runner.release(seq_id)
@@ -277,10 +282,13 @@ class TPDriver:
                     # The engine reads the tokens next; waiting here first lets a dead rank (the watchdog aborts
                     # NCCL) turn into an error instead of one step of garbage tokens.
                     torch.cuda.current_stream(self.runner.device).synchronize()
-        except Exception as e:
-            s.check(grace_s=2.0)  # a dead rank explains the failure better than the collective's error
-            s.fail(f"a tensor-parallel step failed: {e}")  # the ranks are out of step: stop them all
+        except BaseException as e:  # also an interrupt (Ctrl-C): the ranks are out of step, stop them all
+            if isinstance(e, Exception):
+                s.check(grace_s=2.0)  # a dead rank explains the failure better than the collective's error
+            s.fail(f"a tensor-parallel step failed: {e!r}")
             s.close()
+            if not isinstance(e, Exception):
+                raise
             raise RuntimeError(f"a tensor-parallel step failed ({e}); the engine has stopped") from e
         s.check()
         return sampled, out

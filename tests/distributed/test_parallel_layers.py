@@ -227,3 +227,19 @@ def test_seq_view_reads_like_the_sequence():
     view = SeqView.of(seq, 10)
     assert view.token_ids[16:26] == seq.token_ids[16:26] and view.num_tokens == seq.num_tokens
     assert list(view.block_table) == seq.block_table and view.block_table_array().tolist() == seq.block_table
+
+
+def test_driver_refuses_runner_methods_that_would_run_on_rank_0_alone():
+    from sparseserve.engine.parallel import TPDriver
+
+    class Runner:
+        arch = "the model"
+
+        def prepare(self, scheduled):
+            return scheduled
+
+    driver = TPDriver.__new__(TPDriver)  # no process group: only the attribute forwarding is under test
+    driver.runner = Runner()
+    assert driver.arch == "the model"
+    with pytest.raises(AttributeError, match="ModelRunner.prepare is not available under tensor parallelism"):
+        driver.prepare
