@@ -50,13 +50,15 @@ class TPGroup:
         return x
 
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
-        """Every rank's x concatenated along dim, on rank 0; None on the others."""
+        """Every rank's x concatenated along dim, on rank 0; None on the others. An all-gather into one tensor
+        (a plain NCCL collective, which a CUDA graph captures on every rank like the all-reduces; point-to-point
+        gathers are less certain there); the other ranks drop the result."""
         if self.world_size == 1:
             return x
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=0, group=self.device_group)
-        return torch.cat(parts, dim) if parts is not None else None
+        x = x.movedim(dim, 0).contiguous()
+        out = x.new_empty((self.world_size * x.shape[0], *x.shape[1:]))
+        _all_gather_single(out, x, group=self.device_group)
+        return out.movedim(0, dim) if self.is_driver else None
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's picklable obj on every rank (over the gloo group; waits at most its timeout)."""
@@ -74,6 +76,8 @@ class TPGroup:
 
 
 _TP = TPGroup()
+# torch 2.13 renamed all_gather_into_tensor (the older name still works there, with a warning)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def get_tp_group() -> TPGroup:
