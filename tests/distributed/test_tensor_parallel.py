@@ -1,6 +1,6 @@
 """Tensor parallelism end to end on the CPU: 2 ranks over gloo (rank 0 here, one spawned worker), tiny models of
 every supported architecture (tests/conftest.py VARIANTS: MHA, GQA, a single KV head replicated on both ranks,
-qkv bias, q/k norm, tied and untied embeddings). Greedy tokens equal tensor_parallel_size=1's, and so do the
+qkv bias, q/k norm, tied and untied embeddings, streaming heads). Greedy tokens equal tensor_parallel_size=1's, and so do the
 logprobs up to float rounding (the row-parallel sums add in another order), with dense attention, topk sparse
 decode, and topk with KV offload; under a random schedule with aborts and preemptions too. A worker that dies
 stops rank 0 with an error naming it, within a bounded time (and so does one failing at start); a rank 0 that
@@ -8,6 +8,7 @@ dies stops its worker; and the torchrun path (every rank from the environment, t
 gives the same tokens."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -82,6 +83,21 @@ def test_greedy_tokens_equal_one_rank(hf_models, variant, config):
             assert stats.sparse_selections > 0  # rank 0's counters: selections over its KV heads
         if config == "offload":
             assert stats.offload_blocks_loaded > 0 and stats.offload_device_blocks == 40
+    finally:
+        shutdown(llm)
+
+
+def test_streaming_heads_name_global_kv_heads(hf_models, tmp_path):
+    """The streaming-heads file names the model's KV heads; each rank applies the flags of its own."""
+    spec = tmp_path / "streaming.json"
+    spec.write_text(json.dumps({"streaming_heads": {"0": [1]}}))  # rank 1's KV head in layer 0
+    model_dir = hf_models["llama3-gqa-d128-tied-rope"][0]  # 2 KV heads: one a rank
+    kw = dict(TOPK, streaming_heads=str(spec))
+    ref = generate(LLM(str(model_dir), **COMMON, **kw))
+    assert [o.token_ids for o in ref] != [o.token_ids for o in generate(LLM(str(model_dir), **COMMON, **TOPK))]
+    llm = tp_engine(model_dir, **kw)
+    try:
+        assert_same(ref, generate(llm))
     finally:
         shutdown(llm)
 
