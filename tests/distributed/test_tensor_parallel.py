@@ -1,8 +1,9 @@
 """Tensor parallelism end to end on the CPU: 2 ranks over gloo (rank 0 here, one spawned worker), tiny models of
 every supported architecture (tests/conftest.py VARIANTS: MHA, GQA, a single KV head replicated on both ranks,
-qkv bias, q/k norm, tied and untied embeddings, streaming heads). Greedy tokens equal tensor_parallel_size=1's, and so do the
+qkv bias, q/k norm, tied and untied embeddings). Greedy tokens equal tensor_parallel_size=1's, and so do the
 logprobs up to float rounding (the row-parallel sums add in another order), with dense attention, topk sparse
-decode, and topk with KV offload; under a random schedule with aborts and preemptions too. A worker that dies
+decode (also with streaming heads), and topk with KV offload; under a random schedule with aborts and
+preemptions too. A worker that dies
 stops rank 0 with an error naming it, within a bounded time (and so does one failing at start); a rank 0 that
 dies stops its worker; and the torchrun path (every rank from the environment, the same CLI command on each)
 gives the same tokens."""
