@@ -258,6 +258,19 @@ def parse_size(text: str | int) -> int:
     return int(float(number) * mult)
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (docs/tensor_parallel.md): the model's heads, MLP and vocabulary split over ranks."""
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "GPUs (ranks) the model is split over: one worker process per rank, NCCL on CUDA, gloo on CPU; "
+                "started by torchrun when its environment is set (multi-host), otherwise spawned by rank 0. "
+                "1: no process group."})
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
 def available_host_memory() -> int | None:
     """MemAvailable of /proc/meminfo in bytes (None where unknown)."""
     try:
@@ -275,7 +288,8 @@ def available_host_memory() -> int | None:
 
 
 _SUBCONFIGS = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig,
-               "sparse_config": SparseConfig, "offload_config": OffloadConfig}
+               "sparse_config": SparseConfig, "offload_config": OffloadConfig,
+               "parallel_config": ParallelConfig}
 
 
 @dataclass(frozen=True)
@@ -285,6 +299,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     sparse_config: SparseConfig = field(default_factory=SparseConfig)
     offload_config: OffloadConfig = field(default_factory=OffloadConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         sp, bs = self.sparse_config, self.cache_config.block_size
@@ -294,6 +309,9 @@ class EngineConfig:
         if self.offload_config.kv_offload and self.cache_config.host_prefix_cache_memory is not None:
             raise ValueError("host_prefix_cache_memory is the host tier without KV offload: with kv_offload the "
                              "host KV store already holds the prefix cache (size it with host_kv_memory)")
+        if self.parallel_config.tensor_parallel_size > 1 and self.cache_config.host_prefix_cache_memory is not None:
+            raise ValueError("host_prefix_cache_memory does not work with tensor_parallel_size > 1 yet: the host "
+                             "tier copies rank 0's KV only (KV offload's host store, per rank, does work)")
         if self.offload_config.kv_offload and sp.sparse_lag:
             raise ValueError("sparse_lag=1 does not work with kv_offload yet: the offload path loads each "
                              "step's own selection before its attention")

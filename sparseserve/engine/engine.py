@@ -12,7 +12,7 @@ import torch
 from sparseserve.config import EngineConfig
 from sparseserve.engine.detokenizer import check_stop, detokenize_incrementally
 from sparseserve.engine.request import Sequence
-from sparseserve.engine.runner import ModelRunner
+from sparseserve.engine.parallel import build_runner
 from sparseserve.engine.scheduler import Scheduler
 from sparseserve.engine.stats import DeviceCounters, EngineStats
 from sparseserve.kvcache.blocks import BlockAllocator
@@ -49,7 +49,7 @@ class LLMEngine:
         model_dir = resolve_model_dir(mc.model)
         # A GGUF file or a known model name is served under its own name, not its converted directory's.
         self.model_name = "sparseserve-default" if mc.model is None else os.path.basename(os.path.normpath(mc.model))
-        self.model_runner = ModelRunner(config, model_dir)  # refuses unsupported models first
+        self.model_runner = build_runner(config, model_dir)  # refuses unsupported models first; TP: parallel.py
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or model_dir, local_files_only=True)
         except (OSError, ValueError) as e:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -12,11 +13,15 @@ import numpy as np
 import torch
 
 from sparseserve.attention.backend import AttentionMetadata, BackendContext, create_backend
-from sparseserve.config import EngineConfig
+from sparseserve.attention.selection import load_streaming_heads
+from sparseserve.config import EngineConfig, OffloadConfig, available_host_memory
+from sparseserve.distributed.group import get_tp_group
+from sparseserve.distributed.utils import shard_heads
 from sparseserve.engine.cuda_graph import DecodeGraphs
 from sparseserve.engine.request import Sequence
 from sparseserve.kernels.dispatch import check_impl, forced
 from sparseserve.kvcache.blocks import blocks_needed
+from sparseserve.kvcache.host import host_block_bytes
 from sparseserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from sparseserve.models.config import ArchConfig
 from sparseserve.models.loader import build_model, load_hf_config, resolve_dtype
@@ -45,13 +50,22 @@ def resolve_device(device: str) -> torch.device:
 
 
 class ModelRunner:
+    """One rank's runner: at tensor_parallel_size > 1 every rank builds one over its shard of the model (its KV
+    heads: `num_kv_heads`), in the process group set up by engine/parallel.py, and the sizes every rank must
+    share (KV blocks, the offload layout) are agreed on (the smallest); rank 0's is driven by the engine."""
+
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         self.config = config
         self.model_dir = model_dir
+        self.tp = tp = get_tp_group()
         self.device = resolve_device(mc.device)
+        if tp.world_size > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", tp.local_rank)
         hf_config = load_hf_config(model_dir)
         self.arch = a = ArchConfig.from_hf(hf_config)
+        heads = shard_heads(a.num_heads, a.num_kv_heads, tp.world_size, tp.rank)
+        self.num_kv_heads = heads.num_kv_heads  # this rank's
         self.dtype = resolve_dtype(mc.dtype, hf_config, self.device)
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         if self.max_model_len > self.arch.max_position_embeddings:
@@ -63,10 +77,20 @@ class ModelRunner:
         if self.kernel_impl == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1); "
                              "use 'torch' on CPU")
-        sparse = config.sparse_config
-        ctx = BackendContext(a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.dtype, self.device,
-                             sc.max_num_seqs, self.max_model_len, sparse, num_q_heads=a.num_heads)
+        sparse, streaming = config.sparse_config, None
+        if tp.world_size > 1 and sparse.sparse_prefill_calibration is not None:
+            raise ValueError("sparse_prefill_calibration names global query heads; with tensor_parallel_size > 1 "
+                             "use one sparse_prefill_threshold for every head")
+        if tp.world_size > 1 and sparse.streaming_heads is not None:  # the file names global KV heads
+            mask = load_streaming_heads(sparse.streaming_heads, a.num_layers, a.num_kv_heads)
+            streaming = mask[:, heads.kv_start: heads.kv_start + heads.num_kv_heads]
+            sparse = dataclasses.replace(sparse, streaming_heads=None)
+        ctx = BackendContext(a.num_layers, self.num_kv_heads, a.head_dim, self.block_size, self.dtype, self.device,
+                             sc.max_num_seqs, self.max_model_len, sparse,
+                             num_q_heads=heads.num_heads)
         self.attn_backend = create_backend("sparse" if sparse.enabled else "dense", ctx)
+        if streaming is not None:
+            self.attn_backend.state.streaming = streaming.to(self.device)
         torch.manual_seed(mc.seed)
         with self._kernels():
             self.model = build_model(self.arch, self.attn_backend, model_dir, self.dtype, self.device,
@@ -77,12 +101,12 @@ class ModelRunner:
             self.offload = self._build_offload()
             self.num_blocks = self.offload.num_token_blocks
         else:
-            self.num_blocks = self._num_kv_blocks()
+            self.num_blocks = tp.min_int(self._num_kv_blocks())
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError(f"the KV cache holds {self.num_blocks * self.block_size} tokens, fewer than "
                              f"max_model_len={self.max_model_len}: lower max_model_len or give more KV memory")
         if self.offload is None:
-            shape = (a.num_kv_heads, 2, self.block_size, a.head_dim)
+            shape = (self.num_kv_heads, 2, self.block_size, a.head_dim)
             kv_cache = torch.empty(a.num_layers, self.num_blocks, *shape, dtype=self.dtype, device=self.device)
             self.kv_caches: list[torch.Tensor] = list(kv_cache)
         else:
@@ -108,16 +132,36 @@ class ModelRunner:
         a, cc, sc = self.arch, self.config.cache_config, self.config.scheduler_config
         budget = None
         if cc.num_gpu_blocks_override is None:
-            budget = cc.kv_cache_memory or (self._profile_kv_bytes() if self.device.type == "cuda"
-                                            else CPU_DEFAULT_KV_BYTES)
+            budget = self.tp.min_int(cc.kv_cache_memory or (self._profile_kv_bytes() if self.device.type == "cuda"
+                                                            else CPU_DEFAULT_KV_BYTES))
         sp = self.attn_backend.params
         return OffloadCache.build(
-            self.config.offload_config, num_layers=a.num_layers, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+            self._rank_offload_config(), num_layers=a.num_layers, num_kv_heads=self.num_kv_heads, head_dim=a.head_dim,
             block_size=self.block_size, dtype=self.dtype, device=self.device,
             dense_layers=self.config.sparse_config.sparse_dense_layers, local_blocks=sp.local, cap=sp.cap,
             metadata_block_bytes=self.attn_backend.block_bytes(), max_model_len=self.max_model_len,
             max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens, budget=budget,
             device_blocks=cc.num_gpu_blocks_override)
+
+    def _rank_offload_config(self) -> OffloadConfig:
+        """The offload options of this rank. Every size is per rank (per GPU); at tensor_parallel_size > 1 the
+        host store's default (max_num_seqs sequences of max_model_len, at most half the host's available memory
+        shared by the ranks of this host) is agreed on, so every rank's store has the same rows."""
+        oc, tp = self.config.offload_config, self.tp
+        if tp.world_size == 1:
+            return oc
+        a, sc = self.arch, self.config.scheduler_config
+        hbb = host_block_bytes(a.num_layers, self.num_kv_heads, self.block_size, a.head_dim, self.dtype)
+        avail = available_host_memory()
+        if oc.host_kv_memory is not None:
+            if avail is not None and oc.host_kv_memory * tp.local_world_size > avail:
+                raise ValueError(f"host_kv_memory={oc.host_kv_memory} bytes per rank for the {tp.local_world_size} "
+                                 f"ranks of this host exceeds its available memory ({avail} bytes): lower it")
+            return oc
+        rows = sc.max_num_seqs * blocks_needed(self.max_model_len, self.block_size)
+        if avail is not None:
+            rows = min(rows, avail // 2 // tp.local_world_size // hbb)
+        return dataclasses.replace(oc, host_kv_memory=tp.min_int(rows) * hbb)
 
     def set_attention_backend(self, backend) -> None:
         """Another attention backend on the same weights and KV cache (benchmarks compare them side by side);
@@ -139,7 +183,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         a = self.arch
-        kv = a.num_layers * a.num_kv_heads * 2 * self.block_size * a.head_dim * self.dtype.itemsize
+        kv = a.num_layers * self.num_kv_heads * 2 * self.block_size * a.head_dim * self.dtype.itemsize
         return kv + self.attn_backend.block_bytes()
 
     def _num_kv_blocks(self) -> int:
@@ -165,7 +209,7 @@ class ModelRunner:
         before = torch.cuda.memory_allocated()
         n = min(sc.max_num_batched_tokens, self.max_model_len)
         a = self.arch
-        scratch = torch.empty(a.num_layers, blocks_needed(n, self.block_size), a.num_kv_heads, 2, self.block_size,
+        scratch = torch.empty(a.num_layers, blocks_needed(n, self.block_size), self.num_kv_heads, 2, self.block_size,
                               a.head_dim, dtype=self.dtype, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.arange(n, device=self.device),
@@ -260,5 +304,7 @@ class ModelRunner:
                 if not batch.sampled:
                     return [], None
                 logits = self.model.compute_logits(hidden[batch.sample_idx])
+            if not self.tp.is_driver:  # only rank 0 samples; its tokens come back in the next step's message
+                return batch.sampled, None
             out = self.sampler(logits, self.sampling_metadata(batch.sampled))
         return batch.sampled, out

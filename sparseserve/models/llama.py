@@ -2,15 +2,20 @@
 
 Parameter names follow transformers' checkpoints, except the packed projections (qkv_proj,
 gate_up_proj), which the loader fills from the separate checkpoint tensors.
+
+Under tensor parallelism (docs/tensor_parallel.md) each rank builds its shard: the rank's query and KV heads,
+its slice of the MLP's intermediate features and of the vocabulary (layers/linear.py, layers/embedding.py);
+one all-reduce after attention (o_proj) and one after the MLP (down_proj). At one rank it is the whole model.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from sparseserve.attention.backend import AttentionBackend, AttentionMetadata
 from sparseserve.kernels.small_ops import rotary, silu_and_mul
+from sparseserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from sparseserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sparseserve.layers.norm import RMSNorm
 from sparseserve.layers.rotary import RotaryEmbedding
 from sparseserve.models.config import ArchConfig
@@ -20,11 +25,16 @@ class Attention(nn.Module):
     def __init__(self, cfg: ArchConfig, layer_idx: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.layer_idx, self.backend = layer_idx, backend
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        # The heads this rank attends with, and its share of the output (fewer when KV heads are replicated).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        h = self.qkv_proj.heads
+        self.out_heads = None if h.out_heads == h.num_heads else slice(h.out_offset, h.out_offset + h.out_heads)
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -40,14 +50,17 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, k, *rope)
         o = self.backend.forward(self.layer_idx, q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        if self.out_heads is not None:
+            o = o[:, self.out_heads]
+        return self.o_proj(o.reshape(o.shape[0], -1))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                       bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -74,7 +87,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
@@ -97,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = LlamaModel(cfg, backend)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -110,10 +123,5 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.backend = backend
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
-
-    def shard_sizes(self, packed: str) -> list[int]:
-        c = self.cfg
-        if packed == "qkv_proj":
-            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        return [c.intermediate_size, c.intermediate_size]
+        """float32 logits [N, vocab] (on rank 0; [N, 0] on the other ranks of a tensor-parallel engine)."""
+        return self.lm_head(hidden)

@@ -86,8 +86,29 @@ def build_model(cfg: ArchConfig, backend: AttentionBackend, path: Path, dtype: t
     return model.eval().requires_grad_(False)
 
 
+class _LazySlice:
+    """A checkpoint tensor not read yet: `.shape`, and `.narrow` reads only the asked part from the file (each
+    tensor-parallel rank reads its shard, not the whole checkpoint)."""
+
+    def __init__(self, handle, name: str) -> None:
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._slice[index]
+
+
+def _default_loader(param: torch.Tensor, loaded, shard_id: int | None = None) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(loaded.narrow(0, 0, loaded.shape[0]))
+
+
 @torch.no_grad()
 def load_weights(model: LlamaForCausalLM, path: Path) -> None:
+    """Each parameter's `weight_loader` (layers/linear.py) copies this rank's part of its checkpoint tensor;
+    parameters without one are whole on every rank (norms)."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in _safetensors_files(path):
@@ -105,21 +126,15 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
                 if target not in params:
                     raise ValueError(f"unexpected weight {name!r} in {file.name}")
                 param = params[target]
-                tensor = f.get_tensor(name)
-                if shard is not None:
-                    sizes = model.shard_sizes(target.split(".")[-2])
-                    param = param.narrow(0, sum(sizes[:shard]), sizes[shard])
-                if param.shape != tensor.shape:
-                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-                param.copy_(tensor)
+                try:
+                    getattr(param, "weight_loader", _default_loader)(param, _LazySlice(f, name), shard)
+                except ValueError as e:
+                    raise ValueError(f"weight {name!r} {e}") from e
                 loaded.add(target if shard is None else f"{target}#{shard}")
     expected = set()
-    for pname in params:
-        packed = pname.split(".")[-2]
-        if packed in ("qkv_proj", "gate_up_proj"):
-            expected.update(f"{pname}#{i}" for i in range(len(model.shard_sizes(packed))))
-        else:
-            expected.add(pname)
+    for pname, param in params.items():
+        shards = getattr(param, "num_shards", None)
+        expected.update([pname] if shards is None else [f"{pname}#{i}" for i in range(shards)])
     if model.cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
     missing = sorted(expected - loaded)

@@ -1,0 +1,127 @@
+"""The tensor-parallel group of this process and its collectives.
+
+Every process of a tensor-parallel engine holds one `TPGroup`: its rank, the world size (= tensor_parallel_size)
+and two torch.distributed groups:
+  device_group  the model's collectives (NCCL on CUDA, gloo on CPU): the all-reduces after attention and after
+                the MLP and the embedding's, and the LM head's gather of the logits to rank 0;
+  cpu_group     gloo: rank 0's step messages to the workers (distributed/channel.py) and the host-side
+                agreement on sizes (`min_int`).
+At tensor_parallel_size 1 there is no process group: `get_tp_group()` is a single-rank group whose collectives
+return their input, so the model runs the same code at every size.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+# Seconds a collective of the model or of construction may wait for the other ranks (weights load at different
+# speeds; NCCL's own default is 10 minutes).
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("SPARSESERVE_TP_TIMEOUT", 1800))
+# Seconds a worker waits for rank 0's next message. Rank 0 sends a heartbeat while idle (engine/parallel.py), so
+# this bounds how long a worker outlives a rank 0 that hangs without closing its connections.
+MESSAGE_TIMEOUT_S = float(os.environ.get("SPARSESERVE_TP_MESSAGE_TIMEOUT", 120))
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0           # rank among the processes of this host (its GPU index)
+    local_world_size: int = 1     # ranks on this host (they share its host memory)
+    device_group: Any = None
+    cpu_group: Any = None
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: the scheduler, the sampler and the engine's API live there."""
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks, in place."""
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Every rank's x concatenated along dim, on rank 0; None on the others. An all-gather into one tensor
+        (a plain NCCL collective, which a CUDA graph captures on every rank like the all-reduces; point-to-point
+        gathers are less certain there); the other ranks drop the result."""
+        if self.world_size == 1:
+            return x
+        x = x.movedim(dim, 0).contiguous()
+        out = x.new_empty((self.world_size * x.shape[0], *x.shape[1:]))
+        _all_gather_single(out, x, group=self.device_group)
+        return out.movedim(0, dim) if self.is_driver else None
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's picklable obj on every rank (over the gloo group; waits at most its timeout)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+    def min_int(self, value: int) -> int:
+        """The smallest of the ranks' values (sizes every rank must agree on: KV blocks, host store rows)."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+
+_TP = TPGroup()
+# torch 2.13 renamed all_gather_into_tensor (the older name still works there, with a warning)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def get_tp_group() -> TPGroup:
+    return _TP
+
+
+def init_tp_group(*, rank: int, world_size: int, local_rank: int, local_world_size: int, device_type: str,
+                  store: Any = None) -> TPGroup:
+    """Joins the process group (`store`: a rendezvous store; None: torchrun's environment, env://) and sets
+    this process's TP group. One tensor-parallel engine per process."""
+    global _TP
+    if _TP.world_size > 1 or dist.is_initialized():
+        raise RuntimeError("this process already belongs to a tensor-parallel group: shut its engine down first "
+                           "(one tensor-parallel engine per process)")
+    kwargs: dict[str, Any] = {"init_method": "env://"} if store is None else {"store": store}
+    backend = "gloo"
+    if device_type == "cuda":
+        backend = "nccl"
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast: docs/tensor_parallel.md
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kwargs)
+    cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=MESSAGE_TIMEOUT_S))
+    _TP = TPGroup(rank, world_size, local_rank, local_world_size, dist.group.WORLD, cpu_group)
+    return _TP
+
+
+def destroy_tp_group() -> None:
+    global _TP
+    _TP = TPGroup()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001 - after an abort (a rank died) the groups may be half gone already
+            logger.warning("leaving the tensor-parallel process group: %s", e)
+
+
+def abort_tp_group() -> None:
+    """Another thread's view of a dead rank: aborts the communicators so a collective or a device sync that
+    waits on the dead rank returns (NCCL kernels never time out by themselves); gloo fails by itself."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None and dist.is_initialized():
+        try:
+            abort()
+        except Exception:  # noqa: BLE001 - best effort on the way down; the caller raises the real error
+            pass

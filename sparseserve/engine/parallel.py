@@ -1,0 +1,369 @@
+"""Tensor parallelism in the engine (docs/tensor_parallel.md): which runner the engine gets, rank 0's driver and
+the workers' loop.
+
+Rank 0 runs the whole engine (scheduler, sampler, API); every rank runs a ModelRunner over its shard of the
+model with its own attention backend, KV cache and, under KV offload, its own offload cache over its KV heads.
+On rank 0 the engine talks to a `TPDriver`, which has the ModelRunner's API and, before each step, sends the
+workers one `StepMessage`:
+  - the step's sequences as `SeqView`s: what a runner reads of a Sequence (id, computed tokens, the step's
+    token ids, the block table), so every rank prepares the same batch;
+  - what rank 0's engine did since the last message to per-rank state a step does not carry, in order: the
+    scheduler's calls that change the offload cache's device block space and HBM pool (`schedule`, `free`,
+    `on_allocate`; `RecordingDeviceSpace`) and the attention backend's `release(seq_id)`, so every rank's block
+    maps, pool and selection slots stay identical.
+Then every rank runs the step; the collectives meet inside the model. Only rank 0 samples: the sampled tokens
+reach the workers as the next step's token ids, so nothing is broadcast back.
+
+A rank that dies stops the engine with an error naming it: rank 0 checks its spawned workers before each step and
+from a watchdog thread (which also aborts NCCL so a wait on the dead rank returns), a gloo collective fails when
+a peer's connections close, and a worker stops when rank 0 is gone (distributed/launch.py, channel.py).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from sparseserve.config import EngineConfig
+from sparseserve.distributed.channel import StepChannel
+from sparseserve.distributed.group import TPGroup, abort_tp_group, destroy_tp_group, init_tp_group
+from sparseserve.distributed.launch import (WorkerProcesses, check_devices, report_worker_error, torchrun_env,
+                                            worker_setup)
+from sparseserve.distributed.utils import divide, shard_heads
+from sparseserve.engine.runner import ModelRunner, resolve_device
+from sparseserve.layers.sampler import SamplerOutput
+from sparseserve.models.config import ArchConfig
+from sparseserve.models.loader import load_hf_config
+
+logger = logging.getLogger(__name__)
+# What the forkserver imports once for all the workers it starts (each then starts in milliseconds): this module,
+# the components a runner builds, and transformers' config classes of the supported architectures.
+WORKER_PRELOAD = ["sparseserve.engine.parallel", "sparseserve.attention.sparse", "sparseserve.attention.policies",
+                  "sparseserve.kvcache.offload", "transformers.models.auto.configuration_auto",
+                  *(f"transformers.models.{m}.configuration_{m}" for m in ("llama", "qwen2", "qwen3", "mistral"))]
+
+
+def build_runner(config: EngineConfig, model_dir: Path) -> "ModelRunner | TPDriver":
+    """The engine's runner: a ModelRunner at tensor_parallel_size 1 (no process group), otherwise rank 0's
+    TPDriver over one worker per other rank. Under torchrun every rank calls this; ranks > 0 serve rank 0's
+    engine here and leave with SystemExit(0) when it shuts down."""
+    tp_size = config.parallel_config.tensor_parallel_size
+    env = torchrun_env()
+    if env is not None and env.world_size > 1 and env.world_size != tp_size:
+        raise ValueError(f"started by torchrun with WORLD_SIZE={env.world_size}, but tensor_parallel_size="
+                         f"{tp_size}: they must be equal (tensor parallelism is the only parallelism here)")
+    if tp_size == 1:
+        return ModelRunner(config, model_dir)
+    check_model(config, model_dir)
+    device_type = resolve_device(config.model_config.device).type
+    if env is None:
+        return _spawn(config, model_dir, device_type)
+    check_devices(tp_size, device_type, env.local_world_size)
+    tp = init_tp_group(rank=env.rank, world_size=tp_size, local_rank=env.local_rank,
+                       local_world_size=env.local_world_size, device_type=device_type)
+    if tp.is_driver:
+        return TPDriver(ModelRunner(config, model_dir), _Session(tp, None))
+    try:
+        serve(ModelRunner(config, model_dir), tp)
+    finally:
+        destroy_tp_group()
+    raise SystemExit(0)
+
+
+def check_model(config: EngineConfig, model_dir: Path) -> None:
+    """Whether the model splits over tensor_parallel_size ranks (before any process starts)."""
+    tp_size = config.parallel_config.tensor_parallel_size
+    a = ArchConfig.from_hf(load_hf_config(model_dir))
+    shard_heads(a.num_heads, a.num_kv_heads, tp_size)
+    divide(a.intermediate_size, tp_size, "the MLP's intermediate_size")
+
+
+# ---- what rank 0 sends ---------------------------------------------------------------------------------------
+
+class _StepTokens:
+    """A SeqView's token_ids: only the step's tokens, at their positions (the runner reads
+    token_ids[num_computed_tokens:num_computed_tokens + n] and nothing else of them)."""
+
+    def __init__(self, start: int, ids: list[int]) -> None:
+        self.start, self.ids = start, ids
+
+    def __getitem__(self, s: slice) -> list[int]:
+        return self.ids[s.start - self.start: s.stop - self.start]
+
+
+@dataclass
+class SeqView:
+    """What a rank's runner, attention backend and offload cache read of a scheduled Sequence."""
+    seq_id: int
+    num_computed_tokens: int
+    num_tokens: int
+    step_token_ids: list[int]
+    table: np.ndarray  # int32: the block table
+
+    @classmethod
+    def of(cls, seq: Any, n: int) -> "SeqView":
+        c = seq.num_computed_tokens
+        return cls(seq.seq_id, c, seq.num_tokens, seq.token_ids[c:c + n], seq.block_table_array())
+
+    @property
+    def token_ids(self) -> _StepTokens:
+        return _StepTokens(self.num_computed_tokens, self.step_token_ids)
+
+    @property
+    def block_table(self) -> np.ndarray:
+        return self.table.astype(np.int64)  # slot arithmetic in int64, as with Python ints
+
+    def block_table_array(self) -> np.ndarray:
+        return self.table
+
+
+@dataclass
+class SeqRef:
+    """What the offload cache's device block space reads of a sequence when the scheduler calls it."""
+    seq_id: int
+    num_computed_tokens: int = 0
+    num_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)  # host rows: restores and pauses copy by them
+
+    @classmethod
+    def of(cls, seq: Any) -> "SeqRef":
+        return cls(seq.seq_id, seq.num_computed_tokens, seq.num_tokens, list(seq.block_table))
+
+
+# (target, method, args): target "offload" (the rank's offload cache) or "runner"
+Op = tuple[str, str, tuple]
+
+
+@dataclass
+class StepMessage:
+    ops: list[Op] = field(default_factory=list)            # to replay first, in order
+    scheduled: list[tuple[SeqView, int]] | None = None     # the step to run (None: none)
+    stop: bool = False
+
+
+def apply_op(runner: ModelRunner, op: Op) -> None:
+    target, method, args = op
+    getattr(runner if target == "runner" else runner.offload, method)(*args)
+
+
+class RecordingDeviceSpace:
+    """Rank 0's offload cache as the scheduler sees it: the calls that change the device block space or the HBM
+    pool run on rank 0's cache and are recorded for the workers; everything else is rank 0's cache itself.
+    (A new DeviceSpace method that changes state must be added to RECORDED; tests/distributed checks it.)"""
+    RECORDED = ("schedule", "free", "pause", "on_allocate", "begin_step")
+
+    def __init__(self, cache: Any, ops: list[Op]) -> None:
+        self._cache, self._ops = cache, ops
+
+    def schedule(self, seq: Any, n: int) -> None:
+        self._ops.append(("offload", "schedule", (SeqRef.of(seq), n)))
+        self._cache.schedule(seq, n)
+
+    def free(self, seq: Any) -> None:
+        self._ops.append(("offload", "free", (SeqRef.of(seq),)))
+        self._cache.free(seq)
+
+    def on_allocate(self, blocks: list[int]) -> None:
+        self._ops.append(("offload", "on_allocate", (list(blocks),)))
+        self._cache.on_allocate(blocks)
+
+    def pause(self, seq: Any) -> None:
+        self._ops.append(("offload", "pause", (SeqRef.of(seq),)))
+        self._cache.pause(seq)
+
+    def begin_step(self) -> None:  # the engine's, before the step: each rank restores its own heads' blocks
+        self._ops.append(("offload", "begin_step", ()))
+        self._cache.begin_step()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+
+# ---- rank 0 --------------------------------------------------------------------------------------------------
+
+class _Session:
+    """The process group, the channel and the spawned workers of one engine, and its watchdog thread; kept apart
+    from the driver so the thread and the finalizer hold no reference to it."""
+    POLL_S = 0.1
+
+    def __init__(self, tp: TPGroup, workers: WorkerProcesses | None) -> None:
+        self.tp, self.workers = tp, workers
+        self.channel: StepChannel | None = None  # set once every rank's runner is built: heartbeats start
+        self.failure: str | None = None
+        self.closed = threading.Event()
+        self.nccl = tp.device_group is not None and dist.get_backend(tp.device_group) == "nccl"
+        threading.Thread(target=self._watch, name="sparseserve-tp-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self.closed.wait(self.POLL_S):
+            if self.workers is not None and (msg := self.workers.failure()) is not None:
+                self.fail(msg)
+                return
+            if self.channel is not None:
+                try:
+                    self.channel.heartbeat()
+                except Exception as e:  # noqa: BLE001 - a heartbeat fails when a rank is gone
+                    self.fail(f"a tensor-parallel rank stopped answering: {e}")
+                    return
+
+    def fail(self, msg: str) -> None:
+        """A rank is gone: remember why, and release waits on it (NCCL: abort; gloo fails by itself)."""
+        if self.failure is None and not self.closed.is_set():
+            self.failure = msg
+            logger.error("%s; the engine stops", msg)
+            if self.nccl:
+                abort_tp_group()
+            if self.workers is not None:
+                self.workers.shutdown(timeout_s=0.0)
+
+    def check(self, grace_s: float = 0.0) -> None:
+        """Raises if a rank is gone (grace_s: WorkerProcesses.failure's wait_s)."""
+        if self.closed.is_set() and self.failure is None:
+            raise RuntimeError("the tensor-parallel engine was shut down")
+        if self.failure is None and self.workers is not None and (msg := self.workers.failure(grace_s)) is not None:
+            self.fail(msg)
+        if self.failure is not None:
+            self.close()  # leaves the process group: a new engine may start in this process
+            raise RuntimeError(f"{self.failure}; the tensor-parallel engine has stopped")
+
+    def close(self) -> None:
+        """Tells the workers to stop, joins them and leaves the process group (idempotent)."""
+        if self.closed.is_set():
+            return
+        healthy = self.failure is None
+        self.closed.set()
+        if healthy and self.channel is not None:
+            try:
+                with self.channel.hold():
+                    self.channel.send(StepMessage(stop=True))
+            except Exception as e:  # noqa: BLE001 - a rank went away meanwhile; it is being shut down anyway
+                logger.warning("tensor-parallel stop message not delivered: %s", e)
+        if self.workers is not None:
+            self.workers.shutdown()
+        destroy_tp_group()
+
+
+class TPDriver:
+    """Rank 0's runner of a tensor-parallel engine: the ModelRunner API the engine uses (`execute`, `release`,
+    `offload`, and rank 0's runner's attributes: arch, device, num_blocks, attn_backend, ...), each step sent to
+    the workers before it runs. Statistics are rank 0's (its backend's and offload cache's counters)."""
+
+    def __init__(self, runner: ModelRunner, session: _Session) -> None:
+        self.runner = runner
+        self._session = session
+        session.channel = StepChannel(runner.tp)
+        self._ops: list[Op] = []
+        self.offload = None if runner.offload is None else RecordingDeviceSpace(runner.offload, self._ops)
+        self._finalizer = weakref.finalize(self, session.close)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("runner", "_session"):
+            raise AttributeError(name)
+        value = getattr(self.runner, name)
+        if inspect.ismethod(value):  # it would run on rank 0 alone and leave the other ranks behind
+            raise AttributeError(f"ModelRunner.{name} is not available under tensor parallelism: only what "
+                                 f"TPDriver sends to every rank is (engine/parallel.py)")
+        return value
+
+    def release(self, seq_id: int) -> None:
+        self.runner.release(seq_id)
+        self._ops.append(("runner", "release", (seq_id,)))
+
+    def execute(self, scheduled: list) -> tuple[list, SamplerOutput | None]:
+        s = self._session
+        s.check()
+        message = StepMessage(self._ops[:], [(SeqView.of(seq, n), n) for seq, n in scheduled])
+        self._ops.clear()
+        try:
+            with s.channel.hold():
+                s.channel.send(message)
+                sampled, out = self.runner.execute(scheduled)
+                if self.runner.device.type == "cuda":
+                    # The engine reads the tokens next; waiting here first lets a dead rank (the watchdog aborts
+                    # NCCL) turn into an error instead of one step of garbage tokens.
+                    torch.cuda.current_stream(self.runner.device).synchronize()
+        except BaseException as e:  # also an interrupt (Ctrl-C): the ranks are out of step, stop them all
+            if isinstance(e, Exception):
+                s.check(grace_s=2.0)  # a dead rank explains the failure better than the collective's error
+            s.fail(f"a tensor-parallel step failed: {e!r}")
+            s.close()
+            if not isinstance(e, Exception):
+                raise
+            raise RuntimeError(f"a tensor-parallel step failed ({e}); the engine has stopped") from e
+        s.check()
+        return sampled, out
+
+    def shutdown(self) -> None:
+        """Stops the workers and leaves the process group (also at exit or when the driver is collected)."""
+        self._finalizer()
+
+
+def _spawn(config: EngineConfig, model_dir: Path, device_type: str) -> TPDriver:
+    tp_size = config.parallel_config.tensor_parallel_size
+    check_devices(tp_size, device_type, tp_size)
+    workers = WorkerProcesses(tp_size, _worker_main, (config, model_dir, os.getpid()),
+                              preload=WORKER_PRELOAD)
+    session = None
+    try:
+        workers.wait_ready()
+        tp = init_tp_group(rank=0, world_size=tp_size, local_rank=0, local_world_size=tp_size,
+                           device_type=device_type, store=workers.store)
+        session = _Session(tp, workers)
+        return TPDriver(ModelRunner(config, model_dir), session)
+    except BaseException as e:
+        # A worker's failure explains a failed collective (RuntimeError); rank 0's own errors speak for themselves.
+        why = workers.failure(wait_s=2.0) if isinstance(e, RuntimeError) else None
+        if session is not None:
+            session.fail(why or f"rank 0 failed: {e}")
+            session.close()
+        else:
+            workers.shutdown(timeout_s=0.0)
+            destroy_tp_group()
+        if why is not None:
+            raise RuntimeError(why) from e
+        raise
+
+
+# ---- the other ranks -----------------------------------------------------------------------------------------
+
+def serve(runner: ModelRunner, tp: TPGroup) -> None:
+    """A worker's loop: rank 0's messages, in order, until it says stop."""
+    channel = StepChannel(tp)
+    while True:
+        try:
+            message: StepMessage = channel.recv()
+        except RuntimeError as e:
+            raise RuntimeError(f"tensor-parallel rank {tp.rank}: lost rank 0 ({e})") from e
+        if message.stop:
+            return
+        for op in message.ops:
+            apply_op(runner, op)
+        if message.scheduled:
+            runner.execute(message.scheduled)
+
+
+def _worker_main(rank: int, world_size: int, port: int, env: dict[str, str], config: EngineConfig,
+                 model_dir: Path, parent_pid: int) -> None:
+    """A worker spawned by rank 0 (distributed/launch.py)."""
+    store = worker_setup(rank, port, env, parent_pid)
+    logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s [tp rank {rank}] %(name)s: %(message)s")
+    try:
+        device_type = resolve_device(config.model_config.device).type
+        if device_type == "cpu":  # the ranks of one host share its cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        tp = init_tp_group(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size,
+                           device_type=device_type, store=store)
+        serve(ModelRunner(config, model_dir), tp)
+    except BaseException:
+        report_worker_error(store, rank)
+        os._exit(1)
+    destroy_tp_group()

@@ -1,0 +1,248 @@
+"""Tensor parallelism without processes: how heads split, each parallel layer's shards (loaded from full
+checkpoint tensors) against the unsplit layer, the clean refusals, and the replay of the scheduler's device-space
+calls that keeps every rank's offload cache identical."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparseserve import LLM
+from sparseserve.config import EngineConfig, OffloadConfig, SchedulerConfig
+from sparseserve.distributed import launch
+from sparseserve.distributed.group import TPGroup, get_tp_group
+from sparseserve.distributed.utils import shard_heads
+from sparseserve.engine.parallel import RecordingDeviceSpace, SeqView, StepMessage, apply_op
+from sparseserve.engine.request import Sequence
+from sparseserve.engine.scheduler import DeviceSpace, Scheduler
+from sparseserve.kvcache.blocks import BlockAllocator
+from sparseserve.kvcache.offload import OffloadCache
+from sparseserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from sparseserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from sparseserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class OneRank(TPGroup):
+    """One rank of a group, alone in this process: collectives return the rank's own part (the tests combine
+    the ranks' parts themselves)."""
+
+    def all_reduce(self, x):
+        return x
+
+    def gather(self, x, dim=-1):
+        return x
+
+
+def ranks(tp: int) -> list[OneRank]:
+    return [OneRank(rank=r, world_size=tp) for r in range(tp)]
+
+
+@pytest.mark.parametrize("hq, hkv, tp", [(4, 2, 2), (4, 1, 2), (8, 2, 4), (4, 4, 2), (6, 3, 3), (8, 1, 4), (12, 2, 4),
+                                         (4, 2, 1)])
+def test_head_shards_cover_every_head_with_its_own_kv_head(hq, hkv, tp):
+    group = hq // hkv
+    out: list[int] = []
+    for r in range(tp):
+        h = shard_heads(hq, hkv, tp, r)
+        attended = range(h.q_start, h.q_start + h.num_heads)
+        kv = range(h.kv_start, h.kv_start + h.num_kv_heads)
+        assert h.num_kv_heads == max(hkv // tp, 1) and h.out_heads == hq // tp
+        assert {q // group for q in attended} == set(kv)  # whole groups of exactly the rank's KV heads
+        out += list(attended)[h.out_offset: h.out_offset + h.out_heads]
+    assert out == list(range(hq))  # o_proj's input: every head once, in order
+
+
+@pytest.mark.parametrize("hq, hkv, tp, match", [(2, 2, 4, "attention heads"), (4, 2, 3, "attention heads"),
+                                                (12, 3, 2, "KV heads"), (12, 3, 4, "KV heads")])
+def test_head_split_refusals(hq, hkv, tp, match):
+    with pytest.raises(ValueError, match=match):
+        shard_heads(hq, hkv, tp)
+
+
+@pytest.mark.parametrize("hq, hkv, tp", [(4, 2, 2), (4, 1, 2), (8, 2, 4), (6, 3, 3)])
+def test_qkv_shards_match_the_full_projection(hq, hkv, tp):
+    torch.manual_seed(0)
+    hidden, d = 16, 4
+    w = [torch.randn(h * d, hidden) for h in (hq, hkv, hkv)]
+    b = [torch.randn(h * d) for h in (hq, hkv, hkv)]
+    x = torch.randn(5, hidden)
+    full = [F.linear(x, wi, bi).view(5, -1, d) for wi, bi in zip(w, b)]
+    for g in ranks(tp):
+        layer = QKVParallelLinear(hidden, d, hq, hkv, bias=True, tp=g)
+        for i in range(3):
+            layer.weight.weight_loader(layer.weight, w[i], i)
+            layer.bias.weight_loader(layer.bias, b[i], i)
+        h = layer.heads
+        q, k, v = layer(x).split([h.num_heads * d, h.num_kv_heads * d, h.num_kv_heads * d], dim=-1)
+        torch.testing.assert_close(q.view(5, -1, d), full[0][:, h.q_start: h.q_start + h.num_heads])
+        torch.testing.assert_close(k.view(5, -1, d), full[1][:, h.kv_start: h.kv_start + h.num_kv_heads])
+        torch.testing.assert_close(v.view(5, -1, d), full[2][:, h.kv_start: h.kv_start + h.num_kv_heads])
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_mlp_shards_sum_to_the_full_mlp(tp):
+    """gate_up column-parallel, down row-parallel (bias added once): the ranks' partial outputs sum to the
+    unsplit MLP's."""
+    torch.manual_seed(1)
+    hidden, inter = 8, 16
+    wg, wu, wd = torch.randn(inter, hidden), torch.randn(inter, hidden), torch.randn(hidden, inter)
+    bd = torch.randn(hidden)
+    x = torch.randn(3, hidden)
+    want = F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd, bd)
+    total = torch.zeros_like(want)
+    for g in ranks(tp):
+        gate_up = MergedColumnParallelLinear(hidden, [inter, inter], tp=g)
+        gate_up.weight.weight_loader(gate_up.weight, wg, 0)
+        gate_up.weight.weight_loader(gate_up.weight, wu, 1)
+        down = RowParallelLinear(inter, hidden, bias=True, tp=g)
+        down.weight.weight_loader(down.weight, wd)
+        down.bias.weight_loader(down.bias, bd)
+        gu = gate_up(x)
+        n = inter // tp
+        total += down(F.silu(gu[:, :n]) * gu[:, n:])
+    torch.testing.assert_close(total, want)
+
+
+@pytest.mark.parametrize("vocab, tp", [(10, 1), (10, 2), (10, 4), (7, 3)])
+def test_vocab_shards(vocab, tp):
+    """Embedding rows split (the last rank padded): the ranks' lookups sum to the full one; the LM head's
+    shards, concatenated and trimmed, are the full logits."""
+    torch.manual_seed(2)
+    w = torch.randn(vocab, 6)
+    ids = torch.tensor([0, vocab - 1, 3, 5, 1, 6])
+    hidden = torch.randn(4, 6)
+    emb_sum, logits = torch.zeros(len(ids), 6), []
+    for g in ranks(tp):
+        emb = VocabParallelEmbedding(vocab, 6, tp=g)
+        emb.weight.weight_loader(emb.weight, w)
+        emb_sum += emb(ids)
+        head = ParallelLMHead(vocab, 6, tp=g)
+        head.weight.weight_loader(head.weight, w)
+        logits.append(head(hidden))  # OneRank's gather: the rank's own columns
+    torch.testing.assert_close(emb_sum, F.embedding(ids, w))
+    torch.testing.assert_close(torch.cat(logits, -1)[:, :vocab], F.linear(hidden, w))
+
+
+def test_shard_loading_checks_the_checkpoint_shape():
+    layer = RowParallelLinear(8, 4, tp=OneRank(rank=1, world_size=2))
+    with pytest.raises(ValueError, match=r"has shape \(4, 6\), expected \(4, 8\)"):
+        layer.weight.weight_loader(layer.weight, torch.zeros(4, 6))
+
+
+def test_one_rank_is_no_process_group(tiny_model_dir):
+    import torch.distributed as dist
+    LLM(str(tiny_model_dir), device="cpu", max_model_len=128, tensor_parallel_size=1)
+    assert get_tp_group().world_size == 1 and not dist.is_initialized()
+
+
+def test_refusals_before_any_process_starts(hf_models, monkeypatch):
+    cfg = EngineConfig.from_kwargs(tensor_parallel_size=2)
+    assert cfg.parallel_config.tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        EngineConfig.from_kwargs(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match=r"attention heads \(2\) is not divisible by tensor_parallel_size \(4\)"):
+        LLM(str(hf_models["llama-mha-d64-untied"][0]), device="cpu", tensor_parallel_size=4)
+    with pytest.raises(ValueError, match=r"attention heads \(4\) is not divisible by tensor_parallel_size \(3\)"):
+        LLM(str(hf_models["qwen2-gqa-bias"][0]), device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"attention heads \(9\) is not divisible by tensor_parallel_size \(2\)"):
+        LLM(str(hf_models["llama-gqa3-d64-tied"][0]), device="cpu", tensor_parallel_size=2)
+    for var in launch.TORCHRUN_VARS:
+        monkeypatch.setenv(var, "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="WORLD_SIZE=4, but tensor_parallel_size=2"):
+        LLM(str(hf_models["qwen2-gqa-bias"][0]), device="cpu", tensor_parallel_size=2)
+
+
+def test_device_refusals(monkeypatch):
+    """NCCL missing and fewer visible GPUs than ranks are refused by name (checked with a faked CUDA build)."""
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    with pytest.raises(ValueError, match="needs NCCL"):
+        launch.check_devices(2, "cuda", 2)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="needs 2 GPUs on this host, but 1 are visible"):
+        launch.check_devices(2, "cuda", 2)
+    launch.check_devices(2, "cpu", 2)  # gloo
+
+
+def test_recorded_device_space_covers_every_state_change():
+    """Every DeviceSpace method except the two questions changes state, so each must be recorded for the
+    workers: a method added to the protocol fails here until the driver records it."""
+    methods = {n for n in vars(DeviceSpace) if not n.startswith("_")}
+    assert methods - {"can_schedule", "can_admit"} <= set(RecordingDeviceSpace.RECORDED)
+
+
+def _offload_cache() -> OffloadCache:
+    return OffloadCache.build(
+        OffloadConfig(kv_offload=True, host_kv_memory=20 * 256, hbm_cache_blocks=12), num_layers=2, num_kv_heads=1,
+        head_dim=4, block_size=4, dtype=torch.float32, device=torch.device("cpu"), dense_layers=0, local_blocks=2,
+        cap=3, metadata_block_bytes=64, max_model_len=48, max_num_seqs=4, max_num_batched_tokens=16, budget=None,
+        device_blocks=16)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_replayed_device_space_calls_keep_ranks_identical(seed):
+    """A scheduler drives rank 0's offload cache through RecordingDeviceSpace (arrivals, chunked prefill,
+    decode windows moving, preemptions, finishes); a worker's cache that replays the recorded calls (after a
+    pickling round trip, as the step messages travel) ends every step in the same state."""
+    import pickle
+    rng = random.Random(seed)
+    ops: list = []
+    rank0, worker = _offload_cache(), _offload_cache()
+    space = RecordingDeviceSpace(rank0, ops)
+    allocator = BlockAllocator(rank0.num_token_blocks)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, init_new_token_ratio=0.0,
+                                            min_new_token_ratio=0.0), allocator, 4, space)
+    seqs = []
+    for step in range(60):
+        if rng.random() < 0.3:
+            s = Sequence(step, f"r{step}", 0, [rng.randrange(100) for _ in range(rng.randint(1, 40))],
+                         SamplingParams(max_tokens=rng.randint(1, 8)))
+            seqs.append(s)
+            sched.add(s)
+        out = sched.schedule()
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.token_ids.append(1)
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    sched.finish(seq)
+        message = pickle.loads(pickle.dumps(StepMessage(ops[:])))
+        ops.clear()
+        runner = type("R", (), {"offload": worker})()
+        for op in message.ops:
+            apply_op(runner, op)
+        assert worker.device_map.ranges == rank0.device_map.ranges
+        assert list(worker.device_map.allocator._free) == list(rank0.device_map.allocator._free)
+        assert torch.equal(worker.pool.resident, rank0.pool.resident)
+    assert sched.num_preemptions > 0  # the small spaces preempt
+
+
+def test_seq_view_reads_like_the_sequence():
+    seq = Sequence(3, "r", 0, list(range(50, 90)), SamplingParams())
+    seq.block_table = [7, 2, 9]
+    seq.num_computed_tokens = 16
+    view = SeqView.of(seq, 10)
+    assert view.token_ids[16:26] == seq.token_ids[16:26] and view.num_tokens == seq.num_tokens
+    assert list(view.block_table) == seq.block_table and view.block_table_array().tolist() == seq.block_table
+
+
+def test_driver_refuses_runner_methods_that_would_run_on_rank_0_alone():
+    from sparseserve.engine.parallel import TPDriver
+
+    class Runner:
+        arch = "the model"
+
+        def prepare(self, scheduled):
+            return scheduled
+
+    driver = TPDriver.__new__(TPDriver)  # no process group: only the attribute forwarding is under test
+    driver.runner = Runner()
+    assert driver.arch == "the model"
+    with pytest.raises(AttributeError, match="ModelRunner.prepare is not available under tensor parallelism"):
+        driver.prepare
