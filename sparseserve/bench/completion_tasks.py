@@ -1,0 +1,191 @@
+"""Completion-style long-context tasks for small instruct models (RULER's base-model templates).
+
+A small model (SmolLM2-135M) does not answer "Question: ... Answer:" reliably, but it completes a sentence it
+has read: every prompt here ends with the beginning of the sentence that holds the answer ("... The special
+magic number for the lantern mentioned in the provided text is") and the model's continuation is scored.
+
+  needle_single      one needle in the essays, at a random depth
+  needle_multikey    four needles with different keys; the query asks for one (the others are distractors)
+  needle_depth       one needle at a depth swept over the context: sample i sits at DEPTHS[i % len(DEPTHS)]
+  needle_multivalue  four values for one key; all four must be in the completion
+  extract_record     no essays: a long directory of records (name, city, code); the query asks for one
+                     record's code, so every line is a distractor and the answer must be copied exactly
+
+Prompts are built at an exact token length by bench/tasks.py's TaskBuilder (the essays' token corpus and its
+assembly of needles at sentence boundaries). Scoring is exact match on the completion (`is_correct`): the
+completion must start with the answer (as a whole word), or, for needle_multivalue, its first line must hold
+every value.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import numpy as np
+
+from sparseserve.bench.tasks import KEY_WORDS, TaskBuilder, TaskSample, TokenCorpus
+
+TASKS = ("needle_single", "needle_multikey", "needle_depth", "needle_multivalue", "extract_record")
+DEPTHS = tuple(i / 10 for i in range(11))  # needle_depth: 0%, 10%, ..., 100% of the haystack
+
+HEADER = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
+          "I will quiz you about the numbers afterwards.\n")
+NEEDLE = " The special magic number for the {} is {}."
+QUERY = ("\nWhat is the special magic number for the {0} mentioned in the provided text? "
+         "The special magic number for the {0} mentioned in the provided text is")
+MV_NEEDLE = " One of the special magic numbers for the {} is {}."
+MV_QUERY = ("\nWhat are all the special magic numbers for the {0} mentioned in the provided text? "
+            "The special magic numbers for the {0} mentioned in the provided text are")
+VALUE_DIGITS = 7
+
+
+def _digits(rng: np.random.Generator, n: int = VALUE_DIGITS) -> str:
+    return str(int(rng.integers(10 ** (n - 1), 10 ** n)))
+
+
+def _keys(rng: np.random.Generator, n: int) -> list[str]:
+    return [KEY_WORDS[i] for i in rng.choice(len(KEY_WORDS), size=n, replace=False)]
+
+
+def _needles(b: TaskBuilder, task: str, length: int, rng: np.random.Generator, num_keys: int,
+             depth: float | None = None) -> TaskSample:
+    keys = _keys(rng, num_keys)
+    values = [_digits(rng) for _ in keys]
+    depths = [float(rng.random()) for _ in keys]
+    q = int(rng.integers(num_keys))  # the key asked for; the others are distractors
+    if depth is not None:
+        depths[q] = depth
+    hay, starts = b.essays.slice(rng, length)
+    needles = [(d, NEEDLE.format(k, v)) for d, k, v in zip(depths, keys, values)]
+    return b.assemble(task, length, HEADER, hay, starts, needles, QUERY.format(keys[q]), values[q],
+                      {"keys": keys, "asked": keys[q], "depth": depths[q]})
+
+
+def needle_single(b: TaskBuilder, length: int, rng: np.random.Generator, index: int) -> TaskSample:
+    return _needles(b, "needle_single", length, rng, 1)
+
+
+def needle_multikey(b: TaskBuilder, length: int, rng: np.random.Generator, index: int) -> TaskSample:
+    return _needles(b, "needle_multikey", length, rng, 4)
+
+
+def needle_depth(b: TaskBuilder, length: int, rng: np.random.Generator, index: int) -> TaskSample:
+    return _needles(b, "needle_depth", length, rng, 1, depth=DEPTHS[index % len(DEPTHS)])
+
+
+def needle_multivalue(b: TaskBuilder, length: int, rng: np.random.Generator, index: int,
+                      num_values: int = 4) -> TaskSample:
+    key = _keys(rng, 1)[0]
+    values: list[str] = []
+    while len(values) < num_values:
+        v = _digits(rng)
+        if v not in values:
+            values.append(v)
+    depths = sorted(float(d) for d in rng.random(num_values))
+    hay, starts = b.essays.slice(rng, length)
+    needles = [(d, MV_NEEDLE.format(key, v)) for d, v in zip(depths, values)]
+    return b.assemble("needle_multivalue", length, HEADER, hay, starts, needles, MV_QUERY.format(key),
+                      ", ".join(values), {"keys": [key], "values": values, "depths_sorted": depths})
+
+
+# -- extraction --------------------------------------------------------------------------------------------
+FIRST_NAMES = """
+Alice Bruno Carla Daniel Elena Felix Grace Hugo Irene Jonas Karin Leon Marta Nadia Oscar Paula Quentin Rosa
+Simon Tanja Umberto Vera Walter Xenia Yusuf Zoe Anton Bianca Cedric Dora Emil Frida Gustav Hanna Ivan Julia
+Kai Lena Milan Nora Otto Petra Rafael Sara Tobias Ursula Viktor Wanda
+""".split()
+LAST_NAMES = """
+Adler Berger Castro Dalton Engel Fischer Garcia Hofmann Ibsen Jensen Keller Lindqvist Moreau Novak Olsen
+Peters Quinn Romano Schmidt Torres Ulrich Vogel Weber Young Zimmer Brandt Costa Duval Eriksen Ferreira
+Graham Hansen Iverson Janssen Kowalski Larsen Meyer Nilsson Ortega Petrov Reyes Silva Thomsen Varga Wagner
+""".split()
+CITIES = """
+Lisbon Oslo Vienna Prague Dublin Madrid Berlin Warsaw Athens Zurich Geneva Milan Porto Lyon Seville Krakow
+Munich Bergen Turin Leeds Bristol Ghent Utrecht Bologna
+""".split()
+RECORDS_HEADER = "Below is the staff directory. Every line holds one person's name, city and staff code.\n"
+RECORD = "\nName: {}. City: {}. Staff code: {}."
+RECORD_QUERY = "\nWhat is the staff code of {0}? The staff code of {0} is"
+
+
+def extract_record(b: TaskBuilder, length: int, rng: np.random.Generator, index: int) -> TaskSample:
+    """A directory of distinct names (every line a distractor), cut to fit; the asked record is one that the
+    cut keeps."""
+    names: list[str] = []
+    seen: set[str] = set()
+    pieces: list[list[int]] = []
+    codes: list[str] = []
+    total = 0
+    while total < length:
+        batch = []
+        for _ in range(max(8, (length - total) // 16)):
+            name = f"{FIRST_NAMES[rng.integers(len(FIRST_NAMES))]} {LAST_NAMES[rng.integers(len(LAST_NAMES))]}"
+            if name in seen:
+                continue
+            if len(seen) == len(FIRST_NAMES) * len(LAST_NAMES):
+                raise ValueError(f"length {length} needs more distinct names than the directory has")
+            seen.add(name)
+            batch.append((name, CITIES[rng.integers(len(CITIES))], _digits(rng, 5)))
+        new = b._encode_many([RECORD.format(*r) for r in batch])
+        names += [r[0] for r in batch]
+        codes += [r[2] for r in batch]
+        pieces += new
+        total += sum(len(p) for p in new)
+    # The haystack room as `assemble` computes it, less a margin: questions differ by a token or two between
+    # names, so the asked line is surely kept whole.
+    room = length - len(b.bos) - len(b.enc_cached(RECORDS_HEADER)) - len(b.enc(RECORD_QUERY.format(names[0]))) - 4
+    kept = max(1, int(np.searchsorted(np.cumsum([len(p) for p in pieces]), room, side="right")))
+    q = int(rng.integers(kept))
+    corpus = TokenCorpus(pieces)
+    return b.assemble("extract_record", length, RECORDS_HEADER, corpus.ids, corpus.starts, [],
+                      RECORD_QUERY.format(names[q]), codes[q],
+                      {"asked": names[q], "num_records": kept, "asked_index": q, "depth": q / kept})
+
+
+GENERATORS: dict[str, Callable[[TaskBuilder, int, np.random.Generator, int], TaskSample]] = {
+    "needle_single": needle_single, "needle_multikey": needle_multikey, "needle_depth": needle_depth,
+    "needle_multivalue": needle_multivalue, "extract_record": extract_record,
+}
+
+
+def sample_rng(seed: int, task: str, length: int, index: int) -> np.random.Generator:
+    """One stream per (seed, task, length, sample index), as in bench/tasks.py (offset so that the two suites'
+    streams differ)."""
+    return np.random.default_rng([seed, 100 + TASKS.index(task), length, index])
+
+
+def build(builder: TaskBuilder, task: str, length: int, index: int, seed: int) -> TaskSample:
+    if task not in GENERATORS:
+        raise ValueError(f"unknown completion task {task!r}: choose from {', '.join(TASKS)}")
+    return GENERATORS[task](builder, length, sample_rng(seed, task, length, index), index)
+
+
+def build_suite(builder: TaskBuilder, tasks: list[str], lengths: list[int], num_samples: int,
+                seed: int) -> list[TaskSample]:
+    return [build(builder, t, n, i, seed) for t in tasks for n in lengths for i in range(num_samples)]
+
+
+# -- scoring -------------------------------------------------------------------------------------------------
+def _first_line(text: str) -> str:
+    for line in text.strip().splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def is_correct(sample: TaskSample, generated: str) -> bool:
+    """Exact match on the completion: it starts with the answer, not followed by another letter or digit
+    ("1234567." and "1234567, which" count; "12345678" does not). needle_multivalue: every value appears as a
+    whole number in the completion's first line, in any order."""
+    values = sample.meta.get("values")
+    if values is not None:
+        found = set(re.findall(r"\d+", _first_line(generated)))
+        return all(v in found for v in values)
+    text = generated.strip()
+    return text.startswith(sample.answer) and not text[len(sample.answer):len(sample.answer) + 1].isalnum()
+
+
+def max_tokens(sample: TaskSample) -> int:
+    """Generation room: the answer's tokens plus a few (the multi-value list's separators)."""
+    extra = 4 * len(sample.meta.get("values", ())) + 4
+    return len(sample.answer_ids) + extra
