@@ -19,7 +19,8 @@ tokens attended per policy (also a PNG with --plot, needs matplotlib: the `bench
 
 A policy is NAME (a preset below) or NAME:key=value,... (engine arguments). A NAME that is a selection policy
 (topk, topp) sets sparse_policy itself, so `topk:sparse_budget=1024` is topk at budget 1024; its label is then
-the whole spec, so several budgets can run side by side.
+the spec without the "sparse_" prefixes ("topk:budget=1024"), so several budgets can run side by side. A new
+NAME with arguments is its own label (`topk768:sparse_policy=topk,sparse_budget=768` is "topk768").
 """
 from __future__ import annotations
 
@@ -97,7 +98,10 @@ def parse_policy(spec: str) -> Policy:
         if not eq:
             raise ValueError(f"policy argument {item!r} in {spec!r} is not key=value")
         args[key.strip().replace("-", "_")] = _value(val.strip())
-    label = spec if rest and (name in POLICIES or selection) else name
+    if rest and (name in POLICIES or selection):  # the spec is the label, shortened: "topk:budget=1024"
+        label = f"{name}:" + ",".join(x.strip().removeprefix("sparse_") for x in rest.split(",") if x.strip())
+    else:
+        label = name
     return Policy(label, args)
 
 
@@ -122,15 +126,15 @@ class Suite:
     tasks: tuple[str, ...]
     default_lengths: str
     build: Callable[[T.TaskBuilder, list[str], list[int], int, int], list[T.TaskSample]]
-    is_correct: Callable[[T.TaskSample, str], bool]
+    score: Callable[[T.TaskSample, str], float]  # 1.0 for a right answer (partial credit where a task has it)
     max_tokens: Callable[[T.TaskSample], int]
 
 
 SUITES = {
-    "ruler": Suite("ruler", T.TASKS, "4096,16384", T.build_suite, lambda s, text: T.is_correct(text, s.answer),
+    "ruler": Suite("ruler", T.TASKS, "4096,16384", T.build_suite, lambda s, text: float(T.is_correct(text, s.answer)),
                    lambda s: len(s.answer_ids) + 4),
     # 8128 = SmolLM2's 8192-token context less the generation room of the longest answer (multi-value).
-    "completion": Suite("completion", C.TASKS, "2048,4096,8128", C.build_suite, C.is_correct, C.max_tokens),
+    "completion": Suite("completion", C.TASKS, "2048,4096,8128", C.build_suite, C.score, C.max_tokens),
 }
 
 
@@ -212,7 +216,8 @@ def load_tokenizer(model: str | None, tokenizer: str | None = None) -> Any:
 # -- running one policy --------------------------------------------------------------------------------------
 def run_policy(llm: Any, samples: list[T.TaskSample], suite: Suite = SUITES["ruler"],
                use_tqdm: bool = False) -> list[dict]:
-    """Greedy answers of all samples in one batch (the engine schedules them), scored by the suite."""
+    """Greedy answers of all samples in one batch (the engine schedules them), scored by the suite ("correct":
+    1.0 or 0.0, a share for partial-credit tasks)."""
     from sparseserve import SamplingParams
     params = [SamplingParams(temperature=0.0, max_tokens=suite.max_tokens(s)) for s in samples]
     outs = llm.generate([s.prompt_ids for s in samples], params, use_tqdm=use_tqdm)
@@ -220,7 +225,7 @@ def run_policy(llm: Any, samples: list[T.TaskSample], suite: Suite = SUITES["rul
     for i, (s, o) in enumerate(zip(samples, outs)):
         text = o.outputs[0].text
         row = {"task": s.task, "length": s.length, "index": i, "answer": s.answer, "output": text,
-               "output_token_ids": list(o.outputs[0].token_ids), "correct": suite.is_correct(s, text)}
+               "output_token_ids": list(o.outputs[0].token_ids), "correct": suite.score(s, text)}
         if "depth" in s.meta:
             row["depth"] = s.meta["depth"]
         rows.append(row)
@@ -306,8 +311,8 @@ def hf_greedy(model: str | None, samples: list[T.TaskSample], device: str, dtype
 
 # -- reports -----------------------------------------------------------------------------------------------------
 def accuracy_table(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """{task: {length: accuracy}} of one policy's rows."""
-    acc: dict[str, dict[str, list[bool]]] = {}
+    """{task: {length: accuracy}} of one policy's rows (the mean score)."""
+    acc: dict[str, dict[str, list[float]]] = {}
     for r in rows:
         acc.setdefault(r["task"], {}).setdefault(str(r["length"]), []).append(r["correct"])
     return {t: {n: sum(v) / len(v) for n, v in d.items()} for t, d in acc.items()}
@@ -320,6 +325,18 @@ def depth_table(rows: list[dict], task: str = "needle_depth") -> dict[str, dict[
         if r["task"] == task:
             acc.setdefault(str(r["length"]), {}).setdefault(f"{r['depth']:.1f}", []).append(r["correct"])
     return {n: {d: sum(v) / len(v) for d, v in sorted(x.items())} for n, x in acc.items()}
+
+
+def format_depths(depths: dict[str, dict[str, dict[str, float]]]) -> str:
+    """Rows policy x length, one column per depth."""
+    cols = sorted({d for by_len in depths.values() for x in by_len.values() for d in x}, key=float)
+    w = max([8] + [len(f"{p} @{n}") + 2 for p, by_len in depths.items() for n in by_len])
+    lines = [f"{'policy @ length':<{w}}" + "".join(f"{d:>6}" for d in cols)]
+    for p, by_len in depths.items():
+        for n, x in by_len.items():
+            lines.append(f"{p + ' @' + n:<{w}}" + "".join(f"{100 * x[d]:>6.0f}" if d in x else f"{'-':>6}"
+                                                         for d in cols))
+    return "\n".join(lines)
 
 
 def format_table(results: dict[str, dict[str, dict[str, float]]], tasks: list[str], lengths: list[int],
@@ -368,10 +385,11 @@ def curve(results: dict[str, dict], ppl: dict[str, dict], attended: dict[str, di
 
 
 def format_curve(points: list[dict]) -> str:
-    lines = [f"{'policy':<44}{'length':>7}{'tokens':>9}{'accuracy':>10}{'vs dense':>9}{'ppl':>9}{'ppl/dense':>10}"]
+    w = max([8] + [len(c["policy"]) + 2 for c in points])
+    lines = [f"{'policy':<{w}}{'length':>7}{'tokens':>9}{'accuracy':>10}{'vs dense':>9}{'ppl':>9}{'ppl/dense':>10}"]
     for c in points:
         f = lambda v, fmt: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)  # noqa
-        lines.append(f"{c['policy']:<44}{c['length']:>7}{f(c['tokens_attended'], '.0f'):>9}"
+        lines.append(f"{c['policy']:<{w}}{c['length']:>7}{f(c['tokens_attended'], '.0f'):>9}"
                      f"{f(None if c['accuracy'] is None else 100 * c['accuracy'], '.1f'):>10}"
                      f"{f(None if c['accuracy_vs_dense'] is None else 100 * c['accuracy_vs_dense'], '+.1f'):>9}"
                      f"{f(c['ppl'], '.3f'):>9}{f(c['ppl_ratio'], '.4f'):>10}")
@@ -500,7 +518,7 @@ def main(args: argparse.Namespace) -> dict:
         hf_rows = []
         for r, s, ids in zip(rows_by_policy["dense"], samples, hf_ids):
             text = tok.decode(ids, skip_special_tokens=True)
-            hf_rows.append({**r, "output": text, "output_token_ids": ids, "correct": suite.is_correct(s, text)})
+            hf_rows.append({**r, "output": text, "output_token_ids": ids, "correct": suite.score(s, text)})
             r["hf_match"] = _same_tokens(r["output_token_ids"], ids, eos_ids)
         rows_by_policy["hf"] = hf_rows
         results["hf"] = accuracy_table(hf_rows)
@@ -526,9 +544,8 @@ def main(args: argparse.Namespace) -> dict:
     print(format_table(results, tasks, lengths, extra_rows=extra_rows))
     depths = {name: depth_table(rows) for name, rows in rows_by_policy.items() if name != "hf"}
     if any(depths.values()):
-        print("\nneedle_depth accuracy (%) by depth of the needle: " + "; ".join(
-            f"{name} @{n}: " + " ".join(f"{d}:{100 * a:.0f}" for d, a in by_depth.items())
-            for name, by_len in depths.items() for n, by_depth in by_len.items()))
+        print("\nneedle_depth accuracy (%) by the needle's depth in the context")
+        print(format_depths(depths))
     # With few samples a cell moves many points on one low-margin sample: agreement with dense, sample by
     # sample, tells a policy that tracks dense from one that drifts.
     agree = {name: sum(a["output_token_ids"] == b["output_token_ids"] for a, b in zip(rows_by_policy["dense"], rows))

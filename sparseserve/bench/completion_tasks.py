@@ -7,14 +7,15 @@ magic number for the lantern mentioned in the provided text is") and the model's
   needle_single      one needle in the essays, at a random depth
   needle_multikey    four needles with different keys; the query asks for one (the others are distractors)
   needle_depth       one needle at a depth swept over the context: sample i sits at DEPTHS[i % len(DEPTHS)]
-  needle_multivalue  four values for one key; all four must be in the completion
+  needle_multivalue  four values for one key; the query asks for all of them (scored by the share of the values
+                     the completion holds, RULER's metric for this task)
   extract_record     no essays: a long directory of records (name, city, code); the query asks for one
                      record's code, so every line is a distractor and the answer must be copied exactly
 
 Prompts are built at an exact token length by bench/tasks.py's TaskBuilder (the essays' token corpus and its
-assembly of needles at sentence boundaries). Scoring is exact match on the completion (`is_correct`): the
-completion must start with the answer (as a whole word), or, for needle_multivalue, its first line must hold
-every value.
+assembly of needles at sentence boundaries). Scoring (`score`) is exact match on the completion: it must start
+with the answer as a whole word; for needle_multivalue, the share of the values that appear in it as whole
+numbers (SmolLM2 lists them in several formats: "a, b, c", a numbered list, with repeats).
 """
 from __future__ import annotations
 
@@ -166,26 +167,21 @@ def build_suite(builder: TaskBuilder, tasks: list[str], lengths: list[int], num_
 
 
 # -- scoring -------------------------------------------------------------------------------------------------
-def _first_line(text: str) -> str:
-    for line in text.strip().splitlines():
-        if line.strip():
-            return line.strip()
-    return ""
-
-
-def is_correct(sample: TaskSample, generated: str) -> bool:
-    """Exact match on the completion: it starts with the answer, not followed by another letter or digit
-    ("1234567." and "1234567, which" count; "12345678" does not). needle_multivalue: every value appears as a
-    whole number in the completion's first line, in any order."""
+def score(sample: TaskSample, generated: str) -> float:
+    """1.0 when the completion starts with the answer, not followed by another letter or digit ("1234567." and
+    "1234567, which" count; "12345678" does not), else 0.0. needle_multivalue: the share of the values that
+    appear as whole numbers anywhere in the completion (which max_tokens bounds), in any order."""
     values = sample.meta.get("values")
     if values is not None:
-        found = set(re.findall(r"\d+", _first_line(generated)))
-        return all(v in found for v in values)
+        found = set(re.findall(r"\d+", generated))
+        return sum(v in found for v in values) / len(values)
     text = generated.strip()
-    return text.startswith(sample.answer) and not text[len(sample.answer):len(sample.answer) + 1].isalnum()
+    return float(text.startswith(sample.answer) and not text[len(sample.answer):len(sample.answer) + 1].isalnum())
 
 
 def max_tokens(sample: TaskSample) -> int:
-    """Generation room: the answer's tokens plus a few (the multi-value list's separators)."""
-    extra = 4 * len(sample.meta.get("values", ())) + 4
-    return len(sample.answer_ids) + extra
+    """Generation room: the answer's tokens plus a few; for the multi-value list room for a numbered list."""
+    values = sample.meta.get("values")
+    if values is not None:
+        return sum(len(v) + 5 for v in values) + 4
+    return len(sample.answer_ids) + 4

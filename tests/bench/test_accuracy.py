@@ -78,9 +78,9 @@ def test_parse_policy():
     # A selection policy's name sets sparse_policy; with arguments its label is the whole spec (budgets side by side).
     assert accuracy.parse_policy("topk") == accuracy.Policy("topk", {"sparse_policy": "topk"})
     p = accuracy.parse_policy("topk:sparse_budget=1024")
-    assert p == accuracy.Policy("topk:sparse_budget=1024", {"sparse_policy": "topk", "sparse_budget": 1024})
+    assert p == accuracy.Policy("topk:budget=1024", {"sparse_policy": "topk", "sparse_budget": 1024})
     p = accuracy.parse_policy("topk1024_lag:sparse_budget=512")  # a preset, overridden
-    assert p.name == "topk1024_lag:sparse_budget=512"
+    assert p.name == "topk1024_lag:budget=512"
     assert p.engine_args == {"sparse_policy": "topk", "sparse_budget": 512, "sparse_lag": 1}
     with pytest.raises(ValueError):
         accuracy.parse_policy("no_such_policy")
@@ -90,7 +90,7 @@ def test_parse_policy():
 
 def test_parse_policies_dense_first_and_unique():
     pols = accuracy.parse_policies(["topk:sparse_budget=512", "topk:sparse_budget=1024"])
-    assert [p.name for p in pols] == ["dense", "topk:sparse_budget=512", "topk:sparse_budget=1024"]
+    assert [p.name for p in pols] == ["dense", "topk:budget=512", "topk:budget=1024"]
     assert [p.name for p in accuracy.parse_policies(["topk1024", "dense"])] == ["dense", "topk1024"]
     with pytest.raises(ValueError, match="twice"):
         accuracy.parse_policies(["topk1024", "topk1024"])
@@ -100,6 +100,16 @@ def test_tokens_attended():
     # 30 selections of 10 blocks of 32 tokens between the snapshots: 320 tokens; none: the mean context.
     assert accuracy.tokens_attended((100, 7), (400, 37), 32, 5000.0) == 320.0
     assert accuracy.tokens_attended((100, 7), (100, 7), 32, 5000.0) == 5000.0
+
+
+def test_depth_table():
+    rows = [{"task": "needle_depth", "length": 8, "depth": d, "correct": c}
+            for d, c in [(0.0, 1.0), (0.0, 0.0), (1.0, 1.0), (0.5, 0.0)]] + [
+           {"task": "needle_single", "length": 8, "depth": 0.3, "correct": 1.0}]
+    table = accuracy.depth_table(rows)
+    assert table == {"8": {"0.0": 0.5, "0.5": 0.0, "1.0": 1.0}}
+    text = accuracy.format_depths({"dense": table})
+    assert text.splitlines()[1].split() == ["dense", "@8", "50", "0", "100"]
 
 
 def test_curve_and_its_table():
@@ -202,7 +212,7 @@ def test_harness_completion_suite_end_to_end(tmp_path, capsys):
     res = accuracy.main(args)
     printed = capsys.readouterr().out
     assert "perplexity" in printed and "tokens attended" in printed and "needle_multivalue" in printed
-    sparse = "topk:sparse_budget=192,sparse_dense_layers=0"
+    sparse = "topk:budget=192,dense_layers=0"
     data = json.loads(out.read_text())
     assert data["suite"] == "completion" and list(data["accuracy"]) == ["dense", sparse]
     assert set(data["accuracy"][sparse]) == {"needle_single", "needle_multivalue", "extract_record"}

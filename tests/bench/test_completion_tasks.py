@@ -106,18 +106,20 @@ def test_deterministic_and_independent(builder):
 
 def test_scoring():
     one = T.TaskSample("needle_single", 10, [], "1234567", [], {})
-    assert C.is_correct(one, " 1234567.")
-    assert C.is_correct(one, " 1234567.\nThe special magic number")
-    assert C.is_correct(one, "1234567, which is")
-    assert not C.is_correct(one, " 12345678")
-    assert not C.is_correct(one, " 123456")
-    assert not C.is_correct(one, " the number 1234567")
-    assert not C.is_correct(one, "")
-    mv = T.TaskSample("needle_multivalue", 10, [], "11, 22, 33", [], {"values": ["11", "22", "33"]})
-    assert C.is_correct(mv, " 33, 11 and 22.")
-    assert C.is_correct(mv, " 11, 22, 33.\nmore")
-    assert not C.is_correct(mv, " 11, 22.\n33")  # every value on the completion's first line
-    assert not C.is_correct(mv, " 11, 222, 33.")
+    assert C.score(one, " 1234567.") == 1.0
+    assert C.score(one, " 1234567.\nThe special magic number") == 1.0
+    assert C.score(one, "1234567, which is") == 1.0
+    assert C.score(one, " 12345678") == 0.0
+    assert C.score(one, " 123456") == 0.0
+    assert C.score(one, " the number 1234567") == 0.0
+    assert C.score(one, "") == 0.0
+    mv = T.TaskSample("needle_multivalue", 10, [], "1111, 2222, 3333, 4444", [],
+                      {"values": ["1111", "2222", "3333", "4444"]})
+    assert C.score(mv, " 4444, 3333, 1111 and 2222.") == 1.0
+    assert C.score(mv, ":\n1. 1111\n2. 2222\n3. 3333\n4. 4444") == 1.0  # a numbered list
+    assert C.score(mv, " 1111, 1111, 2222.") == 0.5  # repeats count once
+    assert C.score(mv, " 1111, 22220, 3333.1") == 0.5  # whole numbers only
+    assert C.score(mv, "") == 0.0
     assert C.max_tokens(mv) > C.max_tokens(one) >= len(one.answer_ids)
 
 
