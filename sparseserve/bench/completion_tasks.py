@@ -9,8 +9,8 @@ magic number for the lantern mentioned in the provided text is") and the model's
   needle_depth       one needle at a depth swept over the context: sample i sits at DEPTHS[i % len(DEPTHS)]
   needle_multivalue  four values for one key; the query asks for all of them (scored by the share of the values
                      the completion holds, RULER's metric for this task)
-  extract_record     no essays: a long directory of records (name, city, code); the query asks for one
-                     record's code, so every line is a distractor and the answer must be copied exactly
+  extract_record     a list of four records (one per line, at a random depth) whose codes have 16 digits; the
+                     query names one record, whose code must be copied exactly (19 tokens)
 
 Prompts are built at an exact token length by bench/tasks.py's TaskBuilder (the essays' token corpus and its
 assembly of needles at sentence boundaries). Scoring (`score`) is exact match on the completion: it must start
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from sparseserve.bench.tasks import KEY_WORDS, TaskBuilder, TaskSample, TokenCorpus
+from sparseserve.bench.tasks import KEY_WORDS, TaskBuilder, TaskSample
 
 TASKS = ("needle_single", "needle_multikey", "needle_depth", "needle_multivalue", "extract_record")
 DEPTHS = tuple(i / 10 for i in range(11))  # needle_depth: 0%, 10%, ..., 100% of the haystack
@@ -90,57 +90,27 @@ def needle_multivalue(b: TaskBuilder, length: int, rng: np.random.Generator, ind
 
 
 # -- extraction --------------------------------------------------------------------------------------------
-FIRST_NAMES = """
-Alice Bruno Carla Daniel Elena Felix Grace Hugo Irene Jonas Karin Leon Marta Nadia Oscar Paula Quentin Rosa
-Simon Tanja Umberto Vera Walter Xenia Yusuf Zoe Anton Bianca Cedric Dora Emil Frida Gustav Hanna Ivan Julia
-Kai Lena Milan Nora Otto Petra Rafael Sara Tobias Ursula Viktor Wanda
-""".split()
-LAST_NAMES = """
-Adler Berger Castro Dalton Engel Fischer Garcia Hofmann Ibsen Jensen Keller Lindqvist Moreau Novak Olsen
-Peters Quinn Romano Schmidt Torres Ulrich Vogel Weber Young Zimmer Brandt Costa Duval Eriksen Ferreira
-Graham Hansen Iverson Janssen Kowalski Larsen Meyer Nilsson Ortega Petrov Reyes Silva Thomsen Varga Wagner
-""".split()
-CITIES = """
-Lisbon Oslo Vienna Prague Dublin Madrid Berlin Warsaw Athens Zurich Geneva Milan Porto Lyon Seville Krakow
-Munich Bergen Turin Leeds Bristol Ghent Utrecht Bologna
-""".split()
-RECORDS_HEADER = "Below is the staff directory. Every line holds one person's name, city and staff code.\n"
-RECORD = "\nName: {}. City: {}. Staff code: {}."
-RECORD_QUERY = "\nWhat is the staff code of {0}? The staff code of {0} is"
+NUM_RECORDS = 4
+CODE_GROUPS = 4  # a code of four 4-digit groups: 19 tokens to copy with SmolLM2's tokenizer
+
+
+def _code(rng: np.random.Generator) -> str:
+    return "-".join(_digits(rng, 4) for _ in range(CODE_GROUPS))
 
 
 def extract_record(b: TaskBuilder, length: int, rng: np.random.Generator, index: int) -> TaskSample:
-    """A directory of distinct names (every line a distractor), cut to fit; the asked record is one that the
-    cut keeps."""
-    names: list[str] = []
-    seen: set[str] = set()
-    pieces: list[list[int]] = []
-    codes: list[str] = []
-    total = 0
-    while total < length:
-        batch = []
-        for _ in range(max(8, (length - total) // 16)):
-            name = f"{FIRST_NAMES[rng.integers(len(FIRST_NAMES))]} {LAST_NAMES[rng.integers(len(LAST_NAMES))]}"
-            if name in seen:
-                continue
-            if len(seen) == len(FIRST_NAMES) * len(LAST_NAMES):
-                raise ValueError(f"length {length} needs more distinct names than the directory has")
-            seen.add(name)
-            batch.append((name, CITIES[rng.integers(len(CITIES))], _digits(rng, 5)))
-        new = b._encode_many([RECORD.format(*r) for r in batch])
-        names += [r[0] for r in batch]
-        codes += [r[2] for r in batch]
-        pieces += new
-        total += sum(len(p) for p in new)
-    # The haystack room as `assemble` computes it, less a margin: questions differ by a token or two between
-    # names, so the asked line is surely kept whole.
-    room = length - len(b.bos) - len(b.enc_cached(RECORDS_HEADER)) - len(b.enc(RECORD_QUERY.format(names[0]))) - 4
-    kept = max(1, int(np.searchsorted(np.cumsum([len(p) for p in pieces]), room, side="right")))
-    q = int(rng.integers(kept))
-    corpus = TokenCorpus(pieces)
-    return b.assemble("extract_record", length, RECORDS_HEADER, corpus.ids, corpus.starts, [],
-                      RECORD_QUERY.format(names[q]), codes[q],
-                      {"asked": names[q], "num_records": kept, "asked_index": q, "depth": q / kept})
+    """A list of NUM_RECORDS look-alike records, one per line, at a random depth of the essays; the query names one
+    and the completion must copy its code exactly. What it tests beyond the needles: the asked line sits among
+    lines that differ in one key token (often in the same KV block), and every one of the ~19 decode steps of the
+    copy must attend it again (SmolLM2-135M fails here by picking a neighbour's code or by breaking off mid-copy)."""
+    keys = _keys(rng, NUM_RECORDS)
+    codes = [_code(rng) for _ in keys]
+    q = int(rng.integers(NUM_RECORDS))
+    depth = float(rng.random())
+    hay, starts = b.essays.slice(rng, length)
+    block = "".join("\n" + NEEDLE.format(k, c).lstrip() for k, c in zip(keys, codes)) + "\n"
+    return b.assemble("extract_record", length, HEADER, hay, starts, [(depth, block)], QUERY.format(keys[q]), codes[q],
+                      {"keys": keys, "asked": keys[q], "asked_index": q, "depth": depth})
 
 
 GENERATORS: dict[str, Callable[[TaskBuilder, int, np.random.Generator, int], TaskSample]] = {
@@ -168,15 +138,16 @@ def build_suite(builder: TaskBuilder, tasks: list[str], lengths: list[int], num_
 
 # -- scoring -------------------------------------------------------------------------------------------------
 def score(sample: TaskSample, generated: str) -> float:
-    """1.0 when the completion starts with the answer, not followed by another letter or digit ("1234567." and
-    "1234567, which" count; "12345678" does not), else 0.0. needle_multivalue: the share of the values that
+    """1.0 when the completion starts with the answer, not followed by a letter, digit or hyphen ("1234567." and
+    "1234567, which" count; "12345678" and "1234-5678-9" do not), else 0.0. needle_multivalue: the share of the values that
     appear as whole numbers anywhere in the completion (which max_tokens bounds), in any order."""
     values = sample.meta.get("values")
     if values is not None:
         found = set(re.findall(r"\d+", generated))
         return sum(v in found for v in values) / len(values)
     text = generated.strip()
-    return float(text.startswith(sample.answer) and not text[len(sample.answer):len(sample.answer) + 1].isalnum())
+    after = text[len(sample.answer):len(sample.answer) + 1]
+    return float(text.startswith(sample.answer) and not (after.isalnum() or after == "-"))
 
 
 def max_tokens(sample: TaskSample) -> int:

@@ -325,9 +325,10 @@ def real_run(model: str, prompts: list[list[int]], output_len: int, offload: boo
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
-    decode_s, decode_steps, tokens = 0.0, 0, {}
+    decode_s, decode_steps, tokens, max_running = 0.0, 0, {}, 0
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
+        max_running = max(max_running, len(engine.scheduler.running))
         ts = time.perf_counter()
         outs = engine.step()  # ends in the step's one host sync (the sampled tokens)
         te = time.perf_counter()
@@ -341,7 +342,8 @@ def real_run(model: str, prompts: list[list[int]], output_len: int, offload: boo
     total = time.perf_counter() - t0
     stats = engine.get_stats(sync=True)
     out = {"config": f"topk {budget}" + (" + KV offload" if offload else ", all KV in HBM"), "batch": n,
-           "prompt_len": prompt_len, "output_len": output_len, "decode_steps": decode_steps,
+           "prompt_len": prompt_len, "output_len": output_len, "max_running": max_running,
+           "decode_steps": decode_steps,
            "tpot_ms": 1e3 * decode_s / decode_steps if decode_steps else None,
            "total_s": total, "preemptions": stats.num_preemptions,
            "tokens_attended": (stats.sparse_blocks_selected * engine.config.cache_config.block_size

@@ -47,11 +47,13 @@ def test_exact_length_needles_and_query(builder, task, length):
             assert text.count(v) == 1
         assert s.prompt_ids[-len(builder.enc(C.MV_QUERY.format(key))):] == builder.enc(C.MV_QUERY.format(key))
     elif task == "extract_record":
-        assert text.count(f"Name: {s.meta['asked']}.") == 1  # names are unique: every other line is a distractor
-        assert f"Name: {s.meta['asked']}. City: " in text and f"Staff code: {s.answer}." in text
-        line = [x for x in text.splitlines() if x.startswith(f"Name: {s.meta['asked']}.")][0]
-        assert line.endswith(f"Staff code: {s.answer}.")
-        query = builder.enc(C.RECORD_QUERY.format(s.meta["asked"]))
+        # The records are consecutive lines, the asked one among them with its code.
+        lines = [x for x in text.splitlines() if x.startswith("The special magic number for the ")]
+        assert len(lines) == C.NUM_RECORDS == len(s.meta["keys"])
+        assert lines[s.meta["asked_index"]] == f"The special magic number for the {s.meta['asked']} is {s.answer}."
+        assert "\n".join(lines) in text
+        assert re.fullmatch(r"\d{4}(-\d{4}){%d}" % (C.CODE_GROUPS - 1), s.answer)
+        query = builder.enc(C.QUERY.format(s.meta["asked"]))
         assert s.prompt_ids[-len(query):] == query
     else:
         keys = s.meta["keys"]
@@ -113,6 +115,10 @@ def test_scoring():
     assert C.score(one, " 123456") == 0.0
     assert C.score(one, " the number 1234567") == 0.0
     assert C.score(one, "") == 0.0
+    code = T.TaskSample("extract_record", 10, [], "1234-5678", [], {})
+    assert C.score(code, " 1234-5678.") == 1.0
+    assert C.score(code, " 1234-5678-9") == 0.0  # a copy that runs on is not the record's code
+    assert C.score(code, " 1234-567") == 0.0
     mv = T.TaskSample("needle_multivalue", 10, [], "1111, 2222, 3333, 4444", [],
                       {"values": ["1111", "2222", "3333", "4444"]})
     assert C.score(mv, " 4444, 3333, 1111 and 2222.") == 1.0
