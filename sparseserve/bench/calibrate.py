@@ -3,8 +3,10 @@ per-head thresholds of SALE's sparse prefill (the --sparse-prefill-calibration f
 
     python -m sparseserve.bench.calibrate [MODEL] --lengths 8192 --num-samples 4 --out heads.json
     python -m sparseserve.bench.calibrate [MODEL] --prefill --lengths 16384 --num-samples 2 --out prefill.json
+    python -m sparseserve.bench.calibrate smollm2 --suite completion --lengths 8128 --out smollm2_heads.json
 
-Streaming heads: runs long-context task prompts (bench/tasks.py; --random-prompts for random tokens) densely for a few
+Streaming heads: runs long-context task prompts (bench/tasks.py, or bench/completion_tasks.py with --suite
+completion; --random-prompts for random tokens) densely for a few
 decode steps and measures, per (layer, KV head), the share of each decode query's softmax mass that
 falls on the sink blocks and the local window (the blocks a streaming head keeps), averaged over the
 query heads of the group. A head whose mass there stays at or above --threshold at every measured
@@ -73,14 +75,23 @@ def propose(mass: dict[int, list[torch.Tensor]], threshold: float, dense_layers:
     return {k: sorted(v) for k, v in sorted(heads.items(), key=lambda kv: int(kv[0]))}, stats
 
 
+# Retrieval prompts: a head that the needle's lookup needs must not look like a streaming head.
+CALIBRATION_TASKS = {"ruler": "niah_single,variable_tracking",
+                     "completion": "needle_multikey,needle_multivalue,extract_record"}
+
+
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="Model directory (default: embedded model).")
+    p.add_argument("model", nargs="?", default=None,
+                   help="Model directory, .gguf file or known name such as smollm2 (default: embedded model).")
     p.add_argument("--out", required=True, help="JSON file to write (streaming heads, or --prefill thresholds).")
     p.add_argument("--prefill", action="store_true",
                    help="Calibrate the per-head thresholds of sparse prefill (sparse_prefill=sale) instead.")
     p.add_argument("--lengths", default="8192", help="Prompt lengths in tokens, comma-separated.")
     p.add_argument("--num-samples", type=int, default=2, help="Prompts per task and length.")
-    p.add_argument("--tasks", default="niah_single,variable_tracking", help="Tasks of bench/tasks.py.")
+    p.add_argument("--suite", default="ruler", choices=["ruler", "completion"],
+                   help="Task suite of the prompts (bench/accuracy.py): completion for small instruct models.")
+    p.add_argument("--tasks", default=None, help="Tasks of the suite (default: ruler niah_single,variable_tracking; "
+                                                  "completion needle_multikey,needle_multivalue,extract_record).")
     p.add_argument("--random-prompts", action="store_true", help="Random token prompts instead of tasks.")
     p.add_argument("--decode-steps", type=int, default=8, help="Decode steps measured per prompt.")
     p.add_argument("--threshold", type=float, default=0.9, help="Minimum sink + local mass of a streaming head.")
@@ -107,18 +118,29 @@ def calibration_prompts(engine: Any, args: argparse.Namespace) -> list[list[int]
         return [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths for _ in range(args.num_samples)]
     tok = engine.tokenizer
     builder = T.TaskBuilder(tok, T.load_essays(T.find_haystack_dir(args.data_dir)), eos_id=tok.eos_token_id)
-    samples = T.build_suite(builder, [t for t in args.tasks.split(",") if t], lengths, args.num_samples, args.seed)
+    from sparseserve.bench.accuracy import SUITES
+
+    tasks = args.tasks or CALIBRATION_TASKS[args.suite]
+    samples = SUITES[args.suite].build(builder, [t for t in tasks.split(",") if t], lengths, args.num_samples,
+                                       args.seed)
     return [s.prompt_ids for s in samples]
 
 
 def main(args: argparse.Namespace) -> dict:
     from sparseserve import LLM, SamplingParams
 
+    from sparseserve.bench.accuracy import model_context
+
     if args.prefill:
         return prefill_calibration.main(args, lambda engine: calibration_prompts(engine, args))
     lengths = [int(x) for x in args.lengths.split(",") if x]
+    max_len, context = max(lengths) + args.decode_steps + 8, model_context(args.model)
+    if max_len > context:
+        raise ValueError(f"prompts of {max(lengths)} tokens and {args.decode_steps} decode steps need "
+                         f"max_model_len={max_len}, more than the model's context ({context}): use --lengths "
+                         f"{context - args.decode_steps - 8} or less")
     llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size, enforce_eager=True,
-              max_model_len=max(lengths) + args.decode_steps + 8)
+              max_model_len=max_len)
     engine = llm.llm_engine
     prompts = calibration_prompts(engine, args)
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_steps + 1, ignore_eos=True)

@@ -14,6 +14,11 @@ prompts, 256 output tokens: dense attention with every block in HBM against topk
 each at several request counts: the most requests running at once and the decode throughput; the
 decode step of the offload runs split into selection, H2D and attention (CUDA events around each
 phase on a few eager decode steps in the middle of the run).
+--real MODEL: KV offload on a real model (e.g. smollm2) with real prompts (essays, so consecutive decode queries
+have the locality of real text), at each of --batches requests: topk (--budget, default 1024) with every block in
+HBM against the same policy with kv_offload, side by side per batch size: decode time per output token (the
+wall time of an engine step in which every request decodes), HBM hit ratio (listed head blocks found in the pool),
+head blocks loaded and bypass reads. Runs on CPU too (a smoke test on a tiny model).
 """
 from __future__ import annotations
 
@@ -284,6 +289,110 @@ def capacity_run(model: str, n: int, gpu_gb: float, output_len: int, prompt_len:
     return out
 
 
+def real_prompts(model: str, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of `length` tokens of the essays (the model's tokenizer), each from its own seeded start."""
+    from sparseserve.bench.accuracy import load_tokenizer
+    from sparseserve.bench.datasets import haystack_token_ids
+    tok = load_tokenizer(model)
+    return [haystack_token_ids(tok, length, f"offload-real:{seed}:{i}") for i in range(n)]
+
+
+def real_run(model: str, prompts: list[list[int]], output_len: int, offload: bool, budget: int = 1024,
+             pool_steps: float | None = None, device: str = "auto", dtype: str = "auto", **engine_args) -> dict:
+    """All prompts at once (max_num_seqs = their number), greedy, `output_len` tokens each (EOS ignored), topk at
+    `budget` with or without kv_offload. Decode time per output token is the mean wall time of the engine steps in
+    which every request decodes (TPOT: each request gets one token per step); the offload counters cover the run.
+    pool_steps: HBM pool size in decode steps' selections of the whole batch (None: the engine's default, one)."""
+    import gc
+    from sparseserve.engine.engine import LLMEngine
+    from sparseserve.sampling_params import SamplingParams
+    gc.collect()  # the previous engine's memory (the caller dropped it) must be back first
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    n, prompt_len = len(prompts), max(len(p) for p in prompts)
+    kw = dict(model=model, device=device, dtype=dtype, max_model_len=prompt_len + output_len, max_num_seqs=n,
+              sparse_policy="topk", sparse_budget=budget, **engine_args)
+    if offload:
+        kw["kv_offload"] = True
+        if pool_steps is not None:
+            from sparseserve.models.config import ArchConfig
+            from sparseserve.models.loader import load_hf_config, resolve_model_dir
+            a = ArchConfig.from_hf(load_hf_config(resolve_model_dir(model)))
+            sparse_layers = a.num_layers - kw.get("sparse_dense_layers", 2)
+            kw["hbm_cache_blocks"] = max(1, int(pool_steps * n * sparse_layers * a.num_kv_heads
+                                                * (budget // kw.get("block_size", 32))))
+    engine = LLMEngine.from_kwargs(**kw)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    decode_s, decode_steps, tokens, max_running = 0.0, 0, {}, 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        max_running = max(max_running, len(engine.scheduler.running))
+        ts = time.perf_counter()
+        outs = engine.step()  # ends in the step's one host sync (the sampled tokens)
+        te = time.perf_counter()
+        for o in outs:  # deltas: each output holds the tokens new since the last
+            for c in o.outputs:
+                tokens.setdefault(o.request_id, []).extend(c.token_ids)
+        last = engine.last_schedule
+        full = last is not None and len(last.scheduled) == n and all(
+            k == 1 and seq.num_computed_tokens > seq.num_prompt_tokens for seq, k in last.scheduled)
+        if full:
+            decode_s += te - ts
+            decode_steps += 1
+    total = time.perf_counter() - t0
+    stats = engine.get_stats(sync=True)
+    out = {"config": f"topk {budget}" + (" + KV offload" if offload else ", all KV in HBM"), "batch": n,
+           "prompt_len": prompt_len, "output_len": output_len, "max_running": max_running,
+           "decode_steps": decode_steps,
+           "tpot_ms": 1e3 * decode_s / decode_steps if decode_steps else None,
+           "total_s": total, "preemptions": stats.num_preemptions,
+           "tokens_attended": (stats.sparse_blocks_selected * engine.config.cache_config.block_size
+                               / stats.sparse_selections) if stats.sparse_selections else None}
+    if offload:
+        lookups = stats.offload_hbm_hits + stats.offload_blocks_loaded + stats.offload_bypass_reads
+        out.update(hbm_hit_ratio=stats.offload_hbm_hits / lookups if lookups else None,
+                   blocks_loaded=stats.offload_blocks_loaded, bypass_reads=stats.offload_bypass_reads,
+                   h2d_GB=stats.offload_h2d_bytes / 1e9,
+                   hbm_pool_GiB=stats.offload_hbm_slots * engine.model_runner.offload.layout.head_block_bytes / 2**30)
+    out["_tokens"] = [tokens[f"r{i}"] for i in range(n)]  # for the side-by-side check; not printed
+    return out
+
+
+def real_bench(model: str, batches: list[int], prompt_len: int | None, output_len: int, budget: int = 1024,
+               pool_steps: float | None = None, device: str = "auto", dtype: str = "auto",
+               **engine_args) -> list[dict]:
+    """Per batch size: topk with every block in HBM, then with KV offload, on the same prompts; the offload row
+    carries its TPOT ratio to the HBM-only row. prompt_len None: the model's context less output_len."""
+    if prompt_len is None:
+        from sparseserve.bench.accuracy import model_context
+        prompt_len = model_context(model) - output_len
+    prompts = real_prompts(model, max(batches), prompt_len)
+    rows = []
+    for b in batches:
+        pair = [real_run(model, prompts[:b], output_len, off, budget, pool_steps, device, dtype, **engine_args)
+                for off in (False, True)]
+        base, off = pair
+        off["tpot_vs_hbm"] = off["tpot_ms"] / base["tpot_ms"] if off["tpot_ms"] and base["tpot_ms"] else None
+        # KV offload changes where blocks are read from, never a token (DESIGN.md principle 1).
+        off["same_tokens"] = base.pop("_tokens") == off.pop("_tokens")
+        rows += pair
+        print_table(pair, "")
+    return rows
+
+
+def _engine_args(items: list[str]) -> dict:
+    from sparseserve.bench.accuracy import _value
+    out = {}
+    for item in items:
+        key, eq, val = item.partition("=")
+        if not eq:
+            raise SystemExit(f"--engine-arg {item!r} is not KEY=VALUE")
+        out[key.strip().replace("-", "_")] = _value(val.strip())
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--transfers", action="store_true", help="FlashH2D / FlashD2H against their contrasts")
@@ -295,33 +404,52 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reuse", default="1", help="sparse_reuse values for offload (--capacity)")
     p.add_argument("--gpu-memory-gb", type=float, default=40.0, help="GPU memory cap (--capacity)")
     p.add_argument("--host-kv-gb", type=float, default=100.0, help="host KV store size (--capacity)")
-    p.add_argument("--prompt-len", type=int, default=32768)
+    p.add_argument("--real", metavar="MODEL", help="KV offload on a real model (e.g. smollm2) vs all KV in HBM")
+    p.add_argument("--batches", default="1,2,4,8,16,32", help="request counts (--real)")
+    p.add_argument("--budget", type=int, default=1024, help="topk sparse_budget (--real)")
+    p.add_argument("--pool-steps", type=float, default=None,
+                   help="HBM pool in decode steps' selections of the batch (--real; default: the engine's, one)")
+    p.add_argument("--device", default="auto", help="auto, cuda or cpu (--real)")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra engine argument of both sides (--real; repeatable), e.g. sparse_reuse=4")
+    p.add_argument("--dtype", default=None, help="model dtype (--real; default: bfloat16 on a GPU, else auto)")
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help="prompt tokens (default: 32768; --real: the model's context less --output-len)")
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("the offload benchmarks need a CUDA GPU")
-    result = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+    on_gpu = torch.cuda.is_available() and args.device != "cpu"
+    if not on_gpu and (args.transfers or args.prefill or args.capacity):
+        raise SystemExit("the offload benchmarks need a CUDA GPU (--real also runs on CPU)")
+    result = {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "date": datetime.date.today().isoformat(),
               "torch": torch.__version__}
+    if args.real:
+        rows = real_bench(args.real, [int(b) for b in args.batches.split(",") if b], args.prompt_len,
+                          args.output_len, args.budget, args.pool_steps, args.device,
+                          args.dtype or ("bfloat16" if on_gpu else "auto"), **_engine_args(args.engine_arg))
+        result["real"] = rows
+        print_table(rows, f"{args.real}: topk {args.budget}, all KV in HBM vs KV offload; TPOT = decode time per "
+                          f"output token (steps where every request decodes)")
     if args.transfers:
         result["h2d"] = h2d_bench()
         print_table(result["h2d"], "Host -> HBM, 2048 random 16 KB head blocks")
         result["d2h"] = d2h_bench()
         print_table(result["d2h"], "HBM -> host store, one layer of a 32K prefill (8 KV heads, D=128)")
     if args.prefill:
-        result["prefill"] = prefill_bench(args.prefill, args.prompt_len)
-        print_table(result["prefill"], f"Prefill of one {args.prompt_len}-token prompt, saving to the host store")
+        result["prefill"] = prefill_bench(args.prefill, args.prompt_len or 32768)
+        print_table(result["prefill"], f"Prefill of one {args.prompt_len or 32768}-token prompt, saving to the host "
+                                       f"store")
     if args.capacity:
         rows = []
         runs = [(False, n, 1) for n in args.dense_requests.split(",") if n] + [
             (True, n, r) for n in args.offload_requests.split(",") if n for r in args.reuse.split(",")]
         for offload, n, r in runs:
-            rows.append(capacity_run(args.capacity, int(n), args.gpu_memory_gb, args.output_len, args.prompt_len,
-                                     offload, args.host_kv_gb, int(r), args.profile))
+            rows.append(capacity_run(args.capacity, int(n), args.gpu_memory_gb, args.output_len,
+                                     args.prompt_len or 32768, offload, args.host_kv_gb, int(r), args.profile))
             print_table(rows[-1:], "")
         result["capacity"] = rows
         best = {c: max((r["decode_tok_s"] or 0) for r in rows if r["config"] == c) for c in {r["config"] for r in rows}}
-        print_table(rows, f"{args.prompt_len}-token prompts, {args.output_len} out, GPU memory capped at "
+        print_table(rows, f"{args.prompt_len or 32768}-token prompts, {args.output_len} out, GPU memory capped at "
                           f"{args.gpu_memory_gb:g} GB; best decode tok/s: {best}")
     if args.json:
         with open(args.json, "w") as f:

@@ -100,10 +100,10 @@ def replay(engine, jobs: list[Job]) -> dict:
             time.sleep(max(0.0, min(jobs[i].arrival_s - now, 0.05)))
             continue
         for out in engine.step():
-            if out.request_id not in first and out.outputs[0].token_ids:
+            new = sum(len(c.token_ids) for c in out.outputs)  # deltas: the tokens new since the last output
+            if out.request_id not in first and new:
                 first[out.request_id] = time.perf_counter() - t0
-            if out.finished:
-                out_tokens += len(out.outputs[0].token_ids)
+            out_tokens += new
     duration = time.perf_counter() - t0
     after = engine.get_stats(sync=True)
     d = {k: getattr(after, k) - getattr(before, k) for k in (

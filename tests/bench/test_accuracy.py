@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import numpy as np
 import pytest
@@ -71,13 +72,56 @@ def test_answer_checking():
 
 def test_parse_policy():
     assert accuracy.parse_policy("dense").engine_args == {}
-    p = accuracy.parse_policy("topk:sparse_policy=topk,sparse_budget=1024,reuse=false,p=0.9")
-    assert p.name == "topk"
+    p = accuracy.parse_policy("mine:sparse_policy=topk,sparse_budget=1024,reuse=false,p=0.9")
+    assert p.name == "mine"
     assert p.engine_args == {"sparse_policy": "topk", "sparse_budget": 1024, "reuse": False, "p": 0.9}
+    # A selection policy's name sets sparse_policy; with arguments its label is the whole spec (budgets side by side).
+    assert accuracy.parse_policy("topk") == accuracy.Policy("topk", {"sparse_policy": "topk"})
+    p = accuracy.parse_policy("topk:sparse_budget=1024")
+    assert p == accuracy.Policy("topk:budget=1024", {"sparse_policy": "topk", "sparse_budget": 1024})
+    p = accuracy.parse_policy("topk1024_lag:sparse_budget=512")  # a preset, overridden
+    assert p.name == "topk1024_lag:budget=512"
+    assert p.engine_args == {"sparse_policy": "topk", "sparse_budget": 512, "sparse_lag": 1}
     with pytest.raises(ValueError):
         accuracy.parse_policy("no_such_policy")
     with pytest.raises(ValueError):
         accuracy.parse_policy("x:novalue")
+
+
+def test_parse_policies_dense_first_and_unique():
+    pols = accuracy.parse_policies(["topk:sparse_budget=512", "topk:sparse_budget=1024"])
+    assert [p.name for p in pols] == ["dense", "topk:budget=512", "topk:budget=1024"]
+    assert [p.name for p in accuracy.parse_policies(["topk1024", "dense"])] == ["dense", "topk1024"]
+    with pytest.raises(ValueError, match="twice"):
+        accuracy.parse_policies(["topk1024", "topk1024"])
+
+
+def test_tokens_attended():
+    # 30 selections of 10 blocks of 32 tokens between the snapshots: 320 tokens; none: the mean context.
+    assert accuracy.tokens_attended((100, 7), (400, 37), 32, 5000.0) == 320.0
+    assert accuracy.tokens_attended((100, 7), (100, 7), 32, 5000.0) == 5000.0
+
+
+def test_depth_table():
+    rows = [{"task": "needle_depth", "length": 8, "depth": d, "correct": c}
+            for d, c in [(0.0, 1.0), (0.0, 0.0), (1.0, 1.0), (0.5, 0.0)]] + [
+           {"task": "needle_single", "length": 8, "depth": 0.3, "correct": 1.0}]
+    table = accuracy.depth_table(rows)
+    assert table == {"8": {"0.0": 0.5, "0.5": 0.0, "1.0": 1.0}}
+    text = accuracy.format_depths({"dense": table})
+    assert text.splitlines()[1].split() == ["dense", "@8", "50", "0", "100"]
+
+
+def test_curve_and_its_table():
+    results = {"dense": {"a": {"8": 1.0}, "b": {"8": 0.5}}, "topk": {"a": {"8": 0.5}, "b": {"8": 0.5}}}
+    ppl = {"dense": {"8": {"ppl": 10.0}}, "topk": {"8": {"ppl": 11.0}}}
+    attended = {"dense": {"8": 8.0}, "topk": {"8": 4.0}}
+    pts = accuracy.curve(results, ppl, attended, [8])
+    top = [c for c in pts if c["policy"] == "topk"][0]
+    assert top["accuracy"] == 0.5 and top["accuracy_vs_dense"] == pytest.approx(-0.25)
+    assert top["ppl_ratio"] == pytest.approx(1.1) and top["tokens_attended"] == 4.0
+    table = accuracy.format_curve(pts)
+    assert "topk" in table and "1.1000" in table and "-25.0" in table
 
 
 def test_format_table_reference_first():
@@ -136,7 +180,8 @@ def test_harness_end_to_end_cpu(tmp_path, capsys):
     out = tmp_path / "acc.json"
     args = parser.parse_args(["--lengths", "256,384", "--num-samples", "2", "--tasks", "passkey,niah_single",
                               "--policies", "dense", "dense2:attention_backend=torch", "--device", "cpu",
-                              "--output", str(out), "--quiet", "--probe-steps", "2", "--probe-samples", "1"])
+                              "--output", str(out), "--quiet", "--probe-steps", "2", "--probe-samples", "1",
+                              "--ppl-tokens", "0"])
     res = accuracy.main(args)
     printed = capsys.readouterr().out
     assert "dense" in printed and "dense2" in printed and "niah_single" in printed
@@ -152,3 +197,37 @@ def test_harness_end_to_end_cpu(tmp_path, capsys):
     assert [r["output_token_ids"] for r in data["samples"]["dense"]] == \
            [r["output_token_ids"] for r in data["samples"]["dense2"]]
     assert res["accuracy"] == data["accuracy"]
+
+
+def test_harness_completion_suite_end_to_end(tmp_path, capsys):
+    """The completion suite with perplexity, a sparse policy, the probe, the curve and its plot."""
+    _haystack_dir()
+    parser = argparse.ArgumentParser()
+    accuracy.add_cli_args(parser)
+    out, png = tmp_path / "acc.json", tmp_path / "curve.png"
+    args = parser.parse_args(["--suite", "completion", "--lengths", "320", "--num-samples", "1",
+                              "--tasks", "needle_single,needle_multivalue,extract_record",
+                              "--policies", "topk:sparse_budget=192,sparse_dense_layers=0", "--device", "cpu",
+                              "--ppl-tokens", "12", "--ppl-samples", "2", "--probe-steps", "1",
+                              "--probe-samples", "1", "--output", str(out), "--plot", str(png), "--quiet"])
+    res = accuracy.main(args)
+    printed = capsys.readouterr().out
+    assert "perplexity" in printed and "tokens attended" in printed and "needle_multivalue" in printed
+    sparse = "topk:budget=192,dense_layers=0"
+    data = json.loads(out.read_text())
+    assert data["suite"] == "completion" and list(data["accuracy"]) == ["dense", sparse]
+    assert set(data["accuracy"][sparse]) == {"needle_single", "needle_multivalue", "extract_record"}
+    # Dense attends the whole context; the sparse policy 6 blocks of 32 tokens at most.
+    assert data["mean_tokens_attended"]["dense"]["320"] == 320
+    assert 0 < data["mean_tokens_attended"][sparse]["320"] <= 192
+    assert 0 < data["mean_tokens_attended_ppl"][sparse]["320"] <= 192
+    for pol in ("dense", sparse):
+        assert data["perplexity"][pol]["320"]["tokens"] == 2 * 12
+        assert math.isfinite(data["perplexity"][pol]["320"]["ppl"])
+        assert data["probe"][pol]["layers"]
+    assert all(r["mass_min"] == pytest.approx(1.0) for r in data["probe"]["dense"]["layers"].values())
+    assert min(r["mass_mean"] for r in data["probe"][sparse]["layers"].values()) < 1.0
+    points = {c["policy"]: c for c in data["curve"]}
+    assert points["dense"]["ppl_ratio"] == 1.0 and points[sparse]["ppl_ratio"] > 0
+    assert png.stat().st_size > 0
+    assert res["curve"] == data["curve"]
