@@ -431,6 +431,7 @@ def plot_curve(points: list[dict], path: str) -> bool:
 def main(args: argparse.Namespace) -> dict:
     from sparseserve import LLM
     from sparseserve.bench import attention_probe
+    from sparseserve.config import EngineConfig
     from sparseserve.bench import perplexity as P
 
     model = args.model
@@ -477,6 +478,11 @@ def main(args: argparse.Namespace) -> dict:
     timing: dict[str, float] = {}
     eos_ids: set[int] = set()
     model_desc = None
+    for pol in policies:  # every policy's options checked before the first engine starts (a run takes minutes)
+        EngineConfig.from_kwargs(model=model, **{**_engine_args(args, max_len), **pol.engine_args})
+        heads = pol.engine_args.get("streaming_heads")
+        if heads and not Path(heads).is_file():
+            raise ValueError(f"policy {pol.name}: streaming_heads file {heads!r} does not exist")
     for pol in policies:
         t0 = time.time()
         llm = LLM(model=model, **{**_engine_args(args, max_len), **pol.engine_args})
@@ -509,6 +515,13 @@ def main(args: argparse.Namespace) -> dict:
                                  for s in [x for x in samples if x.task == t and x.length == n][:args.probe_samples]]
                 probes[pol.name] = attention_probe.probe(llm, probe_samples, args.probe_steps)
         timing[pol.name] = round(time.time() - t0, 2)
+        mean = sum(r["correct"] for r in rows) / max(len(rows), 1)
+        print(f"[{pol.name}] mean accuracy {100 * mean:.1f}% over {len(rows)} samples, {timing[pol.name]:.0f} s")
+        if args.output:  # what is done so far survives an interrupted run
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.output).write_text(json.dumps({"partial": True, "accuracy": results, "perplexity": ppl,
+                                                     "mean_tokens_attended": attended, "seconds": timing,
+                                                     "samples": rows_by_policy}, indent=1))
         llm = engine = None
         _release_memory()  # the next engine (or the transformers reference) gets the GPU memory
 
