@@ -227,6 +227,8 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         if self.prefill_layer_segment is not None and self.prefill_layer_segment < 1:
             raise ValueError(f"prefill_layer_segment must be >= 1, got {self.prefill_layer_segment}")
+        if self.prefill_layer_segment is not None and not self.layer_segmented_prefill:
+            raise ValueError("prefill_layer_segment needs layer_segmented_prefill")
         if self.layer_segmented_prefill and not self.kv_offload:
             raise ValueError("layer_segmented_prefill needs kv_offload: each finished layer's K/V goes to the host "
                              "KV store, which only KV offload has")

@@ -164,6 +164,23 @@ def test_layer_segmented_equals_chunked(model4, dense_layers, segment):
     assert stats.num_prompt_tokens == sum(map(len, prompts()))
 
 
+def test_sparse_prefill_per_layer(model4):
+    """SALE's sparse prefill inside the segments: a 450-token prompt alone (so the chunk boundaries are those of
+    chunked prefill) selects the same tiles (counters) and gives the same tokens."""
+    kw = dict(COMMON, max_model_len=512, max_num_batched_tokens=128, sparse_prefill="sale",
+              sparse_prefill_threshold=1.0, sparse_prefill_min_len=200)
+    runs = []
+    for on in (False, True):
+        llm = LLM(str(model4[0]), **kw, layer_segmented_prefill=on, prefill_layer_segment=2 if on else None)
+        tokens, schedules = drive(llm, prompts((450,)), GREEDY)
+        assert any(s.segments for s in schedules) == on
+        runs.append((tokens, llm.llm_engine.get_stats(sync=True)))
+    (base, off), (got, on) = runs
+    assert got == base
+    assert 0 < on.prefill_tiles_computed == off.prefill_tiles_computed < on.prefill_tiles_dense
+    assert on.prefill_tiles_dense == off.prefill_tiles_dense
+
+
 def test_first_token_logprobs_match_transformers(model4):
     """A 150-token prompt prefilled one layer per step (after a 40-token prefix-cache hit, restored layer by
     layer from the host store): the first token's top logprobs equal transformers' on the same weights."""
@@ -273,3 +290,26 @@ def test_random_schedules_preempt_and_abort_mid_prefill(model4, monkeypatch, see
             continue
         for x, y in zip(a, b):
             assert x[: len(y)] == y[: len(x)], rid
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Triton kernels, FlashD2H streams)")
+@pytest.mark.parametrize("eager", [True, False])
+def test_layer_segmented_on_gpu(model4, eager):
+    """On the GPU (Triton kernels, pinned host store, FlashD2H on a side stream, decode CUDA graphs unless eager):
+    the same greedy tokens as chunked prefill with several requests mixing with decodes and a prefix-cache hit
+    restored layer by layer; the first token's logprobs equal transformers' (CPU, float32)."""
+    path, hf = model4
+    kw = dict(COMMON, device="cuda", enforce_eager=eager, sparse_dense_layers=1)
+    reqs = prompts() + [prompts()[3][:64] + prompts()[0][:100]]
+    base, _ = drive(LLM(str(path), **kw), reqs, GREEDY)
+    llm = LLM(str(path), **kw, layer_segmented_prefill=True, prefill_layer_segment=1)
+    got, schedules = drive(llm, reqs, GREEDY, check_segmented)
+    assert got == base and any(s.segments for s in schedules)
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    out = llm.generate([reqs[0]], params, use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([reqs[0]])).logits[0, -1].float(), dim=-1)
+    for tid, lp in out.outputs[0].logprobs[0].items():
+        assert abs(lp.logprob - float(ref[tid])) < 2e-3, (tid, lp.logprob, float(ref[tid]))
+    stats = llm.llm_engine.get_stats(sync=True)
+    assert stats.num_blocks_used == 0 == stats.offload_device_blocks_used
