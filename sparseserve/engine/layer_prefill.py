@@ -64,7 +64,7 @@ class SegmentPlanner:
 
     def segment(self, seq, tokens: int, done: int, budget: int, alone: bool) -> LayerSegment | None:
         """The next segment of a prefill of `tokens` tokens with `done` layers done, within `budget` tokens
-        (None: none fits). alone: nothing else runs this step, so at least one layer runs (never starves)."""
+        (None: none fits). alone: at least one layer runs, even over the budget (the scheduler says when)."""
         k = min(self.num_layers - done, self.max_layers, budget * self.num_layers // max(tokens, 1))
         if k <= 0:
             if not alone:

@@ -133,7 +133,7 @@ class Scheduler:
             if seq.seq_id in self.layers_done:  # its next layers; every block it needs is held
                 i += 1
                 seg = self.segments.segment(seq, seq.num_tokens - seq.num_computed_tokens,
-                                            self.layers_done[seq.seq_id], budget, self._alone(budget))
+                                            self.layers_done[seq.seq_id], budget, self._only_decodes(out))
                 if seg is not None:
                     out.segments.append(seg)
                     budget -= seg.cost
@@ -162,7 +162,7 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if self.segments is not None and self.segments.wants(seq):
-                seg = self._admit_segmented(seq, budget)
+                seg = self._admit_segmented(seq, budget, self._only_decodes(out))
                 if seg is None:
                     break
                 out.segments.append(seg)
@@ -259,10 +259,14 @@ class Scheduler:
 
     # ---- layer-segmented prefill --------------------------------------------------------------------------
 
-    def _alone(self, budget: int) -> bool:
-        return budget >= self.config.max_num_batched_tokens
+    @staticmethod
+    def _only_decodes(out: SchedulerOutput) -> bool:
+        """Nothing but one-token rows scheduled so far this step: a layer-segmented prefill then runs at least one
+        layer even if it costs more than the budget left (a layer cannot be split; it never starves behind a
+        long-running decode batch)."""
+        return not out.segments and all(n == 1 for _, n in out.scheduled)
 
-    def _admit_segmented(self, seq: Sequence, budget: int) -> LayerSegment | None:
+    def _admit_segmented(self, seq: Sequence, budget: int, alone: bool) -> LayerSegment | None:
         """Admits the head of the waiting queue into layer-segmented prefill if it fits (None: it waits): the
         prefix-cache hits taken (a paused one keeps its blocks and computed prefix), every token block of its
         context allocated at once (each layer writes them all), its first decode's window mapped on the device."""
@@ -275,7 +279,7 @@ class Scheduler:
             parked = sum(1 for b in hit if alloc.ref_count(b) == 0)
             computed = len(hit) * bs
         held = len(seq.block_table) if hit is None else len(hit)
-        seg = self.segments.segment(seq, seq.num_tokens - computed, 0, budget, self._alone(budget))
+        seg = self.segments.segment(seq, seq.num_tokens - computed, 0, budget, alone)
         need = blocks_needed(seq.num_tokens, bs) - held
         if seg is None or not alloc.can_allocate(need + parked) or not self._fits_with_growth(seq, held, parked):
             return None
