@@ -214,8 +214,24 @@ class OffloadConfig:
         "help": "Head-block slots of the HBM pool, shared by all layers and KV heads (default: one decode "
                 "step's selections of max_num_seqs sequences in every layer, at most half the device KV memory "
                 "left after key metadata and dense layers)."})
+    layer_segmented_prefill: bool = field(default=False, metadata={
+        "help": "KV offload: prefill a prompt longer than max_num_batched_tokens a few layers at a time for all its "
+                "tokens (engine/layer_prefill.py), each layer's K/V written through to the host store as it "
+                "completes, so prefill HBM is one layer's scratch instead of the whole prompt's K/V; the device "
+                "block cache's one-max_model_len-prefill reserve goes to the HBM pool. A segment of L layers over T "
+                "tokens costs T*L/num_layers tokens of the step budget. One such prefill runs at a time."})
+    prefill_layer_segment: int | None = field(default=None, metadata={
+        "help": "Layer-segmented prefill: at most this many layers per step (default: as many as the step's "
+                "token budget allows)."})
 
     def __post_init__(self) -> None:
+        if self.prefill_layer_segment is not None and self.prefill_layer_segment < 1:
+            raise ValueError(f"prefill_layer_segment must be >= 1, got {self.prefill_layer_segment}")
+        if self.prefill_layer_segment is not None and not self.layer_segmented_prefill:
+            raise ValueError("prefill_layer_segment needs layer_segmented_prefill")
+        if self.layer_segmented_prefill and not self.kv_offload:
+            raise ValueError("layer_segmented_prefill needs kv_offload: each finished layer's K/V goes to the host "
+                             "KV store, which only KV offload has")
         if self.host_kv_memory is not None and self.host_kv_memory < 1:
             raise ValueError(f"host_kv_memory must be >= 1 byte, got {self.host_kv_memory}")
         if self.hbm_cache_blocks is not None and self.hbm_cache_blocks < 1:
@@ -312,6 +328,8 @@ class EngineConfig:
         if self.parallel_config.tensor_parallel_size > 1 and self.cache_config.host_prefix_cache_memory is not None:
             raise ValueError("host_prefix_cache_memory does not work with tensor_parallel_size > 1 yet: the host "
                              "tier copies rank 0's KV only (KV offload's host store, per rank, does work)")
+        if self.offload_config.layer_segmented_prefill and self.parallel_config.tensor_parallel_size > 1:
+            raise ValueError("layer_segmented_prefill does not work with tensor_parallel_size > 1 yet")
         if self.offload_config.kv_offload and sp.sparse_lag:
             raise ValueError("sparse_lag=1 does not work with kv_offload yet: the offload path loads each "
                              "step's own selection before its attention")

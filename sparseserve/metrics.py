@@ -68,6 +68,10 @@ class _EngineStatsCollector:
                         stats.sparse_blocks_selected * stats.sparse_block_size / selections)
         if getattr(stats, "offload_hbm_slots", 0):
             yield from _offload_metrics(stats, gauge, counter)
+            yield gauge("layer_prefills_running", "Layer-segmented prefills in progress.",
+                        getattr(stats, "layer_prefills_running", 0))
+            yield gauge("layer_prefill_layers_done", "Layers done by the layer-segmented prefills in progress.",
+                        getattr(stats, "layer_prefill_layers_done", 0))
         if getattr(stats, "prefill_tiles_dense", 0):
             yield from _sparse_prefill_metrics(stats, counter)
 

@@ -121,7 +121,7 @@ class SparseBackend(AttentionBackend):
             km = self.key_meta[layer]
             store_kv_key_meta(k, v, kv_cache, km.codes, km.scale, cm.slot_mapping, self.params.page_size,
                               None if cm is meta else meta.slot_mapping)
-        if self.offload is not None:
+        if self.offload is not None and sm.offload is not None:  # (a layer-segmented prefill writes a layer whole)
             self.offload.write_through(layer, kv_cache, sm.offload, meta.slot_mapping, meta.num_decodes, meta.num_seqs)
         return self.attend_layer(layer, q, kv_cache, meta, scale)
 

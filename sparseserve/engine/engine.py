@@ -60,9 +60,14 @@ class LLMEngine:
         self.allocator = BlockAllocator(runner.num_blocks, enable_caching=cc.enable_prefix_caching)
         self.host_cache = self._build_host_cache() if cc.host_prefix_cache_memory is not None else None
         # A sparse policy attends one-token chunks sparsely (as decode rows): prompt chunks then take >= 2 tokens.
+        segments = None
+        if config.offload_config.layer_segmented_prefill:
+            from sparseserve.engine.layer_prefill import SegmentPlanner
+            segments = SegmentPlanner(runner.arch.num_layers, config.scheduler_config.max_num_batched_tokens,
+                                      config.offload_config.prefill_layer_segment)
         self.scheduler = Scheduler(config.scheduler_config, self.allocator, cc.block_size, runner.offload,
                                    self.host_cache, max_model_len=self.max_model_len,
-                                   min_chunk=2 if config.sparse_config.enabled else 1)
+                                   min_chunk=2 if config.sparse_config.enabled else 1, segments=segments)
         self.counters = DeviceCounters(runner.attn_backend.counters())
         self.last_schedule = None  # the newest step's SchedulerOutput (benchmarks read what ran)
         eos = set(self.model_runner.arch.eos_token_ids)
@@ -187,6 +192,8 @@ class LLMEngine:
                           host_prefix_cache_evictions=self.host_cache.num_evictions)
         if "sparse_selections" in values:
             values["sparse_block_size"] = runner.block_size
+        if runner.layer_prefill is not None:
+            values.update(runner.layer_prefill.progress())
         if offload is not None:
             g = offload.gauges()
             values.update(g)
@@ -206,9 +213,14 @@ class LLMEngine:
             self.model_runner.offload.begin_step()  # the blocks this schedule restores, before any kernel
         if self.host_cache is not None:
             self.host_cache.begin_step()
-        sampled, out = self.model_runner.execute(sched.scheduled)
+        if sched.segments:
+            sampled, out = self.model_runner.execute(sched.scheduled, sched.segments)
+        else:
+            sampled, out = self.model_runner.execute(sched.scheduled)
         self.counters.refresh()
-        for seq, n in sched.scheduled:
+        done = [(seg.seq, seg.seq.num_tokens - seg.seq.num_computed_tokens) for seg in sched.segments
+                if self.scheduler.finish_segment(seg)]  # layer-segmented prefills that reached the last layer
+        for seq, n in sched.scheduled + done:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n

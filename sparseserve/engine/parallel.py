@@ -159,7 +159,7 @@ class RecordingDeviceSpace:
     """Rank 0's offload cache as the scheduler sees it: the calls that change the device block space or the HBM
     pool run on rank 0's cache and are recorded for the workers; everything else is rank 0's cache itself.
     (A new DeviceSpace method that changes state must be added to RECORDED; tests/distributed checks it.)"""
-    RECORDED = ("schedule", "free", "pause", "on_allocate", "begin_step")
+    RECORDED = ("schedule", "free", "pause", "on_allocate", "begin_step", "schedule_segmented")
 
     def __init__(self, cache: Any, ops: list[Op]) -> None:
         self._cache, self._ops = cache, ops
@@ -179,6 +179,10 @@ class RecordingDeviceSpace:
     def pause(self, seq: Any) -> None:
         self._ops.append(("offload", "pause", (SeqRef.of(seq),)))
         self._cache.pause(seq)
+
+    def schedule_segmented(self, seq: Any) -> None:
+        self._ops.append(("offload", "schedule_segmented", (SeqRef.of(seq),)))
+        self._cache.schedule_segmented(seq)
 
     def begin_step(self) -> None:  # the engine's, before the step: each rank restores its own heads' blocks
         self._ops.append(("offload", "begin_step", ()))

@@ -117,6 +117,13 @@ class ModelRunner:
             self.attn_backend.allocate(self.num_blocks)
         else:
             self.attn_backend.allocate(self.num_blocks, self.offload)
+        self.layer_prefill = None  # engine/layer_prefill.py: prompts prefilled a few layers per step
+        if config.offload_config.layer_segmented_prefill:
+            from sparseserve.engine.layer_prefill import LayerPrefill
+            self.layer_prefill = LayerPrefill(self.model, self.attn_backend, self.offload, self.kv_caches,
+                                              hidden_size=a.hidden_size, max_model_len=self.max_model_len,
+                                              chunk_tokens=sc.max_num_batched_tokens, dtype=self.dtype,
+                                              device=self.device)
         self.graphs = None
         if self.device.type == "cuda" and not mc.enforce_eager and self.kernel_impl != "torch":
             with self._kernels():
@@ -134,6 +141,11 @@ class ModelRunner:
         if cc.num_gpu_blocks_override is None:
             budget = self.tp.min_int(cc.kv_cache_memory or (self._profile_kv_bytes() if self.device.type == "cuda"
                                                             else CPU_DEFAULT_KV_BYTES))
+        if budget is not None and self.config.offload_config.layer_segmented_prefill:
+            from sparseserve.engine.layer_prefill import LayerPrefill
+            budget -= LayerPrefill.device_bytes(num_kv_heads=self.num_kv_heads, head_dim=a.head_dim,
+                                                hidden_size=a.hidden_size, block_size=self.block_size,
+                                                max_model_len=self.max_model_len, dtype=self.dtype)
         sp = self.attn_backend.params
         return OffloadCache.build(
             self._rank_offload_config(), num_layers=a.num_layers, num_kv_heads=self.num_kv_heads, head_dim=a.head_dim,
@@ -179,6 +191,8 @@ class ModelRunner:
     def release(self, seq_id: int) -> None:
         """A sequence finished or was preempted: the backend's per-sequence state is free again."""
         self.attn_backend.release(seq_id)
+        if self.layer_prefill is not None:
+            self.layer_prefill.release(seq_id)
 
     @property
     def block_bytes(self) -> int:
@@ -291,20 +305,36 @@ class ModelRunner:
             max_num_logprobs=max(logprobs) if logprobs else None)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SamplerOutput | None]:
-        batch = self.prepare(scheduled)
+    def execute(self, scheduled: list[tuple[Sequence, int]],
+                segments: list = ()) -> tuple[list[Sequence], SamplerOutput | None]:
+        """One step: the scheduled batch, then the layer-segmented prefills' segments (engine/layer_prefill.py);
+        one sampling over every sequence that gets a token."""
+        batch = self.prepare(scheduled) if scheduled else None
         if self.offload is not None:
             self.offload.fence()
+        sampled: list[Sequence] = []
+        logits: list[torch.Tensor] = []
         with self._kernels():
-            if self.graphs is not None and len(batch.sampled) == batch.meta.num_seqs \
+            if batch is None:
+                pass
+            elif self.graphs is not None and len(batch.sampled) == batch.meta.num_seqs \
                     and self.graphs.can_run(batch.meta.num_seqs, batch.meta.num_decodes):
-                logits = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+                logits.append(self.graphs.run(batch.input_ids, batch.positions, batch.meta))
+                sampled += batch.sampled
             else:
                 hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-                if not batch.sampled:
-                    return [], None
-                logits = self.model.compute_logits(hidden[batch.sample_idx])
+                if batch.sampled:
+                    logits.append(self.model.compute_logits(hidden[batch.sample_idx]))
+                    sampled += batch.sampled
+            for seg in segments:
+                last = self.layer_prefill.run(seg)
+                if last is not None:
+                    logits.append(self.model.compute_logits(last))
+                    sampled.append(seg.seq)
+            if not sampled:
+                return [], None
             if not self.tp.is_driver:  # only rank 0 samples; its tokens come back in the next step's message
-                return batch.sampled, None
-            out = self.sampler(logits, self.sampling_metadata(batch.sampled))
-        return batch.sampled, out
+                return sampled, None
+            out = self.sampler(logits[0] if len(logits) == 1 else torch.cat(logits),
+                               self.sampling_metadata(sampled))
+        return sampled, out

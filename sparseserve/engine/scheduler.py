@@ -27,7 +27,12 @@ back (becoming a recompute victim) when token blocks run short.
 
 With a sparse attention policy a one-token chunk runs as a decode row (attended sparsely), so a prompt token
 computed alone would be attended differently than in a prefill chunk: prefill chunks then have at least two
-tokens (`min_chunk`), which also keeps a prefix-cache hit from changing any token."""
+tokens (`min_chunk`), which also keeps a prefix-cache hit from changing any token.
+
+Layer-segmented prefill (KV offload, engine/layer_prefill.py `SegmentPlanner`): a prefill whose context is longer
+than one step's budget is admitted with every token block of its context and only its first decode's window on
+the device, and runs a few layers per step for all its tokens (`SchedulerOutput.segments`; a segment costs
+tokens x layers / num_layers of the budget); one at a time, FCFS like any admission."""
 from __future__ import annotations
 
 import math
@@ -36,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from sparseserve.config import SchedulerConfig
+from sparseserve.engine.layer_prefill import LayerSegment, SegmentPlanner
 from sparseserve.engine.request import Sequence, SequenceStatus
 from sparseserve.kvcache.blocks import BlockAllocator, blocks_needed
 from sparseserve.kvcache.prefix_cache import extend_block_hashes
@@ -53,6 +59,9 @@ class DeviceSpace(Protocol):
     def free(self, seq: Sequence) -> None: ...
     def pause(self, seq: Sequence) -> None: ...
     def on_allocate(self, blocks: list[int]) -> None: ...
+    # layer-segmented prefill (engine/layer_prefill.py): only its first decode's window is on the device
+    def can_admit_segmented(self, seq: Sequence, running: list[Sequence]) -> bool: ...
+    def schedule_segmented(self, seq: Sequence) -> None: ...
 
 
 class HostCache(Protocol):
@@ -68,10 +77,11 @@ class HostCache(Protocol):
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens this step)
     preempted: list[Sequence] = field(default_factory=list)
+    segments: list[LayerSegment] = field(default_factory=list)  # layer-segmented prefills' work this step
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.segments
 
 
 @dataclass
@@ -87,7 +97,7 @@ class PrefixCacheStats:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int,
                  device_space: DeviceSpace | None = None, host_cache: HostCache | None = None, *,
-                 max_model_len: int | None = None, min_chunk: int = 1) -> None:
+                 max_model_len: int | None = None, min_chunk: int = 1, segments: SegmentPlanner | None = None) -> None:
         self.config = config
         self.allocator = allocator
         self.device_space = device_space
@@ -102,6 +112,8 @@ class Scheduler:
         self._ratio_decay = (config.init_new_token_ratio - config.min_new_token_ratio) / \
             config.new_token_ratio_decay_steps
         self.prefix_stats = PrefixCacheStats()
+        self.segments = segments
+        self.layers_done: dict[int, int] = {}  # seq_id -> layers done of its layer-segmented prefill
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -118,6 +130,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.seq_id in self.layers_done:  # its next layers; every block it needs is held
+                i += 1
+                seg = self.segments.segment(seq, seq.num_tokens - seq.num_computed_tokens,
+                                            self.layers_done[seq.seq_id], budget, self._only_decodes(out))
+                if seg is not None:
+                    out.segments.append(seg)
+                    budget -= seg.cost
+                continue
             n = self._chunk(seq, seq.num_computed_tokens, budget)
             if n == 0:  # a prefill chunk that the budget left cannot hold: next step
                 i += 1
@@ -141,14 +161,21 @@ class Scheduler:
         # admitting would only evict again).
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = self._admit(seq, budget)
-            if n == 0:
-                break
+            if self.segments is not None and self.segments.wants(seq):
+                seg = self._admit_segmented(seq, budget, self._only_decodes(out))
+                if seg is None:
+                    break
+                out.segments.append(seg)
+                budget -= seg.cost
+            else:
+                n = self._admit(seq, budget)
+                if n == 0:
+                    break
+                out.scheduled.append((seq, n))
+                budget -= n
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append((seq, n))
-            budget -= n
         self._adapt_ratio(bool(out.preempted))
         return out
 
@@ -215,16 +242,72 @@ class Scheduler:
                 alloc.cache_block(b, h)
             seq.block_table += restored
         seq.num_cached_blocks = len(seq.block_table)
+        self._count_first_admission(seq, computed, len(hit), host_hit)
+        self._grow(seq, n)
+        return n
+
+    def _count_first_admission(self, seq: Sequence, computed: int, hit: int, host_hit: int) -> None:
         if seq.num_cached_tokens is None:  # first admission: the request's prefix-cache statistics
+            bs = self.block_size
             seq.num_cached_tokens = computed
             st = self.prefix_stats
             st.queries += seq.num_tokens
-            st.hits += len(hit) * bs
+            st.hits += hit * bs
             if self.host_cache is not None:
-                st.host_queries += seq.num_tokens - len(hit) * bs
+                st.host_queries += seq.num_tokens - hit * bs
                 st.host_hits += host_hit * bs
-        self._grow(seq, n)
-        return n
+
+    # ---- layer-segmented prefill --------------------------------------------------------------------------
+
+    @staticmethod
+    def _only_decodes(out: SchedulerOutput) -> bool:
+        """Nothing but one-token rows scheduled so far this step: a layer-segmented prefill then runs at least one
+        layer even if it costs more than the budget left (a layer cannot be split; it never starves behind a
+        long-running decode batch)."""
+        return not out.segments and all(n == 1 for _, n in out.scheduled)
+
+    def _admit_segmented(self, seq: Sequence, budget: int, alone: bool) -> LayerSegment | None:
+        """Admits the head of the waiting queue into layer-segmented prefill if it fits (None: it waits): the
+        prefix-cache hits taken (a paused one keeps its blocks and computed prefix), every token block of its
+        context allocated at once (each layer writes them all), its first decode's window mapped on the device."""
+        if self.layers_done:  # one at a time
+            return None
+        alloc, bs = self.allocator, self.block_size
+        hit, parked, computed = None, 0, seq.num_computed_tokens
+        if not seq.block_table:
+            hit = alloc.lookup(self._prompt_hashes(seq))
+            parked = sum(1 for b in hit if alloc.ref_count(b) == 0)
+            computed = len(hit) * bs
+        held = len(seq.block_table) if hit is None else len(hit)
+        seg = self.segments.segment(seq, seq.num_tokens - computed, 0, budget, alone)
+        need = blocks_needed(seq.num_tokens, bs) - held
+        if seg is None or not alloc.can_allocate(need + parked) or not self._fits_with_growth(seq, held, parked):
+            return None
+        before, seq.num_computed_tokens = seq.num_computed_tokens, computed
+        if not self.device_space.can_admit_segmented(seq, self.running):
+            seq.num_computed_tokens = before
+            return None
+        if hit is not None:
+            alloc.share(hit)
+            seq.block_table = list(hit)
+            seq.num_cached_blocks = len(hit)
+            self._count_first_admission(seq, computed, len(hit), 0)
+        blocks = alloc.allocate(need)
+        seq.block_table.extend(blocks)
+        self.device_space.on_allocate(blocks)
+        self.device_space.schedule_segmented(seq)
+        self.layers_done[seq.seq_id] = 0
+        return seg
+
+    def finish_segment(self, seg: LayerSegment) -> bool:
+        """After the step that ran it: its layers are done; True when that completes the prefill (the engine
+        then counts the prompt's tokens as computed)."""
+        sid = seg.seq.seq_id
+        if seg.end < self.segments.num_layers:
+            self.layers_done[sid] = seg.end
+            return False
+        del self.layers_done[sid]
+        return True
 
     def _resume(self, seq: Sequence, budget: int) -> int:
         n = self._chunk(seq, seq.num_computed_tokens, budget)
@@ -300,6 +383,7 @@ class Scheduler:
         """keep (only the device space is short): pause, the computed K/V stays in the host store. Otherwise
         recompute: the blocks go back (full ones stay cached), its tokens so far are its new prompt. Either
         way it is requeued at the front."""
+        self.layers_done.pop(seq.seq_id, None)  # a layer-segmented prefill starts again at layer 0
         if keep and self.device_space is not None:
             self.device_space.pause(seq)
         else:
@@ -332,4 +416,5 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
+        self.layers_done.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED

@@ -44,6 +44,8 @@ class EngineStats:
     prefill_tiles_computed: int = 0    # sparse prefill: (query tile, key tile, KV head) tiles computed, all layers
     prefill_tiles_dense: int = 0       # ... and the causally visible ones (what dense prefill computes)
     offload_blocks_restored: int = 0     # token blocks copied host store -> device block cache (cache hits, resumes)
+    layer_prefills_running: int = 0      # layer-segmented prefills in progress (gauge)
+    layer_prefill_layers_done: int = 0   # ... and the layers they have done (gauge)
 
     @classmethod
     def from_values(cls, values: dict[str, int]) -> "EngineStats":

@@ -61,6 +61,7 @@ class HostKVStore:
         # Full token blocks x layers written through; on the compute device, so counting never syncs.
         self.blocks_written = torch.zeros((), dtype=torch.int64, device=device)
         self.d2h: D2HWriter | None = None
+        self.layer_d2h: LayerD2H | None = None  # layer-segmented prefill's writer (engine/layer_prefill.py)
 
     @property
     def nbytes(self) -> int:
@@ -76,6 +77,12 @@ class HostKVStore:
     def fence(self) -> None:
         if self.d2h is not None:
             self.d2h.fence()
+        if self.layer_d2h is not None:
+            self.layer_d2h.fence()
+
+    def d2h_blocks_written(self) -> int:
+        """Token blocks x layers the FlashD2H writers stored so far (host-side count)."""
+        return sum(w.blocks_written for w in (self.d2h, self.layer_d2h) if w is not None)
 
     def store_step(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_decode_tokens: int,
                    num_seqs: int, token_slot_mapping: torch.Tensor | None = None) -> None:
@@ -103,7 +110,7 @@ class HostKVStore:
     def bytes_written(self) -> int:
         """Bytes written into the store so far (whole blocks + FlashD2H tokens; syncs)."""
         block = self.data[0, 0].numel() * self.data.element_size()
-        return (int(self.blocks_written) + (self.d2h.blocks_written if self.d2h is not None else 0)) * block
+        return (int(self.blocks_written) + self.d2h_blocks_written()) * block
 
     def write_through(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       host_blocks: torch.Tensor | None = None) -> None:
@@ -188,6 +195,65 @@ class D2HWriter:
 
     def fence(self) -> None:
         """Wait for every write submitted so far (re-raising a worker's error)."""
+        pending, self.pending = self.pending, []
+        for f in pending:
+            f.result()
+
+
+class LayerD2H:
+    """FlashD2H of layer-segmented prefill (engine/layer_prefill.py): one layer of one prompt at a time. Its
+    source is a scratch buffer whose rows are the prompt's token blocks in order, so the full blocks leave as
+    one contiguous slice (no compaction): one copy into pinned staging on a side stream after the compute
+    stream's work so far, then a CPU worker writes the rows into the store. `num_buffers` staging buffers
+    alternate like the caller's scratch buffers; a buffer is reused only once its previous rows are in the
+    store. submit returns the copy's event (None on CPU): the caller makes the compute stream wait for it
+    before it overwrites the scratch rows. fence() waits for every write."""
+
+    def __init__(self, store: HostKVStore, max_blocks: int, num_buffers: int = 2, num_threads: int = 2) -> None:
+        _, _, hkv, _, bs, head_dim = store.data.shape
+        pin = store.data.is_pinned()
+        self.store = store
+        self.staging = torch.empty(num_buffers, max_blocks, hkv, 2, bs, head_dim, dtype=store.data.dtype,
+                                   pin_memory=pin)
+        self.workers = ThreadPoolExecutor(num_threads, thread_name_prefix="sparseserve-layer-d2h")
+        self.busy: list[Future | None] = [None] * num_buffers
+        self.pending: list[Future] = []
+        self.stream = None
+        self.blocks_written = 0  # token blocks x layers written (stats)
+        self._lock = threading.Lock()
+
+    def submit(self, layer: int, buf: int, src: torch.Tensor, host_rows: torch.Tensor):
+        """src: [n, Hkv, 2, bs, D] full blocks (device); host_rows: int64 [n] (CPU) their store rows."""
+        n = src.shape[0]
+        if n == 0:
+            return None
+        if n > self.staging.shape[1]:
+            raise ValueError(f"{n} blocks exceed the layer writer's staging of {self.staging.shape[1]} blocks")
+        if self.busy[buf] is not None:
+            self.busy[buf].result()  # its previous rows are in the store: the staging buffer is free
+        staged, event = self.staging[buf, :n], None
+        if src.is_cuda:
+            self.stream = self.stream or torch.cuda.Stream(src.device)
+            self.stream.wait_stream(torch.cuda.current_stream(src.device))
+            with torch.cuda.stream(self.stream):
+                staged.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            src.record_stream(self.stream)
+        else:
+            staged.copy_(src)
+        self.busy[buf] = future = self.workers.submit(self._write, layer, staged, host_rows, event)
+        self.pending.append(future)
+        return event
+
+    def _write(self, layer: int, staged: torch.Tensor, rows: torch.Tensor, event) -> None:
+        if event is not None:
+            event.synchronize()
+        self.store.data[layer].index_copy_(0, rows, staged)
+        with self._lock:
+            self.blocks_written += rows.numel()
+
+    def fence(self) -> None:
         pending, self.pending = self.pending, []
         for f in pending:
             f.result()

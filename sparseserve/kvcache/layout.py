@@ -72,7 +72,8 @@ class OffloadLayout:
         if layout.device_blocks < min_device_blocks or layout.pool_slots < 1:
             raise ValueError(
                 f"KV offload: {layout.describe()}; the device block cache needs at least {min_device_blocks} "
-                f"blocks (one max_model_len sequence) and the pool one slot: lower host_kv_memory, "
+                f"blocks (one max_model_len sequence; with layer-segmented prefill one step's prefill and a "
+                f"window) and the pool one slot: lower host_kv_memory, "
                 f"hbm_cache_blocks, sparse_dense_layers or max_model_len, or give the KV cache more memory")
         return layout
 

@@ -77,6 +77,8 @@ class DeviceBlockMap:
         self.local_blocks = local_blocks
         self.block_size = block_size
         self.ranges: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (start, device blocks)
+        # Sequences in layer-segmented prefill: they hold only their first decode's window (map_window).
+        self.segmented: set[int] = set()
 
     @property
     def num_blocks(self) -> int:
@@ -121,7 +123,7 @@ class DeviceBlockMap:
 
     def _prefill_rest(self, seq) -> int:
         """Device blocks a running sequence still has to map to finish its prefill."""
-        if seq.num_computed_tokens + 1 >= seq.num_tokens:
+        if seq.num_computed_tokens + 1 >= seq.num_tokens or seq.seq_id in self.segmented:
             return 0
         start, blocks = self.range_of(seq)
         return blocks_needed(seq.num_tokens, self.block_size) - start - len(blocks)
@@ -147,10 +149,32 @@ class DeviceBlockMap:
         if hi > end:
             blocks = blocks + self.allocator.allocate(hi - end)
         self.ranges[seq.seq_id] = (start, blocks)
+        self.segmented.discard(seq.seq_id)
         return released
+
+    def window(self, seq) -> tuple[int, int]:
+        """Token-block indices [lo, hi) of the prompt's blocks in its first decode's local window (the prompt's
+        tail block included): what a layer-segmented prefill leaves on the device (engine/layer_prefill.py)."""
+        p, bs = seq.num_tokens, self.block_size
+        return max(blocks_needed(p + 1, bs) - self.local_blocks, 0), blocks_needed(p, bs)
+
+    def can_admit_window(self, seq, running: list) -> bool:
+        """Whether a layer-segmented prefill may start: its window fits next to what running prefills still need."""
+        lo, hi = self.window(seq)
+        return self.allocator.num_free - sum(self._prefill_rest(s) for s in running) >= hi - lo
+
+    def map_window(self, seq) -> None:
+        """Maps the window of a sequence starting a layer-segmented prefill (it holds no device block); its
+        first decode's `map` then extends the same range."""
+        if seq.seq_id in self.ranges:
+            raise RuntimeError(f"sequence {seq.seq_id} starts a layer-segmented prefill holding device blocks")
+        lo, hi = self.window(seq)
+        self.ranges[seq.seq_id] = (lo, self.allocator.allocate(hi - lo))
+        self.segmented.add(seq.seq_id)
 
     def release(self, seq) -> None:
         _, blocks = self.ranges.pop(seq.seq_id, (0, []))
+        self.segmented.discard(seq.seq_id)
         self.allocator.free(blocks)
 
     def fill_row(self, seq, row: np.ndarray, width: int) -> None:
@@ -185,9 +209,13 @@ class OffloadCache:
               budget: int | None, device_blocks: int | None) -> "OffloadCache":
         """The host store sized from config.host_kv_memory (default: max_num_seqs sequences of max_model_len,
         at most half the host's available memory), the device budget (bytes; None: device_blocks given) split
-        by OffloadLayout, and everything allocated."""
+        by OffloadLayout, and everything allocated. With layer-segmented prefill (config.layer_segmented_prefill)
+        no prompt longer than one step's budget maps its blocks on the device: the device block cache keeps no
+        whole-prefill reserve and needs only one step's prefill and a window."""
         hbb = host_block_bytes(num_layers, num_kv_heads, block_size, head_dim, dtype)
         seq_blocks = blocks_needed(max_model_len, block_size)
+        step_blocks = blocks_needed(min(max_num_batched_tokens, max_model_len), block_size)
+        whole_prefill = 0 if config.layer_segmented_prefill else seq_blocks
         if config.host_kv_memory is not None:
             token_blocks = config.host_kv_memory // hbb
         else:
@@ -202,11 +230,10 @@ class OffloadCache:
             budget=budget, device_blocks=device_blocks, token_blocks=token_blocks, pool_slots=config.hbm_cache_blocks,
             # one decode step's lists of max_num_seqs sequences in every layer, at most every head block
             default_pool_slots=num_layers * num_kv_heads * min(max_num_seqs * cap, token_blocks),
-            min_device_blocks=seq_blocks,
+            min_device_blocks=step_blocks + local_blocks + 1 if config.layer_segmented_prefill else seq_blocks,
             # one whole prefill, a decode window (+1 block of slack) of every sequence, and one step's prefill
             # tokens, so short prompts can be admitted next to a long prefill
-            want_device_blocks=seq_blocks + max_num_seqs * (local_blocks + 1)
-            + blocks_needed(min(max_num_batched_tokens, max_model_len), block_size),
+            want_device_blocks=whole_prefill + max_num_seqs * (local_blocks + 1) + step_blocks,
             num_layers=num_layers, dense_layers=dense_layers, kv_layer_block_bytes=hbb // num_layers,
             meta_block_bytes=metadata_block_bytes, head_block_bytes=2 * block_size * head_dim * dtype.itemsize)
         logger.info("KV offload device budget%s: %s", "" if budget is None else f" {budget / 2**30:.2f} GiB",
@@ -264,6 +291,15 @@ class OffloadCache:
 
     def free(self, seq) -> None:
         self.device_map.release(seq)
+
+    def can_admit_segmented(self, seq, running: list) -> bool:
+        """Whether a layer-segmented prefill may start (its first decode's window fits)."""
+        return self.device_map.can_admit_window(seq, running)
+
+    def schedule_segmented(self, seq) -> None:
+        """A layer-segmented prefill starts: its window's device blocks are mapped (filled layer by layer from
+        the prefill's scratch, engine/layer_prefill.py; nothing to restore)."""
+        self.device_map.map_window(seq)
 
     def pause(self, seq) -> None:
         """Preemption that keeps the work: the sequence keeps its token blocks (host rows hold every full block
@@ -396,4 +432,4 @@ class OffloadCache:
                 "offload_device_blocks": self.device_map.num_blocks,
                 "offload_device_blocks_used": self.device_map.allocator.num_used,
                 "offload_blocks_restored": self.num_restored_blocks,
-                "offload_d2h_blocks_written": self.host.d2h.blocks_written if self.host.d2h is not None else 0}
+                "offload_d2h_blocks_written": self.host.d2h_blocks_written()}

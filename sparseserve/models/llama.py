@@ -95,10 +95,18 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta):
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary_emb(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(rope, x, residual, kv_cache, meta)
+        x, residual = self.forward_layers(range(len(self.layers)), rope, x, residual, kv_caches, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    def forward_layers(self, layers: range, rope, x: torch.Tensor, residual: torch.Tensor | None, kv_caches,
+                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers `layers` over hidden states (x, residual; residual None before layer 0);
+        kv_caches[i] is layer i's cache. Layer-segmented prefill (engine/layer_prefill.py) runs a prompt a few
+        layers at a time through this."""
+        for i in layers:
+            x, residual = self.layers[i](rope, x, residual, kv_caches[i], meta)
+        return x, residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -398,6 +398,8 @@ def random_schedule(model_dir, seed: int, check: bool, greedy: bool = False, tri
             offload.fence()
             sparse_caches = torch.stack(engine.model_runner.kv_caches[offload.dense_layers:])
             for seq in engine.scheduler.running:  # every full block on the device is in the host store, equal
+                if seq.seq_id in engine.scheduler.layers_done:  # a layer-segmented prefill fills its window
+                    continue                                    # layer by layer (tests/engine/test_layer_prefill.py)
                 start, blocks = offload.device_map.range_of(seq)
                 full = range(start, min(seq.num_computed_tokens // BS, start + len(blocks)))
                 dev = [blocks[j - start] for j in full]

@@ -1,0 +1,227 @@
+"""Layer-segmented prefill under KV offload (DESIGN.md principle 7; SparseServe section 3.4).
+
+A prompt whose context is longer than one step's token budget is prefilled a few layers at a time for ALL its
+tokens instead of token chunks through every layer. Per layer:
+  - a sparse layer's K/V go to a one-layer scratch cache whose rows are the prompt's token blocks in order
+    (the prefix a cache hit or a pause kept is first copied into it from the host store); dense prefill
+    attention (or SALE's sparse prefill) reads it causally over the whole prompt; then the layer's full blocks
+    leave for the host store in one FlashD2H copy (kvcache/host.py LayerD2H) and the blocks of the first
+    decode's local window (kvcache/offload.py DeviceBlockMap.window) are copied into the device block cache;
+    the key metadata is written as in any step (by token block). Two scratch buffers alternate, so a layer's
+    copy to the host overlaps the next layer's compute.
+  - a dense layer (`sparse_dense_layers`) keeps its K/V in its full-size cache by token block, as in any step.
+Within a layer the tokens run in chunks of max_num_batched_tokens (each chunk attends to the scratch holding
+every earlier token of that layer), so a layer's activations are those of one chunked-prefill step and the
+numerics are a chunked prefill's. The hidden states of the prompt (x and residual, tokens x hidden) persist
+between steps. After the last layer the last token's hidden state goes through the final norm and the LM head
+and the first token is sampled; the sequence then decodes as usual.
+
+HBM for prefill is bounded by the scratch (two layers of max_model_len tokens) and the hidden states, instead of
+the device block cache's reserve of one whole max_model_len prefill in every sparse layer.
+
+The scheduler's side is `SegmentPlanner`: which prefills go layer by layer, and how many layers a step gives one
+(a segment of L layers over T tokens costs T*L/num_layers tokens of the step budget, like a chunk of that many
+tokens); `LayerSegment` is one step's work. One layer-segmented prefill runs at a time (its buffers are
+allocated once, at start).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sparseserve.attention.backend import AttentionMetadata
+from sparseserve.attention.sparse import SparseStepMeta
+from sparseserve.kernels.flash_h2d import flash_h2d
+from sparseserve.kvcache.blocks import blocks_needed
+from sparseserve.kvcache.host import LayerD2H
+
+
+@dataclass(frozen=True)
+class LayerSegment:
+    """One step's work of a layer-segmented prefill: layers [start, end) over every prompt token."""
+    seq: object      # engine/request.py Sequence
+    start: int
+    end: int
+    cost: int        # tokens of the step's budget it takes
+
+
+class SegmentPlanner:
+    """The scheduler's view: which prefills go layer by layer and how many layers a step gives one."""
+
+    def __init__(self, num_layers: int, max_num_batched_tokens: int, max_layers: int | None = None) -> None:
+        self.num_layers = num_layers
+        self.min_context = max_num_batched_tokens  # longer contexts prefill layer by layer
+        self.max_layers = max_layers or num_layers
+
+    def wants(self, seq) -> bool:
+        """A prefill (not a paused decode) whose context is longer than one step's budget."""
+        return seq.num_tokens > self.min_context and seq.num_computed_tokens + 1 < seq.num_tokens
+
+    def cost(self, tokens: int, layers: int) -> int:
+        return -(-tokens * layers // self.num_layers)
+
+    def segment(self, seq, tokens: int, done: int, budget: int, alone: bool) -> LayerSegment | None:
+        """The next segment of a prefill of `tokens` tokens with `done` layers done, within `budget` tokens
+        (None: none fits). alone: at least one layer runs, even over the budget (the scheduler says when)."""
+        k = min(self.num_layers - done, self.max_layers, budget * self.num_layers // max(tokens, 1))
+        if k <= 0:
+            if not alone:
+                return None
+            k = 1
+        return LayerSegment(seq, done, done + k, self.cost(tokens, k))
+
+
+@dataclass
+class _Prefill:
+    """The prefill in progress."""
+    seq_id: int
+    computed: int                     # tokens computed before it (a prefix-cache hit): whole blocks
+    tokens: int                       # tokens it computes
+    layers_done: int
+    rope: tuple[torch.Tensor, torch.Tensor]
+    chunks: list[tuple[int, int, AttentionMetadata]]  # token range [a, b) of the prompt's new tokens, its step
+    prefix_rows: torch.Tensor | None  # int64 [c / bs] (device): host rows of the prefix, None without one
+    host_rows: torch.Tensor           # int64 [full new blocks] (CPU): where they go in the host store
+    window_start: int                 # token block of the window's first device block
+    window_blocks: torch.Tensor       # int64 [w] (device): the window's device blocks
+
+
+class _Chunk:
+    """What a prefill attention's prepare reads of a scheduled sequence (attention/backend.py)."""
+
+    def __init__(self, seq_id: int, computed: int, block_table: list[int]) -> None:
+        self.seq_id, self.num_computed_tokens, self.block_table = seq_id, computed, block_table
+
+
+class LayerPrefill:
+    """The runner's side: the persisted hidden states, the scratch KV and the layer-by-layer forward."""
+
+    def __init__(self, model, backend, offload, kv_caches: list[torch.Tensor], *, hidden_size: int,
+                 max_model_len: int, chunk_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.model, self.backend, self.offload, self.kv_caches = model, backend, offload, kv_caches
+        self.num_layers = len(kv_caches)
+        self.chunk_tokens = chunk_tokens
+        self.device = device
+        host = offload.host
+        _, _, hkv, _, bs, head_dim = host.data.shape
+        self.block_size = bs
+        nb = blocks_needed(max_model_len, bs)
+        self.scratch = torch.empty(2, nb, hkv, 2, bs, head_dim, dtype=dtype, device=device)
+        self.hidden = torch.empty(2, max_model_len, hidden_size, dtype=dtype, device=device)  # x, residual
+        host.layer_d2h = LayerD2H(host, nb, num_buffers=2)
+        self.events: list = [None, None]  # per scratch buffer: its last copy to the host (CUDA)
+        self.current: _Prefill | None = None
+
+    @staticmethod
+    def device_bytes(*, num_kv_heads: int, head_dim: int, hidden_size: int, block_size: int, max_model_len: int,
+                     dtype: torch.dtype) -> int:
+        """Device memory it allocates (taken from the KV budget)."""
+        tokens = blocks_needed(max_model_len, block_size) * block_size
+        return (2 * tokens * num_kv_heads * 2 * head_dim + 2 * max_model_len * hidden_size) * dtype.itemsize
+
+    def progress(self) -> dict[str, int]:
+        """Prefills in progress and the layers they have done (statistics)."""
+        cur = self.current
+        return {"layer_prefills_running": int(cur is not None),
+                "layer_prefill_layers_done": cur.layers_done if cur is not None else 0}
+
+    def release(self, seq_id: int) -> None:
+        """A sequence finished, was aborted or preempted: its prefill's progress is gone (a resumed prefill
+        starts again at layer 0)."""
+        if self.current is not None and self.current.seq_id == seq_id:
+            self.current = None
+
+    @torch.inference_mode()
+    def run(self, seg: LayerSegment) -> torch.Tensor | None:
+        """Layers [seg.start, seg.end) of the prefill; after the last one the final-normed hidden state of the
+        prompt's last token [1, hidden] (the LM head's input), else None."""
+        seq = seg.seq
+        if seg.start == 0:
+            self.current = self._begin(seq)
+        cur = self.current
+        if cur is None or cur.seq_id != seq.seq_id or cur.layers_done != seg.start:
+            raise RuntimeError(f"layer-segmented prefill of sequence {seq.seq_id}: segment from layer {seg.start} "
+                               f"does not continue the prefill in progress")
+        for layer in range(seg.start, seg.end):
+            self._layer(cur, layer)
+        cur.layers_done = seg.end
+        if seg.end < self.num_layers:
+            return None
+        self.current = None
+        t = cur.tokens
+        x, _ = self.model.model.norm(self.hidden[0, t - 1:t], self.hidden[1, t - 1:t])
+        return x
+
+    def _begin(self, seq) -> _Prefill:
+        bs, dev = self.block_size, self.device
+        c, p = seq.num_computed_tokens, seq.num_tokens
+        if c % bs:
+            raise RuntimeError(f"layer-segmented prefill of sequence {seq.seq_id} after {c} computed tokens: "
+                               f"needs whole blocks")
+        t = p - c
+        table = np.asarray(seq.block_table[: blocks_needed(p, bs)], dtype=np.int64)
+        pos = np.arange(c, p)
+        token_slots = torch.from_numpy(table[pos // bs] * bs + pos % bs).to(dev, non_blocking=True)
+        positions = torch.arange(c, p, device=dev)
+        ids = torch.tensor(seq.token_ids[c:p], dtype=torch.long).to(dev, non_blocking=True)
+        self.hidden[0, :t] = self.model.model.embed_tokens(ids)
+        rope = self.model.model.rotary_emb(positions, self.hidden.dtype)
+        token_table = torch.from_numpy(table.astype(np.int32))[None].to(dev, non_blocking=True)
+        scratch_table = torch.arange(len(table), dtype=torch.int32, device=dev)[None]
+        chunks = []
+        for a in range(0, t, self.chunk_tokens):
+            b = min(a + self.chunk_tokens, t)
+            qsl = torch.tensor([0, b - a], dtype=torch.int32, device=dev)
+            seq_lens = torch.tensor([c + b], dtype=torch.int32, device=dev)
+            meta = AttentionMetadata(token_slots[a:b], qsl, seq_lens, token_table, num_decodes=0,
+                                     max_query_len=b - a, max_seq_len=c + b)
+            meta.prefill_meta = self.backend.prefill.prepare([(_Chunk(seq.seq_id, c + a, seq.block_table), b - a)],
+                                                             meta)
+            # The sparse layers address the scratch, whose row j is the prompt's token block j: slot = position.
+            scratch = AttentionMetadata(positions[a:b], qsl, seq_lens, scratch_table, num_decodes=0,
+                                        max_query_len=b - a, max_seq_len=c + b, prefill_meta=meta.prefill_meta)
+            meta.backend_meta = SparseStepMeta(torch.zeros(1, dtype=torch.int32, device=dev), scratch, None)
+            chunks.append((a, b, meta))
+        start, blocks = self.offload.device_map.range_of(seq)
+        prefix = torch.from_numpy(table[: c // bs]).to(dev, non_blocking=True) if c else None
+        return _Prefill(seq.seq_id, c, t, 0, rope, chunks, prefix, torch.from_numpy(table[c // bs: p // bs]),
+                        start, torch.tensor(blocks, dtype=torch.long).to(dev, non_blocking=True))
+
+    def _layer(self, cur: _Prefill, layer: int) -> None:
+        sparse = self.offload.offloads(layer)
+        if sparse:
+            buf = layer % 2
+            if self.events[buf] is not None:  # its rows have left for the host store
+                torch.cuda.current_stream(self.device).wait_event(self.events[buf])
+            cache = self.scratch[buf]
+            if cur.prefix_rows is not None:
+                self._restore_prefix(cur, layer, cache)
+        else:
+            cache = self.kv_caches[layer]
+        caches = {layer: cache}
+        x, res = self.hidden[0], self.hidden[1]
+        cos, sin = cur.rope
+        for a, b, meta in cur.chunks:
+            out, out_res = self.model.model.forward_layers(range(layer, layer + 1), (cos[a:b], sin[a:b]), x[a:b],
+                                                           None if layer == 0 else res[a:b], caches, meta)
+            x[a:b] = out
+            res[a:b] = out_res
+        if not sparse:
+            return
+        bs, c, p = self.block_size, cur.computed, cur.computed + cur.tokens
+        n = cur.window_blocks.numel()
+        if n:
+            self.kv_caches[layer].index_copy_(0, cur.window_blocks, cache[cur.window_start: cur.window_start + n])
+        self.events[buf] = self.offload.host.layer_d2h.submit(layer, buf, cache[c // bs: p // bs], cur.host_rows)
+
+    def _restore_prefix(self, cur: _Prefill, layer: int, cache: torch.Tensor) -> None:
+        """The prefix's K/V of this layer from its host rows into the scratch's first rows (one FlashH2D)."""
+        host = self.offload.host
+        hkv = cache.shape[1]
+        heads = torch.arange(hkv, device=self.device)
+        rows = cur.prefix_rows
+        key = ((layer * (host.num_blocks + 1) + rows[:, None]) * hkv + heads).reshape(-1)
+        load = (torch.arange(rows.numel(), device=self.device)[:, None] * hkv + heads).reshape(-1)
+        flash_h2d(host.flat(), cache.view(-1, *cache.shape[2:]), key, load)

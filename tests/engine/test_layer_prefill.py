@@ -1,0 +1,322 @@
+"""Layer-segmented prefill under KV offload (engine/layer_prefill.py): config and refusals, the planner's segment
+costs, the device reserve it frees, and the engine: the same greedy tokens as chunked prefill (dense and sparse
+layers, one layer or as many as the budget allows per step, several requests mixing with decodes), the first
+token's logprobs equal to transformers', and random schedules with preemptions and aborts in the middle of a
+prefill: the same tokens, no block leaked, the host store equal to the device cache for every full block."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparseserve import LLM, SamplingParams
+from sparseserve.config import EngineConfig, OffloadConfig
+from sparseserve.engine.layer_prefill import SegmentPlanner
+from sparseserve.engine.request import Sequence
+from sparseserve.engine.scheduler import Scheduler
+from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
+from sparseserve.kvcache.host import host_block_bytes
+from sparseserve.kvcache.offload import OffloadCache
+from sparseserve.metrics import ServerMetrics, parse_metrics
+from tests.conftest import make_hf_model
+from tests.schedules import check_pool, held_blocks
+
+BS = 8
+SPARSE = dict(block_size=BS, sparse_policy="topk", sparse_budget=4 * BS, sparse_dense_layers=0, sparse_sink_blocks=1,
+              sparse_local_blocks=2, sparse_dense_context=0)
+COMMON = dict(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32,
+              kv_offload=True, **SPARSE)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model4(tmp_path_factory):
+    """A 4-layer GQA Llama (segments of 1, 2 or 3 layers are all possible)."""
+    path = tmp_path_factory.mktemp("llama4")
+    hf = make_hf_model(path, "LlamaConfig", num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       hidden_size=128, tie_word_embeddings=False, num_hidden_layers=4)
+    return path, hf
+
+
+def prompts(lengths=(120, 75, 30, 200)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(10, 2000, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_config_flags_and_refusals():
+    cfg = EngineConfig.from_kwargs(kv_offload=True, layer_segmented_prefill=True, prefill_layer_segment=2, **SPARSE)
+    assert cfg.offload_config.layer_segmented_prefill and cfg.offload_config.prefill_layer_segment == 2
+    assert not OffloadConfig().layer_segmented_prefill  # off by default
+    args = build_parser(["generate"]).parse_args(["generate", "--kv-offload", "--sparse-policy", "topk",
+                                                  "--layer-segmented-prefill", "--prefill-layer-segment", "3"])
+    kw = engine_kwargs_from_args(args)
+    assert kw["layer_segmented_prefill"] is True and kw["prefill_layer_segment"] == 3
+    with pytest.raises(ValueError, match="layer_segmented_prefill needs kv_offload"):
+        EngineConfig.from_kwargs(layer_segmented_prefill=True, **SPARSE)
+    with pytest.raises(ValueError, match="prefill_layer_segment must be >= 1"):
+        EngineConfig.from_kwargs(kv_offload=True, layer_segmented_prefill=True, prefill_layer_segment=0, **SPARSE)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig.from_kwargs(kv_offload=True, layer_segmented_prefill=True, tensor_parallel_size=2, **SPARSE)
+
+
+def test_segment_planner():
+    """A segment of k layers over T tokens costs ceil(T * k / layers); it takes as many layers as the budget
+    left allows (at most prefill_layer_segment), at least one when the scheduler says it runs alone (beside
+    nothing but decodes), none otherwise."""
+    plan = SegmentPlanner(num_layers=4, max_num_batched_tokens=32)
+    seq = Sequence(0, "r", 0, list(range(100)), GREEDY)
+    assert plan.wants(seq) and not plan.wants(Sequence(1, "r", 0, list(range(32)), GREEDY))
+    seq.num_computed_tokens = 99  # a paused decode resumes as a decode
+    assert not plan.wants(seq)
+    seg = plan.segment(seq, 100, 0, 32, alone=True)
+    assert (seg.start, seg.end, seg.cost) == (0, 1, 25)
+    assert plan.segment(seq, 40, 1, 32, alone=True).end == 4  # 3 layers x 40 tokens = 30 <= 32
+    assert plan.segment(seq, 200, 2, 32, alone=False) is None  # one layer (50) exceeds what is left
+    seg = plan.segment(seq, 200, 2, 32, alone=True)
+    assert (seg.start, seg.end, seg.cost) == (2, 3, 50)  # never starves
+    capped = SegmentPlanner(num_layers=4, max_num_batched_tokens=32, max_layers=2)
+    assert capped.segment(seq, 10, 0, 32, alone=True).end == 2
+
+
+def test_reserve_freed_for_the_pool():
+    """With layer-segmented prefill the device block cache keeps no whole max_model_len prefill: its blocks go
+    to the HBM pool, and a device cache smaller than one max_model_len sequence is allowed."""
+    def build(on: bool, budget: int | None = 15 << 20, device_blocks: int | None = None) -> OffloadCache:
+        return OffloadCache.build(
+            OffloadConfig(kv_offload=True, host_kv_memory=4 * 1024 * 4096, layer_segmented_prefill=on),
+            num_layers=4, num_kv_heads=2, head_dim=32, block_size=BS, dtype=torch.float32,
+            device=torch.device("cpu"), dense_layers=1, local_blocks=2, cap=4, metadata_block_bytes=256,
+            max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=64, budget=budget, device_blocks=device_blocks)
+    off, on = build(False).layout, build(True).layout
+    seq_blocks = 1024 // BS
+    assert off.device_blocks - on.device_blocks == seq_blocks
+    assert (on.pool_slots - off.pool_slots) * on.head_block_bytes > (seq_blocks - 1) * on.device_block_bytes
+    small = 64 // BS + 2 + 1  # one step's prefill and a window
+    assert build(True, None, small).layout.device_blocks == small
+    with pytest.raises(ValueError, match="device block cache needs at least"):
+        build(False, None, small)
+
+
+def drive(llm, reqs: list[list[int]], params: SamplingParams, check=None) -> tuple[list[list[int]], list]:
+    """All requests at once, stepped to the end; returns their tokens and every step's schedule."""
+    engine = llm.llm_engine
+    for i, p in enumerate(reqs):
+        engine.add_request(str(i), p, params)
+    outs, schedules = {}, []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+        schedules.append(engine.last_schedule)
+        if check is not None:
+            check(engine)
+    return [outs[str(i)] for i in range(len(reqs))], schedules
+
+
+def check_segmented(engine) -> None:
+    """Accounting after a step; a prefill in progress holds only its first decode's window on the device and
+    the host store equals the device cache for every full block the device holds."""
+    held_blocks(engine)
+    offload = engine.model_runner.offload
+    check_pool(offload)
+    sched, dm = engine.scheduler, offload.device_map
+    assert len(sched.layers_done) <= 1
+    offload.fence()
+    sparse = torch.stack(engine.model_runner.kv_caches[offload.dense_layers:])
+    for seq in sched.running:
+        start, blocks = dm.range_of(seq)
+        if seq.seq_id in sched.layers_done:
+            assert (start, start + len(blocks)) == dm.window(seq) and len(blocks) <= dm.local_blocks
+            continue
+        full = range(start, min(seq.num_computed_tokens // BS, start + len(blocks)))
+        dev = [blocks[j - start] for j in full]
+        assert torch.equal(offload.host.data[offload.dense_layers:, [seq.block_table[j] for j in full]],
+                           sparse[:, dev])
+
+
+@pytest.mark.parametrize("dense_layers, segment", [pytest.param(0, None, marks=pytest.mark.slow), (1, 1),
+                                                   pytest.param(2, 3, marks=pytest.mark.slow)])
+def test_layer_segmented_equals_chunked(model4, dense_layers, segment):
+    """Prompts longer than one step's budget (and one shorter), several at once: the same greedy tokens as
+    chunked prefill with KV offload; segments ran beside decodes, one prefill at a time, each holding only its
+    window on the device; the layer-progress gauges show on /metrics; nothing leaks."""
+    kw = dict(COMMON, sparse_dense_layers=dense_layers)
+    base, _ = drive(LLM(str(model4[0]), **kw), prompts(), GREEDY)
+    llm = LLM(str(model4[0]), **kw, layer_segmented_prefill=True, prefill_layer_segment=segment)
+    engine = llm.llm_engine
+    seen_progress = []
+
+    def check(engine):
+        check_segmented(engine)
+        stats = engine.get_stats()
+        if stats.layer_prefills_running:
+            seen_progress.append(stats.layer_prefill_layers_done)
+            m = parse_metrics(ServerMetrics(lambda: stats, "m").render().decode())
+            assert m["sparseserve:layer_prefill_layers_done"] == stats.layer_prefill_layers_done
+            assert m["sparseserve:layer_prefills_running"] == 1
+
+    got, schedules = drive(llm, prompts(), GREEDY, check)
+    assert got == base
+    segs = [seg for s in schedules for seg in s.segments]
+    assert {seg.seq.prompt_token_ids.__len__() for seg in segs} == {120, 75, 200}  # 30 tokens: chunked
+    assert any(s.segments and any(n == 1 for _, n in s.scheduled) for s in schedules)  # beside decodes
+    assert all(seg.end - seg.start <= (segment or 4) for seg in segs)
+    # over the budget only one layer beside nothing but decodes (a layer cannot be split)
+    assert all(seg.cost + sum(n for _, n in s.scheduled) <= 32
+               or (s.segments == [seg] and seg.end - seg.start == 1 and all(n == 1 for _, n in s.scheduled))
+               for s in schedules for seg in s.segments)
+    assert seen_progress and max(seen_progress) > 0
+    stats = engine.get_stats(sync=True)
+    assert stats.num_blocks_used == 0 == stats.offload_device_blocks_used and stats.layer_prefills_running == 0
+    assert stats.num_prompt_tokens == sum(map(len, prompts()))
+
+
+@pytest.mark.slow
+def test_sparse_prefill_per_layer(model4):
+    """SALE's sparse prefill inside the segments: a 450-token prompt alone (so the chunk boundaries are those of
+    chunked prefill) selects the same tiles (counters) and gives the same tokens."""
+    kw = dict(COMMON, max_model_len=512, max_num_batched_tokens=128, sparse_prefill="sale",
+              sparse_prefill_threshold=1.0, sparse_prefill_min_len=200)
+    runs = []
+    for on in (False, True):
+        llm = LLM(str(model4[0]), **kw, layer_segmented_prefill=on, prefill_layer_segment=2 if on else None)
+        tokens, schedules = drive(llm, prompts((450,)), GREEDY)
+        assert any(s.segments for s in schedules) == on
+        runs.append((tokens, llm.llm_engine.get_stats(sync=True)))
+    (base, off), (got, on) = runs
+    assert got == base
+    assert 0 < on.prefill_tiles_computed == off.prefill_tiles_computed < on.prefill_tiles_dense
+    assert on.prefill_tiles_dense == off.prefill_tiles_dense
+
+
+def test_first_token_logprobs_match_transformers(model4):
+    """A 150-token prompt prefilled one layer per step (after a 40-token prefix-cache hit, restored layer by
+    layer from the host store): the first token's top logprobs equal transformers' on the same weights."""
+    path, hf = model4
+    llm = LLM(str(path), **COMMON, layer_segmented_prefill=True, prefill_layer_segment=1)
+    p = prompts((150,))[0]
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([p])).logits[0, -1].float(), dim=-1)
+    for prompt, expect in ((p, ref), (p[:40] + p[:110], None)):  # the second shares 5 blocks with the first
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        if expect is None:
+            assert out.num_cached_tokens == 40
+            with torch.no_grad():
+                expect = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+        lps = out.outputs[0].logprobs[0]
+        assert out.outputs[0].token_ids[0] == int(expect.argmax())
+        for tid, lp in lps.items():
+            assert abs(lp.logprob - float(expect[tid])) < 1e-4, (tid, lp.logprob, float(expect[tid]))
+
+
+@pytest.mark.parametrize("how", ["pause", pytest.param("recompute", marks=pytest.mark.slow),
+                                 pytest.param("abort", marks=pytest.mark.slow)])
+def test_interrupted_mid_prefill(model4, how):
+    """The 200-token prompt is preempted (paused: it keeps its token blocks; recomputed: it gives them back) or
+    aborted after two of its four layers: a resumed prefill starts again at layer 0 and every token equals
+    chunked prefill's; no token block, device block or prefill state is left behind."""
+    base, _ = drive(LLM(str(model4[0]), **COMMON), prompts(), GREEDY)
+    llm = LLM(str(model4[0]), **COMMON, layer_segmented_prefill=True, prefill_layer_segment=1)
+    engine, reqs = llm.llm_engine, prompts()
+    for i, p in enumerate(reqs):
+        engine.add_request(str(i), p, GREEDY)
+    sched, outs, interrupted = engine.scheduler, {}, None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+        check_segmented(engine)
+        seq = next((s for s in sched.running if sched.layers_done.get(s.seq_id) == 2), None)
+        if interrupted is None and seq is not None and seq.request_id == "3":
+            interrupted = seq
+            if how == "abort":
+                engine.abort_request("3")
+            else:  # what Scheduler.schedule does to a victim
+                sched.running.remove(seq)
+                sched._preempt(seq, keep=how == "pause")
+                engine.model_runner.release(seq.seq_id)
+                assert bool(seq.block_table) == (how == "pause") and seq.num_computed_tokens == 0
+            assert engine.model_runner.layer_prefill.current is None and not sched.layers_done
+            assert seq.seq_id not in engine.model_runner.offload.device_map.ranges
+            check_segmented(engine)
+    assert interrupted is not None
+    assert [outs.get(str(i)) for i in range(4)] == base[:3] + [None if how == "abort" else base[3]]
+    stats = engine.get_stats(sync=True)
+    assert stats.num_blocks_used == 0 == stats.offload_device_blocks_used and stats.layer_prefills_running == 0
+    assert stats.num_preemptions == (how != "abort")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 10])
+def test_random_schedules_preempt_and_abort_mid_prefill(model4, monkeypatch, seed):
+    """Random arrivals, aborts and steps with 16 token blocks and 12 device blocks (preemptions), one layer per
+    segment: the same greedy tokens as chunked prefill with KV offload (a budget covering max_model_len, so
+    every block is selected; an aborted request's tokens agree up to where either run cut it), accounting and
+    the host store equal to the device cache after every step; these seeds preempt or abort prefills after
+    some of their layers ran."""
+    from sparseserve.engine.engine import LLMEngine
+    from tests.kvcache.test_offload import random_schedule
+    interrupted, aborted, current = [], set(), []
+    init, preempt, finish, abort = Scheduler.__init__, Scheduler._preempt, Scheduler.finish, LLMEngine.abort_request
+
+    def mid_prefill(sched, seq) -> bool:
+        return sched.layers_done.get(seq.seq_id, 0) > 0
+
+    def init_spy(self, *a, **k):
+        init(self, *a, **k)
+        current[:] = [self]
+
+    def preempt_spy(self, seq, keep):
+        if mid_prefill(self, seq):
+            interrupted.append("pause" if keep else "recompute")
+        preempt(self, seq, keep)
+
+    def finish_spy(self, seq):
+        if mid_prefill(self, seq):
+            interrupted.append("abort")
+        finish(self, seq)
+
+    def abort_spy(self, request_id):
+        aborted.add(request_id)
+        abort(self, request_id)
+
+    for cls, name, spy in ((Scheduler, "__init__", init_spy), (Scheduler, "_preempt", preempt_spy),
+                           (Scheduler, "finish", finish_spy), (LLMEngine, "abort_request", abort_spy)):
+        monkeypatch.setattr(cls, name, spy)
+    host = 16 * host_block_bytes(4, 2, BS, 32, torch.float32)  # 16 token blocks
+    covering = dict(greedy=True, sparse_budget=12 * BS, kv_offload=True, hbm_cache_blocks=16, host_kv_memory=host,
+                    num_gpu_blocks_override=12)
+    off, _ = random_schedule(model4[0], seed, check=True, **covering)
+    interrupted.clear()
+    on, _ = random_schedule(model4[0], seed, check=True, layer_segmented_prefill=True, prefill_layer_segment=1,
+                            **covering)
+    assert interrupted, "no prefill was interrupted after some of its layers"
+    assert set(on) | aborted == set(off) | aborted
+    for rid in set(on) | set(off):
+        a, b = on.get(rid, []), off.get(rid, [])
+        if rid not in aborted:
+            assert a == b, rid
+            continue
+        for x, y in zip(a, b):
+            assert x[: len(y)] == y[: len(x)], rid
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Triton kernels, FlashD2H streams)")
+@pytest.mark.parametrize("eager", [True, False])
+def test_layer_segmented_on_gpu(model4, eager):
+    """On the GPU (Triton kernels, pinned host store, FlashD2H on a side stream, decode CUDA graphs unless eager):
+    the same greedy tokens as chunked prefill with several requests mixing with decodes and a prefix-cache hit
+    restored layer by layer; the first token's logprobs equal transformers' (CPU, float32)."""
+    path, hf = model4
+    kw = dict(COMMON, device="cuda", enforce_eager=eager, sparse_dense_layers=1)
+    reqs = prompts() + [prompts()[3][:64] + prompts()[0][:100]]
+    base, _ = drive(LLM(str(path), **kw), reqs, GREEDY)
+    llm = LLM(str(path), **kw, layer_segmented_prefill=True, prefill_layer_segment=1)
+    got, schedules = drive(llm, reqs, GREEDY, check_segmented)
+    assert got == base and any(s.segments for s in schedules)
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    out = llm.generate([reqs[0]], params, use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([reqs[0]])).logits[0, -1].float(), dim=-1)
+    for tid, lp in out.outputs[0].logprobs[0].items():
+        assert abs(lp.logprob - float(ref[tid])) < 2e-3, (tid, lp.logprob, float(ref[tid]))
+    stats = llm.llm_engine.get_stats(sync=True)
+    assert stats.num_blocks_used == 0 == stats.offload_device_blocks_used
