@@ -129,7 +129,7 @@ def check_segmented(engine) -> None:
         full = range(start, min(seq.num_computed_tokens // BS, start + len(blocks)))
         dev = [blocks[j - start] for j in full]
         assert torch.equal(offload.host.data[offload.dense_layers:, [seq.block_table[j] for j in full]],
-                           sparse[:, dev])
+                           sparse[:, dev].cpu())
 
 
 @pytest.mark.parametrize("dense_layers, segment", [pytest.param(0, None, marks=pytest.mark.slow), (1, 1),

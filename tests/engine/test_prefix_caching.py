@@ -6,6 +6,7 @@ accounting (reference counts, free + evictable + in use == total, cached blocks 
 after every step."""
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -219,7 +220,17 @@ def test_sparse_selection_over_shared_blocks(tiny_model_dir, tmp_path, policy, d
             assert stats.prefix_cache_hits == hits and stats.num_preemptions == 0
             if policy.get("kv_offload"):
                 assert stats.offload_blocks_restored >= hits // BS
+        llm = None
+        release_gpu_memory()
     assert outs[True] == outs[False]
+
+
+def release_gpu_memory() -> None:
+    """After the last reference to an engine is dropped: its GPU memory back (engines hold reference cycles), so
+    the next engine, which sizes its KV cache from the memory left (gpu_memory_utilization), gets it."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @gpu_only
@@ -229,11 +240,16 @@ def test_cuda_graphs_caching_on_equals_off(tiny_model_dir, tmp_path, path):
     UVA copies; caching on equals caching off over a random schedule and over shared prefixes with a selecting
     budget."""
     kw = {**PATHS[path], "device": "cuda"}
-    off, aborted, _ = run_schedule(tiny_model_dir, 0, caching=False, check=False, **kw)
+    # One engine at a time: each sizes its KV cache from the GPU memory the others left.
+    off, aborted, engine = run_schedule(tiny_model_dir, 0, caching=False, check=False, **kw)
+    engine = None
+    release_gpu_memory()
     on, _, engine = run_schedule(tiny_model_dir, 0, caching=True, check=True, **kw)
     assert engine.model_runner.graphs is not None
     assert_same_tokens(on, off, aborted)
     assert engine.get_stats(sync=True).prefix_cache_hits > 0
+    engine = None
+    release_gpu_memory()
     if path in ("topk", "offload"):
         extra = dict(kv_offload=True, hbm_cache_blocks=24) if path == "offload" else {}
         test_sparse_selection_over_shared_blocks(tiny_model_dir, tmp_path, dict(sparse_policy="topk", **extra),

@@ -46,14 +46,19 @@ def test_store_restore_lru_and_accounting():
 
 
 def test_rows_copy_on_the_triton_path():
-    """The kernel both directions use, on rows of any shape and dtype (int8 codes, float32 scales, K/V)."""
+    """The kernel both directions use, on rows of any shape and dtype (int8 codes, float32 scales, K/V): on the
+    GPU from pinned host rows into device rows, as the host tier runs it; on the CPU under the interpreter."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     for src in tensors(1):
         flat = src.view(-1, *src.shape[2:])
-        dst = torch.zeros(5, *flat.shape[1:], dtype=flat.dtype)
+        if dev == "cuda":
+            flat = flat.pin_memory()
+        dst = torch.zeros(5, *flat.shape[1:], dtype=flat.dtype, device=dev)
         key = torch.tensor([4, 0, 9, 13])
         load = torch.tensor([2, -1, 0, 4])
-        flash_h2d_triton(flat, dst, key, load)
-        assert torch.equal(dst[load[load >= 0]], flat[key[load >= 0]]) and not dst[[1, 3]].any()
+        flash_h2d_triton(flat, dst, key.to(dev), load.to(dev))
+        got = dst.cpu()
+        assert torch.equal(got[load[load >= 0]], flat[key[load >= 0]]) and not got[[1, 3]].any()
 
 
 def test_layer_stack_aliases_the_cache():
