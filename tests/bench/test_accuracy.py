@@ -14,22 +14,9 @@ from sparseserve.attention.backend import AttentionMetadata, BackendContext, Pag
 from sparseserve.kernels.store_kv import store_kv
 from sparseserve.bench import accuracy
 from sparseserve.bench import tasks as T
+from tests.bench.conftest import haystack_dir
 from sparseserve.bench.attention_probe import AttentionProbe
 
-
-def _haystack_dir():
-    try:
-        return T.find_haystack_dir()
-    except FileNotFoundError:
-        pytest.skip("essay haystack (../shared/data/haystack) not found")
-
-
-@pytest.fixture(scope="module")
-def builder():
-    from transformers import AutoTokenizer
-    from sparseserve.models.loader import DEFAULT_MODEL_DIR
-    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
-    return T.TaskBuilder(tok, T.load_essays(_haystack_dir()), eos_id=tok.eos_token_id)
 
 
 def test_tasks_exact_length_and_needles(builder):
@@ -174,7 +161,7 @@ def test_probe_mass_and_error(backend_cls):
 
 @pytest.mark.slow
 def test_harness_end_to_end_cpu(tmp_path, capsys):
-    _haystack_dir()
+    haystack_dir()
     parser = argparse.ArgumentParser()
     accuracy.add_cli_args(parser)
     out = tmp_path / "acc.json"
@@ -201,7 +188,7 @@ def test_harness_end_to_end_cpu(tmp_path, capsys):
 
 def test_harness_completion_suite_end_to_end(tmp_path, capsys):
     """The completion suite with perplexity, a sparse policy, the probe, the curve and its plot."""
-    _haystack_dir()
+    haystack_dir()
     parser = argparse.ArgumentParser()
     accuracy.add_cli_args(parser)
     out, png = tmp_path / "acc.json", tmp_path / "curve.png"

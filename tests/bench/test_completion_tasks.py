@@ -9,21 +9,8 @@ import pytest
 
 from sparseserve.bench import completion_tasks as C
 from sparseserve.bench import tasks as T
+from tests.bench.conftest import haystack_dir
 
-
-def _haystack_dir():
-    try:
-        return T.find_haystack_dir()
-    except FileNotFoundError:
-        pytest.skip("essay haystack (../shared/data/haystack) not found")
-
-
-@pytest.fixture(scope="module")
-def builder():
-    from transformers import AutoTokenizer
-    from sparseserve.models.loader import DEFAULT_MODEL_DIR
-    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
-    return T.TaskBuilder(tok, T.load_essays(_haystack_dir()), eos_id=tok.eos_token_id)
 
 
 def _find(seq: list[int], sub: list[int]) -> list[int]:
@@ -136,7 +123,7 @@ def test_smollm2_tokenizer_lengths():
         tok = load_tokenizer("smollm2")
     except (FileNotFoundError, ImportError) as e:
         pytest.skip(f"SmolLM2 not available: {e}")
-    b = T.TaskBuilder(tok, T.load_essays(_haystack_dir()))
+    b = T.TaskBuilder(tok, T.load_essays(haystack_dir()))
     for task in C.TASKS:
         s = C.build(b, task, 2048, 0, seed=0)
         assert len(s.prompt_ids) == 2048
