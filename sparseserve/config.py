@@ -14,6 +14,9 @@ from typing import Any
 
 from sparseserve.registry import SELECTION_POLICIES
 
+# long_prefill_token_threshold's default on CPU (its help says why).
+CPU_LONG_PREFILL_TOKENS = 512
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -32,6 +35,18 @@ class SchedulerConfig:
     new_token_ratio_decay_steps: int = field(default=600, metadata={
         "help": "Admission: engine steps over which the expected fraction decays from its initial value to the "
                 "minimum."})
+    long_prefill_token_threshold: int | None = field(default=None, metadata={"size": True,
+        "help": "Prefill-decode interference: in a step that also runs decodes, a prompt with more tokens left "
+                "than this is prefilled at most this many tokens (a step with no decodes still gives it the whole "
+                "token budget). 0: no limit. Default: 512 on CPU, where a step's time grows with its tokens, so a "
+                "whole-budget prompt chunk would stall every decoding stream for seconds while 512-token chunks "
+                "cost the prompt little (64 decodes beside an 8K prompt on the embedded model); no limit on "
+                "CUDA, where chunks of max_num_batched_tokens keep prefill throughput (lower it to trade "
+                "throughput for inter-token latency)."})
+    max_long_partial_prefills: int = field(default=1, metadata={
+        "help": "Prefill-decode interference: in a step that also runs decodes, at most this many prompts longer "
+                "than long_prefill_token_threshold are prefilled (the oldest first), so the step's prefill work stays "
+                "bounded when many long prompts arrive together."})
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -43,6 +58,19 @@ class SchedulerConfig:
                              f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
         if self.new_token_ratio_decay_steps < 1:
             raise ValueError(f"new_token_ratio_decay_steps must be >= 1, got {self.new_token_ratio_decay_steps}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: no limit), got "
+                             f"{self.long_prefill_token_threshold}")
+        if self.max_long_partial_prefills < 1:
+            raise ValueError(f"max_long_partial_prefills must be >= 1, got {self.max_long_partial_prefills}")
+
+    def prefill_token_threshold(self, device_type: str) -> int:
+        """long_prefill_token_threshold resolved for the engine's device (0: no limit); see its help."""
+        if not self.enable_chunked_prefill:  # an unchunked prompt cannot be split: a limit would starve it
+            return 0
+        if self.long_prefill_token_threshold is not None:
+            return self.long_prefill_token_threshold
+        return CPU_LONG_PREFILL_TOKENS if device_type == "cpu" else 0
 
 
 @dataclass(frozen=True)

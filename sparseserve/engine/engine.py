@@ -62,7 +62,9 @@ class LLMEngine:
         # A sparse policy attends one-token chunks sparsely (as decode rows): prompt chunks then take >= 2 tokens.
         self.scheduler = Scheduler(config.scheduler_config, self.allocator, cc.block_size, runner.offload,
                                    self.host_cache, max_model_len=self.max_model_len,
-                                   min_chunk=2 if config.sparse_config.enabled else 1)
+                                   min_chunk=2 if config.sparse_config.enabled else 1,
+                                   long_prefill_token_threshold=config.scheduler_config.prefill_token_threshold(
+                                       runner.device.type))
         self.counters = DeviceCounters(runner.attn_backend.counters())
         self.last_schedule = None  # the newest step's SchedulerOutput (benchmarks read what ran)
         eos = set(self.model_runner.arch.eos_token_ids)
