@@ -47,6 +47,14 @@ class SchedulerConfig:
         "help": "Prefill-decode interference: in a step that also runs decodes, at most this many prompts longer "
                 "than long_prefill_token_threshold are prefilled (the oldest first), so the step's prefill work stays "
                 "bounded when many long prompts arrive together."})
+    async_scheduling: bool = field(default=False, metadata={
+        "help": "Overlap the host's work with the device's: the next step is scheduled and its batch prepared "
+                "while the device runs the current one (a decode's input token is read on the device from the "
+                "previous step's sampled tokens) and the previous step's outputs are processed then, so stop "
+                "checks run one step late: a sequence that stopped runs one more step whose token is dropped. "
+                "Greedy and seeded outputs equal synchronous scheduling's; unseeded sampling draws differ (the "
+                "dropped tokens draw too). Not with kv_offload, host_prefix_cache_memory or "
+                "tensor_parallel_size > 1 yet. Default: off."})
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -343,6 +351,15 @@ class EngineConfig:
         if self.offload_config.kv_offload and sp.sparse_lag:
             raise ValueError("sparse_lag=1 does not work with kv_offload yet: the offload path loads each "
                              "step's own selection before its attention")
+        if self.scheduler_config.async_scheduling:
+            clash = [name for name, on in (("kv_offload", self.offload_config.kv_offload),
+                                           ("host_prefix_cache_memory",
+                                            self.cache_config.host_prefix_cache_memory is not None),
+                                           ("tensor_parallel_size > 1",
+                                            self.parallel_config.tensor_parallel_size > 1)) if on]
+            if clash:
+                raise ValueError(f"async_scheduling does not work with {clash[0]} yet: its per-step host copies "
+                                 f"(and under TP the workers' step messages) assume the previous step has landed")
         if sp.logical_page_size is not None and sp.logical_page_size > bs:
             raise ValueError(f"logical_page_size {sp.logical_page_size} exceeds block_size {bs}")
         if sp.enabled and sp.sparse_budget // bs < sp.sparse_sink_blocks + sp.sparse_local_blocks + 1:

@@ -18,6 +18,7 @@ from sparseserve.config import EngineConfig, OffloadConfig, available_host_memor
 from sparseserve.distributed.group import get_tp_group
 from sparseserve.distributed.utils import shard_heads
 from sparseserve.engine.cuda_graph import DecodeGraphs
+from sparseserve.engine.overlap import PLACEHOLDER, TokenFeed
 from sparseserve.engine.request import Sequence
 from sparseserve.kernels.dispatch import check_impl, forced
 from sparseserve.kvcache.blocks import blocks_needed
@@ -232,9 +233,11 @@ class ModelRunner:
                              f"{cc.gpu_memory_utilization}: raise it or lower max_num_batched_tokens")
         return kv_bytes
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepBatch:
+    def prepare(self, scheduled: list[tuple[Sequence, int]], feed: TokenFeed | None = None) -> StepBatch:
         """Batch tensors for one step, built in plain Python (per sequence and per block, never per
-        token for slots) and moved to the device in one copy per tensor; the attention backend adds its own."""
+        token for slots) and moved to the device in one copy per tensor; the attention backend adds its own.
+        feed (async scheduling, engine/overlap.py): the last input token of each sequence it names is a
+        placeholder, filled on the device from the previous step's sampled tokens."""
         # Decodes (one query token) first: the attention backend runs its decode kernel on them.
         scheduled = sorted(scheduled, key=lambda item: item[1] != 1)
         bs = self.block_size
@@ -242,6 +245,8 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         qsl, seq_lens, sample_idx, sampled = [0], [], [], []
+        fill_dst: list[int] = []
+        fill_src: list[int] = []
         for seq, n in scheduled:
             c, table = seq.num_computed_tokens, seq.block_table
             ids.extend(seq.token_ids[c:c + n])
@@ -255,6 +260,9 @@ class ModelRunner:
             if c + n == seq.num_tokens:
                 sample_idx.append(qsl[-1] - 1)
                 sampled.append(seq)
+                if feed is not None and seq.seq_id in feed.rows:
+                    fill_dst.append(qsl[-1] - 1)
+                    fill_src.append(feed.rows[seq.seq_id])
         width = max(len(s.block_table) for s, _ in scheduled)
         tables = np.zeros((len(scheduled), width), dtype=np.int32)
         for b, (seq, _) in enumerate(scheduled):
@@ -271,7 +279,13 @@ class ModelRunner:
             num_decodes=sum(1 for _, n in scheduled if n == 1), max_query_len=max(n for _, n in scheduled),
             max_seq_len=max(seq_lens))
         self.attn_backend.prepare(scheduled, meta)
-        return StepBatch(to_dev(ids), to_dev(positions), meta, to_dev(sample_idx), sampled)
+        input_ids = to_dev(ids)
+        if feed is not None:
+            if ids.count(PLACEHOLDER) != len(fill_dst):
+                raise RuntimeError("a placeholder token would reach the model without its feed row")
+            if fill_dst:
+                input_ids.index_copy_(0, to_dev(fill_dst), feed.token_ids[to_dev(fill_src)])
+        return StepBatch(input_ids, to_dev(positions), meta, to_dev(sample_idx), sampled)
 
     def sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
         ps = [s.params for s in seqs]
@@ -291,8 +305,9 @@ class ModelRunner:
             max_num_logprobs=max(logprobs) if logprobs else None)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SamplerOutput | None]:
-        batch = self.prepare(scheduled)
+    def execute(self, scheduled: list[tuple[Sequence, int]],
+                feed: TokenFeed | None = None) -> tuple[list[Sequence], SamplerOutput | None]:
+        batch = self.prepare(scheduled, feed)
         if self.offload is not None:
             self.offload.fence()
         with self._kernels():
