@@ -118,6 +118,7 @@ class ModelRunner:
             self.attn_backend.allocate(self.num_blocks)
         else:
             self.attn_backend.allocate(self.num_blocks, self.offload)
+        self.pin_inputs = sc.async_scheduling and self.device.type == "cuda"  # see _h2d
         self.graphs = None
         if self.device.type == "cuda" and not mc.enforce_eager and self.kernel_impl != "torch":
             with self._kernels():
@@ -268,14 +269,13 @@ class ModelRunner:
         for b, (seq, _) in enumerate(scheduled):
             table = seq.block_table_array()
             tables[b, : len(table)] = table
-        dev = self.device
 
         def to_dev(x: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+            return self._h2d(torch.tensor(x, dtype=dtype))
 
         meta = AttentionMetadata(
             slot_mapping=to_dev(slots), query_start_loc=to_dev(qsl, torch.int32),
-            seq_lens=to_dev(seq_lens, torch.int32), block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+            seq_lens=to_dev(seq_lens, torch.int32), block_tables=self._h2d(torch.from_numpy(tables)),
             num_decodes=sum(1 for _, n in scheduled if n == 1), max_query_len=max(n for _, n in scheduled),
             max_seq_len=max(seq_lens))
         self.attn_backend.prepare(scheduled, meta)
@@ -287,16 +287,23 @@ class ModelRunner:
                 input_ids.index_copy_(0, to_dev(fill_dst), feed.token_ids[to_dev(fill_src)])
         return StepBatch(input_ids, to_dev(positions), meta, to_dev(sample_idx), sampled)
 
+    def _h2d(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device without waiting for the device: under async scheduling from pinned memory,
+        since a copy from pageable memory may wait for the steps in flight (the caching host allocator keeps the
+        pinned block until the copy is done)."""
+        if self.pin_inputs:
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
     def sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
         ps = [s.params for s in seqs]
         vocab = self.arch.vocab_size
-        dev = self.device
         logprobs = [p.logprobs for p in ps if p.logprobs is not None]
         return SamplingMetadata(
-            temperature=torch.tensor([p.temperature for p in ps], dtype=torch.float32).to(dev),
-            top_k=torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps]).to(dev),
-            top_p=torch.tensor([p.top_p for p in ps], dtype=torch.float32).to(dev),
-            min_p=torch.tensor([p.min_p for p in ps], dtype=torch.float32).to(dev),
+            temperature=self._h2d(torch.tensor([p.temperature for p in ps], dtype=torch.float32)),
+            top_k=self._h2d(torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps])),
+            top_p=self._h2d(torch.tensor([p.top_p for p in ps], dtype=torch.float32)),
+            min_p=self._h2d(torch.tensor([p.min_p for p in ps], dtype=torch.float32)),
             generators={i: s.generator for i, s in enumerate(seqs) if s.generator is not None and not s.params.greedy},
             all_greedy=all(p.greedy for p in ps),
             need_top_k=any(0 < p.top_k < vocab for p in ps),

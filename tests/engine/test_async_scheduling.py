@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from sparseserve import LLM, SamplingParams
 from sparseserve.engine.overlap import PLACEHOLDER
@@ -45,9 +46,9 @@ class Spy:
         runner.execute = spy
 
 
-def run(tiny_model_dir, seed: int, async_scheduling: bool, seeded: bool = False, **kw):
+def run(tiny_model_dir, seed: int, async_scheduling: bool, seeded: bool = False, device: str = "cpu", **kw):
     rng = random.Random(seed)
-    llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", block_size=16, max_model_len=96,
+    llm = LLM(str(tiny_model_dir), device=device, dtype="float32", block_size=16, max_model_len=96,
               num_gpu_blocks_override=12, max_num_batched_tokens=rng.choice([16, 48, 96]), max_num_seqs=6,
               init_new_token_ratio=0.0, min_new_token_ratio=0.0, async_scheduling=async_scheduling, **kw)
     engine = llm.llm_engine
@@ -95,6 +96,15 @@ def test_async_gives_the_tokens_of_sync_over_random_schedules(tiny_model_dir, se
     assert engine.num_generation_tokens < spy_a.sampled  # stopped sequences ran a step whose token was dropped
     assert sum(f == "stop" for f in asyn[1].values()) > 0
     assert engine.scheduler.num_preemptions > 0 or seed % 2 == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the overlap on a device stream (CUDA graphs, "
+                    "Triton kernels, pinned copies)")
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_async_on_cuda(tiny_model_dir, seed, sparse):
+    kw = dict(device="cuda", seeded=seed == 1, **(SPARSE if sparse else {}))
+    check_same(run(tiny_model_dir, seed, False, **kw), run(tiny_model_dir, seed, True, **kw))
 
 
 def test_async_with_sparse_attention(tiny_model_dir):
