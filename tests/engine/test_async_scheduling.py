@@ -25,7 +25,8 @@ def random_params(seeded: bool):
         return SamplingParams(
             max_tokens=rng.randint(1, 24), n=rng.choice([1, 1, 2]), ignore_eos=rng.random() < 0.5,
             temperature=1.0 if sampled else 0.0, seed=rng.randrange(2**31) if sampled else None,
-            stop_token_ids=stop_ids if rng.random() < 0.5 else [], stop=["e "] if rng.random() < 0.2 else None)
+            stop_token_ids=stop_ids if rng.random() < 0.5 else [], stop=["e "] if rng.random() < 0.2 else None,
+            logprobs=2 if rng.random() < 0.3 else None)
     return params
 
 
@@ -48,7 +49,8 @@ class Spy:
 
 def run(tiny_model_dir, seed: int, async_scheduling: bool, seeded: bool = False, device: str = "cpu", **kw):
     rng = random.Random(seed)
-    llm = LLM(str(tiny_model_dir), device=device, dtype="float32", block_size=16, max_model_len=96,
+    # max_model_len below the longest prompt + max_tokens: some requests end at the context's end
+    llm = LLM(str(tiny_model_dir), device=device, dtype="float32", block_size=16, max_model_len=72,
               num_gpu_blocks_override=12, max_num_batched_tokens=rng.choice([16, 48, 96]), max_num_seqs=6,
               init_new_token_ratio=0.0, min_new_token_ratio=0.0, async_scheduling=async_scheduling, **kw)
     engine = llm.llm_engine
@@ -61,6 +63,7 @@ def run(tiny_model_dir, seed: int, async_scheduling: bool, seeded: bool = False,
             for c in o.outputs:
                 assert PLACEHOLDER not in c.token_ids
                 tokens.setdefault((o.request_id, c.index), []).extend(c.token_ids)
+                assert c.logprobs is None or len(c.logprobs) == len(c.token_ids)
                 if c.finish_reason is not None:
                     finish[(o.request_id, c.index)] = c.finish_reason
         held_blocks(engine)
