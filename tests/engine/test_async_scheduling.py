@@ -116,7 +116,7 @@ def test_async_with_sparse_attention(tiny_model_dir):
 
 def test_generate_and_deltas_one_step_late(tiny_model_dir):
     prompts = [[11, 12, 13, 14, 15] * k for k in (1, 3, 7)]
-    params = SamplingParams(max_tokens=9, ignore_eos=True)
+    params = SamplingParams(max_tokens=9, ignore_eos=True, temperature=0.0)
     kw = dict(device="cpu", dtype="float32", block_size=16, max_model_len=96)
     want = LLM(str(tiny_model_dir), **kw).generate(prompts, params, use_tqdm=False)
     llm = LLM(str(tiny_model_dir), async_scheduling=True, **kw)
@@ -143,3 +143,38 @@ def test_refused_where_it_does_not_work_yet(tiny_model_dir):
         EngineConfig.from_kwargs(async_scheduling=True, host_prefix_cache_memory="1MiB")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig.from_kwargs(async_scheduling=True, tensor_parallel_size=2)
+
+
+def test_the_server_loop_with_async_scheduling():
+    """AsyncLLMEngine (the server's engine thread) over async scheduling: concurrent streams get the tokens of
+    synchronous scheduling, an abort mid-stream ends its request, the pool drains."""
+    import asyncio
+
+    from sparseserve.engine.async_engine import AsyncLLMEngine
+    from sparseserve.engine.engine import LLMEngine
+
+    kw = dict(device="cpu", seed=0, max_model_len=256, num_gpu_blocks_override=512, max_num_seqs=16)
+    prompts = [f"Story number {i}: once upon a time" for i in range(6)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0)
+    want = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, params, use_tqdm=False)]
+    engine = AsyncLLMEngine(LLMEngine.from_kwargs(async_scheduling=True, **kw))
+
+    async def collect(stream) -> list[int]:
+        tokens = []
+        async for out in stream:
+            tokens += out.outputs[0].token_ids
+        return tokens
+
+    async def scenario():
+        engine.start()
+        victim = await engine.add_request("v", "A long story", SamplingParams(max_tokens=200, ignore_eos=True))
+        streams = [await engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        await victim.__anext__()
+        victim.abort()  # the client left: the engine drops the request before its next step
+        got = await asyncio.gather(*(collect(s) for s in streams))
+        await engine.shutdown()
+        return got
+
+    assert asyncio.run(scenario()) == want
+    assert engine.stats.num_blocks_used == 0 and not engine.engine.has_unfinished_requests()
+    assert engine.engine.num_generation_tokens < 200 + 6 * 10  # the victim stopped early
