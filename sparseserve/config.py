@@ -45,8 +45,8 @@ class SchedulerConfig:
                 "throughput for inter-token latency)."})
     max_long_partial_prefills: int = field(default=1, metadata={
         "help": "Prefill-decode interference: in a step that also runs decodes, at most this many prompts longer "
-                "than long_prefill_token_threshold are prefilled (the oldest first), so the step's prefill work stays "
-                "bounded when many long prompts arrive together."})
+                "than long_prefill_token_threshold are prefilled (the oldest first; shorter prompts may pass the "
+                "others), so the step's prefill work stays bounded when many long prompts arrive together."})
     async_scheduling: bool = field(default=False, metadata={
         "help": "Overlap the host's work with the device's: the next step is scheduled and its batch prepared "
                 "while the device runs the current one (a decode's input token is read on the device from the "

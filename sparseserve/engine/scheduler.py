@@ -152,13 +152,19 @@ class Scheduler:
                 if victim is seq:
                     break
         # Admit waiting sequences while budget, batch slots and blocks allow (not after a preemption:
-        # admitting would only evict again).
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        # admitting would only evict again). FCFS, except that shorter prompts pass a long one that waits only
+        # for a long-prompt slot (max_long_partial_prefills, as in vLLM).
+        j = 0
+        while j < len(self.waiting) and budget > 0 and not out.preempted \
+                and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[j]
             n = self._admit(seq, budget)
             if n == 0:
+                if self._long_left == 0 and self._is_long(seq):
+                    j += 1
+                    continue
                 break
-            self.waiting.popleft()
+            del self.waiting[j]
             self._count_long(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -193,9 +199,12 @@ class Scheduler:
         self._prefill_limit = self.long_prefill_token_threshold if decoding else 0
         self._long_left = self.config.max_long_partial_prefills
 
+    def _is_long(self, seq: Sequence) -> bool:
+        return bool(self._prefill_limit) and seq.num_tokens - seq.num_computed_tokens > self._prefill_limit
+
     def _count_long(self, seq: Sequence) -> None:
         """A scheduled prompt that is long under this step's limit takes one of its long-prompt slots."""
-        if self._prefill_limit and seq.num_tokens - seq.num_computed_tokens > self._prefill_limit:
+        if self._is_long(seq):
             self._long_left -= 1
 
     def _new_blocks(self, seq: Sequence, n: int) -> int:

@@ -53,6 +53,20 @@ def test_max_long_partial_prefills_bounds_the_long_prompts_of_a_step():
         assert a.num_computed_tokens >= 30 and b.num_computed_tokens >= 30  # nobody starves
 
 
+def test_a_shorter_prompt_passes_a_long_one_that_waits_for_a_slot():
+    sched = scheduler(8)
+    sched.add(seq(0, 3))
+    run_step(sched)
+    a, b, c = seq(1, 30), seq(2, 30), seq(3, 5)
+    for s in (a, b, c):
+        sched.add(s)
+    assert chunks(run_step(sched)) == {0: 1, 1: 8, 3: 5}  # b waits for the long slot, c passes it
+    assert list(sched.waiting) == [b]
+    while 30 - a.num_computed_tokens > 8:
+        assert 2 not in chunks(run_step(sched))
+    assert chunks(run_step(sched)) == {0: 1, 1: 6, 3: 1, 2: 8}  # a is no longer long: b gets the slot
+
+
 def test_the_limit_keeps_two_min_chunks_and_leaves_unchunked_prompts_alone():
     sched = scheduler(1, min_chunk=2)  # a limit below 2 * min_chunk is raised to it
     assert sched.long_prefill_token_threshold == 4
