@@ -2,27 +2,33 @@
 whole-batch decode steps, `bench throughput`'s measure) per batch size, against the HBM roofline measured in
 the same run on CUDA. Both engines live at once, on the same weights and prompts, and their runs alternate.
 
-    python -m sparseserve.bench.async_overlap MODEL --load-format dummy --input-len 8192 --batch-sizes 1,8 \
-        --gpu-memory-utilization 0.45 --json async.json
+    python -m sparseserve.bench.async_overlap 8b --input-len 8192 --batch-sizes 1,8 --json async.json
+
+(`8b`: Llama-3.1-8B shapes with the embedded tokenizer and dummy bf16 weights, as `bench prefix --model 8b`.)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from sparseserve.bench.hardware import hbm_bandwidth, print_table
+from sparseserve.bench.prefix import make_8b_dir
 from sparseserve.bench.throughput import _ints, decode_bytes, make_prompts, run_engine
 from sparseserve.engine.engine import LLMEngine
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", default=None, help="Model directory (default: the embedded model).")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights.")
-    p.add_argument("--dtype", default="auto", help="Model dtype (default: auto).")
+    p.add_argument("model", nargs="?", default=None, help="Model directory, or 8b (Llama-3.1-8B shapes, dummy "
+                                                            "weights; default: the embedded model).")
+    p.add_argument("--load-format", default=None, choices=["auto", "dummy"],
+                   help="dummy: random weights (default: dummy for 8b, else auto).")
+    p.add_argument("--dtype", default=None, help="Model dtype (default: bfloat16 for 8b, else auto).")
     p.add_argument("--device", default="auto", help="auto, cuda or cpu (default: auto).")
     p.add_argument("--input-len", type=int, default=8192, help="Prompt tokens (default: 8192).")
     p.add_argument("--output-len", type=int, default=128, help="Generated tokens per request (default: 128).")
@@ -33,8 +39,14 @@ def main(argv: list[str] | None = None) -> dict:
                    help="Each engine's share of GPU memory: both live at once (default: 0.45).")
     p.add_argument("--json", help="Write the results to this JSON file.")
     args = p.parse_args(argv)
+    model, tmp = args.model, None
+    if model == "8b":
+        tmp = tempfile.TemporaryDirectory()
+        model = str(make_8b_dir(Path(tmp.name) / "m8b"))
+    load_format = args.load_format or ("dummy" if args.model == "8b" else "auto")
+    dtype = args.dtype or ("bfloat16" if args.model == "8b" else "auto")
     engines = {mode: LLMEngine.from_kwargs(
-        model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+        model=model, load_format=load_format, dtype=dtype, device=args.device,
         max_model_len=args.input_len + args.output_len, max_num_seqs=max(args.batch_sizes),
         gpu_memory_utilization=args.gpu_memory_utilization, async_scheduling=mode == "async")
         for mode in ("sync", "async")}
@@ -68,6 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    if tmp is not None:
+        tmp.cleanup()
     return result
 
 
