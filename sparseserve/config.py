@@ -38,10 +38,10 @@ class SchedulerConfig:
     long_prefill_token_threshold: int | None = field(default=None, metadata={"size": True,
         "help": "Prefill-decode interference: in a step that also runs decodes, a prompt with more tokens left "
                 "than this is prefilled at most this many tokens (a step with no decodes still gives it the whole "
-                "token budget). 0: no limit. Default: 512 on CPU, where a step's time grows with its tokens, so a "
+                "token budget). 0: no limit (default: 512 on CPU, where a step's time grows with its tokens, so a "
                 "whole-budget prompt chunk would stall every decoding stream for seconds while 512-token chunks "
-                "cost the prompt little (64 decodes beside an 8K prompt on the embedded model); no limit on "
-                "CUDA, where chunks of max_num_batched_tokens keep prefill throughput (lower it to trade "
+                "cost the prompt little, 64 decodes beside an 8K prompt on the embedded model; no limit on "
+                "CUDA, where chunks of max_num_batched_tokens keep prefill throughput: lower it there to trade "
                 "throughput for inter-token latency)."})
     max_long_partial_prefills: int = field(default=1, metadata={
         "help": "Prefill-decode interference: in a step that also runs decodes, at most this many prompts longer "
@@ -54,7 +54,7 @@ class SchedulerConfig:
                 "checks run one step late: a sequence that stopped runs one more step whose token is dropped. "
                 "Greedy and seeded outputs equal synchronous scheduling's; unseeded sampling draws differ (the "
                 "dropped tokens draw too). Not with kv_offload, host_prefix_cache_memory or "
-                "tensor_parallel_size > 1 yet. Default: off."})
+                "tensor_parallel_size > 1 yet."})
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
