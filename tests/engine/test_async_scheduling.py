@@ -110,8 +110,10 @@ def test_async_on_cuda(tiny_model_dir, seed, sparse):
     check_same(run(tiny_model_dir, seed, False, **kw), run(tiny_model_dir, seed, True, **kw))
 
 
-def test_async_with_sparse_attention(tiny_model_dir):
-    check_same(run(tiny_model_dir, 5, False, **SPARSE), run(tiny_model_dir, 5, True, **SPARSE))
+@pytest.mark.parametrize("extra", [{}, dict(sparse_lag=1), dict(sparse_policy="topp", sparse_reuse=3)])
+def test_async_with_sparse_attention(tiny_model_dir, extra):
+    kw = SPARSE | extra
+    check_same(run(tiny_model_dir, 5, False, **kw), run(tiny_model_dir, 5, True, **kw))
 
 
 def test_generate_and_deltas_one_step_late(tiny_model_dir):
