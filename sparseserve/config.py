@@ -14,6 +14,9 @@ from typing import Any
 
 from sparseserve.registry import SELECTION_POLICIES
 
+# long_prefill_token_threshold's default on CPU (its help says why).
+CPU_LONG_PREFILL_TOKENS = 512
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -32,6 +35,26 @@ class SchedulerConfig:
     new_token_ratio_decay_steps: int = field(default=600, metadata={
         "help": "Admission: engine steps over which the expected fraction decays from its initial value to the "
                 "minimum."})
+    long_prefill_token_threshold: int | None = field(default=None, metadata={"size": True,
+        "help": "Prefill-decode interference: in a step that also runs decodes, a prompt with more tokens left "
+                "than this is prefilled at most this many tokens (a step with no decodes still gives it the whole "
+                "token budget). 0: no limit (default: 512 on CPU, where a step's time grows with its tokens, so a "
+                "whole-budget prompt chunk would stall every decoding stream for seconds while 512-token chunks "
+                "cost the prompt little, 64 decodes beside an 8K prompt on the embedded model; no limit on "
+                "CUDA, where chunks of max_num_batched_tokens keep prefill throughput: lower it there to trade "
+                "throughput for inter-token latency)."})
+    max_long_partial_prefills: int = field(default=1, metadata={
+        "help": "Prefill-decode interference: in a step that also runs decodes, at most this many prompts longer "
+                "than long_prefill_token_threshold are prefilled (the oldest first; shorter prompts may pass the "
+                "others), so the step's prefill work stays bounded when many long prompts arrive together."})
+    async_scheduling: bool = field(default=False, metadata={
+        "help": "Overlap the host's work with the device's: the next step is scheduled and its batch prepared "
+                "while the device runs the current one (a decode's input token is read on the device from the "
+                "previous step's sampled tokens) and the previous step's outputs are processed then, so stop "
+                "checks run one step late: a sequence that stopped runs one more step whose token is dropped. "
+                "Greedy and seeded outputs equal synchronous scheduling's; unseeded sampling draws differ (the "
+                "dropped tokens draw too). Not with kv_offload, host_prefix_cache_memory or "
+                "tensor_parallel_size > 1 yet."})
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -43,6 +66,19 @@ class SchedulerConfig:
                              f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
         if self.new_token_ratio_decay_steps < 1:
             raise ValueError(f"new_token_ratio_decay_steps must be >= 1, got {self.new_token_ratio_decay_steps}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: no limit), got "
+                             f"{self.long_prefill_token_threshold}")
+        if self.max_long_partial_prefills < 1:
+            raise ValueError(f"max_long_partial_prefills must be >= 1, got {self.max_long_partial_prefills}")
+
+    def prefill_token_threshold(self, device_type: str) -> int:
+        """long_prefill_token_threshold resolved for the engine's device (0: no limit); see its help."""
+        if not self.enable_chunked_prefill:  # an unchunked prompt cannot be split: a limit would starve it
+            return 0
+        if self.long_prefill_token_threshold is not None:
+            return self.long_prefill_token_threshold
+        return CPU_LONG_PREFILL_TOKENS if device_type == "cpu" else 0
 
 
 @dataclass(frozen=True)
@@ -333,6 +369,15 @@ class EngineConfig:
         if self.offload_config.kv_offload and sp.sparse_lag:
             raise ValueError("sparse_lag=1 does not work with kv_offload yet: the offload path loads each "
                              "step's own selection before its attention")
+        if self.scheduler_config.async_scheduling:
+            clash = [name for name, on in (("kv_offload", self.offload_config.kv_offload),
+                                           ("host_prefix_cache_memory",
+                                            self.cache_config.host_prefix_cache_memory is not None),
+                                           ("tensor_parallel_size > 1",
+                                            self.parallel_config.tensor_parallel_size > 1)) if on]
+            if clash:
+                raise ValueError(f"async_scheduling does not work with {clash[0]} yet: its per-step host copies "
+                                 f"(and under TP the workers' step messages) assume the previous step has landed")
         if sp.logical_page_size is not None and sp.logical_page_size > bs:
             raise ValueError(f"logical_page_size {sp.logical_page_size} exceeds block_size {bs}")
         if sp.enabled and sp.sparse_budget // bs < sp.sparse_sink_blocks + sp.sparse_local_blocks + 1:

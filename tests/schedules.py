@@ -30,21 +30,27 @@ def shared_prefix_prompts(seed: int, num_bases: int = 3, max_len: int = 60) -> C
 def drive_random_schedule(engine, rng: random.Random, steps: int, max_new: int,
                           after_step: Callable[[list], None], greedy: bool = False,
                           prompts: Callable[[random.Random], list[int]] = random_prompt,
-                          aborted: set[str] | None = None) -> list[str]:
+                          aborted: set[str] | None = None,
+                          params: Callable[[random.Random], SamplingParams] | None = None) -> list[str]:
     """Runs `steps` rounds of (maybe add, maybe abort, step); after_step sees each step's outputs.
     greedy: no sampled requests (their tokens then do not depend on the schedule). prompts: each new
     request's prompt from the schedule's random state. The workload (prompts, parameters, which request an
     abort names) depends only on rng, never on the engine, so two engines see the same requests; an abort of
     a request that already finished does nothing (aborted: collects the ids aborts named). Returns the ids of
-    requests still unfinished."""
+    requests still unfinished. params: each new request's SamplingParams from the schedule's random state
+    (default: random max_tokens up to max_new, n up to 2, greedy or temperature 1, ignore_eos)."""
     added: list[str] = []
     done: set[str] = set()
     for i in range(steps):
         r = rng.random()
         if r < 0.4:
             prompt = prompts(rng)
-            p = SamplingParams(max_tokens=rng.randint(1, max_new), temperature=rng.choice([0.0, 1.0]) * (not greedy),
-                               n=rng.choice([1, 1, 2]), ignore_eos=True)
+            if params is not None:
+                p = params(rng)
+            else:
+                p = SamplingParams(max_tokens=rng.randint(1, max_new),
+                                   temperature=rng.choice([0.0, 1.0]) * (not greedy), n=rng.choice([1, 1, 2]),
+                                   ignore_eos=True)
             engine.add_request(f"r{i}", prompt, p)
             added.append(f"r{i}")
         elif r < 0.5 and added:

@@ -371,9 +371,8 @@ def _main(argv: list[str] | None = None) -> None:
     import argparse
     import sys
 
-    from transformers import AutoTokenizer
+    from pathlib import Path
 
-    from sparseserve.models.loader import resolve_model_dir
     p = argparse.ArgumentParser(description=_main.__doc__)
     p.add_argument("task", choices=TASKS)
     p.add_argument("length", type=int)
@@ -381,7 +380,14 @@ def _main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="model directory whose tokenizer counts the tokens")
     p.add_argument("--data-dir", default=None)
     a = p.parse_args(argv)
-    tok = AutoTokenizer.from_pretrained(resolve_model_dir(a.model))
+    if a.model is None:  # the embedded model: its tokenizer.json alone, without importing torch or transformers
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(Path(__file__).parents[1] / "models" / "default" / "tokenizer.json"))
+    else:
+        from transformers import AutoTokenizer
+
+        from sparseserve.models.loader import resolve_model_dir
+        tok = AutoTokenizer.from_pretrained(resolve_model_dir(a.model))
     try:
         essays = load_essays(find_haystack_dir(a.data_dir))
     except FileNotFoundError as e:

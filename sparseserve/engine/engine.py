@@ -11,9 +11,10 @@ import torch
 
 from sparseserve.config import EngineConfig
 from sparseserve.engine.detokenizer import check_stop, detokenize_incrementally
-from sparseserve.engine.request import Sequence
+from sparseserve.engine.overlap import InflightStep, TokenFeed
 from sparseserve.engine.parallel import build_runner
-from sparseserve.engine.scheduler import Scheduler
+from sparseserve.engine.request import Sequence
+from sparseserve.engine.scheduler import Scheduler, SchedulerOutput
 from sparseserve.engine.stats import DeviceCounters, EngineStats
 from sparseserve.kvcache.blocks import BlockAllocator
 from sparseserve.layers.sampler import SamplerOutput
@@ -67,9 +68,13 @@ class LLMEngine:
                                       config.offload_config.prefill_layer_segment)
         self.scheduler = Scheduler(config.scheduler_config, self.allocator, cc.block_size, runner.offload,
                                    self.host_cache, max_model_len=self.max_model_len,
-                                   min_chunk=2 if config.sparse_config.enabled else 1, segments=segments)
+                                   min_chunk=2 if config.sparse_config.enabled else 1, segments=segments,
+                                   long_prefill_token_threshold=config.scheduler_config.prefill_token_threshold(
+                                       runner.device.type))
         self.counters = DeviceCounters(runner.attn_backend.counters())
         self.last_schedule = None  # the newest step's SchedulerOutput (benchmarks read what ran)
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        self._inflight: InflightStep | None = None  # async scheduling: the launched step not yet landed
         eos = set(self.model_runner.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -204,6 +209,8 @@ class LLMEngine:
         return EngineStats.from_values(values)
 
     def step(self) -> list[RequestOutput]:
+        if self.async_scheduling:
+            return self._step_async()
         sched = self.last_schedule = self.scheduler.schedule()
         for seq in sched.preempted:
             self.model_runner.release(seq.seq_id)
@@ -218,30 +225,70 @@ class LLMEngine:
         else:
             sampled, out = self.model_runner.execute(sched.scheduled)
         self.counters.refresh()
+        self._advance(sched)
+        if out is None:
+            return []
+        return self._outputs(self._append_tokens(sampled, out))
+
+    def _step_async(self) -> list[RequestOutput]:
+        """One step of async scheduling (engine/overlap.py): schedule and launch step N+1 while N is in flight,
+        then land N (its outputs are what this call returns)."""
+        prev, self._inflight = self._inflight, None
+        sched = self.last_schedule = self.scheduler.schedule()
+        for seq in sched.preempted:
+            self.model_runner.release(seq.seq_id)
+        launched = None
+        if not sched.is_empty:
+            feed = prev.feed() if prev is not None else TokenFeed.EMPTY
+            sampled, out = self.model_runner.execute(sched.scheduled, feed=feed)
+            self.counters.refresh()
+            launched = InflightStep.launch(sched, sampled, out)
+        outputs = []
+        if prev is not None and prev.out is not None:
+            outputs = self._outputs(self._append_tokens(prev.sampled, prev.wait(), prev.placeholder))
+        if launched is not None:  # after prev landed: the tokens its blocks hash are real now
+            self._advance(sched)
+            launched.add_placeholders(self.max_model_len)
+            self._inflight = launched
+        return outputs
+
+    def _advance(self, sched: SchedulerOutput) -> None:
+        """A launched step's bookkeeping: its tokens are computed, the blocks they fill join the prefix cache."""
         done = [(seg.seq, seg.seq.num_tokens - seg.seq.num_computed_tokens) for seg in sched.segments
                 if self.scheduler.finish_segment(seg)]  # layer-segmented prefills that reached the last layer
         for seq, n in sched.scheduled + done:
+            if seq.finished:  # async scheduling: stopped or aborted while the step ran
+                continue
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
             self.scheduler.cache_full_blocks(seq)
-        if out is None:
-            return []
-        self._append_tokens(sampled, out)
-        touched = dict.fromkeys(seq.request_id for seq in sampled)  # ordered, unique
-        return [self._make_output(self.requests[rid]) for rid in touched]
+
+    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        touched = dict.fromkeys(seq.request_id for seq in seqs)  # ordered, unique
+        return [self._make_output(self.requests[rid]) for rid in touched if rid in self.requests]
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.model_runner.release(seq.seq_id)
 
-    def _append_tokens(self, seqs: list[Sequence], out: SamplerOutput) -> None:
+    def _append_tokens(self, seqs: list[Sequence], out: SamplerOutput,
+                       placeholder: list[bool] | None = None) -> list[Sequence]:
+        """Appends each sequence's sampled token (async scheduling: replaces its placeholder) and checks its stop
+        conditions; returns the sequences that advanced."""
         tokens = out.token_ids.tolist()  # the step's one host sync
         lps = out.logprobs.tolist() if out.logprobs is not None else None
         lp_ids = out.logprob_token_ids.tolist() if out.logprob_token_ids is not None else None
         ranks = out.sampled_ranks.tolist() if out.sampled_ranks is not None else None
+        advanced = []
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
-            seq.token_ids.append(token)
+            if seq.finished:  # async scheduling: it stopped (or was aborted) while this step ran: token dropped
+                continue
+            advanced.append(seq)
+            if placeholder is not None and placeholder[i]:
+                seq.token_ids[-1] = token
+            else:
+                seq.token_ids.append(token)
             self.num_generation_tokens += 1
             if lps is not None:
                 seq.cumulative_logprob += lps[i][0]
@@ -256,6 +303,7 @@ class LLMEngine:
             check_stop(seq, new_text, self.eos_token_ids, self.max_model_len)
             if seq.finish_reason is not None:
                 self._finish(seq)
+        return advanced
 
     def _make_output(self, req: _Request) -> RequestOutput:
         """The step's delta of a request: per sequence that advanced, its new tokens, logprobs and text (the

@@ -18,6 +18,7 @@ from sparseserve.config import EngineConfig, OffloadConfig, available_host_memor
 from sparseserve.distributed.group import get_tp_group
 from sparseserve.distributed.utils import shard_heads
 from sparseserve.engine.cuda_graph import DecodeGraphs
+from sparseserve.engine.overlap import PLACEHOLDER, TokenFeed
 from sparseserve.engine.request import Sequence
 from sparseserve.kernels.dispatch import check_impl, forced
 from sparseserve.kvcache.blocks import blocks_needed
@@ -124,6 +125,7 @@ class ModelRunner:
                                               hidden_size=a.hidden_size, max_model_len=self.max_model_len,
                                               chunk_tokens=sc.max_num_batched_tokens, dtype=self.dtype,
                                               device=self.device)
+        self.pin_inputs = sc.async_scheduling and self.device.type == "cuda"  # see _h2d
         self.graphs = None
         if self.device.type == "cuda" and not mc.enforce_eager and self.kernel_impl != "torch":
             with self._kernels():
@@ -246,9 +248,11 @@ class ModelRunner:
                              f"{cc.gpu_memory_utilization}: raise it or lower max_num_batched_tokens")
         return kv_bytes
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepBatch:
+    def prepare(self, scheduled: list[tuple[Sequence, int]], feed: TokenFeed | None = None) -> StepBatch:
         """Batch tensors for one step, built in plain Python (per sequence and per block, never per
-        token for slots) and moved to the device in one copy per tensor; the attention backend adds its own."""
+        token for slots) and moved to the device in one copy per tensor; the attention backend adds its own.
+        feed (async scheduling, engine/overlap.py): the last input token of each sequence it names is a
+        placeholder, filled on the device from the previous step's sampled tokens."""
         # Decodes (one query token) first: the attention backend runs its decode kernel on them.
         scheduled = sorted(scheduled, key=lambda item: item[1] != 1)
         bs = self.block_size
@@ -256,6 +260,8 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         qsl, seq_lens, sample_idx, sampled = [0], [], [], []
+        fill_dst: list[int] = []
+        fill_src: list[int] = []
         for seq, n in scheduled:
             c, table = seq.num_computed_tokens, seq.block_table
             ids.extend(seq.token_ids[c:c + n])
@@ -269,34 +275,49 @@ class ModelRunner:
             if c + n == seq.num_tokens:
                 sample_idx.append(qsl[-1] - 1)
                 sampled.append(seq)
+                if feed is not None and seq.seq_id in feed.rows:
+                    fill_dst.append(qsl[-1] - 1)
+                    fill_src.append(feed.rows[seq.seq_id])
         width = max(len(s.block_table) for s, _ in scheduled)
         tables = np.zeros((len(scheduled), width), dtype=np.int32)
         for b, (seq, _) in enumerate(scheduled):
             table = seq.block_table_array()
             tables[b, : len(table)] = table
-        dev = self.device
 
         def to_dev(x: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+            return self._h2d(torch.tensor(x, dtype=dtype))
 
         meta = AttentionMetadata(
             slot_mapping=to_dev(slots), query_start_loc=to_dev(qsl, torch.int32),
-            seq_lens=to_dev(seq_lens, torch.int32), block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+            seq_lens=to_dev(seq_lens, torch.int32), block_tables=self._h2d(torch.from_numpy(tables)),
             num_decodes=sum(1 for _, n in scheduled if n == 1), max_query_len=max(n for _, n in scheduled),
             max_seq_len=max(seq_lens))
         self.attn_backend.prepare(scheduled, meta)
-        return StepBatch(to_dev(ids), to_dev(positions), meta, to_dev(sample_idx), sampled)
+        input_ids = to_dev(ids)
+        if feed is not None:
+            if ids.count(PLACEHOLDER) != len(fill_dst):
+                raise RuntimeError("a placeholder token would reach the model without its feed row")
+            if fill_dst:
+                input_ids.index_copy_(0, to_dev(fill_dst), feed.token_ids[to_dev(fill_src)])
+        return StepBatch(input_ids, to_dev(positions), meta, to_dev(sample_idx), sampled)
+
+    def _h2d(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device without waiting for the device: under async scheduling from pinned memory,
+        since a copy from pageable memory may wait for the steps in flight (the caching host allocator keeps the
+        pinned block until the copy is done)."""
+        if self.pin_inputs:
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
 
     def sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
         ps = [s.params for s in seqs]
         vocab = self.arch.vocab_size
-        dev = self.device
         logprobs = [p.logprobs for p in ps if p.logprobs is not None]
         return SamplingMetadata(
-            temperature=torch.tensor([p.temperature for p in ps], dtype=torch.float32).to(dev),
-            top_k=torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps]).to(dev),
-            top_p=torch.tensor([p.top_p for p in ps], dtype=torch.float32).to(dev),
-            min_p=torch.tensor([p.min_p for p in ps], dtype=torch.float32).to(dev),
+            temperature=self._h2d(torch.tensor([p.temperature for p in ps], dtype=torch.float32)),
+            top_k=self._h2d(torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps])),
+            top_p=self._h2d(torch.tensor([p.top_p for p in ps], dtype=torch.float32)),
+            min_p=self._h2d(torch.tensor([p.min_p for p in ps], dtype=torch.float32)),
             generators={i: s.generator for i, s in enumerate(seqs) if s.generator is not None and not s.params.greedy},
             all_greedy=all(p.greedy for p in ps),
             need_top_k=any(0 < p.top_k < vocab for p in ps),
@@ -306,10 +327,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]],
-                segments: list = ()) -> tuple[list[Sequence], SamplerOutput | None]:
-        """One step: the scheduled batch, then the layer-segmented prefills' segments (engine/layer_prefill.py);
-        one sampling over every sequence that gets a token."""
-        batch = self.prepare(scheduled) if scheduled else None
+                segments: list = (), feed: TokenFeed | None = None) -> tuple[list[Sequence], SamplerOutput | None]:
+        """One step: the scheduled batch (async scheduling: `feed` fills its placeholder tokens on the device),
+        then the layer-segmented prefills' segments (engine/layer_prefill.py); one sampling over every sequence
+        that gets a token."""
+        batch = self.prepare(scheduled, feed) if scheduled else None
         if self.offload is not None:
             self.offload.fence()
         sampled: list[Sequence] = []

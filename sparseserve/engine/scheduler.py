@@ -25,6 +25,11 @@ A step is scheduled only if both fit; when only the device space is short the vi
 and resumes by copying its window back, with no prefill at all. A paused sequence gives its token blocks
 back (becoming a recompute victim) when token blocks run short.
 
+Prefill-decode interference: a step's time grows with its tokens, so a whole-budget prompt chunk would stall
+every decoding stream for that long. In a step that runs decodes, a prompt with more than
+long_prefill_token_threshold tokens left computes at most that many, and at most max_long_partial_prefills such
+prompts run (vLLM's names); a step without decodes gives a prompt the whole budget.
+
 With a sparse attention policy a one-token chunk runs as a decode row (attended sparsely), so a prompt token
 computed alone would be attended differently than in a prefill chunk: prefill chunks then have at least two
 tokens (`min_chunk`), which also keeps a prefix-cache hit from changing any token.
@@ -97,7 +102,8 @@ class PrefixCacheStats:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int,
                  device_space: DeviceSpace | None = None, host_cache: HostCache | None = None, *,
-                 max_model_len: int | None = None, min_chunk: int = 1, segments: SegmentPlanner | None = None) -> None:
+                 max_model_len: int | None = None, min_chunk: int = 1, segments: SegmentPlanner | None = None,
+                 long_prefill_token_threshold: int = 0) -> None:
         self.config = config
         self.allocator = allocator
         self.device_space = device_space
@@ -105,6 +111,12 @@ class Scheduler:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.min_chunk = min_chunk
+        # Prefill-decode interference (config help): a long prompt's chunk beside decodes. At least two
+        # min_chunks, so the chunk rule in _chunk never rounds a limited chunk down to nothing.
+        self.long_prefill_token_threshold = long_prefill_token_threshold and max(long_prefill_token_threshold,
+                                                                                 2 * min_chunk)
+        self._prefill_limit = 0  # this step's limit (0 when no decode runs), and long prompts it may still take
+        self._long_left = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -126,6 +138,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self._limit_long_prefills()
         # Running sequences first, oldest first; the newest are preempted when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
@@ -145,6 +158,7 @@ class Scheduler:
             while True:
                 tokens_ok = self.allocator.can_allocate(self._new_blocks(seq, n))
                 if tokens_ok and (self.device_space is None or self.device_space.can_schedule(seq, n)):
+                    self._count_long(seq)
                     self._grow(seq, n)
                     out.scheduled.append((seq, n))
                     budget -= n
@@ -158,9 +172,12 @@ class Scheduler:
                 if victim is seq:
                     break
         # Admit waiting sequences while budget, batch slots and blocks allow (not after a preemption:
-        # admitting would only evict again).
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        # admitting would only evict again). FCFS, except that shorter prompts pass a long one that waits only
+        # for a long-prompt slot (max_long_partial_prefills, as in vLLM).
+        j = 0
+        while j < len(self.waiting) and budget > 0 and not out.preempted \
+                and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[j]
             if self.segments is not None and self.segments.wants(seq):
                 seg = self._admit_segmented(seq, budget, self._only_decodes(out))
                 if seg is None:
@@ -170,10 +187,14 @@ class Scheduler:
             else:
                 n = self._admit(seq, budget)
                 if n == 0:
+                    if self._long_left == 0 and self._is_long(seq):
+                        j += 1
+                        continue
                     break
+                self._count_long(seq)
                 out.scheduled.append((seq, n))
                 budget -= n
-            self.waiting.popleft()
+            del self.waiting[j]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         self._adapt_ratio(bool(out.preempted))
@@ -185,6 +206,10 @@ class Scheduler:
         remaining = seq.num_tokens - computed
         if remaining > budget and not self.config.enable_chunked_prefill:
             return 0
+        if self._prefill_limit and remaining > self._prefill_limit:
+            if self._long_left == 0:
+                return 0
+            budget = min(budget, self._prefill_limit)
         n = min(remaining, budget)
         if remaining > 1 and self.min_chunk > 1:
             if 0 < remaining - n < self.min_chunk:
@@ -192,6 +217,22 @@ class Scheduler:
             if n < self.min_chunk:  # (a budget this small for the whole step: run it anyway, never starve)
                 return 0 if budget < self.config.max_num_batched_tokens else min(remaining, budget)
         return n
+
+    def _limit_long_prefills(self) -> None:
+        """Sets this step's long-prompt limit: long_prefill_token_threshold tokens for at most
+        max_long_partial_prefills prompts when a running sequence decodes; none otherwise."""
+        decoding = self.long_prefill_token_threshold and any(s.num_tokens - s.num_computed_tokens == 1
+                                                             for s in self.running)
+        self._prefill_limit = self.long_prefill_token_threshold if decoding else 0
+        self._long_left = self.config.max_long_partial_prefills
+
+    def _is_long(self, seq: Sequence) -> bool:
+        return bool(self._prefill_limit) and seq.num_tokens - seq.num_computed_tokens > self._prefill_limit
+
+    def _count_long(self, seq: Sequence) -> None:
+        """A scheduled prompt that is long under this step's limit takes one of its long-prompt slots."""
+        if self._is_long(seq):
+            self._long_left -= 1
 
     def _new_blocks(self, seq: Sequence, n: int) -> int:
         return max(blocks_needed(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table), 0)

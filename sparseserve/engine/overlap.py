@@ -1,0 +1,94 @@
+"""Async scheduling (vLLM's `async_scheduling`, SGLang's overlap scheduler): a step in flight on the device while
+the host schedules and prepares the next one.
+
+The engine launches step N and returns; the next `step()` schedules N+1 as if every sequence N samples had its
+token already (a PLACEHOLDER stands at the end of its token_ids, so the scheduler sees an ordinary decode),
+launches N+1 (the runner reads each placeholder's token on the device from N's sampled tokens, `TokenFeed`),
+and only then waits for N's tokens (copied to pinned host memory right after N's sampling, ordered before
+N+1) and processes them: the placeholder is replaced, stop checks run, deltas go out. A sequence that stopped
+at N already runs in N+1: that token is dropped. A sequence certain to end at N by length (max_tokens,
+max_model_len) gets no placeholder, so the scheduler has nothing to schedule for it in N+1.
+
+Why the rest stays correct: every device-side effect of the host's work (block reuse after a free, new block
+tables, cached blocks shared) is ordered on the one stream after the steps already in flight; the prefix cache
+hashes only computed tokens, which are real by the time a step's bookkeeping runs (after the previous step
+landed); a sequence preempted while its token is in flight is re-admitted two steps later at the earliest (a
+step that preempts admits nothing), when the token has landed."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from sparseserve.engine.request import Sequence
+from sparseserve.engine.scheduler import SchedulerOutput
+from sparseserve.layers.sampler import SamplerOutput
+
+# Stands in token_ids for a token still on the device (never a valid id: the runner replaces it before the model
+# reads it, and refuses a step that would feed it to the model).
+PLACEHOLDER = -1
+
+
+@dataclass
+class TokenFeed:
+    """The previous step's sampled tokens on the device, and the row of each sequence whose placeholder they fill."""
+    token_ids: torch.Tensor | None
+    rows: dict[int, int]  # seq_id -> row of token_ids
+
+    EMPTY: ClassVar[TokenFeed]
+
+
+TokenFeed.EMPTY = TokenFeed(None, {})
+
+
+@dataclass
+class InflightStep:
+    sched: SchedulerOutput
+    sampled: list[Sequence]
+    out: SamplerOutput | None                # device tensors (None: nothing sampled)
+    host: SamplerOutput | None = None        # their host copies, complete once `event` has fired
+    event: torch.cuda.Event | None = None
+    placeholder: list[bool] = field(default_factory=list)  # per sampled row: a placeholder stands for its token
+
+    @classmethod
+    def launch(cls, sched: SchedulerOutput, sampled: list[Sequence], out: SamplerOutput | None) -> InflightStep:
+        """Starts the copies of the step's outputs to host memory, on the stream right after its sampling."""
+        step = cls(sched, sampled, out, placeholder=[False] * len(sampled))
+        if out is None:
+            return step
+        if out.token_ids.device.type != "cuda":
+            step.host = out
+            return step
+
+        def to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return h.copy_(t, non_blocking=True)
+
+        step.host = SamplerOutput(to_host(out.token_ids), to_host(out.logprobs), to_host(out.logprob_token_ids),
+                                  to_host(out.sampled_ranks))
+        step.event = torch.cuda.Event()
+        step.event.record()
+        return step
+
+    def add_placeholders(self, max_model_len: int) -> None:
+        """After the step's bookkeeping: each sampled sequence that may go on gets a placeholder token."""
+        for i, seq in enumerate(self.sampled):
+            p = seq.params
+            ends = (p.max_tokens is not None and seq.num_output_tokens + 1 >= p.max_tokens) \
+                or seq.num_tokens + 1 >= max_model_len
+            if not seq.finished and not ends:
+                seq.token_ids.append(PLACEHOLDER)
+                self.placeholder[i] = True
+
+    def feed(self) -> TokenFeed:
+        rows = {s.seq_id: i for i, (s, ph) in enumerate(zip(self.sampled, self.placeholder)) if ph and not s.finished}
+        return TokenFeed(self.out.token_ids if self.out is not None else None, rows)
+
+    def wait(self) -> SamplerOutput:
+        """The host copies of the outputs (the one host sync of the step)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host

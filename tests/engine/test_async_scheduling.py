@@ -1,0 +1,182 @@
+"""Async scheduling (engine/overlap.py) gives the tokens of synchronous scheduling: random schedules with
+arrivals, aborts, stops (token ids, strings, EOS, length) and preemption, greedy and seeded sampling, dense and
+sparse attention; no block leaks; and the overlap really happens (placeholders filled on the device from the
+previous step's tokens, tokens of stopped sequences dropped)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sparseserve import LLM, SamplingParams
+from sparseserve.engine.overlap import PLACEHOLDER
+from tests.schedules import drive_random_schedule, held_blocks, shared_prefix_prompts
+
+SPARSE = dict(sparse_policy="topk", sparse_budget=64, sparse_dense_layers=0, sparse_sink_blocks=1,
+              sparse_local_blocks=1, sparse_dense_context=0)
+
+
+def random_params(seeded: bool):
+    stop_ids = random.Random("stops").sample(range(4096), 400)  # ~1 in 10 tokens stops a request
+
+    def params(rng: random.Random) -> SamplingParams:
+        sampled = seeded and rng.random() < 0.6
+        return SamplingParams(
+            max_tokens=rng.randint(1, 24), n=rng.choice([1, 1, 2]), ignore_eos=rng.random() < 0.5,
+            temperature=1.0 if sampled else 0.0, seed=rng.randrange(2**31) if sampled else None,
+            stop_token_ids=stop_ids if rng.random() < 0.5 else [], stop=["e "] if rng.random() < 0.2 else None,
+            logprobs=2 if rng.random() < 0.3 else None)
+    return params
+
+
+class Spy:
+    """Counts what the runner saw: steps, placeholder rows filled from the previous step's tokens, rows sampled."""
+
+    def __init__(self, engine) -> None:
+        self.steps = self.fills = self.sampled = 0
+        runner = engine.model_runner
+        execute = runner.execute
+
+        def spy(scheduled, feed=None):
+            self.steps += 1
+            self.fills += len(feed.rows) if feed is not None else 0
+            seqs, out = execute(scheduled, feed) if feed is not None else execute(scheduled)
+            self.sampled += len(seqs)
+            return seqs, out
+        runner.execute = spy
+
+
+def run(tiny_model_dir, seed: int, async_scheduling: bool, seeded: bool = False, device: str = "cpu", **kw):
+    rng = random.Random(seed)
+    # max_model_len below the longest prompt + max_tokens: some requests end at the context's end
+    llm = LLM(str(tiny_model_dir), device=device, dtype="float32", block_size=16, max_model_len=72,
+              num_gpu_blocks_override=12, max_num_batched_tokens=rng.choice([16, 48, 96]), max_num_seqs=6,
+              init_new_token_ratio=0.0, min_new_token_ratio=0.0, async_scheduling=async_scheduling, **kw)
+    engine = llm.llm_engine
+    spy = Spy(engine)
+    tokens: dict[tuple[str, int], list[int]] = {}
+    finish: dict[tuple[str, int], str] = {}
+
+    def collect(outs) -> None:
+        for o in outs:
+            for c in o.outputs:
+                assert PLACEHOLDER not in c.token_ids
+                tokens.setdefault((o.request_id, c.index), []).extend(c.token_ids)
+                assert c.logprobs is None or len(c.logprobs) == len(c.token_ids)
+                if c.finish_reason is not None:
+                    finish[(o.request_id, c.index)] = c.finish_reason
+        held_blocks(engine)
+
+    aborted: set[str] = set()
+    drive_random_schedule(engine, rng, steps=60, max_new=24, after_step=collect, aborted=aborted,
+                          prompts=shared_prefix_prompts(seed), params=random_params(seeded))
+    while engine.has_unfinished_requests():
+        collect(engine.step())
+    assert engine.allocator.num_used == 0 and not engine.scheduler.running and not engine.scheduler.waiting
+    engine.allocator.check()
+    return tokens, finish, aborted, spy, engine
+
+
+def check_same(sync, asyn) -> None:
+    (t_s, f_s, aborted, _, _), (t_a, f_a, aborted_a, _, _) = sync, asyn
+    assert aborted == aborted_a  # the workload depends on the schedule's random state only
+    for key in t_s.keys() | t_a.keys():
+        a, s = t_a.get(key, []), t_s.get(key, [])
+        if key[0] in aborted:  # an abort drops the token still in flight: a prefix of what sync delivered
+            assert a == s[: len(a)], key
+        else:
+            assert a == s and f_a[key] == f_s[key], key
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_async_gives_the_tokens_of_sync_over_random_schedules(tiny_model_dir, seed):
+    sync = run(tiny_model_dir, seed, False, seeded=seed % 2 == 1)
+    asyn = run(tiny_model_dir, seed, True, seeded=seed % 2 == 1)
+    check_same(sync, asyn)
+    spy_s, spy_a, engine = sync[3], asyn[3], asyn[4]
+    assert spy_s.fills == 0 and spy_a.fills > 0  # decode inputs came from the device, not the host
+    assert engine.num_generation_tokens < spy_a.sampled  # stopped sequences ran a step whose token was dropped
+    assert sum(f == "stop" for f in asyn[1].values()) > 0
+    assert engine.scheduler.num_preemptions > 0 or seed % 2 == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the overlap on a device stream (CUDA graphs, "
+                    "Triton kernels, pinned copies)")
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_async_on_cuda(tiny_model_dir, seed, sparse):
+    kw = dict(device="cuda", seeded=seed == 1, **(SPARSE if sparse else {}))
+    check_same(run(tiny_model_dir, seed, False, **kw), run(tiny_model_dir, seed, True, **kw))
+
+
+@pytest.mark.parametrize("extra", [{}, dict(sparse_lag=1), dict(sparse_policy="topp", sparse_reuse=3)])
+def test_async_with_sparse_attention(tiny_model_dir, extra):
+    kw = SPARSE | extra
+    check_same(run(tiny_model_dir, 5, False, **kw), run(tiny_model_dir, 5, True, **kw))
+
+
+def test_generate_and_deltas_one_step_late(tiny_model_dir):
+    prompts = [[11, 12, 13, 14, 15] * k for k in (1, 3, 7)]
+    params = SamplingParams(max_tokens=9, ignore_eos=True, temperature=0.0)
+    kw = dict(device="cpu", dtype="float32", block_size=16, max_model_len=96)
+    want = LLM(str(tiny_model_dir), **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_model_dir), async_scheduling=True, **kw)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    engine = llm.llm_engine
+    engine.add_request("x", prompts[0], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert engine.step() == []  # the prefill is launched; its token lands with the next call
+    assert [len(o.outputs[0].token_ids) for o in engine.step()] == [1]
+    assert engine.scheduler.running[0].token_ids[-1] == PLACEHOLDER  # the third token is in flight
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 2 and outs[-1].finished
+    # a length stop is known in advance: no step ran for a token past max_tokens
+    assert engine.allocator.num_used == 0
+
+
+def test_refused_where_it_does_not_work_yet(tiny_model_dir):
+    from sparseserve.config import EngineConfig
+    with pytest.raises(ValueError, match="async_scheduling does not work with kv_offload"):
+        EngineConfig.from_kwargs(async_scheduling=True, kv_offload=True, **SPARSE)
+    with pytest.raises(ValueError, match="host_prefix_cache_memory"):
+        EngineConfig.from_kwargs(async_scheduling=True, host_prefix_cache_memory="1MiB")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig.from_kwargs(async_scheduling=True, tensor_parallel_size=2)
+
+
+def test_the_server_loop_with_async_scheduling():
+    """AsyncLLMEngine (the server's engine thread) over async scheduling: concurrent streams get the tokens of
+    synchronous scheduling, an abort mid-stream ends its request, the pool drains."""
+    import asyncio
+
+    from sparseserve.engine.async_engine import AsyncLLMEngine
+    from sparseserve.engine.engine import LLMEngine
+
+    kw = dict(device="cpu", seed=0, max_model_len=256, num_gpu_blocks_override=512, max_num_seqs=16)
+    prompts = [f"Story number {i}: once upon a time" for i in range(6)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0)
+    want = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, params, use_tqdm=False)]
+    engine = AsyncLLMEngine(LLMEngine.from_kwargs(async_scheduling=True, **kw))
+
+    async def collect(stream) -> list[int]:
+        tokens = []
+        async for out in stream:
+            tokens += out.outputs[0].token_ids
+        return tokens
+
+    async def scenario():
+        engine.start()
+        victim = await engine.add_request("v", "A long story", SamplingParams(max_tokens=200, ignore_eos=True))
+        streams = [await engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        await victim.__anext__()
+        victim.abort()  # the client left: the engine drops the request before its next step
+        got = await asyncio.gather(*(collect(s) for s in streams))
+        await engine.shutdown()
+        return got
+
+    assert asyncio.run(scenario()) == want
+    assert engine.stats.num_blocks_used == 0 and not engine.engine.has_unfinished_requests()
+    assert engine.engine.num_generation_tokens < 200 + 6 * 10  # the victim stopped early
