@@ -38,10 +38,10 @@ class Spy:
         runner = engine.model_runner
         execute = runner.execute
 
-        def spy(scheduled, feed=None):
+        def spy(scheduled, segments=(), feed=None):
             self.steps += 1
             self.fills += len(feed.rows) if feed is not None else 0
-            seqs, out = execute(scheduled, feed) if feed is not None else execute(scheduled)
+            seqs, out = execute(scheduled, segments, feed=feed)
             self.sampled += len(seqs)
             return seqs, out
         runner.execute = spy
