@@ -25,6 +25,16 @@ A step is scheduled only if both fit; when only the device space is short the vi
 and resumes by copying its window back, with no prefill at all. A paused sequence gives its token blocks
 back (becoming a recompute victim) when token blocks run short.
 
+Working-set-aware batch control (SparseServe section 3.3; `working_set_control` with KV offload): a step runs
+only while the running sequences' working sets (head blocks their selections touched over the last w decode
+steps, measured on the GPU one step late; kvcache/working_set.py) sum to at most the HBM pool's slots less a
+margin, besides max_num_seqs and the token budget. Before the step, the newest running sequences are held back
+until the sum fits (paused: no recompute; at least one keeps running), and a waiting sequence is admitted only
+if its estimate fits beside them. No starvation: the running batch is always the oldest requests (held-back ones
+wait at the front of the queue, admission is first come first served and stops at the first that does not fit),
+and the oldest unfinished request always runs, since the limit never holds back the last running sequence and
+admits any sequence into an empty batch; so every request runs once the requests before it are done or fit.
+
 With a sparse attention policy a one-token chunk runs as a decode row (attended sparsely), so a prompt token
 computed alone would be attended differently than in a prefill chunk: prefill chunks then have at least two
 tokens (`min_chunk`), which also keeps a prefix-cache hit from changing any token."""
@@ -55,6 +65,17 @@ class DeviceSpace(Protocol):
     def on_allocate(self, blocks: list[int]) -> None: ...
 
 
+class WorkingSetLimit(Protocol):
+    """The working-set control's view of the HBM pool (kvcache/working_set.py WorkingSet), found on the device
+    space as `working_set`."""
+
+    enabled: bool  # whether the limit holds back and refuses sequences (else only the estimates are reported)
+    limit: int     # head blocks the running sequences' working sets may take together
+
+    def estimates(self, seqs: list[Sequence]) -> list[int]: ...
+    def record(self, total: int, held: int, new_holds: int) -> None: ...
+
+
 class HostCache(Protocol):
     """The prefix cache's host tier without KV offload (kvcache/host_cache.py): full blocks by hash in host
     memory, restored by copy into newly allocated blocks."""
@@ -67,7 +88,8 @@ class HostCache(Protocol):
 @dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens this step)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # every sequence that left the running batch
+    held_back: list[Sequence] = field(default_factory=list)  # ... of them, paused by the working-set limit
 
     @property
     def is_empty(self) -> bool:
@@ -102,6 +124,8 @@ class Scheduler:
         self._ratio_decay = (config.init_new_token_ratio - config.min_new_token_ratio) / \
             config.new_token_ratio_decay_steps
         self.prefix_stats = PrefixCacheStats()
+        self.working_set: WorkingSetLimit | None = getattr(device_space, "working_set", None)
+        self._ws_total = 0  # the running sequences' working sets, this step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -114,6 +138,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self._hold_back(out)
         # Running sequences first, oldest first; the newest are preempted when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
@@ -141,7 +166,8 @@ class Scheduler:
         # admitting would only evict again).
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = self._admit(seq, budget)
+            need = self._working_set_need(seq)
+            n = 0 if need is None else self._admit(seq, budget)
             if n == 0:
                 break
             self.waiting.popleft()
@@ -149,7 +175,9 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append((seq, n))
             budget -= n
-        self._adapt_ratio(bool(out.preempted))
+            self._ws_total += need
+        self._adapt_ratio(len(out.preempted) > len(out.held_back))
+        self._record_working_set(out)
         return out
 
     def _chunk(self, seq: Sequence, computed: int, budget: int) -> int:
@@ -178,6 +206,53 @@ class Scheduler:
                 self.device_space.on_allocate(blocks)
         if self.device_space is not None:
             self.device_space.schedule(seq, n)
+
+    # ---- working-set control (module docstring) ------------------------------------------------------------
+
+    def _hold_back(self, out: SchedulerOutput) -> None:
+        """Pauses the newest running sequences while the running working sets exceed the limit (never the last
+        one); they wait at the front of the queue with everything they computed."""
+        ws = self.working_set
+        if ws is None:
+            return
+        est = ws.estimates(self.running)
+        total = sum(est)
+        while ws.enabled and len(self.running) > 1 and total > ws.limit:
+            seq = self.running.pop()
+            total -= est.pop()
+            self.device_space.pause(seq)
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+            out.preempted.append(seq)
+            out.held_back.append(seq)
+        self._ws_total = total
+
+    def _working_set_need(self, seq: Sequence) -> int | None:
+        """A waiting sequence's working-set estimate, None if the limit keeps it waiting (a sequence always fits
+        an empty batch)."""
+        ws = self.working_set
+        if ws is None:
+            return 0
+        need = ws.estimates([seq])[0]
+        if ws.enabled and self.running and self._ws_total + need > ws.limit:
+            return None
+        return need
+
+    def _record_working_set(self, out: SchedulerOutput) -> None:
+        """Statistics: the running working sets, the requests kept waiting when the limit stopped the batch
+        (held back this step, or admission stopped by it), the hold-backs."""
+        ws = self.working_set
+        if ws is None:
+            return
+        limited = bool(out.held_back) or (ws.enabled and bool(self.waiting) and self._ws_limited_admission())
+        ws.record(sum(ws.estimates(self.running)), len(self.waiting) if limited else 0, len(out.held_back))
+
+    def _ws_limited_admission(self) -> bool:
+        """Whether the head of the queue is refused by the working-set limit (and by nothing that comes first:
+        a full batch)."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        return self._working_set_need(self.waiting[0]) is None
 
     # ---- admission ----------------------------------------------------------------------------------------
 

@@ -44,6 +44,11 @@ class EngineStats:
     prefill_tiles_computed: int = 0    # sparse prefill: (query tile, key tile, KV head) tiles computed, all layers
     prefill_tiles_dense: int = 0       # ... and the causally visible ones (what dense prefill computes)
     offload_blocks_restored: int = 0     # token blocks copied host store -> device block cache (cache hits, resumes)
+    working_set_blocks: int = 0        # KV offload: the running requests' working sets summed, head blocks (gauge)
+    working_set_capacity: int = 0      # ... the HBM pool's head-block slots they compare with (gauge)
+    working_set_limit: int = 0         # ... the part of it they may take (working_set_margin left free; gauge)
+    working_set_held_back: int = 0     # requests waiting because the working-set limit stopped the batch (gauge)
+    working_set_hold_backs: int = 0    # running requests paused by the working-set limit
 
     @classmethod
     def from_values(cls, values: dict[str, int]) -> "EngineStats":
