@@ -139,6 +139,11 @@ class WorkingSet:
         for d in (self._measured, self._floor, self._pending):
             d.pop(seq.seq_id, None)
 
+    @property
+    def num_tracked(self) -> int:
+        """Sequences with a measurement, a floor or a copy in flight (accounting: none once all are freed)."""
+        return len(self._measured.keys() | self._floor.keys() | self._pending.keys())
+
     def gauges(self) -> dict[str, int]:
         return {"working_set_blocks": self.total, "working_set_capacity": self.capacity,
                 "working_set_limit": self.limit, "working_set_held_back": self.num_held_back,
