@@ -68,7 +68,7 @@ class WorkingSet:
             return
         idx = torch.tensor(slots, dtype=torch.int64).to(self.hist.device, non_blocking=True)
         self.hist.index_fill_(0, idx, 0)
-        self.since.index_copy_(0, idx, self.clock.expand(len(slots)))
+        self.since.index_copy_(0, idx, self.clock.expand(len(slots)).contiguous())  # on the device: no sync
 
     def counts(self) -> torch.Tensor:
         """int64 [num_slots]: each slot's working set now (device)."""
