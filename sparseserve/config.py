@@ -214,7 +214,7 @@ class OffloadConfig:
         "help": "Head-block slots of the HBM pool, shared by all layers and KV heads (default: one decode "
                 "step's selections of max_num_seqs sequences in every layer, at most half the device KV memory "
                 "left after key metadata and dense layers)."})
-    working_set_control: bool = field(default=True, metadata={
+    working_set_control: bool = field(default=False, metadata={
         "help": "With kv_offload: run a decode batch only while the running requests' working sets (head blocks "
                 "their selections touched over the last working_set_window decode steps, counted on the GPU) fit "
                 "the HBM pool less working_set_margin; the newest requests beyond it wait, paused (no "

@@ -19,6 +19,7 @@ from sparseserve.kvcache.blocks import BlockAllocator
 from sparseserve.metrics import ServerMetrics, parse_metrics
 from sparseserve.sampling_params import SamplingParams
 from tests.engine.test_scheduler import DeviceSpace, run_step
+from tests.kernel_utils import gpu_only
 from tests.schedules import check_pool, held_blocks
 
 BS = 8
@@ -209,12 +210,12 @@ class Recount:
 
 
 @pytest.mark.parametrize("control, window", [(False, 12), (True, 3)])
-def test_engine_counts_equal_a_recount_of_its_selections(tiny_model_dir, control, window):
+def test_engine_counts_equal_a_recount_of_its_selections(tiny_model_dir, control, window, device="cpu"):
     """After every step each running sequence's device count is the union, recounted in Python, of the pool
     keys its lists asked for over the last `window` decode steps (since its slot was handed out: a held-back
     request resumes on a new slot); with arrivals, so sequences join and leave."""
-    engine = LLMEngine.from_kwargs(model=str(tiny_model_dir), **ENGINE, **SMALL_POOL, working_set_control=control,
-                                   working_set_window=window)
+    engine = LLMEngine.from_kwargs(model=str(tiny_model_dir), **{**ENGINE, "device": device}, **SMALL_POOL,
+                                   working_set_control=control, working_set_window=window, enforce_eager=True)
     recount = Recount(engine)
     ps = prompts(5, seed=1)
     arrivals = {3 * i: [(f"r{i}", p, 12 + 3 * i)] for i, p in enumerate(ps)}
@@ -246,3 +247,22 @@ def test_no_starvation_under_arrivals(tiny_model_dir):
     assert on["tokens"] == off["tokens"] and len(on["tokens"]) == len(order)
     assert engine.get_stats().working_set_hold_backs > 0
     assert_no_leaks(engine)
+
+
+@gpu_only
+def test_cuda_counts_and_graphs(tiny_model_dir):
+    """On the GPU: the Triton count kernel inside eager steps equals the Python recount, and with decode steps
+    replayed from CUDA graphs (the count captured in them, the counts read without a sync) the control shrinks
+    the batch with the tokens of the unlimited run."""
+    for control, window in ((False, 12), (True, 3)):
+        test_engine_counts_equal_a_recount_of_its_selections(tiny_model_dir, control, window, device="cuda")
+    arrivals = {0: [(f"r{i}", p, 30) for i, p in enumerate(prompts())]}
+    runs = {}
+    for control in (False, True):
+        engine = LLMEngine.from_kwargs(model=str(tiny_model_dir), **{**ENGINE, "device": "cuda"}, **SMALL_POOL,
+                                       working_set_control=control)
+        assert engine.model_runner.graphs is not None
+        runs[control] = drive(engine, arrivals)
+        assert_no_leaks(engine)
+    assert runs[True]["tokens"] == runs[False]["tokens"]
+    assert runs[True]["most"] < runs[False]["most"] and runs[True]["stats"].working_set_hold_backs > 0
