@@ -6,8 +6,9 @@ working-set-aware batch control budgets; kvcache/working_set.py).
                                          [--steps N] [--budget TOKENS] [--window 12] [--json out.json]
 
 `--model 8b` is Llama-3.1-8B's shape with the embedded tokenizer (bench/prefix.py; use --load-format dummy),
-`--model smollm2` the real SmolLM2-135M-Instruct (README). Prompts are essays (the haystack), the same for
-random and real weights; every request decodes `--steps` tokens greedily with the topk policy at `--budget`.
+`--model smollm2` the real SmolLM2-135M-Instruct (README). Prompts are essays (the haystack; without it the
+built-in filler sentences), the same for random and real weights; every request decodes `--steps` tokens
+greedily with the topk policy at `--budget`.
 
 An observer of the sparse backend (attention/backend.py `observers`; the engine runs eagerly so it sees every
 layer) reads, per decode row, sparse layer and KV head, the list S_t of blocks the HBM pool would be asked for:
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -133,7 +135,14 @@ def measure(model: str, *, prompt_len: int, batch: int, steps: int, budget: int,
     from sparseserve.engine.engine import LLMEngine
     from sparseserve.sampling_params import SamplingParams
     tok = load_tokenizer(model)
-    prompts = [haystack_token_ids(tok, prompt_len, f"locality:{i}") for i in range(batch)]
+    try:
+        prompts = [haystack_token_ids(tok, prompt_len, f"locality:{i}") for i in range(batch)]
+    except FileNotFoundError as e:  # a plain clone: no essays
+        from sparseserve.bench.tasks import PASSKEY_FILLER
+        print(f"note: {e}; the prompts are the built-in filler sentences instead", file=sys.stderr)
+        ids = tok.encode(PASSKEY_FILLER, add_special_tokens=False)
+        ids = ids * (prompt_len // len(ids) + batch + 1)
+        prompts = [ids[i * 7: i * 7 + prompt_len] for i in range(batch)]
     kw = dict(model=model, load_format=load_format, device=device, dtype=dtype, max_model_len=prompt_len + steps + 1,
               max_num_seqs=batch, sparse_policy="topk", sparse_budget=budget, enforce_eager=True)
     engine = LLMEngine.from_kwargs(**{**kw, **engine_args})
