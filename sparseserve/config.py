@@ -259,6 +259,15 @@ class OffloadConfig:
     prefill_layer_segment: int | None = field(default=None, metadata={
         "help": "Layer-segmented prefill: at most this many layers per step (default: as many as the step's "
                 "token budget allows)."})
+    working_set_control: bool = field(default=False, metadata={
+        "help": "With kv_offload: run a decode batch only while the running requests' working sets (head blocks "
+                "their selections touched over the last working_set_window decode steps, counted on the GPU) fit "
+                "the HBM pool less working_set_margin; the newest requests beyond it wait, paused (no "
+                "recompute), oldest first back in."})
+    working_set_window: int = field(default=12, metadata={
+        "help": "Decode steps over which a request's working set is the union of its selections."})
+    working_set_margin: float = field(default=0.1, metadata={
+        "help": "Fraction of the HBM pool the working sets leave free (working_set_control)."})
 
     def __post_init__(self) -> None:
         if self.prefill_layer_segment is not None and self.prefill_layer_segment < 1:
@@ -268,6 +277,10 @@ class OffloadConfig:
         if self.layer_segmented_prefill and not self.kv_offload:
             raise ValueError("layer_segmented_prefill needs kv_offload: each finished layer's K/V goes to the host "
                              "KV store, which only KV offload has")
+        if self.working_set_window < 1:
+            raise ValueError(f"working_set_window must be >= 1, got {self.working_set_window}")
+        if not 0.0 <= self.working_set_margin < 1.0:
+            raise ValueError(f"working_set_margin must be in [0, 1), got {self.working_set_margin}")
         if self.host_kv_memory is not None and self.host_kv_memory < 1:
             raise ValueError(f"host_kv_memory must be >= 1 byte, got {self.host_kv_memory}")
         if self.hbm_cache_blocks is not None and self.hbm_cache_blocks < 1:

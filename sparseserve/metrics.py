@@ -114,6 +114,21 @@ def _offload_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable
     yield gauge("offload_host_blocks_used", "Token blocks of the host KV store in use.", stats.num_blocks_used)
     yield gauge("offload_host_blocks_total", "Token blocks of the host KV store.", stats.offload_host_blocks)
     yield gauge("offload_hbm_slots", "Head-block slots of the HBM pool.", stats.offload_hbm_slots)
+    yield from _working_set_metrics(stats, gauge, counter)
+
+
+def _working_set_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable[Metric]:
+    """KV offload on: working-set-aware batch control (the estimates are reported with the control off too)."""
+    yield gauge("working_set_blocks", "Sum of the running requests' working sets (head blocks their selections "
+                "touched over the last working_set_window decode steps).", getattr(stats, "working_set_blocks", 0))
+    yield gauge("working_set_capacity_blocks", "Head-block slots of the HBM pool the working sets compare with.",
+                getattr(stats, "working_set_capacity", 0))
+    yield gauge("working_set_limit_blocks", "Head blocks the running working sets may take (the pool less the "
+                "margin).", getattr(stats, "working_set_limit", 0))
+    yield gauge("num_requests_held_back", "Requests waiting because the working-set limit stopped the batch.",
+                getattr(stats, "working_set_held_back", 0))
+    yield counter("working_set_hold_backs", "Running requests paused by the working-set limit.",
+                  getattr(stats, "working_set_hold_backs", 0))
 
 
 def _sparse_prefill_metrics(stats: Any, counter: Callable) -> Iterable[Metric]:

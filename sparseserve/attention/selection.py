@@ -92,11 +92,12 @@ class SelectionState:
         self.streaming = streaming.to(device)
         self._free = list(range(max_num_seqs - 1, -1, -1))
         self._held: dict[int, int] = {}
+        self.fresh: list[int] = []  # the slots the last `assign` handed out anew
 
     def assign(self, seq_ids: list[int]) -> list[int]:
         """The state slot of each sequence; a sequence that had none gets a free one, whose counters restart
-        (its first decode step selects afresh)."""
-        fresh = []
+        (its first decode step selects afresh; `fresh` lists them for per-slot state kept elsewhere)."""
+        self.fresh = fresh = []
         for sid in seq_ids:
             if sid not in self._held:
                 self._held[sid] = slot = self._free.pop()

@@ -6,7 +6,8 @@ Per layer it orchestrates, on fixed-shape GPU buffers (so a decode step can be c
   select    decode rows of a sparse layer get block lists from the selection policy (attention/selection.py,
             a component from the registry); the first `sparse_dense_layers` layers and steps whose longest
             context fits the budget run dense;
-  read      under KV offload the listed blocks are looked up in the HBM pool and the misses loaded (FlashH2D);
+  read      under KV offload the listed blocks are looked up in the HBM pool and the misses loaded (FlashH2D),
+            and counted into their sequences' working sets (kvcache/working_set.py);
   refine    the policy may trim its lists on the blocks' real keys (topp);
   attend    the lists plus the local window (kernels/sparse_decode.py); prefill chunks attend through the
             backend's prefill attention (dense, or SALE's sparse prefill), addressed like the decodes.
@@ -75,7 +76,12 @@ class SparseBackend(AttentionBackend):
 
     def prepare(self, scheduled, meta: AttentionMetadata) -> None:
         super().prepare(scheduled, meta)
+        ws = self.offload.working_set if self.offload is not None else None
+        if ws is not None:  # the counts after the previous step, with the slots of their sequences
+            ws.publish(self.state.held_slots())
         slots = torch.tensor(self.state.assign([seq.seq_id for seq, _ in scheduled]), dtype=torch.int32)
+        if ws is not None:
+            ws.reset_slots(self.state.fresh)
         step = None if self.offload is None else self.offload.prepare_step(scheduled, self.ctx.device)
         meta.backend_meta = SparseStepMeta(slots.to(self.ctx.device, non_blocking=True), self._cache_view(meta, step),
                                            step)
@@ -164,12 +170,23 @@ class SparseBackend(AttentionBackend):
             with self._phase("h2d"):
                 sel_rows = state.sel[layer][rows.slots.long()]
                 view = self.offload.read(layer, rows.tables, rows.seq_lens, sel_rows)
+                self._count_working_set(layer, rows.slots, view[3])
             if not p.lag and self.policy.refine(layer, q, kv_cache, rows, state, view):
                 view = self.offload.lookup(layer, rows.tables, rows.seq_lens, state.sel[layer][rows.slots.long()])
         with self._phase("attention"):
             sparse_decode(q, kv_cache, rows.cache_tables, rows.seq_lens, state.sel[layer], rows.slots, p.local, scale,
                           out=out[:nd], offload=view)
         return out
+
+    def _count_working_set(self, layer: int, slots: torch.Tensor, key: torch.Tensor) -> None:
+        """The head blocks this layer's lists asked the HBM pool for join their sequences' working sets
+        (kvcache/working_set.py); the first sparse layer of a decode step starts the step's count."""
+        ws = self.offload.working_set
+        if ws is None:
+            return
+        if layer == self.dense_layers:
+            ws.begin_step()
+        ws.touch(slots, key)
 
     def _max_blocks(self, meta: AttentionMetadata) -> int:
         return max(1, -(-meta.max_seq_len // self.params.block_size))

@@ -10,10 +10,11 @@ into pinned staging (side stream) plus the CPU writes into the store rows, again
 --prefill MODEL: a 32K-token prompt's prefill (MODEL's architecture, random weights) without saving to
 the host, with FlashD2H saving (kv_offload), and with a per-block synchronous copy loop instead.
 --capacity MODEL: GPU memory capped at --gpu-memory-gb (default 40, the papers' GPUs), 32K-token
-prompts, 256 output tokens: dense attention with every block in HBM against topk 2048 with kv_offload,
-each at several request counts: the most requests running at once and the decode throughput; the
-decode step of the offload runs split into selection, H2D and attention (CUDA events around each
-phase on a few eager decode steps in the middle of the run).
+prompts, 256 output tokens: dense attention with every block in HBM against topk 2048 with kv_offload
+(with working-set-aware batch control on and/or off: --working-set-control on,off), each at several
+request counts: the most requests running at once and the decode throughput; the decode step of the
+offload runs split into selection, H2D and attention (CUDA events around each phase on a few eager decode
+steps in the middle of the run).
 --real MODEL: KV offload on a real model (e.g. smollm2) with real prompts (essays, so consecutive decode queries
 have the locality of real text), at each of --batches requests: topk (--budget, default 1024) with every block in
 HBM against the same policy with kv_offload, side by side per batch size: decode time per output token (the
@@ -213,11 +214,16 @@ class PhaseTimer:
 
 
 def capacity_run(model: str, n: int, gpu_gb: float, output_len: int, prompt_len: int, offload: bool,
-                 host_gb: float, reuse: int = 1, profile: bool = False) -> dict:
+                 host_gb: float, reuse: int = 1, profile: bool = False, working_set_control: bool | None = None
+                 ) -> dict:
+    """working_set_control: the offload run's working-set-aware batch control on or off (None: the engine's
+    default)."""
     from sparseserve.sampling_params import SamplingParams
     total = torch.cuda.get_device_properties(0).total_memory
     kw = (dict(OFFLOAD, host_kv_memory=int(host_gb * 2**30), sparse_reuse=reuse) if offload
           else dict(sparse_policy="dense"))
+    if offload and working_set_control is not None:
+        kw["working_set_control"] = working_set_control
     engine = _engine(model, max_model_len=prompt_len + output_len, max_num_seqs=max(n, 1),
                      max_num_batched_tokens=8192, gpu_memory_utilization=gpu_gb * 1e9 / total, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -230,10 +236,12 @@ def capacity_run(model: str, n: int, gpu_gb: float, output_len: int, prompt_len:
         runner.graphs.timer = graph_timer
     if offload:
         runner.attn_backend.timer = phases
-    max_running, decode_tokens, decode_s, decode_steps, split_steps = 0, 0, 0.0, 0, 0
+    max_running, decode_tokens, decode_s, decode_steps, split_steps, ws_max = 0, 0, 0.0, 0, 0, 0
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         max_running = max(max_running, len(sched.running))
+        if offload:  # the running requests' working sets (one step late; a host counter, no sync)
+            ws_max = max(ws_max, runner.offload.working_set.total)
         # Expected pure decode (every running request decodes, none waits to be admitted); whether the
         # step was one is read from what the scheduler really scheduled (an admission adds a prefill chunk).
         expect_decode = bool(sched.running) and not sched.waiting and all(
@@ -269,7 +277,9 @@ def capacity_run(model: str, n: int, gpu_gb: float, output_len: int, prompt_len:
     torch.cuda.synchronize()
     replays = sorted(graph_timer.times_ms("graph"))
     stats = engine.get_stats(sync=True)
-    out = {"config": f"topk 2048 + kv_offload, R={reuse}" if offload else "dense", "requests": n,
+    ws = runner.offload.working_set if offload else None
+    config = f"topk 2048 + kv_offload, R={reuse}" + (", working-set control" if ws is not None and ws.enabled else "")
+    out = {"config": config if offload else "dense", "requests": n,
            "max_running": max_running, "decode_tok_s": decode_tokens / decode_s if decode_s else None,
            "decode_step_ms": 1e3 * decode_s / decode_steps if decode_steps else None,
            "graph_ms": replays[len(replays) // 2] if replays else None,
@@ -285,6 +295,9 @@ def capacity_run(model: str, n: int, gpu_gb: float, output_len: int, prompt_len:
         out["h2d_GB"] = stats.offload_h2d_bytes / 1e9
         out["hbm_pool_GiB"] = stats.offload_hbm_slots * runner.offload.layout.head_block_bytes / 2**30
         out["device_blocks"] = stats.offload_device_blocks
+        out["working_set_hold_backs"] = stats.working_set_hold_backs
+        out["working_set_limit"] = stats.working_set_limit
+        out["working_set_blocks_max"] = ws_max
         out.update({f"eager_{k}_ms": v / max(split_steps, 1) for k, v in phases.totals_ms().items()})
     return out
 
@@ -402,6 +415,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--offload-requests", default="20,24", help="request counts for offload (--capacity)")
     p.add_argument("--profile", action="store_true", help="kernel table of one decode graph replay (--capacity)")
     p.add_argument("--reuse", default="1", help="sparse_reuse values for offload (--capacity)")
+    p.add_argument("--working-set-control", default=None,
+                   help="working-set-aware batch control of the offload runs: on, off, or on,off for both (--capacity; "
+                        "default: the engine's)")
     p.add_argument("--gpu-memory-gb", type=float, default=40.0, help="GPU memory cap (--capacity)")
     p.add_argument("--host-kv-gb", type=float, default=100.0, help="host KV store size (--capacity)")
     p.add_argument("--real", metavar="MODEL", help="KV offload on a real model (e.g. smollm2) vs all KV in HBM")
@@ -441,11 +457,14 @@ def main(argv: list[str] | None = None) -> None:
                                        f"store")
     if args.capacity:
         rows = []
-        runs = [(False, n, 1) for n in args.dense_requests.split(",") if n] + [
-            (True, n, r) for n in args.offload_requests.split(",") if n for r in args.reuse.split(",")]
-        for offload, n, r in runs:
+        controls = [None] if args.working_set_control is None else [
+            {"on": True, "off": False}[c] for c in args.working_set_control.split(",")]
+        runs = [(False, n, 1, None) for n in args.dense_requests.split(",") if n] + [
+            (True, n, r, c) for n in args.offload_requests.split(",") if n for r in args.reuse.split(",")
+            for c in controls]
+        for offload, n, r, c in runs:
             rows.append(capacity_run(args.capacity, int(n), args.gpu_memory_gb, args.output_len,
-                                     args.prompt_len or 32768, offload, args.host_kv_gb, int(r), args.profile))
+                                     args.prompt_len or 32768, offload, args.host_kv_gb, int(r), args.profile, c))
             print_table(rows[-1:], "")
         result["capacity"] = rows
         best = {c: max((r["decode_tok_s"] or 0) for r in rows if r["config"] == c) for c in {r["config"] for r in rows}}

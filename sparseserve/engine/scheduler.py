@@ -30,6 +30,16 @@ every decoding stream for that long. In a step that runs decodes, a prompt with 
 long_prefill_token_threshold tokens left computes at most that many, and at most max_long_partial_prefills such
 prompts run (vLLM's names); a step without decodes gives a prompt the whole budget.
 
+Working-set-aware batch control (SparseServe section 3.3; `working_set_control` with KV offload): a step runs
+only while the running sequences' working sets (head blocks their selections touched over the last w decode
+steps, measured on the GPU one step late; kvcache/working_set.py) sum to at most the HBM pool's slots less a
+margin, besides max_num_seqs and the token budget. Before the step, the newest running sequences are held back
+until the sum fits (paused: no recompute; at least one keeps running), and a waiting sequence is admitted only
+if its estimate fits beside them. No starvation: the running batch is always the oldest requests (held-back ones
+wait at the front of the queue, admission is first come first served and stops at the first that does not fit),
+and the oldest unfinished request always runs, since the limit never holds back the last running sequence and
+admits any sequence into an empty batch; so every request runs once the requests before it are done or fit.
+
 With a sparse attention policy a one-token chunk runs as a decode row (attended sparsely), so a prompt token
 computed alone would be attended differently than in a prefill chunk: prefill chunks then have at least two
 tokens (`min_chunk`), which also keeps a prefix-cache hit from changing any token.
@@ -69,6 +79,17 @@ class DeviceSpace(Protocol):
     def schedule_segmented(self, seq: Sequence) -> None: ...
 
 
+class WorkingSetLimit(Protocol):
+    """The working-set control's view of the HBM pool (kvcache/working_set.py WorkingSet), found on the device
+    space as `working_set`."""
+
+    enabled: bool  # whether the limit holds back and refuses sequences (else only the estimates are reported)
+    limit: int     # head blocks the running sequences' working sets may take together
+
+    def estimates(self, seqs: list[Sequence]) -> list[int]: ...
+    def record(self, total: int, held: int, new_holds: int) -> None: ...
+
+
 class HostCache(Protocol):
     """The prefix cache's host tier without KV offload (kvcache/host_cache.py): full blocks by hash in host
     memory, restored by copy into newly allocated blocks."""
@@ -81,7 +102,8 @@ class HostCache(Protocol):
 @dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens this step)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # every sequence that left the running batch
+    held_back: list[Sequence] = field(default_factory=list)  # ... of them, paused by the working-set limit
     segments: list[LayerSegment] = field(default_factory=list)  # layer-segmented prefills' work this step
 
     @property
@@ -126,6 +148,8 @@ class Scheduler:
         self.prefix_stats = PrefixCacheStats()
         self.segments = segments
         self.layers_done: dict[int, int] = {}  # seq_id -> layers done of its layer-segmented prefill
+        self.working_set: WorkingSetLimit | None = getattr(device_space, "working_set", None)
+        self._ws_total = 0  # the running sequences' working sets, this step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -138,6 +162,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self._hold_back(out)
         self._limit_long_prefills()
         # Running sequences first, oldest first; the newest are preempted when blocks run out.
         i = 0
@@ -178,6 +203,9 @@ class Scheduler:
         while j < len(self.waiting) and budget > 0 and not out.preempted \
                 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[j]
+            need = self._working_set_need(seq)
+            if need is None:  # its working set does not fit beside the running ones
+                break
             if self.segments is not None and self.segments.wants(seq):
                 seg = self._admit_segmented(seq, budget, self._only_decodes(out))
                 if seg is None:
@@ -197,7 +225,9 @@ class Scheduler:
             del self.waiting[j]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        self._adapt_ratio(bool(out.preempted))
+            self._ws_total += need
+        self._adapt_ratio(len(out.preempted) > len(out.held_back))
+        self._record_working_set(out)
         return out
 
     def _chunk(self, seq: Sequence, computed: int, budget: int) -> int:
@@ -246,6 +276,53 @@ class Scheduler:
                 self.device_space.on_allocate(blocks)
         if self.device_space is not None:
             self.device_space.schedule(seq, n)
+
+    # ---- working-set control (module docstring) ------------------------------------------------------------
+
+    def _hold_back(self, out: SchedulerOutput) -> None:
+        """Pauses the newest running sequences while the running working sets exceed the limit (never the last
+        one); they wait at the front of the queue with everything they computed."""
+        ws = self.working_set
+        if ws is None:
+            return
+        est = ws.estimates(self.running)
+        total = sum(est)
+        while ws.enabled and len(self.running) > 1 and total > ws.limit:
+            seq = self.running.pop()
+            total -= est.pop()
+            self.device_space.pause(seq)
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+            out.preempted.append(seq)
+            out.held_back.append(seq)
+        self._ws_total = total
+
+    def _working_set_need(self, seq: Sequence) -> int | None:
+        """A waiting sequence's working-set estimate, None if the limit keeps it waiting (a sequence always fits
+        an empty batch)."""
+        ws = self.working_set
+        if ws is None:
+            return 0
+        need = ws.estimates([seq])[0]
+        if ws.enabled and self.running and self._ws_total + need > ws.limit:
+            return None
+        return need
+
+    def _record_working_set(self, out: SchedulerOutput) -> None:
+        """Statistics: the running working sets, the requests kept waiting when the limit stopped the batch
+        (held back this step, or admission stopped by it), the hold-backs."""
+        ws = self.working_set
+        if ws is None:
+            return
+        limited = bool(out.held_back) or (ws.enabled and bool(self.waiting) and self._ws_limited_admission())
+        ws.record(sum(ws.estimates(self.running)), len(self.waiting) if limited else 0, len(out.held_back))
+
+    def _ws_limited_admission(self) -> bool:
+        """Whether the head of the queue is refused by the working-set limit (and by nothing that comes first:
+        a full batch)."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        return self._working_set_need(self.waiting[0]) is None
 
     # ---- admission ----------------------------------------------------------------------------------------
 

@@ -46,6 +46,11 @@ class EngineStats:
     offload_blocks_restored: int = 0     # token blocks copied host store -> device block cache (cache hits, resumes)
     layer_prefills_running: int = 0      # layer-segmented prefills in progress (gauge)
     layer_prefill_layers_done: int = 0   # ... and the layers they have done (gauge)
+    working_set_blocks: int = 0        # KV offload: the running requests' working sets summed, head blocks (gauge)
+    working_set_capacity: int = 0      # ... the HBM pool's head-block slots they compare with (gauge)
+    working_set_limit: int = 0         # ... the part of it they may take (working_set_margin left free; gauge)
+    working_set_held_back: int = 0     # requests waiting because the working-set limit stopped the batch (gauge)
+    working_set_hold_backs: int = 0    # running requests paused by the working-set limit
 
     @classmethod
     def from_values(cls, values: dict[str, int]) -> "EngineStats":

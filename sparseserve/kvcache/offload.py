@@ -22,6 +22,8 @@ Everything outside reaches the offload path through this class:
     the lists changed without loading);
   - CUDA graphs replay the step's device addressing from static buffers (`init_capture_graph`,
     `capture_step`, `prepare_for_replay`);
+  - working-set-aware batch control: `working_set` (kvcache/working_set.py) counts each sequence's working
+    set in the pool's unit (head blocks) on the device; the sparse backend feeds it, the scheduler reads it;
   - statistics: `counters()` (device, read without a sync) and `gauges()`.
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ from sparseserve.kvcache.blocks import BlockAllocator, blocks_needed
 from sparseserve.kvcache.host import HostKVStore, host_block_bytes
 from sparseserve.kvcache.layout import OffloadLayout
 from sparseserve.kvcache.pool import HBMPool
+from sparseserve.kvcache.working_set import WorkingSet
 
 logger = logging.getLogger(__name__)
 
@@ -188,8 +191,9 @@ class DeviceBlockMap:
 class OffloadCache:
     def __init__(self, layout: OffloadLayout, host: HostKVStore, pool: HBMPool, device_map: DeviceBlockMap,
                  kv_caches: list[torch.Tensor], block_size: int, local_blocks: int,
-                 sparse_cache: torch.Tensor | None = None) -> None:
+                 sparse_cache: torch.Tensor | None = None, working_set: WorkingSet | None = None) -> None:
         self.layout, self.host, self.pool, self.device_map = layout, host, pool, device_map
+        self.working_set = working_set
         self.kv_caches = kv_caches
         self.block_size, self.local_blocks = block_size, local_blocks
         self.dense_layers = layout.dense_layers
@@ -254,11 +258,15 @@ class OffloadCache:
         pool = HBMPool(num_layers, layout.token_blocks, num_kv_heads, block_size, head_dim, layout.pool_slots, dtype,
                        device)
         device_map = DeviceBlockMap(layout.device_blocks, local_blocks, block_size, layout.token_blocks)
+        working_set = WorkingSet(num_keys=pool.num_keys, num_slots=max_num_seqs, window=config.working_set_window,
+                                 capacity=pool.num_slots, margin=config.working_set_margin,
+                                 enabled=config.working_set_control, lists=(num_layers - dl) * num_kv_heads,
+                                 cap=cap, local=local_blocks, block_size=block_size, device=device)
         logger.info("KV offload: host store %d blocks (%.2f GiB, pinned=%s), device block cache %d blocks, "
                     "HBM pool %d head-block slots", layout.token_blocks, host.nbytes / 2**30, host.data.is_pinned(),
                     layout.device_blocks, pool.num_slots)
         return cls(layout, host, pool, device_map, list(dense_cache) + list(sparse_cache), block_size, local_blocks,
-                   sparse_cache)
+                   sparse_cache, working_set)
 
     @property
     def num_token_blocks(self) -> int:
@@ -291,6 +299,8 @@ class OffloadCache:
 
     def free(self, seq) -> None:
         self.device_map.release(seq)
+        if self.working_set is not None:
+            self.working_set.forget(seq)
 
     def can_admit_segmented(self, seq, running: list) -> bool:
         """Whether a layer-segmented prefill may start (its first decode's window fits)."""
@@ -313,6 +323,8 @@ class OffloadCache:
             row, dev = seq.block_table[c // bs], blocks[c // bs - start]
             self.host.data[self.dense_layers:, row].copy_(self.sparse_cache[:, dev])
         self.device_map.release(seq)
+        if self.working_set is not None:
+            self.working_set.on_pause(seq)
 
     def begin_step(self) -> None:
         """Before any kernel of a step: the host store's pending writes land (fence), then the blocks the
@@ -426,8 +438,10 @@ class OffloadCache:
                 "offload_layer_steps": s[3], "offload_blocks_written": self.host.blocks_written}
 
     def gauges(self) -> dict[str, int]:
-        """Host-side values: sizes, the device block cache in use, and FlashD2H's blocks written."""
-        return {"offload_host_blocks": self.layout.token_blocks, "offload_hbm_slots": self.pool.num_slots,
+        """Host-side values: sizes, the device block cache in use, FlashD2H's blocks written and the working-set
+        control's accounting."""
+        ws = self.working_set.gauges() if self.working_set is not None else {}
+        return ws | {"offload_host_blocks": self.layout.token_blocks, "offload_hbm_slots": self.pool.num_slots,
                 "offload_head_block_bytes": self.layout.head_block_bytes,
                 "offload_device_blocks": self.device_map.num_blocks,
                 "offload_device_blocks_used": self.device_map.allocator.num_used,

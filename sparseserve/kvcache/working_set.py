@@ -1,0 +1,150 @@
+"""Working-set-aware batch control (DESIGN.md principle 7; SparseServe section 3.3): what the scheduler needs to
+run a decode batch only while the requests' working sets fit the HBM pool.
+
+A request's working set is the union of the head blocks its selections asked the HBM pool for over the last
+`window` decode steps (its list entries outside the local window, every sparse layer and KV head): the
+pool's own unit, one slot per head block, so the sum over the running requests compares with the pool's slots.
+
+Counted on the device inside the step (kernels/working_set.py: one update per sparse layer, capturable), per
+selection-state slot. `publish` (the sparse backend, before each step's kernels) copies the per-slot counts
+into pinned memory without a sync, with the slot -> sequence map of that moment; the scheduler reads the newest
+copy that has landed (`estimates`): one step late on a busy GPU, exactly one step late on CPU.
+
+A request not measured yet (never decoded, or every count zero so far) is estimated from the selection budget:
+its list entries outside the local window, min(budget blocks, context blocks) - local blocks, times sparse
+layers x KV heads. A paused request (held back or preempted) keeps the estimate it had when it stopped as a
+floor until its new slot has counted `window` decode steps again (its union starts from nothing on a new slot).
+"""
+from __future__ import annotations
+
+import torch
+
+from sparseserve.kernels.working_set import working_set_begin_step, working_set_touch
+from sparseserve.kvcache.blocks import blocks_needed
+
+
+class WorkingSet:
+    def __init__(self, *, num_keys: int, num_slots: int, window: int, capacity: int, margin: float, enabled: bool,
+                 lists: int, cap: int, local: int, block_size: int, device: torch.device) -> None:
+        """num_keys: the HBM pool's key space (kvcache/pool.py); num_slots: selection-state slots (max_num_seqs);
+        capacity: the pool's head-block slots; lists: sparse layers x KV heads (selections per decode row);
+        cap, local: list length and local window in blocks."""
+        if window < 1:
+            raise ValueError(f"working_set_window must be >= 1, got {window}")
+        self.enabled = enabled
+        self.window = window
+        self.capacity = capacity
+        self.limit = int(capacity * (1.0 - margin))
+        self.lists, self.cap, self.local, self.block_size = lists, cap, local, block_size
+        self.stamp = torch.full((num_keys + 1,), -1, dtype=torch.int64, device=device)
+        self.hist = torch.zeros(num_slots, window, dtype=torch.int32, device=device)
+        self.since = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.clock = torch.zeros(1, dtype=torch.int64, device=device)
+        self._cuda = device.type == "cuda"
+        self._pinned = torch.zeros(num_slots, dtype=torch.int64, pin_memory=self._cuda)
+        self._event: torch.cuda.Event | None = None
+        self._pending: dict[int, int] = {}  # seq_id -> slot of the copy in flight
+        self._measured: dict[int, tuple[int, int]] = {}  # seq_id -> (blocks, decode steps counted on its slot)
+        self._floor: dict[int, int] = {}  # seq_id -> the estimate it had when it was paused
+        # The scheduler's accounting (kept here so the statistics have one place): the running requests'
+        # estimates summed, requests waiting because the limit stopped the batch, hold-backs so far.
+        self.total = 0
+        self.num_held_back = 0
+        self.num_hold_backs = 0
+
+    # ---- the device, inside the step (sparse backend) ------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Before the first sparse layer's touch of a decode step."""
+        working_set_begin_step(self.hist, self.clock)
+
+    def touch(self, slots: torch.Tensor, key: torch.Tensor) -> None:
+        """One sparse layer's pool requests: key [B, Hkv, cap] (the pool's trash key: none) of rows in slots [B]."""
+        working_set_touch(key.reshape(key.shape[0], -1), slots, self.stamp, self.hist, self.since, self.clock)
+
+    def reset_slots(self, slots: list[int]) -> None:
+        """Slots handed to new sequences (between steps): their counts start from nothing."""
+        if not slots:
+            return
+        idx = torch.tensor(slots, dtype=torch.int64).to(self.hist.device, non_blocking=True)
+        self.hist.index_fill_(0, idx, 0)
+        self.since.index_copy_(0, idx, self.clock.expand(len(slots)).contiguous())  # on the device: no sync
+
+    def counts(self) -> torch.Tensor:
+        """int64 [num_slots]: each slot's working set now (device)."""
+        return self.hist.sum(1, dtype=torch.int64).clamp_min_(0)
+
+    def publish(self, held: dict[int, int]) -> None:
+        """Starts copying the counts to the host (before a step's kernels: they are the previous step's), unless
+        the previous copy is still in flight. held: seq_id -> slot of every sequence holding one."""
+        if not self._cuda:
+            self._land(self.counts().tolist(), held)
+            return
+        if self._event is not None:
+            if not self._event.query():
+                return
+            self._land(self._pinned.tolist(), self._pending)
+        self._pinned.copy_(self.counts(), non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+        self._pending = dict(held)
+
+    def _land(self, counts: list[int], held: dict[int, int]) -> None:
+        for sid, slot in held.items():
+            if counts[slot] > 0:
+                _, steps = self._measured.get(sid, (0, 0))
+                self._measured[sid] = (counts[slot], steps + 1)
+        self._event = None
+        self._pending = {}
+
+    # ---- the scheduler ------------------------------------------------------------------------------------
+
+    def estimates(self, seqs: list) -> list[int]:
+        """Each sequence's working set in head blocks: measured (the newest landed copy), else from the budget;
+        a paused one's floor until its new slot has counted a whole window."""
+        if self._event is not None and self._event.query():
+            self._land(self._pinned.tolist(), self._pending)
+        out = []
+        for seq in seqs:
+            measured, steps = self._measured.get(seq.seq_id, (0, 0))
+            floor = self._floor.get(seq.seq_id)
+            if floor is None:
+                out.append(measured if steps else self.default(seq))
+            elif steps >= self.window:
+                del self._floor[seq.seq_id]
+                out.append(measured)
+            else:
+                out.append(max(measured, floor))
+        return out
+
+    def default(self, seq) -> int:
+        """The estimate of a request not measured yet: one step's list entries outside the local window."""
+        nb = blocks_needed(seq.num_tokens, self.block_size)
+        return max(min(self.cap, nb) - self.local, 0) * self.lists
+
+    def record(self, total: int, held: int, new_holds: int) -> None:
+        """The scheduler's step: running estimates summed, requests the limit keeps waiting, new hold-backs."""
+        self.total, self.num_held_back = total, held
+        self.num_hold_backs += new_holds
+
+    # ---- sequences leaving the device (the offload cache's pause and free) -------------------------------
+
+    def on_pause(self, seq) -> None:
+        """Its slot is released: it resumes on a new one, with its current estimate as a floor."""
+        self._floor[seq.seq_id] = self.estimates([seq])[0]
+        self._measured.pop(seq.seq_id, None)
+        self._pending.pop(seq.seq_id, None)
+
+    def forget(self, seq) -> None:
+        for d in (self._measured, self._floor, self._pending):
+            d.pop(seq.seq_id, None)
+
+    @property
+    def num_tracked(self) -> int:
+        """Sequences with a measurement, a floor or a copy in flight (accounting: none once all are freed)."""
+        return len(self._measured.keys() | self._floor.keys() | self._pending.keys())
+
+    def gauges(self) -> dict[str, int]:
+        return {"working_set_blocks": self.total, "working_set_capacity": self.capacity,
+                "working_set_limit": self.limit, "working_set_held_back": self.num_held_back,
+                "working_set_hold_backs": self.num_hold_backs}
