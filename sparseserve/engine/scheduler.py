@@ -162,8 +162,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        self._hold_back(out)
         self._limit_long_prefills()
+        self._hold_back(out)
         # Running sequences first, oldest first; the newest are preempted when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
@@ -288,6 +288,8 @@ class Scheduler:
         est = ws.estimates(self.running)
         total = sum(est)
         while ws.enabled and len(self.running) > 1 and total > ws.limit:
+            if self.running[-1].seq_id in self.layers_done:  # a layer-segmented prefill is never paused
+                break
             seq = self.running.pop()
             total -= est.pop()
             self.device_space.pause(seq)
