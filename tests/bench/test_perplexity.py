@@ -21,7 +21,7 @@ def windows(tiny_model_dir):
     try:
         essays = T.load_essays(T.find_haystack_dir())
     except FileNotFoundError:
-        essays = ["The river runs down to the sea. The hills are green and quiet. " * 200]
+        essays = T.builtin_filler()  # varied sentences: the windows differ as essays' do
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     return P.essay_windows(T.TaskBuilder(tok, essays), PREFIX, TOKENS, 3, seed=0)
 
