@@ -12,7 +12,8 @@ The device block cache must hold at least one max_model_len sequence (a prefill 
 
 How the budget left after metadata and dense layers is split: the device block cache gets what the
 scheduler can use (`want_device_blocks`, from the runner: one max_model_len prefill, the decode windows of
-max_num_seqs sequences and one step's prefill tokens for short prompts admitted beside a long one), the
+max_num_seqs sequences, or of as many as the pool could serve one step's lists of when that is fewer, and one
+step's prefill tokens for short prompts admitted beside a long one), the
 pool all the rest, up to every head block of the sparse layers (beyond that the device cache takes the
 remainder, up to the token blocks). The pool is what decode throughput depends on: one step's listed head
 blocks of 20 x 32K requests on Llama-3.1-8B are ~4.6 GB, and every one the pool misses crosses PCIe;
@@ -43,10 +44,14 @@ class OffloadLayout:
     @classmethod
     def plan(cls, *, budget: int | None, device_blocks: int | None, token_blocks: int, pool_slots: int | None,
              default_pool_slots: int, min_device_blocks: int, want_device_blocks: int, num_layers: int,
-             dense_layers: int, kv_layer_block_bytes: int, meta_block_bytes: int, head_block_bytes: int
-             ) -> "OffloadLayout":
+             dense_layers: int, kv_layer_block_bytes: int, meta_block_bytes: int, head_block_bytes: int,
+             seq_window_blocks: int = 0, seq_pool_slots: int = 0, max_seqs: int = 0) -> "OffloadLayout":
         """budget: device bytes for all of it (None: device_blocks given, the pool `pool_slots` or else
-        `default_pool_slots`). kv_layer_block_bytes: K and V of one token block in one layer (every KV head)."""
+        `default_pool_slots`). kv_layer_block_bytes: K and V of one token block in one layer (every KV head).
+        want_device_blocks: the device cache's fixed part; on top of it a decode window (`seq_window_blocks`) for
+        each of at most `max_seqs` sequences, but only for as many as the budget can also give one step's lists
+        (`seq_pool_slots` pool slots each): windows for sequences the pool cannot serve would only take its
+        memory (max_num_seqs = 256 windows of Llama-3.1-8B are 2.5 GB, a fifth of a 40 GB GPU's pool)."""
         dense_layers = min(dense_layers, num_layers)
         if dense_layers == num_layers:
             raise ValueError(f"KV offload with sparse_dense_layers={dense_layers} >= the model's {num_layers} "
@@ -57,7 +62,11 @@ class OffloadLayout:
             assert budget is not None
             rest = budget - token_blocks * token_bytes - device_bytes  # (the device cache's trash row)
             if pool_slots is None:
-                device_blocks = min(max(want_device_blocks, min_device_blocks), token_blocks)
+                want = want_device_blocks
+                if seq_window_blocks:
+                    per_seq = seq_window_blocks * device_bytes + seq_pool_slots * head_block_bytes
+                    want += min(max_seqs, max(rest - want * device_bytes, 0) // per_seq) * seq_window_blocks
+                device_blocks = min(max(want, min_device_blocks), token_blocks)
                 if device_blocks * device_bytes > rest // 2:  # tight: the pool keeps at least half
                     device_blocks = max(min_device_blocks, rest // 2 // device_bytes)
                 every_head_block = token_blocks * (device_bytes // head_block_bytes)

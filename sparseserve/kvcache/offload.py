@@ -235,9 +235,10 @@ class OffloadCache:
             # one decode step's lists of max_num_seqs sequences in every layer, at most every head block
             default_pool_slots=num_layers * num_kv_heads * min(max_num_seqs * cap, token_blocks),
             min_device_blocks=step_blocks + local_blocks + 1 if config.layer_segmented_prefill else seq_blocks,
-            # one whole prefill, a decode window (+1 block of slack) of every sequence, and one step's prefill
-            # tokens, so short prompts can be admitted next to a long prefill
-            want_device_blocks=whole_prefill + max_num_seqs * (local_blocks + 1) + step_blocks,
+            # one whole prefill and one step's prefill tokens, so short prompts can be admitted next to a long
+            # prefill; then a decode window (+1 block of slack) of every sequence the pool can serve
+            want_device_blocks=whole_prefill + step_blocks, seq_window_blocks=local_blocks + 1,
+            seq_pool_slots=(num_layers - dense_layers) * num_kv_heads * cap, max_seqs=max_num_seqs,
             num_layers=num_layers, dense_layers=dense_layers, kv_layer_block_bytes=hbb // num_layers,
             meta_block_bytes=metadata_block_bytes, head_block_bytes=2 * block_size * head_dim * dtype.itemsize)
         logger.info("KV offload device budget%s: %s", "" if budget is None else f" {budget / 2**30:.2f} GiB",

@@ -197,6 +197,15 @@ def test_offload_layout_split():
     assert every.pool_slots == tokens * 30 * 8 and every.device_blocks == tokens  # gets the remainder
     with pytest.raises(ValueError, match="one max_model_len sequence"):
         plan(int(3.5 * GiB))
+    # Windows per sequence: as many as asked when the pool can serve them all, else only as many sequences as
+    # the budget gives a window and one step's lists (64 blocks x 30 layers x 8 heads), never more than asked.
+    lists = 30 * 8 * 64
+    per_seq = dict(want_device_blocks=want - 20 * 5, seq_window_blocks=5, seq_pool_slots=lists)
+    assert plan(rest, **per_seq, max_seqs=20).device_blocks == want
+    many = plan(rest, **per_seq, max_seqs=256)
+    served = (rest - (want - 100) * dev_bytes) // (5 * dev_bytes + lists * hb)
+    assert 20 < served < 256 and many.device_blocks == want - 100 + 5 * served
+    assert many.pool_slots >= served * lists
 
 
 def test_device_block_map_working_set():
