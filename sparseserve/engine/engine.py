@@ -18,7 +18,7 @@ from sparseserve.engine.scheduler import Scheduler, SchedulerOutput
 from sparseserve.engine.stats import DeviceCounters, EngineStats
 from sparseserve.kvcache.blocks import BlockAllocator
 from sparseserve.layers.sampler import SamplerOutput
-from sparseserve.models.loader import resolve_model_dir
+from sparseserve.models.loader import load_tokenizer, resolve_model_dir
 from sparseserve.outputs import CompletionOutput, Logprob, RequestOutput
 from sparseserve.sampling_params import ParameterError, SamplingParams, is_int
 
@@ -43,8 +43,6 @@ class _Request:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoTokenizer
-
         self.config = config
         mc = config.model_config
         model_dir = resolve_model_dir(mc.model)
@@ -52,7 +50,7 @@ class LLMEngine:
         self.model_name = "sparseserve-default" if mc.model is None else os.path.basename(os.path.normpath(mc.model))
         self.model_runner = build_runner(config, model_dir)  # refuses unsupported models first; TP: parallel.py
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or model_dir, local_files_only=True)
+            self.tokenizer = load_tokenizer(mc.tokenizer or model_dir)
         except (OSError, ValueError) as e:
             raise ValueError(f"could not load a tokenizer from {mc.tokenizer or model_dir}: {e}") from e
         self.max_model_len = self.model_runner.max_model_len

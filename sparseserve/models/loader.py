@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
@@ -35,12 +36,48 @@ def resolve_model_dir(model: str | None) -> Path:
     return path
 
 
+# A Llama config.json that spells out every key whose default ArchConfig.from_hf would otherwise take from
+# transformers' LlamaConfig is read as plain JSON: transformers' config classes cost about 2 s of imports on a
+# CPU, a fifth of the demo's wall time. Any other config goes through AutoConfig (its defaults and rope checks).
+_PLAIN_LLAMA_KEYS = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "max_position_embeddings",
+                     "tie_word_embeddings", "hidden_act", "eos_token_id")
+
+
 def load_hf_config(path: Path):
+    """The model's config: a namespace over config.json when it is a fully spelled-out Llama config (see above),
+    else transformers' AutoConfig."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"unsupported or invalid model config in {path}: {e}") from e
+    if (isinstance(raw, dict) and raw.get("model_type") == "llama" and all(k in raw for k in _PLAIN_LLAMA_KEYS)
+            and "rope_scaling" not in raw and ("rope_parameters" in raw or "rope_theta" in raw)):
+        return SimpleNamespace(**raw)
     from transformers import AutoConfig
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, KeyError) as e:  # unknown model_type and similar
         raise ValueError(f"unsupported or invalid model config in {path}: {e}") from e
+
+
+# Tokenizer classes AutoTokenizer resolves to the `tokenizers`-backed base class itself: loaded as that class
+# directly, skipping the AutoConfig lookup AutoTokenizer makes (the same ~2 s of transformers imports).
+_PLAIN_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def load_tokenizer(path: str | Path):
+    """The Hugging Face tokenizer of a model or tokenizer directory (AutoTokenizer's, see above)."""
+    path = Path(path)
+    try:
+        cls = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        cls = None
+    if cls in _PLAIN_TOKENIZER_CLASSES and (path / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def resolve_dtype(dtype: str, hf_config, device: torch.device | None = None) -> torch.dtype:

@@ -65,3 +65,62 @@ def test_unsupported_rope_type_is_refused():
     hf = SimpleNamespace(**BASE, rope_parameters={"rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="yarn"):
         ArchConfig.from_hf(hf)
+
+
+def _via_transformers(path) -> ArchConfig:
+    from transformers import AutoConfig
+    return ArchConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
+
+
+@pytest.mark.parametrize("rope", ["rope_theta", "rope_parameters"])
+def test_plain_json_path_reads_what_transformers_reads(tmp_path, rope):
+    """A fully spelled-out Llama config.json is read without transformers' config classes (load time); the
+    architecture and the auto dtype must be what AutoConfig gives, and a config missing one of the keys whose
+    default only transformers knows (eos_token_id: LlamaConfig's default is 2) goes through AutoConfig."""
+    from sparseserve.models.loader import DEFAULT_MODEL_DIR, resolve_dtype
+
+    plain = load_hf_config(DEFAULT_MODEL_DIR)
+    assert isinstance(plain, SimpleNamespace)
+    assert ArchConfig.from_hf(plain) == _via_transformers(DEFAULT_MODEL_DIR)
+    assert resolve_dtype("auto", plain) == torch.bfloat16
+    old, new, _ = CASES["llama3"]
+    cfg = {**BASE, "tie_word_embeddings": False, "eos_token_id": [5, 6], "dtype": "float16",
+           **(dict(rope_theta=5e5) if rope == "rope_theta" else new)}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert isinstance(load_hf_config(tmp_path), SimpleNamespace)
+    assert ArchConfig.from_hf(load_hf_config(tmp_path)) == _via_transformers(tmp_path)
+    assert resolve_dtype("auto", load_hf_config(tmp_path)) == torch.float16
+    del cfg["eos_token_id"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    fallback = load_hf_config(tmp_path)
+    assert not isinstance(fallback, SimpleNamespace) and ArchConfig.from_hf(fallback).eos_token_ids == (2,)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 2, **old}))  # rope_scaling: AutoConfig
+    assert not isinstance(load_hf_config(tmp_path), SimpleNamespace)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="invalid model config"):
+        load_hf_config(tmp_path)
+
+
+def test_load_tokenizer_equals_auto_tokenizer(tmp_path):
+    """The direct load of a `tokenizers`-backed tokenizer gives what AutoTokenizer gives (class, ids, special
+    tokens, chat template); any other tokenizer class still goes through AutoTokenizer."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from sparseserve.models.loader import DEFAULT_MODEL_DIR, load_tokenizer
+
+    fast, auto = load_tokenizer(DEFAULT_MODEL_DIR), AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    assert type(fast) is type(auto)
+    text = "The special magic number for Paris is 12345.\n  Äpfel, 東京 and tabs\t!"
+    assert fast.encode(text) == auto.encode(text) and fast.decode(fast.encode(text)) == auto.decode(auto.encode(text))
+    assert (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id) == (auto.bos_token_id, auto.eos_token_id,
+                                                                         auto.pad_token_id)
+    chat = [{"role": "user", "content": "hi"}, {"role": "user", "content": "there"}]
+    assert fast.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(chat, tokenize=False)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / f, tmp_path / f)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "GPT2TokenizerFast"}))
+    other = load_tokenizer(tmp_path)
+    assert type(other) is type(AutoTokenizer.from_pretrained(tmp_path)) and other.encode(text) == auto.encode(text)
