@@ -177,7 +177,7 @@ def _specs(args: argparse.Namespace, builder: PromptBuilder, rate: float | None)
     if args.trace:
         trace = load_trace(args.trace, args.num_prompts, args.trace_time_scale, args.max_input_len, args.max_output_len)
         return [RequestSpec(builder.trace_prompt(list(t.hash_ids), t.input_length, args.seed), t.input_length,
-                            t.output_length, t.arrival_s) for t in trace]
+                            args.trace_output_len or t.output_length, t.arrival_s) for t in trace]
     arrivals = poisson_arrivals(args.num_prompts, rate, args.seed)
     return [RequestSpec(builder.prompt(args.input_len, f"{args.seed}:{i}"), args.input_len, args.output_len, t)
             for i, t in enumerate(arrivals)]
@@ -298,6 +298,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
       help="Multiplies trace inter-arrival times; 0.1 replays 10x faster (default: %(default)s).")
     p("--max-input-len", type=_count, default=None, help="Cap on trace prompt lengths (default: none).")
     p("--max-output-len", type=_count, default=None, help="Cap on trace output lengths (default: none).")
+    p("--trace-output-len", type=_count, default=None,
+      help="Every trace request asks for exactly this many tokens instead of its recorded output length, for a "
+           "decode-heavy replay of the same arrivals and prompts (default: the trace's).")
     p("--max-concurrency", type=int, default=None, help="At most this many requests in flight (default: no cap).")
     p("--temperature", type=float, default=0.0, help="Sampling temperature (default: %(default)s, greedy).")
     p("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,

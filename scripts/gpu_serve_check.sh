@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Serving under load (DESIGN.md's reference workload) for the ladder dense -> + sparse -> + KV offload ->
+# + working-set control -> + layer-segmented prefill: the first N requests of the Mooncake conversation trace
+# (inputs capped at 32K, outputs at OUTPUT_LEN), replayed at each trace time scale against `sparseserve serve`
+# (Llama-3.1-8B shapes over the embedded tokenizer's vocabulary, dummy bf16 weights, GPU memory capped at
+# CAP_GB) by `sparseserve bench serve --trace`. Per (config, scale): the client's JSON, the server's /metrics and
+# log (in $LOGS); at the end `bench.serve_ladder` prints the ladder table (ratios against dense at the same scale, the
+# workload's bound) and writes ladder.json and ladder.png (TTFT/TPOT/throughput against the request rate).
+#
+# Usage (project root; on the device carry .whl with the server's wheels and .data with the trace, and set
+# SPARSESERVE_DATA_DIR=.data):
+#   SCALES="1 4" bash scripts/gpu_serve_check.sh dense sparse offload ws layerseg
+#   FIXED_OUTPUT=1 OUTPUT_LEN=2048 SCALES=1 bash scripts/gpu_serve_check.sh dense ws   # decode-heavy: every
+#   request asks for exactly OUTPUT_LEN tokens (without FIXED_OUTPUT the trace's output lengths are capped at it)
+# Each (config, scale) is a separate server; results accumulate in $OUT across calls (the report reads all).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+N=${N:-48}; SCALES=${SCALES:-1 4}; OUTPUT_LEN=${OUTPUT_LEN:-512}; MAX_INPUT=${MAX_INPUT:-32768}
+CAP_GB=${CAP_GB:-40}; PORT=${PORT:-8123}; MODEL=${MODEL:-/tmp/m8b}; RUN_TIMEOUT=${RUN_TIMEOUT:-540}
+# BUDGET_S: wall seconds this call may take (a device call ends at 600 s); a config that could not finish by then
+# is skipped, and a run's timeout shrinks to what is left. OFFLOAD_FLAGS go to the KV-offload configs only
+# (e.g. --host-kv-memory 88GB for the decode-heavy variant, whose KV outgrows the default host store).
+BUDGET_S=${BUDGET_S:-0}; OFFLOAD_FLAGS=${OFFLOAD_FLAGS:-}; LOGS=${LOGS:-/tmp/serve_logs}; mkdir -p "$LOGS"
+START=$(date +%s)
+DATA=${SPARSESERVE_DATA_DIR:-../shared/data}
+TRACE=${TRACE:-$DATA/traces/mooncake_conversation.jsonl}
+SPARSE="--sparse-policy topk --sparse-budget 2048"
+declare -A FLAGS=(
+  [dense]=""
+  [sparse]="$SPARSE"
+  [offload]="$SPARSE --kv-offload"
+  [ws]="$SPARSE --kv-offload --working-set-control"
+  [layerseg]="$SPARSE --kv-offload --working-set-control --layer-segmented-prefill"
+)
+if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+CUDA=$(python3 -c "import torch; print(int(torch.cuda.is_available()))")
+DEVFLAGS="--max-model-len $(( MAX_INPUT + OUTPUT_LEN ))"
+if [ "$CUDA" = 1 ]; then
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+  [ -f "$MODEL/config.json" ] || python3 -c "from pathlib import Path; from sparseserve.bench.prefix import \
+make_8b_dir; make_8b_dir(Path('$MODEL'))"
+  [ -f "$OUT/hardware.json" ] || python3 -c "import json; from sparseserve.bench.hardware import hbm_bandwidth, \
+matmul_flops; json.dump({'hbm_bytes_per_s': hbm_bandwidth(), 'matmul_flops': matmul_flops()}, open('$OUT/hardware.json', 'w'))"
+  UTIL=$(python3 -c "import torch; print(round($CAP_GB * 1e9 / torch.cuda.mem_get_info()[1], 4))")
+  DEVFLAGS="$DEVFLAGS --load-format dummy --dtype bfloat16 --gpu-memory-utilization $UTIL"
+fi
+echo "model=$MODEL N=$N scales=[$SCALES] output_len=$OUTPUT_LEN cap=${CAP_GB}GB flags: $DEVFLAGS"
+OUTMODE=out; OUTARGS="--max-output-len $OUTPUT_LEN"
+[ "${FIXED_OUTPUT:-0}" = 1 ] && { OUTMODE=fix; OUTARGS="--trace-output-len $OUTPUT_LEN"; }
+rc=0
+for scale in $SCALES; do
+  for name in "$@"; do
+    [ -v "FLAGS[$name]" ] || { echo "unknown config $name (one of ${!FLAGS[*]})"; exit 2; }
+    tag="${name}_ts${scale}_${OUTMODE}${OUTPUT_LEN}"
+    t0=$(date +%s)
+    timeout_s=$RUN_TIMEOUT
+    if [ "$BUDGET_S" -gt 0 ]; then
+      left=$(( START + BUDGET_S - t0 - 60 ))  # server start and stop
+      [ $left -lt 90 ] && { echo "== $tag: skipped ($left s left)"; continue; }
+      [ $left -lt $timeout_s ] && timeout_s=$left
+    fi
+    flags="${FLAGS[$name]} ${EXTRA_FLAGS:-}"
+    [[ $flags == *--kv-offload* ]] && flags="$flags $OFFLOAD_FLAGS"
+    python3 -m sparseserve serve "$MODEL" --port "$PORT" $DEVFLAGS $flags >"$LOGS/server_$tag.log" 2>&1 &
+    pid=$!
+    up=0
+    for _ in $(seq 1 300); do
+      curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && { up=1; break; }
+      kill -0 $pid 2>/dev/null || break
+      sleep 1
+    done
+    echo "== $tag: server up=$up after $(( $(date +%s) - t0 )) s (${flags:-defaults})"
+    if [ $up = 1 ]; then
+      timeout "$timeout_s" python3 -m sparseserve bench serve --base-url "http://127.0.0.1:$PORT" \
+        --tokenizer "$MODEL" --trace "$TRACE" --num-prompts "$N" --max-input-len "$MAX_INPUT" \
+        $OUTARGS --trace-time-scale "$scale" --slo ttft:10000 tpot:150 \
+        --timeout "$timeout_s" --save-details --output-json "$OUT/serve_$tag.json" 2>&1 | tail -12
+      rc=$(( rc || PIPESTATUS[0] ))
+      curl -s "http://127.0.0.1:$PORT/metrics" | grep -vE '^#|_bucket' >"$OUT/metrics_$tag.txt"
+    else
+      rc=1; tail -20 "$LOGS/server_$tag.log"
+    fi
+    kill -INT $pid 2>/dev/null
+    for _ in $(seq 1 30); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+    kill -9 $pid 2>/dev/null; wait $pid 2>/dev/null
+    echo "== $tag: done in $(( $(date +%s) - t0 )) s"
+  done
+done
+python3 -m sparseserve.bench.serve_ladder "$OUT" --trace "$TRACE" --model "$MODEL" || rc=1
+exit $rc

@@ -1,0 +1,274 @@
+"""The serving ladder report: `scripts/gpu_serve_check.sh` results as one table per (output length, time scale).
+
+Reads every `serve_<config>_ts<scale>_out<len>.json` (`bench serve --output-json`) and `metrics_<same>.txt` (the
+server's /metrics after the run) in a folder, and prints for each config its throughput, TTFT, TPOT, E2E and
+goodput with the ratio against dense at the same scale, each step's gain over the config before it in the ladder,
+the HBM hit ratio, preemptions, prompt tokens computed per prompt token and working-set hold-backs. Beside them,
+the workload's bound: every prompt prefilled at the prefill MFU (prompt blocks shared with an earlier request
+cost nothing: ideal prefix caching) plus decode at the HBM roofline with all requests in one batch, reading
+every cached token (dense) or at most the sparse budget per request (sparse), and never before the last arrival;
+and the lowest mean TTFT (the same prefills served shortest-remaining-first, the optimum for one GPU).
+Writes ladder.json and ladder.png (mean TTFT, mean TPOT and output throughput against the request rate).
+
+    python -m sparseserve.bench.serve_ladder OUT --trace TRACE --model MODEL_DIR
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from sparseserve.bench.datasets import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
+from sparseserve.bench.hardware import print_table
+
+LADDER = ("dense", "sparse", "offload", "ws", "layerseg")
+# out<N>: the trace's output lengths capped at N; fix<N>: every request asks for exactly N tokens.
+_RESULT = re.compile(r"serve_(?P<config>\w+?)_ts(?P<scale>[\d.]+)_(?P<mode>out|fix)(?P<out>\d+)\.json$")
+# Ceilings used when the run did not measure its own (hardware.json): H100 SXM (DESIGN.md), and the prefill MFU
+# the engine measured at 32K (BENCHMARKS.md, "Engine: offline throughput").
+DEFAULT_HARDWARE = {"hbm_bytes_per_s": 2.96e12, "matmul_flops": 775e12}
+DEFAULT_PREFILL_MFU = 0.68
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    dtype_bytes: int = 2
+
+    @classmethod
+    def from_config(cls, path: Path) -> ModelShape:
+        c = json.loads((path / "config.json").read_text())
+        heads = c["num_attention_heads"]
+        return cls(c["num_hidden_layers"], c["hidden_size"], heads, c.get("num_key_value_heads", heads),
+                   c.get("head_dim") or c["hidden_size"] // heads, c["intermediate_size"], c["vocab_size"])
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights every token multiplies (all but the embedding table): attention, MLP, LM head."""
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return self.layers * (attn + 3 * self.hidden * self.intermediate) + self.hidden * self.vocab
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def prefill_flops(self, new: int, cached: int) -> float:
+        """GEMMs plus causal attention (QK and PV) of `new` tokens after `cached` ones."""
+        attn = 4 * self.layers * self.heads * self.head_dim * new * (cached + new / 2)
+        return 2 * self.matmul_params * new + attn
+
+
+def ideal_cached_tokens(trace: list[TraceRequest]) -> list[int]:
+    """Prompt tokens each request finds cached when every earlier request's full blocks stay cached (a trace hash
+    id names a block and its whole prefix); at least one token is always computed."""
+    seen: set[int] = set()
+    out = []
+    for r in trace:
+        n = 0
+        for h in r.hash_ids:
+            if h not in seen:
+                break
+            n += 1
+        out.append(min(n * TRACE_BLOCK_TOKENS, r.input_length - 1))
+        seen.update(r.hash_ids[: r.input_length // TRACE_BLOCK_TOKENS])
+    return out
+
+
+def mean_ttft_bound(arrivals: list[float], work_s: list[float]) -> float:
+    """The lowest mean TTFT one GPU could give: each prompt's prefill (`work_s` seconds of GPU time, nothing else
+    running) served shortest-remaining-first, which minimizes the mean time from arrival to completion."""
+    order = sorted(range(len(arrivals)), key=lambda i: arrivals[i])
+    left = list(work_s)
+    done: dict[int, float] = {}
+    t, k, ready = 0.0, 0, []
+    while len(done) < len(arrivals):
+        while k < len(order) and arrivals[order[k]] <= t:
+            heapq.heappush(ready, (left[order[k]], order[k]))
+            k += 1
+        if not ready:
+            t = arrivals[order[k]]
+            continue
+        rem, i = heapq.heappop(ready)
+        next_arrival = arrivals[order[k]] if k < len(order) else float("inf")
+        run = min(rem, next_arrival - t)
+        t += run
+        if run >= rem:
+            done[i] = t
+        else:
+            left[i] = rem - run
+            heapq.heappush(ready, (left[i], i))
+    return sum(done[i] - arrivals[i] for i in done) / len(done)
+
+
+def workload_bound(trace: list[TraceRequest], shape: ModelShape, hw: dict[str, float], mfu: float,
+                   read_cap: int | None) -> dict[str, float]:
+    """Seconds of the whole run at the bound, the output throughput that implies, and the mean TTFT bound
+    (see the module doc)."""
+    cached = ideal_cached_tokens(trace)
+    work = [shape.prefill_flops(r.input_length - c, c) / (mfu * hw["matmul_flops"]) for r, c in zip(trace, cached)]
+    prefill_s = sum(work)
+    weights = shape.matmul_params * shape.dtype_bytes
+    decode_s = 0.0
+    for step in range(max(r.output_length for r in trace)):
+        active = [r.input_length + step for r in trace if r.output_length > step]
+        kv = sum(n if read_cap is None else min(n, read_cap) for n in active) * shape.kv_bytes_per_token
+        decode_s += (weights + kv) / hw["hbm_bytes_per_s"]
+    total = max(prefill_s + decode_s, trace[-1].arrival_s)
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "total_s": total,
+            "mean_ttft_s": mean_ttft_bound([r.arrival_s for r in trace], work),
+            "output_throughput": sum(r.output_length for r in trace) / total,
+            "prompt_tokens": sum(r.input_length for r in trace), "computed_prompt_tokens":
+            sum(r.input_length - c for r, c in zip(trace, cached))}
+
+
+def _outputs_key(outputs: str) -> tuple[int, str]:
+    return int(outputs[3:]), outputs[:3]
+
+
+def _metric(metrics: dict[str, float], name: str) -> float | None:
+    return metrics.get(f"sparseserve:{name}")
+
+
+def load_runs(folder: Path) -> list[dict[str, Any]]:
+    from sparseserve.metrics import parse_metrics
+    runs = []
+    for path in sorted(folder.glob("serve_*.json")):
+        m = _RESULT.search(path.name)
+        if m is None:
+            continue
+        report = json.loads(path.read_text())
+        metrics_path = path.with_name(path.name.replace("serve_", "metrics_", 1)).with_suffix(".txt")
+        metrics = parse_metrics(metrics_path.read_text()) if metrics_path.exists() else {}
+        runs.append({"config": m["config"], "scale": float(m["scale"]), "outputs": m["mode"] + m["out"],
+                     "summary": report["runs"][0], "metrics": metrics})
+    return runs
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def ladder_rows(runs: list[dict[str, Any]], bounds: dict[str, float] | None = None) -> list[dict[str, Any]]:
+    """One row per run, ordered (output length, scale, ladder step); ratios against dense of the same group."""
+    order = {c: i for i, c in enumerate(LADDER)}
+    runs = sorted(runs, key=lambda r: (_outputs_key(r["outputs"]), r["scale"], order.get(r["config"], len(LADDER)),
+                                       r["config"]))
+    rows: list[dict[str, Any]] = []
+    for run in runs:
+        s, m = run["summary"], run["metrics"]
+        group = [r for r in runs if (r["outputs"], r["scale"]) == (run["outputs"], run["scale"])]
+        dense = next((r["summary"] for r in group if r["config"] == "dense"), None)
+        prev = rows[-1] if rows and (rows[-1]["outputs"], rows[-1]["scale"]) == (run["outputs"], run["scale"]) else None
+        hits, loads = _metric(m, "offload_hbm_hits_total"), _metric(m, "offload_head_blocks_loaded_total")
+        bypass = _metric(m, "offload_bypass_reads_total") or 0.0
+        computed = _metric(m, "prompt_tokens_total")
+        row = {
+            "outputs": run["outputs"], "scale": run["scale"], "config": run["config"],
+            "done": f"{s['completed']}/{s['completed'] + s['failed']}",
+            "out tok/s": s["output_throughput"],
+            "x dense": _ratio(s["output_throughput"], dense and dense["output_throughput"]),
+            "step gain": _ratio(s["output_throughput"], prev and prev["out tok/s"]),
+            "TTFT s": s["ttft_ms"]["mean"] / 1e3,
+            "TTFT x lower": _ratio(dense and dense["ttft_ms"]["mean"], s["ttft_ms"]["mean"]),
+            "p99 TTFT s": s["ttft_ms"]["p99"] / 1e3,
+            "TPOT ms": s["tpot_ms"]["mean"],
+            "TPOT / dense": _ratio(s["tpot_ms"]["mean"], dense and dense["tpot_ms"]["mean"]),
+            "E2E s": s["e2e_ms"]["mean"] / 1e3,
+            "E2E x lower": _ratio(dense and dense["e2e_ms"]["mean"], s["e2e_ms"]["mean"]),
+            "goodput req/s": s["goodput"],
+            "goodput x dense": _ratio(s["goodput"], dense and dense["goodput"]),
+            "hit ratio": hits / (hits + loads + bypass) if hits is not None and hits + loads + bypass else None,
+            "preempt": _metric(m, "num_preemptions_total"),
+            "computed/prompt": _ratio(computed, s["total_input_tokens"]),
+            "hold-backs": _metric(m, "working_set_hold_backs_total"),
+        }
+        if bounds is not None:
+            bound = bounds["dense" if run["config"] == "dense" else "sparse"]
+            row["of bound"] = s["output_throughput"] / bound
+        rows.append(row)
+    return rows
+
+
+def plot(runs: list[dict[str, Any]], trace_span_s: float, num_requests: int, path: Path) -> None:
+    """Mean TTFT, mean TPOT and output throughput against the request rate (N / the scaled arrival span), one line
+    per (config, output length)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    keys = sorted({(r["config"], r["outputs"]) for r in runs},
+                  key=lambda k: (_outputs_key(k[1]), LADDER.index(k[0]) if k[0] in LADDER else len(LADDER)))
+    for config, out in keys:
+        pts = sorted((num_requests / (trace_span_s * r["scale"]), r["summary"]) for r in runs
+                     if (r["config"], r["outputs"]) == (config, out))
+        rates = [p[0] for p in pts]
+        label = f"{config} ({out})"
+        axes[0].plot(rates, [p[1]["ttft_ms"]["mean"] / 1e3 for p in pts], "-o", label=label)
+        axes[1].plot(rates, [p[1]["tpot_ms"]["mean"] for p in pts], "-o", label=label)
+        axes[2].plot(rates, [p[1]["output_throughput"] for p in pts], "-o", label=label)
+    for ax, title, unit in zip(axes, ("mean TTFT", "mean TPOT", "output throughput"), ("s", "ms", "tokens/s")):
+        ax.set(xlabel="request rate (req/s)", ylabel=unit, title=title)
+    axes[0].set_yscale("log")
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", type=Path, help="where gpu_serve_check.sh wrote its results")
+    p.add_argument("--trace", required=True, help="the trace the runs replayed")
+    p.add_argument("--model", type=Path, required=True, help="the model directory (its config.json: the bound)")
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--max-input-len", type=int, default=32768)
+    p.add_argument("--prefill-mfu", type=float, default=DEFAULT_PREFILL_MFU)
+    p.add_argument("--sparse-budget", type=int, default=2048, help="tokens a sparse decode reads per request")
+    args = p.parse_args(argv)
+    runs = load_runs(args.folder)
+    if not runs:
+        raise SystemExit(f"no serve_<config>_ts<scale>_out<len>.json in {args.folder}")
+    hw_path = args.folder / "hardware.json"
+    hw = json.loads(hw_path.read_text()) if hw_path.exists() else DEFAULT_HARDWARE
+    shape = ModelShape.from_config(args.model)
+    report: dict[str, Any] = {"hardware": hw, "prefill_mfu": args.prefill_mfu, "bounds": {}, "tables": {}}
+    for out in sorted({r["outputs"] for r in runs}, key=_outputs_key):
+        for scale in sorted({r["scale"] for r in runs if r["outputs"] == out}):
+            n = int(out[3:])
+            trace = load_trace(args.trace, args.num_prompts, scale, args.max_input_len, n)
+            if out.startswith("fix"):
+                trace = [replace(t, output_length=n) for t in trace]
+            bounds = {name: workload_bound(trace, shape, hw, args.prefill_mfu, cap)
+                      for name, cap in (("dense", None), ("sparse", args.sparse_budget))}
+            key = f"{out}_ts{scale:g}"
+            report["bounds"][key] = bounds
+            group = [r for r in runs if (r["outputs"], r["scale"]) == (out, scale)]
+            rows = ladder_rows(group, {k: b["output_throughput"] for k, b in bounds.items()})
+            report["tables"][key] = rows
+            what = f"outputs = {n}" if out.startswith("fix") else f"outputs <= {n}"
+            print_table(rows, f"{what}, time scale {scale:g}: bound {bounds['dense']['output_throughput']:.0f}"
+                              f" out tok/s reading all KV, {bounds['sparse']['output_throughput']:.0f} reading "
+                              f"<= {args.sparse_budget} tokens (prefill {bounds['dense']['prefill_s']:.1f} s at MFU "
+                              f"{args.prefill_mfu}, decode {bounds['dense']['decode_s']:.1f} / "
+                              f"{bounds['sparse']['decode_s']:.1f} s); mean TTFT >= "
+                              f"{bounds['dense']['mean_ttft_s']:.2f} s")
+    (args.folder / "ladder.json").write_text(json.dumps(report, indent=1))
+    span = max(t.arrival_s for t in load_trace(args.trace, args.num_prompts)) or 1.0
+    plot(runs, span, args.num_prompts, args.folder / "ladder.png")
+    print(f"\nwrote {args.folder / 'ladder.json'} and {args.folder / 'ladder.png'}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
