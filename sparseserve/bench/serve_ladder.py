@@ -1,7 +1,8 @@
 """The serving ladder report: `scripts/gpu_serve_check.sh` results as one table per (output length, time scale).
 
-Reads every `serve_<config>_ts<scale>_out<len>.json` (`bench serve --output-json`) and `metrics_<same>.txt` (the
-server's /metrics after the run) in a folder, and prints for each config its throughput, TTFT, TPOT, E2E and
+Reads every `serve_<config>_ts<scale>_{out,fix}<len>.json` (`bench serve --output-json`; out: the trace's output
+lengths capped at len, fix: every request asks for len tokens) and `metrics_<same>.txt` (the server's /metrics
+after the run) in a folder, and prints for each config its throughput, TTFT, TPOT, E2E and
 goodput with the ratio against dense at the same scale, each step's gain over the config before it in the ladder,
 the HBM hit ratio, preemptions, prompt tokens computed per prompt token and working-set hold-backs. Beside them,
 the workload's bound: every prompt prefilled at the prefill MFU (prompt blocks shared with an earlier request
@@ -46,11 +47,12 @@ class ModelShape:
     dtype_bytes: int = 2
 
     @classmethod
-    def from_config(cls, path: Path) -> ModelShape:
-        c = json.loads((path / "config.json").read_text())
-        heads = c["num_attention_heads"]
-        return cls(c["num_hidden_layers"], c["hidden_size"], heads, c.get("num_key_value_heads", heads),
-                   c.get("head_dim") or c["hidden_size"] // heads, c["intermediate_size"], c["vocab_size"])
+    def from_model_dir(cls, path: Path) -> ModelShape:
+        from sparseserve.models.config import ArchConfig
+        from sparseserve.models.loader import load_hf_config
+        a = ArchConfig.from_hf(load_hf_config(path))
+        return cls(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size,
+                   a.vocab_size)
 
     @property
     def matmul_params(self) -> int:
@@ -241,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"no serve_<config>_ts<scale>_out<len>.json in {args.folder}")
     hw_path = args.folder / "hardware.json"
     hw = json.loads(hw_path.read_text()) if hw_path.exists() else DEFAULT_HARDWARE
-    shape = ModelShape.from_config(args.model)
+    shape = ModelShape.from_model_dir(args.model)
     report: dict[str, Any] = {"hardware": hw, "prefill_mfu": args.prefill_mfu, "bounds": {}, "tables": {}}
     for out in sorted({r["outputs"] for r in runs}, key=_outputs_key):
         for scale in sorted({r["scale"] for r in runs if r["outputs"] == out}):

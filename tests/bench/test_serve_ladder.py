@@ -99,12 +99,15 @@ def test_main_writes_the_report(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": 500 * i, "input_length": 100, "output_length": 4,
                                          "hash_ids": [i]}) + "\n" for i in range(4)))
-    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 8,
-                                                      "num_attention_heads": 2, "intermediate_size": 16,
-                                                      "vocab_size": 10}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                      "num_hidden_layers": 2, "hidden_size": 8,
+                                                      "num_attention_heads": 2, "num_key_value_heads": 1,
+                                                      "intermediate_size": 16, "vocab_size": 10,
+                                                      "rms_norm_eps": 1e-5}))
     _run(tmp_path, "dense_ts1_out4", 10.0, 100.0, 1.0)
     _run(tmp_path, "sparse_ts1_out4", 12.0, 90.0, 1.0)
     _run(tmp_path, "dense_ts2_out4", 8.0, 50.0, 1.0)
+    assert ModelShape.from_model_dir(tmp_path) == SHAPE
     report = serve_ladder.main([str(tmp_path), "--trace", str(trace), "--model", str(tmp_path), "--num-prompts", "4"])
     assert set(report["tables"]) == {"out4_ts1", "out4_ts2"}
     assert report["tables"]["out4_ts1"][1]["x dense"] == pytest.approx(1.2)
