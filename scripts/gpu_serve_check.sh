@@ -13,6 +13,7 @@
 #   FIXED_OUTPUT=1 OUTPUT_LEN=2048 SCALES=1 bash scripts/gpu_serve_check.sh dense ws   # decode-heavy: every
 #   request asks for exactly OUTPUT_LEN tokens (without FIXED_OUTPUT the trace's output lengths are capped at it)
 # Each (config, scale) is a separate server; results accumulate in $OUT across calls (the report reads all).
+# PACK=name.tgz leaves only that archive of $OUT (with the servers' log tails) for the device tool to bring back.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N=${N:-48}; SCALES=${SCALES:-1 4}; OUTPUT_LEN=${OUTPUT_LEN:-512}; MAX_INPUT=${MAX_INPUT:-32768}
@@ -92,4 +93,9 @@ for scale in $SCALES; do
   done
 done
 python3 -m sparseserve.bench.serve_ladder "$OUT" --trace "$TRACE" --model "$MODEL" || rc=1
+if [ -n "${PACK:-}" ]; then  # the device tool brings back only a few files: one archive of $OUT and the log tails
+  mkdir -p "$OUT/logs"
+  for f in "$LOGS"/*.log; do [ -f "$f" ] && tail -60 "$f" >"$OUT/logs/$(basename "$f")"; done
+  (cd "$OUT" && tar czf "/tmp/$PACK" --exclude "$PACK" . && find . -mindepth 1 -delete && mv "/tmp/$PACK" .)
+fi
 exit $rc

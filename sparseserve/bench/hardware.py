@@ -38,7 +38,7 @@ def print_table(rows: list[dict], title: str = "") -> None:
     if not rows:
         return
     cols = list(dict.fromkeys(k for r in rows for k in r))
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else "-" if v is None else str(v)  # noqa: E731
     widths = {c: max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in cols}
     if title:
         print(f"\n{title}")
