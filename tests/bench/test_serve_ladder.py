@@ -4,11 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from sparseserve.bench import serve, serve_ladder
-from sparseserve.bench.datasets import PromptBuilder, TraceRequest
+from sparseserve.bench.datasets import TraceRequest
 from sparseserve.bench.serve_ladder import (ModelShape, ideal_cached_tokens, ladder_rows, load_runs, mean_ttft_bound,
                                             workload_bound)
 
@@ -87,11 +88,12 @@ def test_trace_output_len_overrides_every_request(tmp_path):
                                          "hash_ids": [i, 100 + i]}) + "\n" for i in range(3)))
     parser = argparse.ArgumentParser()
     serve.add_cli_args(parser)
-    builder = PromptBuilder(chars_per_token=4.0)
+    # the prompt text is the builder's business (tests/bench/test_bench_serve.py, with the essays)
+    builder = SimpleNamespace(trace_prompt=lambda hash_ids, n, seed: f"{hash_ids}:{n}:{seed}")
     capped = serve._specs(parser.parse_args(["--trace", str(trace), "--max-output-len", "8"]), builder, None)
     fixed = serve._specs(parser.parse_args(["--trace", str(trace), "--trace-output-len", "2K"]), builder, None)
     assert [s.output_len for s in capped] == [7, 8, 8] and [s.output_len for s in fixed] == [2048] * 3
-    assert [s.prompt for s in capped] == [s.prompt for s in fixed]  # same prompts and arrivals
+    assert [s.prompt for s in fixed] == [f"[{i}, {100 + i}]:600:0" for i in range(3)]  # the trace's prompts
     assert [s.arrival_s for s in fixed] == [0.0, 1.0, 2.0]
 
 
