@@ -208,9 +208,8 @@ def model_context(model: str | None) -> int:
 
 def load_tokenizer(model: str | None, tokenizer: str | None = None) -> Any:
     """The tokenizer the engine will use (LLMEngine loads it the same way), so samples exist before any engine."""
-    from transformers import AutoTokenizer
-    from sparseserve.models.loader import resolve_model_dir
-    return AutoTokenizer.from_pretrained(tokenizer or resolve_model_dir(model), local_files_only=True)
+    from sparseserve.models.loader import load_tokenizer as load_model_tokenizer, resolve_model_dir
+    return load_model_tokenizer(tokenizer or resolve_model_dir(model))
 
 
 # -- running one policy --------------------------------------------------------------------------------------

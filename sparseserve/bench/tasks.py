@@ -384,10 +384,8 @@ def _main(argv: list[str] | None = None) -> None:
         from tokenizers import Tokenizer
         tok = Tokenizer.from_file(str(Path(__file__).parents[1] / "models" / "default" / "tokenizer.json"))
     else:
-        from transformers import AutoTokenizer
-
-        from sparseserve.models.loader import resolve_model_dir
-        tok = AutoTokenizer.from_pretrained(resolve_model_dir(a.model))
+        from sparseserve.models.loader import load_tokenizer, resolve_model_dir
+        tok = load_tokenizer(resolve_model_dir(a.model))
     try:
         essays = load_essays(find_haystack_dir(a.data_dir))
     except FileNotFoundError as e:
