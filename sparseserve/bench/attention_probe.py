@@ -7,7 +7,12 @@ dense attention in float32 over the request's whole context from the paged KV ca
   mass:    the share of the dense softmax probability that falls on the tokens the policy attended
            (1 for dense; what a sparse policy drops is 1 - mass);
   rel_err: ||out - out_dense|| / ||out_dense|| of the attention output the backend returned (so the
-           kernel's own rounding shows as the floor: about 1e-3 to 1e-2 in bf16 for dense).
+           kernel's own rounding shows as the floor: about 1e-3 to 1e-2 in bf16 for dense);
+  oracle_block: the mass of the best selection of as many blocks as the policy attended for that KV head
+           (the blocks of largest dense mass averaged over the group): what a perfect block estimator could
+           cover at the same budget, so mass < oracle_block is the estimator's loss, 1 - oracle_block the budget's;
+  oracle_token: the mass of each query head's own top tokens, as many as the policy attended: the bound of
+           any selection at that budget, per head and per token (no blocks, no sharing within the group).
 
 Which tokens a policy attended: a sparse backend exposes `attended_blocks(layer_idx, meta)`, a bool
 tensor [num_decodes, num_kv_heads, max_blocks] over the block table of the step just run (all query
@@ -28,7 +33,8 @@ from sparseserve.bench.tasks import TaskSample
 class AttentionProbe:
     def __init__(self, backend: Any) -> None:
         self.backend = backend
-        self.records: dict[int, list[tuple[float, float, float]]] = {}  # layer -> (mass, min mass, rel_err)
+        # layer -> (mass, min mass, rel_err, oracle_block, oracle_token)
+        self.records: dict[int, list[tuple[float, float, float, float, float]]] = {}
 
     def __enter__(self) -> "AttentionProbe":
         self.backend.observers.append(self._observe)
@@ -67,22 +73,46 @@ class AttentionProbe:
             dense = torch.einsum("hgn,hnd->hgd", probs, vals).reshape(num_q_heads, -1)
             if selection is None:
                 mass = torch.ones(num_q_heads)
+                oracle_block = oracle_token = 1.0
             else:
-                token_mask = selection[b, :, :nb].repeat_interleave(block_size, dim=-1)[:, :n]  # [Hkv, n]
+                sel = selection[b, :, :nb]  # [Hkv, nb]
+                token_mask = sel.repeat_interleave(block_size, dim=-1)[:, :n]  # [Hkv, n]
                 mass = (probs * token_mask[:, None, :].to(probs.dtype)).sum(-1).reshape(-1)
+                oracle_block, oracle_token = _oracle_masses(probs, sel, block_size)
             got = out[qsl[b]].float().reshape(num_q_heads, -1)
             err = ((got - dense).norm() / dense.norm().clamp_min(1e-30)).item()
-            self.records.setdefault(layer_idx, []).append((mass.mean().item(), mass.min().item(), err))
+            self.records.setdefault(layer_idx, []).append(
+                (mass.mean().item(), mass.min().item(), err, oracle_block, oracle_token))
 
     def report(self) -> dict:
-        """Per layer: mean and minimum mass (minimum over query heads and steps), mean and max error."""
+        """Per layer: mean and minimum mass (minimum over query heads and steps), mean and max error, and the
+        mean oracle masses at the same budget."""
         layers = {}
         for layer in sorted(self.records):
             rec = self.records[layer]
             layers[str(layer)] = {"mass_mean": sum(r[0] for r in rec) / len(rec), "mass_min": min(r[1] for r in rec),
                                   "rel_err_mean": sum(r[2] for r in rec) / len(rec),
-                                  "rel_err_max": max(r[2] for r in rec), "num_queries": len(rec)}
+                                  "rel_err_max": max(r[2] for r in rec),
+                                  "oracle_block_mean": sum(r[3] for r in rec) / len(rec),
+                                  "oracle_token_mean": sum(r[4] for r in rec) / len(rec), "num_queries": len(rec)}
         return {"layers": layers}
+
+
+def _oracle_masses(probs: torch.Tensor, sel: torch.Tensor, block_size: int) -> tuple[float, float]:
+    """Mean over query heads of the mass of the best block selection (per KV head, as many blocks as `sel`
+    holds, ranked by the group's mean block mass) and of each head's best token selection (as many tokens
+    as those blocks hold, capped at the context). probs [Hkv, group, n]; sel bool [Hkv, nb]."""
+    hkv, group, n = probs.shape
+    nb = sel.shape[1]
+    blocks = torch.nn.functional.pad(probs, (0, nb * block_size - n)).view(hkv, group, nb, block_size).sum(-1)
+    counts = sel.sum(-1).tolist()
+    best_blocks, best_tokens = [], []
+    for h in range(hkv):
+        k = int(counts[h])
+        top = blocks[h].mean(0).topk(k).indices
+        best_blocks.append(blocks[h][:, top].sum(-1))  # [group]
+        best_tokens.append(probs[h].topk(min(k * block_size, n), dim=-1).values.sum(-1))
+    return torch.cat(best_blocks).mean().item(), torch.cat(best_tokens).mean().item()
 
 
 def probe(llm: Any, samples: list[TaskSample], steps: int) -> dict:
@@ -104,8 +134,10 @@ def probe(llm: Any, samples: list[TaskSample], steps: int) -> dict:
 
 def format_report(name: str, rep: dict) -> str:
     lines = [f"[{name}] {rep.get('num_requests', '?')} requests x {rep.get('decode_steps', '?')} decode steps",
-             f"{'layer':>6}{'mass mean':>11}{'mass min':>10}{'err mean':>10}{'err max':>10}"]
+             f"{'layer':>6}{'mass mean':>11}{'mass min':>10}{'err mean':>10}{'err max':>10}"
+             f"{'oracle blk':>12}{'oracle tok':>12}"]
     for layer, r in rep["layers"].items():
         lines.append(f"{layer:>6}{r['mass_mean']:>11.4f}{r['mass_min']:>10.4f}"
-                     f"{r['rel_err_mean']:>10.2e}{r['rel_err_max']:>10.2e}")
+                     f"{r['rel_err_mean']:>10.2e}{r['rel_err_max']:>10.2e}"
+                     f"{r.get('oracle_block_mean', 1.0):>12.4f}{r.get('oracle_token_mean', 1.0):>12.4f}")
     return "\n".join(lines)

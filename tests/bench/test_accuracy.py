@@ -157,6 +157,14 @@ def test_probe_mass_and_error(backend_cls):
         probs = torch.softmax(torch.einsum("hgd,hnd->hgn", q[0].view(hkv, 2, d), keys) * d ** -0.5, -1)
         assert rep["mass_mean"] == pytest.approx(probs[..., :bs].sum(-1).mean().item(), rel=1e-5)
         assert rep["mass_mean"] < 1 and rep["rel_err_mean"] > 1e-3
+        # Oracles at the same budget (one block = 4 tokens per KV head), by hand: the block of largest mean
+        # mass over the group, and each head's own 4 largest probabilities.
+        blocks = torch.nn.functional.pad(probs, (0, 16 - n)).view(hkv, 2, 4, bs).sum(-1)
+        best = blocks.gather(2, blocks.mean(1).argmax(-1)[:, None, None].expand(hkv, 2, 1))
+        assert rep["oracle_block_mean"] == pytest.approx(best.mean().item(), rel=1e-5)
+        assert rep["oracle_token_mean"] == pytest.approx(probs.topk(bs, -1).values.sum(-1).mean().item(), rel=1e-5)
+        assert rep["mass_mean"] <= rep["oracle_block_mean"] + 1e-6 <= rep["oracle_token_mean"] + 2e-6
+    assert rep["oracle_block_mean"] == pytest.approx(1.0) or backend_cls is not PagedAttentionBackend
 
 
 @pytest.mark.slow
