@@ -237,6 +237,12 @@ def selection_counters(llm: Any) -> tuple[int, int]:
     return stats.sparse_blocks_selected, stats.sparse_selections
 
 
+def prefill_tiles(llm: Any) -> tuple[int, int]:
+    """(prefill_tiles_computed, prefill_tiles_dense) so far, synced: sparse prefill's share of dense's tiles."""
+    stats = llm.llm_engine.get_stats(sync=True)
+    return stats.prefill_tiles_computed, stats.prefill_tiles_dense
+
+
 def tokens_attended(before: tuple[int, int], after: tuple[int, int], block_size: int, mean_context: float) -> float:
     """Mean tokens a decode query attended in the sparse layers between two counter snapshots; `mean_context`
     when no selection was made (dense, or contexts within the budget)."""
@@ -474,6 +480,7 @@ def main(args: argparse.Namespace) -> dict:
     attended: dict[str, dict[str, float]] = {}
     attended_ppl: dict[str, dict[str, float]] = {}
     probes: dict[str, dict] = {}
+    tiles: dict[str, dict[str, float]] = {}  # policy -> length -> sparse prefill's tiles / dense's
     timing: dict[str, float] = {}
     eos_ids: set[int] = set()
     model_desc = None
@@ -492,9 +499,12 @@ def main(args: argparse.Namespace) -> dict:
         attended[pol.name], attended_ppl[pol.name], ppl[pol.name] = {}, {}, {}
         for n in sorted(set(lengths)):  # one batch per length: the counters give each length's tokens attended
             group = [s for s in samples if s.length == n]
-            before = selection_counters(llm)
+            before, tiles0 = selection_counters(llm), prefill_tiles(llm)
             part = run_policy(llm, group, suite, use_tqdm=not args.quiet)
             attended[pol.name][str(n)] = tokens_attended(before, selection_counters(llm), bs, n)
+            computed, dense_tiles = (a - b for a, b in zip(prefill_tiles(llm), tiles0))
+            if dense_tiles:
+                tiles.setdefault(pol.name, {})[str(n)] = computed / dense_tiles
             rows += part
             if n in windows:
                 before = selection_counters(llm)
@@ -543,6 +553,11 @@ def main(args: argparse.Namespace) -> dict:
     for name, by_len in attended.items():
         for n, v in by_len.items():
             extra_rows["tokens attended"].setdefault(n, {})[name] = f"{v:.0f}"
+    if tiles:
+        extra_rows["prefill tiles"] = {}
+        for name, by_len in tiles.items():
+            for n, v in by_len.items():
+                extra_rows["prefill tiles"].setdefault(n, {})[name] = f"{100 * v:.1f}%"
     if windows:
         extra_rows["perplexity"] = {}
         for name, by_len in ppl.items():
@@ -582,7 +597,8 @@ def main(args: argparse.Namespace) -> dict:
            "num_samples": args.num_samples, "tasks": tasks, "lengths": lengths,
            "policies": {p.name: p.engine_args for p in policies}, "accuracy": results, "depth_accuracy": depths,
            "perplexity": ppl, "ppl_tokens": args.ppl_tokens, "ppl_samples": ppl_samples if windows else 0,
-           "mean_tokens_attended": attended, "mean_tokens_attended_ppl": attended_ppl, "curve": points,
+           "mean_tokens_attended": attended, "prefill_tiles_computed": tiles, "mean_tokens_attended_ppl": attended_ppl,
+           "curve": points,
            "probe": probes, "seconds": timing, "hf_parity": parity_out, "equal_to_dense": agree,
            "samples": {name: rows for name, rows in rows_by_policy.items()}}
     if args.output:

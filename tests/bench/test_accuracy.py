@@ -226,3 +226,24 @@ def test_harness_completion_suite_end_to_end(tmp_path, capsys):
     assert points["dense"]["ppl_ratio"] == 1.0 and points[sparse]["ppl_ratio"] > 0
     assert png.stat().st_size > 0
     assert res["curve"] == data["curve"]
+
+
+def test_harness_reports_sparse_prefill_tiles(tmp_path, capsys):
+    """A sparse-prefill policy gets its share of dense's prefill tiles: all of them at threshold 0 (and then the
+    same outputs as dense), fewer with a threshold no element clears; dense prefill reports none."""
+    haystack_dir()
+    parser = argparse.ArgumentParser()
+    accuracy.add_cli_args(parser)
+    out = tmp_path / "acc.json"
+    args = parser.parse_args(["--suite", "completion", "--lengths", "640", "--num-samples", "1",
+                              "--tasks", "needle_single", "--device", "cpu", "--ppl-tokens", "0",
+                              "--probe-steps", "0", "--output", str(out), "--quiet", "--policies",
+                              "all:sparse_prefill=sale,sparse_prefill_min_len=0,sparse_prefill_threshold=0",
+                              "few:sparse_prefill=sale,sparse_prefill_min_len=0,sparse_prefill_threshold=1e6"])
+    accuracy.main(args)
+    assert "prefill tiles" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    tiles = data["prefill_tiles_computed"]
+    assert "dense" not in tiles and tiles["all"]["640"] == pytest.approx(1.0)
+    assert 0 < tiles["few"]["640"] < 1.0
+    assert data["samples"]["all"][0]["output_token_ids"] == data["samples"]["dense"][0]["output_token_ids"]
