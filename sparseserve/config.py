@@ -268,6 +268,12 @@ class OffloadConfig:
         "help": "Decode steps over which a request's working set is the union of its selections."})
     working_set_margin: float = field(default=0.1, metadata={
         "help": "Fraction of the HBM pool the working sets leave free (working_set_control)."})
+    max_prefilled_waiting: int = field(default=16, metadata={
+        "help": "working_set_control: the limit governs decode, not prefill. A request whose working set does not "
+                "fit beside the running ones is still prefilled (its K/V goes to the host store; its first token "
+                "comes out), then waits paused for a decode slot, oldest first. At most this many requests wait "
+                "so (prefilled or prefilling beyond the limit): each holds its whole context in the host store. "
+                "0: a request that does not fit waits unprefilled."})
 
     def __post_init__(self) -> None:
         if self.prefill_layer_segment is not None and self.prefill_layer_segment < 1:
@@ -281,6 +287,8 @@ class OffloadConfig:
             raise ValueError(f"working_set_window must be >= 1, got {self.working_set_window}")
         if not 0.0 <= self.working_set_margin < 1.0:
             raise ValueError(f"working_set_margin must be in [0, 1), got {self.working_set_margin}")
+        if self.max_prefilled_waiting < 0:
+            raise ValueError(f"max_prefilled_waiting must be >= 0, got {self.max_prefilled_waiting}")
         if self.host_kv_memory is not None and self.host_kv_memory < 1:
             raise ValueError(f"host_kv_memory must be >= 1 byte, got {self.host_kv_memory}")
         if self.hbm_cache_blocks is not None and self.hbm_cache_blocks < 1:

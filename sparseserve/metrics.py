@@ -129,6 +129,10 @@ def _working_set_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iter
                 getattr(stats, "working_set_held_back", 0))
     yield counter("working_set_hold_backs", "Running requests paused by the working-set limit.",
                   getattr(stats, "working_set_hold_backs", 0))
+    yield gauge("num_requests_parked", "Prefilled requests waiting for the working-set limit to let them decode "
+                "(max_prefilled_waiting).", getattr(stats, "working_set_parked", 0))
+    yield counter("working_set_prefill_aheads", "Requests admitted for prefill beyond the working-set limit "
+                  "(their decode waits).", getattr(stats, "working_set_prefill_aheads", 0))
 
 
 def _sparse_prefill_metrics(stats: Any, counter: Callable) -> Iterable[Metric]:

@@ -68,7 +68,8 @@ class LLMEngine:
                                    self.host_cache, max_model_len=self.max_model_len,
                                    min_chunk=2 if config.sparse_config.enabled else 1, segments=segments,
                                    long_prefill_token_threshold=config.scheduler_config.prefill_token_threshold(
-                                       runner.device.type))
+                                       runner.device.type),
+                                   max_prefilled_waiting=config.offload_config.max_prefilled_waiting)
         self.counters = DeviceCounters(runner.attn_backend.counters())
         self.last_schedule = None  # the newest step's SchedulerOutput (benchmarks read what ran)
         self.async_scheduling = config.scheduler_config.async_scheduling

@@ -40,6 +40,17 @@ wait at the front of the queue, admission is first come first served and stops a
 and the oldest unfinished request always runs, since the limit never holds back the last running sequence and
 admits any sequence into an empty batch; so every request runs once the requests before it are done or fit.
 
+Prefill ahead (`max_prefilled_waiting` > 0 with working-set control): the limit governs decode, not prefill. Under
+KV offload a prefill needs none of the HBM pool (its K/V goes to the host store), so a waiting sequence whose
+working set does not fit is still admitted for its prefill when blocks, budget and batch slots allow ("ahead":
+it holds no share of the limit). When its prefill is done (its first token sampled) it gets a decode share if it
+fits and no older sequence waits for one; otherwise it is parked: paused like a hold-back, its K/V in the host
+store, waiting for a decode share. Decode shares go in arrival order (a parked or ahead sequence blocks every
+newer one from taking a share), and over the limit the newest sharing sequence gives its share back (a decoding
+one is parked, one still prefilling becomes ahead); the oldest keeps its share, so the no-starvation argument
+above holds for decode. At most max_prefilled_waiting sequences are ahead or parked (each holds its context in
+the host store). A hold-back then stops no admission (a real preemption still does).
+
 With a sparse attention policy a one-token chunk runs as a decode row (attended sparsely), so a prompt token
 computed alone would be attended differently than in a prefill chunk: prefill chunks then have at least two
 tokens (`min_chunk`), which also keeps a prefix-cache hit from changing any token.
@@ -79,6 +90,11 @@ class DeviceSpace(Protocol):
     def schedule_segmented(self, seq: Sequence) -> None: ...
 
 
+def _arrival(seq: Sequence) -> int:
+    """Arrival order (the engine numbers sequences as requests arrive)."""
+    return seq.seq_id
+
+
 class WorkingSetLimit(Protocol):
     """The working-set control's view of the HBM pool (kvcache/working_set.py WorkingSet), found on the device
     space as `working_set`."""
@@ -88,6 +104,7 @@ class WorkingSetLimit(Protocol):
 
     def estimates(self, seqs: list[Sequence]) -> list[int]: ...
     def record(self, total: int, held: int, new_holds: int) -> None: ...
+    def record_prefill_ahead(self, parked: int, new_ahead: int) -> None: ...  # only with prefill ahead
 
 
 class HostCache(Protocol):
@@ -125,7 +142,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int,
                  device_space: DeviceSpace | None = None, host_cache: HostCache | None = None, *,
                  max_model_len: int | None = None, min_chunk: int = 1, segments: SegmentPlanner | None = None,
-                 long_prefill_token_threshold: int = 0) -> None:
+                 long_prefill_token_threshold: int = 0, max_prefilled_waiting: int = 0) -> None:
         self.config = config
         self.allocator = allocator
         self.device_space = device_space
@@ -150,6 +167,12 @@ class Scheduler:
         self.layers_done: dict[int, int] = {}  # seq_id -> layers done of its layer-segmented prefill
         self.working_set: WorkingSetLimit | None = getattr(device_space, "working_set", None)
         self._ws_total = 0  # the running sequences' working sets, this step
+        # Prefill ahead (module docstring): running sequences prefilling without a decode share, sequences parked
+        # this step (not resumed in the step that parked them), admissions ahead this step.
+        self.max_prefilled_waiting = max_prefilled_waiting
+        self.ahead: set[int] = set()
+        self._parked_now: set[int] = set()
+        self._new_ahead = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -199,13 +222,24 @@ class Scheduler:
         # Admit waiting sequences while budget, batch slots and blocks allow (not after a preemption:
         # admitting would only evict again). FCFS, except that shorter prompts pass a long one that waits only
         # for a long-prompt slot (max_long_partial_prefills, as in vLLM).
+        ahead_mode = self._ahead_mode()
+        stopped = len(out.preempted) > len(out.held_back) if ahead_mode else bool(out.preempted)
         j = 0
-        while j < len(self.waiting) and budget > 0 and not out.preempted \
+        while j < len(self.waiting) and budget > 0 and not stopped \
                 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[j]
-            need = self._working_set_need(seq)
-            if need is None:  # its working set does not fit beside the running ones
-                break
+            ahead = False
+            if ahead_mode:
+                need, ahead = self._decode_share(seq)
+                if need is None:
+                    if ahead:  # parked: waits for a decode share, newer sequences may still prefill
+                        j += 1
+                        continue
+                    break
+            else:
+                need = self._working_set_need(seq)
+                if need is None:  # its working set does not fit beside the running ones
+                    break
             if self.segments is not None and self.segments.wants(seq):
                 seg = self._admit_segmented(seq, budget, self._only_decodes(out))
                 if seg is None:
@@ -225,7 +259,11 @@ class Scheduler:
             del self.waiting[j]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self._ws_total += need
+            if ahead:
+                self.ahead.add(seq.seq_id)
+                self._new_ahead += 1
+            else:
+                self._ws_total += need
         self._adapt_ratio(len(out.preempted) > len(out.held_back))
         self._record_working_set(out)
         return out
@@ -285,6 +323,12 @@ class Scheduler:
         ws = self.working_set
         if ws is None:
             return
+        self._parked_now.clear()
+        self._new_ahead = 0
+        if self._ahead_mode():
+            self._hold_back_ahead(out)
+            return
+        self.ahead.clear()
         est = ws.estimates(self.running)
         total = sum(est)
         while ws.enabled and len(self.running) > 1 and total > ws.limit:
@@ -310,14 +354,106 @@ class Scheduler:
             return None
         return need
 
+    # ---- prefill ahead (module docstring) -------------------------------------------------------------------
+
+    def _ahead_mode(self) -> bool:
+        ws = self.working_set
+        return self.max_prefilled_waiting > 0 and ws is not None and ws.enabled
+
+    def _hold_back_ahead(self, out: SchedulerOutput) -> None:
+        """Over the limit the newest sequences with a decode share give it back (never the oldest): a decoding one
+        is parked, one still prefilling becomes ahead. Then each ahead sequence whose prefill is done, oldest
+        first, takes a share if it fits and no older sequence waits for one, else it is parked."""
+        ws = self.working_set
+        sharing = sorted((s for s in self.running if s.seq_id not in self.ahead), key=_arrival)
+        est = ws.estimates(sharing)
+        total = sum(est)
+        while len(sharing) > 1 and total > ws.limit:
+            seq = sharing.pop()
+            total -= est.pop()
+            if self._prefilled(seq):
+                self._park(seq, out)
+            else:
+                self.ahead.add(seq.seq_id)
+        done = sorted((s for s in self.running if s.seq_id in self.ahead and self._prefilled(s)), key=_arrival)
+        for seq, need in zip(done, ws.estimates(done)):
+            if not self._decode_blocked(seq) and (not sharing or total + need <= ws.limit):
+                self.ahead.discard(seq.seq_id)
+                sharing.append(seq)
+                total += need
+            else:
+                self._park(seq, out)
+        self._ws_total = total
+
+    def _prefilled(self, seq: Sequence) -> bool:
+        """Its prompt (and any recomputed outputs) is computed and its next token sampled: only decode is left."""
+        return seq.num_computed_tokens > 0 and seq.num_tokens - seq.num_computed_tokens == 1 \
+            and seq.seq_id not in self.layers_done
+
+    def _is_parked(self, seq: Sequence) -> bool:
+        """A waiting sequence paused with only decode left (it holds its blocks)."""
+        return bool(seq.block_table) and self._prefilled(seq)
+
+    def _park(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Pauses a running sequence with only decode left (its K/V stays in the host store) and queues it in
+        arrival order among the waiting ones, so parked sequences resume oldest first."""
+        self.running.remove(seq)
+        self.ahead.discard(seq.seq_id)
+        self.device_space.pause(seq)
+        seq.status = SequenceStatus.WAITING
+        key = _arrival(seq)
+        at = next((i for i, w in enumerate(self.waiting) if _arrival(w) > key), len(self.waiting))
+        self.waiting.insert(at, seq)
+        self._parked_now.add(seq.seq_id)
+        out.preempted.append(seq)
+        out.held_back.append(seq)
+
+    def _decode_blocked(self, seq: Sequence) -> bool:
+        """An older sequence waits for a decode share (parked, or prefilling ahead)."""
+        key = _arrival(seq)
+        return any(s.seq_id in self.ahead and _arrival(s) < key for s in self.running) or \
+            any(self._is_parked(w) and _arrival(w) < key for w in self.waiting)
+
+    def _num_prefilled_waiting(self) -> int:
+        return len(self.ahead) + sum(1 for w in self.waiting if self._is_parked(w))
+
+    def _decode_share(self, seq: Sequence) -> tuple[int | None, bool]:
+        """Admission of a waiting sequence: (its estimate, False) with a decode share; (its estimate, True) ahead,
+        for its prefill only; (None, True) parked, it waits (newer sequences may still prefill); (None, False) it
+        waits and so does every sequence behind it (the bound on prefilled waiting sequences is reached)."""
+        need = self.working_set.estimates([seq])[0]
+        sharing = len(self.running) > len(self.ahead)
+        if seq.seq_id not in self._parked_now and not self._decode_blocked(seq) and \
+                (not sharing or self._ws_total + need <= self.working_set.limit):
+            return need, False
+        if self._is_parked(seq):
+            return None, True
+        if self._num_prefilled_waiting() >= self.max_prefilled_waiting:
+            return None, False
+        return need, True
+
     def _record_working_set(self, out: SchedulerOutput) -> None:
         """Statistics: the running working sets, the requests kept waiting when the limit stopped the batch
         (held back this step, or admission stopped by it), the hold-backs."""
         ws = self.working_set
         if ws is None:
             return
+        if self._ahead_mode():
+            self._record_ahead(out)
+            return
         limited = bool(out.held_back) or (ws.enabled and bool(self.waiting) and self._ws_limited_admission())
         ws.record(sum(ws.estimates(self.running)), len(self.waiting) if limited else 0, len(out.held_back))
+
+    def _record_ahead(self, out: SchedulerOutput) -> None:
+        """Statistics with prefill ahead: the decode shares' working sets, the requests without a share because of
+        the limit (ahead, parked, and the waiting ones behind them), pauses, parked requests, admissions ahead."""
+        ws = self.working_set
+        sharing = [s for s in self.running if s.seq_id not in self.ahead]
+        parked = sum(1 for w in self.waiting if self._is_parked(w))
+        limited = bool(out.held_back or self.ahead or parked)
+        ws.record(sum(ws.estimates(sharing)), len(self.waiting) + len(self.ahead) if limited else 0,
+                  len(out.held_back))
+        ws.record_prefill_ahead(parked, self._new_ahead)
 
     def _ws_limited_admission(self) -> bool:
         """Whether the head of the queue is refused by the working-set limit (and by nothing that comes first:
@@ -504,6 +640,7 @@ class Scheduler:
         recompute: the blocks go back (full ones stay cached), its tokens so far are its new prompt. Either
         way it is requeued at the front."""
         self.layers_done.pop(seq.seq_id, None)  # a layer-segmented prefill starts again at layer 0
+        self.ahead.discard(seq.seq_id)  # it asks for a decode share again when readmitted
         if keep and self.device_space is not None:
             self.device_space.pause(seq)
         else:
@@ -537,4 +674,5 @@ class Scheduler:
             self.waiting.remove(seq)
         self._release(seq)
         self.layers_done.pop(seq.seq_id, None)
+        self.ahead.discard(seq.seq_id)
         seq.status = SequenceStatus.FINISHED

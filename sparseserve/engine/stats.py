@@ -51,6 +51,8 @@ class EngineStats:
     working_set_limit: int = 0         # ... the part of it they may take (working_set_margin left free; gauge)
     working_set_held_back: int = 0     # requests waiting because the working-set limit stopped the batch (gauge)
     working_set_hold_backs: int = 0    # running requests paused by the working-set limit
+    working_set_parked: int = 0        # prefill ahead: prefilled requests waiting for a decode share (gauge)
+    working_set_prefill_aheads: int = 0  # ... requests admitted for prefill beyond the working-set limit
 
     @classmethod
     def from_values(cls, values: dict[str, int]) -> "EngineStats":

@@ -51,6 +51,8 @@ class WorkingSet:
         self.total = 0
         self.num_held_back = 0
         self.num_hold_backs = 0
+        self.num_parked = 0         # prefill ahead: prefilled requests waiting for a decode share
+        self.num_prefill_aheads = 0  # ... admissions for prefill beyond the limit so far
 
     # ---- the device, inside the step (sparse backend) ------------------------------------------------------
 
@@ -127,6 +129,11 @@ class WorkingSet:
         self.total, self.num_held_back = total, held
         self.num_hold_backs += new_holds
 
+    def record_prefill_ahead(self, parked: int, new_ahead: int) -> None:
+        """Prefill ahead (engine/scheduler.py): requests parked now, new admissions ahead of the limit."""
+        self.num_parked = parked
+        self.num_prefill_aheads += new_ahead
+
     # ---- sequences leaving the device (the offload cache's pause and free) -------------------------------
 
     def on_pause(self, seq) -> None:
@@ -147,4 +154,5 @@ class WorkingSet:
     def gauges(self) -> dict[str, int]:
         return {"working_set_blocks": self.total, "working_set_capacity": self.capacity,
                 "working_set_limit": self.limit, "working_set_held_back": self.num_held_back,
-                "working_set_hold_backs": self.num_hold_backs}
+                "working_set_hold_backs": self.num_hold_backs, "working_set_parked": self.num_parked,
+                "working_set_prefill_aheads": self.num_prefill_aheads}

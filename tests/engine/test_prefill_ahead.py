@@ -1,0 +1,341 @@
+"""Prefill ahead under working-set-aware batch control (engine/scheduler.py, docs/working_set.md): the limit governs
+decode, not prefill. The scheduler's rule on its own (a request that does not fit is prefilled, then parked until
+its working set fits; decode shares in arrival order; the bound on prefilled waiting requests; a hold-back stops
+no prefill admission, a real preemption does; aborting a parked request frees everything), and the engine with an
+HBM pool far smaller than the working sets: greedy tokens equal the runs without the control and without prefill
+ahead, every request's first token comes before any request finishes, the decode batch keeps to the limit, nothing
+leaks; with layer-segmented prefill too."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from sparseserve.config import EngineConfig, SchedulerConfig
+from sparseserve.engine.engine import LLMEngine
+from sparseserve.engine.request import Sequence, SequenceStatus
+from sparseserve.engine.scheduler import Scheduler
+from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
+from sparseserve.kvcache.blocks import BlockAllocator
+from sparseserve.metrics import ServerMetrics, parse_metrics
+from sparseserve.sampling_params import SamplingParams
+from tests.engine.test_scheduler import NO_RESERVE, DeviceSpace, run_step
+from tests.engine.test_working_set import ENGINE, SMALL_POOL, FakeWorkingSet, assert_no_leaks, drive, prompts
+
+BS = 8
+
+
+class AheadWorkingSet(FakeWorkingSet):
+    def __init__(self, limit: int, est: dict[int, int]) -> None:
+        super().__init__(limit, est)
+        self.ahead_records: list[tuple[int, int]] = []
+
+    def record_prefill_ahead(self, parked, new_ahead):
+        self.ahead_records.append((parked, new_ahead))
+
+
+class Space(DeviceSpace):
+    def __init__(self, size: int, ws: FakeWorkingSet) -> None:
+        super().__init__(size)
+        self.working_set = ws
+
+
+def seq(i: int, prompt_len: int = 6, max_tokens: int = 50) -> Sequence:
+    return Sequence(i, f"r{i}", 0, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
+
+
+def make(est: dict[int, int], limit: int = 10, bound: int = 8, space: int = 100, blocks: int = 64,
+         budget: int = 64, **cfg) -> tuple[Scheduler, AheadWorkingSet, Space]:
+    ws = AheadWorkingSet(limit, est)
+    sp = Space(space, ws)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, **cfg), BlockAllocator(blocks),
+                      BS, sp, max_prefilled_waiting=bound)
+    return sched, ws, sp
+
+
+def ids(seqs) -> list[int]:
+    return [s.seq_id for s in seqs]
+
+
+def test_prefilled_ahead_then_parked_and_resumed_oldest_first():
+    sched, ws, space = make({0: 4, 1: 4, 2: 4, 3: 1, 4: 3})
+    a, b, c, d, e = (seq(i) for i in range(5))
+    for s in (a, b, c, d, e):
+        sched.add(s)
+    out = run_step(sched)  # a + b fit the limit of 10; c does not: prefilled ahead, and so are d and e behind it
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 6), (1, 6), (2, 6), (3, 6), (4, 6)]
+    assert sched.ahead == {2, 3, 4} and not sched.waiting and ws.ahead_records[-1] == (0, 3)
+    assert ws.records[-1] == (8, 3, 0)  # the decode shares' working sets; three requests wait for one
+    # Their prefills are done (first tokens sampled). c does not fit: parked; d (1) would fit, but c is older and
+    # waits: d is parked too (decode shares go in arrival order), and so is e. a and b keep decoding.
+    out = run_step(sched)
+    assert ids(out.held_back) == [2, 3, 4] == ids(out.preempted) and space.paused == [2, 3, 4]
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 1), (1, 1)]
+    assert list(sched.waiting) == [c, d, e] and all(s.status is SequenceStatus.WAITING for s in (c, d, e))
+    assert c.num_computed_tokens == 6 == c.num_tokens - 1 and c.block_table  # everything computed is kept
+    assert sched.num_preemptions == 0 and not sched.ahead and ws.ahead_records[-1] == (3, 0)
+    out = run_step(sched)  # nothing changed: they wait (and nothing is parked twice)
+    assert [s for s, _ in out.scheduled] == [a, b] and not out.preempted and list(sched.waiting) == [c, d, e]
+    sched.finish(a)  # room for c (4 + 4); then d (1) fits too (9); e (3) does not
+    out = run_step(sched)
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(1, 1), (2, 1), (3, 1)]  # resumed with a decode
+    assert list(sched.waiting) == [e] and ws.records[-1][0] == 9
+    sched.finish(b)
+    out = run_step(sched)
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(2, 1), (3, 1), (4, 1)] and not sched.waiting
+
+
+def test_decoding_sequences_are_never_parked_for_new_ones():
+    """A new request's prefill ends with the batch full: the new one is parked, never one already decoding; and a
+    decoding batch over the limit (measured working sets grew) parks its newest and keeps the oldest."""
+    sched, ws, space = make({0: 5, 1: 5, 2: 2})
+    a, b = seq(0), seq(1)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    run_step(sched)
+    c = seq(2, prompt_len=30)
+    sched.add(c)
+    out = run_step(sched)  # 5 + 5 + 2 > 10: c prefills ahead beside the decodes
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 1), (1, 1), (2, 30)] and sched.ahead == {2}
+    ws.est[2] = 0  # even a sequence that fits waits behind nothing: it takes a share only when done
+    out = run_step(sched)
+    assert ids(out.held_back) == [] and not sched.ahead  # done, fits (10): it shares
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 1), (1, 1), (2, 1)]
+    ws.est.update({0: 9, 1: 9, 2: 9})  # over the limit: the newest decoding ones are parked, the oldest runs
+    out = run_step(sched)
+    assert ids(out.held_back) == [2, 1] and [s for s, _ in out.scheduled] == [a]
+    assert list(sched.waiting) == [b, c]  # arrival order: b resumes before c
+    sched.finish(a)
+    out = run_step(sched)
+    assert [s for s, _ in out.scheduled] == [b] and list(sched.waiting) == [c]
+
+
+def test_a_prefill_over_the_limit_gives_back_its_share_without_pausing():
+    """A sequence admitted with a decode share that is still prefilling when the working sets grow over the limit is
+    not paused: it becomes ahead, and its decode share is decided when its prefill ends."""
+    sched, ws, space = make({0: 4, 1: 4}, budget=16)
+    a, b = seq(0), seq(1, prompt_len=40)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)  # a (6) and 10 of b's 40 tokens
+    assert not sched.ahead and b.num_computed_tokens == 10
+    ws.est.update({0: 8, 1: 8})
+    out = run_step(sched)
+    assert not out.preempted and sched.ahead == {1} and b.num_computed_tokens == 25
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 1), (1, 15)]
+    run_step(sched)
+    assert b.num_computed_tokens == 40
+    out = run_step(sched)  # b's prefill is done and it does not fit: parked
+    assert ids(out.held_back) == [1] and list(sched.waiting) == [b] and space.paused == [1]
+
+
+def test_bound_on_prefilled_waiting_requests():
+    sched, ws, space = make({i: 6 for i in range(6)}, bound=2)
+    seqs = [seq(i) for i in range(6)]
+    for s in seqs:
+        sched.add(s)
+    out = run_step(sched)  # one fits; two prefill ahead; the rest wait unprefilled
+    assert ids(s for s, _ in out.scheduled) == [0, 1, 2] and sched.ahead == {1, 2}
+    assert ids(sched.waiting) == [3, 4, 5] and ws.ahead_records[-1] == (0, 2)
+    out = run_step(sched)  # 1 and 2 are parked: still two prefilled waiting, nobody else is admitted
+    assert ids(out.held_back) == [1, 2] and ids(sched.waiting) == [1, 2, 3, 4, 5]
+    assert ids(s for s, _ in out.scheduled) == [0] and ws.ahead_records[-1] == (2, 0)
+    sched.finish(seqs[0])
+    out = run_step(sched)  # 1 resumes (a share), which frees a place: 3 prefills ahead
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(1, 1), (3, 6)]
+    assert sched.ahead == {3} and ids(sched.waiting) == [2, 4, 5] and ws.ahead_records[-1] == (1, 1)
+    assert sched._num_prefilled_waiting() == 2
+
+
+def test_hold_back_stops_no_prefill_but_a_preemption_does():
+    # The decoding batch goes over the limit: b is held back, and the new request c is still admitted for prefill.
+    sched, ws, space = make({0: 4, 1: 4, 2: 4})
+    a, b = seq(0), seq(1)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    c = seq(2)
+    sched.add(c)
+    ws.est.update({0: 6, 1: 6})
+    out = run_step(sched)
+    assert ids(out.held_back) == [1] and [(s.seq_id, n) for s, n in out.scheduled] == [(0, 1), (2, 6)]
+    assert sched.ahead == {2}
+    # Token blocks run out (a real preemption): nothing is admitted in that step.
+    sched, ws, space = make({0: 1, 1: 1, 2: 1}, blocks=4, **NO_RESERVE)
+    a, b = seq(0, prompt_len=16), seq(1, prompt_len=16)  # two blocks each: all four taken
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    sched.add(seq(2))
+    out = run_step(sched)  # a's next token needs a block: b is preempted (no hold-back), c not admitted
+    assert ids(out.preempted) == [1] and not out.held_back and [s for s, _ in out.scheduled] == [a]
+    assert ids(sched.waiting) == [1, 2]
+
+
+def test_abort_of_a_parked_request_frees_everything():
+    sched, ws, space = make({0: 8, 1: 8})
+    a, b = seq(0), seq(1)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    run_step(sched)  # b parked
+    assert list(sched.waiting) == [b] and b.block_table and 1 not in space.held
+    sched.finish(b)  # the engine's abort
+    assert not sched.waiting and b.block_table == [] and b.status is SequenceStatus.FINISHED
+    sched.finish(a)
+    assert sched.allocator.num_used == 0 and space.held == {} and not sched.ahead
+    sched.allocator.check()
+
+
+def test_without_control_or_bound_zero_nothing_changes():
+    """max_prefilled_waiting=0, or the control off, schedules as before prefill ahead existed: a request that does
+    not fit waits unprefilled and stops admission."""
+    for bound, enabled in ((0, True), (8, False)):
+        sched, ws, _ = make({0: 8, 1: 8, 2: 1}, bound=bound)
+        ws.enabled = enabled
+        for i in range(3):
+            sched.add(seq(i))
+        out = run_step(sched)
+        expect = [0] if enabled else [0, 1, 2]
+        assert ids(s for s, _ in out.scheduled) == expect and not sched.ahead and not ws.ahead_records
+
+
+def test_config_and_flags():
+    assert EngineConfig.from_kwargs().offload_config.max_prefilled_waiting == 16
+    args = build_parser(["serve"]).parse_args(["serve", "--max-prefilled-waiting", "0"])
+    assert engine_kwargs_from_args(args)["max_prefilled_waiting"] == 0
+    try:
+        EngineConfig.from_kwargs(max_prefilled_waiting=-1)
+    except ValueError as e:
+        assert "max_prefilled_waiting" in str(e)
+    else:
+        raise AssertionError("a negative bound was accepted")
+
+
+# ---- the engine --------------------------------------------------------------------------------------------------
+
+def engine(model, **kw) -> LLMEngine:
+    return LLMEngine.from_kwargs(model=str(model), **{**ENGINE, **SMALL_POOL, **kw})
+
+
+def watch(firsts: dict[str, int], finishes: dict[str, int], over: list, step_no: list[int]):
+    """A drive() check: the step of each request's first token and finish, and the decode rows of any step whose
+    decode shares' working sets exceed the limit; also that no request without a decode share decodes."""
+    def check(e: LLMEngine, before) -> None:
+        sched = e.scheduler
+        step_no[0] += 1
+        for s, n in e.last_schedule.scheduled:
+            if s.seq_id in sched.ahead:
+                assert n > 1, "a request without a decode share decoded"
+        for rid in before:
+            req = e.requests.get(rid)
+            seqs = req.seqs if req is not None else []
+            if req is None or any(s.num_output_tokens for s in seqs):
+                firsts.setdefault(rid, step_no[0])
+            if req is None:
+                finishes.setdefault(rid, step_no[0])
+        stats = e.get_stats()
+        if stats.working_set_blocks > stats.working_set_limit:
+            over.append(sum(1 for s, n in e.last_schedule.scheduled if n == 1))
+    return check
+
+
+def test_first_tokens_before_any_finish_and_decode_within_the_limit(tiny_model_dir):
+    """Six requests whose working sets need ~3x the pool, arriving together: with prefill ahead every request gets its
+    first token before any request finishes (without it, the ones that do not fit wait unprefilled until some
+    finish); the decode batch stays within the limit (over it only with one decode row); tokens equal the runs
+    without the control and without prefill ahead; nothing leaks; the statistics and /metrics count it."""
+    arrivals = {0: [(f"r{i}", p, 30) for i, p in enumerate(prompts())]}
+    runs = {}
+    for name, kw in (("off", dict(working_set_control=False)), ("wait", dict(working_set_control=True,
+                                                                             max_prefilled_waiting=0)),
+                     ("ahead", dict(working_set_control=True))):
+        e = engine(tiny_model_dir, **kw)
+        firsts, finishes, over = {}, {}, []
+        runs[name] = drive(e, arrivals, watch(firsts, finishes, over, [0]))
+        runs[name].update(firsts=firsts, finishes=finishes, over=over, engine=e)
+        assert_no_leaks(e)
+        assert not e.scheduler.ahead and not e.scheduler.waiting
+    assert runs["ahead"]["tokens"] == runs["off"]["tokens"] == runs["wait"]["tokens"]
+    assert all(len(t) == 30 for t in runs["ahead"]["tokens"].values())
+    for name in ("wait", "ahead"):
+        assert set(runs[name]["over"]) <= {0, 1}
+    first_finish = min(runs["ahead"]["finishes"].values())
+    assert max(runs["ahead"]["firsts"].values()) < first_finish
+    assert max(runs["wait"]["firsts"].values()) > min(runs["wait"]["finishes"].values())  # the problem it solves
+    stats = runs["ahead"]["engine"].get_stats(sync=True)
+    assert stats.working_set_prefill_aheads > 0 and stats.working_set_hold_backs > 0 and stats.num_preemptions == 0
+    assert stats.working_set_parked == 0  # a gauge: all done
+    assert runs["wait"]["engine"].get_stats().working_set_prefill_aheads == 0
+    m = parse_metrics(ServerMetrics(lambda: stats, "m").render().decode())
+    assert m["sparseserve:working_set_prefill_aheads_total"] == stats.working_set_prefill_aheads
+    assert m["sparseserve:num_requests_parked"] == 0
+
+
+def test_parked_gauge_and_abort_of_a_parked_request(tiny_model_dir):
+    """Abort a request while it is parked (prefilled, paused): its blocks, device blocks and state go back; the other
+    requests finish with the tokens of the run without the control."""
+    arrivals = {0: [(f"r{i}", p, 20) for i, p in enumerate(prompts(5, seed=3))]}
+    off = drive(engine(tiny_model_dir, working_set_control=False), arrivals)
+    e = engine(tiny_model_dir, working_set_control=True)
+    aborted = []
+
+    def check(eng: LLMEngine, _) -> None:
+        sched = eng.scheduler
+        parked = [s for s in sched.waiting if sched._is_parked(s)]
+        assert eng.get_stats().working_set_parked == len(parked)
+        if parked and not aborted:
+            aborted.append(parked[-1].request_id)
+            eng.abort_request(parked[-1].request_id)
+            assert parked[-1].block_table == [] and parked[-1] not in sched.waiting
+
+    on = drive(e, arrivals, check)
+    assert aborted
+    assert_no_leaks(e)
+    for rid, toks in off["tokens"].items():
+        if rid != aborted[0]:
+            assert on["tokens"][rid] == toks
+
+
+def test_random_arrivals_same_tokens(tiny_model_dir):
+    """Arrivals at random steps, random prompt and output lengths, three seeds: greedy tokens equal the run without
+    the control and the run without prefill ahead; the decode batch keeps to the limit; nothing leaks."""
+    for seed in range(3):
+        rng = random.Random(seed)
+        g = torch.Generator().manual_seed(seed)
+        arrivals: dict[int, list] = {}
+        for i in range(10):
+            arrivals.setdefault(rng.randrange(0, 30), []).append(
+                (f"r{i}", torch.randint(10, 2000, (rng.randint(20, 200),), generator=g).tolist(), rng.randint(2, 30)))
+        ref = drive(engine(tiny_model_dir, working_set_control=False), arrivals)["tokens"]
+        for bound in (0, 2, 16):
+            e = engine(tiny_model_dir, working_set_control=True, max_prefilled_waiting=bound)
+            over: list = []
+            run = drive(e, arrivals, watch({}, {}, over, [0]))
+            assert run["tokens"] == ref, (seed, bound)
+            assert set(over) <= {0, 1}
+            assert_no_leaks(e)
+            assert bound == 0 or e.get_stats().working_set_prefill_aheads > 0
+
+
+def test_layer_segmented_prefill_ahead(tiny_model_dir):
+    """Prompts longer than the step budget go through layer-segmented prefill; with prefill ahead they prefill
+    beyond the limit and park: tokens equal the run without the control; first tokens before any finish."""
+    arrivals = {0: [(f"r{i}", p, 24) for i, p in enumerate(prompts(5, seed=4))]}
+    kw = dict(layer_segmented_prefill=True, max_num_batched_tokens=64, long_prefill_token_threshold=0)
+    off = drive(engine(tiny_model_dir, working_set_control=False, **kw), arrivals)
+    e = engine(tiny_model_dir, working_set_control=True, **kw)
+    segmented = []
+    firsts, finishes, over = {}, {}, []
+    inner = watch(firsts, finishes, over, [0])
+
+    def check(eng: LLMEngine, before) -> None:
+        inner(eng, before)
+        segmented.extend(seg.seq.seq_id for seg in eng.last_schedule.segments)
+
+    on = drive(e, arrivals, check)
+    assert segmented and on["tokens"] == off["tokens"]
+    assert e.get_stats().working_set_prefill_aheads > 0
+    assert max(firsts.values()) < min(finishes.values()) and set(over) <= {0, 1}
+    assert_no_leaks(e)
