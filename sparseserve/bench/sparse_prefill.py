@@ -197,13 +197,18 @@ def bench_context(layer: Layer, densities: list[float], thresholds: list[float],
 
 
 def sweep(layer: Layer) -> list[dict]:
+    """Launch configurations of both kernels side by side (the defaults first): attention at a sparse and at a
+    full random mask, the selection pass end to end."""
     rows = []
-    index, count = layer.random_lists(0.1)
-    cases = [("attn@0.1", SparsePrefillConfig(*c), lambda cfg: layer.sparse(index, count, config=cfg))
-             for c in [(128, 32, 8, 2), (128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2),
-                       (128, 16, 8, 3)]]
+    cases = []
+    for d in (0.1, 1.0):
+        index, count = layer.random_lists(d)
+        cases += [(f"attn@{d}", SparsePrefillConfig(*c),
+                   lambda cfg, index=index, count=count: layer.sparse(index, count, config=cfg))
+                  for c in [(64, 32, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2),
+                            (64, 16, 4, 3)]]
     cases += [("select@0.01", SelectConfig(*c), lambda cfg: layer.select(0.01, config=cfg))
-              for c in [(4, 8, 2), (4, 8, 3), (2, 8, 2), (8, 8, 2), (1, 4, 3), (1, 4, 2)]]
+              for c in [(1, 4, 3), (4, 8, 2), (1, 4, 2), (1, 4, 4), (1, 8, 3), (2, 4, 3), (2, 8, 3)]]
     for kind, cfg, fn in cases:
         try:
             rows.append({"kind": kind, "config": vars(cfg), "ms": layer.time(lambda fn=fn, cfg=cfg: fn(cfg))})

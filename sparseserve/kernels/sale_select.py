@@ -378,11 +378,14 @@ def _select_kernel(q_code_ptr, q_scale_ptr, k_code_ptr, k_scale_ptr, qmk_ptr, se
 @dataclass(frozen=True)
 class SelectConfig:
     """Launch shapes. `chunk` key tiles share one reduction over a query tile's rows. Compiled for sm_90a
-    (D=128, group 4, 64 x 64 tiles): 8 warps hold chunk 4 in 192 registers a thread, 4 warps spill past chunk 1;
-    quantization programs of 32 rows and 4 warps stay at ~170 registers (64 rows spill)."""
-    chunk: int = 4
-    num_warps: int = 8
-    num_stages: int = 2
+    (D=128, group 4, 64 x 64 tiles): 8 warps hold chunk 4 in 192 registers a thread, 4 warps spill past chunk 1.
+    Yet on an H100 (Llama-3.1-8B layer, 64K) chunk 2 with 4 warps and 3 stages took 29.6 ms against 59.4 ms for
+    chunk 4 with 8 warps (chunk 1: 35.8 ms; 8 warps at chunks 1-2: 62-63 ms): smaller programs with a deeper K
+    pipeline outweigh the spills (`python -m sparseserve.bench.sparse_prefill --sweep`).
+    Quantization programs of 32 rows and 4 warps stay at ~170 registers (64 rows spill)."""
+    chunk: int = 2
+    num_warps: int = 4
+    num_stages: int = 3
     quant_tok: int = 32  # rows a quantization program
 
 

@@ -174,7 +174,8 @@ def test_quantize_kernel(triton_backends, hq, hkv):
 def test_quantize_with_tables_as_wide_as_the_context(triton_backends):
     """Block tables cover max_seq_len, not the key tiles rounded up past it (what the engine passes): the codes
     equal those from wider tables (the reference bit for bit; the kernel, whose per-sequence means are reduced
-    in splits that follow the table's width, up to float rounding)."""
+    in splits that follow the table's width, up to float rounding; on CUDA the reference's own reductions too, as
+    torch picks its reduction order by shape)."""
     layout = TileLayout(q_tile=16, k_tile=64)
     q, cache, tables, seq_lens, qsl, max_q, max_s = make_chunks([(50, 20), (0, 40)], 4, 2, 32, 16, torch.float32)
     narrow = tables[:, : -(-max_s // 16)]  # 5 blocks: 80 positions, the key tiles 128
@@ -182,7 +183,7 @@ def test_quantize_with_tables_as_wide_as_the_context(triton_backends):
                             (False, lambda t: quantize_qk_triton(q, cache, t.contiguous(), seq_lens, qsl, max_q,
                                                                  max_s, layout))):
         for got, want in zip(quantize(narrow), quantize(tables)):
-            if exact:
+            if exact and got.device.type == "cpu":
                 assert torch.equal(got.float(), want.float())
             elif got.dtype.itemsize == 1:  # fp8 codes: a rounding may move one code a step
                 assert (got.float() != want.float()).float().mean() < 1e-2
@@ -213,10 +214,12 @@ def test_select_kernel(triton_backends, hq, hkv, d, bs, layout):
     streaming[0] = True
     mids = torch.tensor([0.2, 0.3, 0.5, 0.3, 0.25, 0.4, 0.3, 0.5] * 2, device=DEV)[:hq]
     densities = {}
+    # The default launch and others (one key tile a step, four), alternating over the cases.
+    config = SelectConfig() if hq % 4 == 0 else SelectConfig(chunk=1 if hq % 2 else 4, num_warps=4)
     for name, thr in (("zero", torch.zeros(hq, device=DEV)), ("mid", mids), ("large", torch.full((hq,), 1e4))):
         args = (codes, seq_lens, qsl, scale, max_q, max_s, layout, thr, streaming)
         mask_r, index_r, count_r, margin = select_tiles_ref(*args, with_margin=True)
-        mask, index, count = select_tiles_triton(*args, config=SelectConfig(chunk=2, num_warps=4))
+        mask, index, count = select_tiles_triton(*args, config=config)
         near = torch.isfinite(margin) & (margin.abs() < MARGIN)
         assert near.float().mean() < 0.02
         assert torch.equal(mask[~near], mask_r[~near])
