@@ -32,6 +32,9 @@ declare -A FLAGS=(
   [offload]="$SPARSE --kv-offload"
   [ws]="$SPARSE --kv-offload --working-set-control"
   [layerseg]="$SPARSE --kv-offload --working-set-control --layer-segmented-prefill"
+  # the control without prefill ahead: requests over the limit wait unprefilled (to compare side by side)
+  [ws_wait]="$SPARSE --kv-offload --working-set-control --max-prefilled-waiting 0"
+  [layerseg_wait]="$SPARSE --kv-offload --working-set-control --layer-segmented-prefill --max-prefilled-waiting 0"
 )
 if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \

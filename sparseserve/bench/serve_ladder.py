@@ -2,10 +2,10 @@
 
 Reads every `serve_<config>_ts<scale>_{out,fix}<len>.json` (`bench serve --output-json`; out: the trace's output
 lengths capped at len, fix: every request asks for len tokens) and `metrics_<same>.txt` (the server's /metrics
-after the run) in a folder, and prints for each config its throughput, TTFT, TPOT, E2E and
-goodput with the ratio against dense at the same scale, each step's gain over the config before it in the ladder,
-the HBM hit ratio, preemptions, prompt tokens computed per prompt token and working-set hold-backs. Beside them,
-the workload's bound: every prompt prefilled at the prefill MFU (prompt blocks shared with an earlier request
+after the run) in a folder, and prints for each config its throughput, TTFT, TPOT, E2E and goodput with the
+ratio against dense at the same scale, each step's gain over the config before it in the ladder, the HBM hit
+ratio, preemptions, prompt tokens computed per prompt token, working-set hold-backs and prefills ahead. Beside
+them, the workload's bound: every prompt prefilled at the prefill MFU (prompt blocks shared with an earlier request
 cost nothing: ideal prefix caching) plus decode at the HBM roofline with all requests in one batch, reading
 every cached token (dense) or at most the sparse budget per request (sparse), and never before the last arrival;
 and the lowest mean TTFT (the same prefills served shortest-remaining-first, the optimum for one GPU).
@@ -193,6 +193,7 @@ def ladder_rows(runs: list[dict[str, Any]], bounds: dict[str, float] | None = No
             "preempt": _metric(m, "num_preemptions_total"),
             "computed/prompt": _ratio(computed, s["total_input_tokens"]),
             "hold-backs": _metric(m, "working_set_hold_backs_total"),
+            "prefills ahead": _metric(m, "working_set_prefill_aheads_total"),
         }
         if bounds is not None:
             bound = bounds["dense" if run["config"] == "dense" else "sparse"]

@@ -61,7 +61,8 @@ def _run(folder: Path, tag: str, tok_s: float, ttft_ms: float, goodput: float, m
 def test_ladder_rows_ratios_against_dense_of_the_same_group(tmp_path):
     offload = ('sparseserve:offload_hbm_hits_total{model_name="m"} 90.0\n'
                'sparseserve:offload_head_blocks_loaded_total{model_name="m"} 10.0\n'
-               'sparseserve:working_set_hold_backs_total{model_name="m"} 3.0\n')
+               'sparseserve:working_set_hold_backs_total{model_name="m"} 3.0\n'
+               'sparseserve:working_set_prefill_aheads_total{model_name="m"} 2.0\n')
     _run(tmp_path, "dense_ts1_out512", 100.0, 8000.0, 0.5)
     _run(tmp_path, "layerseg_ts1_out512", 300.0, 1000.0, 2.0, offload)
     _run(tmp_path, "offload_ts1_out512", 200.0, 2000.0, 1.0, offload)
@@ -77,6 +78,7 @@ def test_ladder_rows_ratios_against_dense_of_the_same_group(tmp_path):
     lay = by["out512", "layerseg"]
     assert lay["x dense"] == 3.0 and lay["step gain"] == 1.5 and lay["TTFT x lower"] == 8.0
     assert lay["goodput x dense"] == 4.0 and lay["hit ratio"] == 0.9 and lay["hold-backs"] == 3.0
+    assert lay["prefills ahead"] == 2.0
     assert lay["computed/prompt"] == 0.5 and lay["of bound"] == 300.0 / 400.0
     assert by["out512", "dense"]["of bound"] == 0.5 and by["out512", "dense"]["hit ratio"] is None
     assert by["fix2048", "ws"]["x dense"] == 3.0 and by["fix2048", "dense"]["step gain"] is None
