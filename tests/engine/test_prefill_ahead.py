@@ -62,17 +62,23 @@ def test_prefilled_ahead_then_parked_and_resumed_oldest_first():
     a, b, c, d, e = (seq(i) for i in range(5))
     for s in (a, b, c, d, e):
         sched.add(s)
-    out = run_step(sched)  # a + b fit the limit of 10; c does not: prefilled ahead, and so are d and e behind it
-    assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 6), (1, 6), (2, 6), (3, 6), (4, 6)]
-    assert sched.ahead == {2, 3, 4} and not sched.waiting and ws.ahead_records[-1] == (0, 3)
+    out = run_step(sched)  # a + b fit the limit of 10; c does not: prefilled ahead; d and e wait behind it
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 6), (1, 6), (2, 6)]  # (one prefill ahead at a time)
+    assert sched.ahead == {2} and ids(sched.waiting) == [3, 4] and ws.ahead_records[-1] == (0, 1)
     assert ws.records[-1] == (8, 3, 0)  # the decode shares' working sets; three requests wait for one
-    # Their prefills are done (first tokens sampled). c does not fit: parked; d (1) would fit, but c is older and
-    # waits: d is parked too (decode shares go in arrival order), and so is e. a and b keep decoding.
+    # c's prefill is done (its first token sampled): it does not fit, so it is parked, and d prefills ahead.
     out = run_step(sched)
-    assert ids(out.held_back) == [2, 3, 4] == ids(out.preempted) and space.paused == [2, 3, 4]
-    assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 1), (1, 1)]
-    assert list(sched.waiting) == [c, d, e] and all(s.status is SequenceStatus.WAITING for s in (c, d, e))
+    assert ids(out.held_back) == [2] == ids(out.preempted) and space.paused == [2]
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 1), (1, 1), (3, 6)]
+    assert sched.ahead == {3} and ids(sched.waiting) == [2, 4] and c.status is SequenceStatus.WAITING
     assert c.num_computed_tokens == 6 == c.num_tokens - 1 and c.block_table  # everything computed is kept
+    # d (1) would fit beside a and b, but c is older and waits: d is parked too (decode shares go in arrival
+    # order), and e prefills ahead; then e is parked.
+    out = run_step(sched)
+    assert ids(out.held_back) == [3] and [(s.seq_id, n) for s, n in out.scheduled] == [(0, 1), (1, 1), (4, 6)]
+    out = run_step(sched)
+    assert ids(out.held_back) == [4] and [s for s, _ in out.scheduled] == [a, b]
+    assert list(sched.waiting) == [c, d, e] and all(s.status is SequenceStatus.WAITING for s in (c, d, e))
     assert sched.num_preemptions == 0 and not sched.ahead and ws.ahead_records[-1] == (3, 0)
     out = run_step(sched)  # nothing changed: they wait (and nothing is parked twice)
     assert [s for s, _ in out.scheduled] == [a, b] and not out.preempted and list(sched.waiting) == [c, d, e]
@@ -135,17 +141,35 @@ def test_bound_on_prefilled_waiting_requests():
     seqs = [seq(i) for i in range(6)]
     for s in seqs:
         sched.add(s)
-    out = run_step(sched)  # one fits; two prefill ahead; the rest wait unprefilled
-    assert ids(s for s, _ in out.scheduled) == [0, 1, 2] and sched.ahead == {1, 2}
-    assert ids(sched.waiting) == [3, 4, 5] and ws.ahead_records[-1] == (0, 2)
-    out = run_step(sched)  # 1 and 2 are parked: still two prefilled waiting, nobody else is admitted
-    assert ids(out.held_back) == [1, 2] and ids(sched.waiting) == [1, 2, 3, 4, 5]
+    out = run_step(sched)  # one fits; one prefills ahead; the rest wait unprefilled
+    assert ids(s for s, _ in out.scheduled) == [0, 1] and sched.ahead == {1}
+    assert ids(sched.waiting) == [2, 3, 4, 5] and ws.ahead_records[-1] == (0, 1)
+    out = run_step(sched)  # 1 is parked, 2 prefills ahead: two prefilled waiting
+    assert ids(out.held_back) == [1] and ids(s for s, _ in out.scheduled) == [0, 2] and sched.ahead == {2}
+    out = run_step(sched)  # 2 is parked too: still two prefilled waiting, nobody else is admitted
+    assert ids(out.held_back) == [2] and ids(sched.waiting) == [1, 2, 3, 4, 5]
     assert ids(s for s, _ in out.scheduled) == [0] and ws.ahead_records[-1] == (2, 0)
     sched.finish(seqs[0])
     out = run_step(sched)  # 1 resumes (a share), which frees a place: 3 prefills ahead
     assert [(s.seq_id, n) for s, n in out.scheduled] == [(1, 1), (3, 6)]
     assert sched.ahead == {3} and ids(sched.waiting) == [2, 4, 5] and ws.ahead_records[-1] == (1, 1)
     assert sched._num_prefilled_waiting() == 2
+
+
+def test_one_prefill_ahead_at_a_time():
+    """A second request over the limit waits (unprefilled, and every request behind it) while one prefills ahead:
+    prefill work stays first come first served instead of sharing the step among several."""
+    sched, ws, space = make({0: 8, 1: 8, 2: 8, 3: 1}, budget=16)
+    a, b, c, d = seq(0), seq(1, prompt_len=40), seq(2), seq(3)
+    for s in (a, b, c, d):
+        sched.add(s)
+    out = run_step(sched)  # a fits; b goes ahead with 10 of its 40 tokens; c and d (which would fit) wait
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 6), (1, 10)] and ids(sched.waiting) == [2, 3]
+    for _ in range(2):  # b's other chunks (15 tokens each beside a's decode)
+        out = run_step(sched)
+        assert [s.seq_id for s, _ in out.scheduled] == [0, 1] and ids(sched.waiting) == [2, 3]
+    out = run_step(sched)  # b is done and parked; c prefills ahead now
+    assert ids(out.held_back) == [1] and [(s.seq_id, n) for s, n in out.scheduled] == [(0, 1), (2, 6)]
 
 
 def test_hold_back_stops_no_prefill_but_a_preemption_does():
