@@ -12,16 +12,28 @@ DATA=${SPARSESERVE_DATA_DIR:-../shared/data}
 what=${1:-all}
 N=${N:-50}
 if [[ $what == accuracy || $what == all ]]; then
-  python -m sparseserve.bench.calibrate "$GGUF" --suite completion --lengths 8128 --num-samples 4 \
-    --data-dir "$DATA/haystack" --out "$OUT/smollm2_heads.json" 2>&1 | grep -v "^INFO" | tail -4
-  python -m sparseserve.bench.accuracy "$GGUF" --suite completion --lengths 8128 --num-samples "$N" \
-    --data-dir "$DATA/haystack" --ppl-tokens 64 --ppl-samples 8 --policies \
-    topk:sparse_budget=512 topk:sparse_budget=768 topk:sparse_budget=1024 topk:sparse_budget=2048 \
-    topp:sparse_budget=2048,sparse_top_p=0.9 topp:sparse_budget=2048,sparse_top_p=0.95 \
-    topk:sparse_budget=1024,sparse_reuse=4 topk:sparse_budget=1024,sparse_lag=1 \
-    topk:sparse_budget=1024,logical_page_size=8 \
-    "streaming:sparse_policy=topk,sparse_budget=1024,streaming_heads=$OUT/smollm2_heads.json" \
-    --output "$OUT/smollm2_accuracy.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -60
+  common=(--suite completion --lengths 8128 --dtype bfloat16 --data-dir "$DATA/haystack")
+  python -m sparseserve.bench.calibrate "$GGUF" "${common[@]}" --num-samples 4 --out "$OUT/smollm2_heads.json" \
+    2>&1 | grep -v "^INFO" | tail -2
+  python -m sparseserve.bench.calibrate "$GGUF" --prefill "${common[@]}" --num-samples 2 \
+    --out "$OUT/smollm2_prefill.json" 2>&1 | grep -v "^INFO" | tail -2
+  sale="sparse_prefill=sale,sparse_prefill_min_len=0"  # the default min_len (8192) leaves these prompts dense
+  # Three runs (each about 150-300 s on an H100, dense first in each), so none passes the device's 600-s limit.
+  i=0
+  for set in "topk:sparse_budget=512 topk:sparse_budget=1024 topk:sparse_budget=2048 topk:sparse_budget=4096 \
+topp:sparse_budget=2048,sparse_top_p=0.9" \
+             "topk:sparse_budget=768 topp:sparse_budget=2048,sparse_top_p=0.95 topk:sparse_budget=1024,sparse_reuse=4 \
+topk:sparse_budget=1024,sparse_lag=1 topk:sparse_budget=1024,logical_page_size=8 \
+streaming:sparse_policy=topk,sparse_budget=1024,streaming_heads=$OUT/smollm2_heads.json" \
+             "sale:$sale,sparse_prefill_calibration=$OUT/smollm2_prefill.json sale001:$sale,sparse_prefill_threshold=0.01 \
+sale01:$sale,sparse_prefill_threshold=0.1 topk:sparse_budget=1024,block_size=16 \
+topk:sparse_budget=1024,block_size=16,logical_page_size=8 topk:sparse_budget=2048,logical_page_size=8 \
+topp:sparse_budget=4096,sparse_top_p=0.98 topp:sparse_budget=4096,sparse_top_p=0.99"; do
+    i=$((i + 1))
+    # shellcheck disable=SC2086  # one policy spec per word
+    python -m sparseserve.bench.accuracy "$GGUF" "${common[@]}" --num-samples "$N" --ppl-tokens 64 --ppl-samples 8 \
+      --quiet --policies $set --output "$OUT/smollm2_accuracy_$i.json" 2>&1 | grep -v "^INFO\|clean_up" | tail -60
+  done
 fi
 if [[ $what == offload || $what == all ]]; then
   python -m sparseserve.bench.offload --real "$GGUF" --batches 1,4,8,16,32 --budget 1024 \
