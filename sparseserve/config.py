@@ -271,8 +271,9 @@ class OffloadConfig:
     max_prefilled_waiting: int = field(default=16, metadata={
         "help": "working_set_control: the limit governs decode, not prefill. A request whose working set does not "
                 "fit beside the running ones is still prefilled, one at a time (its K/V goes to the host store; its "
-                "first token comes out), then waits paused for a decode slot, oldest first. At most this many requests wait "
-                "so (prefilled or prefilling beyond the limit): each holds its whole context in the host store. "
+                "first token comes out), then waits paused for a decode slot, oldest first. At most this many "
+                "requests wait so (prefilled or prefilling beyond the limit): each holds its whole context in the "
+                "host store. "
                 "0: a request that does not fit waits unprefilled."})
 
     def __post_init__(self) -> None:
