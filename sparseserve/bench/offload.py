@@ -311,11 +311,14 @@ def real_prompts(model: str, n: int, length: int, seed: int = 0) -> list[list[in
 
 
 def real_run(model: str, prompts: list[list[int]], output_len: int, offload: bool, budget: int = 1024,
-             pool_steps: float | None = None, device: str = "auto", dtype: str = "auto", **engine_args) -> dict:
+             pool_steps: float | None = None, device: str = "auto", dtype: str = "auto", margins: bool = False,
+             **engine_args) -> dict:
     """All prompts at once (max_num_seqs = their number), greedy, `output_len` tokens each (EOS ignored), topk at
     `budget` with or without kv_offload. Decode time per output token is the mean wall time of the engine steps in
     which every request decodes (TPOT: each request gets one token per step); the offload counters cover the run.
-    pool_steps: HBM pool size in decode steps' selections of the whole batch (None: the engine's default, one)."""
+    pool_steps: HBM pool size in decode steps' selections of the whole batch (None: the engine's default, one).
+    margins: also keep each step's top-2 logprobs (for `divergence`; it adds work to every step, so TPOT then is
+    not comparable with runs without it)."""
     import gc
     from sparseserve.engine.engine import LLMEngine
     from sparseserve.sampling_params import SamplingParams
@@ -335,10 +338,11 @@ def real_run(model: str, prompts: list[list[int]], output_len: int, offload: boo
             kw["hbm_cache_blocks"] = max(1, int(pool_steps * n * sparse_layers * a.num_kv_heads
                                                 * (budget // kw.get("block_size", 32))))
     engine = LLMEngine.from_kwargs(**kw)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, logprobs=2 if margins else None)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
     decode_s, decode_steps, tokens, max_running = 0.0, 0, {}, 0
+    top2: dict[str, list[float]] = {}  # request -> per output token: top-1 minus top-2 logprob
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         max_running = max(max_running, len(engine.scheduler.running))
@@ -348,6 +352,9 @@ def real_run(model: str, prompts: list[list[int]], output_len: int, offload: boo
         for o in outs:  # deltas: each output holds the tokens new since the last
             for c in o.outputs:
                 tokens.setdefault(o.request_id, []).extend(c.token_ids)
+                for alts in c.logprobs or []:
+                    best = sorted((lp.logprob for lp in alts.values()), reverse=True)
+                    top2.setdefault(o.request_id, []).append(best[0] - best[1] if len(best) > 1 else float("inf"))
         last = engine.last_schedule
         full = last is not None and len(last.scheduled) == n and all(
             k == 1 and seq.num_computed_tokens > seq.num_prompt_tokens for seq, k in last.scheduled)
@@ -370,11 +377,36 @@ def real_run(model: str, prompts: list[list[int]], output_len: int, offload: boo
                    h2d_GB=stats.offload_h2d_bytes / 1e9,
                    hbm_pool_GiB=stats.offload_hbm_slots * engine.model_runner.offload.layout.head_block_bytes / 2**30)
     out["_tokens"] = [tokens[f"r{i}"] for i in range(n)]  # for the side-by-side check; not printed
+    if margins:
+        out["_margins"] = [top2.get(f"r{i}", []) for i in range(n)]
     return out
 
 
+def divergence(base_tokens: list[list[int]], base_margins: list[list[float]] | None,
+               other_tokens: list[list[int]]) -> dict:
+    """Where two greedy runs of the same requests part: requests that differ, the first differing position of
+    each, and the reference run's top-1 minus top-2 logprob there. A near tie (a margin within the rounding of
+    the model's dtype) says the runs parted on rounding, a large margin on a different computation."""
+    firsts, at = [], []
+    for i, (a, b) in enumerate(zip(base_tokens, other_tokens)):
+        k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if k is None and len(a) == len(b):
+            continue
+        k = min(len(a), len(b)) if k is None else k
+        firsts.append(k)
+        if base_margins is not None and k < len(base_margins[i]):
+            at.append(base_margins[i][k])
+    return {"requests_differing": len(firsts), "first_difference_at": sorted(firsts),
+            "margin_at_difference": sorted(at) if base_margins is not None else None}
+
+
+def _flat(rows: list[dict]) -> list[dict]:
+    """The rows for a table: the divergence detail (lists) stays in the JSON."""
+    return [{k: v for k, v in r.items() if k != "divergence"} for r in rows]
+
+
 def real_bench(model: str, batches: list[int], prompt_len: int | None, output_len: int, budget: int = 1024,
-               pool_steps: float | None = None, device: str = "auto", dtype: str = "auto",
+               pool_steps: float | None = None, device: str = "auto", dtype: str = "auto", margins: bool = False,
                **engine_args) -> list[dict]:
     """Per batch size: topk with every block in HBM, then with KV offload, on the same prompts; the offload row
     carries its TPOT ratio to the HBM-only row. prompt_len None: the model's context less output_len."""
@@ -384,14 +416,20 @@ def real_bench(model: str, batches: list[int], prompt_len: int | None, output_le
     prompts = real_prompts(model, max(batches), prompt_len)
     rows = []
     for b in batches:
-        pair = [real_run(model, prompts[:b], output_len, off, budget, pool_steps, device, dtype, **engine_args)
-                for off in (False, True)]
+        pair = [real_run(model, prompts[:b], output_len, off, budget, pool_steps, device, dtype, margins,
+                         **engine_args) for off in (False, True)]
         base, off = pair
         off["tpot_vs_hbm"] = off["tpot_ms"] / base["tpot_ms"] if off["tpot_ms"] and base["tpot_ms"] else None
         # KV offload changes where blocks are read from, never a token (DESIGN.md principle 1).
-        off["same_tokens"] = base.pop("_tokens") == off.pop("_tokens")
+        base_tokens, off_tokens = base.pop("_tokens"), off.pop("_tokens")
+        off["same_tokens"] = base_tokens == off_tokens
+        base_margins = base.pop("_margins", None)
+        off.pop("_margins", None)
+        if not off["same_tokens"]:
+            off["divergence"] = divergence(base_tokens, base_margins, off_tokens)
+            print(f"batch {b}: tokens differ: {off['divergence']}")
         rows += pair
-        print_table(pair, "")
+        print_table(_flat(pair), "")
     return rows
 
 
@@ -432,6 +470,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=None,
                    help="prompt tokens (default: 32768; --real: the model's context less --output-len)")
     p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--margins", action="store_true",
+                   help="--real: where the two runs' greedy tokens part, the top-1 minus top-2 logprob of the "
+                        "all-in-HBM run there (a near tie: rounding; TPOT then includes computing the logprobs)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     on_gpu = torch.cuda.is_available() and args.device != "cpu"
@@ -442,10 +483,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.real:
         rows = real_bench(args.real, [int(b) for b in args.batches.split(",") if b], args.prompt_len,
                           args.output_len, args.budget, args.pool_steps, args.device,
-                          args.dtype or ("bfloat16" if on_gpu else "auto"), **_engine_args(args.engine_arg))
+                          args.dtype or ("bfloat16" if on_gpu else "auto"), args.margins,
+                          **_engine_args(args.engine_arg))
         result["real"] = rows
-        print_table(rows, f"{args.real}: topk {args.budget}, all KV in HBM vs KV offload; TPOT = decode time per "
-                          f"output token (steps where every request decodes)")
+        print_table(_flat(rows), f"{args.real}: topk {args.budget}, all KV in HBM vs KV offload; TPOT = decode time "
+                                 f"per output token (steps where every request decodes)")
     if args.transfers:
         result["h2d"] = h2d_bench()
         print_table(result["h2d"], "Host -> HBM, 2048 random 16 KB head blocks")

@@ -15,15 +15,33 @@ def test_real_mode_smoke(tiny_model_dir, tmp_path, capsys):
         pytest.skip("essay haystack (../shared/data/haystack) not found")
     out = tmp_path / "real.json"
     offload.main(["--real", str(tiny_model_dir), "--batches", "1,3", "--prompt-len", "400", "--output-len", "6",
-                  "--budget", "192", "--device", "cpu", "--dtype", "float32", "--engine-arg", "sparse_dense_layers=0",
-                  "--json", str(out)])
+                  "--margins", "--budget", "192", "--device", "cpu", "--dtype", "float32",
+                  "--engine-arg", "sparse_dense_layers=0", "--json", str(out)])
     assert "KV offload" in capsys.readouterr().out
     rows = json.loads(out.read_text())["real"]
     assert [(r["batch"], "offload" in r["config"]) for r in rows] == [(1, False), (1, True), (3, False), (3, True)]
     for base, off in zip(rows[::2], rows[1::2]):
-        assert off["same_tokens"] is True  # offload changes where blocks are read from, never a token
+        assert off["same_tokens"] is True and "divergence" not in off  # offload never changes a token
         assert 0.0 <= off["hbm_hit_ratio"] <= 1.0 and off["blocks_loaded"] > 0
         assert off["tpot_ms"] > 0 and base["tpot_ms"] > 0 and off["tpot_vs_hbm"] > 0
         assert base["decode_steps"] > 0 and base["preemptions"] == 0
         # topk at 192 tokens (6 blocks of 32) of a 400-token context: the policy really was sparse on both sides.
         assert 0 < base["tokens_attended"] <= 192 and 0 < off["tokens_attended"] <= 192
+
+
+def test_divergence_names_where_runs_part_and_the_margin_there():
+    base = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
+    other = [[1, 2, 3, 4], [5, 0, 7], [8, 9, 1]]  # equal; parts at 1; one token longer
+    margins = [[0.5, 0.5, 0.5, 0.5], [2.0, 0.01, 3.0], [1.0, 1.0]]
+    d = offload.divergence(base, margins, other)
+    assert d == {"requests_differing": 2, "first_difference_at": [1, 2], "margin_at_difference": [0.01]}
+    assert offload.divergence(base, None, base) == {"requests_differing": 0, "first_difference_at": [],
+                                                    "margin_at_difference": None}
+
+
+def test_real_run_keeps_each_tokens_top2_margin(tiny_model_dir):
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(300)] for i in range(2)]
+    run = offload.real_run(str(tiny_model_dir), prompts, 5, False, 192, device="cpu", dtype="float32", margins=True,
+                           sparse_dense_layers=0)
+    assert [len(m) for m in run["_margins"]] == [5, 5]  # one per output token
+    assert all(m >= 0 for ms in run["_margins"] for m in ms)
