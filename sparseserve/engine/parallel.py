@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -55,7 +56,7 @@ WORKER_PRELOAD = ["sparseserve.engine.parallel", "sparseserve.attention.sparse",
 def build_runner(config: EngineConfig, model_dir: Path) -> "ModelRunner | TPDriver":
     """The engine's runner: a ModelRunner at tensor_parallel_size 1 (no process group), otherwise rank 0's
     TPDriver over one worker per other rank. Under torchrun every rank calls this; ranks > 0 serve rank 0's
-    engine here and leave with SystemExit(0) when it shuts down."""
+    engine here and end their process with status 0 once rank 0 has left the process group."""
     tp_size = config.parallel_config.tensor_parallel_size
     env = torchrun_env()
     if env is not None and env.world_size > 1 and env.world_size != tp_size:
@@ -74,9 +75,26 @@ def build_runner(config: EngineConfig, model_dir: Path) -> "ModelRunner | TPDriv
         return TPDriver(ModelRunner(config, model_dir), _Session(tp, None))
     try:
         serve(ModelRunner(config, model_dir), tp)
-    finally:
+    except BaseException:
         destroy_tp_group()
-    raise SystemExit(0)
+        raise
+    _leave_after_driver(tp)
+
+
+def _leave_after_driver(tp: TPGroup) -> None:
+    """A torchrun rank > 0 whose engine (on rank 0) shut down: it waits until rank 0 has left the process group
+    (a receive that ends when rank 0's side of the connection closes, or after the message timeout), then ends its
+    process without the interpreter's teardown. Tearing the group down on both ranks at once aborted one of them
+    at exit ("terminate called without an active exception", exit -6) in about one run in five: rank 0 hosts the
+    rendezvous store. Nothing of this rank's is left to save; its output is flushed first."""
+    try:
+        dist.recv(torch.empty(1), src=0, group=tp.cpu_group)
+    except Exception:  # noqa: BLE001 - rank 0 has gone: what this waits for
+        pass
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 def check_model(config: EngineConfig, model_dir: Path) -> None:
