@@ -23,6 +23,11 @@ PRESETS = {
                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                          bos_token_id=128000, eos_token_id=128001),
+    # SmolLM2-135M's shapes (the real model of the GGUF tests): group size 3, tied embeddings.
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2),
 }
 
 
@@ -79,7 +84,8 @@ def main() -> None:
                 p + "post_attention_layernorm.weight": ones(c.hidden_size)})
         if s == len(shards) - 1:
             tensors["model.norm.weight"] = ones(c.hidden_size)
-            tensors["lm_head.weight"] = rand(c.vocab_size, c.hidden_size)
+            if not c.tie_word_embeddings:
+                tensors["lm_head.weight"] = rand(c.vocab_size, c.hidden_size)
         name = f"model-{s + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(tensors, args.out / name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))

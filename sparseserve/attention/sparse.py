@@ -168,25 +168,13 @@ class SparseBackend(AttentionBackend):
         view = None
         if self.offload is not None:
             with self._phase("h2d"):
-                sel_rows = state.sel[layer][rows.slots.long()]
-                view = self.offload.read(layer, rows.tables, rows.seq_lens, sel_rows)
-                self._count_working_set(layer, rows.slots, view[3])
+                view = self.offload.read(layer, rows.tables, rows.seq_lens, state.sel[layer], rows.slots)
             if not p.lag and self.policy.refine(layer, q, kv_cache, rows, state, view):
                 view = self.offload.lookup(layer, rows.tables, rows.seq_lens, state.sel[layer][rows.slots.long()])
         with self._phase("attention"):
             sparse_decode(q, kv_cache, rows.cache_tables, rows.seq_lens, state.sel[layer], rows.slots, p.local, scale,
                           out=out[:nd], offload=view)
         return out
-
-    def _count_working_set(self, layer: int, slots: torch.Tensor, key: torch.Tensor) -> None:
-        """The head blocks this layer's lists asked the HBM pool for join their sequences' working sets
-        (kvcache/working_set.py); the first sparse layer of a decode step starts the step's count."""
-        ws = self.offload.working_set
-        if ws is None:
-            return
-        if layer == self.dense_layers:
-            ws.begin_step()
-        ws.touch(slots, key)
 
     def _max_blocks(self, meta: AttentionMetadata) -> int:
         return max(1, -(-meta.max_seq_len // self.params.block_size))

@@ -1,15 +1,29 @@
 """Incremental detokenization and stop conditions for one sequence."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from sparseserve.engine.request import Sequence
 
 
-def detokenize_incrementally(tokenizer, seq: Sequence) -> str:
+def text_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """ids -> text as tokenizer.decode(ids, skip_special_tokens=True). A fast tokenizer without clean-up gives
+    exactly its backend's text, and calling the backend directly skips transformers' argument conversion: two
+    decodes per sequence per step, about 30 us each through transformers, are a large part of a large batch's
+    step on a small model."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def detokenize_incrementally(decode: Callable[[list[int]], str], seq: Sequence) -> str:
     """Decodes the newest tokens against a few tokens of context, so multi-byte characters and
-    leading spaces come out right; holds text back while it ends in an incomplete character."""
+    leading spaces come out right; holds text back while it ends in an incomplete character.
+    decode: text_decoder's function."""
     ids = seq.token_ids
-    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
-    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
+    prefix = decode(ids[seq.prefix_offset:seq.read_offset])
+    full = decode(ids[seq.prefix_offset:])
     if len(full) > len(prefix) and not full.endswith("\ufffd"):
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
         return full[len(prefix):]

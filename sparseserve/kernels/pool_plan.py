@@ -22,14 +22,56 @@ chosen in each set, the hits, the number of bypass reads per set, the last-use s
 are the reference's (attention does not depend on which slot holds a block). The clock advances through
 `plan_cur`, a copy kernel 1 takes: kernel 2's programs read the step's clock from it while its
 program 0 writes the next one.
+
+pool_read: the whole read of one sparse layer's decode lists under offload, from the selection lists to the
+blocks in their slots: the keys of the listed head blocks (entries before each row's local window, through the
+token block tables), one plan of each distinct key (sequences sharing prefix-cached blocks may list a block
+twice: repeats are planned as non-requests and read their representative's slot), and the FlashH2D of the
+misses. Its reference is those steps in torch (about 30 ops); on the GPU three kernels: kernel 1 computes the
+keys itself and claims each key with an atomic exchange of the call's clock into `claim` (the first occurrence
+to swap in a new tag represents the key, the others are repeats), kernel 2 is the plan's, and the FlashH2D
+kernel also gives each repeat its key's slot after the plan (resident, or -1 where the representative was a
+bypass read). A layer's read is then three launches, not dozens: against a 2 ms decode step of a small
+model, launches are the cost.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from sparseserve.kernels.dispatch import tl, triton, use_triton
+from sparseserve.kernels.flash_h2d import flash_h2d_ref, flash_h2d_triton
+from sparseserve.kernels.pdl import pdl_wait, use_pdl
+from sparseserve.kernels.working_set import TouchState, touch_keys, working_set_touch_ref
 
 NEVER = 1 << 62  # last_use of slots the current step uses: never a victim
+
+
+class PoolState(NamedTuple):
+    """The HBM pool's device state and the plan's scratch (kvcache/pool.py owns them)."""
+    resident: torch.Tensor    # int64 [num_keys + 1] key -> slot (-1)
+    owner: torch.Tensor       # int64 [num_slots + 1] slot -> key (-1)
+    last_use: torch.Tensor    # int64 [num_slots + 1]
+    clock: torch.Tensor       # int64 []
+    stats: torch.Tensor       # int64 [4]
+    set_misses: torch.Tensor  # int32 [num_sets], zero between calls
+    set_queue: torch.Tensor   # int32 [num_slots]
+    plan_cur: torch.Tensor    # int64 [1]
+    claim: torch.Tensor       # int64 [num_keys + 1], -1 at first: the kernels' repeat detection (scratch)
+    ways: int
+    num_sets: int
+    hash_mult: int
+
+
+class ListLayout(NamedTuple):
+    """How a layer's selection lists name head blocks: keys (layer * (num_blocks + 1) + token block) * Hkv + head
+    (the host store's rows), the trash key num_keys for no request."""
+    layer: int
+    num_blocks: int
+    num_kv_heads: int
+    local: int       # blocks of the local window: read from the device cache, never through the pool
+    block_size: int
 
 
 def set_of(key: torch.Tensor, num_sets: int, hash_mult: int) -> torch.Tensor:
@@ -103,29 +145,80 @@ BLOCK_EVICT = 64
 
 
 @triton.jit
-def _lookup_kernel(key_ptr, resident_ptr, last_use_ptr, clock_ptr, cur_ptr, stats_ptr, count_ptr, queue_ptr,
-                   rank_ptr, loc_ptr, load_ptr, n, trash_key, num_sets,
-                   WAYS: tl.constexpr, HASH: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    i = pid * BLOCK + tl.arange(0, BLOCK)
-    inb = i < n
-    key = tl.load(key_ptr + i, mask=inb, other=trash_key)
+def _lookup(key, i, inb, resident_ptr, last_use_ptr, clock, stats_ptr, count_ptr, queue_ptr, rank_ptr, loc_ptr,
+            load_ptr, trash_key, num_sets, load_other, WAYS: tl.constexpr, HASH: tl.constexpr):
+    """Kernel 1's lookup of keys at positions i (in bounds: inb); load_other: what `load` holds where kernel 2
+    installs nothing (-1; pool_read marks repeats -2)."""
     need = key != trash_key
     slot = tl.load(resident_ptr + key, mask=need, other=-1)
     hit = need & (slot >= 0)
     miss = need & (slot < 0)
-    clock = tl.load(clock_ptr)
     tl.store(last_use_ptr + slot, tl.zeros_like(slot) + clock, mask=hit)
     set_id = (key * HASH) % num_sets
-    rank = tl.atomic_add(count_ptr + set_id, tl.full((BLOCK,), 1, tl.int32), mask=miss, sem="relaxed")
+    rank = tl.atomic_add(count_ptr + set_id, tl.full(key.shape, 1, tl.int32), mask=miss, sem="relaxed")
     rank = tl.where(miss, rank, -1)
     tl.store(queue_ptr + set_id * WAYS + rank, i.to(tl.int32), mask=miss & (rank < WAYS))
     tl.store(rank_ptr + i, rank, mask=inb)
     tl.store(loc_ptr + i, tl.where(hit, slot, -1), mask=inb)
-    tl.store(load_ptr + i, tl.full((BLOCK,), -1, tl.int64), mask=inb)
+    tl.store(load_ptr + i, load_other, mask=inb)
     tl.atomic_add(stats_ptr + 0, tl.sum(hit.to(tl.int64), axis=0), sem="relaxed")
     tl.atomic_add(stats_ptr + 2, tl.sum(miss.to(tl.int64), axis=0), sem="relaxed")  # kernel 2 moves loads out
+
+
+@triton.jit
+def _lookup_kernel(key_ptr, resident_ptr, last_use_ptr, clock_ptr, cur_ptr, stats_ptr, count_ptr, queue_ptr,
+                   rank_ptr, loc_ptr, load_ptr, n, trash_key, num_sets,
+                   WAYS: tl.constexpr, HASH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    pid = tl.program_id(0)
+    i = pid * BLOCK + tl.arange(0, BLOCK)
+    inb = i < n
+    key = tl.load(key_ptr + i, mask=inb, other=trash_key)
+    clock = tl.load(clock_ptr)
+    _lookup(key, i, inb, resident_ptr, last_use_ptr, clock, stats_ptr, count_ptr, queue_ptr, rank_ptr, loc_ptr,
+            load_ptr, trash_key, num_sets, tl.full([BLOCK], -1, tl.int64), WAYS=WAYS, HASH=HASH)
     if pid == 0:
+        tl.atomic_add(stats_ptr + 3, 1, sem="relaxed")
+        tl.store(cur_ptr, clock)
+
+
+@triton.jit
+def _list_lookup_kernel(sel_ptr, row_slots_ptr, tables_ptr, seq_lens_ptr, key_out_ptr, claim_ptr,
+                        resident_ptr, last_use_ptr, clock_ptr, cur_ptr, stats_ptr, count_ptr, queue_ptr,
+                        rank_ptr, loc_ptr, load_ptr, stamp_ptr, hist_ptr, since_ptr, ws_clock_ptr,
+                        stride_ss, stride_tb, key_base, trash_key, num_sets,
+                        HKV: tl.constexpr, CAP: tl.constexpr, CAP_P2: tl.constexpr, LOCAL: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, WAYS: tl.constexpr, HASH: tl.constexpr, TOUCH: tl.constexpr,
+                        NUM_SLOTS: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr):
+    """One program per (row, KV head): its list's keys, the claim of each, the lookup of the representatives;
+    TOUCH: the keys also join the row's working set (kernels/working_set.py)."""
+    pdl_wait(PDL)  # the lists are the selection kernel's output
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row_slot = tl.load(row_slots_ptr + b).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + b)
+    lim = tl.maximum(tl.cdiv(seq_len, BLOCK_SIZE) - LOCAL, 0)
+    c = tl.arange(0, CAP_P2)
+    inb = c < CAP
+    on = inb & ((tl.zeros([CAP_P2], tl.int64) + row_slot) >= 0)  # a padding row (slot -1) lists nothing
+    entry = tl.load(sel_ptr + row_slot * stride_ss + h * CAP + c, mask=on, other=-1)
+    listed = (entry >= 0) & (entry < lim)
+    blk = tl.load(tables_ptr + b * stride_tb + entry, mask=listed, other=0).to(tl.int64)
+    key = tl.where(listed, (key_base + blk) * HKV + h, trash_key)
+    i = (b * HKV + h) * CAP + c
+    tl.store(key_out_ptr + i, key, mask=inb)
+    if TOUCH:
+        t = tl.load(ws_clock_ptr)
+        added = touch_keys(key, listed, row_slot, t, stamp_ptr, hist_ptr, since_ptr, NUM_SLOTS=NUM_SLOTS,
+                           WINDOW=WINDOW)
+        tl.atomic_add(hist_ptr + tl.maximum(row_slot, 0) * WINDOW + t % WINDOW, added)
+    clock = tl.load(clock_ptr)
+    old = tl.atomic_xchg(claim_ptr + key, tl.zeros_like(key) + clock, mask=listed, sem="relaxed")
+    repeat = listed & (old == clock)
+    _lookup(tl.where(repeat, trash_key, key), i, inb, resident_ptr, last_use_ptr, clock, stats_ptr, count_ptr,
+            queue_ptr, rank_ptr, loc_ptr, load_ptr, trash_key, num_sets, tl.where(repeat, -2, -1).to(tl.int64),
+            WAYS=WAYS, HASH=HASH)
+    if (b == 0) & (h == 0):
         tl.atomic_add(stats_ptr + 3, 1, sem="relaxed")
         tl.store(cur_ptr, clock)
 
@@ -133,7 +226,9 @@ def _lookup_kernel(key_ptr, resident_ptr, last_use_ptr, clock_ptr, cur_ptr, stat
 @triton.jit
 def _evict_kernel(key_ptr, rank_ptr, resident_ptr, owner_ptr, last_use_ptr, clock_ptr, cur_ptr, stats_ptr,
                   count_ptr, queue_ptr, loc_ptr, load_ptr, n, num_sets,
-                  WAYS: tl.constexpr, WAYS_P2: tl.constexpr, HASH: tl.constexpr, BLOCK: tl.constexpr):
+                  WAYS: tl.constexpr, WAYS_P2: tl.constexpr, HASH: tl.constexpr, BLOCK: tl.constexpr,
+                  PDL: tl.constexpr):
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     i = pid * BLOCK + tl.arange(0, BLOCK)
     lead = tl.load(rank_ptr + i, mask=i < n, other=-1) == 0
@@ -180,7 +275,8 @@ def pool_plan_triton(key: torch.Tensor, resident: torch.Tensor, owner: torch.Ten
     rank = torch.empty(n, dtype=torch.int32, device=key.device)
     loc = torch.empty(n, dtype=torch.int64, device=key.device)
     load = torch.empty(n, dtype=torch.int64, device=key.device)
-    common = dict(WAYS=ways, HASH=hash_mult)
+    pdl = use_pdl(key.device)
+    common = dict(WAYS=ways, HASH=hash_mult, PDL=pdl, launch_pdl=pdl)
     # At least one program: an empty call still advances the clock and counts a layer step.
     _lookup_kernel[(max(triton.cdiv(n, BLOCK_LOOKUP), 1),)](
         key, resident, last_use, clock, plan_cur, stats, set_misses, set_queue,
@@ -190,3 +286,82 @@ def pool_plan_triton(key: torch.Tensor, resident: torch.Tensor, owner: torch.Ten
         set_misses, set_queue, loc, load, n, num_sets,
         WAYS_P2=triton.next_power_of_2(ways), BLOCK=BLOCK_EVICT, **common)
     return loc, load
+
+
+def list_keys(sel: torch.Tensor, row_slots: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
+              lay: ListLayout, trash_key: int) -> torch.Tensor:
+    """int64 [B, Hkv, cap]: the key of each list entry before its row's local window, trash_key elsewhere.
+    sel: int32 [S, Hkv, cap] the layer's lists (-1 padded) by state slot; row_slots: int [B] each row's state slot
+    (-1: a padding row); tables: int [B, W] token block tables; seq_lens: int [B]."""
+    rows = sel[row_slots.long().clamp_min(0)]
+    nb = (seq_lens.long() + lay.block_size - 1) // lay.block_size
+    listed = (rows >= 0) & (rows < (nb - lay.local).clamp_min(0)[:, None, None]) & (row_slots >= 0)[:, None, None]
+    blocks = tables.long().gather(1, rows.clamp_min(0).flatten(1).long()).view_as(rows)
+    h = torch.arange(lay.num_kv_heads, device=sel.device)[:, None]
+    key = (lay.layer * (lay.num_blocks + 1) + blocks) * lay.num_kv_heads + h
+    return torch.where(listed, key, trash_key)
+
+
+def pool_read_ref(host_flat: torch.Tensor, pool_slots: torch.Tensor, sel: torch.Tensor, row_slots: torch.Tensor,
+                  tables: torch.Tensor, seq_lens: torch.Tensor, lay: ListLayout, st: PoolState,
+                  touch: TouchState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sparse layer's read of its decode lists through the pool (list_keys' arguments): the plan of each
+    distinct key (repeats are planned as non-requests and read the slot of its first occurrence) and the
+    FlashH2D of the misses; with `touch`, every listed key also joins its row's working set
+    (kernels/working_set.py, repeats included). Returns (loc, key), int64 [B, Hkv, cap]: each entry's pool slot
+    (-1: a bypass read from host row key, or no request)."""
+    trash_key = st.resident.numel() - 1
+    key = list_keys(sel, row_slots, tables, seq_lens, lay, trash_key)
+    flat = key.reshape(-1)
+    pos = torch.arange(flat.numel(), device=key.device)
+    _, inverse = torch.unique(flat, return_inverse=True)
+    first = torch.full_like(pos, flat.numel()).scatter_reduce_(0, inverse, pos, "amin")
+    rep = first[inverse]  # the first occurrence of each key represents it
+    unique = torch.where(rep == pos, flat, trash_key)
+    loc, load = pool_plan_ref(unique, st.resident, st.owner, st.last_use, st.clock, st.stats, ways=st.ways,
+                              num_sets=st.num_sets, hash_mult=st.hash_mult)
+    flash_h2d_ref(host_flat, pool_slots, unique, load)
+    if touch is not None:
+        working_set_touch_ref(key.reshape(key.shape[0], -1), row_slots, *touch)
+    return loc[rep].view_as(key), key
+
+
+def pool_read_triton(host_flat: torch.Tensor, pool_slots: torch.Tensor, sel: torch.Tensor, row_slots: torch.Tensor,
+                     tables: torch.Tensor, seq_lens: torch.Tensor, lay: ListLayout, st: PoolState,
+                     touch: TouchState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    b, cap = row_slots.numel(), sel.shape[-1]
+    assert sel.shape[1] == lay.num_kv_heads and sel.stride(2) == 1 and sel.stride(1) == cap
+    n, dev = b * lay.num_kv_heads * cap, sel.device
+    key = torch.empty(b, lay.num_kv_heads, cap, dtype=torch.int64, device=dev)
+    rank = torch.empty(n, dtype=torch.int32, device=dev)
+    loc = torch.empty(n, dtype=torch.int64, device=dev)
+    load = torch.empty(n, dtype=torch.int64, device=dev)
+    pdl = use_pdl(dev)
+    if b:
+        ws = touch if touch is not None else TouchState(loc, loc, loc, loc)  # unused without TOUCH
+        _list_lookup_kernel[(b, lay.num_kv_heads)](
+            sel, row_slots, tables, seq_lens, key, st.claim, st.resident, st.last_use, st.clock, st.plan_cur,
+            st.stats, st.set_misses, st.set_queue, rank, loc, load, *ws, sel.stride(0), tables.stride(0),
+            lay.layer * (lay.num_blocks + 1), st.resident.numel() - 1, st.num_sets, HKV=lay.num_kv_heads, CAP=cap,
+            CAP_P2=triton.next_power_of_2(cap), LOCAL=lay.local, BLOCK_SIZE=lay.block_size, WAYS=st.ways,
+            HASH=st.hash_mult, TOUCH=touch is not None, NUM_SLOTS=ws.hist.shape[0] if touch is not None else 1,
+            WINDOW=ws.hist.shape[1] if touch is not None else 1, PDL=pdl, launch_pdl=pdl)
+    else:  # no rows: the clock still advances and a layer step counts, as in pool_plan
+        _lookup_kernel[(1,)](key, st.resident, st.last_use, st.clock, st.plan_cur, st.stats, st.set_misses,
+                             st.set_queue, rank, loc, load, 0, st.resident.numel() - 1, st.num_sets,
+                             BLOCK=BLOCK_LOOKUP, WAYS=st.ways, HASH=st.hash_mult, PDL=pdl, launch_pdl=pdl)
+    _evict_kernel[(max(triton.cdiv(n, BLOCK_EVICT), 1),)](
+        key, rank, st.resident, st.owner, st.last_use, st.clock, st.plan_cur, st.stats, st.set_misses,
+        st.set_queue, loc, load, n, st.num_sets, WAYS=st.ways, WAYS_P2=triton.next_power_of_2(st.ways),
+        HASH=st.hash_mult, BLOCK=BLOCK_EVICT, PDL=pdl, launch_pdl=pdl)
+    flash_h2d_triton(host_flat, pool_slots, key.view(-1), load, repeats=(st.resident, loc))
+    return loc.view_as(key), key
+
+
+def pool_read(host_flat: torch.Tensor, pool_slots: torch.Tensor, sel: torch.Tensor, row_slots: torch.Tensor,
+              tables: torch.Tensor, seq_lens: torch.Tensor, lay: ListLayout, st: PoolState,
+              touch: TouchState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """pool_read_ref's contract (the kernels may pair a set's misses with its victims in another order, and pick
+    another representative among repeats)."""
+    fn = pool_read_triton if use_triton(sel) else pool_read_ref
+    return fn(host_flat, pool_slots, sel, row_slots, tables, seq_lens, lay, st, touch)

@@ -1,6 +1,8 @@
 """Working-set counting (DESIGN.md principle 7): per state slot, how many distinct head blocks its lists asked
 the HBM pool for over the last `window` decode steps, kept current on the device by one update per layer
-(fixed shapes, no host sync: capturable). The component that owns the state: kvcache/working_set.py.
+(fixed shapes, no host sync: capturable). The component that owns the state: kvcache/working_set.py. On the
+GPU the count runs inside the pool's read kernel, which computes the keys (`touch_keys`, kernels/pool_plan.py
+pool_read); working_set_touch_ref is its reference.
 
 State (int tensors on the device):
     stamp [num_keys + 1] int64   head block key -> clock * num_slots + slot of its last touch (-1: never; the
@@ -18,9 +20,11 @@ the one that touched it last; two rows touching it in the same step both count i
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from sparseserve.kernels.dispatch import tl, triton, use_triton
+from sparseserve.kernels.dispatch import tl, triton
 
 
 def working_set_begin_step(hist: torch.Tensor, clock: torch.Tensor) -> None:
@@ -50,45 +54,25 @@ def working_set_touch_ref(key: torch.Tensor, slots: torch.Tensor, stamp: torch.T
     stamp.index_put_((torch.where(valid, key, trash).reshape(-1),), (clock * num_slots + slot).reshape(-1))
 
 
+class TouchState(NamedTuple):
+    """The working-set count's device state (kvcache/working_set.py owns it), for kernels that touch keys they
+    compute themselves (kernels/pool_plan.py pool_read)."""
+    stamp: torch.Tensor
+    hist: torch.Tensor
+    since: torch.Tensor
+    clock: torch.Tensor
+
+
 @triton.jit
-def _touch_kernel(key_ptr, slots_ptr, stamp_ptr, hist_ptr, since_ptr, clock_ptr, K, trash,
-                  NUM_SLOTS: tl.constexpr, WINDOW: tl.constexpr, BLOCK: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    t = tl.load(clock_ptr)
-    added = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in range(0, K, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        row_slot = tl.zeros([BLOCK], dtype=tl.int64) + slot
-        key = tl.load(key_ptr + b * K + offs, mask=(offs < K) & (row_slot >= 0), other=trash)
-        valid = key != trash
-        prev = tl.load(stamp_ptr + key, mask=valid, other=-1)
-        step0 = tl.where(prev >= 0, prev // NUM_SLOTS, 0)
-        owner = tl.where(prev >= 0, prev % NUM_SLOTS, 0)
-        since = tl.load(since_ptr + owner, mask=valid, other=0)
-        live = valid & (prev >= 0) & (t - step0 < WINDOW) & (step0 > since)
-        tl.atomic_add(hist_ptr + owner * WINDOW + step0 % WINDOW, tl.full([BLOCK], -1, tl.int32), mask=live)
-        tl.store(stamp_ptr + key, t * NUM_SLOTS + slot, mask=valid)
-        added += valid.to(tl.int32)
-    # valid entries imply slot >= 0: a row of slot -1 adds nothing (to slot 0's bucket)
-    tl.atomic_add(hist_ptr + tl.maximum(slot, 0) * WINDOW + t % WINDOW, tl.sum(added, axis=0))
-
-
-def working_set_touch_triton(key: torch.Tensor, slots: torch.Tensor, stamp: torch.Tensor, hist: torch.Tensor,
-                             since: torch.Tensor, clock: torch.Tensor) -> None:
-    """working_set_touch_ref in one launch: one program per row."""
-    b, k = key.shape
-    if b == 0 or k == 0:
-        return
-    num_slots, window = hist.shape
-    _touch_kernel[(b,)](key.contiguous(), slots, stamp, hist, since, clock, k, stamp.numel() - 1,
-                        NUM_SLOTS=num_slots, WINDOW=window, BLOCK=min(1024, triton.next_power_of_2(k)))
-
-
-def working_set_touch(key: torch.Tensor, slots: torch.Tensor, stamp: torch.Tensor, hist: torch.Tensor,
-                      since: torch.Tensor, clock: torch.Tensor) -> None:
-    """working_set_touch_ref's contract."""
-    if use_triton(key):
-        working_set_touch_triton(key, slots, stamp, hist, since, clock)
-    else:
-        working_set_touch_ref(key, slots, stamp, hist, since, clock)
+def touch_keys(key, valid, slot, t, stamp_ptr, hist_ptr, since_ptr, NUM_SLOTS: tl.constexpr, WINDOW: tl.constexpr):
+    """The touch of the valid keys of one row (state slot `slot`) at clock t: each moves out of the bucket of its
+    previous touch (while that one is in the window and after its slot was handed out); returns how many the
+    row's bucket (slot, t % WINDOW) gains, for the caller's one atomic add."""
+    prev = tl.load(stamp_ptr + key, mask=valid, other=-1)
+    step0 = tl.where(prev >= 0, prev // NUM_SLOTS, 0)
+    owner = tl.where(prev >= 0, prev % NUM_SLOTS, 0)
+    since = tl.load(since_ptr + owner, mask=valid, other=0)
+    live = valid & (prev >= 0) & (t - step0 < WINDOW) & (step0 > since)
+    tl.atomic_add(hist_ptr + owner * WINDOW + step0 % WINDOW, tl.full(key.shape, -1, tl.int32), mask=live)
+    tl.store(stamp_ptr + key, t * NUM_SLOTS + slot, mask=valid)
+    return tl.sum(valid.to(tl.int32), axis=0)

@@ -9,7 +9,7 @@ kernels/flash_h2d.py), plain memory on CPU. Viewed flat as [num_layers * (num_bl
 head block (layer, block, kv_head) is row (layer * (num_blocks + 1) + block) * Hkv + kv_head: the same
 index as the HBM pool's residency map (kvcache/pool.py).
 
-Rows are token (host) block ids; the device cache may use other ids (store_step's host_blocks maps them).
+Rows are token (host) block ids; the device cache may use other ids (store_step's token_slot_mapping maps them).
 
 Two ways in (store_step), both whole blocks, only once a block is full: blocks that decode tokens
 complete are written through by a Triton kernel over UVA (all a step captured in a CUDA graph can do);
@@ -97,15 +97,15 @@ class HostKVStore:
         in token blocks (host store rows), when the device cache is not indexed by token block (None: the
         same ids)."""
         nd = num_decode_tokens
-        host_blocks = None if token_slot_mapping is None else token_slot_mapping // self.block_size
         if self.d2h is None:  # CPU: every token through the same path
-            self.write_through(layer, kv_cache, slot_mapping, host_blocks)
+            self.write_through(layer, kv_cache, slot_mapping, token_slot_mapping)
             return
+        tsm = token_slot_mapping
         if nd:
-            self.write_through(layer, kv_cache, slot_mapping[:nd], None if host_blocks is None else host_blocks[:nd])
+            self.write_through(layer, kv_cache, slot_mapping[:nd], None if tsm is None else tsm[:nd])
         if slot_mapping.numel() > nd:
             self.d2h.submit(layer, kv_cache, slot_mapping[nd:], num_seqs - nd,
-                            None if host_blocks is None else host_blocks[nd:])
+                            None if tsm is None else tsm[nd:] // self.block_size)
 
     def bytes_written(self) -> int:
         """Bytes written into the store so far (whole blocks + FlashD2H tokens; syncs)."""
@@ -113,13 +113,11 @@ class HostKVStore:
         return (int(self.blocks_written) + self.d2h_blocks_written()) * block
 
     def write_through(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      host_blocks: torch.Tensor | None = None) -> None:
+                      host_slots: torch.Tensor | None = None) -> None:
         """After store_kv of `layer`: every token block that a token of slot_mapping completes goes from the
-        device cache layer [NB, Hkv, 2, bs, D] to store row host_blocks[i] (default: the same block id), fixed
-        shapes (kernels/flash_h2d.py write_through)."""
-        write_through(kv_cache, self.data[layer], slot_mapping, host_blocks)
-        ends = (slot_mapping >= 0) & ((slot_mapping + 1) % self.block_size == 0)
-        self.blocks_written += ends.sum().to(self.blocks_written.device)
+        device cache layer [NB, Hkv, 2, bs, D] to the store row of host_slots[i] (the token's slot in host block
+        ids; default: the same), fixed shapes (kernels/flash_h2d.py write_through); blocks_written counts them."""
+        write_through(kv_cache, self.data[layer], slot_mapping, host_slots, self.blocks_written)
 
 
 def completed_blocks(slot_mapping: torch.Tensor, block_size: int, n: int,
@@ -162,7 +160,8 @@ class D2HWriter:
     def submit(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_seqs: int,
                host_blocks: torch.Tensor | None = None) -> None:
         """kv_cache: the layer's device cache [NB, Hkv, 2, bs, D] after store_kv; slot_mapping [T] (-1:
-        padding) of the prefill tokens of num_seqs sequences; host_blocks as in HostKVStore.store_step."""
+        padding) of the prefill tokens of num_seqs sequences; host_blocks [T]: their host block ids (None: the
+        same)."""
         n = min(slot_mapping.numel() // self.store.block_size + num_seqs, self.max_blocks)
         staged, ids = self.staging[layer, :n], self.staged_ids[layer, :n]
         event = None

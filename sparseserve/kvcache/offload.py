@@ -201,9 +201,8 @@ class OffloadCache:
         # last kv_caches are its layers): restores and pauses address it whole.
         self.sparse_cache = sparse_cache
         self._restores: list[tuple[int, int]] = []  # (token block = host row, device block) before the next step
+        self._stale: list[int] = []  # token blocks handed to new owners, dropped from the pool before the next step
         self.num_restored_blocks = 0  # token blocks restored into the device block cache (stats)
-        # read(): head block key -> one position requesting it (scratch; only just-written entries are read)
-        self._claim = torch.zeros(pool.num_keys + 1, dtype=torch.int32, device=pool.resident.device)
         self._graph: dict[str, torch.Tensor] | None = None
 
     @classmethod
@@ -349,8 +348,11 @@ class OffloadCache:
                   key.to(dev, non_blocking=True), load.to(dev, non_blocking=True))
 
     def on_allocate(self, blocks: list[int]) -> None:
-        """Token blocks given to a new owner: the pool must not serve their previous contents."""
-        self.pool.invalidate(blocks)
+        """Token blocks given to a new owner: the pool must not serve their previous contents. Dropped from the
+        pool together before the step's kernels (`fence`): a decode allocates a block every block_size steps, and
+        each drop is a few device ops. No earlier read can ask for them: a block is listed only once it is full,
+        steps after it was allocated."""
+        self._stale += blocks
 
     # ---- the runner ---------------------------------------------------------------------------------------
 
@@ -375,8 +377,11 @@ class OffloadCache:
 
     def fence(self) -> None:
         """Before any kernel of a step: earlier steps' FlashD2H copies are in the store, so device blocks the
-        scheduler released for this step may be rewritten."""
+        scheduler released for this step may be rewritten; token blocks with new owners leave the pool."""
         self.host.fence()
+        if self._stale:
+            self.pool.invalidate(self._stale)
+            self._stale = []
 
     # ---- the sparse backend, per layer --------------------------------------------------------------------
 
@@ -392,22 +397,21 @@ class OffloadCache:
         blocks = torch.where(listed, tables.gather(1, sel_rows.clamp_min(0).flatten(1).long()).view_as(sel_rows), -1)
         return self.pool.keys(layer, blocks)
 
-    def read(self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel_rows: torch.Tensor) -> OffloadView:
+    def read(self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel: torch.Tensor,
+             row_slots: torch.Tensor) -> OffloadView:
         """Residency lookup of the listed head blocks, victims for the misses and FlashH2D of the misses into
-        their slots; the view the sparse kernels read them through. Fixed shapes, no sync.
-
-        Sequences sharing prefix-cached token blocks may list the same head block: the pool plans each block
-        once (its plan assumes distinct requests), so every repeat is planned as a non-request and reads the
-        slot of one representative (whichever occurrence the scatter into `_claim` kept)."""
-        key = self.keys(layer, tables, seq_lens, sel_rows).reshape(-1)
-        pos = torch.arange(key.numel(), dtype=torch.int32, device=key.device)
-        self._claim.scatter_(0, key, pos)
-        rep = self._claim[key].long()
-        unique = torch.where(rep == pos, key, self.pool.trash_key)
-        loc, load = self.pool.plan(unique)
+        their slots, and the listed blocks counted into their sequences' working sets (kvcache/pool.py `read`:
+        three kernels a layer on the GPU); the view the sparse kernels read them through. sel: the layer's lists
+        by state slot [S, Hkv, cap]; row_slots [B] the decode rows' slots. Fixed shapes, no sync. Sequences
+        sharing prefix-cached token blocks may list the same head block: it is planned once, and every
+        occurrence reads its slot."""
+        ws = self.working_set
+        if ws is not None and layer == self.dense_layers:  # the first sparse layer starts the step's count
+            ws.begin_step()
         host_flat = self.host.flat()
-        flash_h2d(host_flat, self.pool.slots, unique, load)
-        return self.pool.slots, host_flat, loc[rep].view(sel_rows.shape), key.view(sel_rows.shape)
+        loc, key = self.pool.read(host_flat, layer, sel, row_slots, tables, seq_lens, self.local_blocks,
+                                  self.block_size, None if ws is None else ws.touch_state())
+        return self.pool.slots, host_flat, loc, key
 
     def lookup(self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel_rows: torch.Tensor) -> OffloadView:
         """The view of lists that shrank in place after `read` (no state change, nothing loaded)."""

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from sparseserve.kernels.pool_plan import pool_plan, set_of
+from sparseserve.kernels.pool_plan import ListLayout, PoolState, pool_plan, pool_read, set_of
+from sparseserve.kernels.working_set import TouchState
 
 _HASH = 2654435761
 
@@ -51,6 +52,11 @@ class HBMPool:
         self.set_misses = torch.zeros(self.num_sets, dtype=torch.int32, device=device)
         self.set_queue = torch.zeros(n, dtype=torch.int32, device=device)
         self.plan_cur = torch.zeros(1, dtype=torch.int64, device=device)
+        self.claim = torch.full((self.num_keys + 1,), -1, dtype=torch.int64, device=device)  # read's repeats
+        # The key of token block 0 in every (layer, KV head); block b's keys add b * Hkv.
+        layers = torch.arange(num_layers, device=device)[:, None]
+        self._block_keys = (layers * (num_blocks + 1) * num_kv_heads + torch.arange(num_kv_heads, device=device)
+                            ).reshape(-1)
 
     @property
     def trash_slot(self) -> int:
@@ -76,22 +82,33 @@ class HBMPool:
         return pool_plan(key, self.resident, self.owner, self.last_use, self.clock, self.stats, self.set_misses,
                          self.set_queue, self.plan_cur, ways=self.ways, num_sets=self.num_sets, hash_mult=_HASH)
 
+    def read(self, host_flat: torch.Tensor, layer: int, sel: torch.Tensor, row_slots: torch.Tensor,
+             tables: torch.Tensor, seq_lens: torch.Tensor, local: int, block_size: int,
+             touch: TouchState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's decode lists read through the pool (kernels/pool_plan.py pool_read): sel int32 [S, Hkv,
+        cap] the layer's lists by state slot, row_slots [B] each row's slot, tables [B, W] token block tables
+        (host rows), seq_lens [B]. The misses are loaded from host_flat; touch: the working-set count the listed
+        keys join in the same pass (kvcache/working_set.py). Returns (loc, key) [B, Hkv, cap]: each entry's slot
+        (-1: read from host row key, or no request)."""
+        state = PoolState(self.resident, self.owner, self.last_use, self.clock, self.stats, self.set_misses,
+                          self.set_queue, self.plan_cur, self.claim, self.ways, self.num_sets, _HASH)
+        lay = ListLayout(layer, self.num_blocks, self.num_kv_heads, local, block_size)
+        return pool_read(host_flat, self.slots, sel, row_slots, tables, seq_lens, lay, state, touch)
+
     def invalidate(self, blocks: list[int]) -> None:
         """Token blocks given to a new owner (their old contents are gone): drop their head blocks of every
         layer and KV head, so the new owner never hits a stale slot. Between steps."""
         if not blocks:
             return
         dev = self.resident.device
-        b = torch.tensor(blocks, dtype=torch.int64, device=dev)
-        layers = torch.arange(self.num_keys // ((self.num_blocks + 1) * self.num_kv_heads), device=dev)
-        h = torch.arange(self.num_kv_heads, device=dev)
-        key = ((layers[:, None, None] * (self.num_blocks + 1) + b[None, :, None]) * self.num_kv_heads
-               + h[None, None]).reshape(-1)
+        b = torch.tensor(blocks, dtype=torch.int64).to(dev, non_blocking=True)
+        key = (self._block_keys[None, :] + b[:, None] * self.num_kv_heads).reshape(-1)
         slot = self.resident[key]
         slot = torch.where(slot >= 0, slot, self.trash_slot)
-        self.owner[slot] = -1
-        self.last_use[slot] = -1
-        self.resident[key] = -1
+        # index_fill_, not `x[idx] = -1`: that copies a CPU scalar to the device, waiting for the device
+        self.owner.index_fill_(0, slot, -1)
+        self.last_use.index_fill_(0, slot, -1)
+        self.resident.index_fill_(0, key, -1)
 
     def check(self) -> None:
         """Accounting invariants (tests; syncs): owner and resident are inverse maps, no slot holds two

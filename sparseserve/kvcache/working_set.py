@@ -5,10 +5,11 @@ A request's working set is the union of the head blocks its selections asked the
 `window` decode steps (its list entries outside the local window, every sparse layer and KV head): the
 pool's own unit, one slot per head block, so the sum over the running requests compares with the pool's slots.
 
-Counted on the device inside the step (kernels/working_set.py: one update per sparse layer, capturable), per
-selection-state slot. `publish` (the sparse backend, before each step's kernels) copies the per-slot counts
-into pinned memory without a sync, with the slot -> sequence map of that moment; the scheduler reads the newest
-copy that has landed (`estimates`): one step late on a busy GPU, exactly one step late on CPU.
+Counted on the device inside the step (kernels/working_set.py; on the GPU within the pool's read of each sparse
+layer; capturable), per selection-state slot. `publish` (the sparse backend, before each step's kernels) copies
+the per-slot counts into pinned memory without a sync, with the slot -> sequence map of that moment; the
+scheduler reads the newest copy that has landed (`estimates`): one step late on a busy GPU, exactly one step
+late on CPU.
 
 A request not measured yet (never decoded, or every count zero so far) is estimated from the selection budget:
 its list entries outside the local window, min(budget blocks, context blocks) - local blocks, times sparse
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from sparseserve.kernels.working_set import working_set_begin_step, working_set_touch
+from sparseserve.kernels.working_set import TouchState, working_set_begin_step
 from sparseserve.kvcache.blocks import blocks_needed
 
 
@@ -41,8 +42,12 @@ class WorkingSet:
         self.since = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.clock = torch.zeros(1, dtype=torch.int64, device=device)
         self._cuda = device.type == "cuda"
+        self._counts = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self._pinned = torch.zeros(num_slots, dtype=torch.int64, pin_memory=self._cuda)
-        self._event: torch.cuda.Event | None = None
+        # One event and the stream it records on, made once: a step's host time is counted in microseconds.
+        self._copied = torch.cuda.Event() if self._cuda else None
+        self._stream = torch.cuda.current_stream(device) if self._cuda else None
+        self._in_flight = False
         self._pending: dict[int, int] = {}  # seq_id -> slot of the copy in flight
         self._measured: dict[int, tuple[int, int]] = {}  # seq_id -> (blocks, decode steps counted on its slot)
         self._floor: dict[int, int] = {}  # seq_id -> the estimate it had when it was paused
@@ -60,9 +65,9 @@ class WorkingSet:
         """Before the first sparse layer's touch of a decode step."""
         working_set_begin_step(self.hist, self.clock)
 
-    def touch(self, slots: torch.Tensor, key: torch.Tensor) -> None:
-        """One sparse layer's pool requests: key [B, Hkv, cap] (the pool's trash key: none) of rows in slots [B]."""
-        working_set_touch(key.reshape(key.shape[0], -1), slots, self.stamp, self.hist, self.since, self.clock)
+    def touch_state(self) -> TouchState:
+        """The count's device state, for the pool's read to touch the keys it computes (kvcache/pool.py)."""
+        return TouchState(self.stamp, self.hist, self.since, self.clock)
 
     def reset_slots(self, slots: list[int]) -> None:
         """Slots handed to new sequences (between steps): their counts start from nothing."""
@@ -82,13 +87,14 @@ class WorkingSet:
         if not self._cuda:
             self._land(self.counts().tolist(), held)
             return
-        if self._event is not None:
-            if not self._event.query():
+        if self._in_flight:
+            if not self._copied.query():
                 return
             self._land(self._pinned.tolist(), self._pending)
-        self._pinned.copy_(self.counts(), non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record()
+        torch.sum(self.hist, 1, dtype=torch.int64, out=self._counts)  # a transient negative bucket lands as 0
+        self._pinned.copy_(self._counts, non_blocking=True)
+        self._copied.record(self._stream)
+        self._in_flight = True
         self._pending = dict(held)
 
     def _land(self, counts: list[int], held: dict[int, int]) -> None:
@@ -96,7 +102,7 @@ class WorkingSet:
             if counts[slot] > 0:
                 _, steps = self._measured.get(sid, (0, 0))
                 self._measured[sid] = (counts[slot], steps + 1)
-        self._event = None
+        self._in_flight = False
         self._pending = {}
 
     # ---- the scheduler ------------------------------------------------------------------------------------
@@ -104,7 +110,7 @@ class WorkingSet:
     def estimates(self, seqs: list) -> list[int]:
         """Each sequence's working set in head blocks: measured (the newest landed copy), else from the budget;
         a paused one's floor until its new slot has counted a whole window."""
-        if self._event is not None and self._event.query():
+        if self._in_flight and self._copied.query():
             self._land(self._pinned.tolist(), self._pending)
         out = []
         for seq in seqs:

@@ -71,3 +71,24 @@ def test_request_output_add():
     assert (c0.text, c0.token_ids, c0.cumulative_logprob, c0.finish_reason, c0.stop_reason) == \
         ("ab", [1, 2], -3.0, "stop", "b")
     assert [e[1].logprob for e in c0.logprobs] == [-1.0, -2.0]
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_text_decoder_equals_the_tokenizers_decode(clean_up):
+    """The detokenizer's decode (the tokenizers backend called directly where that gives the same text) equals
+    tokenizer.decode(ids, skip_special_tokens=True) on random ids, special tokens included; with clean-up on
+    it goes through transformers."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from sparseserve.engine.detokenizer import text_decoder
+    from sparseserve.models.loader import DEFAULT_MODEL_DIR
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    tok.clean_up_tokenization_spaces = clean_up
+    decode = text_decoder(tok)
+    rng = random.Random(0)
+    special = list(tok.all_special_ids)
+    for n in (1, 2, 7, 40):
+        ids = [rng.choice(special) if rng.random() < 0.2 else rng.randrange(len(tok)) for _ in range(n)]
+        assert decode(ids) == tok.decode(ids, skip_special_tokens=True)

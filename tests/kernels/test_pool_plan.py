@@ -11,7 +11,9 @@ import torch
 
 from sparseserve.kernels.dispatch import forced
 from sparseserve.kvcache.pool import HBMPool
-from tests.kernel_utils import DEVICE, gpu_only
+from sparseserve.kernels.pool_plan import ListLayout
+from sparseserve.kernels.working_set import TouchState, working_set_begin_step
+from tests.kernel_utils import DEVICE, ON_GPU, gpu_only
 
 STATE = ("resident", "owner", "last_use", "clock", "stats")
 
@@ -117,3 +119,101 @@ def test_triton_plan_cuda_graph():
         assert torch.equal(load[load >= 0].sort().values, load_r[load_r >= 0].sort().values)
         assert torch.equal(pool.stats, ref.stats) and torch.equal(pool.last_use, ref.last_use)
         pool.check()
+
+
+def lists(g: torch.Generator, rows: int, slots: int, hkv: int, cap: int, blocks: int, shared: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's decode lists: sel [slots, hkv, cap] (-1 padded, some entries inside the local window or past
+    the context), each row's state slot (the last row a padding row, slot -1), token block tables whose first
+    `shared` blocks are the same token blocks in every row (a prefix-cache hit: rows list the same head blocks)
+    and context lengths."""
+    sel = torch.full((slots, hkv, cap), -1, dtype=torch.int32)
+    row_slots = torch.randperm(slots, generator=g)[:rows].to(torch.int32)
+    row_slots[-1] = -1
+    own = (blocks - shared) // rows  # each row's own token blocks, after the shared ones
+    perm = torch.randperm(blocks - shared, generator=g)[: rows * own].view(rows, own) + shared
+    tables = torch.cat([torch.arange(shared).expand(rows, shared), perm], 1)
+    width = shared + own
+    seq_lens = torch.randint(0, width * 4, (rows,), generator=g, dtype=torch.int32)  # block size 4
+    for s in row_slots[:-1].tolist():
+        for h in range(hkv):
+            n = int(torch.randint(1, min(cap, width) + 1, (1,), generator=g))
+            sel[s, h, :n] = torch.randperm(width, generator=g)[:n].to(torch.int32)
+    return sel.to(DEVICE), row_slots.to(DEVICE), tables.to(torch.int32).to(DEVICE), seq_lens.to(DEVICE)
+
+
+@pytest.mark.parametrize("hkv, cap, slots, ways, bypasses, shared", [
+    (2, 6, 16, 4, True, 3),    # a pool far smaller than a step's lists: bypass reads every step
+    (3, 5, 96, 8, False, 3),   # group 3 (SmolLM2's 3 KV heads of 9 query heads), room for two steps' lists
+    (1, 10, 40, 8, False, 0),  # one KV head, longer lists, no shared blocks
+])
+def test_triton_read_matches_reference(hkv, cap, slots, ways, bypasses, shared):
+    """pool_read (list keys, one plan per distinct key, FlashH2D, repeats resolved, the working-set count) on the
+    Triton kernels against the torch reference from the same state, over steps with repeats across rows (shared prefix
+    blocks), padding rows, entries inside the local window and bypass reads: every entry reads the host's
+    block, the hits, victims, bypass reads per set, statistics and clock stamps are the reference's."""
+    from sparseserve.kernels.pool_plan import list_keys
+    from sparseserve.kernels.sparse_decode import read_listed_ref
+    from sparseserve.kvcache.host import HostKVStore
+    g = torch.Generator().manual_seed(hkv * 10 + cap)
+    layers, blocks, local, bs = 2, 48, 1, 4
+    host = HostKVStore(layers, blocks, hkv, bs, 4, torch.float32, pin=ON_GPU)
+    host.data.copy_(torch.randn(host.data.shape, generator=g))
+    pool = HBMPool(layers, blocks, hkv, bs, 4, slots, torch.float32, DEVICE, ways=ways)
+    ref = HBMPool(layers, blocks, hkv, bs, 4, slots, torch.float32, DEVICE, ways=ways)
+    touch, touch_r = (TouchState(torch.full((pool.num_keys + 1,), -1, dtype=torch.int64, device=DEVICE),
+                                 torch.zeros(8, 3, dtype=torch.int32, device=DEVICE),
+                                 torch.zeros(8, dtype=torch.int64, device=DEVICE),
+                                 torch.zeros(1, dtype=torch.int64, device=DEVICE)) for _ in range(2))
+    repeats = bypass = 0
+    step_lists = {}
+    for step in range(12):
+        layer = step % layers
+        if step % 4 < 2:  # new lists, read again two steps later (hits)
+            step_lists[layer] = lists(g, 5, 8, hkv, cap, blocks, shared)
+        sel, row_slots, tables, seq_lens = step_lists[layer]
+        for name in STATE:
+            getattr(ref, name).copy_(getattr(pool, name))
+        ref.slots.copy_(pool.slots)
+        for a, b in zip(touch, touch_r):
+            a.copy_(b)
+        if layer == 0:
+            for t in (touch, touch_r):
+                working_set_begin_step(t.hist, t.clock)
+        before = pool.resident.clone()
+        with forced("torch"):
+            loc_r, key_r = ref.read(host.flat(), layer, sel, row_slots, tables, seq_lens, local, bs, touch_r)
+        with forced("triton"):
+            loc, key = pool.read(host.flat(), layer, sel, row_slots, tables, seq_lens, local, bs, touch)
+        assert torch.equal(key, key_r)
+        need = key != pool.trash_key
+        step_repeats = int(need.sum()) - int(key[need].unique().numel())
+        # The working-set count in the same pass: the reference's buckets and stamps (the trash stamp is
+        # scratch). Rows listing the same block in one step each count it in the reference; the kernel's rows
+        # race (the later one takes it over), so there a repeat may count once.
+        if step_repeats:
+            total, total_r = int(touch.hist.sum()), int(touch_r.hist.sum())
+            assert total_r - step_repeats <= total <= total_r
+        else:
+            assert torch.equal(touch.hist, touch_r.hist) and torch.equal(touch.stamp[:-1], touch_r.stamp[:-1])
+        with forced("torch"):
+            assert torch.equal(key, list_keys(sel, row_slots, tables, seq_lens,
+                                              ListLayout(layer, blocks, hkv, local, bs), pool.trash_key))
+        flat = host.flat()
+        for p, lc in ((pool, loc), (ref, loc_r)):
+            got = read_listed_ref((p.slots, flat, lc, key))
+            assert torch.equal(got[need].cpu(), flat[key[need].cpu()])
+            assert (lc[~need] == -1).all()
+        hit = need & (before[key] >= 0)
+        assert torch.equal(loc[hit], before[key][hit]) and torch.equal(loc_r[hit], before[key][hit])
+        # as many loads; which misses of an overflowing set bypass follows the kernel's atomic ranks on a GPU
+        assert int((loc >= 0).sum()) == int((loc_r >= 0).sum())
+        sets = pool.set_of(key[need & (loc < 0)])
+        assert torch.equal(torch.bincount(sets, minlength=pool.num_sets),
+                           torch.bincount(ref.set_of(key[need & (loc_r < 0)]), minlength=pool.num_sets))
+        for name in ("last_use", "clock", "stats"):
+            assert torch.equal(getattr(pool, name), getattr(ref, name)), name
+        pool.check()
+        repeats += step_repeats
+        bypass += int((need & (loc < 0)).sum())
+    assert (repeats > 0) == (shared > 0) and pool.stats[0] > 0 and (bypass > 0) == bypasses  # the cases happened

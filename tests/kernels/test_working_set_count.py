@@ -1,6 +1,6 @@
 """Working-set counting (kernels/working_set.py): the per-slot counts equal a plain-Python recount of the
 selections over the window (random selections, slots handed to new sequences, head blocks passing from one
-sequence to another), and the Triton kernel equals the torch reference."""
+sequence to another). The Triton path counts inside the pool's read kernel: tests/kernels/test_pool_plan.py."""
 from __future__ import annotations
 
 import random
@@ -8,9 +8,7 @@ import random
 import pytest
 import torch
 
-from sparseserve.kernels.dispatch import forced
-from sparseserve.kernels.working_set import (working_set_begin_step, working_set_touch, working_set_touch_ref,
-                                             working_set_touch_triton)
+from sparseserve.kernels.working_set import working_set_begin_step, working_set_touch_ref
 from tests.kernel_utils import DEVICE
 
 
@@ -98,28 +96,3 @@ def test_shared_head_blocks_count_for_their_last_toucher(seed):
             last.update({k: (step, s) for k in row if k != 200})
         expect = [sum(1 for t, o in last.values() if o == s and t > step - window) for s in range(num_slots)]
         assert counts(hist) == expect
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_triton_equals_reference(seed):
-    """The Triton kernel (one program per row) against the reference on fresh random lists: stamps and buckets
-    equal after several steps (padding rows of slot -1 and trash entries included)."""
-    rng = random.Random(seed)
-    num_slots, window, width = 4, 3, 40
-    pools = {s: list(range(s * 64, s * 64 + 64)) for s in range(num_slots)}
-    ref = state(num_slots * 64, num_slots, window)
-    tri = state(num_slots * 64, num_slots, window)
-    for _ in range(6):
-        key, slots = random_rows(rng, list(range(num_slots)), pools, width, num_slots * 64)
-        slots = torch.cat([slots, torch.tensor([-1], dtype=torch.int32)])
-        key = torch.cat([key, torch.full((1, width), num_slots * 64, dtype=torch.int64)]).to(DEVICE)
-        slots = slots.to(DEVICE)
-        for s in (ref, tri):
-            working_set_begin_step(s[1], s[3])
-        working_set_touch_ref(key, slots, *ref)
-        working_set_touch_triton(key, slots, *tri)
-        assert torch.equal(ref[0][:-1], tri[0][:-1]) and torch.equal(ref[1], tri[1])  # the trash stamp: scratch
-    with forced("triton"):  # the dispatcher's path
-        working_set_touch(key, slots, *tri)
-    working_set_touch_ref(key, slots, *ref)
-    assert torch.equal(ref[1], tri[1])
