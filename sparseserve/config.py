@@ -53,7 +53,7 @@ class SchedulerConfig:
                 "previous step's sampled tokens) and the previous step's outputs are processed then, so stop "
                 "checks run one step late: a sequence that stopped runs one more step whose token is dropped. "
                 "Greedy and seeded outputs equal synchronous scheduling's; unseeded sampling draws differ (the "
-                "dropped tokens draw too). Not with kv_offload, host_prefix_cache_memory or "
+                "dropped tokens draw too). Not with layer_segmented_prefill, host_prefix_cache_memory or "
                 "tensor_parallel_size > 1 yet."})
 
     def __post_init__(self) -> None:
@@ -392,14 +392,16 @@ class EngineConfig:
             raise ValueError("sparse_lag=1 does not work with kv_offload yet: the offload path loads each "
                              "step's own selection before its attention")
         if self.scheduler_config.async_scheduling:
-            clash = [name for name, on in (("kv_offload", self.offload_config.kv_offload),
-                                           ("host_prefix_cache_memory",
-                                            self.cache_config.host_prefix_cache_memory is not None),
-                                           ("tensor_parallel_size > 1",
-                                            self.parallel_config.tensor_parallel_size > 1)) if on]
+            oc, pc = self.offload_config, self.parallel_config
+            clash = [(name, why) for name, on, why in (
+                ("layer_segmented_prefill", oc.layer_segmented_prefill,
+                 "the overlapped step does not run layer segments"),
+                ("host_prefix_cache_memory", self.cache_config.host_prefix_cache_memory is not None,
+                 "its per-step host copies assume the previous step has landed"),
+                ("tensor_parallel_size > 1", pc.tensor_parallel_size > 1,
+                 "the workers' step messages assume the previous step has landed")) if on]
             if clash:
-                raise ValueError(f"async_scheduling does not work with {clash[0]} yet: its per-step host copies "
-                                 f"(and under TP the workers' step messages) assume the previous step has landed")
+                raise ValueError(f"async_scheduling does not work with {clash[0][0]} yet: {clash[0][1]}")
         if sp.logical_page_size is not None and sp.logical_page_size > bs:
             raise ValueError(f"logical_page_size {sp.logical_page_size} exceeds block_size {bs}")
         if sp.enabled and sp.sparse_budget // bs < sp.sparse_sink_blocks + sp.sparse_local_blocks + 1:

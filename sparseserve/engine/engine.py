@@ -239,6 +239,10 @@ class LLMEngine:
             self.model_runner.release(seq.seq_id)
         launched = None
         if not sched.is_empty:
+            if self.model_runner.offload is not None:
+                # Restores of paused sequences' blocks, on the stream after the step in flight (which wrote them
+                # to the host store); its FlashD2H copies are fenced before the step's kernels (runner).
+                self.model_runner.offload.begin_step()
             feed = prev.feed() if prev is not None else TokenFeed.EMPTY
             sampled, out = self.model_runner.execute(sched.scheduled, feed=feed)
             self.counters.refresh()
