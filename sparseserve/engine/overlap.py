@@ -13,7 +13,10 @@ Why the rest stays correct: every device-side effect of the host's work (block r
 tables, cached blocks shared) is ordered on the one stream after the steps already in flight; the prefix cache
 hashes only computed tokens, which are real by the time a step's bookkeeping runs (after the previous step
 landed); a sequence preempted while its token is in flight is re-admitted two steps later at the earliest (a
-step that preempts admits nothing), when the token has landed."""
+step that preempts admits nothing), when the token has landed. Under KV offload the same holds for the hierarchical
+cache: a pause saves its partial tail block with a synchronous copy, which waits for the step in flight that wrote
+it; restores, pool invalidations and reused device blocks are device work ordered after that step; and the fence
+before a step's kernels waits for the FlashD2H copies of the step in flight (a host wait on steps that prefill)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
