@@ -145,12 +145,11 @@ BLOCK_EVICT = 64
 
 
 @triton.jit
-def _lookup(key, i, inb, resident_ptr, last_use_ptr, clock, stats_ptr, count_ptr, queue_ptr, rank_ptr, loc_ptr,
-            load_ptr, trash_key, num_sets, load_other, WAYS: tl.constexpr, HASH: tl.constexpr):
-    """Kernel 1's lookup of keys at positions i (in bounds: inb); load_other: what `load` holds where kernel 2
-    installs nothing (-1; pool_read marks repeats -2)."""
-    need = key != trash_key
-    slot = tl.load(resident_ptr + key, mask=need, other=-1)
+def _lookup(key, need, slot, i, inb, last_use_ptr, clock, stats_ptr, count_ptr, queue_ptr, rank_ptr, loc_ptr,
+            load_ptr, num_sets, load_other, WAYS: tl.constexpr, HASH: tl.constexpr):
+    """Kernel 1's lookup of the keys at positions i (in bounds: inb) that are requests (need), whose residency
+    the caller loaded (slot = resident[key]: its load may then overlap other loads); load_other: what `load`
+    holds where kernel 2 installs nothing (-1; pool_read marks repeats -2)."""
     hit = need & (slot >= 0)
     miss = need & (slot < 0)
     tl.store(last_use_ptr + slot, tl.zeros_like(slot) + clock, mask=hit)
@@ -175,8 +174,10 @@ def _lookup_kernel(key_ptr, resident_ptr, last_use_ptr, clock_ptr, cur_ptr, stat
     inb = i < n
     key = tl.load(key_ptr + i, mask=inb, other=trash_key)
     clock = tl.load(clock_ptr)
-    _lookup(key, i, inb, resident_ptr, last_use_ptr, clock, stats_ptr, count_ptr, queue_ptr, rank_ptr, loc_ptr,
-            load_ptr, trash_key, num_sets, tl.full([BLOCK], -1, tl.int64), WAYS=WAYS, HASH=HASH)
+    need = key != trash_key
+    slot = tl.load(resident_ptr + key, mask=need, other=-1)
+    _lookup(key, need, slot, i, inb, last_use_ptr, clock, stats_ptr, count_ptr, queue_ptr, rank_ptr, loc_ptr,
+            load_ptr, num_sets, tl.full([BLOCK], -1, tl.int64), WAYS=WAYS, HASH=HASH)
     if pid == 0:
         tl.atomic_add(stats_ptr + 3, 1, sem="relaxed")
         tl.store(cur_ptr, clock)
@@ -191,12 +192,17 @@ def _list_lookup_kernel(sel_ptr, row_slots_ptr, tables_ptr, seq_lens_ptr, key_ou
                         BLOCK_SIZE: tl.constexpr, WAYS: tl.constexpr, HASH: tl.constexpr, TOUCH: tl.constexpr,
                         NUM_SLOTS: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr):
     """One program per (row, KV head): its list's keys, the claim of each, the lookup of the representatives;
-    TOUCH: the keys also join the row's working set (kernels/working_set.py)."""
-    pdl_wait(PDL)  # the lists are the selection kernel's output
+    TOUCH: the keys also join the row's working set (kernels/working_set.py). A latency chain of a few dependent
+    memory accesses, so the independent ones are issued together."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    # Before the wait (kernels/pdl.py): the step's inputs, and the two clocks, which kernels launched before
+    # the predecessor advance (the previous layer's plan, the step's working-set start).
     row_slot = tl.load(row_slots_ptr + b).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + b)
+    clock = tl.load(clock_ptr)
+    t = tl.load(ws_clock_ptr) if TOUCH else 0
+    pdl_wait(PDL)  # the lists are the selection kernel's output
     lim = tl.maximum(tl.cdiv(seq_len, BLOCK_SIZE) - LOCAL, 0)
     c = tl.arange(0, CAP_P2)
     inb = c < CAP
@@ -207,17 +213,17 @@ def _list_lookup_kernel(sel_ptr, row_slots_ptr, tables_ptr, seq_lens_ptr, key_ou
     key = tl.where(listed, (key_base + blk) * HKV + h, trash_key)
     i = (b * HKV + h) * CAP + c
     tl.store(key_out_ptr + i, key, mask=inb)
+    old = tl.atomic_xchg(claim_ptr + key, tl.zeros_like(key) + clock, mask=listed, sem="relaxed")
+    slot = tl.load(resident_ptr + key, mask=listed, other=-1)  # read for repeats too (unused there)
     if TOUCH:
-        t = tl.load(ws_clock_ptr)
-        added = touch_keys(key, listed, row_slot, t, stamp_ptr, hist_ptr, since_ptr, NUM_SLOTS=NUM_SLOTS,
+        prev = tl.load(stamp_ptr + key, mask=listed, other=-1)
+    repeat = listed & (old == clock)
+    _lookup(key, listed & ~repeat, slot, i, inb, last_use_ptr, clock, stats_ptr, count_ptr, queue_ptr, rank_ptr,
+            loc_ptr, load_ptr, num_sets, tl.where(repeat, -2, -1).to(tl.int64), WAYS=WAYS, HASH=HASH)
+    if TOUCH:
+        added = touch_keys(key, listed, prev, row_slot, t, stamp_ptr, hist_ptr, since_ptr, NUM_SLOTS=NUM_SLOTS,
                            WINDOW=WINDOW)
         tl.atomic_add(hist_ptr + tl.maximum(row_slot, 0) * WINDOW + t % WINDOW, added)
-    clock = tl.load(clock_ptr)
-    old = tl.atomic_xchg(claim_ptr + key, tl.zeros_like(key) + clock, mask=listed, sem="relaxed")
-    repeat = listed & (old == clock)
-    _lookup(tl.where(repeat, trash_key, key), i, inb, resident_ptr, last_use_ptr, clock, stats_ptr, count_ptr,
-            queue_ptr, rank_ptr, loc_ptr, load_ptr, trash_key, num_sets, tl.where(repeat, -2, -1).to(tl.int64),
-            WAYS=WAYS, HASH=HASH)
     if (b == 0) & (h == 0):
         tl.atomic_add(stats_ptr + 3, 1, sem="relaxed")
         tl.store(cur_ptr, clock)
@@ -330,7 +336,7 @@ def pool_read_triton(host_flat: torch.Tensor, pool_slots: torch.Tensor, sel: tor
                      tables: torch.Tensor, seq_lens: torch.Tensor, lay: ListLayout, st: PoolState,
                      touch: TouchState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     b, cap = row_slots.numel(), sel.shape[-1]
-    assert sel.shape[1] == lay.num_kv_heads and sel.stride(2) == 1 and sel.stride(1) == cap
+    assert sel.shape[1] == lay.num_kv_heads and sel.stride(2) == 1 and sel.stride(1) == cap and tables.stride(1) == 1
     n, dev = b * lay.num_kv_heads * cap, sel.device
     key = torch.empty(b, lay.num_kv_heads, cap, dtype=torch.int64, device=dev)
     rank = torch.empty(n, dtype=torch.int32, device=dev)

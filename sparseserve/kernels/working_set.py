@@ -64,11 +64,12 @@ class TouchState(NamedTuple):
 
 
 @triton.jit
-def touch_keys(key, valid, slot, t, stamp_ptr, hist_ptr, since_ptr, NUM_SLOTS: tl.constexpr, WINDOW: tl.constexpr):
-    """The touch of the valid keys of one row (state slot `slot`) at clock t: each moves out of the bucket of its
-    previous touch (while that one is in the window and after its slot was handed out); returns how many the
-    row's bucket (slot, t % WINDOW) gains, for the caller's one atomic add."""
-    prev = tl.load(stamp_ptr + key, mask=valid, other=-1)
+def touch_keys(key, valid, prev, slot, t, stamp_ptr, hist_ptr, since_ptr, NUM_SLOTS: tl.constexpr,
+               WINDOW: tl.constexpr):
+    """The touch of the valid keys of one row (state slot `slot`) at clock t, given their stamps (prev =
+    stamp[key], -1 where not valid: the caller loads them beside its own loads): each moves out of the bucket of
+    its previous touch (while that one is in the window and after its slot was handed out); returns how many
+    the row's bucket (slot, t % WINDOW) gains, for the caller's one atomic add."""
     step0 = tl.where(prev >= 0, prev // NUM_SLOTS, 0)
     owner = tl.where(prev >= 0, prev % NUM_SLOTS, 0)
     since = tl.load(since_ptr + owner, mask=valid, other=0)
