@@ -65,7 +65,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from sparseserve.config import SchedulerConfig
 from sparseserve.engine.layer_prefill import LayerSegment, SegmentPlanner
@@ -94,6 +94,13 @@ class DeviceSpace(Protocol):
 def _arrival(seq: Sequence) -> int:
     """Arrival order (the engine numbers sequences as requests arrive)."""
     return seq.seq_id
+
+
+class _ShareQueue(NamedTuple):
+    """Prefill ahead: the sequences without a decode share that wait for one (ahead or parked)."""
+    oldest: int | None      # the oldest one's arrival
+    waiting: int            # how many (bounded by max_prefilled_waiting)
+    prefilling_ahead: bool  # one admitted ahead is still prefilling
 
 
 class WorkingSetLimit(Protocol):
@@ -226,12 +233,14 @@ class Scheduler:
         ahead_mode = self._ahead_mode()
         stopped = len(out.preempted) > len(out.held_back) if ahead_mode else bool(out.preempted)
         j = 0
+        queue = None  # prefill ahead: the share queue, scanned again only after an admission changed it
         while j < len(self.waiting) and budget > 0 and not stopped \
                 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[j]
             ahead = False
             if ahead_mode:
-                need, ahead = self._decode_share(seq)
+                queue = queue or self._share_queue()
+                need, ahead = self._decode_share(seq, queue)
                 if need is None:
                     if ahead:  # parked: waits for a decode share, newer sequences may still prefill
                         j += 1
@@ -260,6 +269,7 @@ class Scheduler:
             del self.waiting[j]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            queue = None
             if ahead:
                 self.ahead.add(seq.seq_id)
                 self._new_ahead += 1
@@ -377,13 +387,16 @@ class Scheduler:
             else:
                 self.ahead.add(seq.seq_id)
         done = sorted((s for s in self.running if s.seq_id in self.ahead and self._prefilled(s)), key=_arrival)
+        queue = None
         for seq, need in zip(done, ws.estimates(done)):
-            if not self._decode_blocked(seq) and (not sharing or total + need <= ws.limit):
+            queue = queue or self._share_queue()
+            if not self._decode_blocked(seq, queue) and (not sharing or total + need <= ws.limit):
                 self.ahead.discard(seq.seq_id)
                 sharing.append(seq)
                 total += need
             else:
                 self._park(seq, out)
+            queue = None  # either way the queue changed
         self._ws_total = total
 
     def _prefilled(self, seq: Sequence) -> bool:
@@ -409,36 +422,39 @@ class Scheduler:
         out.preempted.append(seq)
         out.held_back.append(seq)
 
-    def _decode_blocked(self, seq: Sequence) -> bool:
+    def _share_queue(self) -> _ShareQueue:
+        """One pass over the running and waiting sequences for the decode-share rules (each admission candidate
+        reads it; the callers scan again after a change)."""
+        ahead = [s for s in self.running if s.seq_id in self.ahead]
+        parked = [_arrival(w) for w in self.waiting if self._is_parked(w)]
+        oldest = min([_arrival(s) for s in ahead] + parked, default=None)
+        return _ShareQueue(oldest, len(self.ahead) + len(parked), any(not self._prefilled(s) for s in ahead))
+
+    @staticmethod
+    def _decode_blocked(seq: Sequence, queue: _ShareQueue) -> bool:
         """An older sequence waits for a decode share (parked, or prefilling ahead)."""
-        key = _arrival(seq)
-        return any(s.seq_id in self.ahead and _arrival(s) < key for s in self.running) or \
-            any(self._is_parked(w) and _arrival(w) < key for w in self.waiting)
+        return queue.oldest is not None and queue.oldest < _arrival(seq)
 
-    def _num_prefilled_waiting(self) -> int:
-        return len(self.ahead) + sum(1 for w in self.waiting if self._is_parked(w))
-
-    def _decode_share(self, seq: Sequence) -> tuple[int | None, bool]:
+    def _decode_share(self, seq: Sequence, queue: _ShareQueue) -> tuple[int | None, bool]:
         """Admission of a waiting sequence: (its estimate, False) with a decode share; (its estimate, True) ahead,
         for its prefill only; (None, True) parked, it waits (newer sequences may still prefill); (None, False) it
-        waits and so does every sequence behind it (the bound on prefilled waiting sequences is reached)."""
+        waits and so does every sequence behind it (the bound on prefilled waiting sequences is reached, or one
+        prefills ahead already).
+
+        One prefill ahead at a time: several would share the step's prefill budget and each finish later
+        (processor sharing raised mean TTFT 8.2 -> 15.4 s and TPOT 66 -> 110 ms on an H100 with 16 allowed at
+        once, docs/working_set.md), while one keeps prefill work first come first served and still fills the
+        steps the limit leaves to decodes."""
         need = self.working_set.estimates([seq])[0]
         sharing = len(self.running) > len(self.ahead)
-        if seq.seq_id not in self._parked_now and not self._decode_blocked(seq) and \
+        if seq.seq_id not in self._parked_now and not self._decode_blocked(seq, queue) and \
                 (not sharing or self._ws_total + need <= self.working_set.limit):
             return need, False
         if self._is_parked(seq):
             return None, True
-        if self._num_prefilled_waiting() >= self.max_prefilled_waiting or self._prefilling_ahead():
+        if queue.waiting >= self.max_prefilled_waiting or queue.prefilling_ahead:
             return None, False
         return need, True
-
-    def _prefilling_ahead(self) -> bool:
-        """A sequence admitted ahead is still prefilling. One prefill ahead at a time: several would share the
-        step's prefill budget and each finish later (processor sharing raised mean TTFT 8.2 -> 15.4 s and TPOT
-        66 -> 110 ms on an H100 with 16 allowed at once, docs/working_set.md), while one keeps prefill work
-        first come first served and still fills the steps the limit leaves to decodes."""
-        return any(s.seq_id in self.ahead and not self._prefilled(s) for s in self.running)
 
     def _record_working_set(self, out: SchedulerOutput) -> None:
         """Statistics: the running working sets, the requests kept waiting when the limit stopped the batch

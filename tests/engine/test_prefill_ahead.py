@@ -153,7 +153,7 @@ def test_bound_on_prefilled_waiting_requests():
     out = run_step(sched)  # 1 resumes (a share), which frees a place: 3 prefills ahead
     assert [(s.seq_id, n) for s, n in out.scheduled] == [(1, 1), (3, 6)]
     assert sched.ahead == {3} and ids(sched.waiting) == [2, 4, 5] and ws.ahead_records[-1] == (1, 1)
-    assert sched._num_prefilled_waiting() == 2
+    assert sched._share_queue().waiting == 2
 
 
 def test_one_prefill_ahead_at_a_time():
