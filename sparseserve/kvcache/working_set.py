@@ -91,7 +91,7 @@ class WorkingSet:
             if not self._copied.query():
                 return
             self._land(self._pinned.tolist(), self._pending)
-        torch.sum(self.hist, 1, dtype=torch.int64, out=self._counts)  # a transient negative bucket lands as 0
+        torch.sum(self.hist, 1, dtype=torch.int64, out=self._counts)  # no clamp: _land ignores counts <= 0
         self._pinned.copy_(self._counts, non_blocking=True)
         self._copied.record(self._stream)
         self._in_flight = True
