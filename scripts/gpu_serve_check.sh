@@ -10,6 +10,7 @@
 # Usage (project root; on the device carry .whl with the server's wheels and .data with the trace, and set
 # SPARSESERVE_DATA_DIR=.data):
 #   SCALES="1 4" bash scripts/gpu_serve_check.sh dense sparse offload ws layerseg
+#   SCALES=1 bash scripts/gpu_serve_check.sh dense dense_async layerseg_async   # NAME_async: --async-scheduling
 #   FIXED_OUTPUT=1 OUTPUT_LEN=2048 SCALES=1 bash scripts/gpu_serve_check.sh dense ws   # decode-heavy: every
 #   request asks for exactly OUTPUT_LEN tokens (without FIXED_OUTPUT the trace's output lengths are capped at it)
 # Each (config, scale) is a separate server; results accumulate in $OUT across calls (the report reads all).
@@ -36,6 +37,9 @@ declare -A FLAGS=(
   [ws_wait]="$SPARSE --kv-offload --working-set-control --max-prefilled-waiting 0"
   [layerseg_wait]="$SPARSE --kv-offload --working-set-control --layer-segmented-prefill --max-prefilled-waiting 0"
 )
+for name in dense sparse offload ws layerseg; do  # NAME_async: the same with async scheduling
+  FLAGS[${name}_async]="${FLAGS[$name]} --async-scheduling"
+done
 if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl || exit 1

@@ -53,8 +53,7 @@ class SchedulerConfig:
                 "previous step's sampled tokens) and the previous step's outputs are processed then, so stop "
                 "checks run one step late: a sequence that stopped runs one more step whose token is dropped. "
                 "Greedy and seeded outputs equal synchronous scheduling's; unseeded sampling draws differ (the "
-                "dropped tokens draw too). Not with layer_segmented_prefill, host_prefix_cache_memory or "
-                "tensor_parallel_size > 1 yet."})
+                "dropped tokens draw too). Not with host_prefix_cache_memory or tensor_parallel_size > 1 yet."})
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -392,10 +391,8 @@ class EngineConfig:
             raise ValueError("sparse_lag=1 does not work with kv_offload yet: the offload path loads each "
                              "step's own selection before its attention")
         if self.scheduler_config.async_scheduling:
-            oc, pc = self.offload_config, self.parallel_config
+            pc = self.parallel_config
             clash = [(name, why) for name, on, why in (
-                ("layer_segmented_prefill", oc.layer_segmented_prefill,
-                 "the overlapped step does not run layer segments"),
                 ("host_prefix_cache_memory", self.cache_config.host_prefix_cache_memory is not None,
                  "its per-step host copies assume the previous step has landed"),
                 ("tensor_parallel_size > 1", pc.tensor_parallel_size > 1,

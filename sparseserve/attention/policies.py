@@ -23,7 +23,7 @@ class TopK(SelectionPolicy):
         # topp's first stage is this topk: candidates, pruned in refine
         score_and_select(q, key_meta.codes, key_meta.scale, rows.tables, rows.seq_lens, rows.slots, state.sel[layer],
                          state.counter[layer], state.stats, state.streaming[layer], max_blocks=rows.max_blocks,
-                         scale=rows.scale, **self.params.kernel_args())
+                         scale=rows.scale, width=rows.width, **self.params.kernel_args())
 
 
 @SELECTION_POLICIES.register("topp")

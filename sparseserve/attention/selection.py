@@ -59,6 +59,7 @@ class DecodeRows:
     slots: torch.Tensor         # int32 [B] selection-buffer rows to write (-1: none this step)
     max_blocks: int             # host-side bound of the contexts in blocks
     scale: float
+    width: int = 0              # the selection launch's size (the model's longest context in blocks; 0: max_blocks)
 
 
 def load_streaming_heads(path: str | None, num_layers: int, num_kv_heads: int) -> torch.Tensor:

@@ -48,6 +48,8 @@ class SparseBackend(AttentionBackend):
         super().__init__(ctx)
         cfg = ctx.sparse
         self.params = p = SelectionParams.from_config(cfg, ctx.block_size)
+        # Every step's selection is launched at the captured graphs' size: an eager step compiles nothing new.
+        self.width = -(-ctx.max_model_len // ctx.block_size)
         self.policy = SELECTION_POLICIES.get(cfg.sparse_policy)(p)
         if p.lag and not self.policy.supports_lag:
             raise ValueError(f"sparse_lag=1 does not work with sparse_policy={cfg.sparse_policy!r}: its lists fit the "
@@ -157,7 +159,7 @@ class SparseBackend(AttentionBackend):
             self.prefill.attend(layer, q, kv_cache, cm, scale, out)
         q, p, state = q[:nd], self.params, self.state
         rows = DecodeRows(meta.seq_lens[:nd], meta.block_tables[:nd], cm.block_tables[:nd], sm.slots[:nd],
-                          self._max_blocks(meta), scale)
+                          self._max_blocks(meta), scale, self.width)
         if p.lag:  # the lists selected at an earlier step; _select_next selects the next ones beside this
             rows.slots = self.step_rows[0][:nd]
         else:
@@ -199,7 +201,7 @@ class SparseBackend(AttentionBackend):
         if meta.num_seqs > meta.num_decodes:
             q = q[meta.query_start_loc[1:].long() - 1]
         rows = DecodeRows(meta.seq_lens, meta.block_tables, cm.block_tables, self.step_rows[1], self._max_blocks(meta),
-                          scale)
+                          scale, self.width)
         stream = contextlib.nullcontext()
         if self.side is not None:
             self.side.wait_stream(torch.cuda.current_stream(q.device))

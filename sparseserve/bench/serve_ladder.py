@@ -162,9 +162,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def ladder_rows(runs: list[dict[str, Any]], bounds: dict[str, float] | None = None) -> list[dict[str, Any]]:
     """One row per run, ordered (output length, scale, ladder step); ratios against dense of the same group."""
-    order = {c: i for i, c in enumerate(LADDER)}
-    runs = sorted(runs, key=lambda r: (_outputs_key(r["outputs"]), r["scale"], order.get(r["config"], len(LADDER)),
-                                       r["config"]))
+    order = {c: i for i, c in enumerate(LADDER)}  # a variant (ws_wait, layerseg_async) follows its ladder step
+    runs = sorted(runs, key=lambda r: (_outputs_key(r["outputs"]), r["scale"],
+                                       order.get(r["config"].split("_")[0], len(LADDER)), r["config"]))
     rows: list[dict[str, Any]] = []
     for run in runs:
         s, m = run["summary"], run["metrics"]

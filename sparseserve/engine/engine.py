@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -83,8 +84,48 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self._stats_start: EngineStats | None = None  # the counters after the warm-up (get_stats counts from it)
+        if runner.device.type == "cuda":
+            self.warm_up()
         logger.info("engine ready: model=%s device=%s dtype=%s max_model_len=%d", model_dir,
                     self.model_runner.device, self.model_runner.dtype, self.max_model_len)
+
+    def warm_up(self) -> None:
+        """Runs the step kinds the first requests meet, so that they do not pay the kernels' JIT compilation
+        (seconds on a GPU, and under load every later request waits behind it): twice, with token counts that
+        are multiples of 16 and with others (Triton compiles a kernel per such divisibility of its arguments),
+        prompts split into chunks and one longer than a step's budget (chunked or layer-segmented prefill,
+        sparse prefill and decode past their minimum lengths) beside short ones that decode.
+        Afterwards no block is held or cached and the statistics' counters start from zero. Runs by itself on
+        CUDA (CUDA graphs capture decode-only steps at start; the rest compiles here)."""
+        sc, bs = self.config.scheduler_config, self.config.cache_config.block_size
+        budget = sc.max_num_batched_tokens
+        room = (self.allocator.num_blocks // 4 - 2) * bs  # the four prompts with their outputs fit the KV cache
+        long_len = min(budget + 2 * bs, self.max_model_len - 13, room)
+        if long_len < 2 * bs + 4:
+            return
+        t0, steps, vocab = time.perf_counter(), 0, self.model_runner.arch.vocab_size
+        for odd in (0, 1):
+            # short (decodes beside the rest); within the budget but cut by the short one's share (a chunk
+            # after a prefix: never layer-segmented); longer than the budget; short again (starts mid-step)
+            lengths = (2 * bs + 3 * odd, min(budget, long_len) - bs - odd, long_len + 5 * odd, bs + 7 * odd)
+            for i, n in enumerate(lengths):
+                self.add_request(f"warm-up-{odd}-{i}", [(i * 7919 + odd * 104729 + t) % vocab for t in range(n)],
+                                 SamplingParams(temperature=0.0, max_tokens=8 if i == 0 else 4, ignore_eos=True))
+            for _ in range(1000):
+                if not (self.has_unfinished_requests() or self._inflight is not None):
+                    break
+                self.step()
+                steps += 1
+            if self.has_unfinished_requests():  # not expected: whatever stopped it must not stay in the engine
+                logger.warning("warm-up did not finish; its requests are aborted")
+                self.abort_request(list(self.requests))
+                while self._inflight is not None:
+                    self.step()
+        self.reset_prefix_cache()
+        self._stats_start = None  # counted from the start
+        self._stats_start = self.get_stats(sync=True)
+        logger.info("warm-up: %d steps in %.1f s", steps, time.perf_counter() - t0)
 
     def _build_host_cache(self):
         """The prefix cache's host tier (kvcache/host_cache.py) over every tensor indexed by token block: the KV
@@ -206,7 +247,8 @@ class LLMEngine:
             values["offload_h2d_bytes"] = values["offload_blocks_loaded"] * g["offload_head_block_bytes"]
             written = values["offload_blocks_written"] + g["offload_d2h_blocks_written"]
             values["offload_d2h_bytes"] = written * layer_block
-        return EngineStats.from_values(values)
+        stats = EngineStats.from_values(values)
+        return stats if self._stats_start is None else stats.since(self._stats_start)
 
     def step(self) -> list[RequestOutput]:
         if self.async_scheduling:
@@ -244,7 +286,7 @@ class LLMEngine:
                 # to the host store); its FlashD2H copies are fenced before the step's kernels (runner).
                 self.model_runner.offload.begin_step()
             feed = prev.feed() if prev is not None else TokenFeed.EMPTY
-            sampled, out = self.model_runner.execute(sched.scheduled, feed=feed)
+            sampled, out = self.model_runner.execute(sched.scheduled, sched.segments, feed=feed)
             self.counters.refresh()
             launched = InflightStep.launch(sched, sampled, out)
         outputs = []

@@ -16,7 +16,10 @@ landed); a sequence preempted while its token is in flight is re-admitted two st
 step that preempts admits nothing), when the token has landed. Under KV offload the same holds for the hierarchical
 cache: a pause saves its partial tail block with a synchronous copy, which waits for the step in flight that wrote
 it; restores, pool invalidations and reused device blocks are device work ordered after that step; and the fence
-before a step's kernels waits for the FlashD2H copies of the step in flight (a host wait on steps that prefill)."""
+before a step's kernels waits for the FlashD2H copies of the step in flight (a host wait on steps that prefill).
+A layer-segmented prefill's segment (engine/layer_prefill.py) reads only the prompt's tokens, never a
+placeholder, and its progress is booked when its step is launched, as in synchronous scheduling; its writes to
+the host store are fenced like any FlashD2H copy."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

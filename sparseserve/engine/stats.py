@@ -6,7 +6,8 @@ copies them into pinned memory asynchronously after a step and hands out the new
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from typing import ClassVar
 
 import torch
 
@@ -54,10 +55,23 @@ class EngineStats:
     working_set_parked: int = 0        # prefill ahead: prefilled requests waiting for a decode share (gauge)
     working_set_prefill_aheads: int = 0  # ... requests admitted for prefill beyond the working-set limit
 
+    # The cumulative fields (the rest are gauges and sizes).
+    COUNTERS: ClassVar[frozenset[str]] = frozenset({
+        "num_preemptions", "num_prompt_tokens", "num_generation_tokens", "prefix_cache_queries", "prefix_cache_hits",
+        "prefix_cache_evictions", "host_prefix_cache_queries", "host_prefix_cache_hits",
+        "host_prefix_cache_evictions", "sparse_blocks_selected", "sparse_selections", "offload_hbm_hits",
+        "offload_blocks_loaded", "offload_bypass_reads", "offload_layer_steps", "offload_h2d_bytes",
+        "offload_d2h_bytes", "prefill_tiles_computed", "prefill_tiles_dense", "offload_blocks_restored",
+        "working_set_hold_backs", "working_set_prefill_aheads"})
+
     @classmethod
     def from_values(cls, values: dict[str, int]) -> "EngineStats":
         """Fills the fields by name (values may hold more keys)."""
         return cls(**{f.name: int(values[f.name]) for f in fields(cls) if f.name in values})
+
+    def since(self, start: "EngineStats") -> "EngineStats":
+        """The counters counted from `start` on (the engine's warm-up is not the served traffic)."""
+        return replace(self, **{n: getattr(self, n) - getattr(start, n) for n in self.COUNTERS})
 
 
 class DeviceCounters:

@@ -153,9 +153,9 @@ def score_and_select_ref(q: torch.Tensor, codes: torch.Tensor, page_scale: torch
                          seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor,
                          stats: torch.Tensor, streaming: torch.Tensor, *, max_blocks: int, scale: float,
                          block_size: int, cap: int, sink: int, local: int, reuse: int = 1, short_dense: bool = True,
-                         top_p: float | None = None) -> None:
+                         top_p: float | None = None, width: int = 0) -> None:
     """Scores then selects for the decode rows q [B, Hq, D] into sel (select_blocks_ref); max_blocks: a
-    host-side bound of the contexts in blocks."""
+    host-side bound of the contexts in blocks; width: the Triton launch's size hint (no effect on the lists)."""
     scores = block_scores_ref(q, codes, page_scale, block_tables, seq_lens, max_blocks, block_size, scale)
     select_blocks_ref(scores, seq_lens, slots, sel, counter, stats, streaming, block_size=block_size, cap=cap,
                       sink=sink, local=local, reuse=reuse, short_dense=short_dense, top_p=top_p)
@@ -406,8 +406,10 @@ def block_scores_triton(q: torch.Tensor, codes: torch.Tensor, page_scale: torch.
 def select_blocks_triton(scores: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor,
                          counter: torch.Tensor, stats: torch.Tensor, streaming: torch.Tensor, *, block_size: int,
                          cap: int, sink: int, local: int, reuse: int = 1, short_dense: bool = True,
-                         top_p: float | None = None, config: SelectConfig | None = None) -> None:
-    """select_blocks_ref's contract: new lists into sel [S, Hkv, cap] at the rows' slots."""
+                         top_p: float | None = None, config: SelectConfig | None = None, width: int = 0) -> None:
+    """select_blocks_ref's contract: new lists into sel [S, Hkv, cap] at the rows' slots. width: blocks the
+    launch is sized for when more than the scores' (the model's longest context): one compiled kernel serves
+    every step instead of one per power of two of the step's longest context (JIT while serving)."""
     config = config or SelectConfig()
     batch, num_q_heads, max_blocks = scores.shape
     hkv = sel.shape[1]
@@ -415,7 +417,7 @@ def select_blocks_triton(scores: torch.Tensor, seq_lens: torch.Tensor, slots: to
         raise ValueError(f"sparse selection handles up to {MAX_SELECT_BLOCKS} blocks per sequence, got "
                          f"{max_blocks}: raise block_size or lower max_model_len")
     assert sel.shape[-1] == cap and sel.stride(2) == 1 and counter.stride(1) == 1
-    nb_pad = max(triton.next_power_of_2(max_blocks), triton.next_power_of_2(cap), 16)
+    nb_pad = max(triton.next_power_of_2(max(max_blocks, width)), triton.next_power_of_2(cap), 16)
     pdl = use_pdl(scores.device)
     _select_kernel[(batch, hkv)](
         scores, seq_lens, slots, sel, counter, stats, streaming.view(torch.uint8), mass_target(top_p), max_blocks,
@@ -430,11 +432,11 @@ def score_and_select_triton(q: torch.Tensor, codes: torch.Tensor, page_scale: to
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor,
                             counter: torch.Tensor, stats: torch.Tensor, streaming: torch.Tensor, *, max_blocks: int,
                             scale: float, block_size: int, cap: int, sink: int, local: int, reuse: int = 1,
-                            short_dense: bool = True, top_p: float | None = None) -> None:
+                            short_dense: bool = True, top_p: float | None = None, width: int = 0) -> None:
     scores = block_scores_triton(q, codes, page_scale, block_tables, seq_lens, slots, counter, max_blocks=max_blocks,
                                  block_size=block_size, cap=cap, reuse=reuse, short_dense=short_dense, scale=scale)
     select_blocks_triton(scores, seq_lens, slots, sel, counter, stats, streaming, block_size=block_size, cap=cap,
-                         sink=sink, local=local, reuse=reuse, short_dense=short_dense, top_p=top_p)
+                         sink=sink, local=local, reuse=reuse, short_dense=short_dense, top_p=top_p, width=width)
 
 
 @triton.jit

@@ -34,13 +34,14 @@ class Spy:
     """Counts what the runner saw: steps, placeholder rows filled from the previous step's tokens, rows sampled."""
 
     def __init__(self, engine) -> None:
-        self.steps = self.fills = self.sampled = 0
+        self.steps = self.fills = self.sampled = self.segments = 0
         runner = engine.model_runner
         execute = runner.execute
 
         def spy(scheduled, segments=(), feed=None):
             self.steps += 1
             self.fills += len(feed.rows) if feed is not None else 0
+            self.segments += len(segments)
             seqs, out = execute(scheduled, segments, feed=feed)
             self.sampled += len(seqs)
             return seqs, out
@@ -50,9 +51,10 @@ class Spy:
 def run(tiny_model_dir, seed: int, async_scheduling: bool, seeded: bool = False, device: str = "cpu", **kw):
     rng = random.Random(seed)
     # max_model_len below the longest prompt + max_tokens: some requests end at the context's end
+    kw.setdefault("max_num_batched_tokens", rng.choice([16, 48, 96]))
     llm = LLM(str(tiny_model_dir), device=device, dtype="float32", block_size=16, max_model_len=72,
-              num_gpu_blocks_override=12, max_num_batched_tokens=rng.choice([16, 48, 96]), max_num_seqs=6,
-              init_new_token_ratio=0.0, min_new_token_ratio=0.0, async_scheduling=async_scheduling, **kw)
+              num_gpu_blocks_override=12, max_num_seqs=6, init_new_token_ratio=0.0, min_new_token_ratio=0.0,
+              async_scheduling=async_scheduling, **kw)
     engine = llm.llm_engine
     spy = Spy(engine)
     tokens: dict[tuple[str, int], list[int]] = {}
@@ -108,19 +110,24 @@ def test_async_gives_the_tokens_of_sync_over_random_schedules(tiny_model_dir, se
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the overlap on a device stream (CUDA graphs, "
                     "Triton kernels, pinned copies)")
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("sparse", [False, True, "offload"])
+@pytest.mark.parametrize("sparse", [False, True, "offload", "layerseg"])
 def test_async_on_cuda(tiny_model_dir, seed, sparse):
-    extra = {False: {}, True: SPARSE, "offload": SPARSE | OFFLOAD}[sparse]
+    extra = {False: {}, True: SPARSE, "offload": SPARSE | OFFLOAD, "layerseg": SPARSE | LAYERSEG}[sparse]
     kw = dict(device="cuda", seeded=seed == 1, **extra)
-    check_same(run(tiny_model_dir, seed, False, **kw), run(tiny_model_dir, seed, True, **kw))
+    asyn = run(tiny_model_dir, seed, True, **kw)
+    check_same(run(tiny_model_dir, seed, False, **kw), asyn)
+    assert asyn[3].segments > 0 or sparse != "layerseg"
 
 
 # A pool smaller than the lists (evictions, bypass reads) and a host store of 12 token blocks (preemptions: pauses)
 OFFLOAD = dict(kv_offload=True, hbm_cache_blocks=24, host_kv_memory="768KiB")
+# Prompts longer than the step's budget prefill a layer at a time (their FlashD2H copies in flight across steps)
+LAYERSEG = dict(OFFLOAD, layer_segmented_prefill=True, prefill_layer_segment=1, max_num_batched_tokens=16)
 
 
 @pytest.mark.parametrize("extra", [{}, dict(sparse_lag=1), dict(sparse_policy="topp", sparse_reuse=3), OFFLOAD,
-                                   dict(OFFLOAD, working_set_control=True, sparse_policy="topp", sparse_reuse=2)])
+                                   dict(OFFLOAD, working_set_control=True, sparse_policy="topp", sparse_reuse=2),
+                                   LAYERSEG])
 def test_async_with_sparse_attention(tiny_model_dir, extra):
     kw = SPARSE | extra
     asyn = run(tiny_model_dir, 5, True, **kw)
@@ -128,7 +135,9 @@ def test_async_with_sparse_attention(tiny_model_dir, extra):
     if extra.get("kv_offload"):  # the offload paths the overlap must keep ordered were taken
         stats = asyn[4].get_stats(sync=True)
         assert stats.offload_blocks_loaded > 0 and stats.offload_hbm_hits > 0
-        if extra.get("working_set_control"):  # held back while their working sets do not fit, resumed
+        if extra.get("layer_segmented_prefill"):  # prefills ran layer by layer; one was preempted
+            assert asyn[3].segments > 0 and stats.num_preemptions > 0
+        elif extra.get("working_set_control"):  # held back while their working sets do not fit, resumed
             assert stats.working_set_hold_backs > 0 and stats.offload_blocks_restored > 0
         else:  # preempted when the host store is full: paused, resumed from the host
             assert stats.num_preemptions > 0 and stats.offload_blocks_restored > 0
@@ -157,8 +166,6 @@ def test_generate_and_deltas_one_step_late(tiny_model_dir):
 
 def test_refused_where_it_does_not_work_yet(tiny_model_dir):
     from sparseserve.config import EngineConfig
-    with pytest.raises(ValueError, match="async_scheduling does not work with layer_segmented_prefill"):
-        EngineConfig.from_kwargs(async_scheduling=True, kv_offload=True, layer_segmented_prefill=True, **SPARSE)
     with pytest.raises(ValueError, match="host_prefix_cache_memory"):
         EngineConfig.from_kwargs(async_scheduling=True, host_prefix_cache_memory="1MiB")
     with pytest.raises(ValueError, match="tensor_parallel_size"):

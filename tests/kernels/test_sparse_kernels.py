@@ -168,7 +168,7 @@ def test_select_blocks(policy, top_p, ways, hq, hkv):
     streaming = torch.arange(hkv, device=DEV) == 1  # KV head 1 (if any) streams
     state = [(torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
               torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV),
-              torch.zeros(2, dtype=torch.int64, device=DEV)) for _ in range(2)]
+              torch.zeros(2, dtype=torch.int64, device=DEV)) for _ in range(3)]
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
     for step in range(3):
         # Sharp random scores: distinct masses; -inf past each row's end, as scoring leaves them.
@@ -177,8 +177,13 @@ def test_select_blocks(policy, top_p, ways, hq, hkv):
         scores.masked_fill_(past_end, float("-inf"))
         select_blocks_ref(scores, seq_lens, slots, *state[0], streaming, **p)
         select_blocks_triton(scores, seq_lens, slots, *state[1], streaming, **p, config=SelectConfig(ways=ways))
-        for a, b in zip(state[0], state[1]):
-            assert torch.equal(a.sort(-1).values if a.dim() == 3 else a, b.sort(-1).values if b.dim() == 3 else b), step
+        # launched wider than the scores (the engine's one size for every step): the same lists
+        select_blocks_triton(scores, seq_lens, slots, *state[2], streaming, **p, config=SelectConfig(ways=ways),
+                             width=300)
+        for other in state[1:]:
+            for a, b in zip(state[0], other):
+                assert torch.equal(a.sort(-1).values if a.dim() == 3 else a,
+                                   b.sort(-1).values if b.dim() == 3 else b), step
     sel = state[0][0]
     assert sorted(sel[0, 0].tolist()) == [-1, -1, -1, 0, 1, 2]  # 3 blocks <= cap: all of them
     if hkv > 1:
