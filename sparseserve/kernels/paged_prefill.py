@@ -15,7 +15,8 @@ from sparseserve.kernels.dispatch import tl, triton, use_triton
 from sparseserve.kernels.paged_decode import LOG2E, attend_ref, attend_tile, sequence_kv
 
 
-@triton.jit
+# The block tables' width changes every eager step: not specialized on (no compile while serving).
+@triton.jit(do_not_specialize=["stride_tb"])
 def _prefill_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, qsl_ptr, out_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ckv, stride_tb,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,

@@ -155,7 +155,9 @@ def _store_partial(part_out_ptr, part_lse_ptr, b, heads, split, dims, g, q_mask,
     tl.store(part_lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=g < GROUP)
 
 
-@triton.jit
+# The block tables' width and the split's length change between eager steps: not specialized on (no compile
+# while serving).
+@triton.jit(do_not_specialize=["entries_per_split", "stride_tb"])
 def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, sel_ptr, part_out_ptr, part_lse_ptr,
                          pool_ptr, host_ptr, loc_ptr, key_ptr,
                          qk_scale, entries_per_split,
