@@ -13,7 +13,8 @@
 #   SCALES=1 bash scripts/gpu_serve_check.sh dense dense_async layerseg_async   # NAME_async: --async-scheduling
 #   FIXED_OUTPUT=1 OUTPUT_LEN=2048 SCALES=1 bash scripts/gpu_serve_check.sh dense ws   # decode-heavy: every
 #   request asks for exactly OUTPUT_LEN tokens (without FIXED_OUTPUT the trace's output lengths are capped at it)
-# Each (config, scale) is a separate server; results accumulate in $OUT across calls (the report reads all).
+# Each (config, scale) is a separate server with a fresh Triton cache (FRESH_TRITON_CACHE=0: the shared one);
+# results accumulate in $OUT across calls (the report reads all).
 # PACK=name.tgz leaves only that archive of $OUT (with the servers' log tails) for the device tool to bring back.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -74,11 +75,15 @@ for scale in $SCALES; do
     fi
     flags="${FLAGS[$name]} ${EXTRA_FLAGS:-}"
     [[ $flags == *--kv-offload* ]] && flags="$flags $OFFLOAD_FLAGS"
+    # A fresh Triton cache per server: each compiles from nothing (kernels another config compiled earlier in the
+    # call would otherwise make the order of the servers matter); jit_TAG.txt lists what compiled while serving.
+    tc=/tmp/triton_$tag; rm -rf "$tc" "$tc.up"
+    [ "${FRESH_TRITON_CACHE:-1}" = 1 ] && export TRITON_CACHE_DIR=$tc
     python3 -m sparseserve serve "$MODEL" --port "$PORT" $DEVFLAGS $flags >"$LOGS/server_$tag.log" 2>&1 &
     pid=$!
     up=0
     for _ in $(seq 1 300); do
-      curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && { up=1; break; }
+      curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && { up=1; touch "$tc.up"; break; }
       kill -0 $pid 2>/dev/null || break
       sleep 1
     done
@@ -90,6 +95,8 @@ for scale in $SCALES; do
         --timeout "$timeout_s" --save-details --output-json "$OUT/serve_$tag.json" 2>&1 | tail -12
       rc=$(( rc || PIPESTATUS[0] ))
       curl -s "http://127.0.0.1:$PORT/metrics" | grep -vE '^#|_bucket' >"$OUT/metrics_$tag.txt"
+      [ -d "$tc" ] && find "$tc" -newer "$tc.up" -name '*.json' ! -name '__grp*' -printf '%f\n' | sort | uniq -c \
+        >"$OUT/jit_$tag.txt" && echo "compiled while serving: $(tr -s ' \n' ' ' <"$OUT/jit_$tag.txt")"
     else
       rc=1; tail -20 "$LOGS/server_$tag.log"
     fi
