@@ -107,10 +107,12 @@ class LLMEngine:
         t0, steps, vocab = time.perf_counter(), 0, self.model_runner.arch.vocab_size
         for odd in (0, 1):
             # short (decodes beside the rest); within the budget but cut by the short one's share (a chunk
-            # after a prefix: never layer-segmented); longer than the budget; short again (starts mid-step)
+            # after a prefix: never layer-segmented; in the second round a prefix-cache hit on the first's,
+            # restored from the host store under KV offload); longer than the budget; short again (mid-step)
             lengths = (2 * bs + 3 * odd, min(budget, long_len) - bs - odd, long_len + 5 * odd, bs + 7 * odd)
             for i, n in enumerate(lengths):
-                self.add_request(f"warm-up-{odd}-{i}", [(i * 7919 + odd * 104729 + t) % vocab for t in range(n)],
+                start = i * 7919 + (odd * 104729 if i != 1 else 0)
+                self.add_request(f"warm-up-{odd}-{i}", [(start + t) % vocab for t in range(n)],
                                  SamplingParams(temperature=0.0, max_tokens=8 if i == 0 else 4, ignore_eos=True))
             for _ in range(1000):
                 if not (self.has_unfinished_requests() or self._inflight is not None):

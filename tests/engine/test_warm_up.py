@@ -25,7 +25,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize("extra", [{}, dict(async_scheduling=True), LAYERSEG, dict(LAYERSEG, async_scheduling=True)])
 def test_warm_up_leaves_nothing_behind(tiny_model_dir, extra):
-    kw = dict(device="cpu", dtype="float32", block_size=16, max_model_len=128, max_num_batched_tokens=32,
+    kw = dict(device="cpu", dtype="float32", block_size=16, max_model_len=160, max_num_batched_tokens=64,
               **extra)
     fresh = LLM(str(tiny_model_dir), **kw)
     want = [o.outputs[0].token_ids for o in fresh.generate(prompts(), PARAMS, use_tqdm=False)]
@@ -45,6 +45,8 @@ def test_warm_up_leaves_nothing_behind(tiny_model_dir, extra):
     # the long prompt went through more than one step (chunks or layer segments) beside the short one's decodes
     assert any(1 in ns and (max(ns) > 1 or segs) for ns, segs in seen)
     assert any(chunks_after_prefix)  # a chunk attending to its earlier chunks (with layer segments too)
+    if extra.get("kv_offload"):  # the second round's prefix-cache hit was restored from the host store
+        assert engine.model_runner.offload.num_restored_blocks > 0
     # steps of token counts that are multiples of 16 and others (Triton's specializations)
     assert {sum(ns) % 16 == 0 for ns, _ in seen if ns} == {True, False}
     assert any(segs for _, segs in seen) == bool(extra.get("layer_segmented_prefill"))
