@@ -387,16 +387,14 @@ class Scheduler:
             else:
                 self.ahead.add(seq.seq_id)
         done = sorted((s for s in self.running if s.seq_id in self.ahead and self._prefilled(s)), key=_arrival)
-        queue = None
         for seq, need in zip(done, ws.estimates(done)):
-            queue = queue or self._share_queue()
-            if not self._decode_blocked(seq, queue) and (not sharing or total + need <= ws.limit):
+            # a fresh scan per sequence: the one before it either got a share or was parked
+            if not self._decode_blocked(seq, self._share_queue()) and (not sharing or total + need <= ws.limit):
                 self.ahead.discard(seq.seq_id)
                 sharing.append(seq)
                 total += need
             else:
                 self._park(seq, out)
-            queue = None  # either way the queue changed
         self._ws_total = total
 
     def _prefilled(self, seq: Sequence) -> bool:
