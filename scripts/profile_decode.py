@@ -3,6 +3,8 @@ random-weight model (load_format='dummy'), GPU kernel time per step vs wall time
 
     python scripts/make_random_model.py --config-only --out /tmp/cfg8b
     python scripts/profile_decode.py /tmp/cfg8b --batch 32 --input-len 8192
+    python scripts/profile_decode.py /tmp/smollm2 --batch 1 --engine-arg sparse_policy=topk \
+        --engine-arg sparse_budget=1024 --engine-arg kv_offload=true
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from sparseserve.bench.offload import _engine_args
 from sparseserve.engine.engine import LLMEngine
 from sparseserve.sampling_params import SamplingParams
 
@@ -22,10 +25,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", help="engine option (repeatable)")
     args = ap.parse_args()
     engine = LLMEngine.from_kwargs(model=args.model, load_format="dummy", dtype="bfloat16",
                                    max_model_len=args.input_len + 256, max_num_seqs=args.batch,
-                                   max_num_batched_tokens=32768)
+                                   max_num_batched_tokens=32768, **_engine_args(args.engine_arg))
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     for i in range(args.batch):

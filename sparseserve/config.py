@@ -163,7 +163,8 @@ class SparseConfig:
     sparse_lag: int = field(default=0, metadata={
         "help": "1 (topk): a decode step attends the blocks selected from the previous step's query, so scoring "
                 "and selection run beside the attention (a second CUDA stream) instead of before it; a prefill "
-                "selects from its last token for the first decode. 0: each step selects from its own query.",
+                "selects from its last token for the first decode. With kv_offload (sparse_reuse 1) the HBM pool "
+                "also reads each step's next lists beside it. 0: each step selects from its own query.",
         "choices": [0, 1]})
     sparse_dense_layers: int = field(default=2, metadata={"help": "The first N layers always attend densely."})
     sparse_sink_blocks: int = field(default=1, metadata={"help": "Leading token blocks always attended."})
@@ -387,9 +388,9 @@ class EngineConfig:
                              "tier copies rank 0's KV only (KV offload's host store, per rank, does work)")
         if self.offload_config.layer_segmented_prefill and self.parallel_config.tensor_parallel_size > 1:
             raise ValueError("layer_segmented_prefill does not work with tensor_parallel_size > 1 yet")
-        if self.offload_config.kv_offload and sp.sparse_lag:
-            raise ValueError("sparse_lag=1 does not work with kv_offload yet: the offload path loads each "
-                             "step's own selection before its attention")
+        if self.offload_config.kv_offload and sp.sparse_lag and sp.sparse_reuse > 1:
+            raise ValueError("sparse_lag=1 with kv_offload needs sparse_reuse=1: each step plans the views of the "
+                             "lists the next step reads, and a reused list's view would be older than one step")
         if self.scheduler_config.async_scheduling:
             pc = self.parallel_config
             clash = [(name, why) for name, on, why in (

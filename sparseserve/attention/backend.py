@@ -128,8 +128,14 @@ class AttentionBackend(abc.ABC):
         meta.prefill_meta; rows follow `scheduled` (decodes first). Subclasses call this first."""
         meta.prefill_meta = self.prefill.prepare(scheduled, meta)
 
-    def release(self, seq_id: int) -> None:
-        """A sequence finished or was preempted: per-sequence state it holds is free again."""
+    def release(self, seq_id: int, paused: bool = False) -> None:
+        """A sequence finished or was preempted: per-sequence state it holds is free again (paused: it resumes
+        later with everything it computed, KV offload's pause)."""
+
+    def can_replay(self, meta: AttentionMetadata) -> bool:
+        """Whether a prepared pure-decode step may replay a captured CUDA graph (a step with work outside the
+        captured sequence of kernels runs eagerly)."""
+        return True
 
     def counters(self) -> dict[str, torch.Tensor]:
         """Cumulative device counters (int64 scalars) for the engine's statistics, read without a sync."""

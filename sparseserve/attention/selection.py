@@ -93,14 +93,21 @@ class SelectionState:
         self.streaming = streaming.to(device)
         self._free = list(range(max_num_seqs - 1, -1, -1))
         self._held: dict[int, int] = {}
+        self._parked: dict[int, int] = {}  # paused sequences keeping their lists (`park`), oldest first
         self.fresh: list[int] = []  # the slots the last `assign` handed out anew
 
     def assign(self, seq_ids: list[int]) -> list[int]:
         """The state slot of each sequence; a sequence that had none gets a free one, whose counters restart
-        (its first decode step selects afresh; `fresh` lists them for per-slot state kept elsewhere)."""
+        (its first decode step selects afresh; `fresh` lists them for per-slot state kept elsewhere). A parked
+        sequence gets its own slot back; with none free, the longest-parked sequence gives its slot up."""
         self.fresh = fresh = []
         for sid in seq_ids:
+            if sid in self._parked:
+                self._held[sid] = self._parked.pop(sid)
+        for sid in seq_ids:
             if sid not in self._held:
+                if not self._free:
+                    self._free.append(self._parked.pop(next(iter(self._parked))))
                 self._held[sid] = slot = self._free.pop()
                 fresh.append(slot)
         if fresh:
@@ -108,9 +115,16 @@ class SelectionState:
         return [self._held[sid] for sid in seq_ids]
 
     def release(self, seq_id: int) -> None:
-        slot = self._held.pop(seq_id, None)
+        slot = self._held.pop(seq_id, self._parked.pop(seq_id, None))
         if slot is not None:
             self._free.append(slot)
+
+    def park(self, seq_id: int) -> None:
+        """A paused sequence keeps its slot and lists while no other sequence needs the slot (lagged selection:
+        on resuming it attends the list its last step selected, as if it had not paused)."""
+        slot = self._held.pop(seq_id, None)
+        if slot is not None:
+            self._parked[seq_id] = slot
 
     def held_slots(self) -> dict[int, int]:
         """Sequence id -> state slot of every sequence holding one (accounting)."""

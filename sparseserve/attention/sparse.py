@@ -13,7 +13,14 @@ Per layer it orchestrates, on fixed-shape GPU buffers (so a decode step can be c
             backend's prefill attention (dense, or SALE's sparse prefill), addressed like the decodes.
 With lagged selection a decode attends the list selected at an earlier step (the previous one without reuse;
 a prefill's last token selects for the first decode), and each sparse layer selects the next lists from this
-step's queries on a side CUDA stream beside its attention and the rest of the step (joined at the last layer).
+step's queries on a side CUDA stream beside its attention and the rest of the step (joined at the last layer);
+under KV offload the side stream also reads the decodes' next lists of every sparse layer through the pool in one
+plan after the last layer's selection (victims, FlashH2D of the misses), so the next step's attention finds its
+lists' views ready (kvcache/offload.py `plan_lagged`): a few launches a step, not a layer. A decode whose view
+the step before did not plan (its previous step was a prefill, whose blocks reach the host store only at the next
+step's fence, or it resumes from a pause, which keeps its state slot and lists: `SelectionState.park`) is planned
+in its step, eagerly; one with a fresh slot (after a layer-segmented prefill, or a parked slot given to another
+sequence) first selects its list from its own query.
 Padding rows of CUDA graphs (seq_len 0) never touch the state.
 """
 from __future__ import annotations
@@ -30,6 +37,7 @@ from sparseserve.kernels.block_score import step_slots
 from sparseserve.kernels.key_meta import store_kv_key_meta
 from sparseserve.kernels.sparse_decode import attended_blocks, sparse_decode
 from sparseserve.kernels.store_kv import store_kv
+from sparseserve.kvcache.host import to_device
 from sparseserve.kvcache.metadata import KeyMeta, allocate_key_meta, key_meta_block_bytes
 from sparseserve.kvcache.offload import OffloadCache, OffloadStep
 from sparseserve.registry import SELECTION_POLICIES
@@ -40,6 +48,11 @@ class SparseStepMeta:
     slots: torch.Tensor             # int32 [B]: each row's state slot
     cache: AttentionMetadata        # the step addressed in the sparse layers' KV cache (device blocks under offload)
     offload: OffloadStep | None = None
+    # Lagged selection under offload: decode rows whose view is planned in the step (bool [num_decodes]), and
+    # those of them that select their list first (None: none); such a step is not replayed from a CUDA graph.
+    fix: torch.Tensor | None = None
+    fix_select: torch.Tensor | None = None
+    selects: bool = True  # False: rows without state slots (a layer-segmented prefill's chunks) select no lists
 
 
 @ATTENTION_BACKENDS.register("sparse")
@@ -64,6 +77,7 @@ class SparseBackend(AttentionBackend):
         self.pending: list[torch.Tensor] = []  # lag: queries the side stream reads, kept alive until end_step
         self.step_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # lag: (read, write) rows of the step
         self._step_meta: AttentionMetadata | None = None
+        self._planned: set[int] = set()  # lag + offload: state slots whose next view the last step planned
         self.timer = None  # optional phase timer (benchmarks): .phase(name) -> context manager
 
     def block_bytes(self) -> int:
@@ -75,6 +89,8 @@ class SparseBackend(AttentionBackend):
         self.key_meta = allocate_key_meta(c.num_layers, num_blocks, c.num_kv_heads, c.block_size,
                                           self.params.page_size, c.head_dim, c.device)
         self.offload = offload
+        if offload is not None and self.params.lag:
+            offload.init_lagged(self.state.sel.shape[1], self.params.cap)
 
     def prepare(self, scheduled, meta: AttentionMetadata) -> None:
         super().prepare(scheduled, meta)
@@ -85,11 +101,31 @@ class SparseBackend(AttentionBackend):
         if ws is not None:
             ws.reset_slots(self.state.fresh)
         step = None if self.offload is None else self.offload.prepare_step(scheduled, self.ctx.device)
-        meta.backend_meta = SparseStepMeta(slots.to(self.ctx.device, non_blocking=True), self._cache_view(meta, step),
-                                           step)
+        sm = SparseStepMeta(to_device(slots, self.ctx.device), self._cache_view(meta, step), step)
+        if self.offload is not None and self.params.lag:
+            self._plan_fixes(sm, slots[: meta.num_decodes].tolist())
+        meta.backend_meta = sm
 
-    def release(self, seq_id: int) -> None:
-        self.state.release(seq_id)
+    def _plan_fixes(self, sm: SparseStepMeta, decode_slots: list[int]) -> None:
+        """Lag + offload: which decode rows plan their view in the step (host side, module docstring)."""
+        fresh = set(self.state.fresh)
+        fix = [s in fresh or s not in self._planned for s in decode_slots]
+        self._planned = set(decode_slots)  # the side stream plans every decode's next list
+        if any(fix):
+            dev = self.ctx.device
+            sm.fix = to_device(torch.tensor(fix), dev)
+            if fresh.intersection(decode_slots):
+                sm.fix_select = to_device(torch.tensor([s in fresh for s in decode_slots]), dev)
+
+    def can_replay(self, meta: AttentionMetadata) -> bool:
+        sm: SparseStepMeta | None = meta.backend_meta
+        return sm is None or sm.fix is None
+
+    def release(self, seq_id: int, paused: bool = False) -> None:
+        if paused and self.params.lag:  # its next list is selected already: kept for its resume
+            self.state.park(seq_id)
+        else:
+            self.state.release(seq_id)
 
     def counters(self) -> dict[str, torch.Tensor]:
         out = {"sparse_blocks_selected": self.state.stats[0], "sparse_selections": self.state.stats[1]}
@@ -116,7 +152,8 @@ class SparseBackend(AttentionBackend):
 
     def _forward(self, layer, q, k, v, kv_cache, meta, scale):
         sm: SparseStepMeta | None = meta.backend_meta
-        if self.params.lag and (layer == 0 or self._step_meta is not meta):
+        lagged = self.params.lag and (sm is None or sm.selects)
+        if lagged and (layer == 0 or self._step_meta is not meta):
             self.begin_step(meta)
         if self.offload is not None and not self.offload.offloads(layer):
             # a dense layer keeps every block in a full-size cache indexed by token block: nothing to write through
@@ -139,7 +176,9 @@ class SparseBackend(AttentionBackend):
         (side stream), joined at the step's last layer."""
         sm: SparseStepMeta | None = meta.backend_meta
         cm = meta if sm is None else sm.cache
-        if self.params.lag and self.key_meta is not None and layer >= self.dense_layers:
+        if self.params.lag and self.key_meta is not None and layer >= self.dense_layers and (sm is None or sm.selects):
+            if sm is not None and sm.fix is not None:
+                self._plan_in_step(layer, q, meta, cm, scale)
             self._select_next(layer, q, kv_cache, meta, cm, scale)
         out = self.attend(layer, q, kv_cache, meta, scale)
         if layer == self.ctx.num_layers - 1:
@@ -168,14 +207,16 @@ class SparseBackend(AttentionBackend):
                 if self.offload is None:
                     self.policy.refine(layer, q, kv_cache, rows, state, None)
         view = None
-        if self.offload is not None:
+        if self.offload is not None and p.lag:  # planned beside the step before (or in this one: _plan_in_step)
+            view = self.offload.lagged_view(layer)
+        elif self.offload is not None:
             with self._phase("h2d"):
                 view = self.offload.read(layer, rows.tables, rows.seq_lens, state.sel[layer], rows.slots)
-            if not p.lag and self.policy.refine(layer, q, kv_cache, rows, state, view):
+            if self.policy.refine(layer, q, kv_cache, rows, state, view):
                 view = self.offload.lookup(layer, rows.tables, rows.seq_lens, state.sel[layer][rows.slots.long()])
         with self._phase("attention"):
             sparse_decode(q, kv_cache, rows.cache_tables, rows.seq_lens, state.sel[layer], rows.slots, p.local, scale,
-                          out=out[:nd], offload=view)
+                          out=out[:nd], offload=view, view_by_slot=p.lag)
         return out
 
     def _max_blocks(self, meta: AttentionMetadata) -> int:
@@ -192,6 +233,22 @@ class SparseBackend(AttentionBackend):
         slots = sm.slots if sm is not None else torch.arange(meta.num_seqs, dtype=torch.int32, device=dev)
         self.step_rows = step_slots(meta.seq_lens, slots, meta.num_decodes, self.params.reuse, self.state.num_slots)
         self._step_meta = meta
+
+    def _plan_in_step(self, layer, q, meta, cm, scale) -> None:
+        """Lag + offload: the views of the decode rows the step before did not plan, on the main stream before
+        the side stream's next plans (one planner at a time); a fresh slot first selects its list from its own
+        query."""
+        sm: SparseStepMeta = meta.backend_meta
+        nd = meta.num_decodes
+        if self.side is not None:
+            torch.cuda.current_stream(q.device).wait_stream(self.side)
+        read = self.step_rows[0][:nd]
+        if sm.fix_select is not None:
+            rows = DecodeRows(meta.seq_lens[:nd], meta.block_tables[:nd], cm.block_tables[:nd],
+                              torch.where(sm.fix_select, read, -1), self._max_blocks(meta), scale, self.width)
+            self.policy.select(layer, q[:nd], rows, self.state, self.key_meta[layer])
+        self.offload.plan_lagged(layer, meta.block_tables[:nd], meta.seq_lens[:nd], self.state.sel[layer],
+                                 torch.where(sm.fix, read, -1))
 
     def _select_next(self, layer, q, kv_cache, meta, cm, scale) -> None:
         """Selection from each sequence's last query token of the step into its write row: the decodes' (every
@@ -210,6 +267,11 @@ class SparseBackend(AttentionBackend):
         with stream:
             self.policy.select(layer, q, rows, self.state, self.key_meta[layer])
             self.policy.refine(layer, q, kv_cache, rows, self.state, None)
+            if self.offload is not None and layer == self.ctx.num_layers - 1:
+                # every sparse layer's next views of the decodes in one plan (their next contexts are one longer)
+                nd = meta.num_decodes
+                self.offload.plan_lagged(None, meta.block_tables[:nd], meta.seq_lens[:nd] + 1, self.state.sel,
+                                         self.step_rows[1][:nd])
 
     def end_step(self) -> None:
         """Joins the side stream into the current one (a CUDA graph capture must join every fork)."""

@@ -214,16 +214,18 @@ class PhaseTimer:
 
 
 def capacity_run(model: str, n: int, gpu_gb: float, output_len: int, prompt_len: int, offload: bool,
-                 host_gb: float, reuse: int = 1, profile: bool = False, working_set_control: bool | None = None
-                 ) -> dict:
+                 host_gb: float, reuse: int = 1, profile: bool = False, working_set_control: bool | None = None,
+                 **engine_args) -> dict:
     """working_set_control: the offload run's working-set-aware batch control on or off (None: the engine's
-    default)."""
+    default); engine_args: more options of the offload run (dense, the baseline, runs with its defaults)."""
     from sparseserve.sampling_params import SamplingParams
     total = torch.cuda.get_device_properties(0).total_memory
     kw = (dict(OFFLOAD, host_kv_memory=int(host_gb * 2**30), sparse_reuse=reuse) if offload
           else dict(sparse_policy="dense"))
     if offload and working_set_control is not None:
         kw["working_set_control"] = working_set_control
+    if offload:
+        kw.update(engine_args)
     engine = _engine(model, max_model_len=prompt_len + output_len, max_num_seqs=max(n, 1),
                      max_num_batched_tokens=8192, gpu_memory_utilization=gpu_gb * 1e9 / total, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -279,6 +281,7 @@ def capacity_run(model: str, n: int, gpu_gb: float, output_len: int, prompt_len:
     stats = engine.get_stats(sync=True)
     ws = runner.offload.working_set if offload else None
     config = f"topk 2048 + kv_offload, R={reuse}" + (", working-set control" if ws is not None and ws.enabled else "")
+    config += "".join(f", {k}={v}" for k, v in engine_args.items() if offload)
     out = {"config": config if offload else "dense", "requests": n,
            "max_running": max_running, "decode_tok_s": decode_tokens / decode_s if decode_s else None,
            "decode_step_ms": 1e3 * decode_s / decode_steps if decode_steps else None,
@@ -465,7 +468,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="HBM pool in decode steps' selections of the batch (--real; default: the engine's, one)")
     p.add_argument("--device", default="auto", help="auto, cuda or cpu (--real)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra engine argument of both sides (--real; repeatable), e.g. sparse_reuse=4")
+                   help="extra engine argument (repeatable), e.g. sparse_reuse=4: of both sides with --real, of the "
+                        "offload runs with --capacity")
     p.add_argument("--dtype", default=None, help="model dtype (--real; default: bfloat16 on a GPU, else auto)")
     p.add_argument("--prompt-len", type=int, default=None,
                    help="prompt tokens (default: 32768; --real: the model's context less --output-len)")
@@ -506,7 +510,8 @@ def main(argv: list[str] | None = None) -> None:
             for c in controls]
         for offload, n, r, c in runs:
             rows.append(capacity_run(args.capacity, int(n), args.gpu_memory_gb, args.output_len,
-                                     args.prompt_len or 32768, offload, args.host_kv_gb, int(r), args.profile, c))
+                                     args.prompt_len or 32768, offload, args.host_kv_gb, int(r), args.profile, c,
+                                     **_engine_args(args.engine_arg)))
             print_table(rows[-1:], "")
         result["capacity"] = rows
         best = {c: max((r["decode_tok_s"] or 0) for r in rows if r["config"] == c) for c in {r["config"] for r in rows}}

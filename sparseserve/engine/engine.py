@@ -256,8 +256,8 @@ class LLMEngine:
         if self.async_scheduling:
             return self._step_async()
         sched = self.last_schedule = self.scheduler.schedule()
-        for seq in sched.preempted:
-            self.model_runner.release(seq.seq_id)
+        for seq in sched.preempted:  # a paused sequence keeps its token blocks
+            self.model_runner.release(seq.seq_id, paused=bool(seq.block_table))
         if sched.is_empty:
             return []
         if self.model_runner.offload is not None:
@@ -279,8 +279,8 @@ class LLMEngine:
         then land N (its outputs are what this call returns)."""
         prev, self._inflight = self._inflight, None
         sched = self.last_schedule = self.scheduler.schedule()
-        for seq in sched.preempted:
-            self.model_runner.release(seq.seq_id)
+        for seq in sched.preempted:  # a paused sequence keeps its token blocks
+            self.model_runner.release(seq.seq_id, paused=bool(seq.block_table))
         launched = None
         if not sched.is_empty:
             if self.model_runner.offload is not None:

@@ -182,7 +182,9 @@ class LayerPrefill:
             # The sparse layers address the scratch, whose row j is the prompt's token block j: slot = position.
             scratch = AttentionMetadata(positions[a:b], qsl, seq_lens, scratch_table, num_decodes=0,
                                         max_query_len=b - a, max_seq_len=c + b, prefill_meta=meta.prefill_meta)
-            meta.backend_meta = SparseStepMeta(torch.zeros(1, dtype=torch.int32, device=dev), scratch, None)
+            # No state slot: under lagged selection its first decode selects its own list (attention/sparse.py).
+            meta.backend_meta = SparseStepMeta(torch.zeros(1, dtype=torch.int32, device=dev), scratch, None,
+                                               selects=False)
             chunks.append((a, b, meta))
         start, blocks = self.offload.device_map.range_of(seq)
         prefix = torch.from_numpy(table[: c // bs]).to(dev, non_blocking=True) if c else None

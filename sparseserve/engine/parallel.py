@@ -296,9 +296,9 @@ class TPDriver:
                                  f"TPDriver sends to every rank is (engine/parallel.py)")
         return value
 
-    def release(self, seq_id: int) -> None:
-        self.runner.release(seq_id)
-        self._ops.append(("runner", "release", (seq_id,)))
+    def release(self, seq_id: int, paused: bool = False) -> None:
+        self.runner.release(seq_id, paused)
+        self._ops.append(("runner", "release", (seq_id, paused)))
 
     def execute(self, scheduled: list) -> tuple[list, SamplerOutput | None]:
         s = self._session

@@ -22,7 +22,7 @@ from sparseserve.engine.overlap import PLACEHOLDER, TokenFeed
 from sparseserve.engine.request import Sequence
 from sparseserve.kernels.dispatch import check_impl, forced
 from sparseserve.kvcache.blocks import blocks_needed
-from sparseserve.kvcache.host import host_block_bytes
+from sparseserve.kvcache.host import host_block_bytes, to_device
 from sparseserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from sparseserve.models.config import ArchConfig
 from sparseserve.models.loader import build_model, load_hf_config, resolve_dtype
@@ -190,9 +190,10 @@ class ModelRunner:
                                            self.config.scheduler_config.max_num_seqs, self.max_model_len,
                                            self.block_size)
 
-    def release(self, seq_id: int) -> None:
-        """A sequence finished or was preempted: the backend's per-sequence state is free again."""
-        self.attn_backend.release(seq_id)
+    def release(self, seq_id: int, paused: bool = False) -> None:
+        """A sequence finished or was preempted (paused: KV offload's pause, it resumes with what it computed):
+        the backend's per-sequence state is free again."""
+        self.attn_backend.release(seq_id, paused)
         if self.layer_prefill is not None:
             self.layer_prefill.release(seq_id)
 
@@ -302,12 +303,9 @@ class ModelRunner:
         return StepBatch(input_ids, to_dev(positions), meta, to_dev(sample_idx), sampled)
 
     def _h2d(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device without waiting for the device: under async scheduling from pinned memory,
-        since a copy from pageable memory may wait for the steps in flight (the caching host allocator keeps the
-        pinned block until the copy is done)."""
-        if self.pin_inputs:
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
+        """A host tensor on the device; under async scheduling without waiting for the step in flight
+        (kvcache/host.py to_device)."""
+        return to_device(t, self.device) if self.pin_inputs else t.to(self.device, non_blocking=True)
 
     def sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
         ps = [s.params for s in seqs]
@@ -340,7 +338,8 @@ class ModelRunner:
             if batch is None:
                 pass
             elif self.graphs is not None and len(batch.sampled) == batch.meta.num_seqs \
-                    and self.graphs.can_run(batch.meta.num_seqs, batch.meta.num_decodes):
+                    and self.graphs.can_run(batch.meta.num_seqs, batch.meta.num_decodes) \
+                    and self.attn_backend.can_replay(batch.meta):
                 logits.append(self.graphs.run(batch.input_ids, batch.positions, batch.meta))
                 sampled += batch.sampled
             else:

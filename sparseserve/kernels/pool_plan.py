@@ -62,11 +62,15 @@ class PoolState(NamedTuple):
     ways: int
     num_sets: int
     hash_mult: int
+    # Lagged reads (kvcache/offload.py): a slot stamped at or after `floor` [1] is never a victim, so the lists
+    # the step in flight reads stay put while the next step's are planned beside it; None: the call's own clock.
+    floor: torch.Tensor | None = None
 
 
 class ListLayout(NamedTuple):
     """How a layer's selection lists name head blocks: keys (layer * (num_blocks + 1) + token block) * Hkv + head
-    (the host store's rows), the trash key num_keys for no request."""
+    (the host store's rows), the trash key num_keys for no request. A read of several layers' lists (sel
+    [layers, S, Hkv, cap]) starts at `layer`."""
     layer: int
     num_blocks: int
     num_kv_heads: int
@@ -80,8 +84,8 @@ def set_of(key: torch.Tensor, num_sets: int, hash_mult: int) -> torch.Tensor:
 
 
 def pool_plan_ref(key: torch.Tensor, resident: torch.Tensor, owner: torch.Tensor, last_use: torch.Tensor,
-                  clock: torch.Tensor, stats: torch.Tensor, *, ways: int, num_sets: int, hash_mult: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  clock: torch.Tensor, stats: torch.Tensor, *, ways: int, num_sets: int, hash_mult: int,
+                  floor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's step. key: int64 [N] head blocks the step reads (the trash key resident.numel() - 1: none),
     each at most once. resident [num_keys + 1] (key -> slot, -1), owner and last_use [num_slots + 1] (slot ->
     key / clock of last use, -1 free; last entries: trash), clock [] and stats [4] (hits, loads, bypass reads,
@@ -105,7 +109,8 @@ def pool_plan_ref(key: torch.Tensor, resident: torch.Tensor, owner: torch.Tensor
     rank = torch.empty_like(order)
     rank[order] = torch.arange(n, device=key.device) - first
     way_ids = set_id.clamp_max(num_sets - 1)[:, None] * ways + torch.arange(ways, device=key.device)
-    age = torch.where(in_use[way_ids], NEVER, last_use[way_ids])
+    protected = in_use[way_ids] if floor is None else in_use[way_ids] | (last_use[way_ids] >= floor)
+    age = torch.where(protected, NEVER, last_use[way_ids])
     age_sorted, way_order = torch.sort(age, dim=1, stable=True)
     r = rank.clamp_max(ways - 1)[:, None]
     victim = way_ids.gather(1, way_order.gather(1, r))[:, 0]
@@ -128,16 +133,16 @@ def pool_plan_ref(key: torch.Tensor, resident: torch.Tensor, owner: torch.Tensor
 
 def pool_plan(key: torch.Tensor, resident: torch.Tensor, owner: torch.Tensor, last_use: torch.Tensor,
               clock: torch.Tensor, stats: torch.Tensor, set_misses: torch.Tensor, set_queue: torch.Tensor,
-              plan_cur: torch.Tensor, *, ways: int, num_sets: int, hash_mult: int
+              plan_cur: torch.Tensor, *, ways: int, num_sets: int, hash_mult: int, floor: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """pool_plan_ref's contract. The kernels' scratch: set_misses int32 [num_sets] (zero between calls),
     set_queue int32 [num_slots], plan_cur int64 [1]. The kernels may pair a set's misses with its victims in
     another order (the victims, hits and bypass count per set are the reference's)."""
     if use_triton(key):
         return pool_plan_triton(key, resident, owner, last_use, clock, stats, set_misses, set_queue, plan_cur,
-                                ways=ways, num_sets=num_sets, hash_mult=hash_mult)
+                                ways=ways, num_sets=num_sets, hash_mult=hash_mult, floor=floor)
     return pool_plan_ref(key, resident, owner, last_use, clock, stats, ways=ways, num_sets=num_sets,
-                         hash_mult=hash_mult)
+                         hash_mult=hash_mult, floor=floor)
 
 
 BLOCK_LOOKUP = 512
@@ -187,15 +192,16 @@ def _lookup_kernel(key_ptr, resident_ptr, last_use_ptr, clock_ptr, cur_ptr, stat
 def _list_lookup_kernel(sel_ptr, row_slots_ptr, tables_ptr, seq_lens_ptr, key_out_ptr, claim_ptr,
                         resident_ptr, last_use_ptr, clock_ptr, cur_ptr, stats_ptr, count_ptr, queue_ptr,
                         rank_ptr, loc_ptr, load_ptr, stamp_ptr, hist_ptr, since_ptr, ws_clock_ptr,
-                        stride_ss, stride_tb, key_base, trash_key, num_sets,
+                        stride_sl, stride_ss, stride_tb, key_base, key_step, trash_key, num_sets,
                         HKV: tl.constexpr, CAP: tl.constexpr, CAP_P2: tl.constexpr, LOCAL: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, WAYS: tl.constexpr, HASH: tl.constexpr, TOUCH: tl.constexpr,
                         NUM_SLOTS: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr):
-    """One program per (row, KV head): its list's keys, the claim of each, the lookup of the representatives;
-    TOUCH: the keys also join the row's working set (kernels/working_set.py). A latency chain of a few dependent
-    memory accesses, so the independent ones are issued together."""
+    """One program per (row, KV head, layer of the call): its list's keys, the claim of each, the lookup of the
+    representatives; TOUCH: the keys also join the row's working set (kernels/working_set.py). A latency chain of
+    a few dependent memory accesses, so the independent ones are issued together."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    li = tl.program_id(2).to(tl.int64)
     # Before the wait (kernels/pdl.py): the step's inputs, and the two clocks, which kernels launched before
     # the predecessor advance (the previous layer's plan, the step's working-set start).
     row_slot = tl.load(row_slots_ptr + b).to(tl.int64)
@@ -207,11 +213,11 @@ def _list_lookup_kernel(sel_ptr, row_slots_ptr, tables_ptr, seq_lens_ptr, key_ou
     c = tl.arange(0, CAP_P2)
     inb = c < CAP
     on = inb & ((tl.zeros([CAP_P2], tl.int64) + row_slot) >= 0)  # a padding row (slot -1) lists nothing
-    entry = tl.load(sel_ptr + row_slot * stride_ss + h * CAP + c, mask=on, other=-1)
+    entry = tl.load(sel_ptr + li * stride_sl + row_slot * stride_ss + h * CAP + c, mask=on, other=-1)
     listed = (entry >= 0) & (entry < lim)
     blk = tl.load(tables_ptr + b * stride_tb + entry, mask=listed, other=0).to(tl.int64)
-    key = tl.where(listed, (key_base + blk) * HKV + h, trash_key)
-    i = (b * HKV + h) * CAP + c
+    key = tl.where(listed, (key_base + li * key_step + blk) * HKV + h, trash_key)
+    i = ((li * tl.num_programs(0) + b) * HKV + h) * CAP + c
     tl.store(key_out_ptr + i, key, mask=inb)
     old = tl.atomic_xchg(claim_ptr + key, tl.zeros_like(key) + clock, mask=listed, sem="relaxed")
     slot = tl.load(resident_ptr + key, mask=listed, other=-1)  # read for repeats too (unused there)
@@ -221,16 +227,18 @@ def _list_lookup_kernel(sel_ptr, row_slots_ptr, tables_ptr, seq_lens_ptr, key_ou
     _lookup(key, listed & ~repeat, slot, i, inb, last_use_ptr, clock, stats_ptr, count_ptr, queue_ptr, rank_ptr,
             loc_ptr, load_ptr, num_sets, tl.where(repeat, -2, -1).to(tl.int64), WAYS=WAYS, HASH=HASH)
     if TOUCH:
-        added = touch_keys(key, listed, prev, row_slot, t, stamp_ptr, hist_ptr, since_ptr, NUM_SLOTS=NUM_SLOTS,
+        ws_slot = row_slot % NUM_SLOTS  # a lagged list's row is its state slot + num_slots * parity
+        added = touch_keys(key, listed, prev, ws_slot, t, stamp_ptr, hist_ptr, since_ptr, NUM_SLOTS=NUM_SLOTS,
                            WINDOW=WINDOW)
-        tl.atomic_add(hist_ptr + tl.maximum(row_slot, 0) * WINDOW + t % WINDOW, added)
-    if (b == 0) & (h == 0):
+        tl.atomic_add(hist_ptr + tl.maximum(ws_slot, 0) * WINDOW + t % WINDOW, added)
+    if (b == 0) & (h == 0):  # a layer step planned
         tl.atomic_add(stats_ptr + 3, 1, sem="relaxed")
-        tl.store(cur_ptr, clock)
+        if li == 0:
+            tl.store(cur_ptr, clock)
 
 
 @triton.jit
-def _evict_kernel(key_ptr, rank_ptr, resident_ptr, owner_ptr, last_use_ptr, clock_ptr, cur_ptr, stats_ptr,
+def _evict_kernel(key_ptr, rank_ptr, resident_ptr, owner_ptr, last_use_ptr, clock_ptr, cur_ptr, floor_ptr, stats_ptr,
                   count_ptr, queue_ptr, loc_ptr, load_ptr, n, num_sets,
                   WAYS: tl.constexpr, WAYS_P2: tl.constexpr, HASH: tl.constexpr, BLOCK: tl.constexpr,
                   PDL: tl.constexpr):
@@ -242,16 +250,17 @@ def _evict_kernel(key_ptr, rank_ptr, resident_ptr, owner_ptr, last_use_ptr, cloc
     set_id = (key * HASH) % num_sets
     count = tl.load(count_ptr + set_id, mask=lead, other=0)
     clock = tl.load(cur_ptr)
+    floor = tl.load(floor_ptr)  # <= clock (the call's own clock without a lag)
     w = tl.arange(0, WAYS_P2)
     valid = lead[:, None] & (w[None, :] < WAYS)
     age = tl.load(last_use_ptr + set_id[:, None] * WAYS + w[None, :], mask=valid, other=clock)  # padding: in use
     # Round r gives the rank-r miss the least recently used way left (argmin: the first of equally old ways,
-    # the reference's stable (last use, way) order) while it is evictable (older than the clock: in-use ways
+    # the reference's stable (last use, way) order) while it is evictable (older than the floor: in-use ways
     # carry the clock). A set has few misses a step, so this is a few rounds, not a ways x ways comparison.
     loads = tl.zeros([BLOCK], tl.int64)
     for r in range(0, tl.max(tl.minimum(count, WAYS), 0)):
         way = tl.argmin(age, 1)
-        take = lead & (r < count) & (tl.min(age, 1) < clock)
+        take = lead & (r < count) & (tl.min(age, 1) < floor)
         slot = set_id * WAYS + way
         j = tl.load(queue_ptr + set_id * WAYS + r, mask=take, other=0)
         new = tl.load(key_ptr + j, mask=take, other=0)
@@ -274,8 +283,8 @@ def _evict_kernel(key_ptr, rank_ptr, resident_ptr, owner_ptr, last_use_ptr, cloc
 
 def pool_plan_triton(key: torch.Tensor, resident: torch.Tensor, owner: torch.Tensor, last_use: torch.Tensor,
                      clock: torch.Tensor, stats: torch.Tensor, set_misses: torch.Tensor, set_queue: torch.Tensor,
-                     plan_cur: torch.Tensor, *, ways: int, num_sets: int, hash_mult: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     plan_cur: torch.Tensor, *, ways: int, num_sets: int, hash_mult: int,
+                     floor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     key = key.contiguous()
     n = key.numel()
     rank = torch.empty(n, dtype=torch.int32, device=key.device)
@@ -288,7 +297,7 @@ def pool_plan_triton(key: torch.Tensor, resident: torch.Tensor, owner: torch.Ten
         key, resident, last_use, clock, plan_cur, stats, set_misses, set_queue,
         rank, loc, load, n, resident.numel() - 1, num_sets, BLOCK=BLOCK_LOOKUP, **common)
     _evict_kernel[(max(triton.cdiv(n, BLOCK_EVICT), 1),)](
-        key, rank, resident, owner, last_use, clock, plan_cur, stats,
+        key, rank, resident, owner, last_use, clock, plan_cur, plan_cur if floor is None else floor, stats,
         set_misses, set_queue, loc, load, n, num_sets,
         WAYS_P2=triton.next_power_of_2(ways), BLOCK=BLOCK_EVICT, **common)
     return loc, load
@@ -302,7 +311,7 @@ def list_keys(sel: torch.Tensor, row_slots: torch.Tensor, tables: torch.Tensor, 
     rows = sel[row_slots.long().clamp_min(0)]
     nb = (seq_lens.long() + lay.block_size - 1) // lay.block_size
     listed = (rows >= 0) & (rows < (nb - lay.local).clamp_min(0)[:, None, None]) & (row_slots >= 0)[:, None, None]
-    blocks = tables.long().gather(1, rows.clamp_min(0).flatten(1).long()).view_as(rows)
+    blocks = tables.long().gather(1, torch.where(listed, rows, 0).flatten(1).long()).view_as(rows)
     h = torch.arange(lay.num_kv_heads, device=sel.device)[:, None]
     key = (lay.layer * (lay.num_blocks + 1) + blocks) * lay.num_kv_heads + h
     return torch.where(listed, key, trash_key)
@@ -315,9 +324,14 @@ def pool_read_ref(host_flat: torch.Tensor, pool_slots: torch.Tensor, sel: torch.
     distinct key (repeats are planned as non-requests and read the slot of its first occurrence) and the
     FlashH2D of the misses; with `touch`, every listed key also joins its row's working set
     (kernels/working_set.py, repeats included). Returns (loc, key), int64 [B, Hkv, cap]: each entry's pool slot
-    (-1: a bypass read from host row key, or no request)."""
+    (-1: a bypass read from host row key, or no request). Several layers' lists at once: sel [L, S, Hkv, cap]
+    (layers lay.layer, lay.layer + 1, ...), one plan of them all; (loc, key) [L, B, Hkv, cap]."""
     trash_key = st.resident.numel() - 1
-    key = list_keys(sel, row_slots, tables, seq_lens, lay, trash_key)
+    if sel.dim() == 4:
+        key = torch.stack([list_keys(s, row_slots, tables, seq_lens, lay._replace(layer=lay.layer + i), trash_key)
+                           for i, s in enumerate(sel)])
+    else:
+        key = list_keys(sel, row_slots, tables, seq_lens, lay, trash_key)
     flat = key.reshape(-1)
     pos = torch.arange(flat.numel(), device=key.device)
     _, inverse = torch.unique(flat, return_inverse=True)
@@ -325,30 +339,38 @@ def pool_read_ref(host_flat: torch.Tensor, pool_slots: torch.Tensor, sel: torch.
     rep = first[inverse]  # the first occurrence of each key represents it
     unique = torch.where(rep == pos, flat, trash_key)
     loc, load = pool_plan_ref(unique, st.resident, st.owner, st.last_use, st.clock, st.stats, ways=st.ways,
-                              num_sets=st.num_sets, hash_mult=st.hash_mult)
+                              num_sets=st.num_sets, hash_mult=st.hash_mult, floor=st.floor)
+    if sel.dim() == 4:  # a layer step per layer, as the kernels count
+        st.stats[3] += sel.shape[0] - 1
     flash_h2d_ref(host_flat, pool_slots, unique, load)
     if touch is not None:
-        working_set_touch_ref(key.reshape(key.shape[0], -1), row_slots, *touch)
+        ws_slots = torch.where(row_slots >= 0, row_slots.long() % touch.hist.shape[0], -1)  # lag: slot + S * parity
+        working_set_touch_ref(key.transpose(0, 1).flatten(1) if sel.dim() == 4 else key.flatten(1), ws_slots,
+                              *touch)
     return loc[rep].view_as(key), key
 
 
 def pool_read_triton(host_flat: torch.Tensor, pool_slots: torch.Tensor, sel: torch.Tensor, row_slots: torch.Tensor,
                      tables: torch.Tensor, seq_lens: torch.Tensor, lay: ListLayout, st: PoolState,
                      touch: TouchState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    layers = sel.shape[0] if sel.dim() == 4 else 1
+    sel4 = sel if sel.dim() == 4 else sel[None]
     b, cap = row_slots.numel(), sel.shape[-1]
-    assert sel.shape[1] == lay.num_kv_heads and sel.stride(2) == 1 and sel.stride(1) == cap and tables.stride(1) == 1
-    n, dev = b * lay.num_kv_heads * cap, sel.device
-    key = torch.empty(b, lay.num_kv_heads, cap, dtype=torch.int64, device=dev)
+    assert sel4.shape[2] == lay.num_kv_heads and sel4.stride(3) == 1 and sel4.stride(2) == cap
+    assert tables.stride(1) == 1
+    n, dev = layers * b * lay.num_kv_heads * cap, sel.device
+    key = torch.empty(*sel.shape[:-3], b, lay.num_kv_heads, cap, dtype=torch.int64, device=dev)
     rank = torch.empty(n, dtype=torch.int32, device=dev)
     loc = torch.empty(n, dtype=torch.int64, device=dev)
     load = torch.empty(n, dtype=torch.int64, device=dev)
     pdl = use_pdl(dev)
     if b:
         ws = touch if touch is not None else TouchState(loc, loc, loc, loc)  # unused without TOUCH
-        _list_lookup_kernel[(b, lay.num_kv_heads)](
-            sel, row_slots, tables, seq_lens, key, st.claim, st.resident, st.last_use, st.clock, st.plan_cur,
-            st.stats, st.set_misses, st.set_queue, rank, loc, load, *ws, sel.stride(0), tables.stride(0),
-            lay.layer * (lay.num_blocks + 1), st.resident.numel() - 1, st.num_sets, HKV=lay.num_kv_heads, CAP=cap,
+        _list_lookup_kernel[(b, lay.num_kv_heads, layers)](
+            sel4, row_slots, tables, seq_lens, key, st.claim, st.resident, st.last_use, st.clock, st.plan_cur,
+            st.stats, st.set_misses, st.set_queue, rank, loc, load, *ws, sel4.stride(0), sel4.stride(1),
+            tables.stride(0), lay.layer * (lay.num_blocks + 1), lay.num_blocks + 1, st.resident.numel() - 1,
+            st.num_sets, HKV=lay.num_kv_heads, CAP=cap,
             CAP_P2=triton.next_power_of_2(cap), LOCAL=lay.local, BLOCK_SIZE=lay.block_size, WAYS=st.ways,
             HASH=st.hash_mult, TOUCH=touch is not None, NUM_SLOTS=ws.hist.shape[0] if touch is not None else 1,
             WINDOW=ws.hist.shape[1] if touch is not None else 1, PDL=pdl, launch_pdl=pdl)
@@ -356,8 +378,11 @@ def pool_read_triton(host_flat: torch.Tensor, pool_slots: torch.Tensor, sel: tor
         _lookup_kernel[(1,)](key, st.resident, st.last_use, st.clock, st.plan_cur, st.stats, st.set_misses,
                              st.set_queue, rank, loc, load, 0, st.resident.numel() - 1, st.num_sets,
                              BLOCK=BLOCK_LOOKUP, WAYS=st.ways, HASH=st.hash_mult, PDL=pdl, launch_pdl=pdl)
+        if layers > 1:
+            st.stats[3:].add_(layers - 1)
     _evict_kernel[(max(triton.cdiv(n, BLOCK_EVICT), 1),)](
-        key, rank, st.resident, st.owner, st.last_use, st.clock, st.plan_cur, st.stats, st.set_misses,
+        key, rank, st.resident, st.owner, st.last_use, st.clock, st.plan_cur,
+        st.plan_cur if st.floor is None else st.floor, st.stats, st.set_misses,
         st.set_queue, loc, load, n, st.num_sets, WAYS=st.ways, WAYS_P2=triton.next_power_of_2(st.ways),
         HASH=st.hash_mult, BLOCK=BLOCK_EVICT, PDL=pdl, launch_pdl=pdl)
     flash_h2d_triton(host_flat, pool_slots, key.view(-1), load, repeats=(st.resident, loc))

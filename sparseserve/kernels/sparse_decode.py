@@ -12,6 +12,8 @@ masked off, so they load no K/V. On Hopper without offload a twin of kernel 1 ga
 Under KV offload (`offload` = (pool slots [N, 2, bs, D], host store rows [R, 2, bs, D], loc, key: int64
 [B, Hkv, cap])) the listed blocks before the local window are read from HBM pool slot `loc`, or straight from
 the pinned host row `key` over UVA where loc < 0 (a bypass read); the window still comes from kv_cache.
+loc and key follow the batch rows, or with `view_by_slot` the lists' rows (`slots` index them as they index sel):
+a lagged read plans the view of a list one step ahead, beside the list itself (kvcache/offload.py).
 """
 from __future__ import annotations
 
@@ -106,7 +108,7 @@ def _max_blocks(seq_lens: torch.Tensor, block_size: int) -> int:
 
 def sparse_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       sel: torch.Tensor, slots: torch.Tensor, local: int, scale: float, out: torch.Tensor | None = None,
-                      offload: tuple | None = None) -> torch.Tensor:
+                      offload: tuple | None = None, view_by_slot: bool = False) -> torch.Tensor:
     """Attention of decode queries q [B, Hq, D] over the blocks their lists sel[slots] ([S, Hkv, cap], one
     layer's) name plus the local window, in float32; fills (or returns) out [B, Hq, D]. Under offload the
     listed blocks come through the pool view (module docstring), with the same arithmetic, so the outputs are
@@ -118,6 +120,9 @@ def sparse_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     if offload is None:
         kv = kv_cache[block_tables[:, :mb].long()].float()  # [B, MB, Hkv, 2, bs, D]
     else:
+        if view_by_slot:
+            pool_slots, host_flat, loc, key = offload
+            offload = (pool_slots, host_flat, loc[slots.long()], key[slots.long()])
         kv = offload_context_ref(kv_cache, block_tables, seq_lens, sel_rows, local, offload)
     res = attend_blocks_ref(q, kv, seq_lens, blocks, scale)
     if out is None:
@@ -128,10 +133,11 @@ def sparse_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
 
 def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   sel: torch.Tensor, slots: torch.Tensor, local: int, scale: float, out: torch.Tensor | None = None,
-                  offload: tuple | None = None) -> torch.Tensor:
+                  offload: tuple | None = None, view_by_slot: bool = False) -> torch.Tensor:
     """sparse_decode_ref's contract."""
     fn = sparse_decode_triton if use_triton(q) else sparse_decode_ref
-    return fn(q, kv_cache, block_tables, seq_lens, sel, slots, local, scale, out=out, offload=offload)
+    return fn(q, kv_cache, block_tables, seq_lens, sel, slots, local, scale, out=out, offload=offload,
+              view_by_slot=view_by_slot)
 
 
 # ---- Triton ---------------------------------------------------------------------------------------------
@@ -164,7 +170,8 @@ def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, s
                          stride_qt, stride_qh, stride_cb, stride_ch, stride_ckv, stride_tb, stride_ss,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr,
                          LOCAL: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE_E: tl.constexpr,
-                         DOT_PREC: tl.constexpr, OFFLOAD: tl.constexpr, PDL: tl.constexpr):
+                         DOT_PREC: tl.constexpr, OFFLOAD: tl.constexpr, VIEW_BY_SLOT: tl.constexpr,
+                         PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -204,7 +211,7 @@ def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, s
         ok = ok & (j * BLOCK_SIZE + off < seq_len)
         if OFFLOAD:  # listed entries through their HBM pool slot (or the host store: bypass), the window from the cache
             in_list = ok & listed
-            lrow = (b.to(tl.int64) * tl.num_programs(1) + kvh) * CAP
+            lrow = ((slot if VIEW_BY_SLOT else b.to(tl.int64)) * tl.num_programs(1) + kvh) * CAP
             pslot = tl.load(loc_ptr + lrow + e, mask=in_list, other=-1)
             hkey = tl.load(key_ptr + lrow + e, mask=in_list, other=0)
             blk = tl.load(table_row + j, mask=ok & ~listed, other=0).to(tl.int64)
@@ -361,7 +368,7 @@ def split_plan(batch: int, num_kv_heads: int, entries: int, tile_e: int, device:
 
 def sparse_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                          sel: torch.Tensor, slots: torch.Tensor, local: int, scale: float,
-                         out: torch.Tensor | None = None, offload: tuple | None = None,
+                         out: torch.Tensor | None = None, offload: tuple | None = None, view_by_slot: bool = False,
                          config: SparseDecodeConfig | None = None) -> torch.Tensor:
     """q: [B, Hq, D]; sel: one layer's lists [S, Hkv, cap]; slots: int32 [B]. Returns (fills) out [B, Hq, D]."""
     batch, num_q_heads, head_dim = q.shape
@@ -382,7 +389,9 @@ def sparse_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     if offload is not None:
         pool_slots, host_flat, loc, key = offload
         assert pool_slots.is_contiguous() and host_flat.is_contiguous() and pool_slots.dtype == kv_cache.dtype
-        assert loc.shape == key.shape == (batch, num_kv_heads, cap) and loc.is_contiguous() and key.is_contiguous()
+        rows = sel.shape[0] if view_by_slot else batch  # (by slot: a scratch row may follow the lists' rows)
+        assert loc.shape == key.shape and loc.shape[1:] == (num_kv_heads, cap) and loc.shape[0] >= rows
+        assert loc.is_contiguous() and key.is_contiguous()
     else:
         pool_slots = host_flat = loc = key = kv_cache  # unused (OFFLOAD=False)
     pdl = use_pdl(q.device)
@@ -402,7 +411,8 @@ def sparse_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
             q, kv_cache, block_tables, seq_lens, slots, sel, part_out, part_lse, pool_slots, host_flat, loc, key,
             scale * LOG2E, per_split,
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-            block_tables.stride(0), sel.stride(0), TILE_E=tile_e, OFFLOAD=offload is not None, **common)
+            block_tables.stride(0), sel.stride(0), TILE_E=tile_e, OFFLOAD=offload is not None,
+            VIEW_BY_SLOT=view_by_slot, **common)
     _sparse_merge_kernel[(batch, num_q_heads)](
         part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
         NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,

@@ -45,6 +45,16 @@ def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor (a step's addressing) on `device` without waiting for the device: through pinned
+    memory on CUDA, since a copy from pageable memory first waits for the work queued on the stream, which under
+    async scheduling is the step in flight (the caching host allocator keeps the pinned block until the copy is
+    done)."""
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def host_block_bytes(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one token block (all layers and KV heads) takes in the host store."""
     return num_layers * num_kv_heads * 2 * block_size * head_dim * dtype.itemsize

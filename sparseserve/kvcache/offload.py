@@ -19,7 +19,9 @@ Everything outside reaches the offload path through this class:
     never left the device (docs/prefix_cache.md);
   - the sparse backend writes each layer's new full blocks through (`write_through`) and reads a layer's
     selected blocks into an HBM view (`read`: pool lookup, victims and FlashH2D of the misses; `lookup` after
-    the lists changed without loading);
+    the lists changed without loading); with lagged selection it plans the next step's lists beside the step in
+    flight (`plan_lagged`, on its side stream) and the step reads the views planned the step before
+    (`lagged_view`): no pool work is left between a layer's selection and its attention;
   - CUDA graphs replay the step's device addressing from static buffers (`init_capture_graph`,
     `capture_step`, `prepare_for_replay`);
   - working-set-aware batch control: `working_set` (kvcache/working_set.py) counts each sequence's working
@@ -38,7 +40,7 @@ from sparseserve.config import OffloadConfig, available_host_memory
 from sparseserve.kernels.flash_h2d import flash_h2d
 from sparseserve.kernels.sparse_decode import listed_rows
 from sparseserve.kvcache.blocks import BlockAllocator, blocks_needed
-from sparseserve.kvcache.host import HostKVStore, host_block_bytes
+from sparseserve.kvcache.host import HostKVStore, host_block_bytes, to_device
 from sparseserve.kvcache.layout import OffloadLayout
 from sparseserve.kvcache.pool import HBMPool
 from sparseserve.kvcache.working_set import WorkingSet
@@ -204,6 +206,8 @@ class OffloadCache:
         self._stale: list[int] = []  # token blocks handed to new owners, dropped from the pool before the next step
         self.num_restored_blocks = 0  # token blocks restored into the device block cache (stats)
         self._graph: dict[str, torch.Tensor] | None = None
+        self.lag_loc: torch.Tensor | None = None  # lagged views: [sparse layers, list rows + 1 scratch, Hkv, cap]
+        self.lag_key: torch.Tensor | None = None
 
     @classmethod
     def build(cls, config: OffloadConfig, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -344,8 +348,8 @@ class OffloadCache:
         key = ((layers * (self.host.num_blocks + 1) + rows[None, :, None]) * hkv + heads).reshape(-1)
         load = (((layers - dl) * (self.sparse_cache.shape[1]) + devs[None, :, None]) * hkv + heads).reshape(-1)
         dev = self.sparse_cache.device
-        flash_h2d(self.host.flat(), self.sparse_cache.view(-1, *self.sparse_cache.shape[3:]),
-                  key.to(dev, non_blocking=True), load.to(dev, non_blocking=True))
+        flash_h2d(self.host.flat(), self.sparse_cache.view(-1, *self.sparse_cache.shape[3:]), to_device(key, dev),
+                  to_device(load, dev))
 
     def on_allocate(self, blocks: list[int]) -> None:
         """Token blocks given to a new owner: the pool must not serve their previous contents. Dropped from the
@@ -372,8 +376,8 @@ class OffloadCache:
         tables = np.zeros((len(scheduled), width), dtype=np.int32)
         for b, (seq, _) in enumerate(scheduled):
             dm.fill_row(seq, tables[b], len(seq.block_table))
-        return OffloadStep(torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True),
-                           torch.from_numpy(tables).to(device, non_blocking=True))
+        return OffloadStep(to_device(torch.tensor(slots, dtype=torch.long), device),
+                           to_device(torch.from_numpy(tables), device))
 
     def fence(self) -> None:
         """Before any kernel of a step: earlier steps' FlashD2H copies are in the store, so device blocks the
@@ -412,6 +416,44 @@ class OffloadCache:
         loc, key = self.pool.read(host_flat, layer, sel, row_slots, tables, seq_lens, self.local_blocks,
                                   self.block_size, None if ws is None else ws.touch_state())
         return self.pool.slots, host_flat, loc, key
+
+    def init_lagged(self, list_rows: int, cap: int) -> None:
+        """Lagged selection: a view buffer per sparse layer with a row per list row (state slot and parity,
+        kernels/block_score.py step_slots) and a scratch row for rows that plan nothing."""
+        shape = (len(self.kv_caches) - self.dense_layers, list_rows + 1, self.host.data.shape[2], cap)
+        dev = self.pool.resident.device
+        self.lag_loc = torch.full(shape, -1, dtype=torch.int64, device=dev)
+        self.lag_key = torch.full(shape, self.pool.trash_key, dtype=torch.int64, device=dev)
+
+    def plan_lagged(self, layer: int | None, tables: torch.Tensor, seq_lens: torch.Tensor, sel: torch.Tensor,
+                    list_rows: torch.Tensor) -> None:
+        """Reads the lists of list_rows (-1: none) through the pool as `read` does, for a step to come (seq_lens:
+        its contexts), and keeps their views by list row: one layer's (sel [S', Hkv, cap]), or with layer None
+        every sparse layer's in one plan (sel: the selection buffer of all layers), which starts a round: the step
+        in flight may still read the views of the round before, and the pool keeps every slot they name
+        (`HBMPool.begin_round`); it also starts the step's working-set count. The host rows a list names must be in
+        the store: a prefill's FlashD2H lands at the next step's fence, so a prefill's lists are planned then."""
+        ws = self.working_set
+        if layer is None:
+            self.pool.begin_round()
+            if ws is not None:
+                ws.begin_step()
+            sel = sel[self.dense_layers:]
+        loc, key = self.pool.read(self.host.flat(), self.dense_layers if layer is None else layer, sel, list_rows,
+                                  tables, seq_lens, self.local_blocks, self.block_size,
+                                  None if ws is None else ws.touch_state(), lagged=True)
+        dst = torch.where(list_rows >= 0, list_rows.long(), self.lag_loc.shape[1] - 1)
+        if layer is None:
+            self.lag_loc.index_copy_(1, dst, loc)
+            self.lag_key.index_copy_(1, dst, key)
+        else:
+            self.lag_loc[layer - self.dense_layers].index_copy_(0, dst, loc)
+            self.lag_key[layer - self.dense_layers].index_copy_(0, dst, key)
+
+    def lagged_view(self, layer: int) -> OffloadView:
+        """The views `plan_lagged` kept, by list row (sparse_decode's view_by_slot)."""
+        li = layer - self.dense_layers
+        return self.pool.slots, self.host.flat(), self.lag_loc[li], self.lag_key[li]
 
     def lookup(self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel_rows: torch.Tensor) -> OffloadView:
         """The view of lists that shrank in place after `read` (no state change, nothing loaded)."""

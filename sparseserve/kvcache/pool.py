@@ -25,6 +25,7 @@ import torch
 
 from sparseserve.kernels.pool_plan import ListLayout, PoolState, pool_plan, pool_read, set_of
 from sparseserve.kernels.working_set import TouchState
+from sparseserve.kvcache.host import to_device
 
 _HASH = 2654435761
 
@@ -53,6 +54,10 @@ class HBMPool:
         self.set_queue = torch.zeros(n, dtype=torch.int32, device=device)
         self.plan_cur = torch.zeros(1, dtype=torch.int64, device=device)
         self.claim = torch.full((self.num_keys + 1,), -1, dtype=torch.int64, device=device)  # read's repeats
+        # Lagged reads (`begin_round`): the clock when the round of reads in flight started, and the oldest stamp
+        # no victim may carry (the start of the round before, whose slots the step in flight reads).
+        self.round_start = torch.zeros(1, dtype=torch.int64, device=device)
+        self.floor = torch.zeros(1, dtype=torch.int64, device=device)
         # The key of token block 0 in every (layer, KV head); block b's keys add b * Hkv.
         layers = torch.arange(num_layers, device=device)[:, None]
         self._block_keys = (layers * (num_blocks + 1) * num_kv_heads + torch.arange(num_kv_heads, device=device)
@@ -75,25 +80,35 @@ class HBMPool:
     def set_of(self, key: torch.Tensor) -> torch.Tensor:
         return set_of(key, self.num_sets, _HASH)
 
-    def plan(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def plan(self, key: torch.Tensor, lagged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's step: residency lookup of the head blocks key [N] (int64; the trash key: no request;
         each at most once), victims and installs for the misses (kernels/pool_plan.py). Returns (loc, load):
-        the slot each request reads (-1: bypass or none) and the slot each miss is loaded into (-1: none)."""
+        the slot each request reads (-1: bypass or none) and the slot each miss is loaded into (-1: none).
+        lagged: as in `read`."""
         return pool_plan(key, self.resident, self.owner, self.last_use, self.clock, self.stats, self.set_misses,
-                         self.set_queue, self.plan_cur, ways=self.ways, num_sets=self.num_sets, hash_mult=_HASH)
+                         self.set_queue, self.plan_cur, ways=self.ways, num_sets=self.num_sets, hash_mult=_HASH,
+                         floor=self.floor if lagged else None)
 
     def read(self, host_flat: torch.Tensor, layer: int, sel: torch.Tensor, row_slots: torch.Tensor,
              tables: torch.Tensor, seq_lens: torch.Tensor, local: int, block_size: int,
-             touch: TouchState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             touch: TouchState | None = None, lagged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's decode lists read through the pool (kernels/pool_plan.py pool_read): sel int32 [S, Hkv,
         cap] the layer's lists by state slot, row_slots [B] each row's slot, tables [B, W] token block tables
         (host rows), seq_lens [B]. The misses are loaded from host_flat; touch: the working-set count the listed
         keys join in the same pass (kvcache/working_set.py). Returns (loc, key) [B, Hkv, cap]: each entry's slot
-        (-1: read from host row key, or no request)."""
+        (-1: read from host row key, or no request). lagged: a read of the next step's lists beside the step in
+        flight, which keeps every slot stamped since the previous `begin_round`."""
         state = PoolState(self.resident, self.owner, self.last_use, self.clock, self.stats, self.set_misses,
-                          self.set_queue, self.plan_cur, self.claim, self.ways, self.num_sets, _HASH)
+                          self.set_queue, self.plan_cur, self.claim, self.ways, self.num_sets, _HASH,
+                          self.floor if lagged else None)
         lay = ListLayout(layer, self.num_blocks, self.num_kv_heads, local, block_size)
         return pool_read(host_flat, self.slots, sel, row_slots, tables, seq_lens, lay, state, touch)
+
+    def begin_round(self) -> None:
+        """Lagged reads: a step starts planning the next step's lists. The slots the previous round stamped are
+        what the step in flight reads: they stay until this round ends (device ops, no sync)."""
+        self.floor.copy_(self.round_start)
+        self.round_start.copy_(self.clock.view(1))
 
     def invalidate(self, blocks: list[int]) -> None:
         """Token blocks given to a new owner (their old contents are gone): drop their head blocks of every
@@ -101,7 +116,7 @@ class HBMPool:
         if not blocks:
             return
         dev = self.resident.device
-        b = torch.tensor(blocks, dtype=torch.int64).to(dev, non_blocking=True)
+        b = to_device(torch.tensor(blocks, dtype=torch.int64), dev)
         key = (self._block_keys[None, :] + b[:, None] * self.num_kv_heads).reshape(-1)
         slot = self.resident[key]
         slot = torch.where(slot >= 0, slot, self.trash_slot)

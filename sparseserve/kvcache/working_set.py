@@ -22,6 +22,7 @@ import torch
 
 from sparseserve.kernels.working_set import TouchState, working_set_begin_step
 from sparseserve.kvcache.blocks import blocks_needed
+from sparseserve.kvcache.host import to_device
 
 
 class WorkingSet:
@@ -73,7 +74,7 @@ class WorkingSet:
         """Slots handed to new sequences (between steps): their counts start from nothing."""
         if not slots:
             return
-        idx = torch.tensor(slots, dtype=torch.int64).to(self.hist.device, non_blocking=True)
+        idx = to_device(torch.tensor(slots, dtype=torch.int64), self.hist.device)
         self.hist.index_fill_(0, idx, 0)
         self.since.index_copy_(0, idx, self.clock.expand(len(slots)).contiguous())  # on the device: no sync
 

@@ -50,7 +50,7 @@ def test_config_and_flags():
            dict(sparse_local_blocks=0),
            dict(logical_page_size=48), dict(logical_page_size=64, block_size=32),
            dict(sparse_policy="topk", sparse_budget=128, block_size=32),  # 4 blocks: no room past sink + local
-           dict(sparse_lag=2), dict(sparse_policy="topk", sparse_lag=1, kv_offload=True),
+           dict(sparse_lag=2), dict(sparse_policy="topk", sparse_lag=1, sparse_reuse=2, kv_offload=True),
            dict(sparse_policy="topp", sparse_lag=1)]
     for kwargs in bad:
         with pytest.raises(ValueError):

@@ -110,9 +110,10 @@ def test_async_gives_the_tokens_of_sync_over_random_schedules(tiny_model_dir, se
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the overlap on a device stream (CUDA graphs, "
                     "Triton kernels, pinned copies)")
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("sparse", [False, True, "offload", "layerseg"])
+@pytest.mark.parametrize("sparse", [False, True, "offload", "layerseg", "offload_lag", "layerseg_lag"])
 def test_async_on_cuda(tiny_model_dir, seed, sparse):
-    extra = {False: {}, True: SPARSE, "offload": SPARSE | OFFLOAD, "layerseg": SPARSE | LAYERSEG}[sparse]
+    extra = {False: {}, True: SPARSE, "offload": SPARSE | OFFLOAD, "layerseg": SPARSE | LAYERSEG,
+             "offload_lag": SPARSE | OFFLOAD | LAG, "layerseg_lag": SPARSE | LAYERSEG | LAG}[sparse]
     kw = dict(device="cuda", seeded=seed == 1, **extra)
     asyn = run(tiny_model_dir, seed, True, **kw)
     check_same(run(tiny_model_dir, seed, False, **kw), asyn)
@@ -123,11 +124,14 @@ def test_async_on_cuda(tiny_model_dir, seed, sparse):
 OFFLOAD = dict(kv_offload=True, hbm_cache_blocks=24, host_kv_memory="768KiB")
 # Prompts longer than the step's budget prefill a layer at a time (their FlashD2H copies in flight across steps)
 LAYERSEG = dict(OFFLOAD, layer_segmented_prefill=True, prefill_layer_segment=1, max_num_batched_tokens=16)
+# Lagged selection: under offload the pool reads the next lists a step ahead, on the side stream (CUDA)
+LAG = dict(sparse_lag=1)
 
 
 @pytest.mark.parametrize("extra", [{}, dict(sparse_lag=1), dict(sparse_policy="topp", sparse_reuse=3), OFFLOAD,
                                    dict(OFFLOAD, working_set_control=True, sparse_policy="topp", sparse_reuse=2),
-                                   LAYERSEG])
+                                   LAYERSEG, dict(OFFLOAD, sparse_lag=1),
+                                   dict(OFFLOAD, working_set_control=True, sparse_lag=1), dict(LAYERSEG, sparse_lag=1)])
 def test_async_with_sparse_attention(tiny_model_dir, extra):
     kw = SPARSE | extra
     asyn = run(tiny_model_dir, 5, True, **kw)

@@ -129,14 +129,17 @@ def assert_no_leaks(engine: LLMEngine) -> None:
     assert offload.working_set.num_tracked == 0
 
 
-def test_small_pool_shrinks_the_batch_with_the_same_tokens(tiny_model_dir):
+@pytest.mark.parametrize("lag", [0, 1])
+def test_small_pool_shrinks_the_batch_with_the_same_tokens(tiny_model_dir, lag):
     """Six requests whose working sets need ~3x the pool: with the control the batch never holds more than the
     limit allows (one step late), runs fewer requests at once, hits the pool more, and every request finishes
-    with the unlimited run's greedy tokens; no token block, device block, pool slot or state slot leaks."""
+    with the unlimited run's greedy tokens; no token block, device block, pool slot or state slot leaks. lag:
+    lagged selection, whose lists the pool reads a step ahead; a held-back request resumes in a fresh state slot
+    and selects its first list from its own query."""
     arrivals = {0: [(f"r{i}", p, 30) for i, p in enumerate(prompts())]}
-    off = drive(LLMEngine.from_kwargs(model=str(tiny_model_dir), **ENGINE, **SMALL_POOL, working_set_control=False),
-                arrivals)
-    engine = LLMEngine.from_kwargs(model=str(tiny_model_dir), **ENGINE, **SMALL_POOL, working_set_control=True)
+    kw = {**ENGINE, **SMALL_POOL, "sparse_lag": lag}
+    off = drive(LLMEngine.from_kwargs(model=str(tiny_model_dir), **kw, working_set_control=False), arrivals)
+    engine = LLMEngine.from_kwargs(model=str(tiny_model_dir), **kw, working_set_control=True)
     ws = engine.model_runner.offload.working_set
     over = []
 

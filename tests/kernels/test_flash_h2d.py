@@ -186,11 +186,12 @@ def test_offload_decode_cuda_graph():
 @gpu_only
 @pytest.mark.parametrize("enforce_eager", [True, False])
 @pytest.mark.parametrize("policy", [dict(), dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64,
-                                                 sparse_reuse=2)])
+                                                 sparse_reuse=2), dict(sparse_lag=1)])
 def test_engine_offload_equals_no_offload_on_gpu(hf_models, enforce_eager, policy):
     """On the GPU (Triton kernels, pinned store over UVA, CUDA graphs unless eager): offload on == off,
-    token for token, under the same sparse policy (topk; topp pruning through the pool, with reuse), with
-    a roomy pool and with a 4-slot pool (evictions every step, bypass reads)."""
+    token for token, under the same sparse policy (topk; topp pruning through the pool, with reuse; topk with
+    lagged selection, whose next lists the pool reads a step ahead on the side stream), with a roomy pool and with
+    a 4-slot pool (evictions every step, bypass reads)."""
     from sparseserve import LLM
     from tests.kvcache.test_offload import GREEDY, SPARSE, prompts
     model_dir = hf_models["qwen2-gqa-bias"][0]

@@ -15,7 +15,7 @@ from sparseserve.kernels.pool_plan import ListLayout
 from sparseserve.kernels.working_set import TouchState, working_set_begin_step
 from tests.kernel_utils import DEVICE, ON_GPU, gpu_only
 
-STATE = ("resident", "owner", "last_use", "clock", "stats")
+STATE = ("resident", "owner", "last_use", "clock", "stats", "floor", "round_start")
 
 
 def make(layers: int, blocks: int, hkv: int, slots: int, ways: int) -> HBMPool:
@@ -33,16 +33,19 @@ def requests(pool: HBMPool, g: torch.Generator, per_head: int, batch: int) -> to
     return pool.keys(layer, blocks.to(DEVICE)).reshape(-1)
 
 
-def compare_step(pool: HBMPool, ref: HBMPool, key: torch.Tensor) -> int:
+def compare_step(pool: HBMPool, ref: HBMPool, key: torch.Tensor, lagged: bool = False) -> int:
     """One plan of `pool` (Triton) against the reference plan of `ref` started from the same state; returns the
-    step's bypass reads."""
+    step's bypass reads. lagged: no victim may carry a stamp at or after the pool's floor."""
     for name in STATE:
         getattr(ref, name).copy_(getattr(pool, name))
     before = pool.resident[key].clone()
+    stamps = pool.last_use.clone()
     with forced("torch"):
-        loc_r, load_r = ref.plan(key)
+        loc_r, load_r = ref.plan(key, lagged)
     with forced("triton"):
-        loc, load = pool.plan(key)
+        loc, load = pool.plan(key, lagged)
+    if lagged:
+        assert (stamps[load[load >= 0]] < pool.floor).all()
     need = key != pool.trash_key
     hit, miss = need & (before >= 0), need & (before < 0)
     for lc, ld in ((loc, load), (loc_r, load_r)):
@@ -85,6 +88,22 @@ def test_triton_plan_matches_reference(slots, ways, per_head, batch, bypasses, h
     assert (bypass > 0) == bypasses
     assert pool.stats[0] > 0  # hits
     assert pool.stats[1] > pool.num_slots  # slots were reused (evictions)
+
+
+def test_triton_plan_lagged_keeps_the_step_in_flight():
+    """Lagged reads (kvcache/offload.py plan_lagged): a round of plans for the next step runs while the step in
+    flight reads the slots the previous round stamped; no plan of the round evicts them, so more misses are
+    bypass reads than without the floor; the kernels match the reference."""
+    g = torch.Generator().manual_seed(5)
+    layers, blocks, hkv, per_head, batch = 2, 40, 2, 3, 2
+    pool, ref = make(layers, blocks, hkv, 16, 4), make(layers, blocks, hkv, 16, 4)
+    bypass = 0
+    for step in range(12):
+        if step % 2 == 0:  # a step's first plan starts a round
+            pool.begin_round()
+            assert pool.floor.item() <= pool.round_start.item() == pool.clock.item()
+        bypass += compare_step(pool, ref, requests(pool, g, per_head, batch), lagged=True)
+    assert bypass > 0 and pool.stats[1] > pool.num_slots  # evictions, only of slots older than the floor
 
 
 def test_triton_plan_empty_and_padding_only():
@@ -217,3 +236,45 @@ def test_triton_read_matches_reference(hkv, cap, slots, ways, bypasses, shared):
         repeats += step_repeats
         bypass += int((need & (loc < 0)).sum())
     assert (repeats > 0) == (shared > 0) and pool.stats[0] > 0 and (bypass > 0) == bypasses  # the cases happened
+
+
+def test_triton_read_of_several_layers_matches_reference():
+    """One read of every layer's lists at once (sel [L, S, Hkv, cap], lagged selection's plan of a step): the
+    keys are each layer's, every entry reads the host's block, and hits, loads, stamps and statistics (a layer step
+    per layer) are the reference's."""
+    from sparseserve.kernels.pool_plan import list_keys
+    from sparseserve.kernels.sparse_decode import read_listed_ref
+    from sparseserve.kvcache.host import HostKVStore
+    g = torch.Generator().manual_seed(3)
+    layers, blocks, local, bs, hkv, cap = 3, 48, 1, 4, 2, 5
+    host = HostKVStore(layers, blocks, hkv, bs, 4, torch.float32, pin=ON_GPU)
+    host.data.copy_(torch.randn(host.data.shape, generator=g))
+    pool = HBMPool(layers, blocks, hkv, bs, 4, 64, torch.float32, DEVICE, ways=8)
+    ref = HBMPool(layers, blocks, hkv, bs, 4, 64, torch.float32, DEVICE, ways=8)
+    for step in range(6):
+        if step % 2 == 0:  # new lists, read again the next step (hits)
+            sel, row_slots, tables, seq_lens = lists(g, 5, 8, hkv, cap, blocks, 2)
+            sel = torch.stack([sel, sel.roll(1, 0)])  # layers 1 and 2: other lists, same rows
+        for name in STATE:
+            getattr(ref, name).copy_(getattr(pool, name))
+        ref.slots.copy_(pool.slots)
+        before = pool.resident.clone()
+        with forced("torch"):
+            loc_r, key_r = ref.read(host.flat(), 1, sel, row_slots, tables, seq_lens, local, bs)
+        with forced("triton"):
+            loc, key = pool.read(host.flat(), 1, sel, row_slots, tables, seq_lens, local, bs)
+        assert key.shape == (2, row_slots.numel(), hkv, cap) and torch.equal(key, key_r)
+        with forced("torch"):
+            for i in range(2):
+                assert torch.equal(key[i], list_keys(sel[i], row_slots, tables, seq_lens,
+                                                     ListLayout(1 + i, blocks, hkv, local, bs), pool.trash_key))
+        need = key != pool.trash_key
+        for p, lc in ((pool, loc), (ref, loc_r)):
+            assert torch.equal(read_listed_ref((p.slots, host.flat(), lc, key))[need].cpu(),
+                               host.flat()[key[need].cpu()])
+        hit = need & (before[key] >= 0)
+        assert torch.equal(loc[hit], before[key][hit]) and int((loc >= 0).sum()) == int((loc_r >= 0).sum())
+        for name in ("last_use", "clock", "stats"):
+            assert torch.equal(getattr(pool, name), getattr(ref, name)), name
+        pool.check()
+    assert pool.stats[0] > 0 and pool.stats[1] > 0 and pool.stats[3] == 12

@@ -344,6 +344,31 @@ def offload_inputs(cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Te
     return (pool, host, loc.view(batch, hkv, cap), key.view(batch, hkv, cap)), listed_kv, poisoned
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sparse_decode_view_by_slot(dtype, hq=6, hkv=2):
+    """A lagged read's view follows the lists' rows (the slots), not the batch rows: the kernel and the
+    reference read the same blocks as the batch-ordered view of the same lists (other rows: never read)."""
+    torch.manual_seed(11)
+    d, bs, cap, local, rows = 32, 16, 5, 2, 7
+    lens = [5 * bs, 13 * bs + 7, 9 * bs + 1]
+    q, cache, meta = decode_batch(lens, hq, hkv, d, bs, dtype, slack=2 * bs)
+    listed = random_lists(lens, hkv, bs, cap)[: len(lens)]
+    (pool, host, loc, key), _, cache = offload_inputs(cache, meta.block_tables, meta.seq_lens, listed, local)
+    slots = torch.tensor([5, 0, 3], dtype=torch.int32, device=DEV)
+    sel = torch.full((rows, hkv, cap), -1, dtype=torch.int32, device=DEV)
+    sel[slots.long()] = listed
+    loc_s = torch.full((rows + 1, hkv, cap), 10 ** 9, dtype=torch.int64, device=DEV)  # out of range if read
+    key_s = torch.full_like(loc_s, 10 ** 9)
+    loc_s[slots.long()], key_s[slots.long()] = loc, key
+    args = (q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, d ** -0.5)
+    by_row = sparse_decode_ref(*args, offload=(pool, host, loc, key))
+    assert torch.isfinite(by_row).all()
+    assert torch.equal(sparse_decode_ref(*args, offload=(pool, host, loc_s, key_s), view_by_slot=True), by_row)
+    out = sparse_decode_triton(*args, offload=(pool, host, loc_s, key_s), view_by_slot=True,
+                               config=SparseDecodeConfig(tile_n=32))
+    assert rel_err(out, by_row) < TOL[dtype]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("offload", [False, True])

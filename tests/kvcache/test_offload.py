@@ -330,7 +330,8 @@ def run(model_dir, **kw):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", [dict(), dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=6 * BS,
-                                                 sparse_reuse=2), dict(sparse_dense_layers=1)])
+                                                 sparse_reuse=2), dict(sparse_dense_layers=1),
+                                    dict(sparse_lag=1), dict(sparse_lag=1, sparse_dense_layers=1)])
 def test_offload_equals_no_offload(hf_models, policy):
     """Same sparse policy, offload off vs on: identical greedy tokens with a roomy pool, a pool of a few
     sets (evictions) and a pool of 4 slots (nearly every step evicts, misses overflow into bypass reads),
@@ -369,6 +370,45 @@ def test_offload_equals_no_offload(hf_models, policy):
         head_block = 2 * BS * 64 * 4  # K and V, head_dim 64, float32
         assert stats.offload_h2d_bytes == stats.offload_blocks_loaded * head_block
         assert stats.offload_d2h_bytes == got_metrics["sparseserve:offload_d2h_bytes_total"] > 0
+
+
+def test_lagged_views_name_the_host_blocks(hf_models):
+    """Lagged selection under offload (on a GPU with CUDA graphs, each step planning the next step's lists of every
+    sparse layer on the side stream), a pool of 16 slots (evictions, bypass reads): after every step, the view of
+    each decode's next list names its blocks' host rows, and every pool slot it names holds its host row (the next
+    step reads the right K/V); nothing leaks."""
+    model_dir = hf_models["qwen2-gqa-bias"][0]
+    llm = LLM(str(model_dir), **{**COMMON, **SPARSE, "max_model_len": 136, "device": DEVICE.type, "dtype": "float32",
+                                 "num_gpu_blocks_override": 48, "sparse_lag": 1, "kv_offload": True,
+                                 "hbm_cache_blocks": 16})
+    engine = llm.llm_engine
+    off, backend = engine.model_runner.offload, engine.model_runner.attn_backend
+    for i, p in enumerate(prompts()):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    num_slots, checked = backend.state.num_slots, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        held = backend.state.held_slots()
+        for seq in engine.scheduler.running:
+            slot = held.get(seq.seq_id)
+            if slot is None or slot not in backend._planned or seq.num_computed_tokens < seq.num_prompt_tokens:
+                continue  # its next view is planned in its step (a first decode, a resume)
+            ctx = seq.num_computed_tokens + 1
+            row = slot + num_slots * (ctx % 2)  # the list row its next decode reads (lag, R = 1)
+            tables = torch.tensor([seq.block_table], dtype=torch.int32, device=DEVICE)
+            lens = torch.tensor([ctx], dtype=torch.int32, device=DEVICE)
+            for li in range(off.lag_loc.shape[0]):
+                layer = off.dense_layers + li
+                loc, key = off.lag_loc[li, row], off.lag_key[li, row]
+                want = off.keys(layer, tables, lens, backend.state.sel[layer][row][None])[0]
+                assert torch.equal(key, want), (seq.seq_id, layer)
+                held_slots = loc >= 0
+                assert torch.equal(off.pool.slots[loc[held_slots]].cpu(), off.host.flat()[key[held_slots].cpu()])
+                checked += int(held_slots.sum())
+    stats = engine.get_stats(sync=True)
+    assert checked > 0 and stats.offload_blocks_loaded > stats.offload_hbm_slots and stats.offload_bypass_reads > 0
+    assert stats.num_blocks_used == 0
+    off.pool.check()
 
 
 def random_schedule(model_dir, seed: int, check: bool, greedy: bool = False, triton_plan: bool = False,
@@ -432,20 +472,22 @@ HOST_16 = 16 * 2 * 2 * 2 * BS * 128 * 4  # 16 token blocks of the tiny model in 
 # The engine runs on CPU here, so its Triton plan runs under the interpreter only (on a GPU machine
 # kernels/test_pool_plan.py and kernels/test_flash_h2d.py cover the plan on CUDA tensors).
 @pytest.mark.slow
-@pytest.mark.parametrize("seed, triton_plan",
-                         [(0, False)] + ([(1, True)] if os.environ.get("TRITON_INTERPRET") == "1" else []))
-def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, triton_plan):
+@pytest.mark.parametrize("seed, triton_plan, lag",
+                         [(0, False, 0), (2, False, 1)]
+                         + ([(1, True, 0)] if os.environ.get("TRITON_INTERPRET") == "1" else []))
+def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, triton_plan, lag):
     """16 token blocks both ways (host store with offload); with offload first as many device blocks (the
     schedule, sampled tokens included, equals offload off), then 12, one max_model_len sequence: sequences
     wait for device blocks, so the schedule differs. Greedy requests and a budget covering max_model_len
     then (a one-token prefill chunk is a decode, attended sparsely: with a smaller budget its tokens would
     depend on the schedule); every block still goes through scoring, selection and the pool (its torch
-    plan, or its Triton plan)."""
-    off, _ = random_schedule(tiny_model_dir, seed, check=False, num_gpu_blocks_override=16)
+    plan, or its Triton plan). lag: lagged selection, whose next lists the pool reads a step ahead (paused
+    sequences resume with fresh state slots, which select and read in their step)."""
+    off, _ = random_schedule(tiny_model_dir, seed, check=False, num_gpu_blocks_override=16, sparse_lag=lag)
     on, preemptions = random_schedule(tiny_model_dir, seed, check=True, kv_offload=True, hbm_cache_blocks=16,
-                                      host_kv_memory=HOST_16, triton_plan=triton_plan)
+                                      host_kv_memory=HOST_16, triton_plan=triton_plan, sparse_lag=lag)
     assert on == off and preemptions > 0
-    covering = dict(greedy=True, sparse_budget=12 * BS)
+    covering = dict(greedy=True, sparse_budget=12 * BS, sparse_lag=lag)
     off, _ = random_schedule(tiny_model_dir, seed, check=False, num_gpu_blocks_override=16, **covering)
     on, _ = random_schedule(tiny_model_dir, seed, check=True, kv_offload=True, hbm_cache_blocks=16,
                             host_kv_memory=HOST_16, num_gpu_blocks_override=12, triton_plan=triton_plan,
