@@ -37,8 +37,10 @@ declare -A FLAGS=(
   # the control without prefill ahead: requests over the limit wait unprefilled (to compare side by side)
   [ws_wait]="$SPARSE --kv-offload --working-set-control --max-prefilled-waiting 0"
   [layerseg_wait]="$SPARSE --kv-offload --working-set-control --layer-segmented-prefill --max-prefilled-waiting 0"
+  # lagged selection: the pool reads each step's next lists beside it (docs/offload.md, "Lagged reads")
+  [layerseg_lag]="$SPARSE --kv-offload --working-set-control --layer-segmented-prefill --sparse-lag 1"
 )
-for name in dense sparse offload ws layerseg; do  # NAME_async: the same with async scheduling
+for name in dense sparse offload ws layerseg layerseg_lag; do  # NAME_async: the same with async scheduling
   FLAGS[${name}_async]="${FLAGS[$name]} --async-scheduling"
 done
 if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then

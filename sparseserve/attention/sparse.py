@@ -16,11 +16,12 @@ a prefill's last token selects for the first decode), and each sparse layer sele
 step's queries on a side CUDA stream beside its attention and the rest of the step (joined at the last layer);
 under KV offload the side stream also reads the decodes' next lists of every sparse layer through the pool in one
 plan after the last layer's selection (victims, FlashH2D of the misses), so the next step's attention finds its
-lists' views ready (kvcache/offload.py `plan_lagged`): a few launches a step, not a layer. A decode whose view
-the step before did not plan (its previous step was a prefill, whose blocks reach the host store only at the next
-step's fence, or it resumes from a pause, which keeps its state slot and lists: `SelectionState.park`) is planned
-in its step, eagerly; one with a fresh slot (after a layer-segmented prefill, or a parked slot given to another
-sequence) first selects its list from its own query.
+lists' views ready (kvcache/offload.py `plan_lagged`): a few launches a step, not a layer. Decodes whose views
+the step before did not plan (the previous step was their prefill, whose blocks reach the host store only at the
+next step's fence, or they resume from a pause, which keeps their state slot and lists: `SelectionState.park`) are
+planned at the step's first sparse layer, every layer in one plan (also inside CUDA graphs: a mask of such rows);
+one with a fresh slot (after a layer-segmented prefill, or a parked slot given to another sequence) first selects
+its list from its own query, layer by layer, and its step runs eagerly.
 Padding rows of CUDA graphs (seq_len 0) never touch the state.
 """
 from __future__ import annotations
@@ -48,8 +49,8 @@ class SparseStepMeta:
     slots: torch.Tensor             # int32 [B]: each row's state slot
     cache: AttentionMetadata        # the step addressed in the sparse layers' KV cache (device blocks under offload)
     offload: OffloadStep | None = None
-    # Lagged selection under offload: decode rows whose view is planned in the step (bool [num_decodes]), and
-    # those of them that select their list first (None: none); such a step is not replayed from a CUDA graph.
+    # Lagged selection under offload: decode rows whose views are planned in the step (bool [num_decodes]; None:
+    # none), and those of them that select their lists first (None: none; such a step runs eagerly).
     fix: torch.Tensor | None = None
     fix_select: torch.Tensor | None = None
     selects: bool = True  # False: rows without state slots (a layer-segmented prefill's chunks) select no lists
@@ -119,7 +120,7 @@ class SparseBackend(AttentionBackend):
 
     def can_replay(self, meta: AttentionMetadata) -> bool:
         sm: SparseStepMeta | None = meta.backend_meta
-        return sm is None or sm.fix is None
+        return sm is None or sm.fix_select is None
 
     def release(self, seq_id: int, paused: bool = False) -> None:
         if paused and self.params.lag:  # its next list is selected already: kept for its resume
@@ -177,7 +178,7 @@ class SparseBackend(AttentionBackend):
         sm: SparseStepMeta | None = meta.backend_meta
         cm = meta if sm is None else sm.cache
         if self.params.lag and self.key_meta is not None and layer >= self.dense_layers and (sm is None or sm.selects):
-            if sm is not None and sm.fix is not None:
+            if sm is not None and sm.fix is not None and (layer == self.dense_layers or sm.fix_select is not None):
                 self._plan_in_step(layer, q, meta, cm, scale)
             self._select_next(layer, q, kv_cache, meta, cm, scale)
         out = self.attend(layer, q, kv_cache, meta, scale)
@@ -236,19 +237,23 @@ class SparseBackend(AttentionBackend):
 
     def _plan_in_step(self, layer, q, meta, cm, scale) -> None:
         """Lag + offload: the views of the decode rows the step before did not plan, on the main stream before
-        the side stream's next plans (one planner at a time); a fresh slot first selects its list from its own
+        the side stream's next plans (one planner at a time): at the first sparse layer every layer's lists of
+        the rows that have them, then, layer by layer, those of fresh slots, which first select from their own
         query."""
         sm: SparseStepMeta = meta.backend_meta
         nd = meta.num_decodes
-        if self.side is not None:
+        if self.side is not None and layer > self.dense_layers:  # the step's side stream forks at its first layer
             torch.cuda.current_stream(q.device).wait_stream(self.side)
         read = self.step_rows[0][:nd]
+        tables, seq_lens = meta.block_tables[:nd], meta.seq_lens[:nd]
+        if layer == self.dense_layers:
+            fix = sm.fix if sm.fix_select is None else sm.fix & ~sm.fix_select
+            self.offload.plan_lagged(None, tables, seq_lens, self.state.sel, torch.where(fix, read, -1))
         if sm.fix_select is not None:
-            rows = DecodeRows(meta.seq_lens[:nd], meta.block_tables[:nd], cm.block_tables[:nd],
-                              torch.where(sm.fix_select, read, -1), self._max_blocks(meta), scale, self.width)
+            rows = DecodeRows(seq_lens, tables, cm.block_tables[:nd], torch.where(sm.fix_select, read, -1),
+                              self._max_blocks(meta), scale, self.width)
             self.policy.select(layer, q[:nd], rows, self.state, self.key_meta[layer])
-        self.offload.plan_lagged(layer, meta.block_tables[:nd], meta.seq_lens[:nd], self.state.sel[layer],
-                                 torch.where(sm.fix, read, -1))
+            self.offload.plan_lagged(layer, tables, seq_lens, self.state.sel[layer], rows.slots)
 
     def _select_next(self, layer, q, kv_cache, meta, cm, scale) -> None:
         """Selection from each sequence's last query token of the step into its write row: the decodes' (every
@@ -271,7 +276,7 @@ class SparseBackend(AttentionBackend):
                 # every sparse layer's next views of the decodes in one plan (their next contexts are one longer)
                 nd = meta.num_decodes
                 self.offload.plan_lagged(None, meta.block_tables[:nd], meta.seq_lens[:nd] + 1, self.state.sel,
-                                         self.step_rows[1][:nd])
+                                         self.step_rows[1][:nd], new_round=True)
 
     def end_step(self) -> None:
         """Joins the side stream into the current one (a CUDA graph capture must join every fork)."""
@@ -286,11 +291,14 @@ class SparseBackend(AttentionBackend):
         self._graph["slots"] = torch.arange(max_batch, dtype=torch.int32, device=self.ctx.device)
         if self.offload is not None:
             self.offload.init_capture_graph(max_batch, max_blocks, self.ctx.device)
+            if self.params.lag:  # rows whose views the step plans itself (padding rows: none)
+                self._graph["fix"] = torch.zeros(max_batch, dtype=torch.bool, device=self.ctx.device)
 
     def capture_metadata(self, batch: int) -> AttentionMetadata:
         meta = super().capture_metadata(batch)
         step = None if self.offload is None else self.offload.capture_step(batch)
-        meta.backend_meta = SparseStepMeta(self._graph["slots"][:batch], self._cache_view(meta, step), step)
+        meta.backend_meta = SparseStepMeta(self._graph["slots"][:batch], self._cache_view(meta, step), step,
+                                           fix=self._graph["fix"][:batch] if "fix" in self._graph else None)
         return meta
 
     def prepare_for_replay(self, meta: AttentionMetadata, batch: int) -> None:
@@ -299,6 +307,12 @@ class SparseBackend(AttentionBackend):
         self._graph["slots"][: meta.num_seqs].copy_(sm.slots, non_blocking=True)
         if self.offload is not None:
             self.offload.prepare_for_replay(sm.offload, batch)
+        if "fix" in self._graph:
+            if sm.fix is None:
+                self._graph["fix"].zero_()
+            else:
+                self._graph["fix"][: meta.num_seqs].copy_(sm.fix, non_blocking=True)
+                self._graph["fix"][meta.num_seqs: batch].zero_()
 
     # ---- probes -------------------------------------------------------------------------------------------
 

@@ -439,18 +439,21 @@ def score_and_select_triton(q: torch.Tensor, codes: torch.Tensor, page_scale: to
                          sink=sink, local=local, reuse=reuse, short_dense=short_dense, top_p=top_p, width=width)
 
 
-@triton.jit
+# The batch and its decodes change from step to step: not specialized on, and one block size for every batch, so
+# an eager step of a new size compiles nothing while serving.
+@triton.jit(do_not_specialize=["batch", "num_decodes"])
 def _step_slots_kernel(seq_lens_ptr, slots_ptr, read_ptr, write_ptr, batch, num_decodes, reuse, num_slots,
                        BLOCK: tl.constexpr):
     """Lagged selection: the selection-buffer rows each sequence reads and writes this step (step_slots_ref)."""
-    i = tl.arange(0, BLOCK)
-    m = i < batch
-    s = tl.load(seq_lens_ptr + i, mask=m, other=0)
-    x = tl.load(slots_ptr + i, mask=m, other=0)
-    prev = tl.where(s > 0, (s - 1) // reuse, -1)  # floor((s - 1) / R); integer division truncates
-    tl.store(read_ptr + i, x + num_slots * ((prev + 1) % 2), mask=m)
-    due = (s > 0) & ((i >= num_decodes) | (s % reuse == 0))
-    tl.store(write_ptr + i, tl.where(due, x + num_slots * ((s // reuse + 1) % 2), -1), mask=m)
+    for start in range(0, batch, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        m = i < batch
+        s = tl.load(seq_lens_ptr + i, mask=m, other=0)
+        x = tl.load(slots_ptr + i, mask=m, other=0)
+        prev = tl.where(s > 0, (s - 1) // reuse, -1)  # floor((s - 1) / R); integer division truncates
+        tl.store(read_ptr + i, x + num_slots * ((prev + 1) % 2), mask=m)
+        due = (s > 0) & ((i >= num_decodes) | (s % reuse == 0))
+        tl.store(write_ptr + i, tl.where(due, x + num_slots * ((s // reuse + 1) % 2), -1), mask=m)
 
 
 def step_slots_triton(seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int, reuse: int, num_slots: int
@@ -460,6 +463,6 @@ def step_slots_triton(seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: 
     read = torch.empty(batch, dtype=torch.int32, device=seq_lens.device)
     write = torch.empty_like(read)
     if batch:
-        _step_slots_kernel[(1,)](seq_lens, slots, read, write, batch, num_decodes, reuse, num_slots,
-                                 BLOCK=max(16, triton.next_power_of_2(batch)), num_warps=1)
+        _step_slots_kernel[(1,)](seq_lens, slots, read, write, batch, num_decodes, reuse, num_slots, BLOCK=256,
+                                 num_warps=1)
     return read, write

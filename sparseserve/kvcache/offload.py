@@ -426,18 +426,20 @@ class OffloadCache:
         self.lag_key = torch.full(shape, self.pool.trash_key, dtype=torch.int64, device=dev)
 
     def plan_lagged(self, layer: int | None, tables: torch.Tensor, seq_lens: torch.Tensor, sel: torch.Tensor,
-                    list_rows: torch.Tensor) -> None:
-        """Reads the lists of list_rows (-1: none) through the pool as `read` does, for a step to come (seq_lens:
-        its contexts), and keeps their views by list row: one layer's (sel [S', Hkv, cap]), or with layer None
-        every sparse layer's in one plan (sel: the selection buffer of all layers), which starts a round: the step
-        in flight may still read the views of the round before, and the pool keeps every slot they name
-        (`HBMPool.begin_round`); it also starts the step's working-set count. The host rows a list names must be in
-        the store: a prefill's FlashD2H lands at the next step's fence, so a prefill's lists are planned then."""
+                    list_rows: torch.Tensor, new_round: bool = False) -> None:
+        """Reads the lists of list_rows (-1: none) through the pool as `read` does, for the step they serve
+        (seq_lens: its contexts), and keeps their views by list row: one layer's (sel [S', Hkv, cap]), or with layer
+        None every sparse layer's in one plan (sel: the selection buffer of all layers). new_round: the plan of the
+        next step's lists beside the step in flight, which may still read the views of the round before: the pool
+        keeps every slot they name (`HBMPool.begin_round`); it also starts the step's working-set count. The host
+        rows a list names must be in the store: a prefill's FlashD2H lands at the next step's fence, so a
+        prefill's lists are planned in the step of its first decode."""
         ws = self.working_set
-        if layer is None:
+        if new_round:
             self.pool.begin_round()
             if ws is not None:
                 ws.begin_step()
+        if layer is None:
             sel = sel[self.dense_layers:]
         loc, key = self.pool.read(self.host.flat(), self.dense_layers if layer is None else layer, sel, list_rows,
                                   tables, seq_lens, self.local_blocks, self.block_size,

@@ -455,6 +455,10 @@ def test_step_slots():
         read, write = step_slots_ref(lens, slots, 7, reuse, 16)
         got = step_slots_triton(lens, slots, 7, reuse, 16)
         assert torch.equal(got[0], read) and torch.equal(got[1], write)
+        lens = torch.randint(0, 100, (300,), dtype=torch.int32, device=DEV)  # more rows than the kernel's block
+        slots = torch.randperm(512, device=DEV)[:300].to(torch.int32)
+        got = step_slots_triton(lens, slots, 200, reuse, 512)
+        assert all(torch.equal(a, b) for a, b in zip(got, step_slots_ref(lens, slots, 200, reuse, 512)))
         for s in range(1, 40):  # one sequence in slot 3, prefilled to 1..39 tokens, then 12 decodes
             one = torch.tensor([3], dtype=torch.int32, device=DEV)
             row = int(step_slots_ref(torch.tensor([s], device=DEV), one, 0, reuse, 16)[1])  # the prefill's end
