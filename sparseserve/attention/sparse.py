@@ -98,13 +98,14 @@ class SparseBackend(AttentionBackend):
         ws = self.offload.working_set if self.offload is not None else None
         if ws is not None:  # the counts after the previous step, with the slots of their sequences
             ws.publish(self.state.held_slots())
-        slots = torch.tensor(self.state.assign([seq.seq_id for seq, _ in scheduled]), dtype=torch.int32)
+        slots = self.state.assign([seq.seq_id for seq, _ in scheduled])
         if ws is not None:
             ws.reset_slots(self.state.fresh)
         step = None if self.offload is None else self.offload.prepare_step(scheduled, self.ctx.device)
-        sm = SparseStepMeta(to_device(slots, self.ctx.device), self._cache_view(meta, step), step)
+        sm = SparseStepMeta(to_device(torch.tensor(slots, dtype=torch.int32), self.ctx.device),
+                            self._cache_view(meta, step), step)
         if self.offload is not None and self.params.lag:
-            self._plan_fixes(sm, slots[: meta.num_decodes].tolist())
+            self._plan_fixes(sm, slots[: meta.num_decodes])
         meta.backend_meta = sm
 
     def _plan_fixes(self, sm: SparseStepMeta, decode_slots: list[int]) -> None:
