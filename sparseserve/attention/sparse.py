@@ -13,15 +13,13 @@ Per layer it orchestrates, on fixed-shape GPU buffers (so a decode step can be c
             backend's prefill attention (dense, or SALE's sparse prefill), addressed like the decodes.
 With lagged selection a decode attends the list selected at an earlier step (the previous one without reuse;
 a prefill's last token selects for the first decode), and each sparse layer selects the next lists from this
-step's queries on a side CUDA stream beside its attention and the rest of the step (joined at the last layer);
-under KV offload the side stream also reads the decodes' next lists of every sparse layer through the pool in one
-plan after the last layer's selection (victims, FlashH2D of the misses), so the next step's attention finds its
-lists' views ready (kvcache/offload.py `plan_lagged`): a few launches a step, not a layer. Decodes whose views
-the step before did not plan (the previous step was their prefill, whose blocks reach the host store only at the
-next step's fence, or they resume from a pause, which keeps their state slot and lists: `SelectionState.park`) are
-planned at the step's first sparse layer, every layer in one plan (also inside CUDA graphs: a mask of such rows);
-one with a fresh slot (after a layer-segmented prefill, or a parked slot given to another sequence) first selects
-its list from its own query, layer by layer, and its step runs eagerly.
+step's queries on a side CUDA stream beside its attention and the rest of the step (joined at the last layer).
+Under KV offload the step's lists are read through the pool at its start, every sparse layer's in one plan on the
+side stream beside the dense first layers (victims, FlashH2D of the misses; joined at the first sparse layer), so
+each layer's attention finds its view ready (kvcache/offload.py `plan_lagged`): a few launches a step, not a layer.
+A paused sequence keeps its state slot and lists for its resume (`SelectionState.park`); one with a fresh slot
+(after a layer-segmented prefill, or a parked slot given to another sequence) first selects its list from its own
+query, layer by layer, and its step runs eagerly.
 Padding rows of CUDA graphs (seq_len 0) never touch the state.
 """
 from __future__ import annotations
@@ -38,7 +36,7 @@ from sparseserve.kernels.block_score import step_slots
 from sparseserve.kernels.key_meta import store_kv_key_meta
 from sparseserve.kernels.sparse_decode import attended_blocks, sparse_decode
 from sparseserve.kernels.store_kv import store_kv
-from sparseserve.kvcache.host import to_device
+from sparseserve.kvcache.host import to_device_many
 from sparseserve.kvcache.metadata import KeyMeta, allocate_key_meta, key_meta_block_bytes
 from sparseserve.kvcache.offload import OffloadCache, OffloadStep
 from sparseserve.registry import SELECTION_POLICIES
@@ -49,9 +47,8 @@ class SparseStepMeta:
     slots: torch.Tensor             # int32 [B]: each row's state slot
     cache: AttentionMetadata        # the step addressed in the sparse layers' KV cache (device blocks under offload)
     offload: OffloadStep | None = None
-    # Lagged selection under offload: decode rows whose views are planned in the step (bool [num_decodes]; None:
-    # none), and those of them that select their lists first (None: none; such a step runs eagerly).
-    fix: torch.Tensor | None = None
+    # Lagged selection under offload: decode rows with fresh state slots, which select their lists from their own
+    # query first and plan them layer by layer (bool [num_decodes]; None: none; such a step runs eagerly).
     fix_select: torch.Tensor | None = None
     selects: bool = True  # False: rows without state slots (a layer-segmented prefill's chunks) select no lists
 
@@ -78,7 +75,6 @@ class SparseBackend(AttentionBackend):
         self.pending: list[torch.Tensor] = []  # lag: queries the side stream reads, kept alive until end_step
         self.step_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # lag: (read, write) rows of the step
         self._step_meta: AttentionMetadata | None = None
-        self._planned: set[int] = set()  # lag + offload: state slots whose next view the last step planned
         self.timer = None  # optional phase timer (benchmarks): .phase(name) -> context manager
 
     def block_bytes(self) -> int:
@@ -101,23 +97,18 @@ class SparseBackend(AttentionBackend):
         slots = self.state.assign([seq.seq_id for seq, _ in scheduled])
         if ws is not None:
             ws.reset_slots(self.state.fresh)
-        step = None if self.offload is None else self.offload.prepare_step(scheduled, self.ctx.device)
-        sm = SparseStepMeta(to_device(torch.tensor(slots, dtype=torch.int32), self.ctx.device),
-                            self._cache_view(meta, step), step)
-        if self.offload is not None and self.params.lag:
-            self._plan_fixes(sm, slots[: meta.num_decodes])
-        meta.backend_meta = sm
-
-    def _plan_fixes(self, sm: SparseStepMeta, decode_slots: list[int]) -> None:
-        """Lag + offload: which decode rows plan their view in the step (host side, module docstring)."""
-        fresh = set(self.state.fresh)
-        fix = [s in fresh or s not in self._planned for s in decode_slots]
-        self._planned = set(decode_slots)  # the side stream plans every decode's next list
-        if any(fix):
-            dev = self.ctx.device
-            sm.fix = to_device(torch.tensor(fix), dev)
-            if fresh.intersection(decode_slots):
-                sm.fix_select = to_device(torch.tensor([s in fresh for s in decode_slots]), dev)
+        host = [torch.tensor(slots, dtype=torch.int32)]
+        step = None if self.offload is None else self.offload.prepare_step(scheduled)
+        if step is not None:
+            host += [step.slot_mapping, step.block_tables]
+        fresh = set(self.state.fresh).intersection(slots[: meta.num_decodes]) if self.params.lag else ()
+        if self.offload is not None and fresh:  # fresh state slots (module docstring)
+            host.append(torch.tensor([s in fresh for s in slots[: meta.num_decodes]]))
+        dev = to_device_many(host, self.ctx.device)  # one copy for the backend's step inputs
+        if step is not None:
+            step = OffloadStep(dev[1], dev[2])
+        meta.backend_meta = SparseStepMeta(dev[0], self._cache_view(meta, step), step,
+                                           fix_select=dev[3] if len(dev) > 3 else None)
 
     def can_replay(self, meta: AttentionMetadata) -> bool:
         sm: SparseStepMeta | None = meta.backend_meta
@@ -179,8 +170,10 @@ class SparseBackend(AttentionBackend):
         sm: SparseStepMeta | None = meta.backend_meta
         cm = meta if sm is None else sm.cache
         if self.params.lag and self.key_meta is not None and layer >= self.dense_layers and (sm is None or sm.selects):
-            if sm is not None and sm.fix is not None and (layer == self.dense_layers or sm.fix_select is not None):
-                self._plan_in_step(layer, q, meta, cm, scale)
+            if self.offload is not None and layer == self.dense_layers and self.side is not None:
+                torch.cuda.current_stream(q.device).wait_stream(self.side)  # the step's plan (begin_step)
+            if sm is not None and sm.fix_select is not None:
+                self._plan_fresh(layer, q, meta, cm, scale)
             self._select_next(layer, q, kv_cache, meta, cm, scale)
         out = self.attend(layer, q, kv_cache, meta, scale)
         if layer == self.ctx.num_layers - 1:
@@ -209,7 +202,7 @@ class SparseBackend(AttentionBackend):
                 if self.offload is None:
                     self.policy.refine(layer, q, kv_cache, rows, state, None)
         view = None
-        if self.offload is not None and p.lag:  # planned beside the step before (or in this one: _plan_in_step)
+        if self.offload is not None and p.lag:  # planned at the step's start (begin_step; fresh slots: _plan_fresh)
             view = self.offload.lagged_view(layer)
         elif self.offload is not None:
             with self._phase("h2d"):
@@ -229,32 +222,43 @@ class SparseBackend(AttentionBackend):
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Lagged selection: the step's read and write rows (step_slots), at layer 0 before its K/V store:
         kernels read the rows before their programmatic-dependent-launch wait (kernels/pdl.py), so the launch
-        that writes them must not be their direct predecessor."""
+        that writes them must not be their direct predecessor. Under offload, then the views of every sparse
+        layer's lists of the decode rows in one plan, on the side stream beside the dense layers (joined at the
+        first sparse layer); rows with fresh slots plan theirs layer by layer (_plan_fresh)."""
         sm: SparseStepMeta | None = meta.backend_meta
         dev = meta.seq_lens.device
         slots = sm.slots if sm is not None else torch.arange(meta.num_seqs, dtype=torch.int32, device=dev)
         self.step_rows = step_slots(meta.seq_lens, slots, meta.num_decodes, self.params.reuse, self.state.num_slots)
         self._step_meta = meta
+        nd = meta.num_decodes
+        if self.offload is None or sm is None or nd == 0 or self.key_meta is None:
+            return
+        plan = meta.seq_lens[:nd] > 0  # padding rows of CUDA graphs plan nothing
+        if sm.fix_select is not None:
+            plan &= ~sm.fix_select
+        rows = torch.where(plan, self.step_rows[0][:nd], -1)
+        stream = contextlib.nullcontext()
+        if self.side is not None:
+            self.side.wait_stream(torch.cuda.current_stream(dev))
+            stream = torch.cuda.stream(self.side)
+            self.pending.append(rows)
+        with stream:
+            self.offload.plan_lagged(None, meta.block_tables[:nd], meta.seq_lens[:nd], self.state.sel, rows,
+                                     new_round=True)
 
-    def _plan_in_step(self, layer, q, meta, cm, scale) -> None:
-        """Lag + offload: the views of the decode rows the step before did not plan, on the main stream before
-        the side stream's next plans (one planner at a time): at the first sparse layer every layer's lists of
-        the rows that have them, then, layer by layer, those of fresh slots, which first select from their own
-        query."""
+    def _plan_fresh(self, layer, q, meta, cm, scale) -> None:
+        """Lag + offload: decode rows with fresh state slots select their lists from their own query, then plan
+        their views, layer by layer on the main stream, after the side stream's plans (one planner at a time)."""
         sm: SparseStepMeta = meta.backend_meta
         nd = meta.num_decodes
-        if self.side is not None and layer > self.dense_layers:  # the step's side stream forks at its first layer
+        if self.side is not None and layer > self.dense_layers:
             torch.cuda.current_stream(q.device).wait_stream(self.side)
-        read = self.step_rows[0][:nd]
         tables, seq_lens = meta.block_tables[:nd], meta.seq_lens[:nd]
-        if layer == self.dense_layers:
-            fix = sm.fix if sm.fix_select is None else sm.fix & ~sm.fix_select
-            self.offload.plan_lagged(None, tables, seq_lens, self.state.sel, torch.where(fix, read, -1))
-        if sm.fix_select is not None:
-            rows = DecodeRows(seq_lens, tables, cm.block_tables[:nd], torch.where(sm.fix_select, read, -1),
-                              self._max_blocks(meta), scale, self.width)
-            self.policy.select(layer, q[:nd], rows, self.state, self.key_meta[layer])
-            self.offload.plan_lagged(layer, tables, seq_lens, self.state.sel[layer], rows.slots)
+        rows = DecodeRows(seq_lens, tables, cm.block_tables[:nd],
+                          torch.where(sm.fix_select, self.step_rows[0][:nd], -1), self._max_blocks(meta), scale,
+                          self.width)
+        self.policy.select(layer, q[:nd], rows, self.state, self.key_meta[layer])
+        self.offload.plan_lagged(layer, tables, seq_lens, self.state.sel[layer], rows.slots)
 
     def _select_next(self, layer, q, kv_cache, meta, cm, scale) -> None:
         """Selection from each sequence's last query token of the step into its write row: the decodes' (every
@@ -273,11 +277,6 @@ class SparseBackend(AttentionBackend):
         with stream:
             self.policy.select(layer, q, rows, self.state, self.key_meta[layer])
             self.policy.refine(layer, q, kv_cache, rows, self.state, None)
-            if self.offload is not None and layer == self.ctx.num_layers - 1:
-                # every sparse layer's next views of the decodes in one plan (their next contexts are one longer)
-                nd = meta.num_decodes
-                self.offload.plan_lagged(None, meta.block_tables[:nd], meta.seq_lens[:nd] + 1, self.state.sel,
-                                         self.step_rows[1][:nd], new_round=True)
 
     def end_step(self) -> None:
         """Joins the side stream into the current one (a CUDA graph capture must join every fork)."""
@@ -292,14 +291,11 @@ class SparseBackend(AttentionBackend):
         self._graph["slots"] = torch.arange(max_batch, dtype=torch.int32, device=self.ctx.device)
         if self.offload is not None:
             self.offload.init_capture_graph(max_batch, max_blocks, self.ctx.device)
-            if self.params.lag:  # rows whose views the step plans itself (padding rows: none)
-                self._graph["fix"] = torch.zeros(max_batch, dtype=torch.bool, device=self.ctx.device)
 
     def capture_metadata(self, batch: int) -> AttentionMetadata:
         meta = super().capture_metadata(batch)
         step = None if self.offload is None else self.offload.capture_step(batch)
-        meta.backend_meta = SparseStepMeta(self._graph["slots"][:batch], self._cache_view(meta, step), step,
-                                           fix=self._graph["fix"][:batch] if "fix" in self._graph else None)
+        meta.backend_meta = SparseStepMeta(self._graph["slots"][:batch], self._cache_view(meta, step), step)
         return meta
 
     def prepare_for_replay(self, meta: AttentionMetadata, batch: int) -> None:
@@ -308,12 +304,6 @@ class SparseBackend(AttentionBackend):
         self._graph["slots"][: meta.num_seqs].copy_(sm.slots, non_blocking=True)
         if self.offload is not None:
             self.offload.prepare_for_replay(sm.offload, batch)
-        if "fix" in self._graph:
-            if sm.fix is None:
-                self._graph["fix"].zero_()
-            else:
-                self._graph["fix"][: meta.num_seqs].copy_(sm.fix, non_blocking=True)
-                self._graph["fix"][meta.num_seqs: batch].zero_()
 
     # ---- probes -------------------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from sparseserve.engine.overlap import PLACEHOLDER, TokenFeed
 from sparseserve.engine.request import Sequence
 from sparseserve.kernels.dispatch import check_impl, forced
 from sparseserve.kvcache.blocks import blocks_needed
-from sparseserve.kvcache.host import host_block_bytes, to_device
+from sparseserve.kvcache.host import host_block_bytes, to_device_many
 from sparseserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from sparseserve.models.config import ArchConfig
 from sparseserve.models.loader import build_model, load_hf_config, resolve_dtype
@@ -125,7 +125,6 @@ class ModelRunner:
                                               hidden_size=a.hidden_size, max_model_len=self.max_model_len,
                                               chunk_tokens=sc.max_num_batched_tokens, dtype=self.dtype,
                                               device=self.device)
-        self.pin_inputs = sc.async_scheduling and self.device.type == "cuda"  # see _h2d
         self.graphs = None
         if self.device.type == "cuda" and not mc.enforce_eager and self.kernel_impl != "torch":
             with self._kernels():
@@ -285,37 +284,37 @@ class ModelRunner:
             table = seq.block_table_array()
             tables[b, : len(table)] = table
 
-        def to_dev(x: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return self._h2d(torch.tensor(x, dtype=dtype))
-
+        host = [torch.tensor(slots, dtype=torch.long), torch.tensor(qsl, dtype=torch.int32),
+                torch.tensor(seq_lens, dtype=torch.int32), torch.from_numpy(tables),
+                torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                torch.tensor(sample_idx, dtype=torch.long)]
+        if fill_dst:
+            host += [torch.tensor(fill_dst, dtype=torch.long), torch.tensor(fill_src, dtype=torch.long)]
+        dev = to_device_many(host, self.device)  # one copy for the step's inputs
         meta = AttentionMetadata(
-            slot_mapping=to_dev(slots), query_start_loc=to_dev(qsl, torch.int32),
-            seq_lens=to_dev(seq_lens, torch.int32), block_tables=self._h2d(torch.from_numpy(tables)),
+            slot_mapping=dev[0], query_start_loc=dev[1], seq_lens=dev[2], block_tables=dev[3],
             num_decodes=sum(1 for _, n in scheduled if n == 1), max_query_len=max(n for _, n in scheduled),
             max_seq_len=max(seq_lens))
         self.attn_backend.prepare(scheduled, meta)
-        input_ids = to_dev(ids)
+        input_ids = dev[4]
         if feed is not None:
             if ids.count(PLACEHOLDER) != len(fill_dst):
                 raise RuntimeError("a placeholder token would reach the model without its feed row")
             if fill_dst:
-                input_ids.index_copy_(0, to_dev(fill_dst), feed.token_ids[to_dev(fill_src)])
-        return StepBatch(input_ids, to_dev(positions), meta, to_dev(sample_idx), sampled)
-
-    def _h2d(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device; under async scheduling without waiting for the step in flight
-        (kvcache/host.py to_device)."""
-        return to_device(t, self.device) if self.pin_inputs else t.to(self.device, non_blocking=True)
+                input_ids.index_copy_(0, dev[7], feed.token_ids[dev[8]])
+        return StepBatch(input_ids, dev[5], meta, dev[6], sampled)
 
     def sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
         ps = [s.params for s in seqs]
         vocab = self.arch.vocab_size
         logprobs = [p.logprobs for p in ps if p.logprobs is not None]
+        temperature, top_k, top_p, min_p = to_device_many(
+            [torch.tensor([p.temperature for p in ps], dtype=torch.float32),
+             torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps]),
+             torch.tensor([p.top_p for p in ps], dtype=torch.float32),
+             torch.tensor([p.min_p for p in ps], dtype=torch.float32)], self.device)
         return SamplingMetadata(
-            temperature=self._h2d(torch.tensor([p.temperature for p in ps], dtype=torch.float32)),
-            top_k=self._h2d(torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps])),
-            top_p=self._h2d(torch.tensor([p.top_p for p in ps], dtype=torch.float32)),
-            min_p=self._h2d(torch.tensor([p.min_p for p in ps], dtype=torch.float32)),
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             generators={i: s.generator for i, s in enumerate(seqs) if s.generator is not None and not s.params.greedy},
             all_greedy=all(p.greedy for p in ps),
             need_top_k=any(0 < p.top_k < vocab for p in ps),

@@ -40,7 +40,7 @@ from sparseserve.config import OffloadConfig, available_host_memory
 from sparseserve.kernels.flash_h2d import flash_h2d
 from sparseserve.kernels.sparse_decode import listed_rows
 from sparseserve.kvcache.blocks import BlockAllocator, blocks_needed
-from sparseserve.kvcache.host import HostKVStore, host_block_bytes, to_device
+from sparseserve.kvcache.host import HostKVStore, host_block_bytes, to_device_many
 from sparseserve.kvcache.layout import OffloadLayout
 from sparseserve.kvcache.pool import HBMPool
 from sparseserve.kvcache.working_set import WorkingSet
@@ -348,8 +348,8 @@ class OffloadCache:
         key = ((layers * (self.host.num_blocks + 1) + rows[None, :, None]) * hkv + heads).reshape(-1)
         load = (((layers - dl) * (self.sparse_cache.shape[1]) + devs[None, :, None]) * hkv + heads).reshape(-1)
         dev = self.sparse_cache.device
-        flash_h2d(self.host.flat(), self.sparse_cache.view(-1, *self.sparse_cache.shape[3:]), to_device(key, dev),
-                  to_device(load, dev))
+        flash_h2d(self.host.flat(), self.sparse_cache.view(-1, *self.sparse_cache.shape[3:]),
+                  *to_device_many([key, load], dev))
 
     def on_allocate(self, blocks: list[int]) -> None:
         """Token blocks given to a new owner: the pool must not serve their previous contents. Dropped from the
@@ -360,9 +360,10 @@ class OffloadCache:
 
     # ---- the runner ---------------------------------------------------------------------------------------
 
-    def prepare_step(self, scheduled: list, device: torch.device) -> OffloadStep:
+    def prepare_step(self, scheduled: list) -> OffloadStep:
         """Device cache slots of the step's tokens and device tables of its sequences, in `scheduled` order
-        ((sequence, new tokens) pairs), built per sequence and block, moved in one copy per tensor."""
+        ((sequence, new tokens) pairs), built per sequence and block on the host (the caller moves them to the
+        device with the rest of the step's inputs)."""
         bs, dm = self.block_size, self.device_map
         slots: list[int] = []
         for seq, n in scheduled:
@@ -376,8 +377,7 @@ class OffloadCache:
         tables = np.zeros((len(scheduled), width), dtype=np.int32)
         for b, (seq, _) in enumerate(scheduled):
             dm.fill_row(seq, tables[b], len(seq.block_table))
-        return OffloadStep(to_device(torch.tensor(slots, dtype=torch.long), device),
-                           to_device(torch.from_numpy(tables), device))
+        return OffloadStep(torch.tensor(slots, dtype=torch.long), torch.from_numpy(tables))
 
     def fence(self) -> None:
         """Before any kernel of a step: earlier steps' FlashD2H copies are in the store, so device blocks the
@@ -427,13 +427,12 @@ class OffloadCache:
 
     def plan_lagged(self, layer: int | None, tables: torch.Tensor, seq_lens: torch.Tensor, sel: torch.Tensor,
                     list_rows: torch.Tensor, new_round: bool = False) -> None:
-        """Reads the lists of list_rows (-1: none) through the pool as `read` does, for the step they serve
-        (seq_lens: its contexts), and keeps their views by list row: one layer's (sel [S', Hkv, cap]), or with layer
-        None every sparse layer's in one plan (sel: the selection buffer of all layers). new_round: the plan of the
-        next step's lists beside the step in flight, which may still read the views of the round before: the pool
-        keeps every slot they name (`HBMPool.begin_round`); it also starts the step's working-set count. The host
-        rows a list names must be in the store: a prefill's FlashD2H lands at the next step's fence, so a
-        prefill's lists are planned in the step of its first decode."""
+        """Reads the lists of list_rows (-1: none) through the pool as `read` does, for the step's decodes
+        (tables, seq_lens), and keeps their views by list row: one layer's (sel [S', Hkv, cap]), or with layer None
+        every sparse layer's in one plan (sel: the selection buffer of all layers). new_round: the step's first
+        plan: no later plan of the step evicts what it stamps (`HBMPool.begin_round`); it also starts the step's
+        working-set count. The host rows a list names are in the store: the step's fence has landed the FlashD2H
+        writes of earlier steps."""
         ws = self.working_set
         if new_round:
             self.pool.begin_round()

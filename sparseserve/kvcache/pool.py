@@ -54,9 +54,7 @@ class HBMPool:
         self.set_queue = torch.zeros(n, dtype=torch.int32, device=device)
         self.plan_cur = torch.zeros(1, dtype=torch.int64, device=device)
         self.claim = torch.full((self.num_keys + 1,), -1, dtype=torch.int64, device=device)  # read's repeats
-        # Lagged reads (`begin_round`): the clock when the round of reads in flight started, and the oldest stamp
-        # no victim may carry (the start of the round before, whose slots the step in flight reads).
-        self.round_start = torch.zeros(1, dtype=torch.int64, device=device)
+        # Lagged reads (`begin_round`): the oldest stamp no victim may carry (the start of the step's plans).
         self.floor = torch.zeros(1, dtype=torch.int64, device=device)
         # The key of token block 0 in every (layer, KV head); block b's keys add b * Hkv.
         layers = torch.arange(num_layers, device=device)[:, None]
@@ -97,7 +95,7 @@ class HBMPool:
         (host rows), seq_lens [B]. The misses are loaded from host_flat; touch: the working-set count the listed
         keys join in the same pass (kvcache/working_set.py). Returns (loc, key) [B, Hkv, cap]: each entry's slot
         (-1: read from host row key, or no request). lagged: a read of the next step's lists beside the step in
-        flight, which keeps every slot stamped since the previous `begin_round`."""
+        step, which keeps every slot stamped since its `begin_round`."""
         state = PoolState(self.resident, self.owner, self.last_use, self.clock, self.stats, self.set_misses,
                           self.set_queue, self.plan_cur, self.claim, self.ways, self.num_sets, _HASH,
                           self.floor if lagged else None)
@@ -105,10 +103,10 @@ class HBMPool:
         return pool_read(host_flat, self.slots, sel, row_slots, tables, seq_lens, lay, state, touch)
 
     def begin_round(self) -> None:
-        """Lagged reads: a step starts planning the next step's lists. The slots the previous round stamped are
-        what the step in flight reads: they stay until this round ends (device ops, no sync)."""
-        self.floor.copy_(self.round_start)
-        self.round_start.copy_(self.clock.view(1))
+        """Lagged reads: a step starts planning its lists, every layer's before its first sparse layer and some
+        layer by layer: no plan of the step evicts a slot another one stamped, which a later layer still reads
+        (a device op, no sync)."""
+        self.floor.copy_(self.clock.view(1))
 
     def invalidate(self, blocks: list[int]) -> None:
         """Token blocks given to a new owner (their old contents are gone): drop their head blocks of every

@@ -373,10 +373,10 @@ def test_offload_equals_no_offload(hf_models, policy):
 
 
 def test_lagged_views_name_the_host_blocks(hf_models):
-    """Lagged selection under offload (on a GPU with CUDA graphs, each step planning the next step's lists of every
-    sparse layer on the side stream), a pool of 16 slots (evictions, bypass reads): after every step, the view of
-    each decode's next list names its blocks' host rows, and every pool slot it names holds its host row (the next
-    step reads the right K/V); nothing leaks."""
+    """Lagged selection under offload (on a GPU with CUDA graphs, each step planning its lists of every sparse
+    layer on the side stream at its start), a pool of 16 slots (evictions, bypass reads): after every step, the
+    view of each decode's list names its blocks' host rows, and every pool slot it names holds its host row (the
+    step read the right K/V); nothing leaks."""
     model_dir = hf_models["qwen2-gqa-bias"][0]
     llm = LLM(str(model_dir), **{**COMMON, **SPARSE, "max_model_len": 136, "device": DEVICE.type, "dtype": "float32",
                                  "num_gpu_blocks_override": 48, "sparse_lag": 1, "kv_offload": True,
@@ -389,12 +389,12 @@ def test_lagged_views_name_the_host_blocks(hf_models):
     while engine.has_unfinished_requests():
         engine.step()
         held = backend.state.held_slots()
-        for seq in engine.scheduler.running:
+        for seq, n in engine.last_schedule.scheduled:
             slot = held.get(seq.seq_id)
-            if slot is None or slot not in backend._planned or seq.num_computed_tokens < seq.num_prompt_tokens:
-                continue  # its next view is planned in its step (a first decode, a resume)
-            ctx = seq.num_computed_tokens + 1
-            row = slot + num_slots * (ctx % 2)  # the list row its next decode reads (lag, R = 1)
+            if n != 1 or slot is None:
+                continue  # a prefill chunk, or finished
+            ctx = seq.num_computed_tokens  # the step's context
+            row = slot + num_slots * (ctx % 2)  # the list row the step's decode read (lag, R = 1)
             tables = torch.tensor([seq.block_table], dtype=torch.int32, device=DEVICE)
             lens = torch.tensor([ctx], dtype=torch.int32, device=DEVICE)
             for li in range(off.lag_loc.shape[0]):
