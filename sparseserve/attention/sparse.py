@@ -153,14 +153,20 @@ class SparseBackend(AttentionBackend):
             store_kv(k, v, kv_cache, meta.slot_mapping)
             return attend_paged(q, kv_cache, meta, scale, self.prefill, layer)
         cm = meta if sm is None else sm.cache
+        # (a layer-segmented prefill writes a layer whole: no write-through)
+        write = self.offload is not None and sm is not None and sm.offload is not None
         if self.key_meta is None or layer < self.dense_layers:  # dense layers never score
             store_kv(k, v, kv_cache, cm.slot_mapping)
-        else:
+            decodes = True
+        else:  # with offload the decodes' completed blocks go to the host store in the same kernel
             km = self.key_meta[layer]
+            host, count = self.offload.decode_write(layer) if write else (None, None)
             store_kv_key_meta(k, v, kv_cache, km.codes, km.scale, cm.slot_mapping, self.params.page_size,
-                              None if cm is meta else meta.slot_mapping)
-        if self.offload is not None and sm.offload is not None:  # (a layer-segmented prefill writes a layer whole)
-            self.offload.write_through(layer, kv_cache, sm.offload, meta.slot_mapping, meta.num_decodes, meta.num_seqs)
+                              None if cm is meta else meta.slot_mapping, host, meta.num_decodes, count)
+            decodes = False
+        if write:
+            self.offload.write_through(layer, kv_cache, sm.offload, meta.slot_mapping, meta.num_decodes, meta.num_seqs,
+                                       decodes)
         return self.attend_layer(layer, q, kv_cache, meta, scale)
 
     def attend_layer(self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from sparseserve.kernels.dispatch import tl, triton, use_triton
+from sparseserve.kernels.flash_h2d import write_through_ref
 from sparseserve.kernels.pdl import pdl_wait, use_pdl
 from sparseserve.kernels.store_kv import store_kv_ref
 
@@ -89,35 +90,48 @@ def rebuild_key_meta(kv_caches, codes: torch.Tensor, scale: torch.Tensor, page_s
 
 def store_kv_key_meta_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, codes: torch.Tensor,
                           scale: torch.Tensor, slot_mapping: torch.Tensor, page_size: int,
-                          meta_slots: torch.Tensor | None = None) -> None:
+                          meta_slots: torch.Tensor | None = None, host_layer: torch.Tensor | None = None,
+                          num_write: int = 0, count: torch.Tensor | None = None) -> None:
     """store_kv of k, v [T, Hkv, D] into kv_cache (one layer [NB, Hkv, 2, bs, D]), then the metadata update of
     the pages they end. meta_slots: the tokens' slots in the blocks that index the metadata, where the cache
-    is indexed otherwise (a device block cache under KV offload); None: slot_mapping."""
+    is indexed otherwise (a device block cache under KV offload); None: slot_mapping. host_layer (KV offload):
+    the host store's layer [R + 1, Hkv, 2, bs, D]; every block that one of the first num_write tokens (the
+    decodes) completes is then copied whole to its row, the token block of its meta slot
+    (kernels/flash_h2d.py write_through_ref; count += the blocks written)."""
     store_kv_ref(k, v, kv_cache, slot_mapping)
     update_key_meta_ref(kv_cache, codes, scale, slot_mapping, page_size, meta_slots)
+    if host_layer is not None and num_write > 0:
+        dst = (slot_mapping if meta_slots is None else meta_slots)[:num_write]
+        write_through_ref(kv_cache, host_layer, slot_mapping[:num_write], dst, count)
 
 
 def store_kv_key_meta(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, codes: torch.Tensor,
                       scale: torch.Tensor, slot_mapping: torch.Tensor, page_size: int,
-                      meta_slots: torch.Tensor | None = None) -> None:
+                      meta_slots: torch.Tensor | None = None, host_layer: torch.Tensor | None = None,
+                      num_write: int = 0, count: torch.Tensor | None = None) -> None:
     """store_kv_key_meta_ref's contract."""
     fn = store_kv_key_meta_triton if use_triton(k) else store_kv_key_meta_ref
-    fn(k, v, kv_cache, codes, scale, slot_mapping, page_size, meta_slots)
+    fn(k, v, kv_cache, codes, scale, slot_mapping, page_size, meta_slots, host_layer, num_write, count)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_write"])
 def _store_kv_key_meta_kernel(k_ptr, v_ptr, cache_ptr, codes_ptr, scale_ptr, slot_ptr, meta_slot_ptr, num_tokens,
+                              host_ptr, count_ptr, num_write,
                               stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ch, stride_ckv,
-                              stride_mb, stride_mh, stride_mm, stride_sb, stride_sh,
+                              stride_mb, stride_mh, stride_mm, stride_sb, stride_sh, stride_hb, stride_hh, stride_hkv,
                               HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE: tl.constexpr,
-                              BLOCK_D: tl.constexpr, AMAX_FLOOR: tl.constexpr, PDL: tl.constexpr):
+                              BLOCK_D: tl.constexpr, AMAX_FLOOR: tl.constexpr, WRITE: tl.constexpr,
+                              PDL: tl.constexpr):
     """Program (token, KV head): stores the token's K and V (store_kv), and if the token is the last one this
     step writes into its page, recomputes the page's min/max over its tokens so far, quantized to int8 codes
     and a scale (reference: store_kv_ref then update_key_meta_ref, quantize_key_meta: the same float32
     operations, divisions rounded as IEEE's, so that both agree bit for bit). One launch instead of two in
     every sparse layer. The page's rows that this step writes (a prefill chunk's earlier tokens: other
     programs of this launch store them) are taken from k, the others from the cache (earlier steps). The
-    metadata row is the token block of meta_slot (KV offload: the cache holds device blocks)."""
+    metadata row is the token block of meta_slot (KV offload: the cache holds device blocks). WRITE (KV offload):
+    a decode token (t < num_write) that completes its block then copies the block's K and V of its head to the
+    host store row of its meta slot over UVA (kernels/flash_h2d.py write_through, without a launch of its
+    own in every sparse layer)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)  # step inputs: read before pdl_wait (kernels/pdl.py)
@@ -164,24 +178,45 @@ def _store_kv_key_meta_kernel(k_ptr, v_ptr, cache_ptr, codes_ptr, scale_ptr, slo
     tl.store(dst, cmin, mask=dmask)
     tl.store(dst + stride_mm, cmax, mask=dmask)
     tl.store(scale_ptr + mblk * stride_sb + h * stride_sh + page, tl.math.div_rn(amax, 127.0))
+    if WRITE:
+        if (t < num_write) & ((slot + 1) % BLOCK_SIZE == 0):
+            tl.debug_barrier()  # this token's row, stored above by other threads of the program, is read back
+            rows_all = tl.arange(0, BLOCK_SIZE)
+            src_kv = head_row + rows_all[:, None] * HEAD_DIM + dims[None, :]
+            dst_kv = (host_ptr + mblk.to(tl.int64) * stride_hb + h * stride_hh + rows_all[:, None] * HEAD_DIM
+                      + dims[None, :])
+            m2 = (rows_all[:, None] < BLOCK_SIZE) & dmask[None, :]
+            tl.store(dst_kv, tl.load(src_kv, mask=m2), mask=m2)
+            tl.store(dst_kv + stride_hkv, tl.load(src_kv + stride_ckv, mask=m2), mask=m2)
+            if h == 0:
+                tl.atomic_add(count_ptr, 1, sem="relaxed")
 
 
 def store_kv_key_meta_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, codes: torch.Tensor,
                              scale: torch.Tensor, slot_mapping: torch.Tensor, page_size: int,
-                             meta_slots: torch.Tensor | None = None) -> None:
-    """One program per (token, KV head); only page-end tokens update metadata."""
+                             meta_slots: torch.Tensor | None = None, host_layer: torch.Tensor | None = None,
+                             num_write: int = 0, count: torch.Tensor | None = None) -> None:
+    """One program per (token, KV head); only page-end tokens update metadata (and with host_layer, decode
+    tokens that complete a block write it through)."""
     num_tokens = slot_mapping.numel()
     _, hkv, _, block_size, head_dim = kv_cache.shape
     assert codes.stride(-1) == 1 and codes.stride(-2) == head_dim and scale.stride(-1) == 1
     assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim and k.stride(2) == 1 and v.stride(2) == 1
     assert k.shape == v.shape == (num_tokens, hkv, head_dim)
+    write = host_layer is not None and num_write > 0
+    if write:
+        assert host_layer.shape[1:] == kv_cache.shape[1:] and host_layer.dtype == kv_cache.dtype
+        assert host_layer.stride()[2:] == kv_cache.stride()[2:] and count is not None
     if num_tokens == 0:
         return
     meta_slots = slot_mapping if meta_slots is None else meta_slots
+    host = host_layer if write else kv_cache
     pdl = use_pdl(kv_cache.device)
     _store_kv_key_meta_kernel[(num_tokens, hkv)](
-        k, v, kv_cache, codes, scale, slot_mapping, meta_slots, num_tokens,
+        k, v, kv_cache, codes, scale, slot_mapping, meta_slots, num_tokens, host, count if write else scale,
+        num_write if write else 0,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         codes.stride(0), codes.stride(1), codes.stride(2), scale.stride(0), scale.stride(1),
+        host.stride(0), host.stride(1), host.stride(2),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGE=page_size, BLOCK_D=triton.next_power_of_2(head_dim),
-        AMAX_FLOOR=AMAX_FLOOR, num_warps=1, PDL=pdl, launch_pdl=pdl)
+        AMAX_FLOOR=AMAX_FLOOR, WRITE=write, num_warps=1, PDL=pdl, launch_pdl=pdl)

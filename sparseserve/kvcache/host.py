@@ -162,27 +162,28 @@ class HostKVStore:
         return sum(w.blocks_written for w in (self.d2h, self.layer_d2h) if w is not None)
 
     def store_step(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_decode_tokens: int,
-                   num_seqs: int, token_slot_mapping: torch.Tensor | None = None) -> None:
+                   num_seqs: int, token_slot_mapping: torch.Tensor | None = None, decodes: bool = True) -> None:
         """One layer's step after store_kv: every token block that a token of the step completes goes to the
         store whole, from the device cache. Decode tokens (the first num_decode_tokens, one per sequence)
         complete at most one block each: the write-through kernel stores those over UVA, which is also all
-        a step captured in a CUDA graph can do (no host threads there). The prefill chunks' completed
-        blocks leave through FlashD2H (one contiguous copy per layer, CPU scatter). A partial block is
-        never stored: it stays in HBM until the token that fills it arrives.
+        a step captured in a CUDA graph can do (no host threads there); decodes=False: the K/V store kernel
+        wrote them already (kernels/key_meta.py). The prefill chunks' completed blocks leave through FlashD2H
+        (one contiguous copy per layer, CPU scatter; on CPU the write-through too). A partial block is never
+        stored: it stays in HBM until the token that fills it arrives.
 
         slot_mapping: [T] device cache slots (-1: padding); token_slot_mapping: [T] the same tokens' slots
         in token blocks (host store rows), when the device cache is not indexed by token block (None: the
         same ids)."""
-        nd = num_decode_tokens
-        if self.d2h is None:  # CPU: every token through the same path
-            self.write_through(layer, kv_cache, slot_mapping, token_slot_mapping)
-            return
-        tsm = token_slot_mapping
-        if nd:
+        nd, tsm = num_decode_tokens, token_slot_mapping
+        if decodes and nd:
             self.write_through(layer, kv_cache, slot_mapping[:nd], None if tsm is None else tsm[:nd])
         if slot_mapping.numel() > nd:
-            self.d2h.submit(layer, kv_cache, slot_mapping[nd:], num_seqs - nd,
-                            None if tsm is None else tsm[nd:] // self.block_size)
+            rest, rest_tsm = slot_mapping[nd:], None if tsm is None else tsm[nd:]
+            if self.d2h is None:
+                self.write_through(layer, kv_cache, rest, rest_tsm)
+            else:
+                self.d2h.submit(layer, kv_cache, rest, num_seqs - nd,
+                                None if rest_tsm is None else rest_tsm // self.block_size)
 
     def bytes_written(self) -> int:
         """Bytes written into the store so far (whole blocks + FlashD2H tokens; syncs)."""

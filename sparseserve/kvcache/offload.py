@@ -390,9 +390,15 @@ class OffloadCache:
     # ---- the sparse backend, per layer --------------------------------------------------------------------
 
     def write_through(self, layer: int, kv_cache: torch.Tensor, step: OffloadStep, token_slot_mapping: torch.Tensor,
-                      num_decodes: int, num_seqs: int) -> None:
-        """Every token block a token of this step completes goes to the host store whole (kvcache/host.py)."""
-        self.host.store_step(layer, kv_cache, step.slot_mapping, num_decodes, num_seqs, token_slot_mapping)
+                      num_decodes: int, num_seqs: int, decodes: bool = True) -> None:
+        """Every token block a token of this step completes goes to the host store whole (kvcache/host.py);
+        decodes=False: the decodes' blocks were written by the K/V store kernel (`decode_write`)."""
+        self.host.store_step(layer, kv_cache, step.slot_mapping, num_decodes, num_seqs, token_slot_mapping, decodes)
+
+    def decode_write(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(host store layer, blocks-written counter): where the K/V store kernel writes the blocks that decode
+        tokens complete (kernels/key_meta.py store_kv_key_meta), saving a launch a layer."""
+        return self.host.data[layer], self.host.blocks_written
 
     def keys(self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel_rows: torch.Tensor) -> torch.Tensor:
         """int64 [B, Hkv, cap]: the host row (pool key) of each listed entry before the local window, the pool's

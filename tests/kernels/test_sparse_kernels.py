@@ -11,8 +11,8 @@ from sparseserve.attention.backend import AttentionMetadata
 from sparseserve.kernels.block_score import (ScoreConfig, SelectConfig, block_scores_ref, block_scores_triton,
                                              score_and_select_triton, select_blocks_ref, select_blocks_triton,
                                              step_slots_ref, step_slots_triton)
-from sparseserve.kernels.key_meta import (quantize_key_meta, rebuild_key_meta, store_kv_key_meta_triton,
-                                          update_key_meta_ref)
+from sparseserve.kernels.key_meta import (quantize_key_meta, rebuild_key_meta, store_kv_key_meta_ref,
+                                          store_kv_key_meta_triton, update_key_meta_ref)
 from sparseserve.kernels.sparse_decode import (SparseDecodeConfig, read_listed_ref, sparse_decode_ref,
                                                sparse_decode_triton, split_plan, tma_capable)
 from sparseserve.kernels.store_kv import store_kv_ref
@@ -79,6 +79,38 @@ def test_update_key_meta(bs, page, hkv, dtype):
             codes, scale = quantize_key_meta(keys.amin(1), keys.amax(1))
             assert torch.equal(ref.codes[blk, :, :, off // page], codes)
             assert torch.equal(ref.scale[blk, :, off // page], scale)
+
+
+@pytest.mark.parametrize("hkv", [2, 3])
+def test_store_kv_key_meta_writes_decode_blocks_through(hkv):
+    """KV offload: decode tokens (the first num_write) that complete a block copy it whole (every head, K and V)
+    to the host row of their meta slot, in the store + metadata kernel; decodes that complete nothing, padding
+    and the prefill tokens after them (FlashD2H's) write nothing; the cache, metadata, host store and counter
+    equal the reference's."""
+    torch.manual_seed(4)
+    bs, page, d, nblocks, rows = 8, 4, 16, 10, 12
+    cache = torch.randn(nblocks, hkv, 2, bs, d, device=DEV)
+    perm = torch.randperm(rows)[:nblocks].to(DEV)  # device block -> host row (the meta slots' blocks)
+    # decodes: ends block 3, mid block 5, padding, ends block 7; then a prefill chunk that ends block 1
+    slots = torch.tensor([3 * bs + bs - 1, 5 * bs + 2, -1, 7 * bs + bs - 1] + list(range(bs, 2 * bs)), device=DEV)
+    meta_slots = torch.where(slots >= 0, perm[slots.clamp_min(0) // bs] * bs + slots % bs, -1)
+    k, v = (torch.randn(slots.numel(), hkv, d, device=DEV) for _ in range(2))
+    host_kw = dict(pin_memory=True) if DEV.type == "cuda" else {}
+    outs = []
+    for fn in (store_kv_key_meta_ref, store_kv_key_meta_triton):
+        got = cache.clone()
+        meta = allocate_key_meta(1, rows, hkv, bs, page, d, DEV)[0]  # indexed by host row
+        host = torch.zeros(rows + 1, hkv, 2, bs, d, **host_kw)
+        count = torch.zeros((), dtype=torch.int64, device=DEV)
+        fn(k, v, got, meta.codes, meta.scale, slots, page, meta_slots, host, 4, count)
+        # (the reference's trash rows aside)
+        outs.append((got, meta.codes[:rows], meta.scale[:rows], host[:rows], count))
+    for ref, out in zip(*outs):
+        assert torch.equal(out.cpu(), ref.cpu())
+    host, count = outs[1][3], outs[1][4]
+    written = perm[[3, 7]].tolist()
+    assert count.item() == 2 and torch.equal(host[written], outs[1][0][[3, 7]].cpu())
+    assert not host[[r for r in range(rows) if r not in written]].any()
 
 
 def as_step(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
