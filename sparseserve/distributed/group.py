@@ -8,6 +8,12 @@ and two torch.distributed groups:
                 agreement on sizes (`min_int`).
 At tensor_parallel_size 1 there is no process group: `get_tp_group()` is a single-rank group whose collectives
 return their input, so the model runs the same code at every size.
+
+The groups' lifetime is explicit: `destroy_tp_group()` leaves them and drops this module's references to them, so
+their gloo threads, connections and (on the rank that hosts it) the rendezvous store end right there, in the
+caller's thread. The model's layers keep their TPGroup (and the model may be a reference cycle that only the
+garbage collector frees); if the groups lived as long as that, they would end during the interpreter's teardown,
+while the other ranks react to their closing connections.
 """
 from __future__ import annotations
 
@@ -29,14 +35,39 @@ COLLECTIVE_TIMEOUT_S = float(os.environ.get("SPARSESERVE_TP_TIMEOUT", 1800))
 MESSAGE_TIMEOUT_S = float(os.environ.get("SPARSESERVE_TP_MESSAGE_TIMEOUT", 120))
 
 
+class _Groups:
+    """The torch.distributed groups of one TPGroup, held in one place so `destroy_tp_group` can let them go."""
+
+    def __init__(self, device_group: Any, cpu_group: Any) -> None:
+        self.device_group, self.cpu_group = device_group, cpu_group
+
+    def release(self) -> None:
+        self.device_group = self.cpu_group = None
+
+
 @dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0           # rank among the processes of this host (its GPU index)
     local_world_size: int = 1     # ranks on this host (they share its host memory)
-    device_group: Any = None
-    cpu_group: Any = None
+    groups: _Groups | None = None
+
+    @property
+    def device_group(self) -> Any:
+        return self._group("device_group")
+
+    @property
+    def cpu_group(self) -> Any:
+        return self._group("cpu_group")
+
+    def _group(self, name: str) -> Any:
+        if self.groups is None:
+            return None
+        group = getattr(self.groups, name)
+        if group is None:
+            raise RuntimeError("the tensor-parallel process group was destroyed (its engine was shut down)")
+        return group
 
     @property
     def is_driver(self) -> bool:
@@ -102,18 +133,22 @@ def init_tp_group(*, rank: int, world_size: int, local_rank: int, local_world_si
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kwargs)
     cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=MESSAGE_TIMEOUT_S))
-    _TP = TPGroup(rank, world_size, local_rank, local_world_size, dist.group.WORLD, cpu_group)
+    _TP = TPGroup(rank, world_size, local_rank, local_world_size, _Groups(dist.group.WORLD, cpu_group))
     return _TP
 
 
 def destroy_tp_group() -> None:
+    """Leaves the process group and ends it in this process now: its threads are joined and its connections
+    closed before this returns (every TPGroup of this process then refuses collectives)."""
     global _TP
-    _TP = TPGroup()
+    groups, _TP = _TP.groups, TPGroup()
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception as e:  # noqa: BLE001 - after an abort (a rank died) the groups may be half gone already
             logger.warning("leaving the tensor-parallel process group: %s", e)
+    if groups is not None:
+        groups.release()  # the last references: the groups' destructors run here, not at interpreter exit
 
 
 def abort_tp_group() -> None:

@@ -20,11 +20,12 @@ a peer's connections close, and a worker stops when rank 0 is gone (distributed/
 """
 from __future__ import annotations
 
+import datetime
 import inspect
 import logging
 import os
-import sys
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +57,7 @@ WORKER_PRELOAD = ["sparseserve.engine.parallel", "sparseserve.attention.sparse",
 def build_runner(config: EngineConfig, model_dir: Path) -> "ModelRunner | TPDriver":
     """The engine's runner: a ModelRunner at tensor_parallel_size 1 (no process group), otherwise rank 0's
     TPDriver over one worker per other rank. Under torchrun every rank calls this; ranks > 0 serve rank 0's
-    engine here and end their process with status 0 once rank 0 has left the process group."""
+    engine here and, when it shuts down, leave the process group and end their process with SystemExit(0)."""
     tp_size = config.parallel_config.tensor_parallel_size
     env = torchrun_env()
     if env is not None and env.world_size > 1 and env.world_size != tp_size:
@@ -75,26 +76,12 @@ def build_runner(config: EngineConfig, model_dir: Path) -> "ModelRunner | TPDriv
         return TPDriver(ModelRunner(config, model_dir), _Session(tp, None))
     try:
         serve(ModelRunner(config, model_dir), tp)
-    except BaseException:
+    finally:
+        # Rank 0 hosts the rendezvous store and waits until every rank has left (_Session.close): this rank's
+        # threads and connections end here, before rank 0 ends its own, and nothing of them is left to the
+        # interpreter's teardown.
         destroy_tp_group()
-        raise
-    _leave_after_driver(tp)
-
-
-def _leave_after_driver(tp: TPGroup) -> None:
-    """A torchrun rank > 0 whose engine (on rank 0) shut down: it waits until rank 0 has left the process group
-    (a receive that ends when rank 0's side of the connection closes, or after the message timeout), then ends its
-    process without the interpreter's teardown. Tearing the group down on both ranks at once aborted one of them
-    at exit ("terminate called without an active exception", exit -6) in about one run in five: rank 0 hosts the
-    rendezvous store. Nothing of this rank's is left to save; its output is flushed first."""
-    try:
-        dist.recv(torch.empty(1), src=0, group=tp.cpu_group)
-    except Exception:  # noqa: BLE001 - rank 0 has gone: what this waits for
-        pass
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(0)
+    raise SystemExit(0)
 
 
 def check_model(config: EngineConfig, model_dir: Path) -> None:
@@ -216,6 +203,7 @@ class _Session:
     """The process group, the channel and the spawned workers of one engine, and its watchdog thread; kept apart
     from the driver so the thread and the finalizer hold no reference to it."""
     POLL_S = 0.1
+    LEAVE_TIMEOUT_S = 30.0  # how long rank 0 waits for the other ranks to leave the process group
 
     def __init__(self, tp: TPGroup, workers: WorkerProcesses | None) -> None:
         self.tp, self.workers = tp, workers
@@ -223,7 +211,8 @@ class _Session:
         self.failure: str | None = None
         self.closed = threading.Event()
         self.nccl = tp.device_group is not None and dist.get_backend(tp.device_group) == "nccl"
-        threading.Thread(target=self._watch, name="sparseserve-tp-watchdog", daemon=True).start()
+        self._watchdog = threading.Thread(target=self._watch, name="sparseserve-tp-watchdog", daemon=True)
+        self._watchdog.start()
 
     def _watch(self) -> None:
         while not self.closed.wait(self.POLL_S):
@@ -258,20 +247,41 @@ class _Session:
             raise RuntimeError(f"{self.failure}; the tensor-parallel engine has stopped")
 
     def close(self) -> None:
-        """Tells the workers to stop, joins them and leaves the process group (idempotent)."""
+        """Tells the other ranks to stop, waits until they have left the process group (spawned workers: joined),
+        then leaves it (idempotent). Rank 0 leaves last: it hosts the rendezvous store, and no rank's teardown
+        then overlaps another's."""
         if self.closed.is_set():
             return
         healthy = self.failure is None
         self.closed.set()
         if healthy and self.channel is not None:
             try:
-                with self.channel.hold():
-                    self.channel.send(StepMessage(stop=True))
+                self.channel.close(StepMessage(stop=True))
             except Exception as e:  # noqa: BLE001 - a rank went away meanwhile; it is being shut down anyway
                 logger.warning("tensor-parallel stop message not delivered: %s", e)
+                healthy = False
+        if threading.current_thread() is not self._watchdog:
+            self._watchdog.join(timeout=5.0)  # it sees `closed` within POLL_S: no heartbeat from here on
         if self.workers is not None:
             self.workers.shutdown()
+        elif healthy and self.channel is not None:
+            self._wait_for_ranks_to_leave()
         destroy_tp_group()
+
+    def _wait_for_ranks_to_leave(self) -> None:
+        """torchrun's ranks > 0 leave the process group on the stop message (build_runner); a receive from each
+        ends when its connections close (an error: what this waits for), or at LEAVE_TIMEOUT_S."""
+        deadline = time.monotonic() + self.LEAVE_TIMEOUT_S
+        for rank in range(1, self.tp.world_size):
+            work = dist.irecv(torch.empty(1), src=rank, group=self.tp.cpu_group)
+            try:
+                work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.1)))
+            except Exception:  # noqa: BLE001 - the rank's connections closed, or the time ran out
+                pass
+            if time.monotonic() >= deadline:
+                logger.warning("tensor-parallel rank %d did not leave the process group within %.0f s; rank 0 "
+                               "leaves anyway", rank, self.LEAVE_TIMEOUT_S)
+                return
 
 
 class TPDriver:
