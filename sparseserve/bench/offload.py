@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import statistics
 import time
 
 import torch
@@ -318,7 +319,9 @@ def real_run(model: str, prompts: list[list[int]], output_len: int, offload: boo
              **engine_args) -> dict:
     """All prompts at once (max_num_seqs = their number), greedy, `output_len` tokens each (EOS ignored), topk at
     `budget` with or without kv_offload. Decode time per output token is the mean wall time of the engine steps in
-    which every request decodes (TPOT: each request gets one token per step); the offload counters cover the run.
+    which every request decodes (TPOT: each request gets one token per step), and their median (robust to the
+    host's occasional stalls, which on a shared machine move the mean by tens of percent between identical runs);
+    the offload counters cover the run.
     pool_steps: HBM pool size in decode steps' selections of the whole batch (None: the engine's default, one).
     margins: also keep each step's top-2 logprobs (for `divergence`; it adds work to every step, so TPOT then is
     not comparable with runs without it)."""
@@ -345,6 +348,7 @@ def real_run(model: str, prompts: list[list[int]], output_len: int, offload: boo
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
     decode_s, decode_steps, tokens, max_running = 0.0, 0, {}, 0
+    step_s: list[float] = []
     top2: dict[str, list[float]] = {}  # request -> per output token: top-1 minus top-2 logprob
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -364,12 +368,14 @@ def real_run(model: str, prompts: list[list[int]], output_len: int, offload: boo
         if full:
             decode_s += te - ts
             decode_steps += 1
+            step_s.append(te - ts)
     total = time.perf_counter() - t0
     stats = engine.get_stats(sync=True)
     out = {"config": f"topk {budget}" + (" + KV offload" if offload else ", all KV in HBM"), "batch": n,
            "prompt_len": prompt_len, "output_len": output_len, "max_running": max_running,
            "decode_steps": decode_steps,
            "tpot_ms": 1e3 * decode_s / decode_steps if decode_steps else None,
+           "tpot_median_ms": 1e3 * statistics.median(step_s) if step_s else None,
            "total_s": total, "preemptions": stats.num_preemptions,
            "tokens_attended": (stats.sparse_blocks_selected * engine.config.cache_config.block_size
                                / stats.sparse_selections) if stats.sparse_selections else None}
@@ -423,6 +429,8 @@ def real_bench(model: str, batches: list[int], prompt_len: int | None, output_le
                          **engine_args) for off in (False, True)]
         base, off = pair
         off["tpot_vs_hbm"] = off["tpot_ms"] / base["tpot_ms"] if off["tpot_ms"] and base["tpot_ms"] else None
+        if off["tpot_median_ms"] and base["tpot_median_ms"]:
+            off["median_vs_hbm"] = off["tpot_median_ms"] / base["tpot_median_ms"]
         # KV offload changes where blocks are read from, never a token (DESIGN.md principle 1).
         base_tokens, off_tokens = base.pop("_tokens"), off.pop("_tokens")
         off["same_tokens"] = base_tokens == off_tokens
