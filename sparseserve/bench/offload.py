@@ -314,81 +314,128 @@ def real_prompts(model: str, n: int, length: int, seed: int = 0) -> list[list[in
     return [haystack_token_ids(tok, length, f"offload-real:{seed}:{i}") for i in range(n)]
 
 
-def real_run(model: str, prompts: list[list[int]], output_len: int, offload: bool, budget: int = 1024,
-             pool_steps: float | None = None, device: str = "auto", dtype: str = "auto", margins: bool = False,
-             **engine_args) -> dict:
-    """All prompts at once (max_num_seqs = their number), greedy, `output_len` tokens each (EOS ignored), topk at
-    `budget` with or without kv_offload. Decode time per output token is the mean wall time of the engine steps in
-    which every request decodes (TPOT: each request gets one token per step), and their median (robust to the
-    host's occasional stalls, which on a shared machine move the mean by tens of percent between identical runs);
-    the offload counters cover the run.
+class RealRun:
+    """One engine of the real-model comparison, stepped by the caller: all prompts at once (max_num_seqs = their
+    number), greedy, `output_len` tokens each (EOS ignored), topk at `budget` with or without kv_offload. Decode
+    time per output token is the mean wall time of the timed engine steps in which every request decodes (TPOT:
+    each request gets one token per step), and their median (robust to the host's occasional stalls); the
+    offload counters cover the run.
     pool_steps: HBM pool size in decode steps' selections of the whole batch (None: the engine's default, one).
     margins: also keep each step's top-2 logprobs (for `divergence`; it adds work to every step, so TPOT then is
     not comparable with runs without it)."""
-    import gc
-    from sparseserve.engine.engine import LLMEngine
-    from sparseserve.sampling_params import SamplingParams
-    gc.collect()  # the previous engine's memory (the caller dropped it) must be back first
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    n, prompt_len = len(prompts), max(len(p) for p in prompts)
-    kw = dict(model=model, device=device, dtype=dtype, max_model_len=prompt_len + output_len, max_num_seqs=n,
-              sparse_policy="topk", sparse_budget=budget, **engine_args)
-    if offload:
-        kw["kv_offload"] = True
-        if pool_steps is not None:
-            from sparseserve.models.config import ArchConfig
-            from sparseserve.models.loader import load_hf_config, resolve_model_dir
-            a = ArchConfig.from_hf(load_hf_config(resolve_model_dir(model)))
-            sparse_layers = a.num_layers - kw.get("sparse_dense_layers", 2)
-            kw["hbm_cache_blocks"] = max(1, int(pool_steps * n * sparse_layers * a.num_kv_heads
-                                                * (budget // kw.get("block_size", 32))))
-    engine = LLMEngine.from_kwargs(**kw)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, logprobs=2 if margins else None)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    decode_s, decode_steps, tokens, max_running = 0.0, 0, {}, 0
-    step_s: list[float] = []
-    top2: dict[str, list[float]] = {}  # request -> per output token: top-1 minus top-2 logprob
-    t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        max_running = max(max_running, len(engine.scheduler.running))
+
+    def __init__(self, model: str, prompts: list[list[int]], output_len: int, offload: bool, budget: int = 1024,
+                 pool_steps: float | None = None, device: str = "auto", dtype: str = "auto", margins: bool = False,
+                 **engine_args) -> None:
+        from sparseserve.engine.engine import LLMEngine
+        from sparseserve.sampling_params import SamplingParams
+        self.n, self.prompt_len = len(prompts), max(len(p) for p in prompts)
+        self.offload, self.budget, self.output_len, self.margins = offload, budget, output_len, margins
+        kw = dict(model=model, device=device, dtype=dtype, max_model_len=self.prompt_len + output_len,
+                  max_num_seqs=self.n, sparse_policy="topk", sparse_budget=budget, **engine_args)
+        if offload:
+            kw["kv_offload"] = True
+            if pool_steps is not None:
+                from sparseserve.models.config import ArchConfig
+                from sparseserve.models.loader import load_hf_config, resolve_model_dir
+                a = ArchConfig.from_hf(load_hf_config(resolve_model_dir(model)))
+                sparse_layers = a.num_layers - kw.get("sparse_dense_layers", 2)
+                kw["hbm_cache_blocks"] = max(1, int(pool_steps * self.n * sparse_layers * a.num_kv_heads
+                                                    * (budget // kw.get("block_size", 32))))
+        self.engine = LLMEngine.from_kwargs(**kw)
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                                logprobs=2 if margins else None)
+        for i, p in enumerate(prompts):
+            self.engine.add_request(f"r{i}", p, params)
+        self.step_s: list[float] = []
+        self.tokens: dict[str, list[int]] = {}
+        self.top2: dict[str, list[float]] = {}  # request -> per output token: top-1 minus top-2 logprob
+        self.max_running, self.total_s = 0, 0.0
+
+    @property
+    def done(self) -> bool:
+        return not self.engine.has_unfinished_requests()
+
+    def step(self, timed: bool = True) -> None:
+        engine = self.engine
+        self.max_running = max(self.max_running, len(engine.scheduler.running))
         ts = time.perf_counter()
         outs = engine.step()  # ends in the step's one host sync (the sampled tokens)
         te = time.perf_counter()
+        self.total_s += te - ts
         for o in outs:  # deltas: each output holds the tokens new since the last
             for c in o.outputs:
-                tokens.setdefault(o.request_id, []).extend(c.token_ids)
+                self.tokens.setdefault(o.request_id, []).extend(c.token_ids)
                 for alts in c.logprobs or []:
                     best = sorted((lp.logprob for lp in alts.values()), reverse=True)
-                    top2.setdefault(o.request_id, []).append(best[0] - best[1] if len(best) > 1 else float("inf"))
+                    self.top2.setdefault(o.request_id, []).append(best[0] - best[1] if len(best) > 1 else float("inf"))
         last = engine.last_schedule
-        full = last is not None and len(last.scheduled) == n and all(
+        full = last is not None and len(last.scheduled) == self.n and all(
             k == 1 and seq.num_computed_tokens > seq.num_prompt_tokens for seq, k in last.scheduled)
-        if full:
-            decode_s += te - ts
-            decode_steps += 1
-            step_s.append(te - ts)
-    total = time.perf_counter() - t0
-    stats = engine.get_stats(sync=True)
-    out = {"config": f"topk {budget}" + (" + KV offload" if offload else ", all KV in HBM"), "batch": n,
-           "prompt_len": prompt_len, "output_len": output_len, "max_running": max_running,
-           "decode_steps": decode_steps,
-           "tpot_ms": 1e3 * decode_s / decode_steps if decode_steps else None,
-           "tpot_median_ms": 1e3 * statistics.median(step_s) if step_s else None,
-           "total_s": total, "preemptions": stats.num_preemptions,
-           "tokens_attended": (stats.sparse_blocks_selected * engine.config.cache_config.block_size
-                               / stats.sparse_selections) if stats.sparse_selections else None}
-    if offload:
-        lookups = stats.offload_hbm_hits + stats.offload_blocks_loaded + stats.offload_bypass_reads
-        out.update(hbm_hit_ratio=stats.offload_hbm_hits / lookups if lookups else None,
-                   blocks_loaded=stats.offload_blocks_loaded, bypass_reads=stats.offload_bypass_reads,
-                   h2d_GB=stats.offload_h2d_bytes / 1e9,
-                   hbm_pool_GiB=stats.offload_hbm_slots * engine.model_runner.offload.layout.head_block_bytes / 2**30)
-    out["_tokens"] = [tokens[f"r{i}"] for i in range(n)]  # for the side-by-side check; not printed
-    if margins:
-        out["_margins"] = [top2.get(f"r{i}", []) for i in range(n)]
-    return out
+        if full and timed:
+            self.step_s.append(te - ts)
+
+    def result(self) -> dict:
+        engine, n, steps = self.engine, self.n, self.step_s
+        stats = engine.get_stats(sync=True)
+        out = {"config": f"topk {self.budget}" + (" + KV offload" if self.offload else ", all KV in HBM"), "batch": n,
+               "prompt_len": self.prompt_len, "output_len": self.output_len, "max_running": self.max_running,
+               "decode_steps": len(steps),
+               "tpot_ms": 1e3 * sum(steps) / len(steps) if steps else None,
+               "tpot_median_ms": 1e3 * statistics.median(steps) if steps else None,
+               "total_s": self.total_s, "preemptions": stats.num_preemptions,
+               "tokens_attended": (stats.sparse_blocks_selected * engine.config.cache_config.block_size
+                                   / stats.sparse_selections) if stats.sparse_selections else None}
+        if self.offload:
+            lookups = stats.offload_hbm_hits + stats.offload_blocks_loaded + stats.offload_bypass_reads
+            out.update(hbm_hit_ratio=stats.offload_hbm_hits / lookups if lookups else None,
+                       blocks_loaded=stats.offload_blocks_loaded, bypass_reads=stats.offload_bypass_reads,
+                       h2d_GB=stats.offload_h2d_bytes / 1e9,
+                       hbm_pool_GiB=stats.offload_hbm_slots * engine.model_runner.offload.layout.head_block_bytes
+                       / 2**30)
+        out["_tokens"] = [self.tokens[f"r{i}"] for i in range(n)]  # for the side-by-side check; not printed
+        if self.margins:
+            out["_margins"] = [self.top2.get(f"r{i}", []) for i in range(n)]
+        return out
+
+
+def _fresh_memory() -> None:
+    import gc
+    gc.collect()  # the previous engines' memory (the caller dropped them) must be back first
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def real_run(model: str, prompts: list[list[int]], output_len: int, offload: bool, budget: int = 1024,
+             pool_steps: float | None = None, device: str = "auto", dtype: str = "auto", margins: bool = False,
+             **engine_args) -> dict:
+    """One engine alone, run to the end (RealRun)."""
+    _fresh_memory()
+    run = RealRun(model, prompts, output_len, offload, budget, pool_steps, device, dtype, margins, **engine_args)
+    while not run.done:
+        run.step()
+    return run.result()
+
+
+def real_pair(model: str, prompts: list[list[int]], output_len: int, budget: int = 1024,
+              pool_steps: float | None = None, device: str = "auto", dtype: str = "auto", margins: bool = False,
+              block: int = 1, skip: int = 0, **engine_args) -> tuple[dict, dict]:
+    """All KV in HBM and KV offload side by side in one process, both engines alive, stepped in turn `block` steps
+    at a time (the first `skip` of each block untimed: under async scheduling a block's first steps overlap the
+    other engine's step in flight): a shared machine's slow and fast periods then fall on both alike. Each engine
+    gets half of the GPU memory the engine would take alone."""
+    _fresh_memory()
+    util = engine_args.pop("gpu_memory_utilization", 0.9)
+    # The second engine's share counts the first's memory as used (runner: total * utilization - used).
+    runs = [RealRun(model, prompts, output_len, off, budget, pool_steps, device, dtype, margins,
+                    gpu_memory_utilization=util * (1 + off) / 2, **engine_args) for off in (False, True)]
+    while not all(r.done for r in runs):
+        for run in runs:
+            for i in range(block):
+                if run.done:
+                    break
+                run.step(timed=i >= skip)
+    return runs[0].result(), runs[1].result()
 
 
 def divergence(base_tokens: list[list[int]], base_margins: list[list[float]] | None,
@@ -416,17 +463,23 @@ def _flat(rows: list[dict]) -> list[dict]:
 
 def real_bench(model: str, batches: list[int], prompt_len: int | None, output_len: int, budget: int = 1024,
                pool_steps: float | None = None, device: str = "auto", dtype: str = "auto", margins: bool = False,
-               **engine_args) -> list[dict]:
-    """Per batch size: topk with every block in HBM, then with KV offload, on the same prompts; the offload row
-    carries its TPOT ratio to the HBM-only row. prompt_len None: the model's context less output_len."""
+               interleave: bool = True, **engine_args) -> list[dict]:
+    """Per batch size: topk with every block in HBM and with KV offload, on the same prompts, side by side
+    (real_pair; interleave False: one after the other, real_run); the offload row carries its TPOT ratio to the
+    HBM-only row. prompt_len None: the model's context less output_len."""
     if prompt_len is None:
         from sparseserve.bench.accuracy import model_context
         prompt_len = model_context(model) - output_len
     prompts = real_prompts(model, max(batches), prompt_len)
     rows = []
     for b in batches:
-        pair = [real_run(model, prompts[:b], output_len, off, budget, pool_steps, device, dtype, margins,
-                         **engine_args) for off in (False, True)]
+        if interleave:
+            pair = list(real_pair(model, prompts[:b], output_len, budget, pool_steps, device, dtype, margins,
+                                  block=32 if engine_args.get("async_scheduling") else 1,
+                                  skip=2 if engine_args.get("async_scheduling") else 0, **engine_args))
+        else:
+            pair = [real_run(model, prompts[:b], output_len, off, budget, pool_steps, device, dtype, margins,
+                             **engine_args) for off in (False, True)]
         base, off = pair
         off["tpot_vs_hbm"] = off["tpot_ms"] / base["tpot_ms"] if off["tpot_ms"] and base["tpot_ms"] else None
         if off["tpot_median_ms"] and base["tpot_median_ms"]:
@@ -485,6 +538,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--margins", action="store_true",
                    help="--real: where the two runs' greedy tokens part, the top-1 minus top-2 logprob of the "
                         "all-in-HBM run there (a near tie: rounding; TPOT then includes computing the logprobs)")
+    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
+                   help="--real: both engines alive in one process, stepped in turn (default), or one after the other")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     on_gpu = torch.cuda.is_available() and args.device != "cpu"
@@ -495,7 +550,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.real:
         rows = real_bench(args.real, [int(b) for b in args.batches.split(",") if b], args.prompt_len,
                           args.output_len, args.budget, args.pool_steps, args.device,
-                          args.dtype or ("bfloat16" if on_gpu else "auto"), args.margins,
+                          args.dtype or ("bfloat16" if on_gpu else "auto"), args.margins, args.interleave,
                           **_engine_args(args.engine_arg))
         result["real"] = rows
         print_table(_flat(rows), f"{args.real}: topk {args.budget}, all KV in HBM vs KV offload; TPOT = decode time "

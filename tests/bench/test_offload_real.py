@@ -9,14 +9,17 @@ import pytest
 from sparseserve.bench import offload
 
 
-def test_real_mode_smoke(tiny_model_dir, tmp_path, capsys):
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_real_mode_smoke(tiny_model_dir, tmp_path, capsys, scheduling):
+    """Both engines alive and stepped in turn (one step at a time; async scheduling: blocks of steps)."""
     from sparseserve.bench.datasets import data_dir
     if not (data_dir() / "haystack").is_dir():
         pytest.skip("essay haystack (../shared/data/haystack) not found")
     out = tmp_path / "real.json"
     offload.main(["--real", str(tiny_model_dir), "--batches", "1,3", "--prompt-len", "400", "--output-len", "6",
                   "--margins", "--budget", "192", "--device", "cpu", "--dtype", "float32",
-                  "--engine-arg", "sparse_dense_layers=0", "--json", str(out)])
+                  "--engine-arg", "sparse_dense_layers=0", "--json", str(out),
+                  "--engine-arg", f"async_scheduling={scheduling == 'async'}"])
     assert "KV offload" in capsys.readouterr().out
     rows = json.loads(out.read_text())["real"]
     assert [(r["batch"], "offload" in r["config"]) for r in rows] == [(1, False), (1, True), (3, False), (3, True)]
