@@ -72,7 +72,7 @@ class SparseBackend(AttentionBackend):
         self.key_meta: KeyMeta | None = None
         self.offload: OffloadCache | None = None
         self.side = torch.cuda.Stream(ctx.device) if p.lag and ctx.device.type == "cuda" else None
-        self.pending: list[torch.Tensor] = []  # lag: queries the side stream reads, kept alive until end_step
+        self.pending: list[torch.Tensor] = []  # lag: tensors the side stream reads, kept alive until end_step
         self.step_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # lag: (read, write) rows of the step
         self._step_meta: AttentionMetadata | None = None
         self.timer = None  # optional phase timer (benchmarks): .phase(name) -> context manager
@@ -101,9 +101,10 @@ class SparseBackend(AttentionBackend):
         step = None if self.offload is None else self.offload.prepare_step(scheduled)
         if step is not None:
             host += [step.slot_mapping, step.block_tables]
-        fresh = set(self.state.fresh).intersection(slots[: meta.num_decodes]) if self.params.lag else ()
-        if self.offload is not None and fresh:  # fresh state slots (module docstring)
-            host.append(torch.tensor([s in fresh for s in slots[: meta.num_decodes]]))
+        if self.offload is not None and self.params.lag:  # decodes with fresh state slots (module docstring)
+            fresh = set(self.state.fresh).intersection(slots[: meta.num_decodes])
+            if fresh:
+                host.append(torch.tensor([s in fresh for s in slots[: meta.num_decodes]]))
         dev = to_device_many(host, self.ctx.device)  # one copy for the backend's step inputs
         if step is not None:
             step = OffloadStep(dev[1], dev[2])
