@@ -185,7 +185,7 @@ def _store_kv_key_meta_kernel(k_ptr, v_ptr, cache_ptr, codes_ptr, scale_ptr, slo
             src_kv = head_row + rows_all[:, None] * HEAD_DIM + dims[None, :]
             dst_kv = (host_ptr + mblk.to(tl.int64) * stride_hb + h * stride_hh + rows_all[:, None] * HEAD_DIM
                       + dims[None, :])
-            m2 = (rows_all[:, None] < BLOCK_SIZE) & dmask[None, :]
+            m2 = dmask[None, :]  # broadcast over the block's rows
             tl.store(dst_kv, tl.load(src_kv, mask=m2), mask=m2)
             tl.store(dst_kv + stride_hkv, tl.load(src_kv + stride_ckv, mask=m2), mask=m2)
             if h == 0:
