@@ -208,7 +208,8 @@ def sweep(layer: Layer) -> list[dict]:
                   for c in [(64, 32, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2),
                             (64, 16, 4, 3)]]
     cases += [("select@0.01", SelectConfig(*c), lambda cfg: layer.select(0.01, config=cfg))
-              for c in [(1, 4, 3), (4, 8, 2), (1, 4, 2), (1, 4, 4), (1, 8, 3), (2, 4, 3), (2, 8, 3)]]
+              for c in [(2, 4, 2, 168), (2, 4, 3, None), (2, 4, 3, 168), (2, 4, 2, 200), (1, 4, 2, 168),
+                        (4, 4, 2, None), (2, 8, 3, None)]]
     for kind, cfg, fn in cases:
         try:
             rows.append({"kind": kind, "config": vars(cfg), "ms": layer.time(lambda fn=fn, cfg=cfg: fn(cfg))})

@@ -24,10 +24,11 @@
    important (the union: the group shares the tile's K/V loads). The main loop has no exp: per element an fp8
    dot, a multiply, a fused multiply-add and a max. threshold 0 keeps every tile without estimating; a
    streaming KV head keeps none (forced tiles only).
-   On Hopper the group's heads run one after the other (a static loop) as [q_tile, k_tile] x D fp8 wgmma dots
-   against the key tile loaded once; a program walks its middle tiles `chunk` at a time with one reduction over
-   rows a chunk. Its cost is a QK^T at fp8 (a quarter of dense attention's tensor-core work) plus the per-element
-   ops above, so it is a fixed fraction of dense attention at every length (the benchmark measures it).
+   On Hopper the group's heads run one after the other (a static loop); a program walks its middle tiles `chunk`
+   at a time, as one [q_tile, chunk * k_tile] x D fp8 wgmma dot per head against the chunk's keys loaded once
+   (keys interleaved so the tiles split apart in registers), with one reduction over rows a chunk. Its cost is a
+   QK^T at fp8 (a quarter of dense attention's tensor-core work) plus the per-element ops above, so it is a
+   fixed fraction of dense attention at every length (the benchmark measures it).
 Outputs: mask uint8 [B, Hkv, n_q_tiles, n_k_tiles] (1: computed; forced tiles included), and the middle tiles
 as the attention kernel's lists kv_index int32 [B, Hkv, n_q_tiles, n_k_tiles] / kv_count int32 [B, Hkv, n_q_tiles].
 References: quantize_qk_ref, select_tiles_ref (sale_select_ref: both). Nothing waits on the host: grids and
@@ -256,6 +257,20 @@ def _quant_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, mean_ptr, mean_q_ptr,
 
 
 @triton.jit
+def _split_tiles(x, Q_TILE: tl.constexpr, K_TILE: tl.constexpr, CHUNK: tl.constexpr):
+    """[Q_TILE, CHUNK * K_TILE] whose column c is key c // CHUNK of tile c % CHUNK -> CHUNK [Q_TILE, K_TILE]."""
+    if CHUNK == 1:
+        return (x,)
+    elif CHUNK == 2:
+        return tl.split(tl.reshape(x, [Q_TILE, K_TILE, 2]))
+    else:
+        even, odd = tl.split(tl.reshape(x, [Q_TILE, 2 * K_TILE, 2]))
+        t0, t2 = tl.split(tl.reshape(even, [Q_TILE, K_TILE, 2]))
+        t1, t3 = tl.split(tl.reshape(odd, [Q_TILE, K_TILE, 2]))
+        return (t0, t1, t2, t3)
+
+
+@triton.jit
 def _select_kernel(q_code_ptr, q_scale_ptr, k_code_ptr, k_scale_ptr, qmk_ptr, seq_lens_ptr, qsl_ptr, log2_thr_ptr,
                    stream_ptr, mask_ptr, idx_ptr, cnt_ptr, c_log2, num_q_tiles,
                    stride_qct, stride_qch, stride_qst, stride_qsh, stride_kcb, stride_kch, stride_ksb, stride_ksh,
@@ -264,8 +279,8 @@ def _select_kernel(q_code_ptr, q_scale_ptr, k_code_ptr, k_scale_ptr, qmk_ptr, se
                    K_TILE: tl.constexpr, SINK: tl.constexpr, LOCAL: tl.constexpr, CHUNK: tl.constexpr,
                    STREAMING: tl.constexpr):
     """Program (sequence, query tile, KV head): the tile's mask row and middle-tile list (reference:
-    select_tiles_ref). Query heads are handled one after the other (a static loop), each a [Q_TILE, K_TILE]
-    dot against the key tile loaded once for the group. CHUNK key tiles a step share one reduction over rows."""
+    select_tiles_ref). Query heads are handled one after the other (a static loop), each a [Q_TILE, CHUNK *
+    K_TILE] dot against the CHUNK key tiles loaded once for the group; they share one reduction over rows."""
     b = tl.program_id(0)
     t = num_q_tiles - 1 - tl.program_id(1)  # the last (heaviest) query tiles first
     kvh = tl.program_id(2)
@@ -350,22 +365,32 @@ def _select_kernel(q_code_ptr, q_scale_ptr, k_code_ptr, k_scale_ptr, qmk_ptr, se
                 lse2 = ms[g] + tl.log2(tl.where(ls[g] > 0, ls[g], 1.0))
                 thr = tl.load(log2_thr_ptr + kvh * GROUP + g)
                 t_raw = t_raw + (tl.where(row_ok, (lse2 + thr) / c_log2, float("inf")),)
-            # Middle tiles, CHUNK a step: per row whether any of its elements clears its bound.
+            # Middle tiles, CHUNK a step as one [Q_TILE, CHUNK * K_TILE] dot per head (wide wgmma instructions):
+            # row r of the key block is key r // CHUNK of tile j0 + r % CHUNK, so the tiles come apart by
+            # splitting off the lowest column bits, which the accumulator layout holds in one thread's registers.
+            rr = tl.arange(0, CHUNK * K_TILE)
+            r_tile = rr % CHUNK
+            r_key = rr // CHUNK
             for j0 in range(s_end, lo, CHUNK):
+                keys = (j0 + r_tile) * K_TILE + r_key
+                in_range = j0 + r_tile < lo
+                k = tl.load(k_base + (keys * HEAD_DIM)[:, None] + dims[None, :], mask=in_range[:, None] & dmask,
+                            other=0.0)
+                ksc = tl.load(ks_base + keys, mask=in_range, other=0.0)
+                row_hits = ()
+                for cc in tl.static_range(CHUNK):
+                    row_hits = row_hits + (tl.zeros([Q_TILE], tl.int32),)
+                for g in tl.static_range(GROUP):
+                    qmk = tl.load(qm_base + g * stride_qmh + keys, mask=in_range, other=0.0)
+                    est = tl.dot(codes[g], tl.trans(k)) * ksc[None, :] * scales[g][:, None] + qmk[None, :]
+                    tiles = _split_tiles(est, Q_TILE, K_TILE, CHUNK)
+                    new_hits = ()
+                    for cc in tl.static_range(CHUNK):
+                        new_hits = new_hits + (row_hits[cc] | (tl.max(tiles[cc], 1) > t_raw[g]).to(tl.int32),)
+                    row_hits = new_hits
                 hits = tl.zeros([Q_TILE, CHUNK], tl.int32)
                 for cc in tl.static_range(CHUNK):
-                    keys = (j0 + cc) * K_TILE + kk
-                    in_range = keys < lo * K_TILE
-                    k = tl.load(k_base + (keys * HEAD_DIM)[:, None] + dims[None, :], mask=in_range[:, None] & dmask,
-                                other=0.0)
-                    ksc = tl.load(ks_base + keys, mask=in_range, other=0.0)
-                    row_hit = tl.zeros([Q_TILE], tl.int32)
-                    for g in tl.static_range(GROUP):
-                        qmk = tl.load(qm_base + g * stride_qmh + keys, mask=in_range, other=0.0)
-                        s = tl.dot(codes[g], tl.trans(k))
-                        est = s * ksc[None, :] * scales[g][:, None] + qmk[None, :]
-                        row_hit = row_hit | (tl.max(est, 1) > t_raw[g]).to(tl.int32)
-                    hits = hits | tl.where(jv[None, :] == cc, row_hit[:, None], 0)
+                    hits = hits | tl.where(jv[None, :] == cc, row_hits[cc][:, None], 0)
                 j = j0 + jv
                 keep = (tl.max(hits, 0) > 0) & (j < lo)
                 tl.store(mask_ptr + mrow + j, keep.to(tl.uint8), mask=j < lo)
@@ -377,16 +402,23 @@ def _select_kernel(q_code_ptr, q_scale_ptr, k_code_ptr, k_scale_ptr, qmk_ptr, se
 
 @dataclass(frozen=True)
 class SelectConfig:
-    """Launch shapes. `chunk` key tiles share one reduction over a query tile's rows. Compiled for sm_90a
-    (D=128, group 4, 64 x 64 tiles): 8 warps hold chunk 4 in 192 registers a thread, 4 warps spill past chunk 1.
-    Yet on an H100 (Llama-3.1-8B layer, 64K) chunk 2 with 4 warps and 3 stages took 29.6 ms against 59.4 ms for
-    chunk 4 with 8 warps (chunk 1: 35.8 ms; 8 warps at chunks 1-2: 62-63 ms): smaller programs with a deeper K
-    pipeline outweigh the spills (`python -m sparseserve.bench.sparse_prefill --sweep`).
+    """Launch shapes. `chunk` key tiles (1, 2 or 4) are one dot per query head and share one reduction over a
+    query tile's rows; `max_registers` caps registers a thread (None: the compiler's choice).
+    On an H100 (Llama-3.1-8B layer, 64K, `python -m sparseserve.bench.sparse_prefill --sweep`), D=128, group 4,
+    64 x 64 tiles: one [64, 128] dot per head for chunk 2 took 22.9 ms against 28.4 ms for two [64, 64] dots
+    (fewer, wider wgmma instructions); the program then needs 255 registers (two programs an SM, latency-bound:
+    44% of issue slots busy); capped at 168 with 2 stages three programs fit an SM: 21.4-21.9 ms despite a few
+    spills (4 warps, 3 stages uncapped 22.9; 8 warps 51-60; chunk 4 spills heavily: 46-98).
     Quantization programs of 32 rows and 4 warps stay at ~170 registers (64 rows spill)."""
     chunk: int = 2
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
+    max_registers: int | None = 168
     quant_tok: int = 32  # rows a quantization program
+
+    def __post_init__(self) -> None:
+        if self.chunk not in (1, 2, 4):
+            raise ValueError(f"chunk must be 1, 2 or 4, got {self.chunk}")
 
 
 def _empty_codes(q, num_seqs, num_kv_heads, length) -> QKCodes:
@@ -471,7 +503,8 @@ def select_tiles_triton(codes: QKCodes, seq_lens: torch.Tensor, query_start_loc:
         mask.stride(0), mask.stride(1), mask.stride(2), count.stride(0), count.stride(1),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         Q_TILE=layout.q_tile, K_TILE=layout.k_tile, SINK=layout.sink, LOCAL=layout.local, CHUNK=config.chunk,
-        STREAMING=streaming is not None, num_warps=config.num_warps, num_stages=config.num_stages)
+        STREAMING=streaming is not None, num_warps=config.num_warps, num_stages=config.num_stages,
+        **({"maxnreg": config.max_registers} if config.max_registers else {}))
     return mask, index, count
 
 
