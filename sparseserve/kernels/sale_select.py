@@ -2,17 +2,26 @@
 
 1. Quantization (kernel _quant_kernel, after _sum_kernel's per-sequence means). Per sequence, Q~ = q - mean_q
    (mean over the chunk's queries, per query head) and K~ = k - mean_k (over the context's keys, per KV head);
-   each token's row of a head is scaled by its own absmax / 448 and rounded to fp8 e4m3:
-       q_code[i] = e4m3(Q~_i / s_q[i]),  k_code[j] = e4m3(K~_j / s_k[j]),  qmk[h, j] = mean_q[h] . K~_j (fp32).
-   Then q_i . k_j = s_q[i] s_k[j] (q_code[i] . k_code[j]) + qmk[h, j] + (terms constant along row i), and those
-   constant terms cancel in every softmax and in the relative score below, so the estimate is
-       est_ij = s_q[i] s_k[j] (q_code[i] . k_code[j]) + qmk[h(i), j].
+   each token's row of a head is scaled and rounded to fp8 e4m3. A query row at its own absmax / 448; a key row
+   at its own power-of-two scale (the smallest 2^e with absmax / 2^e <= 448), then re-expressed at the largest
+   such scale of its key group (KEY_GROUP_TILES key tiles, aligned): its codes shift by an exact power of two,
+   so they are the row's own per-token codes, except that elements which fall below e4m3's normal range
+   (2^-6, ~1/28,000 of the group's largest code) lose mantissa bits. A group shares one scale s_k[g(j)]:
+       q_code[i] = e4m3(Q~_i / s_q[i]),  k_code[j] = e4m3(e4m3(K~_j / 2^e_j) 2^e_j / s_k[g(j)]),
+       qmk[h, j] = mean_q[h] . K~_j (fp32).
+   Then q_i . k_j = s_q[i] s_k[g(j)] (q_code[i] . k_code[j]) + qmk[h, j] + (terms constant along row i), and
+   those constant terms cancel in every softmax and in the relative score below, so the estimate is
+       est_ij = s_q[i] s_k[g(j)] (q_code[i] . k_code[j]) + qmk[h(i), j].
+   Why a group scale: with a scale per key the selection's inner loop pays a multiply per element on top of
+   its fused multiply-add and max, the instructions that bound it; with one per group the two scales are one
+   factor per row (`ncu` on an H100: 9.6e9 -> 7.6e9 instructions at 64K).
    fp8 e4m3, not int8 (H100/H200 have no int4 tensor-core instructions; int8 and fp8 run at the same rate, twice
-   bf16's): the fp8 dot accumulates in fp32, so the two scales and the mean term apply as one multiply and one
-   fused multiply-add per element, with no int32 -> fp32 conversion (int8's per element cost, on the part of the
-   pass that is not tensor-core work). Precision is not what decides: e4m3's 3-bit mantissa (a few % per code,
-   averaging out over D) is finer than SALE's own 4-bit codes, and the estimate only has to rank tiles. The
-   kernel rounds to the e4m3 grid itself (_round_e4m3), so its codes equal torch's float8_e4m3fn cast.
+   bf16's): the fp8 dot accumulates in fp32, so the scales and the mean term apply as one fused multiply-add
+   per element, with no int32 -> fp32 conversion (int8's per element cost, on the part of the pass that is not
+   tensor-core work), and a floating-point code keeps its relative precision under the group's shift. Precision
+   is not what decides: e4m3's 3-bit mantissa (a few % per code, averaging out over D) is finer than SALE's own
+   4-bit codes, and the estimate only has to rank tiles. The kernel rounds to the e4m3 grid itself
+   (_round_e4m3), so its codes equal torch's float8_e4m3fn cast.
 2. Selection (kernel _select_kernel), program (sequence, query tile, KV head). For every query row i its
    reference statistics over the tiles the attention computes anyway (the forced tiles: sink, local window,
    diagonal; causally visible keys only), in log2 units z = est * scale * log2(e):
@@ -22,7 +31,7 @@
        z_ij > m_i + log2(l_i) + log2(threshold[h])  <=>  est_ij > T_i := (m_i + log2 l_i + log2 thr) / (scale log2 e).
    A middle tile (kernels/sparse_prefill.py) is kept when any element of any query head of the KV group is
    important (the union: the group shares the tile's K/V loads). The main loop has no exp: per element an fp8
-   dot, a multiply, a fused multiply-add and a max. threshold 0 keeps every tile without estimating; a
+   dot, a fused multiply-add and a max. threshold 0 keeps every tile without estimating; a
    streaming KV head keeps none (forced tiles only).
    On Hopper the group's heads run one after the other (a static loop); a program walks its middle tiles `chunk`
    at a time, as one [q_tile, chunk * k_tile] x D fp8 wgmma dot per head against the chunk's keys loaded once
@@ -47,6 +56,8 @@ from sparseserve.kernels.sparse_prefill import TileLayout, tile_classes
 
 
 FP8_MAX = 448.0  # the largest finite e4m3 value
+KEY_GROUP_TILES = 2  # key tiles that share one power-of-two scale (the selection's chunk of key tiles)
+KEY_EXP_NONE = -(1 << 20)  # the exponent of a zero row: never a group's largest
 _SCORE_ELEMENTS = 1 << 25
 
 
@@ -78,6 +89,30 @@ def _quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x * inv[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
+def _pow2_exponent_ref(absmax: torch.Tensor) -> torch.Tensor:
+    """int32: the smallest e with absmax / 2^e <= 448 (the kernel's bit arithmetic: absmax = m 2^p, m in [1, 2),
+    e = p - 8 when m <= 1.75 else p - 7); a zero row gets KEY_EXP_NONE."""
+    f, q = torch.frexp(absmax)  # absmax = f 2^q, f in [0.5, 1)
+    e = torch.where(2 * f <= 1.75, q - 9, q - 8).to(torch.int32)
+    return torch.where(absmax > 0, e, KEY_EXP_NONE)
+
+
+def _quantize_keys_ref(kt: torch.Tensor, valid: torch.Tensor, group_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K~ [B, Hkv, L, D] (zero past the end; valid [B, L]) -> (codes, scales), module docstring: each row at its
+    own power-of-two scale, then re-expressed at its group's largest one (an exact shift but below e4m3's
+    normal range)."""
+    b, h, length, d = kt.shape
+    e = _pow2_exponent_ref(kt.abs().amax(-1))  # [B, Hkv, L]
+    tok = (kt * torch.ldexp(torch.ones_like(kt), -e.clamp_min(-126)[..., None])).to(torch.float8_e4m3fn)
+    pad = -length % group_rows
+    eg = torch.nn.functional.pad(e, (0, pad), value=KEY_EXP_NONE).view(b, h, -1, group_rows).amax(-1)
+    eg = torch.where(eg == KEY_EXP_NONE, 0, eg).repeat_interleave(group_rows, -1)[..., :length]
+    shift = torch.ldexp(torch.ones_like(kt), (e - eg).clamp(-30, 0)[..., None])
+    code = (tok.float() * shift).to(torch.float8_e4m3fn)
+    scale = torch.where(valid[:, None, :], torch.ldexp(torch.ones_like(eg, dtype=torch.float32), eg), 1.0)
+    return torch.where(valid[:, None, :, None], code.float(), 0.0).to(torch.float8_e4m3fn), scale
+
+
 def _means_ref(q, keys, seq_lens, query_start_loc, length):
     """(mean_q [B, Hq, D], mean_k [B, Hkv, D]) in float32; an empty range has mean 0."""
     qsl = query_start_loc.long()
@@ -107,7 +142,7 @@ def quantize_qk_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     q_code, q_scale = _quantize_rows_ref(q.float() - mean_q[seq_idx])
     valid = torch.arange(length, device=q.device)[None, :] < seq_lens.long()[:, None]
     kt = torch.where(valid[:, None, :, None], keys - mean_k[:, :, None], 0.0)  # K~, zero past the end
-    k_code, k_scale = _quantize_rows_ref(kt)
+    k_code, k_scale = _quantize_keys_ref(kt, valid, KEY_GROUP_TILES * layout.k_tile)
     qmk = torch.einsum("bhgd,bhjd->bhgj", mean_q.view(-1, num_kv_heads, group, q.shape[2]), kt)
     return QKCodes(q_code, q_scale, k_code, k_scale, qmk.reshape(-1, num_q_heads, length))
 
@@ -173,6 +208,12 @@ def _round_e4m3(x):
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
     # Subnormal range (|x| < 2^-6): multiples of 2^-9; adding 1.5 * 2^14 (ulp 2^-9) rounds to them.
     return tl.where(tl.abs(x) < 0.015625, (x + 24576.0) - 24576.0, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _pow2(n):
+    """2.0 ** n (float32, exact) for int32 n in [-126, 127]."""
+    return ((n + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -243,9 +284,19 @@ def _quant_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, mean_ptr, mean_q_ptr,
     x = tl.load(ptrs + dims[None, :], mask=ok[:, None] & dmask, other=0.0).to(tl.float32)
     x = tl.where(ok[:, None] & dmask, x - mean[None, :], 0.0)
     absmax = tl.max(tl.abs(x), 1)
-    inv = tl.where(absmax > 0, 448.0 / tl.where(absmax > 0, absmax, 1.0), 0.0)
-    scale = tl.where(absmax > 0, absmax / 448.0, 1.0)
-    code = _round_e4m3(x * inv[:, None]).to(code_ptr.dtype.element_ty)
+    if PAGED:  # TOK rows = one key group: power-of-two scales, the group's largest (module docstring)
+        bits = absmax.to(tl.int32, bitcast=True)
+        p = ((bits >> 23) & 0xFF) - 127
+        e = tl.where(absmax > 0, tl.where((bits & 0x7FFFFF) <= 0x600000, p - 8, p - 7), -1048576)
+        e_group = tl.max(e, 0)
+        e_group = tl.where(e_group == -1048576, 0, e_group)
+        code = _round_e4m3(x * _pow2(-tl.maximum(e, -126))[:, None])
+        code = _round_e4m3(code * _pow2(tl.maximum(e - e_group, -30))[:, None]).to(code_ptr.dtype.element_ty)
+        scale = tl.where(ok, _pow2(e_group + tl.zeros_like(e)), 1.0)
+    else:
+        inv = tl.where(absmax > 0, 448.0 / tl.where(absmax > 0, absmax, 1.0), 0.0)
+        scale = tl.where(absmax > 0, absmax / 448.0, 1.0)
+        code = _round_e4m3(x * inv[:, None]).to(code_ptr.dtype.element_ty)
     tl.store(code_ptr + out_row[:, None] + dims[None, :], code, mask=w_mask[:, None] & dmask)
     tl.store(scale_ptr + s_row, scale, mask=w_mask)
     if PAGED:
@@ -371,18 +422,20 @@ def _select_kernel(q_code_ptr, q_scale_ptr, k_code_ptr, k_scale_ptr, qmk_ptr, se
             rr = tl.arange(0, CHUNK * K_TILE)
             r_tile = rr % CHUNK
             r_key = rr // CHUNK
-            for j0 in range(s_end, lo, CHUNK):
+            # Whole key groups a step (one scale: est = fma(dot, row scale x group scale, qmk)); a first group
+            # that starts before s_end masks its sink tiles out.
+            for j0 in range(s_end - s_end % CHUNK, lo, CHUNK):
                 keys = (j0 + r_tile) * K_TILE + r_key
-                in_range = j0 + r_tile < lo
+                in_range = (j0 + r_tile >= s_end) & (j0 + r_tile < lo)
                 k = tl.load(k_base + (keys * HEAD_DIM)[:, None] + dims[None, :], mask=in_range[:, None] & dmask,
                             other=0.0)
-                ksc = tl.load(ks_base + keys, mask=in_range, other=0.0)
+                k_group_scale = tl.load(ks_base + j0 * K_TILE)
                 row_hits = ()
                 for cc in tl.static_range(CHUNK):
                     row_hits = row_hits + (tl.zeros([Q_TILE], tl.int32),)
                 for g in tl.static_range(GROUP):
-                    qmk = tl.load(qm_base + g * stride_qmh + keys, mask=in_range, other=0.0)
-                    est = tl.dot(codes[g], tl.trans(k)) * ksc[None, :] * scales[g][:, None] + qmk[None, :]
+                    qmk = tl.load(qm_base + g * stride_qmh + keys, mask=in_range, other=float("-inf"))
+                    est = tl.dot(codes[g], tl.trans(k)) * (scales[g] * k_group_scale)[:, None] + qmk[None, :]
                     tiles = _split_tiles(est, Q_TILE, K_TILE, CHUNK)
                     new_hits = ()
                     for cc in tl.static_range(CHUNK):
@@ -392,8 +445,9 @@ def _select_kernel(q_code_ptr, q_scale_ptr, k_code_ptr, k_scale_ptr, qmk_ptr, se
                 for cc in tl.static_range(CHUNK):
                     hits = hits | tl.where(jv[None, :] == cc, row_hits[cc][:, None], 0)
                 j = j0 + jv
-                keep = (tl.max(hits, 0) > 0) & (j < lo)
-                tl.store(mask_ptr + mrow + j, keep.to(tl.uint8), mask=j < lo)
+                middle = (j >= s_end) & (j < lo)
+                keep = (tl.max(hits, 0) > 0) & middle
+                tl.store(mask_ptr + mrow + j, keep.to(tl.uint8), mask=middle)
                 slot = count + tl.cumsum(keep.to(tl.int32), 0) - 1
                 tl.store(idx_ptr + mrow + slot, j, mask=keep)
                 count += tl.sum(keep.to(tl.int32), 0)
@@ -402,23 +456,24 @@ def _select_kernel(q_code_ptr, q_scale_ptr, k_code_ptr, k_scale_ptr, qmk_ptr, se
 
 @dataclass(frozen=True)
 class SelectConfig:
-    """Launch shapes. `chunk` key tiles (1, 2 or 4) are one dot per query head and share one reduction over a
-    query tile's rows; `max_registers` caps registers a thread (None: the compiler's choice).
-    On an H100 (Llama-3.1-8B layer, 64K, `python -m sparseserve.bench.sparse_prefill --sweep`), D=128, group 4,
-    64 x 64 tiles: one [64, 128] dot per head for chunk 2 took 22.9 ms against 28.4 ms for two [64, 64] dots
-    (fewer, wider wgmma instructions); the program then needs 255 registers (two programs an SM, latency-bound:
-    44% of issue slots busy); capped at 168 with 2 stages three programs fit an SM: 21.4-21.9 ms despite a few
-    spills (4 warps, 3 stages uncapped 22.9; 8 warps 51-60; chunk 4 spills heavily: 46-98).
+    """Launch shapes. `chunk` key tiles (dividing a key group) are one dot per query head and share one
+    reduction over a query tile's rows; `max_registers` caps registers a thread (None: the compiler's choice).
+    On an H100 (Llama-3.1-8B layer, 64K, D=128, group 4, 64 x 64 tiles; `python -m sparseserve.bench.
+    sparse_prefill --sweep` and side-by-side dev runs): one [64, 128] dot per head for chunk 2 took 22.9 ms
+    against 28.4 ms for two [64, 64] dots (fewer, wider wgmma instructions); uncapped the program holds 230-255
+    registers (two programs an SM, latency-bound: 44% of issue slots busy). With the group scale, capped at 128
+    registers with 2 stages three programs fit an SM (shared memory is then the limit): 20.4-21.8 ms (168
+    registers 23.6; 1 stage 21.2-22.8; 3 stages 25.5-26.6; chunk 1 24.5; 8 warps 35-52).
     Quantization programs of 32 rows and 4 warps stay at ~170 registers (64 rows spill)."""
     chunk: int = 2
     num_warps: int = 4
     num_stages: int = 2
-    max_registers: int | None = 168
+    max_registers: int | None = 128
     quant_tok: int = 32  # rows a quantization program
 
     def __post_init__(self) -> None:
-        if self.chunk not in (1, 2, 4):
-            raise ValueError(f"chunk must be 1, 2 or 4, got {self.chunk}")
+        if KEY_GROUP_TILES % self.chunk:
+            raise ValueError(f"chunk must divide the key group's {KEY_GROUP_TILES} tiles, got {self.chunk}")
 
 
 def _empty_codes(q, num_seqs, num_kv_heads, length) -> QKCodes:
@@ -468,11 +523,12 @@ def quantize_qk_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
         q.stride(0), q.stride(1), *cache_strides, q_code.stride(0), q_code.stride(1), q_scale.stride(0),
         q_scale.stride(1), mean_q.stride(0), mean_q.stride(1), 0, 0,
         PAGED=False, GROUP=group, TOK=tok, **common, num_warps=4)
-    _quant_kernel[(num_seqs, num_kv_heads, triton.cdiv(length, tok))](
+    key_rows = KEY_GROUP_TILES * layout.k_tile  # a key program quantizes one key group
+    _quant_kernel[(num_seqs, num_kv_heads, triton.cdiv(length, key_rows))](
         kv_cache, block_tables, seq_lens, query_start_loc, mean_k, mean_q, k_code, k_scale, qmk, length,
         q.stride(0), q.stride(1), *cache_strides, k_code.stride(1), k_code.stride(2), k_scale.stride(0),
         k_scale.stride(1), mean_k.stride(0), mean_k.stride(1), qmk.stride(0), qmk.stride(1),
-        PAGED=True, GROUP=group, TOK=tok, **common, num_warps=4)
+        PAGED=True, GROUP=group, TOK=key_rows, **common, num_warps=8 if key_rows > 64 else 4)
     return codes
 
 
