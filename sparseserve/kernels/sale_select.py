@@ -89,7 +89,7 @@ def _quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x * inv[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
-def _pow2_exponent_ref(absmax: torch.Tensor) -> torch.Tensor:
+def pow2_exponent_ref(absmax: torch.Tensor) -> torch.Tensor:
     """int32: the smallest e with absmax / 2^e <= 448 (the kernel's bit arithmetic: absmax = m 2^p, m in [1, 2),
     e = p - 8 when m <= 1.75 else p - 7); a zero row gets KEY_EXP_NONE."""
     f, q = torch.frexp(absmax)  # absmax = f 2^q, f in [0.5, 1)
@@ -97,12 +97,12 @@ def _pow2_exponent_ref(absmax: torch.Tensor) -> torch.Tensor:
     return torch.where(absmax > 0, e, KEY_EXP_NONE)
 
 
-def _quantize_keys_ref(kt: torch.Tensor, valid: torch.Tensor, group_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_keys_ref(kt: torch.Tensor, valid: torch.Tensor, group_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K~ [B, Hkv, L, D] (zero past the end; valid [B, L]) -> (codes, scales), module docstring: each row at its
     own power-of-two scale, then re-expressed at its group's largest one (an exact shift but below e4m3's
     normal range)."""
     b, h, length, d = kt.shape
-    e = _pow2_exponent_ref(kt.abs().amax(-1))  # [B, Hkv, L]
+    e = pow2_exponent_ref(kt.abs().amax(-1))  # [B, Hkv, L]
     tok = (kt * torch.ldexp(torch.ones_like(kt), -e.clamp_min(-126)[..., None])).to(torch.float8_e4m3fn)
     pad = -length % group_rows
     eg = torch.nn.functional.pad(e, (0, pad), value=KEY_EXP_NONE).view(b, h, -1, group_rows).amax(-1)
@@ -142,7 +142,7 @@ def quantize_qk_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     q_code, q_scale = _quantize_rows_ref(q.float() - mean_q[seq_idx])
     valid = torch.arange(length, device=q.device)[None, :] < seq_lens.long()[:, None]
     kt = torch.where(valid[:, None, :, None], keys - mean_k[:, :, None], 0.0)  # K~, zero past the end
-    k_code, k_scale = _quantize_keys_ref(kt, valid, KEY_GROUP_TILES * layout.k_tile)
+    k_code, k_scale = quantize_keys_ref(kt, valid, KEY_GROUP_TILES * layout.k_tile)
     qmk = torch.einsum("bhgd,bhjd->bhgj", mean_q.view(-1, num_kv_heads, group, q.shape[2]), kt)
     return QKCodes(q_code, q_scale, k_code, k_scale, qmk.reshape(-1, num_q_heads, length))
 
@@ -309,16 +309,12 @@ def _quant_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, mean_ptr, mean_q_ptr,
 
 @triton.jit
 def _split_tiles(x, Q_TILE: tl.constexpr, K_TILE: tl.constexpr, CHUNK: tl.constexpr):
-    """[Q_TILE, CHUNK * K_TILE] whose column c is key c // CHUNK of tile c % CHUNK -> CHUNK [Q_TILE, K_TILE]."""
+    """[Q_TILE, CHUNK * K_TILE] whose column c is key c // CHUNK of tile c % CHUNK -> CHUNK (1 or 2)
+    [Q_TILE, K_TILE]."""
     if CHUNK == 1:
         return (x,)
-    elif CHUNK == 2:
-        return tl.split(tl.reshape(x, [Q_TILE, K_TILE, 2]))
     else:
-        even, odd = tl.split(tl.reshape(x, [Q_TILE, 2 * K_TILE, 2]))
-        t0, t2 = tl.split(tl.reshape(even, [Q_TILE, K_TILE, 2]))
-        t1, t3 = tl.split(tl.reshape(odd, [Q_TILE, K_TILE, 2]))
-        return (t0, t1, t2, t3)
+        return tl.split(tl.reshape(x, [Q_TILE, K_TILE, 2]))
 
 
 @triton.jit
@@ -464,7 +460,8 @@ class SelectConfig:
     registers (two programs an SM, latency-bound: 44% of issue slots busy). With the group scale, capped at 128
     registers with 2 stages three programs fit an SM (shared memory is then the limit): 20.4-21.8 ms (168
     registers 23.6; 1 stage 21.2-22.8; 3 stages 25.5-26.6; chunk 1 24.5; 8 warps 35-52).
-    Quantization programs of 32 rows and 4 warps stay at ~170 registers (64 rows spill)."""
+    Query quantization programs of `quant_tok` rows (32, 4 warps: ~170 registers; 64 rows spill); a key program
+    quantizes one key group (8 warps for groups over 64 rows)."""
     chunk: int = 2
     num_warps: int = 4
     num_stages: int = 2

@@ -6,17 +6,20 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from sparseserve.bench import sparse_prefill as bench
 
 
 @pytest.mark.slow
 def test_sparse_prefill_bench_rows(tmp_path):
+    """On the CPU under the Triton interpreter (tests/conftest.py sets it only there); with CUDA on the GPU."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     parser = argparse.ArgumentParser()
     bench.add_cli_args(parser)
     out = tmp_path / "sp.json"
-    bench.main(parser.parse_args(["--device", "cpu", "--dtype", "float32", "--contexts", "80", "--q-tile", "16",
-                                  "--k-tile", "16", "--densities", "0.5", "--thresholds", "0.1",
+    bench.main(parser.parse_args(["--device", device, "--dtype", "float32", "--contexts", "80", "--q-tile", "16",
+                                  "--k-tile", "16", "--densities", "0.5", "--thresholds", "0.1", "--rounds", "2",
                                   "--output", str(out)]))
     (res,) = json.loads(out.read_text())["contexts"]
     kinds = [r["kind"] for r in res["rows"]]

@@ -11,6 +11,8 @@ from sparseserve.kernels.dispatch import forced
 from sparseserve.kernels.paged_prefill import PrefillConfig, paged_prefill, paged_prefill_ref, paged_prefill_triton
 from sparseserve.kernels.sale_select import (
     SelectConfig,
+    pow2_exponent_ref,
+    quantize_keys_ref,
     quantize_qk_ref,
     quantize_qk_triton,
     sale_select,
@@ -144,7 +146,7 @@ def test_quantize_kernel(triton_backends, hq, hkv):
     q, cache, tables, seq_lens, qsl, max_q, max_s = make_chunks(CHUNKS, hq, hkv, 64, 16, torch.float32, seed=4)
     q = q * torch.linspace(0.1, 8.0, 64, device=DEV) + 3.0  # uneven channels and a shared offset
     ref = quantize_qk_ref(q, cache, tables, seq_lens, qsl, max_s, layout)
-    # 64-row programs over 160 key positions: the last program's rows past the end must not be written.
+    # 64-row query programs over chunks of 1-40 queries: rows past a chunk's end must not be written.
     got = quantize_qk_triton(q, cache, tables, seq_lens, qsl, max_q, max_s, layout, SelectConfig(quant_tok=64))
     valid = torch.arange(ref.k_scale.shape[-1], device=DEV)[None, :] < seq_lens[:, None]
     for name in ("q_code", "k_code"):
@@ -169,6 +171,29 @@ def test_quantize_kernel(triton_backends, hq, hkv):
     diff = est - exact
     spread = (diff - diff.mean(-1, keepdim=True)).pow(2).mean().sqrt()  # e4m3: a few % of each code
     assert spread < 0.05 * exact.std(), (spread, exact.std())
+
+
+def test_key_groups_keep_each_keys_own_codes():
+    """Keys quantized at their group's shared power-of-two scale dequantize to exactly what each key's own
+    power-of-two scale gives, but for elements below e4m3's normal range (which move by at most half of its
+    smallest step): the shared scale changes no rounding that matters."""
+    torch.manual_seed(7)
+    b, h, length, d, group_rows = 2, 3, 96, 64, 32
+    kt = torch.randn(b, h, length, d) * torch.exp2(torch.randint(-4, 5, (b, h, length, 1)).float())
+    kt[:, :, 5] = 0.0  # a zero row: never a group's largest
+    valid = torch.arange(length)[None, :] < torch.tensor([[90], [96]])
+    kt = torch.where(valid[:, None, :, None], kt, 0.0)
+    code, scale = quantize_keys_ref(kt, valid, group_rows)
+    e = pow2_exponent_ref(kt.abs().amax(-1)).clamp_min(-126)[..., None].float()
+    own = (kt / torch.exp2(e)).to(torch.float8_e4m3fn).float() * torch.exp2(e)  # each key at its own scale
+    assert (own.abs().amax(-1) <= 448 * torch.exp2(e[..., 0])).all()
+    shared = code.float() * scale[..., None]
+    assert (scale[:, :, :group_rows] == scale[:, :, :1]).all()  # one scale a group
+    normal = (own / scale[..., None]).abs() >= 2.0 ** -6  # the key's own code, shifted: still a normal e4m3
+    assert normal.float().mean() > 0.9
+    assert torch.equal(shared[normal], own[normal])
+    assert ((shared - own).abs() <= 2.0 ** -10 * scale[..., None])[~normal].all()
+    assert (code.float()[~valid[:, None].expand(b, h, length)] == 0).all()
 
 
 def test_quantize_with_tables_as_wide_as_the_context(triton_backends):
