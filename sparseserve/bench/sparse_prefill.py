@@ -3,7 +3,8 @@ one prompt of 16K-128K tokens prefilled as one chunk from a paged cache (block 3
 
     python -m sparseserve.bench.sparse_prefill --output /tmp/sparse_prefill.json [--contexts 65536 131072] [--sweep]
 
-Per context, timed with CUDA events (median of several runs after warm-up), side by side:
+Per context, timed with CUDA events (median of several runs after warm-up), side by side; dense_triton,
+sdpa_flash, select and the sale rows take turns in --rounds rounds (medians), as the clock drifts within a run:
   dense_triton   kernels/paged_prefill (the engine's dense prefill)
   sdpa_flash     torch SDPA, flash backend, contiguous K/V [1, Hkv, L, D], enable_gqa, causal
   quantize       SALE stage 1 (means, fp8 codes); select_tiles: stage 2 on those codes; select: both
