@@ -100,16 +100,19 @@ class SparseBackend(AttentionBackend):
         host = [torch.tensor(slots, dtype=torch.int32)]
         step = None if self.offload is None else self.offload.prepare_step(scheduled)
         if step is not None:
-            host += [step.slot_mapping, step.block_tables]
+            host += [step.slot_mapping, step.block_tables, step.stale]
+        fix = None
         if self.offload is not None and self.params.lag:  # decodes with fresh state slots (module docstring)
             fresh = set(self.state.fresh).intersection(slots[: meta.num_decodes])
             if fresh:
+                fix = len(host)
                 host.append(torch.tensor([s in fresh for s in slots[: meta.num_decodes]]))
         dev = to_device_many(host, self.ctx.device)  # one copy for the backend's step inputs
         if step is not None:
-            step = OffloadStep(dev[1], dev[2])
+            step = OffloadStep(*dev[1:4])
+            self.offload.drop_stale(step)
         meta.backend_meta = SparseStepMeta(dev[0], self._cache_view(meta, step), step,
-                                           fix_select=dev[3] if len(dev) > 3 else None)
+                                           fix_select=None if fix is None else dev[fix])
 
     def can_replay(self, meta: AttentionMetadata) -> bool:
         sm: SparseStepMeta | None = meta.backend_meta

@@ -318,8 +318,9 @@ class RealRun:
     """One engine of the real-model comparison, stepped by the caller: all prompts at once (max_num_seqs = their
     number), greedy, `output_len` tokens each (EOS ignored), topk at `budget` with or without kv_offload. Decode
     time per output token is the mean wall time of the timed engine steps in which every request decodes (TPOT:
-    each request gets one token per step), and their median (robust to the host's occasional stalls); the
-    offload counters cover the run.
+    each request gets one token per step), and their median (robust to the host's occasional stalls); on a GPU
+    also the GPU time of those steps' decode graphs (CUDA events around the input copies and the replay: what
+    the device spends on a step, apart from the host's time between steps); the offload counters cover the run.
     pool_steps: HBM pool size in decode steps' selections of the whole batch (None: the engine's default, one).
     margins: also keep each step's top-2 logprobs (for `divergence`; it adds work to every step, so TPOT then is
     not comparable with runs without it)."""
@@ -351,6 +352,11 @@ class RealRun:
         self.tokens: dict[str, list[int]] = {}
         self.top2: dict[str, list[float]] = {}  # request -> per output token: top-1 minus top-2 logprob
         self.max_running, self.total_s = 0, 0.0
+        self.graph_timer = PhaseTimer()  # decode graphs' GPU time (CUDA graphs only)
+        self.graph_events: list = []
+        if self.engine.model_runner.graphs is not None:
+            self.graph_timer.on = True
+            self.engine.model_runner.graphs.timer = self.graph_timer
 
     @property
     def done(self) -> bool:
@@ -374,15 +380,21 @@ class RealRun:
             k == 1 and seq.num_computed_tokens > seq.num_prompt_tokens for seq, k in last.scheduled)
         if full and timed:
             self.step_s.append(te - ts)
+            self.graph_events += self.graph_timer.events
+        self.graph_timer.events = []
 
     def result(self) -> dict:
         engine, n, steps = self.engine, self.n, self.step_s
         stats = engine.get_stats(sync=True)
+        if self.graph_events:
+            torch.cuda.synchronize()
+        graph = [e0.elapsed_time(e1) for _, e0, e1 in self.graph_events]
         out = {"config": f"topk {self.budget}" + (" + KV offload" if self.offload else ", all KV in HBM"), "batch": n,
                "prompt_len": self.prompt_len, "output_len": self.output_len, "max_running": self.max_running,
                "decode_steps": len(steps),
                "tpot_ms": 1e3 * sum(steps) / len(steps) if steps else None,
                "tpot_median_ms": 1e3 * statistics.median(steps) if steps else None,
+               "graph_median_ms": statistics.median(graph) if graph else None,
                "total_s": self.total_s, "preemptions": stats.num_preemptions,
                "tokens_attended": (stats.sparse_blocks_selected * engine.config.cache_config.block_size
                                    / stats.sparse_selections) if stats.sparse_selections else None}
@@ -484,6 +496,8 @@ def real_bench(model: str, batches: list[int], prompt_len: int | None, output_le
         off["tpot_vs_hbm"] = off["tpot_ms"] / base["tpot_ms"] if off["tpot_ms"] and base["tpot_ms"] else None
         if off["tpot_median_ms"] and base["tpot_median_ms"]:
             off["median_vs_hbm"] = off["tpot_median_ms"] / base["tpot_median_ms"]
+        if off["graph_median_ms"] and base["graph_median_ms"]:
+            off["graph_vs_hbm"] = off["graph_median_ms"] / base["graph_median_ms"]
         # KV offload changes where blocks are read from, never a token (DESIGN.md principle 1).
         base_tokens, off_tokens = base.pop("_tokens"), off.pop("_tokens")
         off["same_tokens"] = base_tokens == off_tokens

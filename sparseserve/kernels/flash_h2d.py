@@ -1,8 +1,14 @@
 """FlashH2D (DESIGN.md principle 5): one kernel gathers all missing head blocks of a layer from the host
 store into their HBM pool slots. The host store is pinned, so on a GPU the kernel reads it directly over
-UVA; one program copies one head block (K and V of block_size tokens, contiguous in both layouts).
-Requests that load nothing (hits, bypass reads, padding: load < 0) return at once, so the grid has the
-fixed size of the layer's requests (capturable).
+UVA. The grid is fixed by the number of requests (capturable) but small: a program takes BLOCK requests at a
+time, finds the ones that load (load >= 0; hits, bypass reads and padding load nothing) with one vector load
+and a prefix sum, and copies those head blocks (K and V of block_size tokens, contiguous in both layouts) one
+after another; at most one program an SM, each looping over its share of the requests. One program a request
+(the first design) put tens of thousands of programs on the GPU for a decode step's ~2% misses: the lagged
+plan's FlashH2D, on a side stream beside the decode step's first layers, then held the SMs and stretched those
+layers' kernels several-fold (H100, batch 32: the step's GPU time 1.10-1.14x the all-in-HBM step's, 1.06-1.10x
+with this grid; BENCHMARKS.md). Blocks of 64 requests keep bulk loads (restores, where every request loads)
+spread over enough programs to fill the link: one program copies ~4 GB/s alone.
 
 write_through_blocks is the other direction for the blocks that decode tokens complete (capturable, one
 program per token; only block-ending tokens copy): the device cache's head blocks of that token block
@@ -14,6 +20,8 @@ Both kernels pass their tests on an H200 and under the Triton interpreter; Flash
 BENCHMARKS.md (python -m sparseserve.bench.offload --transfers).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from sparseserve.kernels.dispatch import tl, triton, use_triton
@@ -60,30 +68,44 @@ def write_through(kv_cache: torch.Tensor, host_layer: torch.Tensor, slot_mapping
 
 
 @triton.jit
-def _flash_h2d_kernel(host_ptr, slots_ptr, key_ptr, load_ptr, resident_ptr, loc_ptr, ELEMS: tl.constexpr,
-                      CHUNK: tl.constexpr, REPEATS: tl.constexpr, PDL: tl.constexpr):
+def _flash_h2d_kernel(host_ptr, slots_ptr, key_ptr, load_ptr, resident_ptr, loc_ptr, todo_ptr, n,
+                      ELEMS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, REPEATS: tl.constexpr,
+                      PDL: tl.constexpr):
     pdl_wait(PDL)  # load and loc are the pool plan's output
-    i = tl.program_id(0)
-    dst = tl.load(load_ptr + i)
-    if REPEATS:
-        if dst == -2:  # a repeat of a key planned elsewhere in the call: its slot after the plan
-            tl.store(loc_ptr + i, tl.load(resident_ptr + tl.load(key_ptr + i)))
-    if dst >= 0:
-        src = tl.load(key_ptr + i)
-        src_base = host_ptr + src * ELEMS
-        dst_base = slots_ptr + dst * ELEMS
-        offs = tl.arange(0, CHUNK)
-        for start in range(0, ELEMS, CHUNK):
-            idx = start + offs
-            m = idx < ELEMS
-            tl.store(dst_base + idx, tl.load(src_base + idx, mask=m), mask=m)
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    cols = tl.arange(0, CHUNK)
+    todo = todo_ptr + pid * BLOCK  # this program's list of the block's requests that load
+    for first in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+        idx = first + offs
+        dst = tl.load(load_ptr + idx, mask=idx < n, other=-1)
+        if REPEATS:  # a repeat of a key planned elsewhere in the call: its slot after the plan
+            rep = dst == -2
+            tl.store(loc_ptr + idx, tl.load(resident_ptr + tl.load(key_ptr + idx, mask=rep, other=0), mask=rep),
+                     mask=rep)
+        loads = (dst >= 0).to(tl.int32)
+        count = tl.sum(loads, 0)
+        if count > 0:
+            tl.store(todo + tl.cumsum(loads, 0) - 1, idx, mask=loads > 0)
+            tl.debug_barrier()  # the list is read back by other threads of the program
+            for j in range(count):
+                i = tl.load(todo + j)
+                src_base = host_ptr + tl.load(key_ptr + i) * ELEMS
+                dst_base = slots_ptr + tl.load(load_ptr + i) * ELEMS
+                for start in range(0, ELEMS, CHUNK):
+                    c = start + cols
+                    m = c < ELEMS
+                    tl.store(dst_base + c, tl.load(src_base + c, mask=m), mask=m)
+            tl.debug_barrier()  # every thread is done with the list before the next block rewrites it
 
 
 def flash_h2d_triton(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, load: torch.Tensor,
                      chunk: int = 4096, num_warps: int = 4,
-                     repeats: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                     repeats: tuple[torch.Tensor, torch.Tensor] | None = None, block: int = 64,
+                     programs_per_sm: float = 1.0) -> None:
     """repeats = (resident, loc) (kernels/pool_plan.py pool_read): where load is -2 the entry repeats a key
-    planned at another position, and loc[i] = resident[key[i]] is written in the same launch."""
+    planned at another position, and loc[i] = resident[key[i]] is written in the same launch. block: requests a
+    program scans at a time (a power of two); programs_per_sm bounds the grid."""
     assert host_flat.is_contiguous() and slots.is_contiguous() and host_flat.shape[1:] == slots.shape[1:]
     assert host_flat.dtype == slots.dtype
     n = key.numel()
@@ -92,9 +114,20 @@ def flash_h2d_triton(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Te
     elems = slots[0].numel()
     chunk = min(triton.next_power_of_2(elems), chunk)
     resident, loc = repeats if repeats is not None else (load, load)  # unused without repeats
+    dev = key.device  # slots may be the pinned host side (the host prefix cache stores through here)
+    grid = min(triton.cdiv(n, block), max(1, int(programs_per_sm * _num_sms(dev))))
+    todo = torch.empty(grid * block, dtype=torch.int32, device=dev)
     pdl = use_pdl(slots.device)
-    _flash_h2d_kernel[(n,)](host_flat, slots, key.contiguous(), load.contiguous(), resident, loc, ELEMS=elems,
-                            CHUNK=chunk, REPEATS=repeats is not None, num_warps=num_warps, PDL=pdl, launch_pdl=pdl)
+    _flash_h2d_kernel[(grid,)](host_flat, slots, key.contiguous(), load.contiguous(), resident, loc, todo, n,
+                               ELEMS=elems, CHUNK=chunk, BLOCK=block, REPEATS=repeats is not None,
+                               num_warps=num_warps, PDL=pdl, launch_pdl=pdl)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, so a test's requests span several blocks per program
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit

@@ -396,3 +396,51 @@ def pool_read(host_flat: torch.Tensor, pool_slots: torch.Tensor, sel: torch.Tens
     another representative among repeats)."""
     fn = pool_read_triton if use_triton(sel) else pool_read_ref
     return fn(host_flat, pool_slots, sel, row_slots, tables, seq_lens, lay, st, touch)
+
+
+def invalidate_ref(blocks: torch.Tensor, resident: torch.Tensor, owner: torch.Tensor, last_use: torch.Tensor,
+                   num_layers: int, num_blocks: int, num_kv_heads: int) -> None:
+    """Token blocks given to a new owner (int [N]; their old contents are gone) leave the pool: the head block of
+    every layer and KV head (key (layer * (num_blocks + 1) + block) * Hkv + head) is no longer resident, and its
+    slot, if it had one, is free (owner and last use -1)."""
+    if blocks.numel() == 0:
+        return
+    layer = torch.arange(num_layers, device=blocks.device)[:, None, None]
+    head = torch.arange(num_kv_heads, device=blocks.device)
+    key = ((layer * (num_blocks + 1) + blocks.long()[None, :, None]) * num_kv_heads + head).reshape(-1)
+    slot = resident[key]
+    slot = slot[slot >= 0]
+    owner[slot] = -1
+    last_use[slot] = -1
+    resident[key] = -1
+
+
+@triton.jit
+def _invalidate_kernel(blocks_ptr, resident_ptr, owner_ptr, last_use_ptr, layer_keys, num_keys,
+                       HKV: tl.constexpr, KEYS_P2: tl.constexpr):
+    # One program a token block: its num_keys = layers x Hkv head blocks in one vector.
+    b = tl.load(blocks_ptr + tl.program_id(0)).to(tl.int64)
+    j = tl.arange(0, KEYS_P2)
+    m = j < num_keys
+    key = (j // HKV) * layer_keys + b * HKV + j % HKV
+    slot = tl.load(resident_ptr + key, mask=m, other=-1)
+    held = m & (slot >= 0)
+    tl.store(owner_ptr + slot, -1, mask=held)
+    tl.store(last_use_ptr + slot, -1, mask=held)
+    tl.store(resident_ptr + key, -1, mask=m)
+
+
+def invalidate_triton(blocks: torch.Tensor, resident: torch.Tensor, owner: torch.Tensor, last_use: torch.Tensor,
+                      num_layers: int, num_blocks: int, num_kv_heads: int) -> None:
+    if blocks.numel() == 0:
+        return
+    keys = num_layers * num_kv_heads
+    _invalidate_kernel[(blocks.numel(),)](blocks, resident, owner, last_use, (num_blocks + 1) * num_kv_heads, keys,
+                                          HKV=num_kv_heads, KEYS_P2=triton.next_power_of_2(keys))
+
+
+def invalidate(blocks: torch.Tensor, resident: torch.Tensor, owner: torch.Tensor, last_use: torch.Tensor,
+               num_layers: int, num_blocks: int, num_kv_heads: int) -> None:
+    """invalidate_ref's contract: one launch (a step's few new blocks, at its start)."""
+    fn = invalidate_triton if use_triton(resident) else invalidate_ref
+    fn(blocks, resident, owner, last_use, num_layers, num_blocks, num_kv_heads)

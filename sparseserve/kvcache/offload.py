@@ -57,6 +57,9 @@ class OffloadStep:
     AttentionMetadata). Released entries of a table name the cache's trash row."""
     slot_mapping: torch.Tensor  # int64 [T]
     block_tables: torch.Tensor  # int32 [B, W]
+    # token blocks handed to new owners since the last step (on_allocate), to leave the pool before the step's
+    # kernels (`drop_stale`); None in CUDA graphs' static steps
+    stale: torch.Tensor | None = None
 
 
 class DeviceBlockMap:
@@ -333,8 +336,9 @@ class OffloadCache:
     def begin_step(self) -> None:
         """Before any kernel of a step: the host store's pending writes land (fence), then the blocks the
         schedule mapped over computed tokens are copied from their host rows into the device block cache, every
-        sparse layer and KV head in one FlashH2D gather."""
-        self.fence()
+        sparse layer and KV head in one FlashH2D gather. (Blocks with new owners leave the pool with the step's
+        addressing: `prepare_step`, `drop_stale`.)"""
+        self.host.fence()
         if not self._restores:
             return
         rows = torch.tensor([r for r, _ in self._restores], dtype=torch.int64)
@@ -353,17 +357,18 @@ class OffloadCache:
 
     def on_allocate(self, blocks: list[int]) -> None:
         """Token blocks given to a new owner: the pool must not serve their previous contents. Dropped from the
-        pool together before the step's kernels (`fence`): a decode allocates a block every block_size steps, and
-        each drop is a few device ops. No earlier read can ask for them: a block is listed only once it is full,
-        steps after it was allocated."""
+        pool together before the step's kernels (`prepare_step` hands them to the step, which moves them to the
+        device with its addressing and drops them in one launch, `drop_stale`): a decode allocates a block every
+        block_size steps. No earlier read can ask for them: a block is listed only once it is full, steps after
+        it was allocated."""
         self._stale += blocks
 
     # ---- the runner ---------------------------------------------------------------------------------------
 
     def prepare_step(self, scheduled: list) -> OffloadStep:
         """Device cache slots of the step's tokens and device tables of its sequences, in `scheduled` order
-        ((sequence, new tokens) pairs), built per sequence and block on the host (the caller moves them to the
-        device with the rest of the step's inputs)."""
+        ((sequence, new tokens) pairs), built per sequence and block on the host, and the blocks to drop from the
+        pool (the caller moves them to the device with the rest of the step's inputs, then calls `drop_stale`)."""
         bs, dm = self.block_size, self.device_map
         slots: list[int] = []
         for seq, n in scheduled:
@@ -377,11 +382,20 @@ class OffloadCache:
         tables = np.zeros((len(scheduled), width), dtype=np.int32)
         for b, (seq, _) in enumerate(scheduled):
             dm.fill_row(seq, tables[b], len(seq.block_table))
-        return OffloadStep(torch.tensor(slots, dtype=torch.long), torch.from_numpy(tables))
+        stale, self._stale = self._stale, []
+        return OffloadStep(torch.tensor(slots, dtype=torch.long), torch.from_numpy(tables),
+                           torch.tensor(stale, dtype=torch.int64))
+
+    def drop_stale(self, step: OffloadStep) -> None:
+        """The step's blocks with new owners (`prepare_step`, on the device now) leave the pool: one launch,
+        before the step's kernels."""
+        if step.stale is not None and step.stale.numel():
+            self.pool.invalidate(step.stale)
 
     def fence(self) -> None:
         """Before any kernel of a step: earlier steps' FlashD2H copies are in the store, so device blocks the
-        scheduler released for this step may be rewritten; token blocks with new owners leave the pool."""
+        scheduler released for this step may be rewritten; token blocks with new owners that no step's addressing
+        took (`prepare_step`: a step without a batch) leave the pool here."""
         self.host.fence()
         if self._stale:
             self.pool.invalidate(self._stale)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from sparseserve.kernels.pool_plan import ListLayout, PoolState, pool_plan, pool_read, set_of
+from sparseserve.kernels.pool_plan import ListLayout, PoolState, invalidate, pool_plan, pool_read, set_of
 from sparseserve.kernels.working_set import TouchState
 from sparseserve.kvcache.host import to_device
 
@@ -39,7 +39,7 @@ class HBMPool:
         self.num_sets = num_slots // self.ways
         self.num_slots = self.num_sets * self.ways  # a remainder smaller than one set is left unused
         self.num_keys = num_layers * (num_blocks + 1) * num_kv_heads
-        self.num_blocks, self.num_kv_heads = num_blocks, num_kv_heads
+        self.num_layers, self.num_blocks, self.num_kv_heads = num_layers, num_blocks, num_kv_heads
         n = self.num_slots
         self.slots = torch.zeros(n + 1, 2, block_size, head_dim, dtype=dtype, device=device)
         self.resident = torch.full((self.num_keys + 1,), -1, dtype=torch.int64, device=device)
@@ -56,10 +56,6 @@ class HBMPool:
         self.claim = torch.full((self.num_keys + 1,), -1, dtype=torch.int64, device=device)  # read's repeats
         # Lagged reads (`begin_round`): the oldest stamp no victim may carry (the start of the step's plans).
         self.floor = torch.zeros(1, dtype=torch.int64, device=device)
-        # The key of token block 0 in every (layer, KV head); block b's keys add b * Hkv.
-        layers = torch.arange(num_layers, device=device)[:, None]
-        self._block_keys = (layers * (num_blocks + 1) * num_kv_heads + torch.arange(num_kv_heads, device=device)
-                            ).reshape(-1)
 
     @property
     def trash_slot(self) -> int:
@@ -108,20 +104,16 @@ class HBMPool:
         (a device op, no sync)."""
         self.floor.copy_(self.clock.view(1))
 
-    def invalidate(self, blocks: list[int]) -> None:
-        """Token blocks given to a new owner (their old contents are gone): drop their head blocks of every
-        layer and KV head, so the new owner never hits a stale slot. Between steps."""
-        if not blocks:
-            return
-        dev = self.resident.device
-        b = to_device(torch.tensor(blocks, dtype=torch.int64), dev)
-        key = (self._block_keys[None, :] + b[:, None] * self.num_kv_heads).reshape(-1)
-        slot = self.resident[key]
-        slot = torch.where(slot >= 0, slot, self.trash_slot)
-        # index_fill_, not `x[idx] = -1`: that copies a CPU scalar to the device, waiting for the device
-        self.owner.index_fill_(0, slot, -1)
-        self.last_use.index_fill_(0, slot, -1)
-        self.resident.index_fill_(0, key, -1)
+    def invalidate(self, blocks: torch.Tensor | list[int]) -> None:
+        """Token blocks given to a new owner (their old contents are gone; a device tensor, or a list moved
+        there): drop their head blocks of every layer and KV head, so the new owner never hits a stale slot.
+        Between steps; one launch (kernels/pool_plan.py invalidate)."""
+        if isinstance(blocks, list):
+            if not blocks:
+                return
+            blocks = to_device(torch.tensor(blocks, dtype=torch.int64), self.resident.device)
+        invalidate(blocks, self.resident, self.owner, self.last_use, self.num_layers, self.num_blocks,
+                   self.num_kv_heads)
 
     def check(self) -> None:
         """Accounting invariants (tests; syncs): owner and resident are inverse maps, no slot holds two

@@ -29,6 +29,7 @@ def test_real_mode_smoke(tiny_model_dir, tmp_path, capsys, scheduling):
         assert off["tpot_ms"] > 0 and base["tpot_ms"] > 0 and off["tpot_vs_hbm"] > 0
         assert 0 < base["tpot_median_ms"] and off["median_vs_hbm"] == off["tpot_median_ms"] / base["tpot_median_ms"]
         assert base["decode_steps"] > 0 and base["preemptions"] == 0
+        assert base["graph_median_ms"] is None and "graph_vs_hbm" not in off  # GPU time: CUDA graphs only
         # topk at 192 tokens (6 blocks of 32) of a 400-token context: the policy really was sparse on both sides.
         assert 0 < base["tokens_attended"] <= 192 and 0 < off["tokens_attended"] <= 192
 

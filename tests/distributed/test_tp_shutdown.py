@@ -4,7 +4,9 @@ exit, while the other ranks react to the closing connections), and rank 0's chan
 message. The torchrun exit path itself: test_tensor_parallel.py::test_torchrun_environment_..."""
 from __future__ import annotations
 
+import gc
 import os
+import time
 
 import pytest
 
@@ -28,8 +30,21 @@ def gloo_threads() -> int:
     return sum(name in GLOO_THREADS for name in names)
 
 
+def settled_gloo_threads(timeout: float = 5.0) -> int:
+    """gloo_threads() once no earlier test's engine is still winding down: collected (a reference cycle may
+    hold its groups) and two reads 0.2 s apart agree."""
+    gc.collect()
+    n, deadline = gloo_threads(), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        n, last = gloo_threads(), n
+        if n == last:
+            break
+    return n
+
+
 def test_shutdown_ends_the_process_group_while_the_model_lives(tiny_model_dir):
-    before = gloo_threads()
+    before = settled_gloo_threads()
     llm = LLM(str(tiny_model_dir), device="cpu", max_model_len=128, tensor_parallel_size=2)
     driver = llm.llm_engine.model_runner
     tp, model = driver.runner.tp, driver.runner.model  # references that outlive the engine's shutdown

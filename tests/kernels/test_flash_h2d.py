@@ -51,6 +51,32 @@ def test_flash_h2d_matches_gather(dtype, bs, d, hkv):
             assert torch.equal(out.slots[slot].cpu(), host.flat()[k])
 
 
+@pytest.mark.parametrize("block", [4, 64])
+def test_flash_h2d_few_loads_among_many_requests(block):
+    """A decode step's shape: many requests, few of them loading, some repeats (load -2) and padding; each
+    program walks several blocks of requests (block 4), or finds several loads in one block (64): the slots
+    equal the gather's and every repeat reads its key's slot."""
+    g = torch.Generator().manual_seed(block)
+    rows, num_slots, n = 50, 24, 300
+    host = torch.randn(rows, 2, 4, 16, generator=g)
+    host = host.pin_memory() if ON_GPU else host
+    key = torch.randint(0, rows, (n,), generator=g)
+    load = torch.full((n,), -1, dtype=torch.int64)
+    pos = torch.randperm(n, generator=g)
+    load[pos[:num_slots]] = torch.randperm(num_slots, generator=g)  # 24 loads into distinct slots
+    load[pos[num_slots: num_slots + 30]] = -2  # repeats
+    resident = torch.randint(0, num_slots, (rows + 1,), generator=g)
+    slots = torch.randn(num_slots + 1, 2, 4, 16, generator=g)
+    want_slots, want_loc = slots.clone(), torch.full((n,), -7, dtype=torch.int64)
+    flash_h2d_ref(host, want_slots, key, load)
+    want_loc[load == -2] = resident[key[load == -2]]
+    got_slots, loc = slots.to(DEVICE), torch.full((n,), -7, dtype=torch.int64, device=DEVICE)
+    flash_h2d_triton(host, got_slots, key.to(DEVICE), load.to(DEVICE), repeats=(resident.to(DEVICE), loc),
+                     block=block)
+    assert torch.equal(got_slots.cpu(), want_slots)
+    assert torch.equal(loc.cpu(), want_loc)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy, budget, slots, hq, hkv", [("topk", 64, 8, 8, 2), ("topp", 96, 64, 8, 2),
                                                             pytest.param("topk", 64, 8, 9, 3, id="group3-9q3kv")])

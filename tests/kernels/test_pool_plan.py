@@ -106,6 +106,32 @@ def test_triton_plan_lagged_keeps_the_steps_own_slots():
     assert bypass > 0 and pool.stats[1] > pool.num_slots  # evictions, only of slots older than the floor
 
 
+def test_invalidate_kernel_matches_reference():
+    """Blocks with new owners leave the pool (kvcache/pool.py invalidate): after plans filled it, the Triton
+    kernel and the reference drop the same head blocks of every layer and KV head (some resident, some not,
+    one listed twice) from the same state, and the accounting still holds."""
+    g = torch.Generator().manual_seed(11)
+    pool, ref = make(3, 30, 3, 24, 4), make(3, 30, 3, 24, 4)
+    for _ in range(4):
+        with forced("triton"):
+            pool.plan(requests(pool, g, 3, 2))
+    for name in STATE:
+        getattr(ref, name).copy_(getattr(pool, name))
+    resident = pool.resident[: pool.num_keys].view(3, 31, 3)
+    held = torch.nonzero((resident >= 0).any(0).any(-1))[:, 0].tolist()
+    blocks = torch.tensor(held[:3] + [held[0]] + [29], dtype=torch.int64, device=DEVICE)
+    assert len(held) >= 3 and (pool.owner[: pool.num_slots] >= 0).any()
+    with forced("torch"):
+        ref.invalidate(blocks)
+    with forced("triton"):
+        pool.invalidate(blocks)
+    for name in ("resident", "owner", "last_use"):
+        assert torch.equal(getattr(pool, name), getattr(ref, name)), name
+    gone = pool.resident[: pool.num_keys].view(3, 31, 3)[:, blocks.cpu().tolist()]
+    assert (gone == -1).all() and (resident[:, held[3:]] >= 0).any()  # only those blocks left
+    pool.check()
+
+
 def test_triton_plan_empty_and_padding_only():
     """A call without requests, or only padding, still advances the clock and counts a layer step."""
     pool, ref = make(1, 4, 1, 4, 4), make(1, 4, 1, 4, 4)
