@@ -6,9 +6,9 @@ and a prefix sum, and copies those head blocks (K and V of block_size tokens, co
 after another; at most one program an SM, each looping over its share of the requests. One program a request
 (the first design) put tens of thousands of programs on the GPU for a decode step's ~2% misses: the lagged
 plan's FlashH2D, on a side stream beside the decode step's first layers, then held the SMs and stretched those
-layers' kernels several-fold (H100, batch 32: the step's GPU time 1.10-1.14x the all-in-HBM step's, 1.06-1.10x
-with this grid; BENCHMARKS.md). Blocks of 64 requests keep bulk loads (restores, where every request loads)
-spread over enough programs to fill the link: one program copies ~4 GB/s alone.
+layers' kernels several-fold (H100, batch 32: the step's GPU time 1.11-1.14x the all-in-HBM step's, 1.06-1.10x
+with one program an SM; BENCHMARKS.md). Blocks of 64 requests keep bulk loads (restores, where every request
+loads) spread over enough programs to fill the link: one program copies ~4 GB/s alone.
 
 write_through_blocks is the other direction for the blocks that decode tokens complete (capturable, one
 program per token; only block-ending tokens copy): the device cache's head blocks of that token block
