@@ -185,11 +185,10 @@ class DeviceBlockMap:
         self.segmented.discard(seq.seq_id)
         self.allocator.free(blocks)
 
-    def fill_row(self, seq, row: np.ndarray, width: int) -> None:
-        """Writes the device block of each of the sequence's first `width` token blocks into row[:width] in
-        place (the trash row where it has none)."""
+    def fill_row(self, seq, row: np.ndarray) -> None:
+        """Writes the device blocks of the sequence's mapped token blocks into row (indexed by token block) in
+        place; the rest of row stays as the caller filled it (a step's table: the trash row, `num_blocks`)."""
         start, blocks = self.range_of(seq)
-        row[:width] = self.num_blocks
         row[start: start + len(blocks)] = blocks
 
 
@@ -371,17 +370,19 @@ class OffloadCache:
         pool (the caller moves them to the device with the rest of the step's inputs, then calls `drop_stale`)."""
         bs, dm = self.block_size, self.device_map
         slots: list[int] = []
-        for seq, n in scheduled:
+        width = max(len(seq.block_table) for seq, _ in scheduled)
+        tables = np.full((len(scheduled), width), dm.num_blocks, dtype=np.int32)  # the trash row where none
+        for b, (seq, n) in enumerate(scheduled):
+            dm.fill_row(seq, tables[b])
             c = seq.num_computed_tokens
             start, blocks = dm.range_of(seq)
+            if n == 1:  # a decode's token (the common case at large batches: host time is the step's cost)
+                slots.append(blocks[c // bs - start] * bs + c % bs)
+                continue
             for blk in range(c // bs, (c + n - 1) // bs + 1):  # tokens [c, c + n), block by block
                 lo, hi = max(c, blk * bs), min(c + n, (blk + 1) * bs)
                 base = blocks[blk - start] * bs - blk * bs
                 slots.extend(range(base + lo, base + hi))
-        width = max(len(seq.block_table) for seq, _ in scheduled)
-        tables = np.zeros((len(scheduled), width), dtype=np.int32)
-        for b, (seq, _) in enumerate(scheduled):
-            dm.fill_row(seq, tables[b], len(seq.block_table))
         stale, self._stale = self._stale, []
         return OffloadStep(torch.tensor(slots, dtype=torch.long), torch.from_numpy(tables),
                            torch.tensor(stale, dtype=torch.int64))

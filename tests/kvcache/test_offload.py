@@ -229,11 +229,9 @@ def test_device_block_map_working_set():
     assert dm.num_to_allocate(seq, 1) == -2
     dm.map(seq, 1)
     assert span() == (2, 2) and dm.allocator.num_used == 2
-    row = np.zeros(6, dtype=np.int32)  # a row of a wider step table: written in place, its tail untouched
-    dm.fill_row(seq, row, len(seq.block_table))
-    table = row[:4]
-    assert table[:2].tolist() == [8, 8] and table[2:].tolist() == dm.range_of(seq)[1]  # 8: the trash row
-    assert row.tolist() == table.tolist() + [0, 0]
+    row = np.full(6, -5, dtype=np.int32)  # a row of a step table: the mapped blocks written, the rest untouched
+    dm.fill_row(seq, row)
+    assert row.tolist() == [-5, -5] + dm.range_of(seq)[1] + [-5, -5]
     for t in range(14, 17):  # token 16 opens block 4: block 2 leaves, net zero
         seq.num_computed_tokens = t
         seq.token_ids.append(7)
