@@ -470,45 +470,71 @@ def divergence(base_tokens: list[list[int]], base_margins: list[list[float]] | N
 
 def _flat(rows: list[dict]) -> list[dict]:
     """The rows for a table: the divergence detail (lists) stays in the JSON."""
-    return [{k: v for k, v in r.items() if k != "divergence"} for r in rows]
+    return [{k: v for k, v in r.items() if k not in ("divergence", "repeats")} for r in rows]
 
 
 def real_bench(model: str, batches: list[int], prompt_len: int | None, output_len: int, budget: int = 1024,
                pool_steps: float | None = None, device: str = "auto", dtype: str = "auto", margins: bool = False,
-               interleave: bool = True, **engine_args) -> list[dict]:
+               interleave: bool = True, repeats: int = 1, **engine_args) -> list[dict]:
     """Per batch size: topk with every block in HBM and with KV offload, on the same prompts, side by side
     (real_pair; interleave False: one after the other, real_run); the offload row carries its TPOT ratio to the
-    HBM-only row. prompt_len None: the model's context less output_len."""
+    HBM-only row. prompt_len None: the model's context less output_len. repeats > 1: the pair runs that many
+    times (fresh engines); a row holds the median of each number over the repeats (ratios: of the per-repeat
+    ratios) and the repeats themselves (`repeats`): a busy host moves a whole process's times by tens of
+    percent."""
     if prompt_len is None:
         from sparseserve.bench.accuracy import model_context
         prompt_len = model_context(model) - output_len
     prompts = real_prompts(model, max(batches), prompt_len)
     rows = []
     for b in batches:
-        if interleave:
-            pair = list(real_pair(model, prompts[:b], output_len, budget, pool_steps, device, dtype, margins,
-                                  block=32 if engine_args.get("async_scheduling") else 1,
-                                  skip=2 if engine_args.get("async_scheduling") else 0, **engine_args))
-        else:
-            pair = [real_run(model, prompts[:b], output_len, off, budget, pool_steps, device, dtype, margins,
-                             **engine_args) for off in (False, True)]
-        base, off = pair
-        off["tpot_vs_hbm"] = off["tpot_ms"] / base["tpot_ms"] if off["tpot_ms"] and base["tpot_ms"] else None
-        if off["tpot_median_ms"] and base["tpot_median_ms"]:
-            off["median_vs_hbm"] = off["tpot_median_ms"] / base["tpot_median_ms"]
-        if off["graph_median_ms"] and base["graph_median_ms"]:
-            off["graph_vs_hbm"] = off["graph_median_ms"] / base["graph_median_ms"]
-        # KV offload changes where blocks are read from, never a token (DESIGN.md principle 1).
-        base_tokens, off_tokens = base.pop("_tokens"), off.pop("_tokens")
-        off["same_tokens"] = base_tokens == off_tokens
-        base_margins = base.pop("_margins", None)
-        off.pop("_margins", None)
-        if not off["same_tokens"]:
-            off["divergence"] = divergence(base_tokens, base_margins, off_tokens)
-            print(f"batch {b}: tokens differ: {off['divergence']}")
+        pairs = [_real_compared(model, prompts[:b], output_len, budget, pool_steps, device, dtype, margins, interleave,
+                                **engine_args) for _ in range(repeats)]
+        pair = pairs[0] if repeats == 1 else [_median_row([p[k] for p in pairs]) for k in (0, 1)]
         rows += pair
         print_table(_flat(pair), "")
     return rows
+
+
+def _real_compared(model: str, prompts: list[list[int]], output_len: int, budget: int, pool_steps: float | None,
+                   device: str, dtype: str, margins: bool, interleave: bool, **engine_args) -> list[dict]:
+    """One HBM / offload pair of real_bench, the offload row with its ratios and the token check."""
+    if interleave:
+        pair = list(real_pair(model, prompts, output_len, budget, pool_steps, device, dtype, margins,
+                              block=32 if engine_args.get("async_scheduling") else 1,
+                              skip=2 if engine_args.get("async_scheduling") else 0, **engine_args))
+    else:
+        pair = [real_run(model, prompts, output_len, off, budget, pool_steps, device, dtype, margins,
+                         **engine_args) for off in (False, True)]
+    base, off = pair
+    off["tpot_vs_hbm"] = off["tpot_ms"] / base["tpot_ms"] if off["tpot_ms"] and base["tpot_ms"] else None
+    if off["tpot_median_ms"] and base["tpot_median_ms"]:
+        off["median_vs_hbm"] = off["tpot_median_ms"] / base["tpot_median_ms"]
+    if off["graph_median_ms"] and base["graph_median_ms"]:
+        off["graph_vs_hbm"] = off["graph_median_ms"] / base["graph_median_ms"]
+    # KV offload changes where blocks are read from, never a token (DESIGN.md principle 1).
+    base_tokens, off_tokens = base.pop("_tokens"), off.pop("_tokens")
+    off["same_tokens"] = base_tokens == off_tokens
+    base_margins = base.pop("_margins", None)
+    off.pop("_margins", None)
+    if not off["same_tokens"]:
+        off["divergence"] = divergence(base_tokens, base_margins, off_tokens)
+        print(f"batch {len(prompts)}: tokens differ: {off['divergence']}")
+    return pair
+
+
+def _median_row(runs: list[dict]) -> dict:
+    """One row for several repeats of a run: the median of each number that differs between them, the first
+    run's other fields (the token check: all repeats must agree), every repeat under `repeats`."""
+    out = dict(runs[0])
+    for k, v in runs[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and any(r.get(k) != v for r in runs):
+            vals = [r[k] for r in runs if isinstance(r.get(k), (int, float))]
+            out[k] = statistics.median(vals) if len(vals) == len(runs) else None
+    if "same_tokens" in out:
+        out["same_tokens"] = all(r["same_tokens"] for r in runs)
+    out["repeats"] = runs
+    return out
 
 
 def _engine_args(items: list[str]) -> dict:
@@ -554,6 +580,8 @@ def main(argv: list[str] | None = None) -> None:
                         "all-in-HBM run there (a near tie: rounding; TPOT then includes computing the logprobs)")
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
                    help="--real: both engines alive in one process, stepped in turn (default), or one after the other")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="--real: runs of each pair (fresh engines); the table holds each number's median")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     on_gpu = torch.cuda.is_available() and args.device != "cpu"
@@ -565,7 +593,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = real_bench(args.real, [int(b) for b in args.batches.split(",") if b], args.prompt_len,
                           args.output_len, args.budget, args.pool_steps, args.device,
                           args.dtype or ("bfloat16" if on_gpu else "auto"), args.margins, args.interleave,
-                          **_engine_args(args.engine_arg))
+                          args.repeats, **_engine_args(args.engine_arg))
         result["real"] = rows
         print_table(_flat(rows), f"{args.real}: topk {args.budget}, all KV in HBM vs KV offload; TPOT = decode time "
                                  f"per output token (steps where every request decodes)")

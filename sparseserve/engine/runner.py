@@ -97,6 +97,7 @@ class ModelRunner:
             self.model = build_model(self.arch, self.attn_backend, model_dir, self.dtype, self.device,
                                      mc.load_format)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))
+        self._sampling: tuple[list[int] | None, SamplingMetadata | None] = (None, None)  # (seq ids, theirs)
         self.offload = None  # kvcache/offload.py OffloadCache: the hierarchical HBM/DRAM cache
         if config.offload_config.kv_offload:
             self.offload = self._build_offload()
@@ -264,12 +265,17 @@ class ModelRunner:
         fill_src: list[int] = []
         for seq, n in scheduled:
             c, table = seq.num_computed_tokens, seq.block_table
-            ids.extend(seq.token_ids[c:c + n])
-            positions.extend(range(c, c + n))
-            for blk in range(c // bs, (c + n - 1) // bs + 1):  # the slots of tokens [c, c + n), block by block
-                lo, hi = max(c, blk * bs), min(c + n, (blk + 1) * bs)
-                base = table[blk] * bs - blk * bs
-                slots.extend(range(base + lo, base + hi))
+            if n == 1:  # a decode's token (every sequence of a large decode batch: this loop is host time a step)
+                ids.extend(seq.token_ids[c:c + 1])  # (a worker rank's SeqView holds the step's tokens: slices)
+                positions.append(c)
+                slots.append(table[c // bs] * bs + c % bs)
+            else:
+                ids.extend(seq.token_ids[c:c + n])
+                positions.extend(range(c, c + n))
+                for blk in range(c // bs, (c + n - 1) // bs + 1):  # the slots of tokens [c, c + n), block by block
+                    lo, hi = max(c, blk * bs), min(c + n, (blk + 1) * bs)
+                    base = table[blk] * bs - blk * bs
+                    slots.extend(range(base + lo, base + hi))
             qsl.append(qsl[-1] + n)
             seq_lens.append(c + n)
             if c + n == seq.num_tokens:
@@ -305,6 +311,11 @@ class ModelRunner:
         return StepBatch(input_ids, dev[5], meta, dev[6], sampled)
 
     def sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
+        """The sampling parameters of `seqs` on the device; the previous step's again when it sampled the same
+        sequences in the same order (a decode batch's usual step: a sequence's parameters never change)."""
+        ids = [s.seq_id for s in seqs]
+        if ids == self._sampling[0]:
+            return self._sampling[1]
         ps = [s.params for s in seqs]
         vocab = self.arch.vocab_size
         logprobs = [p.logprobs for p in ps if p.logprobs is not None]
@@ -313,7 +324,7 @@ class ModelRunner:
              torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps]),
              torch.tensor([p.top_p for p in ps], dtype=torch.float32),
              torch.tensor([p.min_p for p in ps], dtype=torch.float32)], self.device)
-        return SamplingMetadata(
+        meta = SamplingMetadata(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             generators={i: s.generator for i, s in enumerate(seqs) if s.generator is not None and not s.params.greedy},
             all_greedy=all(p.greedy for p in ps),
@@ -321,6 +332,8 @@ class ModelRunner:
             need_top_p=any(p.top_p < 1.0 for p in ps),
             need_min_p=any(p.min_p > 0.0 for p in ps),
             max_num_logprobs=max(logprobs) if logprobs else None)
+        self._sampling = (ids, meta)
+        return meta
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]],

@@ -464,7 +464,9 @@ class Scheduler:
             self._record_ahead(out)
             return
         limited = bool(out.held_back) or (ws.enabled and bool(self.waiting) and self._ws_limited_admission())
-        ws.record(sum(ws.estimates(self.running)), len(self.waiting) if limited else 0, len(out.held_back))
+        # Without preemptions beyond the hold-backs the running set is what _hold_back and the admissions summed.
+        total = self._ws_total if len(out.preempted) == len(out.held_back) else sum(ws.estimates(self.running))
+        ws.record(total, len(self.waiting) if limited else 0, len(out.held_back))
 
     def _record_ahead(self, out: SchedulerOutput) -> None:
         """Statistics with prefill ahead: the decode shares' working sets, the requests without a share because of

@@ -62,6 +62,47 @@ class OffloadStep:
     stale: torch.Tensor | None = None
 
 
+class StaleBlocks:
+    """Token blocks handed to new owners (`OffloadCache.on_allocate`): the HBM pool must not serve their previous
+    contents, so they leave it (one kernel launch, `OffloadCache.drop_stale`) before any selection can list
+    them. A step's launch costs host time, and at a large decode batch some decode opens a block nearly every
+    step; a block a decode opened holds one token, so a selection can list it (full) block_size - 1 decode steps
+    later at the earliest: it waits for the next launch, at most block_size - 2 steps. Any other block (a
+    prefill's: listed by the next step) leaves with its own step and takes the waiting ones along."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.pending: list[int] = []  # since the last step
+        self.waiting: list[int] = []  # opened by decodes, not yet taken
+        self.deadline = 0  # the step by which the waiting ones leave
+        self.steps = 0  # steps with a batch (take): every decode step is one
+
+    def add(self, blocks: list[int]) -> None:
+        self.pending += blocks
+
+    def take(self, opened: list[int]) -> list[int]:
+        """The blocks leaving the pool with this step; opened: the token blocks its decodes open."""
+        self.steps += 1
+        if not self.waiting:
+            self.deadline = self.steps + self.block_size - 2
+        if opened and self.pending:
+            fresh = set(opened)
+            self.waiting += [b for b in self.pending if b in fresh]
+            self.pending = [b for b in self.pending if b not in fresh]
+        if not self.pending and (not self.waiting or self.steps < self.deadline):
+            return []
+        return self.take_all()
+
+    def take_all(self) -> list[int]:
+        out, self.pending, self.waiting = self.pending + self.waiting, [], []
+        return out
+
+    def take_pending(self) -> list[int]:
+        """A step without a batch (`OffloadCache.fence`): decodes opened nothing, the waiting ones may wait."""
+        out, self.pending = self.pending, []
+        return out
+
+
 class DeviceBlockMap:
     """The device block cache's rows and which token blocks of each sequence they hold.
 
@@ -87,6 +128,9 @@ class DeviceBlockMap:
         self.ranges: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (start, device blocks)
         # Sequences in layer-segmented prefill: they hold only their first decode's window (map_window).
         self.segmented: set[int] = set()
+        # seq_id -> the end of the token block its last decode's `map` wrote into: decodes of tokens before it
+        # keep the same window (a decoding sequence never prefills again without releasing its range first)
+        self.steady_until: dict[int, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -111,8 +155,14 @@ class DeviceBlockMap:
         releasable = min(max(lo - start, 0), held)
         return missing - releasable
 
+    def steady(self, seq, n: int) -> bool:
+        """A decode whose mapped range is its window already (block_size - 1 of every block_size decode steps):
+        the step maps, releases and restores nothing. The scheduler asks this of every running sequence every
+        step, so it is one lookup (`steady_until`, set by a decode's `map`) before `hot_range`'s general test."""
+        return n == 1 and seq.num_computed_tokens < self.steady_until.get(seq.seq_id, 0)
+
     def can_map(self, seq, n: int) -> bool:
-        return self.allocator.can_allocate(max(self.num_to_allocate(seq, n), 0))
+        return self.steady(seq, n) or self.allocator.can_allocate(max(self.num_to_allocate(seq, n), 0))
 
     def can_admit(self, seq, running: list) -> bool:
         """Whether a waiting sequence may start: the device blocks its whole prefill will need (a paused
@@ -158,6 +208,10 @@ class DeviceBlockMap:
             blocks = blocks + self.allocator.allocate(hi - end)
         self.ranges[seq.seq_id] = (start, blocks)
         self.segmented.discard(seq.seq_id)
+        if n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens:  # a decode: its range is [lo, hi) now
+            self.steady_until[seq.seq_id] = hi * self.block_size
+        else:
+            self.steady_until.pop(seq.seq_id, None)
         return released
 
     def window(self, seq) -> tuple[int, int]:
@@ -179,17 +233,13 @@ class DeviceBlockMap:
         lo, hi = self.window(seq)
         self.ranges[seq.seq_id] = (lo, self.allocator.allocate(hi - lo))
         self.segmented.add(seq.seq_id)
+        self.steady_until.pop(seq.seq_id, None)
 
     def release(self, seq) -> None:
         _, blocks = self.ranges.pop(seq.seq_id, (0, []))
         self.segmented.discard(seq.seq_id)
+        self.steady_until.pop(seq.seq_id, None)
         self.allocator.free(blocks)
-
-    def fill_row(self, seq, row: np.ndarray) -> None:
-        """Writes the device blocks of the sequence's mapped token blocks into row (indexed by token block) in
-        place; the rest of row stays as the caller filled it (a step's table: the trash row, `num_blocks`)."""
-        start, blocks = self.range_of(seq)
-        row[start: start + len(blocks)] = blocks
 
 
 class OffloadCache:
@@ -205,7 +255,7 @@ class OffloadCache:
         # last kv_caches are its layers): restores and pauses address it whole.
         self.sparse_cache = sparse_cache
         self._restores: list[tuple[int, int]] = []  # (token block = host row, device block) before the next step
-        self._stale: list[int] = []  # token blocks handed to new owners, dropped from the pool before the next step
+        self._stale = StaleBlocks(block_size)  # token blocks handed to new owners, to leave the pool
         self.num_restored_blocks = 0  # token blocks restored into the device block cache (stats)
         self._graph: dict[str, torch.Tensor] | None = None
         self.lag_loc: torch.Tensor | None = None  # lagged views: [sparse layers, list rows + 1 scratch, Hkv, cap]
@@ -295,6 +345,8 @@ class OffloadCache:
         (re)starts with computed tokens has any: a prefix-cache hit, a paused sequence) are queued for
         restoring from their host rows."""
         dm = self.device_map
+        if dm.steady(seq, n):
+            return
         old_start, old = dm.range_of(seq)
         dm.map(seq, n)
         start, blocks = dm.range_of(seq)
@@ -355,12 +407,10 @@ class OffloadCache:
                   *to_device_many([key, load], dev))
 
     def on_allocate(self, blocks: list[int]) -> None:
-        """Token blocks given to a new owner: the pool must not serve their previous contents. Dropped from the
-        pool together before the step's kernels (`prepare_step` hands them to the step, which moves them to the
-        device with its addressing and drops them in one launch, `drop_stale`): a decode allocates a block every
-        block_size steps. No earlier read can ask for them: a block is listed only once it is full, steps after
-        it was allocated."""
-        self._stale += blocks
+        """Token blocks given to a new owner: the pool must not serve their previous contents. They leave the pool
+        in one launch before the kernels of their step or, opened by a decode, of a later one (StaleBlocks;
+        `prepare_step` hands them to the step, which moves them to the device with its addressing, `drop_stale`)."""
+        self._stale.add(blocks)
 
     # ---- the runner ---------------------------------------------------------------------------------------
 
@@ -368,24 +418,26 @@ class OffloadCache:
         """Device cache slots of the step's tokens and device tables of its sequences, in `scheduled` order
         ((sequence, new tokens) pairs), built per sequence and block on the host, and the blocks to drop from the
         pool (the caller moves them to the device with the rest of the step's inputs, then calls `drop_stale`)."""
-        bs, dm = self.block_size, self.device_map
+        bs, ranges = self.block_size, self.device_map.ranges
         slots: list[int] = []
+        opened: list[int] = []  # token blocks this step's decodes open (their first token)
         width = max(len(seq.block_table) for seq, _ in scheduled)
-        tables = np.full((len(scheduled), width), dm.num_blocks, dtype=np.int32)  # the trash row where none
+        tables = np.full((len(scheduled), width), self.device_map.num_blocks, dtype=np.int32)  # trash row: none
         for b, (seq, n) in enumerate(scheduled):
-            dm.fill_row(seq, tables[b])
+            start, blocks = ranges[seq.seq_id]
+            tables[b, start: start + len(blocks)] = blocks
             c = seq.num_computed_tokens
-            start, blocks = dm.range_of(seq)
             if n == 1:  # a decode's token (the common case at large batches: host time is the step's cost)
                 slots.append(blocks[c // bs - start] * bs + c % bs)
+                if c % bs == 0:
+                    opened.append(seq.block_table[c // bs])
                 continue
             for blk in range(c // bs, (c + n - 1) // bs + 1):  # tokens [c, c + n), block by block
                 lo, hi = max(c, blk * bs), min(c + n, (blk + 1) * bs)
                 base = blocks[blk - start] * bs - blk * bs
                 slots.extend(range(base + lo, base + hi))
-        stale, self._stale = self._stale, []
         return OffloadStep(torch.tensor(slots, dtype=torch.long), torch.from_numpy(tables),
-                           torch.tensor(stale, dtype=torch.int64))
+                           torch.tensor(self._stale.take(opened), dtype=torch.int64))
 
     def drop_stale(self, step: OffloadStep) -> None:
         """The step's blocks with new owners (`prepare_step`, on the device now) leave the pool: one launch,
@@ -398,9 +450,9 @@ class OffloadCache:
         scheduler released for this step may be rewritten; token blocks with new owners that no step's addressing
         took (`prepare_step`: a step without a batch) leave the pool here."""
         self.host.fence()
-        if self._stale:
-            self.pool.invalidate(self._stale)
-            self._stale = []
+        stale = self._stale.take_pending()
+        if stale:
+            self.pool.invalidate(stale)
 
     # ---- the sparse backend, per layer --------------------------------------------------------------------
 

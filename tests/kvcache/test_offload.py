@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import random
 
-import numpy as np
 import pytest
 import torch
 
@@ -22,7 +21,7 @@ from sparseserve.kernels.flash_h2d import flash_h2d
 from sparseserve.kernels.sparse_decode import read_listed_ref, sparse_decode_ref
 from sparseserve.kvcache.host import HostKVStore
 from sparseserve.kvcache.layout import GiB, OffloadLayout
-from sparseserve.kvcache.offload import DeviceBlockMap
+from sparseserve.kvcache.offload import DeviceBlockMap, StaleBlocks
 from sparseserve.kvcache.pool import HBMPool
 from sparseserve.metrics import ServerMetrics, parse_metrics
 from tests.kernel_utils import DEVICE
@@ -208,6 +207,34 @@ def test_offload_layout_split():
     assert many.pool_slots >= served * lists
 
 
+@pytest.mark.parametrize("block_size", [1, 2, 4, 16])
+def test_stale_blocks_leave_before_a_selection_can_list_them(block_size):
+    """Random steps: a block a decode opened leaves the pool within block_size - 2 steps (a selection can list it
+    block_size - 1 steps after it was opened), any other block with its own step, and every block leaves once."""
+    rng = random.Random(block_size)
+    stale, due, left, step, nxt = StaleBlocks(block_size), {}, [], 0, 0
+    for _ in range(400):
+        step += 1
+        new = list(range(nxt, nxt + rng.choice([0, 0, 1, 1, 2, 3])))
+        nxt += len(new)
+        opened = [b for b in new if rng.random() < 0.8]
+        stale.add(new)
+        for b in new:
+            due[b] = step + max(block_size - 2, 0) if b in opened else step
+        for b in stale.take(opened):
+            assert step <= due.pop(b), f"block {b} left at step {step}, after its due step"
+            left.append(b)
+        assert all(step < d for d in due.values()), "a block overstayed its due step"
+    left += stale.take_all()
+    assert sorted(left) == list(range(nxt))
+    # A decode batch opening a block every step launches once per block_size - 1 steps.
+    stale, launches = StaleBlocks(block_size), 0
+    for b in range(100):
+        stale.add([b])
+        launches += bool(stale.take([b]))
+    assert launches == 100 // max(block_size - 1, 1)
+
+
 def test_device_block_map_working_set():
     """Prefill steps map every block of the sequence; a decode only its local window (the rest released
     at once, the range only moves forward); a one-token chunk that is not the last token is a prefill."""
@@ -219,6 +246,7 @@ def test_device_block_map_working_set():
     span = lambda: (dm.range_of(seq)[0], len(dm.range_of(seq)[1]))  # noqa: E731
     assert span() == (0, 2)
     seq.num_computed_tokens = 8
+    assert not dm.steady(seq, 1)
     dm.map(seq, 1)  # token 8 of 13: still a prefill, all blocks
     assert span() == (0, 3)
     seq.num_computed_tokens = 9
@@ -226,16 +254,14 @@ def test_device_block_map_working_set():
     dm.map(seq, 4)
     seq.num_computed_tokens = 13
     seq.token_ids.append(7)  # the first decode: window = blocks 2, 3; blocks 0, 1 released
-    assert dm.num_to_allocate(seq, 1) == -2
+    assert dm.num_to_allocate(seq, 1) == -2 and not dm.steady(seq, 1)
     dm.map(seq, 1)
     assert span() == (2, 2) and dm.allocator.num_used == 2
-    row = np.full(6, -5, dtype=np.int32)  # a row of a step table: the mapped blocks written, the rest untouched
-    dm.fill_row(seq, row)
-    assert row.tolist() == [-5, -5] + dm.range_of(seq)[1] + [-5, -5]
     for t in range(14, 17):  # token 16 opens block 4: block 2 leaves, net zero
         seq.num_computed_tokens = t
         seq.token_ids.append(7)
         assert dm.num_to_allocate(seq, 1) == 0
+        assert dm.steady(seq, 1) == (t < 16)  # decodes within the window's last block map nothing
         dm.map(seq, 1)
     assert span() == (3, 2) and dm.allocator.num_used == 2
     fresh = Sequence(1, "r", 0, list(range(30)), GREEDY)  # 8 blocks: more than the 6 free
