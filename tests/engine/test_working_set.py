@@ -191,7 +191,9 @@ class Recount:
             self.current = {}
             self.steps.append(self.current)
         slots = meta.backend_meta.slots[:nd].long()
-        key = self.offload.keys(layer, meta.block_tables[:nd], meta.seq_lens[:nd], self.backend.state.sel[layer][slots])
+        # The lists the step read: with lagged selection its read rows (the slot's rows alternate), else the slots.
+        rows = self.backend.step_rows[0][:nd].long() if self.backend.params.lag else slots
+        key = self.offload.keys(layer, meta.block_tables[:nd], meta.seq_lens[:nd], self.backend.state.sel[layer][rows])
         by_slot = {slot: sid for sid, slot in self.backend.state.held_slots().items()}
         trash = self.offload.pool.trash_key
         for b, slot in enumerate(slots.tolist()):
@@ -212,13 +214,15 @@ class Recount:
             assert counts[slot] == len(union), (sid, slot, counts[slot], len(union))
 
 
-@pytest.mark.parametrize("control, window", [(False, 12), (True, 3)])
-def test_engine_counts_equal_a_recount_of_its_selections(tiny_model_dir, control, window, device="cpu"):
+@pytest.mark.parametrize("control, window, lag", [(False, 12, 0), (True, 3, 0), (True, 3, 1)])
+def test_engine_counts_equal_a_recount_of_its_selections(tiny_model_dir, control, window, lag, device="cpu"):
     """After every step each running sequence's device count is the union, recounted in Python, of the pool
     keys its lists asked for over the last `window` decode steps (since its slot was handed out: a held-back
-    request resumes on a new slot); with arrivals, so sequences join and leave."""
+    request resumes on a new slot); with arrivals, so sequences join and leave. lag: lagged selection, whose
+    step reads the lists the step before selected (a resumed request's first ones selected in its step)."""
     engine = LLMEngine.from_kwargs(model=str(tiny_model_dir), **{**ENGINE, "device": device}, **SMALL_POOL,
-                                   working_set_control=control, working_set_window=window, enforce_eager=True)
+                                   working_set_control=control, working_set_window=window, enforce_eager=True,
+                                   sparse_lag=lag)
     recount = Recount(engine)
     ps = prompts(5, seed=1)
     arrivals = {3 * i: [(f"r{i}", p, 12 + 3 * i)] for i, p in enumerate(ps)}
@@ -258,7 +262,7 @@ def test_cuda_counts_and_graphs(tiny_model_dir):
     replayed from CUDA graphs (the count captured in them, the counts read without a sync) the control shrinks
     the batch with the tokens of the unlimited run."""
     for control, window in ((False, 12), (True, 3)):
-        test_engine_counts_equal_a_recount_of_its_selections(tiny_model_dir, control, window, device="cuda")
+        test_engine_counts_equal_a_recount_of_its_selections(tiny_model_dir, control, window, 0, device="cuda")
     arrivals = {0: [(f"r{i}", p, 30) for i, p in enumerate(prompts())]}
     runs = {}
     for control in (False, True):
