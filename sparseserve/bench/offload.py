@@ -19,16 +19,20 @@ steps in the middle of the run).
 have the locality of real text), at each of --batches requests: topk (--budget, default 1024) with every block in
 HBM against the same policy with kv_offload, side by side per batch size: decode time per output token (the
 wall time of an engine step in which every request decodes), HBM hit ratio (listed head blocks found in the pool),
-head blocks loaded and bypass reads. Runs on CPU too (a smoke test on a tiny model).
+head blocks loaded and bypass reads. Runs on CPU too (a smoke test on a tiny model). --repeats N: each pair N
+times, medians; --host-profile DIR: a cProfile of each engine's decode steps and where the host's time goes.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import datetime
 import json
+import pstats
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -357,6 +361,11 @@ class RealRun:
         if self.engine.model_runner.graphs is not None:
             self.graph_timer.on = True
             self.engine.model_runner.graphs.timer = self.graph_timer
+        # Where the host's time goes (the caller sets a cProfile.Profile): the timed steps that follow a step in
+        # which every request decoded; their wall times then include the profiler's overhead.
+        self.host_profile: cProfile.Profile | None = None
+        self.profiled_steps = 0
+        self._decoding = False
 
     @property
     def done(self) -> bool:
@@ -365,8 +374,14 @@ class RealRun:
     def step(self, timed: bool = True) -> None:
         engine = self.engine
         self.max_running = max(self.max_running, len(engine.scheduler.running))
+        prof = self.host_profile if timed and self._decoding else None
         ts = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         outs = engine.step()  # ends in the step's one host sync (the sampled tokens)
+        if prof is not None:
+            prof.disable()
+            self.profiled_steps += 1
         te = time.perf_counter()
         self.total_s += te - ts
         for o in outs:  # deltas: each output holds the tokens new since the last
@@ -382,6 +397,7 @@ class RealRun:
             self.step_s.append(te - ts)
             self.graph_events += self.graph_timer.events
         self.graph_timer.events = []
+        self._decoding = full
 
     def result(self) -> dict:
         engine, n, steps = self.engine, self.n, self.step_s
@@ -405,6 +421,9 @@ class RealRun:
                        h2d_GB=stats.offload_h2d_bytes / 1e9,
                        hbm_pool_GiB=stats.offload_hbm_slots * engine.model_runner.offload.layout.head_block_bytes
                        / 2**30)
+        if self.host_profile is not None:
+            out["host_profile_steps"] = self.profiled_steps
+            out["_host_profile"] = self.host_profile
         out["_tokens"] = [self.tokens[f"r{i}"] for i in range(n)]  # for the side-by-side check; not printed
         if self.margins:
             out["_margins"] = [self.top2.get(f"r{i}", []) for i in range(n)]
@@ -420,10 +439,11 @@ def _fresh_memory() -> None:
 
 def real_run(model: str, prompts: list[list[int]], output_len: int, offload: bool, budget: int = 1024,
              pool_steps: float | None = None, device: str = "auto", dtype: str = "auto", margins: bool = False,
-             **engine_args) -> dict:
-    """One engine alone, run to the end (RealRun)."""
+             host_profile: bool = False, **engine_args) -> dict:
+    """One engine alone, run to the end (RealRun; host_profile: a cProfile of its decode steps)."""
     _fresh_memory()
     run = RealRun(model, prompts, output_len, offload, budget, pool_steps, device, dtype, margins, **engine_args)
+    run.host_profile = cProfile.Profile() if host_profile else None
     while not run.done:
         run.step()
     return run.result()
@@ -431,7 +451,7 @@ def real_run(model: str, prompts: list[list[int]], output_len: int, offload: boo
 
 def real_pair(model: str, prompts: list[list[int]], output_len: int, budget: int = 1024,
               pool_steps: float | None = None, device: str = "auto", dtype: str = "auto", margins: bool = False,
-              block: int = 1, skip: int = 0, **engine_args) -> tuple[dict, dict]:
+              block: int = 1, skip: int = 0, host_profile: bool = False, **engine_args) -> tuple[dict, dict]:
     """All KV in HBM and KV offload side by side in one process, both engines alive, stepped in turn `block` steps
     at a time (the first `skip` of each block untimed: under async scheduling a block's first steps overlap the
     other engine's step in flight): a shared machine's slow and fast periods then fall on both alike. Each engine
@@ -441,6 +461,8 @@ def real_pair(model: str, prompts: list[list[int]], output_len: int, budget: int
     # The second engine's share counts the first's memory as used (runner: total * utilization - used).
     runs = [RealRun(model, prompts, output_len, off, budget, pool_steps, device, dtype, margins,
                     gpu_memory_utilization=util * (1 + off) / 2, **engine_args) for off in (False, True)]
+    for run in runs:
+        run.host_profile = cProfile.Profile() if host_profile else None
     while not all(r.done for r in runs):
         for run in runs:
             for i in range(block):
@@ -475,21 +497,27 @@ def _flat(rows: list[dict]) -> list[dict]:
 
 def real_bench(model: str, batches: list[int], prompt_len: int | None, output_len: int, budget: int = 1024,
                pool_steps: float | None = None, device: str = "auto", dtype: str = "auto", margins: bool = False,
-               interleave: bool = True, repeats: int = 1, **engine_args) -> list[dict]:
+               interleave: bool = True, repeats: int = 1, host_profile: str | None = None,
+               **engine_args) -> list[dict]:
     """Per batch size: topk with every block in HBM and with KV offload, on the same prompts, side by side
     (real_pair; interleave False: one after the other, real_run); the offload row carries its TPOT ratio to the
     HBM-only row. prompt_len None: the model's context less output_len. repeats > 1: the pair runs that many
     times (fresh engines); a row holds the median of each number over the repeats (ratios: of the per-repeat
     ratios) and the repeats themselves (`repeats`): a busy host moves a whole process's times by tens of
-    percent."""
+    percent. host_profile: a folder for a cProfile of each engine's decode steps (`host_{hbm,offload}_b{batch}_
+    r{repeat}.prof`, and a table of the functions taking the most host time a step); the times in the rows then
+    include the profiler's overhead."""
     if prompt_len is None:
         from sparseserve.bench.accuracy import model_context
         prompt_len = model_context(model) - output_len
     prompts = real_prompts(model, max(batches), prompt_len)
+    if host_profile:
+        Path(host_profile).mkdir(parents=True, exist_ok=True)
     rows = []
     for b in batches:
         pairs = [_real_compared(model, prompts[:b], output_len, budget, pool_steps, device, dtype, margins, interleave,
-                                **engine_args) for _ in range(repeats)]
+                                host_profile and str(Path(host_profile) / f"host_{{}}_b{b}_r{r}.prof"), **engine_args)
+                 for r in range(repeats)]
         pair = pairs[0] if repeats == 1 else [_median_row([p[k] for p in pairs]) for k in (0, 1)]
         rows += pair
         print_table(_flat(pair), "")
@@ -497,15 +525,24 @@ def real_bench(model: str, batches: list[int], prompt_len: int | None, output_le
 
 
 def _real_compared(model: str, prompts: list[list[int]], output_len: int, budget: int, pool_steps: float | None,
-                   device: str, dtype: str, margins: bool, interleave: bool, **engine_args) -> list[dict]:
-    """One HBM / offload pair of real_bench, the offload row with its ratios and the token check."""
+                   device: str, dtype: str, margins: bool, interleave: bool, profile_path: str | None,
+                   **engine_args) -> list[dict]:
+    """One HBM / offload pair of real_bench, the offload row with its ratios and the token check; profile_path:
+    where each engine's host profile goes ({} = hbm / offload)."""
     if interleave:
         pair = list(real_pair(model, prompts, output_len, budget, pool_steps, device, dtype, margins,
                               block=32 if engine_args.get("async_scheduling") else 1,
-                              skip=2 if engine_args.get("async_scheduling") else 0, **engine_args))
+                              skip=2 if engine_args.get("async_scheduling") else 0,
+                              host_profile=bool(profile_path), **engine_args))
     else:
         pair = [real_run(model, prompts, output_len, off, budget, pool_steps, device, dtype, margins,
-                         **engine_args) for off in (False, True)]
+                         host_profile=bool(profile_path), **engine_args) for off in (False, True)]
+    for row, name in zip(pair, ("hbm", "offload")):
+        prof = row.pop("_host_profile", None)
+        if prof is not None:
+            prof.dump_stats(profile_path.format(name))
+            print_table(host_profile_table(pstats.Stats(prof), row["host_profile_steps"]),
+                        f"{name}, batch {len(prompts)}: host time a decode step under cProfile")
     base, off = pair
     off["tpot_vs_hbm"] = off["tpot_ms"] / base["tpot_ms"] if off["tpot_ms"] and base["tpot_ms"] else None
     if off["tpot_median_ms"] and base["tpot_median_ms"]:
@@ -521,6 +558,15 @@ def _real_compared(model: str, prompts: list[list[int]], output_len: int, budget
         off["divergence"] = divergence(base_tokens, base_margins, off_tokens)
         print(f"batch {len(prompts)}: tokens differ: {off['divergence']}")
     return pair
+
+
+def host_profile_table(stats: pstats.Stats, steps: int, top: int = 15) -> list[dict]:
+    """The engine's functions with the most cumulative host time a step (microseconds; the profiler inflates
+    Python calls, so compare rows of one run, not with unprofiled times)."""
+    rows = [{"function": f"{file.rsplit('sparseserve/', 1)[-1]}:{line}({name})", "calls_per_step": nc / steps,
+             "self_us": 1e6 * tt / steps, "cumulative_us": 1e6 * ct / steps}
+            for (file, line, name), (_, nc, tt, ct, _) in stats.stats.items() if "sparseserve" in file]
+    return sorted(rows, key=lambda r: -r["cumulative_us"])[:top] if steps else []
 
 
 def _median_row(runs: list[dict]) -> dict:
@@ -582,6 +628,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="--real: both engines alive in one process, stepped in turn (default), or one after the other")
     p.add_argument("--repeats", type=int, default=1,
                    help="--real: runs of each pair (fresh engines); the table holds each number's median")
+    p.add_argument("--host-profile", metavar="DIR", default=None,
+                   help="--real: a cProfile of each engine's decode steps into DIR, and a table of where the host's "
+                        "time goes (the rows' times then include the profiler's overhead)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     on_gpu = torch.cuda.is_available() and args.device != "cpu"
@@ -593,7 +642,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = real_bench(args.real, [int(b) for b in args.batches.split(",") if b], args.prompt_len,
                           args.output_len, args.budget, args.pool_steps, args.device,
                           args.dtype or ("bfloat16" if on_gpu else "auto"), args.margins, args.interleave,
-                          args.repeats, **_engine_args(args.engine_arg))
+                          args.repeats, args.host_profile, **_engine_args(args.engine_arg))
         result["real"] = rows
         print_table(_flat(rows), f"{args.real}: topk {args.budget}, all KV in HBM vs KV offload; TPOT = decode time "
                                  f"per output token (steps where every request decodes)")

@@ -3,6 +3,7 @@ per batch size; a CPU smoke run on a tiny model (its numbers matter on the GPU o
 from __future__ import annotations
 
 import json
+import pstats
 import statistics
 
 import pytest
@@ -21,8 +22,10 @@ def test_real_mode_smoke(tiny_model_dir, tmp_path, capsys, scheduling, repeats):
     offload.main(["--real", str(tiny_model_dir), "--batches", "1,3", "--prompt-len", "400", "--output-len", "6",
                   "--margins", "--budget", "192", "--device", "cpu", "--dtype", "float32",
                   "--engine-arg", "sparse_dense_layers=0", "--json", str(out),
-                  "--engine-arg", f"async_scheduling={scheduling == 'async'}", "--repeats", str(repeats)])
-    assert "KV offload" in capsys.readouterr().out
+                  "--engine-arg", f"async_scheduling={scheduling == 'async'}", "--repeats", str(repeats),
+                  "--host-profile", str(tmp_path / "prof")])
+    printed = capsys.readouterr().out
+    assert "KV offload" in printed and "offload, batch 3: host time a decode step under cProfile" in printed
     rows = json.loads(out.read_text())["real"]
     assert [(r["batch"], "offload" in r["config"]) for r in rows] == [(1, False), (1, True), (3, False), (3, True)]
     for base, off in zip(rows[::2], rows[1::2]):
@@ -36,6 +39,13 @@ def test_real_mode_smoke(tiny_model_dir, tmp_path, capsys, scheduling, repeats):
         assert base["graph_median_ms"] is None and "graph_vs_hbm" not in off  # GPU time: CUDA graphs only
         # topk at 192 tokens (6 blocks of 32) of a 400-token context: the policy really was sparse on both sides.
         assert 0 < base["tokens_attended"] <= 192 and 0 < off["tokens_attended"] <= 192
+        # The host profiles: decode steps only (the steps after one in which every request decoded).
+        assert 0 < off["host_profile_steps"] < off["output_len"] and "_host_profile" not in off
+        for name, row in (("hbm", base), ("offload", off)):
+            stats = pstats.Stats(str(tmp_path / "prof" / f"host_{name}_b{row['batch']}_r0.prof"))
+            scheduled = [v for (file, _, func), v in stats.stats.items() if file.endswith("scheduler.py")
+                         and func == "schedule"]
+            assert scheduled and scheduled[0][1] == row["host_profile_steps"]  # one schedule a profiled step
         if repeats > 1:
             assert len(base["repeats"]) == len(off["repeats"]) == repeats
             assert off["median_vs_hbm"] == statistics.median(r["median_vs_hbm"] for r in off["repeats"])
