@@ -409,10 +409,11 @@ def invalidate_ref(blocks: torch.Tensor, resident: torch.Tensor, owner: torch.Te
     head = torch.arange(num_kv_heads, device=blocks.device)
     key = ((layer * (num_blocks + 1) + blocks.long()[None, :, None]) * num_kv_heads + head).reshape(-1)
     slot = resident[key]
-    slot = slot[slot >= 0]
-    owner[slot] = -1
-    last_use[slot] = -1
-    resident[key] = -1
+    # Keys without a slot write the trash slot (kept free): no boolean mask, so no host sync on a device.
+    slot = torch.where(slot >= 0, slot, owner.numel() - 1)
+    owner.index_fill_(0, slot, -1)
+    last_use.index_fill_(0, slot, -1)
+    resident.index_fill_(0, key, -1)
 
 
 @triton.jit
