@@ -11,8 +11,8 @@ query_start_loc[b]:query_start_loc[b+1]; they are the last tokens of its context
 sequence b sits at position seq_lens[b] - q_len[b] + i and attends causally.
 
 A backend is created from the registry by name, gets its per-step data in `prepare` (kept in
-`AttentionMetadata.backend_meta`), and owns the static buffers a CUDA graph of the decode step reads
-(`init_capture_graph`, `capture_metadata`, `prepare_for_replay`), so engine/cuda_graph.py stays generic.
+`AttentionMetadata.backend_meta`, its device copies through the step's upload), and names the inputs a CUDA
+graph of the decode step reads (`graph_inputs`, `capture_metadata`), so engine/cuda_graph.py stays generic.
 Every backend attends the prefill chunks of a step through its `prefill` object (attention/prefill.py: dense,
 or SALE's sparse prefill), the one place where that choice is made.
 """
@@ -27,6 +27,7 @@ import torch
 
 from sparseserve.attention.prefill import DensePrefill, create_prefill
 from sparseserve.kernels.paged_decode import paged_decode
+from sparseserve.kvcache.staging import InputField, StepUpload
 from sparseserve.registry import Registry
 
 
@@ -97,7 +98,7 @@ class AttentionBackend(abc.ABC):
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
         self.observers: list[Observer] = []
-        self._graph: dict[str, torch.Tensor] | None = None
+        self._graph_qsl: torch.Tensor | None = None  # a captured decode step's query_start_loc: 0, 1, ..., B
         self.prefill: DensePrefill = create_prefill(ctx)  # how prefill chunks attend (benchmarks may swap it)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -123,9 +124,13 @@ class AttentionBackend(abc.ABC):
         """The KV cache holds num_blocks token blocks (before that, e.g. the memory-profiling prefill, the
         backend attends densely)."""
 
-    def prepare(self, scheduled: list[tuple[ScheduledSequence, int]], meta: AttentionMetadata) -> None:
+    def prepare(self, scheduled: list[tuple[ScheduledSequence, int]], meta: AttentionMetadata,
+                upload: StepUpload | None = None) -> None:
         """Per-step data of this backend into meta.backend_meta, of its prefill attention into
-        meta.prefill_meta; rows follow `scheduled` (decodes first). Subclasses call this first."""
+        meta.prefill_meta; rows follow `scheduled` (decodes first). upload: the step's (kvcache/staging.py;
+        None: an eager one). Subclasses add their tensors to it first, then call this: it commits the upload."""
+        if upload is not None:
+            upload.commit()
         meta.prefill_meta = self.prefill.prepare(scheduled, meta)
 
     def release(self, seq_id: int, paused: bool = False) -> None:
@@ -143,32 +148,20 @@ class AttentionBackend(abc.ABC):
 
     # ---- CUDA graphs of the decode step ----------------------------------------------------------------
 
-    def init_capture_graph(self, max_batch: int, max_blocks: int) -> None:
-        """Static buffers of the metadata a captured decode step reads (replays copy each step's into them)."""
-        dev = self.ctx.device
-        self._graph = {
-            "slot_mapping": torch.full((max_batch,), -1, dtype=torch.long, device=dev),
-            "seq_lens": torch.zeros(max_batch, dtype=torch.int32, device=dev),
-            "block_tables": torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=dev),
-            "query_start_loc": torch.arange(max_batch + 1, dtype=torch.int32, device=dev),
-        }
+    def graph_inputs(self, max_batch: int, max_blocks: int) -> list[InputField]:
+        """The per-step inputs a captured decode step reads besides token ids and positions (engine/cuda_graph.py
+        lays them out in its static buffers; `prepare` and the runner fill them by name). Padding rows: slot -1,
+        length 0, which every kernel skips."""
+        self._graph_qsl = torch.arange(max_batch + 1, dtype=torch.int32, device=self.ctx.device)
+        return [InputField("slot_mapping", torch.long, pad=-1), InputField("seq_lens", torch.int32),
+                InputField("block_tables", torch.int32, width=max_blocks)]
 
-    def capture_metadata(self, batch: int) -> AttentionMetadata:
-        """The metadata of a pure-decode step of `batch` rows over the static buffers (padding rows: slot -1,
-        length 0, which every kernel skips)."""
-        g = self._graph
-        return AttentionMetadata(g["slot_mapping"][:batch], g["query_start_loc"][: batch + 1], g["seq_lens"][:batch],
-                                 g["block_tables"][:batch], num_decodes=batch, max_query_len=1,
+    def capture_metadata(self, batch: int, inputs: dict[str, torch.Tensor]) -> AttentionMetadata:
+        """The metadata of a pure-decode step of `batch` rows over the static inputs (`graph_inputs`' fields,
+        `batch` rows each)."""
+        return AttentionMetadata(inputs["slot_mapping"], self._graph_qsl[: batch + 1], inputs["seq_lens"],
+                                 inputs["block_tables"], num_decodes=batch, max_query_len=1,
                                  max_seq_len=self.ctx.max_model_len)
-
-    def prepare_for_replay(self, meta: AttentionMetadata, batch: int) -> None:
-        """Copies a real step's metadata (meta.num_seqs rows) into the static buffers of bucket `batch`."""
-        g, b = self._graph, meta.num_seqs
-        g["slot_mapping"][:b].copy_(meta.slot_mapping, non_blocking=True)
-        g["slot_mapping"][b:batch].fill_(-1)
-        g["seq_lens"][:b].copy_(meta.seq_lens, non_blocking=True)
-        g["seq_lens"][b:batch].zero_()
-        g["block_tables"][:b, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
 
 
 ATTENTION_BACKENDS: Registry[type[AttentionBackend]] = Registry("attention backend",

@@ -36,9 +36,9 @@ from sparseserve.kernels.block_score import step_slots
 from sparseserve.kernels.key_meta import store_kv_key_meta
 from sparseserve.kernels.sparse_decode import attended_blocks, sparse_decode
 from sparseserve.kernels.store_kv import store_kv
-from sparseserve.kvcache.host import to_device_many
 from sparseserve.kvcache.metadata import KeyMeta, allocate_key_meta, key_meta_block_bytes
 from sparseserve.kvcache.offload import OffloadCache, OffloadStep
+from sparseserve.kvcache.staging import InputField, StepUpload
 from sparseserve.registry import SELECTION_POLICIES
 
 
@@ -89,25 +89,28 @@ class SparseBackend(AttentionBackend):
         if offload is not None and self.params.lag:
             offload.init_lagged(self.state.sel.shape[1], self.params.cap)
 
-    def prepare(self, scheduled, meta: AttentionMetadata) -> None:
-        super().prepare(scheduled, meta)
+    def prepare(self, scheduled, meta: AttentionMetadata, upload: StepUpload | None = None) -> None:
+        upload = StepUpload(self.ctx.device) if upload is None else upload
         ws = self.offload.working_set if self.offload is not None else None
         if ws is not None:  # the counts after the previous step, with the slots of their sequences
             ws.publish(self.state.held_slots())
         slots = self.state.assign([seq.seq_id for seq, _ in scheduled])
         if ws is not None:
             ws.reset_slots(self.state.fresh)
-        host = [torch.tensor(slots, dtype=torch.int32)]
+        host, names = [torch.tensor(slots, dtype=torch.int32)], ["slots"]
         step = None if self.offload is None else self.offload.prepare_step(scheduled)
         if step is not None:
             host += [step.slot_mapping, step.block_tables, step.stale]
+            names += ["offload_slot_mapping", "offload_block_tables", None]
         fix = None
         if self.offload is not None and self.params.lag:  # decodes with fresh state slots (module docstring)
             fresh = set(self.state.fresh).intersection(slots[: meta.num_decodes])
             if fresh:
                 fix = len(host)
                 host.append(torch.tensor([s in fresh for s in slots[: meta.num_decodes]]))
-        dev = to_device_many(host, self.ctx.device)  # one copy for the backend's step inputs
+                names.append(None)
+        dev = upload.add(host, names)
+        super().prepare(scheduled, meta, upload)  # commits the upload
         if step is not None:
             step = OffloadStep(*dev[1:4])
             self.offload.drop_stale(step)
@@ -296,24 +299,18 @@ class SparseBackend(AttentionBackend):
 
     # ---- CUDA graphs ---------------------------------------------------------------------------------------
 
-    def init_capture_graph(self, max_batch: int, max_blocks: int) -> None:
-        super().init_capture_graph(max_batch, max_blocks)
-        self._graph["slots"] = torch.arange(max_batch, dtype=torch.int32, device=self.ctx.device)
+    def graph_inputs(self, max_batch: int, max_blocks: int) -> list[InputField]:
+        # Padding rows name state slot 0: with length 0 they select, read and write nothing.
+        fields = super().graph_inputs(max_batch, max_blocks) + [InputField("slots", torch.int32)]
         if self.offload is not None:
-            self.offload.init_capture_graph(max_batch, max_blocks, self.ctx.device)
+            fields += self.offload.graph_inputs(max_blocks)
+        return fields
 
-    def capture_metadata(self, batch: int) -> AttentionMetadata:
-        meta = super().capture_metadata(batch)
-        step = None if self.offload is None else self.offload.capture_step(batch)
-        meta.backend_meta = SparseStepMeta(self._graph["slots"][:batch], self._cache_view(meta, step), step)
+    def capture_metadata(self, batch: int, inputs: dict[str, torch.Tensor]) -> AttentionMetadata:
+        meta = super().capture_metadata(batch, inputs)
+        step = None if self.offload is None else self.offload.capture_step(inputs)
+        meta.backend_meta = SparseStepMeta(inputs["slots"], self._cache_view(meta, step), step)
         return meta
-
-    def prepare_for_replay(self, meta: AttentionMetadata, batch: int) -> None:
-        super().prepare_for_replay(meta, batch)
-        sm: SparseStepMeta = meta.backend_meta
-        self._graph["slots"][: meta.num_seqs].copy_(sm.slots, non_blocking=True)
-        if self.offload is not None:
-            self.offload.prepare_for_replay(sm.offload, batch)
 
     # ---- probes -------------------------------------------------------------------------------------------
 

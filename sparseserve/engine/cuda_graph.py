@@ -1,9 +1,13 @@
-"""CUDA graphs of the decode step: one graph per batch-size bucket over static input buffers.
+"""CUDA graphs of the decode step: one graph per batch-size bucket over static inputs.
 
 A decode step of a large model is hundreds of small kernels; replaying a captured graph removes their launch
-gaps. The graphs own the token inputs; the attention backend owns the static buffers of its metadata
-(attention/backend.py `init_capture_graph`, `capture_metadata`, `prepare_for_replay`). Padding rows (batch <
-bucket) carry slot -1 and length 0, which the kernels skip, so a graph serves any batch up to its bucket.
+gaps. The graphs' inputs (token ids, positions, and the fields the attention backend names in `graph_inputs`:
+slots, lengths, block tables, its own addressing) live in one device buffer (kvcache/staging.py
+StaticInputs): a step that will replay is built straight into it (`begin` hands the runner and the backend
+the step's upload) and reaches the device in one copy, so nothing is left to copy between the step's
+building and its replay. Padding rows (batch < bucket) carry slot -1 and length 0, which the kernels skip,
+so a graph serves any batch up to its bucket. On a device without CUDA graphs (the CPU tests) a "replay" runs
+the captured step eagerly over the same static inputs: the computation a replay repeats, padding rows included.
 """
 from __future__ import annotations
 
@@ -12,8 +16,9 @@ import logging
 
 import torch
 
-from sparseserve.attention.backend import AttentionBackend, AttentionMetadata
+from sparseserve.attention.backend import AttentionBackend
 from sparseserve.kvcache.blocks import blocks_needed
+from sparseserve.kvcache.staging import InputField, StaticInputs
 
 logger = logging.getLogger(__name__)
 
@@ -29,21 +34,25 @@ class DecodeGraphs:
         dev = kv_caches[0].device
         self.backend = backend
         self.buckets = batch_buckets(max_batch)
-        n = self.buckets[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        backend.init_capture_graph(n, blocks_needed(max_model_len, block_size))
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        fields = [InputField("input_ids", torch.long), InputField("positions", torch.long)]
+        fields += backend.graph_inputs(self.buckets[-1], blocks_needed(max_model_len, block_size))
+        self.inputs = StaticInputs(fields, self.buckets, dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph | _EagerStep] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.timer = None  # optional phase timer (benchmarks): each replay is phase "graph"
         pool = None
         for b in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory pool
-            meta = backend.capture_metadata(b)
+            views = self.inputs.views(b)
+            meta = backend.capture_metadata(b, views)
 
-            def step(b=b, meta=meta):
-                hidden = model(self.input_ids[:b], self.positions[:b], kv_caches, meta)
+            def step(b=b, meta=meta, views=views):
+                hidden = model(views["input_ids"], views["positions"], kv_caches, meta)
                 return model.compute_logits(hidden)
 
+            self.inputs.reset(b)  # buckets share the buffer: the warm-up reads padding rows only
+            if dev.type != "cuda":
+                self.graphs[b] = _EagerStep(step, self.logits, b)
+                continue
             step()  # compiles kernels outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -53,16 +62,30 @@ class DecodeGraphs:
             self.graphs[b] = graph
         logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
-    def can_run(self, num_seqs: int, num_decodes: int) -> bool:
-        return num_decodes == num_seqs and num_seqs <= self.buckets[-1]
+    def bucket(self, num_seqs: int) -> int | None:
+        """The smallest captured batch size that holds num_seqs rows (None: none does)."""
+        return next((s for s in self.buckets if s >= num_seqs), None)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [B, vocab] of a pure-decode batch."""
-        b = meta.num_seqs
-        bucket = next(s for s in self.buckets if s >= b)
+    def begin(self, num_seqs: int) -> StaticInputs | None:
+        """The upload of a pure-decode step of num_seqs rows, built into the static inputs of its bucket
+        (None: too many rows for any graph)."""
+        bucket = self.bucket(num_seqs)
+        return None if bucket is None else self.inputs.begin(bucket)
+
+    def run(self, num_seqs: int) -> torch.Tensor:
+        """Logits [B, vocab] of a pure-decode step built through `begin(num_seqs)` and committed."""
+        bucket = self.bucket(num_seqs)
         with self.timer.phase("graph") if self.timer is not None else contextlib.nullcontext():
-            self.input_ids[:b].copy_(input_ids, non_blocking=True)
-            self.positions[:b].copy_(positions, non_blocking=True)
-            self.backend.prepare_for_replay(meta, bucket)
             self.graphs[bucket].replay()
-        return self.logits[bucket][:b]
+        return self.logits[bucket][:num_seqs]
+
+
+class _EagerStep:
+    """A captured step's stand-in without CUDA graphs: `replay` runs it and keeps its logits where a graph's
+    output would be."""
+
+    def __init__(self, step, logits: dict[int, torch.Tensor], bucket: int) -> None:
+        self.step, self.logits, self.bucket = step, logits, bucket
+
+    def replay(self) -> None:
+        self.logits[self.bucket] = self.step()

@@ -6,15 +6,33 @@ from collections.abc import Callable
 from sparseserve.engine.request import Sequence
 
 
+# Every pattern transformers' clean-up (`clean_up_tokenization`) rewrites, each with a space before it.
+_CLEAN_UP_PROBE = "Hi . a ? b ! c , d ' e n't f 'm g 's h 've i 're j"
+
+
 def text_decoder(tokenizer) -> Callable[[list[int]], str]:
-    """ids -> text as tokenizer.decode(ids, skip_special_tokens=True). A fast tokenizer without clean-up gives
-    exactly its backend's text, and calling the backend directly skips transformers' argument conversion: two
-    decodes per sequence per step, about 30 us each through transformers, are a large part of a large batch's
-    step on a small model."""
+    """ids -> text as tokenizer.decode(ids, skip_special_tokens=True). A fast tokenizer's decode is its backend's
+    text, then transformers' clean-up where that applies (it depends on the tokenizer and the transformers
+    version: a probe text that every clean-up rule changes tells which); calling the backend directly skips
+    transformers' argument conversion: two decodes per sequence per step, about 30 us each through transformers,
+    are a large part of a large batch's step on a small model."""
+    slow = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return lambda ids: backend.decode(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    if backend is None:
+        return slow
+    fast = lambda ids: backend.decode(ids, skip_special_tokens=True)  # noqa: E731
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return fast
+    ids = tokenizer.encode(_CLEAN_UP_PROBE, add_special_tokens=False)
+    plain, full = fast(ids), slow(ids)
+    clean_up = tokenizer.clean_up_tokenization
+    if clean_up(plain) == plain:  # the probe does not show the clean-up (its spaces did not survive)
+        return slow
+    if full == plain:
+        return fast
+    if full == clean_up(plain):
+        return lambda ids: clean_up(backend.decode(ids, skip_special_tokens=True))
+    return slow
 
 
 def detokenize_incrementally(decode: Callable[[list[int]], str], seq: Sequence) -> str:

@@ -22,7 +22,8 @@ from sparseserve.engine.overlap import PLACEHOLDER, TokenFeed
 from sparseserve.engine.request import Sequence
 from sparseserve.kernels.dispatch import check_impl, forced
 from sparseserve.kvcache.blocks import blocks_needed
-from sparseserve.kvcache.host import host_block_bytes, to_device_many
+from sparseserve.kvcache.host import host_block_bytes
+from sparseserve.kvcache.staging import StepUpload, to_device_many
 from sparseserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from sparseserve.models.config import ArchConfig
 from sparseserve.models.loader import build_model, load_hf_config, resolve_dtype
@@ -38,6 +39,7 @@ class StepBatch:
     meta: AttentionMetadata
     sample_idx: torch.Tensor            # token index of each sampled sequence's last query token
     sampled: list[Sequence]             # the sequences that get a new token this step
+    graph: bool = False                 # built into the decode graphs' static inputs (DecodeGraphs.begin)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -251,11 +253,17 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[tuple[Sequence, int]], feed: TokenFeed | None = None) -> StepBatch:
         """Batch tensors for one step, built in plain Python (per sequence and per block, never per
-        token for slots) and moved to the device in one copy per tensor; the attention backend adds its own.
+        token for slots) and moved to the device with the attention backend's in the step's upload: one copy
+        into the decode graphs' static inputs when a graph can replay the step (kvcache/staging.py).
         feed (async scheduling, engine/overlap.py): the last input token of each sequence it names is a
         placeholder, filled on the device from the previous step's sampled tokens."""
         # Decodes (one query token) first: the attention backend runs its decode kernel on them.
         scheduled = sorted(scheduled, key=lambda item: item[1] != 1)
+        upload = None
+        if self.graphs is not None and scheduled[-1][1] == 1:
+            upload = self.graphs.begin(len(scheduled))
+        graph = upload is not None
+        upload = upload if graph else StepUpload(self.device)
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -296,19 +304,21 @@ class ModelRunner:
                 torch.tensor(sample_idx, dtype=torch.long)]
         if fill_dst:
             host += [torch.tensor(fill_dst, dtype=torch.long), torch.tensor(fill_src, dtype=torch.long)]
-        dev = to_device_many(host, self.device)  # one copy for the step's inputs
+        names = ["slot_mapping", None, "seq_lens", "block_tables", "input_ids", "positions", None, None, None]
+        dev = upload.add(host, names[: len(host)])
         meta = AttentionMetadata(
             slot_mapping=dev[0], query_start_loc=dev[1], seq_lens=dev[2], block_tables=dev[3],
             num_decodes=sum(1 for _, n in scheduled if n == 1), max_query_len=max(n for _, n in scheduled),
             max_seq_len=max(seq_lens))
-        self.attn_backend.prepare(scheduled, meta)
+        self.attn_backend.prepare(scheduled, meta, upload)
+        upload.commit()
         input_ids = dev[4]
         if feed is not None:
             if ids.count(PLACEHOLDER) != len(fill_dst):
                 raise RuntimeError("a placeholder token would reach the model without its feed row")
             if fill_dst:
                 input_ids.index_copy_(0, dev[7], feed.token_ids[dev[8]])
-        return StepBatch(input_ids, dev[5], meta, dev[6], sampled)
+        return StepBatch(input_ids, dev[5], meta, dev[6], sampled, graph)
 
     def sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
         """The sampling parameters of `seqs` on the device; the previous step's again when it sampled the same
@@ -349,10 +359,8 @@ class ModelRunner:
         with self._kernels():
             if batch is None:
                 pass
-            elif self.graphs is not None and len(batch.sampled) == batch.meta.num_seqs \
-                    and self.graphs.can_run(batch.meta.num_seqs, batch.meta.num_decodes) \
-                    and self.attn_backend.can_replay(batch.meta):
-                logits.append(self.graphs.run(batch.input_ids, batch.positions, batch.meta))
+            elif batch.graph and len(batch.sampled) == batch.meta.num_seqs and self.attn_backend.can_replay(batch.meta):
+                logits.append(self.graphs.run(batch.meta.num_seqs))
                 sampled += batch.sampled
             else:
                 hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)

@@ -22,8 +22,7 @@ Everything outside reaches the offload path through this class:
     the lists changed without loading); with lagged selection it plans the next step's lists beside the step in
     flight (`plan_lagged`, on its side stream) and the step reads the views planned the step before
     (`lagged_view`): no pool work is left between a layer's selection and its attention;
-  - CUDA graphs replay the step's device addressing from static buffers (`init_capture_graph`,
-    `capture_step`, `prepare_for_replay`);
+  - CUDA graphs replay the step's device addressing from their static inputs (`graph_inputs`, `capture_step`);
   - working-set-aware batch control: `working_set` (kvcache/working_set.py) counts each sequence's working
     set in the pool's unit (head blocks) on the device; the sparse backend feeds it, the scheduler reads it;
   - statistics: `counters()` (device, read without a sync) and `gauges()`.
@@ -40,7 +39,8 @@ from sparseserve.config import OffloadConfig, available_host_memory
 from sparseserve.kernels.flash_h2d import flash_h2d
 from sparseserve.kernels.sparse_decode import listed_rows
 from sparseserve.kvcache.blocks import BlockAllocator, blocks_needed
-from sparseserve.kvcache.host import HostKVStore, host_block_bytes, to_device_many
+from sparseserve.kvcache.host import HostKVStore, host_block_bytes
+from sparseserve.kvcache.staging import InputField, to_device_many
 from sparseserve.kvcache.layout import OffloadLayout
 from sparseserve.kvcache.pool import HBMPool
 from sparseserve.kvcache.working_set import WorkingSet
@@ -257,7 +257,6 @@ class OffloadCache:
         self._restores: list[tuple[int, int]] = []  # (token block = host row, device block) before the next step
         self._stale = StaleBlocks(block_size)  # token blocks handed to new owners, to leave the pool
         self.num_restored_blocks = 0  # token blocks restored into the device block cache (stats)
-        self._graph: dict[str, torch.Tensor] | None = None
         self.lag_loc: torch.Tensor | None = None  # lagged views: [sparse layers, list rows + 1 scratch, Hkv, cap]
         self.lag_key: torch.Tensor | None = None
 
@@ -536,18 +535,15 @@ class OffloadCache:
 
     # ---- CUDA graphs --------------------------------------------------------------------------------------
 
-    def init_capture_graph(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
-        self._graph = {"slot_mapping": torch.full((max_batch,), -1, dtype=torch.long, device=device),
-                       "block_tables": torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)}
+    def graph_inputs(self, max_blocks: int) -> list[InputField]:
+        """The step addressing a captured decode step reads (`capture_step`; the sparse backend fills them by
+        these names from `prepare_step`): padding rows write nothing (slot -1) and name the trash row."""
+        return [InputField("offload_slot_mapping", torch.long, pad=-1),
+                InputField("offload_block_tables", torch.int32, width=max_blocks, pad=self.device_map.num_blocks)]
 
-    def capture_step(self, batch: int) -> OffloadStep:
-        return OffloadStep(self._graph["slot_mapping"][:batch], self._graph["block_tables"][:batch])
-
-    def prepare_for_replay(self, step: OffloadStep, batch: int) -> None:
-        g, b = self._graph, step.slot_mapping.numel()
-        g["slot_mapping"][:b].copy_(step.slot_mapping, non_blocking=True)
-        g["slot_mapping"][b:batch].fill_(-1)
-        g["block_tables"][:b, : step.block_tables.shape[1]].copy_(step.block_tables, non_blocking=True)
+    @staticmethod
+    def capture_step(inputs: dict[str, torch.Tensor]) -> OffloadStep:
+        return OffloadStep(inputs["offload_slot_mapping"], inputs["offload_block_tables"])
 
     # ---- statistics ---------------------------------------------------------------------------------------
 

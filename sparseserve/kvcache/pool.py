@@ -25,7 +25,7 @@ import torch
 
 from sparseserve.kernels.pool_plan import ListLayout, PoolState, invalidate, pool_plan, pool_read, set_of
 from sparseserve.kernels.working_set import TouchState
-from sparseserve.kvcache.host import to_device
+from sparseserve.kvcache.staging import to_device
 
 _HASH = 2654435761
 

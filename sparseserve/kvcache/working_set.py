@@ -22,7 +22,7 @@ import torch
 
 from sparseserve.kernels.working_set import TouchState, working_set_begin_step
 from sparseserve.kvcache.blocks import blocks_needed
-from sparseserve.kvcache.host import to_device
+from sparseserve.kvcache.staging import to_device
 
 
 class WorkingSet:
