@@ -259,11 +259,8 @@ class ModelRunner:
         placeholder, filled on the device from the previous step's sampled tokens."""
         # Decodes (one query token) first: the attention backend runs its decode kernel on them.
         scheduled = sorted(scheduled, key=lambda item: item[1] != 1)
-        upload = None
-        if self.graphs is not None and scheduled[-1][1] == 1:
-            upload = self.graphs.begin(len(scheduled))
-        graph = upload is not None
-        upload = upload if graph else StepUpload(self.device)
+        graph = self.graphs.begin(len(scheduled)) if self.graphs is not None and scheduled[-1][1] == 1 else None
+        upload = graph if graph is not None else StepUpload(self.device)
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -318,7 +315,7 @@ class ModelRunner:
                 raise RuntimeError("a placeholder token would reach the model without its feed row")
             if fill_dst:
                 input_ids.index_copy_(0, dev[7], feed.token_ids[dev[8]])
-        return StepBatch(input_ids, dev[5], meta, dev[6], sampled, graph)
+        return StepBatch(input_ids, dev[5], meta, dev[6], sampled, graph is not None)
 
     def sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
         """The sampling parameters of `seqs` on the device; the previous step's again when it sampled the same
