@@ -5,8 +5,10 @@ gaps. The graphs' inputs (token ids, positions, and the fields the attention bac
 slots, lengths, block tables, its own addressing) live in one device buffer (kvcache/staging.py
 StaticInputs): a step that will replay is built straight into it (`begin` hands the runner and the backend
 the step's upload) and reaches the device in one copy, so nothing is left to copy between the step's
-building and its replay. Padding rows (batch < bucket) carry slot -1 and length 0, which the kernels skip,
-so a graph serves any batch up to its bucket. On a device without CUDA graphs (the CPU tests) a "replay" runs
+building and its replay. The buckets' layouts share that buffer, so a graph replays the inputs of the last step
+built only if that step was its own bucket's (a benchmark replaying by hand does so right after such a step).
+Padding rows (batch < bucket) carry slot -1 and length 0, which the kernels skip, so a graph serves any batch up
+to its bucket. On a device without CUDA graphs (the CPU tests) a "replay" runs
 the captured step eagerly over the same static inputs: the computation a replay repeats, padding rows included.
 """
 from __future__ import annotations
