@@ -238,7 +238,7 @@ def capacity_run(model: str, n: int, gpu_gb: float, output_len: int, prompt_len:
         engine.add_request(f"c{i}", p, params)
     sched, runner = engine.scheduler, engine.model_runner
     phases, graph_timer = PhaseTimer(), PhaseTimer()
-    graph_timer.on = True  # GPU time of each real decode step's graph (input copies + replay)
+    graph_timer.on = True  # GPU time of each real decode step's graph (its replay)
     if runner.graphs is not None:
         runner.graphs.timer = graph_timer
     if offload:
@@ -323,8 +323,8 @@ class RealRun:
     number), greedy, `output_len` tokens each (EOS ignored), topk at `budget` with or without kv_offload. Decode
     time per output token is the mean wall time of the timed engine steps in which every request decodes (TPOT:
     each request gets one token per step), and their median (robust to the host's occasional stalls); on a GPU
-    also the GPU time of those steps' decode graphs (CUDA events around the input copies and the replay: what
-    the device spends on a step, apart from the host's time between steps); the offload counters cover the run.
+    also the GPU time of those steps' decode graphs (CUDA events around the replay: what the device spends on
+    a step's model, apart from the host's time between steps); the offload counters cover the run.
     pool_steps: HBM pool size in decode steps' selections of the whole batch (None: the engine's default, one).
     margins: also keep each step's top-2 logprobs (for `divergence`; it adds work to every step, so TPOT then is
     not comparable with runs without it)."""

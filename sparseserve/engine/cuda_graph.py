@@ -34,7 +34,6 @@ class DecodeGraphs:
     def __init__(self, model, backend: AttentionBackend, kv_caches: list[torch.Tensor], max_batch: int,
                  max_model_len: int, block_size: int) -> None:
         dev = kv_caches[0].device
-        self.backend = backend
         self.buckets = batch_buckets(max_batch)
         fields = [InputField("input_ids", torch.long), InputField("positions", torch.long)]
         fields += backend.graph_inputs(self.buckets[-1], blocks_needed(max_model_len, block_size))
