@@ -22,6 +22,7 @@ from sparseserve.engine.overlap import PLACEHOLDER, TokenFeed
 from sparseserve.engine.request import Sequence
 from sparseserve.kernels.dispatch import check_impl, forced
 from sparseserve.kvcache.blocks import blocks_needed
+from sparseserve.kvcache.decode_rows import DecodeRows, tables_of
 from sparseserve.kvcache.host import host_block_bytes
 from sparseserve.kvcache.staging import StepUpload, to_device_many
 from sparseserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -100,6 +101,8 @@ class ModelRunner:
                                      mc.load_format)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))
         self._sampling: tuple[list[int] | None, SamplingMetadata | None] = (None, None)  # (seq ids, theirs)
+        self._rows: DecodeRows | None = None  # the last decode step's token-block rows (prepare)
+        self._row_lens = np.zeros(0, dtype=np.int64)  # ... and each row's block table length then
         self.offload = None  # kvcache/offload.py OffloadCache: the hierarchical HBM/DRAM cache
         if config.offload_config.kv_offload:
             self.offload = self._build_offload()
@@ -261,6 +264,33 @@ class ModelRunner:
         scheduled = sorted(scheduled, key=lambda item: item[1] != 1)
         graph = self.graphs.begin(len(scheduled)) if self.graphs is not None and scheduled[-1][1] == 1 else None
         upload = graph if graph is not None else StepUpload(self.device)
+        if self._rows is not None and self._rows.fits(scheduled):
+            host, ids, fill, sampled, max_seq_len = self._decode_inputs(scheduled, feed)
+        else:
+            host, ids, fill, sampled, max_seq_len = self._step_inputs(scheduled, feed)
+        names = ["slot_mapping", None, "seq_lens", "block_tables", "input_ids", "positions", None, None, None]
+        dev = upload.add(host, names[: len(host)])
+        meta = AttentionMetadata(
+            slot_mapping=dev[0], query_start_loc=dev[1], seq_lens=dev[2], block_tables=dev[3],
+            num_decodes=sum(1 for _, n in scheduled if n == 1), max_query_len=max(n for _, n in scheduled),
+            max_seq_len=max_seq_len)
+        self.attn_backend.prepare(scheduled, meta, upload)
+        upload.commit()
+        input_ids = dev[4]
+        if feed is not None:
+            if ids.count(PLACEHOLDER) != fill:
+                raise RuntimeError("a placeholder token would reach the model without its feed row")
+            if fill:
+                input_ids.index_copy_(0, dev[7], feed.token_ids[dev[8]])
+        return StepBatch(input_ids, dev[5], meta, dev[6], sampled, graph is not None)
+
+    def _token_row(self, seq: Sequence) -> tuple[int, np.ndarray]:
+        return 0, seq.block_table_array()
+
+    def _step_inputs(self, scheduled: list[tuple[Sequence, int]], feed: TokenFeed | None):
+        """The step's host tensors built per sequence (and block, for prefill chunks): (tensors in `prepare`'s
+        order, input token ids, feed rows, sampled sequences, longest context). A decode step keeps its rows
+        for the next one (DecodeRows)."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -289,33 +319,44 @@ class ModelRunner:
                 if feed is not None and seq.seq_id in feed.rows:
                     fill_dst.append(qsl[-1] - 1)
                     fill_src.append(feed.rows[seq.seq_id])
-        width = max(len(s.block_table) for s, _ in scheduled)
-        tables = np.zeros((len(scheduled), width), dtype=np.int32)
-        for b, (seq, _) in enumerate(scheduled):
-            table = seq.block_table_array()
-            tables[b, : len(table)] = table
-
+        decodes = len(sampled) == len(scheduled) and all(n == 1 for _, n in scheduled)
+        self._rows = DecodeRows.build(scheduled, self._token_row, 0, bs) if decodes else None
+        if self._rows is not None:
+            self._row_lens = np.array([len(s.block_table_array()) for s, _ in scheduled], dtype=np.int64)
+        tables = tables_of(scheduled, self._token_row, 0)
         host = [torch.tensor(slots, dtype=torch.long), torch.tensor(qsl, dtype=torch.int32),
                 torch.tensor(seq_lens, dtype=torch.int32), torch.from_numpy(tables),
                 torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
                 torch.tensor(sample_idx, dtype=torch.long)]
         if fill_dst:
             host += [torch.tensor(fill_dst, dtype=torch.long), torch.tensor(fill_src, dtype=torch.long)]
-        names = ["slot_mapping", None, "seq_lens", "block_tables", "input_ids", "positions", None, None, None]
-        dev = upload.add(host, names[: len(host)])
-        meta = AttentionMetadata(
-            slot_mapping=dev[0], query_start_loc=dev[1], seq_lens=dev[2], block_tables=dev[3],
-            num_decodes=sum(1 for _, n in scheduled if n == 1), max_query_len=max(n for _, n in scheduled),
-            max_seq_len=max(seq_lens))
-        self.attn_backend.prepare(scheduled, meta, upload)
-        upload.commit()
-        input_ids = dev[4]
-        if feed is not None:
-            if ids.count(PLACEHOLDER) != len(fill_dst):
-                raise RuntimeError("a placeholder token would reach the model without its feed row")
-            if fill_dst:
-                input_ids.index_copy_(0, dev[7], feed.token_ids[dev[8]])
-        return StepBatch(input_ids, dev[5], meta, dev[6], sampled, graph is not None)
+        return host, ids, len(fill_dst), sampled, max(seq_lens)
+
+    def _decode_inputs(self, scheduled: list[tuple[Sequence, int]], feed: TokenFeed | None):
+        """`_step_inputs` of a decode step of the same sequences as the decode step before: the rows kept, those
+        whose block table grew rebuilt, positions and slots as arrays."""
+        lens = np.fromiter((len(s.block_table_array()) for s, _ in scheduled), dtype=np.int64, count=len(scheduled))
+        grew = np.flatnonzero(lens != self._row_lens)
+        self._row_lens = lens
+        slots, tables, pos = self._rows.update(scheduled, [scheduled[b][0].seq_id for b in grew])
+        rows = feed.rows if feed is not None else {}
+        ids: list[int] = []
+        fill_dst: list[int] = []
+        fill_src: list[int] = []
+        for b, (seq, _) in enumerate(scheduled):
+            c = seq.num_computed_tokens
+            ids += seq.token_ids[c:c + 1]
+            src = rows.get(seq.seq_id)
+            if src is not None:
+                fill_dst.append(b)
+                fill_src.append(src)
+        n = len(scheduled)
+        host = [slots, torch.arange(n + 1, dtype=torch.int32), torch.from_numpy((pos + 1).astype(np.int32)),
+                torch.from_numpy(tables), torch.tensor(ids, dtype=torch.long), torch.from_numpy(pos),
+                torch.arange(n, dtype=torch.long)]
+        if fill_dst:
+            host += [torch.tensor(fill_dst, dtype=torch.long), torch.tensor(fill_src, dtype=torch.long)]
+        return host, ids, len(fill_dst), [seq for seq, _ in scheduled], int(pos.max()) + 1
 
     def sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
         """The sampling parameters of `seqs` on the device; the previous step's again when it sampled the same

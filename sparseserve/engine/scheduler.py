@@ -81,6 +81,7 @@ class DeviceSpace(Protocol):
     """A second, smaller block space a step must also fit (the offload cache's device block cache)."""
 
     def can_schedule(self, seq: Sequence, n: int) -> bool: ...
+    def steady_decode(self, seq: Sequence) -> bool: ...  # its decode fits and `schedule` would do nothing
     def can_admit(self, seq: Sequence, running: list[Sequence]) -> bool: ...
     def schedule(self, seq: Sequence, n: int) -> None: ...
     def free(self, seq: Sequence) -> None: ...
@@ -207,6 +208,11 @@ class Scheduler:
                     out.segments.append(seg)
                     budget -= seg.cost
                 continue
+            if self._steady_decode(seq):  # most rows of a decode batch: nothing to allocate, map or check
+                out.scheduled.append((seq, 1))
+                budget -= 1
+                i += 1
+                continue
             n = self._chunk(seq, seq.num_computed_tokens, budget)
             if n == 0:  # a prefill chunk that the budget left cannot hold: next step
                 i += 1
@@ -312,6 +318,14 @@ class Scheduler:
         """A scheduled prompt that is long under this step's limit takes one of its long-prompt slots."""
         if self._is_long(seq):
             self._long_left -= 1
+
+    def _steady_decode(self, seq: Sequence) -> bool:
+        """A decode whose token fits its last block and whose device-space window is mapped already (all but one
+        of every block_size steps of a decoding sequence): what the general path would decide (one token,
+        no block, nothing to map) without its calls, which at a large batch are a visible part of a step."""
+        c = seq.num_computed_tokens
+        return seq.num_tokens - c == 1 and c < len(seq.block_table) * self.block_size and (
+            self.device_space is None or self.device_space.steady_decode(seq))
 
     def _new_blocks(self, seq: Sequence, n: int) -> int:
         return max(blocks_needed(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table), 0)

@@ -39,6 +39,7 @@ from sparseserve.config import OffloadConfig, available_host_memory
 from sparseserve.kernels.flash_h2d import flash_h2d
 from sparseserve.kernels.sparse_decode import listed_rows
 from sparseserve.kvcache.blocks import BlockAllocator, blocks_needed
+from sparseserve.kvcache.decode_rows import DecodeRows, tables_of
 from sparseserve.kvcache.host import HostKVStore, host_block_bytes
 from sparseserve.kvcache.staging import InputField, to_device_many
 from sparseserve.kvcache.layout import OffloadLayout
@@ -131,6 +132,7 @@ class DeviceBlockMap:
         # seq_id -> the end of the token block its last decode's `map` wrote into: decodes of tokens before it
         # keep the same window (a decoding sequence never prefills again without releasing its range first)
         self.steady_until: dict[int, int] = {}
+        self.changed: set[int] = set()  # seq_ids whose range changed since `take_changed` (the step's tables)
 
     @property
     def num_blocks(self) -> int:
@@ -207,6 +209,7 @@ class DeviceBlockMap:
         if hi > end:
             blocks = blocks + self.allocator.allocate(hi - end)
         self.ranges[seq.seq_id] = (start, blocks)
+        self.changed.add(seq.seq_id)
         self.segmented.discard(seq.seq_id)
         if n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens:  # a decode: its range is [lo, hi) now
             self.steady_until[seq.seq_id] = hi * self.block_size
@@ -232,11 +235,17 @@ class DeviceBlockMap:
             raise RuntimeError(f"sequence {seq.seq_id} starts a layer-segmented prefill holding device blocks")
         lo, hi = self.window(seq)
         self.ranges[seq.seq_id] = (lo, self.allocator.allocate(hi - lo))
+        self.changed.add(seq.seq_id)
         self.segmented.add(seq.seq_id)
         self.steady_until.pop(seq.seq_id, None)
 
+    def take_changed(self) -> set[int]:
+        out, self.changed = self.changed, set()
+        return out
+
     def release(self, seq) -> None:
         _, blocks = self.ranges.pop(seq.seq_id, (0, []))
+        self.changed.add(seq.seq_id)
         self.segmented.discard(seq.seq_id)
         self.steady_until.pop(seq.seq_id, None)
         self.allocator.free(blocks)
@@ -256,6 +265,7 @@ class OffloadCache:
         self.sparse_cache = sparse_cache
         self._restores: list[tuple[int, int]] = []  # (token block = host row, device block) before the next step
         self._stale = StaleBlocks(block_size)  # token blocks handed to new owners, to leave the pool
+        self._rows: DecodeRows | None = None  # the last decode step's rows (prepare_step)
         self.num_restored_blocks = 0  # token blocks restored into the device block cache (stats)
         self.lag_loc: torch.Tensor | None = None  # lagged views: [sparse layers, list rows + 1 scratch, Hkv, cap]
         self.lag_key: torch.Tensor | None = None
@@ -339,6 +349,10 @@ class OffloadCache:
     def can_admit(self, seq, running: list) -> bool:
         return self.device_map.can_admit(seq, running)
 
+    def steady_decode(self, seq) -> bool:
+        """A decode that maps, releases and restores nothing (can_schedule holds, schedule does nothing)."""
+        return self.device_map.steady(seq, 1)
+
     def schedule(self, seq, n: int) -> None:
         """Maps the step's device blocks; those newly mapped over computed tokens (only a sequence that
         (re)starts with computed tokens has any: a prefix-cache hit, a paused sequence) are queued for
@@ -415,18 +429,21 @@ class OffloadCache:
 
     def prepare_step(self, scheduled: list) -> OffloadStep:
         """Device cache slots of the step's tokens and device tables of its sequences, in `scheduled` order
-        ((sequence, new tokens) pairs), built per sequence and block on the host, and the blocks to drop from the
-        pool (the caller moves them to the device with the rest of the step's inputs, then calls `drop_stale`)."""
-        bs, ranges = self.block_size, self.device_map.ranges
-        slots: list[int] = []
-        opened: list[int] = []  # token blocks this step's decodes open (their first token)
-        width = max(len(seq.block_table) for seq, _ in scheduled)
-        tables = np.full((len(scheduled), width), self.device_map.num_blocks, dtype=np.int32)  # trash row: none
-        for b, (seq, n) in enumerate(scheduled):
-            start, blocks = ranges[seq.seq_id]
-            tables[b, start: start + len(blocks)] = blocks
+        ((sequence, new tokens) pairs), and the blocks to drop from the pool (the caller moves them to the device
+        with the rest of the step's inputs, then calls `drop_stale`). Built per sequence and block on the host,
+        except in a decode step of the same sequences as the decode step before (kvcache/decode_rows.py)."""
+        dm, bs = self.device_map, self.block_size
+        changed = dm.take_changed()
+        if self._rows is not None and self._rows.fits(scheduled):
+            slots, tables, pos = self._rows.update(scheduled, changed)
+            opened = [scheduled[b][0].block_table[pos[b] // bs] for b in np.flatnonzero(pos % bs == 0)]
+            return self._step(slots, tables, opened)
+        self._rows = DecodeRows.build(scheduled, self._device_row, dm.num_blocks, bs)  # None unless all decode
+        slots, opened = [], []  # opened: token blocks this step's decodes open (their first token)
+        for seq, n in scheduled:
+            start, blocks = dm.ranges[seq.seq_id]
             c = seq.num_computed_tokens
-            if n == 1:  # a decode's token (the common case at large batches: host time is the step's cost)
+            if n == 1:
                 slots.append(blocks[c // bs - start] * bs + c % bs)
                 if c % bs == 0:
                     opened.append(seq.block_table[c // bs])
@@ -435,8 +452,15 @@ class OffloadCache:
                 lo, hi = max(c, blk * bs), min(c + n, (blk + 1) * bs)
                 base = blocks[blk - start] * bs - blk * bs
                 slots.extend(range(base + lo, base + hi))
-        return OffloadStep(torch.tensor(slots, dtype=torch.long), torch.from_numpy(tables),
-                           torch.tensor(self._stale.take(opened), dtype=torch.int64))
+        width = max(len(seq.block_table) for seq, _ in scheduled)
+        return self._step(torch.tensor(slots, dtype=torch.long),
+                          tables_of(scheduled, self._device_row, dm.num_blocks, width), opened)
+
+    def _device_row(self, seq) -> tuple[int, list[int]]:
+        return self.device_map.ranges[seq.seq_id]
+
+    def _step(self, slots: torch.Tensor, tables: np.ndarray, opened: list[int]) -> OffloadStep:
+        return OffloadStep(slots, torch.from_numpy(tables), torch.tensor(self._stale.take(opened), dtype=torch.int64))
 
     def drop_stale(self, step: OffloadStep) -> None:
         """The step's blocks with new owners (`prepare_step`, on the device now) leave the pool: one launch,

@@ -18,6 +18,7 @@ floor until its new slot has counted `window` decode steps again (its union star
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from sparseserve.kernels.working_set import TouchState, working_set_begin_step
@@ -43,8 +44,9 @@ class WorkingSet:
         self.since = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.clock = torch.zeros(1, dtype=torch.int64, device=device)
         self._cuda = device.type == "cuda"
-        self._counts = torch.zeros(num_slots, dtype=torch.int64, device=device)
-        self._pinned = torch.zeros(num_slots, dtype=torch.int64, pin_memory=self._cuda)
+        # The counts cross to the host as the whole history (a few KiB) and are summed there: one copy a step and
+        # no reduction launch (a step's host time is counted in microseconds).
+        self._pinned = torch.zeros(num_slots, window, dtype=torch.int32, pin_memory=self._cuda)
         # One event and the stream it records on, made once: a step's host time is counted in microseconds.
         self._copied = torch.cuda.Event() if self._cuda else None
         self._stream = torch.cuda.current_stream(device) if self._cuda else None
@@ -84,19 +86,23 @@ class WorkingSet:
 
     def publish(self, held: dict[int, int]) -> None:
         """Starts copying the counts to the host (before a step's kernels: they are the previous step's), unless
-        the previous copy is still in flight. held: seq_id -> slot of every sequence holding one."""
+        the previous copy is still in flight. held: seq_id -> slot of every sequence holding one (kept: the
+        caller hands over a dict of its own)."""
         if not self._cuda:
             self._land(self.counts().tolist(), held)
             return
         if self._in_flight:
             if not self._copied.query():
                 return
-            self._land(self._pinned.tolist(), self._pending)
-        torch.sum(self.hist, 1, dtype=torch.int64, out=self._counts)  # no clamp: _land ignores counts <= 0
-        self._pinned.copy_(self._counts, non_blocking=True)
+            self._land(self._landed(), self._pending)
+        self._pinned.copy_(self.hist, non_blocking=True)
         self._copied.record(self._stream)
         self._in_flight = True
-        self._pending = dict(held)
+        self._pending = held
+
+    def _landed(self) -> list[int]:
+        """Each slot's count from the copy that landed (no clamp: _land ignores counts <= 0)."""
+        return self._pinned.numpy().sum(1, dtype=np.int64).tolist()
 
     def _land(self, counts: list[int], held: dict[int, int]) -> None:
         for sid, slot in held.items():
@@ -112,7 +118,7 @@ class WorkingSet:
         """Each sequence's working set in head blocks: measured (the newest landed copy), else from the budget;
         a paused one's floor until its new slot has counted a whole window."""
         if self._in_flight and self._copied.query():
-            self._land(self._pinned.tolist(), self._pending)
+            self._land(self._landed(), self._pending)
         out = []
         for seq in seqs:
             measured, steps = self._measured.get(seq.seq_id, (0, 0))

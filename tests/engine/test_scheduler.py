@@ -3,10 +3,13 @@ running sequence when blocks run out, a second block space (the offload cache's 
 hits on admission, the admission estimate that leaves room to grow, and preemption that keeps the work."""
 from __future__ import annotations
 
+import random
+
 from sparseserve.config import SchedulerConfig
 from sparseserve.engine.request import Sequence, SequenceStatus
 from sparseserve.engine.scheduler import Scheduler
 from sparseserve.kvcache.blocks import BlockAllocator
+from sparseserve.kvcache.offload import DeviceBlockMap
 from sparseserve.sampling_params import SamplingParams
 
 BS = 4
@@ -89,6 +92,9 @@ class DeviceSpace:
 
     def can_admit(self, s, running):
         return sum(self.held.values()) + -(-s.num_tokens // BS) <= self.size
+
+    def steady_decode(self, s):
+        return self.held.get(s.seq_id) == -(-(s.num_computed_tokens + 1) // BS)
 
     def schedule(self, s, n):
         self.held[s.seq_id] = -(-(s.num_computed_tokens + n) // BS)
@@ -265,3 +271,69 @@ def test_device_space_shortage_pauses_and_token_shortage_drops_the_pause():
             assert b.num_computed_tokens == 0 and len(a.block_table) == 6 and sched.num_preemptions == 1
             assert alloc.num_used == 6 and not sched.running[1:]
         alloc.check()
+
+
+class WindowSpace:
+    """The offload cache's device block space (DeviceBlockMap: whole prefills, decode windows) without tensors."""
+
+    def __init__(self, size: int, token_blocks: int) -> None:
+        self.map = DeviceBlockMap(size, local_blocks=2, block_size=BS, token_blocks=token_blocks)
+
+    def can_schedule(self, s, n):
+        return self.map.can_map(s, n)
+
+    def can_admit(self, s, running):
+        return self.map.can_admit(s, running)
+
+    def steady_decode(self, s):
+        return self.map.steady(s, 1)
+
+    def schedule(self, s, n):
+        self.map.map(s, n)
+
+    def free(self, s):
+        self.map.release(s)
+
+    def pause(self, s):
+        self.map.release(s)
+
+    def on_allocate(self, blocks):
+        pass
+
+
+class GeneralPath(Scheduler):
+    """Every running sequence through the general path (chunk, block and device-space checks, grow)."""
+
+    def _steady_decode(self, seq):
+        return False
+
+
+def test_steady_decode_fast_path_decides_as_the_general_path():
+    """Over a random workload that fills both block spaces (preemptions, pauses, admissions, finishes), the
+    fast path for steady decodes schedules, maps and preempts exactly as the general path."""
+    for seed in range(4):
+        rng = random.Random(seed)
+        scheds = [cls(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, **NO_RESERVE), BlockAllocator(24), BS,
+                      WindowSpace(12, 24), min_chunk=2) for cls in (Scheduler, GeneralPath)]
+        seqs = [{}, {}]
+        fast_rows = 0
+        for step in range(150):
+            if rng.random() < 0.3:
+                prompt, out_len = [rng.randrange(100) for _ in range(rng.randint(2, 30))], rng.randint(1, 30)
+                for k, sched in enumerate(scheds):
+                    s = Sequence(step, f"r{step}", 0, list(prompt), SamplingParams(max_tokens=out_len))
+                    seqs[k][step] = s
+                    sched.add(s)
+            outs = [run_step(sched) for sched in scheds]
+            a, b = ([(s.seq_id, n) for s, n in o.scheduled] for o in outs)
+            assert a == b, (seed, step)
+            assert [s.seq_id for s in outs[0].preempted] == [s.seq_id for s in outs[1].preempted]
+            fast_rows += sum(1 for s, n in outs[0].scheduled if n == 1 and s.num_computed_tokens % BS != 1)
+            for k, sched in enumerate(scheds):
+                for s in list(sched.running):
+                    if s.num_output_tokens >= s.params.max_tokens:
+                        sched.finish(s)
+                assert {i: (s.block_table, sched.device_space.map.range_of(s)) for i, s in seqs[k].items()} == \
+                    {i: (s.block_table, scheds[0].device_space.map.range_of(s)) for i, s in seqs[0].items()}
+                sched.allocator.check()
+        assert fast_rows > 50 and scheds[0].num_preemptions > 0
