@@ -10,29 +10,35 @@ from sparseserve.engine.request import Sequence
 _CLEAN_UP_PROBE = "Hi . a ? b ! c , d ' e n't f 'm g 's h 've i 're j"
 
 
-def text_decoder(tokenizer) -> Callable[[list[int]], str]:
-    """ids -> text as tokenizer.decode(ids, skip_special_tokens=True). A fast tokenizer's decode is its backend's
-    text, then transformers' clean-up where that applies (it depends on the tokenizer and the transformers
-    version: a probe text that every clean-up rule changes tells which); calling the backend directly skips
-    transformers' argument conversion: two decodes per sequence per step, about 30 us each through transformers,
-    are a large part of a large batch's step on a small model."""
+def _plan(tokenizer) -> tuple[Callable[[list[int]], str], object | None]:
+    """(ids -> text as tokenizer.decode(ids, skip_special_tokens=True), the tokenizers backend when that decode is
+    the backend's alone, else None). A fast tokenizer's decode is its backend's text, then transformers' clean-up
+    where that applies (it depends on the tokenizer and the transformers version: a probe text that every
+    clean-up rule changes tells which); calling the backend directly skips transformers' argument conversion:
+    two decodes per sequence per step, about 30 us each through transformers, are a large part of a large
+    batch's step on a small model."""
     slow = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        return slow
+        return slow, None
     fast = lambda ids: backend.decode(ids, skip_special_tokens=True)  # noqa: E731
     if not getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return fast
+        return fast, backend
     ids = tokenizer.encode(_CLEAN_UP_PROBE, add_special_tokens=False)
     plain, full = fast(ids), slow(ids)
     clean_up = tokenizer.clean_up_tokenization
     if clean_up(plain) == plain:  # the probe does not show the clean-up (its spaces did not survive)
-        return slow
+        return slow, None
     if full == plain:
-        return fast
+        return fast, backend
     if full == clean_up(plain):
-        return lambda ids: clean_up(backend.decode(ids, skip_special_tokens=True))
-    return slow
+        return (lambda ids: clean_up(backend.decode(ids, skip_special_tokens=True))), None
+    return slow, None
+
+
+def text_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """ids -> text as tokenizer.decode(ids, skip_special_tokens=True) (`_plan`)."""
+    return _plan(tokenizer)[0]
 
 
 def detokenize_incrementally(decode: Callable[[list[int]], str], seq: Sequence) -> str:
@@ -46,6 +52,58 @@ def detokenize_incrementally(decode: Callable[[list[int]], str], seq: Sequence) 
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
         return full[len(prefix):]
     return ""
+
+
+class _Stream:
+    """A sequence's incremental decode in the tokenizers backend, and how many of its tokens it has taken."""
+
+    __slots__ = ("decode", "fed")
+
+    def __init__(self, decode, fed: int) -> None:
+        self.decode, self.fed = decode, fed
+
+
+class Detokenizer:
+    """Each step's new text of a sequence (`detokenize_incrementally`'s rule: the newest tokens decoded against a
+    few tokens of context, text held back while it ends in an incomplete character). Where the tokenizer's decode
+    is its tokenizers backend's alone, the backend's own incremental decoder (`DecodeStream`, the same rule in
+    Rust) runs it: one call per sequence and step instead of two decodes of Python list slices, a visible part
+    of a large decode batch's host time; otherwise, or with a tokenizers library without it, the two decodes."""
+
+    def __init__(self, tokenizer) -> None:
+        self.decode, self._backend = _plan(tokenizer)
+        if self._backend is not None:
+            try:
+                from tokenizers.decoders import DecodeStream
+                DecodeStream(ids=[0], skip_special_tokens=True).step(self._backend, [0])
+                self._stream_cls = DecodeStream
+            except Exception:  # an older tokenizers: no DecodeStream, none with context ids or list steps
+                self._backend = None
+
+    @property
+    def streams(self) -> bool:
+        return self._backend is not None
+
+    def __call__(self, seq: Sequence) -> str:
+        state: _Stream | bool | None = seq.detok_state
+        if self._backend is None or state is False:
+            return detokenize_incrementally(self.decode, seq)
+        ids = seq.token_ids
+        if state is None:
+            state = seq.detok_state = _Stream(self._stream_cls(ids=ids[seq.prefix_offset:seq.read_offset],
+                                                               skip_special_tokens=True), seq.read_offset)
+        try:
+            new = state.decode.step(self._backend, ids[state.fed:])
+        except Exception:
+            # The stream refuses a decode that does not extend the text before it (byte-level corner cases, where
+            # the two decodes still give their text): they take this sequence over, from the offsets kept below.
+            seq.detok_state = False
+            return detokenize_incrementally(self.decode, seq)
+        state.fed = len(ids)
+        if new is None:
+            return ""
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)  # the two decodes' offsets, as they would move
+        return new
 
 
 def check_stop(seq: Sequence, new_text: str, eos_token_ids: set[int], max_model_len: int) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparseserve.config import EngineConfig
-from sparseserve.engine.detokenizer import check_stop, detokenize_incrementally, text_decoder
+from sparseserve.engine.detokenizer import Detokenizer, check_stop
 from sparseserve.engine.overlap import InflightStep, TokenFeed
 from sparseserve.engine.parallel import build_runner
 from sparseserve.engine.request import Sequence
@@ -54,7 +54,7 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(mc.tokenizer or model_dir)
         except (OSError, ValueError) as e:
             raise ValueError(f"could not load a tokenizer from {mc.tokenizer or model_dir}: {e}") from e
-        self._decode = text_decoder(self.tokenizer)
+        self._detokenize = Detokenizer(self.tokenizer)
         self.max_model_len = self.model_runner.max_model_len
         runner = self.model_runner
         cc = config.cache_config
@@ -346,7 +346,7 @@ class LLMEngine:
                     for r, (tid, lp) in enumerate(zip(lp_ids[i][1:k + 1], lps[i][1:k + 1])):
                         entry.setdefault(tid, Logprob(lp, r + 1, self.tokenizer.decode([tid])))
                     seq.logprobs.append(entry)
-            new_text = detokenize_incrementally(self._decode, seq)
+            new_text = self._detokenize(seq)
             seq.output_text += new_text
             check_stop(seq, new_text, self.eos_token_ids, self.max_model_len)
             if seq.finish_reason is not None:

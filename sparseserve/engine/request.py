@@ -44,9 +44,10 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # incremental detokenization offsets into token_ids
+    # incremental detokenization (engine/detokenizer.py): offsets into token_ids, or the backend's stream state
     prefix_offset: int = 0
     read_offset: int = 0
+    detok_state: object = field(default=None, repr=False)  # None: not started; False: offsets only
     _table_array: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

@@ -102,3 +102,66 @@ def test_text_decoder_equals_the_tokenizers_decode(clean_up):
     tok.decode = None  # the decoder calls the backend only
     for ids, text in cases:
         assert decode(ids) == text
+
+
+def _sentencepiece_style_tokenizer():
+    """A Llama-2-style tokenizer built in place: Metaspace pieces, byte fallback (characters spread over byte
+    tokens), the decoder's strip of the first leading space."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + \
+        ["▁", "▁the", "▁a", "ing", "▁cat", "s", ".", ",", "▁日本", "語", "é", "▁über", "!", "▁▁", "x"]
+    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
+                               byte_fallback=True, fuse_unk=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+
+
+def _tokenizers():
+    from sparseserve.models.gguf import find_smollm2
+    from sparseserve.models.loader import DEFAULT_MODEL_DIR, load_tokenizer, resolve_model_dir
+    yield "embedded", load_tokenizer(DEFAULT_MODEL_DIR)
+    yield "sentencepiece-style", _sentencepiece_style_tokenizer()
+    try:
+        path = find_smollm2()
+    except (FileNotFoundError, ImportError, OSError):
+        return  # (the README's test install has it)
+    yield "smollm2-gguf", load_tokenizer(resolve_model_dir(str(path)))
+
+
+def test_stream_detokenizer_equals_the_two_decodes_step_by_step():
+    """The Detokenizer's stream (the tokenizers backend's DecodeStream) gives, at every step, the text the two
+    decodes of detokenize_incrementally give: random outputs after prompts ending in text, in multi-byte
+    characters and in special tokens, byte tokens that complete characters or never do, special tokens."""
+    import random
+
+    from sparseserve.engine.detokenizer import Detokenizer, detokenize_incrementally
+    from sparseserve.engine.request import Sequence
+    names = []
+    for name, tok in _tokenizers():
+        names.append(name)
+        det = Detokenizer(tok)
+        assert det.streams, name  # the stream path is what this test compares
+        rng = random.Random(name)
+        vocab = len(tok)
+        utf8 = tok.encode("é日本語ü", add_special_tokens=False)
+        streamed = fell_back = 0
+        for trial in range(60):
+            prompt = tok.encode(rng.choice(["Hello there, how", "The cats.", "é ü 日本語", "x"]),
+                                add_special_tokens=rng.random() < 0.5)
+            a = Sequence(0, "r", 0, list(prompt), SamplingParams(max_tokens=99))
+            b = Sequence(1, "r", 0, list(prompt), SamplingParams(max_tokens=99))
+            for _ in range(30):
+                r = rng.random()
+                t = rng.choice(utf8) if r < 0.3 else rng.randrange(min(vocab, 300)) if r < 0.6 else rng.randrange(vocab)
+                a.token_ids.append(t)
+                b.token_ids.append(t)
+                new = det(b)
+                assert new == detokenize_incrementally(det.decode, a), (name, trial, a.token_ids[len(prompt):])
+            streamed += b.detok_state is not False
+            fell_back += b.detok_state is False
+        # many sequences kept the stream to the end (random byte tokens make the others fall back)
+        assert streamed >= 15, (name, streamed, fell_back)
+    assert names[:2] == ["embedded", "sentencepiece-style"]
