@@ -95,11 +95,17 @@ class SelectionState:
         self._held: dict[int, int] = {}
         self._parked: dict[int, int] = {}  # paused sequences keeping their lists (`park`), oldest first
         self.fresh: list[int] = []  # the slots the last `assign` handed out anew
+        # (seq ids, slots) of the last `assign` while no slot changed hands since: a steady decode batch asks the
+        # same every step
+        self._last: tuple[list[int], list[int]] | None = None
 
     def assign(self, seq_ids: list[int]) -> list[int]:
         """The state slot of each sequence; a sequence that had none gets a free one, whose counters restart
         (its first decode step selects afresh; `fresh` lists them for per-slot state kept elsewhere). A parked
         sequence gets its own slot back; with none free, the longest-parked sequence gives its slot up."""
+        if self._last is not None and seq_ids == self._last[0]:
+            self.fresh = []
+            return self._last[1]
         self.fresh = fresh = []
         for sid in seq_ids:
             if sid in self._parked:
@@ -112,9 +118,12 @@ class SelectionState:
                 fresh.append(slot)
         if fresh:
             self.counter[:, torch.tensor(fresh, device=self.counter.device)] = 0
-        return [self._held[sid] for sid in seq_ids]
+        slots = [self._held[sid] for sid in seq_ids]
+        self._last = (list(seq_ids), slots)
+        return slots
 
     def release(self, seq_id: int) -> None:
+        self._last = None
         slot = self._held.pop(seq_id, self._parked.pop(seq_id, None))
         if slot is not None:
             self._free.append(slot)
@@ -122,6 +131,7 @@ class SelectionState:
     def park(self, seq_id: int) -> None:
         """A paused sequence keeps its slot and lists while no other sequence needs the slot (lagged selection:
         on resuming it attends the list its last step selected, as if it had not paused)."""
+        self._last = None
         slot = self._held.pop(seq_id, None)
         if slot is not None:
             self._parked[seq_id] = slot
