@@ -354,6 +354,9 @@ class Scheduler:
             self._hold_back_ahead(out)
             return
         self.ahead.clear()
+        if not ws.enabled:  # nothing is held back; the estimates only feed the gauge (_record_working_set)
+            self._ws_total = 0
+            return
         est = ws.estimates(self.running)
         total = sum(est)
         while ws.enabled and len(self.running) > 1 and total > ws.limit:
@@ -374,8 +377,10 @@ class Scheduler:
         ws = self.working_set
         if ws is None:
             return 0
+        if not ws.enabled:
+            return 0
         need = ws.estimates([seq])[0]
-        if ws.enabled and self.running and self._ws_total + need > ws.limit:
+        if self.running and self._ws_total + need > ws.limit:
             return None
         return need
 
@@ -476,6 +481,10 @@ class Scheduler:
             return
         if self._ahead_mode():
             self._record_ahead(out)
+            return
+        if not ws.enabled:  # the gauge only, when due
+            if ws.due():
+                ws.record(sum(ws.estimates(self.running)), 0, 0)
             return
         limited = bool(out.held_back) or (ws.enabled and bool(self.waiting) and self._ws_limited_admission())
         # Without preemptions beyond the hold-backs the running set is what _hold_back and the admissions summed.

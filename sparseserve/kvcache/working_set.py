@@ -9,7 +9,8 @@ Counted on the device inside the step (kernels/working_set.py; on the GPU within
 layer; capturable), per selection-state slot. `publish` (the sparse backend, before each step's kernels) copies
 the per-slot counts into pinned memory without a sync, with the slot -> sequence map of that moment; the
 scheduler reads the newest copy that has landed (`estimates`): one step late on a busy GPU, exactly one step
-late on CPU.
+late on CPU. With the control off the estimates only feed /metrics: on the GPU they are then published and
+summed at most every REPORT_INTERVAL_S.
 
 A request not measured yet (never decoded, or every count zero so far) is estimated from the selection budget:
 its list entries outside the local window, min(budget blocks, context blocks) - local blocks, times sparse
@@ -18,12 +19,17 @@ floor until its new slot has counted `window` decode steps again (its union star
 """
 from __future__ import annotations
 
+import math
+import time
+
 import numpy as np
 import torch
 
 from sparseserve.kernels.working_set import TouchState, working_set_begin_step
 from sparseserve.kvcache.blocks import blocks_needed
 from sparseserve.kvcache.staging import to_device
+
+REPORT_INTERVAL_S = 0.05
 
 
 class WorkingSet:
@@ -51,6 +57,9 @@ class WorkingSet:
         self._copied = torch.cuda.Event() if self._cuda else None
         self._stream = torch.cuda.current_stream(device) if self._cuda else None
         self._in_flight = False
+        # With the control off the estimates only feed /metrics: on the GPU they are published and summed at most
+        # every REPORT_INTERVAL_S instead of every step (tens of microseconds of a fast step's host time).
+        self._published = self._reported = -math.inf
         self._pending: dict[int, int] = {}  # seq_id -> slot of the copy in flight
         self._measured: dict[int, tuple[int, int]] = {}  # seq_id -> (blocks, decode steps counted on its slot)
         self._floor: dict[int, int] = {}  # seq_id -> the estimate it had when it was paused
@@ -91,6 +100,10 @@ class WorkingSet:
         if not self._cuda:
             self._land(self.counts().tolist(), held)
             return
+        now = time.perf_counter()
+        if not self.enabled and now - self._published < REPORT_INTERVAL_S:
+            return
+        self._published = now
         if self._in_flight:
             if not self._copied.query():
                 return
@@ -137,10 +150,16 @@ class WorkingSet:
         nb = blocks_needed(seq.num_tokens, self.block_size)
         return max(min(self.cap, nb) - self.local, 0) * self.lists
 
+    def due(self) -> bool:
+        """Whether the scheduler sums the running estimates this step: every step under the control (or on CPU),
+        else at most every REPORT_INTERVAL_S (`record` then only updates the gauge)."""
+        return self.enabled or not self._cuda or time.perf_counter() - self._reported >= REPORT_INTERVAL_S
+
     def record(self, total: int, held: int, new_holds: int) -> None:
         """The scheduler's step: running estimates summed, requests the limit keeps waiting, new hold-backs."""
         self.total, self.num_held_back = total, held
         self.num_hold_backs += new_holds
+        self._reported = time.perf_counter()
 
     def record_prefill_ahead(self, parked: int, new_ahead: int) -> None:
         """Prefill ahead (engine/scheduler.py): requests parked now, new admissions ahead of the limit."""

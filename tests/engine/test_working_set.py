@@ -40,6 +40,9 @@ class FakeWorkingSet:
     def estimates(self, seqs):
         return [self.est[s.seq_id] for s in seqs]
 
+    def due(self):
+        return True
+
     def record(self, total, held, new_holds):
         self.records.append((total, held, new_holds))
 
