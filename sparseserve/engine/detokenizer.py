@@ -57,10 +57,10 @@ def detokenize_incrementally(decode: Callable[[list[int]], str], seq: Sequence) 
 class _Stream:
     """A sequence's incremental decode in the tokenizers backend, and how many of its tokens it has taken."""
 
-    __slots__ = ("decode", "fed")
+    __slots__ = ("stream", "fed")
 
-    def __init__(self, decode, fed: int) -> None:
-        self.decode, self.fed = decode, fed
+    def __init__(self, stream, fed: int) -> None:
+        self.stream, self.fed = stream, fed
 
 
 class Detokenizer:
@@ -93,7 +93,7 @@ class Detokenizer:
             state = seq.detok_state = _Stream(self._stream_cls(ids=ids[seq.prefix_offset:seq.read_offset],
                                                                skip_special_tokens=True), seq.read_offset)
         try:
-            new = state.decode.step(self._backend, ids[state.fed:])
+            new = state.stream.step(self._backend, ids[state.fed:])
         except Exception:
             # The stream refuses a decode that does not extend the text before it (byte-level corner cases, where
             # the two decodes still give their text): they take this sequence over, from the offsets kept below.

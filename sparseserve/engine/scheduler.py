@@ -359,7 +359,7 @@ class Scheduler:
             return
         est = ws.estimates(self.running)
         total = sum(est)
-        while ws.enabled and len(self.running) > 1 and total > ws.limit:
+        while len(self.running) > 1 and total > ws.limit:
             if self.running[-1].seq_id in self.layers_done:  # a layer-segmented prefill is never paused
                 break
             seq = self.running.pop()
@@ -375,9 +375,7 @@ class Scheduler:
         """A waiting sequence's working-set estimate, None if the limit keeps it waiting (a sequence always fits
         an empty batch)."""
         ws = self.working_set
-        if ws is None:
-            return 0
-        if not ws.enabled:
+        if ws is None or not ws.enabled:
             return 0
         need = ws.estimates([seq])[0]
         if self.running and self._ws_total + need > ws.limit:
@@ -486,7 +484,7 @@ class Scheduler:
             if ws.due():
                 ws.record(sum(ws.estimates(self.running)), 0, 0)
             return
-        limited = bool(out.held_back) or (ws.enabled and bool(self.waiting) and self._ws_limited_admission())
+        limited = bool(out.held_back) or (bool(self.waiting) and self._ws_limited_admission())
         # Without preemptions beyond the hold-backs the running set is what _hold_back and the admissions summed.
         total = self._ws_total if len(out.preempted) == len(out.held_back) else sum(ws.estimates(self.running))
         ws.record(total, len(self.waiting) if limited else 0, len(out.held_back))
