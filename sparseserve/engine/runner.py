@@ -264,7 +264,9 @@ class ModelRunner:
         scheduled = sorted(scheduled, key=lambda item: item[1] != 1)
         graph = self.graphs.begin(len(scheduled)) if self.graphs is not None and scheduled[-1][1] == 1 else None
         upload = graph if graph is not None else StepUpload(self.device)
-        if self._rows is not None and self._rows.fits(scheduled):
+        if self._rows is None or not self._rows.fits(scheduled):
+            self._rows = self._decode_rows(scheduled)
+        if self._rows is not None:
             host, ids, fill, sampled, max_seq_len = self._decode_inputs(scheduled, feed)
         else:
             host, ids, fill, sampled, max_seq_len = self._step_inputs(scheduled, feed)
@@ -287,10 +289,17 @@ class ModelRunner:
     def _token_row(self, seq: Sequence) -> tuple[int, np.ndarray]:
         return 0, seq.block_table_array()
 
+    def _decode_rows(self, scheduled: list[tuple[Sequence, int]]) -> DecodeRows | None:
+        """The rows of a step in which every sequence decodes its last token, kept for the steps after it (None:
+        some sequence prefills)."""
+        if not all(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in scheduled):
+            return None
+        self._row_lens = np.array([len(s.block_table_array()) for s, _ in scheduled], dtype=np.int64)
+        return DecodeRows.build(scheduled, self._token_row, 0, self.block_size)
+
     def _step_inputs(self, scheduled: list[tuple[Sequence, int]], feed: TokenFeed | None):
         """The step's host tensors built per sequence (and block, for prefill chunks): (tensors in `prepare`'s
-        order, input token ids, feed rows, sampled sequences, longest context). A decode step keeps its rows
-        for the next one (DecodeRows)."""
+        order, input token ids, feed rows, sampled sequences, longest context)."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -319,10 +328,6 @@ class ModelRunner:
                 if feed is not None and seq.seq_id in feed.rows:
                     fill_dst.append(qsl[-1] - 1)
                     fill_src.append(feed.rows[seq.seq_id])
-        decodes = len(sampled) == len(scheduled) and all(n == 1 for _, n in scheduled)
-        self._rows = DecodeRows.build(scheduled, self._token_row, 0, bs) if decodes else None
-        if self._rows is not None:
-            self._row_lens = np.array([len(s.block_table_array()) for s, _ in scheduled], dtype=np.int64)
         tables = tables_of(scheduled, self._token_row, 0)
         host = [torch.tensor(slots, dtype=torch.long), torch.tensor(qsl, dtype=torch.int32),
                 torch.tensor(seq_lens, dtype=torch.int32), torch.from_numpy(tables),
@@ -333,8 +338,8 @@ class ModelRunner:
         return host, ids, len(fill_dst), sampled, max(seq_lens)
 
     def _decode_inputs(self, scheduled: list[tuple[Sequence, int]], feed: TokenFeed | None):
-        """`_step_inputs` of a decode step of the same sequences as the decode step before: the rows kept, those
-        whose block table grew rebuilt, positions and slots as arrays."""
+        """`_step_inputs` of a decode step (`_decode_rows`): the rows kept from the decode step of the same
+        sequences before, those whose block table grew rebuilt, positions and slots as arrays."""
         lens = np.fromiter((len(s.block_table_array()) for s, _ in scheduled), dtype=np.int64, count=len(scheduled))
         grew = np.flatnonzero(lens != self._row_lens)
         self._row_lens = lens

@@ -434,11 +434,13 @@ class OffloadCache:
         except in a decode step of the same sequences as the decode step before (kvcache/decode_rows.py)."""
         dm, bs = self.device_map, self.block_size
         changed = dm.take_changed()
-        if self._rows is not None and self._rows.fits(scheduled):
+        if self._rows is None or not self._rows.fits(scheduled):
+            self._rows = DecodeRows.build(scheduled, self._device_row, dm.num_blocks, bs)  # None unless all decode
+            changed = ()
+        if self._rows is not None:
             slots, tables, pos = self._rows.update(scheduled, changed)
             opened = [scheduled[b][0].block_table[pos[b] // bs] for b in np.flatnonzero(pos % bs == 0)]
             return self._step(slots, tables, opened)
-        self._rows = DecodeRows.build(scheduled, self._device_row, dm.num_blocks, bs)  # None unless all decode
         slots, opened = [], []  # opened: token blocks this step's decodes open (their first token)
         for seq, n in scheduled:
             start, blocks = dm.ranges[seq.seq_id]
