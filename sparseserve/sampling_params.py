@@ -96,5 +96,7 @@ class SamplingParams:
     @property
     def stop_hold(self) -> int:
         """Characters of generated text held back from a stream until the sequence finishes: a stop string
-        still being matched may be cut from the end of the text, and text already sent cannot be taken back."""
-        return max((len(s) for s in self.stop_strs), default=1) - 1
+        still being matched may be cut from the end of the text, and text already sent cannot be taken back.
+        Read per sequence and step, and derived from `stop_strs` each time (a cached value would go stale if the
+        list were changed), so the usual case, no stop string, skips the max over the strings."""
+        return max(map(len, self.stop_strs)) - 1 if self.stop_strs else 0

@@ -75,6 +75,8 @@ class SparseBackend(AttentionBackend):
         self.pending: list[torch.Tensor] = []  # lag: tensors the side stream reads, kept alive until end_step
         self.step_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # lag: (read, write) rows of the step
         self._step_meta: AttentionMetadata | None = None
+        # the state slots of the last step (SelectionState.assign's list) and the same as a tensor (prepare)
+        self._slots: tuple[list[int] | None, torch.Tensor | None] = (None, None)
         self.timer = None  # optional phase timer (benchmarks): .phase(name) -> context manager
 
     def block_bytes(self) -> int:
@@ -97,11 +99,16 @@ class SparseBackend(AttentionBackend):
         slots = self.state.assign([seq.seq_id for seq, _ in scheduled])
         if ws is not None:
             ws.reset_slots(self.state.fresh)
-        host, names = [torch.tensor(slots, dtype=torch.int32)], ["slots"]
+        if slots is not self._slots[0]:  # assign hands its list back for the same sequences in the same order
+            self._slots = (slots, torch.tensor(slots, dtype=torch.int32))
+        host, names = [self._slots[1]], ["slots"]
         step = None if self.offload is None else self.offload.prepare_step(scheduled)
         if step is not None:
-            host += [step.slot_mapping, step.block_tables, step.stale]
-            names += ["offload_slot_mapping", "offload_block_tables", None]
+            host += [step.slot_mapping, step.block_tables]
+            names += ["offload_slot_mapping", "offload_block_tables"]
+            if step.stale is not None:  # (most steps drop nothing from the pool: no upload for it)
+                host.append(step.stale)
+                names.append(None)
         fix = None
         if self.offload is not None and self.params.lag:  # decodes with fresh state slots (module docstring)
             fresh = set(self.state.fresh).intersection(slots[: meta.num_decodes])
@@ -112,7 +119,7 @@ class SparseBackend(AttentionBackend):
         dev = upload.add(host, names)
         super().prepare(scheduled, meta, upload)  # commits the upload
         if step is not None:
-            step = OffloadStep(*dev[1:4])
+            step = OffloadStep(dev[1], dev[2], dev[3] if step.stale is not None else None)
             self.offload.drop_stale(step)
         meta.backend_meta = SparseStepMeta(dev[0], self._cache_view(meta, step), step,
                                            fix_select=None if fix is None else dev[fix])

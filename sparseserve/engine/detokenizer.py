@@ -109,7 +109,8 @@ class Detokenizer:
 def check_stop(seq: Sequence, new_text: str, eos_token_ids: set[int], max_model_len: int) -> None:
     """Sets finish_reason/stop_reason (vLLM semantics); trims a matched stop string from the text."""
     p = seq.params
-    token = seq.token_ids[-1]
+    ids = seq.token_ids
+    token = ids[-1]
     if not p.ignore_eos and token in eos_token_ids:
         seq.finish_reason = "stop"
         return
@@ -127,5 +128,7 @@ def check_stop(seq: Sequence, new_text: str, eos_token_ids: set[int], max_model_
                 seq.output_text = seq.output_text[:cut]
                 seq.finish_reason, seq.stop_reason = "stop", stop
                 return
-    if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= max_model_len:
+    # (the lengths straight from the lists: this runs per sequence and step)
+    n = len(ids)
+    if (p.max_tokens is not None and n - len(seq.prompt_token_ids) >= p.max_tokens) or n >= max_model_len:
         seq.finish_reason = "length"

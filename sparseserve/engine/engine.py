@@ -12,9 +12,9 @@ import torch
 
 from sparseserve.config import EngineConfig
 from sparseserve.engine.detokenizer import Detokenizer, check_stop
-from sparseserve.engine.overlap import InflightStep, TokenFeed
+from sparseserve.engine.overlap import HostCopies, InflightStep, TokenFeed
 from sparseserve.engine.parallel import build_runner
-from sparseserve.engine.request import Sequence
+from sparseserve.engine.request import Sequence, SequenceStatus
 from sparseserve.engine.scheduler import Scheduler, SchedulerOutput
 from sparseserve.engine.stats import DeviceCounters, EngineStats
 from sparseserve.kvcache.blocks import BlockAllocator
@@ -24,6 +24,8 @@ from sparseserve.outputs import CompletionOutput, Logprob, RequestOutput
 from sparseserve.sampling_params import ParameterError, SamplingParams, is_int
 
 logger = logging.getLogger(__name__)
+# Sequence.finished, read directly in the per-sequence loops of a step (a property call per sequence adds up there)
+FINISHED = SequenceStatus.FINISHED
 
 
 @dataclass
@@ -76,6 +78,7 @@ class LLMEngine:
         self.last_schedule = None  # the newest step's SchedulerOutput (benchmarks read what ran)
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._inflight: InflightStep | None = None  # async scheduling: the launched step not yet landed
+        self._host_copies = HostCopies()  # ... and the pinned buffers its outputs are copied into
         eos = set(self.model_runner.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -290,7 +293,7 @@ class LLMEngine:
             feed = prev.feed() if prev is not None else TokenFeed.EMPTY
             sampled, out = self.model_runner.execute(sched.scheduled, sched.segments, feed=feed)
             self.counters.refresh()
-            launched = InflightStep.launch(sched, sampled, out)
+            launched = InflightStep.launch(sched, sampled, out, self._host_copies)
         outputs = []
         if prev is not None and prev.out is not None:
             outputs = self._outputs(self._append_tokens(prev.sampled, prev.wait(), prev.placeholder))
@@ -304,13 +307,19 @@ class LLMEngine:
         """A launched step's bookkeeping: its tokens are computed, the blocks they fill join the prefix cache."""
         done = [(seg.seq, seg.seq.num_tokens - seg.seq.num_computed_tokens) for seg in sched.segments
                 if self.scheduler.finish_segment(seg)]  # layer-segmented prefills that reached the last layer
+        scheduler = self.scheduler
+        bs = scheduler.block_size
         for seq, n in sched.scheduled + done:
-            if seq.finished:  # async scheduling: stopped or aborted while the step ran
+            if seq.status is FINISHED:  # async scheduling: stopped or aborted while the step ran
                 continue
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.num_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-            seq.num_computed_tokens += n
-            self.scheduler.cache_full_blocks(seq)
+            c, prompt = seq.num_computed_tokens, len(seq.prompt_token_ids)
+            if c < prompt:
+                self.num_prompt_tokens += min(n, prompt - c)
+            seq.num_computed_tokens = c = c + n
+            # cache_full_blocks offers the blocks filled beyond num_cached_blocks: a decode fills one once in
+            # block_size steps, so most steps skip the call.
+            if c // bs > seq.num_cached_blocks:
+                scheduler.cache_full_blocks(seq)
 
     def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
         touched = dict.fromkeys(seq.request_id for seq in seqs)  # ordered, unique
@@ -329,8 +338,9 @@ class LLMEngine:
         lp_ids = out.logprob_token_ids.tolist() if out.logprob_token_ids is not None else None
         ranks = out.sampled_ranks.tolist() if out.sampled_ranks is not None else None
         advanced = []
+        detokenize, eos, max_len = self._detokenize, self.eos_token_ids, self.max_model_len
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
-            if seq.finished:  # async scheduling: it stopped (or was aborted) while this step ran: token dropped
+            if seq.status is FINISHED:  # async scheduling: it stopped (or was aborted) while this step ran: dropped
                 continue
             advanced.append(seq)
             if placeholder is not None and placeholder[i]:
@@ -346,9 +356,9 @@ class LLMEngine:
                     for r, (tid, lp) in enumerate(zip(lp_ids[i][1:k + 1], lps[i][1:k + 1])):
                         entry.setdefault(tid, Logprob(lp, r + 1, self.tokenizer.decode([tid])))
                     seq.logprobs.append(entry)
-            new_text = self._detokenize(seq)
+            new_text = detokenize(seq)
             seq.output_text += new_text
-            check_stop(seq, new_text, self.eos_token_ids, self.max_model_len)
+            check_stop(seq, new_text, eos, max_len)
             if seq.finish_reason is not None:
                 self._finish(seq)
         return advanced
@@ -357,23 +367,26 @@ class LLMEngine:
         """The step's delta of a request: per sequence that advanced, its new tokens, logprobs and text (the
         last `stop_hold` characters stay back until it finishes; see SamplingParams.stop_hold). A finished
         request leaves the table."""
-        finished = all(s.finished for s in req.seqs)
+        seqs = req.seqs
+        # (runs per request and step: n = 1 without a generator, lengths straight from the lists)
+        finished = seqs[0].status is FINISHED if len(seqs) == 1 else all(s.status is FINISHED for s in seqs)
         if finished:
             self.requests.pop(req.request_id, None)
         outs = []
-        for s in req.seqs:
-            i, k0, t0 = s.index, req.tokens_sent[s.index], req.text_sent[s.index]
+        for s in seqs:
+            i = s.index
+            k0, ids, prompt = req.tokens_sent[i], s.token_ids, len(s.prompt_token_ids)
             done = s.finish_reason is not None
-            if i in req.finished_sent or (s.num_output_tokens == k0 and not done):
+            if (len(ids) - prompt == k0 and not done) or i in req.finished_sent:
                 continue
-            t1 = len(s.output_text) if done else max(t0, len(s.output_text) - s.params.stop_hold)
-            outs.append(CompletionOutput(
-                index=i, text=s.output_text[t0:t1], token_ids=s.token_ids[s.num_prompt_tokens + k0:],
-                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
-                logprobs=s.logprobs[k0:] if s.logprobs is not None else None,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
-            req.tokens_sent[i], req.text_sent[i] = s.num_output_tokens, t1
+            text, t0 = s.output_text, req.text_sent[i]
+            t1 = len(text) if done else max(t0, len(text) - s.params.stop_hold)
+            lps = s.logprobs
+            outs.append(CompletionOutput(  # positional: matching seven keywords is a visible part of the call
+                i, text[t0:t1], ids[prompt + k0:], s.cumulative_logprob if s.params.logprobs is not None else None,
+                lps[k0:] if lps is not None else None, s.finish_reason, s.stop_reason))
+            req.tokens_sent[i], req.text_sent[i] = len(ids) - prompt, t1
             if done:
                 req.finished_sent.add(i)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
-                             num_cached_tokens=req.seqs[0].num_cached_tokens)
+                             num_cached_tokens=seqs[0].num_cached_tokens)

@@ -33,6 +33,11 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_BYTES = 2 << 30
 
 
+# The static input of the decode graphs that each of a step's tensors fills (kvcache/staging.py; None: scratch).
+STATIC_INPUTS = {"slot_mapping": "slot_mapping", "seq_lens": "seq_lens", "block_tables": "block_tables",
+                 "input_ids": "input_ids", "positions": "positions"}
+
+
 @dataclass
 class StepBatch:
     input_ids: torch.Tensor
@@ -102,7 +107,8 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))
         self._sampling: tuple[list[int] | None, SamplingMetadata | None] = (None, None)  # (seq ids, theirs)
         self._rows: DecodeRows | None = None  # the last decode step's token-block rows (prepare)
-        self._row_lens = np.zeros(0, dtype=np.int64)  # ... and each row's block table length then
+        self._row_lens: list[int] = []  # ... and each row's block table length then
+        self._ranges: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # decode steps' (qsl, sample_idx) by rows
         self.offload = None  # kvcache/offload.py OffloadCache: the hierarchical HBM/DRAM cache
         if config.offload_config.kv_offload:
             self.offload = self._build_offload()
@@ -270,21 +276,33 @@ class ModelRunner:
             host, ids, fill, sampled, max_seq_len = self._decode_inputs(scheduled, feed)
         else:
             host, ids, fill, sampled, max_seq_len = self._step_inputs(scheduled, feed)
-        names = ["slot_mapping", None, "seq_lens", "block_tables", "input_ids", "positions", None, None, None]
-        dev = upload.add(host, names[: len(host)])
+        dev = dict(zip(host, upload.add(list(host.values()), [STATIC_INPUTS.get(k) for k in host])))
+        if "query_start_loc" not in dev:  # a decode step's: on the device already
+            dev["query_start_loc"], dev["sample_idx"] = self._decode_ranges(len(scheduled))
         meta = AttentionMetadata(
-            slot_mapping=dev[0], query_start_loc=dev[1], seq_lens=dev[2], block_tables=dev[3],
-            num_decodes=sum(1 for _, n in scheduled if n == 1), max_query_len=max(n for _, n in scheduled),
-            max_seq_len=max_seq_len)
+            slot_mapping=dev["slot_mapping"], query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"],
+            block_tables=dev["block_tables"], num_decodes=sum(1 for _, n in scheduled if n == 1),
+            max_query_len=max(n for _, n in scheduled), max_seq_len=max_seq_len)
         self.attn_backend.prepare(scheduled, meta, upload)
         upload.commit()
-        input_ids = dev[4]
+        input_ids = dev["input_ids"]
         if feed is not None:
             if ids.count(PLACEHOLDER) != fill:
                 raise RuntimeError("a placeholder token would reach the model without its feed row")
-            if fill:
-                input_ids.index_copy_(0, dev[7], feed.token_ids[dev[8]])
-        return StepBatch(input_ids, dev[5], meta, dev[6], sampled, graph is not None)
+            if "fill_dst" in dev:
+                input_ids.index_copy_(0, dev["fill_dst"], feed.token_ids[dev["fill_src"]])
+            elif fill:  # every row from the feed's row of the same index (`_decode_inputs`): one copy
+                input_ids.copy_(feed.token_ids[:fill])
+        return StepBatch(input_ids, dev["positions"], meta, dev["sample_idx"], sampled, graph is not None)
+
+    def _decode_ranges(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """query_start_loc (int32 0..n) and sample_idx (int64 0..n-1) of a decode step of n rows on the device,
+        made once per batch size: read-only, so no step builds and uploads them again."""
+        ranges = self._ranges.get(n)
+        if ranges is None:
+            ranges = self._ranges[n] = tuple(to_device_many(
+                [torch.arange(n + 1, dtype=torch.int32), torch.arange(n, dtype=torch.long)], self.device))
+        return ranges
 
     def _token_row(self, seq: Sequence) -> tuple[int, np.ndarray]:
         return 0, seq.block_table_array()
@@ -294,7 +312,7 @@ class ModelRunner:
         some sequence prefills)."""
         if not all(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in scheduled):
             return None
-        self._row_lens = np.array([len(s.block_table_array()) for s, _ in scheduled], dtype=np.int64)
+        self._row_lens = [len(s.block_table_array()) for s, _ in scheduled]
         return DecodeRows.build(scheduled, self._token_row, 0, self.block_size)
 
     def _step_inputs(self, scheduled: list[tuple[Sequence, int]], feed: TokenFeed | None):
@@ -329,38 +347,50 @@ class ModelRunner:
                     fill_dst.append(qsl[-1] - 1)
                     fill_src.append(feed.rows[seq.seq_id])
         tables = tables_of(scheduled, self._token_row, 0)
-        host = [torch.tensor(slots, dtype=torch.long), torch.tensor(qsl, dtype=torch.int32),
-                torch.tensor(seq_lens, dtype=torch.int32), torch.from_numpy(tables),
-                torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                torch.tensor(sample_idx, dtype=torch.long)]
+        host = {"slot_mapping": torch.tensor(slots, dtype=torch.long),
+                "query_start_loc": torch.tensor(qsl, dtype=torch.int32),
+                "seq_lens": torch.tensor(seq_lens, dtype=torch.int32), "block_tables": torch.from_numpy(tables),
+                "input_ids": torch.tensor(ids, dtype=torch.long),
+                "positions": torch.tensor(positions, dtype=torch.long),
+                "sample_idx": torch.tensor(sample_idx, dtype=torch.long)}
         if fill_dst:
-            host += [torch.tensor(fill_dst, dtype=torch.long), torch.tensor(fill_src, dtype=torch.long)]
+            host["fill_dst"] = torch.tensor(fill_dst, dtype=torch.long)
+            host["fill_src"] = torch.tensor(fill_src, dtype=torch.long)
         return host, ids, len(fill_dst), sampled, max(seq_lens)
 
     def _decode_inputs(self, scheduled: list[tuple[Sequence, int]], feed: TokenFeed | None):
         """`_step_inputs` of a decode step (`_decode_rows`): the rows kept from the decode step of the same
-        sequences before, those whose block table grew rebuilt, positions and slots as arrays."""
-        lens = np.fromiter((len(s.block_table_array()) for s, _ in scheduled), dtype=np.int64, count=len(scheduled))
-        grew = np.flatnonzero(lens != self._row_lens)
-        self._row_lens = lens
-        slots, tables, pos = self._rows.update(scheduled, [scheduled[b][0].seq_id for b in grew])
+        sequences before, those whose block table grew rebuilt, positions and slots as arrays; query_start_loc
+        and sample_idx are `prepare`'s (`_decode_ranges`). When every row is fed from the feed's row of the same
+        index (async scheduling's steady step) no feed rows are built: `prepare` copies the feed's tokens whole.
+        One pass over the sequences: at a large batch each per-sequence pass is a visible part of the step."""
         rows = feed.rows if feed is not None else {}
+        row_lens = self._row_lens
+        grew: list[int] = []
         ids: list[int] = []
         fill_dst: list[int] = []
         fill_src: list[int] = []
+        same_rows = True  # every row so far fed from the feed's row of its own index
         for b, (seq, _) in enumerate(scheduled):
+            num_blocks = len(seq.block_table_array())
+            if num_blocks != row_lens[b]:
+                row_lens[b] = num_blocks
+                grew.append(seq.seq_id)
             c = seq.num_computed_tokens
-            ids += seq.token_ids[c:c + 1]
+            ids += seq.token_ids[c:c + 1]  # (a worker rank's SeqView holds the step's tokens: slices)
             src = rows.get(seq.seq_id)
+            same_rows = same_rows and src == b
             if src is not None:
                 fill_dst.append(b)
                 fill_src.append(src)
-        n = len(scheduled)
-        host = [slots, torch.arange(n + 1, dtype=torch.int32), torch.from_numpy((pos + 1).astype(np.int32)),
-                torch.from_numpy(tables), torch.tensor(ids, dtype=torch.long), torch.from_numpy(pos),
-                torch.arange(n, dtype=torch.long)]
-        if fill_dst:
-            host += [torch.tensor(fill_dst, dtype=torch.long), torch.tensor(fill_src, dtype=torch.long)]
+        slots, tables, pos = self._rows.update(scheduled, grew)
+        # (torch.from_numpy over np.array: a third of torch.tensor's time on a list of ints)
+        host = {"slot_mapping": slots, "seq_lens": torch.from_numpy((pos + 1).astype(np.int32)),
+                "block_tables": torch.from_numpy(tables), "input_ids": torch.from_numpy(np.array(ids, dtype=np.int64)),
+                "positions": torch.from_numpy(pos)}
+        if fill_dst and not same_rows:
+            host["fill_dst"], host["fill_src"] = (torch.from_numpy(np.array(fill_dst, dtype=np.int64)),
+                                                  torch.from_numpy(np.array(fill_src, dtype=np.int64)))
         return host, ids, len(fill_dst), [seq for seq, _ in scheduled], int(pos.max()) + 1
 
     def sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:

@@ -38,8 +38,9 @@ class DecodeRows:
 
     def fits(self, scheduled: list) -> bool:
         """Whether `scheduled` is a decode step of the same sequences in the same order."""
-        return len(scheduled) == len(self.ids) and all(
-            n == 1 and seq.seq_id == sid for (seq, n), sid in zip(scheduled, self.ids))
+        # (a list compared whole: the runner and the offload cache ask this every step, per sequence a generator
+        # step costs more; a chunk of more than one token leaves the list shorter)
+        return len(scheduled) == len(self.ids) and [seq.seq_id for seq, n in scheduled if n == 1] == self.ids
 
     def update(self, scheduled: list, changed: Iterable[int]) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
         """The next decode step of the same rows (`fits`), the rows of the sequences in `changed` (seq_ids; others

@@ -59,7 +59,7 @@ class OffloadStep:
     slot_mapping: torch.Tensor  # int64 [T]
     block_tables: torch.Tensor  # int32 [B, W]
     # token blocks handed to new owners since the last step (on_allocate), to leave the pool before the step's
-    # kernels (`drop_stale`); None in CUDA graphs' static steps
+    # kernels (`drop_stale`); None when there are none, and in CUDA graphs' static steps
     stale: torch.Tensor | None = None
 
 
@@ -439,7 +439,8 @@ class OffloadCache:
             changed = ()
         if self._rows is not None:
             slots, tables, pos = self._rows.update(scheduled, changed)
-            opened = [scheduled[b][0].block_table[pos[b] // bs] for b in np.flatnonzero(pos % bs == 0)]
+            # (over Python ints: numpy's per-call overhead on a batch's 32 values is larger than the loop)
+            opened = [scheduled[b][0].block_table[c // bs] for b, c in enumerate(pos.tolist()) if c % bs == 0]
             return self._step(slots, tables, opened)
         slots, opened = [], []  # opened: token blocks this step's decodes open (their first token)
         for seq, n in scheduled:
@@ -462,7 +463,10 @@ class OffloadCache:
         return self.device_map.ranges[seq.seq_id]
 
     def _step(self, slots: torch.Tensor, tables: np.ndarray, opened: list[int]) -> OffloadStep:
-        return OffloadStep(slots, torch.from_numpy(tables), torch.tensor(self._stale.take(opened), dtype=torch.int64))
+        # stale None when no block leaves the pool (most steps): nothing to move to the device or drop
+        stale = self._stale.take(opened)
+        return OffloadStep(slots, torch.from_numpy(tables),
+                           torch.from_numpy(np.array(stale, dtype=np.int64)) if stale else None)
 
     def drop_stale(self, step: OffloadStep) -> None:
         """The step's blocks with new owners (`prepare_step`, on the device now) leave the pool: one launch,

@@ -151,6 +151,12 @@ class StaticInputs(StepUpload):
         self.events = [torch.cuda.Event() if cuda else None for _ in range(num_slabs)]
         self._host: dict[tuple[int, int], dict[str, np.ndarray]] = {}  # (slab, bucket) -> field -> host view
         self._dev_views: dict[tuple, torch.Tensor] = {}  # device views handed out, by rows/columns or scratch place
+        # Fields whose last write into a slab left it padded beyond (rows, width) (`_add_field`), valid for the
+        # bucket the slab was last begun with (the buckets' layouts overlap, so another bucket's step clears it).
+        self._padded: list[dict[str, tuple[int, int]]] = [{} for _ in range(num_slabs)]
+        self._slab_bucket: list[int | None] = [None] * num_slabs
+        # (bucket, name, shape, dtype) -> (rows, width, device view): tensors that passed `_add_field`'s check
+        self._fits: dict[tuple, tuple[int, int, torch.Tensor]] = {}
         self.slab = 0
         self.bucket: int | None = None  # the bucket of the step being built (None: no step open)
         self._scratch = 0
@@ -172,6 +178,9 @@ class StaticInputs(StepUpload):
             event = self.events[self.slab]
             if event is not None:
                 event.synchronize()
+        if self._slab_bucket[self.slab] != bucket:
+            self._slab_bucket[self.slab] = bucket
+            self._padded[self.slab].clear()
         self.bucket, self._scratch = bucket, 0
         return self
 
@@ -219,19 +228,40 @@ class StaticInputs(StepUpload):
         return view
 
     def _add_field(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Writes t's rows into the slab's field, padding after them; returns the device view of those rows.
+        Per step and field, so the check and the device view are looked up once a shape was seen, and padding
+        the slab already holds from its last write is not written again (a steady batch writes none)."""
+        key = (self.bucket, name, t.shape, t.dtype)
+        fit = self._fits.get(key)
+        if fit is None:
+            fit = self._fits[key] = self._fit(name, t)
+        rows, width, view = fit
+        f = self.fields[name]
+        host = self._host_views()[name]
+        padded = self._padded[self.slab]
+        prev = padded.pop(name, None)  # (re-recorded once written: a failed write leaves no claim)
+        if f.width:
+            host[:rows, :width] = t.numpy()
+            if prev is None or width < prev[1]:
+                host[:rows, width:] = f.pad
+        else:
+            host[:rows] = t.numpy()
+        if prev is None or rows < prev[0]:
+            host[rows:] = f.pad
+        padded[name] = (rows, width)
+        return view
+
+    def _fit(self, name: str, t: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+        """(rows, width, device view of them) of a tensor for a field of the open step's bucket; refuses one that
+        does not fit."""
         f, rows = self.fields[name], t.shape[0]
         width = t.shape[1] if t.dim() == 2 else 0
         if t.dtype != f.dtype or rows > self.bucket or t.dim() != (2 if f.width else 1) or width > f.width:
             raise ValueError(f"static input {name!r}: {tuple(t.shape)} {t.dtype} does not fit "
                              f"{self.bucket} rows of {f.width or 1} {f.dtype}")
-        host = self._host_views()[name]
-        if f.width:
-            host[:rows, :width] = t.numpy()
-            host[:rows, width:] = f.pad
-        else:
-            host[:rows] = t.numpy()
-        host[rows:] = f.pad
-        return self._cached((self.bucket, name, rows, width), lambda: self._rows(name, rows, width))
+        if len(self._fits) > 4096:  # shapes come and go with the batch: keep the cache bounded
+            self._fits.clear()
+        return rows, width, self._cached((self.bucket, name, rows, width), lambda: self._rows(name, rows, width))
 
     def _rows(self, name: str, rows: int, width: int) -> torch.Tensor:
         full = self._view(self.dev, name, self.bucket)
@@ -242,10 +272,18 @@ class StaticInputs(StepUpload):
         if self._scratch + nbytes > self.scratch_bytes:
             return to_device_many([t], self.device)[0]
         pos = self.ends[self.bucket] + self._scratch
-        self._np[self.slab][pos: pos + nbytes] = t.contiguous().view(-1).view(torch.uint8).numpy()
+        self._np[self.slab][pos: pos + nbytes] = _host_bytes(t)
         self._scratch += _align(nbytes)
         return self._cached((pos, t.dtype, tuple(t.shape)),
                             lambda: self.dev[pos: pos + nbytes].view(t.dtype).view(t.shape))
+
+
+def _host_bytes(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's bytes, flat: through numpy where it has the dtype (a third of the time of torch's views)."""
+    try:
+        return t.numpy().ravel().view(np.uint8)  # (ravel: contiguous, a copy only for a strided tensor)
+    except TypeError:  # bfloat16 and the like: no numpy dtype
+        return t.contiguous().view(-1).view(torch.uint8).numpy()
 
 
 def _align(nbytes: int) -> int:

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from sparseserve import LLM, SamplingParams
-from sparseserve.engine.overlap import PLACEHOLDER
+from sparseserve.engine.overlap import PLACEHOLDER, HostCopies
+from sparseserve.layers.sampler import SamplerOutput
+from tests.kernel_utils import DEVICE, ON_GPU
 from tests.schedules import drive_random_schedule, held_blocks, shared_prefix_prompts
 
 SPARSE = dict(sparse_policy="topk", sparse_budget=64, sparse_dense_layers=0, sparse_sink_blocks=1,
@@ -209,3 +211,46 @@ def test_the_server_loop_with_async_scheduling():
     assert asyncio.run(scenario()) == want
     assert engine.stats.num_blocks_used == 0 and not engine.engine.has_unfinished_requests()
     assert engine.engine.num_generation_tokens < 200 + 6 * 10  # the victim stopped early
+
+
+def _sampler_output(g: torch.Generator, rows: int, k: int | None) -> SamplerOutput:
+    """A step's sampled outputs on the device: tokens, and with k the logprobs' tensors (k + 1 columns)."""
+    tokens = torch.randint(0, 4096, (rows,), generator=g)
+    if k is None:
+        return SamplerOutput(tokens.to(DEVICE))
+    return SamplerOutput(tokens.to(DEVICE), torch.randn(rows, k + 1, generator=g).to(DEVICE),
+                         torch.randint(0, 4096, (rows, k + 1), generator=g).to(DEVICE),
+                         torch.randint(1, 9, (rows,), generator=g).to(DEVICE))
+
+
+def test_host_copies_reuse_buffers_and_keep_values_until_consumed():
+    """In the engine's order (copy step N, then consume step N - 1), over many steps whose batch and logprobs
+    change: each step's host copies hold its values when consumed, and a slot's buffers are reused (a steady
+    batch allocates nothing after its first steps). On a GPU the device is kept busy, so the host runs ahead of
+    the copies; the event of each step says when its copy landed."""
+    g = torch.Generator().manual_seed(5)
+    copies = HostCopies(pin_memory=ON_GPU)
+    pending: tuple[SamplerOutput, SamplerOutput, torch.cuda.Event | None] | None = None
+    for step in range(120):
+        rows = 32 if step >= 60 else 1 + step % 7  # random shapes first, then a steady batch
+        out = _sampler_output(g, rows, 2 if step % 5 == 0 and step < 60 else None)
+        if ON_GPU and step % 10 == 0:
+            torch.cuda._sleep(5_000_000)
+        expected = SamplerOutput(*(None if t is None else t.cpu() for t in (
+            out.token_ids, out.logprobs, out.logprob_token_ids, out.sampled_ranks)))
+        host, event = copies.copy(out)
+        assert (event is not None) == ON_GPU
+        if pending is not None:  # the step before lands now, after this one's copy started
+            want, got, ev = pending
+            if ev is not None:
+                ev.synchronize()
+            for w, h in zip((want.token_ids, want.logprobs, want.logprob_token_ids, want.sampled_ranks),
+                            (got.token_ids, got.logprobs, got.logprob_token_ids, got.sampled_ranks)):
+                assert (w is None) == (h is None)
+                if w is not None:
+                    assert h.device.type == "cpu" and h.is_pinned() == ON_GPU and torch.equal(h, w)
+        pending = (expected, host, event)
+        if step == 70:
+            steady = {b.data_ptr() for slot in copies.buffers for b in slot.values()}
+    assert {b.data_ptr() for slot in copies.buffers for b in slot.values()} == steady
+    assert all(len(slot) <= HostCopies.MAX_BUFFERS + 1 for slot in copies.buffers)

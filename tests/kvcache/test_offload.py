@@ -517,3 +517,62 @@ def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, tri
                             host_kv_memory=HOST_16, num_gpu_blocks_override=12, triton_plan=triton_plan,
                             **covering)
     assert on == off
+
+
+def test_stale_blocks_move_with_a_step_only_when_some_leave(tiny_model_dir, monkeypatch):
+    """A step's addressing carries the token blocks leaving the pool only when some do (most steps none: nothing
+    is uploaded for them); those it carries leave the pool before its kernels (drop_stale), and every block handed
+    to a new owner leaves it (random schedule over a small token block space: blocks are reused often)."""
+    from sparseserve.attention.sparse import SparseBackend
+
+    llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=96, max_num_batched_tokens=48,
+              max_num_seqs=4, **SPARSE, kv_offload=True, hbm_cache_blocks=16, host_kv_memory=HOST_16)
+    engine = llm.llm_engine
+    offload = engine.model_runner.offload
+    handed: list[int] = []
+    dropped: list[int] = []
+    steps = {"with": 0, "without": 0}
+    on_allocate, invalidate = offload.on_allocate, offload.pool.invalidate
+
+    def record_allocate(blocks):
+        handed.extend(blocks)
+        on_allocate(blocks)
+
+    def record_invalidate(blocks):
+        dropped.extend(blocks.tolist() if isinstance(blocks, torch.Tensor) else blocks)
+        invalidate(blocks)
+
+    monkeypatch.setattr(offload, "on_allocate", record_allocate)
+    monkeypatch.setattr(offload.pool, "invalidate", record_invalidate)
+
+    class RecordingUpload:
+        def __init__(self, upload) -> None:
+            self.upload, self.names = upload, []
+
+        def add(self, tensors, names=None):
+            self.names += list(names)
+            return self.upload.add(tensors, names)
+
+        def commit(self) -> None:
+            self.upload.commit()
+
+    prepare = SparseBackend.prepare
+
+    def recording_prepare(self, scheduled, meta, upload=None):
+        recording = RecordingUpload(upload)
+        before = len(dropped)
+        prepare(self, scheduled, meta, recording)
+        step = meta.backend_meta.offload
+        assert (None in recording.names) == (step.stale is not None)  # no scratch tensor but the stale blocks
+        if step.stale is not None:
+            assert dropped[before:] == step.stale.tolist() and step.stale.numel() > 0
+        steps["with" if step.stale is not None else "without"] += 1
+
+    monkeypatch.setattr(SparseBackend, "prepare", recording_prepare)
+    rng = random.Random(3)
+    drive_random_schedule(engine, rng, 80, 30, lambda outs: None, greedy=True, aborted=set())
+    while engine.has_unfinished_requests():
+        engine.step()
+    dropped += offload._stale.take_all()  # opened by decodes, still waiting for a launch
+    assert sorted(dropped) == sorted(handed) and steps["with"] > 3 and steps["without"] > steps["with"]
+    check_pool(offload)

@@ -62,13 +62,15 @@ FIELDS = [InputField("ids", torch.long), InputField("slot", torch.long, pad=-1),
 
 
 def _step(g: torch.Generator, rows: int) -> tuple[list[torch.Tensor], list[str | None]]:
-    """One step's tensors: every field (tables narrower than their width) and unnamed ones for the scratch."""
+    """One step's tensors: every field (tables narrower than their width) and unnamed ones for the scratch (a
+    strided one and a bfloat16 one among them: no numpy dtype)."""
     host = [torch.randint(0, 10**6, (rows,), generator=g), torch.randint(-1, 10**6, (rows,), generator=g),
             torch.randint(1, 9000, (rows,), generator=g, dtype=torch.int32),
             torch.randint(0, 500, (rows, int(torch.randint(1, 10, (1,), generator=g))), generator=g, dtype=torch.int32),
             torch.randint(0, 500, (rows, 5), generator=g, dtype=torch.int32),
-            torch.arange(rows + 1, dtype=torch.int32), torch.rand(rows, generator=g) > 0.5, torch.empty(0)]
-    return host, ["ids", "slot", "lens", "tables", "more", None, None, None]
+            torch.arange(rows + 1, dtype=torch.int32), torch.rand(rows, generator=g) > 0.5, torch.empty(0),
+            torch.randint(0, 10**6, (2 * rows,), generator=g)[::2], torch.randn(rows, generator=g).bfloat16()]
+    return host, ["ids", "slot", "lens", "tables", "more", None, None, None, None, None]
 
 
 def _check(inputs: StaticInputs, bucket: int, host: list[torch.Tensor], dev: list[torch.Tensor]) -> None:
@@ -103,6 +105,23 @@ def test_static_inputs_hold_each_steps_rows_and_padding():
         dev = up.add(host[:3], names[:3]) + up.add(host[3:], names[3:])  # two components' adds
         up.commit()
         up.commit()  # a second commit copies nothing more
+        _check(inputs, bucket, host, dev)
+
+
+def test_static_inputs_pad_what_a_slabs_last_write_left():
+    """A slab keeps the padding its last write of a field left, so a step writes padding only where its rows or
+    table width shrank (a steady batch writes none): one slab, so every step rewrites the one before it, rows and
+    widths growing, shrinking and staying, and another bucket's step (the layouts overlap) in between."""
+    g = torch.Generator().manual_seed(6)
+    inputs = StaticInputs(FIELDS, [4, 8, 16], DEVICE, scratch_bytes=256, num_slabs=1)
+    plan = [(8, 9), (8, 9), (3, 9), (8, 4), (8, 9), (2, 2), (16, 7), (8, 9), (8, 9), (5, 3), (8, 1), (4, 9), (8, 8)]
+    for rows, width in plan:
+        bucket = next(b for b in (4, 8, 16) if b >= rows)
+        host, names = _step(g, rows)
+        host[3] = torch.randint(0, 500, (rows, width), generator=g, dtype=torch.int32)
+        up = inputs.begin(bucket)
+        dev = up.add(host, names)
+        up.commit()
         _check(inputs, bucket, host, dev)
 
 
