@@ -14,7 +14,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from sparseserve.bench.offload import _engine_args
+from sparseserve.bench.accuracy import parse_engine_args
 from sparseserve.engine.engine import LLMEngine
 from sparseserve.sampling_params import SamplingParams
 
@@ -29,7 +29,7 @@ def main() -> None:
     args = ap.parse_args()
     engine = LLMEngine.from_kwargs(model=args.model, load_format="dummy", dtype="bfloat16",
                                    max_model_len=args.input_len + 256, max_num_seqs=args.batch,
-                                   max_num_batched_tokens=32768, **_engine_args(args.engine_arg))
+                                   max_num_batched_tokens=32768, **parse_engine_args(args.engine_arg))
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     for i in range(args.batch):

@@ -179,14 +179,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def _engine_args(args: argparse.Namespace, max_len: int) -> dict[str, Any]:
+def parse_engine_args(items: list[str]) -> dict[str, Any]:
+    """--engine-arg KEY=VALUE items (benchmarks' extra engine arguments) as keyword arguments."""
     extra = {}
-    for item in args.engine_arg:
+    for item in items:
         key, eq, val = item.partition("=")
         if not eq:
             raise ValueError(f"--engine-arg {item!r} is not KEY=VALUE")
         extra[key.strip().replace("-", "_")] = _value(val.strip())
-    return {"device": args.device, "dtype": args.dtype, "max_model_len": max_len, **extra}
+    return extra
+
+
+def _engine_args(args: argparse.Namespace, max_len: int) -> dict[str, Any]:
+    return {"device": args.device, "dtype": args.dtype, "max_model_len": max_len, **parse_engine_args(args.engine_arg)}
 
 
 def _release_memory() -> None:

@@ -183,7 +183,7 @@ def _model_arg(model: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from sparseserve.bench.offload import _engine_args
+    from sparseserve.bench.accuracy import parse_engine_args
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="model directory, GGUF, smollm2, or 8b (Llama-3.1-8B shapes)")
     p.add_argument("--load-format", default="auto", help="auto, or dummy (random weights)")
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     result = measure(_model_arg(args.model), prompt_len=args.prompt_len, batch=args.batch, steps=args.steps,
                      budget=args.budget, window=args.window, load_format=args.load_format, device=args.device,
                      dtype=args.dtype or ("bfloat16" if on_gpu else "auto"), sink=not args.no_sink,
-                     **_engine_args(args.engine_arg))
+                     **parse_engine_args(args.engine_arg))
     result["model"] = args.model
     result["date"] = datetime.date.today().isoformat()
     print_table(result["layers"] + [result["mean"]],

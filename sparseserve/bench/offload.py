@@ -583,19 +583,9 @@ def _median_row(runs: list[dict]) -> dict:
     return out
 
 
-def _engine_args(items: list[str]) -> dict:
-    from sparseserve.bench.accuracy import _value
-    out = {}
-    for item in items:
-        key, eq, val = item.partition("=")
-        if not eq:
-            raise SystemExit(f"--engine-arg {item!r} is not KEY=VALUE")
-        out[key.strip().replace("-", "_")] = _value(val.strip())
-    return out
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from sparseserve.bench.accuracy import parse_engine_args
     p.add_argument("--transfers", action="store_true", help="FlashH2D / FlashD2H against their contrasts")
     p.add_argument("--prefill", metavar="MODEL", help="32K prefill with and without FlashD2H saving")
     p.add_argument("--capacity", metavar="MODEL", help="concurrency and decode throughput, dense vs offload")
@@ -642,7 +632,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = real_bench(args.real, [int(b) for b in args.batches.split(",") if b], args.prompt_len,
                           args.output_len, args.budget, args.pool_steps, args.device,
                           args.dtype or ("bfloat16" if on_gpu else "auto"), args.margins, args.interleave,
-                          args.repeats, args.host_profile, **_engine_args(args.engine_arg))
+                          args.repeats, args.host_profile, **parse_engine_args(args.engine_arg))
         result["real"] = rows
         print_table(_flat(rows), f"{args.real}: topk {args.budget}, all KV in HBM vs KV offload; TPOT = decode time "
                                  f"per output token (steps where every request decodes)")
@@ -665,7 +655,7 @@ def main(argv: list[str] | None = None) -> None:
         for offload, n, r, c in runs:
             rows.append(capacity_run(args.capacity, int(n), args.gpu_memory_gb, args.output_len,
                                      args.prompt_len or 32768, offload, args.host_kv_gb, int(r), args.profile, c,
-                                     **_engine_args(args.engine_arg)))
+                                     **parse_engine_args(args.engine_arg)))
             print_table(rows[-1:], "")
         result["capacity"] = rows
         best = {c: max((r["decode_tok_s"] or 0) for r in rows if r["config"] == c) for c in {r["config"] for r in rows}}

@@ -22,12 +22,14 @@ smoke test runs it with a tiny model and tiny sizes (tests/bench/test_bench_pref
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
 import logging
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,9 +78,10 @@ def long_jobs(tokenizer, n: int, prompt_len: int, output_len: int) -> list[Job]:
     return [Job(0.0, tokenizer.encode(builder.prompt(prompt_len, f"long:{i}")), output_len) for i in range(n)]
 
 
-def replay(engine, jobs: list[Job]) -> dict:
+def replay(engine, jobs: list[Job], on_step: Callable[[list, float], None] | None = None) -> dict:
     """Adds each job at its arrival time (seconds after the start) and steps the engine until all finished.
-    TTFT counts from the arrival time."""
+    TTFT counts from the arrival time. on_step(outputs, t): after each engine step, its outputs (request ids
+    "j<index in arrival order>") and the seconds since the start (bench/decode_time.py's timeline)."""
     import numpy as np
 
     from sparseserve import SamplingParams
@@ -99,7 +102,10 @@ def replay(engine, jobs: list[Job]) -> dict:
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, min(jobs[i].arrival_s - now, 0.05)))
             continue
-        for out in engine.step():
+        outputs = engine.step()
+        if on_step is not None:
+            on_step(outputs, time.perf_counter() - t0)
+        for out in outputs:
             new = sum(len(c.token_ids) for c in out.outputs)  # deltas: the tokens new since the last output
             if out.request_id not in first and new:
                 first[out.request_id] = time.perf_counter() - t0
@@ -127,18 +133,25 @@ CONFIGS = {
 }
 
 
-def run_config(model: str, name: str, jobs: list[Job], engine_kw: dict, extra: dict) -> dict:
+@contextlib.contextmanager
+def fresh_engine(**engine_kw) -> Iterator:
+    """An LLMEngine whose memory is given back afterwards (configurations run one after another in a process)."""
     import torch
 
     from sparseserve.engine.engine import LLMEngine
-    engine = LLMEngine.from_kwargs(model=model, **engine_kw, **extra)
+    engine = LLMEngine.from_kwargs(**engine_kw)
     try:
-        row = {"config": name, **replay(engine, jobs)}
+        yield engine
     finally:
         del engine
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def run_config(model: str, name: str, jobs: list[Job], engine_kw: dict, extra: dict) -> dict:
+    with fresh_engine(model=model, **engine_kw, **extra) as engine:
+        row = {"config": name, **replay(engine, jobs)}
     logger.info("%s", row)
     return row
 
@@ -157,18 +170,39 @@ def engine_kwargs(args: argparse.Namespace, max_model_len: int) -> dict:
     return kw
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_replay_args(p: argparse.ArgumentParser) -> None:
+    """The model, engine-size and trace options of an in-process replay benchmark (`engine_kwargs`, `model_dir`,
+    `trace_jobs`)."""
     p.add_argument("--model", default="8b", help="model directory, or 8b (Llama-3.1-8B shapes, dummy weights)")
     p.add_argument("--load-format", default=None, choices=["auto", "dummy"], help="default: dummy for 8b")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--gpu-memory-gb", type=float, default=40.0, help="GPU memory cap (CUDA)")
+    p.add_argument("--num-gpu-blocks", type=int, default=None, help="exact KV blocks instead (CPU smoke runs)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--trace", default=str(data_dir() / "traces" / "mooncake_conversation.jsonl"))
+    p.add_argument("--num-requests", type=int, default=48, help="the trace's first requests to replay")
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiplies the trace's inter-arrival times")
+    p.add_argument("--max-input-len", type=int, default=32768, help="cap on the trace's prompt lengths")
+    p.add_argument("--max-output-len", type=int, default=512, help="cap on the trace's output lengths")
+
+
+@contextlib.contextmanager
+def model_dir(args: argparse.Namespace) -> Iterator[str]:
+    """args.model, or for "8b" a temporary Llama-3.1-8B-shaped directory (dummy weights) for the duration."""
+    if args.model != "8b":
+        yield args.model
+        return
+    args.load_format = args.load_format or "dummy"
+    with tempfile.TemporaryDirectory() as tmp:
+        yield str(make_8b_dir(Path(tmp) / "m8b"))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_replay_args(p)
     p.add_argument("--workloads", nargs="+", default=["conversation", "long", "hitrate"],
                    choices=["conversation", "long", "hitrate"])
-    p.add_argument("--trace", default=str(data_dir() / "traces" / "mooncake_conversation.jsonl"))
-    p.add_argument("--num-requests", type=int, default=48, help="conversation: trace requests")
-    p.add_argument("--time-scale", type=float, default=1.0, help="conversation: trace time scale")
-    p.add_argument("--max-input-len", type=int, default=32768)
-    p.add_argument("--max-output-len", type=int, default=512)
     p.add_argument("--long-requests", type=int, default=24)
     p.add_argument("--long-input", type=int, default=16384)
     p.add_argument("--long-output", type=int, default=1024)
@@ -183,24 +217,14 @@ def main(argv: list[str] | None = None) -> dict:
                    "the device cache with the host tier (each alone fits a 10-minute run where all do not)")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
                    help="conversation and long: the configurations to compare")
-    p.add_argument("--gpu-memory-gb", type=float, default=40.0, help="GPU memory cap (CUDA)")
-    p.add_argument("--num-gpu-blocks", type=int, default=None, help="exact KV blocks instead (CPU smoke runs)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     from transformers import AutoTokenizer
 
     from sparseserve.bench.hardware import print_table
-    tmp = None
-    model = args.model
-    if model == "8b":
-        tmp = tempfile.TemporaryDirectory()
-        model = str(make_8b_dir(Path(tmp.name) / "m8b"))
-        args.load_format = args.load_format or "dummy"
-    tokenizer = AutoTokenizer.from_pretrained(model)
     report: dict = {"date": datetime.date.today().isoformat(), "model": args.model, "args": vars(args)}
-    try:
+    with model_dir(args) as model:
+        tokenizer = AutoTokenizer.from_pretrained(model)
         if "conversation" in args.workloads:
             jobs = trace_jobs(tokenizer, args.trace, args.num_requests, args.time_scale, args.max_input_len,
                               args.max_output_len)
@@ -228,9 +252,6 @@ def main(argv: list[str] | None = None) -> dict:
             report["hitrate"] = rows
             print_table(rows, f"conversation trace, {args.hitrate_requests} requests at time scale "
                               f"{args.hitrate_time_scale:g}: prefix hit rate, dense")
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return report

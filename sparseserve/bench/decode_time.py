@@ -1,0 +1,171 @@
+"""Where a request's decode time goes under load: the conversation trace replayed in-process (bench/prefix.py's
+`replay`: each request added at its arrival time, LLMEngine stepped until all finished) with the time of every
+token, and each request's time per output token split by what the engine did between its tokens.
+
+Every interval between two tokens of a request ends with the engine step that produced the second token; the
+steps before it in the interval produced none for this request (held back by the working-set limit, parked
+after a prefill ahead, preempted, or not scheduled). So a request's TPOT is the sum of three parts, each over
+its output tokens - 1:
+- decode: intervals whose producing step ran decodes only;
+- with prefill: the producing step also ran prompt tokens (a prefill chunk, or a layer-segmented prefill's
+  segment): the decode waited for them;
+- waiting: steps of the interval that produced no token for it.
+Under async scheduling a step's tokens come out of the next `step()` call: the time between two calls is the
+device time of the step launched in the earlier one, which is the step that produced them.
+
+    python -m sparseserve.bench.decode_time --configs dense layerseg_async [--time-scale 1] [--json out.json]
+
+Configurations (the serving ladder's, scripts/gpu_serve_check.sh): dense; sparse (topk 2048); offload (+
+kv_offload); ws (+ working_set_control); layerseg (+ layer_segmented_prefill); layerseg_lag (+ sparse_lag 1);
+NAME_async (+ async_scheduling).
+`--model 8b`: Llama-3.1-8B shapes over the embedded tokenizer's vocabulary, dummy bf16 weights, GPU memory capped
+at --gpu-memory-gb (DESIGN.md's reference workload). Any model directory works; on CPU the smoke test runs it with
+a tiny model (tests/bench/test_decode_time.py).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import logging
+import statistics
+from pathlib import Path
+
+from sparseserve.bench.accuracy import parse_engine_args
+from sparseserve.bench.prefix import (Job, add_replay_args, engine_kwargs, fresh_engine, model_dir, replay,
+                                      trace_jobs)
+
+logger = logging.getLogger(__name__)
+
+_SPARSE = dict(sparse_policy="topk", sparse_budget=2048)
+_LADDER = {
+    "dense": {},
+    "sparse": _SPARSE,
+    "offload": _SPARSE | dict(kv_offload=True),
+    "ws": _SPARSE | dict(kv_offload=True, working_set_control=True),
+    "layerseg": _SPARSE | dict(kv_offload=True, working_set_control=True, layer_segmented_prefill=True),
+}
+_LADDER["layerseg_lag"] = _LADDER["layerseg"] | dict(sparse_lag=1)
+CONFIGS = _LADDER | {f"{k}_async": v | dict(async_scheduling=True) for k, v in _LADDER.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One `step()` call: when it returned, the seconds since the call before, the step that produced its tokens
+    (decode rows, prompt tokens, layer segments) and the requests that got a token."""
+    t: float
+    duration: float
+    decodes: int
+    prompt_tokens: int
+    segments: int
+    requests: frozenset[str]
+
+    @property
+    def prefills(self) -> bool:
+        return self.prompt_tokens > 0 or self.segments > 0
+
+
+@dataclasses.dataclass
+class Timeline:
+    """The `on_step` hook of `replay`: a StepRecord per engine step (async scheduling: a step's tokens come out
+    one call later, with the schedule launched in the call before)."""
+    engine: object
+    steps: list[StepRecord] = dataclasses.field(default_factory=list)
+    _last_t: float = 0.0
+    _launched: tuple[int, int, int] | None = None
+
+    def __call__(self, outputs: list, t: float) -> None:
+        sched = self.engine.last_schedule
+        # Rows of more than one token are prompt chunks; a decode row has one (a one-token last prompt chunk
+        # counts as a decode: the same work).
+        launched = (sum(1 for _, n in sched.scheduled if n == 1), sum(n for _, n in sched.scheduled if n > 1),
+                    len(sched.segments)) if sched is not None else (0, 0, 0)
+        produced = launched
+        if self.engine.async_scheduling:
+            produced, self._launched = self._launched or (0, 0, 0), launched
+        got = frozenset(o.request_id for o in outputs if any(c.token_ids for c in o.outputs))
+        self.steps.append(StepRecord(t, t - self._last_t, *produced, got))
+        self._last_t = t
+
+
+def decompose(steps: list[StepRecord]) -> dict:
+    """Mean TPOT over the requests with two or more tokens and its three parts (module docstring), in ms; the
+    producing steps' counts and durations."""
+    token_steps: dict[str, list[int]] = {}
+    for i, s in enumerate(steps):
+        for r in s.requests:
+            token_steps.setdefault(r, []).append(i)
+    parts = {"decode": [], "with_prefill": [], "waiting": []}
+    for idx in token_steps.values():
+        if len(idx) < 2:
+            continue
+        acc = dict.fromkeys(parts, 0.0)
+        for a, b in zip(idx, idx[1:]):
+            acc["with_prefill" if steps[b].prefills else "decode"] += steps[b].duration
+            acc["waiting"] += sum(steps[k].duration for k in range(a + 1, b))
+        for k in parts:
+            parts[k].append(acc[k] / (len(idx) - 1))
+    mean = lambda v: 1e3 * statistics.fmean(v) if v else 0.0  # noqa: E731
+    dec = [s for s in steps if s.requests and not s.prefills]
+    mix = [s for s in steps if s.requests and s.prefills]
+    out = {"requests_decoded": len(parts["decode"]),
+           "tpot_ms": sum(mean(v) for v in parts.values()),
+           **{f"{k}_ms": mean(v) for k, v in parts.items()},
+           "decode_steps": len(dec), "decode_step_ms": mean([s.duration for s in dec]),
+           "decode_batch": statistics.fmean([s.decodes for s in dec]) if dec else 0.0,
+           "prefill_steps": len(mix), "prefill_step_ms": mean([s.duration for s in mix]),
+           "prefill_s": sum(s.duration for s in mix),
+           "prefill_step_batch": statistics.fmean([s.decodes for s in mix]) if mix else 0.0,
+           "prefill_step_tokens": statistics.fmean([s.prompt_tokens for s in mix]) if mix else 0.0}
+    return out
+
+
+def run_config(model: str, name: str, jobs: list[Job], engine_kw: dict) -> tuple[dict, list[StepRecord]]:
+    """The config's row and its timeline."""
+    with fresh_engine(model=model, **(CONFIGS[name] | engine_kw)) as engine:  # --engine-arg overrides
+        timeline = Timeline(engine)
+        summary = replay(engine, jobs, on_step=timeline)
+        stats = engine.get_stats(sync=True)
+    row = {"config": name, "output_tok_s": summary["output_tok_s"], "mean_ttft_s": summary["mean_ttft_s"],
+           **decompose(timeline.steps), "computed_per_prompt": summary["computed_per_prompt"],
+           "prefix_hit_rate": summary["hit_rate"], "preemptions": summary["preemptions"],
+           "hold_backs": stats.working_set_hold_backs, "prefill_aheads": stats.working_set_prefill_aheads}
+    if stats.offload_layer_steps:
+        hits, loaded = stats.offload_hbm_hits, stats.offload_blocks_loaded + stats.offload_bypass_reads
+        row["hbm_hit"] = hits / max(hits + loaded, 1)
+    logger.info("%s", row)
+    return row, timeline.steps
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_replay_args(p)
+    p.add_argument("--configs", nargs="+", default=["dense", "layerseg_async"], choices=list(CONFIGS))
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra engine argument for every config (repeatable), e.g. host_kv_memory=88GB")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    from transformers import AutoTokenizer
+
+    from sparseserve.bench.hardware import print_table
+    with model_dir(args) as model:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        jobs = trace_jobs(tokenizer, args.trace, args.num_requests, args.time_scale, args.max_input_len,
+                          args.max_output_len)
+        kw = engine_kwargs(args, args.max_input_len + args.max_output_len)
+        kw.update(parse_engine_args(args.engine_arg))
+        runs = {c: run_config(model, c, jobs, kw) for c in args.configs}
+    rows = [row for row, _ in runs.values()]
+    print_table(rows, f"conversation trace, first {args.num_requests} requests at time scale {args.time_scale:g}: "
+                      "TPOT = decode + with_prefill + waiting (ms per output token)")
+    report = {"date": datetime.date.today().isoformat(), "model": args.model, "args": vars(args), "rows": rows,
+              "timelines": {c: [dataclasses.asdict(s) | {"requests": sorted(s.requests)} for s in steps]
+                            for c, (_, steps) in runs.items()}}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()

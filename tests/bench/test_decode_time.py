@@ -1,0 +1,76 @@
+"""The decode-time breakdown (bench/decode_time.py): its split on a hand-built timeline, the async attribution of a
+step's tokens to the schedule launched one call earlier, and a CPU smoke run whose parts add up to the TPOT of
+the token times."""
+from __future__ import annotations
+
+import json
+import statistics
+from types import SimpleNamespace
+
+import pytest
+
+from sparseserve.bench import decode_time as D
+from sparseserve.bench.datasets import data_dir
+
+TRACE = data_dir() / "traces" / "mooncake_conversation.jsonl"
+
+
+def _step(t, duration, prompt_tokens=0, segments=0, requests=(), decodes=1):
+    return D.StepRecord(t, duration, decodes, prompt_tokens, segments, frozenset(requests))
+
+
+def test_split_of_a_hand_built_timeline():
+    steps = [_step(0.010, 0.010, prompt_tokens=100, requests=["a"]),  # a's first token (its prefill)
+             _step(0.020, 0.010, requests=["a", "b"]),                # decode only: 10 ms
+             _step(0.025, 0.005, prompt_tokens=64),                   # a waits: 5 ms
+             _step(0.045, 0.020, segments=1, requests=["a", "b"]),    # with a prefill segment: 20 ms
+             _step(0.050, 0.005, requests=["b"])]                     # b only
+    out = D.decompose(steps)
+    # a: intervals 1 (10 ms decode) and 3 (5 ms waiting + 20 ms with prefill) over 2 tokens;
+    # b: intervals 3 (5 + 20) and 4 (5 ms decode) over 2
+    assert out["requests_decoded"] == 2
+    assert out["decode_ms"] == pytest.approx((10 / 2 + 5 / 2) / 2)
+    assert out["waiting_ms"] == pytest.approx((5 / 2 + 5 / 2) / 2)
+    assert out["with_prefill_ms"] == pytest.approx((20 / 2 + 20 / 2) / 2)
+    assert out["tpot_ms"] == pytest.approx(((45 - 10) / 2 + (50 - 20) / 2) / 2)
+    assert out["decode_steps"] == 2 and out["prefill_steps"] == 2
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_tokens_are_booked_to_the_step_that_produced_them(async_scheduling):
+    prefill = SimpleNamespace(scheduled=[(None, 300), (None, 1)], segments=[])
+    decode = SimpleNamespace(scheduled=[(None, 1), (None, 1)], segments=[])
+    engine = SimpleNamespace(async_scheduling=async_scheduling, last_schedule=None)
+    timeline = D.Timeline(engine)
+    out = [SimpleNamespace(request_id="r", outputs=[SimpleNamespace(token_ids=[7])])]
+    for t, sched, outputs in ((1.0, prefill, []), (2.0, decode, out), (3.0, decode, out)):
+        engine.last_schedule = sched
+        timeline(outputs if async_scheduling else out, t)
+    first, second = timeline.steps[1], timeline.steps[2]
+    # async: the call at t=2 lands the prefill step launched at t=1; sync: each call lands its own
+    assert first.prefills == async_scheduling and first.prompt_tokens == (300 if async_scheduling else 0)
+    assert not second.prefills and second.decodes == 2 and second.duration == pytest.approx(1.0)
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason=f"Mooncake trace not found at {TRACE} (../shared/data)")
+def test_decode_time_smoke(tiny_model_dir, tmp_path):
+    out = tmp_path / "decode_time.json"
+    report = D.main(["--model", str(tiny_model_dir), "--device", "cpu", "--num-gpu-blocks", "64",
+                     "--num-requests", "5", "--time-scale", "0", "--max-input-len", "300", "--max-output-len", "12",
+                     "--configs", "dense", "layerseg_async", "--engine-arg", "block_size=16",
+                     "--engine-arg", "sparse_budget=128", "--engine-arg", "sparse_dense_layers=1",
+                     "--json", str(out)])
+    assert json.loads(out.read_text())["rows"] == report["rows"]
+    assert [r["config"] for r in report["rows"]] == ["dense", "layerseg_async"]
+    for row in report["rows"]:
+        # the parts add up to the TPOT of the token times themselves
+        times: dict[str, list[float]] = {}
+        for s in report["timelines"][row["config"]]:
+            for r in s["requests"]:
+                times.setdefault(r, []).append(s["t"])
+        tpots = [(t[-1] - t[0]) / (len(t) - 1) for t in times.values() if len(t) > 1]
+        assert row["requests_decoded"] == len(tpots) == 5
+        assert row["tpot_ms"] == pytest.approx(1e3 * statistics.fmean(tpots))
+        assert row["decode_ms"] + row["with_prefill_ms"] + row["waiting_ms"] == pytest.approx(row["tpot_ms"])
+        assert row["decode_steps"] > 0 and row["output_tok_s"] > 0
+    assert "hbm_hit" in report["rows"][1]
