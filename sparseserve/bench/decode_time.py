@@ -69,13 +69,14 @@ class StepRecord:
 @dataclasses.dataclass
 class Timeline:
     """The `on_step` hook of `replay`: a StepRecord per engine step (async scheduling: a step's tokens come out
-    one call later, with the schedule launched in the call before)."""
+    one call later, with the schedule launched in the call before). A step's duration leaves out the time the
+    replay slept before it with nothing to run (no request was decoding then)."""
     engine: object
     steps: list[StepRecord] = dataclasses.field(default_factory=list)
     _last_t: float = 0.0
     _launched: tuple[int, int, int] | None = None
 
-    def __call__(self, outputs: list, t: float) -> None:
+    def __call__(self, outputs: list, t: float, idle: float = 0.0) -> None:
         sched = self.engine.last_schedule
         # Rows of more than one token are prompt chunks; a decode row has one (a one-token last prompt chunk
         # counts as a decode: the same work).
@@ -85,7 +86,7 @@ class Timeline:
         if self.engine.async_scheduling:
             produced, self._launched = self._launched or (0, 0, 0), launched
         got = frozenset(o.request_id for o in outputs if any(c.token_ids for c in o.outputs))
-        self.steps.append(StepRecord(t, t - self._last_t, *produced, got))
+        self.steps.append(StepRecord(t, t - self._last_t - idle, *produced, got))
         self._last_t = t
 
 

@@ -78,10 +78,11 @@ def long_jobs(tokenizer, n: int, prompt_len: int, output_len: int) -> list[Job]:
     return [Job(0.0, tokenizer.encode(builder.prompt(prompt_len, f"long:{i}")), output_len) for i in range(n)]
 
 
-def replay(engine, jobs: list[Job], on_step: Callable[[list, float], None] | None = None) -> dict:
+def replay(engine, jobs: list[Job], on_step: Callable[[list, float, float], None] | None = None) -> dict:
     """Adds each job at its arrival time (seconds after the start) and steps the engine until all finished.
-    TTFT counts from the arrival time. on_step(outputs, t): after each engine step, its outputs (request ids
-    "j<index in arrival order>") and the seconds since the start (bench/decode_time.py's timeline)."""
+    TTFT counts from the arrival time. on_step(outputs, t, idle): after each engine step, its outputs (request ids
+    "j<index in arrival order>"), the seconds since the start, and the seconds the replay slept since the step
+    before, waiting for an arrival with nothing to run (bench/decode_time.py's timeline)."""
     import numpy as np
 
     from sparseserve import SamplingParams
@@ -91,7 +92,7 @@ def replay(engine, jobs: list[Job], on_step: Callable[[list, float], None] | Non
     arrival = {f"j{i}": j.arrival_s for i, j in enumerate(jobs)}
     out_tokens = 0
     t0 = time.perf_counter()
-    i = 0
+    i, idle = 0, 0.0
     while i < len(jobs) or engine.has_unfinished_requests():
         now = time.perf_counter() - t0
         while i < len(jobs) and jobs[i].arrival_s <= now:
@@ -101,10 +102,12 @@ def replay(engine, jobs: list[Job], on_step: Callable[[list, float], None] | Non
             i += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, min(jobs[i].arrival_s - now, 0.05)))
+            idle += time.perf_counter() - t0 - now
             continue
         outputs = engine.step()
         if on_step is not None:
-            on_step(outputs, time.perf_counter() - t0)
+            on_step(outputs, time.perf_counter() - t0, idle)
+        idle = 0.0
         for out in outputs:
             new = sum(len(c.token_ids) for c in out.outputs)  # deltas: the tokens new since the last output
             if out.request_id not in first and new:

@@ -43,13 +43,14 @@ def test_tokens_are_booked_to_the_step_that_produced_them(async_scheduling):
     engine = SimpleNamespace(async_scheduling=async_scheduling, last_schedule=None)
     timeline = D.Timeline(engine)
     out = [SimpleNamespace(request_id="r", outputs=[SimpleNamespace(token_ids=[7])])]
-    for t, sched, outputs in ((1.0, prefill, []), (2.0, decode, out), (3.0, decode, out)):
+    for t, sched, outputs, idle in ((1.0, prefill, [], 0.5), (2.0, decode, out, 0.0), (3.0, decode, out, 0.0)):
         engine.last_schedule = sched
-        timeline(outputs if async_scheduling else out, t)
+        timeline(outputs if async_scheduling else out, t, idle)
     first, second = timeline.steps[1], timeline.steps[2]
     # async: the call at t=2 lands the prefill step launched at t=1; sync: each call lands its own
     assert first.prefills == async_scheduling and first.prompt_tokens == (300 if async_scheduling else 0)
     assert not second.prefills and second.decodes == 2 and second.duration == pytest.approx(1.0)
+    assert timeline.steps[0].duration == pytest.approx(0.5)  # the replay's sleep before the first step left out
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason=f"Mooncake trace not found at {TRACE} (../shared/data)")
