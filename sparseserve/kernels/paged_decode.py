@@ -15,6 +15,8 @@ import torch
 from sparseserve.kernels.dispatch import tl, triton, use_triton
 
 LOG2E = 1.4426950408889634
+# Splits merged per tile (_decode_merge_kernel): one kernel variant whatever the number of splits.
+MERGE_TILE = 16
 
 
 @triton.jit
@@ -117,36 +119,42 @@ def _decode_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, part_out_ptr
     tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=g < GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_size", "num_splits"])
 def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, split_size, num_splits,
                          stride_ot, stride_oh,
                          NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_TILE: tl.constexpr):
+                         BLOCK_D: tl.constexpr, MERGE_TILE: tl.constexpr):
     """Log-sum-exp merge of the splits of one (sequence, query head) (reference: paged_attention_ref).
 
     Only the splits the sequence reaches are read (the others were never written); a sequence of
-    length 0 (padding) gets zeros.
+    length 0 (padding) gets zeros. The splits are read in tiles of MERGE_TILE (the maximum first, then the
+    weighted sum), and the split counts are not specialized on: the number of splits follows each eager step's
+    batch and longest context, and a compilation per power of two of it would land while serving.
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
     num_valid = tl.cdiv(seq_len, split_size)
     row0 = (b * NUM_Q_HEADS + h).to(tl.int64) * num_splits
-    splits = tl.arange(0, BLOCK_S)
-    lse = tl.load(part_lse_ptr + row0 + splits, mask=splits < num_valid, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
+    st = tl.arange(0, MERGE_TILE)
+    lse_tile = tl.full([MERGE_TILE], float("-inf"), tl.float32)
+    for s0 in range(0, num_valid, MERGE_TILE):
+        lse = tl.load(part_lse_ptr + row0 + s0 + st, mask=s0 + st < num_valid, other=float("-inf"))
+        lse_tile = tl.maximum(lse_tile, lse)
+    lse_max = tl.max(lse_tile, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    denom = tl.sum(tl.exp2(lse - lse_max), 0)
 
     dims = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    st = tl.arange(0, MERGE_TILE)
+    denom_tile = tl.zeros([MERGE_TILE], tl.float32)
     for s0 in range(0, num_valid, MERGE_TILE):
         smask = s0 + st < num_valid
         w = tl.exp2(tl.load(part_lse_ptr + row0 + s0 + st, mask=smask, other=float("-inf")) - lse_max)
+        denom_tile += w
         part = tl.load(part_out_ptr + (row0 + s0 + st)[:, None] * BLOCK_D + dims[None, :],
                        mask=smask[:, None], other=0.0)
         acc += tl.sum(w[:, None] * part, 0)
+    denom = tl.sum(denom_tile, 0)
     out = acc / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + dims,
              out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
@@ -260,7 +268,5 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         num_warps=config.num_warps, num_stages=config.num_stages)
     _decode_merge_kernel[(batch, num_q_heads)](
         part_out, part_lse, seq_lens, out, split_size, num_splits, out.stride(0), out.stride(1),
-        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_S=triton.next_power_of_2(num_splits), MERGE_TILE=min(16, triton.next_power_of_2(num_splits)),
-        num_warps=4)
+        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, MERGE_TILE=MERGE_TILE, num_warps=4)
     return out

@@ -11,7 +11,8 @@ import torch
 
 from sparseserve.attention.backend import AttentionMetadata, attend_paged
 from sparseserve.kernels.dispatch import forced
-from sparseserve.kernels.paged_decode import DecodeConfig, paged_decode_ref, paged_decode_triton
+from sparseserve.kernels.paged_decode import (MERGE_TILE, DecodeConfig, paged_decode_ref, paged_decode_triton,
+                                               split_plan)
 from sparseserve.kernels.paged_prefill import PrefillConfig, paged_prefill_ref, paged_prefill_triton
 from sparseserve.kernels.store_kv import store_kv_ref, store_kv_triton
 from tests.kernel_utils import ATTN_DTYPES, DEVICE, TOL, gpu_only, rel_err
@@ -116,6 +117,22 @@ def test_paged_decode(dtype, hq, hkv, d, bs, config):
                         config=config)
     assert torch.isfinite(out).all()
     assert torch.count_nonzero(out[0]) == 0 == torch.count_nonzero(torch_ref[0])  # seq_len 0: zeros
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+def test_paged_decode_merges_many_splits(dtype):
+    """More splits than one merge tile (44 splits of 16 tokens: three tiles, the last partly used) and sequences
+    that reach only a few of them."""
+    torch.manual_seed(3)
+    q, cache, meta = make_batch([0, 5, 700, 260], [], 6, 2, 32, 16, dtype, slack=16)
+    ref = paged_attention_ref(q, cache, meta, 32 ** -0.5)
+    out = torch.full_like(q, float("nan"))
+    config = DecodeConfig(tile_n=16, target_programs=4096)
+    assert split_plan(4, 2, meta.max_seq_len, q.device, config)[1] > 2 * MERGE_TILE
+    paged_decode_triton(q, cache, meta.block_tables, meta.seq_lens, 32 ** -0.5, meta.max_seq_len, out=out,
+                        config=config)
+    assert torch.count_nonzero(out[0]) == 0
     assert rel_err(out, ref) < TOL[dtype]
 
 
