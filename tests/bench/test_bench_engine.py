@@ -30,4 +30,5 @@ def test_parity_bench_matches_transformers_on_cpu(tmp_path, tiny_model_dir):
                      gpu_memory_utilization=0.5, seed=0, json=str(tmp_path / "p.json")).items():
         setattr(args, k, v)
     row = parity.main(args)
-    assert row["logits_rel_err"] < 1e-4 and row["greedy_tokens_equal_prefix"] == "6/6"
+    assert row["logits_rel_err"] < 1e-4 and row["logits_rel_err_vs_eager"] < 1e-4
+    assert row["greedy_tokens_equal_prefix"] == "6/6"
