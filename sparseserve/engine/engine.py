@@ -111,11 +111,16 @@ class LLMEngine:
         for odd in (0, 1):
             # short (decodes beside the rest); within the budget but cut by the short one's share (a chunk
             # after a prefix: never layer-segmented; in the second round a prefix-cache hit on the first's,
-            # restored from the host store under KV offload); longer than the budget; short again (mid-step)
+            # restored from the host store under KV offload); longer than the budget (in the second round after
+            # a prefix-cache hit on the first's first two blocks: a layer-segmented prefill restores its prefix);
+            # short again (mid-step)
             lengths = (2 * bs + 3 * odd, min(budget, long_len) - bs - odd, long_len + 5 * odd, bs + 7 * odd)
             for i, n in enumerate(lengths):
                 start = i * 7919 + (odd * 104729 if i != 1 else 0)
-                self.add_request(f"warm-up-{odd}-{i}", [(start + t) % vocab for t in range(n)],
+                prompt = [(start + t) % vocab for t in range(n)]
+                if i == 2 and odd:
+                    prompt[:2 * bs] = [(i * 7919 + t) % vocab for t in range(2 * bs)]
+                self.add_request(f"warm-up-{odd}-{i}", prompt,
                                  SamplingParams(temperature=0.0, max_tokens=8 if i == 0 else 4, ignore_eos=True))
             for _ in range(1000):
                 if not (self.has_unfinished_requests() or self._inflight is not None):

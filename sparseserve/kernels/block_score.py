@@ -201,7 +201,11 @@ def step_slots(seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int, re
 # ---- Triton ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# Row-indexed step inputs (sequence lengths, query offsets, block tables: views from a row offset, whose
+# alignment follows the step's decode count) and integers that follow the step's shape are not specialized on:
+# each would compile a second variant while serving (tests/engine/test_no_jit_while_serving.py).
+@triton.jit(do_not_specialize=["stride_sb", "stride_sh", "stride_tb", "max_blocks", "blocks_per_split"],
+            do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "slots_ptr"])
 def _score_kernel(q_ptr, codes_ptr, page_scale_ptr, table_ptr, seq_lens_ptr, slots_ptr, counter_ptr, scores_ptr,
                   scale, stride_qt, stride_qh, stride_mb, stride_mh, stride_mm, stride_sb, stride_sh, stride_tb,
                   stride_cs, max_blocks, blocks_per_split,
@@ -265,7 +269,7 @@ def _score_kernel(q_ptr, codes_ptr, page_scale_ptr, table_ptr, seq_lens_ptr, slo
         tl.store(score_row[:, None] + nn[None, :], s, mask=(g < GROUP)[:, None] & (nn < n_end)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"], do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr"])
 def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, stats_ptr, streaming_ptr,
                    mass_target, max_blocks, stride_ss, stride_cs,
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr, SINK: tl.constexpr,

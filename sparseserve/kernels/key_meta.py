@@ -114,7 +114,7 @@ def store_kv_key_meta(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, 
     fn(k, v, kv_cache, codes, scale, slot_mapping, page_size, meta_slots, host_layer, num_write, count)
 
 
-@triton.jit(do_not_specialize=["num_write"])
+@triton.jit(do_not_specialize=["num_tokens", "num_write"])
 def _store_kv_key_meta_kernel(k_ptr, v_ptr, cache_ptr, codes_ptr, scale_ptr, slot_ptr, meta_slot_ptr, num_tokens,
                               host_ptr, count_ptr, num_write,
                               stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ch, stride_ckv,

@@ -70,7 +70,9 @@ def softmax_update(acc, m_i, l_i, s, v, DOT_PREC: tl.constexpr):
     return acc, m_new, l_i
 
 
-@triton.jit
+# An eager step's block tables are as wide as its longest context: their stride is not specialized on (a multiple
+# of 16 blocks in some steps only would compile a second variant while serving).
+@triton.jit(do_not_specialize=["stride_tb"])
 def _decode_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
                          qk_scale, split_size,
                          stride_qt, stride_qh, stride_cb, stride_ch, stride_ckv, stride_tb,
@@ -119,23 +121,11 @@ def _decode_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, part_out_ptr
     tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=g < GROUP)
 
 
-@triton.jit(do_not_specialize=["split_size", "num_splits"])
-def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, split_size, num_splits,
-                         stride_ot, stride_oh,
-                         NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, MERGE_TILE: tl.constexpr):
-    """Log-sum-exp merge of the splits of one (sequence, query head) (reference: paged_attention_ref).
-
-    Only the splits the sequence reaches are read (the others were never written); a sequence of
-    length 0 (padding) gets zeros. The splits are read in tiles of MERGE_TILE (the maximum first, then the
-    weighted sum), and the split counts are not specialized on: the number of splits follows each eager step's
-    batch and longest context, and a compilation per power of two of it would land while serving.
-    """
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b)
-    num_valid = tl.cdiv(seq_len, split_size)
-    row0 = (b * NUM_Q_HEADS + h).to(tl.int64) * num_splits
+@triton.jit
+def merge_splits(part_out_ptr, part_lse_ptr, row0, num_valid, BLOCK_D: tl.constexpr, MERGE_TILE: tl.constexpr):
+    """Log-sum-exp merge of the first num_valid partials of a row (partial i at row0 + i): their outputs weighted by
+    exp2(lse - max lse), summed, normalised; zeros where none has weight. Read in tiles of MERGE_TILE (the maximum
+    first, then the weighted sum), so one compiled kernel serves any number of splits."""
     st = tl.arange(0, MERGE_TILE)
     lse_tile = tl.full([MERGE_TILE], float("-inf"), tl.float32)
     for s0 in range(0, num_valid, MERGE_TILE):
@@ -155,7 +145,27 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, spli
                        mask=smask[:, None], other=0.0)
         acc += tl.sum(w[:, None] * part, 0)
     denom = tl.sum(denom_tile, 0)
-    out = acc / tl.where(denom > 0, denom, 1.0)
+    return acc / tl.where(denom > 0, denom, 1.0)
+
+
+@triton.jit(do_not_specialize=["split_size", "num_splits"])
+def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, split_size, num_splits,
+                         stride_ot, stride_oh,
+                         NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, MERGE_TILE: tl.constexpr):
+    """Log-sum-exp merge of the splits of one (sequence, query head) (reference: paged_attention_ref).
+
+    Only the splits the sequence reaches are read (the others were never written); a sequence of
+    length 0 (padding) gets zeros. The split counts are not specialized on: the number of splits follows each
+    eager step's batch and longest context, and a compilation per power of two of it would land while serving.
+    """
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    num_valid = tl.cdiv(seq_len, split_size)
+    row0 = (b * NUM_Q_HEADS + h).to(tl.int64) * num_splits
+    out = merge_splits(part_out_ptr, part_lse_ptr, row0, num_valid, BLOCK_D, MERGE_TILE)
+    dims = tl.arange(0, BLOCK_D)
     tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + dims,
              out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 

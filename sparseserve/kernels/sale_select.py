@@ -216,7 +216,11 @@ def _pow2(n):
     return ((n + 127) << 23).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+# Row-indexed step inputs (sequence lengths, query offsets, block tables: views from a row offset, whose
+# alignment follows the step's decode count) and integers that follow the step's shape are not specialized on:
+# each would compile a second variant while serving (tests/engine/test_no_jit_while_serving.py).
+@triton.jit(do_not_specialize=["split_len", "stride_tb"],
+            do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "qsl_ptr"])
 def _sum_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, part_ptr, split_len,
                 stride_xt, stride_xh, stride_cb, stride_ch, stride_tb,
                 PAGED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -249,7 +253,7 @@ def _sum_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, part_ptr, split_len,
     tl.store(part_ptr + row.to(tl.int64) * BLOCK_D + dims, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"], do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "qsl_ptr"])
 def _quant_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, mean_ptr, mean_q_ptr, code_ptr, scale_ptr, qmk_ptr,
                   length, stride_xt, stride_xh, stride_cb, stride_ch, stride_tb, stride_oa, stride_ob, stride_st,
                   stride_sh, stride_mb, stride_mh, stride_qmb, stride_qmh,
@@ -317,7 +321,8 @@ def _split_tiles(x, Q_TILE: tl.constexpr, K_TILE: tl.constexpr, CHUNK: tl.conste
         return tl.split(tl.reshape(x, [Q_TILE, K_TILE, 2]))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_q_tiles", "stride_mb", "stride_mh", "stride_mt", "stride_nb", "stride_nh"],
+            do_not_specialize_on_alignment=["seq_lens_ptr", "qsl_ptr", "stream_ptr"])
 def _select_kernel(q_code_ptr, q_scale_ptr, k_code_ptr, k_scale_ptr, qmk_ptr, seq_lens_ptr, qsl_ptr, log2_thr_ptr,
                    stream_ptr, mask_ptr, idx_ptr, cnt_ptr, c_log2, num_q_tiles,
                    stride_qct, stride_qch, stride_qst, stride_qsh, stride_kcb, stride_kch, stride_ksb, stride_ksh,

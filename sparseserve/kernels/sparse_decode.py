@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from sparseserve.kernels.dispatch import tl, triton, use_triton
 
-from sparseserve.kernels.paged_decode import softmax_update
+from sparseserve.kernels.paged_decode import MERGE_TILE, merge_splits, softmax_update
 from sparseserve.kernels.pdl import pdl_wait, use_pdl
 
 LOG2E = 1.4426950408889634
@@ -236,7 +236,8 @@ def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, s
     _store_partial(part_out_ptr, part_lse_ptr, b, heads, split, dims, g, q_mask, m_i, l_i, acc, GROUP, BLOCK_D)
 
 
-@triton.jit
+# Counts and widths that follow the call are not specialized on (a second variant would compile while serving).
+@triton.jit(do_not_specialize=["stride_tb"])
 def _sparse_split_tma_kernel(q_ptr, kv_desc, table_ptr, seq_lens_ptr, slots_ptr, sel_ptr, part_out_ptr, part_lse_ptr,
                              qk_scale, stride_qt, stride_qh, stride_tb, stride_ss,
                              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr,
@@ -287,24 +288,19 @@ def _sparse_split_tma_kernel(q_ptr, kv_desc, table_ptr, seq_lens_ptr, slots_ptr,
     _store_partial(part_out_ptr, part_lse_ptr, b, heads, split, dims, g, q_mask, m_i, l_i, acc, GROUP, BLOCK_D)
 
 
-@triton.jit
+# The number of splits follows the batch (split_plan): not specialized on, and merged in tiles (merge_splits), so
+# an eager step of any batch size runs the kernel its CUDA graphs compiled.
+@triton.jit(do_not_specialize=["num_splits"])
 def _sparse_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
                          NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+                         MERGE_TILE: tl.constexpr, PDL: tl.constexpr):
     """Log-sum-exp merge of one (sequence, query head); a row that attended nothing gets zeros."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     row0 = (b * NUM_Q_HEADS + h).to(tl.int64) * num_splits
-    splits = tl.arange(0, BLOCK_S)
+    out = merge_splits(part_out_ptr, part_lse_ptr, row0, num_splits, BLOCK_D, MERGE_TILE)
     dims = tl.arange(0, BLOCK_D)
-    smask = splits < num_splits
-    lse = tl.load(part_lse_ptr + row0 + splits, mask=smask, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
-    part = tl.load(part_out_ptr + (row0 + splits)[:, None] * BLOCK_D + dims[None, :], mask=smask[:, None], other=0.0)
-    denom = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * part, 0) / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_DIM)
 
@@ -416,5 +412,5 @@ def sparse_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     _sparse_merge_kernel[(batch, num_q_heads)](
         part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
         NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), PDL=pdl, num_warps=4, launch_pdl=pdl)
+        MERGE_TILE=MERGE_TILE, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out

@@ -132,7 +132,8 @@ def _skip(seq_lens_ptr, slots_ptr, counter_ptr, b, kvh, stride_cs,
     return skip
 
 
-@triton.jit
+# Counts and widths that follow the call are not specialized on (a second variant would compile while serving).
+@triton.jit(do_not_specialize=["stride_tb"])
 def _block_lse_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, lse_ptr, scale,
                       pool_ptr, host_ptr, loc_ptr, key_ptr,
                       stride_qt, stride_qh, stride_cb, stride_ch, stride_tb, stride_ss, stride_cs,

@@ -13,6 +13,7 @@ from sparseserve.kernels.block_score import (ScoreConfig, SelectConfig, block_sc
                                              step_slots_ref, step_slots_triton)
 from sparseserve.kernels.key_meta import (quantize_key_meta, rebuild_key_meta, store_kv_key_meta_ref,
                                           store_kv_key_meta_triton, update_key_meta_ref)
+from sparseserve.kernels.paged_decode import MERGE_TILE
 from sparseserve.kernels.sparse_decode import (SparseDecodeConfig, read_listed_ref, sparse_decode_ref,
                                                sparse_decode_triton, split_plan, tma_capable)
 from sparseserve.kernels.store_kv import store_kv_ref
@@ -428,6 +429,26 @@ def test_sparse_decode_splits(dtype, offload, tile_n, tiles, splits, hq=6, hkv=2
                          config=config, **kw)
     assert torch.isfinite(out).all() and torch.count_nonzero(out[0]) == 0
     assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_sparse_decode_merges_many_splits(hq=6, hkv=2):
+    """More splits than two merge tiles (one list entry a split, 43 splits, the last tile partly used), rows that
+    list fewer entries than there are splits (their empty splits carry no weight), and a padding row."""
+    torch.manual_seed(13)
+    d, bs, cap, local = 32, 16, 41, 2
+    lens = [0, 50 * bs + 3, 47 * bs, 20 * bs + 9]
+    q, cache, meta = decode_batch(lens, hq, hkv, d, bs, torch.float32, slack=2 * bs)
+    sel = random_lists(lens, hkv, bs, cap)[: len(lens)]
+    sel[1, 0] = torch.randperm(48, device=DEV)[:cap].to(torch.int32)  # a full list: every split has an entry
+    slots = torch.arange(len(lens), dtype=torch.int32, device=DEV)
+    ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, d ** -0.5)
+    config = SparseDecodeConfig(tile_n=bs, tiles=1, target_programs=1)
+    assert split_plan(len(lens), hkv, cap + local, 1, q.device, config)[1] > 2 * MERGE_TILE
+    out = torch.full_like(q, float("nan"))
+    sparse_decode_triton(q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, d ** -0.5, out=out,
+                         config=config)
+    assert torch.isfinite(out).all() and torch.count_nonzero(out[0]) == 0
+    assert rel_err(out, ref) < TOL[torch.float32]
 
 
 @pytest.mark.slow

@@ -1,0 +1,76 @@
+"""No Triton compilation while serving: after the engine's warm-up (LLMEngine.warm_up), a serving workload launches
+no kernel with a compilation key the warm-up did not launch already. On a GPU a new key compiles while requests
+wait (seconds each, and under load every later request queues behind it); the warm-up exists to pay for them at
+start. Here the keys are read from the launches themselves (tests/kernel_utils.py Specializations): on the CPU
+the kernels run under Triton's interpreter with the same arguments, so a key that depends on a step's shape (a
+constexpr following the batch or the longest context, an integer argument that is 1 or a multiple of 16 in some
+steps only, a view whose alignment follows a row offset) shows here as it would on the GPU.
+
+The workload mixes what serving meets and a warm-up round may not: prompts of every length up to the model's
+limit, decodes beside chunks of several prompts, prefix-cache hits, an abort, and with KV offload a small HBM
+pool (working-set hold-backs, prefills ahead, parked requests resumed)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sparseserve import LLM, SamplingParams
+from tests.kernel_utils import ON_GPU, Specializations
+
+SPARSE = dict(sparse_policy="topk", sparse_budget=64, sparse_dense_layers=0, sparse_sink_blocks=1,
+              sparse_local_blocks=1, sparse_dense_context=0)
+CONFIGS = {
+    "dense": {},
+    "topk_sale": dict(SPARSE, sparse_prefill="sale", sparse_prefill_min_len=48),
+    "layerseg_async": dict(SPARSE, kv_offload=True, layer_segmented_prefill=True, prefill_layer_segment=1,
+                           working_set_control=True, async_scheduling=True, hbm_cache_blocks=96),
+}
+MAX_MODEL_LEN = 320
+
+
+def serve(llm: LLM, seed: int = 0, num_requests: int = 16) -> int:
+    """Requests arriving every other step until all finished; returns the steps run."""
+    engine, rng = llm.llm_engine, random.Random(seed)
+    prompts: list[list[int]] = []
+    steps = 0
+    while len(prompts) < num_requests or engine.has_unfinished_requests():
+        if steps % 2 == 0 and len(prompts) < num_requests:
+            n = rng.choice([rng.randint(3, 40), rng.randint(40, MAX_MODEL_LEN - 16)])
+            if prompts and rng.random() < 0.4:  # a prefix shared with an earlier prompt, then a short or long rest
+                base = rng.choice(prompts)
+                rest = rng.choice([8, rng.randint(64, 200)])
+                prompt = base[:rng.randint(1, len(base))] + [rng.randrange(10, 4000) for _ in range(rest)]
+                prompt = prompt[:MAX_MODEL_LEN - 16]
+            else:
+                prompt = [rng.randrange(10, 4000) for _ in range(n)]
+            engine.add_request(f"r{len(prompts)}", prompt,
+                               SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 12), ignore_eos=True))
+            prompts.append(prompt)
+            if len(prompts) == num_requests // 2:
+                engine.abort_request(f"r{len(prompts) - 3}")
+        engine.step()
+        steps += 1
+        assert steps < 2000
+    return steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CONFIGS)
+def test_serving_compiles_nothing_after_the_warm_up(tiny_model_dir, name):
+    kw = dict(device="cuda" if ON_GPU else "cpu", dtype="float32", block_size=16, max_model_len=MAX_MODEL_LEN,
+              max_num_batched_tokens=64, attention_backend="triton", **CONFIGS[name])
+    with Specializations() as spec:
+        llm = LLM(str(tiny_model_dir), **kw)
+        if not ON_GPU:  # on CUDA the engine warms up when it is built
+            llm.llm_engine.warm_up()
+        warm = spec.keys()
+        start = len(spec.launches)
+        steps = serve(llm)
+        serving = spec.keys(start)
+    assert warm and len(spec.launches) > start, "no kernel launch was seen: the hooks are not in place"
+    new = Specializations.differences(serving, warm)
+    assert not new, f"compiled while serving ({steps} steps):\n" + "\n".join(new)
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests() and engine.allocator.num_used == 0
+    engine.allocator.check()
