@@ -201,9 +201,7 @@ def step_slots(seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int, re
 # ---- Triton ---------------------------------------------------------------------------------------------
 
 
-# Row-indexed step inputs (sequence lengths, query offsets, block tables: views from a row offset, whose
-# alignment follows the step's decode count) and integers that follow the step's shape are not specialized on:
-# each would compile a second variant while serving (tests/engine/test_no_jit_while_serving.py).
+# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
 @triton.jit(do_not_specialize=["stride_sb", "stride_sh", "stride_tb", "max_blocks", "blocks_per_split"],
             do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "slots_ptr"])
 def _score_kernel(q_ptr, codes_ptr, page_scale_ptr, table_ptr, seq_lens_ptr, slots_ptr, counter_ptr, scores_ptr,

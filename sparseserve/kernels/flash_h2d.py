@@ -67,7 +67,7 @@ def write_through(kv_cache: torch.Tensor, host_layer: torch.Tensor, slot_mapping
                                                                             host_slots, count)
 
 
-# Counts and widths that follow the call are not specialized on (a second variant would compile while serving).
+# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
 @triton.jit(do_not_specialize=["n"])
 def _flash_h2d_kernel(host_ptr, slots_ptr, key_ptr, load_ptr, resident_ptr, loc_ptr, todo_ptr, n,
                       ELEMS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, REPEATS: tl.constexpr,

@@ -15,7 +15,7 @@ import torch
 from sparseserve.kernels.dispatch import tl, triton, use_triton
 
 LOG2E = 1.4426950408889634
-# Splits merged per tile (_decode_merge_kernel): one kernel variant whatever the number of splits.
+# Splits merged per tile (merge_splits): one kernel variant whatever the number of splits.
 MERGE_TILE = 16
 
 
@@ -70,8 +70,7 @@ def softmax_update(acc, m_i, l_i, s, v, DOT_PREC: tl.constexpr):
     return acc, m_new, l_i
 
 
-# An eager step's block tables are as wide as its longest context: their stride is not specialized on (a multiple
-# of 16 blocks in some steps only would compile a second variant while serving).
+# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
 @triton.jit(do_not_specialize=["stride_tb"])
 def _decode_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
                          qk_scale, split_size,

@@ -15,9 +15,7 @@ from sparseserve.kernels.dispatch import tl, triton, use_triton
 from sparseserve.kernels.paged_decode import LOG2E, attend_ref, attend_tile, sequence_kv
 
 
-# Row-indexed step inputs (sequence lengths, query offsets, block tables: views from a row offset, whose
-# alignment follows the step's decode count) and integers that follow the step's shape are not specialized on:
-# each would compile a second variant while serving (tests/engine/test_no_jit_while_serving.py).
+# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
 @triton.jit(do_not_specialize=["stride_tb"],
             do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "qsl_ptr"])
 def _prefill_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, qsl_ptr, out_ptr, qk_scale,

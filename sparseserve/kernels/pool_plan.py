@@ -169,7 +169,7 @@ def _lookup(key, need, slot, i, inb, last_use_ptr, clock, stats_ptr, count_ptr, 
     tl.atomic_add(stats_ptr + 2, tl.sum(miss.to(tl.int64), axis=0), sem="relaxed")  # kernel 2 moves loads out
 
 
-# Counts and widths that follow the call are not specialized on (a second variant would compile while serving).
+# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
 @triton.jit(do_not_specialize=["n"])
 def _lookup_kernel(key_ptr, resident_ptr, last_use_ptr, clock_ptr, cur_ptr, stats_ptr, count_ptr, queue_ptr,
                    rank_ptr, loc_ptr, load_ptr, n, trash_key, num_sets,
@@ -189,8 +189,7 @@ def _lookup_kernel(key_ptr, resident_ptr, last_use_ptr, clock_ptr, cur_ptr, stat
         tl.store(cur_ptr, clock)
 
 
-# An eager step's block tables are as wide as its longest context (1 block, 16, ...): their stride is not
-# specialized on, or a second variant would compile while serving (tests/engine/test_no_jit_while_serving.py).
+# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
 @triton.jit(do_not_specialize=["stride_tb"])
 def _list_lookup_kernel(sel_ptr, row_slots_ptr, tables_ptr, seq_lens_ptr, key_out_ptr, claim_ptr,
                         resident_ptr, last_use_ptr, clock_ptr, cur_ptr, stats_ptr, count_ptr, queue_ptr,
@@ -240,7 +239,7 @@ def _list_lookup_kernel(sel_ptr, row_slots_ptr, tables_ptr, seq_lens_ptr, key_ou
             tl.store(cur_ptr, clock)
 
 
-# Counts and widths that follow the call are not specialized on (a second variant would compile while serving).
+# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
 @triton.jit(do_not_specialize=["n"])
 def _evict_kernel(key_ptr, rank_ptr, resident_ptr, owner_ptr, last_use_ptr, clock_ptr, cur_ptr, floor_ptr, stats_ptr,
                   count_ptr, queue_ptr, loc_ptr, load_ptr, n, num_sets,
@@ -420,7 +419,7 @@ def invalidate_ref(blocks: torch.Tensor, resident: torch.Tensor, owner: torch.Te
     resident.index_fill_(0, key, -1)
 
 
-# Counts and widths that follow the call are not specialized on (a second variant would compile while serving).
+# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
 @triton.jit(do_not_specialize=["num_keys"])
 def _invalidate_kernel(blocks_ptr, resident_ptr, owner_ptr, last_use_ptr, layer_keys, num_keys,
                        HKV: tl.constexpr, KEYS_P2: tl.constexpr):

@@ -216,9 +216,7 @@ def _pow2(n):
     return ((n + 127) << 23).to(tl.float32, bitcast=True)
 
 
-# Row-indexed step inputs (sequence lengths, query offsets, block tables: views from a row offset, whose
-# alignment follows the step's decode count) and integers that follow the step's shape are not specialized on:
-# each would compile a second variant while serving (tests/engine/test_no_jit_while_serving.py).
+# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
 @triton.jit(do_not_specialize=["split_len", "stride_tb"],
             do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "qsl_ptr"])
 def _sum_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, part_ptr, split_len,

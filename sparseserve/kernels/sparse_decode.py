@@ -236,7 +236,7 @@ def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, s
     _store_partial(part_out_ptr, part_lse_ptr, b, heads, split, dims, g, q_mask, m_i, l_i, acc, GROUP, BLOCK_D)
 
 
-# Counts and widths that follow the call are not specialized on (a second variant would compile while serving).
+# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
 @triton.jit(do_not_specialize=["stride_tb"])
 def _sparse_split_tma_kernel(q_ptr, kv_desc, table_ptr, seq_lens_ptr, slots_ptr, sel_ptr, part_out_ptr, part_lse_ptr,
                              qk_scale, stride_qt, stride_qh, stride_tb, stride_ss,

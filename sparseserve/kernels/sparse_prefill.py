@@ -172,9 +172,7 @@ def sparse_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
     return out
 
 
-# Row-indexed step inputs (sequence lengths, query offsets, block tables: views from a row offset, whose
-# alignment follows the step's decode count) and integers that follow the step's shape are not specialized on:
-# each would compile a second variant while serving (tests/engine/test_no_jit_while_serving.py).
+# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
 @triton.jit(do_not_specialize=["num_progs", "stride_tb", "stride_ib", "stride_ih", "stride_it", "stride_nb",
                                 "stride_nh"],
             do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "qsl_ptr", "stream_ptr"])

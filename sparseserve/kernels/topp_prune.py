@@ -132,7 +132,7 @@ def _skip(seq_lens_ptr, slots_ptr, counter_ptr, b, kvh, stride_cs,
     return skip
 
 
-# Counts and widths that follow the call are not specialized on (a second variant would compile while serving).
+# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
 @triton.jit(do_not_specialize=["stride_tb"])
 def _block_lse_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, lse_ptr, scale,
                       pool_ptr, host_ptr, loc_ptr, key_ptr,
