@@ -24,7 +24,7 @@ CONFIGS = {
     "dense": {},
     "topk_sale": dict(SPARSE, sparse_prefill="sale", sparse_prefill_min_len=48),
     "layerseg_async": dict(SPARSE, kv_offload=True, layer_segmented_prefill=True, prefill_layer_segment=1,
-                           working_set_control=True, async_scheduling=True, hbm_cache_blocks=96),
+                           working_set_control=True, async_scheduling=True, hbm_cache_blocks=32),
 }
 MAX_MODEL_LEN = 320
 
@@ -45,7 +45,7 @@ def serve(llm: LLM, seed: int = 0, num_requests: int = 16) -> int:
             else:
                 prompt = [rng.randrange(10, 4000) for _ in range(n)]
             engine.add_request(f"r{len(prompts)}", prompt,
-                               SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 12), ignore_eos=True))
+                               SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 24), ignore_eos=True))
             prompts.append(prompt)
             if len(prompts) == num_requests // 2:
                 engine.abort_request(f"r{len(prompts) - 3}")
@@ -59,7 +59,9 @@ def serve(llm: LLM, seed: int = 0, num_requests: int = 16) -> int:
 @pytest.mark.parametrize("name", CONFIGS)
 def test_serving_compiles_nothing_after_the_warm_up(tiny_model_dir, name):
     kw = dict(device="cuda" if ON_GPU else "cpu", dtype="float32", block_size=16, max_model_len=MAX_MODEL_LEN,
-              max_num_batched_tokens=64, attention_backend="triton", **CONFIGS[name])
+              max_num_batched_tokens=64, attention_backend="triton",
+              num_gpu_blocks_override=256,  # a small cache: engines one after another on a GPU
+              **CONFIGS[name])
     with Specializations() as spec:
         llm = LLM(str(tiny_model_dir), **kw)
         if not ON_GPU:  # on CUDA the engine warms up when it is built
@@ -74,3 +76,6 @@ def test_serving_compiles_nothing_after_the_warm_up(tiny_model_dir, name):
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests() and engine.allocator.num_used == 0
     engine.allocator.check()
+    if CONFIGS[name].get("working_set_control"):  # the pool was small enough for the control's paths to run
+        stats = engine.get_stats(sync=True)
+        assert stats.working_set_hold_backs > 0 and stats.working_set_prefill_aheads > 0, stats
