@@ -23,6 +23,22 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
+def launched_kernels():
+    """The project's `@triton.jit` functions (JITFunction, or InterpretedFunction under the interpreter): the
+    kernels, and the device functions they call (never launched: their hooks never run)."""
+    import importlib
+    import pkgutil
+
+    import sparseserve.kernels as kernels
+
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"{kernels.__name__}.{info.name}")
+        for fn in vars(module).values():
+            if hasattr(fn, "add_pre_run_hook") and getattr(getattr(fn, "fn", None), "__module__", None) \
+                    == module.__name__:
+                yield fn
+
+
 class Specializations:
     """Every launch of the project's Triton kernels while active, as Triton's compilation key sees it: per
     argument, the constexpr value, or what Triton specializes a runtime argument on (an integer equal to 1 or
@@ -36,20 +52,12 @@ class Specializations:
         self._hooked: list[tuple[object, object]] = []
 
     def __enter__(self) -> Specializations:
-        import importlib
         import inspect
-        import pkgutil
 
-        import sparseserve.kernels as kernels
-
-        for info in pkgutil.iter_modules(kernels.__path__):
-            module = importlib.import_module(f"{kernels.__name__}.{info.name}")
-            for fn in vars(module).values():
-                if hasattr(fn, "add_pre_run_hook") and getattr(getattr(fn, "fn", None), "__module__", None) \
-                        == module.__name__:
-                    hook = self._hook(fn, inspect.signature(fn.fn))
-                    fn.add_pre_run_hook(hook)
-                    self._hooked.append((fn, hook))
+        for fn in launched_kernels():
+            hook = self._hook(fn, inspect.signature(fn.fn))
+            fn.add_pre_run_hook(hook)
+            self._hooked.append((fn, hook))
         return self
 
     def __exit__(self, *exc) -> None:
