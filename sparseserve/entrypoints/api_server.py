@@ -15,7 +15,7 @@ import hmac
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 from sparseserve.config import parse_size
 from sparseserve.engine.async_engine import AsyncLLMEngine, RequestAborted
 from sparseserve.entrypoints.cli import add_engine_args, engine_kwargs_from_args
-from sparseserve.entrypoints.http_server import ClientLimits, DrainingServer, running_server, uvicorn_config
+from sparseserve.entrypoints.http_server import ClientLimits, DrainingServer, uvicorn_config
 from sparseserve.entrypoints.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                               CompletionResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList,
                                               invalid_unicode, random_id)
@@ -160,190 +160,230 @@ def _stream_doc(model: Any) -> dict[int | str, dict[str, Any]]:
                   "content": {"text/event-stream": sse}}, **ERROR_RESPONSES}
 
 
-def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
+# ---- per-app state (app.state.engine, app.state.server_config) and the checks the routes share --------------
+
+
+def engine_of(request: Request) -> AsyncLLMEngine:
+    return request.app.state.engine
+
+
+def config_of(request: Request) -> ServerConfig:
+    return request.app.state.server_config
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    engine: AsyncLLMEngine = app.state.engine
+    engine.start()
+    yield
+    await engine.shutdown()  # a no-op after DrainingServer's drain; aborts what is left otherwise
+
+
+def check_api_key(request: Request) -> None:
+    """'Authorization: Bearer KEY', the scheme in any case (RFC 9110); the comparison takes constant time."""
+    api_key = config_of(request).api_key
+    if api_key is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+    key_ok = hmac.compare_digest(given.strip().encode(), api_key.encode())
+    if not (key_ok and scheme.lower() == "bearer"):
+        raise APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                       type="authentication_error", code="invalid_api_key")
+
+
+def not_accepting(engine: AsyncLLMEngine) -> str:
+    return "The server is shutting down." if engine.is_running else "The engine is not running."
+
+
+def check_accepting(request: Request) -> None:
+    engine = engine_of(request)
+    if not engine.accepting:
+        raise APIError(503, not_accepting(engine), type="service_unavailable", code=503, headers=CLOSE)
+
+
+def check_model(config: ServerConfig, name: str | None) -> str:
+    if name is None:
+        return config.served_model_names[0]
+    if name not in config.served_model_names:
+        raise APIError(404, f"The model '{name}' does not exist; served: {list(config.served_model_names)}.",
+                       param="model", code="model_not_found")
+    return name
+
+
+def check_unicode(req: Any) -> None:
+    param = invalid_unicode(req.model_dump(exclude_defaults=True))
+    if param is not None:
+        raise APIError(400, f"{param} is not valid Unicode (it holds a lone UTF-16 surrogate).", param=param,
+                       code="invalid_unicode")
+
+
+def sampling(engine: AsyncLLMEngine, req: Any, max_tokens: int | None, logprobs: int | None) -> Any:
+    max_num_seqs = engine.engine.config.scheduler_config.max_num_seqs
+    if req.n > max_num_seqs:  # its sequences could never run in one batch
+        raise APIError(400, f"n must be at most max_num_seqs={max_num_seqs}, got {req.n}.", param="n")
+    try:
+        return req.sampling_params(max_tokens, logprobs)
+    except ParameterError as e:
+        raise APIError(400, str(e), param=e.param) from None
+
+
+async def submit(engine: AsyncLLMEngine, prefix: str, prompt: str | list[int], params: Any, prompt_param: str,
+                 cache_salt: str | None = None) -> tuple[str, Any]:
     llm = engine.engine
+    request_id = random_id(prefix)
+    if isinstance(prompt, str):  # tokenized here (off the event loop) to check the context length
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param=prompt_param)
+        prompt = await asyncio.to_thread(llm.tokenizer.encode, prompt)
+    if params.max_tokens is not None and len(prompt) + params.max_tokens > llm.max_model_len:
+        # vLLM refuses what it cannot finish; the prompt is at fault when not even one token fits after it
+        raise APIError(400, f"This model's maximum context length (max_model_len) is {llm.max_model_len} tokens; "
+                       f"the request asks for {len(prompt) + params.max_tokens} ({len(prompt)} in the prompt, "
+                       f"{params.max_tokens} to generate).",
+                       param=prompt_param if len(prompt) >= llm.max_model_len else "max_tokens")
+    if cache_salt is not None:
+        prompt = {"prompt_token_ids": prompt, "cache_salt": cache_salt}
+    try:
+        return request_id, await engine.add_request(request_id, prompt, params)
+    except ParameterError as e:
+        raise APIError(400, str(e), param=prompt_param if e.param == "prompt" else e.param) from None
+    except ValueError as e:
+        raise APIError(400, str(e), param=prompt_param) from None
+    except RequestAborted as e:
+        raise APIError(503, str(e), type="service_unavailable", code=503, headers=CLOSE) from None
+
+
+async def respond(fmt: Any, stream: Any, req: Any, raw: Request) -> Response:
+    if req.stream:
+        return StreamingResponse(sse_events(fmt, stream, req.include_usage), media_type="text/event-stream")
+    try:
+        final = await last_output(stream, raw)
+    except RequestAborted as e:
+        raise APIError(503, str(e), type="service_unavailable", code=503) from None
+    finally:
+        stream.abort()
+    if final is None:  # nobody is listening; nginx's "client closed request"
+        return error_response(499, "client disconnected")
+    return JSONResponse(fmt.full_response(final).model_dump())
+
+
+# ---- routes -----------------------------------------------------------------------------------------------
+
+# /v1: behind the API key. The rest (/health, /metrics) is on `router`.
+v1_router = APIRouter(dependencies=[Depends(check_api_key)], responses=ERROR_RESPONSES)
+router = APIRouter()
+
+
+@v1_router.get("/v1/models")
+async def show_available_models(raw: Request) -> ModelList:
+    max_model_len = engine_of(raw).engine.max_model_len
+    return ModelList(data=[ModelCard(id=name, max_model_len=max_model_len)
+                           for name in config_of(raw).served_model_names])
+
+
+@v1_router.post("/v1/completions", dependencies=[Depends(check_accepting)],
+                responses=_stream_doc(CompletionResponse))
+async def create_completion(req: CompletionRequest, raw: Request) -> Response:
+    engine = engine_of(raw)
+    check_unicode(req)
+    model = check_model(config_of(raw), req.model)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise APIError(400, "Only one prompt per request is supported.", param="prompt")
+        prompt = prompt[0]
+    if req.echo or req.suffix:
+        raise APIError(400, "echo and suffix are not supported.", param="echo" if req.echo else "suffix")
+    params = sampling(engine, req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
+    request_id, stream = await submit(engine, "cmpl", prompt, params, "prompt", req.cache_salt)
+    fmt = CompletionFormat(request_id, model, req.logprobs, engine.engine.tokenizer)
+    return await respond(fmt, stream, req, raw)
+
+
+@v1_router.post("/v1/chat/completions", dependencies=[Depends(check_accepting)],
+                responses=_stream_doc(ChatCompletionResponse))
+async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
+    engine = engine_of(raw)
+    check_unicode(req)
+    model = check_model(config_of(raw), req.model)
+    tokenizer = engine.engine.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, f"The model '{model}' has no chat template; use /v1/completions.", param="messages")
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=False,
+                                       add_generation_prompt=req.add_generation_prompt)
+    except (TemplateError, ValueError, TypeError) as e:  # a template may refuse a conversation (roles out of order)
+        raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from None
+    prompt_ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    # None (OpenAI's chat default) lets the engine generate up to max_model_len.
+    max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+    params = sampling(engine, req, max_tokens, k)
+    request_id, stream = await submit(engine, "chatcmpl", prompt_ids, params, "messages", req.cache_salt)
+    fmt = ChatFormat(request_id, model, k, tokenizer)
+    return await respond(fmt, stream, req, raw)
+
+
+@router.get("/health", responses={503: _error_doc("Shutting down, or the engine loop is stuck in one step.")})
+async def health(raw: Request) -> Response:
+    """200 while the engine serves; 503 while it shuts down, or when its loop has work but has not completed a
+    step for longer than --engine-watchdog-timeout (a load balancer should then restart it)."""
+    engine, timeout = engine_of(raw), config_of(raw).engine_watchdog_timeout
+    if not engine.accepting:
+        return error_response(503, not_accepting(engine), type="service_unavailable", code=503)
+    stuck = engine.seconds_without_progress()
+    if stuck > timeout:
+        return error_response(503, f"The engine loop has not completed a step for {stuck:.0f} s "
+                              f"(--engine-watchdog-timeout {timeout:g}).", type="service_unavailable", code=503)
+    return Response(status_code=200)
+
+
+PROMETHEUS_DOC = {200: {"content": {CONTENT_TYPE.split(";")[0]: {}}, "description": "Prometheus text."}}
+
+
+@router.get("/metrics", responses=PROMETHEUS_DOC)
+async def prometheus(raw: Request) -> Response:
+    if config_of(raw).metrics_require_api_key:
+        check_api_key(raw)
+    return Response(engine_of(raw).metrics.render(), media_type=CONTENT_TYPE)
+
+
+# ---- error handlers ----------------------------------------------------------------------------------------
+
+
+async def on_api_error(_: Request, e: APIError) -> JSONResponse:
+    return error_response(e.status, e.message, type=e.type, param=e.param, code=e.code, headers=e.headers)
+
+
+async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    errors = e.errors()
+    if any(err.get("type") == "json_invalid" for err in errors):
+        return error_response(400, "Malformed JSON in the request body.", code="invalid_json")
+    params = [param_of(err.get("loc", ())) for err in errors]
+    detail = "; ".join(f"{p or 'body'}: {err.get('msg')}" for p, err in zip(params[:5], errors))
+    return error_response(422, f"Invalid request: {detail}", param=params[0] or None, code="invalid_value")
+
+
+async def on_http_error(_: Request, e: HTTPException) -> JSONResponse:
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return error_response(e.status_code, str(e.detail), type=kind, headers=e.headers)  # 405 keeps its Allow
+
+
+def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
+    """The app of one engine: the module's routers, its state in `app.state`, the error handlers, middleware."""
     if engine.metrics is None:
         engine.metrics = ServerMetrics(lambda: engine.stats, config.served_model_names[0])
-    metrics: ServerMetrics = engine.metrics
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        engine.start()
-        yield
-        await engine.shutdown()  # a no-op after DrainingServer's drain; aborts what is left otherwise
-
-    def check_api_key(request: Request) -> None:
-        """'Authorization: Bearer KEY', the scheme in any case (RFC 9110); the comparison takes constant time."""
-        if config.api_key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
-        key_ok = hmac.compare_digest(given.strip().encode(), config.api_key.encode())
-        if not (key_ok and scheme.lower() == "bearer"):
-            raise APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
-                           type="authentication_error", code="invalid_api_key")
-
-    def not_accepting() -> str:
-        return "The server is shutting down." if engine.is_running else "The engine is not running."
-
-    def check_accepting() -> None:
-        if not engine.accepting:
-            raise APIError(503, not_accepting(), type="service_unavailable", code=503, headers=CLOSE)
-
-    def check_model(name: str | None) -> str:
-        if name is None:
-            return config.served_model_names[0]
-        if name not in config.served_model_names:
-            raise APIError(404, f"The model '{name}' does not exist; served: {list(config.served_model_names)}.",
-                           param="model", code="model_not_found")
-        return name
-
-    def check_unicode(req: Any) -> None:
-        param = invalid_unicode(req.model_dump(exclude_defaults=True))
-        if param is not None:
-            raise APIError(400, f"{param} is not valid Unicode (it holds a lone UTF-16 surrogate).", param=param,
-                           code="invalid_unicode")
-
-    max_num_seqs = llm.config.scheduler_config.max_num_seqs
-
-    def check_n(n: int) -> None:
-        if n > max_num_seqs:  # its sequences could never run in one batch
-            raise APIError(400, f"n must be at most max_num_seqs={max_num_seqs}, got {n}.", param="n")
-
-    async def submit(prefix: str, prompt: str | list[int], params: Any, prompt_param: str,
-                     cache_salt: str | None = None) -> tuple[str, Any]:
-        request_id = random_id(prefix)
-        if isinstance(prompt, str):  # tokenized here (off the event loop) to check the context length
-            if not prompt:
-                raise APIError(400, "the prompt is empty", param=prompt_param)
-            prompt = await asyncio.to_thread(llm.tokenizer.encode, prompt)
-        if params.max_tokens is not None and len(prompt) + params.max_tokens > llm.max_model_len:
-            # vLLM refuses what it cannot finish; the prompt is at fault when not even one token fits after it
-            raise APIError(400, f"This model's maximum context length (max_model_len) is {llm.max_model_len} tokens; "
-                           f"the request asks for {len(prompt) + params.max_tokens} ({len(prompt)} in the prompt, "
-                           f"{params.max_tokens} to generate).",
-                           param=prompt_param if len(prompt) >= llm.max_model_len else "max_tokens")
-        if cache_salt is not None:
-            prompt = {"prompt_token_ids": prompt, "cache_salt": cache_salt}
-        try:
-            return request_id, await engine.add_request(request_id, prompt, params)
-        except ParameterError as e:
-            raise APIError(400, str(e), param=prompt_param if e.param == "prompt" else e.param) from None
-        except ValueError as e:
-            raise APIError(400, str(e), param=prompt_param) from None
-        except RequestAborted as e:
-            raise APIError(503, str(e), type="service_unavailable", code=503, headers=CLOSE) from None
-
-    def sampling(req: Any, max_tokens: int | None, logprobs: int | None) -> Any:
-        check_n(req.n)
-        try:
-            return req.sampling_params(max_tokens, logprobs)
-        except ParameterError as e:
-            raise APIError(400, str(e), param=e.param) from None
-
-    router = APIRouter(dependencies=[Depends(check_api_key)], responses=ERROR_RESPONSES)
-
-    @router.get("/v1/models")
-    async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, max_model_len=llm.max_model_len)
-                               for name in config.served_model_names])
-
-    @router.post("/v1/completions", dependencies=[Depends(check_accepting)], responses=_stream_doc(CompletionResponse))
-    async def completions(req: CompletionRequest, raw: Request) -> Response:
-        check_unicode(req)
-        model = check_model(req.model)
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise APIError(400, "Only one prompt per request is supported.", param="prompt")
-            prompt = prompt[0]
-        if req.echo or req.suffix:
-            raise APIError(400, "echo and suffix are not supported.", param="echo" if req.echo else "suffix")
-        params = sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
-        request_id, stream = await submit("cmpl", prompt, params, "prompt", req.cache_salt)
-        fmt = CompletionFormat(request_id, model, req.logprobs, llm.tokenizer)
-        return await respond(fmt, stream, req, raw)
-
-    @router.post("/v1/chat/completions", dependencies=[Depends(check_accepting)],
-                 responses=_stream_doc(ChatCompletionResponse))
-    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        check_unicode(req)
-        model = check_model(req.model)
-        tokenizer = llm.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, f"The model '{model}' has no chat template; use /v1/completions.",
-                           param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=False,
-                                           add_generation_prompt=req.add_generation_prompt)
-        except (TemplateError, ValueError, TypeError) as e:  # a template may refuse a conversation (roles out of order)
-            raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from None
-        prompt_ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
-        k = (req.top_logprobs or 0) if req.logprobs else None
-        # None (OpenAI's chat default) lets the engine generate up to max_model_len.
-        max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
-        params = sampling(req, max_tokens, k)
-        request_id, stream = await submit("chatcmpl", prompt_ids, params, "messages", req.cache_salt)
-        fmt = ChatFormat(request_id, model, k, tokenizer)
-        return await respond(fmt, stream, req, raw)
-
-    async def respond(fmt: Any, stream: Any, req: Any, raw: Request) -> Response:
-        if req.stream:
-            return StreamingResponse(sse_events(fmt, stream, req.include_usage), media_type="text/event-stream")
-        try:
-            final = await last_output(stream, raw)
-        except RequestAborted as e:
-            raise APIError(503, str(e), type="service_unavailable", code=503) from None
-        finally:
-            stream.abort()
-        if final is None:  # nobody is listening; nginx's "client closed request"
-            return error_response(499, "client disconnected")
-        return JSONResponse(fmt.full_response(final).model_dump())
-
     docs: dict[str, Any] = {"openapi_url": None, "docs_url": None, "redoc_url": None} \
         if config.disable_fastapi_docs else {}
     app = FastAPI(title="SparseServe", lifespan=lifespan, **docs)
     app.state.engine = engine
+    app.state.server_config = config
+    app.include_router(v1_router)
     app.include_router(router)
-
-    @app.get("/health", responses={503: _error_doc("Shutting down, or the engine loop is stuck in one step.")})
-    async def health() -> Response:
-        """200 while the engine serves; 503 while it shuts down, or when its loop has work but has not completed a
-        step for longer than --engine-watchdog-timeout (a load balancer should then restart it)."""
-        if not engine.accepting:
-            return error_response(503, not_accepting(), type="service_unavailable", code=503)
-        stuck = engine.seconds_without_progress()
-        if stuck > config.engine_watchdog_timeout:
-            return error_response(503, f"The engine loop has not completed a step for {stuck:.0f} s "
-                                  f"(--engine-watchdog-timeout {config.engine_watchdog_timeout:g}).",
-                                  type="service_unavailable", code=503)
-        return Response(status_code=200)
-
-    metrics_deps = [Depends(check_api_key)] if config.metrics_require_api_key else []
-
-    @app.get("/metrics", dependencies=metrics_deps,
-             responses={200: {"content": {CONTENT_TYPE.split(";")[0]: {}}, "description": "Prometheus text."}})
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.exception_handler(APIError)
-    async def on_api_error(_: Request, e: APIError) -> JSONResponse:
-        return error_response(e.status, e.message, type=e.type, param=e.param, code=e.code, headers=e.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        errors = e.errors()
-        if any(err.get("type") == "json_invalid" for err in errors):
-            return error_response(400, "Malformed JSON in the request body.", code="invalid_json")
-        params = [param_of(err.get("loc", ())) for err in errors]
-        detail = "; ".join(f"{p or 'body'}: {err.get('msg')}" for p, err in zip(params[:5], errors))
-        return error_response(422, f"Invalid request: {detail}", param=params[0] or None, code="invalid_value")
-
-    @app.exception_handler(HTTPException)
-    async def on_http_error(_: Request, e: HTTPException) -> JSONResponse:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_response(e.status_code, str(e.detail), type=kind, headers=e.headers)  # 405 keeps its Allow
-
+    app.add_exception_handler(APIError, on_api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, on_validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, on_http_error)  # type: ignore[arg-type]
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     app.add_middleware(ErrorBoundary)  # added last: outermost
     return app
@@ -438,11 +478,3 @@ def run_server(args: argparse.Namespace) -> None:
 
 main = run_server  # `sparseserve serve` dispatches to the module's main(args)
 
-
-@contextlib.contextmanager
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", **options: Any) -> Iterator[str]:
-    """Runs an app of `build_app` in a background thread on a free port; yields its base URL. For tests and
-    harnesses that need a real socket (streaming, disconnects, the openai client); `options` go to
-    http_server.running_server (limits, shutdown_timeout)."""
-    with running_server(app, app.state.engine, host, **options) as (url, _):
-        yield url

@@ -11,9 +11,10 @@ from sparseserve.bench import serve as bench_serve
 from sparseserve.bench.datasets import PromptBuilder, data_dir, haystack_text, load_trace
 from sparseserve.engine.async_engine import AsyncLLMEngine
 from sparseserve.engine.engine import LLMEngine
-from sparseserve.entrypoints.api_server import ServerConfig, build_app, serve_in_thread
+from sparseserve.entrypoints.api_server import ServerConfig, build_app
 from sparseserve.metrics import parse_metrics
 from sparseserve.models.loader import DEFAULT_MODEL_DIR
+from tests.server_utils import serve_in_thread
 
 pytestmark = pytest.mark.skipif(not (data_dir() / "haystack").is_dir(),
                                 reason=f"benchmark data not found at {data_dir()} (../shared/data)")

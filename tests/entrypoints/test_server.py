@@ -12,8 +12,9 @@ import pytest
 from sparseserve import LLM, SamplingParams
 from sparseserve.engine.async_engine import AsyncLLMEngine, RequestAborted
 from sparseserve.engine.engine import LLMEngine
-from sparseserve.entrypoints.api_server import ServerConfig, build_app, serve_in_thread
+from sparseserve.entrypoints.api_server import ServerConfig, build_app
 from sparseserve.metrics import parse_metrics
+from tests.server_utils import serve_in_thread
 
 ENGINE_KW = dict(device="cpu", seed=0, max_model_len=256, num_gpu_blocks_override=512, max_num_seqs=64)
 KEY = "test-key"

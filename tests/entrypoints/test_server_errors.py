@@ -15,7 +15,8 @@ from fastapi.testclient import TestClient
 
 from sparseserve.engine.async_engine import AsyncLLMEngine
 from sparseserve.engine.engine import LLMEngine
-from sparseserve.entrypoints.api_server import ServerConfig, build_app, serve_in_thread
+from sparseserve.entrypoints.api_server import ServerConfig, build_app
+from tests.server_utils import serve_in_thread
 
 ENGINE_KW = dict(device="cpu", seed=0, max_model_len=256, num_gpu_blocks_override=256, max_num_seqs=16)
 KEY = "test-key"

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from sparseserve.engine.async_engine import AsyncLLMEngine
 from sparseserve.engine.engine import LLMEngine
-from sparseserve.entrypoints.api_server import ServerConfig, build_app, serve_in_thread
+from sparseserve.entrypoints.api_server import ServerConfig, build_app
 from sparseserve.metrics import parse_metrics
+from tests.server_utils import serve_in_thread
 
 ENGINE_KW = dict(device="cpu", seed=0, max_model_len=128, num_gpu_blocks_override=128, max_num_seqs=16)
 EXAMPLES = 500

@@ -8,7 +8,8 @@ import pytest
 
 from sparseserve.engine.async_engine import AsyncLLMEngine
 from sparseserve.engine.engine import LLMEngine
-from sparseserve.entrypoints.api_server import ServerConfig, build_app, serve_in_thread
+from sparseserve.entrypoints.api_server import ServerConfig, build_app
+from tests.server_utils import serve_in_thread
 
 MODEL = "tiny"
 
