@@ -2,9 +2,9 @@
 whole-batch decode steps, `bench throughput`'s measure) per batch size, against the HBM roofline measured in
 the same run on CUDA. Both engines live at once, on the same weights and prompts, and their runs alternate.
 
-    python -m sparseserve.bench.async_overlap 8b --input-len 8192 --batch-sizes 1,8 --json async.json
+    python -m benchmarks.async_overlap 8b --input-len 8192 --batch-sizes 1,8 --json async.json
 
-(`8b`: Llama-3.1-8B shapes with the embedded tokenizer and dummy bf16 weights, as `bench prefix --model 8b`.)
+(`8b`: Llama-3.1-8B shapes with the embedded tokenizer and dummy bf16 weights, benchmarks/common.py.)
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import make_8b_dir
 from sparseserve.bench.hardware import hbm_bandwidth, print_table
-from sparseserve.bench.prefix import make_8b_dir
 from sparseserve.bench.throughput import _ints, decode_bytes, make_prompts, run_engine
 from sparseserve.engine.engine import LLMEngine
 

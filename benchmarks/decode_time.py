@@ -1,4 +1,4 @@
-"""Where a request's decode time goes under load: the conversation trace replayed in-process (bench/prefix.py's
+"""Where a request's decode time goes under load: the conversation trace replayed in-process (benchmarks/common.py's
 `replay`: each request added at its arrival time, LLMEngine stepped until all finished) with the time of every
 token, and each request's time per output token split by what the engine did between its tokens.
 
@@ -13,14 +13,14 @@ its output tokens - 1:
 Under async scheduling a step's tokens come out of the next `step()` call: the time between two calls is the
 device time of the step launched in the earlier one, which is the step that produced them.
 
-    python -m sparseserve.bench.decode_time --configs dense layerseg_async [--time-scale 1] [--json out.json]
+    python -m benchmarks.decode_time --configs dense layerseg_async [--time-scale 1] [--json out.json]
 
 Configurations (the serving ladder's, scripts/gpu_serve_check.sh): dense; sparse (topk 2048); offload (+
 kv_offload); ws (+ working_set_control); layerseg (+ layer_segmented_prefill); layerseg_lag (+ sparse_lag 1);
 NAME_async (+ async_scheduling).
 `--model 8b`: Llama-3.1-8B shapes over the embedded tokenizer's vocabulary, dummy bf16 weights, GPU memory capped
-at --gpu-memory-gb (DESIGN.md's reference workload). Any model directory works; on CPU the smoke test runs it with
-a tiny model (tests/bench/test_decode_time.py).
+at --gpu-memory-gb (the serving reference workload). Any model directory works; on CPU the smoke test runs it with
+a tiny model (tests/benchmarks/test_decode_time.py).
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ import logging
 import statistics
 from pathlib import Path
 
+from benchmarks.common import Job, add_replay_args, engine_kwargs, fresh_engine, model_dir, replay, trace_jobs
 from sparseserve.bench.accuracy import parse_engine_args
-from sparseserve.bench.prefix import (Job, add_replay_args, engine_kwargs, fresh_engine, model_dir, replay,
-                                      trace_jobs)
+from sparseserve.bench.hardware import print_table
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,6 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO)
     from transformers import AutoTokenizer
 
-    from sparseserve.bench.hardware import print_table
     with model_dir(args) as model:
         tokenizer = AutoTokenizer.from_pretrained(model)
         jobs = trace_jobs(tokenizer, args.trace, args.num_requests, args.time_scale, args.max_input_len,

@@ -2,10 +2,10 @@
 listed, and how large the union of a request's lists over a window of steps is (its working set, what
 working-set-aware batch control budgets; kvcache/working_set.py).
 
-    python -m sparseserve.bench.locality --model MODEL [--load-format dummy] [--prompt-len N] [--batch B]
+    python -m benchmarks.locality --model MODEL [--load-format dummy] [--prompt-len N] [--batch B]
                                          [--steps N] [--budget TOKENS] [--window 12] [--json out.json]
 
-`--model 8b` is Llama-3.1-8B's shape with the embedded tokenizer (bench/prefix.py; use --load-format dummy),
+`--model 8b` is Llama-3.1-8B's shape with the embedded tokenizer (benchmarks/model_dir.py; use --load-format dummy),
 `--model smollm2` the real SmolLM2-135M-Instruct (README). Prompts are essays (the haystack; without it the
 built-in filler sentences), the same for random and real weights; every request decodes `--steps` tokens
 greedily with the topk policy at `--budget`.
@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import make_8b_dir
 from sparseserve.bench.hardware import print_table
 from sparseserve.kernels.sparse_decode import listed_rows
 
@@ -178,8 +179,7 @@ def measure(model: str, *, prompt_len: int, batch: int, steps: int, budget: int,
 def _model_arg(model: str) -> str:
     if model != "8b":
         return model
-    from sparseserve.bench.prefix import make_8b_dir
-    return str(make_8b_dir(Path(tempfile.mkdtemp(prefix="sparseserve-8b-"))))
+        return str(make_8b_dir(Path(tempfile.mkdtemp(prefix="sparseserve-8b-"))))
 
 
 def main(argv: list[str] | None = None) -> None:

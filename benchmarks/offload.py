@@ -1,6 +1,6 @@
-"""KV offload benchmarks on the GPU, each side by side with its contrast in one run (DESIGN.md: ratios).
+"""KV offload benchmarks on the GPU, each side by side with its contrast in one run (ratios, not absolute times).
 
-    python -m sparseserve.bench.offload --transfers [--prefill MODEL] [--capacity MODEL] [--json out.json]
+    python -m benchmarks.offload --transfers [--prefill MODEL] [--capacity MODEL] [--json out.json]
 
 --transfers, H2D: 2048 random 16 KB head blocks of a pinned host store gathered into HBM slots by
 FlashH2D (one Triton kernel reading the store over UVA), against one large pinned copy of the same
@@ -549,7 +549,7 @@ def _real_compared(model: str, prompts: list[list[int]], output_len: int, budget
         off["median_vs_hbm"] = off["tpot_median_ms"] / base["tpot_median_ms"]
     if off["graph_median_ms"] and base["graph_median_ms"]:
         off["graph_vs_hbm"] = off["graph_median_ms"] / base["graph_median_ms"]
-    # KV offload changes where blocks are read from, never a token (DESIGN.md principle 1).
+    # KV offload changes where blocks are read from, never a token.
     base_tokens, off_tokens = base.pop("_tokens"), off.pop("_tokens")
     off["same_tokens"] = base_tokens == off_tokens
     base_margins = base.pop("_margins", None)

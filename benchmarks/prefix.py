@@ -1,7 +1,7 @@
 """Prefix caching, admission and preemption on the GPU, in-process with LLMEngine (no server), each workload's
-configurations side by side in one run (DESIGN.md: ratios).
+configurations side by side in one run (ratios, not absolute times).
 
-    python -m sparseserve.bench.prefix --model 8b [--workloads conversation long hitrate] [--json out.json]
+    python -m benchmarks.prefix --model 8b [--workloads conversation long hitrate] [--json out.json]
 
 conversation: the first 48 requests of the Mooncake conversation trace replayed at their arrival times (time
     scale 1: saturating), inputs capped at 32K tokens, outputs at 512; dense attention.
@@ -15,119 +15,23 @@ hitrate: --hitrate-requests requests (default 1,000) of the conversation trace a
 Each row: prompt tokens computed / prompt tokens (the recompute that preemption causes; below 1 with cache hits),
 preemptions, prefix-cache hit rates, mean and p99 TTFT, output and total throughput.
 
-`--model 8b`: Llama-3.1-8B shapes with the embedded tokenizer's vocabulary and dummy bf16 weights (DESIGN.md's
+`--model 8b`: Llama-3.1-8B shapes with the embedded tokenizer's vocabulary and dummy bf16 weights (the serving
 reference workload), GPU memory capped at --gpu-memory-gb (default 40). Any model directory works; on CPU the
-smoke test runs it with a tiny model and tiny sizes (tests/bench/test_bench_prefix.py).
+smoke test runs it with a tiny model and tiny sizes (tests/benchmarks/test_prefix_bench.py).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
-import gc
 import json
 import logging
-import tempfile
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-from sparseserve.bench.datasets import PromptBuilder, data_dir, load_trace
+from benchmarks.common import (Job, add_replay_args, engine_kwargs, fresh_engine, long_jobs, model_dir, replay,
+                               trace_jobs)
+from sparseserve.bench.hardware import print_table
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Job:
-    arrival_s: float
-    prompt_token_ids: list[int]
-    max_tokens: int
-
-
-def make_8b_dir(out: Path) -> Path:
-    """Llama-3.1-8B's shapes over the embedded model's tokenizer and config keys (for load_format='dummy')."""
-    import shutil
-
-    from sparseserve.models.loader import DEFAULT_MODEL_DIR
-    cfg = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
-    cfg.update(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, tie_word_embeddings=False,
-               rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                "original_max_position_embeddings": 8192})
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (DEFAULT_MODEL_DIR / f).exists():
-            shutil.copy(DEFAULT_MODEL_DIR / f, out / f)
-    return out
-
-
-def trace_jobs(tokenizer, path: str, n: int, time_scale: float, max_in: int, max_out: int, seed: int = 0) -> list[Job]:
-    """Trace requests as token ids: equal hash ids give equal token blocks (bench/datasets.py trace_block), BOS
-    first as a server would tokenize them."""
-    builder = PromptBuilder(tokenizer)
-    return [Job(t.arrival_s, tokenizer.encode(builder.trace_prompt(list(t.hash_ids), t.input_length, seed)),
-                t.output_length) for t in load_trace(path, n, time_scale, max_in, max_out)]
-
-
-def long_jobs(tokenizer, n: int, prompt_len: int, output_len: int) -> list[Job]:
-    """n distinct prompts of prompt_len tokens, all at time 0 (nothing to share: only preemption's recompute)."""
-    builder = PromptBuilder(tokenizer)
-    return [Job(0.0, tokenizer.encode(builder.prompt(prompt_len, f"long:{i}")), output_len) for i in range(n)]
-
-
-def replay(engine, jobs: list[Job], on_step: Callable[[list, float, float], None] | None = None) -> dict:
-    """Adds each job at its arrival time (seconds after the start) and steps the engine until all finished.
-    TTFT counts from the arrival time. on_step(outputs, t, idle): after each engine step, its outputs (request ids
-    "j<index in arrival order>"), the seconds since the start, and the seconds the replay slept since the step
-    before, waiting for an arrival with nothing to run (bench/decode_time.py's timeline)."""
-    import numpy as np
-
-    from sparseserve import SamplingParams
-    jobs = sorted(jobs, key=lambda j: j.arrival_s)
-    before = engine.get_stats(sync=True)
-    first: dict[str, float] = {}
-    arrival = {f"j{i}": j.arrival_s for i, j in enumerate(jobs)}
-    out_tokens = 0
-    t0 = time.perf_counter()
-    i, idle = 0, 0.0
-    while i < len(jobs) or engine.has_unfinished_requests():
-        now = time.perf_counter() - t0
-        while i < len(jobs) and jobs[i].arrival_s <= now:
-            j = jobs[i]
-            engine.add_request(f"j{i}", {"prompt_token_ids": j.prompt_token_ids},
-                               SamplingParams(temperature=0.0, max_tokens=j.max_tokens, ignore_eos=True))
-            i += 1
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, min(jobs[i].arrival_s - now, 0.05)))
-            idle += time.perf_counter() - t0 - now
-            continue
-        outputs = engine.step()
-        if on_step is not None:
-            on_step(outputs, time.perf_counter() - t0, idle)
-        idle = 0.0
-        for out in outputs:
-            new = sum(len(c.token_ids) for c in out.outputs)  # deltas: the tokens new since the last output
-            if out.request_id not in first and new:
-                first[out.request_id] = time.perf_counter() - t0
-            out_tokens += new
-    duration = time.perf_counter() - t0
-    after = engine.get_stats(sync=True)
-    d = {k: getattr(after, k) - getattr(before, k) for k in (
-        "num_prompt_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
-        "host_prefix_cache_queries", "host_prefix_cache_hits")}
-    prompt_tokens = sum(len(j.prompt_token_ids) for j in jobs)
-    ttft = np.array([first[r] - arrival[r] for r in first])
-    q = d["prefix_cache_queries"]
-    return {"requests": len(jobs), "prompt_tokens": prompt_tokens, "prompt_tokens_computed": d["num_prompt_tokens"],
-            "computed_per_prompt": d["num_prompt_tokens"] / prompt_tokens, "preemptions": d["num_preemptions"],
-            "hit_rate": d["prefix_cache_hits"] / q if q else 0.0,
-            "host_hit_rate": d["host_prefix_cache_hits"] / q if q else 0.0,
-            "mean_ttft_s": float(ttft.mean()), "p99_ttft_s": float(np.percentile(ttft, 99)), "duration_s": duration,
-            "output_tok_s": out_tokens / duration, "total_tok_s": (prompt_tokens + out_tokens) / duration}
-
 
 CONFIGS = {
     "baseline": dict(enable_prefix_caching=False, init_new_token_ratio=0.0, min_new_token_ratio=0.0),
@@ -136,69 +40,11 @@ CONFIGS = {
 }
 
 
-@contextlib.contextmanager
-def fresh_engine(**engine_kw) -> Iterator:
-    """An LLMEngine whose memory is given back afterwards (configurations run one after another in a process)."""
-    import torch
-
-    from sparseserve.engine.engine import LLMEngine
-    engine = LLMEngine.from_kwargs(**engine_kw)
-    try:
-        yield engine
-    finally:
-        del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-
 def run_config(model: str, name: str, jobs: list[Job], engine_kw: dict, extra: dict) -> dict:
     with fresh_engine(model=model, **engine_kw, **extra) as engine:
         row = {"config": name, **replay(engine, jobs)}
     logger.info("%s", row)
     return row
-
-
-def engine_kwargs(args: argparse.Namespace, max_model_len: int) -> dict:
-    import torch
-    kw = dict(max_model_len=max_model_len, device=args.device, seed=0)
-    if args.load_format == "dummy":
-        kw.update(load_format="dummy", dtype="bfloat16")
-    if args.num_gpu_blocks is not None:
-        kw["num_gpu_blocks_override"] = args.num_gpu_blocks
-    elif torch.cuda.is_available() and args.device != "cpu":
-        kw["gpu_memory_utilization"] = args.gpu_memory_gb * 1e9 / torch.cuda.mem_get_info()[1]
-    if args.max_num_batched_tokens is not None:
-        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
-    return kw
-
-
-def add_replay_args(p: argparse.ArgumentParser) -> None:
-    """The model, engine-size and trace options of an in-process replay benchmark (`engine_kwargs`, `model_dir`,
-    `trace_jobs`)."""
-    p.add_argument("--model", default="8b", help="model directory, or 8b (Llama-3.1-8B shapes, dummy weights)")
-    p.add_argument("--load-format", default=None, choices=["auto", "dummy"], help="default: dummy for 8b")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--gpu-memory-gb", type=float, default=40.0, help="GPU memory cap (CUDA)")
-    p.add_argument("--num-gpu-blocks", type=int, default=None, help="exact KV blocks instead (CPU smoke runs)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--trace", default=str(data_dir() / "traces" / "mooncake_conversation.jsonl"))
-    p.add_argument("--num-requests", type=int, default=48, help="the trace's first requests to replay")
-    p.add_argument("--time-scale", type=float, default=1.0, help="multiplies the trace's inter-arrival times")
-    p.add_argument("--max-input-len", type=int, default=32768, help="cap on the trace's prompt lengths")
-    p.add_argument("--max-output-len", type=int, default=512, help="cap on the trace's output lengths")
-
-
-@contextlib.contextmanager
-def model_dir(args: argparse.Namespace) -> Iterator[str]:
-    """args.model, or for "8b" a temporary Llama-3.1-8B-shaped directory (dummy weights) for the duration."""
-    if args.model != "8b":
-        yield args.model
-        return
-    args.load_format = args.load_format or "dummy"
-    with tempfile.TemporaryDirectory() as tmp:
-        yield str(make_8b_dir(Path(tmp) / "m8b"))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -224,7 +70,6 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO)
     from transformers import AutoTokenizer
 
-    from sparseserve.bench.hardware import print_table
     report: dict = {"date": datetime.date.today().isoformat(), "model": args.model, "args": vars(args)}
     with model_dir(args) as model:
         tokenizer = AutoTokenizer.from_pretrained(model)

@@ -11,7 +11,7 @@ every cached token (dense) or at most the sparse budget per request (sparse), an
 and the lowest mean TTFT (the same prefills served shortest-remaining-first, the optimum for one GPU).
 Writes ladder.json and ladder.png (mean TTFT, mean TPOT and output throughput against the request rate).
 
-    python -m sparseserve.bench.serve_ladder OUT --trace TRACE --model MODEL_DIR
+    python -m benchmarks.serve_ladder OUT --trace TRACE --model MODEL_DIR
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from sparseserve.bench.hardware import print_table
 LADDER = ("dense", "sparse", "offload", "ws", "layerseg")
 # out<N>: the trace's output lengths capped at N; fix<N>: every request asks for exactly N tokens.
 _RESULT = re.compile(r"serve_(?P<config>\w+?)_ts(?P<scale>[\d.]+)_(?P<mode>out|fix)(?P<out>\d+)\.json$")
-# Ceilings used when the run did not measure its own (hardware.json): H100 SXM (DESIGN.md), and the prefill MFU
-# the engine measured at 32K (BENCHMARKS.md, "Engine: offline throughput").
+# Ceilings used when the run did not measure its own (hardware.json): H100 SXM's, and the prefill MFU
+# the engine measured at 32K (docs/benchmarks/engine.md).
 DEFAULT_HARDWARE = {"hbm_bytes_per_s": 2.96e12, "matmul_flops": 775e12}
 DEFAULT_PREFILL_MFU = 0.68
 

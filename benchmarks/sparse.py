@@ -1,6 +1,6 @@
-"""Sparse decode speed against dense, side by side in one run (DESIGN.md: ratios, not absolute times).
+"""Sparse decode speed against dense, side by side in one run (ratios, not absolute times).
 
-    python -m sparseserve.bench.sparse [--kernel] [--step MODEL_DIR] [--json out.json]
+    python -m benchmarks.sparse [--kernel] [--step MODEL_DIR] [--json out.json]
 
 --kernel: one layer's decode attention at 128K context, batch 8, Llama-3.1-8B heads (32/8, D=128),
 bf16, blocks of 32: the dense paged kernel against sparse decode with scoring and selection

@@ -1,7 +1,7 @@
 """Sparse prefill benchmark (GPU): one attention layer of Llama-3.1-8B shapes (32 query / 8 KV heads, D=128, bf16),
 one prompt of 16K-128K tokens prefilled as one chunk from a paged cache (block 32, shuffled blocks).
 
-    python -m sparseserve.bench.sparse_prefill --output /tmp/sparse_prefill.json [--contexts 65536 131072] [--sweep]
+    python -m benchmarks.sparse_prefill --output /tmp/sparse_prefill.json [--contexts 65536 131072] [--sweep]
 
 Per context, timed with CUDA events (median of several runs after warm-up), side by side; dense_triton,
 sdpa_flash, select and the sale rows take turns in --rounds rounds (medians), as the clock drifts within a run:

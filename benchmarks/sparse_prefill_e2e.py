@@ -1,21 +1,21 @@
 """Sparse prefill end to end: TTFT of one long prompt, and task accuracy against the attention tiles computed;
-dense and SALE variants side by side on one engine (same weights and KV cache: a variant swaps the backend's
-prefill attention, attention/prefill.py).
+dense and SALE variants side by side in one run, an engine per variant (its sparse_prefill options), one after
+another on the same weights.
 
-    python -m sparseserve.bench.sparse_prefill_e2e ttft MODEL --load-format dummy --context 131072 \\
+    python -m benchmarks.sparse_prefill_e2e ttft MODEL --load-format dummy --context 131072 \\
         --thresholds 0.01 0.1 --calibration prefill.json --output ttft.json
-    python -m sparseserve.bench.sparse_prefill_e2e accuracy [MODEL] --lengths 16384,32768 --num-samples 20 \\
+    python -m benchmarks.sparse_prefill_e2e accuracy [MODEL] --lengths 16384,32768 --num-samples 20 \\
         --thresholds 0.001 0.01 0.1 --calibration prefill.json --output accuracy.json
 
 Variants: dense (the engine's dense prefill kernel), sale@T for each --thresholds T (one threshold for every
-head), sale:FILE for each --calibration file (`python -m sparseserve.bench.calibrate --prefill`); with
+head), sale:FILE for each --calibration file (`sparseserve calibrate --prefill`); with
 --streaming-heads FILE the sale variants also stream those heads. Chunks shorter than --min-len stay dense.
 tiles = (query tile, key tile, KV head) tiles computed / the causally visible ones (dense: 1).
 
 ttft: a prompt of CONTEXT - 1 random tokens (max_model_len CONTEXT), one output token, chunked prefill at the
-    engine's max_num_batched_tokens. Each repeat runs every variant once, interleaved, each run on fresh random
-    tokens (so no run reuses another's cached prefix). Reports the median wall time of generate (the TTFT of an
-    idle engine), the speedup over dense in the same run, and tiles.
+    engine's max_num_batched_tokens. Each variant's engine warms up (on CUDA) and runs --repeats times, each run
+    on fresh random tokens (so no run reuses another's cached prefix). Reports the median wall time of generate
+    (the TTFT of an idle engine), the speedup over dense in the same run, and tiles.
 accuracy: the accuracy harness's samples (bench/tasks.py, greedy, exact match) under every variant: its table,
     and per variant the mean accuracy, its difference to dense, the outputs equal to dense's and tiles (the curve
     of accuracy against tiles computed).
@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import free_memory
 from sparseserve.bench import accuracy as A
 from sparseserve.bench import tasks as T
-from sparseserve.bench.prefill_calibration import use_prefill
 from sparseserve.config import SparseConfig
 
 
@@ -50,15 +50,15 @@ def variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
 
 
 class Tiles:
-    """Tiles computed / causally visible tiles of the current variant since mark() (None: not counted)."""
+    """Tiles computed / causally visible tiles of an engine's sparse prefill since mark() (1.0: none counted, the
+    dense prefill)."""
 
-    def __init__(self, prefill: Any) -> None:
-        self.prefill = prefill
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
         self.mark()
 
     def _read(self) -> tuple[int, int]:
-        c = self.prefill.counters()
-        return (int(c["prefill_tiles_computed"]), int(c["prefill_tiles_dense"])) if c else (0, 0)
+        return A.prefill_tiles(self.llm)
 
     def mark(self) -> None:
         self.start = self._read()
@@ -68,10 +68,12 @@ class Tiles:
         return computed / dense if dense else 1.0
 
 
-def _engine(args: argparse.Namespace, max_model_len: int) -> Any:
+def _engine(args: argparse.Namespace, max_model_len: int, variant: dict[str, Any]) -> Any:
+    """The variant's engine, after the previous one's memory is back (the caller dropped it)."""
     from sparseserve import LLM
+    free_memory()
     kw = A._engine_args(args, max_model_len)
-    return LLM(model=args.model, load_format=args.load_format, **kw)
+    return LLM(model=args.model, load_format=args.load_format, **kw, **variant)
 
 
 def _meta(args: argparse.Namespace, llm: Any) -> dict:
@@ -91,34 +93,35 @@ def _write(args: argparse.Namespace, out: dict) -> None:
 
 def run_ttft(args: argparse.Namespace) -> dict:
     from sparseserve import SamplingParams
-    llm = _engine(args, args.context)
-    vocab = llm.llm_engine.model_runner.arch.vocab_size
     n = args.context - 1
     once = SamplingParams(temperature=0.0, max_tokens=1)
     runs = iter(range(1 << 30))
-
-    def prompt(length: int) -> list[int]:
-        g = torch.Generator().manual_seed(args.seed * 1_000_003 + next(runs))
-        return torch.randint(10, vocab, (length,), generator=g).tolist()
-
-    chunk = llm.llm_engine.config.scheduler_config.max_num_batched_tokens
-    warm = min(n, args.min_len + 2 * chunk)  # a sparse chunk in every variant: its Triton kernels compile here
     vs = variants(args)
     times: dict[str, list[float]] = {label: [] for label, _ in vs}
     tiles: dict[str, list[float]] = {label: [] for label, _ in vs}
-    if llm.llm_engine.model_runner.device.type == "cuda":  # the torch references need no warm-up
-        for label, kw in vs:
-            use_prefill(llm, **kw)
-            llm.generate([prompt(warm)], once, use_tqdm=False)
-    for r in range(args.repeats):
-        for label, kw in vs:
-            counter = Tiles(use_prefill(llm, **kw))
+    meta: dict = {}
+    for label, kw in vs:
+        llm = _engine(args, args.context, kw)
+        vocab = llm.llm_engine.model_runner.arch.vocab_size
+
+        def prompt(length: int) -> list[int]:
+            g = torch.Generator().manual_seed(args.seed * 1_000_003 + next(runs))
+            return torch.randint(10, vocab, (length,), generator=g).tolist()
+
+        chunk = llm.llm_engine.config.scheduler_config.max_num_batched_tokens
+        if llm.llm_engine.model_runner.device.type == "cuda":  # the torch references need no warm-up
+            # a sparse chunk in every variant: its Triton kernels compile here
+            llm.generate([prompt(min(n, args.min_len + 2 * chunk))], once, use_tqdm=False)
+        for r in range(args.repeats):
+            counter = Tiles(llm)
             ids = prompt(n)
             t0 = time.perf_counter()
             llm.generate([ids], once, use_tqdm=False)
             times[label].append(time.perf_counter() - t0)
             tiles[label].append(counter.fraction())
             print(f"repeat {r} {label:24s} {times[label][-1]:8.3f} s  tiles {tiles[label][-1]:.1%}", flush=True)
+        meta = _meta(args, llm)
+        del llm, counter
     dense = statistics.median(times["dense"])
     rows = {label: {"ttft_s": times[label], "median_s": statistics.median(times[label]),
                     "speedup_vs_dense": dense / statistics.median(times[label]),
@@ -128,7 +131,7 @@ def run_ttft(args: argparse.Namespace) -> dict:
     for label, r in rows.items():
         print(f"{label:26s} {r['median_s']:9.3f} {min(r['ttft_s']):9.3f} {r['speedup_vs_dense']:8.2f}x "
               f"{r['tile_fraction']:7.1%}")
-    out = {**_meta(args, llm), "mode": "ttft", "context": args.context, "prompt_tokens": n, "chunk_tokens": chunk,
+    out = {**meta, "mode": "ttft", "context": args.context, "prompt_tokens": n, "chunk_tokens": chunk,
            "repeats": args.repeats, "variants": rows}
     _write(args, out)
     return out
@@ -136,14 +139,14 @@ def run_ttft(args: argparse.Namespace) -> dict:
 
 def run_accuracy(args: argparse.Namespace) -> dict:
     tasks, lengths = A._csv(args.tasks), [int(x) for x in A._csv(args.lengths)]
-    llm = _engine(args, max(lengths) + 64)
-    tok = llm.llm_engine.tokenizer
+    tok = A.load_tokenizer(args.model, A.parse_engine_args(args.engine_arg).get("tokenizer"))
     builder = T.TaskBuilder(tok, T.load_essays(T.find_haystack_dir(args.data_dir)), eos_id=tok.eos_token_id)
     samples = T.build_suite(builder, tasks, lengths, args.num_samples, args.seed)
-    results, rows_by, curve = {}, {}, {}
+    results, rows_by, curve, meta = {}, {}, {}, {}
     for label, kw in variants(args):
-        counter = Tiles(use_prefill(llm, **kw))
         t0 = time.time()
+        llm = _engine(args, max(lengths) + 64, kw)
+        counter = Tiles(llm)
         rows = A.run_policy(llm, samples, use_tqdm=not args.quiet)
         rows_by[label], results[label] = rows, A.accuracy_table(rows)
         mean = sum(r["correct"] for r in rows) / len(rows)
@@ -151,13 +154,15 @@ def run_accuracy(args: argparse.Namespace) -> dict:
         curve[label] = {"tile_fraction": counter.fraction(), "mean_accuracy": mean,
                         "delta_vs_dense": mean - curve["dense"]["mean_accuracy"] if curve else 0.0,
                         "equal_to_dense": equal, "seconds": round(time.time() - t0, 2), "config": kw}
+        meta = _meta(args, llm)
+        del llm, counter
     print(f"\nexact-match accuracy (%), {args.num_samples} samples per cell, seed {args.seed}")
     print(A.format_table(results, tasks, lengths))
     print(f"\n{'variant':26s} {'tiles':>7s} {'accuracy':>9s} {'vs dense':>9s} {'= dense':>8s}")
     for label, c in curve.items():
         print(f"{label:26s} {c['tile_fraction']:7.1%} {100 * c['mean_accuracy']:8.1f}% "
               f"{100 * c['delta_vs_dense']:+8.1f} {c['equal_to_dense']:5d}/{len(samples)}")
-    out = {**_meta(args, llm), "mode": "accuracy", "tasks": tasks, "lengths": lengths,
+    out = {**meta, "mode": "accuracy", "tasks": tasks, "lengths": lengths,
            "num_samples": args.num_samples, "seed": args.seed, "accuracy": results, "curve": curve,
            "samples": rows_by}
     _write(args, out)

@@ -8,7 +8,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 what=${1:-all}
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
 python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
-grep -q LlamaForCausalLM /tmp/llama8b-r2/config.json 2>/dev/null || python scripts/make_random_model.py --out /tmp/llama8b-r2
+grep -q LlamaForCausalLM /tmp/llama8b-r2/config.json 2>/dev/null || python -m benchmarks.model_dir --out /tmp/llama8b-r2
 if [ "$what" != bench ]; then
   python -m pytest tests/kernels/test_small_ops.py tests/models/test_hf_parity.py -q -x 2>&1 | tail -5
   python -m sparseserve.bench.parity /tmp/llama8b-r2 --dtype bfloat16 --prompt-len 1024 --json "$OUT/parity_8b.json" 2>&1 | tail -4

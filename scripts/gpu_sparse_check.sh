@@ -16,8 +16,8 @@ if [ "$what" != bench ]; then
 fi
 bench_rc=0
 if [ "$what" != tests ]; then
-  [ -f /tmp/cfg8b/config.json ] || python3 scripts/make_random_model.py --config-only --out /tmp/cfg8b
-  python3 -m sparseserve.bench.sparse --kernel --step /tmp/cfg8b --json "$OUT/bench_sparse.json" 2>&1 \
+  [ -f /tmp/cfg8b/config.json ] || python3 -m benchmarks.model_dir --config-only --out /tmp/cfg8b
+  python3 -m benchmarks.sparse --kernel --step /tmp/cfg8b --json "$OUT/bench_sparse.json" 2>&1 \
     | grep -v "Processed prompts" | tee "$OUT/bench.log"
   bench_rc=${PIPESTATUS[0]}
 fi

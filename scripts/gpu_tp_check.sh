@@ -13,13 +13,13 @@ case "$what" in
   tests)
     python -m pytest -q -x tests/distributed 2>&1 | tail -15 ;;
   parity)
-    grep -q LlamaForCausalLM /tmp/llama8b-r2/config.json 2>/dev/null || python scripts/make_random_model.py --out /tmp/llama8b-r2
+    grep -q LlamaForCausalLM /tmp/llama8b-r2/config.json 2>/dev/null || python -m benchmarks.model_dir --out /tmp/llama8b-r2
     python scripts/tp_bench.py parity /tmp/llama8b-r2 --json "$OUT/tp_parity.json" 2>&1 | grep -v "^INFO" | tail -8 ;;
   step)
-    grep -q LlamaForCausalLM /tmp/llama8b-cfg/config.json 2>/dev/null || python scripts/make_random_model.py --out /tmp/llama8b-cfg --config-only
+    grep -q LlamaForCausalLM /tmp/llama8b-cfg/config.json 2>/dev/null || python -m benchmarks.model_dir --out /tmp/llama8b-cfg --config-only
     python scripts/tp_bench.py step /tmp/llama8b-cfg --batch 32 --context 8192 --json "$OUT/tp_step.json" 2>&1 | grep -v "^INFO" | tail -8 ;;
   capacity)
-    grep -q LlamaForCausalLM /tmp/llama8b-cfg/config.json 2>/dev/null || python scripts/make_random_model.py --out /tmp/llama8b-cfg --config-only
+    grep -q LlamaForCausalLM /tmp/llama8b-cfg/config.json 2>/dev/null || python -m benchmarks.model_dir --out /tmp/llama8b-cfg --config-only
     python scripts/tp_bench.py capacity /tmp/llama8b-cfg --context 131072 --gpu-memory-gb 40 --host-kv-gb ${HOST_KV_GB:-100} \
       --requests-tp1 ${REQ1:-8} --requests ${REQ2:-16} --json "$OUT/tp_capacity.json" 2>&1 | grep -v "^INFO" | tail -8 ;;
   *) echo "usage: $0 [tests|parity|step|capacity]"; exit 2 ;;

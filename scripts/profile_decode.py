@@ -1,7 +1,7 @@
 """Where a decode step's time goes on the GPU: torch profiler over full-batch decode steps of a
 random-weight model (load_format='dummy'), GPU kernel time per step vs wall time per step.
 
-    python scripts/make_random_model.py --config-only --out /tmp/cfg8b
+    python -m benchmarks.model_dir --config-only --out /tmp/cfg8b
     python scripts/profile_decode.py /tmp/cfg8b --batch 32 --input-len 8192
     python scripts/profile_decode.py /tmp/smollm2 --batch 1 --engine-arg sparse_policy=topk \
         --engine-arg sparse_budget=1024 --engine-arg kv_offload=true

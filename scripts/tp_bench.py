@@ -12,7 +12,7 @@ TP=1 side by side in one process (the TP=1 engine on GPU 0 is dropped before the
         `context` tokens keep arriving; the most running at once, and the decode step there (TP=2 should run
         twice TP=1's requests).
 
-MODEL: a Hugging Face directory; scripts/make_random_model.py writes Llama-3.1-8B's shape (random weights for
+MODEL: a Hugging Face directory; benchmarks/model_dir.py writes Llama-3.1-8B's shape (random weights for
 parity; --config-only for step and capacity, which load dummy weights). --json writes the rows.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Per-head thresholds of SALE's sparse prefill, calibrated offline (`python -m sparseserve.bench.calibrate
---prefill`): the file `--sparse-prefill-calibration FILE` loads.
+"""Per-head thresholds of SALE's sparse prefill, calibrated offline (`sparseserve calibrate --prefill`): the file
+`--sparse-prefill-calibration FILE` loads.
 
 A dense engine prefills each calibration prompt (bench/tasks.py prompts; --random-prompts for random tokens) as
 one chunk. After every layer's attention an observer takes that layer's queries and KV cache and, for each query
@@ -10,20 +10,20 @@ selects, the other heads of its KV group selecting none: in the engine a KV grou
 tiles, so a head's error there is at most what was measured. Heads of different KV groups are measured in the same
 pass. A head's threshold over several prompts is the smallest of theirs.
 
-Afterwards the engine runs the prompts once more with the calibrated file loaded (sparse prefill on every chunk)
-and reports the share of dense prefill's attention tiles it computes (`tile_fraction`).
+Afterwards a second engine runs the prompts with the calibrated file loaded (sparse prefill on every chunk) and
+reports the share of dense prefill's attention tiles it computes (`tile_fraction`).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import gc
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from sparseserve.attention.prefill import THRESHOLDS_KEY, DensePrefill, create_prefill
+from sparseserve.attention.prefill import THRESHOLDS_KEY
 from sparseserve.kernels.sale_select import sale_select
 from sparseserve.kernels.sparse_prefill import TileLayout, sparse_prefill
 
@@ -84,23 +84,6 @@ class PrefillCalibrator:
         self.steps += layer == 0
 
 
-def use_prefill(llm: Any, **sparse_kwargs: Any) -> DensePrefill:
-    """Gives the engine's attention backend the prefill attention of these SparseConfig fields (same weights,
-    same KV cache: benchmarks compare prefill variants side by side) and returns it."""
-    backend = llm.llm_engine.model_runner.attn_backend
-    cfg = dataclasses.replace(llm.llm_engine.config.sparse_config, **sparse_kwargs)
-    backend.prefill = create_prefill(dataclasses.replace(backend.ctx, sparse=cfg))
-    return backend.prefill
-
-
-def tile_fraction(prefill: DensePrefill) -> float | None:
-    """Tiles computed / causally visible tiles of a sparse prefill so far (None: nothing counted)."""
-    c = prefill.counters()
-    if not c or not int(c["prefill_tiles_dense"]):
-        return None
-    return int(c["prefill_tiles_computed"]) / int(c["prefill_tiles_dense"])
-
-
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("--prefill (sparse prefill thresholds)")
     g.add_argument("--error-bound", type=float, default=0.02,
@@ -111,15 +94,16 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="As the engine flag.")
 
 
-def main(args: argparse.Namespace, prompts_of: Any) -> dict:
-    """args: calibrate.py's; prompts_of(engine) -> token-id prompts."""
+def calibrate(args: argparse.Namespace, prompts_of: Any) -> dict:
+    """Writes args.out; prompts_of(engine) -> token-id prompts."""
     from sparseserve import LLM, SamplingParams
 
     lengths = [int(x) for x in args.lengths.split(",") if x]
     layout = TileLayout()
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size, enforce_eager=True,
-              load_format=args.load_format, max_model_len=max(lengths) + 8, max_num_seqs=1,
-              max_num_batched_tokens=max(lengths))  # one chunk a prompt
+    engine_args = dict(device=args.device, dtype=args.dtype, block_size=args.block_size, enforce_eager=True,
+                       load_format=args.load_format, max_model_len=max(lengths) + 8, max_num_seqs=1,
+                       max_num_batched_tokens=max(lengths))  # one chunk a prompt
+    llm = LLM(args.model, **engine_args)
     engine = llm.llm_engine
     a = engine.model_runner.arch
     prompts = prompts_of(engine)
@@ -139,12 +123,28 @@ def main(args: argparse.Namespace, prompts_of: Any) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     # The file through the engine's own loader, then the tiles it saves on the calibration prompts.
-    prefill = use_prefill(llm, sparse_prefill="sale", sparse_prefill_calibration=str(path), sparse_prefill_min_len=0)
+    del llm, engine, cal
+    _free_memory()
+    llm = LLM(args.model, **engine_args, sparse_prefill="sale", sparse_prefill_calibration=str(path),
+              sparse_prefill_min_len=0)
     llm.generate(prompts, once, use_tqdm=False)
-    out["tile_fraction"] = tile_fraction(prefill)
+    out["tile_fraction"] = tile_fraction(llm.llm_engine.get_stats(sync=True))
     path.write_text(json.dumps(out, indent=1))
     dense = int((thresholds == 0).sum())
     print(f"sparse prefill thresholds of {a.num_layers} layers x {a.num_heads} query heads -> {path}: median "
           f"{thresholds.median().item():.3g}, {dense} heads dense (0); tiles computed on the calibration prompts: "
           f"{out['tile_fraction']:.1%} of dense")
     return out
+
+
+def tile_fraction(stats: Any) -> float | None:
+    """Tiles computed / causally visible tiles of the engine's sparse prefill so far (None: nothing counted)."""
+    if not stats.prefill_tiles_dense:
+        return None
+    return stats.prefill_tiles_computed / stats.prefill_tiles_dense
+
+
+def _free_memory() -> None:
+    gc.collect()  # engines hold reference cycles
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

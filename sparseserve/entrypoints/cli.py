@@ -1,4 +1,4 @@
-"""`sparseserve` command line: generate, serve, bench. Engine flags come from the config dataclasses,
+"""`sparseserve` command line: generate, serve, calibrate, bench. Engine flags come from the config dataclasses,
 so every LLM keyword argument is a flag of the same name with dashes."""
 from __future__ import annotations
 
@@ -122,6 +122,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_module_command(sub, "serve", "sparseserve.entrypoints.api_server", "Start the OpenAI-compatible server.",
                         load=argv[:1] == ["serve"])
+    _add_module_command(sub, "calibrate", "sparseserve.calibration.cli",
+                        "Calibrate streaming heads or sparse prefill thresholds.", load=argv[:1] == ["calibrate"])
     bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench", required=True)
     for name, (module, help) in BENCHMARKS.items():
         _add_module_command(bench, name, module, help, load=argv[:2] == ["bench", name])

@@ -141,7 +141,7 @@ def test_small_budget(tiny_model_dir, tmp_path):
 
 
 def test_calibrate_streaming_heads(tiny_model_dir, tmp_path):
-    from sparseserve.bench import calibrate
+    from sparseserve.calibration import cli as calibrate
     p = argparse.ArgumentParser()
     calibrate.add_cli_args(p)
     out = tmp_path / "heads.json"

@@ -1,7 +1,7 @@
 """The async-scheduling benchmark runs both engines side by side (tiny sizes on CPU; the numbers are the GPU's)."""
 from __future__ import annotations
 
-from sparseserve.bench.async_overlap import main
+from benchmarks.async_overlap import main
 
 
 def test_async_overlap_bench_reports_both_modes(tmp_path):

@@ -1,4 +1,4 @@
-"""The decode-time breakdown (bench/decode_time.py): its split on a hand-built timeline, the async attribution of a
+"""The decode-time breakdown (benchmarks/decode_time.py): its split on a hand-built timeline, the async attribution of a
 step's tokens to the schedule launched one call earlier, and a CPU smoke run whose parts add up to the TPOT of
 the token times."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sparseserve.bench import decode_time as D
+from benchmarks import decode_time as D
 from sparseserve.bench.datasets import data_dir
 
 TRACE = data_dir() / "traces" / "mooncake_conversation.jsonl"

@@ -1,4 +1,4 @@
-"""bench/locality.py on the CPU with a tiny model: the observer's device statistics equal a plain-Python recount of
+"""benchmarks/locality.py on the CPU with a tiny model: the observer's device statistics equal a plain-Python recount of
 the lists the backend made (overlap, Jaccard, union over the window), and the CLI writes its report."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sparseserve.bench.locality import SelectionLocality, main, measure
+from benchmarks.locality import SelectionLocality, main, measure
 from sparseserve.engine.engine import LLMEngine
 from sparseserve.kernels.sparse_decode import listed_rows
 from sparseserve.sampling_params import SamplingParams

@@ -1,4 +1,4 @@
-"""`python -m sparseserve.bench.offload --real MODEL`: KV offload against all KV in HBM on real prompts, side by side
+"""`python -m benchmarks.offload --real MODEL`: KV offload against all KV in HBM on real prompts, side by side
 per batch size; a CPU smoke run on a tiny model (its numbers matter on the GPU only)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from sparseserve.bench import offload
+from benchmarks import offload
 
 
 @pytest.mark.parametrize("scheduling, repeats", [("sync", 2), ("async", 1)])

@@ -1,4 +1,4 @@
-"""Smoke test of the prefix-caching benchmark (bench/prefix.py) on CPU with a tiny model and tiny sizes: every
+"""Smoke test of the prefix-caching benchmark (benchmarks/prefix.py) on CPU with a tiny model and tiny sizes: every
 workload and configuration runs, the rows hold what the GPU run reports, and the numbers are consistent (no
 cache: every prompt token computed at least once; the repeated trace prefixes hit with caching on)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from sparseserve.bench import prefix
+from benchmarks import prefix
 from sparseserve.bench.datasets import data_dir
 
 TRACE = data_dir() / "traces" / "mooncake_conversation.jsonl"

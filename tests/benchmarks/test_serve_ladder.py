@@ -1,4 +1,4 @@
-"""The serving ladder report (bench/serve_ladder.py) and bench serve's decode-heavy trace replay."""
+"""The serving ladder report (benchmarks/serve_ladder.py) and bench serve's decode-heavy trace replay."""
 from __future__ import annotations
 
 import argparse
@@ -8,10 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from sparseserve.bench import serve, serve_ladder
+from benchmarks import serve_ladder
+from benchmarks.serve_ladder import (ModelShape, ideal_cached_tokens, ladder_rows, load_runs, mean_ttft_bound,
+                                     workload_bound)
+from sparseserve.bench import serve
 from sparseserve.bench.datasets import TraceRequest
-from sparseserve.bench.serve_ladder import (ModelShape, ideal_cached_tokens, ladder_rows, load_runs, mean_ttft_bound,
-                                            workload_bound)
 
 SHAPE = ModelShape(layers=2, hidden=8, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10)
 HW = {"hbm_bytes_per_s": 1e3, "matmul_flops": 1e6}

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from sparseserve.bench import sparse_prefill as bench
+from benchmarks import sparse_prefill as bench
 
 
 @pytest.mark.slow
@@ -33,7 +33,7 @@ def test_sparse_prefill_bench_rows(tmp_path):
 
 
 def _e2e(argv: list[str]) -> dict:
-    from sparseserve.bench import sparse_prefill_e2e as e2e
+    from benchmarks import sparse_prefill_e2e as e2e
     parser = argparse.ArgumentParser()
     e2e.add_cli_args(parser)
     return e2e.main(parser.parse_args(argv))

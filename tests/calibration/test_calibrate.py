@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from sparseserve.bench import calibrate
+from sparseserve.calibration import cli as calibrate
 from sparseserve.bench import tasks as T
 
 
@@ -38,3 +38,15 @@ def test_prompts_beyond_the_context_are_refused(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="use --lengths 1008 or less"):
         calibrate.main(_args([str(tiny_model_dir), "--random-prompts", "--lengths", "1020", "--device", "cpu",
                               "--out", str(tmp_path / "h.json")]))
+
+
+def test_the_cli_command_runs_the_calibration(tiny_model_dir, tmp_path):
+    from sparseserve.entrypoints.cli import build_parser
+    argv = ["calibrate", str(tiny_model_dir), "--prefill", "--random-prompts", "--lengths", "1020",
+            "--out", str(tmp_path / "p.json")]
+    args = build_parser(argv).parse_args(argv)
+    assert args.func is calibrate.main and args.prefill and args.error_bound == 0.02
+    argv = ["calibrate", str(tiny_model_dir), "--random-prompts", "--lengths", "1020", "--out", str(tmp_path / "h")]
+    args = build_parser(argv).parse_args(argv)
+    with pytest.raises(ValueError, match="use --lengths 1008 or less"):
+        args.func(args)

@@ -1,4 +1,4 @@
-"""Sparse prefill calibration (bench/prefill_calibration.py) on one hand-built layer: each head's threshold is the
+"""Sparse prefill calibration (calibration/prefill.py) on one hand-built layer: each head's threshold is the
 first of start, start/2, ... whose output error, the head selecting alone, is within the bound."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sparseserve.attention.backend import AttentionMetadata
-from sparseserve.bench.prefill_calibration import calibrate_layer
+from sparseserve.calibration.prefill import calibrate_layer
 from sparseserve.kernels.sale_select import sale_select_ref
 from sparseserve.kernels.sparse_prefill import TileLayout, sparse_prefill_ref
 

@@ -112,7 +112,7 @@ def test_streaming_heads_change_prefill(hf_models, tmp_path):
 def test_calibration_writes_a_file_the_engine_loads(hf_models, tmp_path, capsys):
     """calibrate --prefill on random prompts: one threshold per (layer, query head), each 0 or the start halved
     k times, and the file (with its layout and the tile fraction measured after) loads into an engine."""
-    from sparseserve.bench import calibrate
+    from sparseserve.calibration import cli as calibrate
     model = hf_models["qwen3-qknorm-d128"][0]
     parser = argparse.ArgumentParser()
     calibrate.add_cli_args(parser)
