@@ -1,17 +1,21 @@
-"""The serving ladder report: `scripts/gpu_serve_check.sh` results as one table per (output length, time scale).
+"""The serving ladder report: `scripts/gpu_serve_check.sh` results as one table per (outputs, load).
 
-Reads every `serve_<config>_ts<scale>_{out,fix}<len>.json` (`bench serve --output-json`; out: the trace's output
-lengths capped at len, fix: every request asks for len tokens) and `metrics_<same>.txt` (the server's /metrics
-after the run) in a folder, and prints for each config its throughput, TTFT, TPOT, E2E and goodput with the
-ratio against dense at the same scale, each step's gain over the config before it in the ladder, the HBM hit
+Reads every `serve_<config>_<load>_<outputs>.json` (`bench serve --output-json`) and `metrics_<same>.txt` (the
+server's /metrics after the run) in a folder. load: ts<scale> (the Mooncake trace at that time scale) or
+rate<r> (Poisson arrivals at r requests/s, LongBench's mix); outputs: out<len> (the trace's output lengths
+capped at len), fix<len> (every request asks for len tokens), lbmax / lbmean (LongBench's output caps, or its
+mean outputs). For each config it prints throughput, TTFT, TPOT, E2E and goodput with the ratio against dense
+of the same group, each step's gain over the config before it in the ladder, the HBM hit
 ratio, preemptions, prompt tokens computed per prompt token, working-set hold-backs and prefills ahead. Beside
 them, the workload's bound: every prompt prefilled at the prefill MFU (prompt blocks shared with an earlier request
 cost nothing: ideal prefix caching) plus decode at the HBM roofline with all requests in one batch, reading
 every cached token (dense) or at most the sparse budget per request (sparse), and never before the last arrival;
 and the lowest mean TTFT (the same prefills served shortest-remaining-first, the optimum for one GPU).
-Writes ladder.json and ladder.png (mean TTFT, mean TPOT and output throughput against the request rate).
+The bound needs the requests: the trace (--trace) for ts loads, the requests a run recorded (bench serve's
+"workload") for rate loads (no prefix sharing). Writes ladder.json and ladder.png (mean TTFT, mean TPOT and
+output throughput against the request rate).
 
-    python -m benchmarks.serve_ladder OUT --trace TRACE --model MODEL_DIR
+    python -m benchmarks.serve_ladder OUT --model MODEL_DIR [--trace TRACE]
 """
 from __future__ import annotations
 
@@ -27,8 +31,8 @@ from sparseserve.bench.datasets import TRACE_BLOCK_TOKENS, TraceRequest, load_tr
 from sparseserve.bench.hardware import print_table
 
 LADDER = ("dense", "sparse", "offload", "ws", "layerseg")
-# out<N>: the trace's output lengths capped at N; fix<N>: every request asks for exactly N tokens.
-_RESULT = re.compile(r"serve_(?P<config>\w+?)_ts(?P<scale>[\d.]+)_(?P<mode>out|fix)(?P<out>\d+)\.json$")
+_RESULT = re.compile(r"serve_(?P<config>\w+?)_(?P<load>ts[\d.]+|rate[\d.]+)_(?P<outputs>(?:out|fix)\d+|lbmax|lbmean)"
+                     r"\.json$")
 # Ceilings used when the run did not measure its own (hardware.json): H100 SXM's, and the prefill MFU
 # the engine measured at 32K (docs/benchmarks/engine.md).
 DEFAULT_HARDWARE = {"hbm_bytes_per_s": 2.96e12, "matmul_flops": 775e12}
@@ -134,7 +138,16 @@ def workload_bound(trace: list[TraceRequest], shape: ModelShape, hw: dict[str, f
 
 
 def _outputs_key(outputs: str) -> tuple[int, str]:
-    return int(outputs[3:]), outputs[:3]
+    digits = re.sub(r"\D", "", outputs)
+    return int(digits) if digits else 0, outputs
+
+
+def _load_key(load: str) -> tuple[str, float]:
+    return load[:2], _load_value(load)
+
+
+def _load_value(load: str) -> float:
+    return float(re.sub(r"^[a-z]+", "", load))
 
 
 def _metric(metrics: dict[str, float], name: str) -> float | None:
@@ -151,7 +164,10 @@ def load_runs(folder: Path) -> list[dict[str, Any]]:
         report = json.loads(path.read_text())
         metrics_path = path.with_name(path.name.replace("serve_", "metrics_", 1)).with_suffix(".txt")
         metrics = parse_metrics(metrics_path.read_text()) if metrics_path.exists() else {}
-        runs.append({"config": m["config"], "scale": float(m["scale"]), "outputs": m["mode"] + m["out"],
+        load = m["load"]
+        runs.append({"config": m["config"], "load": load, "outputs": m["outputs"],
+                     "scale": _load_value(load) if load.startswith("ts") else None,
+                     "rate": _load_value(load) if load.startswith("rate") else None,
                      "summary": report["runs"][0], "metrics": metrics})
     return runs
 
@@ -161,21 +177,22 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def ladder_rows(runs: list[dict[str, Any]], bounds: dict[str, float] | None = None) -> list[dict[str, Any]]:
-    """One row per run, ordered (output length, scale, ladder step); ratios against dense of the same group."""
+    """One row per run, ordered (outputs, load, ladder step); ratios against dense of the same group."""
     order = {c: i for i, c in enumerate(LADDER)}  # a variant (ws_wait, layerseg_async) follows its ladder step
-    runs = sorted(runs, key=lambda r: (_outputs_key(r["outputs"]), r["scale"],
+    runs = sorted(runs, key=lambda r: (_outputs_key(r["outputs"]), _load_key(r["load"]),
                                        order.get(r["config"].split("_")[0], len(LADDER)), r["config"]))
     rows: list[dict[str, Any]] = []
     for run in runs:
         s, m = run["summary"], run["metrics"]
-        group = [r for r in runs if (r["outputs"], r["scale"]) == (run["outputs"], run["scale"])]
+        key = (run["outputs"], run["load"])
+        group = [r for r in runs if (r["outputs"], r["load"]) == key]
         dense = next((r["summary"] for r in group if r["config"] == "dense"), None)
-        prev = rows[-1] if rows and (rows[-1]["outputs"], rows[-1]["scale"]) == (run["outputs"], run["scale"]) else None
+        prev = rows[-1] if rows and (rows[-1]["outputs"], rows[-1]["load"]) == key else None
         hits, loads = _metric(m, "offload_hbm_hits_total"), _metric(m, "offload_head_blocks_loaded_total")
         bypass = _metric(m, "offload_bypass_reads_total") or 0.0
         computed = _metric(m, "prompt_tokens_total")
         row = {
-            "outputs": run["outputs"], "scale": run["scale"], "config": run["config"],
+            "outputs": run["outputs"], "load": run["load"], "config": run["config"],
             "done": f"{s['completed']}/{s['completed'] + s['failed']}",
             "out tok/s": s["output_throughput"],
             "x dense": _ratio(s["output_throughput"], dense and dense["output_throughput"]),
@@ -202,19 +219,19 @@ def ladder_rows(runs: list[dict[str, Any]], bounds: dict[str, float] | None = No
     return rows
 
 
-def plot(runs: list[dict[str, Any]], trace_span_s: float, num_requests: int, path: Path) -> None:
-    """Mean TTFT, mean TPOT and output throughput against the request rate (N / the scaled arrival span), one line
-    per (config, output length)."""
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    """Mean TTFT, mean TPOT and output throughput against the offered request rate (run["rate"]), one line per
+    (config, outputs)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    keys = sorted({(r["config"], r["outputs"]) for r in runs},
+    keys = sorted({(r["config"], r["outputs"]) for r in runs if r["rate"] is not None},
                   key=lambda k: (_outputs_key(k[1]), LADDER.index(k[0]) if k[0] in LADDER else len(LADDER)))
     for config, out in keys:
-        pts = sorted((num_requests / (trace_span_s * r["scale"]), r["summary"]) for r in runs
-                     if (r["config"], r["outputs"]) == (config, out))
+        pts = sorted((r["rate"], r["summary"]) for r in runs
+                     if (r["config"], r["outputs"]) == (config, out) and r["rate"] is not None)
         rates = [p[0] for p in pts]
         label = f"{config} ({out})"
         axes[0].plot(rates, [p[1]["ttft_ms"]["mean"] / 1e3 for p in pts], "-o", label=label)
@@ -229,10 +246,32 @@ def plot(runs: list[dict[str, Any]], trace_span_s: float, num_requests: int, pat
     plt.close(fig)
 
 
+def group_requests(args: argparse.Namespace, outputs: str, load: str,
+                   group: list[dict[str, Any]]) -> list[TraceRequest] | None:
+    """The group's requests for its bound: the trace at the load's time scale (outputs capped or fixed as the runs
+    asked), or what a run recorded; None when neither is at hand."""
+    if load.startswith("ts"):
+        if args.trace is None:
+            return None
+        n = _outputs_key(outputs)[0]
+        trace = load_trace(args.trace, args.num_prompts, _load_value(load), args.max_input_len, n)
+        return [replace(t, output_length=n) for t in trace] if outputs.startswith("fix") else trace
+    asked = next((r["summary"]["workload"] for r in group if r["summary"].get("workload")), None)
+    return None if asked is None else [TraceRequest(a, p, o, ()) for a, p, o in asked]
+
+
+def _title(outputs: str, load: str) -> str:
+    n = _outputs_key(outputs)[0]
+    what = {"fix": f"outputs = {n}", "out": f"outputs <= {n}", "lbmax": "LongBench output caps",
+            "lbmean": "LongBench mean outputs"}[outputs[:3] if outputs[:3] in ("fix", "out") else outputs]
+    return f"{what}, " + (f"time scale {_load_value(load):g}" if load.startswith("ts")
+                          else f"Poisson {_load_value(load):g} req/s")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", type=Path, help="where gpu_serve_check.sh wrote its results")
-    p.add_argument("--trace", required=True, help="the trace the runs replayed")
+    p.add_argument("--trace", default=None, help="the trace the ts runs replayed (their bound)")
     p.add_argument("--model", type=Path, required=True, help="the model directory (its config.json: the bound)")
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--max-input-len", type=int, default=32768)
@@ -241,34 +280,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     runs = load_runs(args.folder)
     if not runs:
-        raise SystemExit(f"no serve_<config>_ts<scale>_out<len>.json in {args.folder}")
+        raise SystemExit(f"no serve_<config>_<load>_<outputs>.json in {args.folder}")
     hw_path = args.folder / "hardware.json"
     hw = json.loads(hw_path.read_text()) if hw_path.exists() else DEFAULT_HARDWARE
     shape = ModelShape.from_model_dir(args.model)
+    if args.trace is not None:  # a ts load's request rate: the trace's requests over its scaled arrival span
+        span = max(t.arrival_s for t in load_trace(args.trace, args.num_prompts)) or 1.0
+        for r in runs:
+            if r["scale"] is not None:
+                r["rate"] = args.num_prompts / (span * r["scale"])
     report: dict[str, Any] = {"hardware": hw, "prefill_mfu": args.prefill_mfu, "bounds": {}, "tables": {}}
     for out in sorted({r["outputs"] for r in runs}, key=_outputs_key):
-        for scale in sorted({r["scale"] for r in runs if r["outputs"] == out}):
-            n = int(out[3:])
-            trace = load_trace(args.trace, args.num_prompts, scale, args.max_input_len, n)
-            if out.startswith("fix"):
-                trace = [replace(t, output_length=n) for t in trace]
-            bounds = {name: workload_bound(trace, shape, hw, args.prefill_mfu, cap)
+        for load in sorted({r["load"] for r in runs if r["outputs"] == out}, key=_load_key):
+            group = [r for r in runs if (r["outputs"], r["load"]) == (out, load)]
+            key, title = f"{out}_{load}", _title(out, load)
+            requests = group_requests(args, out, load, group)
+            if requests is None:
+                report["tables"][key] = rows = ladder_rows(group)
+                print_table(rows, f"{title}: no bound (the runs' requests are not at hand)")
+                continue
+            bounds = {name: workload_bound(requests, shape, hw, args.prefill_mfu, cap)
                       for name, cap in (("dense", None), ("sparse", args.sparse_budget))}
-            key = f"{out}_ts{scale:g}"
             report["bounds"][key] = bounds
-            group = [r for r in runs if (r["outputs"], r["scale"]) == (out, scale)]
-            rows = ladder_rows(group, {k: b["output_throughput"] for k, b in bounds.items()})
-            report["tables"][key] = rows
-            what = f"outputs = {n}" if out.startswith("fix") else f"outputs <= {n}"
-            print_table(rows, f"{what}, time scale {scale:g}: bound {bounds['dense']['output_throughput']:.0f}"
+            report["tables"][key] = rows = ladder_rows(group, {k: b["output_throughput"] for k, b in bounds.items()})
+            print_table(rows, f"{title}: bound {bounds['dense']['output_throughput']:.0f}"
                               f" out tok/s reading all KV, {bounds['sparse']['output_throughput']:.0f} reading "
                               f"<= {args.sparse_budget} tokens (prefill {bounds['dense']['prefill_s']:.1f} s at MFU "
                               f"{args.prefill_mfu}, decode {bounds['dense']['decode_s']:.1f} / "
                               f"{bounds['sparse']['decode_s']:.1f} s); mean TTFT >= "
                               f"{bounds['dense']['mean_ttft_s']:.2f} s")
     (args.folder / "ladder.json").write_text(json.dumps(report, indent=1))
-    span = max(t.arrival_s for t in load_trace(args.trace, args.num_prompts)) or 1.0
-    plot(runs, span, args.num_prompts, args.folder / "ladder.png")
+    plot(runs, args.folder / "ladder.png")
     print(f"\nwrote {args.folder / 'ladder.json'} and {args.folder / 'ladder.png'}")
     return report
 

@@ -1,25 +1,36 @@
 #!/usr/bin/env bash
-# Serving under load (DESIGN.md's reference workload) for the ladder dense -> + sparse -> + KV offload ->
-# + working-set control -> + layer-segmented prefill: the first N requests of the Mooncake conversation trace
-# (inputs capped at 32K, outputs at OUTPUT_LEN), replayed at each trace time scale against `sparseserve serve`
-# (Llama-3.1-8B shapes over the embedded tokenizer's vocabulary, dummy bf16 weights, GPU memory capped at
-# CAP_GB) by `sparseserve bench serve --trace`. Per (config, scale): the client's JSON, the server's /metrics and
-# log (in $LOGS); at the end `bench.serve_ladder` prints the ladder table (ratios against dense at the same scale, the
-# workload's bound) and writes ladder.json and ladder.png (TTFT/TPOT/throughput against the request rate).
+# Serving under load for the ladder dense -> + sparse -> + KV offload -> + working-set control -> + layer-segmented
+# prefill, a `sparseserve serve` per (config, load) with dummy bf16 weights and GPU memory capped at CAP_GB, loaded
+# by `sparseserve bench serve`. Per (config, load): the client's JSON, the server's /metrics and log (in $LOGS); at
+# the end `benchmarks.serve_ladder` prints the ladder table (ratios against dense of the same load, the workload's
+# bound) and writes ladder.json and ladder.png (TTFT/TPOT/throughput against the request rate).
 #
-# Usage (project root; on the device carry .whl with the server's wheels and .data with the trace, and set
-# SPARSESERVE_DATA_DIR=.data):
+# SHAPE: 8b (default: Llama-3.1-8B), mha7b (Llama-2-7B / LWM-7B: 32 KV heads, intermediate 11008) or gqa8b
+#   (Llama-3-8B-262K), each over the embedded tokenizer's vocabulary (benchmarks/model_dir.py).
+# WORKLOAD: mooncake (default: the first N requests of the Mooncake conversation trace, inputs capped at MAX_INPUT,
+#   outputs at OUTPUT_LEN, replayed at each time scale of SCALES) or longbench (N requests of LongBench v1's mix,
+#   Poisson arrivals at each rate of RATES, prompts capped at MAX_INPUT by cutting the middle, LongBench's output
+#   caps (LB_OUTPUT=mean: a real model's mean outputs), lengths in LB_TOKENIZER's counts: llama2 for mha7b, else
+#   llama3).
+#
+# Usage (project root; on the device carry .whl with the server's wheels and .data with the haystack and the trace,
+# and set SPARSESERVE_DATA_DIR=.data):
 #   SCALES="1 4" bash scripts/gpu_serve_check.sh dense sparse offload ws layerseg
 #   SCALES=1 bash scripts/gpu_serve_check.sh dense dense_async layerseg_async   # NAME_async: --async-scheduling
 #   FIXED_OUTPUT=1 OUTPUT_LEN=2048 SCALES=1 bash scripts/gpu_serve_check.sh dense ws   # decode-heavy: every
 #   request asks for exactly OUTPUT_LEN tokens (without FIXED_OUTPUT the trace's output lengths are capped at it)
-# Each (config, scale) is a separate server with a fresh Triton cache (FRESH_TRITON_CACHE=0: the shared one);
+#   SHAPE=mha7b WORKLOAD=longbench RATES="0.5 1 2" N=96 bash scripts/gpu_serve_check.sh dense sparse layerseg
+# Each (config, load) is a separate server with a fresh Triton cache (FRESH_TRITON_CACHE=0: the shared one);
 # results accumulate in $OUT across calls (the report reads all).
 # PACK=name.tgz leaves only that archive of $OUT (with the servers' log tails) for the device tool to bring back.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N=${N:-48}; SCALES=${SCALES:-1 4}; OUTPUT_LEN=${OUTPUT_LEN:-512}; MAX_INPUT=${MAX_INPUT:-32768}
-CAP_GB=${CAP_GB:-40}; PORT=${PORT:-8123}; MODEL=${MODEL:-/tmp/m8b}; RUN_TIMEOUT=${RUN_TIMEOUT:-540}
+SHAPE=${SHAPE:-8b}; WORKLOAD=${WORKLOAD:-mooncake}; RATES=${RATES:-0.5 1 2}; LB_OUTPUT=${LB_OUTPUT:-max}
+declare -A PRESET=([8b]=llama-3.1-8b [mha7b]=mha7b [gqa8b]=gqa8b)
+[ -v "PRESET[$SHAPE]" ] || { echo "unknown SHAPE $SHAPE (one of ${!PRESET[*]})"; exit 2; }
+[ "$SHAPE" = mha7b ] && LB_TOKENIZER=${LB_TOKENIZER:-llama2} || LB_TOKENIZER=${LB_TOKENIZER:-llama3}
+CAP_GB=${CAP_GB:-40}; PORT=${PORT:-8123}; MODEL=${MODEL:-/tmp/m$SHAPE}; RUN_TIMEOUT=${RUN_TIMEOUT:-540}
 # BUDGET_S: wall seconds this call may take (a device call ends at 600 s); a config that could not finish by then
 # is skipped, and a run's timeout shrinks to what is left. OFFLOAD_FLAGS go to the KV-offload configs only
 # (e.g. --host-kv-memory 88GB for the decode-heavy variant, whose KV outgrows the default host store).
@@ -53,21 +64,32 @@ CUDA=$(python3 -c "import torch; print(int(torch.cuda.is_available()))")
 DEVFLAGS="--max-model-len $(( MAX_INPUT + OUTPUT_LEN ))"
 if [ "$CUDA" = 1 ]; then
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-  [ -f "$MODEL/config.json" ] || python3 -m benchmarks.model_dir --preset llama-3.1-8b --embedded-vocab --config-only \
-    --out "$MODEL" >/dev/null
+  [ -f "$MODEL/config.json" ] || python3 -m benchmarks.model_dir --preset "${PRESET[$SHAPE]}" --embedded-vocab \
+    --config-only --out "$MODEL" >/dev/null
   [ -f "$OUT/hardware.json" ] || python3 -c "import json; from sparseserve.bench.hardware import hbm_bandwidth, \
 matmul_flops; json.dump({'hbm_bytes_per_s': hbm_bandwidth(), 'matmul_flops': matmul_flops()}, open('$OUT/hardware.json', 'w'))"
   UTIL=$(python3 -c "import torch; print(round($CAP_GB * 1e9 / torch.cuda.mem_get_info()[1], 4))")
   DEVFLAGS="$DEVFLAGS --load-format dummy --dtype bfloat16 --gpu-memory-utilization $UTIL"
 fi
-echo "model=$MODEL N=$N scales=[$SCALES] output_len=$OUTPUT_LEN cap=${CAP_GB}GB flags: $DEVFLAGS"
-OUTMODE=out; OUTARGS="--max-output-len $OUTPUT_LEN"
-[ "${FIXED_OUTPUT:-0}" = 1 ] && { OUTMODE=fix; OUTARGS="--trace-output-len $OUTPUT_LEN"; }
+OUTTAG=out$OUTPUT_LEN; OUTARGS="--max-output-len $OUTPUT_LEN"
+case $WORKLOAD in
+  mooncake) POINTS=$SCALES; LADDER_ARGS="--trace $TRACE" ;;
+  longbench) POINTS=$RATES; LADDER_ARGS=""; OUTTAG=lb$LB_OUTPUT
+    OUTARGS="--longbench-tokenizer $LB_TOKENIZER --longbench-output $LB_OUTPUT" ;;
+  *) echo "unknown WORKLOAD $WORKLOAD (mooncake or longbench)"; exit 2 ;;
+esac
+[ "${FIXED_OUTPUT:-0}" = 1 ] && { OUTTAG=fix$OUTPUT_LEN; OUTARGS="${OUTARGS/--max-output-len*/} --trace-output-len $OUTPUT_LEN"; }
+echo "model=$MODEL ($SHAPE) N=$N workload=$WORKLOAD loads=[$POINTS] outputs=$OUTTAG cap=${CAP_GB}GB flags: $DEVFLAGS"
 rc=0
-for scale in $SCALES; do
+for point in $POINTS; do
+  if [ "$WORKLOAD" = mooncake ]; then
+    load=ts$point; LOADARGS="--trace $TRACE --trace-time-scale $point"
+  else
+    load=rate$point; LOADARGS="--dataset longbench --request-rate $point"
+  fi
   for name in "$@"; do
     [ -v "FLAGS[$name]" ] || { echo "unknown config $name (one of ${!FLAGS[*]})"; exit 2; }
-    tag="${name}_ts${scale}_${OUTMODE}${OUTPUT_LEN}"
+    tag="${name}_${load}_${OUTTAG}"
     t0=$(date +%s)
     timeout_s=$RUN_TIMEOUT
     if [ "$BUDGET_S" -gt 0 ]; then
@@ -92,8 +114,8 @@ for scale in $SCALES; do
     echo "== $tag: server up=$up after $(( $(date +%s) - t0 )) s (${flags:-defaults})"
     if [ $up = 1 ]; then
       timeout "$timeout_s" python3 -m sparseserve bench serve --base-url "http://127.0.0.1:$PORT" \
-        --tokenizer "$MODEL" --trace "$TRACE" --num-prompts "$N" --max-input-len "$MAX_INPUT" \
-        $OUTARGS --trace-time-scale "$scale" --slo ttft:10000 tpot:150 \
+        --tokenizer "$MODEL" $LOADARGS --num-prompts "$N" --max-input-len "$MAX_INPUT" \
+        $OUTARGS --slo ttft:10000 tpot:150 \
         --timeout "$timeout_s" --save-details --output-json "$OUT/serve_$tag.json" 2>&1 | tail -12
       rc=$(( rc || PIPESTATUS[0] ))
       curl -s "http://127.0.0.1:$PORT/metrics" | grep -vE '^#|_bucket' >"$OUT/metrics_$tag.txt"
@@ -108,7 +130,8 @@ for scale in $SCALES; do
     echo "== $tag: done in $(( $(date +%s) - t0 )) s"
   done
 done
-python3 -m benchmarks.serve_ladder "$OUT" --trace "$TRACE" --model "$MODEL" || rc=1
+python3 -m benchmarks.serve_ladder "$OUT" $LADDER_ARGS --model "$MODEL" --num-prompts "$N" \
+  --max-input-len "$MAX_INPUT" || rc=1
 if [ -n "${PACK:-}" ]; then  # the device tool brings back only a few files: one archive of $OUT and the log tails
   mkdir -p "$OUT/logs"
   for f in "$LOGS"/*.log; do [ -f "$f" ] && tail -60 "$f" >"$OUT/logs/$(basename "$f")"; done

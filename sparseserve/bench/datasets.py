@@ -77,6 +77,14 @@ def fit_text(tokenizer: Any, ids: list[int], seed: int | str = 0) -> str:
     return text  # pathological tokenizer: within a token or two of the target
 
 
+def cut_middle(items: Any, keep: int) -> Any:
+    """The first keep // 2 and the last keep - keep // 2 items of a list or string (LongBench's truncation)."""
+    if len(items) <= keep:
+        return items
+    head = keep // 2
+    return items[:head] + items[len(items) - (keep - head):]
+
+
 def haystack_text(tokenizer: Any, num_tokens: int, seed: int | str = 0) -> str:
     """Natural filler text of exactly `num_tokens` tokens (without special tokens), reproducible by seed."""
     return fit_text(tokenizer, haystack_token_ids(tokenizer, num_tokens, seed), seed)
@@ -100,10 +108,15 @@ class PromptBuilder:
         start = random.Random(seed).randrange(len(corpus))
         return (corpus * (n // len(corpus) + 2))[start:start + n]
 
-    def prompt(self, num_tokens: int, seed: int | str) -> str:
+    def prompt(self, num_tokens: int, seed: int | str, keep: int | None = None) -> str:
+        """keep: the text of num_tokens cut to keep tokens in the middle (`cut_middle`)."""
         if self.tokenizer is None:
-            return self._chars(num_tokens, seed)
-        return haystack_text(self.tokenizer, max(1, num_tokens - self.num_special), seed)
+            text = self._chars(num_tokens, seed)
+            return text if keep is None else cut_middle(text, max(1, round(keep * self.chars_per_token)))
+        ids = haystack_token_ids(self.tokenizer, max(1, num_tokens - self.num_special), seed)
+        if keep is not None:
+            ids = cut_middle(ids, max(1, keep - self.num_special))
+        return fit_text(self.tokenizer, ids, seed)
 
     def trace_block(self, hash_id: int | str, seed: int | str) -> str:
         """The text of one trace block: exactly TRACE_BLOCK_TOKENS tokens, tokenized the same alone and inside

@@ -1,8 +1,9 @@
 """`sparseserve bench serve`: load generator for any OpenAI-compatible server (SparseServe, vLLM, SGLang).
 
-Streams completions over httpx, with Poisson arrivals at one or several rates or a replayed Mooncake
-trace, and reports TTFT, TPOT, ITL and end-to-end latency (mean, p50, p90, p99), request and token
-throughput, and goodput under SLOs. Prompts come from the haystack essays (bench/datasets.py).
+Streams completions over httpx, with Poisson arrivals at one or several rates (fixed lengths, or LongBench's
+request mix: bench/longbench.py) or a replayed Mooncake trace, and reports TTFT, TPOT, ITL and end-to-end
+latency (mean, p50, p90, p99), request and token throughput, and goodput under SLOs. Prompts come from the
+haystack essays (bench/datasets.py).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from sparseserve.bench import longbench
 from sparseserve.bench.datasets import PromptBuilder, haystack_corpus, load_trace
 from sparseserve.config import parse_size
 
@@ -179,6 +181,11 @@ def _specs(args: argparse.Namespace, builder: PromptBuilder, rate: float | None)
         return [RequestSpec(builder.trace_prompt(list(t.hash_ids), t.input_length, args.seed), t.input_length,
                             args.trace_output_len or t.output_length, t.arrival_s) for t in trace]
     arrivals = poisson_arrivals(args.num_prompts, rate, args.seed)
+    if args.dataset == "longbench":  # the same requests at every rate; only the arrivals differ
+        reqs = longbench.sample_requests(args.num_prompts, args.seed, args.longbench_tokenizer, args.max_input_len,
+                                         args.longbench_output, args.trace_output_len)
+        return [RequestSpec(builder.prompt(r.full_len, f"{args.seed}:lb:{i}", keep=r.prompt_len), r.prompt_len,
+                            r.output_len, t) for i, (r, t) in enumerate(zip(reqs, arrivals))]
     return [RequestSpec(builder.prompt(args.input_len, f"{args.seed}:{i}"), args.input_len, args.output_len, t)
             for i, t in enumerate(arrivals)]
 
@@ -235,13 +242,16 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             results, duration = await run_load(client, base + args.endpoint, bodies, specs, args.max_concurrency)
             summary = {"request_rate": rate if rate is None or math.isfinite(rate) else "inf",
                        **summarize(results, duration, dict(args.slo)),
-                       "prefix_cache": cache_hit_rates(cache_before, await _cache_counters(client, base))}
+                       "prefix_cache": cache_hit_rates(cache_before, await _cache_counters(client, base)),
+                       # what was asked (arrival s, prompt tokens, output tokens): the report's workload bounds
+                       "workload": [[s.arrival_s, s.prompt_len, s.output_len] for s in specs]}
             if args.save_details:
                 summary["requests"] = [asdict(r) for r in results]
             runs.append(summary)
             _print_summary(summary)
     return {"base_url": base, "endpoint": args.endpoint, "model": model, "trace": args.trace,
-            "seed": args.seed, "exact_prompt_lengths": args.tokenizer is not None, "runs": runs}
+            "dataset": None if args.trace else args.dataset, "seed": args.seed,
+            "exact_prompt_lengths": args.tokenizer is not None, "runs": runs}
 
 
 def _print_summary(s: dict[str, Any]) -> None:
@@ -293,14 +303,24 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
       help="Prompt tokens of each Poisson request; 1k, 4K work (default: %(default)s).")
     p("--output-len", "--random-output-len", dest="output_len", type=_count, default=128,
       help="max_tokens of each Poisson request (default: %(default)s).")
+    p("--dataset", "--dataset-name", dest="dataset", default="random", choices=["random", "longbench"],
+      help="Poisson requests: random (--input-len / --output-len) or longbench (LongBench v1's mix of datasets, "
+           "prompt and output lengths; bench/longbench.py) (default: %(default)s).")
+    p("--longbench-tokenizer", default="llama3", choices=list(longbench.TOKENIZERS),
+      help="longbench: prompt lengths in this tokenizer's counts (llama2: LWM-7B, Llama-2-7B) "
+           "(default: %(default)s).")
+    p("--longbench-output", default="max", choices=list(longbench.OUTPUTS),
+      help="longbench: output lengths, the dataset's cap (max, with --ignore-eos) or a real model's mean "
+           "(default: %(default)s).")
     p("--trace", default=None, help="Replay a Mooncake trace (jsonl) instead of Poisson arrivals (default: none).")
     p("--trace-time-scale", type=float, default=1.0,
       help="Multiplies trace inter-arrival times; 0.1 replays 10x faster (default: %(default)s).")
-    p("--max-input-len", type=_count, default=None, help="Cap on trace prompt lengths (default: none).")
+    p("--max-input-len", type=_count, default=None,
+      help="Cap on trace and longbench prompt lengths (longbench cuts the prompt's middle; default: none).")
     p("--max-output-len", type=_count, default=None, help="Cap on trace output lengths (default: none).")
     p("--trace-output-len", type=_count, default=None,
-      help="Every trace request asks for exactly this many tokens instead of its recorded output length, for a "
-           "decode-heavy replay of the same arrivals and prompts (default: the trace's).")
+      help="Every trace or longbench request asks for exactly this many tokens instead of its own output length, "
+           "for a decode-heavy run of the same arrivals and prompts (default: the requests').")
     p("--max-concurrency", type=int, default=None, help="At most this many requests in flight (default: no cap).")
     p("--temperature", type=float, default=0.0, help="Sampling temperature (default: %(default)s, greedy).")
     p("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
@@ -333,6 +353,8 @@ def output_path(args: argparse.Namespace) -> Path | None:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
+    if args.trace and args.dataset != "random":
+        raise ValueError(f"--trace replays its own requests: leave out --dataset {args.dataset}")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the report
     out = output_path(args)
     if out is not None:

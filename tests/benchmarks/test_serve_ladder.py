@@ -51,10 +51,13 @@ def test_workload_bound_by_hand():
     assert workload_bound(late, SHAPE, HW, 0.5, None)["total_s"] == 1e6  # never before the last arrival
 
 
-def _run(folder: Path, tag: str, tok_s: float, ttft_ms: float, goodput: float, metrics: str = "") -> None:
+def _run(folder: Path, tag: str, tok_s: float, ttft_ms: float, goodput: float, metrics: str = "",
+         workload: list | None = None) -> None:
     stats = lambda mean: {"mean": mean, "p50": mean, "p90": mean, "p99": 2 * mean}  # noqa: E731
     summary = {"completed": 4, "failed": 0, "output_throughput": tok_s, "total_input_tokens": 1000,
                "ttft_ms": stats(ttft_ms), "tpot_ms": stats(20.0), "e2e_ms": stats(ttft_ms + 1000), "goodput": goodput}
+    if workload is not None:
+        summary["workload"] = workload
     (folder / f"serve_{tag}.json").write_text(json.dumps({"runs": [summary]}))
     (folder / f"metrics_{tag}.txt").write_text(metrics + 'sparseserve:prompt_tokens_total{model_name="m"} 500.0\n')
 
@@ -100,15 +103,19 @@ def test_trace_output_len_overrides_every_request(tmp_path):
     assert [s.arrival_s for s in fixed] == [0.0, 1.0, 2.0]
 
 
+def _config(folder: Path) -> None:
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                    "num_hidden_layers": 2, "hidden_size": 8,
+                                                    "num_attention_heads": 2, "num_key_value_heads": 1,
+                                                    "intermediate_size": 16, "vocab_size": 10,
+                                                    "rms_norm_eps": 1e-5}))
+
+
 def test_main_writes_the_report(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": 500 * i, "input_length": 100, "output_length": 4,
                                          "hash_ids": [i]}) + "\n" for i in range(4)))
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                                                      "num_hidden_layers": 2, "hidden_size": 8,
-                                                      "num_attention_heads": 2, "num_key_value_heads": 1,
-                                                      "intermediate_size": 16, "vocab_size": 10,
-                                                      "rms_norm_eps": 1e-5}))
+    _config(tmp_path)
     _run(tmp_path, "dense_ts1_out4", 10.0, 100.0, 1.0)
     _run(tmp_path, "sparse_ts1_out4", 12.0, 90.0, 1.0)
     _run(tmp_path, "dense_ts2_out4", 8.0, 50.0, 1.0)
@@ -119,3 +126,30 @@ def test_main_writes_the_report(tmp_path, capsys):
     assert json.loads((tmp_path / "ladder.json").read_text())["bounds"]["out4_ts2"]["dense"]["total_s"] >= 3.0
     assert (tmp_path / "ladder.png").stat().st_size > 0
     assert "time scale 2" in capsys.readouterr().out
+
+
+def test_longbench_runs_get_their_bound_from_the_requests_they_asked(tmp_path, capsys):
+    """Poisson runs of LongBench's mix (rate loads): grouped by rate, ratios against dense, the bound from the
+    recorded requests (no trace needed); a trace run without --trace gets its table without a bound."""
+    _config(tmp_path)
+    asked = {1: [[0.0, 300, 128], [1.0, 200, 64]], 2: [[0.0, 300, 128], [0.5, 200, 64]]}
+    for rate in (1, 2):
+        _run(tmp_path, f"dense_rate{rate}_lbmax", 10.0 * rate, 100.0, 1.0, workload=asked[rate])
+        _run(tmp_path, f"layerseg_rate{rate}_lbmax", 15.0 * rate, 50.0, 1.0, workload=asked[rate])
+    _run(tmp_path, "dense_rate0.5_fix1024", 5.0, 100.0, 1.0, workload=[[0.0, 300, 1024]])
+    _run(tmp_path, "dense_ts1_out4", 10.0, 100.0, 1.0)
+    runs = load_runs(tmp_path)
+    assert {(r["load"], r["outputs"], r["rate"]) for r in runs if r["config"] == "dense"} == {
+        ("rate1", "lbmax", 1.0), ("rate2", "lbmax", 2.0), ("rate0.5", "fix1024", 0.5), ("ts1", "out4", None)}
+    report = serve_ladder.main([str(tmp_path), "--model", str(tmp_path)])
+    assert set(report["tables"]) == {"out4_ts1", "fix1024_rate0.5", "lbmax_rate1", "lbmax_rate2"}
+    assert set(report["bounds"]) == {"fix1024_rate0.5", "lbmax_rate1", "lbmax_rate2"}
+    assert report["tables"]["lbmax_rate2"][1]["x dense"] == pytest.approx(1.5)
+    want = workload_bound([TraceRequest(0.0, 300, 128, ()), TraceRequest(0.5, 200, 64, ())], SHAPE,
+                          serve_ladder.DEFAULT_HARDWARE, serve_ladder.DEFAULT_PREFILL_MFU, None)
+    assert report["bounds"]["lbmax_rate2"]["dense"] == pytest.approx(want)
+    assert "of bound" in report["tables"]["lbmax_rate1"][0] and "of bound" not in report["tables"]["out4_ts1"][0]
+    printed = capsys.readouterr().out
+    assert "LongBench output caps, Poisson 2 req/s: bound" in printed and "outputs = 1024, Poisson 0.5" in printed
+    assert "outputs <= 4, time scale 1: no bound" in printed
+    assert (tmp_path / "ladder.png").stat().st_size > 0
