@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,8 +32,8 @@ from sparseserve.bench.datasets import TRACE_BLOCK_TOKENS, TraceRequest, load_tr
 from sparseserve.bench.hardware import print_table
 
 LADDER = ("dense", "sparse", "offload", "ws", "layerseg")
-_RESULT = re.compile(r"serve_(?P<config>\w+?)_(?P<load>ts[\d.]+|rate[\d.]+)_(?P<outputs>(?:out|fix)\d+|lbmax|lbmean)"
-                     r"\.json$")
+_RESULT = re.compile(r"serve_(?P<config>\w+?)_(?P<load>ts[\d.]+|rate(?:[\d.]+|inf))_"
+                     r"(?P<outputs>(?:out|fix)\d+|lbmax|lbmean)\.json$")
 # Ceilings used when the run did not measure its own (hardware.json): H100 SXM's, and the prefill MFU
 # the engine measured at 32K (docs/benchmarks/engine.md).
 DEFAULT_HARDWARE = {"hbm_bytes_per_s": 2.96e12, "matmul_flops": 775e12}
@@ -147,7 +148,7 @@ def _load_key(load: str) -> tuple[str, float]:
 
 
 def _load_value(load: str) -> float:
-    return float(re.sub(r"^[a-z]+", "", load))
+    return float(load.removeprefix("ts").removeprefix("rate"))
 
 
 def _metric(metrics: dict[str, float], name: str) -> float | None:
@@ -227,11 +228,12 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    keys = sorted({(r["config"], r["outputs"]) for r in runs if r["rate"] is not None},
+    runs = [r for r in runs if r["rate"] is not None and math.isfinite(r["rate"])]  # inf: all at once
+    keys = sorted({(r["config"], r["outputs"]) for r in runs},
                   key=lambda k: (_outputs_key(k[1]), LADDER.index(k[0]) if k[0] in LADDER else len(LADDER)))
     for config, out in keys:
-        pts = sorted((r["rate"], r["summary"]) for r in runs
-                     if (r["config"], r["outputs"]) == (config, out) and r["rate"] is not None)
+        pts = sorted(((r["rate"], r["summary"]) for r in runs if (r["config"], r["outputs"]) == (config, out)),
+                     key=lambda p: p[0])
         rates = [p[0] for p in pts]
         label = f"{config} ({out})"
         axes[0].plot(rates, [p[1]["ttft_ms"]["mean"] / 1e3 for p in pts], "-o", label=label)
@@ -264,8 +266,10 @@ def _title(outputs: str, load: str) -> str:
     n = _outputs_key(outputs)[0]
     what = {"fix": f"outputs = {n}", "out": f"outputs <= {n}", "lbmax": "LongBench output caps",
             "lbmean": "LongBench mean outputs"}[outputs[:3] if outputs[:3] in ("fix", "out") else outputs]
-    return f"{what}, " + (f"time scale {_load_value(load):g}" if load.startswith("ts")
-                          else f"Poisson {_load_value(load):g} req/s")
+    if load.startswith("ts"):
+        return f"{what}, time scale {_load_value(load):g}"
+    rate = _load_value(load)
+    return f"{what}, " + (f"Poisson {rate:g} req/s" if math.isfinite(rate) else "all at once")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

