@@ -1,30 +1,24 @@
-"""Sparse decode's selection: block scoring against the key metadata, block selection, and the lagged
-selection's list rows of a step.
+"""Sparse decode's selection: block scores against the key metadata, the selection lists, and
+the lagged selection's list rows (docs/architecture.md, principles 3 and 6).
 
-Scoring (DESIGN.md principle 6): the bound of q.k over a page is sum_d max(q_d kmax_d, q_d kmin_d)
-= q+ . kmax + q- . kmin (q+ = max(q, 0), q- = min(q, 0)): two dot products, over the page's int8 codes
-times its scale (kernels/key_meta.py: rounded outward, so still a bound). A block scores the max
-over its pages. Per query head the scaled bounds are softmax-normalised into an estimate of each
-block's attention mass; the estimates are averaged over the query heads of a KV group, so each KV
-head gets one selection that serves its whole group (principle 3).
+Scoring: a page bounds q.k by q+ . kmax + q- . kmin over its int8 codes times its scale
+(kernels/key_meta.py); a block scores the max over its pages. Each query head's scaled bounds
+are softmax-normalised into estimated attention masses, averaged over the KV group: one
+selection per KV head.
 
-Selection of one (sequence, KV head), over the blocks 0..nb-1 of its context:
-  forced: the first `sink` blocks, the last `local` blocks, and every block when nb <= cap (unless
-          short_dense is off: then short contexts go through scoring and selection too);
+Selection of one (sequence, KV head) over its blocks 0..nb-1:
+  forced: the first `sink`, the last `local`, and all of them when nb <= cap and short_dense;
   topk (top_p None): the k = cap - #forced best other blocks;
-  top_p:  the fewest best other blocks that bring the estimated mass (forced included) to p, at most k
-          (the bounds are loose; the engine's topp policy selects topk candidates here and prunes them
-          on their real keys: kernels/topp_prune.py);
+  top_p:  the fewest best others that bring the mass (forced included) to p, at most k (the
+          topp policy selects topk here and prunes on real keys: kernels/topp_prune.py);
   streaming heads pick no other block.
-The result is a list of `cap` logical block indices (positions in the block table), padded with -1.
-With reuse R, a (sequence slot, KV head) recomputes its list every R-th decode step and keeps it
-otherwise (counter [S, Hkv] counts decode steps); the sparse kernel always adds the current local window,
-so tokens that arrive while a list is reused are attended. step_slots: with lagged selection a step attends
-the list selected at an earlier step, so its own selection can run beside its attention.
+A list is `cap` logical block indices (block-table positions), padded with -1. With reuse R a
+(slot, KV head) recomputes its list every R-th decode step (counter [S, Hkv]); the sparse
+kernel always adds the current local window.
 
-Kernels: grids depend only on shapes and host-side bounds; programs past a sequence's end, of padding rows,
-of rows that select nothing this step (slot -1), or of (sequence, KV head) pairs that reuse their selection
-return at once, so the whole decode step can be captured in a CUDA graph.
+Grids follow shapes and host-side bounds only; programs with nothing to do (past the end,
+padding rows, slot -1, reused pairs) return at once, so a decode step is capturable.
+Design notes: docs/sparse.md, "Kernel notes".
 """
 from __future__ import annotations
 
@@ -40,10 +34,7 @@ MAX_SELECT_BLOCKS = 16384  # one selection program holds a row of block scores i
 
 @dataclass(frozen=True)
 class ScoreConfig:
-    # int8 metadata (H200 sweep, 128K context): 128 rows x 2 tiles a program 20.9 / 33.6 us at batch 4 / 8,
-    # the former 64 x 8 26.2 / 34.7 us (more programs: a short kernel is latency-bound at small batches).
-    # 2 stages (the second tile's loads in flight during the first; less shared memory than 3): 15.2 / 26.3 us
-    # a layer in an 8-layer graph against 15.8 / 26.6 with 3.
+    """The scoring launch; defaults from sweeps (docs/sparse.md, "Kernel notes")."""
     rows: int = 128       # metadata rows (blocks x pages) of a tile: two [G, D] x [D, rows] dots
     num_warps: int = 4
     num_stages: int = 2   # software pipelining of the tile loop
@@ -61,13 +52,14 @@ def mass_target(top_p: float | None) -> float:
     return 2.0 if top_p is None else top_p
 
 
-# ---- references -----------------------------------------------------------------------------------------
+# ---- references ----
 
 
 def block_scores_ref(q: torch.Tensor, codes: torch.Tensor, page_scale: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, max_blocks: int, block_size: int, scale: float) -> torch.Tensor:
-    """q: [B, Hq, D] decode queries; codes [NB + 1, Hkv, 2, P, D], page_scale [NB + 1, Hkv, P]: one layer's
-    key metadata. Returns float32 [B, Hq, max_blocks]: scale * (block's bound), -inf past the sequence's end."""
+    """q: [B, Hq, D] decode queries; codes [NB + 1, Hkv, 2, P, D], page_scale [NB + 1, Hkv, P]:
+    one layer's key metadata. Returns float32 [B, Hq, max_blocks]: scale * the block's bound,
+    -inf past the sequence's end."""
     batch, num_q_heads, _ = q.shape
     _, num_kv_heads, _, pages, _ = codes.shape
     group = num_q_heads // num_kv_heads
@@ -85,7 +77,7 @@ def block_scores_ref(q: torch.Tensor, codes: torch.Tensor, page_scale: torch.Ten
 
 
 def block_masses(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """Estimated softmax mass of each block per query head, averaged over the KV group: [B, Hkv, MB]."""
+    """[B, Hkv, MB]: each block's estimated softmax mass, averaged over the KV group."""
     batch, num_q_heads, mb = scores.shape
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows of padding sequences are all -inf
     return probs.view(batch, num_kv_heads, num_q_heads // num_kv_heads, mb).mean(2)
@@ -132,15 +124,14 @@ def select_blocks_ref(scores: torch.Tensor, seq_lens: torch.Tensor, slots: torch
                       counter: torch.Tensor, stats: torch.Tensor, streaming: torch.Tensor, *, block_size: int,
                       cap: int, sink: int, local: int, reuse: int = 1, short_dense: bool = True,
                       top_p: float | None = None) -> None:
-    """Writes the new lists into sel [S, Hkv, cap] at the rows' state slots, for the (slot, KV head)
-    pairs due a recomputation (every step without reuse); counter [S, Hkv] counts decode steps;
-    stats [2] (int64) accumulates (blocks selected, selections). Padding rows (seq_len 0) and rows of slot -1
-    change nothing."""
-    rows = (seq_lens > 0) & (slots >= 0)  # slot -1 (lagged selection: a reused step) selects nothing
+    """Writes new lists into sel [S, Hkv, cap] at the rows' state slots, for the (slot, KV head)
+    pairs due a recomputation (all without reuse); counter [S, Hkv] counts decode steps; stats
+    int64 [2] += (blocks selected, selections). Padding rows and slot -1 change nothing."""
+    rows = (seq_lens > 0) & (slots >= 0)  # slot -1 (lag: a reused step): none
     lists = select_ref(scores[rows], seq_lens[rows], streaming, block_size=block_size, cap=cap, sink=sink,
                        local=local, short_dense=short_dense, top_p=top_p)
     slots = slots[rows].long()
-    # without reuse every row (lagged selection's slots then index two list rows a slot: no counter row)
+    # without reuse every row (the lag's slots index two list rows a slot: no counter row)
     due = counter[slots] % reuse == 0 if reuse > 1 else torch.ones_like(lists[..., 0], dtype=torch.bool)
     sel[slots] = torch.where(due[..., None], lists, sel[slots])
     if reuse > 1:
@@ -154,8 +145,8 @@ def score_and_select_ref(q: torch.Tensor, codes: torch.Tensor, page_scale: torch
                          stats: torch.Tensor, streaming: torch.Tensor, *, max_blocks: int, scale: float,
                          block_size: int, cap: int, sink: int, local: int, reuse: int = 1, short_dense: bool = True,
                          top_p: float | None = None, width: int = 0) -> None:
-    """Scores then selects for the decode rows q [B, Hq, D] into sel (select_blocks_ref); max_blocks: a
-    host-side bound of the contexts in blocks; width: the Triton launch's size hint (no effect on the lists)."""
+    """Scores then selects for the decode rows q [B, Hq, D] into sel (select_blocks_ref).
+    max_blocks: host-side bound of the contexts in blocks; width: the launch's size hint only."""
     scores = block_scores_ref(q, codes, page_scale, block_tables, seq_lens, max_blocks, block_size, scale)
     select_blocks_ref(scores, seq_lens, slots, sel, counter, stats, streaming, block_size=block_size, cap=cap,
                       sink=sink, local=local, reuse=reuse, short_dense=short_dense, top_p=top_p)
@@ -163,13 +154,11 @@ def score_and_select_ref(q: torch.Tensor, codes: torch.Tensor, page_scale: torch
 
 def step_slots_ref(seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int, reuse: int, num_slots: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lagged selection: where a step's rows read and write their lists. Slot x keeps two lists, in rows x and
-    x + num_slots of the selection buffer, so the attention reads one while the next is written beside it.
-    A selection made at a context of s tokens (from the query of token s - 1) goes to row
-    x + num_slots * ((s // R + 1) % 2); a decode at context s reads the row of the latest selection made at a
-    context below s: x + num_slots * (((s - 1) // R + 1) % 2). Decodes select at contexts that are multiples of
-    R (reuse); prefill chunks at their end, every chunk, so a request's first decode attends the list of its
-    last prompt token. Returns (read, write) int32 [B]; write -1: no selection (or a padding row)."""
+    """Lagged selection: the list rows a step's rows read and write. Slot x keeps two lists, rows
+    x and x + num_slots. A selection at context s goes to x + num_slots * ((s // R + 1) % 2); a
+    decode at context s reads the latest one below s: x + num_slots * (((s - 1) // R + 1) % 2).
+    Decodes select at multiples of R, prefill chunks at every chunk's end. Returns (read, write)
+    int32 [B]; write -1: no selection (or a padding row)."""
     s = seq_lens.long()
     read = slots.long() + num_slots * (torch.div(s - 1, reuse, rounding_mode="floor") + 1).remainder(2)
     decode = torch.arange(s.numel(), device=s.device) < num_decodes
@@ -178,7 +167,7 @@ def step_slots_ref(seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int
     return read.to(torch.int32), write.to(torch.int32)
 
 
-# ---- dispatchers ----------------------------------------------------------------------------------------
+# ---- dispatchers ----
 
 
 def score_and_select(q: torch.Tensor, codes: torch.Tensor, page_scale: torch.Tensor, block_tables: torch.Tensor,
@@ -198,10 +187,10 @@ def step_slots(seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int, re
     return fn(seq_lens, slots, num_decodes, reuse, num_slots)
 
 
-# ---- Triton ---------------------------------------------------------------------------------------------
+# ---- Triton ----
 
 
-# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
+# Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["stride_sb", "stride_sh", "stride_tb", "max_blocks", "blocks_per_split"],
             do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "slots_ptr"])
 def _score_kernel(q_ptr, codes_ptr, page_scale_ptr, table_ptr, seq_lens_ptr, slots_ptr, counter_ptr, scores_ptr,
@@ -211,23 +200,18 @@ def _score_kernel(q_ptr, codes_ptr, page_scale_ptr, table_ptr, seq_lens_ptr, slo
                   CAP: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, BLOCK_G: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, NUM_STAGES: tl.constexpr,
                   PDL: tl.constexpr):
-    """Program (sequence, KV head, split of blocks_per_split blocks): scores[b, h, n] = scale * max over
-    the block's pages of page_scale * (q+ . codes_max + q- . codes_min), for the GROUP query heads h
-    (reference: block_scores_ref). The int8 codes enter the dots in q's dtype (integers up to 127 are
-    exact in bf16 and fp16).
-
-    The split is a loop over tiles of BLOCK_N blocks that Triton software-pipelines (NUM_STAGES): the
-    block-table and metadata loads of the next tiles are issued while a tile is scored (on an H200,
-    3 stages: 2.8 TB/s standalone, 3.5 TB/s inside the decode graph; 1 stage: 2.4 TB/s)."""
+    """Program (sequence, KV head, split of blocks_per_split blocks): scores[b, h, n] for the
+    GROUP query heads (reference: block_scores_ref). The int8 codes enter the dots in q's dtype
+    (exact up to 127 in bf16/fp16); the split's tiles of BLOCK_N are software-pipelined."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     n_start = tl.program_id(2) * blocks_per_split
-    # Whether this program has work: from step inputs and the reuse counter (selection's, of an earlier
-    # step), read before pdl_wait (kernels/pdl.py), so that a reused step's programs exit on release.
+    # Whether this program has work: step inputs and an earlier step's reuse counter, read
+    # before pdl_wait (kernels/pdl.py), so a reused step's programs exit on release.
     seq_len = tl.load(seq_lens_ptr + b)
     nb = tl.cdiv(seq_len, BLOCK_SIZE)
     slot = tl.load(slots_ptr + b).to(tl.int64)
-    # past the end; every block is selected anyway; or no selection (slot -1: sparse_lag's reused steps)
+    # past the end; every block selected anyway; or no selection (slot -1: lag, reused step)
     idle = (n_start >= nb) | ((nb <= CAP) & SHORT_DENSE) | (slot < 0)
     if REUSE > 1:
         idle = idle | (tl.load(counter_ptr + slot * stride_cs + kvh, mask=slot >= 0, other=0) % REUSE != 0)
@@ -275,21 +259,15 @@ def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, st
                    WAYS: tl.constexpr, NB_PAD: tl.constexpr, HEADS: tl.constexpr, PDL: tl.constexpr):
     """Program (sequence, KV head): the selection list (reference: select_blocks_ref).
 
-    Without a sort: a search over the bit patterns of the (non-negative float) block masses, which
-    order like the masses, finds the largest threshold t at which the candidates >= t number at least
-    k = cap - #forced or (MASS: topp) bring the mass to the target; that t is a candidate's mass.
-    The search keeps [lo, hi) with lo passing (or 0: every candidate) and hi failing, and the counts
-    of candidates >= lo and >= hi. Each round tests WAYS thresholds spread over (lo, hi) with one 2-D
-    compare and reduction; it stops once at most one candidate lies in [lo, hi) (then t is that
-    candidate, or lo): random masses take ~7 rounds of 4 ways or ~11 of 2 ways, where a search down to
-    one bit pattern takes 16 or 31.
-    Candidates above t, then ties at t, fill the list after the forced blocks, in block order.
-    Only B x Hkv programs, one row of masses each, so every pass over the row counts: one 2-D softmax
-    (HEADS rows at a time), forced blocks ranked in closed form, one packed scan for the chosen ones.
+    No sort: a search over the masses' bit patterns (non-negative floats order like their bits)
+    finds the largest threshold t at which the candidates >= t number k = cap - #forced or (MASS)
+    reach the target mass; each round tests WAYS thresholds in [lo, hi) and it stops once at most
+    one candidate lies there. Candidates above t, then ties at t, follow the forced blocks, in
+    block order (docs/sparse.md, "Kernel notes").
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b)  # step inputs and this kernel's own counter: before pdl_wait
+    seq_len = tl.load(seq_lens_ptr + b)  # step inputs, own counter: before pdl_wait
     slot = tl.load(slots_ptr + b).to(tl.int64)
     selects = (seq_len > 0) & (slot >= 0)  # slot -1: no selection this step (sparse_lag)
     if REUSE > 1:
@@ -322,11 +300,12 @@ def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, st
             row = (b * tl.num_programs(1) * GROUP + kvh * GROUP + g0 + h).to(tl.int64) * max_blocks
             s = tl.load(scores_ptr + row[:, None] + j[None, :], mask=live[:, None] & valid[None, :],
                         other=float("-inf"))
-            e = tl.exp(s - tl.where(live, tl.max(s, 1), 0.0)[:, None])  # rows past the group: exp(-inf) = 0
+            # rows past the group: exp(-inf) = 0
+            e = tl.exp(s - tl.where(live, tl.max(s, 1), 0.0)[:, None])
             r += tl.sum(e / tl.where(live, tl.sum(e, 1), 1.0)[:, None], 0)
         r = r / GROUP
         cand = valid & (forced == 0) & (tl.load(streaming_ptr + kvh) == 0)
-        bits = tl.where(cand, r.to(tl.int32, bitcast=True), -1)  # non-candidates below every threshold
+        bits = tl.where(cand, r.to(tl.int32, bitcast=True), -1)  # non-candidates: below any threshold
         k = CAP - n_forced
         top_ok = k <= 0  # does t above every candidate pass? then nothing is chosen
         if MASS:
@@ -360,7 +339,7 @@ def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, st
         t = tl.maximum(lo, tl.max(tl.where(bits < hi, bits, -1), 0))
         chosen_hi = bits > t
         chosen_eq = cand & (bits == t)
-    # One scan ranks both chosen sets: chosen_hi counts in the low 16 bits, chosen_eq in the high ones
+    # One scan ranks both chosen sets: chosen_hi in the low 16 bits, chosen_eq in the high ones
     # (NB_PAD <= MAX_SELECT_BLOCKS < 2**15).
     packed = chosen_hi.to(tl.int32) + chosen_eq.to(tl.int32) * 65536
     rank = tl.cumsum(packed, 0)
@@ -381,8 +360,8 @@ def block_scores_triton(q: torch.Tensor, codes: torch.Tensor, page_scale: torch.
                         seq_lens: torch.Tensor, slots: torch.Tensor, counter: torch.Tensor, *, max_blocks: int,
                         block_size: int, cap: int, reuse: int, short_dense: bool, scale: float,
                         config: ScoreConfig | None = None) -> torch.Tensor:
-    """float32 [B, Hq, max_blocks] (block_scores_ref), written only where selection reads it: rows with
-    more than cap blocks that recompute this step, blocks inside the context."""
+    """float32 [B, Hq, max_blocks] (block_scores_ref), written only where selection reads it:
+    rows over cap blocks that recompute this step, blocks inside the context."""
     batch, num_q_heads, head_dim = q.shape
     _, hkv, _, pages, _ = codes.shape
     assert counter.stride(1) == 1 and codes.stride(-1) == 1 and codes.stride(-2) == head_dim
@@ -409,9 +388,8 @@ def select_blocks_triton(scores: torch.Tensor, seq_lens: torch.Tensor, slots: to
                          counter: torch.Tensor, stats: torch.Tensor, streaming: torch.Tensor, *, block_size: int,
                          cap: int, sink: int, local: int, reuse: int = 1, short_dense: bool = True,
                          top_p: float | None = None, config: SelectConfig | None = None, width: int = 0) -> None:
-    """select_blocks_ref's contract: new lists into sel [S, Hkv, cap] at the rows' slots. width: blocks the
-    launch is sized for when more than the scores' (the model's longest context): one compiled kernel serves
-    every step instead of one per power of two of the step's longest context (JIT while serving)."""
+    """select_blocks_ref's contract. width: blocks the launch is sized for when more than the
+    scores' (the model's longest context), so one compiled variant serves every step."""
     config = config or SelectConfig()
     batch, num_q_heads, max_blocks = scores.shape
     hkv = sel.shape[1]
@@ -441,18 +419,17 @@ def score_and_select_triton(q: torch.Tensor, codes: torch.Tensor, page_scale: to
                          sink=sink, local=local, reuse=reuse, short_dense=short_dense, top_p=top_p, width=width)
 
 
-# The batch and its decodes change from step to step: not specialized on, and one block size for every batch, so
-# an eager step of a new size compiles nothing while serving.
+# The batch and its decodes follow the step: not specialized on, one BLOCK for every batch.
 @triton.jit(do_not_specialize=["batch", "num_decodes"])
 def _step_slots_kernel(seq_lens_ptr, slots_ptr, read_ptr, write_ptr, batch, num_decodes, reuse, num_slots,
                        BLOCK: tl.constexpr):
-    """Lagged selection: the selection-buffer rows each sequence reads and writes this step (step_slots_ref)."""
+    """The list rows each sequence reads and writes this step (step_slots_ref)."""
     for start in range(0, batch, BLOCK):
         i = start + tl.arange(0, BLOCK)
         m = i < batch
         s = tl.load(seq_lens_ptr + i, mask=m, other=0)
         x = tl.load(slots_ptr + i, mask=m, other=0)
-        prev = tl.where(s > 0, (s - 1) // reuse, -1)  # floor((s - 1) / R); integer division truncates
+        prev = tl.where(s > 0, (s - 1) // reuse, -1)  # floor((s - 1) / R); // truncates
         tl.store(read_ptr + i, x + num_slots * ((prev + 1) % 2), mask=m)
         due = (s > 0) & ((i >= num_decodes) | (s % reuse == 0))
         tl.store(write_ptr + i, tl.where(due, x + num_slots * ((s // reuse + 1) % 2), -1), mask=m)

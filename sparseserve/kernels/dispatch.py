@@ -1,14 +1,11 @@
-"""The one switch between an op's torch reference and its Triton kernel, and Triton itself where installed.
+"""The one switch between an op's torch reference and its Triton kernel.
 
-Every `kernels/<op>.py` holds `<op>_ref` (plain torch: the CPU path, and what the kernel is tested against),
-`<op>_triton` (the launch of its Triton kernels) and the dispatcher `<op>` that calls `use_triton(x)` on its
-first tensor: Triton for CUDA tensors, the reference otherwise. `forced("torch" | "triton")` runs a block on
-one path (Triton on CPU tensors runs under TRITON_INTERPRET=1): tests force either, and the engine runs its
-steps under its `attention_backend` option. The choice is a context variable, so it holds for the thread
-(or task) that set it and never leaks into another engine's thread.
-
-Triton is an optional dependency (the `gpu` extra): a CPU install without it still imports every kernel
-module, whose `@triton.jit` functions then stay plain, never-called Python functions.
+Every `kernels/<op>.py` holds `<op>_ref` (torch: the CPU path and the kernel's oracle),
+`<op>_triton` (the launch) and the dispatcher `<op>`, which asks `use_triton` of its first
+tensor. `forced(impl)` runs a block on one path; the choice is a context variable, so it
+never leaks into another thread or task. Without Triton (the `gpu` extra) every kernel
+module still imports: its `@triton.jit` functions stay plain, never-called functions.
+See docs/architecture.md, principle 1.
 """
 from __future__ import annotations
 
@@ -26,8 +23,8 @@ except ImportError:  # CPU install: the references run
     HAS_TRITON = False
 
     class _Missing:
-        """Stands in for `triton` and `triton.language`: decorators return the function unchanged, any
-        attribute (tl.constexpr, tl.float32, ...) is another stand-in; nothing of it ever runs."""
+        """Stands in for `triton` and `triton.language`: decorators return the function
+        unchanged, any attribute is another stand-in; nothing of it ever runs."""
 
         def __getattr__(self, name: str) -> "_Missing":
             return _Missing()
@@ -52,8 +49,7 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def check_impl(impl: str) -> str:
-    """auto (Triton on CUDA tensors), torch (references everywhere) or triton (kernels everywhere: CPU
-    tensors need TRITON_INTERPRET=1)."""
+    """auto (Triton on CUDA tensors), torch or triton (CPU tensors need TRITON_INTERPRET=1)."""
     if impl not in IMPLS:
         raise ValueError(f"unknown kernel implementation {impl!r}: choose {', '.join(IMPLS)}")
     if impl == "triton" and not HAS_TRITON:

@@ -1,23 +1,11 @@
-"""FlashH2D (DESIGN.md principle 5): one kernel gathers all missing head blocks of a layer from the host
-store into their HBM pool slots. The host store is pinned, so on a GPU the kernel reads it directly over
-UVA. The grid is fixed by the number of requests (capturable) but small: a program takes BLOCK requests at a
-time, finds the ones that load (load >= 0; hits, bypass reads and padding load nothing) with one vector load
-and a prefix sum, and copies those head blocks (K and V of block_size tokens, contiguous in both layouts) one
-after another; at most one program an SM, each looping over its share of the requests. One program a request
-(the first design) put tens of thousands of programs on the GPU for a decode step's ~2% misses: the lagged
-plan's FlashH2D, on a side stream beside the decode step's first layers, then held the SMs and stretched those
-layers' kernels several-fold (H100, batch 32: the step's GPU time 1.11-1.14x the all-in-HBM step's, 1.06-1.10x
-with one program an SM; BENCHMARKS.md). Blocks of 64 requests keep bulk loads (restores, where every request
-loads) spread over enough programs to fill the link: one program copies ~4 GB/s alone.
+"""FlashH2D (docs/architecture.md, principle 5): one kernel gathers a layer's missing head
+blocks from the pinned host store (read over UVA) into their HBM pool slots. The grid is
+capturable and small, at most one program an SM, each scanning BLOCK requests at a time for
+those that load (see docs/offload.md, "FlashH2D's grid").
 
-write_through_blocks is the other direction for the blocks that decode tokens complete (capturable, one
-program per token; only block-ending tokens copy): the device cache's head blocks of that token block
-are stored straight into the pinned host store over UVA. Decode fills few blocks per step, and a step
-captured in a CUDA graph cannot hand work to host threads, so this, not FlashD2H (kvcache/host.py), is
-the decode path.
-
-Both kernels pass their tests on an H200 and under the Triton interpreter; FlashH2D's bandwidth:
-BENCHMARKS.md (python -m sparseserve.bench.offload --transfers).
+write_through is the other direction, for the blocks that decode tokens complete: the device
+cache's head blocks stored straight into the pinned host store over UVA (capturable; a
+graphed step cannot hand work to host threads, so decode does not use FlashD2H).
 """
 from __future__ import annotations
 
@@ -31,7 +19,8 @@ from sparseserve.kernels.pdl import pdl_wait, use_pdl
 def flash_h2d_ref(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, load: torch.Tensor) -> None:
     """slots[load[i]] = host_flat[key[i]] for every i with load[i] >= 0.
 
-    host_flat: [R, 2, bs, D] (pinned on a GPU host); slots: [S, 2, bs, D] on the device; key, load: int64 [N]."""
+    host_flat: [R, 2, bs, D] (pinned on a GPU host); slots: [S, 2, bs, D] on the device;
+    key, load: int64 [N]."""
     todo = load >= 0
     slots[load[todo]] = host_flat[key[todo].to(host_flat.device)].to(slots.device)
 
@@ -43,12 +32,12 @@ def flash_h2d(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, l
 
 def write_through_ref(kv_cache: torch.Tensor, host_layer: torch.Tensor, slot_mapping: torch.Tensor,
                       host_slots: torch.Tensor | None = None, count: torch.Tensor | None = None) -> None:
-    """host_layer[dst] = kv_cache[blk] for every token block blk that a token of slot_mapping completes (the
-    token at offset block_size - 1 was written); dst = host_slots[i] // block_size of that token (its slot in
-    the host store's block ids; default: blk). count (int64 [], optional) += the blocks written.
+    """host_layer[dst] = kv_cache[blk] for each token block blk that a token of slot_mapping
+    completes (writes offset block_size - 1); dst = host_slots[i] // block_size (default: blk).
+    count (int64 [], optional) += blocks written.
 
-    kv_cache: one layer [NB, Hkv, 2, bs, D]; host_layer: the store's layer [R + 1, Hkv, 2, bs, D], whose last
-    row takes the tokens that complete nothing (fixed shapes)."""
+    kv_cache: one layer [NB, Hkv, 2, bs, D]; host_layer: the store's layer
+    [R + 1, Hkv, 2, bs, D], whose last row takes the tokens that complete nothing."""
     if slot_mapping.numel() == 0:
         return
     bs, trash = kv_cache.shape[3], host_layer.shape[0] - 1
@@ -67,7 +56,7 @@ def write_through(kv_cache: torch.Tensor, host_layer: torch.Tensor, slot_mapping
                                                                             host_slots, count)
 
 
-# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
+# Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["n"])
 def _flash_h2d_kernel(host_ptr, slots_ptr, key_ptr, load_ptr, resident_ptr, loc_ptr, todo_ptr, n,
                       ELEMS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, REPEATS: tl.constexpr,
@@ -82,8 +71,8 @@ def _flash_h2d_kernel(host_ptr, slots_ptr, key_ptr, load_ptr, resident_ptr, loc_
         dst = tl.load(load_ptr + idx, mask=idx < n, other=-1)
         if REPEATS:  # a repeat of a key planned elsewhere in the call: its slot after the plan
             rep = dst == -2
-            tl.store(loc_ptr + idx, tl.load(resident_ptr + tl.load(key_ptr + idx, mask=rep, other=0), mask=rep),
-                     mask=rep)
+            rkey = tl.load(key_ptr + idx, mask=rep, other=0)
+            tl.store(loc_ptr + idx, tl.load(resident_ptr + rkey, mask=rep), mask=rep)
         loads = (dst >= 0).to(tl.int32)
         count = tl.sum(loads, 0)
         if count > 0:
@@ -97,16 +86,16 @@ def _flash_h2d_kernel(host_ptr, slots_ptr, key_ptr, load_ptr, resident_ptr, loc_
                     c = start + cols
                     m = c < ELEMS
                     tl.store(dst_base + c, tl.load(src_base + c, mask=m), mask=m)
-            tl.debug_barrier()  # every thread is done with the list before the next block rewrites it
+            tl.debug_barrier()  # list read by all before it is rewritten
 
 
 def flash_h2d_triton(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, load: torch.Tensor,
                      chunk: int = 4096, num_warps: int = 4,
                      repeats: tuple[torch.Tensor, torch.Tensor] | None = None, block: int = 64,
                      programs_per_sm: float = 1.0) -> None:
-    """repeats = (resident, loc) (kernels/pool_plan.py pool_read): where load is -2 the entry repeats a key
-    planned at another position, and loc[i] = resident[key[i]] is written in the same launch. block: requests a
-    program scans at a time (a power of two); programs_per_sm bounds the grid."""
+    """repeats = (resident, loc) (pool_plan.pool_read): where load is -2 the entry repeats a key
+    planned elsewhere, and loc[i] = resident[key[i]] is written in the same launch. block:
+    requests a program scans at a time (a power of two); programs_per_sm bounds the grid."""
     assert host_flat.is_contiguous() and slots.is_contiguous() and host_flat.shape[1:] == slots.shape[1:]
     assert host_flat.dtype == slots.dtype
     n = key.numel()
@@ -115,7 +104,7 @@ def flash_h2d_triton(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Te
     elems = slots[0].numel()
     chunk = min(triton.next_power_of_2(elems), chunk)
     resident, loc = repeats if repeats is not None else (load, load)  # unused without repeats
-    dev = key.device  # slots may be the pinned host side (the host prefix cache stores through here)
+    dev = key.device  # slots may be pinned host memory (the host prefix cache)
     grid = min(triton.cdiv(n, block), max(1, int(programs_per_sm * _num_sms(dev))))
     todo = torch.empty(grid * block, dtype=torch.int32, device=dev)
     pdl = use_pdl(slots.device)
@@ -127,7 +116,7 @@ def flash_h2d_triton(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Te
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 4  # the interpreter: a few programs, so a test's requests span several blocks per program
+        return 4  # interpreter: a test's requests span several blocks per program
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 

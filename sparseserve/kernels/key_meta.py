@@ -1,15 +1,13 @@
-"""Key metadata of head blocks (DESIGN.md principle 6): per page of `page_size` tokens, the per-channel min and
-max of the keys as int8 codes on a symmetric float32 scale, updated as a step's tokens are stored.
+"""Key metadata of head blocks (docs/architecture.md, principle 6): per page of `page_size`
+tokens, the per-channel min and max of the keys as int8 codes on a symmetric float32 scale.
 
-One layer's metadata (allocated by kvcache/metadata.py): codes int8 [NB + 1, Hkv, 2 (min, max), P, D] and
-scale float32 [NB + 1, Hkv, P]; row NB is a trash row that every token not ending a page writes, so the
-update has fixed shapes and never filters on the host. The min is rounded down and the max up, so
-codes * scale still bracket the keys and the score q+ . max + q- . min stays an upper bound of q.k over the
-page (up to float32 rounding); the bound only gets looser by at most one code step (amax / 127) per channel.
+One layer's metadata (allocated by kvcache/metadata.py): codes int8 [NB + 1, Hkv, 2 (min, max),
+P, D], scale float32 [NB + 1, Hkv, P]; row NB is the trash row that tokens not ending a page
+write, so the update has fixed shapes. The min rounds down and the max up, so the score stays an
+upper bound of q.k over the page (looser by at most one code step, amax / 127, per channel).
 
-store_kv_key_meta (the engine's sparse layers): store_kv and the update of the pages the step's tokens end,
-one Triton kernel on the GPU; the rows of a page this step writes come from k, the others from the cache,
-so chunked prefill stays exact and bit-identical to the reference.
+store_kv_key_meta (sparse layers): store_kv plus the update of the pages the step's tokens end,
+one kernel on the GPU, bit-identical to the reference under chunked prefill.
 """
 from __future__ import annotations
 
@@ -25,10 +23,10 @@ AMAX_FLOOR = 1e-30
 
 
 def quantize_key_meta(kmin: torch.Tensor, kmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Page min/max [..., D] -> (int8 codes [..., 2, D], float32 scale [...]), codes_min * scale <= kmin and
-    codes_max * scale >= kmax. The same float32 operations, in the same order, as _store_kv_key_meta_kernel, with
-    IEEE-rounded divisions of tensor by tensor (torch on CUDA turns a division by a Python scalar into a
-    multiplication by its reciprocal), so the kernel and this reference agree bit for bit."""
+    """Page min/max [..., D] -> (int8 codes [..., 2, D], float32 scale [...]) with
+    codes_min * scale <= kmin and codes_max * scale >= kmax. The trap: the kernel's float32 ops
+    in its order, dividing tensor by tensor (torch on CUDA turns a division by a Python scalar
+    into a multiplication by its reciprocal), so both agree bit for bit."""
     kmin, kmax = kmin.float(), kmax.float()
     amax = torch.maximum(kmin.abs(), kmax.abs()).amax(-1).clamp_min(AMAX_FLOOR)
     levels = torch.full_like(amax, 127.0)
@@ -38,9 +36,8 @@ def quantize_key_meta(kmin: torch.Tensor, kmax: torch.Tensor) -> tuple[torch.Ten
 
 
 def page_end_tokens(slot_mapping: torch.Tensor, page_size: int) -> torch.Tensor:
-    """True for the last token a step writes into each page. A sequence's new tokens are consecutive
-    in the batch and in its slots, so a page ends where the next token is not the next slot of the
-    same page (or at the batch's end)."""
+    """True for the last token a step writes into each page (a sequence's new tokens are
+    consecutive in the batch and in its slots)."""
     nxt = torch.cat([slot_mapping[1:], slot_mapping.new_full((1,), -1)])
     return (slot_mapping >= 0) & ((nxt != slot_mapping + 1) | ((slot_mapping + 1) % page_size == 0))
 
@@ -49,11 +46,10 @@ def update_key_meta_ref(kv_cache: torch.Tensor, codes: torch.Tensor, scale: torc
                         slot_mapping: torch.Tensor, page_size: int, meta_slots: torch.Tensor | None = None) -> None:
     """After store_kv: recompute min/max of every page this step wrote, from the cache itself.
 
-    kv_cache: one layer [cache_blocks, Hkv, 2, block_size, D]; codes, scale: that layer's metadata (last
-    row: trash). A page's tokens up to the page-end token are valid (tokens are written in order), so stale keys
-    of a block's previous owner are never folded in. meta_slots (KV offload, where the cache holds device
-    blocks): the same tokens' slots in token blocks, whose rows are updated; None: slot_mapping (the cache
-    is indexed by token block).
+    kv_cache: one layer [cache_blocks, Hkv, 2, block_size, D]; codes, scale: that layer's
+    metadata (last row: trash). Only a page's tokens up to the page-end token are read, so a
+    block's previous owner's keys never count. meta_slots (KV offload, the cache holds device
+    blocks): the same tokens' slots in token blocks, which index the metadata; None: slot_mapping.
     """
     cache_blocks, _, _, block_size, _ = kv_cache.shape
     trash = scale.shape[0] - 1
@@ -63,12 +59,13 @@ def update_key_meta_ref(kv_cache: torch.Tensor, codes: torch.Tensor, scale: torc
     end = page_end_tokens(slot_mapping, page_size)
     slot = slot_mapping.clamp_min(0)
     src = torch.where(end, slot // block_size, 0)
-    blk = torch.where(end, meta_slots.clamp_min(0) // block_size, trash)  # all but page ends: the trash row
+    blk = torch.where(end, meta_slots.clamp_min(0) // block_size, trash)  # not a page end: trash
     off = slot % block_size
     page = off // page_size
     rows = page[:, None] * page_size + torch.arange(page_size, device=slot.device)  # [T, ps]
     keys = kv_cache[:, :, 0][src.clamp_max(cache_blocks - 1)]  # [T, Hkv, bs, D]
-    keys = keys.gather(2, rows[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1]))  # [T, Hkv, ps, D]
+    idx = rows[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
+    keys = keys.gather(2, idx)  # [T, Hkv, ps, D]
     valid = (rows <= off[:, None])[:, None, :, None]
     kmin = keys.masked_fill(~valid, float("inf")).amin(2)
     kmax = keys.masked_fill(~valid, float("-inf")).amax(2)
@@ -78,13 +75,14 @@ def update_key_meta_ref(kv_cache: torch.Tensor, codes: torch.Tensor, scale: torc
 
 
 def rebuild_key_meta(kv_caches, codes: torch.Tensor, scale: torch.Tensor, page_size: int) -> None:
-    """Metadata of every full block of every layer from the caches (one [NB, Hkv, 2, bs, D] a layer: a list or a
-    [L, NB, ...] tensor) into codes, scale [L, NB + 1, ...] (benchmarks and tests that fill caches directly)."""
+    """Metadata of every full block of every layer's cache ([NB, Hkv, 2, bs, D] each, a list or
+    one tensor) into codes, scale [L, NB + 1, ...]; for benchmarks and tests that fill caches."""
     for layer, cache in enumerate(kv_caches):
         k = cache[:, :, 0]  # [NB, Hkv, bs, D]
         nb, hkv, bs, d = k.shape
         pages = k.reshape(nb, hkv, bs // page_size, page_size, d)
-        page_codes, page_scale = quantize_key_meta(pages.amin(3), pages.amax(3))  # [NB, Hkv, P, 2, D], [NB, Hkv, P]
+        # [NB, Hkv, P, 2, D], [NB, Hkv, P]
+        page_codes, page_scale = quantize_key_meta(pages.amin(3), pages.amax(3))
         codes[layer, :nb] = page_codes.transpose(2, 3)
         scale[layer, :nb] = page_scale
 
@@ -92,12 +90,12 @@ def store_kv_key_meta_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tens
                           scale: torch.Tensor, slot_mapping: torch.Tensor, page_size: int,
                           meta_slots: torch.Tensor | None = None, host_layer: torch.Tensor | None = None,
                           num_write: int = 0, count: torch.Tensor | None = None) -> None:
-    """store_kv of k, v [T, Hkv, D] into kv_cache (one layer [NB, Hkv, 2, bs, D]), then the metadata update of
-    the pages they end. meta_slots: the tokens' slots in the blocks that index the metadata, where the cache
-    is indexed otherwise (a device block cache under KV offload); None: slot_mapping. host_layer (KV offload):
-    the host store's layer [R + 1, Hkv, 2, bs, D]; every block that one of the first num_write tokens (the
-    decodes) completes is then copied whole to its row, the token block of its meta slot
-    (kernels/flash_h2d.py write_through_ref; count += the blocks written)."""
+    """store_kv of k, v [T, Hkv, D] into kv_cache (one layer [NB, Hkv, 2, bs, D]), then the
+    metadata of the pages they end. meta_slots: the tokens' slots in the blocks that index the
+    metadata, where the cache is a device block cache (KV offload); None: slot_mapping.
+    host_layer (KV offload): the host store's layer [R + 1, Hkv, 2, bs, D]; each block that one
+    of the first num_write tokens (the decodes) completes is copied whole to the row of its meta
+    slot's token block (flash_h2d.write_through_ref; count += blocks written)."""
     store_kv_ref(k, v, kv_cache, slot_mapping)
     update_key_meta_ref(kv_cache, codes, scale, slot_mapping, page_size, meta_slots)
     if host_layer is not None and num_write > 0:
@@ -122,16 +120,11 @@ def _store_kv_key_meta_kernel(k_ptr, v_ptr, cache_ptr, codes_ptr, scale_ptr, slo
                               HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE: tl.constexpr,
                               BLOCK_D: tl.constexpr, AMAX_FLOOR: tl.constexpr, WRITE: tl.constexpr,
                               PDL: tl.constexpr):
-    """Program (token, KV head): stores the token's K and V (store_kv), and if the token is the last one this
-    step writes into its page, recomputes the page's min/max over its tokens so far, quantized to int8 codes
-    and a scale (reference: store_kv_ref then update_key_meta_ref, quantize_key_meta: the same float32
-    operations, divisions rounded as IEEE's, so that both agree bit for bit). One launch instead of two in
-    every sparse layer. The page's rows that this step writes (a prefill chunk's earlier tokens: other
-    programs of this launch store them) are taken from k, the others from the cache (earlier steps). The
-    metadata row is the token block of meta_slot (KV offload: the cache holds device blocks). WRITE (KV offload):
-    a decode token (t < num_write) that completes its block then copies the block's K and V of its head to the
-    host store row of its meta slot over UVA (kernels/flash_h2d.py write_through, without a launch of its
-    own in every sparse layer)."""
+    """Program (token, KV head): stores the token's K and V; a page's last token this step also
+    recomputes the page's codes and scale (bit-identical to quantize_key_meta). Rows this step
+    writes (other programs store them) are read from k, the others from the cache. WRITE (KV
+    offload): a decode token (t < num_write) that completes its block copies the head's block
+    to the host row of its meta slot over UVA (as flash_h2d.write_through)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)  # step inputs: read before pdl_wait (kernels/pdl.py)
@@ -146,8 +139,8 @@ def _store_kv_key_meta_kernel(k_ptr, v_ptr, cache_ptr, codes_ptr, scale_ptr, slo
     back = off - rows  # row r holds the token `back` slots before this one
     src = t - back
     earlier = (rows <= off) & (src >= 0)
-    # A row is this step's when the token `back` places earlier in the batch has the slot `back` places earlier
-    # (a sequence's tokens of a step are consecutive in the batch and in their slots).
+    # A row is this step's when the token `back` places earlier in the batch has the slot
+    # `back` places earlier (a sequence's tokens are consecutive in the batch and its slots).
     in_step = earlier & (tl.load(slot_ptr + src, mask=earlier, other=-1) == slot - back)
     pdl_wait(PDL)
     if slot < 0:
@@ -180,7 +173,7 @@ def _store_kv_key_meta_kernel(k_ptr, v_ptr, cache_ptr, codes_ptr, scale_ptr, slo
     tl.store(scale_ptr + mblk * stride_sb + h * stride_sh + page, tl.math.div_rn(amax, 127.0))
     if WRITE:
         if (t < num_write) & ((slot + 1) % BLOCK_SIZE == 0):
-            tl.debug_barrier()  # this token's row, stored above by other threads of the program, is read back
+            tl.debug_barrier()  # this token's row was stored above by other threads
             rows_all = tl.arange(0, BLOCK_SIZE)
             src_kv = head_row + rows_all[:, None] * HEAD_DIM + dims[None, :]
             dst_kv = (host_ptr + mblk.to(tl.int64) * stride_hb + h * stride_hh + rows_all[:, None] * HEAD_DIM
@@ -196,8 +189,7 @@ def store_kv_key_meta_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.T
                              scale: torch.Tensor, slot_mapping: torch.Tensor, page_size: int,
                              meta_slots: torch.Tensor | None = None, host_layer: torch.Tensor | None = None,
                              num_write: int = 0, count: torch.Tensor | None = None) -> None:
-    """One program per (token, KV head); only page-end tokens update metadata (and with host_layer, decode
-    tokens that complete a block write it through)."""
+    """One program per (token, KV head); page-end tokens update the metadata."""
     num_tokens = slot_mapping.numel()
     _, hkv, _, block_size, head_dim = kv_cache.shape
     assert codes.stride(-1) == 1 and codes.stride(-2) == head_dim and scale.stride(-1) == 1

@@ -1,10 +1,10 @@
 """Flash-decoding over the paged KV cache: one query token per sequence, split over the KV length.
 
-Kernel 1 gives each (sequence, KV head, split) program `split_size` tokens of context and all query
-heads of that KV group (GQA: every loaded head block serves the whole group); it writes a partial
-output and its log-sum-exp. Kernel 2 merges the splits. The grid depends only on the batch size,
-the head counts and the host-side `max_seq_len` bound, so it can be captured in a CUDA graph whose
-replays change `seq_lens`: programs whose split starts past their sequence's end return at once.
+Kernel 1: a (sequence, KV head, split) program attends `split_size` tokens with all query heads
+of the KV group, writing a partial output and its log-sum-exp; kernel 2 merges the splits. The
+grid follows only the batch, the head counts and the host-side `max_seq_len` bound, so a CUDA
+graph replays it for any `seq_lens` (splits past a sequence's end return at once).
+Design notes: docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def attend_tile(acc, m_i, l_i, q, kv_base, table_row, tile_start, kv_end, pos, d
     and, per row, tokens after the row's position `pos` (causal); unmasked tiles skip all of that.
     """
     tok = tile_start + tl.arange(0, TILE_N)
-    # Row `tok % BLOCK_SIZE` of head block `blk`: HEAD_DIM contiguous elements, V one stride_ckv later.
-    # Masks are built only where needed: an all-true mask the compiler cannot prove can cost vector loads.
+    # Row `tok % BLOCK_SIZE` of head block `blk`: HEAD_DIM contiguous elements, V at +stride_ckv.
+    # Masks only where needed: an all-true mask the compiler cannot prove costs vector loads.
     if MASKED:
         tmask = tok < kv_end
         blk = tl.load(table_row + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
@@ -59,9 +59,10 @@ def attend_tile(acc, m_i, l_i, q, kv_base, table_row, tile_start, kv_end, pos, d
 
 @triton.jit
 def softmax_update(acc, m_i, l_i, s, v, DOT_PREC: tl.constexpr):
-    """Fold a tile's log2-domain scores s [M, N] (-inf: hidden) and values v [N, D] into (acc, m, l)."""
+    """Folds a tile's log2-domain scores s [M, N] (-inf: hidden) and values v [N, D] into
+    (acc, m, l)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row that has seen no visible token yet keeps m = -inf; shift by 0 instead to avoid inf - inf.
+    # A row with no visible token yet keeps m = -inf; shift by 0 to avoid inf - inf.
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_shift[:, None])
     alpha = tl.exp2(m_i - m_shift)
@@ -70,7 +71,7 @@ def softmax_update(acc, m_i, l_i, s, v, DOT_PREC: tl.constexpr):
     return acc, m_new, l_i
 
 
-# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
+# Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["stride_tb"])
 def _decode_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
                          qk_scale, split_size,
@@ -78,7 +79,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, part_out_ptr
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
                          DOT_PREC: tl.constexpr):
-    """Partial attention of one (sequence, KV head, split) (reference: paged_attention_ref).
+    """Partial attention of one (sequence, KV head, split) (reference: paged_decode_ref).
 
     Writes part_out[b, h, split] = softmax-weighted V over the split and part_lse = its log2-sum-exp
     for the GROUP query heads h of the KV head. Splits past the sequence's end write nothing.
@@ -122,9 +123,8 @@ def _decode_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, part_out_ptr
 
 @triton.jit
 def merge_splits(part_out_ptr, part_lse_ptr, row0, num_valid, BLOCK_D: tl.constexpr, MERGE_TILE: tl.constexpr):
-    """Log-sum-exp merge of the first num_valid partials of a row (partial i at row0 + i): their outputs weighted by
-    exp2(lse - max lse), summed, normalised; zeros where none has weight. Read in tiles of MERGE_TILE (the maximum
-    first, then the weighted sum), so one compiled kernel serves any number of splits."""
+    """Log-sum-exp merge of a row's first num_valid partials (partial i at row0 + i); zeros
+    where none has weight. Reads tiles of MERGE_TILE, so one compiled variant serves any count."""
     st = tl.arange(0, MERGE_TILE)
     lse_tile = tl.full([MERGE_TILE], float("-inf"), tl.float32)
     for s0 in range(0, num_valid, MERGE_TILE):
@@ -152,11 +152,10 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, spli
                          stride_ot, stride_oh,
                          NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, MERGE_TILE: tl.constexpr):
-    """Log-sum-exp merge of the splits of one (sequence, query head) (reference: paged_attention_ref).
+    """Log-sum-exp merge of the splits of one (sequence, query head) (reference: paged_decode_ref).
 
-    Only the splits the sequence reaches are read (the others were never written); a sequence of
-    length 0 (padding) gets zeros. The split counts are not specialized on: the number of splits follows each
-    eager step's batch and longest context, and a compilation per power of two of it would land while serving.
+    Only the splits the sequence reaches are read (the others were never written); length 0
+    (padding) gives zeros. Split counts follow the step, so they are not specialized on.
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -171,11 +170,8 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, spli
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters; `target_programs` sets the number of splits (programs = B * Hkv * splits).
-
-    Defaults: the best of a sweep at B=8, 32K context, 32/8 heads, D=128, bf16 on an H200
-    (docs/kernels.md). Several waves of programs keep the last, partly filled wave cheap.
-    """
+    """Launch parameters; `target_programs` sets the number of splits (B * Hkv * splits).
+    Defaults from a sweep: docs/kernels.md, "Run 1"."""
     tile_n: int = 128
     target_programs: int = 0  # 0: 8 per multiprocessor
     num_warps: int = 4
@@ -195,7 +191,7 @@ def _num_sms(device: torch.device) -> int:
 
 def split_plan(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
                config: DecodeConfig) -> tuple[int, int]:
-    """(split_size, num_splits) from host-side bounds only, so the grid is fixed under a CUDA graph."""
+    """(split_size, num_splits) from host-side bounds only: a fixed grid under a CUDA graph."""
     target = config.target_programs or 8 * _num_sms(device)
     max_tiles = max(1, triton.cdiv(max_seq_len, config.tile_n))
     num_splits = min(max_tiles, max(1, triton.cdiv(target, batch * num_kv_heads)))
@@ -204,8 +200,8 @@ def split_plan(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.de
 
 
 def sequence_kv(kv_cache: torch.Tensor, table_row: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one sequence's first `length` tokens, float32 [Hkv, length, D] each, from one layer's paged
-    cache [NB, Hkv, 2, bs, D] through its block table row (the references' gather)."""
+    """K and V of a sequence's first `length` tokens, float32 [Hkv, length, D] each, from one
+    layer's paged cache [NB, Hkv, 2, bs, D] through its block-table row."""
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
     nb = -(-length // block_size)
     kv = kv_cache[table_row[:nb].long()].float()  # [nb, Hkv, 2, bs, D]
@@ -214,10 +210,8 @@ def sequence_kv(kv_cache: torch.Tensor, table_row: torch.Tensor, length: int) ->
 
 
 def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, scale: float) -> torch.Tensor:
-    """Causal attention in float32 of the n queries q [n, Hq, D] at positions first .. first + n - 1 over the
-    keys k, v [Hkv, L, D] (L >= first + n; query head h reads KV head h // group, as transformers' repeat_kv);
-    returns float32 [n, Hq, D]. torch's SDPA (its fused CPU kernel) with a mask that lets query i see keys up to
-    first + i."""
+    """Causal float32 attention of q [n, Hq, D] at positions first .. first + n - 1 over k, v
+    [Hkv, L, D] (L >= first + n; query head h reads KV head h // group); returns [n, Hq, D]."""
     n, num_q_heads, head_dim = q.shape
     num_kv_heads, length, _ = k.shape
     mask = None  # one query at the end sees every key
@@ -231,8 +225,8 @@ def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, sc
 
 def paged_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, max_seq_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [B, Hq, D], one query per sequence at position seq_lens[b] - 1; returns (or fills) out [B, Hq, D].
-    One sequence at a time over its own context (no padding to the longest); rows of length 0 give zeros."""
+    """q: [B, Hq, D], one query per sequence at position seq_lens[b] - 1; returns (or fills)
+    out [B, Hq, D]. Rows of length 0 give zeros."""
     out = torch.empty_like(q) if out is None else out
     for b, length in enumerate(seq_lens.tolist()):
         if length <= 0:

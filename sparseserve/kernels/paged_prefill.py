@@ -1,9 +1,8 @@
 """Causal attention of prefill chunks over the paged KV cache (varlen batch, chunked prefill).
 
-store_kv has already written the chunk's own K/V into the cache, so every key, earlier blocks and
-the chunk alike, is read through the block table. The rows of a program are BLOCK_Q query tokens
-times the GROUP query heads of one KV head (row r: token r // GROUP, head r % GROUP), so one load
-of a K/V tile serves the whole GQA group, as in decode.
+store_kv has already written the chunk's own K/V, so every key is read through the block table.
+A program's rows are BLOCK_Q query tokens x the GROUP query heads of one KV head (row r: token
+r // GROUP, head r % GROUP), so one K/V tile load serves the GQA group.
 """
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from sparseserve.kernels.dispatch import tl, triton, use_triton
 from sparseserve.kernels.paged_decode import LOG2E, attend_ref, attend_tile, sequence_kv
 
 
-# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
+# Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["stride_tb"],
             do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "qsl_ptr"])
 def _prefill_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, qsl_ptr, out_ptr, qk_scale,
@@ -23,10 +22,10 @@ def _prefill_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One (sequence, tile of BLOCK_Q queries, KV head) program (reference: paged_attention_ref).
+    """Program (sequence, tile of BLOCK_Q queries, KV head) (reference: paged_prefill_ref).
 
     Query i of sequence b sits at position seq_lens[b] - q_len + i. Key tiles wholly before the
-    tile's first query are visible to every row and run unmasked; the rest run with the causal mask.
+    tile's first query run unmasked; the rest run with the causal mask.
     """
     b = tl.program_id(0)
     first_q = tl.program_id(1) * BLOCK_Q
@@ -71,9 +70,7 @@ def _prefill_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
 @dataclass(frozen=True)
 class PrefillConfig:
     """Rows per program (query tokens x GQA group), key tile, and the launch shape.
-
-    Defaults: among the best of a sweep on an 8K bf16 chunk, D=128, on an H200 (docs/kernels.md).
-    """
+    Defaults from a sweep: docs/kernels.md, "Run 1"."""
     block_m: int = 128
     block_n: int = 32
     num_warps: int = 8
@@ -93,12 +90,11 @@ _REF_SCORE_ELEMENTS = 1 << 24
 def paged_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                       out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal paged attention for the sequences of query_start_loc (absolute token offsets into q).
+    """Causal paged attention for the sequences of query_start_loc (token offsets into q).
 
-    q: [T, Hq, D]; block_tables/seq_lens: one row per sequence, query_start_loc one more entry;
-    fills out[query tokens] (only those rows are written) and returns out. The reference runs one sequence
-    at a time (no padding across sequences) in query chunks whose keys end at the chunk's last position, so
-    its cost is each sequence's own causal work and its memory is bounded.
+    q: [T, Hq, D]; block_tables, seq_lens: a row per sequence, query_start_loc one more entry;
+    fills out[query tokens] only and returns out. One sequence at a time, in query chunks of
+    bounded memory.
     """
     out = torch.empty_like(q) if out is None else out
     num_q_heads = q.shape[1]

@@ -1,18 +1,12 @@
-"""Programmatic dependent launch (PDL, Hopper and later) for the decode layer's chain of short kernels.
+"""Programmatic dependent launch (PDL, compute capability 9+) for a decode layer's short kernels.
 
-A sparse decode layer runs several short kernels back to back (the K/V store with the metadata update,
-scoring, selection, sparse attention and its merge), and every layer the small ops (kernels/small_ops.py).
-Launched with PDL, a kernel's programs may start while its predecessor finishes (measured in
-docs/sparse.md: about 1.5% of an 8B decode step).
-`pdl_wait` blocks until the predecessor completed and its writes are visible; then the kernel lets its own
-successor launch early. So when a kernel starts, every launch before its predecessor has completed (the
-predecessor waited for them before letting it launch), and only the predecessor may still be running.
-Before `pdl_wait` a kernel may therefore load what its predecessor does not write (the step's inputs:
-sequence lengths, state slots, slot mappings, the reuse counters of earlier steps), so these loads and the
-decisions on them overlap the predecessor's tail; it writes nothing and reads no activation there (q: a
-direct caller may have just produced it). Every kernel of such a chain must call `pdl_wait` on every path
-(also before an early return): a kernel that exits without waiting would let its successor run ahead of the
-grid before it.
+With PDL a kernel's programs may start while its predecessor finishes (gain: docs/sparse.md).
+`pdl_wait` blocks until the predecessor completed, then lets this kernel's successor launch, so
+only the predecessor can still be running when a kernel starts.
+Before `pdl_wait` a kernel may load only what its predecessor does not write (the step's inputs:
+sequence lengths, state slots, slot mappings, earlier steps' reuse counters); it writes nothing
+and reads no activation there. The trap: every kernel of the chain must call `pdl_wait` on every
+path, early returns included, or its successor runs ahead of the grid before it.
 """
 from __future__ import annotations
 

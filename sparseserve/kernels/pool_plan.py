@@ -1,38 +1,16 @@
-"""HBM pool plan (DESIGN.md principles 2, 4): residency lookup, set-associative LRU victims, eviction and
-install for one layer's requested head blocks (the pool's state and replacement policy: kvcache/pool.py).
+"""HBM pool plan (docs/architecture.md, principles 2 and 4): residency lookup, set-associative
+LRU victims, eviction and install for one layer's requested head blocks (state and policy:
+kvcache/pool.py). On the GPU two fixed-grid kernels (capturable): 1 looks keys up and queues
+each set's misses by atomic rank; 2 has each set's rank-0 miss give the queued misses the
+set's least recently used evictable ways. Misses left without a way read from the host
+(loc = load = -1: bypass).
 
-pool_plan_ref: about 25 torch ops and two sorts (~5 ms a decode step at 20 requests x 30 layers on an H200);
-on the GPU two kernels with fixed grids (capturable):
+The trap: atomic ranks pair a set's misses with its victims in a GPU-dependent order; the
+victims per set, hits, bypass counts, last-use stamps and statistics equal the reference's.
 
-Kernel 1 (one program per chunk of requests): `slot = resident[key]`; a hit stamps `last_use[slot]` with
-the clock, which marks it in use: no slot holds a clock value from the future, so kernel 2 reads
-`last_use == clock` as "used this step, never a victim". A miss takes its rank within its set with an
-atomic increment of the set's miss counter and, if the rank is below `ways`, enters the set's queue
-(`queue[set * ways + rank]`); a miss ranked `ways` or later is a bypass already (a set has `ways` slots).
-
-Kernel 2 (one program per chunk of requests): the rank-0 miss of each set leads it, so each set is
-handled by exactly one lane and nothing in a set races. The leader gives the rank-r queued miss the
-r-th least recently used way of the set (in rounds: one argmin over the ways each, as many rounds as the
-set has misses) while that way is evictable (older than the clock), evicts its previous owner, installs
-the new one, stamps the way and resets the set's counter to zero for the next call (so no per-call
-zeroing is needed). The misses no evictable way is left for keep loc = load = -1 (bypass reads).
-
-Atomic ranks make the pairing of a set's misses with its victims order-dependent on a GPU; the victims
-chosen in each set, the hits, the number of bypass reads per set, the last-use stamps and the statistics
-are the reference's (attention does not depend on which slot holds a block). The clock advances through
-`plan_cur`, a copy kernel 1 takes: kernel 2's programs read the step's clock from it while its
-program 0 writes the next one.
-
-pool_read: the whole read of one sparse layer's decode lists under offload, from the selection lists to the
-blocks in their slots: the keys of the listed head blocks (entries before each row's local window, through the
-token block tables), one plan of each distinct key (sequences sharing prefix-cached blocks may list a block
-twice: repeats are planned as non-requests and read their representative's slot), and the FlashH2D of the
-misses. Its reference is those steps in torch (about 30 ops); on the GPU three kernels: kernel 1 computes the
-keys itself and claims each key with an atomic exchange of the call's clock into `claim` (the first occurrence
-to swap in a new tag represents the key, the others are repeats), kernel 2 is the plan's, and the FlashH2D
-kernel also gives each repeat its key's slot after the plan (resident, or -1 where the representative was a
-bypass read). A layer's read is then three launches, not dozens: against a 2 ms decode step of a small
-model, launches are the cost.
+pool_read: one sparse layer's whole read of its decode lists under offload: the listed head
+blocks' keys, one plan per distinct key (repeats read their representative's slot) and the
+FlashH2D of the misses; three launches on the GPU. See docs/offload.md, "The pool plan's kernels".
 """
 from __future__ import annotations
 
@@ -58,23 +36,23 @@ class PoolState(NamedTuple):
     set_misses: torch.Tensor  # int32 [num_sets], zero between calls
     set_queue: torch.Tensor   # int32 [num_slots]
     plan_cur: torch.Tensor    # int64 [1]
-    claim: torch.Tensor       # int64 [num_keys + 1], -1 at first: the kernels' repeat detection (scratch)
+    claim: torch.Tensor       # int64 [num_keys + 1], -1 at first: repeat detection (scratch)
     ways: int
     num_sets: int
     hash_mult: int
-    # Lagged reads (kvcache/offload.py): a slot stamped at or after `floor` [1] is never a victim, so the lists
-    # the step in flight reads stay put while the next step's are planned beside it; None: the call's own clock.
+    # Lagged reads (kvcache/offload.py): a slot stamped at or after `floor` [1] is never a
+    # victim, so the step in flight's lists stay put; None: the call's own clock.
     floor: torch.Tensor | None = None
 
 
 class ListLayout(NamedTuple):
-    """How a layer's selection lists name head blocks: keys (layer * (num_blocks + 1) + token block) * Hkv + head
-    (the host store's rows), the trash key num_keys for no request. A read of several layers' lists (sel
-    [layers, S, Hkv, cap]) starts at `layer`."""
+    """How a layer's lists name head blocks: key = (layer * (num_blocks + 1) + token block) * Hkv
+    + head (the host store's rows), the trash key num_keys for none. A read of several layers'
+    lists (sel [layers, S, Hkv, cap]) starts at `layer`."""
     layer: int
     num_blocks: int
     num_kv_heads: int
-    local: int       # blocks of the local window: read from the device cache, never through the pool
+    local: int       # local window blocks: read from the device cache, never the pool
     block_size: int
 
 
@@ -86,13 +64,13 @@ def set_of(key: torch.Tensor, num_sets: int, hash_mult: int) -> torch.Tensor:
 def pool_plan_ref(key: torch.Tensor, resident: torch.Tensor, owner: torch.Tensor, last_use: torch.Tensor,
                   clock: torch.Tensor, stats: torch.Tensor, *, ways: int, num_sets: int, hash_mult: int,
                   floor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's step. key: int64 [N] head blocks the step reads (the trash key resident.numel() - 1: none),
-    each at most once. resident [num_keys + 1] (key -> slot, -1), owner and last_use [num_slots + 1] (slot ->
-    key / clock of last use, -1 free; last entries: trash), clock [] and stats [4] (hits, loads, bypass reads,
-    layer steps) int64 tensors, updated in place.
+    """One layer's step. key: int64 [N] head blocks the step reads, each at most once (the trash
+    key resident.numel() - 1: none). Updated in place (int64): resident [num_keys + 1] (key ->
+    slot, -1), owner and last_use [num_slots + 1] (slot -> key / clock of last use, -1 free;
+    last entries: trash), clock [], stats [4] (hits, loads, bypass reads, layer steps).
 
-    Returns (loc, load): loc [N] the slot each request reads after the loads, -1 for bypass reads and
-    non-requests; load [N] the slot each missing block must be copied into (FlashH2D), -1 where nothing loads."""
+    Returns (loc, load), [N] each: the slot each request reads after the loads (-1: bypass or
+    no request); the slot each missing block is copied into (FlashH2D), -1 where none."""
     n = key.numel()
     trash_slot, trash_key = owner.numel() - 1, resident.numel() - 1
     need = key != trash_key
@@ -100,7 +78,7 @@ def pool_plan_ref(key: torch.Tensor, resident: torch.Tensor, owner: torch.Tensor
     hit = need & (slot >= 0)
     miss = need & (slot < 0)
     in_use = torch.zeros(trash_slot + 1, dtype=torch.bool, device=key.device)
-    # index_fill_, not `x[idx] = scalar`: the latter copies a CPU scalar, which CUDA-graph capture forbids.
+    # index_fill_, not `x[idx] = scalar`: that copies a CPU scalar, which capture forbids.
     in_use.index_fill_(0, torch.where(hit, slot, trash_slot), True)
     # Rank of each miss among the misses of its set: a sort of the N requests, not of the pool.
     set_id = torch.where(miss, set_of(key, num_sets, hash_mult), num_sets)
@@ -135,9 +113,9 @@ def pool_plan(key: torch.Tensor, resident: torch.Tensor, owner: torch.Tensor, la
               clock: torch.Tensor, stats: torch.Tensor, set_misses: torch.Tensor, set_queue: torch.Tensor,
               plan_cur: torch.Tensor, *, ways: int, num_sets: int, hash_mult: int, floor: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """pool_plan_ref's contract. The kernels' scratch: set_misses int32 [num_sets] (zero between calls),
-    set_queue int32 [num_slots], plan_cur int64 [1]. The kernels may pair a set's misses with its victims in
-    another order (the victims, hits and bypass count per set are the reference's)."""
+    """pool_plan_ref's contract, up to the pairing of a set's misses with its victims. Scratch:
+    set_misses int32 [num_sets] (zero between calls), set_queue int32 [num_slots],
+    plan_cur int64 [1]."""
     if use_triton(key):
         return pool_plan_triton(key, resident, owner, last_use, clock, stats, set_misses, set_queue, plan_cur,
                                 ways=ways, num_sets=num_sets, hash_mult=hash_mult, floor=floor)
@@ -152,9 +130,9 @@ BLOCK_EVICT = 64
 @triton.jit
 def _lookup(key, need, slot, i, inb, last_use_ptr, clock, stats_ptr, count_ptr, queue_ptr, rank_ptr, loc_ptr,
             load_ptr, num_sets, load_other, WAYS: tl.constexpr, HASH: tl.constexpr):
-    """Kernel 1's lookup of the keys at positions i (in bounds: inb) that are requests (need), whose residency
-    the caller loaded (slot = resident[key]: its load may then overlap other loads); load_other: what `load`
-    holds where kernel 2 installs nothing (-1; pool_read marks repeats -2)."""
+    """Kernel 1's lookup of the requested keys (need) at positions i (inb: in bounds); the
+    caller loaded slot = resident[key]. load_other: `load` where kernel 2 installs nothing
+    (-1; pool_read marks repeats -2). A hit's last_use = clock marks it in use this step."""
     hit = need & (slot >= 0)
     miss = need & (slot < 0)
     tl.store(last_use_ptr + slot, tl.zeros_like(slot) + clock, mask=hit)
@@ -166,10 +144,11 @@ def _lookup(key, need, slot, i, inb, last_use_ptr, clock, stats_ptr, count_ptr, 
     tl.store(loc_ptr + i, tl.where(hit, slot, -1), mask=inb)
     tl.store(load_ptr + i, load_other, mask=inb)
     tl.atomic_add(stats_ptr + 0, tl.sum(hit.to(tl.int64), axis=0), sem="relaxed")
-    tl.atomic_add(stats_ptr + 2, tl.sum(miss.to(tl.int64), axis=0), sem="relaxed")  # kernel 2 moves loads out
+    # kernel 2 moves the loads out of the misses
+    tl.atomic_add(stats_ptr + 2, tl.sum(miss.to(tl.int64), axis=0), sem="relaxed")
 
 
-# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
+# Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["n"])
 def _lookup_kernel(key_ptr, resident_ptr, last_use_ptr, clock_ptr, cur_ptr, stats_ptr, count_ptr, queue_ptr,
                    rank_ptr, loc_ptr, load_ptr, n, trash_key, num_sets,
@@ -189,7 +168,7 @@ def _lookup_kernel(key_ptr, resident_ptr, last_use_ptr, clock_ptr, cur_ptr, stat
         tl.store(cur_ptr, clock)
 
 
-# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
+# Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["stride_tb"])
 def _list_lookup_kernel(sel_ptr, row_slots_ptr, tables_ptr, seq_lens_ptr, key_out_ptr, claim_ptr,
                         resident_ptr, last_use_ptr, clock_ptr, cur_ptr, stats_ptr, count_ptr, queue_ptr,
@@ -198,14 +177,14 @@ def _list_lookup_kernel(sel_ptr, row_slots_ptr, tables_ptr, seq_lens_ptr, key_ou
                         HKV: tl.constexpr, CAP: tl.constexpr, CAP_P2: tl.constexpr, LOCAL: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, WAYS: tl.constexpr, HASH: tl.constexpr, TOUCH: tl.constexpr,
                         NUM_SLOTS: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr):
-    """One program per (row, KV head, layer of the call): its list's keys, the claim of each, the lookup of the
-    representatives; TOUCH: the keys also join the row's working set (kernels/working_set.py). A latency chain of
-    a few dependent memory accesses, so the independent ones are issued together."""
+    """Program (row, KV head, layer of the call): its list's keys, the claim of each (an atomic
+    exchange of the clock: the first claimant represents the key), the lookup of the
+    representatives; TOUCH: the keys join the row's working set (kernels/working_set.py)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     li = tl.program_id(2).to(tl.int64)
-    # Before the wait (kernels/pdl.py): the step's inputs, and the two clocks, which kernels launched before
-    # the predecessor advance (the previous layer's plan, the step's working-set start).
+    # Before the wait (kernels/pdl.py): step inputs, and the two clocks, which kernels launched
+    # before the predecessor advance.
     row_slot = tl.load(row_slots_ptr + b).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + b)
     clock = tl.load(clock_ptr)
@@ -214,7 +193,7 @@ def _list_lookup_kernel(sel_ptr, row_slots_ptr, tables_ptr, seq_lens_ptr, key_ou
     lim = tl.maximum(tl.cdiv(seq_len, BLOCK_SIZE) - LOCAL, 0)
     c = tl.arange(0, CAP_P2)
     inb = c < CAP
-    on = inb & ((tl.zeros([CAP_P2], tl.int64) + row_slot) >= 0)  # a padding row (slot -1) lists nothing
+    on = inb & ((tl.zeros([CAP_P2], tl.int64) + row_slot) >= 0)  # padding row (-1): none
     entry = tl.load(sel_ptr + li * stride_sl + row_slot * stride_ss + h * CAP + c, mask=on, other=-1)
     listed = (entry >= 0) & (entry < lim)
     blk = tl.load(tables_ptr + b * stride_tb + entry, mask=listed, other=0).to(tl.int64)
@@ -239,7 +218,7 @@ def _list_lookup_kernel(sel_ptr, row_slots_ptr, tables_ptr, seq_lens_ptr, key_ou
             tl.store(cur_ptr, clock)
 
 
-# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
+# Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["n"])
 def _evict_kernel(key_ptr, rank_ptr, resident_ptr, owner_ptr, last_use_ptr, clock_ptr, cur_ptr, floor_ptr, stats_ptr,
                   count_ptr, queue_ptr, loc_ptr, load_ptr, n, num_sets,
@@ -256,10 +235,10 @@ def _evict_kernel(key_ptr, rank_ptr, resident_ptr, owner_ptr, last_use_ptr, cloc
     floor = tl.load(floor_ptr)  # <= clock (the call's own clock without a lag)
     w = tl.arange(0, WAYS_P2)
     valid = lead[:, None] & (w[None, :] < WAYS)
-    age = tl.load(last_use_ptr + set_id[:, None] * WAYS + w[None, :], mask=valid, other=clock)  # padding: in use
-    # Round r gives the rank-r miss the least recently used way left (argmin: the first of equally old ways,
-    # the reference's stable (last use, way) order) while it is evictable (older than the floor: in-use ways
-    # carry the clock). A set has few misses a step, so this is a few rounds, not a ways x ways comparison.
+    # padding ways: in use
+    age = tl.load(last_use_ptr + set_id[:, None] * WAYS + w[None, :], mask=valid, other=clock)
+    # Round r gives the rank-r miss the least recently used way left (argmin: the first of
+    # equally old ways, as the reference's stable sort) while it is older than the floor.
     loads = tl.zeros([BLOCK], tl.int64)
     for r in range(0, tl.max(tl.minimum(count, WAYS), 0)):
         way = tl.argmin(age, 1)
@@ -308,9 +287,9 @@ def pool_plan_triton(key: torch.Tensor, resident: torch.Tensor, owner: torch.Ten
 
 def list_keys(sel: torch.Tensor, row_slots: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
               lay: ListLayout, trash_key: int) -> torch.Tensor:
-    """int64 [B, Hkv, cap]: the key of each list entry before its row's local window, trash_key elsewhere.
-    sel: int32 [S, Hkv, cap] the layer's lists (-1 padded) by state slot; row_slots: int [B] each row's state slot
-    (-1: a padding row); tables: int [B, W] token block tables; seq_lens: int [B]."""
+    """int64 [B, Hkv, cap]: the key of each entry before its row's local window, trash_key
+    elsewhere. sel: int32 [S, Hkv, cap] the lists by state slot (-1 padded); row_slots: int [B]
+    (-1: padding row); tables: int [B, W] token block tables; seq_lens: int [B]."""
     rows = sel[row_slots.long().clamp_min(0)]
     nb = (seq_lens.long() + lay.block_size - 1) // lay.block_size
     listed = (rows >= 0) & (rows < (nb - lay.local).clamp_min(0)[:, None, None]) & (row_slots >= 0)[:, None, None]
@@ -323,12 +302,11 @@ def list_keys(sel: torch.Tensor, row_slots: torch.Tensor, tables: torch.Tensor, 
 def pool_read_ref(host_flat: torch.Tensor, pool_slots: torch.Tensor, sel: torch.Tensor, row_slots: torch.Tensor,
                   tables: torch.Tensor, seq_lens: torch.Tensor, lay: ListLayout, st: PoolState,
                   touch: TouchState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sparse layer's read of its decode lists through the pool (list_keys' arguments): the plan of each
-    distinct key (repeats are planned as non-requests and read the slot of its first occurrence) and the
-    FlashH2D of the misses; with `touch`, every listed key also joins its row's working set
-    (kernels/working_set.py, repeats included). Returns (loc, key), int64 [B, Hkv, cap]: each entry's pool slot
-    (-1: a bypass read from host row key, or no request). Several layers' lists at once: sel [L, S, Hkv, cap]
-    (layers lay.layer, lay.layer + 1, ...), one plan of them all; (loc, key) [L, B, Hkv, cap]."""
+    """One sparse layer's read of its lists through the pool (list_keys' arguments): one plan
+    per distinct key (repeats read their first occurrence's slot), then FlashH2D of the misses;
+    `touch`: listed keys join their rows' working sets. Returns (loc, key) int64 [B, Hkv, cap]:
+    each entry's slot (-1: bypass from host row key, or none). sel [L, S, Hkv, cap]: layers
+    lay.layer.. planned at once, (loc, key) [L, B, Hkv, cap]."""
     trash_key = st.resident.numel() - 1
     if sel.dim() == 4:
         key = torch.stack([list_keys(s, row_slots, tables, seq_lens, lay._replace(layer=lay.layer + i), trash_key)
@@ -347,7 +325,8 @@ def pool_read_ref(host_flat: torch.Tensor, pool_slots: torch.Tensor, sel: torch.
         st.stats[3] += sel.shape[0] - 1
     flash_h2d_ref(host_flat, pool_slots, unique, load)
     if touch is not None:
-        ws_slots = torch.where(row_slots >= 0, row_slots.long() % touch.hist.shape[0], -1)  # lag: slot + S * parity
+        # lag: a row is slot + S * parity
+        ws_slots = torch.where(row_slots >= 0, row_slots.long() % touch.hist.shape[0], -1)
         working_set_touch_ref(key.transpose(0, 1).flatten(1) if sel.dim() == 4 else key.flatten(1), ws_slots,
                               *touch)
     return loc[rep].view_as(key), key
@@ -395,31 +374,30 @@ def pool_read_triton(host_flat: torch.Tensor, pool_slots: torch.Tensor, sel: tor
 def pool_read(host_flat: torch.Tensor, pool_slots: torch.Tensor, sel: torch.Tensor, row_slots: torch.Tensor,
               tables: torch.Tensor, seq_lens: torch.Tensor, lay: ListLayout, st: PoolState,
               touch: TouchState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """pool_read_ref's contract (the kernels may pair a set's misses with its victims in another order, and pick
-    another representative among repeats)."""
+    """pool_read_ref's contract, up to the pairing of misses with victims and which repeat
+    represents a key."""
     fn = pool_read_triton if use_triton(sel) else pool_read_ref
     return fn(host_flat, pool_slots, sel, row_slots, tables, seq_lens, lay, st, touch)
 
 
 def invalidate_ref(blocks: torch.Tensor, resident: torch.Tensor, owner: torch.Tensor, last_use: torch.Tensor,
                    num_layers: int, num_blocks: int, num_kv_heads: int) -> None:
-    """Token blocks given to a new owner (int [N]; their old contents are gone) leave the pool: the head block of
-    every layer and KV head (key (layer * (num_blocks + 1) + block) * Hkv + head) is no longer resident, and its
-    slot, if it had one, is free (owner and last use -1)."""
+    """Token blocks given to a new owner (int [N]) leave the pool: every layer's and KV head's
+    head block is no longer resident, and its slot, if any, is free (owner, last_use -1)."""
     if blocks.numel() == 0:
         return
     layer = torch.arange(num_layers, device=blocks.device)[:, None, None]
     head = torch.arange(num_kv_heads, device=blocks.device)
     key = ((layer * (num_blocks + 1) + blocks.long()[None, :, None]) * num_kv_heads + head).reshape(-1)
     slot = resident[key]
-    # Keys without a slot write the trash slot (kept free): no boolean mask, so no host sync on a device.
+    # Keys without a slot write the trash slot (kept free): no boolean mask, no host sync.
     slot = torch.where(slot >= 0, slot, owner.numel() - 1)
     owner.index_fill_(0, slot, -1)
     last_use.index_fill_(0, slot, -1)
     resident.index_fill_(0, key, -1)
 
 
-# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
+# Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["num_keys"])
 def _invalidate_kernel(blocks_ptr, resident_ptr, owner_ptr, last_use_ptr, layer_keys, num_keys,
                        HKV: tl.constexpr, KEYS_P2: tl.constexpr):

@@ -1,47 +1,21 @@
-"""SALE's selection pass: which (query tile, key tile) pairs of a prefill chunk the sparse attention computes.
+"""SALE's selection pass: which (query tile, key tile) pairs of a prefill chunk sparse_prefill
+computes.
 
-1. Quantization (kernel _quant_kernel, after _sum_kernel's per-sequence means). Per sequence, Q~ = q - mean_q
-   (mean over the chunk's queries, per query head) and K~ = k - mean_k (over the context's keys, per KV head);
-   each token's row of a head is scaled and rounded to fp8 e4m3. A query row at its own absmax / 448; a key row
-   at its own power-of-two scale (the smallest 2^e with absmax / 2^e <= 448), then re-expressed at the largest
-   such scale of its key group (KEY_GROUP_TILES key tiles, aligned): its codes shift by an exact power of two,
-   so they are the row's own per-token codes, except that elements which fall below e4m3's normal range
-   (2^-6, ~1/28,000 of the group's largest code) lose mantissa bits. A group shares one scale s_k[g(j)]:
-       q_code[i] = e4m3(Q~_i / s_q[i]),  k_code[j] = e4m3(e4m3(K~_j / 2^e_j) 2^e_j / s_k[g(j)]),
-       qmk[h, j] = mean_q[h] . K~_j (fp32).
-   Then q_i . k_j = s_q[i] s_k[g(j)] (q_code[i] . k_code[j]) + qmk[h, j] + (terms constant along row i), and
-   those constant terms cancel in every softmax and in the relative score below, so the estimate is
-       est_ij = s_q[i] s_k[g(j)] (q_code[i] . k_code[j]) + qmk[h(i), j].
-   Why a group scale: with a scale per key the selection's inner loop pays a multiply per element on top of
-   its fused multiply-add and max, the instructions that bound it; with one per group the two scales are one
-   factor per row (`ncu` on an H100: 9.6e9 -> 7.6e9 instructions at 64K).
-   fp8 e4m3, not int8 (H100/H200 have no int4 tensor-core instructions; int8 and fp8 run at the same rate, twice
-   bf16's): the fp8 dot accumulates in fp32, so the scales and the mean term apply as one fused multiply-add
-   per element, with no int32 -> fp32 conversion (int8's per element cost, on the part of the pass that is not
-   tensor-core work), and a floating-point code keeps its relative precision under the group's shift. Precision
-   is not what decides: e4m3's 3-bit mantissa (a few % per code, averaging out over D) is finer than SALE's own
-   4-bit codes, and the estimate only has to rank tiles. The kernel rounds to the e4m3 grid itself
-   (_round_e4m3), so its codes equal torch's float8_e4m3fn cast.
-2. Selection (kernel _select_kernel), program (sequence, query tile, KV head). For every query row i its
-   reference statistics over the tiles the attention computes anyway (the forced tiles: sink, local window,
-   diagonal; causally visible keys only), in log2 units z = est * scale * log2(e):
-       m_i = max_j z_ij,  l_i = sum_j 2^(z_ij - m_i).
-   SALE's Relative Attention Score of element (i, j) is 2^(z_ij - m_i) / l_i: its estimated weight relative to
-   the sink + local region. It is important when that exceeds the head's threshold, compared without exp:
-       z_ij > m_i + log2(l_i) + log2(threshold[h])  <=>  est_ij > T_i := (m_i + log2 l_i + log2 thr) / (scale log2 e).
-   A middle tile (kernels/sparse_prefill.py) is kept when any element of any query head of the KV group is
-   important (the union: the group shares the tile's K/V loads). The main loop has no exp: per element an fp8
-   dot, a fused multiply-add and a max. threshold 0 keeps every tile without estimating; a
-   streaming KV head keeps none (forced tiles only).
-   On Hopper the group's heads run one after the other (a static loop); a program walks its middle tiles `chunk`
-   at a time, as one [q_tile, chunk * k_tile] x D fp8 wgmma dot per head against the chunk's keys loaded once
-   (keys interleaved so the tiles split apart in registers), with one reduction over rows a chunk. Its cost is a
-   QK^T at fp8 (a quarter of dense attention's tensor-core work) plus the per-element ops above, so it is a
-   fixed fraction of dense attention at every length (the benchmark measures it).
-Outputs: mask uint8 [B, Hkv, n_q_tiles, n_k_tiles] (1: computed; forced tiles included), and the middle tiles
-as the attention kernel's lists kv_index int32 [B, Hkv, n_q_tiles, n_k_tiles] / kv_count int32 [B, Hkv, n_q_tiles].
-References: quantize_qk_ref, select_tiles_ref (sale_select_ref: both). Nothing waits on the host: grids and
-buffers follow host-side bounds (max_query_len, max_seq_len), thresholds and streaming flags are device tensors.
+1. Quantization (_sum_kernel's means, then _quant_kernel). Q~ = q - mean_q (over the chunk's
+   queries, per query head), K~ = k - mean_k (over the context, per KV head), rows in fp8 e4m3:
+   a query row at absmax / 448; a key row at its own power-of-two scale, re-expressed at its key
+   group's largest (KEY_GROUP_TILES tiles share s_k[g(j)]). The estimate
+       est_ij = s_q[i] s_k[g(j)] (q_code[i] . k_code[j]) + qmk[h(i), j],  qmk = mean_q[h] . K~_j
+   equals q_i . k_j up to terms constant along row i.
+2. Selection (_select_kernel, program (sequence, query tile, KV head)): per query row i, with
+   z = est * scale * log2(e), m_i and l_i are the max and sum of 2^(z - m_i) over the forced
+   tiles (causal); element (i, j) is important when z_ij > m_i + log2(l_i) + log2(threshold[h])
+   (SALE's relative score, without exp). A middle tile is kept when any element of any query
+   head of the group is; threshold 0 keeps every tile, a streaming KV head none.
+Outputs: mask uint8 [B, Hkv, n_q_tiles, n_k_tiles] (1: computed, forced included); the middle
+tiles as kv_index int32 [same] and kv_count int32 [B, Hkv, n_q_tiles]. References:
+quantize_qk_ref, select_tiles_ref. No host sync: grids follow host-side bounds; thresholds and
+streaming flags are device tensors. Why fp8 and group scales: docs/sparse_prefill.md.
 """
 from __future__ import annotations
 
@@ -56,13 +30,14 @@ from sparseserve.kernels.sparse_prefill import TileLayout, tile_classes
 
 
 FP8_MAX = 448.0  # the largest finite e4m3 value
-KEY_GROUP_TILES = 2  # key tiles that share one power-of-two scale (the selection's chunk of key tiles)
+KEY_GROUP_TILES = 2  # key tiles sharing one power-of-two scale (the selection's key chunk)
 KEY_EXP_NONE = -(1 << 20)  # the exponent of a zero row: never a group's largest
 _SCORE_ELEMENTS = 1 << 25
 
 
 class QKCodes(NamedTuple):
-    """Quantized Q and K of a batch of chunks; L = n_k_tiles * k_tile (keys past seq_len: code 0, scale 1)."""
+    """Quantized Q and K of a batch of chunks; L = n_k_tiles * k_tile (past seq_len: code 0,
+    scale 1)."""
     q_code: torch.Tensor  # float8_e4m3fn [T, Hq, D]
     q_scale: torch.Tensor  # float32 [T, Hq]
     k_code: torch.Tensor  # float8_e4m3fn [B, Hkv, L, D]
@@ -71,8 +46,8 @@ class QKCodes(NamedTuple):
 
 
 def _gather_keys(kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """float32 [B, Hkv, length, D]: the first `length` keys of every sequence (past a sequence's end: garbage).
-    The table may cover fewer than `length` positions (it covers max_seq_len, `length` is whole key tiles)."""
+    """float32 [B, Hkv, length, D]: each sequence's first `length` keys (garbage past its end);
+    the table may cover fewer positions (max_seq_len, not whole key tiles)."""
     block_size = kv_cache.shape[3]
     nblk = min(-(-length // block_size), block_tables.shape[1])
     k = kv_cache[block_tables[:, :nblk].long(), :, 0].float()  # [B, nblk, Hkv, bs, D]
@@ -90,17 +65,16 @@ def _quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pow2_exponent_ref(absmax: torch.Tensor) -> torch.Tensor:
-    """int32: the smallest e with absmax / 2^e <= 448 (the kernel's bit arithmetic: absmax = m 2^p, m in [1, 2),
-    e = p - 8 when m <= 1.75 else p - 7); a zero row gets KEY_EXP_NONE."""
+    """int32: the smallest e with absmax / 2^e <= 448 (absmax = m 2^p, m in [1, 2): e = p - 8
+    when m <= 1.75, else p - 7, as the kernel's bit arithmetic); a zero row: KEY_EXP_NONE."""
     f, q = torch.frexp(absmax)  # absmax = f 2^q, f in [0.5, 1)
     e = torch.where(2 * f <= 1.75, q - 9, q - 8).to(torch.int32)
     return torch.where(absmax > 0, e, KEY_EXP_NONE)
 
 
 def quantize_keys_ref(kt: torch.Tensor, valid: torch.Tensor, group_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K~ [B, Hkv, L, D] (zero past the end; valid [B, L]) -> (codes, scales), module docstring: each row at its
-    own power-of-two scale, then re-expressed at its group's largest one (an exact shift but below e4m3's
-    normal range)."""
+    """K~ [B, Hkv, L, D] (zero past the end; valid [B, L]) -> (codes, scales): each row at its
+    own power-of-two scale, then at its group's largest (exact, except below e4m3's normals)."""
     b, h, length, d = kt.shape
     e = pow2_exponent_ref(kt.abs().amax(-1))  # [B, Hkv, L]
     tok = (kt * torch.ldexp(torch.ones_like(kt), -e.clamp_min(-126)[..., None])).to(torch.float8_e4m3fn)
@@ -141,7 +115,7 @@ def quantize_qk_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                                       output_size=q.shape[0])
     q_code, q_scale = _quantize_rows_ref(q.float() - mean_q[seq_idx])
     valid = torch.arange(length, device=q.device)[None, :] < seq_lens.long()[:, None]
-    kt = torch.where(valid[:, None, :, None], keys - mean_k[:, :, None], 0.0)  # K~, zero past the end
+    kt = torch.where(valid[:, None, :, None], keys - mean_k[:, :, None], 0.0)  # K~, 0 past the end
     k_code, k_scale = quantize_keys_ref(kt, valid, KEY_GROUP_TILES * layout.k_tile)
     qmk = torch.einsum("bhgd,bhjd->bhgj", mean_q.view(-1, num_kv_heads, group, q.shape[2]), kt)
     return QKCodes(q_code, q_scale, k_code, k_scale, qmk.reshape(-1, num_q_heads, length))
@@ -150,9 +124,9 @@ def quantize_qk_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 def select_tiles_ref(codes: QKCodes, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                      max_query_len: int, max_seq_len: int, layout: TileLayout, thresholds: torch.Tensor,
                      streaming: torch.Tensor | None = None, with_margin: bool = False):
-    """Stage 2 in torch: (mask, kv_index, kv_count), plus with_margin the float32 [B, Hkv, n_q_tiles, n_k_tiles]
-    max over each middle tile's rows and keys of (est - T) * scale * log2(e) (> 0: kept; -inf where not
-    estimated), which tells tests how far each decision is from its boundary."""
+    """Stage 2 in torch: (mask, kv_index, kv_count); with_margin also float32 [B, Hkv, n_q_tiles,
+    n_k_tiles], each middle tile's max (est - T) * scale * log2(e) (> 0: kept; -inf: not
+    estimated), so tests see how far each decision is from its boundary."""
     q_code, q_scale, k_code, k_scale, qmk = codes
     num_q_heads = q_code.shape[1]
     batch, num_kv_heads, length, _ = k_code.shape
@@ -168,7 +142,7 @@ def select_tiles_ref(codes: QKCodes, seq_lens: torch.Tensor, query_start_loc: to
     keys = torch.arange(length, device=dev)
     ktile = keys // layout.k_tile
     k_code_f = k_code.float()
-    # Query rows a step (whole tiles), bounding the float32 estimates [Hq, rows, L] (long prompts on the CPU).
+    # Query rows a step (whole tiles), bounding the float32 estimates [Hq, rows, L].
     step = max(1, _SCORE_ELEMENTS // (num_q_heads * length * layout.q_tile)) * layout.q_tile
     for b in range(batch):
         for r0 in range(0, qsl[b + 1] - qsl[b], step):
@@ -179,7 +153,8 @@ def select_tiles_ref(codes: QKCodes, seq_lens: torch.Tensor, query_start_loc: to
             s = torch.einsum("thgd,hjd->hgtj", q_code[toks].float().view(-1, num_kv_heads, group, q_code.shape[2]),
                              k_code_f[b])  # [Hkv, G, rows, L]
             sq = q_scale[toks].T.reshape(num_kv_heads, group, -1, 1)
-            est = s * k_scale[b][:, None, None, :] * sq + qmk[b].view(num_kv_heads, group, 1, length)  # kernel order
+            # the kernel's order of operations
+            est = s * k_scale[b][:, None, None, :] * sq + qmk[b].view(num_kv_heads, group, 1, length)
             z = est * c
             ref = forced[b][qtile][:, ktile] & (keys[None, :] <= pos[:, None])  # [rows, L]
             zr = z.masked_fill(~ref, float("-inf"))
@@ -187,7 +162,8 @@ def select_tiles_ref(codes: QKCodes, seq_lens: torch.Tensor, query_start_loc: to
             lse2 = m + torch.log2(torch.exp2(zr - m).sum(-1, keepdim=True))
             t_raw = (lse2 + log2_thr.view(num_kv_heads, group, 1, 1)) / c
             over = ((est - t_raw) * c).masked_fill(~middle[b][qtile][:, ktile], float("-inf"))
-            over = over.amax(1).view(num_kv_heads, -1, n_kt, layout.k_tile).amax(-1)  # [Hkv, rows, n_kt]
+            # [Hkv, rows, n_kt]
+            over = over.amax(1).view(num_kv_heads, -1, n_kt, layout.k_tile).amax(-1)
             margin[b].scatter_reduce_(1, qtile[None, :, None].expand_as(over), over, "amax")
     if streaming is not None:
         margin.masked_fill_(streaming.to(device=dev, dtype=torch.bool)[None, :, None, None], float("-inf"))
@@ -200,8 +176,8 @@ def select_tiles_ref(codes: QKCodes, seq_lens: torch.Tensor, query_start_loc: to
 
 @triton.jit
 def _round_e4m3(x):
-    """x (float32) rounded to the nearest e4m3 value (ties to even), saturating at +-448; converting the result
-    to fp8 is then exact, whatever rounding the conversion itself does."""
+    """x (float32) rounded to the nearest e4m3 value (ties to even), saturating at +-448, so the
+    cast to fp8 is exact whatever rounding it does (codes equal torch's float8_e4m3fn cast)."""
     x = tl.minimum(tl.maximum(x, -448.0), 448.0)
     bits = x.to(tl.int32, bitcast=True)
     # Normal range: keep 3 mantissa bits, round half to even on the dropped 20.
@@ -216,15 +192,15 @@ def _pow2(n):
     return ((n + 127) << 23).to(tl.float32, bitcast=True)
 
 
-# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
+# Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["split_len", "stride_tb"],
             do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "qsl_ptr"])
 def _sum_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, part_ptr, split_len,
                 stride_xt, stride_xh, stride_cb, stride_ch, stride_tb,
                 PAGED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
                 TOK: tl.constexpr):
-    """part[b, h, split] = sum of the rows of head h in the split's range: the chunk's queries of sequence b (q),
-    or, PAGED, the keys of the context (the cache, through the block table)."""
+    """part[b, h, split] = sum of head h's rows in the split's range: sequence b's chunk queries
+    (q), or, PAGED, the context's keys (through the block table)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -257,11 +233,11 @@ def _quant_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, mean_ptr, mean_q_ptr,
                   stride_sh, stride_mb, stride_mh, stride_qmb, stride_qmh,
                   PAGED: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   BLOCK_D: tl.constexpr, TOK: tl.constexpr):
-    """Quantizes TOK rows of head h (stage 1 of the module docstring; reference: quantize_qk_ref).
+    """Quantizes TOK rows of head h (stage 1; reference: quantize_qk_ref).
 
-    Not PAGED: the chunk's queries of sequence b -> code [T, Hq, D], scale [T, Hq].
-    PAGED: context positions of sequence b (every position < L; past seq_len: code 0, scale 1, qmk 0)
-    -> code [B, Hkv, L, D], scale [B, Hkv, L], and qmk [B, Hq, L] for the GROUP query heads of KV head h."""
+    Not PAGED: sequence b's chunk queries -> code [T, Hq, D], scale [T, Hq].
+    PAGED: sequence b's context positions (all < L; past seq_len: code 0, scale 1, qmk 0)
+    -> code [B, Hkv, L, D], scale [B, Hkv, L], qmk [B, Hq, L] for the GROUP heads of h."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.program_id(2) * TOK + tl.arange(0, TOK)
@@ -286,7 +262,7 @@ def _quant_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, mean_ptr, mean_q_ptr,
     x = tl.load(ptrs + dims[None, :], mask=ok[:, None] & dmask, other=0.0).to(tl.float32)
     x = tl.where(ok[:, None] & dmask, x - mean[None, :], 0.0)
     absmax = tl.max(tl.abs(x), 1)
-    if PAGED:  # TOK rows = one key group: power-of-two scales, the group's largest (module docstring)
+    if PAGED:  # TOK rows = one key group: power-of-two scales, the group's largest
         bits = absmax.to(tl.int32, bitcast=True)
         p = ((bits >> 23) & 0xFF) - 127
         e = tl.where(absmax > 0, tl.where((bits & 0x7FFFFF) <= 0x600000, p - 8, p - 7), -1048576)
@@ -304,14 +280,15 @@ def _quant_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, mean_ptr, mean_q_ptr,
     if PAGED:
         for g in tl.static_range(GROUP):
             hq = h * GROUP + g
-            mq = tl.load(mean_q_ptr + (b * tl.num_programs(1) * GROUP + hq) * BLOCK_D + dims)  # [B, Hq, BLOCK_D]
+            # mean_q: [B, Hq, BLOCK_D]
+            mq = tl.load(mean_q_ptr + (b * tl.num_programs(1) * GROUP + hq) * BLOCK_D + dims)
             tl.store(qmk_ptr + b.to(tl.int64) * stride_qmb + hq * stride_qmh + r, tl.sum(x * mq[None, :], 1),
                      mask=w_mask)
 
 
 @triton.jit
 def _split_tiles(x, Q_TILE: tl.constexpr, K_TILE: tl.constexpr, CHUNK: tl.constexpr):
-    """[Q_TILE, CHUNK * K_TILE] whose column c is key c // CHUNK of tile c % CHUNK -> CHUNK (1 or 2)
+    """[Q_TILE, CHUNK * K_TILE], column c = key c // CHUNK of tile c % CHUNK -> CHUNK (1 or 2)
     [Q_TILE, K_TILE]."""
     if CHUNK == 1:
         return (x,)
@@ -328,9 +305,9 @@ def _select_kernel(q_code_ptr, q_scale_ptr, k_code_ptr, k_scale_ptr, qmk_ptr, se
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, Q_TILE: tl.constexpr,
                    K_TILE: tl.constexpr, SINK: tl.constexpr, LOCAL: tl.constexpr, CHUNK: tl.constexpr,
                    STREAMING: tl.constexpr):
-    """Program (sequence, query tile, KV head): the tile's mask row and middle-tile list (reference:
-    select_tiles_ref). Query heads are handled one after the other (a static loop), each a [Q_TILE, CHUNK *
-    K_TILE] dot against the CHUNK key tiles loaded once for the group; they share one reduction over rows."""
+    """Program (sequence, query tile, KV head): the tile's mask row and middle-tile list
+    (reference: select_tiles_ref). The group's heads run in a static loop, each one
+    [Q_TILE, CHUNK * K_TILE] dot against the CHUNK key tiles loaded once."""
     b = tl.program_id(0)
     t = num_q_tiles - 1 - tl.program_id(1)  # the last (heaviest) query tiles first
     kvh = tl.program_id(2)
@@ -344,7 +321,7 @@ def _select_kernel(q_code_ptr, q_scale_ptr, k_code_ptr, k_scale_ptr, qmk_ptr, se
     last = (tl.minimum(p0 + Q_TILE, seq_len) - 1) // K_TILE
     lo = tl.maximum(p0 // K_TILE - LOCAL, 0)
     s_end = tl.minimum(lo, SINK)
-    mrow = b.to(tl.int64) * stride_mb + kvh * stride_mh + t * stride_mt  # mask and index rows: same layout
+    mrow = b.to(tl.int64) * stride_mb + kvh * stride_mh + t * stride_mt  # mask, index: same layout
     jv = tl.arange(0, CHUNK)
     ones = tl.full([CHUNK], 1, tl.uint8)
     for j0 in range(0, s_end, CHUNK):
@@ -415,14 +392,13 @@ def _select_kernel(q_code_ptr, q_scale_ptr, k_code_ptr, k_scale_ptr, qmk_ptr, se
                 lse2 = ms[g] + tl.log2(tl.where(ls[g] > 0, ls[g], 1.0))
                 thr = tl.load(log2_thr_ptr + kvh * GROUP + g)
                 t_raw = t_raw + (tl.where(row_ok, (lse2 + thr) / c_log2, float("inf")),)
-            # Middle tiles, CHUNK a step as one [Q_TILE, CHUNK * K_TILE] dot per head (wide wgmma instructions):
-            # row r of the key block is key r // CHUNK of tile j0 + r % CHUNK, so the tiles come apart by
-            # splitting off the lowest column bits, which the accumulator layout holds in one thread's registers.
+            # Middle tiles, CHUNK a step, one dot per head: row r of the key block is key
+            # r // CHUNK of tile j0 + r % CHUNK, so the tiles split off the lowest column bits.
             rr = tl.arange(0, CHUNK * K_TILE)
             r_tile = rr % CHUNK
             r_key = rr // CHUNK
-            # Whole key groups a step (one scale: est = fma(dot, row scale x group scale, qmk)); a first group
-            # that starts before s_end masks its sink tiles out.
+            # Whole key groups a step (one scale: est = fma(dot, row x group scale, qmk)); a first
+            # group starting before s_end masks its sink tiles out.
             for j0 in range(s_end - s_end % CHUNK, lo, CHUNK):
                 keys = (j0 + r_tile) * K_TILE + r_key
                 in_range = (j0 + r_tile >= s_end) & (j0 + r_tile < lo)
@@ -455,16 +431,9 @@ def _select_kernel(q_code_ptr, q_scale_ptr, k_code_ptr, k_scale_ptr, qmk_ptr, se
 
 @dataclass(frozen=True)
 class SelectConfig:
-    """Launch shapes. `chunk` key tiles (dividing a key group) are one dot per query head and share one
-    reduction over a query tile's rows; `max_registers` caps registers a thread (None: the compiler's choice).
-    On an H100 (Llama-3.1-8B layer, 64K, D=128, group 4, 64 x 64 tiles; `python -m sparseserve.bench.
-    sparse_prefill --sweep` and side-by-side dev runs): one [64, 128] dot per head for chunk 2 took 22.9 ms
-    against 28.4 ms for two [64, 64] dots (fewer, wider wgmma instructions); uncapped the program holds 230-255
-    registers (two programs an SM, latency-bound: 44% of issue slots busy). With the group scale, capped at 128
-    registers with 2 stages three programs fit an SM (shared memory is then the limit): 20.4-21.8 ms (168
-    registers 23.6; 1 stage 21.2-22.8; 3 stages 25.5-26.6; chunk 1 24.5; 8 warps 35-52).
-    Query quantization programs of `quant_tok` rows (32, 4 warps: ~170 registers; 64 rows spill); a key program
-    quantizes one key group (8 warps for groups over 64 rows)."""
+    """Launch shapes. `chunk` key tiles (dividing a key group) are one dot per query head;
+    `max_registers` caps registers a thread (None: the compiler's choice); `quant_tok`: rows a
+    query quantization program. Defaults: docs/sparse_prefill.md, "The kernels"."""
     chunk: int = 2
     num_warps: int = 4
     num_stages: int = 2
@@ -488,7 +457,7 @@ def _empty_codes(q, num_seqs, num_kv_heads, length) -> QKCodes:
 def quantize_qk_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                        query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int, layout: TileLayout,
                        config: SelectConfig | None = None) -> QKCodes:
-    """Stage 1 with Triton: two _sum_kernel launches (the means, as partial sums a split), two _quant_kernel."""
+    """Stage 1 with Triton: two _sum_kernel launches (the means' partial sums), two _quant_kernel."""
     config = config or SelectConfig()
     num_seqs = seq_lens.numel()
     num_q_heads, head_dim = q.shape[1:]
@@ -505,7 +474,7 @@ def quantize_qk_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
     cache_strides = (kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0))
     sums = []
     for paged, heads, n in ((False, num_q_heads, max_query_len), (True, num_kv_heads, max_seq_len)):
-        # Enough programs to fill the GPU: about four waves of 132 multiprocessors.
+        # Enough programs to fill the GPU (about 512).
         splits = max(1, min(triton.cdiv(n, tok), triton.cdiv(512, num_seqs * heads)))
         split_len = triton.cdiv(triton.cdiv(n, splits), tok) * tok
         part = torch.empty(num_seqs, heads, splits, block_d, dtype=torch.float32, device=q.device)
@@ -577,11 +546,11 @@ def sale_select(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
                 query_start_loc: torch.Tensor, scale: float, max_query_len: int, max_seq_len: int,
                 layout: TileLayout, thresholds: torch.Tensor, streaming: torch.Tensor | None = None,
                 config: SelectConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The tiles of the prefill chunks of query_start_loc that sparse_prefill computes (module docstring).
+    """The tiles of query_start_loc's prefill chunks that sparse_prefill computes.
 
-    q: [T, Hq, D] (the queries the attention will use); kv_cache: one layer, the chunks' K already stored;
-    thresholds: float [Hq], >= 0 (0: every tile); streaming: bool [Hkv] or None. Returns (mask uint8
-    [B, Hkv, n_q_tiles, n_k_tiles], kv_index int32 [same], kv_count int32 [B, Hkv, n_q_tiles])."""
+    q: [T, Hq, D] (the attention's queries); kv_cache: one layer, the chunks' K stored;
+    thresholds: float [Hq], >= 0 (0: every tile); streaming: bool [Hkv] or None. Returns (mask
+    uint8 [B, Hkv, n_q_tiles, n_k_tiles], kv_index int32 [same], kv_count [B, Hkv, n_q_tiles])."""
     num_q_heads = q.shape[1]
     num_kv_heads = kv_cache.shape[1]
     if num_q_heads % num_kv_heads or thresholds.shape != (num_q_heads,):

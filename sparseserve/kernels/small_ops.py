@@ -1,12 +1,8 @@
-"""Fused elementwise kernels of the decoder layer: residual add + RMSNorm, rotary on q and k, SiLU-and-mul.
+"""Fused elementwise ops of the decoder layer: residual add + RMSNorm, rotary on q and k,
+SiLU-and-mul; one program per token row, one pass (why: docs/kernels.md, "Design notes").
 
-At decode batch sizes each of these is a handful of tiny torch kernels whose launches, not bytes,
-cost time (about 2 ms of a 15 ms Llama-8B decode step at batch 32, measured by
-scripts/profile_decode.py); one program per token row does each in a single pass. The torch references
-(`*_ref`) compute as transformers does. Arithmetic is float32 with one rounding at the end (the references
-round between ops, so bf16
-results can differ in the last bit). Launched with programmatic dependent launch (kernels/pdl.py) where
-the GPU has it, so a launch overlaps its predecessor's tail.
+The references (`*_ref`) compute as transformers does. The kernels compute in float32 and round
+once at the end (the references round between ops), so bf16 results may differ in the last bit.
 """
 from __future__ import annotations
 
@@ -102,7 +98,7 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, stride_
 
 
 def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated in halves (transformers' rotate_half convention); cos, sin [T, 1, D/2]."""
+    """x [T, H, D] rotated in halves (transformers' rotate_half); cos, sin [T, 1, D/2]."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -118,7 +114,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 
 def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q [T, Hq, D], k [T, Hkv, D] (views with unit last stride); cos, sin [T, 1, D/2]. Returns new q, k."""
+    """q [T, Hq, D], k [T, Hkv, D] (unit last stride); cos, sin [T, 1, D/2]. Returns new q, k."""
     num_tokens, num_q, head_dim = q.shape
     num_k = k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

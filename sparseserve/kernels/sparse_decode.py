@@ -1,19 +1,16 @@
-"""Sparse paged decode: attention of one query token per sequence over a list of selected blocks.
+"""Sparse paged decode: one query token per sequence over its list of selected blocks.
 
-Each (sequence, KV head) attends the blocks of its selection list (logical block indices, -1 padded,
-in sel[slot, kvh]) that lie before the current local window, plus that window (the last `local`
-blocks, which move on as tokens arrive while a list is reused). Kernel 1 splits this list of
-cap + local entries over programs (sequence, KV head, split); each loads a tile of whole head blocks
-and serves all query heads of the group with it, and writes a partial output and its log-sum-exp.
-Kernel 2 merges the splits. Entries that are padding (adaptive budgets) or inside the window are
-masked off, so they load no K/V. On Hopper without offload a twin of kernel 1 gathers the blocks with TMA
-(`_sparse_split_tma_kernel`, TMA_CONFIG).
+Each (sequence, KV head) attends the listed blocks (sel[slot, kvh], logical indices, -1 padded)
+before the current local window, plus that window (the last `local` blocks). Kernel 1 splits
+the cap + local entries over (sequence, KV head, split) programs, each serving the whole GQA
+group and writing a partial output and its log-sum-exp; kernel 2 merges. Padding and in-window
+entries load nothing. With TMA (compute capability 9+, no offload) a twin of kernel 1 gathers.
 
-Under KV offload (`offload` = (pool slots [N, 2, bs, D], host store rows [R, 2, bs, D], loc, key: int64
-[B, Hkv, cap])) the listed blocks before the local window are read from HBM pool slot `loc`, or straight from
-the pinned host row `key` over UVA where loc < 0 (a bypass read); the window still comes from kv_cache.
-loc and key follow the batch rows, or with `view_by_slot` the lists' rows (`slots` index them as they index sel):
-a lagged read plans the view of a list one step ahead, beside the list itself (kvcache/offload.py).
+Under KV offload, `offload` = (pool slots [N, 2, bs, D], host rows [R, 2, bs, D], loc, key:
+int64 [B, Hkv, cap]): listed blocks come from pool slot `loc`, or from host row `key` over UVA
+where loc < 0 (bypass); the window still comes from kv_cache. With `view_by_slot` loc and key
+are indexed by the lists' rows (as sel), not the batch rows (lagged reads, kvcache/offload.py).
+Design notes: docs/sparse.md, "Kernel notes".
 """
 from __future__ import annotations
 
@@ -30,19 +27,19 @@ from sparseserve.kernels.pdl import pdl_wait, use_pdl
 LOG2E = 1.4426950408889634
 
 
-# ---- references -----------------------------------------------------------------------------------------
+# ---- references ----
 
 
 def listed_rows(sel_rows: torch.Tensor, seq_lens: torch.Tensor, local: int, block_size: int) -> torch.Tensor:
-    """bool [B, Hkv, cap]: list entries the kernel attends outside the local window (full blocks)."""
+    """bool [B, Hkv, cap]: entries the kernel attends outside the local window (full blocks)."""
     nb = (seq_lens.long() + block_size - 1) // block_size
     return (sel_rows >= 0) & (sel_rows < (nb - local).clamp_min(0)[:, None, None])
 
 
 def attended_blocks(sel_rows: torch.Tensor, seq_lens: torch.Tensor, local: int, block_size: int,
                     max_blocks: int) -> torch.Tensor:
-    """bool [B, Hkv, MB]: the blocks the sparse kernel attends, from the lists sel_rows [B, Hkv, cap]:
-    listed blocks before the current local window, plus that window (it moves as tokens arrive)."""
+    """bool [B, Hkv, MB]: the blocks the sparse kernel attends given lists sel_rows [B, Hkv, cap]:
+    listed blocks before the current local window, plus that window."""
     nb = (seq_lens.long() + block_size - 1) // block_size
     local_start = (nb - local).clamp_min(0)
     j = torch.arange(max_blocks, device=seq_lens.device)[None]
@@ -55,8 +52,8 @@ def attended_blocks(sel_rows: torch.Tensor, seq_lens: torch.Tensor, local: int, 
 
 
 def read_listed_ref(offload: tuple) -> torch.Tensor:
-    """[B, Hkv, cap, 2, bs, D]: each entry's head block from its pool slot loc, or from host row key where
-    loc < 0 (entries that are not listed read something that is masked later)."""
+    """[B, Hkv, cap, 2, bs, D]: each entry's head block from pool slot loc, or from host row key
+    where loc < 0 (unlisted entries read something masked later)."""
     pool_slots, host_flat, loc, key = offload
     from_pool = pool_slots[loc.clamp_min(0)]
     from_host = host_flat[key.clamp(0, host_flat.shape[0] - 1).to(host_flat.device)].to(pool_slots.device)
@@ -65,9 +62,8 @@ def read_listed_ref(offload: tuple) -> torch.Tensor:
 
 def offload_context_ref(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         sel_rows: torch.Tensor, local: int, offload: tuple) -> torch.Tensor:
-    """float32 [B, MB, Hkv, 2, bs, D]: each sequence's context as a decode may read it under offload: the
-    local window from kv_cache (through block_tables), the listed blocks before it through the pool view,
-    zeros elsewhere (no other block may come from the device cache)."""
+    """float32 [B, MB, Hkv, 2, bs, D]: each context as a decode may read it under offload: the
+    local window from kv_cache, listed blocks through the pool view, zeros elsewhere."""
     batch, num_kv_heads, _ = sel_rows.shape
     block_size = kv_cache.shape[3]
     mb, dev = _max_blocks(seq_lens, block_size), sel_rows.device
@@ -75,8 +71,8 @@ def offload_context_ref(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_
     j = torch.arange(mb, device=dev)[None]
     window = (j >= (nb - local).clamp_min(0)[:, None]) & (j < nb[:, None])  # [B, MB]
     kv = kv_cache[block_tables[:, :mb].long()].float()
-    kv = torch.where(window[:, :, None, None, None, None], kv, 0.0)  # no other block from the device cache
-    flat = torch.cat([kv.reshape(-1, *kv.shape[3:]), kv.new_zeros(1, *kv.shape[3:])])  # + a trash row
+    kv = torch.where(window[:, :, None, None, None, None], kv, 0.0)  # nothing else from the device cache
+    flat = torch.cat([kv.reshape(-1, *kv.shape[3:]), kv.new_zeros(1, *kv.shape[3:])])  # + trash row
     listed = listed_rows(sel_rows, seq_lens, local, block_size)
     b = torch.arange(batch, device=dev)[:, None, None]
     h = torch.arange(num_kv_heads, device=dev)[None, :, None]
@@ -87,7 +83,8 @@ def offload_context_ref(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_
 
 def attend_blocks_ref(q: torch.Tensor, kv: torch.Tensor, seq_lens: torch.Tensor, blocks: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """Attention of q [B, Hq, D] over the blocks marked in blocks [B, Hkv, MB] of kv [B, MB, Hkv, 2, bs, D]."""
+    """Attention of q [B, Hq, D] over the blocks marked in blocks [B, Hkv, MB] of
+    kv [B, MB, Hkv, 2, bs, D]."""
     batch, num_q_heads, head_dim = q.shape
     _, mb, num_kv_heads, _, block_size, _ = kv.shape
     ctx = mb * block_size
@@ -97,7 +94,7 @@ def attend_blocks_ref(q: torch.Tensor, kv: torch.Tensor, seq_lens: torch.Tensor,
     visible = blocks.repeat_interleave(block_size, -1) & in_context[:, None]
     qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     s = torch.einsum("bhgd,bhkd->bhgk", qg, k) * scale
-    v = v.masked_fill(~visible[..., None], 0.0)  # unwritten cache memory may hold NaN: 0 * NaN is NaN
+    v = v.masked_fill(~visible[..., None], 0.0)  # unwritten memory may be NaN
     probs = torch.softmax(s.masked_fill(~visible[:, :, None], float("-inf")), -1).nan_to_num(0.0)
     return torch.einsum("bhgk,bhkd->bhgd", probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
@@ -109,10 +106,9 @@ def _max_blocks(seq_lens: torch.Tensor, block_size: int) -> int:
 def sparse_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       sel: torch.Tensor, slots: torch.Tensor, local: int, scale: float, out: torch.Tensor | None = None,
                       offload: tuple | None = None, view_by_slot: bool = False) -> torch.Tensor:
-    """Attention of decode queries q [B, Hq, D] over the blocks their lists sel[slots] ([S, Hkv, cap], one
-    layer's) name plus the local window, in float32; fills (or returns) out [B, Hq, D]. Under offload the
-    listed blocks come through the pool view (module docstring), with the same arithmetic, so the outputs are
-    bit-identical when the data are."""
+    """Attention of decode queries q [B, Hq, D] over the blocks their lists sel[slots]
+    ([S, Hkv, cap], one layer's) name plus the local window, in float32; fills (or returns)
+    out [B, Hq, D]. Under offload, bit-identical to the same data without it."""
     block_size = kv_cache.shape[3]
     sel_rows = sel[slots.long()]
     mb = _max_blocks(seq_lens, block_size)
@@ -140,12 +136,12 @@ def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
               view_by_slot=view_by_slot)
 
 
-# ---- Triton ---------------------------------------------------------------------------------------------
+# ---- Triton ----
 
 
 @triton.jit
 def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr):
-    """Online-softmax update of the group's query heads with one tile of keys/values (visible: its columns)."""
+    """Online-softmax update of the group's query heads with one tile (visible: its columns)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     acc, m_i, l_i = softmax_update(acc, m_i, l_i, tl.where(visible[None, :], s, float("-inf")), v, DOT_PREC)
     return m_i, l_i, acc
@@ -154,15 +150,14 @@ def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constex
 @triton.jit
 def _store_partial(part_out_ptr, part_lse_ptr, b, heads, split, dims, g, q_mask, m_i, l_i, acc, GROUP: tl.constexpr,
                    BLOCK_D: tl.constexpr):
-    """part_out [B, Hq, num_splits, BLOCK_D], part_lse [B, Hq, num_splits]; an empty split: zeros and -inf."""
+    """part_out [B, Hq, splits, BLOCK_D], part_lse [B, Hq, splits]; empty split: zeros, -inf."""
     row = (b * tl.num_programs(1) * GROUP + heads).to(tl.int64) * tl.num_programs(2) + split
     tl.store(part_out_ptr + row[:, None] * BLOCK_D + dims[None, :], acc / tl.where(l_i > 0, l_i, 1.0)[:, None],
              mask=q_mask)
     tl.store(part_lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=g < GROUP)
 
 
-# The block tables' width and the split's length change between eager steps: not specialized on (no compile
-# while serving).
+# The tables' width and the split's length follow the step: not specialized on.
 @triton.jit(do_not_specialize=["entries_per_split", "stride_tb"])
 def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, sel_ptr, part_out_ptr, part_lse_ptr,
                          pool_ptr, host_ptr, loc_ptr, key_ptr,
@@ -190,18 +185,15 @@ def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, s
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
     kv_base = cache_ptr + kvh * stride_ch
 
-    t = tl.arange(0, TILE_E * BLOCK_SIZE)  # token t of a tile: entry t // BLOCK_SIZE, row t % BLOCK_SIZE
+    t = tl.arange(0, TILE_E * BLOCK_SIZE)  # entry t // BLOCK_SIZE, row t % BLOCK_SIZE
     off = t % BLOCK_SIZE
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     e_start = split * entries_per_split
     e_end = tl.minimum(e_start + entries_per_split, CAP + LOCAL)
-    # A loop of config.tiles tiles a program (num_stages: Triton's software pipelining of the loop). On an
-    # H200 this is about as fast as one tile a program (docs/sparse.md): the kernel is not bound
-    # by the list -> block table -> K/V chain of loads alone.
-    # No branch on empty tiles: a branch would stop the loop's loads from being pipelined, and masked-off
-    # entries (padding, entries inside the window) load nothing anyway.
+    # config.tiles tiles a program, software-pipelined. No branch on empty tiles: it would stop
+    # the pipelining, and masked-off entries load nothing anyway.
     for e0 in range(e_start, e_end, TILE_E):
         e = e0 + t // BLOCK_SIZE
         listed = e < CAP
@@ -209,15 +201,14 @@ def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, s
         j = tl.where(listed, j, local_start + e - CAP)
         ok = tl.where(listed, (j >= 0) & (j < local_start), j < nb) & (e < CAP + LOCAL)
         ok = ok & (j * BLOCK_SIZE + off < seq_len)
-        if OFFLOAD:  # listed entries through their HBM pool slot (or the host store: bypass), the window from the cache
+        if OFFLOAD:  # listed: pool slot or host row (bypass); the window: the device cache
             in_list = ok & listed
             lrow = ((slot if VIEW_BY_SLOT else b.to(tl.int64)) * tl.num_programs(1) + kvh) * CAP
             pslot = tl.load(loc_ptr + lrow + e, mask=in_list, other=-1)
             hkey = tl.load(key_ptr + lrow + e, mask=in_list, other=0)
             blk = tl.load(table_row + j, mask=ok & ~listed, other=0).to(tl.int64)
             row = (off * HEAD_DIM)[:, None] + dims[None, :]
-            # One pointer per entry (a select, not three masked loads: a third of the load instructions and
-            # of the pipeline's shared memory): pool slot, host row (UVA) or device cache.
+            # One pointer per entry (a select, not three masked loads): pool, host (UVA) or cache.
             k_ptrs = tl.where((in_list & (pslot >= 0))[:, None],
                               pool_ptr + (tl.maximum(pslot, 0) * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row,
                               tl.where(in_list[:, None], host_ptr + (hkey * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row,
@@ -236,7 +227,7 @@ def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, s
     _store_partial(part_out_ptr, part_lse_ptr, b, heads, split, dims, g, q_mask, m_i, l_i, acc, GROUP, BLOCK_D)
 
 
-# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
+# Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["stride_tb"])
 def _sparse_split_tma_kernel(q_ptr, kv_desc, table_ptr, seq_lens_ptr, slots_ptr, sel_ptr, part_out_ptr, part_lse_ptr,
                              qk_scale, stride_qt, stride_qh, stride_tb, stride_ss,
@@ -244,14 +235,10 @@ def _sparse_split_tma_kernel(q_ptr, kv_desc, table_ptr, seq_lens_ptr, slots_ptr,
                              LOCAL: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_G: tl.constexpr,
                              BLOCK_D: tl.constexpr, SPLIT_E: tl.constexpr, NUM_STAGES: tl.constexpr,
                              DOT_PREC: tl.constexpr, PDL: tl.constexpr):
-    """The split kernel with the block gather done by TMA (tensor descriptor over the layer's cache viewed as
-    [blocks x Hkv x 2 x block_size, D] rows; one [block_size, D] box for K and one for V a block).
-
-    A program loads its SPLIT_E list entries and their physical blocks once, up front; the loop then takes the
-    i-th valid entry's block out of registers (a masked sum), so no load of the loop depends on another and the
-    pipeliner issues the TMA copies NUM_STAGES - 1 blocks ahead. The loop runs over valid entries only (padding
-    and in-window list entries cost nothing). Written to remove the plain kernel's list -> table -> K/V load
-    chain; on an H200 it gains 1-2 us a layer, not more (docs/sparse.md)."""
+    """The split kernel with the block gather done by TMA: a descriptor over the layer's cache as
+    [blocks x Hkv x 2 x block_size, D] rows, one [block_size, D] box for K and one for V. A
+    program loads its SPLIT_E entries' blocks up front, then loops over valid entries only, so
+    no load depends on another (docs/sparse.md, "Kernel notes")."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -273,7 +260,8 @@ def _sparse_split_tma_kernel(q_ptr, kv_desc, table_ptr, seq_lens_ptr, slots_ptr,
     ok = tl.where(listed, (j >= 0) & (j < local_start), j < nb) & (e < CAP + LOCAL)
     blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + j, mask=ok, other=0)
     rank = tl.where(ok, tl.cumsum(ok.to(tl.int32), 0) - 1, -1)  # the loop's i-th block: rank i
-    row0 = (blk * NUM_KV_HEADS + kvh) * (2 * BLOCK_SIZE)  # the block's K rows; V follows (int32: TMA coordinates)
+    # the block's K rows, V after them (int32: TMA coordinates)
+    row0 = (blk * NUM_KV_HEADS + kvh) * (2 * BLOCK_SIZE)
     tok = tl.arange(0, BLOCK_SIZE)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -288,8 +276,7 @@ def _sparse_split_tma_kernel(q_ptr, kv_desc, table_ptr, seq_lens_ptr, slots_ptr,
     _store_partial(part_out_ptr, part_lse_ptr, b, heads, split, dims, g, q_mask, m_i, l_i, acc, GROUP, BLOCK_D)
 
 
-# The number of splits follows the batch (split_plan): not specialized on, and merged in tiles (merge_splits), so
-# an eager step of any batch size runs the kernel its CUDA graphs compiled.
+# The number of splits follows the batch: not specialized on, merged in tiles (merge_splits).
 @triton.jit(do_not_specialize=["num_splits"])
 def _sparse_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
                          NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -307,32 +294,31 @@ def _sparse_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride
 
 @dataclass(frozen=True)
 class SparseDecodeConfig:
+    """The split kernel's launch; FAST_CONFIG and TMA_CONFIG: docs/sparse.md, "Kernel notes"."""
     tile_n: int = 128           # tokens a tile (whole blocks: at least one)
-    target_programs: int = 0    # tiles == 0: programs aimed at (0: 8 a multiprocessor); else the least (0: 2 an SM)
+    # tiles == 0: programs aimed at (0: 8 an SM); else the least (0: 2 an SM)
+    target_programs: int = 0
     num_warps: int = 4
     num_stages: int = 2
     tiles: int = 0              # tiles a program loops over (0: as many as target_programs leaves)
-    tma: bool = False           # gather blocks with TMA (Hopper+; not under offload): tiles x tile_n tokens a program
+    tma: bool = False           # gather with TMA (capability 9+, no offload): tiles x tile_n tokens
 
 
-# bf16/fp16 (offload too: one load of K and one of V a tile either way): a few tiles a program, 3 stages,
-# the best of the GPU sweeps in docs/sparse.md. Fewer, longer programs balanced over the multiprocessors
-# (2 splits of 9 tiles at batch 8) and smaller tiles (1-2 blocks) were slower.
+# bf16/fp16, offload too: a few tiles a program, 3 stages.
 FAST_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=4, num_stages=3, tiles=4)
-# Where TMA applies (bf16/fp16 on Hopper, no offload): 16 blocks a program, 2 warps, 3 stages. On an H200 (B=8,
-# 128K, budget 2048) 1.2-1.8 us a layer faster than FAST_CONFIG (two runs side by side); still ~2.2 TB/s.
+# Where TMA applies (bf16/fp16, capability 9+, no offload): 16 blocks a program, 2 warps.
 TMA_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=2, num_stages=3, tiles=4, tma=True)
 
 
 def default_config(kv_cache: torch.Tensor, offload) -> SparseDecodeConfig:
-    """bf16/fp16: TMA_CONFIG on a GPU where TMA applies, else FAST_CONFIG (the interpreter: the plain kernel)."""
+    """TMA_CONFIG on a GPU where TMA applies, else FAST_CONFIG (the interpreter: plain kernel)."""
     on_gpu = kv_cache.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
     return TMA_CONFIG if on_gpu and tma_capable(kv_cache, offload) else FAST_CONFIG
 
 
 def tma_capable(kv_cache: torch.Tensor, offload) -> bool:
-    """A 2-D descriptor over the cache works: one contiguous tensor, no offload (pool slots and host rows are
-    other tensors), a GPU with TMA (Hopper or later) or the interpreter."""
+    """A 2-D descriptor over the cache works: one contiguous tensor, no offload, a GPU of
+    compute capability 9+ or the interpreter."""
     if offload is not None or not kv_cache.is_contiguous():
         return False
     return kv_cache.device.type != "cuda" or torch.cuda.get_device_capability(kv_cache.device)[0] >= 9
@@ -345,13 +331,12 @@ def num_sms(device: torch.device) -> int:
 
 def split_plan(batch: int, num_kv_heads: int, entries: int, tile_e: int, device: torch.device,
                config: SparseDecodeConfig) -> tuple[int, int]:
-    """(entries per split, number of splits) from shapes only, so the grid is fixed under a CUDA graph."""
+    """(entries per split, splits) from shapes only: a fixed grid under a CUDA graph."""
     tiles = triton.cdiv(entries, tile_e)
     if config.tiles:
         per_split = min(tiles, config.tiles)
-        # Halved while the grid would have fewer than target_programs (default: two a multiprocessor): the
-        # kernel is short and latency-bound at small batches (H200, batch 4, 128K: 8 blocks a program 15.3 us,
-        # 16 blocks 18.3 us).
+        # Halved while the grid has fewer than target_programs (default: two an SM): the
+        # kernel is short and latency-bound at small batches.
         least = config.target_programs or 2 * num_sms(device)
         while per_split > 1 and batch * num_kv_heads * triton.cdiv(tiles, per_split) < least:
             per_split //= 2
@@ -366,7 +351,8 @@ def sparse_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
                          sel: torch.Tensor, slots: torch.Tensor, local: int, scale: float,
                          out: torch.Tensor | None = None, offload: tuple | None = None, view_by_slot: bool = False,
                          config: SparseDecodeConfig | None = None) -> torch.Tensor:
-    """q: [B, Hq, D]; sel: one layer's lists [S, Hkv, cap]; slots: int32 [B]. Returns (fills) out [B, Hq, D]."""
+    """q: [B, Hq, D]; sel: one layer's lists [S, Hkv, cap]; slots: int32 [B].
+    Returns (fills) out [B, Hq, D]."""
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     cap = sel.shape[-1]
@@ -385,7 +371,7 @@ def sparse_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     if offload is not None:
         pool_slots, host_flat, loc, key = offload
         assert pool_slots.is_contiguous() and host_flat.is_contiguous() and pool_slots.dtype == kv_cache.dtype
-        rows = sel.shape[0] if view_by_slot else batch  # (by slot: a scratch row may follow the lists' rows)
+        rows = sel.shape[0] if view_by_slot else batch  # by slot: a scratch row may follow
         assert loc.shape == key.shape and loc.shape[1:] == (num_kv_heads, cap) and loc.shape[0] >= rows
         assert loc.is_contiguous() and key.is_contiguous()
     else:
@@ -395,7 +381,8 @@ def sparse_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
                   BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
                   DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
                   num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
-    if config.tma and tma_capable(kv_cache, offload) and per_split & (per_split - 1) == 0:  # else the plain kernel
+    # else the plain kernel
+    if config.tma and tma_capable(kv_cache, offload) and per_split & (per_split - 1) == 0:
         from triton.tools.tensor_descriptor import TensorDescriptor
         kv_desc = TensorDescriptor.from_tensor(kv_cache.view(-1, head_dim), [block_size, head_dim])
         _sparse_split_tma_kernel[(batch, num_kv_heads, num_splits)](

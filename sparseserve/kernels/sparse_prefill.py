@@ -1,31 +1,20 @@
-"""Block-sparse causal attention of prefill chunks over the paged KV cache (SALE's computation pass).
+"""Block-sparse causal attention of prefill chunks over the paged KV cache (SALE's compute pass).
 
-The work of a chunk is a grid of (query tile, key tile) pairs (TileLayout): query tile t holds the chunk's
-queries [t * q_tile, (t + 1) * q_tile) (chunk-relative, so a chunk may start mid-context), key tile j the
-context positions [j * k_tile, (j + 1) * k_tile) (absolute, so tiles line up across chunks). For query tile t
-of a sequence whose chunk starts at context position ctx_start (= seq_len - q_len), let p0 = ctx_start +
-t * q_tile be its first query, diag = p0 // k_tile the key tile holding it and last the key tile of its last
-query. Then its key tiles split into
+A chunk's work is a grid of (query tile, key tile) pairs (TileLayout): query tile t holds the
+chunk's queries [t * q_tile, (t + 1) * q_tile) (chunk-relative), key tile j the context
+positions [j * k_tile, (j + 1) * k_tile) (absolute). With p0 = seq_len - q_len + t * q_tile the
+tile's first query, lo = max(p0 // k_tile - local, 0), s_end = min(sink, lo) and last the key
+tile of its last query, its key tiles are
     forced:  [0, s_end) (sink) and [lo, last] (local window and diagonal), always computed;
-    middle:  [s_end, lo), computed only where a mask allows, and never for a streaming KV head;
-with lo = max(diag - local, 0) and s_end = min(sink, lo). Middle tiles lie wholly before p0 and need no causal
-mask; only the diagonal tiles are masked (causally, per query).
+    middle:  [s_end, lo), computed where the mask lists them, never for a streaming KV head.
+Only the diagonal tiles are causally masked.
 
-Masks are per KV head, shared by its query heads (GQA): a program computes a tile for the whole group from one
-load of its K/V, as the decode kernels do, so it can skip a tile only when every head of the group may; a
-per-query-head mask would save no work over their union (what kernels/sale_select.py keeps). The kernel takes
-the mask as lists, which is what lets it skip tiles without a branch per tile:
-    kv_index int32 [B, Hkv, n_q_tiles, n_k_tiles]: the middle tiles to compute, first kv_count entries;
+Masks are per KV head (a program serves the whole GQA group), given as lists:
+    kv_index int32 [B, Hkv, n_q_tiles, n_k_tiles]: the middle tiles, first kv_count entries;
     kv_count int32 [B, Hkv, n_q_tiles].
-tile_lists() turns a dense tile mask (uint8/bool [B, Hkv, n_q_tiles, n_k_tiles], 1 = compute) into them;
-kernels/sale_select.py writes both directly. With kv_index None every middle tile is computed (dense).
-
-Program (sequence, BLOCK_Q queries, KV head): rows are BLOCK_Q query tokens x GROUP_PAD heads (row r: token
-r // GROUP_PAD, head r % GROUP_PAD; heads >= GROUP are padding rows, so groups of 3 work), BLOCK_Q divides
-q_tile, so a program lies in one query tile. Programs start with the last query tiles (the most work under the
-causal mask) so the tail of the grid is short. Sink, listed and local tiles run in one unmasked loop (one
-software pipeline), the diagonal in a masked one; compiled for sm_90a at the default 128 x 32 this is the dense
-prefill kernel's footprint (196 registers, no spills, wgmma). Reference: sparse_prefill_ref.
+tile_lists() makes them from a dense tile mask; kernels/sale_select.py writes them directly;
+kv_index None computes every middle tile (dense). Reference: sparse_prefill_ref.
+Design notes: docs/sparse_prefill.md, "The kernels".
 """
 from __future__ import annotations
 
@@ -88,8 +77,8 @@ def tile_classes(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_q_ti
 
 def tile_lists(mask: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, layout: TileLayout
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kv_index, kv_count) of a tile mask [B, Hkv, n_q_tiles, n_k_tiles] (nonzero: compute): its middle tiles in
-    ascending order. Plain torch ops (no host sync), for masks that do not come from sale_select."""
+    """(kv_index, kv_count) of a tile mask [B, Hkv, n_q_tiles, n_k_tiles] (nonzero: compute):
+    its middle tiles in ascending order, without a host sync."""
     _, middle = tile_classes(seq_lens, query_start_loc, mask.shape[2], mask.shape[3], layout)
     keep = (mask != 0) & middle[:, None]
     count = keep.sum(-1, dtype=torch.int32)
@@ -126,7 +115,7 @@ def sparse_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
                        layout: TileLayout, kv_index: torch.Tensor | None = None,
                        kv_count: torch.Tensor | None = None, streaming: torch.Tensor | None = None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of each chunk query over the keys of its allowed tiles, in float32 (the kernel's contract)."""
+    """Causal float32 attention of each chunk query over the keys of its allowed tiles."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     group = num_q_heads // num_kv_heads
@@ -143,7 +132,8 @@ def sparse_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
     k = kv[:, :, :, 0].permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, ctx, head_dim)
     v = kv[:, :, :, 1].permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, ctx, head_dim)
     keys = torch.arange(ctx, device=q.device)
-    v = v.masked_fill((keys[None, :] >= seq_lens.long()[:, None])[:, None, :, None], 0.0)  # unwritten: maybe NaN
+    # unwritten cache memory may hold NaN
+    v = v.masked_fill((keys[None, :] >= seq_lens.long()[:, None])[:, None, :, None], 0.0)
 
     qsl = query_start_loc.long()
     q_lens = qsl[1:] - qsl[:-1]
@@ -161,7 +151,7 @@ def sparse_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
     ktile = (keys // layout.k_tile).clamp_max(n_kt - 1)
     for q0 in range(0, max_query_len, chunk):
         rows = slice(q0, q0 + chunk)
-        # [B, Hkv, chunk, ctx]: the (query, key) tile allowed, the key causal (so inside the context), a real query
+        # [B, Hkv, chunk, ctx]: tile allowed, key causal (so in the context), a real query
         vis = allowed[:, :, qtile[rows]][..., ktile] & (keys[None, None, :] <= qpos[:, rows, None])[:, None]
         vis = (vis & qvalid[:, None, rows, None])[:, :, None]
         scores = torch.einsum("bqhgd,bhkd->bhgqk", qp[:, rows], k) * scale
@@ -172,7 +162,7 @@ def sparse_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
     return out
 
 
-# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
+# Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["num_progs", "stride_tb", "stride_ib", "stride_ih", "stride_it", "stride_nb",
                                 "stride_nh"],
             do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "qsl_ptr", "stream_ptr"])
@@ -185,8 +175,8 @@ def _sparse_prefill_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, qsl_ptr, i
                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, Q_TILE: tl.constexpr, K_TILE: tl.constexpr,
                            SINK: tl.constexpr, LOCAL: tl.constexpr, DENSE: tl.constexpr, STREAMING: tl.constexpr,
                            DOT_PREC: tl.constexpr):
-    """One (sequence, BLOCK_Q queries, KV head) program: sink tiles, listed middle tiles, local + diagonal tiles
-    (reference: sparse_prefill_ref). Only the diagonal loop masks scores."""
+    """Program (sequence, BLOCK_Q queries, KV head): rows are BLOCK_Q tokens x GROUP_PAD heads
+    (heads >= GROUP pad); BLOCK_Q divides q_tile. The last query tiles run first."""
     b = tl.program_id(0)
     first_q = (num_progs - 1 - tl.program_id(1)) * BLOCK_Q  # the last (heaviest) query tiles first
     kvh = tl.program_id(2)
@@ -218,8 +208,8 @@ def _sparse_prefill_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, qsl_ptr, i
     l_i = tl.zeros([BLOCK_M], tl.float32)
     kv_end = tl.minimum(seq_len, ctx_start + first_q + BLOCK_Q)  # one past the program's last query
     full_end = (ctx_start + first_q) // BLOCK_N * BLOCK_N  # keys before it are visible to every row
-    # One unmasked loop over BLOCK_N-key steps: the sink, then the listed middle tiles, then the local window up
-    # to full_end (one software pipeline instead of three loops, each with its own prologue and registers).
+    # One unmasked loop (one software pipeline): the sink, the listed middle tiles, then the
+    # local window up to full_end.
     SUB: tl.constexpr = K_TILE // BLOCK_N
     n_listed = lo - s_end  # DENSE: the middle tiles in order
     if STREAMING:
@@ -250,13 +240,8 @@ def _sparse_prefill_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, qsl_ptr, i
 
 @dataclass(frozen=True)
 class SparsePrefillConfig:
-    """Rows a program (query tokens x padded GQA group), keys a step (divides k_tile), launch shape.
-
-    64 rows and 4 warps (16 query tokens of a GQA group of 4): on an H100 (Llama-3.1-8B layer, 64K, a 10% random
-    mask) 1.3x faster than the dense prefill kernel's 128 rows and 8 warps; twice the programs, each with half
-    the registers, keep more of them resident while they wait on the paged K/V loads the lists point at.
-    64-key steps need more than 255 registers a thread at 128 rows (spills), 32-key steps do not.
-    `python -m sparseserve.bench.sparse_prefill --sweep` times the alternatives on the GPU."""
+    """Rows a program (query tokens x padded GQA group), keys a step (divides k_tile), launch
+    shape. Defaults: docs/sparse_prefill.md, "The kernels"."""
     block_m: int = 64
     block_n: int = 32
     num_warps: int = 4
@@ -272,13 +257,13 @@ def sparse_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
                    layout: TileLayout, kv_index: torch.Tensor | None = None, kv_count: torch.Tensor | None = None,
                    streaming: torch.Tensor | None = None, out: torch.Tensor | None = None,
                    config: SparsePrefillConfig | None = None) -> torch.Tensor:
-    """Block-sparse causal paged attention of the prefill chunks of query_start_loc (module docstring).
+    """Block-sparse causal paged attention of the chunks of query_start_loc (module docstring).
 
-    q: [T, Hq, D]; kv_cache: one layer [num_blocks, Hkv, 2, block_size, D] holding every chunk's own K/V already;
-    block_tables int32 [B, >= cdiv(max_seq_len, block_size)]; seq_lens int32 [B] (context incl. the chunk);
-    query_start_loc int32 [B + 1]; max_query_len / max_seq_len: host-side bounds (tile counts, the grid).
-    kv_index / kv_count: the middle tiles to compute (None: all of them); streaming: bool [Hkv], heads that
-    compute only the forced tiles. Fills out[query tokens] and returns out."""
+    q: [T, Hq, D]; kv_cache: one layer [NB, Hkv, 2, bs, D], the chunks' own K/V already stored;
+    block_tables int32 [B, >= cdiv(max_seq_len, bs)]; seq_lens int32 [B] (chunk included);
+    query_start_loc int32 [B + 1]; max_query_len, max_seq_len: host-side bounds (the grid).
+    kv_index, kv_count: the middle tiles (None: all); streaming: bool [Hkv], heads computing
+    only the forced tiles. Fills out[query tokens] and returns out."""
     num_q_heads, head_dim = q.shape[1:]
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     if num_q_heads % num_kv_heads or kv_cache.shape[4] != head_dim:

@@ -1,4 +1,4 @@
-"""store_kv: a step's new K/V into the paged cache (one layer [num_blocks, Hkv, 2, block_size, D])."""
+"""store_kv: a step's new K/V into the paged cache (one layer [NB, Hkv, 2, block_size, D])."""
 from __future__ import annotations
 
 import torch
@@ -36,7 +36,7 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D] into kv_cache [num_blocks, Hkv, 2, block_size, D] at slot_mapping (-1 skipped)."""
+    """k, v: [T, Hkv, D] into kv_cache [NB, Hkv, 2, block_size, D] at slot_mapping (-1: skip)."""
     block_size = kv_cache.shape[3]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]

@@ -1,21 +1,17 @@
 """topp's second stage: Twilight's select-then-prune at block granularity.
 
-The first stage (kernels/block_score.py, topk over the key bounds) fills each due list with the forced blocks
-(sink, local window) and the top candidates by their min/max bounds. Here:
-
-  1. block lse, program (sequence, KV head, tile of list entries): for every listed block and query head of
-     the group, the log-sum-exp of scale * q.k over the block's valid tokens (its real, unnormalised
-     attention mass). Reads only K, of at most `cap` blocks.
-  2. prune, program (sequence, KV head): per query head the softmax of those lse over the list (sink and
-     local included, so a head whose mass sits there asks for nothing more), averaged over the group
-     (per_head: each head on its own, the union kept); keeps the forced entries and the candidates of mass
-     >= t, for the largest t at which forced + those candidates reach p (the fewest best; ties at t all
-     kept; every candidate when the total stays below p), compacts the list in place and takes the dropped
-     entries off the selection counter. The kernel searches the masses' bit patterns instead of sorting.
-
-Both skip padding rows, rows that fit the cap (all their blocks are forced) and, with reuse, rows that keep
-their list this step, so the grid depends only on shapes: capturable in a CUDA graph. Under KV offload the
-candidates' keys are read through the HBM pool view (`offload`, as in kernels/sparse_decode.py).
+The first stage (kernels/block_score.py, topk over the key bounds) fills each due list with
+the forced blocks and the top candidates. Here:
+  1. block lse, program (sequence, KV head, tile of entries): per listed block and query head,
+     the log-sum-exp of scale * q.k over its valid tokens (its real mass). Reads only K.
+  2. prune, program (sequence, KV head): per query head the softmax of those lse over the list
+     (forced entries included), averaged over the group (per_head: each head, union kept);
+     keeps the forced entries and the candidates of mass >= t, for the largest t at which they
+     reach p (ties at t kept; all when the total stays below p), compacts the list in place and
+     takes the dropped entries off stats[0]. A bit-pattern search, no sort.
+Both skip padding rows, rows that fit the cap and, with reuse, lists kept this step, so the
+grid follows shapes only (capturable). Under KV offload keys are read through the pool view
+(`offload`, as in kernels/sparse_decode.py).
 """
 from __future__ import annotations
 
@@ -33,14 +29,13 @@ def prune_target(top_p: float) -> float:
     return top_p if top_p < 1.0 else float("inf")
 
 
-# ---- references -----------------------------------------------------------------------------------------
+# ---- references ----
 
 
 def block_lse_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   lists: torch.Tensor, scale: float) -> torch.Tensor:
-    """float32 [B, Hq, cap]: per query head, log-sum-exp of scale * q.k over the valid tokens of each block
-    of lists [B, Hkv, cap] (the block's real attention mass, unnormalised, in log space); -inf for -1
-    entries. kv_cache: one layer [NB, Hkv, 2, bs, D]."""
+    """float32 [B, Hq, cap]: per query head, log-sum-exp of scale * q.k over the valid tokens of
+    each block of lists [B, Hkv, cap]; -inf for -1 entries. kv_cache: [NB, Hkv, 2, bs, D]."""
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     cap = lists.shape[-1]
@@ -52,14 +47,14 @@ def block_lse_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
     s = torch.einsum("bhgd,bhctd->bhgct", qg, keys) * scale
     token = lists.long()[..., None] * block_size + torch.arange(block_size, device=q.device)
     valid = listed[..., None] & (token < seq_lens.long()[:, None, None, None])  # [B, Hkv, cap, bs]
-    s = s.masked_fill(~valid[:, :, None], float("-inf"))  # also hides unwritten (maybe NaN) cache memory
+    s = s.masked_fill(~valid[:, :, None], float("-inf"))  # also hides unwritten (NaN?) memory
     return torch.logsumexp(s, -1).reshape(batch, num_q_heads, cap)
 
 
 def prune_ref(lse: torch.Tensor, lists: torch.Tensor, seq_lens: torch.Tensor, *, block_size: int, sink: int,
               local: int, top_p: float, short_dense: bool = True, per_head: bool = False) -> torch.Tensor:
-    """The pruned candidate lists [B, Hkv, cap] (forced blocks and candidates, -1 padded) from the blocks'
-    lse [B, Hq, cap] (module docstring, step 2): the kept entries in list order, then -1."""
+    """The pruned lists [B, Hkv, cap] from the blocks' lse [B, Hq, cap] (module docstring,
+    step 2): the kept entries in list order, then -1."""
     batch, num_kv_heads, cap = lists.shape
     listed = lists >= 0
     logits = lse.view(batch, num_kv_heads, -1, cap).masked_fill(~listed[:, :, None], float("-inf"))
@@ -85,11 +80,10 @@ def topp_prune_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
                    slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor, *, sink: int,
                    local: int, top_p: float, scale: float, reuse: int = 1, short_dense: bool = True,
                    per_head: bool = False, offload: tuple | None = None) -> None:
-    """Right after the first stage wrote candidate lists into sel [S, Hkv, cap] for the decode rows q
-    [B, Hq, D]: prunes, in place, the lists recomputed this step (reuse: the first stage has already counted
-    the step, so those are the rows whose counter - 1 is a multiple of R) and takes the dropped entries off
-    stats[0], so the counters report the blocks attended. offload: (pool slots, host rows, loc, key) as for
-    kernels/sparse_decode.py: the listed blocks before the local window are read through them."""
+    """Right after the first stage wrote lists into sel [S, Hkv, cap] for the decode rows q
+    [B, Hq, D]: prunes in place the lists recomputed this step (counter - 1 a multiple of R:
+    the first stage already counted the step); stats[0] -= dropped entries. offload: as for
+    kernels/sparse_decode.py."""
     block_size = kv_cache.shape[3]
     slots = slots.long()
     live = (seq_lens > 0)[:, None].expand(-1, sel.shape[1])
@@ -115,15 +109,14 @@ def topp_prune(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tens
     fn(q, kv_cache, block_tables, seq_lens, slots, sel, counter, stats, **kw)
 
 
-# ---- Triton ---------------------------------------------------------------------------------------------
+# ---- Triton ----
 
 
 @triton.jit
 def _skip(seq_lens_ptr, slots_ptr, counter_ptr, b, kvh, stride_cs,
           BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr):
-    """Whether row b's list for KV head kvh stays as it is: a padding row, a context that fits the cap
-    (every block forced), or, with reuse, a list kept this step. The selection kernel has already
-    counted the step, so a recomputed list's counter - 1 is a multiple of REUSE."""
+    """Whether row b's list for kvh stays: a padding row, a context within the cap, or a list
+    kept this step (recomputed iff (counter - 1) % REUSE == 0: selection already counted it)."""
     seq_len = tl.load(seq_lens_ptr + b)
     skip = (seq_len == 0) | ((tl.cdiv(seq_len, BLOCK_SIZE) <= CAP) & SHORT_DENSE)
     if REUSE > 1:
@@ -132,7 +125,7 @@ def _skip(seq_lens_ptr, slots_ptr, counter_ptr, b, kvh, stride_cs,
     return skip
 
 
-# Nothing step-shaped is specialized on (docs/architecture.md, kernels/: no compilation while serving).
+# Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["stride_tb"])
 def _block_lse_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, lse_ptr, scale,
                       pool_ptr, host_ptr, loc_ptr, key_ptr,
@@ -141,10 +134,8 @@ def _block_lse_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, sel_
                       REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                       TILE_E: tl.constexpr, DOT_PREC: tl.constexpr, OFFLOAD: tl.constexpr, LOCAL: tl.constexpr,
                       PDL: tl.constexpr):
-    """lse[b, kvh * GROUP + g, e] for the TILE_E list entries e of this program (reference: block_lse_ref).
-    OFFLOAD: entries before the local window read K through their HBM pool slot loc[b, kvh, e] (or the
-    host store row key[b, kvh, e] when loc < 0: a bypass), as the sparse decode kernel does; the window
-    comes from the device cache."""
+    """lse[b, kvh * GROUP + g, e] for this program's TILE_E entries (reference: block_lse_ref).
+    OFFLOAD: entries before the local window read K as the sparse decode kernel does."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -157,7 +148,7 @@ def _block_lse_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, sel_
     heads = kvh * GROUP + g
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=(g < GROUP)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
-    t = tl.arange(0, TILE_E * BLOCK_SIZE)  # token t of the tile: entry t // BLOCK_SIZE, row t % BLOCK_SIZE
+    t = tl.arange(0, TILE_E * BLOCK_SIZE)  # token t: entry t // BLOCK_SIZE, row t % BLOCK_SIZE
     e = tl.program_id(2) * TILE_E + t // BLOCK_SIZE
     off = t % BLOCK_SIZE
     j = tl.load(sel_ptr + slot * stride_ss + kvh * CAP + e, mask=e < CAP, other=-1)
@@ -170,7 +161,7 @@ def _block_lse_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, sel_
         hkey = tl.load(key_ptr + lrow + e, mask=listed & (e < CAP), other=0)
         in_cache = ok & ~listed
         blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + j, mask=in_cache, other=0).to(tl.int64)
-        row = (off * HEAD_DIM)[:, None] + dims[None, :]  # K: the first half of a [2, bs, D] head block
+        row = (off * HEAD_DIM)[:, None] + dims[None, :]  # K: first half of a head block
         k = tl.load(cache_ptr + (blk * stride_cb + kvh * stride_ch)[:, None] + row,
                     mask=in_cache[:, None] & dmask, other=0.0)
         k += tl.load(pool_ptr + (tl.maximum(pslot, 0) * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row,
@@ -194,20 +185,19 @@ def _block_lse_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, sel_
 
 @triton.jit
 def _keep_top_p(r, forced, cand, top_p, WAYS: tl.constexpr, ITERS: tl.constexpr):
-    """The candidates of mass r >= t, for the largest t at which forced + those reach top_p. A search
-    over bit patterns (non-negative floats order like their int32 patterns): each round tests WAYS
-    thresholds and keeps the interval after the last that passes; no sort."""
+    """The candidates of mass r >= t, for the largest t at which forced + those reach top_p:
+    each round tests WAYS bit patterns (non-negative floats order like them); no sort."""
     fmass = tl.sum(tl.where(forced, r, 0.0), 0)
     bits = r.to(tl.int32, bitcast=True)
     lo = tl.full([], 0, tl.int32)  # stays 0 (every candidate) if no threshold reaches p
-    hi = tl.full([], 0x7F800001, tl.int32)  # one past +inf: forced alone reaching p keeps no candidate
+    hi = tl.full([], 0x7F800001, tl.int32)  # past +inf: forced alone reach p
     w = tl.arange(0, WAYS)
     for _ in range(ITERS):
         step = tl.cdiv(hi - lo, WAYS)
         th = lo + w * step
         ge = cand[None, :] & (bits[None, :] >= th[:, None])  # [WAYS, CAP_PAD]
         ok = fmass + tl.sum(tl.where(ge, r[None, :], 0.0), 1) >= top_p
-        n_ok = tl.sum(((ok & (th < hi)) | (w == 0)).to(tl.int32), 0)  # monotone: the passes are a prefix
+        n_ok = tl.sum(((ok & (th < hi)) | (w == 0)).to(tl.int32), 0)  # monotone: passes are a prefix
         hi = tl.minimum(lo + n_ok * step, hi)
         lo = lo + (n_ok - 1) * step
     return cand & (bits >= lo)
@@ -219,7 +209,7 @@ def _prune_kernel(lse_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, stats_
                   LOCAL: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, PER_HEAD: tl.constexpr,
                   BLOCK_G: tl.constexpr, CAP_PAD: tl.constexpr, WAYS: tl.constexpr, ITERS: tl.constexpr,
                   PDL: tl.constexpr):
-    """Prunes the list of (b, kvh) in place (reference: prune_ref / prune_selection_ref)."""
+    """Prunes the list of (b, kvh) in place (reference: prune_ref)."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -233,7 +223,7 @@ def _prune_kernel(lse_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, stats_
     listed = j >= 0
     forced = listed & ((j < SINK) | (j >= nb - LOCAL))
     cand = listed & ~forced
-    # Per query head: softmax over the listed entries; then the group's mean (or each head on its own).
+    # Per query head: softmax over the listed entries; then the group's mean (or each head).
     g = tl.arange(0, BLOCK_G)
     valid = (g < GROUP)[:, None] & listed[None, :]
     lse = tl.load(lse_ptr + ((b * tl.num_programs(1) * GROUP + kvh * GROUP + g).to(tl.int64) * CAP)[:, None]
@@ -260,7 +250,7 @@ def block_lse_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                      slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor, *, local: int, scale: float,
                      reuse: int = 1, short_dense: bool = True, tile_n: int = 128, offload: tuple | None = None
                      ) -> torch.Tensor:
-    """float32 [B, Hq, cap]: block_lse_ref of the lists sel[slots], written for the rows that prune."""
+    """float32 [B, Hq, cap]: block_lse_ref of sel[slots], written for the rows that prune."""
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     cap = sel.shape[-1]
@@ -292,8 +282,8 @@ def prune_lists_triton(lse: torch.Tensor, seq_lens: torch.Tensor, slots: torch.T
                        counter: torch.Tensor, stats: torch.Tensor, *, block_size: int, sink: int, local: int,
                        top_p: float, reuse: int = 1, short_dense: bool = True, per_head: bool = False,
                        ways: int = 4) -> None:
-    """Prunes the lists sel[slots] in place from their blocks' lse [B, Hq, cap] (prune_ref); stats[0] loses
-    the dropped entries."""
+    """Prunes sel[slots] in place from their blocks' lse [B, Hq, cap] (prune_ref); stats[0] -=
+    dropped entries."""
     batch, num_q_heads, cap = lse.shape
     num_kv_heads = sel.shape[1]
     if batch == 0:
