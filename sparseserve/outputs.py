@@ -50,6 +50,8 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache (None: not yet scheduled)
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first), in the request's first delta
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Folds a later delta of the same request into this output (vLLM's `RequestOutput.add`):
@@ -66,3 +68,5 @@ class RequestOutput:
         self.finished = delta.finished
         if delta.num_cached_tokens is not None:
             self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs

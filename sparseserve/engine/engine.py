@@ -196,13 +196,31 @@ class LLMEngine:
             logger.warning("request %s: max_tokens=%d is cut to %d by max_model_len=%d (%d prompt tokens)",
                            request_id, params.max_tokens, self.max_model_len - len(ids), self.max_model_len,
                            len(ids))
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ParameterError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+        if params.prompt_logprobs is not None:
+            if self.config.parallel_config.tensor_parallel_size > 1 or self.model_runner.layer_prefill is not None:
+                raise ParameterError("prompt_logprobs is not supported with tensor_parallel_size > 1 or "
+                                     "layer_segmented_prefill", "prompt_logprobs")
+            # every prompt token of every sequence computed, none served by the prefix cache
+            salt = f"prompt-logprobs:{request_id}:{next(self._seq_ids)}"
+        grammar = None
+        if params.structured_outputs is not None:  # the server compiled it already (a cache hit here)
+            from sparseserve.structured import structured_backend
+            grammar = structured_backend(self).compile(params.structured_outputs)
+        params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         seqs = []
         for i in range(params.n):
             gen = None
             if params.seed is not None:
                 seed = params.seed if i == 0 else hash((params.seed, i)) & (2**63 - 1)
                 gen = torch.Generator(device=self.model_runner.device).manual_seed(seed)
-            seqs.append(Sequence(next(self._seq_ids), request_id, i, ids, params, gen, cache_salt=salt))
+            seq_salt = salt if params.prompt_logprobs is None else f"{salt}:{i}"
+            seqs.append(Sequence(next(self._seq_ids), request_id, i, ids, params, gen, cache_salt=seq_salt))
+            if grammar is not None:
+                seqs[-1].grammar = grammar.matcher()
+        if params.prompt_logprobs is not None:
+            seqs[0].prompt_logprobs = [None]  # the first token has none (OpenAI's null)
         self.requests[request_id] = _Request(request_id, text, ids, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -363,7 +381,16 @@ class LLMEngine:
                     seq.logprobs.append(entry)
             new_text = detokenize(seq)
             seq.output_text += new_text
-            check_stop(seq, new_text, eos, max_len)
+            grammar, min_tokens = seq.grammar, seq.params.min_tokens
+            if grammar is not None:
+                grammar.advance(seq.token_ids, len(seq.prompt_token_ids))
+            if min_tokens and len(seq.token_ids) - len(seq.prompt_token_ids) < min_tokens:
+                if len(seq.token_ids) >= max_len:  # EOS and stops wait for min_tokens; max_model_len does not
+                    seq.finish_reason = "length"
+            else:
+                check_stop(seq, new_text, eos, max_len)
+            if grammar is not None and seq.finish_reason is None and grammar.is_stopped:
+                seq.finish_reason = "stop"  # the constraint is complete (or broken): nothing else may follow
             if seq.finish_reason is not None:
                 self._finish(seq)
         return advanced
@@ -378,12 +405,15 @@ class LLMEngine:
         if finished:
             self.requests.pop(req.request_id, None)
         outs = []
+        prompt_logprobs = None
         for s in seqs:
             i = s.index
             k0, ids, prompt = req.tokens_sent[i], s.token_ids, len(s.prompt_token_ids)
             done = s.finish_reason is not None
             if (len(ids) - prompt == k0 and not done) or i in req.finished_sent:
                 continue
+            if k0 == 0 and s.prompt_logprobs is not None:  # with the request's first delta (complete by then)
+                prompt_logprobs = s.prompt_logprobs
             text, t0 = s.output_text, req.text_sent[i]
             t1 = len(text) if done else max(t0, len(text) - s.params.stop_hold)
             lps = s.logprobs
@@ -394,4 +424,4 @@ class LLMEngine:
             if done:
                 req.finished_sent.add(i)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
-                             num_cached_tokens=seqs[0].num_cached_tokens)
+                             num_cached_tokens=seqs[0].num_cached_tokens, prompt_logprobs=prompt_logprobs)

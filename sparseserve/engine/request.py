@@ -48,6 +48,8 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     detok_state: object = field(default=None, repr=False)  # None: not started; False: offsets only
+    grammar: object = field(default=None, repr=False)  # structured outputs: its GrammarMatcher (structured/)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token, as computed (runner)
     _table_array: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

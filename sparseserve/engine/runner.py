@@ -25,6 +25,8 @@ from sparseserve.kvcache.blocks import blocks_needed
 from sparseserve.kvcache.decode_rows import DecodeRows, tables_of
 from sparseserve.kvcache.host import host_block_bytes
 from sparseserve.kvcache.staging import StepUpload, to_device_many
+from sparseserve.layers.logits_processors import LogitsProcessors
+from sparseserve.layers.prompt_logprobs import record_prompt_logprobs
 from sparseserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from sparseserve.models.config import ArchConfig
 from sparseserve.models.loader import build_model, load_hf_config, resolve_dtype
@@ -414,7 +416,8 @@ class ModelRunner:
             need_top_k=any(0 < p.top_k < vocab for p in ps),
             need_top_p=any(p.top_p < 1.0 for p in ps),
             need_min_p=any(p.min_p > 0.0 for p in ps),
-            max_num_logprobs=max(logprobs) if logprobs else None)
+            max_num_logprobs=max(logprobs) if logprobs else None,
+            processors=LogitsProcessors.build(seqs, vocab, self.device))
         self._sampling = (ids, meta)
         return meta
 
@@ -437,6 +440,10 @@ class ModelRunner:
                 sampled += batch.sampled
             else:
                 hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+                if self._rows is None and any(s.prompt_logprobs is not None for s, _ in scheduled):
+                    # (a step with a prompt chunk; rows in prepare's order: decodes first)
+                    record_prompt_logprobs(sorted(scheduled, key=lambda item: item[1] != 1), hidden,
+                                           self.model.compute_logits)
                 if batch.sampled:
                     logits.append(self.model.compute_logits(hidden[batch.sample_idx]))
                     sampled += batch.sampled
@@ -449,6 +456,8 @@ class ModelRunner:
                 return [], None
             if not self.tp.is_driver:  # only rank 0 samples; its tokens come back in the next step's message
                 return sampled, None
-            out = self.sampler(logits[0] if len(logits) == 1 else torch.cat(logits),
-                               self.sampling_metadata(sampled))
+            meta = self.sampling_metadata(sampled)
+            if meta.processors is not None:  # after the forward's launch: the host's part (grammar masks) overlaps it
+                meta.processors.begin_step(sampled, *((feed.token_ids, feed.rows) if feed is not None else ()))
+            out = self.sampler(logits[0] if len(logits) == 1 else torch.cat(logits), meta)
         return sampled, out

@@ -1,4 +1,5 @@
-"""Batched sampling on tensors: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Batched sampling on tensors: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs, after the
+logits processors (structured outputs' masks, min_tokens, logit_bias, penalties: logits_processors.py).
 
 Sampling draws Exponential(1) noise q and takes argmax(p / q), which samples from p. Seeded
 requests draw their noise from their own generator, so their output does not depend on which
@@ -9,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from sparseserve.layers.logits_processors import LogitsProcessors
 
 
 @dataclass
@@ -23,6 +26,7 @@ class SamplingMetadata:
     need_top_p: bool
     need_min_p: bool
     max_num_logprobs: int | None     # None: no row asked for logprobs
+    processors: LogitsProcessors | None = None  # None: no row uses one (the batch pays nothing)
 
 
 @dataclass
@@ -38,7 +42,9 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()
+        logits = raw = logits.float()
+        if meta.processors is not None:  # on a copy: logprobs report the model's raw distribution (vLLM's)
+            logits = meta.processors.apply(raw.clone())
         greedy = logits.argmax(dim=-1)
         if meta.all_greedy:
             tokens = greedy
@@ -47,7 +53,7 @@ class Sampler:
         out = SamplerOutput(token_ids=tokens)
         if meta.max_num_logprobs is not None:
             # Logprobs of the model's raw distribution, as vLLM reports them.
-            logprobs = torch.log_softmax(logits, dim=-1)
+            logprobs = torch.log_softmax(raw, dim=-1)
             top_lp, top_ids = logprobs.topk(meta.max_num_logprobs, dim=-1)
             sampled_lp = logprobs.gather(1, tokens[:, None])
             out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
