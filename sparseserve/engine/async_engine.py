@@ -24,18 +24,44 @@ class RequestAborted(RuntimeError):
     """The request was aborted (shutdown, engine failure) before it finished."""
 
 
-class RequestStream:
-    """Async iterator over a request's RequestOutput deltas (outputs.py); ends after the finished one."""
+def _num_tokens(out: RequestOutput) -> int:
+    return sum(len(c.token_ids) for c in out.outputs)
 
-    def __init__(self, request_id: str, engine: "AsyncLLMEngine") -> None:
+
+class RequestStream:
+    """Async iterator over a request's RequestOutput deltas (outputs.py); ends after the finished one.
+
+    Back-pressure: when more than `max_unread_tokens` tokens (all choices) wait unread, the consumer (a stream
+    whose client stopped reading) is too slow: the request is aborted (its blocks freed) and the stream raises
+    RequestAborted after the deltas already queued, so a stream holds at most that many tokens of output."""
+
+    def __init__(self, request_id: str, engine: "AsyncLLMEngine", max_unread_tokens: int | None = None) -> None:
         self.request_id = request_id
         self.finished = False
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._error: BaseException | None = None  # raised after the deltas queued before it
+        self._max_unread = max_unread_tokens
+        self._unread = 0  # tokens queued, not yet taken
+        self._overflowed = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
+        if self._overflowed:  # an output dispatched before the abort took effect
+            return
         self._queue.put_nowait(item)
+        if isinstance(item, BaseException):
+            return
+        self._unread += _num_tokens(item)
+        if self._max_unread is not None and self._unread > self._max_unread and not item.finished:
+            self._overflowed = True
+            self._engine.abort(self.request_id)  # the engine thread drops the request and frees its blocks
+            self._queue.put_nowait(RequestAborted(
+                f"the client did not read its stream: more than {self._max_unread} tokens of output waited "
+                f"unread (--max-unread-stream-tokens), so the request was aborted"))
+
+    def _take(self, item: RequestOutput) -> RequestOutput:
+        self._unread -= _num_tokens(item)
+        return item
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -50,13 +76,14 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        item = self._take(item)
         # A slow consumer gets the deltas that queued up meanwhile as one.
         while not self._queue.empty() and not item.finished:
             nxt = self._queue.get_nowait()
             if isinstance(nxt, BaseException):
                 self._error = nxt
                 break
-            item.add(nxt)
+            item.add(self._take(nxt))
         self.finished = item.finished
         return item
 
@@ -83,9 +110,14 @@ class _Pending:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: Any, metrics: Any | None = None) -> None:
+    """`max_unread_tokens`: the back-pressure bound of every RequestStream (None: unbounded)."""
+
+    def __init__(self, engine: Any, metrics: Any | None = None, max_unread_tokens: int | None = None) -> None:
+        if max_unread_tokens is not None and max_unread_tokens < 1:
+            raise ValueError(f"--max-unread-stream-tokens must be >= 1, got {max_unread_tokens}")
         self.engine = engine
         self.metrics = metrics
+        self.max_unread_tokens = max_unread_tokens
         self.stats: Any = None  # latest EngineStats, published by the engine thread
         self._cond = threading.Condition()
         self._pending = _Pending()
@@ -142,7 +174,7 @@ class AsyncLLMEngine:
         if not self.accepting:
             raise RequestAborted("server is shutting down" if self._draining else "engine is not running")
         assert self._loop is not None
-        stream = RequestStream(request_id, self)
+        stream = RequestStream(request_id, self, self.max_unread_tokens)
         self._requests[request_id] = _Tracking(stream, time.monotonic())
         self._idle.clear()
         accepted = self._loop.create_future()

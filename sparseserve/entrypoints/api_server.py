@@ -11,16 +11,20 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPBearer
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException
 
@@ -33,7 +37,8 @@ from sparseserve.entrypoints.protocol import (ChatCompletionRequest, ChatComplet
                                               invalid_unicode, random_id)
 from sparseserve.entrypoints.serving import ChatFormat, CompletionFormat, last_output, sse_events
 from sparseserve.metrics import CONTENT_TYPE, ServerMetrics
-from sparseserve.sampling_params import ParameterError
+from sparseserve.models.loader import resolve_model_dir
+from sparseserve.sampling_params import ParameterError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -60,18 +65,42 @@ def error_response(status: int, message: str, *, type: str = "invalid_request_er
     return ErrorJSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
+# Back-pressure (async_engine.RequestStream): unread tokens a stream may queue (memory per token: README).
+MAX_UNREAD_STREAM_TOKENS = 256
+
 # The server closes the connection after these (the rest of the request was not read, or it is going away).
 CLOSE = {"Connection": "close"}
+
+
+def _opt(default: Any, help: str) -> Any:
+    """A server option: its flag's help lives with the field (add_cli_args reads it)."""
+    return dataclasses.field(default=default, metadata={"help": help})
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     served_model_names: tuple[str, ...]
-    api_key: str | None = None
+    api_key: tuple[str, ...] | str | None = None  # any one of them is accepted; a str is one key
     max_request_body_bytes: int = 16 * 1024 * 1024
     metrics_require_api_key: bool = False  # /metrics behind the API key too
-    disable_fastapi_docs: bool = False     # no /docs, /redoc, /openapi.json
+    disable_fastapi_docs: bool = False     # no /openapi.json (/docs and /redoc are never served)
     engine_watchdog_timeout: float = 60.0  # /health is 503 when a step takes longer (s)
+    enable_prompt_tokens_details: bool = _opt(False, "Report usage.prompt_tokens_details.cached_tokens (off: it "
+                                              "tells a client whether anyone sent the same prefix before).")
+    cache_salt_source: str = _opt("request", "Whose prompts share prefix-cache blocks: request (those with the "
+                                  "same cache_salt field, or none), api-key (only those of the same API key) or "
+                                  "header:NAME (only those with the same value of header NAME).")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.api_key, str):
+            object.__setattr__(self, "api_key", (self.api_key,))
+        if self.api_key is not None and (not self.api_key or not all(self.api_key)):
+            raise ValueError("--api-key: keys must be non-empty")
+        source = self.cache_salt_source
+        if source not in ("request", "api-key") and not (source.startswith("header:") and source[7:].strip()):
+            raise ValueError(f"--cache-salt-source must be request, api-key or header:NAME, got {source!r}")
+        if source == "api-key" and self.api_key is None:
+            raise ValueError("--cache-salt-source api-key needs --api-key")
 
 
 class BodySizeLimit:
@@ -144,11 +173,11 @@ def _error_doc(description: str) -> dict[str, Any]:
 
 # What the OpenAPI document lists for the /v1 routes (FastAPI alone lists 200 and 422).
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: _error_doc("Invalid request (a value out of range, a prompt too long, malformed JSON)."),
+    400: _error_doc("Invalid request: malformed JSON, a field of the wrong type, a value out of range, a prompt "
+                    "too long, a duplicated Authorization header."),
     401: _error_doc("Missing or wrong API key."),
     404: _error_doc("Unknown model."),
     413: _error_doc("Request body too large."),
-    422: _error_doc("Request body does not match the schema."),
     503: _error_doc("Shutting down, or the request was aborted by a shutdown or an engine failure."),
 }
 
@@ -179,16 +208,52 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     await engine.shutdown()  # a no-op after DrainingServer's drain; aborts what is left otherwise
 
 
-def check_api_key(request: Request) -> None:
-    """'Authorization: Bearer KEY', the scheme in any case (RFC 9110); the comparison takes constant time."""
-    api_key = config_of(request).api_key
-    if api_key is None:
+# Declares the scheme in the OpenAPI document; check_api_key reads the header itself.
+BEARER = HTTPBearer(auto_error=False, description="Required when the server runs with --api-key.")
+
+
+def one_header(request: Request, name: str) -> str | None:
+    """The value of a header that must appear at most once (a second copy could be read differently by a proxy)."""
+    values = request.headers.getlist(name)
+    if len(values) > 1:
+        raise APIError(400, f"The request has {len(values)} {name} headers; send one.", code="duplicate_header")
+    return values[0] if values else None
+
+
+def check_api_key(request: Request, _: Any = Security(BEARER)) -> None:
+    """'Authorization: Bearer KEY', the scheme in any case (RFC 9110); the comparison takes constant time and
+    looks at every key. The key's index goes to request.state.api_key_index (cache_salt_source api-key)."""
+    keys = config_of(request).api_key
+    if keys is None:
         return
-    scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
-    key_ok = hmac.compare_digest(given.strip().encode(), api_key.encode())
-    if not (key_ok and scheme.lower() == "bearer"):
+    scheme, _, given = (one_header(request, "Authorization") or "").strip().partition(" ")
+    given_bytes = given.strip().encode()
+    matches = [hmac.compare_digest(given_bytes, key.encode()) for key in keys]
+    if not (any(matches) and scheme.lower() == "bearer"):
         raise APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
                        type="authentication_error", code="invalid_api_key")
+    request.state.api_key_index = matches.index(True)
+
+
+def cache_salt(request: Request, salt: str | None) -> str | None:
+    """The request's cache_salt under --cache-salt-source: with api-key or header:NAME, the tenant's digest
+    comes first, so no two tenants share a block whatever cache_salt they send (docs/prefix_cache.md)."""
+    if salt == "":
+        raise APIError(400, "cache_salt must be a non-empty string", param="cache_salt")
+    source = config_of(request).cache_salt_source
+    if source == "request":
+        return salt
+    if source == "api-key":
+        tenant = "key:" + config_of(request).api_key[request.state.api_key_index]  # type: ignore[index]
+    else:
+        name = source[len("header:"):]
+        value = one_header(request, name)
+        if value is None:
+            raise APIError(400, f"The {name} header is required (the server isolates prefix caches by it).",
+                           code="missing_header")
+        tenant = "header:" + value
+    digest = hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()
+    return digest if salt is None else f"{digest}:{salt}"
 
 
 def not_accepting(engine: AsyncLLMEngine) -> str:
@@ -218,9 +283,10 @@ def check_unicode(req: Any) -> None:
 
 
 def sampling(engine: AsyncLLMEngine, req: Any, max_tokens: int | None, logprobs: int | None) -> Any:
-    max_num_seqs = engine.engine.config.scheduler_config.max_num_seqs
-    if req.n > max_num_seqs:  # its sequences could never run in one batch
-        raise APIError(400, f"n must be at most max_num_seqs={max_num_seqs}, got {req.n}.", param="n")
+    # More than max_num_seqs sequences could never run in one batch: one bound, one message for every n.
+    limit = min(engine.engine.config.scheduler_config.max_num_seqs, SamplingParams.MAX_N)
+    if not 1 <= req.n <= limit:
+        raise APIError(400, f"n must be an integer in [1, {limit}], got {req.n}", param="n")
     try:
         return req.sampling_params(max_tokens, logprobs)
     except ParameterError as e:
@@ -295,8 +361,9 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response:
     if req.echo or req.suffix:
         raise APIError(400, "echo and suffix are not supported.", param="echo" if req.echo else "suffix")
     params = sampling(engine, req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
-    request_id, stream = await submit(engine, "cmpl", prompt, params, "prompt", req.cache_salt)
-    fmt = CompletionFormat(request_id, model, req.logprobs, engine.engine.tokenizer)
+    request_id, stream = await submit(engine, "cmpl", prompt, params, "prompt", cache_salt(raw, req.cache_salt))
+    fmt = CompletionFormat(request_id, model, req.logprobs, engine.engine.tokenizer,
+                           config_of(raw).enable_prompt_tokens_details)
     return await respond(fmt, stream, req, raw)
 
 
@@ -317,11 +384,13 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
         raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from None
     prompt_ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
     k = (req.top_logprobs or 0) if req.logprobs else None
-    # None (OpenAI's chat default) lets the engine generate up to max_model_len.
     max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+    if max_tokens is None:  # the model's generation_config.json default, else up to max_model_len (OpenAI's)
+        max_tokens = raw.app.state.default_max_tokens
     params = sampling(engine, req, max_tokens, k)
-    request_id, stream = await submit(engine, "chatcmpl", prompt_ids, params, "messages", req.cache_salt)
-    fmt = ChatFormat(request_id, model, k, tokenizer)
+    salt = cache_salt(raw, req.cache_salt)
+    request_id, stream = await submit(engine, "chatcmpl", prompt_ids, params, "messages", salt)
+    fmt = ChatFormat(request_id, model, k, tokenizer, config_of(raw).enable_prompt_tokens_details)
     return await respond(fmt, stream, req, raw)
 
 
@@ -362,7 +431,8 @@ async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResp
         return error_response(400, "Malformed JSON in the request body.", code="invalid_json")
     params = [param_of(err.get("loc", ())) for err in errors]
     detail = "; ".join(f"{p or 'body'}: {err.get('msg')}" for p, err in zip(params[:5], errors))
-    return error_response(422, f"Invalid request: {detail}", param=params[0] or None, code="invalid_value")
+    # 400 like OpenAI and vLLM, not FastAPI's 422: the schema's checks and the value checks are one kind of error
+    return error_response(400, f"Invalid request: {detail}", param=params[0] or None, code="invalid_value")
 
 
 async def on_http_error(_: Request, e: HTTPException) -> JSONResponse:
@@ -370,15 +440,40 @@ async def on_http_error(_: Request, e: HTTPException) -> JSONResponse:
     return error_response(e.status_code, str(e.detail), type=kind, headers=e.headers)  # 405 keeps its Allow
 
 
+def openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document without the 422 it lists for every route with a body (this server answers 400)."""
+    if app.openapi_schema is None:
+        schema = FastAPI.openapi(app)
+        for operations in schema.get("paths", {}).values():
+            for op in operations.values():
+                op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+    return app.openapi_schema  # type: ignore[return-value]
+
+
+def generation_max_new_tokens(model: str | None) -> int | None:
+    """`max_new_tokens` of the model's generation_config.json: the default output length of a request that
+    sets none, as in vLLM (the embedded model's keeps a chat from running to max_model_len)."""
+    try:
+        with open(resolve_model_dir(model) / "generation_config.json") as f:
+            value = json.load(f).get("max_new_tokens")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     """The app of one engine: the module's routers, its state in `app.state`, the error handlers, middleware."""
     if engine.metrics is None:
         engine.metrics = ServerMetrics(lambda: engine.stats, config.served_model_names[0])
-    docs: dict[str, Any] = {"openapi_url": None, "docs_url": None, "redoc_url": None} \
-        if config.disable_fastapi_docs else {}
-    app = FastAPI(title="SparseServe", lifespan=lifespan, **docs)
+    # No Swagger UI or ReDoc: FastAPI's pages load their scripts from a public CDN. /openapi.json stays.
+    app = FastAPI(title="SparseServe", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None if config.disable_fastapi_docs else "/openapi.json")
+    app.openapi = functools.partial(openapi_schema, app)  # type: ignore[method-assign]
     app.state.engine = engine
     app.state.server_config = config
+    app.state.default_max_tokens = generation_max_new_tokens(engine.engine.config.model_config.model)
     app.include_router(v1_router)
     app.include_router(router)
     app.add_exception_handler(APIError, on_api_error)  # type: ignore[arg-type]
@@ -416,17 +511,30 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="Port to listen on (default: %(default)s).")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="Model name(s) clients use in the `model` field (default: the model dir's name).")
-    g.add_argument("--api-key", default=os.environ.get("SPARSESERVE_API_KEY"),
-                   help="Require 'Authorization: Bearer KEY' on /v1 (default: $SPARSESERVE_API_KEY, else none).")
+    env_key = os.environ.get("SPARSESERVE_API_KEY")
+    g.add_argument("--api-key", nargs="+", default=[env_key] if env_key else None,
+                   help="Require 'Authorization: Bearer KEY' on /v1 with one of these keys (default: "
+                        "$SPARSESERVE_API_KEY, else none).")
     g.add_argument("--metrics-require-api-key", action="store_true",
                    help="Require the API key on /metrics too (default: /metrics is open, like vLLM's).")
     g.add_argument("--disable-fastapi-docs", action="store_true",
-                   help="Serve no OpenAPI schema, Swagger UI or ReDoc (/openapi.json, /docs, /redoc; default: served).")
+                   help="Serve no OpenAPI document (/openapi.json; default: served). /docs and /redoc are never "
+                        "served: their pages load scripts from a public CDN.")
+    for name in ("enable_prompt_tokens_details", "cache_salt_source"):
+        f = next(f for f in dataclasses.fields(ServerConfig) if f.name == name)
+        flag, help = "--" + name.replace("_", "-"), f"{f.metadata['help']} (default: {f.default})"
+        if f.type == "bool":
+            g.add_argument(flag, action="store_true", help=help)
+        else:
+            g.add_argument(flag, default=f.default, help=help)
     g.add_argument("--max-request-body-bytes", type=parse_size, default=ServerConfig.max_request_body_bytes,
                    help="Larger request bodies get 413; sizes like 16MiB work (default: %(default)s).")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="Seconds in-flight requests get to finish after SIGINT/SIGTERM; those still running then end "
                         "with an error event (streams) or a 503 (default: %(default)s).")
+    g.add_argument("--max-unread-stream-tokens", type=int, default=MAX_UNREAD_STREAM_TOKENS,
+                   help="A stream whose client leaves more than this many tokens of output unread is aborted, its "
+                        "KV blocks freed: a stream's queued output stays bounded (default: %(default)s).")
     g.add_argument("--engine-watchdog-timeout", type=float, default=ServerConfig.engine_watchdog_timeout,
                    help="/health answers 503 when the engine loop has work but has not completed a step for this "
                         "many seconds (default: %(default)s).")
@@ -442,26 +550,51 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--limit-concurrency", type=int, default=limits.max_connections,
                    help="Most connections open at once; requests on connections beyond get 503 (default: "
                         "%(default)s).")
+    g.add_argument("--max-pending-connections-per-client", type=int, default=limits.max_pending_per_client,
+                   help="Most connections one client address holds without a whole request (opening, sending a "
+                        "request, idle between requests); one more closes its oldest such connection, so no client "
+                        "takes every slot; 0: no limit. Behind a reverse proxy every client is the proxy's address "
+                        "(default: %(default)s).")
+    g.add_argument("--socket-send-buffer-bytes", type=parse_size, default=None,
+                   help="Send buffers of each connection (the kernel's SO_SNDBUF and the server's write buffer), "
+                        "e.g. 256KiB: what a client that stops reading leaves queued before back-pressure reaches "
+                        "its request (default: the kernel's autotuning, up to net.ipv4.tcp_wmem's maximum, and 64 "
+                        "KiB).")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="Log level of uvicorn (default: %(default)s).")
 
 
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: only this machine can connect."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def client_limits_from_args(args: argparse.Namespace) -> ClientLimits:
     return ClientLimits(header_timeout=args.timeout_header_read, body_timeout=args.timeout_body_read,
-                        max_connections=args.limit_concurrency, keep_alive_timeout=args.timeout_keep_alive)
+                        max_connections=args.limit_concurrency, keep_alive_timeout=args.timeout_keep_alive,
+                        max_pending_per_client=args.max_pending_connections_per_client or None,
+                        send_buffer_bytes=args.socket_send_buffer_bytes)
 
 
 def run_server(args: argparse.Namespace) -> None:
     from sparseserve.engine.engine import LLMEngine
 
-    engine = LLMEngine.from_kwargs(**engine_kwargs_from_args(args))
-    config = ServerConfig(served_model_names=tuple(args.served_model_name or [engine.model_name]),
+    # Checked before the engine loads (seconds to minutes); the model's name is filled in after.
+    config = ServerConfig(served_model_names=tuple(args.served_model_name or [""]),
                           api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
                           metrics_require_api_key=args.metrics_require_api_key,
                           disable_fastapi_docs=args.disable_fastapi_docs,
-                          engine_watchdog_timeout=args.engine_watchdog_timeout)
-    async_engine = AsyncLLMEngine(engine)
+                          engine_watchdog_timeout=args.engine_watchdog_timeout,
+                          enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                          cache_salt_source=args.cache_salt_source)
+    engine = LLMEngine.from_kwargs(**engine_kwargs_from_args(args))
+    if not args.served_model_name:
+        config = dataclasses.replace(config, served_model_names=(engine.model_name,))
+    async_engine = AsyncLLMEngine(engine, max_unread_tokens=args.max_unread_stream_tokens)
     app = build_app(async_engine, config)
     limits = client_limits_from_args(args)
     effective = {**dataclasses.asdict(engine.config), "max_model_len": engine.max_model_len,
@@ -469,7 +602,7 @@ def run_server(args: argparse.Namespace) -> None:
                  **dataclasses.asdict(config), "api_key": "set" if args.api_key else "none",
                  **dataclasses.asdict(limits), "shutdown_timeout": args.shutdown_timeout}
     logger.info("effective config: %s", json.dumps(effective, default=str))
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    if not is_loopback(args.host) and not args.api_key:
         logger.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
     server = DrainingServer(uvicorn_config(app, args.host, args.port, limits, args.uvicorn_log_level),
                             async_engine, args.shutdown_timeout)

@@ -6,7 +6,10 @@ graceful drain on SIGINT/SIGTERM.
   seconds of the headers; a connection that misses one gets 408 and is closed. Requests on connections beyond
   `max_connections` get 503 and their connection is closed. uvicorn has neither deadline: a client that sends a
   partial request holds its connection forever (slowloris). Idle keep-alive connections are uvicorn's
-  `timeout_keep_alive`.
+  `timeout_keep_alive`. One client address holds at most `max_pending_per_client` connections without a whole
+  request (new, partial, or idle between requests): a further one closes its oldest such connection, so one
+  client cannot take every slot; connections whose request runs are never closed so. A request with both
+  Content-Length and Transfer-Encoding gets 400 (RFC 9112 6.3: a request smuggling vector).
 - `DrainingServer` handles the signals itself: on the first one the app stops admitting requests (503, and
   /health 503) and the engine drains: requests in flight get `shutdown_timeout` seconds to finish, those still
   running are then aborted (an SSE error event and `[DONE]`, or a 503 JSON) and their responses written, and only
@@ -44,6 +47,8 @@ class ClientLimits:
     body_timeout: float | None = 60.0
     max_connections: int | None = 2048
     keep_alive_timeout: float = 5.0
+    max_pending_per_client: int | None = 256
+    send_buffer_bytes: int | None = None  # SO_SNDBUF of each connection (None: the kernel's autotuning)
 
 
 def error_bytes(status: int, message: str, type: str) -> bytes:
@@ -67,8 +72,27 @@ def error_app(status: int, message: str, type: str) -> Any:
 
 
 class GuardedH11Protocol(H11Protocol):
-    """See the module docstring. `limits` is set on the subclass that `guarded_protocol` makes."""
+    """See the module docstring. `limits`, `pending` and `closing` are set on the subclass that `guarded_protocol`
+    makes: `pending` maps a client address to its connections without a whole request, oldest first; `closing`
+    holds the connections closed here whose loss asyncio has not reported yet (they hold no slot)."""
     limits = ClientLimits()
+    pending: dict[str, dict[GuardedH11Protocol, None]] = {}
+    closing: set[GuardedH11Protocol] = set()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._h11_next_event = self.conn.next_event
+        self.conn.next_event = self._next_event  # type: ignore[method-assign]
+        self._refusal = "Invalid HTTP request received."
+
+    def _next_event(self) -> Any:
+        event = self._h11_next_event()
+        if isinstance(event, h11.Request):
+            names = {name for name, _ in event.headers}  # h11 lowercases them
+            if b"content-length" in names and b"transfer-encoding" in names:
+                self._refusal = "A request may not carry both Content-Length and Transfer-Encoding."
+                raise h11.RemoteProtocolError(self._refusal)
+        return event
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -79,13 +103,19 @@ class GuardedH11Protocol(H11Protocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.limits.send_buffer_bytes is not None:  # bounds what a non-reading client leaves queued
+            with contextlib.suppress(OSError):
+                if sock is not None:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer_bytes)
+            transport.set_write_buffer_limits(high=self.limits.send_buffer_bytes)  # asyncio's: 64 KiB
         self._phase: str | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._host = self.client[0] if self.client else ""
+        self._watch()
         limit = self.limits.max_connections
-        if limit is not None and len(self.connections) > limit:
+        if limit is not None and len(self.connections) - len(self.closing) > limit:
             self.app = error_app(503, f"The server has {limit} connections open (--limit-concurrency); retry later.",
                                  "service_unavailable")
-        self._watch()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -97,11 +127,12 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._set_phase(None)
+        self.closing.discard(self)
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
         """Malformed HTTP: uvicorn answers in plain text; this answers in JSON like every other error."""
-        self.transport.write(error_bytes(400, msg, "invalid_request_error"))
+        self.transport.write(error_bytes(400, self._refusal, "invalid_request_error"))
         self.transport.close()
 
     # -- deadlines ---------------------------------------------------------------------------------
@@ -119,15 +150,53 @@ class GuardedH11Protocol(H11Protocol):
         self._set_phase(phase)
 
     def _set_phase(self, phase: str | None) -> None:
+        """Enters `phase` (its deadline starts now) and keeps the client's pending list."""
         if phase == self._phase:
             return  # the running deadline still applies: it counts from the phase's start, not the last byte
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._phase = phase
+        was_pending, self._phase = self._phase is not None, phase
         timeout = {"headers": self.limits.header_timeout, "body": self.limits.body_timeout}.get(phase or "")
         if timeout is not None:
             self._timer = self.loop.call_later(timeout, self._expire, phase, timeout)
+        if phase is None:
+            self._unlist()
+        elif not was_pending:
+            self._list()
+
+    def _list(self) -> None:
+        """Counts this connection as pending for its client; closes the client's oldest if over the limit."""
+        mine = self.pending.setdefault(self._host, {})
+        mine[self] = None
+        limit = self.limits.max_pending_per_client
+        if limit is not None and len(mine) > limit:
+            next(iter(mine))._evict()
+
+    def _unlist(self) -> None:
+        mine = self.pending.get(self._host)
+        if mine is not None:
+            mine.pop(self, None)
+            if not mine:
+                del self.pending[self._host]
+
+    def _evict(self) -> None:
+        logger.info("closing the oldest pending connection of %s (--max-pending-connections-per-client)", self._host)
+        self._close_with(self._phase or "headers", 503, "Too many connections without a whole request from this "
+                         "address; this one, its oldest, is closed.", "service_unavailable")
+
+    def _close_with(self, phase: str, status: int, message: str, type: str) -> None:
+        """Ends a connection whose request (its `phase`) did not arrive: an error response unless one started,
+        the app told the client left, the connection closed."""
+        self._set_phase(None)
+        self.closing.add(self)
+        cycle = self.cycle if phase == "body" else None
+        if cycle is None or not cycle.response_started:
+            self.transport.write(error_bytes(status, message, type))
+        if cycle is not None:  # the app waits for the body: its receive() now says the client left
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.close()
 
     def _expire(self, phase: str, timeout: float) -> None:
         self._timer = None
@@ -135,18 +204,12 @@ class GuardedH11Protocol(H11Protocol):
             return
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
         logger.info("closing the connection of %s: request %s not received within %g s", client, phase, timeout)
-        cycle = self.cycle if phase == "body" else None
-        if cycle is None or not cycle.response_started:
-            self.transport.write(error_bytes(
-                408, f"The request {phase} did not arrive within {timeout:g} s.", "invalid_request_error"))
-        if cycle is not None:  # the app waits for the body: its receive() now says the client left
-            cycle.disconnected = True
-            cycle.message_event.set()
-        self.transport.close()
+        self._close_with(phase, 408, f"The request {phase} did not arrive within {timeout:g} s.",
+                         "invalid_request_error")
 
 
 def guarded_protocol(limits: ClientLimits) -> type[GuardedH11Protocol]:
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits, "pending": {}, "closing": set()})
 
 
 class DrainingServer(uvicorn.Server):

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, StrictInt
+from pydantic import BaseModel, BeforeValidator, Field, StrictInt
 
 from sparseserve.sampling_params import SEED_MAX, SEED_MIN, ParameterError, SamplingParams
 
@@ -42,26 +42,37 @@ def invalid_unicode(value: Any, path: str = "") -> str | None:
     return None
 
 
+def _no_bool(value: Any) -> Any:
+    if isinstance(value, bool):  # pydantic's lax mode would take true as 1
+        raise ValueError("expected a number, got a boolean")
+    return value
+
+
+# Numbers that refuse JSON booleans (token ids are StrictInt).
+Int = Annotated[int, BeforeValidator(_no_bool)]
+Float = Annotated[float, BeforeValidator(_no_bool)]
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
 class _SamplingRequest(BaseModel):
     model: str | None = None  # optional as in vLLM: the (first) served model when absent
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int = 1
+    max_tokens: Int | None = None
+    temperature: Float = 1.0
+    top_p: Float = 1.0
+    top_k: Int | None = None
+    min_p: Float | None = None
+    n: Int = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None  # strict: JSON true is no token id
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    seed: Int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    frequency_penalty: Float = 0.0
+    presence_penalty: Float = 0.0
     user: str | None = None
     # vLLM's extension: only requests with the same salt share prefix-cache blocks (tenant isolation)
     cache_salt: str | None = None
@@ -85,7 +96,7 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: Int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
 
@@ -107,9 +118,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None  # newer OpenAI name of max_tokens
+    max_completion_tokens: Int | None = None  # newer OpenAI name of max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
 
 

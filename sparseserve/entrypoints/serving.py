@@ -106,9 +106,15 @@ def usage_info(prompt: int, completion: int, cached: int | None) -> UsageInfo:
                      prompt_tokens_details=None if cached is None else PromptTokensDetails(cached_tokens=cached))
 
 
+def reported(usage: UsageInfo, cached_tokens: bool) -> UsageInfo:
+    """The usage a client sees: cached_tokens only when the server reports it (--enable-prompt-tokens-details)."""
+    return usage if cached_tokens else usage.model_copy(update={"prompt_tokens_details": None})
+
+
 class CompletionFormat:
-    def __init__(self, request_id: str, model: str, logprobs: int | None, tokenizer: Any) -> None:
-        self.id, self.model, self.k = request_id, model, logprobs
+    def __init__(self, request_id: str, model: str, logprobs: int | None, tokenizer: Any,
+                 cached_tokens: bool = False) -> None:
+        self.id, self.model, self.k, self.cached_tokens = request_id, model, logprobs, cached_tokens
         self._decode = lambda tid: tokenizer.decode([tid])
 
     def _logprobs(self, token_ids: list[int], lps: Any, offset: int) -> CompletionLogprobs | None:
@@ -122,18 +128,20 @@ class CompletionFormat:
             finish_reason=d.finish_reason)]) for d in deltas]
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
-        return CompletionResponse(id=self.id, model=self.model, choices=[], usage=usage)
+        return CompletionResponse(id=self.id, model=self.model, choices=[], usage=reported(usage, self.cached_tokens))
 
     def full_response(self, out: Any) -> BaseModel:
         choices = [CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
                                     logprobs=self._logprobs(list(c.token_ids), c.logprobs, 0))
                    for c in out.outputs]
-        return CompletionResponse(id=self.id, model=self.model, choices=choices, usage=usage_of(out))
+        return CompletionResponse(id=self.id, model=self.model, choices=choices,
+                                  usage=reported(usage_of(out), self.cached_tokens))
 
 
 class ChatFormat:
-    def __init__(self, request_id: str, model: str, top_logprobs: int | None, tokenizer: Any) -> None:
-        self.id, self.model, self.k = request_id, model, top_logprobs
+    def __init__(self, request_id: str, model: str, top_logprobs: int | None, tokenizer: Any,
+                 cached_tokens: bool = False) -> None:
+        self.id, self.model, self.k, self.cached_tokens = request_id, model, top_logprobs, cached_tokens
         self._decode = lambda tid: tokenizer.decode([tid])
         self._role_sent: set[int] = set()
 
@@ -155,13 +163,14 @@ class ChatFormat:
         return out
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
-        return ChatCompletionChunk(id=self.id, model=self.model, choices=[], usage=usage)
+        return ChatCompletionChunk(id=self.id, model=self.model, choices=[], usage=reported(usage, self.cached_tokens))
 
     def full_response(self, out: Any) -> BaseModel:
         choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                               logprobs=self._logprobs(list(c.token_ids), c.logprobs), finish_reason=c.finish_reason)
                    for c in out.outputs]
-        return ChatCompletionResponse(id=self.id, model=self.model, choices=choices, usage=usage_of(out))
+        return ChatCompletionResponse(id=self.id, model=self.model, choices=choices,
+                                      usage=reported(usage_of(out), self.cached_tokens))
 
 
 def error_event(message: str, type: str, code: int) -> str:

@@ -5,9 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,6 +17,7 @@ from sparseserve.engine.engine import LLMEngine
 from sparseserve.entrypoints.api_server import ServerConfig, build_app
 from sparseserve.entrypoints.http_server import running_server
 from sparseserve.metrics import parse_metrics
+from tests.server_utils import server_log, start_server_process
 
 ENGINE_KW = dict(device="cpu", seed=0, max_model_len=512, num_gpu_blocks_override=256, max_num_seqs=16)
 
@@ -89,30 +87,6 @@ def test_shutdown_past_the_deadline_ends_every_request_cleanly():
     assert engine.stats.num_blocks_used == 0 and not engine.engine.has_unfinished_requests()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server_process(*flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sparseserve", "serve", "--device", "cpu", "--port", str(port),
-                             "--uvicorn-log-level", "info", *flags], stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"server did not start: {proc.stderr.read()}")
-        time.sleep(0.1)
-
-
 @pytest.mark.slow
 def test_sigterm_past_the_deadline_in_a_real_process():
     """SIGTERM with a stream and a non-streamed request that cannot finish within --shutdown-timeout: the stream
@@ -142,7 +116,7 @@ def test_sigterm_past_the_deadline_in_a_real_process():
             rest = [line for line in lines if line.startswith("data: ")]
         thread.join(timeout=60)
         assert proc.wait(timeout=60) == 0
-        log = proc.stderr.read()
+        log = server_log(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -166,7 +140,7 @@ def test_sigterm_lets_in_flight_stream_finish():
             rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=30) == 0
-        log = proc.stderr.read()
+        log = server_log(proc)
         assert "effective config" in log and "Traceback" not in log
     finally:
         if proc.poll() is None:

@@ -1,4 +1,5 @@
-"""Slow and half-open clients: read deadlines release their connections, a connection cap answers 503."""
+"""Slow and half-open clients: read deadlines release their connections, a connection cap answers 503, one
+client address holds at most its share of the connections without a whole request."""
 from __future__ import annotations
 
 import http.client
@@ -118,3 +119,60 @@ def test_malformed_http_gets_a_json_400(engine):
         s.close()
         status, _, body = data.partition(b"\r\n\r\n")
         assert status.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == 400
+
+
+def open_slow(host: str, port: int, n: int, source: str = "127.0.0.1") -> list[socket.socket]:
+    """n connections that send half a request's headers and then nothing (a slowloris)."""
+    socks = []
+    for _ in range(n):
+        s = socket.create_connection((host, port), source_address=(source, 0))
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        socks.append(s)
+    return socks
+
+
+def health(url: str, source: str) -> int:
+    """/health on a fresh connection from `source` (any 127.x address is this machine)."""
+    with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=20) as client:
+        return client.get(f"{url}/health").status_code
+
+
+@pytest.mark.parametrize("limits, slow", [
+    (ClientLimits(max_connections=48, max_pending_per_client=16), 200),
+    pytest.param(ClientLimits(), 2200, marks=pytest.mark.slow),  # the defaults: 2048, 256 pending per client
+])
+def test_one_client_cannot_take_every_connection_slot(engine, limits, slow):
+    """Slow connections from one address: past max_pending_per_client each new one closes that client's oldest
+    (a 503 for its partial request), so /health answers 200 on a fresh connection from another address and from
+    the same one, and the slow client holds at most its share."""
+    async_engine = AsyncLLMEngine(engine)
+    app = build_app(async_engine, ServerConfig(served_model_names=("tiny",)))
+    with running_server(app, async_engine, limits=limits) as (url, server):
+        u = urlparse(url)
+        socks = open_slow(u.hostname, u.port, slow)
+        try:
+            assert health(url, "127.0.0.2") == 200 and health(url, "127.0.0.1") == 200
+            data = read_until_closed(socks[0], timeout=20)  # the oldest was closed, with an answer
+            assert data.startswith(b"HTTP/1.1 503") and b"oldest" in data, data[:300]
+            assert len(server.server_state.connections) <= limits.max_pending_per_client + 2
+            socks[-1].sendall(b"\r\n")  # the newest is still served
+            socks[-1].settimeout(20)
+            assert socks[-1].recv(12) == b"HTTP/1.1 200"
+        finally:
+            for s in socks:
+                s.close()
+
+
+def test_without_a_per_client_limit_one_client_takes_every_slot(engine):
+    """The same slow client with max_pending_per_client off: a fresh /health gets 503 (what the limit prevents)."""
+    limits = ClientLimits(max_connections=48, max_pending_per_client=None)
+    async_engine = AsyncLLMEngine(engine)
+    app = build_app(async_engine, ServerConfig(served_model_names=("tiny",)))
+    with running_server(app, async_engine, limits=limits) as (url, _):
+        u = urlparse(url)
+        socks = open_slow(u.hostname, u.port, 60)
+        try:
+            assert health(url, "127.0.0.2") == 503
+        finally:
+            for s in socks:
+                s.close()
