@@ -459,7 +459,7 @@ def save_checkpoint(model, tok, model_dir: Path, args) -> None:
     bf16 = copy.deepcopy(model).to(torch.bfloat16)  # the fp32 master weights stay untouched
     bf16.config.dtype = "bfloat16"
     bf16.save_pretrained(model_dir, safe_serialization=True)
-    save_tokenizer(tok, model_dir, max(args.max_len, 32768))
+    save_tokenizer(tok, model_dir, model.config.max_position_embeddings)  # the engine's default max_model_len
     GenerationConfig(bos_token_id=model.config.bos_token_id, eos_token_id=model.config.eos_token_id,
                      pad_token_id=model.config.pad_token_id, do_sample=False,
                      max_new_tokens=32).save_pretrained(model_dir)
