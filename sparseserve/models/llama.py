@@ -3,9 +3,9 @@
 Parameter names follow transformers' checkpoints, except the packed projections (qkv_proj,
 gate_up_proj), which the loader fills from the separate checkpoint tensors.
 
-Under tensor parallelism (docs/tensor_parallel.md) each rank builds its shard: the rank's query and KV heads,
-its slice of the MLP's intermediate features and of the vocabulary (layers/linear.py, layers/embedding.py);
-one all-reduce after attention (o_proj) and one after the MLP (down_proj). At one rank it is the whole model.
+Under tensor parallelism (docs/tensor_parallel.md) each rank builds its shard: its query and KV
+heads, its slice of the MLP's features and of the vocabulary; one all-reduce after o_proj and
+one after down_proj. At one rank it is the whole model.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ class Attention(nn.Module):
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
-        # The heads this rank attends with, and its share of the output (fewer when KV heads are replicated).
+        # The heads this rank attends with, and its share of the output (fewer when KV heads
+        # are replicated).
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         h = self.qkv_proj.heads
         self.out_heads = None if h.out_heads == h.num_heads else slice(h.out_offset, h.out_offset + h.out_heads)
@@ -101,9 +102,8 @@ class LlamaModel(nn.Module):
 
     def forward_layers(self, layers: range, rope, x: torch.Tensor, residual: torch.Tensor | None, kv_caches,
                        meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder layers `layers` over hidden states (x, residual; residual None before layer 0);
-        kv_caches[i] is layer i's cache. Layer-segmented prefill (engine/layer_prefill.py) runs a prompt a few
-        layers at a time through this."""
+        """The decoder layers `layers` over (x, residual) (residual None before layer 0);
+        kv_caches[i] is layer i's. Layer-segmented prefill (engine/layer_prefill.py) calls it."""
         for i in layers:
             x, residual = self.layers[i](rope, x, residual, kv_caches[i], meta)
         return x, residual

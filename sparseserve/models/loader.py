@@ -1,5 +1,5 @@
-"""Model directories in Hugging Face format: config, dtype, and safetensors weights (single or sharded).
-GGUF files resolve to a directory converted from them (models/gguf.py)."""
+"""Model directories in Hugging Face format: config, dtype, safetensors weights (one file or
+sharded). GGUF files resolve to a directory converted from them (models/gguf.py)."""
 from __future__ import annotations
 
 import json
@@ -21,8 +21,8 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    """A Hugging Face model directory for `model`: a directory, a .gguf file (converted once, then cached), a
-    known model name (`smollm2`) when no such path exists, or None for the embedded model."""
+    """A Hugging Face model directory for `model`: a directory, a .gguf file (converted once,
+    cached), a known model name (`smollm2`) when no such path exists, or None (embedded model)."""
     path = DEFAULT_MODEL_DIR if model is None else Path(model).expanduser()
     if model is not None and not path.exists() and model in KNOWN_MODELS:
         path = KNOWN_MODELS[model]()
@@ -36,17 +36,17 @@ def resolve_model_dir(model: str | None) -> Path:
     return path
 
 
-# A Llama config.json that spells out every key whose default ArchConfig.from_hf would otherwise take from
-# transformers' LlamaConfig is read as plain JSON: transformers' config classes cost about 2 s of imports on a
-# CPU, a fifth of the demo's wall time. Any other config goes through AutoConfig (its defaults and rope checks).
+# A Llama config.json that spells out every key whose default ArchConfig.from_hf would take from
+# LlamaConfig is read as plain JSON, skipping transformers' slow config imports. Any other config
+# goes through AutoConfig (its defaults and rope checks).
 _PLAIN_LLAMA_KEYS = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "max_position_embeddings",
                      "tie_word_embeddings", "hidden_act", "eos_token_id")
 
 
 def load_hf_config(path: Path):
-    """The model's config: a namespace over config.json when it is a fully spelled-out Llama config (see above),
-    else transformers' AutoConfig."""
+    """The model's config: a namespace over config.json for a fully spelled-out Llama config
+    (see above), else transformers' AutoConfig."""
     try:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -61,8 +61,8 @@ def load_hf_config(path: Path):
         raise ValueError(f"unsupported or invalid model config in {path}: {e}") from e
 
 
-# Tokenizer classes AutoTokenizer resolves to the `tokenizers`-backed base class itself: loaded as that class
-# directly, skipping the AutoConfig lookup AutoTokenizer makes (the same ~2 s of transformers imports).
+# Tokenizer classes AutoTokenizer resolves to the `tokenizers`-backed base class: loaded as that
+# class directly, skipping AutoTokenizer's AutoConfig lookup (the same slow imports).
 _PLAIN_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
@@ -81,8 +81,8 @@ def load_tokenizer(path: str | Path):
 
 
 def resolve_dtype(dtype: str, hf_config, device: torch.device | None = None) -> torch.dtype:
-    """auto: the checkpoint's dtype on a GPU; float32 on the CPU, where half-precision matmuls and attention are
-    several times slower than float32 (no half-precision units to use)."""
+    """auto: the checkpoint's dtype on a GPU; float32 on the CPU (no half-precision units, so
+    half-precision math is slower there)."""
     if dtype == "auto":
         found = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
         found = _DTYPES.get(found, None) if isinstance(found, str) else found
@@ -124,7 +124,7 @@ def build_model(cfg: ArchConfig, backend: AttentionBackend, path: Path, dtype: t
 
 
 class _LazySlice:
-    """A checkpoint tensor not read yet: `.shape`, and `.narrow` reads only the asked part from the file (each
+    """A checkpoint tensor not read yet: `.shape`, and `.narrow` reads only the asked part (a
     tensor-parallel rank reads its shard, not the whole checkpoint)."""
 
     def __init__(self, handle, name: str) -> None:
@@ -144,8 +144,8 @@ def _default_loader(param: torch.Tensor, loaded, shard_id: int | None = None) ->
 
 @torch.no_grad()
 def load_weights(model: LlamaForCausalLM, path: Path) -> None:
-    """Each parameter's `weight_loader` (layers/linear.py) copies this rank's part of its checkpoint tensor;
-    parameters without one are whole on every rank (norms)."""
+    """Each parameter's `weight_loader` (layers/linear.py) copies this rank's part of its
+    checkpoint tensor; parameters without one are whole on every rank (norms)."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in _safetensors_files(path):
