@@ -1,10 +1,9 @@
 """The vocabulary split over the tensor-parallel ranks: embedding rows and LM-head rows.
 
-Rank r holds rows [r * P, r * P + P) of the vocabulary, P = ceil(vocab / tp) (the last rank's rows past the
-vocabulary are zero padding). The embedding looks up the ids in its range, zeroes the others and all-reduces;
-the LM head computes the logits of its rows and gathers them to rank 0, which samples (distributed/group.py
-`gather`). Tied embeddings share the parameter: the same rows on the same rank. At one rank both are
-F.embedding / F.linear.
+Rank r holds vocabulary rows [r * P, r * P + P), P = ceil(vocab / tp) (rows past the vocabulary:
+zero padding). The embedding looks up the ids in its range, zeroes the others and all-reduces;
+the LM head gathers its rows' logits to rank 0, which samples. Tied embeddings share the
+parameter. At one rank both are F.embedding / F.linear.
 """
 from __future__ import annotations
 

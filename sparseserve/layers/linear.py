@@ -1,16 +1,14 @@
 """Linear layers split over the tensor-parallel ranks (Megatron-style).
 
-A column-parallel layer splits its output features: each rank computes its slice, no communication. A
-row-parallel layer splits its input features: each rank computes a partial sum of the full output, and one
-all-reduce adds them (the bias is added once, on rank 0, before it). The packed projections are column-parallel
-with a slice of each part per rank, so a rank's output is its own [q | k | v] or [gate | up] and splits like the
-unsplit one: attention runs on the rank's heads, the MLP on its slice of the intermediate features, and the
-decoder layer needs exactly two all-reduces (o_proj, down_proj). At one rank each layer is one F.linear.
+Column-parallel: output features split, no communication. Row-parallel: input features split,
+partial sums all-reduced (the bias added once, on rank 0). Packed projections hold a slice of
+each part per rank, so a rank's output is its own [q | k | v] or [gate | up] and a decoder layer
+needs two all-reduces (o_proj, down_proj). At one rank each layer is one F.linear.
 
-Every parameter has `weight_loader(param, loaded, shard_id)`: `loaded` is the checkpoint tensor at full size
-(a torch.Tensor or a lazy slice with `.shape` and `.narrow(dim, start, length)`: models/loader.py reads only
-this rank's bytes), shard_id the part of a packed parameter (0, 1, 2 for q, k, v); packed parameters say
-how many parts they expect in `num_shards`.
+Every parameter has `weight_loader(param, loaded, shard_id)`: `loaded` is the full checkpoint
+tensor (or a lazy slice with `.shape` and `.narrow`, models/loader.py), shard_id the part of a
+packed parameter (0, 1, 2 for q, k, v); packed parameters give their part count in `num_shards`.
+See docs/tensor_parallel.md.
 """
 from __future__ import annotations
 
@@ -24,8 +22,8 @@ from sparseserve.distributed.utils import divide, shard_heads
 
 def load_part(dst: torch.Tensor, loaded, full_shape: tuple[int, ...], dim: int | None = None,
               start: int = 0) -> None:
-    """Copies loaded.narrow(dim, start, dst.shape[dim]) (all of it for dim None) into dst, after checking
-    the checkpoint tensor's full shape."""
+    """Copies loaded.narrow(dim, start, dst.shape[dim]) (all of it for dim None) into dst,
+    after checking the checkpoint tensor's full shape."""
     if tuple(loaded.shape) != tuple(full_shape):
         raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(full_shape)}")
     if dim is None:
@@ -66,8 +64,8 @@ class ColumnParallelLinear(_Linear):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel projections of the same input in one matmul (gate_up_proj): each rank holds its
-    slice of every part, parts in order."""
+    """Several column-parallel projections of one input in one matmul (gate_up_proj): each
+    rank holds its slice of every part, parts in order."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp: TPGroup | None = None):
         tp = tp or get_tp_group()
@@ -84,9 +82,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections in one matmul, split by heads: the query heads the rank attends with and its KV
-    heads (`heads`: distributed/utils.py HeadShard; with fewer KV heads than ranks a KV head and its group's
-    query heads are replicated on several ranks)."""
+    """q, k and v projections in one matmul, split by heads (`heads`: distributed/utils.py
+    HeadShard; with fewer KV heads than ranks a KV head and its group are replicated)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
                  tp: TPGroup | None = None) -> None:
@@ -109,8 +106,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(_Linear):
-    """y = sum over ranks of x[:, rank's slice] W[:, rank's slice]^T (+ bias, once): input features split, the
-    output all-reduced."""
+    """y = sum over ranks of x[:, rank's slice] W[:, rank's slice]^T (+ bias, once): input
+    features split, the output all-reduced."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup | None = None) -> None:
         tp = tp or get_tp_group()
