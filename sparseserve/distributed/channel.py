@@ -1,12 +1,10 @@
-"""Rank 0's messages to the other ranks of a tensor-parallel engine: one picklable object per engine step,
-broadcast over the gloo group (torch.distributed; no transport of our own), received in order.
+"""Rank 0's messages to the other ranks: one picklable object per engine step, broadcast over
+the gloo group, received in order.
 
-gloo's broadcast returns on rank 0 only once every rank has received, so rank 0 sends a step's message right
-before running the step, when the workers wait for it, and holds the channel (`hold()`) for the whole step.
-While the engine is idle, rank 0's watchdog calls `heartbeat()`, which sends an empty message every
-`heartbeat_s` seconds if the channel is free: a worker's wait for a message then never reaches the gloo group's
-timeout (MESSAGE_TIMEOUT_S) unless rank 0 hangs, and a worker stops instead of waiting forever. `close()` sends
-the last message: no heartbeat follows it, so nothing of rank 0's is on the group while the ranks leave it.
+The trap: gloo's broadcast returns on rank 0 only once every rank received, so rank 0 sends
+right before running the step and holds the channel (`hold()`) for the whole step. While idle,
+`heartbeat()` sends an empty message every `heartbeat_s` so a worker's wait never reaches
+MESSAGE_TIMEOUT_S unless rank 0 hangs. `close()` sends the last message; no heartbeat follows.
 """
 from __future__ import annotations
 

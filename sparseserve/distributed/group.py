@@ -1,19 +1,15 @@
 """The tensor-parallel group of this process and its collectives.
 
-Every process of a tensor-parallel engine holds one `TPGroup`: its rank, the world size (= tensor_parallel_size)
-and two torch.distributed groups:
-  device_group  the model's collectives (NCCL on CUDA, gloo on CPU): the all-reduces after attention and after
-                the MLP and the embedding's, and the LM head's gather of the logits to rank 0;
-  cpu_group     gloo: rank 0's step messages to the workers (distributed/channel.py) and the host-side
-                agreement on sizes (`min_int`).
-At tensor_parallel_size 1 there is no process group: `get_tp_group()` is a single-rank group whose collectives
-return their input, so the model runs the same code at every size.
+Each process of a tensor-parallel engine holds one `TPGroup`: rank, world size and two groups:
+  device_group  the model's collectives (NCCL on CUDA, gloo on CPU): all-reduces, the logits'
+                gather to rank 0;
+  cpu_group     gloo: rank 0's step messages (distributed/channel.py), agreement on sizes.
+At tensor_parallel_size 1 there is no process group: `get_tp_group()` is a single-rank group
+whose collectives return their input.
 
-The groups' lifetime is explicit: `destroy_tp_group()` leaves them and drops this module's references to them, so
-their gloo threads, connections and (on the rank that hosts it) the rendezvous store end right there, in the
-caller's thread. The model's layers keep their TPGroup (and the model may be a reference cycle that only the
-garbage collector frees); if the groups lived as long as that, they would end during the interpreter's teardown,
-while the other ranks react to their closing connections.
+The trap: `destroy_tp_group()` must end the groups in the caller's thread. Layers keep their
+TPGroup (the model may be a cycle only the GC frees), and groups ending at interpreter teardown
+break the other ranks (docs/tensor_parallel.md, "When something fails").
 """
 from __future__ import annotations
 
@@ -27,16 +23,16 @@ import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
-# Seconds a collective of the model or of construction may wait for the other ranks (weights load at different
-# speeds; NCCL's own default is 10 minutes).
+# Seconds a collective of the model or of construction may wait for the other ranks (weights
+# load at different speeds).
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("SPARSESERVE_TP_TIMEOUT", 1800))
-# Seconds a worker waits for rank 0's next message. Rank 0 sends a heartbeat while idle (engine/parallel.py), so
-# this bounds how long a worker outlives a rank 0 that hangs without closing its connections.
+# Seconds a worker waits for rank 0's next message (rank 0 sends heartbeats while idle): how long
+# a worker outlives a rank 0 that hangs without closing its connections.
 MESSAGE_TIMEOUT_S = float(os.environ.get("SPARSESERVE_TP_MESSAGE_TIMEOUT", 120))
 
 
 class _Groups:
-    """The torch.distributed groups of one TPGroup, held in one place so `destroy_tp_group` can let them go."""
+    """One TPGroup's torch.distributed groups, in one place so `destroy_tp_group` drops them."""
 
     def __init__(self, device_group: Any, cpu_group: Any) -> None:
         self.device_group, self.cpu_group = device_group, cpu_group
@@ -81,9 +77,8 @@ class TPGroup:
         return x
 
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
-        """Every rank's x concatenated along dim, on rank 0; None on the others. An all-gather into one tensor
-        (a plain NCCL collective, which a CUDA graph captures on every rank like the all-reduces; point-to-point
-        gathers are less certain there); the other ranks drop the result."""
+        """Every rank's x concatenated along dim, on rank 0; None on the others. An all-gather
+        (capturable in a CUDA graph on every rank, unlike point-to-point gathers)."""
         if self.world_size == 1:
             return x
         x = x.movedim(dim, 0).contiguous()
@@ -98,7 +93,7 @@ class TPGroup:
         return box[0]
 
     def min_int(self, value: int) -> int:
-        """The smallest of the ranks' values (sizes every rank must agree on: KV blocks, host store rows)."""
+        """The ranks' smallest value (sizes all must agree on: KV blocks, host store rows)."""
         if self.world_size == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64)
@@ -117,8 +112,8 @@ def get_tp_group() -> TPGroup:
 
 def init_tp_group(*, rank: int, world_size: int, local_rank: int, local_world_size: int, device_type: str,
                   store: Any = None) -> TPGroup:
-    """Joins the process group (`store`: a rendezvous store; None: torchrun's environment, env://) and sets
-    this process's TP group. One tensor-parallel engine per process."""
+    """Joins the process group (`store`: a rendezvous store; None: env://) and sets this
+    process's TP group. One tensor-parallel engine per process."""
     global _TP
     if _TP.world_size > 1 or dist.is_initialized():
         raise RuntimeError("this process already belongs to a tensor-parallel group: shut its engine down first "
@@ -138,22 +133,22 @@ def init_tp_group(*, rank: int, world_size: int, local_rank: int, local_world_si
 
 
 def destroy_tp_group() -> None:
-    """Leaves the process group and ends it in this process now: its threads are joined and its connections
-    closed before this returns (every TPGroup of this process then refuses collectives)."""
+    """Leaves the process group and ends it now: threads joined and connections closed before
+    this returns (every TPGroup of this process then refuses collectives)."""
     global _TP
     groups, _TP = _TP.groups, TPGroup()
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
-        except Exception as e:  # noqa: BLE001 - after an abort (a rank died) the groups may be half gone already
+        except Exception as e:  # noqa: BLE001 - after an abort the groups may be half gone
             logger.warning("leaving the tensor-parallel process group: %s", e)
     if groups is not None:
         groups.release()  # the last references: the groups' destructors run here, not at interpreter exit
 
 
 def abort_tp_group() -> None:
-    """Another thread's view of a dead rank: aborts the communicators so a collective or a device sync that
-    waits on the dead rank returns (NCCL kernels never time out by themselves); gloo fails by itself."""
+    """From another thread, on a dead rank: aborts the communicators so a collective or device
+    sync waiting on it returns (NCCL kernels never time out); gloo fails by itself."""
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is not None and dist.is_initialized():
         try:

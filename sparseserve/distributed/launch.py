@@ -1,11 +1,10 @@
-"""Starting the ranks of a tensor-parallel engine: under torchrun (its environment names every rank, possibly
-on several hosts), or from rank 0, which starts one worker process per other rank on its own host.
+"""Starting the ranks of a tensor-parallel engine: under torchrun (possibly several hosts), or
+from rank 0, which starts one worker process per other rank on its host.
 
-Spawned workers come from torch.multiprocessing's forkserver with this package preloaded (a worker starts in
-milliseconds instead of re-importing torch; the forkserver never touches CUDA, so its children may). They meet
-rank 0 at a TCPStore on 127.0.0.1: rank 0 waits for each worker's ready key while checking that the worker is
-alive, so a worker that fails before joining gives an error, not a hang. A worker writes its exception to the
-store before exiting; rank 0 names it in its own error.
+Spawned workers come from a forkserver with this package preloaded (it never touches CUDA, so
+its children may). They meet rank 0 at a TCPStore on 127.0.0.1; rank 0 checks each worker is
+alive while it waits, so a worker failing before joining is an error, not a hang. A worker
+writes its exception to the store; rank 0 names it in its own error.
 """
 from __future__ import annotations
 
@@ -71,8 +70,8 @@ def _error_key(rank: int) -> str:
 
 
 class WorkerProcesses:
-    """Ranks 1..world_size-1 on this host, started by rank 0: `target(rank, world_size, port, env, *args)` runs in
-    each (env: rank 0's environment, which the worker adopts before touching CUDA or NCCL)."""
+    """Ranks 1..world_size-1 on this host, started by rank 0: each runs `target(rank,
+    world_size, port, env, *args)` (env: rank 0's, adopted before touching CUDA or NCCL)."""
 
     def __init__(self, world_size: int, target: Callable[..., None], args: tuple, preload: list[str]) -> None:
         import torch.multiprocessing as mp
@@ -97,14 +96,15 @@ class WorkerProcesses:
             self.check()
             waiting = [r for r in waiting if not self.store.check([_ready_key(r)])]
             if waiting and time.monotonic() > deadline:
-                raise RuntimeError(f"tensor-parallel ranks {waiting} did not start within {timeout_s:.0f} s")
+                raise RuntimeError(
+                    f"tensor-parallel ranks {waiting} did not start within {timeout_s:.0f} s")
             if waiting:
                 time.sleep(0.01)
 
     def failure(self, wait_s: float = 0.0) -> str | None:
-        """Why a worker is gone (None while all run): its rank, exit status and, if it wrote one, its error.
-        wait_s: how long to wait for an exit to show (a failed collective may report a peer's closed connections
-        before the peer's process is reaped)."""
+        """Why a worker is gone (None while all run): rank, exit status and its error if written.
+        wait_s: how long to wait for an exit to show (a failed collective may report a peer's
+        closed connections before the peer's process is reaped)."""
         deadline = time.monotonic() + wait_s
         while (msg := self._failure()) is None and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -142,11 +142,12 @@ class WorkerProcesses:
 
 
 def worker_setup(rank: int, port: int, env: dict[str, str], parent_pid: int) -> Any:
-    """In a spawned worker, first thing: rank 0's environment, a watch on rank 0, and the ready key. Returns the
-    store the worker joins the process group with."""
+    """A spawned worker's first call: rank 0's environment, a watch on rank 0, the ready key.
+    Returns the store the worker joins the process group with."""
     os.environ.clear()
     os.environ.update(env)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops us
+    # Ctrl-C reaches the whole process group: rank 0 stops us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(parent_pid)
     store = dist.TCPStore("127.0.0.1", port, is_master=False,
                           timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
@@ -165,9 +166,8 @@ def report_worker_error(store: Any, rank: int) -> None:
 
 
 def _watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
-    """A worker must not outlive rank 0: its collectives would wait forever on a device that nobody drives.
-    (A worker blocked in a gloo call fails by itself once rank 0's connections close; this also covers one
-    blocked on its GPU.)"""
+    """A worker must not outlive rank 0: its collectives would wait forever (gloo fails by
+    itself once rank 0's connections close; this also covers a worker blocked on its GPU)."""
     def watch() -> None:
         while True:
             time.sleep(interval_s)

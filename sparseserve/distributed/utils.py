@@ -1,12 +1,10 @@
 """How a model's heads split over tensor-parallel ranks.
 
-Query heads split evenly for the output projection: rank r's share of the attention output (o_proj's input) is
-heads [r * Hq / tp, (r + 1) * Hq / tp). KV heads split evenly when there are at least as many as ranks, and
-each rank attends with the query heads of its KV heads, which are exactly its share (GQA groups do not straddle
-ranks). With fewer KV heads than ranks, each KV head is replicated on tp / Hkv consecutive ranks, and each of
-those attends with the KV head's whole group of query heads, then keeps its share for o_proj: a group's sparse
-block selection is scored over all its query heads, as at one rank, with no collective inside attention (decode
-attention reads a KV head's blocks once for its whole group, so the extra query heads cost little).
+Rank r's share of the attention output (o_proj's input) is query heads
+[r * Hq / tp, (r + 1) * Hq / tp). With Hkv >= tp, KV heads split evenly and each rank attends
+with its KV heads' groups, exactly its share. With Hkv < tp, each KV head is replicated on
+tp / Hkv consecutive ranks, each attending with the whole group and keeping its share, so a
+group's sparse selection sees all its query heads (docs/tensor_parallel.md).
 """
 from __future__ import annotations
 
@@ -26,7 +24,8 @@ class HeadShard:
     num_kv_heads: int
     q_start: int
     kv_start: int
-    out_offset: int     # the rank's share of the attention output: attended heads [out_offset, out_offset + out_heads)
+    # the rank's share of the attention output: attended heads [out_offset, out_offset + out_heads)
+    out_offset: int
     out_heads: int
 
 
