@@ -10,8 +10,8 @@ if TYPE_CHECKING:
     from sparseserve.outputs import CompletionOutput, RequestOutput
     from sparseserve.sampling_params import SamplingParams
 
-# The public names load on first use, so light entry points (the demo's `python -m sparseserve.bench.tasks`)
-# do not import torch and transformers, seconds on a small CPU.
+# The public names load on first use, so light entry points do not import torch and
+# transformers.
 _EXPORTS = {"LLM": "sparseserve.entrypoints.llm", "SamplingParams": "sparseserve.sampling_params",
             "EngineConfig": "sparseserve.config", "RequestOutput": "sparseserve.outputs",
             "CompletionOutput": "sparseserve.outputs"}

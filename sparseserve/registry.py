@@ -1,8 +1,9 @@
-"""Named registries of components (attention backends, selection policies): a component is one class and one
-`@REGISTRY.register("name")` line, and the configuration validates names against the registry.
+"""Named registries of components: a component is one class and one `@REGISTRY.register("name")`
+line; the configuration validates names against the registry.
 
-A registry names the module that registers the built-in components; it is imported by name on the first
-lookup, so modules low in the package (config.py) can validate names without importing the layers above.
+A registry names the module that registers its built-ins, imported on the first lookup, so
+config.py can validate names without importing the layers above (docs/architecture.md,
+principle 9).
 """
 from __future__ import annotations
 

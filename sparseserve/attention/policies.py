@@ -1,9 +1,8 @@
 """The built-in block-selection policies (attention/selection.py has the interface).
 
-topk: a fixed budget, the best blocks by their key bounds (Quest-style scoring, kernels/block_score.py).
-topp: Twilight's select-then-prune: topk over the bounds picks `cap` candidates, then the fewest candidates
-whose mass, estimated from q.k over each block's real keys, brings the list's mass to sparse_top_p stay
-(kernels/topp_prune.py). It prunes the list that the current query selected, so it does not lag.
+topk: a fixed budget, the best blocks by their key bounds (kernels/block_score.py).
+topp: Twilight's select-then-prune: topk picks `cap` candidates, then the fewest whose mass on
+their real keys brings the list to sparse_top_p stay (kernels/topp_prune.py). It does not lag.
 """
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ class TopK(SelectionPolicy):
 
 @SELECTION_POLICIES.register("topp")
 class TopP(TopK):
-    # Measured on the trained test model: the pruned lists hold the selecting query's mass, and the next query
-    # needs others (niah_multikey fell from 58 to 8 points with a one-step lag).
+    # Pruned lists fit the selecting query, not the next (docs/sparse.md, lagged selection).
     supports_lag = False
 
     def refine(self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor, rows: DecodeRows, state: SelectionState,

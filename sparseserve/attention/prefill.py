@@ -1,22 +1,15 @@
-"""Prefill attention of every backend: dense paged prefill, or SALE's block-sparse prefill (sparse_prefill=sale).
+"""Prefill attention of every backend, the one place that decides how a chunk is attended
+(docs/sparse_prefill.md, "Where the decision is made"):
+  - sparse_prefill=dense (DensePrefill): kernels/paged_prefill.py;
+  - sparse_prefill=sale (SalePrefill): per layer kernels/sale_select.py picks the tiles,
+    kernels/sparse_prefill.py computes them. Chunks shorter than sparse_prefill_min_len get
+    every tile; a step with none that long, or not prepared (memory profiling), runs dense.
+Thresholds and streaming flags live on the device (no host sync in a layer); per-step data is
+built once in `prepare` and travels as AttentionMetadata.prefill_meta.
 
-Both attention backends (attention/backend.py, attention/sparse.py) hand the prefill chunks of a step to their
-`prefill` object, built here by `create_prefill`; this module is the one place that decides how a chunk is
-attended:
-  - sparse_prefill=dense (DensePrefill): kernels/paged_prefill.py, every causal key;
-  - sparse_prefill=sale (SalePrefill): per layer, kernels/sale_select.py picks the (query tile, key tile) pairs
-    worth computing from an fp8 estimate of Q.K and each query head's threshold (relative to the sink + local
-    region's softmax mass), then kernels/sparse_prefill.py computes those plus the sink, local and diagonal
-    tiles. Streaming heads (the streaming-heads file) compute only the latter. A step's chunks whose context is
-    shorter than sparse_prefill_min_len get every tile; a step with no chunk that long, or a step that was not
-    prepared (the memory-profiling pass), runs the dense kernel.
-Thresholds ([layers, query heads]: one value, or the calibration file) and streaming flags live on the device,
-so a layer launches its kernels without a host sync. Per-step data (host-side bounds of the prefill rows, tile
-counts and the lists of the dense rows) is built once in `prepare` and travels as AttentionMetadata.prefill_meta.
-
-Counters (device, read one step late): prefill_tiles_computed and prefill_tiles_dense, in (query tile, key tile,
-KV head) units summed over layers; dense counts the causally visible tiles, so computed / dense is the share of
-dense prefill attention's work done (chunks that ran dense count fully in both).
+Counters (device, read one step late): prefill_tiles_computed and prefill_tiles_dense, in
+(query tile, key tile, KV head) units over layers; computed / dense is the share of dense
+prefill attention's work done.
 """
 from __future__ import annotations
 
@@ -43,14 +36,15 @@ class DensePrefill:
     """Dense causal attention of a step's prefill chunks (and the interface SalePrefill implements)."""
 
     def prepare(self, scheduled: list, meta: AttentionMetadata) -> Any:
-        """Per-step data for `attend` (AttentionMetadata.prefill_meta); rows follow `scheduled`, decodes first."""
+        """Per-step data for `attend` (AttentionMetadata.prefill_meta); rows follow `scheduled`,
+        decodes first."""
         return None
 
     def attend(self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                out: torch.Tensor) -> None:
-        """Writes the attention of the prefill rows [meta.num_decodes:] into out at their tokens. meta addresses
-        this layer's cache (under KV offload: the device block cache of the step)."""
-        nd = meta.num_decodes  # query_start_loc holds absolute token offsets: q and out are indexed as they are
+        """Writes the attention of the prefill rows [meta.num_decodes:] into out at their tokens;
+        meta addresses this layer's cache (under KV offload: the step's device block cache)."""
+        nd = meta.num_decodes  # query_start_loc: absolute token offsets into q and out
         paged_prefill(q, kv_cache, meta.block_tables[nd:], meta.seq_lens[nd:], meta.query_start_loc[nd:], scale,
                       meta.max_query_len, out=out)
 
@@ -67,8 +61,8 @@ class SalePrefillStep:
     sparse: bool                    # some row reaches min_len: select tiles; otherwise the dense kernel
     causal_tiles: torch.Tensor      # int64 []: causally visible tiles of a layer (x KV heads)
     forced_tiles: torch.Tensor      # int64 []: sink, local and diagonal tiles of a layer (x KV heads)
-    dense_rows: torch.Tensor | None = None   # bool [Bp]: rows below min_len in a sparse step (None: no such row)
-    full_index: torch.Tensor | None = None   # int32 [Bp, n_q_tiles, n_k_tiles]: every middle tile, for those rows
+    dense_rows: torch.Tensor | None = None   # bool [Bp]: rows below min_len (None: no such row)
+    full_index: torch.Tensor | None = None   # int32 [Bp, n_q_tiles, n_k_tiles]: all middle tiles
     full_count: torch.Tensor | None = None   # int32 [Bp, n_q_tiles]
 
 
@@ -77,12 +71,13 @@ class SalePrefill(DensePrefill):
 
     def __init__(self, thresholds: torch.Tensor, streaming: torch.Tensor, min_len: int, device: torch.device,
                  layout: TileLayout = TileLayout()) -> None:
-        """thresholds: float [layers, query heads] (>= 0); streaming: bool [layers, KV heads] (host tensors)."""
+        """thresholds: float [layers, query heads] (>= 0); streaming: bool [layers, KV heads]
+        (host tensors)."""
         self.layout = layout
         self.min_len = min_len
         self.thresholds = thresholds.to(device, torch.float32)
         self.num_kv_heads = streaming.shape[1]
-        # Per layer its streaming flags on the device, or None where no head streams (decided here, on the host).
+        # Per layer its streaming flags on the device, or None where no head streams.
         self.streaming = [s.to(device) if s.any() else None for s in streaming.bool()]
         self.stats = torch.zeros(2, dtype=torch.int64, device=device)  # tiles computed, tiles dense
 
@@ -117,7 +112,7 @@ class SalePrefill(DensePrefill):
             if step is not None:
                 self.stats += step.causal_tiles
             return
-        nd = meta.num_decodes  # decodes come first, one token each: the prefill tokens are q[nd:]
+        nd = meta.num_decodes  # decodes first, one token each: prefill tokens are q[nd:]
         args = (q[nd:], kv_cache, meta.block_tables[nd:], meta.seq_lens[nd:], step.query_start_loc, scale,
                 step.max_query_len, step.max_seq_len, self.layout)
         _, index, count = sale_select(*args, self.thresholds[layer], self.streaming[layer])
@@ -131,8 +126,9 @@ class SalePrefill(DensePrefill):
 
 def load_prefill_thresholds(path: str, num_layers: int, num_q_heads: int,
                             layout: TileLayout = TileLayout()) -> torch.Tensor:
-    """float32 [num_layers, num_q_heads] from {"sparse_prefill_thresholds": [[per query head] per layer], ...}
-    (bench/calibrate.py --prefill), checked: the model's shape, finite values >= 0, the engine's tile layout."""
+    """float32 [num_layers, num_q_heads] from {"sparse_prefill_thresholds": [[per query head] per
+    layer], ...} (`sparseserve calibrate --prefill`), checked: the model's shape, finite values
+    >= 0, the engine's tile layout."""
     try:
         spec = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -163,7 +159,8 @@ def create_prefill(ctx: BackendContext) -> DensePrefill:
     if cfg is None or cfg.sparse_prefill == "dense":
         return DensePrefill()
     if not ctx.num_q_heads:
-        raise ValueError("sparse prefill needs the model's number of query heads (BackendContext.num_q_heads)")
+        raise ValueError(
+            "sparse prefill needs the model's number of query heads (BackendContext.num_q_heads)")
     if cfg.sparse_prefill_calibration is not None:
         thr = load_prefill_thresholds(cfg.sparse_prefill_calibration, ctx.num_layers, ctx.num_q_heads)
     else:

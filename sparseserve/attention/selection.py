@@ -1,16 +1,14 @@
-"""Block selection for sparse decode: the policy interface, its parameters, and the per-sequence state.
+"""Block selection for sparse decode: the policy interface, its parameters, per-sequence state.
 
-A selection policy (a `SelectionPolicy` registered by name in `registry.SELECTION_POLICIES`; the built-in
-ones are in attention/policies.py) decides, for each decode row of a sparse layer, the list of `cap` logical
-blocks (positions in the block table, -1 padded) that the row attends besides its local window. It writes the
-lists into `SelectionState.sel` at the rows' state slots (slot -1: the row selects nothing this step), and may
-`refine` them once the listed blocks are readable (topp prunes its candidates on their real keys).
-How lists are scored and chosen: kernels/block_score.py; the attention over them: kernels/sparse_decode.py.
+A `SelectionPolicy` (registered by name in `registry.SELECTION_POLICIES`; built-ins in
+attention/policies.py) writes, for each decode row of a sparse layer, a list of `cap` logical
+blocks (-1 padded) the row attends besides its local window, into `SelectionState.sel` at the
+row's state slot (slot -1: none this step); `refine` may trim them once the blocks are readable.
+Kernels: kernels/block_score.py (selection), kernels/sparse_decode.py (attention).
 
-SelectionState owns what persists across steps, in fixed GPU buffers indexed by the state slot each running
-sequence holds: the lists of every layer, the reuse counters, the streaming-head masks and the cumulative
-counters. With lagged selection each slot keeps two lists (the one attended and the one being written;
-kernels/block_score.py step_slots).
+SelectionState owns what persists across steps, in fixed device buffers indexed by state slot:
+every layer's lists, reuse counters, streaming-head masks and counters. With lagged selection a
+slot keeps two lists (attended, being written; kernels/block_score.py step_slots).
 """
 from __future__ import annotations
 
@@ -33,14 +31,15 @@ class SelectionParams:
     page_size: int             # tokens per key-metadata page (hierarchical paging)
     short_dense: bool = True   # a context of at most cap blocks selects all of them without scoring
     top_p: float = 1.0
-    per_head: bool = False     # topp pruning: each query head's mass reaches p (union), not the group's mean
+    per_head: bool = False     # topp: each query head's mass reaches p (union), not the mean
     lag: bool = False          # lagged selection (step_slots): kernels then see no reuse
 
     @classmethod
     def from_config(cls, cfg: Any, block_size: int) -> "SelectionParams":
         """cfg: config.SparseConfig."""
-        return cls(cap=cfg.sparse_budget // block_size, sink=cfg.sparse_sink_blocks, local=cfg.sparse_local_blocks,
-                   reuse=cfg.sparse_reuse, block_size=block_size, page_size=cfg.logical_page_size or block_size,
+        return cls(cap=cfg.sparse_budget // block_size, sink=cfg.sparse_sink_blocks,
+                   local=cfg.sparse_local_blocks, reuse=cfg.sparse_reuse, block_size=block_size,
+                   page_size=cfg.logical_page_size or block_size,
                    short_dense=cfg.sparse_dense_context != 0, top_p=cfg.sparse_top_p,
                    per_head=cfg.sparse_topp_heads == "each", lag=bool(cfg.sparse_lag))
 
@@ -59,7 +58,7 @@ class DecodeRows:
     slots: torch.Tensor         # int32 [B] selection-buffer rows to write (-1: none this step)
     max_blocks: int             # host-side bound of the contexts in blocks
     scale: float
-    width: int = 0              # the selection launch's size (the model's longest context in blocks; 0: max_blocks)
+    width: int = 0              # selection launch size (longest context in blocks; 0: max_blocks)
 
 
 def load_streaming_heads(path: str | None, num_layers: int, num_kv_heads: int) -> torch.Tensor:
@@ -95,14 +94,14 @@ class SelectionState:
         self._held: dict[int, int] = {}
         self._parked: dict[int, int] = {}  # paused sequences keeping their lists (`park`), oldest first
         self.fresh: list[int] = []  # the slots the last `assign` handed out anew
-        # (seq ids, slots) of the last `assign` while no slot changed hands since: a steady decode batch asks the
-        # same every step
+        # (seq ids, slots) of the last `assign` while no slot changed hands since: a steady
+        # decode batch asks the same every step
         self._last: tuple[list[int], list[int]] | None = None
 
     def assign(self, seq_ids: list[int]) -> list[int]:
-        """The state slot of each sequence; a sequence that had none gets a free one, whose counters restart
-        (its first decode step selects afresh; `fresh` lists them for per-slot state kept elsewhere). A parked
-        sequence gets its own slot back; with none free, the longest-parked sequence gives its slot up."""
+        """Each sequence's state slot. One without gets a free slot, counters reset (`fresh` lists
+        them, for per-slot state kept elsewhere); a parked one gets its own back; with none free,
+        the longest-parked sequence gives its slot up."""
         if self._last is not None and seq_ids == self._last[0]:
             self.fresh = []
             return self._last[1]
@@ -129,8 +128,8 @@ class SelectionState:
             self._free.append(slot)
 
     def park(self, seq_id: int) -> None:
-        """A paused sequence keeps its slot and lists while no other sequence needs the slot (lagged selection:
-        on resuming it attends the list its last step selected, as if it had not paused)."""
+        """A paused sequence keeps its slot and lists while no other needs the slot (lag: on
+        resuming it attends the list its last step selected)."""
         self._last = None
         slot = self._held.pop(seq_id, None)
         if slot is not None:
@@ -155,11 +154,11 @@ class SelectionPolicy(abc.ABC):
 
     @abc.abstractmethod
     def select(self, layer: int, q: torch.Tensor, rows: DecodeRows, state: SelectionState, key_meta: Any) -> None:
-        """Writes the lists of rows q [B, Hq, D] into state.sel[layer] at rows.slots; key_meta: the layer's
-        kvcache/metadata.py KeyMeta."""
+        """Writes the lists of rows q [B, Hq, D] into state.sel[layer] at rows.slots;
+        key_meta: the layer's kvcache/metadata.py KeyMeta."""
 
     def refine(self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor, rows: DecodeRows, state: SelectionState,
                offload: tuple | None) -> bool:
-        """Once the listed blocks are readable (offload: the HBM pool view of kernels/sparse_decode.py), may
-        trim the lists just selected in place. Returns whether it changed them."""
+        """Once the listed blocks are readable (offload: the pool view, kernels/sparse_decode.py),
+        may trim the lists just selected in place. Returns whether it changed them."""
         return False
