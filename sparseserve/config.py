@@ -14,7 +14,7 @@ from typing import Any
 
 from sparseserve.registry import SELECTION_POLICIES
 
-# long_prefill_token_threshold's default on CPU (its help says why).
+# long_prefill_token_threshold's default on CPU (docs/scheduler.md says why).
 CPU_LONG_PREFILL_TOKENS = 512
 
 
@@ -26,9 +26,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = field(
         default=True, metadata={"help": "Split prompts longer than the step's token budget into chunks."})
     init_new_token_ratio: float = field(default=0.7, metadata={
-        "help": "Admission: the fraction of its remaining max_tokens each running request is expected to still "
-                "generate; a request is admitted only if the KV blocks left cover its prompt, its own expected "
-                "output and the running requests' (0: admit whatever fits its prompt now)."})
+        "help": "Admission estimate: the fraction of its remaining max_tokens a running request is expected "
+                "to still generate (0: admit whatever fits its prompt now)."})
     min_new_token_ratio: float = field(default=0.1, metadata={
         "help": "Admission: the lowest the expected fraction decays to while nothing is preempted (a preemption "
                 "raises it halfway to 1)."})
@@ -36,24 +35,14 @@ class SchedulerConfig:
         "help": "Admission: engine steps over which the expected fraction decays from its initial value to the "
                 "minimum."})
     long_prefill_token_threshold: int | None = field(default=None, metadata={"size": True,
-        "help": "Prefill-decode interference: in a step that also runs decodes, a prompt with more tokens left "
-                "than this is prefilled at most this many tokens (a step with no decodes still gives it the whole "
-                "token budget). 0: no limit (default: 512 on CPU, where a step's time grows with its tokens, so a "
-                "whole-budget prompt chunk would stall every decoding stream for seconds while 512-token chunks "
-                "cost the prompt little, 64 decodes beside an 8K prompt on the embedded model; no limit on "
-                "CUDA, where chunks of max_num_batched_tokens keep prefill throughput: lower it there to trade "
-                "throughput for inter-token latency)."})
+        "help": "In a step that also decodes, a prompt is prefilled at most this many tokens "
+                "(0: no limit; default: 512 on CPU, no limit on CUDA)."})
     max_long_partial_prefills: int = field(default=1, metadata={
-        "help": "Prefill-decode interference: in a step that also runs decodes, at most this many prompts longer "
-                "than long_prefill_token_threshold are prefilled (the oldest first; shorter prompts may pass the "
-                "others), so the step's prefill work stays bounded when many long prompts arrive together."})
+        "help": "In a step that also decodes, at most this many prompts longer than "
+                "long_prefill_token_threshold are prefilled, the oldest first."})
     async_scheduling: bool = field(default=False, metadata={
-        "help": "Overlap the host's work with the device's: the next step is scheduled and its batch prepared "
-                "while the device runs the current one (a decode's input token is read on the device from the "
-                "previous step's sampled tokens) and the previous step's outputs are processed then, so stop "
-                "checks run one step late: a sequence that stopped runs one more step whose token is dropped. "
-                "Greedy and seeded outputs equal synchronous scheduling's; unseeded sampling draws differ (the "
-                "dropped tokens draw too). Not with host_prefix_cache_memory or tensor_parallel_size > 1 yet."})
+        "help": "Schedule and prepare the next step while the device runs the current one (stop checks run "
+                "one step late; greedy and seeded outputs are unchanged)."})
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -72,7 +61,7 @@ class SchedulerConfig:
             raise ValueError(f"max_long_partial_prefills must be >= 1, got {self.max_long_partial_prefills}")
 
     def prefill_token_threshold(self, device_type: str) -> int:
-        """long_prefill_token_threshold resolved for the engine's device (0: no limit); see its help."""
+        """long_prefill_token_threshold resolved for the device (0: no limit; docs/scheduler.md)."""
         if not self.enable_chunked_prefill:  # an unchunked prompt cannot be split: a limit would starve it
             return 0
         if self.long_prefill_token_threshold is not None:
@@ -86,21 +75,18 @@ class CacheConfig:
     gpu_memory_utilization: float = field(
         default=0.9, metadata={"help": "Fraction of GPU memory the engine may use (weights, activations, KV)."})
     kv_cache_memory: int | None = field(
-        default=None, metadata={"help": "Bytes of KV cache, e.g. 2GiB; overrides gpu_memory_utilization sizing "
-                                        "(default: sized by gpu_memory_utilization).",
+        default=None, metadata={"help": "Bytes of KV cache, e.g. 2GiB (default: sized by "
+                                        "gpu_memory_utilization).",
                                 "size": True, "flag": "kv_cache_memory_bytes"})  # vLLM's name first
     num_gpu_blocks_override: int | None = field(
-        default=None, metadata={"help": "Exact number of KV token blocks (testing, capacity experiments; default: "
-                                        "sized from memory)."})
+        default=None, metadata={"help": "Exact number of KV token blocks, for tests and capacity "
+                                        "experiments (default: sized from memory)."})
     enable_prefix_caching: bool = field(default=True, metadata={
-        "help": "Automatic prefix caching: full KV blocks are cached by the hash of their tokens and shared by "
-                "later requests with the same prefix (and a preempted request's by its return); unreferenced "
-                "cached blocks are evicted least recently used."})
+        "help": "Automatic prefix caching: full KV blocks are shared by the hash of their tokens and "
+                "evicted least recently used."})
     host_prefix_cache_memory: int | None = field(default=None, metadata={"size": True,
-        "help": "Bytes of (pinned) host memory for the prefix cache's host tier without KV offload: full blocks "
-                "are written through to it and a request whose prefix the device evicted copies it back instead "
-                "of recomputing it (a preempted request too). Default: no host tier. With KV offload the host "
-                "KV store is that tier."})
+        "help": "Bytes of pinned host memory keeping prefix-cache blocks for copy-back instead of recompute, "
+                "without KV offload (default: none)."})
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -144,55 +130,50 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class SparseConfig:
-    """Dynamic sparse attention: sparse decode (DESIGN.md principle 6) and SALE's sparse prefill
-    (attention/prefill.py)."""
+    """Dynamic sparse attention: sparse decode (docs/architecture.md, principle 6) and SALE's
+    sparse prefill (attention/prefill.py)."""
     sparse_policy: str = field(default="dense", metadata={
         "help": "Decode attention: dense, or a registered selection policy: topk (fixed token budget), topp "
                 "(adaptive budget, mass p)."})
     sparse_budget: int = field(default=2048, metadata={"size": True,
         "help": "Tokens each (sequence, KV head) attends per decode step, sink and local window included "
-                "(topk); topp: the candidates it prunes, at most this many tokens. Shorter contexts run dense."})
+                "(topp: the candidates it prunes)."})
     sparse_top_p: float = field(default=0.95, metadata={
-        "help": "topp: the softmax mass the kept blocks must reach, estimated from q.k over the candidate "
-                "blocks (the best sparse_budget tokens by their key bounds)."})
+        "help": "topp: the softmax mass the kept blocks must reach, estimated on the candidates' keys."})
     sparse_topp_heads: str = field(default="mean", metadata={
         "help": "topp: whose mass must reach p: the mean of a KV group's query heads, or each head (union).",
         "choices": ["mean", "each"]})
     sparse_reuse: int = field(default=1, metadata={
         "help": "Recompute a sequence's block selection every this many decode steps (1: every step)."})
     sparse_lag: int = field(default=0, metadata={
-        "help": "1 (topk): a decode step attends the blocks selected from the previous step's query, so scoring "
-                "and selection run beside the attention (a second CUDA stream) instead of before it; a prefill "
-                "selects from its last token for the first decode. With kv_offload (sparse_reuse 1) the HBM pool "
-                "also reads each step's next lists beside it. 0: each step selects from its own query.",
+        "help": "1 (topk): a decode step attends the blocks selected from the previous step's query, so "
+                "selection runs beside the attention (0: each step selects from its own query).",
         "choices": [0, 1]})
     sparse_dense_layers: int = field(default=2, metadata={"help": "The first N layers always attend densely."})
     sparse_sink_blocks: int = field(default=1, metadata={"help": "Leading token blocks always attended."})
     sparse_local_blocks: int = field(default=4, metadata={
         "help": "Most recent token blocks always attended (the local window, >= 1)."})
     sparse_dense_context: int | None = field(default=None, metadata={"size": True,
-        "help": "Steps whose longest context is at most this many tokens run dense (default: the budget); "
-                "0 sends every decode through scoring, selection and the sparse kernel (testing)."})
+        "help": "Steps whose longest context is at most this many tokens run dense (default: the budget; "
+                "0: never, for tests)."})
     streaming_heads: str | None = field(default=None, metadata={
         "help": "JSON file of (layer, KV head) pairs that only see sink + local window "
-                "(python -m sparseserve.bench.calibrate proposes one; default: none)."})
+                "(`sparseserve calibrate` proposes one)."})
     logical_page_size: int | None = field(default=None, metadata={
         "help": "Tokens per key-metadata page inside a block (hierarchical paging; default: block_size)."})
     sparse_prefill: str = field(default="dense", metadata={
-        "help": "Prefill attention: dense, or sale (SALE: an fp8 estimate of every (query tile, key tile) pair "
-                "picks the tiles whose relative attention score clears the head's threshold; block-sparse "
-                "attention over them, the sink, local and diagonal tiles always included).",
+        "help": "Prefill attention: dense, or sale (block-sparse over the tiles whose fp8 estimate clears "
+                "the head's threshold).",
         "choices": ["dense", "sale"]})
     sparse_prefill_threshold: float = field(default=0.01, metadata={
-        "help": "sale: the threshold of every query head when no calibration file is given (0 keeps every tile: "
-                "dense prefill); an element counts when its estimated weight exceeds this share of the sink + "
-                "local region's softmax mass."})
+        "help": "sale: every query head's threshold, a share of the sink + local region's softmax mass, when "
+                "no calibration file is given (0: dense)."})
     sparse_prefill_min_len: int = field(default=8192, metadata={
-        "help": "sale: prefill chunks whose context (earlier tokens + the chunk) is shorter than this run dense, "
-                "so prompts shorter than this stay dense."})
+        "help": "sale: prefill chunks whose context (earlier tokens + the chunk) is shorter than this run "
+                "dense."})
     sparse_prefill_calibration: str | None = field(default=None, metadata={
-        "help": "sale: JSON file of per-(layer, query head) thresholds (python -m sparseserve.bench.calibrate "
-                "--prefill writes one); overrides sparse_prefill_threshold."})
+        "help": "sale: JSON file of per-(layer, query head) thresholds (`sparseserve calibrate --prefill` "
+                "writes one), overriding sparse_prefill_threshold."})
 
     def __post_init__(self) -> None:
         if self.sparse_policy != "dense" and self.sparse_policy not in SELECTION_POLICIES:
@@ -237,44 +218,33 @@ class SparseConfig:
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """Hierarchical KV cache (DESIGN.md principles 4 and 5): every full head block written through to a
-    host store; sparse decode reads the blocks it selects through a pool of HBM head-block slots."""
+    """Hierarchical KV cache (docs/architecture.md, principles 4 and 5): every full head block
+    written through to a host store; sparse decode reads its selections through an HBM pool."""
     kv_offload: bool = field(default=False, metadata={
         "help": "Keep every full KV head block in a (pinned) host store and cache the selected ones in an "
                 "HBM slot pool (needs a sparse policy)."})
     host_kv_memory: int | None = field(default=None, metadata={"size": True,
-        "help": "Bytes of the host KV store, which holds every token block (default: max_num_seqs sequences of "
-                "max_model_len, at most half the host's available memory); must fit in the host's available "
-                "memory. The device then holds only the working set (num_gpu_blocks_override: its blocks)."})
+        "help": "Bytes of the host KV store, which holds every token block (default: max_num_seqs "
+                "sequences of max_model_len, at most half the host's available memory)."})
     hbm_cache_blocks: int | None = field(default=None, metadata={
         "help": "Head-block slots of the HBM pool, shared by all layers and KV heads (default: one decode "
-                "step's selections of max_num_seqs sequences in every layer, at most half the device KV memory "
-                "left after key metadata and dense layers)."})
+                "step's selections of max_num_seqs sequences, at most half the device KV memory left)."})
     layer_segmented_prefill: bool = field(default=False, metadata={
-        "help": "KV offload: prefill a prompt longer than max_num_batched_tokens a few layers at a time for all its "
-                "tokens (engine/layer_prefill.py), each layer's K/V written through to the host store as it "
-                "completes, so prefill HBM is one layer's scratch instead of the whole prompt's K/V; the device "
-                "block cache's one-max_model_len-prefill reserve goes to the HBM pool. A segment of L layers over T "
-                "tokens costs T*L/num_layers tokens of the step budget. One such prefill runs at a time."})
+        "help": "KV offload: prefill a prompt longer than max_num_batched_tokens a few layers at a time, "
+                "each layer's K/V written through to the host store, so prefill HBM is one layer's scratch."})
     prefill_layer_segment: int | None = field(default=None, metadata={
         "help": "Layer-segmented prefill: at most this many layers per step (default: as many as the step's "
                 "token budget allows)."})
     working_set_control: bool = field(default=False, metadata={
-        "help": "With kv_offload: run a decode batch only while the running requests' working sets (head blocks "
-                "their selections touched over the last working_set_window decode steps, counted on the GPU) fit "
-                "the HBM pool less working_set_margin; the newest requests beyond it wait, paused (no "
-                "recompute), oldest first back in."})
+        "help": "With kv_offload: run a decode batch only while the running requests' working sets fit the "
+                "HBM pool less working_set_margin; the newest beyond it wait paused, without recompute."})
     working_set_window: int = field(default=12, metadata={
         "help": "Decode steps over which a request's working set is the union of its selections."})
     working_set_margin: float = field(default=0.1, metadata={
         "help": "Fraction of the HBM pool the working sets leave free (working_set_control)."})
     max_prefilled_waiting: int = field(default=16, metadata={
-        "help": "working_set_control: the limit governs decode, not prefill. A request whose working set does not "
-                "fit beside the running ones is still prefilled, one at a time (its K/V goes to the host store; its "
-                "first token comes out), then waits paused for a decode slot, oldest first. At most this many "
-                "requests wait so (prefilled or prefilling beyond the limit): each holds its whole context in the "
-                "host store. "
-                "0: a request that does not fit waits unprefilled."})
+        "help": "working_set_control: at most this many requests that do not fit are prefilled ahead, one "
+                "at a time, and wait paused for a decode slot (0: they wait unprefilled)."})
 
     def __post_init__(self) -> None:
         if self.prefill_layer_segment is not None and self.prefill_layer_segment < 1:
@@ -336,9 +306,8 @@ def parse_size(text: str | int) -> int:
 class ParallelConfig:
     """Tensor parallelism (docs/tensor_parallel.md): the model's heads, MLP and vocabulary split over ranks."""
     tensor_parallel_size: int = field(default=1, metadata={
-        "help": "GPUs (ranks) the model is split over: one worker process per rank, NCCL on CUDA, gloo on CPU; "
-                "started by torchrun when its environment is set (multi-host), otherwise spawned by rank 0. "
-                "1: no process group."})
+        "help": "GPUs (ranks) the model is split over, one process each, spawned by rank 0 or started by "
+                "torchrun (1: no process group)."})
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
