@@ -33,7 +33,7 @@ THRESHOLDS_KEY = "sparse_prefill_thresholds"
 
 
 class DensePrefill:
-    """Dense causal attention of a step's prefill chunks (and the interface SalePrefill implements)."""
+    """Dense causal attention of a step's prefill chunks (the interface SalePrefill implements)."""
 
     def prepare(self, scheduled: list, meta: AttentionMetadata) -> Any:
         """Per-step data for `attend` (AttentionMetadata.prefill_meta); rows follow `scheduled`,
@@ -58,9 +58,9 @@ class SalePrefillStep:
     query_start_loc: torch.Tensor   # int32 [Bp + 1]: token offsets within q[num_decodes:]
     max_query_len: int              # host-side bounds of the prefill rows
     max_seq_len: int
-    sparse: bool                    # some row reaches min_len: select tiles; otherwise the dense kernel
+    sparse: bool                    # a row reaches min_len (else: dense)
     causal_tiles: torch.Tensor      # int64 []: causally visible tiles of a layer (x KV heads)
-    forced_tiles: torch.Tensor      # int64 []: sink, local and diagonal tiles of a layer (x KV heads)
+    forced_tiles: torch.Tensor      # int64 []: sink, local, diagonal (x KV heads)
     dense_rows: torch.Tensor | None = None   # bool [Bp]: rows below min_len (None: no such row)
     full_index: torch.Tensor | None = None   # int32 [Bp, n_q_tiles, n_k_tiles]: all middle tiles
     full_count: torch.Tensor | None = None   # int32 [Bp, n_q_tiles]
@@ -98,7 +98,7 @@ class SalePrefill(DensePrefill):
         forced, middle = tile_classes(seq_lens, qsl, n_qt, n_kt, layout)
         hkv = self.num_kv_heads
         step = SalePrefillStep(qsl, max_q, max_s, sparse, (forced | middle).sum() * hkv, forced.sum() * hkv)
-        if sparse and min(lens) < self.min_len:  # these rows keep every tile, as the dense kernel would
+        if sparse and min(lens) < self.min_len:  # these rows keep every tile
             _, s_end, _, _ = tile_geometry(seq_lens, qsl, n_qt, layout)
             step.dense_rows = seq_lens < self.min_len
             step.full_index = (s_end[..., None] + torch.arange(n_kt, device=s_end.device)).to(torch.int32)

@@ -51,7 +51,7 @@ class SelectionParams:
 
 @dataclass
 class DecodeRows:
-    """The rows a sparse layer selects for: decode rows, or the last token of prefill chunks (lag)."""
+    """The rows a sparse layer selects for: decodes, or prefill chunks' last tokens (lag)."""
     seq_lens: torch.Tensor      # int32 [B]
     tables: torch.Tensor        # int32 [B, W] token blocks: key-metadata rows
     cache_tables: torch.Tensor  # int32 [B, W] the layer's KV cache blocks (differ under KV offload)
@@ -85,14 +85,14 @@ class SelectionState:
     def __init__(self, params: SelectionParams, num_layers: int, num_kv_heads: int, max_num_seqs: int,
                  streaming: torch.Tensor, device: torch.device) -> None:
         self.num_slots = max_num_seqs
-        rows = max_num_seqs * (2 if params.lag else 1)  # lag: the list attended and the one being written
+        rows = max_num_seqs * (2 if params.lag else 1)  # lag: attended + being written
         self.sel = torch.full((num_layers, rows, num_kv_heads, params.cap), -1, dtype=torch.int32, device=device)
         self.counter = torch.zeros(num_layers, max_num_seqs, num_kv_heads, dtype=torch.int32, device=device)
         self.stats = torch.zeros(2, dtype=torch.int64, device=device)  # blocks selected, selections
         self.streaming = streaming.to(device)
         self._free = list(range(max_num_seqs - 1, -1, -1))
         self._held: dict[int, int] = {}
-        self._parked: dict[int, int] = {}  # paused sequences keeping their lists (`park`), oldest first
+        self._parked: dict[int, int] = {}  # `park`ed, oldest first
         self.fresh: list[int] = []  # the slots the last `assign` handed out anew
         # (seq ids, slots) of the last `assign` while no slot changed hands since: a steady
         # decode batch asks the same every step

@@ -43,7 +43,7 @@ class StepChannel:
             self.send(message)
 
     def heartbeat(self) -> None:
-        """Rank 0's watchdog: an empty message when nothing was sent for heartbeat_s and no step runs."""
+        """Rank 0's watchdog: an empty message when idle for heartbeat_s and no step runs."""
         if time.monotonic() - self._last_send < self.heartbeat_s or not self._lock.acquire(blocking=False):
             return
         try:

@@ -143,7 +143,7 @@ def destroy_tp_group() -> None:
         except Exception as e:  # noqa: BLE001 - after an abort the groups may be half gone
             logger.warning("leaving the tensor-parallel process group: %s", e)
     if groups is not None:
-        groups.release()  # the last references: the groups' destructors run here, not at interpreter exit
+        groups.release()  # last references: destructors run here, not at exit
 
 
 def abort_tp_group() -> None:
@@ -153,5 +153,5 @@ def abort_tp_group() -> None:
     if abort is not None and dist.is_initialized():
         try:
             abort()
-        except Exception:  # noqa: BLE001 - best effort on the way down; the caller raises the real error
+        except Exception:  # noqa: BLE001 - best effort; the caller raises the real error
             pass

@@ -37,7 +37,7 @@ class TorchrunEnv:
 
 
 def torchrun_env() -> TorchrunEnv | None:
-    """The rank's place when started by torchrun (or anything that sets its environment variables)."""
+    """The rank's place when started by torchrun (or anything setting its environment)."""
     if not all(v in os.environ for v in TORCHRUN_VARS):
         return None
     world = int(os.environ["WORLD_SIZE"])

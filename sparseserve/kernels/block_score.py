@@ -305,7 +305,7 @@ def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, st
             r += tl.sum(e / tl.where(live, tl.sum(e, 1), 1.0)[:, None], 0)
         r = r / GROUP
         cand = valid & (forced == 0) & (tl.load(streaming_ptr + kvh) == 0)
-        bits = tl.where(cand, r.to(tl.int32, bitcast=True), -1)  # non-candidates: below any threshold
+        bits = tl.where(cand, r.to(tl.int32, bitcast=True), -1)  # non-candidates: below all
         k = CAP - n_forced
         top_ok = k <= 0  # does t above every candidate pass? then nothing is chosen
         if MASS:

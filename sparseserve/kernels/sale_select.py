@@ -457,7 +457,7 @@ def _empty_codes(q, num_seqs, num_kv_heads, length) -> QKCodes:
 def quantize_qk_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                        query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int, layout: TileLayout,
                        config: SelectConfig | None = None) -> QKCodes:
-    """Stage 1 with Triton: two _sum_kernel launches (the means' partial sums), two _quant_kernel."""
+    """Stage 1 with Triton: two _sum_kernel launches (partial sums), two _quant_kernel."""
     config = config or SelectConfig()
     num_seqs = seq_lens.numel()
     num_q_heads, head_dim = q.shape[1:]

@@ -71,7 +71,7 @@ def offload_context_ref(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_
     j = torch.arange(mb, device=dev)[None]
     window = (j >= (nb - local).clamp_min(0)[:, None]) & (j < nb[:, None])  # [B, MB]
     kv = kv_cache[block_tables[:, :mb].long()].float()
-    kv = torch.where(window[:, :, None, None, None, None], kv, 0.0)  # nothing else from the device cache
+    kv = torch.where(window[:, :, None, None, None, None], kv, 0.0)  # only the window from the cache
     flat = torch.cat([kv.reshape(-1, *kv.shape[3:]), kv.new_zeros(1, *kv.shape[3:])])  # + trash row
     listed = listed_rows(sel_rows, seq_lens, local, block_size)
     b = torch.arange(batch, device=dev)[:, None, None]

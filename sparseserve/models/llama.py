@@ -131,5 +131,5 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.backend = backend
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] (on rank 0; [N, 0] on the other ranks of a tensor-parallel engine)."""
+        """float32 logits [N, vocab] on rank 0; [N, 0] on the other tensor-parallel ranks."""
         return self.lm_head(hidden)

@@ -115,7 +115,7 @@ def build_model(cfg: ArchConfig, backend: AttentionBackend, path: Path, dtype: t
     finally:
         torch.set_default_dtype(prev)
     if load_format == "dummy":
-        with torch.no_grad():  # small random weights, unit norms: a model that runs, not one that answers
+        with torch.no_grad():  # small random weights, unit norms: runs, answers nothing
             for name, p in model.named_parameters():
                 p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
     else:
