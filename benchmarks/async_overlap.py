@@ -18,6 +18,7 @@ import torch
 
 from benchmarks.common import make_8b_dir
 from sparseserve.bench.hardware import hbm_bandwidth, print_table
+from sparseserve.bench.steps import StepLog
 from sparseserve.bench.throughput import _ints, decode_bytes, make_prompts, run_engine
 from sparseserve.engine.engine import LLMEngine
 
@@ -45,8 +46,9 @@ def main(argv: list[str] | None = None) -> dict:
         model = str(make_8b_dir(Path(tmp.name) / "m8b"))
     load_format = args.load_format or ("dummy" if args.model == "8b" else "auto")
     dtype = args.dtype or ("bfloat16" if args.model == "8b" else "auto")
+    logs = {mode: StepLog() for mode in ("sync", "async")}
     engines = {mode: LLMEngine.from_kwargs(
-        model=model, load_format=load_format, dtype=dtype, device=args.device,
+        logs[mode], model=model, load_format=load_format, dtype=dtype, device=args.device,
         max_model_len=args.input_len + args.output_len, max_num_seqs=max(args.batch_sizes),
         gpu_memory_utilization=args.gpu_memory_utilization, async_scheduling=mode == "async")
         for mode in ("sync", "async")}
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
         steps: dict[str, list[float]] = {"sync": [], "async": []}
         for _ in range(args.repeats):
             for mode, engine in engines.items():
-                r = run_engine(engine, prompts, args.output_len)
+                r = run_engine(engine, prompts, args.output_len, logs[mode])
                 if r["decode_step_ms"] is not None:
                     steps[mode].append(r["decode_step_ms"])
         row = {"batch": batch, "input": args.input_len}

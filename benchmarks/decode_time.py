@@ -35,6 +35,7 @@ from pathlib import Path
 from benchmarks.common import Job, add_replay_args, engine_kwargs, fresh_engine, model_dir, replay, trace_jobs
 from sparseserve.bench.accuracy import parse_engine_args
 from sparseserve.bench.hardware import print_table
+from sparseserve.profiler import Profiler
 
 logger = logging.getLogger(__name__)
 
@@ -66,24 +67,28 @@ class StepRecord:
         return self.prompt_tokens > 0 or self.segments > 0
 
 
-@dataclasses.dataclass
-class Timeline:
-    """The `on_step` hook of `replay`: a StepRecord per engine step (async scheduling: a step's tokens come out
-    one call later, with the schedule launched in the call before). A step's duration leaves out the time the
-    replay slept before it with nothing to run (no request was decoding then)."""
-    engine: object
-    steps: list[StepRecord] = dataclasses.field(default_factory=list)
-    _last_t: float = 0.0
-    _launched: tuple[int, int, int] | None = None
+class Timeline(Profiler):
+    """The engine's profiler and the `on_step` hook of `replay`: a StepRecord per engine step (async scheduling:
+    a step's tokens come out one call later, with the schedule launched in the call before). A step's duration
+    leaves out the time the replay slept before it with nothing to run (no request was decoding then)."""
 
-    def __call__(self, outputs: list, t: float, idle: float = 0.0) -> None:
-        sched = self.engine.last_schedule
+    def __init__(self, async_scheduling: bool) -> None:
+        self.async_scheduling = async_scheduling
+        self.steps: list[StepRecord] = []
+        self._sched: tuple[int, int, int] = (0, 0, 0)  # the newest schedule's decode rows, prompt tokens, segments
+        self._launched: tuple[int, int, int] | None = None
+        self._last_t = 0.0
+
+    def on_schedule(self, out) -> None:
         # Rows of more than one token are prompt chunks; a decode row has one (a one-token last prompt chunk
         # counts as a decode: the same work).
-        launched = (sum(1 for _, n in sched.scheduled if n == 1), sum(n for _, n in sched.scheduled if n > 1),
-                    len(sched.segments)) if sched is not None else (0, 0, 0)
+        self._sched = (sum(1 for _, n in out.scheduled if n == 1), sum(n for _, n in out.scheduled if n > 1),
+                       len(out.segments))
+
+    def __call__(self, outputs: list, t: float, idle: float = 0.0) -> None:
+        launched, self._sched = self._sched, (0, 0, 0)
         produced = launched
-        if self.engine.async_scheduling:
+        if self.async_scheduling:
             produced, self._launched = self._launched or (0, 0, 0), launched
         got = frozenset(o.request_id for o in outputs if any(c.token_ids for c in o.outputs))
         self.steps.append(StepRecord(t, t - self._last_t - idle, *produced, got))
@@ -124,8 +129,9 @@ def decompose(steps: list[StepRecord]) -> dict:
 
 def run_config(model: str, name: str, jobs: list[Job], engine_kw: dict) -> tuple[dict, list[StepRecord]]:
     """The config's row and its timeline."""
-    with fresh_engine(model=model, **(CONFIGS[name] | engine_kw)) as engine:  # --engine-arg overrides
-        timeline = Timeline(engine)
+    config = CONFIGS[name] | engine_kw  # --engine-arg overrides
+    timeline = Timeline(bool(config.get("async_scheduling")))
+    with fresh_engine(timeline, model=model, **config) as engine:
         summary = replay(engine, jobs, on_step=timeline)
         stats = engine.get_stats(sync=True)
     row = {"config": name, "output_tok_s": summary["output_tok_s"], "mean_ttft_s": summary["mean_ttft_s"],

@@ -8,13 +8,13 @@ bytes (the PCIe ceiling) and a per-block copy loop (what a naive engine does).
 --transfers, D2H: one layer's K/V of a 32K-token prefill leaving the GPU: FlashD2H's contiguous copy
 into pinned staging (side stream) plus the CPU writes into the store rows, against per-block copies.
 --prefill MODEL: a 32K-token prompt's prefill (MODEL's architecture, random weights) without saving to
-the host, with FlashD2H saving (kv_offload), and with a per-block synchronous copy loop instead.
+the host and with FlashD2H saving (kv_offload); the per-block copies FlashD2H replaces are timed by --transfers.
 --capacity MODEL: GPU memory capped at --gpu-memory-gb (default 40, the papers' GPUs), 32K-token
 prompts, 256 output tokens: dense attention with every block in HBM against topk 2048 with kv_offload
 (with working-set-aware batch control on and/or off: --working-set-control on,off), each at several
-request counts: the most requests running at once and the decode throughput; the decode step of the
-offload runs split into selection, H2D and attention (CUDA events around each phase on a few eager decode
-steps in the middle of the run).
+request counts: the most requests running at once and the decode throughput; with `--engine-arg
+enforce_eager=true` the offload runs also split the decode step into selection, H2D and attention (CUDA events
+around each phase, the engine's profiler, on a few decode steps in the middle of the run).
 --real MODEL: KV offload on a real model (e.g. smollm2) with real prompts (essays, so consecutive decode queries
 have the locality of real text), at each of --batches requests: topk (--budget, default 1024) with every block in
 HBM against the same policy with kv_offload, side by side per batch size: decode time per output token (the
@@ -25,7 +25,6 @@ times, medians; --host-profile DIR: a cProfile of each engine's decode steps and
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import datetime
 import json
@@ -36,7 +35,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import build_engine, free_memory
 from sparseserve.bench.hardware import _time_ms, print_table
+from sparseserve.bench.steps import StepLog
 from sparseserve.kernels.flash_h2d import flash_h2d_triton
 
 DTYPE = torch.bfloat16
@@ -116,13 +117,10 @@ def d2h_bench(tokens: int = 32768, hkv: int = 8, d: int = 128, bs: int = 32) -> 
     return rows
 
 
-def _engine(model: str, **kw):
+def _engine(model: str, profiler: StepLog | None = None, **kw):
     """A fresh engine on random weights, after the previous one's memory (the caller dropped it) is back."""
-    import gc
-    from sparseserve.engine.engine import LLMEngine
-    gc.collect()  # engines hold reference cycles
-    torch.cuda.empty_cache()
-    return LLMEngine.from_kwargs(model=model, load_format="dummy", dtype="bfloat16", **kw)
+    free_memory()
+    return build_engine(profiler, model=model, load_format="dummy", dtype="bfloat16", **kw)
 
 
 def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -133,40 +131,15 @@ def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 OFFLOAD = dict(sparse_policy="topk", sparse_budget=2048, kv_offload=True)
 
 
-class PerBlockWriter:
-    """The contrast to FlashD2H: each completed block copied with its own synchronous copy on the compute stream
-    (what a naive engine does). Set as the host store's writer (`host.d2h`) by prefill_bench."""
-
-    def __init__(self, store) -> None:
-        self.store = store
-        self.blocks_written = 0
-
-    def submit(self, layer, kv_cache, slot_mapping, num_seqs, host_blocks=None) -> None:
-        from sparseserve.kvcache.host import completed_blocks
-        n = slot_mapping.numel() // self.store.block_size + num_seqs
-        src, dst = completed_blocks(slot_mapping, self.store.block_size, n, host_blocks)
-        for s_, d_ in zip(src.tolist(), dst.tolist()):
-            if s_ >= 0:
-                self.store.data[layer, d_].copy_(kv_cache[s_])
-                self.blocks_written += 1
-
-    def fence(self) -> None:
-        pass
-
-
 def prefill_bench(model: str, tokens: int = 32768, reps: int = 3) -> list[dict]:
-    """Prefill time of one `tokens` prompt: no saving (sparse topk, no offload), FlashD2H saving, and
-    per-block synchronous copies (the same blocks, one cudaMemcpy each, on the compute stream)."""
+    """Prefill time of one `tokens` prompt: no saving (sparse topk, no offload) and FlashD2H saving (the host
+    store's writes included: get_stats(sync=True) waits for them)."""
     from sparseserve.sampling_params import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     rows = []
-    for name, kw, per_block in [("no saving", dict(sparse_policy="topk", sparse_budget=2048), False),
-                                ("FlashD2H saving", OFFLOAD, False), ("per-block copies", OFFLOAD, True)]:
+    for name, kw in [("no saving", dict(sparse_policy="topk", sparse_budget=2048)), ("FlashD2H saving", OFFLOAD)]:
         engine = _engine(model, max_model_len=tokens + 64, max_num_seqs=1, max_num_batched_tokens=8192,
                          gpu_memory_utilization=0.6, **kw)
-        offload = engine.model_runner.offload
-        if per_block:
-            offload.host.d2h = PerBlockWriter(offload.host)
         times = []
         for r in range(reps + 1):
             engine.add_request(f"p{r}", _prompts(1, tokens, seed=r)[0], params)
@@ -174,9 +147,7 @@ def prefill_bench(model: str, tokens: int = 32768, reps: int = 3) -> list[dict]:
             t0 = time.perf_counter()
             while engine.has_unfinished_requests():
                 engine.step()
-            if offload is not None:
-                offload.fence()  # the saving is part of the prefill's cost
-            torch.cuda.synchronize()
+            engine.get_stats(sync=True)  # the saving is part of the prefill's cost
             times.append(time.perf_counter() - t0)
         engine = None
         ms = 1e3 * sorted(times[1:])[len(times[1:]) // 2]  # the first run compiles
@@ -186,43 +157,18 @@ def prefill_bench(model: str, tokens: int = 32768, reps: int = 3) -> list[dict]:
     return rows
 
 
-class PhaseTimer:
-    """CUDA events around named phases: the library calls `phase(name)` where a timer is attached (the sparse
-    backend: selection, h2d, attention; the decode graphs: graph). Off: no events."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-        self.on = False
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        if not self.on:
-            yield
-            return
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        yield
-        e1.record()
-        self.events.append((name, e0, e1))
-
-    def totals_ms(self) -> dict[str, float]:
-        """Summed milliseconds per phase."""
-        torch.cuda.synchronize()
-        out: dict[str, float] = {}
-        for n, e0, e1 in self.events:
-            out[n] = out.get(n, 0.0) + e0.elapsed_time(e1)
-        return out
-
-    def times_ms(self, name: str) -> list[float]:
-        torch.cuda.synchronize()
-        return [e0.elapsed_time(e1) for n, e0, e1 in self.events if n == name]
+def _head_block_gib(engine) -> float:
+    """GiB of one pool slot: a KV head's K and V of one token block."""
+    runner = engine.model_runner
+    return 2 * runner.block_size * runner.arch.head_dim * runner.dtype.itemsize / 2**30
 
 
 def capacity_run(model: str, n: int, gpu_gb: float, output_len: int, prompt_len: int, offload: bool,
                  host_gb: float, reuse: int = 1, profile: bool = False, working_set_control: bool | None = None,
                  **engine_args) -> dict:
     """working_set_control: the offload run's working-set-aware batch control on or off (None: the engine's
-    default); engine_args: more options of the offload run (dense, the baseline, runs with its defaults)."""
+    default); engine_args: more options of the offload run (dense, the baseline, runs with its defaults).
+    profile: a torch profile of one real decode step (its kernel table)."""
     from sparseserve.sampling_params import SamplingParams
     total = torch.cuda.get_device_properties(0).total_memory
     kw = (dict(OFFLOAD, host_kv_memory=int(host_gb * 2**30), sparse_reuse=reuse) if offload
@@ -231,61 +177,47 @@ def capacity_run(model: str, n: int, gpu_gb: float, output_len: int, prompt_len:
         kw["working_set_control"] = working_set_control
     if offload:
         kw.update(engine_args)
-    engine = _engine(model, max_model_len=prompt_len + output_len, max_num_seqs=max(n, 1),
+    log = StepLog(timing=True)  # GPU time of each decode graph's replay; eager steps: the sparse phases
+    engine = _engine(model, log, max_model_len=prompt_len + output_len, max_num_seqs=max(n, 1),
                      max_num_batched_tokens=8192, gpu_memory_utilization=gpu_gb * 1e9 / total, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, p in enumerate(_prompts(n, prompt_len)):
         engine.add_request(f"c{i}", p, params)
-    sched, runner = engine.scheduler, engine.model_runner
-    phases, graph_timer = PhaseTimer(), PhaseTimer()
-    graph_timer.on = True  # GPU time of each real decode step's graph (its replay)
-    if runner.graphs is not None:
-        runner.graphs.timer = graph_timer
-    if offload:
-        runner.attn_backend.timer = phases
-    max_running, decode_tokens, decode_s, decode_steps, split_steps, ws_max = 0, 0, 0.0, 0, 0, 0
+    max_running, decode_tokens, decode_s, decode_steps, ws_max = 0, 0, 0.0, 0, 0
+    replays: list[float] = []
+    split: dict[str, float] = {}
+    split_steps = 0
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
-        max_running = max(max_running, len(sched.running))
-        if offload:  # the running requests' working sets (one step late; a host counter, no sync)
-            ws_max = max(ws_max, runner.offload.working_set.total)
-        # Expected pure decode (every running request decodes, none waits to be admitted); whether the
-        # step was one is read from what the scheduler really scheduled (an admission adds a prefill chunk).
-        expect_decode = bool(sched.running) and not sched.waiting and all(
-            s.num_tokens - s.num_computed_tokens == 1 for s in sched.running)
-        nrun = len(sched.running)
-        split = offload and expect_decode and decode_steps >= 100 and split_steps < 5
-        graphs = runner.graphs
-        if split:  # a few eager steps with events around the phases
-            runner.graphs, phases.on = None, True
-        if profile and expect_decode and decode_steps == 110 and graphs is not None and nrun in graphs.graphs:
-            # Kernel split of the decode graph (a replay of the last step's inputs: the pool is warmer
-            # than in a real step, so FlashH2D shows less than it moves in the steps themselves).
+        stats = engine.get_stats()  # host counters; the working sets one step late (no sync)
+        max_running, ws_max = max(max_running, stats.num_running), max(ws_max, stats.working_set_blocks)
+        log.events.clear()
+        torch_profile = profile and decode_steps == 110
+        ts = time.perf_counter()
+        if torch_profile:  # the kernels of one real decode step
             from torch.profiler import ProfilerActivity, profile as tprofile
             with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
-                graphs.graphs[nrun].replay()
+                engine.step()
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
-        ts = time.perf_counter()
-        engine.step()
+        else:
+            engine.step()
         te = time.perf_counter()
-        last = engine.last_schedule
-        # A pure decode step: one new token per sequence, none of them a prompt token. Steps that also
-        # prefill (an admitted request's chunk) are not decode throughput, on either side.
-        decoded = last is not None and bool(last.scheduled) and all(
-            n == 1 and seq.num_computed_tokens > seq.num_prompt_tokens for seq, n in last.scheduled)
-        if split:
-            runner.graphs, phases.on = graphs, False
-            split_steps += 1
-        elif decoded:
-            decode_tokens += len(last.scheduled)
+        # A pure decode step: one new token per sequence, none of them a prompt token. Steps that also prefill
+        # (an admitted request's chunk) are not decode throughput, on either side.
+        if log.last is not None and log.last.pure_decode() and not torch_profile:
+            decode_tokens += log.last.rows
             decode_s += te - ts
             decode_steps += 1
+            replays += log.times_ms("graph")
+            if decode_steps > 100 and split_steps < 5 and any(name != "graph" for name, _, _ in log.events):
+                for name in ("selection", "h2d", "attention"):  # eager steps (enforce_eager): the sparse phases
+                    split[name] = split.get(name, 0.0) + sum(log.times_ms(name))
+                split_steps += 1
     torch.cuda.synchronize()
-    replays = sorted(graph_timer.times_ms("graph"))
+    replays.sort()
     stats = engine.get_stats(sync=True)
-    ws = runner.offload.working_set if offload else None
-    config = f"topk 2048 + kv_offload, R={reuse}" + (", working-set control" if ws is not None and ws.enabled else "")
+    config = f"topk 2048 + kv_offload, R={reuse}" + (", working-set control" if kw.get("working_set_control") else "")
     config += "".join(f", {k}={v}" for k, v in engine_args.items() if offload)
     out = {"config": config if offload else "dense", "requests": n,
            "max_running": max_running, "decode_tok_s": decode_tokens / decode_s if decode_s else None,
@@ -301,12 +233,12 @@ def capacity_run(model: str, n: int, gpu_gb: float, output_len: int, prompt_len:
         out["hbm_hit_ratio"] = stats.offload_hbm_hits / lookups if lookups else None
         out["bypass_reads"] = stats.offload_bypass_reads
         out["h2d_GB"] = stats.offload_h2d_bytes / 1e9
-        out["hbm_pool_GiB"] = stats.offload_hbm_slots * runner.offload.layout.head_block_bytes / 2**30
+        out["hbm_pool_GiB"] = stats.offload_hbm_slots * _head_block_gib(engine)
         out["device_blocks"] = stats.offload_device_blocks
         out["working_set_hold_backs"] = stats.working_set_hold_backs
         out["working_set_limit"] = stats.working_set_limit
         out["working_set_blocks_max"] = ws_max
-        out.update({f"eager_{k}_ms": v / max(split_steps, 1) for k, v in phases.totals_ms().items()})
+        out.update({f"eager_{k}_ms": v / split_steps for k, v in split.items() if split_steps})
     return out
 
 
@@ -332,7 +264,6 @@ class RealRun:
     def __init__(self, model: str, prompts: list[list[int]], output_len: int, offload: bool, budget: int = 1024,
                  pool_steps: float | None = None, device: str = "auto", dtype: str = "auto", margins: bool = False,
                  **engine_args) -> None:
-        from sparseserve.engine.engine import LLMEngine
         from sparseserve.sampling_params import SamplingParams
         self.n, self.prompt_len = len(prompts), max(len(p) for p in prompts)
         self.offload, self.budget, self.output_len, self.margins = offload, budget, output_len, margins
@@ -347,7 +278,9 @@ class RealRun:
                 sparse_layers = a.num_layers - kw.get("sparse_dense_layers", 2)
                 kw["hbm_cache_blocks"] = max(1, int(pool_steps * self.n * sparse_layers * a.num_kv_heads
                                                     * (budget // kw.get("block_size", 32))))
-        self.engine = LLMEngine.from_kwargs(**kw)
+        # the engine's profiler: each step's schedule, and the decode graphs' GPU time (CUDA graphs only)
+        self.log = StepLog(timing=True)
+        self.engine = build_engine(self.log, **kw)
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
                                 logprobs=2 if margins else None)
         for i, p in enumerate(prompts):
@@ -356,11 +289,7 @@ class RealRun:
         self.tokens: dict[str, list[int]] = {}
         self.top2: dict[str, list[float]] = {}  # request -> per output token: top-1 minus top-2 logprob
         self.max_running, self.total_s = 0, 0.0
-        self.graph_timer = PhaseTimer()  # decode graphs' GPU time (CUDA graphs only)
         self.graph_events: list = []
-        if self.engine.model_runner.graphs is not None:
-            self.graph_timer.on = True
-            self.engine.model_runner.graphs.timer = self.graph_timer
         # Where the host's time goes (the caller sets a cProfile.Profile): the timed steps that follow a step in
         # which every request decoded; their wall times then include the profiler's overhead.
         self.host_profile: cProfile.Profile | None = None
@@ -373,8 +302,9 @@ class RealRun:
 
     def step(self, timed: bool = True) -> None:
         engine = self.engine
-        self.max_running = max(self.max_running, len(engine.scheduler.running))
+        self.max_running = max(self.max_running, engine.get_stats().num_running)
         prof = self.host_profile if timed and self._decoding else None
+        self.log.events.clear()
         ts = time.perf_counter()
         if prof is not None:
             prof.enable()
@@ -390,21 +320,16 @@ class RealRun:
                 for alts in c.logprobs or []:
                     best = sorted((lp.logprob for lp in alts.values()), reverse=True)
                     self.top2.setdefault(o.request_id, []).append(best[0] - best[1] if len(best) > 1 else float("inf"))
-        last = engine.last_schedule
-        full = last is not None and len(last.scheduled) == self.n and all(
-            k == 1 and seq.num_computed_tokens > seq.num_prompt_tokens for seq, k in last.scheduled)
+        full = self.log.last is not None and self.log.last.pure_decode(self.n)
         if full and timed:
             self.step_s.append(te - ts)
-            self.graph_events += self.graph_timer.events
-        self.graph_timer.events = []
+            self.graph_events += [e for e in self.log.events if e[0] == "graph"]
         self._decoding = full
 
     def result(self) -> dict:
         engine, n, steps = self.engine, self.n, self.step_s
         stats = engine.get_stats(sync=True)
-        if self.graph_events:
-            torch.cuda.synchronize()
-        graph = [e0.elapsed_time(e1) for _, e0, e1 in self.graph_events]
+        graph = self.log.times_ms("graph", self.graph_events)
         out = {"config": f"topk {self.budget}" + (" + KV offload" if self.offload else ", all KV in HBM"), "batch": n,
                "prompt_len": self.prompt_len, "output_len": self.output_len, "max_running": self.max_running,
                "decode_steps": len(steps),
@@ -419,8 +344,7 @@ class RealRun:
             out.update(hbm_hit_ratio=stats.offload_hbm_hits / lookups if lookups else None,
                        blocks_loaded=stats.offload_blocks_loaded, bypass_reads=stats.offload_bypass_reads,
                        h2d_GB=stats.offload_h2d_bytes / 1e9,
-                       hbm_pool_GiB=stats.offload_hbm_slots * engine.model_runner.offload.layout.head_block_bytes
-                       / 2**30)
+                       hbm_pool_GiB=stats.offload_hbm_slots * _head_block_gib(engine))
         if self.host_profile is not None:
             out["host_profile_steps"] = self.profiled_steps
             out["_host_profile"] = self.host_profile
@@ -430,18 +354,11 @@ class RealRun:
         return out
 
 
-def _fresh_memory() -> None:
-    import gc
-    gc.collect()  # the previous engines' memory (the caller dropped them) must be back first
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def real_run(model: str, prompts: list[list[int]], output_len: int, offload: bool, budget: int = 1024,
              pool_steps: float | None = None, device: str = "auto", dtype: str = "auto", margins: bool = False,
              host_profile: bool = False, **engine_args) -> dict:
     """One engine alone, run to the end (RealRun; host_profile: a cProfile of its decode steps)."""
-    _fresh_memory()
+    free_memory()
     run = RealRun(model, prompts, output_len, offload, budget, pool_steps, device, dtype, margins, **engine_args)
     run.host_profile = cProfile.Profile() if host_profile else None
     while not run.done:
@@ -456,7 +373,7 @@ def real_pair(model: str, prompts: list[list[int]], output_len: int, budget: int
     at a time (the first `skip` of each block untimed: under async scheduling a block's first steps overlap the
     other engine's step in flight): a shared machine's slow and fast periods then fall on both alike. Each engine
     gets half of the GPU memory the engine would take alone."""
-    _fresh_memory()
+    free_memory()
     util = engine_args.pop("gpu_memory_utilization", 0.9)
     # The second engine's share counts the first's memory as used (runner: total * utilization - used).
     runs = [RealRun(model, prompts, output_len, off, budget, pool_steps, device, dtype, margins,

@@ -11,9 +11,10 @@ variant is timed as the engine runs it, per layer inside one graph of 8 distinct
 cache and metadata each), and also as a graph of that one layer, which adds the ~5 us a graph replay
 costs on an H200 (paid once per decode step in the engine, not once per layer).
 --step: the whole decode step (model forward + sampling) of MODEL_DIR's architecture (random weights:
-load_format='dummy') at 128K context, batch 4, with sparse topk 2048 variants and then dense, on the
-same weights and KV cache (random KV: cost does not depend on the values). Both report the median
-of many replays.
+load_format='dummy') at 128K context, batch 4, with sparse topk 2048 variants and then dense, an engine per
+variant (random KV: cost does not depend on the values), each step built by hand at a fixed context and run
+through the runner. Both report the median of many steps (the graph: its replay's GPU time, CUDA events from
+the engine's profiler).
 """
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ import time
 import torch
 import triton
 
-from sparseserve.attention.backend import AttentionMetadata, BackendContext, create_backend
+from sparseserve.attention.backend import AttentionMetadata, BackendContext
 from sparseserve.attention.sparse import SparseBackend, SparseStepMeta
 from sparseserve.bench.hardware import hbm_bandwidth, print_table
+from sparseserve.bench.steps import StepLog
 from sparseserve.config import SparseConfig
 from sparseserve.kernels.block_score import ScoreConfig, SelectConfig, block_scores_triton, select_blocks_triton
 from sparseserve.kernels.key_meta import rebuild_key_meta
@@ -247,57 +249,54 @@ def full_budget_error(q, cache, meta, dense_out, scale, bs) -> float:
 
 def step_bench(model_dir: str, ctx: int = 131056, batch: int = 4, budget: int = 2048, dense_layers: int = 2,
                steps: int = 20) -> list[dict]:
+    from benchmarks.common import free_memory
     from sparseserve.engine.engine import LLMEngine
     from sparseserve.engine.request import Sequence, SequenceStatus
     from sparseserve.kvcache.blocks import blocks_needed
     from sparseserve.sampling_params import SamplingParams
 
     max_len = ctx + 16
-    engine = LLMEngine.from_kwargs(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=max_len,
-                                   max_num_seqs=batch,
-                                   num_gpu_blocks_override=batch * blocks_needed(max_len, 32) + 8,
-                                   sparse_policy="topk", sparse_budget=budget, sparse_dense_layers=dense_layers)
-    runner, sparse = engine.model_runner, engine.model_runner.attn_backend
-    for cache in runner.kv_caches:
-        cache.normal_()
-    rebuild_key_meta(runner.kv_caches, sparse.key_meta.codes, sparse.key_meta.scale, sparse.params.page_size)
-    seqs = []
-    for i in range(batch):
-        seq = Sequence(i, f"b{i}", 0, [100 + i] * ctx, SamplingParams(temperature=0.0))
-        seq.block_table = engine.allocator.allocate(blocks_needed(ctx, runner.block_size))
-        seq.num_computed_tokens, seq.status = ctx - 1, SequenceStatus.RUNNING
-        seqs.append(seq)
-    scheduled = [(s, 1) for s in seqs]
+    base = dict(sparse_policy="topk", sparse_budget=budget, sparse_dense_layers=dense_layers)
 
-    def measure(label: str) -> dict:
+    def measure(label: str, **sparse) -> dict:
+        free_memory()
+        log = StepLog(timing=True)
+        engine = LLMEngine.from_kwargs(log, model=model_dir, load_format="dummy", dtype="bfloat16",
+                                       max_model_len=max_len, max_num_seqs=batch,
+                                       num_gpu_blocks_override=batch * blocks_needed(max_len, 32) + 8, **sparse)
+        runner, backend = engine.model_runner, engine.model_runner.attn_backend
+        for cache in runner.kv_caches:
+            cache.normal_()
+        if sparse.get("sparse_policy", "dense") != "dense":
+            rebuild_key_meta(runner.kv_caches, backend.key_meta.codes, backend.key_meta.scale,
+                             backend.params.page_size)
+        seqs = []
+        for i in range(batch):
+            seq = Sequence(i, f"b{i}", 0, [100 + i] * ctx, SamplingParams(temperature=0.0))
+            seq.block_table = engine.allocator.allocate(blocks_needed(ctx, runner.block_size))
+            seq.num_computed_tokens, seq.status = ctx - 1, SequenceStatus.RUNNING
+            seqs.append(seq)
+        scheduled = [(s, 1) for s in seqs]
         runner.execute(scheduled)  # warm-up; the sequences stay at ctx tokens: every step is alike
+        if sparse.get("sparse_lag"):
+            mirror_lists(backend)
         torch.cuda.synchronize()
         walls = []
+        log.events.clear()
         for _ in range(steps):
             t0 = time.perf_counter()
             runner.execute(scheduled)
             torch.cuda.synchronize()
             walls.append(1e3 * (time.perf_counter() - t0))
-        graph = runner.graphs.graphs[batch]
-        replay = triton.testing.do_bench(graph.replay, warmup=5, rep=max(300, int(10 * statistics.median(walls))),
-                                         return_mode="median")
-        return {"case": f"{label} step B={batch} L={ctx}", "graph_ms": replay,
+        return {"case": f"{label} step B={batch} L={ctx}", "graph_ms": statistics.median(log.times_ms("graph")),
                 "engine_step_ms": statistics.median(walls)}
 
-    rows = [measure(f"sparse topk {budget} dense_layers={dense_layers}")]
+    rows = [measure(f"sparse topk {budget} dense_layers={dense_layers}", **base)]
     # sparse_lag with reuse is left out: at a fixed context every step would select (or none would).
     for change in ({"sparse_reuse": 4}, {"sparse_dense_layers": 0}, {"sparse_dense_layers": 0, "sparse_reuse": 4},
                    {"sparse_lag": 1}, {"sparse_lag": 1, "sparse_dense_layers": 0}):
-        # same weights and cache, another attention backend (graphs captured anew), sharing the key metadata
-        variant = SparseBackend(dataclasses.replace(sparse.ctx, sparse=dataclasses.replace(sparse.ctx.sparse,
-                                                                                             **change)))
-        variant.key_meta = sparse.key_meta
-        runner.set_attention_backend(variant)
-        if variant.params.lag:
-            runner.execute(scheduled)
-            mirror_lists(variant)
-        rows.append(measure(f"sparse topk {budget} " + " ".join(f"{k[7:]}={v}" for k, v in change.items())))
-    runner.set_attention_backend(create_backend("dense", sparse.ctx))
+        rows.append(measure(f"sparse topk {budget} " + " ".join(f"{k[7:]}={v}" for k, v in change.items()),
+                            **(base | change)))
     rows.append(measure("dense"))
     for row in rows[:-1]:
         for key in ("graph_ms", "engine_step_ms"):

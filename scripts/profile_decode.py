@@ -15,6 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from sparseserve.bench.accuracy import parse_engine_args
+from sparseserve.bench.steps import StepLog
 from sparseserve.engine.engine import LLMEngine
 from sparseserve.sampling_params import SamplingParams
 
@@ -27,14 +28,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", help="engine option (repeatable)")
     args = ap.parse_args()
-    engine = LLMEngine.from_kwargs(model=args.model, load_format="dummy", dtype="bfloat16",
+    log = StepLog()  # each step's schedule: the profiled steps start once the whole batch decodes
+    engine = LLMEngine.from_kwargs(log, model=args.model, load_format="dummy", dtype="bfloat16",
                                    max_model_len=args.input_len + 256, max_num_seqs=args.batch,
                                    max_num_batched_tokens=32768, **parse_engine_args(args.engine_arg))
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(str(i), torch.randint(100, 30000, (args.input_len,), generator=g).tolist(), params)
-    while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+    engine.step()
+    while not log.last.pure_decode(args.batch):
         engine.step()
     for _ in range(5):
         engine.step()

@@ -26,14 +26,15 @@ import time
 import torch
 
 from sparseserve.bench.hardware import print_table
+from sparseserve.bench.steps import StepLog
 from sparseserve.engine.engine import LLMEngine
 from sparseserve.sampling_params import SamplingParams
 
 
-def engine(model: str, tp: int, **kw) -> LLMEngine:
+def engine(model: str, tp: int, log: StepLog | None = None, **kw) -> LLMEngine:
     gc.collect()  # the previous engine's memory must be back (engines hold reference cycles)
     torch.cuda.empty_cache()
-    return LLMEngine.from_kwargs(model=model, dtype="bfloat16", tensor_parallel_size=tp, **kw)
+    return LLMEngine.from_kwargs(log, model=model, dtype="bfloat16", tensor_parallel_size=tp, **kw)
 
 
 def drop(e: LLMEngine) -> None:
@@ -89,7 +90,8 @@ def parity(args) -> list[dict]:
 def step(args) -> list[dict]:
     rows = []
     for tp in (1, args.tp):
-        e = engine(args.model, tp, load_format="dummy", max_model_len=args.context + args.steps + 64,
+        log = StepLog()
+        e = engine(args.model, tp, log, load_format="dummy", max_model_len=args.context + args.steps + 64,
                    max_num_seqs=args.batch, max_num_batched_tokens=16384)
         params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
         for i, p in enumerate(prompts(args.batch, args.context)):
@@ -100,8 +102,7 @@ def step(args) -> list[dict]:
             t0 = time.perf_counter()
             e.step()
             dt = time.perf_counter() - t0
-            last = e.last_schedule
-            if len(last.scheduled) == args.batch and all(n == 1 for _, n in last.scheduled):
+            if log.last.pure_decode(args.batch):
                 times.append(dt)
         drop(e)
         e = None
@@ -116,7 +117,8 @@ def capacity(args) -> list[dict]:
     total = torch.cuda.get_device_properties(0).total_memory
     rows = []
     for tp, n in ((1, args.requests_tp1), (args.tp, args.requests)):
-        e = engine(args.model, tp, load_format="dummy", max_model_len=args.context + args.output_len,
+        log = StepLog()
+        e = engine(args.model, tp, log, load_format="dummy", max_model_len=args.context + args.output_len,
                    max_num_seqs=n, max_num_batched_tokens=16384,
                    gpu_memory_utilization=args.gpu_memory_gb * 1e9 / total,
                    sparse_policy="topk", sparse_budget=2048, sparse_reuse=args.reuse, kv_offload=True,
@@ -124,22 +126,21 @@ def capacity(args) -> list[dict]:
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         for i, p in enumerate(prompts(n, args.context)):
             e.add_request(str(i), p, params)
-        sched = e.scheduler
         most, since, decode = 0, 0, []
         t0 = time.perf_counter()
         # Until every request runs, or admissions stop: `plateau` decode steps without a new one running.
-        while sched.waiting and since < args.plateau and e.has_unfinished_requests():
+        while e.get_stats().num_waiting and since < args.plateau and e.has_unfinished_requests():
             ts = time.perf_counter()
             e.step()
             dt = time.perf_counter() - ts
-            last = e.last_schedule
-            if last.scheduled and all(n_ == 1 for _, n_ in last.scheduled):
+            if log.last.pure_decode():
                 decode.append(dt)
-            since = 0 if len(sched.running) > most else since + 1
-            most = max(most, len(sched.running))
+            running = e.get_stats().num_running
+            since = 0 if running > most else since + 1
+            most = max(most, running)
         stats = e.get_stats(sync=True)
         tail = sorted(decode[-args.plateau // 2:]) or [float("nan")]
-        rows.append({"tp": tp, "requests": n, "max_running": most, "all_admitted": not sched.waiting,
+        rows.append({"tp": tp, "requests": n, "max_running": most, "all_admitted": not stats.num_waiting,
                      "preemptions": stats.num_preemptions, "decode_step_ms": 1e3 * tail[len(tail) // 2],
                      "host_blocks": stats.offload_host_blocks, "device_blocks": stats.offload_device_blocks,
                      "hbm_slots": stats.offload_hbm_slots, "seconds": time.perf_counter() - t0})

@@ -213,7 +213,8 @@ def model_context(model: str | None) -> int:
 
 def load_tokenizer(model: str | None, tokenizer: str | None = None) -> Any:
     """The tokenizer the engine will use (LLMEngine loads it the same way), so samples exist before any engine."""
-    from sparseserve.models.loader import load_tokenizer as load_model_tokenizer, resolve_model_dir
+    from sparseserve.models.loader import load_tokenizer as load_model_tokenizer
+    from sparseserve.models.loader import resolve_model_dir
     return load_model_tokenizer(tokenizer or resolve_model_dir(model))
 
 
@@ -288,6 +289,7 @@ def hf_greedy(model: str | None, samples: list[T.TaskSample], device: str, dtype
     Samples of one (task, length) have equal prompt lengths, so they batch without padding."""
     import torch
     from transformers import AutoModelForCausalLM
+
     from sparseserve.models.loader import resolve_model_dir
     path = resolve_model_dir(model)
     dev = "cuda" if device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
@@ -441,8 +443,8 @@ def plot_curve(points: list[dict], path: str) -> bool:
 def main(args: argparse.Namespace) -> dict:
     from sparseserve import LLM
     from sparseserve.bench import attention_probe
-    from sparseserve.config import EngineConfig
     from sparseserve.bench import perplexity as P
+    from sparseserve.config import EngineConfig
 
     model = args.model
     option = getattr(args, "model_option", None)
@@ -496,7 +498,9 @@ def main(args: argparse.Namespace) -> dict:
             raise ValueError(f"policy {pol.name}: streaming_heads file {heads!r} does not exist")
     for pol in policies:
         t0 = time.time()
-        llm = LLM(model=model, **{**_engine_args(args, max_len), **pol.engine_args})
+        engine_kw = {**_engine_args(args, max_len), **pol.engine_args}
+        forcing = P.TeacherForcing() if windows else None  # the engine's profiler: perplexity's targets
+        llm = LLM(model=model, profiler=forcing, **engine_kw)
         engine = llm.llm_engine
         model_desc, eos_ids = str(engine.model_name), set(engine.eos_token_ids)
         bs = engine.config.cache_config.block_size
@@ -513,7 +517,7 @@ def main(args: argparse.Namespace) -> dict:
             rows += part
             if n in windows:
                 before = selection_counters(llm)
-                lps = P.forced_logprobs(llm, windows[n])
+                lps = P.forced_logprobs(llm, forcing, windows[n])
                 ppl[pol.name][str(n)] = P.summarize(lps)
                 attended_ppl[pol.name][str(n)] = tokens_attended(before, selection_counters(llm), bs,
                                                                  n - args.ppl_tokens / 2)
@@ -521,13 +525,17 @@ def main(args: argparse.Namespace) -> dict:
             r["index"] = i
         rows_by_policy[pol.name] = rows
         results[pol.name] = accuracy_table(rows)
+        offload = engine.config.offload_config.kv_offload
+        llm = engine = None
+        _release_memory()  # the next engine (or the transformers reference) gets the GPU memory
         if args.probe_steps:
-            if engine.model_runner.offload is not None:
+            if offload:
                 print(f"[{pol.name}] no attention probe under KV offload (the device cache holds only the windows)")
             else:
                 probe_samples = [s for t in tasks for n in lengths
                                  for s in [x for x in samples if x.task == t and x.length == n][:args.probe_samples]]
-                probes[pol.name] = attention_probe.probe(llm, probe_samples, args.probe_steps)
+                probes[pol.name] = attention_probe.probe(model, engine_kw, probe_samples, args.probe_steps)
+                _release_memory()
         timing[pol.name] = round(time.time() - t0, 2)
         mean = sum(r["correct"] for r in rows) / max(len(rows), 1)
         print(f"[{pol.name}] mean accuracy {100 * mean:.1f}% over {len(rows)} samples, {timing[pol.name]:.0f} s")
@@ -536,8 +544,6 @@ def main(args: argparse.Namespace) -> dict:
             Path(args.output).write_text(json.dumps({"partial": True, "accuracy": results, "perplexity": ppl,
                                                      "mean_tokens_attended": attended, "seconds": timing,
                                                      "samples": rows_by_policy}, indent=1))
-        llm = engine = None
-        _release_memory()  # the next engine (or the transformers reference) gets the GPU memory
 
     parity_out = None
     if args.compare_hf:  # after the engines are gone: the reference needs the memory they held

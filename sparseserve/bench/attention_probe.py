@@ -17,9 +17,9 @@ dense attention in float32 over the request's whole context from the paged KV ca
 Which tokens a policy attended: a sparse backend exposes `attended_blocks(layer_idx, meta)`, a bool
 tensor [num_decodes, num_kv_heads, max_blocks] over the block table of the step just run (all query
 heads of a KV group share one selection). Without that method the backend is dense: every block.
-`probe` runs its requests eagerly (a captured CUDA graph replays without Python, so it would not call the
-observer): it sets the runner's graphs aside for its own requests and puts them back. Not under KV offload
-(the device cache then holds only the decode windows).
+`probe` runs its requests through an engine of its own built with enforce_eager (a captured CUDA graph replays
+without Python, so it would not call the observer). Not under KV offload (the device cache then holds only the
+decode windows).
 """
 from __future__ import annotations
 
@@ -115,18 +115,14 @@ def _oracle_masses(probs: torch.Tensor, sel: torch.Tensor, block_size: int) -> t
     return torch.cat(best_blocks).mean().item(), torch.cat(best_tokens).mean().item()
 
 
-def probe(llm: Any, samples: list[TaskSample], steps: int) -> dict:
-    """Runs `samples` for `steps` decode steps each (greedy, EOS ignored so every step happens) with
-    the probe installed, eagerly, and returns its per-layer report."""
-    from sparseserve import SamplingParams
-    runner = llm.llm_engine.model_runner
+def probe(model: str | None, engine_args: dict, samples: list[TaskSample], steps: int) -> dict:
+    """Runs `samples` for `steps` decode steps each (greedy, EOS ignored so every step happens) through an eager
+    engine of `engine_args` with the probe installed, and returns its per-layer report."""
+    from sparseserve import LLM, SamplingParams
+    llm = LLM(model=model, **{**engine_args, "enforce_eager": True})
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
-    graphs, runner.graphs = runner.graphs, None
-    try:
-        with AttentionProbe(runner.attn_backend) as p:
-            llm.generate([s.prompt_ids for s in samples], params, use_tqdm=False)
-    finally:
-        runner.graphs = graphs
+    with AttentionProbe(llm.llm_engine.model_runner.attn_backend) as p:
+        llm.generate([s.prompt_ids for s in samples], params, use_tqdm=False)
     rep = p.report()
     rep.update(num_requests=len(samples), decode_steps=steps)
     return rep

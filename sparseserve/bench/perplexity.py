@@ -5,8 +5,7 @@ Each window of the essays is split into a prefix of L tokens and N + 1 targets. 
 (the prefill's prediction of target 0 is forced but not scored) and then runs N decode steps; the token each step
 appends is the next target, whatever the sampler picked, and the log-probability the model gave that target is
 recorded. The engine's own scheduling, batching, CUDA graphs and sparse backend run unchanged: `TeacherForcing`
-only wraps the model runner's `execute` (the one call that turns logits into the step's tokens), so nothing in
-the engine's public API changes.
+is the engine's profiler (sparseserve/profiler.py), which sees each step's logits and names the tokens to append.
 """
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 
 from sparseserve.bench.tasks import TaskBuilder
+from sparseserve.profiler import Profiler
 
 
 @dataclass
@@ -47,84 +47,66 @@ class ForcedRun:
     other_scored: int = 0      # scored tokens whose logits came from a prefill (a recomputed, preempted sequence)
 
 
-class TeacherForcing:
-    """Within the context, the engine appends each registered request's next target instead of its sampled
-    token, and records the log-probability of the targets from `score_from` on (the full softmax of the
-    step's logits, before any sampling transform)."""
+class TeacherForcing(Profiler):
+    """The engine's profiler (`LLM(model, profiler=TeacherForcing())`): the engine appends each registered
+    request's next target instead of its sampled token, and the log-probability of the targets from `score_from`
+    on is recorded (the full softmax of the step's logits, before any sampling transform)."""
 
-    def __init__(self, engine: Any) -> None:
-        self.runner = engine.model_runner
+    def __init__(self, score_from: int = 1) -> None:
         self.targets: dict[str, list[int]] = {}
-        self.score_from = 1
+        self.score_from = score_from
         self.run = ForcedRun()
+        self._decoding: set[int] = set()
 
-    def __enter__(self) -> "TeacherForcing":
-        self._execute = self.runner.execute
-        self.runner.execute = self._forced_execute  # an instance attribute shadowing the method
-        return self
+    def on_schedule(self, out: Any) -> None:
+        self._decoding = {id(s) for s, n in out.scheduled if n == 1 and s.num_computed_tokens >= s.num_prompt_tokens}
 
-    def __exit__(self, *exc) -> None:
-        del self.runner.execute
-
-    def _forced_execute(self, scheduled):
-        runner, captured = self.runner, {}
-        sampler = runner.sampler
-
-        def capture(logits, meta):
-            captured["logits"] = logits
-            return sampler(logits, meta)
-
-        runner.sampler = capture
-        try:
-            seqs, out = self._execute(scheduled)
-        finally:
-            runner.sampler = sampler
-        if out is None:
-            return seqs, out
-        decoding = {id(s) for s, n in scheduled if n == 1 and s.num_computed_tokens >= s.num_prompt_tokens}
+    def on_logits(self, seqs: list, logits: torch.Tensor) -> torch.Tensor | None:
         rows, tokens = [], []
         for i, seq in enumerate(seqs):
             target = self.targets.get(seq.request_id)
             k = seq.num_output_tokens
-            if target is None or k >= len(target):
-                continue
-            rows.append(i)
-            tokens.append(target[k])
-            if k >= self.score_from:
-                if id(seq) in decoding:
+            if target is not None and k < len(target):
+                rows.append(i)
+                tokens.append(target[k])
+        if not rows:
+            return None
+        idx = torch.tensor(rows, device=logits.device)
+        tok = torch.tensor(tokens, device=logits.device)
+        picked = logits[idx].float()
+        picked = (picked.gather(1, tok[:, None])[:, 0] - torch.logsumexp(picked, dim=-1)).tolist()
+        for i, lp in zip(rows, picked):
+            seq = seqs[i]
+            if seq.num_output_tokens >= self.score_from:
+                if id(seq) in self._decoding:
                     self.run.decode_scored += 1
                 else:
                     self.run.other_scored += 1
-        if rows:
-            logits = captured["logits"].float()
-            idx = torch.tensor(rows, device=logits.device)
-            tok = torch.tensor(tokens, device=logits.device)
-            picked = logits[idx].gather(1, tok[:, None])[:, 0] - torch.logsumexp(logits[idx], dim=-1)
-            out.token_ids = out.token_ids.clone()
-            out.token_ids[idx] = tok.to(out.token_ids.dtype)
-            for i, lp in zip(rows, picked.tolist()):
-                seq = seqs[i]
-                if seq.num_output_tokens >= self.score_from:
-                    self.run.logprobs.setdefault(seq.request_id, []).append(lp)
-        return seqs, out
+                self.run.logprobs.setdefault(seq.request_id, []).append(lp)
+        forced = torch.full((len(seqs),), -1, dtype=torch.int64, device=logits.device)
+        forced[idx] = tok
+        return forced
 
 
-def forced_logprobs(llm: Any, windows: list[Window]) -> list[list[float]]:
+def forced_logprobs(llm: Any, tf: TeacherForcing, windows: list[Window]) -> list[list[float]]:
     """Log-probabilities of each window's targets 1..N, every one computed by a decode step (all windows in one
-    batch; the engine schedules them). Raises if a preempted sequence had a target scored by a prefill."""
+    batch; the engine schedules them). `llm` was built with `tf` as its profiler. Raises if a preempted sequence
+    had a target scored by a prefill."""
     from sparseserve import SamplingParams
     engine = llm.llm_engine
     ids = [f"ppl-{i}" for i in range(len(windows))]
-    with TeacherForcing(engine) as tf:
-        for rid, w in zip(ids, windows):
-            tf.targets[rid] = w.target_ids
-            engine.add_request(rid, w.prefix_ids, SamplingParams(temperature=0.0, max_tokens=len(w.target_ids),
-                                                                 ignore_eos=True))
-        pending = set(ids)
-        while pending:
-            for out in engine.step():
-                if out.finished:
-                    pending.discard(out.request_id)
+    tf.run = ForcedRun()
+    for rid, w in zip(ids, windows):
+        tf.targets[rid] = w.target_ids
+        engine.add_request(rid, w.prefix_ids, SamplingParams(temperature=0.0, max_tokens=len(w.target_ids),
+                                                             ignore_eos=True))
+    pending = set(ids)
+    while pending:
+        for out in engine.step():
+            if out.finished:
+                pending.discard(out.request_id)
+    for rid in ids:
+        del tf.targets[rid]
     if tf.run.other_scored:
         raise RuntimeError(f"{tf.run.other_scored} scored tokens came from a recomputing prefill (preemption): "
                            f"give the engine more KV memory or fewer windows")

@@ -15,6 +15,7 @@ import time
 import torch
 
 from sparseserve.bench.hardware import hbm_bandwidth, matmul_flops, print_table
+from sparseserve.bench.steps import StepLog
 from sparseserve.engine.engine import LLMEngine
 from sparseserve.sampling_params import SamplingParams
 
@@ -45,23 +46,23 @@ def make_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[in
     return torch.randint(100, min(vocab, 32000), (batch, length), generator=g).tolist()
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict:
+def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, log: StepLog) -> dict:
+    """One batch through `engine`, built with `log` as its profiler (StepLog(timing=True) for the GPU time)."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     engine.reset_prefix_cache()  # rows reuse prompts (one seed): each row prefills its own, as a cold engine would
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}", p, params)
-    sched = engine.scheduler
     gen0 = engine.num_generation_tokens
-    decode_steps, t0, first_token_at = [], time.perf_counter(), None
+    decode_steps, graph_ms, t0, first_token_at = [], [], time.perf_counter(), None
     while engine.has_unfinished_requests():
-        # A step of the whole batch in decode: the decode step time that the roofline compares with.
-        full_decode = not sched.waiting and len(sched.running) == len(prompts) and all(
-            s.num_tokens - s.num_computed_tokens == 1 for s in sched.running)
+        log.events.clear()
         ts = time.perf_counter()
         engine.step()  # ends in a host sync (sampled tokens to the CPU)
         te = time.perf_counter()
-        if full_decode:
+        # A step of the whole batch in decode: the decode step time that the roofline compares with.
+        if log.last is not None and log.last.pure_decode(len(prompts)):
             decode_steps.append(te - ts)
+            graph_ms += log.times_ms("graph")
         if first_token_at is None and engine.num_generation_tokens - gen0 >= len(prompts):
             first_token_at = te - t0  # every request has its first token: the batch's prefill is done
     total = time.perf_counter() - t0
@@ -69,24 +70,11 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> 
            "decode_step_ms": 1e3 * statistics.median(decode_steps) if decode_steps else None,
            "decode_step_mean_ms": 1e3 * statistics.fmean(decode_steps) if decode_steps else None,
            "output_tok_s": len(prompts) * output_len / total}
-    graphs = engine.model_runner.graphs
-    if graphs is not None and len(prompts) <= graphs.buckets[-1]:
-        # The decode forward alone (graph replay on the last step's inputs): the rest of a step is
-        # scheduling, sampling and detokenization on the host.
-        bucket = next(b for b in graphs.buckets if b >= len(prompts))
-        out["gpu_forward_ms"] = _time_ms(graphs.graphs[bucket].replay)
+    if graph_ms:
+        # The decode forward alone (the graph replays' GPU time): the rest of a step is scheduling, sampling
+        # and detokenization on the host.
+        out["gpu_forward_ms"] = statistics.median(graph_ms)
     return out
-
-
-def _time_ms(fn, iters: int = 10) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def run_hf(model, prompts: list[list[int]], output_len: int, compile: bool) -> dict:
@@ -147,8 +135,9 @@ def prefill_flops(engine: LLMEngine, tokens: int) -> float:
 
 def main(args: argparse.Namespace) -> None:
     max_len = max(args.input_lens) + args.output_len
+    log = StepLog(timing=True)
     engine = LLMEngine.from_kwargs(
-        model=args.model, dtype=args.dtype, device=args.device, max_model_len=max_len,
+        log, model=args.model, dtype=args.dtype, device=args.device, max_model_len=max_len,
         max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
     dev = engine.model_runner.device
@@ -167,7 +156,7 @@ def main(args: argparse.Namespace) -> None:
             if batch * (length + args.output_len) > capacity:
                 rows.append(row | {"total_s": "KV too small"})
                 continue
-            r = run_engine(engine, make_prompts(batch, length, vocab, args.seed), args.output_len)
+            r = run_engine(engine, make_prompts(batch, length, vocab, args.seed), args.output_len, log)
             if "hbm_bytes_per_s" in result and r["decode_step_ms"]:
                 roof = decode_bytes(engine, batch, length + args.output_len // 2) / result["hbm_bytes_per_s"]
                 r["roofline_ms"] = 1e3 * roof

@@ -40,11 +40,10 @@ def test_split_of_a_hand_built_timeline():
 def test_tokens_are_booked_to_the_step_that_produced_them(async_scheduling):
     prefill = SimpleNamespace(scheduled=[(None, 300), (None, 1)], segments=[])
     decode = SimpleNamespace(scheduled=[(None, 1), (None, 1)], segments=[])
-    engine = SimpleNamespace(async_scheduling=async_scheduling, last_schedule=None)
-    timeline = D.Timeline(engine)
+    timeline = D.Timeline(async_scheduling)
     out = [SimpleNamespace(request_id="r", outputs=[SimpleNamespace(token_ids=[7])])]
     for t, sched, outputs, idle in ((1.0, prefill, [], 0.5), (2.0, decode, out, 0.0), (3.0, decode, out, 0.0)):
-        engine.last_schedule = sched
+        timeline.on_schedule(sched)  # the engine calls it before the step runs
         timeline(outputs if async_scheduling else out, t, idle)
     first, second = timeline.steps[1], timeline.steps[2]
     # async: the call at t=2 lands the prefill step launched at t=1; sync: each call lands its own
