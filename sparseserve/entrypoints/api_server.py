@@ -35,7 +35,11 @@ from sparseserve.entrypoints.http_server import ClientLimits, DrainingServer, uv
 from sparseserve.entrypoints.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                               CompletionResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList,
                                               invalid_unicode, random_id)
-from sparseserve.entrypoints.serving import ChatFormat, CompletionFormat, last_output, sse_events
+from sparseserve.entrypoints.serving import (ChatFormat, CompletionFormat, Prompts, PromptsStream, last_output,
+                                             sse_events)
+from sparseserve.entrypoints.tool_parsers import TOOL_PARSERS
+from sparseserve.entrypoints.tools import (fallback_messages, message_dicts, parser_name, plan_tools,
+                                           template_renders_tools)
 from sparseserve.metrics import CONTENT_TYPE, ServerMetrics
 from sparseserve.models.loader import resolve_model_dir
 from sparseserve.sampling_params import ParameterError, SamplingParams
@@ -90,6 +94,9 @@ class ServerConfig:
     cache_salt_source: str = _opt("request", "Whose prompts share prefix-cache blocks: request (those with the "
                                   "same cache_salt field, or none), api-key (only those of the same API key) or "
                                   "header:NAME (only those with the same value of header NAME).")
+    tool_call_parser: str = _opt("auto", "How chat outputs are read for tool calls with tool_choice auto: hermes "
+                                 "(<tool_call> blocks: Qwen2.5, Qwen3), llama3_json (Llama 3.1/3.2's JSON), or auto "
+                                 "(hermes when the chat template writes <tool_call>, else llama3_json).")
 
     def __post_init__(self) -> None:
         if isinstance(self.api_key, str):
@@ -101,6 +108,9 @@ class ServerConfig:
             raise ValueError(f"--cache-salt-source must be request, api-key or header:NAME, got {source!r}")
         if source == "api-key" and self.api_key is None:
             raise ValueError("--cache-salt-source api-key needs --api-key")
+        if self.tool_call_parser != "auto" and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be auto or one of {TOOL_PARSERS.names()}, "
+                             f"got {self.tool_call_parser!r}")
 
 
 class BodySizeLimit:
@@ -282,15 +292,27 @@ def check_unicode(req: Any) -> None:
                        code="invalid_unicode")
 
 
-def sampling(engine: AsyncLLMEngine, req: Any, max_tokens: int | None, logprobs: int | None) -> Any:
+def sampling(engine: AsyncLLMEngine, req: Any, max_tokens: int | None, logprobs: int | None, **extra: Any) -> Any:
     # More than max_num_seqs sequences could never run in one batch: one bound, one message for every n.
     limit = min(engine.engine.config.scheduler_config.max_num_seqs, SamplingParams.MAX_N)
     if not 1 <= req.n <= limit:
         raise APIError(400, f"n must be an integer in [1, {limit}], got {req.n}", param="n")
     try:
-        return req.sampling_params(max_tokens, logprobs)
+        return req.sampling_params(max_tokens, logprobs, **extra)
     except ParameterError as e:
         raise APIError(400, str(e), param=e.param) from None
+
+
+async def check_constraint(engine: AsyncLLMEngine, params: SamplingParams, param: str | None) -> None:
+    """Compiles the output's constraint off the event loop and the engine's thread (cached: the engine's compile
+    is then a lookup); an invalid one is a 400 naming the request's field."""
+    if params.structured_outputs is None:
+        return
+    from sparseserve.structured import structured_backend
+    try:
+        await asyncio.to_thread(lambda: structured_backend(engine.engine).compile(params.structured_outputs))
+    except ParameterError as e:
+        raise APIError(400, str(e), param=param or e.param) from None
 
 
 async def submit(engine: AsyncLLMEngine, prefix: str, prompt: str | list[int], params: Any, prompt_param: str,
@@ -347,24 +369,45 @@ async def show_available_models(raw: Request) -> ModelList:
                            for name in config_of(raw).served_model_names])
 
 
+@v1_router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, raw: Request) -> ModelCard:
+    if model_id not in config_of(raw).served_model_names:
+        raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found",
+                       type="not_found_error")
+    return ModelCard(id=model_id, max_model_len=engine_of(raw).engine.max_model_len, root=model_id)
+
+
 @v1_router.post("/v1/completions", dependencies=[Depends(check_accepting)],
                 responses=_stream_doc(CompletionResponse))
 async def create_completion(req: CompletionRequest, raw: Request) -> Response:
     engine = engine_of(raw)
     check_unicode(req)
     model = check_model(config_of(raw), req.model)
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise APIError(400, "Only one prompt per request is supported.", param="prompt")
-        prompt = prompt[0]
-    if req.echo or req.suffix:
-        raise APIError(400, "echo and suffix are not supported.", param="echo" if req.echo else "suffix")
-    params = sampling(engine, req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
-    request_id, stream = await submit(engine, "cmpl", prompt, params, "prompt", cache_salt(raw, req.cache_salt))
-    fmt = CompletionFormat(request_id, model, req.logprobs, engine.engine.tokenizer,
-                           config_of(raw).enable_prompt_tokens_details)
-    return await respond(fmt, stream, req, raw)
+    tokenizer = engine.engine.tokenizer
+    try:
+        prompts = req.prompts()  # each its own n choices
+    except ParameterError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    echo_only = req.echo and req.max_tokens == 0  # vLLM's: the prompt alone (one token generated and dropped)
+    max_tokens = 1 if echo_only else 16 if req.max_tokens is None else req.max_tokens
+    params = sampling(engine, req, max_tokens, req.logprobs,
+                      prompt_logprobs=req.logprobs if req.echo else None)
+    await check_constraint(engine, params, req.constraint_param())
+    salt = cache_salt(raw, req.cache_salt)
+    ids = [p if isinstance(p, list) else await asyncio.to_thread(tokenizer.encode, p) for p in prompts]
+    submitted: list[tuple[str, Any]] = []
+    try:
+        for p in ids:
+            submitted.append(await submit(engine, "cmpl", p, params, "prompt", salt))
+    except BaseException:
+        for _, stream in submitted:  # all or nothing
+            stream.abort()
+        raise
+    texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if req.echo else []
+    info = Prompts(texts, ids, params.n)
+    fmt = CompletionFormat(submitted[0][0], model, req.logprobs, tokenizer, config_of(raw).enable_prompt_tokens_details,
+                           info, req.echo, echo_only)
+    return await respond(fmt, PromptsStream([s for _, s in submitted], info), req, raw)
 
 
 @v1_router.post("/v1/chat/completions", dependencies=[Depends(check_accepting)],
@@ -376,21 +419,34 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
     tokenizer = engine.engine.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, f"The model '{model}' has no chat template; use /v1/completions.", param="messages")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
-        text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=False,
+        k = req.logprobs_k()
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                          parser_name(config_of(raw).tool_call_parser, tokenizer))
+    except ParameterError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    messages = message_dicts(req.messages)
+    tools = None
+    if plan is not None:  # a template that does not write the tools gets them in a system message (tools.py)
+        if await asyncio.to_thread(template_renders_tools, tokenizer):
+            tools = plan.tools
+        else:
+            messages, plan.template_tools = fallback_messages(messages, plan.tools), False
+    try:
+        text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tools=tools, tokenize=False,
                                        add_generation_prompt=req.add_generation_prompt)
     except (TemplateError, ValueError, TypeError) as e:  # a template may refuse a conversation (roles out of order)
         raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from None
     prompt_ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
-    k = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     if max_tokens is None:  # the model's generation_config.json default, else up to max_model_len (OpenAI's)
         max_tokens = raw.app.state.default_max_tokens
-    params = sampling(engine, req, max_tokens, k)
+    tool_constraint = plan.constraint if plan is not None else None
+    params = sampling(engine, req, max_tokens, k, structured_outputs=tool_constraint)
+    await check_constraint(engine, params, "tools" if tool_constraint is not None else req.constraint_param())
     salt = cache_salt(raw, req.cache_salt)
     request_id, stream = await submit(engine, "chatcmpl", prompt_ids, params, "messages", salt)
-    fmt = ChatFormat(request_id, model, k, tokenizer, config_of(raw).enable_prompt_tokens_details)
+    fmt = ChatFormat(request_id, model, k, tokenizer, config_of(raw).enable_prompt_tokens_details, plan)
     return await respond(fmt, stream, req, raw)
 
 
@@ -520,7 +576,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-fastapi-docs", action="store_true",
                    help="Serve no OpenAPI document (/openapi.json; default: served). /docs and /redoc are never "
                         "served: their pages load scripts from a public CDN.")
-    for name in ("enable_prompt_tokens_details", "cache_salt_source"):
+    for name in ("enable_prompt_tokens_details", "cache_salt_source", "tool_call_parser"):
         f = next(f for f in dataclasses.fields(ServerConfig) if f.name == name)
         flag, help = "--" + name.replace("_", "-"), f"{f.metadata['help']} (default: {f.default})"
         if f.type == "bool":
@@ -590,7 +646,7 @@ def run_server(args: argparse.Namespace) -> None:
                           disable_fastapi_docs=args.disable_fastapi_docs,
                           engine_watchdog_timeout=args.engine_watchdog_timeout,
                           enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                          cache_salt_source=args.cache_salt_source)
+                          cache_salt_source=args.cache_salt_source, tool_call_parser=args.tool_call_parser)
     engine = LLMEngine.from_kwargs(**engine_kwargs_from_args(args))
     if not args.served_model_name:
         config = dataclasses.replace(config, served_model_names=(engine.model_name,))

@@ -157,12 +157,14 @@ VALIDATION_CASES = [
     ({"prompt": [5, 99999]}, 400, "prompt"),
     ({"prompt": [-3]}, 400, "prompt"),
     ({"prompt": ""}, 400, "prompt"),
-    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": ["a", ""]}, 400, "prompt"),
     ({"prompt": "hi", "seed": 2**64}, 400, "seed"),
     ({"prompt": "hi", "seed": -2**63 - 1}, 400, "seed"),
     ({"prompt": "hi", "seed": 1e30}, 400, "seed"),
     ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
-    ({"prompt": "hi", "echo": True}, 400, "echo"),
+    ({"prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ({"prompt": "hi", "best_of": 2}, 400, "best_of"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
 ]
 
