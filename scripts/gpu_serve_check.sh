@@ -105,7 +105,9 @@ for point in $POINTS; do
     # call would otherwise make the order of the servers matter); jit_TAG.txt lists what compiled while serving.
     tc=/tmp/triton_$tag; rm -rf "$tc" "$tc.up"
     [ "${FRESH_TRITON_CACHE:-1}" = 1 ] && export TRITON_CACHE_DIR=$tc
-    python3 -m sparseserve serve "$MODEL" --port "$PORT" $DEVFLAGS $flags >"$LOGS/server_$tag.log" 2>&1 &
+    # SERVER_TREE: serve from another checkout (e.g. an old commit unpacked in .old), the client from this one
+    PYTHONPATH=${SERVER_TREE:+$SERVER_TREE:}$PYTHONPATH python3 -m sparseserve serve "$MODEL" --port "$PORT" \
+      $DEVFLAGS $flags >"$LOGS/server_$tag.log" 2>&1 &
     pid=$!
     up=0
     for _ in $(seq 1 300); do

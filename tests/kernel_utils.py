@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import triton  # noqa: F401  (a test dependency: its absence must fail, not skip)
 
 ON_GPU = torch.cuda.is_available()

@@ -85,7 +85,9 @@ def held_blocks(engine) -> list[int]:
                 assert h is None or h == s.block_hashes[j], "a held block is cached under other tokens"
     offload = engine.model_runner.offload
     if offload is not None:
-        dm = offload.device_map
+        dm = engine.scheduler.kv.device_space.map
+        if not dm.changed:  # every plan taken: the runner's ranges are the scheduler's
+            assert offload.ranges == dm.ranges
         dev = [b for s in seqs for b in dm.range_of(s)[1]]
         assert len(dev) == len(set(dev)) == dm.allocator.num_used <= dm.num_blocks
         dm.allocator.check()
@@ -133,7 +135,7 @@ class CachedBlockContents:
         if cache is None:
             return
         if self.engine.model_runner.offload is not None:
-            self.engine.model_runner.offload.fence()
+            self.engine.model_runner.offload.sync()
         current = dict(cache._hash_of)
         for b in [b for b, (h, _) in self.seen.items() if current.get(b) != h]:
             del self.seen[b]

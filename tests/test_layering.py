@@ -89,6 +89,55 @@ def test_kv_offload_is_reached_through_one_component():
     assert [line for line in hits if line not in runner] == []
 
 
+def _all_imports(path: Path) -> set[str]:
+    """Every module a file imports at run time (not under TYPE_CHECKING), sparseserve's or not."""
+    tree = ast.parse(path.read_text())
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            skip.update(id(n) for n in ast.walk(node))
+    mods: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            mods.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            mods.add(node.module)
+    return mods
+
+
+def test_scheduler_components_keep_their_boundaries():
+    """The scheduler's side is plain Python over sequences and block ids: no torch, nothing of the runner,
+    the attention backends or the worker side of KV offload. Policy components see the core only as a
+    type, and the core reaches KV offload only through the device space it is given."""
+    allowed = {"__future__", "collections", "dataclasses", "enum", "math", "typing", "sparseserve.config",
+               "sparseserve.engine.request", "sparseserve.kvcache.blocks", "sparseserve.kvcache.prefix_cache"}
+    for path in (PKG / "engine" / "scheduler").glob("*.py"):
+        mods = {m for m in _all_imports(path) if not m.startswith("sparseserve.engine.scheduler")}
+        assert mods <= allowed, f"{path.name} imports {sorted(mods - allowed)}"
+        if path.name not in ("scheduler.py", "__init__.py"):
+            assert "sparseserve.engine.scheduler.scheduler" not in _all_imports(path), path.name
+
+
+def test_offload_plan_separates_the_scheduler_side_from_the_workers():
+    """kvcache/device_space.py (the scheduler's) and the plan touch no tensor and nothing of the worker side;
+    the worker side (offload.py, host, pool, working-set counter) never imports the scheduler's."""
+    scheduler_side = ("device_space.py", "offload_plan.py")
+    for name in scheduler_side:
+        mods = _all_imports(PKG / "kvcache" / name)
+        assert "torch" not in mods and "numpy" not in mods, name
+        assert mods <= {"__future__", "dataclasses", "typing", "sparseserve.kvcache.blocks",
+                        "sparseserve.kvcache.offload_plan"}, (name, mods)
+    for path in (PKG / "kvcache").glob("*.py"):
+        if path.name not in scheduler_side:
+            assert "sparseserve.kvcache.device_space" not in _all_imports(path), path.name
+    for path in PKG.rglob("*.py"):  # the engine's only way to the worker side is the runner
+        if "engine" in path.parts and path.name not in ("runner.py", "layer_prefill.py", "parallel.py"):
+            bad = {m for m in _all_imports(path) if m in ("sparseserve.kvcache.offload", "sparseserve.kvcache.host")}
+            assert not bad, (path, bad)
+
+
 class RecentBlocks(SelectionPolicy):
     """A test-only policy: the most recent blocks of the context (the cap's worth), nothing scored."""
 

@@ -90,6 +90,7 @@ class BackendContext:
     max_model_len: int
     sparse: Any = None  # config.SparseConfig (sparse decode, sparse prefill)
     num_q_heads: int | None = None  # per-query-head settings (sparse prefill thresholds) need it
+    profiler: Any = None  # sparseserve/profiler.py Profiler (None: no timing)
 
 
 class AttentionBackend(abc.ABC):
@@ -99,7 +100,7 @@ class AttentionBackend(abc.ABC):
         self.ctx = ctx
         self.observers: list[Observer] = []
         self._graph_qsl: torch.Tensor | None = None  # a captured decode step's query_start_loc: 0, 1, ..., B
-        self.prefill: DensePrefill = create_prefill(ctx)  # how prefill chunks attend (benchmarks may swap it)
+        self.prefill: DensePrefill = create_prefill(ctx)  # how prefill chunks attend
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -29,8 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-from sparseserve.attention.backend import (ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata, BackendContext,
-                                           attend_paged)
+from sparseserve.attention.backend import (
+    ATTENTION_BACKENDS,
+    AttentionBackend,
+    AttentionMetadata,
+    BackendContext,
+    attend_paged,
+)
 from sparseserve.attention.selection import DecodeRows, SelectionParams, SelectionState, load_streaming_heads
 from sparseserve.kernels.block_score import step_slots
 from sparseserve.kernels.key_meta import store_kv_key_meta
@@ -77,7 +82,6 @@ class SparseBackend(AttentionBackend):
         self._step_meta: AttentionMetadata | None = None
         # the state slots of the last step (SelectionState.assign's list) and the same as a tensor (prepare)
         self._slots: tuple[list[int] | None, torch.Tensor | None] = (None, None)
-        self.timer = None  # optional phase timer (benchmarks): .phase(name) -> context manager
 
     def block_bytes(self) -> int:
         c = self.ctx
@@ -153,7 +157,8 @@ class SparseBackend(AttentionBackend):
                 and (meta.max_seq_len > self.dense_context or self.offload is not None))
 
     def _phase(self, name: str):
-        return self.timer.phase(name) if self.timer is not None else contextlib.nullcontext()
+        profiler = self.ctx.profiler
+        return profiler.phase(name) if profiler is not None else contextlib.nullcontext()
 
     # ---- one layer ----------------------------------------------------------------------------------------
 

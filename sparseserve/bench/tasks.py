@@ -370,7 +370,6 @@ def _main(argv: list[str] | None = None) -> None:
     sparseserve.bench.tasks niah_single 4096)"`); the expected answer goes to stderr."""
     import argparse
     import sys
-
     from pathlib import Path
 
     p = argparse.ArgumentParser(description=_main.__doc__)

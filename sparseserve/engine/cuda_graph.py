@@ -21,6 +21,7 @@ import torch
 from sparseserve.attention.backend import AttentionBackend
 from sparseserve.kvcache.blocks import blocks_needed
 from sparseserve.kvcache.staging import InputField, StaticInputs
+from sparseserve.profiler import Profiler
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, backend: AttentionBackend, kv_caches: list[torch.Tensor], max_batch: int,
-                 max_model_len: int, block_size: int) -> None:
+                 max_model_len: int, block_size: int, profiler: Profiler | None = None) -> None:
         dev = kv_caches[0].device
         self.buckets = batch_buckets(max_batch)
         fields = [InputField("input_ids", torch.long), InputField("positions", torch.long)]
@@ -40,7 +41,7 @@ class DecodeGraphs:
         self.inputs = StaticInputs(fields, self.buckets, dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph | _EagerStep] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.timer = None  # optional phase timer (benchmarks): each replay is phase "graph"
+        self.profiler = profiler  # each replay is its phase "graph"
         pool = None
         for b in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory pool
             views = self.inputs.views(b)
@@ -76,7 +77,7 @@ class DecodeGraphs:
     def run(self, num_seqs: int) -> torch.Tensor:
         """Logits [B, vocab] of a pure-decode step built through `begin(num_seqs)` and committed."""
         bucket = self.bucket(num_seqs)
-        with self.timer.phase("graph") if self.timer is not None else contextlib.nullcontext():
+        with self.profiler.phase("graph") if self.profiler is not None else contextlib.nullcontext():
             self.graphs[bucket].replay()
         return self.logits[bucket][:num_seqs]
 

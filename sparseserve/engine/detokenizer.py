@@ -5,7 +5,6 @@ from collections.abc import Callable
 
 from sparseserve.engine.request import Sequence
 
-
 # Every pattern transformers' clean-up (`clean_up_tokenization`) rewrites, each with a space before it.
 _CLEAN_UP_PROBE = "Hi . a ? b ! c , d ' e n't f 'm g 's h 've i 're j"
 

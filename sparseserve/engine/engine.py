@@ -15,12 +15,13 @@ from sparseserve.engine.detokenizer import Detokenizer, check_stop
 from sparseserve.engine.overlap import HostCopies, InflightStep, TokenFeed
 from sparseserve.engine.parallel import build_runner
 from sparseserve.engine.request import Sequence, SequenceStatus
-from sparseserve.engine.scheduler import Scheduler, SchedulerOutput
+from sparseserve.engine.scheduler import KVCacheManager, SchedulerOutput, build_scheduler
 from sparseserve.engine.stats import DeviceCounters, EngineStats
 from sparseserve.kvcache.blocks import BlockAllocator
 from sparseserve.layers.sampler import SamplerOutput
 from sparseserve.models.loader import load_tokenizer, resolve_model_dir
 from sparseserve.outputs import CompletionOutput, Logprob, RequestOutput
+from sparseserve.profiler import Profiler
 from sparseserve.sampling_params import ParameterError, SamplingParams, is_int
 
 logger = logging.getLogger(__name__)
@@ -45,13 +46,15 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, profiler: Profiler | None = None) -> None:
+        """profiler: optional hooks for benchmarks and probes (sparseserve/profiler.py)."""
         self.config = config
+        self.profiler = profiler
         mc = config.model_config
         model_dir = resolve_model_dir(mc.model)
         # A GGUF file or a known model name is served under its own name, not its converted directory's.
         self.model_name = "sparseserve-default" if mc.model is None else os.path.basename(os.path.normpath(mc.model))
-        self.model_runner = build_runner(config, model_dir)  # refuses unsupported models first; TP: parallel.py
+        self.model_runner = build_runner(config, model_dir, profiler)  # refuses unsupported models first
         try:
             self.tokenizer = load_tokenizer(mc.tokenizer or model_dir)
         except (OSError, ValueError) as e:
@@ -61,21 +64,13 @@ class LLMEngine:
         runner = self.model_runner
         cc = config.cache_config
         self.allocator = BlockAllocator(runner.num_blocks, enable_caching=cc.enable_prefix_caching)
-        self.host_cache = self._build_host_cache() if cc.host_prefix_cache_memory is not None else None
-        # A sparse policy attends one-token chunks sparsely (as decode rows): prompt chunks then take >= 2 tokens.
-        segments = None
-        if config.offload_config.layer_segmented_prefill:
-            from sparseserve.engine.layer_prefill import SegmentPlanner
-            segments = SegmentPlanner(runner.arch.num_layers, config.scheduler_config.max_num_batched_tokens,
-                                      config.offload_config.prefill_layer_segment)
-        self.scheduler = Scheduler(config.scheduler_config, self.allocator, cc.block_size, runner.offload,
-                                   self.host_cache, max_model_len=self.max_model_len,
-                                   min_chunk=2 if config.sparse_config.enabled else 1, segments=segments,
-                                   long_prefill_token_threshold=config.scheduler_config.prefill_token_threshold(
-                                       runner.device.type),
-                                   max_prefilled_waiting=config.offload_config.max_prefilled_waiting)
-        self.counters = DeviceCounters(runner.attn_backend.counters())
-        self.last_schedule = None  # the newest step's SchedulerOutput (benchmarks read what ran)
+        # a sparse policy attends one-token chunks sparsely (as decode rows): prompt chunks take >= 2 tokens
+        kv = KVCacheManager(config.scheduler_config, self.allocator, cc.block_size,
+                            device_space=runner.build_offload_space(), host_cache=runner.host_cache,
+                            max_model_len=self.max_model_len, min_chunk=2 if config.sparse_config.enabled else 1)
+        self.scheduler = build_scheduler(config, kv, num_layers=runner.arch.num_layers,
+                                         device_type=runner.device.type)
+        self.counters = DeviceCounters(runner.counters())
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._inflight: InflightStep | None = None  # async scheduling: the launched step not yet landed
         self._host_copies = HostCopies()  # ... and the pinned buffers its outputs are copied into
@@ -137,23 +132,9 @@ class LLMEngine:
         self._stats_start = self.get_stats(sync=True)
         logger.info("warm-up: %d steps in %.1f s", steps, time.perf_counter() - t0)
 
-    def _build_host_cache(self):
-        """The prefix cache's host tier (kvcache/host_cache.py) over every tensor indexed by token block: the KV
-        cache and, with a sparse policy, the backend's key metadata."""
-        from sparseserve.kvcache.host_cache import HostPrefixCache, layer_stack
-        runner = self.model_runner
-        tensors = [layer_stack(runner.kv_caches)]
-        key_meta = getattr(runner.attn_backend, "key_meta", None)
-        if key_meta is not None:
-            tensors += [key_meta.codes, key_meta.scale]
-        num_slots = self.config.cache_config.host_prefix_cache_memory // HostPrefixCache.block_bytes(tensors)
-        cache = HostPrefixCache(tensors, num_slots)
-        logger.info("prefix cache host tier: %d blocks (%.2f GiB)", num_slots, cache.nbytes / 2**30)
-        return cache
-
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "LLMEngine":
-        return cls(EngineConfig.from_kwargs(**kwargs))
+    def from_kwargs(cls, profiler: Profiler | None = None, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig.from_kwargs(**kwargs), profiler)
 
     def tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -250,71 +231,63 @@ class LLMEngine:
         """Host counters now, device counters as of the newest landed copy (one step late; sync=True waits for
         the device and the host store's writers: tests and benchmarks)."""
         runner, s = self.model_runner, self.scheduler
-        offload = runner.offload
-        if sync and offload is not None:
-            offload.fence()
+        if sync:
+            runner.sync()
         values = self.counters.values(sync=sync)
-        alloc, pc = self.allocator, s.prefix_stats
+        alloc, pc = self.allocator, s.kv.prefix_stats
         values.update(num_running=len(s.running), num_waiting=len(s.waiting), num_blocks_used=alloc.num_used,
                       num_blocks_total=alloc.num_blocks, num_preemptions=s.num_preemptions,
                       num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
                       prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
                       prefix_cache_blocks=alloc.num_cached, prefix_cache_evictions=alloc.num_evictions,
                       host_prefix_cache_queries=pc.host_queries, host_prefix_cache_hits=pc.host_hits)
-        if self.host_cache is not None:
-            values.update(host_prefix_cache_blocks=self.host_cache.num_used,
-                          host_prefix_cache_evictions=self.host_cache.num_evictions)
+        host_cache = runner.host_cache
+        if host_cache is not None:
+            values.update(host_prefix_cache_blocks=host_cache.num_used,
+                          host_prefix_cache_evictions=host_cache.num_evictions)
         if "sparse_selections" in values:
             values["sparse_block_size"] = runner.block_size
-        if runner.layer_prefill is not None:
-            values.update(runner.layer_prefill.progress())
-        if offload is not None:
-            g = offload.gauges()
-            values.update(g)
-            layer_block = g["offload_head_block_bytes"] * runner.arch.num_kv_heads
-            values["offload_h2d_bytes"] = values["offload_blocks_loaded"] * g["offload_head_block_bytes"]
-            written = values["offload_blocks_written"] + g["offload_d2h_blocks_written"]
-            values["offload_d2h_bytes"] = written * layer_block
+        values.update(runner.gauges())
+        values.update(s.kv.gauges())
+        if "offload_head_block_bytes" in values:
+            hbb = values["offload_head_block_bytes"]
+            values["offload_h2d_bytes"] = values["offload_blocks_loaded"] * hbb
+            written = values["offload_blocks_written"] + values["offload_d2h_blocks_written"]
+            values["offload_d2h_bytes"] = written * hbb * runner.arch.num_kv_heads
         stats = EngineStats.from_values(values)
         return stats if self._stats_start is None else stats.since(self._stats_start)
 
     def step(self) -> list[RequestOutput]:
         if self.async_scheduling:
             return self._step_async()
-        sched = self.last_schedule = self.scheduler.schedule()
-        for seq in sched.preempted:  # a paused sequence keeps its token blocks
-            self.model_runner.release(seq.seq_id, paused=bool(seq.block_table))
+        sched = self._schedule()
         if sched.is_empty:
             return []
-        if self.model_runner.offload is not None:
-            self.model_runner.offload.begin_step()  # the blocks this schedule restores, before any kernel
-        if self.host_cache is not None:
-            self.host_cache.begin_step()
-        if sched.segments:
-            sampled, out = self.model_runner.execute(sched.scheduled, sched.segments)
-        else:
-            sampled, out = self.model_runner.execute(sched.scheduled)
+        sampled, out = self.model_runner.execute(sched.scheduled, sched.segments, sched.offload)
         self.counters.refresh()
         self._advance(sched)
         if out is None:
             return []
         return self._outputs(self._append_tokens(sampled, out))
 
+    def _schedule(self) -> SchedulerOutput:
+        sched = self.scheduler.schedule()
+        if self.profiler is not None:
+            self.profiler.on_schedule(sched)
+        for seq, _ in sched.preempted:  # a paused sequence keeps its token blocks
+            self.model_runner.release(seq.seq_id, paused=bool(seq.block_table))
+        return sched
+
     def _step_async(self) -> list[RequestOutput]:
         """One step of async scheduling (engine/overlap.py): schedule and launch step N+1 while N is in flight,
         then land N (its outputs are what this call returns)."""
         prev, self._inflight = self._inflight, None
-        sched = self.last_schedule = self.scheduler.schedule()
-        for seq in sched.preempted:  # a paused sequence keeps its token blocks
-            self.model_runner.release(seq.seq_id, paused=bool(seq.block_table))
+        sched = self._schedule()
         launched = None
         if not sched.is_empty:
-            if self.model_runner.offload is not None:
-                # Restores of paused sequences' blocks, on the stream after the step in flight (which wrote them
-                # to the host store); its FlashD2H copies are fenced before the step's kernels (runner).
-                self.model_runner.offload.begin_step()
+            # the plan's saves and restores run on the stream after the step in flight, which wrote them
             feed = prev.feed() if prev is not None else TokenFeed.EMPTY
-            sampled, out = self.model_runner.execute(sched.scheduled, sched.segments, feed=feed)
+            sampled, out = self.model_runner.execute(sched.scheduled, sched.segments, sched.offload, feed=feed)
             self.counters.refresh()
             launched = InflightStep.launch(sched, sampled, out, self._host_copies)
         outputs = []
@@ -330,8 +303,8 @@ class LLMEngine:
         """A launched step's bookkeeping: its tokens are computed, the blocks they fill join the prefix cache."""
         done = [(seg.seq, seg.seq.num_tokens - seg.seq.num_computed_tokens) for seg in sched.segments
                 if self.scheduler.finish_segment(seg)]  # layer-segmented prefills that reached the last layer
-        scheduler = self.scheduler
-        bs = scheduler.block_size
+        kv = self.scheduler.kv
+        bs = kv.block_size
         for seq, n in sched.scheduled + done:
             if seq.status is FINISHED:  # async scheduling: stopped or aborted while the step ran
                 continue
@@ -342,7 +315,7 @@ class LLMEngine:
             # cache_full_blocks offers the blocks filled beyond num_cached_blocks: a decode fills one once in
             # block_size steps, so most steps skip the call.
             if c // bs > seq.num_cached_blocks:
-                scheduler.cache_full_blocks(seq)
+                kv.cache_full_blocks(seq)
 
     def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
         touched = dict.fromkeys(seq.request_id for seq in seqs)  # ordered, unique

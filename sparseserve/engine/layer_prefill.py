@@ -6,7 +6,7 @@ tokens instead of token chunks through every layer. Per layer:
     (the prefix a cache hit or a pause kept is first copied into it from the host store); dense prefill
     attention (or SALE's sparse prefill) reads it causally over the whole prompt; then the layer's full blocks
     leave for the host store in one FlashD2H copy (kvcache/host.py LayerD2H) and the blocks of the first
-    decode's local window (kvcache/offload.py DeviceBlockMap.window) are copied into the device block cache;
+    decode's local window (kvcache/device_space.py DeviceBlockMap.window) are copied into the device block cache;
     the key metadata is written as in any step (by token block). Two scratch buffers alternate, so a layer's
     copy to the host overlaps the next layer's compute.
   - a dense layer (`sparse_dense_layers`) keeps its K/V in its full-size cache by token block, as in any step.
@@ -19,10 +19,8 @@ and the first token is sampled; the sequence then decodes as usual.
 HBM for prefill is bounded by the scratch (two layers of max_model_len tokens) and the hidden states, instead of
 the device block cache's reserve of one whole max_model_len prefill in every sparse layer.
 
-The scheduler's side is `SegmentPlanner`: which prefills go layer by layer, and how many layers a step gives one
-(a segment of L layers over T tokens costs T*L/num_layers tokens of the step budget, like a chunk of that many
-tokens); `LayerSegment` is one step's work. One layer-segmented prefill runs at a time (its buffers are
-allocated once, at start).
+The scheduler's side is engine/scheduler/segments.py (which prefills go layer by layer, a step's
+`LayerSegment`). One layer-segmented prefill runs at a time (its buffers are allocated once, at start).
 """
 from __future__ import annotations
 
@@ -33,44 +31,10 @@ import torch
 
 from sparseserve.attention.backend import AttentionMetadata
 from sparseserve.attention.sparse import SparseStepMeta
+from sparseserve.engine.scheduler.segments import LayerSegment
 from sparseserve.kernels.flash_h2d import flash_h2d
 from sparseserve.kvcache.blocks import blocks_needed
 from sparseserve.kvcache.host import LayerD2H
-
-
-@dataclass(frozen=True)
-class LayerSegment:
-    """One step's work of a layer-segmented prefill: layers [start, end) over every prompt token."""
-    seq: object      # engine/request.py Sequence
-    start: int
-    end: int
-    cost: int        # tokens of the step's budget it takes
-
-
-class SegmentPlanner:
-    """The scheduler's view: which prefills go layer by layer and how many layers a step gives one."""
-
-    def __init__(self, num_layers: int, max_num_batched_tokens: int, max_layers: int | None = None) -> None:
-        self.num_layers = num_layers
-        self.min_context = max_num_batched_tokens  # longer contexts prefill layer by layer
-        self.max_layers = max_layers or num_layers
-
-    def wants(self, seq) -> bool:
-        """A prefill (not a paused decode) whose context is longer than one step's budget."""
-        return seq.num_tokens > self.min_context and seq.num_computed_tokens + 1 < seq.num_tokens
-
-    def cost(self, tokens: int, layers: int) -> int:
-        return -(-tokens * layers // self.num_layers)
-
-    def segment(self, seq, tokens: int, done: int, budget: int, alone: bool) -> LayerSegment | None:
-        """The next segment of a prefill of `tokens` tokens with `done` layers done, within `budget` tokens
-        (None: none fits). alone: at least one layer runs, even over the budget (the scheduler says when)."""
-        k = min(self.num_layers - done, self.max_layers, budget * self.num_layers // max(tokens, 1))
-        if k <= 0:
-            if not alone:
-                return None
-            k = 1
-        return LayerSegment(seq, done, done + k, self.cost(tokens, k))
 
 
 @dataclass
@@ -186,7 +150,7 @@ class LayerPrefill:
             meta.backend_meta = SparseStepMeta(torch.zeros(1, dtype=torch.int32, device=dev), scratch, None,
                                                selects=False)
             chunks.append((a, b, meta))
-        start, blocks = self.offload.device_map.range_of(seq)
+        start, blocks = self.offload.range_of(seq.seq_id)
         prefix = torch.from_numpy(table[: c // bs]).to(dev, non_blocking=True) if c else None
         return _Prefill(seq.seq_id, c, t, 0, rope, chunks, prefix, torch.from_numpy(table[c // bs: p // bs]),
                         start, torch.tensor(blocks, dtype=torch.long).to(dev, non_blocking=True))

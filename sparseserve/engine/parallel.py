@@ -7,10 +7,9 @@ On rank 0 the engine talks to a `TPDriver`, which has the ModelRunner's API and,
 workers one `StepMessage`:
   - the step's sequences as `SeqView`s: what a runner reads of a Sequence (id, computed tokens, the step's
     token ids, the block table), so every rank prepares the same batch;
-  - what rank 0's engine did since the last message to per-rank state a step does not carry, in order: the
-    scheduler's calls that change the offload cache's device block space and HBM pool (`schedule`, `free`,
-    `on_allocate`; `RecordingDeviceSpace`) and the attention backend's `release(seq_id)`, so every rank's block
-    maps, pool and selection slots stay identical.
+  - the sequences released since the last message (the attention backend's per-sequence state) and, under
+    KV offload, the step's OffloadPlan (kvcache/offload_plan.py): every rank executes the same plan over its
+    own KV heads, so every rank's device ranges, pool and selection slots stay identical.
 Then every rank runs the step; the collectives meet inside the model. Only rank 0 samples: the sampled tokens
 reach the workers as the next step's token ids, so nothing is broadcast back.
 
@@ -38,13 +37,20 @@ import torch.distributed as dist
 from sparseserve.config import EngineConfig
 from sparseserve.distributed.channel import StepChannel
 from sparseserve.distributed.group import TPGroup, abort_tp_group, destroy_tp_group, init_tp_group
-from sparseserve.distributed.launch import (WorkerProcesses, check_devices, report_worker_error, torchrun_env,
-                                            worker_setup)
+from sparseserve.distributed.launch import (
+    WorkerProcesses,
+    check_devices,
+    report_worker_error,
+    torchrun_env,
+    worker_setup,
+)
 from sparseserve.distributed.utils import divide, shard_heads
 from sparseserve.engine.runner import ModelRunner, resolve_device
+from sparseserve.kvcache.offload_plan import OffloadPlan
 from sparseserve.layers.sampler import SamplerOutput
 from sparseserve.models.config import ArchConfig
 from sparseserve.models.loader import load_hf_config
+from sparseserve.profiler import Profiler
 
 logger = logging.getLogger(__name__)
 # What the forkserver imports once for all the workers it starts (each then starts in milliseconds): this module,
@@ -54,7 +60,7 @@ WORKER_PRELOAD = ["sparseserve.engine.parallel", "sparseserve.attention.sparse",
                   *(f"transformers.models.{m}.configuration_{m}" for m in ("llama", "qwen2", "qwen3", "mistral"))]
 
 
-def build_runner(config: EngineConfig, model_dir: Path) -> "ModelRunner | TPDriver":
+def build_runner(config: EngineConfig, model_dir: Path, profiler: Profiler | None = None) -> "ModelRunner | TPDriver":
     """The engine's runner: a ModelRunner at tensor_parallel_size 1 (no process group), otherwise rank 0's
     TPDriver over one worker per other rank. Under torchrun every rank calls this; ranks > 0 serve rank 0's
     engine here and, when it shuts down, leave the process group and end their process with SystemExit(0)."""
@@ -64,16 +70,16 @@ def build_runner(config: EngineConfig, model_dir: Path) -> "ModelRunner | TPDriv
         raise ValueError(f"started by torchrun with WORLD_SIZE={env.world_size}, but tensor_parallel_size="
                          f"{tp_size}: they must be equal (tensor parallelism is the only parallelism here)")
     if tp_size == 1:
-        return ModelRunner(config, model_dir)
+        return ModelRunner(config, model_dir, profiler)
     check_model(config, model_dir)
     device_type = resolve_device(config.model_config.device).type
     if env is None:
-        return _spawn(config, model_dir, device_type)
+        return _spawn(config, model_dir, device_type, profiler)
     check_devices(tp_size, device_type, env.local_world_size)
     tp = init_tp_group(rank=env.rank, world_size=tp_size, local_rank=env.local_rank,
                        local_world_size=env.local_world_size, device_type=device_type)
     if tp.is_driver:
-        return TPDriver(ModelRunner(config, model_dir), _Session(tp, None))
+        return TPDriver(ModelRunner(config, model_dir, profiler), _Session(tp, None))
     try:
         serve(ModelRunner(config, model_dir), tp)
     finally:
@@ -132,69 +138,11 @@ class SeqView:
 
 
 @dataclass
-class SeqRef:
-    """What the offload cache's device block space reads of a sequence when the scheduler calls it."""
-    seq_id: int
-    num_computed_tokens: int = 0
-    num_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)  # host rows: restores and pauses copy by them
-
-    @classmethod
-    def of(cls, seq: Any) -> "SeqRef":
-        return cls(seq.seq_id, seq.num_computed_tokens, seq.num_tokens, list(seq.block_table))
-
-
-# (target, method, args): target "offload" (the rank's offload cache) or "runner"
-Op = tuple[str, str, tuple]
-
-
-@dataclass
 class StepMessage:
-    ops: list[Op] = field(default_factory=list)            # to replay first, in order
+    released: list[tuple[int, bool]] = field(default_factory=list)  # (seq_id, paused), to release first
     scheduled: list[tuple[SeqView, int]] | None = None     # the step to run (None: none)
+    plan: OffloadPlan | None = None                          # KV offload: the step's plan
     stop: bool = False
-
-
-def apply_op(runner: ModelRunner, op: Op) -> None:
-    target, method, args = op
-    getattr(runner if target == "runner" else runner.offload, method)(*args)
-
-
-class RecordingDeviceSpace:
-    """Rank 0's offload cache as the scheduler sees it: the calls that change the device block space or the HBM
-    pool run on rank 0's cache and are recorded for the workers; everything else is rank 0's cache itself.
-    (A new DeviceSpace method that changes state must be added to RECORDED; tests/distributed checks it.)"""
-    RECORDED = ("schedule", "free", "pause", "on_allocate", "begin_step", "schedule_segmented")
-
-    def __init__(self, cache: Any, ops: list[Op]) -> None:
-        self._cache, self._ops = cache, ops
-
-    def schedule(self, seq: Any, n: int) -> None:
-        self._ops.append(("offload", "schedule", (SeqRef.of(seq), n)))
-        self._cache.schedule(seq, n)
-
-    def free(self, seq: Any) -> None:
-        self._ops.append(("offload", "free", (SeqRef.of(seq),)))
-        self._cache.free(seq)
-
-    def on_allocate(self, blocks: list[int]) -> None:
-        self._ops.append(("offload", "on_allocate", (list(blocks),)))
-        self._cache.on_allocate(blocks)
-
-    def pause(self, seq: Any) -> None:
-        self._ops.append(("offload", "pause", (SeqRef.of(seq),)))
-        self._cache.pause(seq)
-
-    def schedule_segmented(self, seq: Any) -> None:
-        self._ops.append(("offload", "schedule_segmented", (SeqRef.of(seq),)))
-        self._cache.schedule_segmented(seq)
-
-    def begin_step(self) -> None:  # the engine's, before the step: each rank restores its own heads' blocks
-        self._ops.append(("offload", "begin_step", ()))
-        self._cache.begin_step()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._cache, name)
 
 
 # ---- rank 0 --------------------------------------------------------------------------------------------------
@@ -285,17 +233,29 @@ class _Session:
 
 
 class TPDriver:
-    """Rank 0's runner of a tensor-parallel engine: the ModelRunner API the engine uses (`execute`, `release`,
-    `offload`, and rank 0's runner's attributes: arch, device, num_blocks, attn_backend, ...), each step sent to
-    the workers before it runs. Statistics are rank 0's (its backend's and offload cache's counters)."""
+    """Rank 0's runner of a tensor-parallel engine: the ModelRunner API the engine uses (`execute`,
+    `release`, and rank 0's runner's sizes and statistics), each step sent to the workers before it
+    runs. Statistics are rank 0's."""
 
     def __init__(self, runner: ModelRunner, session: _Session) -> None:
         self.runner = runner
         self._session = session
         session.channel = StepChannel(runner.tp)
-        self._ops: list[Op] = []
-        self.offload = None if runner.offload is None else RecordingDeviceSpace(runner.offload, self._ops)
+        self._released: list[tuple[int, bool]] = []
         self._finalizer = weakref.finalize(self, session.close)
+
+    # rank 0's alone: the scheduler's side of the offload, and statistics
+    def build_offload_space(self):
+        return self.runner.build_offload_space()
+
+    def counters(self) -> dict[str, torch.Tensor]:
+        return self.runner.counters()
+
+    def gauges(self) -> dict[str, int]:
+        return self.runner.gauges()
+
+    def sync(self) -> None:
+        self.runner.sync()
 
     def __getattr__(self, name: str) -> Any:
         if name in ("runner", "_session"):
@@ -308,17 +268,20 @@ class TPDriver:
 
     def release(self, seq_id: int, paused: bool = False) -> None:
         self.runner.release(seq_id, paused)
-        self._ops.append(("runner", "release", (seq_id, paused)))
+        self._released.append((seq_id, paused))
 
-    def execute(self, scheduled: list) -> tuple[list, SamplerOutput | None]:
+    def execute(self, scheduled: list, segments: list = (), plan: OffloadPlan | None = None,
+                feed: Any = None) -> tuple[list, SamplerOutput | None]:
+        if segments or feed is not None:
+            raise RuntimeError("layer-segmented prefill and async scheduling do not run under tensor parallelism")
         s = self._session
         s.check()
-        message = StepMessage(self._ops[:], [(SeqView.of(seq, n), n) for seq, n in scheduled])
-        self._ops.clear()
+        message = StepMessage(self._released, [(SeqView.of(seq, n), n) for seq, n in scheduled], plan)
+        self._released = []
         try:
             with s.channel.hold():
                 s.channel.send(message)
-                sampled, out = self.runner.execute(scheduled)
+                sampled, out = self.runner.execute(scheduled, plan=plan)
                 if self.runner.device.type == "cuda":
                     # The engine reads the tokens next; waiting here first lets a dead rank (the watchdog aborts
                     # NCCL) turn into an error instead of one step of garbage tokens.
@@ -339,7 +302,7 @@ class TPDriver:
         self._finalizer()
 
 
-def _spawn(config: EngineConfig, model_dir: Path, device_type: str) -> TPDriver:
+def _spawn(config: EngineConfig, model_dir: Path, device_type: str, profiler: Profiler | None) -> TPDriver:
     tp_size = config.parallel_config.tensor_parallel_size
     check_devices(tp_size, device_type, tp_size)
     workers = WorkerProcesses(tp_size, _worker_main, (config, model_dir, os.getpid()),
@@ -350,7 +313,7 @@ def _spawn(config: EngineConfig, model_dir: Path, device_type: str) -> TPDriver:
         tp = init_tp_group(rank=0, world_size=tp_size, local_rank=0, local_world_size=tp_size,
                            device_type=device_type, store=workers.store)
         session = _Session(tp, workers)
-        return TPDriver(ModelRunner(config, model_dir), session)
+        return TPDriver(ModelRunner(config, model_dir, profiler), session)
     except BaseException as e:
         # A worker's failure explains a failed collective (RuntimeError); rank 0's own errors speak for themselves.
         why = workers.failure(wait_s=2.0) if isinstance(e, RuntimeError) else None
@@ -377,10 +340,10 @@ def serve(runner: ModelRunner, tp: TPGroup) -> None:
             raise RuntimeError(f"tensor-parallel rank {tp.rank}: lost rank 0 ({e})") from e
         if message.stop:
             return
-        for op in message.ops:
-            apply_op(runner, op)
+        for seq_id, paused in message.released:
+            runner.release(seq_id, paused)
         if message.scheduled:
-            runner.execute(message.scheduled)
+            runner.execute(message.scheduled, plan=message.plan)
 
 
 def _worker_main(rank: int, world_size: int, port: int, env: dict[str, str], config: EngineConfig,

@@ -24,12 +24,14 @@ from sparseserve.kernels.dispatch import check_impl, forced
 from sparseserve.kvcache.blocks import blocks_needed
 from sparseserve.kvcache.decode_rows import DecodeRows, tables_of
 from sparseserve.kvcache.host import host_block_bytes
+from sparseserve.kvcache.offload_plan import OffloadPlan
 from sparseserve.kvcache.staging import StepUpload, to_device_many
 from sparseserve.layers.logits_processors import LogitsProcessors
 from sparseserve.layers.prompt_logprobs import record_prompt_logprobs
 from sparseserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from sparseserve.models.config import ArchConfig
 from sparseserve.models.loader import build_model, load_hf_config, resolve_dtype
+from sparseserve.profiler import Profiler
 
 logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_BYTES = 2 << 30
@@ -65,9 +67,10 @@ class ModelRunner:
     heads: `num_kv_heads`), in the process group set up by engine/parallel.py, and the sizes every rank must
     share (KV blocks, the offload layout) are agreed on (the smallest); rank 0's is driven by the engine."""
 
-    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+    def __init__(self, config: EngineConfig, model_dir: Path, profiler: Profiler | None = None) -> None:
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         self.config = config
+        self.profiler = profiler
         self.model_dir = model_dir
         self.tp = tp = get_tp_group()
         self.device = resolve_device(mc.device)
@@ -98,7 +101,7 @@ class ModelRunner:
             sparse = dataclasses.replace(sparse, streaming_heads=None)
         ctx = BackendContext(a.num_layers, self.num_kv_heads, a.head_dim, self.block_size, self.dtype, self.device,
                              sc.max_num_seqs, self.max_model_len, sparse,
-                             num_q_heads=heads.num_heads)
+                             num_q_heads=heads.num_heads, profiler=profiler)
         self.attn_backend = create_backend("sparse" if sparse.enabled else "dense", ctx)
         if streaming is not None:
             self.attn_backend.state.streaming = streaming.to(self.device)
@@ -143,7 +146,10 @@ class ModelRunner:
         if self.device.type == "cuda" and not mc.enforce_eager and self.kernel_impl != "torch":
             with self._kernels():
                 self.graphs = DecodeGraphs(self.model, self.attn_backend, self.kv_caches, sc.max_num_seqs,
-                                           self.max_model_len, self.block_size)
+                                           self.max_model_len, self.block_size, profiler)
+        self.host_cache = None  # the prefix cache's host tier without offload (the scheduler uses it)
+        if cc.host_prefix_cache_memory is not None:
+            self.host_cache = self._build_host_cache(cc.host_prefix_cache_memory)
 
     def _kernels(self):
         """The kernel path of this engine (kernels/dispatch.py); "auto" keeps the caller's choice."""
@@ -190,18 +196,49 @@ class ModelRunner:
             rows = min(rows, avail // 2 // tp.local_world_size // hbb)
         return dataclasses.replace(oc, host_kv_memory=tp.min_int(rows) * hbb)
 
-    def set_attention_backend(self, backend) -> None:
-        """Another attention backend on the same weights and KV cache (benchmarks compare them side by side);
-        CUDA graphs are captured anew."""
-        self.attn_backend = backend
-        self.model.set_attention_backend(backend)
-        if self.graphs is not None:
-            self.graphs = None
-            torch.cuda.empty_cache()
-            with self._kernels():
-                self.graphs = DecodeGraphs(self.model, backend, self.kv_caches,
-                                           self.config.scheduler_config.max_num_seqs, self.max_model_len,
-                                           self.block_size)
+    def _build_host_cache(self, nbytes: int):
+        """The prefix cache's host tier over every tensor indexed by token block: the KV cache and,
+        with a sparse policy, the key metadata."""
+        from sparseserve.kvcache.host_cache import HostPrefixCache, layer_stack
+        tensors = [layer_stack(self.kv_caches)]
+        key_meta = getattr(self.attn_backend, "key_meta", None)
+        if key_meta is not None:
+            tensors += [key_meta.codes, key_meta.scale]
+        cache = HostPrefixCache(tensors, nbytes // HostPrefixCache.block_bytes(tensors))
+        logger.info("prefix cache host tier: %d blocks (%.2f GiB)", cache.num_slots, cache.nbytes / 2**30)
+        return cache
+
+    def build_offload_space(self):
+        """The scheduler's side of this runner's KV offload (kvcache/device_space.py; None without)."""
+        if self.offload is None:
+            return None
+        from sparseserve.kvcache.device_space import DeviceBlockMap, OffloadSpace
+        from sparseserve.kvcache.working_set import WorkingSetEstimate
+        off, oc = self.offload, self.config.offload_config
+        layout = off.layout
+        estimate = WorkingSetEstimate(
+            off.working_set, window=oc.working_set_window, capacity=off.pool.num_slots,
+            margin=oc.working_set_margin, enabled=oc.working_set_control,
+            lists=(self.arch.num_layers - layout.dense_layers) * self.num_kv_heads, cap=off.cap,
+            local=off.local_blocks, block_size=self.block_size)
+        dm = DeviceBlockMap(layout.device_blocks, off.local_blocks, self.block_size, layout.token_blocks)
+        return OffloadSpace(dm, self.block_size, estimate)
+
+    def counters(self) -> dict[str, torch.Tensor]:
+        """Cumulative device counters (int64 scalars), read without a sync (engine/stats.py)."""
+        return self.attn_backend.counters()
+
+    def gauges(self) -> dict[str, int]:
+        """Host-side values of the KV offload and the layer-segmented prefill."""
+        out = {} if self.offload is None else self.offload.gauges()
+        if self.layer_prefill is not None:
+            out |= self.layer_prefill.progress()
+        return out
+
+    def sync(self) -> None:
+        """The host store's writes so far have landed (statistics, tests)."""
+        if self.offload is not None:
+            self.offload.sync()
 
     def release(self, seq_id: int, paused: bool = False) -> None:
         """A sequence finished or was preempted (paused: KV offload's pause, it resumes with what it computed):
@@ -422,14 +459,16 @@ class ModelRunner:
         return meta
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]],
-                segments: list = (), feed: TokenFeed | None = None) -> tuple[list[Sequence], SamplerOutput | None]:
-        """One step: the scheduled batch (async scheduling: `feed` fills its placeholder tokens on the device),
-        then the layer-segmented prefills' segments (engine/layer_prefill.py); one sampling over every sequence
-        that gets a token."""
-        batch = self.prepare(scheduled, feed) if scheduled else None
+    def execute(self, scheduled: list[tuple[Sequence, int]], segments: list = (), plan: OffloadPlan | None = None,
+                feed: TokenFeed | None = None) -> tuple[list[Sequence], SamplerOutput | None]:
+        """One step: the KV-offload plan (once, before any kernel), the scheduled batch (async
+        scheduling: `feed` fills its placeholder tokens on the device), then the layer-segmented
+        prefills' segments; one sampling over every sequence that gets a token."""
         if self.offload is not None:
-            self.offload.fence()
+            self.offload.begin_step(plan, batch=bool(scheduled))
+        if self.host_cache is not None:
+            self.host_cache.begin_step()
+        batch = self.prepare(scheduled, feed) if scheduled else None
         sampled: list[Sequence] = []
         logits: list[torch.Tensor] = []
         with self._kernels():
@@ -456,8 +495,13 @@ class ModelRunner:
                 return [], None
             if not self.tp.is_driver:  # only rank 0 samples; its tokens come back in the next step's message
                 return sampled, None
+            step_logits = logits[0] if len(logits) == 1 else torch.cat(logits)
+            forced = None if self.profiler is None else self.profiler.on_logits(sampled, step_logits)
             meta = self.sampling_metadata(sampled)
             if meta.processors is not None:  # after the forward's launch: the host's part (grammar masks) overlaps it
                 meta.processors.begin_step(sampled, *((feed.token_ids, feed.rows) if feed is not None else ()))
-            out = self.sampler(logits[0] if len(logits) == 1 else torch.cat(logits), meta)
+            out = self.sampler(step_logits, meta)
+            if forced is not None:
+                forced = forced.to(out.token_ids.device)
+                out.token_ids = torch.where(forced >= 0, forced, out.token_ids)
         return sampled, out

@@ -8,14 +8,16 @@ from tqdm.auto import tqdm
 
 from sparseserve.engine.engine import LLMEngine
 from sparseserve.outputs import RequestOutput
+from sparseserve.profiler import Profiler
 from sparseserve.sampling_params import ParameterError, SamplingParams
 
 PromptType = str | list[int] | dict
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args) -> None:
-        self.llm_engine = LLMEngine.from_kwargs(model=model, **engine_args)
+    def __init__(self, model: str | None = None, profiler: Profiler | None = None, **engine_args) -> None:
+        """profiler: optional hooks for benchmarks and probes (sparseserve/profiler.py)."""
+        self.llm_engine = LLMEngine.from_kwargs(profiler, model=model, **engine_args)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

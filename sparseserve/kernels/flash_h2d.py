@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import torch
+
 from sparseserve.kernels.dispatch import tl, triton, use_triton
 from sparseserve.kernels.pdl import pdl_wait, use_pdl
 

@@ -12,6 +12,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
 from sparseserve.kernels.dispatch import tl, triton, use_triton
 
 LOG2E = 1.4426950408889634

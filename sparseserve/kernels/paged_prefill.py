@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from sparseserve.kernels.dispatch import tl, triton, use_triton
 
+from sparseserve.kernels.dispatch import tl, triton, use_triton
 from sparseserve.kernels.paged_decode import LOG2E, attend_ref, attend_tile, sequence_kv
 
 

@@ -14,6 +14,7 @@ import functools
 import os
 
 import torch
+
 from sparseserve.kernels.dispatch import HAS_TRITON, tl, triton
 
 if HAS_TRITON:

@@ -28,7 +28,6 @@ from sparseserve.kernels.dispatch import tl, triton, use_triton
 from sparseserve.kernels.paged_decode import LOG2E
 from sparseserve.kernels.sparse_prefill import TileLayout, tile_classes
 
-
 FP8_MAX = 448.0  # the largest finite e4m3 value
 KEY_GROUP_TILES = 2  # key tiles sharing one power-of-two scale (the selection's key chunk)
 KEY_EXP_NONE = -(1 << 20)  # the exponent of a zero row: never a group's largest

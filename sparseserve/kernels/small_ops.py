@@ -7,8 +7,8 @@ once at the end (the references round between ops), so bf16 results may differ i
 from __future__ import annotations
 
 import torch
-from sparseserve.kernels.dispatch import tl, triton, use_triton
 
+from sparseserve.kernels.dispatch import tl, triton, use_triton
 from sparseserve.kernels.pdl import pdl_wait, use_pdl
 
 

@@ -19,8 +19,8 @@ import os
 from dataclasses import dataclass
 
 import torch
-from sparseserve.kernels.dispatch import tl, triton, use_triton
 
+from sparseserve.kernels.dispatch import tl, triton, use_triton
 from sparseserve.kernels.paged_decode import MERGE_TILE, merge_splits, softmax_update
 from sparseserve.kernels.pdl import pdl_wait, use_pdl
 

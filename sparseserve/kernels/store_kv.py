@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import torch
-from sparseserve.kernels.dispatch import tl, triton, use_triton
 
+from sparseserve.kernels.dispatch import tl, triton, use_triton
 from sparseserve.kernels.pdl import pdl_wait, use_pdl
 
 

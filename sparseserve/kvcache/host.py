@@ -62,6 +62,7 @@ class HostKVStore:
         self.blocks_written = torch.zeros((), dtype=torch.int64, device=device)
         self.d2h: D2HWriter | None = None
         self.layer_d2h: LayerD2H | None = None  # layer-segmented prefill's writer (engine/layer_prefill.py)
+        self.num_fences = 0  # fence() calls (the runner's: one a step)
 
     @property
     def nbytes(self) -> int:
@@ -75,6 +76,8 @@ class HostKVStore:
         self.d2h = D2HWriter(self, max_tokens, max_seqs, num_threads)
 
     def fence(self) -> None:
+        """Waits until every FlashD2H write submitted so far is in the store."""
+        self.num_fences += 1
         if self.d2h is not None:
             self.d2h.fence()
         if self.layer_d2h is not None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 @dataclass(frozen=True)
 class KeyMeta:
     codes: torch.Tensor  # int8 [..., num_blocks + 1, Hkv, 2 (min, max), P, D]

@@ -1,32 +1,12 @@
-"""The hierarchical KV cache as one component (DESIGN.md principles 4 and 5): `OffloadCache`.
+"""KV offload, each rank's side (docs/offload.md): `OffloadCache` owns the host store (every full
+head block, written through once), the sparse layers' device block cache, the HBM pool through which
+sparse decode reads the blocks it selects, and the working-set counter.
 
-With kv_offload every full head block lives in a pinned host store (kvcache/host.py), written through once as
-its tokens arrive; the device keeps, per token block, the key metadata and the dense layers' K/V, and for the
-sparse layers only each running sequence's working set (its prefill's blocks, its decode window: the device
-block cache, `DeviceBlockMap`) plus a unified pool of HBM head-block slots (kvcache/pool.py) through which
-sparse decode reads the other blocks it selects. How the device budget is split: kvcache/layout.py.
-
-Everything outside reaches the offload path through this class:
-  - the runner builds it (`build`) and takes its per-layer caches (`kv_caches`) and each step's device
-    addressing (`prepare_step`: slots and tables of the device block cache), and fences it before a step;
-  - the scheduler asks its device block space whether a step fits (`can_schedule`, `can_admit`), maps a
-    step's blocks (`schedule`), releases a sequence's (`free`) or pauses it (`pause`: its partial tail block
-    saved to its host row, its device blocks released, everything it computed kept in the store) and reports
-    token blocks handed to a new owner (`on_allocate`: their pool slots are stale);
-  - blocks mapped over tokens already computed (a prefix-cache hit, a paused sequence resuming) are restored
-    from their host rows into the device block cache by one FlashH2D gather (`begin_step`, before the step's
-    kernels), never recomputed: the key metadata and the dense layers' K/V are indexed by token block and
-    never left the device (docs/prefix_cache.md);
-  - the sparse backend writes each layer's new full blocks through (`write_through`) and reads a layer's
-    selected blocks into an HBM view (`read`: pool lookup, victims and FlashH2D of the misses; `lookup` after
-    the lists changed without loading); with lagged selection it plans the next step's lists beside the step in
-    flight (`plan_lagged`, on its side stream) and the step reads the views planned the step before
-    (`lagged_view`): no pool work is left between a layer's selection and its attention;
-  - CUDA graphs replay the step's device addressing from their static inputs (`graph_inputs`, `capture_step`);
-  - working-set-aware batch control: `working_set` (kvcache/working_set.py) counts each sequence's working
-    set in the pool's unit (head blocks) on the device; the sparse backend feeds it, the scheduler reads it;
-  - statistics: `counters()` (device, read without a sync) and `gauges()`.
-"""
+Once a step the runner hands it the scheduler's OffloadPlan (`begin_step`: one host fence, tail saves,
+restores, the device ranges); the sparse backend then asks it for the step's device addressing
+(`prepare_step`), writes each layer's new full blocks through (`write_through`, `decode_write`) and
+reads a layer's selected blocks into an HBM view (`read`, `lookup`; lagged: `plan_lagged`,
+`lagged_view`); CUDA graphs replay its addressing (`graph_inputs`, `capture_step`)."""
 from __future__ import annotations
 
 import logging
@@ -38,13 +18,14 @@ import torch
 from sparseserve.config import OffloadConfig, available_host_memory
 from sparseserve.kernels.flash_h2d import flash_h2d
 from sparseserve.kernels.sparse_decode import listed_rows
-from sparseserve.kvcache.blocks import BlockAllocator, blocks_needed
+from sparseserve.kvcache.blocks import blocks_needed
 from sparseserve.kvcache.decode_rows import DecodeRows, tables_of
 from sparseserve.kvcache.host import HostKVStore, host_block_bytes
-from sparseserve.kvcache.staging import InputField, to_device_many
 from sparseserve.kvcache.layout import OffloadLayout
+from sparseserve.kvcache.offload_plan import OffloadPlan
 from sparseserve.kvcache.pool import HBMPool
-from sparseserve.kvcache.working_set import WorkingSet
+from sparseserve.kvcache.staging import InputField, to_device_many
+from sparseserve.kvcache.working_set import WorkingSetCounter
 
 logger = logging.getLogger(__name__)
 
@@ -54,221 +35,36 @@ OffloadView = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 @dataclass
 class OffloadStep:
-    """One step's addressing of the sparse layers' device block cache (token-block addressing is the step's
-    AttentionMetadata). Released entries of a table name the cache's trash row."""
+    """One step's addressing of the sparse layers' device block cache."""
     slot_mapping: torch.Tensor  # int64 [T]
-    block_tables: torch.Tensor  # int32 [B, W]
-    # token blocks handed to new owners since the last step (on_allocate), to leave the pool before the step's
-    # kernels (`drop_stale`); None when there are none, and in CUDA graphs' static steps
+    block_tables: torch.Tensor  # int32 [B, W]; released entries name the trash row
+    # token blocks with new owners, to leave the pool before the step's kernels (`drop_stale`);
+    # None when there are none, and in CUDA graphs' static steps
     stale: torch.Tensor | None = None
 
 
-class StaleBlocks:
-    """Token blocks handed to new owners (`OffloadCache.on_allocate`): the HBM pool must not serve their previous
-    contents, so they leave it (one kernel launch, `OffloadCache.drop_stale`) before any selection can list
-    them. A step's launch costs host time, and at a large decode batch some decode opens a block nearly every
-    step; a block a decode opened holds one token, so a selection can list it (full) block_size - 1 decode steps
-    later at the earliest: it waits for the next launch, at most block_size - 2 steps. Any other block (a
-    prefill's: listed by the next step) leaves with its own step and takes the waiting ones along."""
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self.pending: list[int] = []  # since the last step
-        self.waiting: list[int] = []  # opened by decodes, not yet taken
-        self.deadline = 0  # the step by which the waiting ones leave
-        self.steps = 0  # steps with a batch (take): every decode step is one
-
-    def add(self, blocks: list[int]) -> None:
-        self.pending += blocks
-
-    def take(self, opened: list[int]) -> list[int]:
-        """The blocks leaving the pool with this step; opened: the token blocks its decodes open."""
-        self.steps += 1
-        if not self.waiting:
-            self.deadline = self.steps + self.block_size - 2
-        if opened and self.pending:
-            fresh = set(opened)
-            self.waiting += [b for b in self.pending if b in fresh]
-            self.pending = [b for b in self.pending if b not in fresh]
-        if not self.pending and (not self.waiting or self.steps < self.deadline):
-            return []
-        return self.take_all()
-
-    def take_all(self) -> list[int]:
-        out, self.pending, self.waiting = self.pending + self.waiting, [], []
-        return out
-
-    def take_pending(self) -> list[int]:
-        """A step without a batch (`OffloadCache.fence`): decodes opened nothing, the waiting ones may wait."""
-        out, self.pending = self.pending, []
-        return out
-
-
-class DeviceBlockMap:
-    """The device block cache's rows and which token blocks of each sequence they hold.
-
-    A sequence maps a contiguous range of its token blocks [start, start + len(blocks)) to device blocks:
-      - a step that prefills (more than one new token, or one token that is not the last one to compute)
-        needs every block of the sequence: dense prefill attention reads all earlier blocks;
-      - a decode (the one token left) needs the local window only (the last `local_blocks` blocks, tail
-        included): the sparse kernel reads every other listed block through the HBM pool or the host store.
-    Blocks leaving that range are released when the step is scheduled. The range only moves forward (a
-    sequence never prefills after decoding unless preempted, which releases everything), so no block is
-    ever loaded back into the device cache.
-
-    Why releasing at scheduling time is safe: a released block left the window, so it is full and was
-    written in an earlier step; the runner fences the host store before it launches a step's kernels
-    (every write-through of earlier steps is in the store), and the step reads the block through the pool /
-    host row only, so a new owner may overwrite the device block in that same step."""
-
-    def __init__(self, num_blocks: int, local_blocks: int, block_size: int, token_blocks: int) -> None:
-        self.allocator = BlockAllocator(num_blocks)
-        self.token_blocks = token_blocks
-        self.local_blocks = local_blocks
-        self.block_size = block_size
-        self.ranges: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (start, device blocks)
-        # Sequences in layer-segmented prefill: they hold only their first decode's window (map_window).
-        self.segmented: set[int] = set()
-        # seq_id -> the end of the token block its last decode's `map` wrote into: decodes of tokens before it
-        # keep the same window (a decoding sequence never prefills again without releasing its range first)
-        self.steady_until: dict[int, int] = {}
-        self.changed: set[int] = set()  # seq_ids whose range changed since `take_changed` (the step's tables)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.allocator.num_blocks
-
-    def range_of(self, seq) -> tuple[int, list[int]]:
-        return self.ranges.get(seq.seq_id, (0, []))
-
-    def hot_range(self, seq, n: int) -> tuple[int, int]:
-        """Token-block indices [lo, hi) that must be on the device for a step computing n new tokens."""
-        c = seq.num_computed_tokens
-        hi = blocks_needed(c + n, self.block_size)
-        decode = n == 1 and c + 1 == seq.num_tokens
-        return (max(hi - self.local_blocks, 0) if decode else 0), hi
-
-    def num_to_allocate(self, seq, n: int) -> int:
-        """Device blocks this step takes from the free list, net of what the sequence itself releases."""
-        lo, hi = self.hot_range(seq, n)
-        start, blocks = self.range_of(seq)
-        held = len(blocks)
-        missing = hi - max(lo, start + held) if held else hi - lo
-        releasable = min(max(lo - start, 0), held)
-        return missing - releasable
-
-    def steady(self, seq, n: int) -> bool:
-        """A decode whose mapped range is its window already (block_size - 1 of every block_size decode steps):
-        the step maps, releases and restores nothing. The scheduler asks this of every running sequence every
-        step, so it is one lookup (`steady_until`, set by a decode's `map`) before `hot_range`'s general test."""
-        return n == 1 and seq.num_computed_tokens < self.steady_until.get(seq.seq_id, 0)
-
-    def can_map(self, seq, n: int) -> bool:
-        return self.steady(seq, n) or self.allocator.can_allocate(max(self.num_to_allocate(seq, n), 0))
-
-    def can_admit(self, seq, running: list) -> bool:
-        """Whether a waiting sequence may start: the device blocks its whole prefill will need (a paused
-        sequence that was decoding: its window) fit next to what the running prefills still need (admitting a
-        prompt whose later chunks cannot get their blocks would only preempt it again). Always true when the
-        device space is as large as the token space."""
-        if self.num_blocks >= self.token_blocks:
-            return True
-        reserved = sum(self._prefill_rest(s) for s in running)
-        if seq.num_computed_tokens + 1 >= seq.num_tokens:
-            lo, hi = self.hot_range(seq, 1)
-            need = hi - lo
-        else:
-            need = blocks_needed(seq.num_tokens, self.block_size)
-        return self.allocator.num_free - reserved >= need
-
-    def _prefill_rest(self, seq) -> int:
-        """Device blocks a running sequence still has to map to finish its prefill."""
-        if seq.num_computed_tokens + 1 >= seq.num_tokens or seq.seq_id in self.segmented:
-            return 0
-        start, blocks = self.range_of(seq)
-        return blocks_needed(seq.num_tokens, self.block_size) - start - len(blocks)
-
-    def map(self, seq, n: int) -> list[int]:
-        """Releases the sequence's device blocks before the step's range and maps the blocks it adds.
-        Returns the released device blocks (already back on the free list)."""
-        lo, hi = self.hot_range(seq, n)
-        start, blocks = self.range_of(seq)
-        if not blocks:
-            start = lo
-        if lo < start:
-            raise RuntimeError(f"sequence {seq.seq_id} needs token block {lo} on the device again after "
-                               f"releasing it (device range starts at {start})")
-        cut = min(lo - start, len(blocks))
-        released: list[int] = []
-        if cut:  # a decode's window moves once per block_size steps: most steps release nothing
-            released = blocks[:cut]
-            self.allocator.free(released)
-            blocks = blocks[cut:]
-            start = start + cut if blocks else lo
-        end = start + len(blocks)
-        if hi > end:
-            blocks = blocks + self.allocator.allocate(hi - end)
-        self.ranges[seq.seq_id] = (start, blocks)
-        self.changed.add(seq.seq_id)
-        self.segmented.discard(seq.seq_id)
-        if n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens:  # a decode: its range is [lo, hi) now
-            self.steady_until[seq.seq_id] = hi * self.block_size
-        else:
-            self.steady_until.pop(seq.seq_id, None)
-        return released
-
-    def window(self, seq) -> tuple[int, int]:
-        """Token-block indices [lo, hi) of the prompt's blocks in its first decode's local window (the prompt's
-        tail block included): what a layer-segmented prefill leaves on the device (engine/layer_prefill.py)."""
-        p, bs = seq.num_tokens, self.block_size
-        return max(blocks_needed(p + 1, bs) - self.local_blocks, 0), blocks_needed(p, bs)
-
-    def can_admit_window(self, seq, running: list) -> bool:
-        """Whether a layer-segmented prefill may start: its window fits next to what running prefills still need."""
-        lo, hi = self.window(seq)
-        return self.allocator.num_free - sum(self._prefill_rest(s) for s in running) >= hi - lo
-
-    def map_window(self, seq) -> None:
-        """Maps the window of a sequence starting a layer-segmented prefill (it holds no device block); its
-        first decode's `map` then extends the same range."""
-        if seq.seq_id in self.ranges:
-            raise RuntimeError(f"sequence {seq.seq_id} starts a layer-segmented prefill holding device blocks")
-        lo, hi = self.window(seq)
-        self.ranges[seq.seq_id] = (lo, self.allocator.allocate(hi - lo))
-        self.changed.add(seq.seq_id)
-        self.segmented.add(seq.seq_id)
-        self.steady_until.pop(seq.seq_id, None)
-
-    def take_changed(self) -> set[int]:
-        out, self.changed = self.changed, set()
-        return out
-
-    def release(self, seq) -> None:
-        _, blocks = self.ranges.pop(seq.seq_id, (0, []))
-        self.changed.add(seq.seq_id)
-        self.segmented.discard(seq.seq_id)
-        self.steady_until.pop(seq.seq_id, None)
-        self.allocator.free(blocks)
-
-
 class OffloadCache:
-    def __init__(self, layout: OffloadLayout, host: HostKVStore, pool: HBMPool, device_map: DeviceBlockMap,
-                 kv_caches: list[torch.Tensor], block_size: int, local_blocks: int,
-                 sparse_cache: torch.Tensor | None = None, working_set: WorkingSet | None = None) -> None:
-        self.layout, self.host, self.pool, self.device_map = layout, host, pool, device_map
+    def __init__(self, layout: OffloadLayout, host: HostKVStore, pool: HBMPool, kv_caches: list[torch.Tensor],
+                 block_size: int, local_blocks: int, sparse_cache: torch.Tensor,
+                 working_set: WorkingSetCounter | None = None) -> None:
+        self.layout, self.host, self.pool = layout, host, pool
         self.working_set = working_set
         self.kv_caches = kv_caches
         self.block_size, self.local_blocks = block_size, local_blocks
         self.dense_layers = layout.dense_layers
-        # The sparse layers' device block cache as one tensor [L - dense, device blocks + 1, Hkv, 2, bs, D] (the
-        # last kv_caches are its layers): restores and pauses address it whole.
+        self.num_device_blocks = layout.device_blocks
+        # The sparse layers' device block cache as one tensor [L - dense, device blocks + 1, Hkv, 2, bs, D]
+        # (the last kv_caches are its layers): restores and saves address it whole.
         self.sparse_cache = sparse_cache
-        self._restores: list[tuple[int, int]] = []  # (token block = host row, device block) before the next step
-        self._stale = StaleBlocks(block_size)  # token blocks handed to new owners, to leave the pool
+        # seq_id -> (first token block, device blocks): the scheduler's ranges, as its plans said
+        self.ranges: dict[int, tuple[int, list[int]]] = {}
+        self._changed: set[int] = set()  # seq_ids whose range changed since the last prepare_step
+        self._stale: list[int] = []  # this step's blocks with new owners (the plan's)
         self._rows: DecodeRows | None = None  # the last decode step's rows (prepare_step)
         self.num_restored_blocks = 0  # token blocks restored into the device block cache (stats)
-        self.lag_loc: torch.Tensor | None = None  # lagged views: [sparse layers, list rows + 1 scratch, Hkv, cap]
+        self.lag_loc: torch.Tensor | None = None  # lagged views: [sparse layers, list rows + 1, Hkv, cap]
         self.lag_key: torch.Tensor | None = None
+        self.cap = 0  # blocks a selection lists (set by `build`)
 
     @classmethod
     def build(cls, config: OffloadConfig, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -322,16 +118,15 @@ class OffloadCache:
         host.attach_d2h(max_num_batched_tokens, max_num_seqs)
         pool = HBMPool(num_layers, layout.token_blocks, num_kv_heads, block_size, head_dim, layout.pool_slots, dtype,
                        device)
-        device_map = DeviceBlockMap(layout.device_blocks, local_blocks, block_size, layout.token_blocks)
-        working_set = WorkingSet(num_keys=pool.num_keys, num_slots=max_num_seqs, window=config.working_set_window,
-                                 capacity=pool.num_slots, margin=config.working_set_margin,
-                                 enabled=config.working_set_control, lists=(num_layers - dl) * num_kv_heads,
-                                 cap=cap, local=local_blocks, block_size=block_size, device=device)
+        counter = WorkingSetCounter(num_keys=pool.num_keys, num_slots=max_num_seqs, window=config.working_set_window,
+                                    enabled=config.working_set_control, device=device)
         logger.info("KV offload: host store %d blocks (%.2f GiB, pinned=%s), device block cache %d blocks, "
                     "HBM pool %d head-block slots", layout.token_blocks, host.nbytes / 2**30, host.data.is_pinned(),
                     layout.device_blocks, pool.num_slots)
-        return cls(layout, host, pool, device_map, list(dense_cache) + list(sparse_cache), block_size, local_blocks,
-                   sparse_cache, working_set)
+        cache = cls(layout, host, pool, list(dense_cache) + list(sparse_cache), block_size, local_blocks,
+                    sparse_cache, counter)
+        cache.cap = cap
+        return cache
 
     @property
     def num_token_blocks(self) -> int:
@@ -341,147 +136,93 @@ class OffloadCache:
         """Whether a layer's blocks live in the host store (the dense layers keep theirs on the device)."""
         return layer >= self.dense_layers
 
-    # ---- the scheduler ------------------------------------------------------------------------------------
+    def range_of(self, seq_id: int) -> tuple[int, list[int]]:
+        """(first token block, device blocks) of a sequence's device range."""
+        return self.ranges.get(seq_id, (0, []))
 
-    def can_schedule(self, seq, n: int) -> bool:
-        return self.device_map.can_map(seq, n)
+    # ---- the step (the runner) ----------------------------------------------------------------
 
-    def can_admit(self, seq, running: list) -> bool:
-        return self.device_map.can_admit(seq, running)
-
-    def steady_decode(self, seq) -> bool:
-        """A decode that maps, releases and restores nothing (can_schedule holds, schedule does nothing)."""
-        return self.device_map.steady(seq, 1)
-
-    def schedule(self, seq, n: int) -> None:
-        """Maps the step's device blocks; those newly mapped over computed tokens (only a sequence that
-        (re)starts with computed tokens has any: a prefix-cache hit, a paused sequence) are queued for
-        restoring from their host rows."""
-        dm = self.device_map
-        if dm.steady(seq, n):
-            return
-        old_start, old = dm.range_of(seq)
-        dm.map(seq, n)
-        start, blocks = dm.range_of(seq)
-        first = old_start + len(old) if old else start
-        for j in range(max(first, start), min(start + len(blocks), blocks_needed(seq.num_computed_tokens,
-                                                                                   self.block_size))):
-            self._restores.append((seq.block_table[j], blocks[j - start]))
-
-    def free(self, seq) -> None:
-        self.device_map.release(seq)
-        if self.working_set is not None:
-            self.working_set.forget(seq)
-
-    def can_admit_segmented(self, seq, running: list) -> bool:
-        """Whether a layer-segmented prefill may start (its first decode's window fits)."""
-        return self.device_map.can_admit_window(seq, running)
-
-    def schedule_segmented(self, seq) -> None:
-        """A layer-segmented prefill starts: its window's device blocks are mapped (filled layer by layer from
-        the prefill's scratch, engine/layer_prefill.py; nothing to restore)."""
-        self.device_map.map_window(seq)
-
-    def pause(self, seq) -> None:
-        """Preemption that keeps the work: the sequence keeps its token blocks (host rows hold every full block
-        it computed) and its partial tail block, not yet written through, is saved to its host row now; its
-        device blocks are released. Resuming restores its window (or all of it, mid-prefill) by copy."""
-        c, bs = seq.num_computed_tokens, self.block_size
-        start, blocks = self.device_map.range_of(seq)
-        if c % bs and start <= c // bs < start + len(blocks):
-            mine = set(blocks)
-            self._restores = [(row, dev) for row, dev in self._restores if dev not in mine]
-            row, dev = seq.block_table[c // bs], blocks[c // bs - start]
-            self.host.data[self.dense_layers:, row].copy_(self.sparse_cache[:, dev])
-        self.device_map.release(seq)
-        if self.working_set is not None:
-            self.working_set.on_pause(seq)
-
-    def begin_step(self) -> None:
-        """Before any kernel of a step: the host store's pending writes land (fence), then the blocks the
-        schedule mapped over computed tokens are copied from their host rows into the device block cache, every
-        sparse layer and KV head in one FlashH2D gather. (Blocks with new owners leave the pool with the step's
-        addressing: `prepare_step`, `drop_stale`.)"""
+    def begin_step(self, plan: OffloadPlan | None, batch: bool = True) -> None:
+        """Before any kernel of a step, once: the host store's pending writes land (the step may
+        rewrite device blocks the scheduler released, and may read any row written before), then the
+        plan's tail saves, its device ranges and its restores (every sparse layer and KV head of the
+        restored blocks in one FlashH2D gather). batch: the step has scheduled rows, whose upload takes
+        the plan's stale blocks (`prepare_step`); without one they leave the pool here."""
         self.host.fence()
-        if not self._restores:
+        if plan is None:
             return
-        rows = torch.tensor([r for r, _ in self._restores], dtype=torch.int64)
-        devs = torch.tensor([d for _, d in self._restores], dtype=torch.int64)
-        self._restores = []
+        dl = self.dense_layers
+        for row, dev in plan.saves:
+            self.host.data[dl:, row].copy_(self.sparse_cache[:, dev])
+        for sid, rng in plan.ranges.items():
+            if rng is None:
+                self.ranges.pop(sid, None)
+            else:
+                self.ranges[sid] = rng
+        self._changed.update(plan.ranges)
+        if plan.restores:
+            self._restore(plan.restores)
+        if batch:
+            self._stale = plan.stale
+        elif plan.stale:
+            self.pool.invalidate(plan.stale)
+
+    def _restore(self, restores: list[tuple[int, int]]) -> None:
+        rows = torch.tensor([r for r, _ in restores], dtype=torch.int64)
+        devs = torch.tensor([d for _, d in restores], dtype=torch.int64)
         self.num_restored_blocks += rows.numel()
-        dl, num_layers = self.dense_layers, self.host.data.shape[0]
-        hkv = self.host.data.shape[2]
+        dl, num_layers, hkv = self.dense_layers, self.host.data.shape[0], self.host.data.shape[2]
         layers = torch.arange(dl, num_layers)[:, None, None]
         heads = torch.arange(hkv)[None, None, :]
         key = ((layers * (self.host.num_blocks + 1) + rows[None, :, None]) * hkv + heads).reshape(-1)
-        load = (((layers - dl) * (self.sparse_cache.shape[1]) + devs[None, :, None]) * hkv + heads).reshape(-1)
-        dev = self.sparse_cache.device
+        load = (((layers - dl) * self.sparse_cache.shape[1] + devs[None, :, None]) * hkv + heads).reshape(-1)
         flash_h2d(self.host.flat(), self.sparse_cache.view(-1, *self.sparse_cache.shape[3:]),
-                  *to_device_many([key, load], dev))
-
-    def on_allocate(self, blocks: list[int]) -> None:
-        """Token blocks given to a new owner: the pool must not serve their previous contents. They leave the pool
-        in one launch before the kernels of their step or, opened by a decode, of a later one (StaleBlocks;
-        `prepare_step` hands them to the step, which moves them to the device with its addressing, `drop_stale`)."""
-        self._stale.add(blocks)
-
-    # ---- the runner ---------------------------------------------------------------------------------------
+                  *to_device_many([key, load], self.sparse_cache.device))
 
     def prepare_step(self, scheduled: list) -> OffloadStep:
-        """Device cache slots of the step's tokens and device tables of its sequences, in `scheduled` order
-        ((sequence, new tokens) pairs), and the blocks to drop from the pool (the caller moves them to the device
-        with the rest of the step's inputs, then calls `drop_stale`). Built per sequence and block on the host,
-        except in a decode step of the same sequences as the decode step before (kvcache/decode_rows.py)."""
-        dm, bs = self.device_map, self.block_size
-        changed = dm.take_changed()
+        """Device cache slots of the step's tokens and device tables of its sequences, in `scheduled`
+        order, and the plan's stale blocks (the caller moves them to the device with the step's other
+        inputs, then calls `drop_stale`). Built per sequence and block on the host, except in a decode
+        step of the same sequences as the one before (kvcache/decode_rows.py)."""
+        bs, nb = self.block_size, self.num_device_blocks
+        changed, self._changed = self._changed, set()
         if self._rows is None or not self._rows.fits(scheduled):
-            self._rows = DecodeRows.build(scheduled, self._device_row, dm.num_blocks, bs)  # None unless all decode
+            self._rows = DecodeRows.build(scheduled, self._device_row, nb, bs)  # None unless all decode
             changed = ()
         if self._rows is not None:
-            slots, tables, pos = self._rows.update(scheduled, changed)
-            # (over Python ints: numpy's per-call overhead on a batch's 32 values is larger than the loop)
-            opened = [scheduled[b][0].block_table[c // bs] for b, c in enumerate(pos.tolist()) if c % bs == 0]
-            return self._step(slots, tables, opened)
-        slots, opened = [], []  # opened: token blocks this step's decodes open (their first token)
+            slots, tables, _ = self._rows.update(scheduled, changed)
+            return self._step(slots, tables)
+        slots = []
         for seq, n in scheduled:
-            start, blocks = dm.ranges[seq.seq_id]
+            start, blocks = self.ranges[seq.seq_id]
             c = seq.num_computed_tokens
             if n == 1:
                 slots.append(blocks[c // bs - start] * bs + c % bs)
-                if c % bs == 0:
-                    opened.append(seq.block_table[c // bs])
                 continue
             for blk in range(c // bs, (c + n - 1) // bs + 1):  # tokens [c, c + n), block by block
                 lo, hi = max(c, blk * bs), min(c + n, (blk + 1) * bs)
                 base = blocks[blk - start] * bs - blk * bs
                 slots.extend(range(base + lo, base + hi))
         width = max(len(seq.block_table) for seq, _ in scheduled)
-        return self._step(torch.tensor(slots, dtype=torch.long),
-                          tables_of(scheduled, self._device_row, dm.num_blocks, width), opened)
+        tables = tables_of(scheduled, self._device_row, nb, width)
+        return self._step(torch.tensor(slots, dtype=torch.long), tables)
 
     def _device_row(self, seq) -> tuple[int, list[int]]:
-        return self.device_map.ranges[seq.seq_id]
+        return self.ranges[seq.seq_id]
 
-    def _step(self, slots: torch.Tensor, tables: np.ndarray, opened: list[int]) -> OffloadStep:
-        # stale None when no block leaves the pool (most steps): nothing to move to the device or drop
-        stale = self._stale.take(opened)
-        return OffloadStep(slots, torch.from_numpy(tables),
-                           torch.from_numpy(np.array(stale, dtype=np.int64)) if stale else None)
+    def _step(self, slots: torch.Tensor, tables: np.ndarray) -> OffloadStep:
+        stale, self._stale = self._stale, []  # most steps drop nothing: no upload for it then
+        st = torch.from_numpy(np.array(stale, dtype=np.int64)) if stale else None
+        return OffloadStep(slots, torch.from_numpy(tables), st)
 
     def drop_stale(self, step: OffloadStep) -> None:
-        """The step's blocks with new owners (`prepare_step`, on the device now) leave the pool: one launch,
-        before the step's kernels."""
+        """The step's blocks with new owners (on the device now) leave the pool: one launch."""
         if step.stale is not None and step.stale.numel():
             self.pool.invalidate(step.stale)
 
-    def fence(self) -> None:
-        """Before any kernel of a step: earlier steps' FlashD2H copies are in the store, so device blocks the
-        scheduler released for this step may be rewritten; token blocks with new owners that no step's addressing
-        took (`prepare_step`: a step without a batch) leave the pool here."""
+    def sync(self) -> None:
+        """Every FlashD2H write submitted so far is in the store (statistics, tests)."""
         self.host.fence()
-        stale = self._stale.take_pending()
-        if stale:
-            self.pool.invalidate(stale)
 
     # ---- the sparse backend, per layer --------------------------------------------------------------------
 
@@ -569,7 +310,7 @@ class OffloadCache:
         """The step addressing a captured decode step reads (`capture_step`; the sparse backend fills them by
         these names from `prepare_step`): padding rows write nothing (slot -1) and name the trash row."""
         return [InputField("offload_slot_mapping", torch.long, pad=-1),
-                InputField("offload_block_tables", torch.int32, width=max_blocks, pad=self.device_map.num_blocks)]
+                InputField("offload_block_tables", torch.int32, width=max_blocks, pad=self.num_device_blocks)]
 
     @staticmethod
     def capture_step(inputs: dict[str, torch.Tensor]) -> OffloadStep:
@@ -585,12 +326,8 @@ class OffloadCache:
                 "offload_layer_steps": s[3], "offload_blocks_written": self.host.blocks_written}
 
     def gauges(self) -> dict[str, int]:
-        """Host-side values: sizes, the device block cache in use, FlashD2H's blocks written and the working-set
-        control's accounting."""
-        ws = self.working_set.gauges() if self.working_set is not None else {}
-        return ws | {"offload_host_blocks": self.layout.token_blocks, "offload_hbm_slots": self.pool.num_slots,
+        """Host-side values: sizes, blocks restored, FlashD2H's blocks written."""
+        return {"offload_host_blocks": self.layout.token_blocks, "offload_hbm_slots": self.pool.num_slots,
                 "offload_head_block_bytes": self.layout.head_block_bytes,
-                "offload_device_blocks": self.device_map.num_blocks,
-                "offload_device_blocks_used": self.device_map.allocator.num_used,
                 "offload_blocks_restored": self.num_restored_blocks,
                 "offload_d2h_blocks_written": self.host.d2h_blocks_written()}

@@ -12,7 +12,8 @@ from sparseserve.kernels.block_score import block_scores_ref, select_ref
 from sparseserve.kernels.dispatch import forced
 from sparseserve.kernels.key_meta import rebuild_key_meta
 from sparseserve.kernels.sparse_decode import sparse_decode_ref
-from tests.kernel_utils import DEVICE as DEV, gpu_only, rel_err
+from tests.kernel_utils import DEVICE as DEV
+from tests.kernel_utils import gpu_only, rel_err
 from tests.kernels.test_sparse_kernels import decode_batch
 
 

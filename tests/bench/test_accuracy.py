@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from sparseserve.attention.backend import AttentionMetadata, BackendContext, PagedAttentionBackend, attend_paged
-from sparseserve.kernels.store_kv import store_kv
 from sparseserve.bench import accuracy
 from sparseserve.bench import tasks as T
-from tests.bench.conftest import haystack_dir
 from sparseserve.bench.attention_probe import AttentionProbe
-
+from sparseserve.kernels.store_kv import store_kv
+from tests.bench.conftest import haystack_dir
 
 
 def test_tasks_exact_length_and_needles(builder):

@@ -12,7 +12,6 @@ from sparseserve.bench import tasks as T
 from tests.bench.conftest import haystack_dir
 
 
-
 def _find(seq: list[int], sub: list[int]) -> list[int]:
     """Start positions of `sub` in `seq`."""
     n = len(sub)

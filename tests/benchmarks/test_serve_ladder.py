@@ -10,8 +10,14 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import serve_ladder
-from benchmarks.serve_ladder import (ModelShape, ideal_cached_tokens, ladder_rows, load_runs, mean_ttft_bound,
-                                     workload_bound)
+from benchmarks.serve_ladder import (
+    ModelShape,
+    ideal_cached_tokens,
+    ladder_rows,
+    load_runs,
+    mean_ttft_bound,
+    workload_bound,
+)
 from sparseserve.bench import serve
 from sparseserve.bench.datasets import TraceRequest
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from sparseserve.calibration import cli as calibrate
 from sparseserve.bench import tasks as T
+from sparseserve.calibration import cli as calibrate
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

@@ -1,6 +1,6 @@
 """Tensor parallelism without processes: how heads split, each parallel layer's shards (loaded from full
-checkpoint tensors) against the unsplit layer, the clean refusals, and the replay of the scheduler's device-space
-calls that keeps every rank's offload cache identical."""
+checkpoint tensors) against the unsplit layer, the clean refusals, and the offload plan that keeps every rank's
+offload cache identical."""
 from __future__ import annotations
 
 import random
@@ -15,14 +15,16 @@ from sparseserve.config import EngineConfig, OffloadConfig, SchedulerConfig
 from sparseserve.distributed import launch
 from sparseserve.distributed.group import TPGroup, get_tp_group
 from sparseserve.distributed.utils import shard_heads
-from sparseserve.engine.parallel import RecordingDeviceSpace, SeqView, StepMessage, apply_op
+from sparseserve.engine.parallel import SeqView, StepMessage
 from sparseserve.engine.request import Sequence
-from sparseserve.engine.scheduler import DeviceSpace, Scheduler
+from sparseserve.engine.scheduler import Preempt, SchedulerOutput
 from sparseserve.kvcache.blocks import BlockAllocator
+from sparseserve.kvcache.device_space import DeviceBlockMap, OffloadSpace
 from sparseserve.kvcache.offload import OffloadCache
 from sparseserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from sparseserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sparseserve.sampling_params import SamplingParams
+from tests.engine.sched_utils import make_scheduler
 
 
 @dataclass(frozen=True)
@@ -170,58 +172,61 @@ def test_device_refusals(monkeypatch):
     launch.check_devices(2, "cpu", 2)  # gloo
 
 
-def test_recorded_device_space_covers_every_state_change():
-    """Every DeviceSpace method except the four questions changes state, so each must be recorded for the
-    workers: a method added to the protocol fails here until the driver records it."""
-    methods = {n for n in vars(DeviceSpace) if not n.startswith("_")}
-    questions = {"can_schedule", "can_admit", "can_admit_segmented", "steady_decode"}
-    assert methods - questions <= set(RecordingDeviceSpace.RECORDED)
-
-
 def _offload_cache() -> OffloadCache:
     return OffloadCache.build(
-        OffloadConfig(kv_offload=True, host_kv_memory=20 * 256, hbm_cache_blocks=12), num_layers=2, num_kv_heads=1,
+        OffloadConfig(kv_offload=True, host_kv_memory=40 * 256, hbm_cache_blocks=12), num_layers=2, num_kv_heads=1,
         head_dim=4, block_size=4, dtype=torch.float32, device=torch.device("cpu"), dense_layers=0, local_blocks=2,
         cap=3, metadata_block_bytes=64, max_model_len=48, max_num_seqs=4, max_num_batched_tokens=16, budget=None,
         device_blocks=16)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_replayed_device_space_calls_keep_ranks_identical(seed):
-    """A scheduler drives rank 0's offload cache through RecordingDeviceSpace (arrivals, chunked prefill,
-    decode windows moving, preemptions, finishes); a worker's cache that replays the recorded calls (after a
-    pickling round trip, as the step messages travel) ends every step in the same state."""
+def test_the_offload_plan_keeps_ranks_identical(seed):
+    """A scheduler drives KV offload's device space (arrivals, chunked prefill, decode windows moving,
+    hold-backs with tail saves, restores, finishes); rank 0's offload cache and a worker's, each executing the
+    step's plan (the worker's after a pickling round trip, as the step message travels) over the step's
+    sequences (the worker's as SeqViews), end every step with the same ranges, pool, host store and
+    step addressing, and their ranges are the scheduler's."""
     import pickle
     rng = random.Random(seed)
-    ops: list = []
     rank0, worker = _offload_cache(), _offload_cache()
-    space = RecordingDeviceSpace(rank0, ops)
-    allocator = BlockAllocator(rank0.num_token_blocks)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, init_new_token_ratio=0.0,
-                                            min_new_token_ratio=0.0), allocator, 4, space)
-    seqs = []
-    for step in range(60):
-        if rng.random() < 0.3:
-            s = Sequence(step, f"r{step}", 0, [rng.randrange(100) for _ in range(rng.randint(1, 40))],
-                         SamplingParams(max_tokens=rng.randint(1, 8)))
-            seqs.append(s)
+    g = torch.Generator().manual_seed(seed)
+    for cache in (rank0, worker):  # the same contents, so saves and restores must agree
+        g.manual_seed(seed)
+        cache.sparse_cache.copy_(torch.randn(cache.sparse_cache.shape, generator=g))
+        cache.host.data.copy_(torch.randn(cache.host.data.shape, generator=g))
+    space = OffloadSpace(DeviceBlockMap(rank0.num_device_blocks, 2, 4, rank0.num_token_blocks), 4)
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, init_new_token_ratio=0.0,
+                          min_new_token_ratio=0.0)
+    sched = make_scheduler(cfg, BlockAllocator(rank0.num_token_blocks), 4, space, min_chunk=2)
+    saves = restores = 0
+    for step in range(80):
+        if rng.random() < 0.35:
+            s = Sequence(step, f"r{step}", 0, [rng.randrange(100) for _ in range(rng.randint(2, 40))],
+                         SamplingParams(max_tokens=rng.randint(1, 12)))
             sched.add(s)
         out = sched.schedule()
+        if not out.is_empty:
+            plan = out.offload
+            saves, restores = saves + len(plan.saves), restores + len(plan.restores)
+            views = pickle.loads(pickle.dumps(StepMessage([], [(SeqView.of(q, n), n) for q, n in out.scheduled],
+                                                          plan)))
+            rank0.begin_step(plan)
+            worker.begin_step(views.plan)
+            a, b = rank0.prepare_step(out.scheduled), worker.prepare_step(views.scheduled)
+            assert torch.equal(a.slot_mapping, b.slot_mapping) and torch.equal(a.block_tables, b.block_tables)
+            assert rank0.ranges == worker.ranges == space.map.ranges
+            assert torch.equal(rank0.host.data, worker.host.data)
+            assert torch.equal(rank0.sparse_cache, worker.sparse_cache)
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.token_ids.append(1)
                 if seq.num_output_tokens >= seq.params.max_tokens:
                     sched.finish(seq)
-        message = pickle.loads(pickle.dumps(StepMessage(ops[:])))
-        ops.clear()
-        runner = type("R", (), {"offload": worker})()
-        for op in message.ops:
-            apply_op(runner, op)
-        assert worker.device_map.ranges == rank0.device_map.ranges
-        assert list(worker.device_map.allocator._free) == list(rank0.device_map.allocator._free)
-        assert torch.equal(worker.pool.resident, rank0.pool.resident)
-    assert sched.num_preemptions > 0  # the small spaces preempt
+        if len(sched.running) > 1 and rng.random() < 0.2:  # as the working-set limit holds back the newest
+            sched.preempt(sched.running[-1], Preempt.HOLD_BACK, SchedulerOutput())
+    assert saves > 0 and restores > 0  # paused with partial tails, resumed
 
 
 def test_seq_view_reads_like_the_sequence():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sparseserve import LLM
-from tests.distributed.test_tensor_parallel import CONFIGS, COMMON, assert_same, generate
+from tests.distributed.test_tensor_parallel import COMMON, CONFIGS, assert_same, generate
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 GPU = dict(COMMON, device="cuda", enforce_eager=False)

@@ -40,11 +40,11 @@ class Spy:
         runner = engine.model_runner
         execute = runner.execute
 
-        def spy(scheduled, segments=(), feed=None):
+        def spy(scheduled, segments=(), plan=None, feed=None):
             self.steps += 1
             self.fills += len(feed.rows) if feed is not None else 0
             self.segments += len(segments)
-            seqs, out = execute(scheduled, segments, feed=feed)
+            seqs, out = execute(scheduled, segments, plan, feed=feed)
             self.sampled += len(seqs)
             return seqs, out
         runner.execute = spy

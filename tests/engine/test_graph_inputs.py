@@ -11,6 +11,7 @@ import pytest
 
 from sparseserve import LLM, SamplingParams
 from sparseserve.engine.cuda_graph import DecodeGraphs
+from sparseserve.profiler import Profiler
 from tests.kernel_utils import DEVICE
 from tests.schedules import check_pool, drive_random_schedule, held_blocks
 
@@ -26,8 +27,8 @@ CONFIGS = {
 }
 
 
-class ReplayCount:
-    """The graphs' phase timer hook: counts replays."""
+class ReplayCount(Profiler):
+    """Counts the decode graphs' replays (their profiler phase "graph")."""
 
     def __init__(self) -> None:
         self.replays = 0
@@ -40,16 +41,14 @@ class ReplayCount:
 
 def run(model_dir, graphs: bool, seed: int, **kw) -> tuple[dict[str, list[int]], ReplayCount, object]:
     kw = {"num_gpu_blocks_override": 64, **kw}  # a small cache: preemptions, and engines side by side on a GPU
+    count = ReplayCount()
     llm = LLM(str(model_dir), device=DEVICE.type, dtype="float32", max_model_len=136, max_num_seqs=6,
-              max_num_batched_tokens=64, enforce_eager=not graphs, **kw)
+              max_num_batched_tokens=64, enforce_eager=not graphs, profiler=count, **kw)
     engine = llm.llm_engine
     runner = engine.model_runner
-    count = ReplayCount()
-    if graphs:
-        if runner.graphs is None:  # no CUDA: the same static inputs, each "replay" run eagerly
-            runner.graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.kv_caches, 6,
-                                         runner.max_model_len, runner.block_size)
-        runner.graphs.timer = count
+    if graphs and runner.graphs is None:  # no CUDA: the same static inputs, each "replay" run eagerly
+        runner.graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.kv_caches, 6,
+                                     runner.max_model_len, runner.block_size, count)
     tokens: dict[str, list[int]] = {}
 
     def after(outs):

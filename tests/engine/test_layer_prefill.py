@@ -10,14 +10,14 @@ import torch
 
 from sparseserve import LLM, SamplingParams
 from sparseserve.config import EngineConfig, OffloadConfig
-from sparseserve.engine.layer_prefill import SegmentPlanner
 from sparseserve.engine.request import Sequence
-from sparseserve.engine.scheduler import Scheduler
+from sparseserve.engine.scheduler import Preempt, Scheduler, SchedulerOutput, SegmentPlanner
 from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
 from sparseserve.kvcache.host import host_block_bytes
 from sparseserve.kvcache.offload import OffloadCache
 from sparseserve.metrics import ServerMetrics, parse_metrics
 from tests.conftest import make_hf_model
+from tests.engine.sched_utils import LastSchedule
 from tests.schedules import check_pool, held_blocks
 
 BS = 8
@@ -105,7 +105,7 @@ def drive(llm, reqs: list[list[int]], params: SamplingParams, check=None) -> tup
     while engine.has_unfinished_requests():
         for o in engine.step():
             outs.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
-        schedules.append(engine.last_schedule)
+        schedules.append(engine.profiler.out)
         if check is not None:
             check(engine)
     return [outs[str(i)] for i in range(len(reqs))], schedules
@@ -117,13 +117,13 @@ def check_segmented(engine) -> None:
     held_blocks(engine)
     offload = engine.model_runner.offload
     check_pool(offload)
-    sched, dm = engine.scheduler, offload.device_map
-    assert len(sched.layers_done) <= 1
-    offload.fence()
+    sched, dm = engine.scheduler, engine.scheduler.kv.device_space.map
+    assert len(sched.segments.layers_done) <= 1
+    offload.sync()
     sparse = torch.stack(engine.model_runner.kv_caches[offload.dense_layers:])
     for seq in sched.running:
         start, blocks = dm.range_of(seq)
-        if seq.seq_id in sched.layers_done:
+        if seq.seq_id in sched.segments.layers_done:
             assert (start, start + len(blocks)) == dm.window(seq) and len(blocks) <= dm.local_blocks
             continue
         full = range(start, min(seq.num_computed_tokens // BS, start + len(blocks)))
@@ -139,8 +139,8 @@ def test_layer_segmented_equals_chunked(model4, dense_layers, segment):
     chunked prefill with KV offload; segments ran beside decodes, one prefill at a time, each holding only its
     window on the device; the layer-progress gauges show on /metrics; nothing leaks."""
     kw = dict(COMMON, sparse_dense_layers=dense_layers)
-    base, _ = drive(LLM(str(model4[0]), **kw), prompts(), GREEDY)
-    llm = LLM(str(model4[0]), **kw, layer_segmented_prefill=True, prefill_layer_segment=segment)
+    base, _ = drive(LLM(str(model4[0]), **kw, profiler=LastSchedule()), prompts(), GREEDY)
+    llm = LLM(str(model4[0]), **kw, layer_segmented_prefill=True, prefill_layer_segment=segment, profiler=LastSchedule())
     engine = llm.llm_engine
     seen_progress = []
 
@@ -177,7 +177,7 @@ def test_sparse_prefill_per_layer(model4):
               sparse_prefill_threshold=1.0, sparse_prefill_min_len=200)
     runs = []
     for on in (False, True):
-        llm = LLM(str(model4[0]), **kw, layer_segmented_prefill=on, prefill_layer_segment=2 if on else None)
+        llm = LLM(str(model4[0]), **kw, layer_segmented_prefill=on, prefill_layer_segment=2 if on else None, profiler=LastSchedule())
         tokens, schedules = drive(llm, prompts((450,)), GREEDY)
         assert any(s.segments for s in schedules) == on
         runs.append((tokens, llm.llm_engine.get_stats(sync=True)))
@@ -191,7 +191,7 @@ def test_first_token_logprobs_match_transformers(model4):
     """A 150-token prompt prefilled one layer per step (after a 40-token prefix-cache hit, restored layer by
     layer from the host store): the first token's top logprobs equal transformers' on the same weights."""
     path, hf = model4
-    llm = LLM(str(path), **COMMON, layer_segmented_prefill=True, prefill_layer_segment=1)
+    llm = LLM(str(path), **COMMON, layer_segmented_prefill=True, prefill_layer_segment=1, profiler=LastSchedule())
     p = prompts((150,))[0]
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     with torch.no_grad():
@@ -214,8 +214,8 @@ def test_interrupted_mid_prefill(model4, how):
     """The 200-token prompt is preempted (paused: it keeps its token blocks; recomputed: it gives them back) or
     aborted after two of its four layers: a resumed prefill starts again at layer 0 and every token equals
     chunked prefill's; no token block, device block or prefill state is left behind."""
-    base, _ = drive(LLM(str(model4[0]), **COMMON), prompts(), GREEDY)
-    llm = LLM(str(model4[0]), **COMMON, layer_segmented_prefill=True, prefill_layer_segment=1)
+    base, _ = drive(LLM(str(model4[0]), **COMMON, profiler=LastSchedule()), prompts(), GREEDY)
+    llm = LLM(str(model4[0]), **COMMON, layer_segmented_prefill=True, prefill_layer_segment=1, profiler=LastSchedule())
     engine, reqs = llm.llm_engine, prompts()
     for i, p in enumerate(reqs):
         engine.add_request(str(i), p, GREEDY)
@@ -224,18 +224,18 @@ def test_interrupted_mid_prefill(model4, how):
         for o in engine.step():
             outs.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
         check_segmented(engine)
-        seq = next((s for s in sched.running if sched.layers_done.get(s.seq_id) == 2), None)
+        seq = next((s for s in sched.running if sched.segments.layers_done.get(s.seq_id) == 2), None)
         if interrupted is None and seq is not None and seq.request_id == "3":
             interrupted = seq
             if how == "abort":
                 engine.abort_request("3")
             else:  # what Scheduler.schedule does to a victim
-                sched.running.remove(seq)
-                sched._preempt(seq, keep=how == "pause")
+                why = Preempt.PAUSE if how == "pause" else Preempt.RECOMPUTE
+                sched.preempt(seq, why, SchedulerOutput())
                 engine.model_runner.release(seq.seq_id)
                 assert bool(seq.block_table) == (how == "pause") and seq.num_computed_tokens == 0
-            assert engine.model_runner.layer_prefill.current is None and not sched.layers_done
-            assert seq.seq_id not in engine.model_runner.offload.device_map.ranges
+            assert engine.model_runner.layer_prefill.current is None and not sched.segments.layers_done
+            assert seq.seq_id not in engine.scheduler.kv.device_space.map.ranges
             check_segmented(engine)
     assert interrupted is not None
     assert [outs.get(str(i)) for i in range(4)] == base[:3] + [None if how == "abort" else base[3]]
@@ -255,19 +255,19 @@ def test_random_schedules_preempt_and_abort_mid_prefill(model4, monkeypatch, see
     from sparseserve.engine.engine import LLMEngine
     from tests.kvcache.test_offload import random_schedule
     interrupted, aborted, current = [], set(), []
-    init, preempt, finish, abort = Scheduler.__init__, Scheduler._preempt, Scheduler.finish, LLMEngine.abort_request
+    init, preempt, finish, abort = Scheduler.__init__, Scheduler.preempt, Scheduler.finish, LLMEngine.abort_request
 
     def mid_prefill(sched, seq) -> bool:
-        return sched.layers_done.get(seq.seq_id, 0) > 0
+        return sched.segments.layers_done.get(seq.seq_id, 0) > 0
 
     def init_spy(self, *a, **k):
         init(self, *a, **k)
         current[:] = [self]
 
-    def preempt_spy(self, seq, keep):
+    def preempt_spy(self, seq, why, out):
         if mid_prefill(self, seq):
-            interrupted.append("pause" if keep else "recompute")
-        preempt(self, seq, keep)
+            interrupted.append("recompute" if why is Preempt.RECOMPUTE else "pause")
+        preempt(self, seq, why, out)
 
     def finish_spy(self, seq):
         if mid_prefill(self, seq):
@@ -278,7 +278,7 @@ def test_random_schedules_preempt_and_abort_mid_prefill(model4, monkeypatch, see
         aborted.add(request_id)
         abort(self, request_id)
 
-    for cls, name, spy in ((Scheduler, "__init__", init_spy), (Scheduler, "_preempt", preempt_spy),
+    for cls, name, spy in ((Scheduler, "__init__", init_spy), (Scheduler, "preempt", preempt_spy),
                            (Scheduler, "finish", finish_spy), (LLMEngine, "abort_request", abort_spy)):
         monkeypatch.setattr(cls, name, spy)
     host = 16 * host_block_bytes(4, 2, BS, 32, torch.float32)  # 16 token blocks
@@ -308,8 +308,8 @@ def test_layer_segmented_on_gpu(model4, eager):
     path, hf = model4
     kw = dict(COMMON, device="cuda", enforce_eager=eager, sparse_dense_layers=1)
     reqs = prompts() + [prompts()[3][:64] + prompts()[0][:100]]
-    base, _ = drive(LLM(str(path), **kw), reqs, GREEDY)
-    llm = LLM(str(path), **kw, layer_segmented_prefill=True, prefill_layer_segment=1)
+    base, _ = drive(LLM(str(path), **kw, profiler=LastSchedule()), reqs, GREEDY)
+    llm = LLM(str(path), **kw, layer_segmented_prefill=True, prefill_layer_segment=1, profiler=LastSchedule())
     got, schedules = drive(llm, reqs, GREEDY, check_segmented)
     assert got == base and any(s.segments for s in schedules)
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)

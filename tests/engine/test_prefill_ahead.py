@@ -19,6 +19,7 @@ from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
 from sparseserve.kvcache.blocks import BlockAllocator
 from sparseserve.metrics import ServerMetrics, parse_metrics
 from sparseserve.sampling_params import SamplingParams
+from tests.engine.sched_utils import LastSchedule, left, make_scheduler
 from tests.engine.test_scheduler import NO_RESERVE, DeviceSpace, run_step
 from tests.engine.test_working_set import ENGINE, SMALL_POOL, FakeWorkingSet, assert_no_leaks, drive, prompts
 
@@ -48,7 +49,7 @@ def make(est: dict[int, int], limit: int = 10, bound: int = 8, space: int = 100,
          budget: int = 64, **cfg) -> tuple[Scheduler, AheadWorkingSet, Space]:
     ws = AheadWorkingSet(limit, est)
     sp = Space(space, ws)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, **cfg), BlockAllocator(blocks),
+    sched = make_scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, **cfg), BlockAllocator(blocks),
                       BS, sp, max_prefilled_waiting=bound)
     return sched, ws, sp
 
@@ -64,13 +65,13 @@ def test_prefilled_ahead_then_parked_and_resumed_oldest_first():
         sched.add(s)
     out = run_step(sched)  # a + b fit the limit of 10; c does not: prefilled ahead; d and e wait behind it
     assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 6), (1, 6), (2, 6)]  # (one prefill ahead at a time)
-    assert sched.ahead == {2} and ids(sched.waiting) == [3, 4] and ws.ahead_records[-1] == (0, 1)
+    assert sched.working_set.ahead == {2} and ids(sched.waiting) == [3, 4] and ws.ahead_records[-1] == (0, 1)
     assert ws.records[-1] == (8, 3, 0)  # the decode shares' working sets; three requests wait for one
     # c's prefill is done (its first token sampled): it does not fit, so it is parked, and d prefills ahead.
     out = run_step(sched)
-    assert ids(out.held_back) == [2] == ids(out.preempted) and space.paused == [2]
+    assert ids(out.held_back) == [2] == ids(left(out)) and space.paused == [2]
     assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 1), (1, 1), (3, 6)]
-    assert sched.ahead == {3} and ids(sched.waiting) == [2, 4] and c.status is SequenceStatus.WAITING
+    assert sched.working_set.ahead == {3} and ids(sched.waiting) == [2, 4] and c.status is SequenceStatus.WAITING
     assert c.num_computed_tokens == 6 == c.num_tokens - 1 and c.block_table  # everything computed is kept
     # d (1) would fit beside a and b, but c is older and waits: d is parked too (decode shares go in arrival
     # order), and e prefills ahead; then e is parked.
@@ -79,7 +80,7 @@ def test_prefilled_ahead_then_parked_and_resumed_oldest_first():
     out = run_step(sched)
     assert ids(out.held_back) == [4] and [s for s, _ in out.scheduled] == [a, b]
     assert list(sched.waiting) == [c, d, e] and all(s.status is SequenceStatus.WAITING for s in (c, d, e))
-    assert sched.num_preemptions == 0 and not sched.ahead and ws.ahead_records[-1] == (3, 0)
+    assert sched.num_preemptions == 0 and not sched.working_set.ahead and ws.ahead_records[-1] == (3, 0)
     out = run_step(sched)  # nothing changed: they wait (and nothing is parked twice)
     assert [s for s, _ in out.scheduled] == [a, b] and not out.preempted and list(sched.waiting) == [c, d, e]
     sched.finish(a)  # room for c (4 + 4); then d (1) fits too (9); e (3) does not
@@ -103,10 +104,10 @@ def test_decoding_sequences_are_never_parked_for_new_ones():
     c = seq(2, prompt_len=30)
     sched.add(c)
     out = run_step(sched)  # 5 + 5 + 2 > 10: c prefills ahead beside the decodes
-    assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 1), (1, 1), (2, 30)] and sched.ahead == {2}
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 1), (1, 1), (2, 30)] and sched.working_set.ahead == {2}
     ws.est[2] = 0  # even a sequence that fits waits behind nothing: it takes a share only when done
     out = run_step(sched)
-    assert ids(out.held_back) == [] and not sched.ahead  # done, fits (10): it shares
+    assert ids(out.held_back) == [] and not sched.working_set.ahead  # done, fits (10): it shares
     assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 1), (1, 1), (2, 1)]
     ws.est.update({0: 9, 1: 9, 2: 9})  # over the limit: the newest decoding ones are parked, the oldest runs
     out = run_step(sched)
@@ -125,10 +126,10 @@ def test_a_prefill_over_the_limit_gives_back_its_share_without_pausing():
     sched.add(a)
     sched.add(b)
     run_step(sched)  # a (6) and 10 of b's 40 tokens
-    assert not sched.ahead and b.num_computed_tokens == 10
+    assert not sched.working_set.ahead and b.num_computed_tokens == 10
     ws.est.update({0: 8, 1: 8})
     out = run_step(sched)
-    assert not out.preempted and sched.ahead == {1} and b.num_computed_tokens == 25
+    assert not out.preempted and sched.working_set.ahead == {1} and b.num_computed_tokens == 25
     assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 1), (1, 15)]
     run_step(sched)
     assert b.num_computed_tokens == 40
@@ -142,18 +143,18 @@ def test_bound_on_prefilled_waiting_requests():
     for s in seqs:
         sched.add(s)
     out = run_step(sched)  # one fits; one prefills ahead; the rest wait unprefilled
-    assert ids(s for s, _ in out.scheduled) == [0, 1] and sched.ahead == {1}
+    assert ids(s for s, _ in out.scheduled) == [0, 1] and sched.working_set.ahead == {1}
     assert ids(sched.waiting) == [2, 3, 4, 5] and ws.ahead_records[-1] == (0, 1)
     out = run_step(sched)  # 1 is parked, 2 prefills ahead: two prefilled waiting
-    assert ids(out.held_back) == [1] and ids(s for s, _ in out.scheduled) == [0, 2] and sched.ahead == {2}
+    assert ids(out.held_back) == [1] and ids(s for s, _ in out.scheduled) == [0, 2] and sched.working_set.ahead == {2}
     out = run_step(sched)  # 2 is parked too: still two prefilled waiting, nobody else is admitted
     assert ids(out.held_back) == [2] and ids(sched.waiting) == [1, 2, 3, 4, 5]
     assert ids(s for s, _ in out.scheduled) == [0] and ws.ahead_records[-1] == (2, 0)
     sched.finish(seqs[0])
     out = run_step(sched)  # 1 resumes (a share), which frees a place: 3 prefills ahead
     assert [(s.seq_id, n) for s, n in out.scheduled] == [(1, 1), (3, 6)]
-    assert sched.ahead == {3} and ids(sched.waiting) == [2, 4, 5] and ws.ahead_records[-1] == (1, 1)
-    assert sched._share_queue().waiting == 2
+    assert sched.working_set.ahead == {3} and ids(sched.waiting) == [2, 4, 5] and ws.ahead_records[-1] == (1, 1)
+    assert sched.working_set._share_queue().waiting == 2
 
 
 def test_one_prefill_ahead_at_a_time():
@@ -184,7 +185,7 @@ def test_hold_back_stops_no_prefill_but_a_preemption_does():
     ws.est.update({0: 6, 1: 6})
     out = run_step(sched)
     assert ids(out.held_back) == [1] and [(s.seq_id, n) for s, n in out.scheduled] == [(0, 1), (2, 6)]
-    assert sched.ahead == {2}
+    assert sched.working_set.ahead == {2}
     # Token blocks run out (a real preemption): nothing is admitted in that step.
     sched, ws, space = make({0: 1, 1: 1, 2: 1}, blocks=4, **NO_RESERVE)
     a, b = seq(0, prompt_len=16), seq(1, prompt_len=16)  # two blocks each: all four taken
@@ -193,7 +194,7 @@ def test_hold_back_stops_no_prefill_but_a_preemption_does():
     run_step(sched)
     sched.add(seq(2))
     out = run_step(sched)  # a's next token needs a block: b is preempted (no hold-back), c not admitted
-    assert ids(out.preempted) == [1] and not out.held_back and [s for s, _ in out.scheduled] == [a]
+    assert ids(left(out)) == [1] and not out.held_back and [s for s, _ in out.scheduled] == [a]
     assert ids(sched.waiting) == [1, 2]
 
 
@@ -208,8 +209,8 @@ def test_abort_of_a_parked_request_frees_everything():
     sched.finish(b)  # the engine's abort
     assert not sched.waiting and b.block_table == [] and b.status is SequenceStatus.FINISHED
     sched.finish(a)
-    assert sched.allocator.num_used == 0 and space.held == {} and not sched.ahead
-    sched.allocator.check()
+    assert sched.kv.allocator.num_used == 0 and space.held == {} and not sched.working_set.ahead
+    sched.kv.allocator.check()
 
 
 def test_without_control_or_bound_zero_nothing_changes():
@@ -222,7 +223,7 @@ def test_without_control_or_bound_zero_nothing_changes():
             sched.add(seq(i))
         out = run_step(sched)
         expect = [0] if enabled else [0, 1, 2]
-        assert ids(s for s, _ in out.scheduled) == expect and not sched.ahead and not ws.ahead_records
+        assert ids(s for s, _ in out.scheduled) == expect and not sched.working_set.ahead and not ws.ahead_records
 
 
 def test_config_and_flags():
@@ -240,7 +241,7 @@ def test_config_and_flags():
 # ---- the engine --------------------------------------------------------------------------------------------------
 
 def engine(model, **kw) -> LLMEngine:
-    return LLMEngine.from_kwargs(model=str(model), **{**ENGINE, **SMALL_POOL, **kw})
+    return LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(model), **{**ENGINE, **SMALL_POOL, **kw})
 
 
 def watch(firsts: dict[str, int], finishes: dict[str, int], over: list, step_no: list[int]):
@@ -249,8 +250,8 @@ def watch(firsts: dict[str, int], finishes: dict[str, int], over: list, step_no:
     def check(e: LLMEngine, before) -> None:
         sched = e.scheduler
         step_no[0] += 1
-        for s, n in e.last_schedule.scheduled:
-            if s.seq_id in sched.ahead:
+        for s, n in e.profiler.out.scheduled:
+            if s.seq_id in sched.working_set.ahead:
                 assert n > 1, "a request without a decode share decoded"
         for rid in before:
             req = e.requests.get(rid)
@@ -261,7 +262,7 @@ def watch(firsts: dict[str, int], finishes: dict[str, int], over: list, step_no:
                 finishes.setdefault(rid, step_no[0])
         stats = e.get_stats()
         if stats.working_set_blocks > stats.working_set_limit:
-            over.append(sum(1 for s, n in e.last_schedule.scheduled if n == 1))
+            over.append(sum(1 for s, n in e.profiler.out.scheduled if n == 1))
     return check
 
 
@@ -280,7 +281,7 @@ def test_first_tokens_before_any_finish_and_decode_within_the_limit(tiny_model_d
         runs[name] = drive(e, arrivals, watch(firsts, finishes, over, [0]))
         runs[name].update(firsts=firsts, finishes=finishes, over=over, engine=e)
         assert_no_leaks(e)
-        assert not e.scheduler.ahead and not e.scheduler.waiting
+        assert not e.scheduler.working_set.ahead and not e.scheduler.waiting
     assert runs["ahead"]["tokens"] == runs["off"]["tokens"] == runs["wait"]["tokens"]
     assert all(len(t) == 30 for t in runs["ahead"]["tokens"].values())
     for name in ("wait", "ahead"):
@@ -307,7 +308,7 @@ def test_parked_gauge_and_abort_of_a_parked_request(tiny_model_dir):
 
     def check(eng: LLMEngine, _) -> None:
         sched = eng.scheduler
-        parked = [s for s in sched.waiting if sched._is_parked(s)]
+        parked = [s for s in sched.waiting if sched.working_set._is_parked(s)]
         assert eng.get_stats().working_set_parked == len(parked)
         if parked and not aborted:
             aborted.append(parked[-1].request_id)
@@ -356,7 +357,7 @@ def test_layer_segmented_prefill_ahead(tiny_model_dir):
 
     def check(eng: LLMEngine, before) -> None:
         inner(eng, before)
-        segmented.extend(seg.seq.seq_id for seg in eng.last_schedule.segments)
+        segmented.extend(seg.seq.seq_id for seg in eng.profiler.out.segments)
 
     on = drive(e, arrivals, check)
     assert segmented and on["tokens"] == off["tokens"]

@@ -8,14 +8,14 @@ import time
 import pytest
 
 from sparseserve.config import CPU_LONG_PREFILL_TOKENS, EngineConfig, SchedulerConfig
-from sparseserve.engine.scheduler import Scheduler
 from sparseserve.kvcache.blocks import BlockAllocator
+from tests.engine.sched_utils import LastSchedule, make_scheduler
 from tests.engine.test_scheduler import BS, run_step, seq
 
 
-def scheduler(threshold: int, min_chunk: int = 1, **kw) -> Scheduler:
+def scheduler(threshold: int, min_chunk: int = 1, **kw):
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, **kw)
-    return Scheduler(cfg, BlockAllocator(256), BS, min_chunk=min_chunk,
+    return make_scheduler(cfg, BlockAllocator(256), BS, min_chunk=min_chunk,
                      long_prefill_token_threshold=cfg.prefill_token_threshold("cpu") if threshold < 0 else threshold)
 
 
@@ -69,7 +69,7 @@ def test_a_shorter_prompt_passes_a_long_one_that_waits_for_a_slot():
 
 def test_the_limit_keeps_two_min_chunks_and_leaves_unchunked_prompts_alone():
     sched = scheduler(1, min_chunk=2)  # a limit below 2 * min_chunk is raised to it
-    assert sched.long_prefill_token_threshold == 4
+    assert sched.long.threshold == 4
     sched.add(seq(0, 3))
     run_step(sched)
     b = seq(1, 9)
@@ -109,8 +109,8 @@ def test_mixed_step_on_the_embedded_model():
     from sparseserve import SamplingParams
     from sparseserve.engine.engine import LLMEngine
 
-    engine = LLMEngine.from_kwargs(max_model_len=16384, device="cpu")
-    limit = engine.scheduler.long_prefill_token_threshold
+    engine = LLMEngine.from_kwargs(profiler=LastSchedule(), max_model_len=16384, device="cpu")
+    limit = engine.scheduler.long.threshold
     assert limit == CPU_LONG_PREFILL_TOKENS
     rng = random.Random(0)
 
@@ -143,7 +143,7 @@ def test_mixed_step_on_the_embedded_model():
         now = time.perf_counter()
         steps += 1
         assert {o.request_id for o in outs} >= set(streams), "a stream got no token in a step"
-        chunk = next(n for s, n in engine.last_schedule.scheduled if s.request_id == "long")
+        chunk = next(n for s, n in engine.profiler.out.scheduled if s.request_id == "long")
         assert chunk <= limit
         max_gap, last = max(max_gap, now - last), now
     mixed = time.perf_counter() - t0

@@ -36,10 +36,10 @@ def test_warm_up_leaves_nothing_behind(tiny_model_dir, extra):
     seen, chunks_after_prefix = [], []
     execute = engine.model_runner.execute
 
-    def spy(scheduled, segments=(), feed=None):
+    def spy(scheduled, segments=(), plan=None, feed=None):
         seen.append(([n for _, n in scheduled], len(segments)))
         chunks_after_prefix.extend(n > 1 and seq.num_computed_tokens > 0 for seq, n in scheduled)
-        return execute(scheduled, segments, feed=feed)
+        return execute(scheduled, segments, plan, feed=feed)
     engine.model_runner.execute = spy
     engine.warm_up()
     # the long prompt went through more than one step (chunks or layer segments) beside the short one's decodes

@@ -13,11 +13,11 @@ import torch
 from sparseserve.config import EngineConfig, SchedulerConfig
 from sparseserve.engine.engine import LLMEngine
 from sparseserve.engine.request import Sequence, SequenceStatus
-from sparseserve.engine.scheduler import Scheduler
 from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
 from sparseserve.kvcache.blocks import BlockAllocator
 from sparseserve.metrics import ServerMetrics, parse_metrics
 from sparseserve.sampling_params import SamplingParams
+from tests.engine.sched_utils import LastSchedule, left, make_scheduler
 from tests.engine.test_scheduler import DeviceSpace, run_step
 from tests.kernel_utils import gpu_only
 from tests.schedules import check_pool, held_blocks
@@ -60,7 +60,7 @@ def seq(i: int, prompt_len: int = 6) -> Sequence:
 def test_scheduler_holds_back_the_newest_and_admits_first_come_first_served():
     ws = FakeWorkingSet(10, {0: 4, 1: 4, 2: 4, 3: 1})
     space = SpaceWithWorkingSet(100, ws)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), BlockAllocator(64), BS, space)
+    sched = make_scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), BlockAllocator(64), BS, space)
     a, b, c, d = (seq(i) for i in range(4))
     for s in (a, b, c, d):
         sched.add(s)
@@ -69,7 +69,7 @@ def test_scheduler_holds_back_the_newest_and_admits_first_come_first_served():
     assert ws.records[-1] == (8, 2, 0)  # the limit stopped admission: both waiting ones count as held back
     ws.est.update({0: 6, 1: 6})  # the measured working sets grew: 12 > 10, the newest (b) is held back
     out = run_step(sched)
-    assert out.held_back == [b] == out.preempted and [s for s, _ in out.scheduled] == [a]
+    assert out.held_back == [b] == left(out) and [s for s, _ in out.scheduled] == [a]
     assert space.paused == [1] and list(sched.waiting) == [b, c, d] and b.status is SequenceStatus.WAITING
     assert sched.num_preemptions == 0 and b.num_computed_tokens == 6 == b.num_tokens - 1  # paused, not preempted
     assert ws.records[-1] == (6, 3, 1)
@@ -115,7 +115,7 @@ def drive(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int], int]
         before = set(engine.requests)
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
-        most = max(most, len(engine.last_schedule.scheduled))
+        most = max(most, len(engine.profiler.out.scheduled))
         if check is not None:
             check(engine, before)
         step += 1
@@ -125,11 +125,12 @@ def drive(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int], int]
 def assert_no_leaks(engine: LLMEngine) -> None:
     offload = engine.model_runner.offload
     held_blocks(engine)
-    assert engine.allocator.num_used == 0 and offload.device_map.allocator.num_used == 0
+    space = engine.scheduler.kv.device_space
+    assert engine.allocator.num_used == 0 and space.map.allocator.num_used == 0
     check_pool(offload)
     state = engine.model_runner.attn_backend.state
     assert state.num_free_slots == state.num_slots and not state.held_slots()
-    assert offload.working_set.num_tracked == 0
+    assert space.working_set.num_tracked == 0
 
 
 @pytest.mark.parametrize("lag", [0, 1])
@@ -141,8 +142,8 @@ def test_small_pool_shrinks_the_batch_with_the_same_tokens(tiny_model_dir, lag):
     and selects its first list from its own query."""
     arrivals = {0: [(f"r{i}", p, 30) for i, p in enumerate(prompts())]}
     kw = {**ENGINE, **SMALL_POOL, "sparse_lag": lag}
-    off = drive(LLMEngine.from_kwargs(model=str(tiny_model_dir), **kw, working_set_control=False), arrivals)
-    engine = LLMEngine.from_kwargs(model=str(tiny_model_dir), **kw, working_set_control=True)
+    off = drive(LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(tiny_model_dir), **kw, working_set_control=False), arrivals)
+    engine = LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(tiny_model_dir), **kw, working_set_control=True)
     ws = engine.model_runner.offload.working_set
     over = []
 
@@ -150,7 +151,7 @@ def test_small_pool_shrinks_the_batch_with_the_same_tokens(tiny_model_dir, lag):
         held_blocks(e)
         stats = e.get_stats()
         if stats.working_set_blocks > stats.working_set_limit:
-            over.append(len(e.last_schedule.scheduled))
+            over.append(len(e.profiler.out.scheduled))
 
     on = drive(engine, arrivals, check)
     assert on["tokens"] == off["tokens"] and all(len(t) == 30 for t in on["tokens"].values())
@@ -180,7 +181,7 @@ class Recount:
         self.runner = engine.model_runner
         self.backend = self.runner.attn_backend
         self.offload = self.runner.offload
-        self.window = self.offload.working_set.window
+        self.window = engine.scheduler.kv.device_space.working_set.window
         self.steps: list[dict[int, set[int]]] = []  # per decode step: seq_id -> keys
         self.start: dict[int, int] = {}  # seq_id -> index of the decode step its current slot started at
         self.current: dict[int, set[int]] | None = None
@@ -223,7 +224,7 @@ def test_engine_counts_equal_a_recount_of_its_selections(tiny_model_dir, control
     keys its lists asked for over the last `window` decode steps (since its slot was handed out: a held-back
     request resumes on a new slot); with arrivals, so sequences join and leave. lag: lagged selection, whose
     step reads the lists the step before selected (a resumed request's first ones selected in its step)."""
-    engine = LLMEngine.from_kwargs(model=str(tiny_model_dir), **{**ENGINE, "device": device}, **SMALL_POOL,
+    engine = LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(tiny_model_dir), **{**ENGINE, "device": device}, **SMALL_POOL,
                                    working_set_control=control, working_set_window=window, enforce_eager=True,
                                    sparse_lag=lag)
     recount = Recount(engine)
@@ -243,14 +244,14 @@ def test_no_starvation_under_arrivals(tiny_model_dir):
     arrivals = {2 * i: [(f"r{i}", torch.randint(10, 2000, (rng.randint(40, 160),), generator=g).tolist(),
                          rng.randint(4, 24))] for i in range(14)}
     order = [rid for step in sorted(arrivals) for rid, _, _ in arrivals[step]]
-    off = drive(LLMEngine.from_kwargs(model=str(tiny_model_dir), **ENGINE, **SMALL_POOL, working_set_control=False),
+    off = drive(LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(tiny_model_dir), **ENGINE, **SMALL_POOL, working_set_control=False),
                 arrivals)
-    engine = LLMEngine.from_kwargs(model=str(tiny_model_dir), **ENGINE, **SMALL_POOL, working_set_control=True)
+    engine = LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(tiny_model_dir), **ENGINE, **SMALL_POOL, working_set_control=True)
 
     def oldest_runs(e, before):
         unfinished = [rid for rid in order if rid in before]
         if unfinished:
-            ran = {s.request_id for s, _ in e.last_schedule.scheduled}
+            ran = {s.request_id for s, _ in e.profiler.out.scheduled}
             assert unfinished[0] in ran, (unfinished[0], ran)
 
     on = drive(engine, arrivals, oldest_runs)
@@ -269,7 +270,7 @@ def test_cuda_counts_and_graphs(tiny_model_dir):
     arrivals = {0: [(f"r{i}", p, 30) for i, p in enumerate(prompts())]}
     runs = {}
     for control in (False, True):
-        engine = LLMEngine.from_kwargs(model=str(tiny_model_dir), **{**ENGINE, "device": "cuda"}, **SMALL_POOL,
+        engine = LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(tiny_model_dir), **{**ENGINE, "device": "cuda"}, **SMALL_POOL,
                                        working_set_control=control)
         assert engine.model_runner.graphs is not None
         runs[control] = drive(engine, arrivals)

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sparseserve.attention.sparse import SparseStepMeta
 from sparseserve.kernels.dispatch import forced
 from sparseserve.kernels.flash_h2d import flash_h2d_ref, flash_h2d_triton, write_through_ref, write_through_triton
 from sparseserve.kernels.key_meta import rebuild_key_meta
 from sparseserve.kernels.sparse_decode import sparse_decode_ref
 from sparseserve.kvcache.host import HostKVStore
-from sparseserve.attention.sparse import SparseStepMeta
-from sparseserve.kvcache.offload import DeviceBlockMap, OffloadCache, OffloadStep
 from sparseserve.kvcache.layout import OffloadLayout
+from sparseserve.kvcache.offload import DeviceBlockMap, OffloadCache, OffloadStep
 from sparseserve.kvcache.pool import HBMPool
 from tests.attention.test_sparse_backend import sparse_backend, with_slots
 from tests.kernel_utils import DEVICE, ON_GPU, gpu_only, rel_err

@@ -5,14 +5,12 @@ same tests run on the GPU, plus larger shapes and a CUDA-graph replay check.
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from sparseserve.attention.backend import AttentionMetadata, attend_paged
 from sparseserve.kernels.dispatch import forced
-from sparseserve.kernels.paged_decode import (MERGE_TILE, DecodeConfig, paged_decode_ref, paged_decode_triton,
-                                               split_plan)
+from sparseserve.kernels.paged_decode import MERGE_TILE, DecodeConfig, paged_decode_ref, paged_decode_triton, split_plan
 from sparseserve.kernels.paged_prefill import PrefillConfig, paged_prefill_ref, paged_prefill_triton
 from sparseserve.kernels.store_kv import store_kv_ref, store_kv_triton
 from tests.kernel_utils import ATTN_DTYPES, DEVICE, TOL, gpu_only, rel_err

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from sparseserve.kernels.dispatch import forced
-from sparseserve.kvcache.pool import HBMPool
 from sparseserve.kernels.pool_plan import ListLayout
 from sparseserve.kernels.working_set import TouchState, working_set_begin_step
+from sparseserve.kvcache.pool import HBMPool
 from tests.kernel_utils import DEVICE, ON_GPU, gpu_only
 
 STATE = ("resident", "owner", "last_use", "clock", "stats", "floor")

@@ -4,10 +4,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparseserve.kernels.small_ops import (add_rmsnorm_triton, apply_rotary_ref, rmsnorm_ref, rotary_triton,
-                                           silu_and_mul_ref, silu_and_mul_triton)
+from sparseserve.kernels.small_ops import (
+    add_rmsnorm_triton,
+    apply_rotary_ref,
+    rmsnorm_ref,
+    rotary_triton,
+    silu_and_mul_ref,
+    silu_and_mul_triton,
+)
 from sparseserve.layers.rotary import RotaryEmbedding
-from tests.kernel_utils import DEVICE, rel_err as rel
+from tests.kernel_utils import DEVICE
+from tests.kernel_utils import rel_err as rel
 
 TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = list(TOL)

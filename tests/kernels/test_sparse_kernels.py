@@ -8,17 +8,38 @@ import pytest
 import torch
 
 from sparseserve.attention.backend import AttentionMetadata
-from sparseserve.kernels.block_score import (ScoreConfig, SelectConfig, block_scores_ref, block_scores_triton,
-                                             score_and_select_triton, select_blocks_ref, select_blocks_triton,
-                                             step_slots_ref, step_slots_triton)
-from sparseserve.kernels.key_meta import (quantize_key_meta, rebuild_key_meta, store_kv_key_meta_ref,
-                                          store_kv_key_meta_triton, update_key_meta_ref)
+from sparseserve.kernels.block_score import (
+    ScoreConfig,
+    SelectConfig,
+    block_scores_ref,
+    block_scores_triton,
+    score_and_select_triton,
+    select_blocks_ref,
+    select_blocks_triton,
+    step_slots_ref,
+    step_slots_triton,
+)
+from sparseserve.kernels.key_meta import (
+    quantize_key_meta,
+    rebuild_key_meta,
+    store_kv_key_meta_ref,
+    store_kv_key_meta_triton,
+    update_key_meta_ref,
+)
 from sparseserve.kernels.paged_decode import MERGE_TILE
-from sparseserve.kernels.sparse_decode import (SparseDecodeConfig, read_listed_ref, sparse_decode_ref,
-                                               sparse_decode_triton, split_plan, tma_capable)
+from sparseserve.kernels.sparse_decode import (
+    SparseDecodeConfig,
+    read_listed_ref,
+    sparse_decode_ref,
+    sparse_decode_triton,
+    split_plan,
+    tma_capable,
+)
 from sparseserve.kernels.store_kv import store_kv_ref
 from sparseserve.kvcache.metadata import allocate_key_meta
-from tests.kernel_utils import ATTN_DTYPES as DTYPES, DEVICE as DEV, TOL, gpu_only, rel_err
+from tests.kernel_utils import ATTN_DTYPES as DTYPES
+from tests.kernel_utils import DEVICE as DEV
+from tests.kernel_utils import TOL, gpu_only, rel_err
 
 
 def decode_batch(lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype, slack: int = 0):

@@ -6,9 +6,16 @@ import pytest
 import torch
 
 from sparseserve.kernels.block_score import select_blocks_ref
-from sparseserve.kernels.topp_prune import (block_lse_ref, block_lse_triton, prune_lists_triton, prune_ref,
-                                            topp_prune_ref, topp_prune_triton)
-from tests.kernel_utils import DEVICE as DEV, TOL, rel_err
+from sparseserve.kernels.topp_prune import (
+    block_lse_ref,
+    block_lse_triton,
+    prune_lists_triton,
+    prune_ref,
+    topp_prune_ref,
+    topp_prune_triton,
+)
+from tests.kernel_utils import DEVICE as DEV
+from tests.kernel_utils import TOL, rel_err
 from tests.kernels.test_sparse_kernels import offload_inputs
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from sparseserve.engine.request import Sequence
 from sparseserve.kvcache.decode_rows import DecodeRows, tables_of
-from sparseserve.kvcache.offload import DeviceBlockMap
+from sparseserve.kvcache.device_space import DeviceBlockMap
 from sparseserve.sampling_params import SamplingParams
 
 BS = 4

@@ -95,7 +95,7 @@ def test_evicted_prompt_comes_back_from_the_host(tiny_model_dir, policy):
     want = llm.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids
     for p in others:
         llm.generate([p], params, use_tqdm=False)
-    assert engine.allocator.lookup(engine.scheduler._prompt_hashes(Sequence(0, "x", 0, first, params))) == []
+    assert engine.allocator.lookup(engine.scheduler.kv.prompt_hashes(Sequence(0, "x", 0, first, params))) == []
     before = engine.get_stats()
     got = llm.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids
     after = engine.get_stats()

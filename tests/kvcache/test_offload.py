@@ -19,11 +19,12 @@ from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
 from sparseserve.kernels.dispatch import forced
 from sparseserve.kernels.flash_h2d import flash_h2d
 from sparseserve.kernels.sparse_decode import read_listed_ref, sparse_decode_ref
+from sparseserve.kvcache.device_space import DeviceBlockMap, StaleBlocks
 from sparseserve.kvcache.host import HostKVStore
 from sparseserve.kvcache.layout import GiB, OffloadLayout
-from sparseserve.kvcache.offload import DeviceBlockMap, StaleBlocks
 from sparseserve.kvcache.pool import HBMPool
 from sparseserve.metrics import ServerMetrics, parse_metrics
+from tests.engine.sched_utils import LastSchedule
 from tests.kernel_utils import DEVICE
 from tests.schedules import check_pool, drive_random_schedule, held_blocks
 
@@ -67,7 +68,7 @@ def test_host_capacity_bounds_admission(tiny_model_dir):
               **SPARSE)  # greedy admission: preempts
     engine = llm.llm_engine
     offload = engine.model_runner.offload
-    assert engine.allocator.num_blocks == 24 == offload.device_map.num_blocks  # never more device blocks
+    assert engine.allocator.num_blocks == 24 == offload.num_device_blocks  # never more device blocks
     assert offload.host.data.shape[1] == 25 == engine.model_runner.kv_caches[-1].shape[0]  # + trash
     outs = llm.generate(prompts(), GREEDY, use_tqdm=False)  # prompts + outputs need 32 blocks
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
@@ -294,12 +295,12 @@ def test_device_cache_holds_the_working_set_only(hf_models):
         if len(running) == 4:
             most = max(most, sum(len(s.block_table) for s in running))
         waited |= bool(engine.scheduler.waiting) and engine.allocator.num_free >= 17
-    assert most > runner.offload.device_map.num_blocks  # four at once, more blocks than the device cache has
+    assert most > runner.offload.num_device_blocks  # four at once, more blocks than the device cache has
     assert waited  # a request waited for device blocks while token blocks were free
     assert [outs[str(i)] for i in range(len(p))] == base
     stats = engine.get_stats()
     assert stats.offload_device_blocks == 17 and stats.offload_device_blocks_used == 0 == stats.num_blocks_used
-    runner.offload.device_map.allocator.check()
+    engine.scheduler.kv.device_space.map.allocator.check()
 
 
 @pytest.mark.parametrize("page", [4, 2])
@@ -307,8 +308,12 @@ def test_key_meta_update_rows_by_token_block(page):
     """KV offload: keys are read from device blocks, the metadata rows are the token blocks (meta_slots);
     the fused Triton store + update kernel (interpreter on CPU) equals the reference, and both equal metadata
     rebuilt from a cache indexed by token block."""
-    from sparseserve.kernels.key_meta import (quantize_key_meta, rebuild_key_meta, store_kv_key_meta_triton,
-                                              update_key_meta_ref)
+    from sparseserve.kernels.key_meta import (
+        quantize_key_meta,
+        rebuild_key_meta,
+        store_kv_key_meta_triton,
+        update_key_meta_ref,
+    )
     from sparseserve.kernels.store_kv import store_kv_ref
     from sparseserve.kvcache.metadata import allocate_key_meta
     torch.manual_seed(2)
@@ -404,7 +409,7 @@ def test_lagged_views_name_the_host_blocks(hf_models):
     model_dir = hf_models["qwen2-gqa-bias"][0]
     llm = LLM(str(model_dir), **{**COMMON, **SPARSE, "max_model_len": 136, "device": DEVICE.type, "dtype": "float32",
                                  "num_gpu_blocks_override": 48, "sparse_lag": 1, "kv_offload": True,
-                                 "hbm_cache_blocks": 16})
+                                 "hbm_cache_blocks": 16}, profiler=LastSchedule())
     engine = llm.llm_engine
     off, backend = engine.model_runner.offload, engine.model_runner.attn_backend
     for i, p in enumerate(prompts()):
@@ -413,7 +418,7 @@ def test_lagged_views_name_the_host_blocks(hf_models):
     while engine.has_unfinished_requests():
         engine.step()
         held = backend.state.held_slots()
-        for seq, n in engine.last_schedule.scheduled:
+        for seq, n in engine.profiler.out.scheduled:
             slot = held.get(seq.seq_id)
             if n != 1 or slot is None:
                 continue  # a prefill chunk, or finished
@@ -468,12 +473,13 @@ def random_schedule(model_dir, seed: int, check: bool, greedy: bool = False, tri
         collect(outs)
         if check:
             held_blocks(engine)
-            offload.fence()
+            offload.sync()
             sparse_caches = torch.stack(engine.model_runner.kv_caches[offload.dense_layers:])
             for seq in engine.scheduler.running:  # every full block on the device is in the host store, equal
-                if seq.seq_id in engine.scheduler.layers_done:  # a layer-segmented prefill fills its window
+                segments = engine.scheduler.segments  # a layer-segmented prefill fills its window
+                if segments is not None and segments.running(seq):
                     continue                                    # layer by layer (tests/engine/test_layer_prefill.py)
-                start, blocks = offload.device_map.range_of(seq)
+                start, blocks = offload.range_of(seq.seq_id)
                 full = range(start, min(seq.num_computed_tokens // BS, start + len(blocks)))
                 dev = [blocks[j - start] for j in full]
                 assert torch.equal(offload.host.data[:, [seq.block_table[j] for j in full]], sparse_caches[:, dev])
@@ -485,7 +491,7 @@ def random_schedule(model_dir, seed: int, check: bool, greedy: bool = False, tri
     assert engine.allocator.num_used == 0
     if check:
         held_blocks(engine)
-        assert offload.device_map.allocator.num_used == 0
+        assert engine.scheduler.kv.device_space.map.allocator.num_used == 0
         check_pool(offload)
     return results, engine.scheduler.num_preemptions
 
@@ -532,7 +538,8 @@ def test_stale_blocks_move_with_a_step_only_when_some_leave(tiny_model_dir, monk
     handed: list[int] = []
     dropped: list[int] = []
     steps = {"with": 0, "without": 0}
-    on_allocate, invalidate = offload.on_allocate, offload.pool.invalidate
+    space = engine.scheduler.kv.device_space
+    on_allocate, invalidate = space.on_allocate, offload.pool.invalidate
 
     def record_allocate(blocks):
         handed.extend(blocks)
@@ -542,7 +549,7 @@ def test_stale_blocks_move_with_a_step_only_when_some_leave(tiny_model_dir, monk
         dropped.extend(blocks.tolist() if isinstance(blocks, torch.Tensor) else blocks)
         invalidate(blocks)
 
-    monkeypatch.setattr(offload, "on_allocate", record_allocate)
+    monkeypatch.setattr(space, "on_allocate", record_allocate)
     monkeypatch.setattr(offload.pool, "invalidate", record_invalidate)
 
     class RecordingUpload:
@@ -573,6 +580,33 @@ def test_stale_blocks_move_with_a_step_only_when_some_leave(tiny_model_dir, monk
     drive_random_schedule(engine, rng, 80, 30, lambda outs: None, greedy=True, aborted=set())
     while engine.has_unfinished_requests():
         engine.step()
-    dropped += offload._stale.take_all()  # opened by decodes, still waiting for a launch
+    dropped += space._stale.take_all()  # opened by decodes, still waiting for a launch
     assert sorted(dropped) == sorted(handed) and steps["with"] > 3 and steps["without"] > steps["with"]
     check_pool(offload)
+
+
+@pytest.mark.parametrize("kw", [{}, {"layer_segmented_prefill": True, "max_num_batched_tokens": 32},
+                                {"async_scheduling": True}], ids=["plain", "layerseg", "async"])
+def test_one_host_fence_per_step(tiny_model_dir, kw):
+    """The offload step has one owner: each step that runs fences the host store exactly once (the runner's
+    begin_step of the step's plan), a step with nothing to run not at all; a pool so small that the
+    working-set limit pauses sequences, and repeated prompts, so plans carry saves, restores and stale
+    blocks."""
+    rec = LastSchedule()
+    llm = LLM(str(tiny_model_dir), **{**COMMON, "max_model_len": 160, **kw}, **SPARSE, kv_offload=True,
+              hbm_cache_blocks=16, num_gpu_blocks_override=24, working_set_control=True, profiler=rec)
+    engine = llm.llm_engine
+    host = engine.model_runner.offload.host
+    for i, p in enumerate(prompts() * 2):
+        engine.add_request(str(i), p, GREEDY)
+    ran, work = 0, [0, 0, 0]
+    while engine.has_unfinished_requests():
+        before = host.num_fences
+        engine.step()
+        assert host.num_fences - before == (not rec.out.is_empty)
+        if not rec.out.is_empty:
+            ran += 1
+            plan = rec.out.offload
+            work = [work[0] + len(plan.saves), work[1] + len(plan.restores), work[2] + len(plan.stale)]
+    assert ran > 10 and engine.get_stats().num_generation_tokens == 6 * GREEDY.max_tokens
+    assert all(work)

@@ -1,0 +1,243 @@
+"""Continuous batching (docs/scheduler.md): FCFS, chunked prefill mixed with decode under a per-step
+token budget, prefix-cache admission, and preemption when blocks run out (out of memory is a
+scheduling event, never a crash). Block accounting is the KVCacheManager's; the long-prefill
+limit, working-set control and layer-segmented prefill are policy components consulted at
+named points of a step."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from sparseserve.config import EngineConfig, SchedulerConfig
+from sparseserve.engine.request import Sequence, SequenceStatus
+from sparseserve.engine.scheduler.kv_cache import KVCacheManager
+from sparseserve.engine.scheduler.output import Preempt, SchedulerOutput
+from sparseserve.engine.scheduler.policies import LongPrefillLimit, SchedulerPolicy
+from sparseserve.engine.scheduler.segments import LayerSegmentedPrefill, SegmentPlanner
+from sparseserve.engine.scheduler.working_set import Admission, WorkingSetControl
+
+RUNNING, WAITING = SequenceStatus.RUNNING, SequenceStatus.WAITING
+FREE = Admission(0, False)
+
+
+@dataclass(frozen=True)
+class SchedulerPolicies:
+    long_prefill: LongPrefillLimit | None = None
+    working_set: WorkingSetControl | None = None
+    segments: LayerSegmentedPrefill | None = None
+
+    def all(self) -> list[SchedulerPolicy]:
+        return [p for p in (self.long_prefill, self.working_set, self.segments) if p is not None]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 policies: SchedulerPolicies = SchedulerPolicies()) -> None:
+        self.config = config
+        self.kv = kv
+        self.long = policies.long_prefill
+        self.working_set = policies.working_set
+        self.segments = policies.segments
+        self.policies = policies.all()
+        for p in self.policies:
+            p.bind(self)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        for p in self.policies:
+            p.begin_step(out)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        self._admit_waiting(out, budget)
+        self.kv.adapt_ratio(out.num_evicted > 0, bool(self.running))
+        for p in self.policies:
+            p.end_step(out)
+        space = self.kv.device_space
+        if space is not None and not out.is_empty:
+            out.offload = space.take_plan(out.scheduled)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running sequences, oldest first; the newest are preempted when blocks run out."""
+        kv, i = self.kv, 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            i += 1
+            if self.segments is not None and self.segments.running(seq):  # its next layers
+                seg = self.segments.next_segment(seq, budget, out)
+                if seg is not None:
+                    out.segments.append(seg)
+                    budget -= seg.cost
+                continue
+            if kv.steady_decode(seq):  # most rows of a decode batch: nothing to allocate or map
+                out.scheduled.append((seq, 1))
+                budget -= 1
+                continue
+            n = self._chunk(seq, seq.num_computed_tokens, budget)
+            if n == 0:  # a prefill chunk the budget left cannot hold: next step
+                continue
+            while True:
+                tokens_ok = kv.can_allocate(seq, n)
+                if tokens_ok and kv.device_fits(seq, n):
+                    self._count_long(seq)
+                    kv.grow(seq, n)
+                    out.scheduled.append((seq, n))
+                    budget -= n
+                    break
+                if not tokens_ok and self._drop_paused():
+                    continue
+                victim = self.running[-1]
+                keep = tokens_ok and kv.device_space is not None
+                self.preempt(victim, Preempt.PAUSE if keep else Preempt.RECOMPUTE, out)
+                if victim is seq:
+                    i -= 1
+                    break
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """FCFS while budget, batch slots and blocks allow (not after a preemption: admitting would only
+        evict again); shorter prompts may pass one that waits only for a long-prompt slot."""
+        ws = self.working_set
+        if (ws.stops_admission(out) if ws is not None else bool(out.preempted)):
+            return
+        j = 0
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[j]
+            adm = ws.admission(seq) if ws is not None else FREE
+            if adm.need is None:
+                if adm.ahead:  # parked: waits for a decode share, newer ones may still prefill
+                    j += 1
+                    continue
+                break
+            if self.segments is not None and self.segments.wants(seq):
+                seg = self.segments.admit(seq, budget, out)
+                if seg is None:
+                    break
+                out.segments.append(seg)
+                budget -= seg.cost
+            else:
+                n = self._admit(seq, budget)
+                if n == 0:
+                    if self.long is not None and self.long.passable(seq):
+                        j += 1
+                        continue
+                    break
+                self._count_long(seq)
+                out.scheduled.append((seq, n))
+                budget -= n
+            del self.waiting[j]
+            seq.status = RUNNING
+            self.running.append(seq)
+            if ws is not None:
+                ws.admitted(seq, adm)
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Admits `seq` if it fits; the tokens it computes this step (0: it waits, nothing changed)."""
+        kv = self.kv
+        if seq.block_table:  # paused under KV offload: everything computed is still there
+            n = self._chunk(seq, seq.num_computed_tokens, budget)
+            if n == 0 or not kv.resumes(seq, n, self.running):
+                return 0
+        else:
+            hit = kv.lookup(seq)
+            n = self._chunk(seq, hit.computed(kv.block_size), budget)
+            if n == 0 or not kv.admits(seq, hit, n, self.running):
+                return 0
+            kv.take(seq, hit)
+        kv.grow(seq, n)
+        return n
+
+    def _chunk(self, seq: Sequence, computed: int, budget: int) -> int:
+        """Tokens to compute this step (0: none). With min_chunk > 1 a prefill chunk never has fewer
+        tokens, nor leaves fewer behind; only a decode's single token runs alone."""
+        remaining = seq.num_tokens - computed
+        if remaining > budget and not self.config.enable_chunked_prefill:
+            return 0
+        if self.long is not None:
+            budget = self.long.budget(remaining, budget)
+            if budget == 0:
+                return 0
+        n = min(remaining, budget)
+        mc = self.kv.min_chunk
+        if remaining > 1 and mc > 1:
+            if 0 < remaining - n < mc:
+                n = remaining - mc
+            if n < mc:  # a budget this small for the whole step: run it anyway, never starve
+                return 0 if budget < self.config.max_num_batched_tokens else min(remaining, budget)
+        return n
+
+    def _count_long(self, seq: Sequence) -> None:
+        if self.long is not None:
+            self.long.count(seq)
+
+    def preempt(self, seq: Sequence, why: Preempt, out: SchedulerOutput) -> None:
+        """Takes a running sequence out of the batch. RECOMPUTE gives its blocks back (full ones stay
+        cached); the others pause it with its K/V in the host store. Requeued at the front, a parked
+        one in arrival order (parked sequences resume oldest first)."""
+        if self.running and self.running[-1] is seq:
+            self.running.pop()
+        else:
+            self.running.remove(seq)
+        for p in self.policies:
+            p.on_leave(seq, why)
+        if why is Preempt.RECOMPUTE:
+            self.kv.release(seq)
+            seq.num_computed_tokens = 0
+        else:
+            self.kv.pause(seq)
+        seq.status = WAITING
+        if why is Preempt.PARK:
+            at = next((k for k, w in enumerate(self.waiting) if w.seq_id > seq.seq_id), len(self.waiting))
+            self.waiting.insert(at, seq)
+        else:
+            self.waiting.appendleft(seq)
+        if not why.limit:
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
+        out.preempted.append((seq, why))
+
+    def _drop_paused(self) -> bool:
+        """Token blocks ran short: the newest paused sequence gives its blocks back (False: none)."""
+        for seq in reversed(self.waiting):
+            if seq.block_table:
+                self.kv.release(seq)
+                seq.num_computed_tokens = 0
+                return True
+        return False
+
+    def finish(self, seq: Sequence) -> None:
+        """Removes a finished or aborted sequence wherever it is and returns its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.release(seq)
+        for p in self.policies:
+            p.on_leave(seq, None)
+        seq.status = SequenceStatus.FINISHED
+
+    def finish_segment(self, seg) -> bool:
+        """After the step that ran a layer segment: True when its prefill is complete."""
+        return self.segments.finish_segment(seg)
+
+
+def build_scheduler(config: EngineConfig, kv: KVCacheManager, *, num_layers: int, device_type: str) -> Scheduler:
+    """The scheduler of an engine: the policies its config turns on, over `kv`'s block spaces."""
+    sc, oc = config.scheduler_config, config.offload_config
+    threshold = sc.prefill_token_threshold(device_type)
+    long = LongPrefillLimit(threshold, sc.max_long_partial_prefills, kv.min_chunk) if threshold else None
+    ws = getattr(kv.device_space, "working_set", None)
+    control = WorkingSetControl(ws, oc.max_prefilled_waiting) if ws is not None else None
+    segments = None
+    if oc.layer_segmented_prefill:
+        planner = SegmentPlanner(num_layers, sc.max_num_batched_tokens, oc.prefill_layer_segment)
+        segments = LayerSegmentedPrefill(planner)
+    return Scheduler(sc, kv, SchedulerPolicies(long, control, segments))
