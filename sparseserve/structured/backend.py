@@ -44,10 +44,12 @@ class GuidanceBackend:
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
         llg = self._llg = _llguidance()
+        # (a model's EOS past the tokenizer's vocabulary, as in a benchmark's model directory, has no text to match)
+        eos = sorted(t for t in eos_token_ids if t < len(tokenizer)) or [tokenizer.eos_token_id]
         try:
-            self.tokenizer = llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
-        except ValueError as e:
-            raise ParameterError(f"structured outputs need a fast tokenizer: {e}", "structured_outputs") from None
+            self.tokenizer = llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        except ValueError as e:  # a slow tokenizer, or one llguidance cannot read
+            raise ParameterError(f"structured outputs cannot use this tokenizer: {e}", "structured_outputs") from None
         self.vocab_size = vocab_size
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()

@@ -21,7 +21,6 @@ def fill_bitmask(seqs: list[Any], tails: dict[int, int] | None, vocab_size: int,
                  device: torch.device) -> torch.Tensor:
     """int32 [len(seqs), ceil(vocab / 32)] on `device`: bit t of row i allows token t for seqs[i] (a Sequence
     with a `grammar`). tails[i]: the value of seqs[i]'s trailing placeholder (async scheduling)."""
-    from llguidance.torch import fill_next_token_bitmask_par
     tails = tails or {}
     for i, seq in enumerate(seqs):
         seq.grammar.advance(seq.token_ids, len(seq.prompt_token_ids), tails.get(i))
@@ -29,5 +28,7 @@ def fill_bitmask(seqs: list[Any], tails: dict[int, int] | None, vocab_size: int,
     # pinned: the copy below does not wait for the device's queue (the caching host allocator keeps the buffer
     # until the copy has run)
     host = torch.empty(len(seqs), words, dtype=torch.int32, pin_memory=device.type == "cuda")
-    fill_next_token_bitmask_par(_executor(), [(s.grammar.matcher, i) for i, s in enumerate(seqs)], host)
+    # (llguidance.torch's wrapper of this call imports torch.compile's machinery: seconds at the first mask)
+    _executor().unsafe_compute_mask_ptr([(s.grammar.matcher, i) for i, s in enumerate(seqs)], host.data_ptr(),
+                                        words * 4, len(seqs))
     return host.to(device, non_blocking=True)
