@@ -199,16 +199,14 @@ def reference_greedy():
                repetition: float = 1.0) -> list[int]:
         out: list[int] = []
         with torch.no_grad():
-            step = model(torch.tensor([prompt_ids]), use_cache=True)
             for _ in range(num_tokens):
-                logits = step.logits[0, -1].float()
+                logits = model(torch.tensor([list(prompt_ids) + out])).logits[0, -1].float()
                 vocab = logits.shape[0]
                 counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab).float()
                 seen = (counts > 0) | torch.isin(torch.arange(vocab), torch.tensor(prompt_ids))
                 logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
                 logits = logits - frequency * counts - presence * (counts > 0).float()
                 out.append(int(logits.argmax()))
-                step = model(torch.tensor([[out[-1]]]), past_key_values=step.past_key_values, use_cache=True)
         return out
     return greedy
 
