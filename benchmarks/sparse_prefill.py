@@ -34,7 +34,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from sparseserve.kernels.paged_prefill import paged_prefill
 from sparseserve.kernels.sale_select import (
-    SelectConfig,
+    TileSelectConfig,
     quantize_qk_triton,
     sale_select,
     select_tiles_triton,
@@ -231,7 +231,7 @@ def sweep(layer: Layer) -> list[dict]:
                    lambda cfg, index=index, count=count: layer.sparse(index, count, config=cfg))
                   for c in [(64, 32, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2),
                             (64, 16, 4, 3)]]
-    cases += [("select@0.01", SelectConfig(*c), lambda cfg: layer.select(0.01, config=cfg))
+    cases += [("select@0.01", TileSelectConfig(*c), lambda cfg: layer.select(0.01, config=cfg))
               for c in [(2, 4, 2, 128), (2, 4, 2, 168), (2, 4, 3, None), (2, 4, 3, 128), (2, 4, 2, 112),
                         (1, 4, 2, 128), (2, 8, 2, 128)]]
     for kind, cfg, fn in cases:

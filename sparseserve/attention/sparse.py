@@ -1,26 +1,8 @@
-"""SparseBackend: sparse decode (DESIGN.md principles 2, 3 and 6); prefill through attention/prefill.py.
-
-Per layer it orchestrates, on fixed-shape GPU buffers (so a decode step can be captured in a CUDA graph):
-  store     the step's K/V and the key metadata of the pages they end (kernels/key_meta.py); under KV offload
-            also the write-through of the blocks they complete to the host store;
-  select    decode rows of a sparse layer get block lists from the selection policy (attention/selection.py,
-            a component from the registry); the first `sparse_dense_layers` layers and steps whose longest
-            context fits the budget run dense;
-  read      under KV offload the listed blocks are looked up in the HBM pool and the misses loaded (FlashH2D),
-            and counted into their sequences' working sets (kvcache/working_set.py);
-  refine    the policy may trim its lists on the blocks' real keys (topp);
-  attend    the lists plus the local window (kernels/sparse_decode.py); prefill chunks attend through the
-            backend's prefill attention (dense, or SALE's sparse prefill), addressed like the decodes.
-With lagged selection a decode attends the list selected at an earlier step (the previous one without reuse;
-a prefill's last token selects for the first decode), and each sparse layer selects the next lists from this
-step's queries on a side CUDA stream beside its attention and the rest of the step (joined at the last layer).
-Under KV offload the step's lists are read through the pool at its start, every sparse layer's in one plan on the
-side stream beside the dense first layers (victims, FlashH2D of the misses; joined at the first sparse layer), so
-each layer's attention finds its view ready (kvcache/offload.py `plan_lagged`): a few launches a step, not a layer.
-A paused sequence keeps its state slot and lists for its resume (`SelectionState.park`); one with a fresh slot
-(after a layer-segmented prefill, or a parked slot given to another sequence) first selects its list from its own
-query, layer by layer, and its step runs eagerly.
-Padding rows of CUDA graphs (seq_len 0) never touch the state.
+"""SparseBackend: sparse decode (docs/architecture.md, principles 2, 3 and 6; docs/sparse.md, "The
+backend as it is"). Per layer: store (+ key metadata, + write-through under offload), select,
+read through the HBM pool (offload), refine, attend; prefill chunks through attention/prefill.py.
+Lagged selection selects the next lists on a side stream joined at the last layer. The trap:
+padding rows of CUDA graphs (seq_len 0) must never touch the selection state.
 """
 from __future__ import annotations
 
@@ -34,6 +16,7 @@ from sparseserve.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
     BackendContext,
+    InputField,
     attend_paged,
 )
 from sparseserve.attention.selection import DecodeRows, SelectionParams, SelectionState, load_streaming_heads
@@ -43,19 +26,18 @@ from sparseserve.kernels.sparse_decode import attended_blocks, sparse_decode
 from sparseserve.kernels.store_kv import store_kv
 from sparseserve.kvcache.metadata import KeyMeta, allocate_key_meta, key_meta_block_bytes
 from sparseserve.kvcache.offload import OffloadCache, OffloadStep
-from sparseserve.kvcache.staging import InputField, StepUpload
 from sparseserve.registry import SELECTION_POLICIES
 
 
 @dataclass
 class SparseStepMeta:
     slots: torch.Tensor             # int32 [B]: each row's state slot
-    cache: AttentionMetadata        # the step addressed in the sparse layers' KV cache (device blocks under offload)
+    cache: AttentionMetadata        # the step in the sparse layers' cache (device blocks: offload)
     offload: OffloadStep | None = None
-    # Lagged selection under offload: decode rows with fresh state slots, which select their lists from their own
-    # query first and plan them layer by layer (bool [num_decodes]; None: none; such a step runs eagerly).
+    # Lag + offload: decode rows with fresh state slots, which select their own lists first and
+    # plan them layer by layer (bool [num_decodes]; None: none; such a step runs eagerly).
     fix_select: torch.Tensor | None = None
-    selects: bool = True  # False: rows without state slots (a layer-segmented prefill's chunks) select no lists
+    selects: bool = True  # False: rows without state slots (layer-segmented prefill) select nothing
 
 
 @ATTENTION_BACKENDS.register("sparse")
@@ -64,7 +46,7 @@ class SparseBackend(AttentionBackend):
         super().__init__(ctx)
         cfg = ctx.sparse
         self.params = p = SelectionParams.from_config(cfg, ctx.block_size)
-        # Every step's selection is launched at the captured graphs' size: an eager step compiles nothing new.
+        # Every selection launches at the graphs' width: an eager step compiles nothing new.
         self.width = -(-ctx.max_model_len // ctx.block_size)
         self.policy = SELECTION_POLICIES.get(cfg.sparse_policy)(p)
         if p.lag and not self.policy.supports_lag:
@@ -77,10 +59,10 @@ class SparseBackend(AttentionBackend):
         self.key_meta: KeyMeta | None = None
         self.offload: OffloadCache | None = None
         self.side = torch.cuda.Stream(ctx.device) if p.lag and ctx.device.type == "cuda" else None
-        self.pending: list[torch.Tensor] = []  # lag: tensors the side stream reads, kept alive until end_step
-        self.step_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # lag: (read, write) rows of the step
+        self.pending: list[torch.Tensor] = []  # lag: the side stream's inputs, alive until end_step
+        self.step_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # lag: (read, write) rows
         self._step_meta: AttentionMetadata | None = None
-        # the state slots of the last step (SelectionState.assign's list) and the same as a tensor (prepare)
+        # the last step's state slots (SelectionState.assign's list) and as a tensor (prepare)
         self._slots: tuple[list[int] | None, torch.Tensor | None] = (None, None)
 
     def block_bytes(self) -> int:
@@ -95,38 +77,31 @@ class SparseBackend(AttentionBackend):
         if offload is not None and self.params.lag:
             offload.init_lagged(self.state.sel.shape[1], self.params.cap)
 
-    def prepare(self, scheduled, meta: AttentionMetadata, upload: StepUpload | None = None) -> None:
-        upload = StepUpload(self.ctx.device) if upload is None else upload
+    def step_inputs(self, scheduled, num_decodes: int) -> dict[str, torch.Tensor]:
+        """Each row's selection-state slot; under lag + offload the decodes with fresh slots."""
         ws = self.offload.working_set if self.offload is not None else None
         if ws is not None:  # the counts after the previous step, with the slots of their sequences
             ws.publish(self.state.held_slots())
         slots = self.state.assign([seq.seq_id for seq, _ in scheduled])
         if ws is not None:
             ws.reset_slots(self.state.fresh)
-        if slots is not self._slots[0]:  # assign hands its list back for the same sequences in the same order
+        if slots is not self._slots[0]:  # assign hands its list back for the same sequences, order
             self._slots = (slots, torch.tensor(slots, dtype=torch.int32))
-        host, names = [self._slots[1]], ["slots"]
-        step = None if self.offload is None else self.offload.prepare_step(scheduled)
-        if step is not None:
-            host += [step.slot_mapping, step.block_tables]
-            names += ["offload_slot_mapping", "offload_block_tables"]
-            if step.stale is not None:  # (most steps drop nothing from the pool: no upload for it)
-                host.append(step.stale)
-                names.append(None)
-        fix = None
-        if self.offload is not None and self.params.lag:  # decodes with fresh state slots (module docstring)
-            fresh = set(self.state.fresh).intersection(slots[: meta.num_decodes])
+        out = {"slots": self._slots[1]}
+        if self.offload is not None and self.params.lag:  # decodes with fresh state slots
+            fresh = set(self.state.fresh).intersection(slots[:num_decodes])
             if fresh:
-                fix = len(host)
-                host.append(torch.tensor([s in fresh for s in slots[: meta.num_decodes]]))
-                names.append(None)
-        dev = upload.add(host, names)
-        super().prepare(scheduled, meta, upload)  # commits the upload
-        if step is not None:
-            step = OffloadStep(dev[1], dev[2], dev[3] if step.stale is not None else None)
-            self.offload.drop_stale(step)
-        meta.backend_meta = SparseStepMeta(dev[0], self._cache_view(meta, step), step,
-                                           fix_select=None if fix is None else dev[fix])
+                out["fix_select"] = torch.tensor([s in fresh for s in slots[:num_decodes]])
+        return out
+
+    def prepare(self, scheduled, meta: AttentionMetadata, dev: dict[str, torch.Tensor]) -> None:
+        super().prepare(scheduled, meta, dev)
+        step = None
+        if self.offload is not None:
+            step = OffloadStep(dev["offload_slot_mapping"], dev["offload_block_tables"], dev.get("offload_stale"))
+            self.offload.drop_stale(step.stale)  # before the step's kernels
+        meta.backend_meta = SparseStepMeta(dev["slots"], self._cache_view(meta, step), step,
+                                           fix_select=dev.get("fix_select"))
 
     def can_replay(self, meta: AttentionMetadata) -> bool:
         sm: SparseStepMeta | None = meta.backend_meta
@@ -151,8 +126,8 @@ class SparseBackend(AttentionBackend):
                                  prefill_meta=meta.prefill_meta)
 
     def is_sparse(self, layer: int, meta: AttentionMetadata) -> bool:
-        """Host-side decision (fixed while a CUDA graph replays: max_seq_len is its bound). Under offload the
-        device cache holds only the decodes' windows, so short contexts go the sparse way too."""
+        """Host-side decision, fixed while a graph replays (max_seq_len is its bound). Under offload
+        short contexts go sparse too: the device cache holds only the decodes' windows."""
         return (self.key_meta is not None and layer >= self.dense_layers and meta.num_decodes > 0
                 and (meta.max_seq_len > self.dense_context or self.offload is not None))
 
@@ -160,7 +135,7 @@ class SparseBackend(AttentionBackend):
         profiler = self.ctx.profiler
         return profiler.phase(name) if profiler is not None else contextlib.nullcontext()
 
-    # ---- one layer ----------------------------------------------------------------------------------------
+    # ---- one layer -------------------------------------------------------------------------------
 
     def _forward(self, layer, q, k, v, kv_cache, meta, scale):
         sm: SparseStepMeta | None = meta.backend_meta
@@ -168,7 +143,7 @@ class SparseBackend(AttentionBackend):
         if lagged and (layer == 0 or self._step_meta is not meta):
             self.begin_step(meta)
         if self.offload is not None and not self.offload.offloads(layer):
-            # a dense layer keeps every block in a full-size cache indexed by token block: nothing to write through
+            # a dense layer keeps every block in its full-size cache: nothing to write through
             store_kv(k, v, kv_cache, meta.slot_mapping)
             return attend_paged(q, kv_cache, meta, scale, self.prefill, layer)
         cm = meta if sm is None else sm.cache
@@ -190,13 +165,13 @@ class SparseBackend(AttentionBackend):
 
     def attend_layer(self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                      scale: float) -> torch.Tensor:
-        """A layer's attention once its K/V are stored; with lagged selection also the next lists' selection
-        (side stream), joined at the step's last layer."""
+        """A layer's attention once its K/V are stored; with lagged selection also the next lists'
+        selection (side stream), joined at the step's last layer."""
         sm: SparseStepMeta | None = meta.backend_meta
         cm = meta if sm is None else sm.cache
         if self.params.lag and self.key_meta is not None and layer >= self.dense_layers and (sm is None or sm.selects):
             if self.offload is not None and layer == self.dense_layers and self.side is not None:
-                torch.cuda.current_stream(q.device).wait_stream(self.side)  # the step's plan (begin_step)
+                torch.cuda.current_stream(q.device).wait_stream(self.side)  # begin_step's plan
             if sm is not None and sm.fix_select is not None:
                 self._plan_fresh(layer, q, meta, cm, scale)
             self._select_next(layer, q, kv_cache, meta, cm, scale)
@@ -207,7 +182,7 @@ class SparseBackend(AttentionBackend):
 
     def attend(self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
-        """Select (unless lagged), read (offload), refine, attend: the decode attention of one layer."""
+        """Select (unless lagged), read (offload), refine, attend: one layer's decode attention."""
         sm: SparseStepMeta | None = meta.backend_meta
         cm = meta if sm is None else sm.cache
         if not self.is_sparse(layer, meta):
@@ -219,7 +194,7 @@ class SparseBackend(AttentionBackend):
         q, p, state = q[:nd], self.params, self.state
         rows = DecodeRows(meta.seq_lens[:nd], meta.block_tables[:nd], cm.block_tables[:nd], sm.slots[:nd],
                           self._max_blocks(meta), scale, self.width)
-        if p.lag:  # the lists selected at an earlier step; _select_next selects the next ones beside this
+        if p.lag:  # lists selected at an earlier step; _select_next selects the next ones beside
             rows.slots = self.step_rows[0][:nd]
         else:
             with self._phase("selection"):
@@ -227,7 +202,7 @@ class SparseBackend(AttentionBackend):
                 if self.offload is None:
                     self.policy.refine(layer, q, kv_cache, rows, state, None)
         view = None
-        if self.offload is not None and p.lag:  # planned at the step's start (begin_step; fresh slots: _plan_fresh)
+        if self.offload is not None and p.lag:  # planned by begin_step (fresh slots: _plan_fresh)
             view = self.offload.lagged_view(layer)
         elif self.offload is not None:
             with self._phase("h2d"):
@@ -242,14 +217,13 @@ class SparseBackend(AttentionBackend):
     def _max_blocks(self, meta: AttentionMetadata) -> int:
         return max(1, -(-meta.max_seq_len // self.params.block_size))
 
-    # ---- lagged selection ---------------------------------------------------------------------------------
+    # ---- lagged selection ------------------------------------------------------------------------
 
     def begin_step(self, meta: AttentionMetadata) -> None:
-        """Lagged selection: the step's read and write rows (step_slots), at layer 0 before its K/V store:
-        kernels read the rows before their programmatic-dependent-launch wait (kernels/pdl.py), so the launch
-        that writes them must not be their direct predecessor. Under offload, then the views of every sparse
-        layer's lists of the decode rows in one plan, on the side stream beside the dense layers (joined at the
-        first sparse layer); rows with fresh slots plan theirs layer by layer (_plan_fresh)."""
+        """Lagged selection, at layer 0 before its K/V store: the step's read and write rows
+        (step_slots); under offload then every sparse layer's views of the decode rows in one plan
+        on the side stream (joined at the first sparse layer). The trap: kernels read the rows
+        before their PDL wait (kernels/pdl.py), so their writer must not directly precede them."""
         sm: SparseStepMeta | None = meta.backend_meta
         dev = meta.seq_lens.device
         slots = sm.slots if sm is not None else torch.arange(meta.num_seqs, dtype=torch.int32, device=dev)
@@ -272,8 +246,8 @@ class SparseBackend(AttentionBackend):
                                      new_round=True)
 
     def _plan_fresh(self, layer, q, meta, cm, scale) -> None:
-        """Lag + offload: decode rows with fresh state slots select their lists from their own query, then plan
-        their views, layer by layer on the main stream, after the side stream's plans (one planner at a time)."""
+        """Lag + offload: decode rows with fresh state slots select their lists from their own
+        query and plan their views, layer by layer, after the side stream's plans (one planner)."""
         sm: SparseStepMeta = meta.backend_meta
         nd = meta.num_decodes
         if self.side is not None and layer > self.dense_layers:
@@ -286,10 +260,9 @@ class SparseBackend(AttentionBackend):
         self.offload.plan_lagged(layer, tables, seq_lens, self.state.sel[layer], rows.slots)
 
     def _select_next(self, layer, q, kv_cache, meta, cm, scale) -> None:
-        """Selection from each sequence's last query token of the step into its write row: the decodes' (every
-        R-th step) and the prefill chunks' (the last prompt token's list serves the first decode). Runs every
-        step of a sparse layer, dense-context ones too, so the lists stay current. On a side stream: the main
-        stream writes nothing it reads before the join (layer L's metadata and cache change only next step)."""
+        """Selects from each sequence's last query token into its write row (decodes every R-th
+        step; a prompt's last token for the first decode), in every step of a sparse layer, dense
+        ones too. Side stream: the main stream writes nothing it reads before the join."""
         if meta.num_seqs > meta.num_decodes:
             q = q[meta.query_start_loc[1:].long() - 1]
         rows = DecodeRows(meta.seq_lens, meta.block_tables, cm.block_tables, self.step_rows[1], self._max_blocks(meta),
@@ -304,27 +277,31 @@ class SparseBackend(AttentionBackend):
             self.policy.refine(layer, q, kv_cache, rows, self.state, None)
 
     def end_step(self) -> None:
-        """Joins the side stream into the current one (a CUDA graph capture must join every fork)."""
+        """Joins the side stream into the current one (a graph capture must join every fork)."""
         if self.pending:
             torch.cuda.current_stream(self.side.device).wait_stream(self.side)
             self.pending.clear()
 
-    # ---- CUDA graphs ---------------------------------------------------------------------------------------
+    # ---- CUDA graphs -----------------------------------------------------------------------------
 
     def graph_inputs(self, max_batch: int, max_blocks: int) -> list[InputField]:
         # Padding rows name state slot 0: with length 0 they select, read and write nothing.
         fields = super().graph_inputs(max_batch, max_blocks) + [InputField("slots", torch.int32)]
-        if self.offload is not None:
-            fields += self.offload.graph_inputs(max_blocks)
+        if self.offload is not None:  # padding rows write nothing and name the trash row
+            fields += [InputField("offload_slot_mapping", torch.long, pad=-1),
+                       InputField("offload_block_tables", torch.int32, width=max_blocks,
+                                  pad=self.offload.num_device_blocks)]
         return fields
 
     def capture_metadata(self, batch: int, inputs: dict[str, torch.Tensor]) -> AttentionMetadata:
         meta = super().capture_metadata(batch, inputs)
-        step = None if self.offload is None else self.offload.capture_step(inputs)
+        step = None
+        if self.offload is not None:
+            step = OffloadStep(inputs["offload_slot_mapping"], inputs["offload_block_tables"])
         meta.backend_meta = SparseStepMeta(inputs["slots"], self._cache_view(meta, step), step)
         return meta
 
-    # ---- probes -------------------------------------------------------------------------------------------
+    # ---- probes ----------------------------------------------------------------------------------
 
     def attended_blocks(self, layer: int, meta: AttentionMetadata) -> torch.Tensor:
         """bool [num_decodes, Hkv, max_blocks] of the step just run (bench/attention_probe.py)."""

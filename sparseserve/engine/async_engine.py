@@ -1,9 +1,6 @@
-"""AsyncLLMEngine: the synchronous LLMEngine driven by a dedicated thread, consumed from asyncio.
-
-Why a thread: an engine step is long, blocking work (model forward); running it on the event loop
-would stall every HTTP connection. The thread applies queued adds and aborts between steps (so the
-engine itself is only ever touched by that thread), runs `engine.step()`, and hands the outputs to
-the event loop with `loop.call_soon_threadsafe`. Each request's outputs go to its RequestStream.
+"""AsyncLLMEngine: the synchronous LLMEngine driven by its own thread, consumed from asyncio
+(docs/engine.md, "The engine thread"). Only that thread touches the engine: adds and aborts are
+queued and applied between steps; outputs reach each request's RequestStream on the event loop.
 """
 from __future__ import annotations
 
@@ -29,11 +26,10 @@ def _num_tokens(out: RequestOutput) -> int:
 
 
 class RequestStream:
-    """Async iterator over a request's RequestOutput deltas (outputs.py); ends after the finished one.
+    """Async iterator over a request's RequestOutput deltas (outputs.py), up to the finished one.
 
-    Back-pressure: when more than `max_unread_tokens` tokens (all choices) wait unread, the consumer (a stream
-    whose client stopped reading) is too slow: the request is aborted (its blocks freed) and the stream raises
-    RequestAborted after the deltas already queued, so a stream holds at most that many tokens of output."""
+    Back-pressure: past `max_unread_tokens` unread tokens (all choices) the request is aborted (its
+    blocks freed) and the stream raises RequestAborted after the deltas already queued."""
 
     def __init__(self, request_id: str, engine: "AsyncLLMEngine", max_unread_tokens: int | None = None) -> None:
         self.request_id = request_id
@@ -54,7 +50,7 @@ class RequestStream:
         self._unread += _num_tokens(item)
         if self._max_unread is not None and self._unread > self._max_unread and not item.finished:
             self._overflowed = True
-            self._engine.abort(self.request_id)  # the engine thread drops the request and frees its blocks
+            self._engine.abort(self.request_id)  # the engine thread drops it and frees its blocks
             self._queue.put_nowait(RequestAborted(
                 f"the client did not read its stream: more than {self._max_unread} tokens of output waited "
                 f"unread (--max-unread-stream-tokens), so the request was aborted"))
@@ -128,8 +124,8 @@ class AsyncLLMEngine:
         self._requests: dict[str, _Tracking] = {}  # touched on the event loop only
         self._idle = asyncio.Event()  # set while _requests is empty (used by drain)
         self._live: set[str] = set()  # ids inside the engine; touched by the engine thread only
-        # Watchdog: the engine thread's last sign of progress (a step completed or work picked up) and whether
-        # it is waiting for work; read by /health from the event loop.
+        # Watchdog: the engine thread's last sign of progress (a step done or work picked up) and
+        # whether it waits for work; /health reads them from the event loop.
         self._heartbeat = time.monotonic()
         self._waiting_for_work = True
 
@@ -148,8 +144,8 @@ class AsyncLLMEngine:
         return self.is_running and not self._draining
 
     def seconds_without_progress(self) -> float:
-        """How long the engine thread has been inside one step (or between steps) while it has work; 0 while
-        it waits for work. A value beyond the watchdog timeout means the loop is stuck (/health answers 503)."""
+        """How long the engine thread has been in one step (or between steps) while it has work; 0
+        while it waits for work. Beyond the watchdog timeout the loop is stuck (/health: 503)."""
         if self._waiting_for_work:
             return 0.0
         return max(0.0, time.monotonic() - self._heartbeat)
@@ -200,8 +196,8 @@ class AsyncLLMEngine:
             self._loop.call_soon_threadsafe(self._forget, request_id)
 
     async def drain(self, timeout: float, force: asyncio.Event | None = None) -> None:
-        """Graceful stop: refuse new requests, give those in flight up to `timeout` seconds (or until `force`
-        is set) to finish, then abort the rest, whose streams raise RequestAborted, and stop the thread."""
+        """Graceful stop: refuse new requests, give those in flight up to `timeout` seconds (or
+        until `force` is set), abort the rest (their streams raise RequestAborted), stop."""
         self._draining = True
         if self._requests:
             logger.info("draining %d request(s) for up to %.1f s", len(self._requests), timeout)
@@ -217,7 +213,7 @@ class AsyncLLMEngine:
                             "timeout" if self._requests else "server is shutting down")
 
     async def shutdown(self, reason: str = "server is shutting down", join_timeout: float = 30.0) -> None:
-        """Stop the thread after its current step; abort every request still in flight. Safe to call twice."""
+        """Stops the thread after its step; aborts every request in flight. Safe to call twice."""
         with self._cond:
             self._stopping = True
             self._cond.notify()

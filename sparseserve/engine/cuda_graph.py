@@ -1,15 +1,10 @@
-"""CUDA graphs of the decode step: one graph per batch-size bucket over static inputs.
+"""CUDA graphs of the decode step: one per batch-size bucket, over static inputs (docs/engine.md).
 
-A decode step of a large model is hundreds of small kernels; replaying a captured graph removes their launch
-gaps. The graphs' inputs (token ids, positions, and the fields the attention backend names in `graph_inputs`:
-slots, lengths, block tables, its own addressing) live in one device buffer (kvcache/staging.py
-StaticInputs): a step that will replay is built straight into it (`begin` hands the runner and the backend
-the step's upload) and reaches the device in one copy, so nothing is left to copy between the step's
-building and its replay. The buckets' layouts share that buffer, so a graph replays the inputs of the last step
-built only if that step was its own bucket's (a benchmark replaying by hand does so right after such a step).
-Padding rows (batch < bucket) carry slot -1 and length 0, which the kernels skip, so a graph serves any batch up
-to its bucket. On a device without CUDA graphs (the CPU tests) a "replay" runs
-the captured step eagerly over the same static inputs: the computation a replay repeats, padding rows included.
+The inputs live in engine/staging.py StaticInputs; a step that replays is built straight into
+them (`begin`). Padding rows (slot -1, length 0) are skipped by every kernel, so a bucket serves
+any smaller batch. The trap: buckets share one buffer, so a graph replays the inputs of the last
+step built only if that step was its bucket's. Without CUDA graphs (CPU) a replay runs the
+captured step eagerly over the same inputs.
 """
 from __future__ import annotations
 
@@ -18,9 +13,9 @@ import logging
 
 import torch
 
-from sparseserve.attention.backend import AttentionBackend
+from sparseserve.attention.backend import AttentionBackend, InputField
 from sparseserve.kvcache.blocks import blocks_needed
-from sparseserve.kvcache.staging import InputField, StaticInputs
+from sparseserve.engine.staging import StaticInputs
 from sparseserve.profiler import Profiler
 
 logger = logging.getLogger(__name__)
@@ -69,7 +64,7 @@ class DecodeGraphs:
         return next((s for s in self.buckets if s >= num_seqs), None)
 
     def begin(self, num_seqs: int) -> StaticInputs | None:
-        """The upload of a pure-decode step of num_seqs rows, built into the static inputs of its bucket
+        """The upload of a pure-decode step of num_seqs rows, built into its bucket's static inputs
         (None: too many rows for any graph)."""
         bucket = self.bucket(num_seqs)
         return None if bucket is None else self.inputs.begin(bucket)
@@ -83,8 +78,8 @@ class DecodeGraphs:
 
 
 class _EagerStep:
-    """A captured step's stand-in without CUDA graphs: `replay` runs it and keeps its logits where a graph's
-    output would be."""
+    """A captured step's stand-in without CUDA graphs: `replay` runs it and keeps its logits where
+    a graph's output would be."""
 
     def __init__(self, step, logits: dict[int, torch.Tensor], bucket: int) -> None:
         self.step, self.logits, self.bucket = step, logits, bucket

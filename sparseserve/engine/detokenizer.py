@@ -5,17 +5,14 @@ from collections.abc import Callable
 
 from sparseserve.engine.request import Sequence
 
-# Every pattern transformers' clean-up (`clean_up_tokenization`) rewrites, each with a space before it.
+# Every pattern transformers' `clean_up_tokenization` rewrites, each with a space before it.
 _CLEAN_UP_PROBE = "Hi . a ? b ! c , d ' e n't f 'm g 's h 've i 're j"
 
 
 def _plan(tokenizer) -> tuple[Callable[[list[int]], str], object | None]:
-    """(ids -> text as tokenizer.decode(ids, skip_special_tokens=True), the tokenizers backend when that decode is
-    the backend's alone, else None). A fast tokenizer's decode is its backend's text, then transformers' clean-up
-    where that applies (it depends on the tokenizer and the transformers version: a probe text that every
-    clean-up rule changes tells which); calling the backend directly skips transformers' argument conversion:
-    two decodes per sequence per step, about 30 us each through transformers, are a large part of a large
-    batch's step on a small model."""
+    """(ids -> text as tokenizer.decode(ids, skip_special_tokens=True), the tokenizers backend when
+    that decode is the backend's alone, else None). Whether transformers' clean-up applies depends
+    on the tokenizer and its version: a probe text tells (docs/engine.md, "Detokenization")."""
     slow = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -26,7 +23,7 @@ def _plan(tokenizer) -> tuple[Callable[[list[int]], str], object | None]:
     ids = tokenizer.encode(_CLEAN_UP_PROBE, add_special_tokens=False)
     plain, full = fast(ids), slow(ids)
     clean_up = tokenizer.clean_up_tokenization
-    if clean_up(plain) == plain:  # the probe does not show the clean-up (its spaces did not survive)
+    if clean_up(plain) == plain:  # the probe's spaces did not survive: it shows nothing
         return slow, None
     if full == plain:
         return fast, backend
@@ -54,7 +51,7 @@ def detokenize_incrementally(decode: Callable[[list[int]], str], seq: Sequence) 
 
 
 class _Stream:
-    """A sequence's incremental decode in the tokenizers backend, and how many of its tokens it has taken."""
+    """A sequence's incremental decode in the tokenizers backend, and how many tokens it took."""
 
     __slots__ = ("stream", "fed")
 
@@ -63,11 +60,9 @@ class _Stream:
 
 
 class Detokenizer:
-    """Each step's new text of a sequence (`detokenize_incrementally`'s rule: the newest tokens decoded against a
-    few tokens of context, text held back while it ends in an incomplete character). Where the tokenizer's decode
-    is its tokenizers backend's alone, the backend's own incremental decoder (`DecodeStream`, the same rule in
-    Rust) runs it: one call per sequence and step instead of two decodes of Python list slices, a visible part
-    of a large decode batch's host time; otherwise, or with a tokenizers library without it, the two decodes."""
+    """Each step's new text of a sequence, by `detokenize_incrementally`'s rule; through the
+    tokenizers backend's `DecodeStream` (the same rule, one call a step) where the decode is the
+    backend's alone and the library has it, else the two decodes."""
 
     def __init__(self, tokenizer) -> None:
         self.decode, self._backend = _plan(tokenizer)
@@ -76,7 +71,7 @@ class Detokenizer:
                 from tokenizers.decoders import DecodeStream
                 DecodeStream(ids=[0], skip_special_tokens=True).step(self._backend, [0])
                 self._stream_cls = DecodeStream
-            except Exception:  # an older tokenizers: no DecodeStream, none with context ids or list steps
+            except Exception:  # an older tokenizers: no DecodeStream with context ids or list steps
                 self._backend = None
 
     @property
@@ -94,19 +89,19 @@ class Detokenizer:
         try:
             new = state.stream.step(self._backend, ids[state.fed:])
         except Exception:
-            # The stream refuses a decode that does not extend the text before it (byte-level corner cases, where
-            # the two decodes still give their text): they take this sequence over, from the offsets kept below.
+            # The stream refuses a decode that does not extend the text before it (byte-level
+            # corner cases): the two decodes take this sequence over, from the offsets kept below.
             seq.detok_state = False
             return detokenize_incrementally(self.decode, seq)
         state.fed = len(ids)
         if new is None:
             return ""
-        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)  # the two decodes' offsets, as they would move
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)  # as the decodes' move
         return new
 
 
 def check_stop(seq: Sequence, new_text: str, eos_token_ids: set[int], max_model_len: int) -> None:
-    """Sets finish_reason/stop_reason (vLLM semantics); trims a matched stop string from the text."""
+    """Sets finish_reason/stop_reason (vLLM semantics); trims a matched stop string off the text."""
     p = seq.params
     ids = seq.token_ids
     token = ids[-1]

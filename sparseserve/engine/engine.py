@@ -25,7 +25,7 @@ from sparseserve.profiler import Profiler
 from sparseserve.sampling_params import ParameterError, SamplingParams, is_int
 
 logger = logging.getLogger(__name__)
-# Sequence.finished, read directly in the per-sequence loops of a step (a property call per sequence adds up there)
+# Sequence.finished, read directly in a step's per-sequence loops (property calls add up there)
 FINISHED = SequenceStatus.FINISHED
 
 
@@ -52,9 +52,9 @@ class LLMEngine:
         self.profiler = profiler
         mc = config.model_config
         model_dir = resolve_model_dir(mc.model)
-        # A GGUF file or a known model name is served under its own name, not its converted directory's.
+        # A GGUF file or a known model name is served under its own name, not its directory's.
         self.model_name = "sparseserve-default" if mc.model is None else os.path.basename(os.path.normpath(mc.model))
-        self.model_runner = build_runner(config, model_dir, profiler)  # refuses unsupported models first
+        self.model_runner = build_runner(config, model_dir, profiler)  # refuses bad models first
         try:
             self.tokenizer = load_tokenizer(mc.tokenizer or model_dir)
         except (OSError, ValueError) as e:
@@ -64,7 +64,7 @@ class LLMEngine:
         runner = self.model_runner
         cc = config.cache_config
         self.allocator = BlockAllocator(runner.num_blocks, enable_caching=cc.enable_prefix_caching)
-        # a sparse policy attends one-token chunks sparsely (as decode rows): prompt chunks take >= 2 tokens
+        # a sparse policy attends one-token chunks as decode rows: prompt chunks take >= 2 tokens
         kv = KVCacheManager(config.scheduler_config, self.allocator, cc.block_size,
                             device_space=runner.build_offload_space(), host_cache=runner.host_cache,
                             max_model_len=self.max_model_len, min_chunk=2 if config.sparse_config.enabled else 1)
@@ -72,7 +72,7 @@ class LLMEngine:
                                          device_type=runner.device.type)
         self.counters = DeviceCounters(runner.counters())
         self.async_scheduling = config.scheduler_config.async_scheduling
-        self._inflight: InflightStep | None = None  # async scheduling: the launched step not yet landed
+        self._inflight: InflightStep | None = None  # async scheduling: the step not yet landed
         self._host_copies = HostCopies()  # ... and the pinned buffers its outputs are copied into
         eos = set(self.model_runner.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -82,33 +82,29 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self._stats_start: EngineStats | None = None  # the counters after the warm-up (get_stats counts from it)
+        self._stats_start: EngineStats | None = None  # counters after the warm-up: get_stats' zero
         if runner.device.type == "cuda":
             self.warm_up()
         logger.info("engine ready: model=%s device=%s dtype=%s max_model_len=%d", model_dir,
                     self.model_runner.device, self.model_runner.dtype, self.max_model_len)
 
     def warm_up(self) -> None:
-        """Runs the step kinds the first requests meet, so that they do not pay the kernels' JIT compilation
-        (seconds on a GPU, and under load every later request waits behind it): twice, with token counts that
-        are multiples of 16 and with others (Triton compiles a kernel per such divisibility of its arguments),
-        prompts split into chunks and one longer than a step's budget (chunked or layer-segmented prefill,
-        sparse prefill and decode past their minimum lengths) beside short ones that decode.
-        Afterwards no block is held or cached and the statistics' counters start from zero. Runs by itself on
-        CUDA (CUDA graphs capture decode-only steps at start; the rest compiles here)."""
+        """Runs the step kinds the first requests meet, so they never wait for a kernel's JIT
+        compilation (docs/engine.md, "The warm-up"). Afterwards no block is held or cached and the
+        statistics start from zero. Runs by itself on CUDA."""
         sc, bs = self.config.scheduler_config, self.config.cache_config.block_size
         budget = sc.max_num_batched_tokens
-        room = (self.allocator.num_blocks // 4 - 2) * bs  # the four prompts with their outputs fit the KV cache
+        room = (self.allocator.num_blocks // 4 - 2) * bs  # four prompts and outputs fit
         long_len = min(budget + 2 * bs, self.max_model_len - 13, room)
         if long_len < 2 * bs + 4:
             return
         t0, steps, vocab = time.perf_counter(), 0, self.model_runner.arch.vocab_size
         for odd in (0, 1):
-            # short (decodes beside the rest); within the budget but cut by the short one's share (a chunk
-            # after a prefix: never layer-segmented; in the second round a prefix-cache hit on the first's,
-            # restored from the host store under KV offload); longer than the budget (in the second round after
-            # a prefix-cache hit on the first's first two blocks: a layer-segmented prefill restores its prefix);
-            # short again (mid-step)
+            # 1. short (decodes beside the rest); 2. within the budget but cut by the short one's
+            # share (a chunk after a prefix: never layer-segmented; round 2: a prefix-cache hit on
+            # round 1's, restored from the host store under KV offload); 3. longer than the budget
+            # (round 2: a hit on round 1's first two blocks, which a layer-segmented prefill
+            # restores); 4. short again (mid-step)
             lengths = (2 * bs + 3 * odd, min(budget, long_len) - bs - odd, long_len + 5 * odd, bs + 7 * odd)
             for i, n in enumerate(lengths):
                 start = i * 7919 + (odd * 104729 if i != 1 else 0)
@@ -122,7 +118,7 @@ class LLMEngine:
                     break
                 self.step()
                 steps += 1
-            if self.has_unfinished_requests():  # not expected: whatever stopped it must not stay in the engine
+            if self.has_unfinished_requests():  # not expected: nothing of it may stay in the engine
                 logger.warning("warm-up did not finish; its requests are aborted")
                 self.abort_request(list(self.requests))
                 while self._inflight is not None:
@@ -218,7 +214,7 @@ class LLMEngine:
                     self._finish(seq)
 
     def reset_prefix_cache(self) -> int:
-        """Forgets every cached block no request holds (benchmarks that must start cold); returns how many."""
+        """Forgets every cached block no request holds (benchmarks start cold); returns how many."""
         return self.allocator.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
@@ -228,8 +224,8 @@ class LLMEngine:
         return len(self.requests)
 
     def get_stats(self, sync: bool = False) -> EngineStats:
-        """Host counters now, device counters as of the newest landed copy (one step late; sync=True waits for
-        the device and the host store's writers: tests and benchmarks)."""
+        """Host counters now, device counters as of the newest landed copy (one step late;
+        sync=True waits for the device and the host store's writers: tests and benchmarks)."""
         runner, s = self.model_runner, self.scheduler
         if sync:
             runner.sync()
@@ -279,13 +275,13 @@ class LLMEngine:
         return sched
 
     def _step_async(self) -> list[RequestOutput]:
-        """One step of async scheduling (engine/overlap.py): schedule and launch step N+1 while N is in flight,
-        then land N (its outputs are what this call returns)."""
+        """One step of async scheduling (engine/overlap.py): schedule and launch step N+1 while N
+        is in flight, then land N (its outputs are what this call returns)."""
         prev, self._inflight = self._inflight, None
         sched = self._schedule()
         launched = None
         if not sched.is_empty:
-            # the plan's saves and restores run on the stream after the step in flight, which wrote them
+            # the plan's saves and restores run after the step in flight, which wrote them
             feed = prev.feed() if prev is not None else TokenFeed.EMPTY
             sampled, out = self.model_runner.execute(sched.scheduled, sched.segments, sched.offload, feed=feed)
             self.counters.refresh()
@@ -300,9 +296,9 @@ class LLMEngine:
         return outputs
 
     def _advance(self, sched: SchedulerOutput) -> None:
-        """A launched step's bookkeeping: its tokens are computed, the blocks they fill join the prefix cache."""
+        """A launched step's bookkeeping: its tokens computed, full blocks into the prefix cache."""
         done = [(seg.seq, seg.seq.num_tokens - seg.seq.num_computed_tokens) for seg in sched.segments
-                if self.scheduler.finish_segment(seg)]  # layer-segmented prefills that reached the last layer
+                if self.scheduler.finish_segment(seg)]  # layer-segmented prefills now done
         kv = self.scheduler.kv
         bs = kv.block_size
         for seq, n in sched.scheduled + done:
@@ -312,8 +308,7 @@ class LLMEngine:
             if c < prompt:
                 self.num_prompt_tokens += min(n, prompt - c)
             seq.num_computed_tokens = c = c + n
-            # cache_full_blocks offers the blocks filled beyond num_cached_blocks: a decode fills one once in
-            # block_size steps, so most steps skip the call.
+            # A decode fills a block once in block_size steps: most steps skip cache_full_blocks.
             if c // bs > seq.num_cached_blocks:
                 kv.cache_full_blocks(seq)
 

@@ -1,26 +1,12 @@
-"""Layer-segmented prefill under KV offload (DESIGN.md principle 7; SparseServe section 3.4).
+"""Layer-segmented prefill under KV offload, the runner's side (docs/offload.md, "Layer-segmented
+prefill"; docs/architecture.md, principle 7).
 
-A prompt whose context is longer than one step's token budget is prefilled a few layers at a time for ALL its
-tokens instead of token chunks through every layer. Per layer:
-  - a sparse layer's K/V go to a one-layer scratch cache whose rows are the prompt's token blocks in order
-    (the prefix a cache hit or a pause kept is first copied into it from the host store); dense prefill
-    attention (or SALE's sparse prefill) reads it causally over the whole prompt; then the layer's full blocks
-    leave for the host store in one FlashD2H copy (kvcache/host.py LayerD2H) and the blocks of the first
-    decode's local window (kvcache/device_space.py DeviceBlockMap.window) are copied into the device block cache;
-    the key metadata is written as in any step (by token block). Two scratch buffers alternate, so a layer's
-    copy to the host overlaps the next layer's compute.
-  - a dense layer (`sparse_dense_layers`) keeps its K/V in its full-size cache by token block, as in any step.
-Within a layer the tokens run in chunks of max_num_batched_tokens (each chunk attends to the scratch holding
-every earlier token of that layer), so a layer's activations are those of one chunked-prefill step and the
-numerics are a chunked prefill's. The hidden states of the prompt (x and residual, tokens x hidden) persist
-between steps. After the last layer the last token's hidden state goes through the final norm and the LM head
-and the first token is sampled; the sequence then decodes as usual.
-
-HBM for prefill is bounded by the scratch (two layers of max_model_len tokens) and the hidden states, instead of
-the device block cache's reserve of one whole max_model_len prefill in every sparse layer.
-
-The scheduler's side is engine/scheduler/segments.py (which prefills go layer by layer, a step's
-`LayerSegment`). One layer-segmented prefill runs at a time (its buffers are allocated once, at start).
+A prompt longer than a step's budget runs a few layers per step for all its tokens, in token
+chunks of the budget. A sparse layer's K/V go to a one-layer scratch (row j = the prompt's token
+block j; a kept prefix is first copied in from the host store), its full blocks leave by FlashD2H
+(kvcache/host.py LayerD2H) and its first decode's window is copied into the device block cache;
+a dense layer uses its full-size cache. The hidden states persist between steps. The scheduler's
+side: engine/scheduler/segments.py. One at a time (buffers allocated at start).
 """
 from __future__ import annotations
 
@@ -45,9 +31,9 @@ class _Prefill:
     tokens: int                       # tokens it computes
     layers_done: int
     rope: tuple[torch.Tensor, torch.Tensor]
-    chunks: list[tuple[int, int, AttentionMetadata]]  # token range [a, b) of the prompt's new tokens, its step
-    prefix_rows: torch.Tensor | None  # int64 [c / bs] (device): host rows of the prefix, None without one
-    host_rows: torch.Tensor           # int64 [full new blocks] (CPU): where they go in the host store
+    chunks: list[tuple[int, int, AttentionMetadata]]  # [a, b) of the new tokens, its metadata
+    prefix_rows: torch.Tensor | None  # int64 [c / bs] (device): the prefix's host rows, or None
+    host_rows: torch.Tensor           # int64 [full new blocks] (CPU): their host store rows
     window_start: int                 # token block of the window's first device block
     window_blocks: torch.Tensor       # int64 [w] (device): the window's device blocks
 
@@ -60,7 +46,7 @@ class _Chunk:
 
 
 class LayerPrefill:
-    """The runner's side: the persisted hidden states, the scratch KV and the layer-by-layer forward."""
+    """The persisted hidden states, the scratch KV and the layer-by-layer forward."""
 
     def __init__(self, model, backend, offload, kv_caches: list[torch.Tensor], *, hidden_size: int,
                  max_model_len: int, chunk_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -73,7 +59,7 @@ class LayerPrefill:
         self.block_size = bs
         nb = blocks_needed(max_model_len, bs)
         self.scratch = torch.empty(2, nb, hkv, 2, bs, head_dim, dtype=dtype, device=device)
-        self.hidden = torch.empty(2, max_model_len, hidden_size, dtype=dtype, device=device)  # x, residual
+        self.hidden = torch.empty(2, max_model_len, hidden_size, dtype=dtype, device=device)  # x, res
         host.layer_d2h = LayerD2H(host, nb, num_buffers=2)
         self.events: list = [None, None]  # per scratch buffer: its last copy to the host (CUDA)
         self.current: _Prefill | None = None
@@ -92,15 +78,15 @@ class LayerPrefill:
                 "layer_prefill_layers_done": cur.layers_done if cur is not None else 0}
 
     def release(self, seq_id: int) -> None:
-        """A sequence finished, was aborted or preempted: its prefill's progress is gone (a resumed prefill
-        starts again at layer 0)."""
+        """A sequence finished, was aborted or preempted: its prefill's progress is gone (a resumed
+        prefill starts again at layer 0)."""
         if self.current is not None and self.current.seq_id == seq_id:
             self.current = None
 
     @torch.inference_mode()
     def run(self, seg: LayerSegment) -> torch.Tensor | None:
-        """Layers [seg.start, seg.end) of the prefill; after the last one the final-normed hidden state of the
-        prompt's last token [1, hidden] (the LM head's input), else None."""
+        """Layers [seg.start, seg.end) of the prefill; after the last one the final-normed hidden
+        state of the prompt's last token [1, hidden] (the LM head's input), else None."""
         seq = seg.seq
         if seg.start == 0:
             self.current = self._begin(seq)
@@ -143,10 +129,10 @@ class LayerPrefill:
                                      max_query_len=b - a, max_seq_len=c + b)
             meta.prefill_meta = self.backend.prefill.prepare([(_Chunk(seq.seq_id, c + a, seq.block_table), b - a)],
                                                              meta)
-            # The sparse layers address the scratch, whose row j is the prompt's token block j: slot = position.
+            # Sparse layers address the scratch (row j = the prompt's block j): slot = position.
             scratch = AttentionMetadata(positions[a:b], qsl, seq_lens, scratch_table, num_decodes=0,
                                         max_query_len=b - a, max_seq_len=c + b, prefill_meta=meta.prefill_meta)
-            # No state slot: under lagged selection its first decode selects its own list (attention/sparse.py).
+            # No state slot: under lagged selection its first decode selects its own list.
             meta.backend_meta = SparseStepMeta(torch.zeros(1, dtype=torch.int32, device=dev), scratch, None,
                                                selects=False)
             chunks.append((a, b, meta))
@@ -183,7 +169,7 @@ class LayerPrefill:
         self.events[buf] = self.offload.host.layer_d2h.submit(layer, buf, cache[c // bs: p // bs], cur.host_rows)
 
     def _restore_prefix(self, cur: _Prefill, layer: int, cache: torch.Tensor) -> None:
-        """The prefix's K/V of this layer from its host rows into the scratch's first rows (one FlashH2D)."""
+        """This layer's prefix K/V from its host rows into the scratch's first rows (FlashH2D)."""
         host = self.offload.host
         hkv = cache.shape[1]
         heads = torch.arange(hkv, device=self.device)

@@ -1,21 +1,11 @@
-"""Tensor parallelism in the engine (docs/tensor_parallel.md): which runner the engine gets, rank 0's driver and
-the workers' loop.
+"""Tensor parallelism in the engine (docs/tensor_parallel.md): the engine's runner, rank 0's
+driver and the workers' loop.
 
-Rank 0 runs the whole engine (scheduler, sampler, API); every rank runs a ModelRunner over its shard of the
-model with its own attention backend, KV cache and, under KV offload, its own offload cache over its KV heads.
-On rank 0 the engine talks to a `TPDriver`, which has the ModelRunner's API and, before each step, sends the
-workers one `StepMessage`:
-  - the step's sequences as `SeqView`s: what a runner reads of a Sequence (id, computed tokens, the step's
-    token ids, the block table), so every rank prepares the same batch;
-  - the sequences released since the last message (the attention backend's per-sequence state) and, under
-    KV offload, the step's OffloadPlan (kvcache/offload_plan.py): every rank executes the same plan over its
-    own KV heads, so every rank's device ranges, pool and selection slots stay identical.
-Then every rank runs the step; the collectives meet inside the model. Only rank 0 samples: the sampled tokens
-reach the workers as the next step's token ids, so nothing is broadcast back.
-
-A rank that dies stops the engine with an error naming it: rank 0 checks its spawned workers before each step and
-from a watchdog thread (which also aborts NCCL so a wait on the dead rank returns), a gloo collective fails when
-a peer's connections close, and a worker stops when rank 0 is gone (distributed/launch.py, channel.py).
+Rank 0 runs the engine; every rank runs a ModelRunner over its shard. Before each step
+`TPDriver` sends the workers one `StepMessage` (the step's `SeqView`s, the sequences released
+since the last one, the step's OffloadPlan), so every rank runs the same batch and keeps the
+same device ranges, pool and selection slots. Only rank 0 samples. A dead rank stops the engine
+with an error naming it (docs/tensor_parallel.md, "When something fails").
 """
 from __future__ import annotations
 
@@ -53,17 +43,17 @@ from sparseserve.models.loader import load_hf_config
 from sparseserve.profiler import Profiler
 
 logger = logging.getLogger(__name__)
-# What the forkserver imports once for all the workers it starts (each then starts in milliseconds): this module,
-# the components a runner builds, and transformers' config classes of the supported architectures.
+# What the forkserver imports once for every worker it starts: this module, the components a
+# runner builds, and transformers' config classes of the supported architectures.
 WORKER_PRELOAD = ["sparseserve.engine.parallel", "sparseserve.attention.sparse", "sparseserve.attention.policies",
                   "sparseserve.kvcache.offload", "transformers.models.auto.configuration_auto",
                   *(f"transformers.models.{m}.configuration_{m}" for m in ("llama", "qwen2", "qwen3", "mistral"))]
 
 
 def build_runner(config: EngineConfig, model_dir: Path, profiler: Profiler | None = None) -> "ModelRunner | TPDriver":
-    """The engine's runner: a ModelRunner at tensor_parallel_size 1 (no process group), otherwise rank 0's
-    TPDriver over one worker per other rank. Under torchrun every rank calls this; ranks > 0 serve rank 0's
-    engine here and, when it shuts down, leave the process group and end their process with SystemExit(0)."""
+    """The engine's runner: a ModelRunner at tensor_parallel_size 1 (no process group), else rank
+    0's TPDriver over a worker per other rank. Under torchrun every rank calls this; ranks > 0
+    serve rank 0's engine here, then leave the process group and raise SystemExit(0)."""
     tp_size = config.parallel_config.tensor_parallel_size
     env = torchrun_env()
     if env is not None and env.world_size > 1 and env.world_size != tp_size:
@@ -83,9 +73,8 @@ def build_runner(config: EngineConfig, model_dir: Path, profiler: Profiler | Non
     try:
         serve(ModelRunner(config, model_dir), tp)
     finally:
-        # Rank 0 hosts the rendezvous store and waits until every rank has left (_Session.close): this rank's
-        # threads and connections end here, before rank 0 ends its own, and nothing of them is left to the
-        # interpreter's teardown.
+        # Before rank 0 leaves (it hosts the store and waits for every rank: _Session.close), and
+        # not in the interpreter's teardown (docs/tensor_parallel.md, "Starting the ranks").
         destroy_tp_group()
     raise SystemExit(0)
 
@@ -98,7 +87,7 @@ def check_model(config: EngineConfig, model_dir: Path) -> None:
     divide(a.intermediate_size, tp_size, "the MLP's intermediate_size")
 
 
-# ---- what rank 0 sends ---------------------------------------------------------------------------------------
+# ---- what rank 0 sends ---------------------------------------------------------------------------
 
 class _StepTokens:
     """A SeqView's token_ids: only the step's tokens, at their positions (the runner reads
@@ -139,23 +128,23 @@ class SeqView:
 
 @dataclass
 class StepMessage:
-    released: list[tuple[int, bool]] = field(default_factory=list)  # (seq_id, paused), to release first
+    released: list[tuple[int, bool]] = field(default_factory=list)  # (seq_id, paused): first
     scheduled: list[tuple[SeqView, int]] | None = None     # the step to run (None: none)
     plan: OffloadPlan | None = None                          # KV offload: the step's plan
     stop: bool = False
 
 
-# ---- rank 0 --------------------------------------------------------------------------------------------------
+# ---- rank 0 --------------------------------------------------------------------------------------
 
 class _Session:
-    """The process group, the channel and the spawned workers of one engine, and its watchdog thread; kept apart
-    from the driver so the thread and the finalizer hold no reference to it."""
+    """One engine's process group, channel, spawned workers and watchdog thread; apart from the
+    driver so the thread and the finalizer hold no reference to it."""
     POLL_S = 0.1
     LEAVE_TIMEOUT_S = 30.0  # how long rank 0 waits for the other ranks to leave the process group
 
     def __init__(self, tp: TPGroup, workers: WorkerProcesses | None) -> None:
         self.tp, self.workers = tp, workers
-        self.channel: StepChannel | None = None  # set once every rank's runner is built: heartbeats start
+        self.channel: StepChannel | None = None  # set once every runner is built: heartbeats start
         self.failure: str | None = None
         self.closed = threading.Event()
         self.nccl = tp.device_group is not None and dist.get_backend(tp.device_group) == "nccl"
@@ -175,7 +164,7 @@ class _Session:
                     return
 
     def fail(self, msg: str) -> None:
-        """A rank is gone: remember why, and release waits on it (NCCL: abort; gloo fails by itself)."""
+        """A rank is gone: remember why and release waits on it (NCCL: abort; gloo fails itself)."""
         if self.failure is None and not self.closed.is_set():
             self.failure = msg
             logger.error("%s; the engine stops", msg)
@@ -195,9 +184,8 @@ class _Session:
             raise RuntimeError(f"{self.failure}; the tensor-parallel engine has stopped")
 
     def close(self) -> None:
-        """Tells the other ranks to stop, waits until they have left the process group (spawned workers: joined),
-        then leaves it (idempotent). Rank 0 leaves last: it hosts the rendezvous store, and no rank's teardown
-        then overlaps another's."""
+        """Tells the other ranks to stop, waits until they have left the process group (spawned
+        workers: joined), then leaves it (idempotent). Rank 0 leaves last: it hosts the store."""
         if self.closed.is_set():
             return
         healthy = self.failure is None
@@ -205,11 +193,11 @@ class _Session:
         if healthy and self.channel is not None:
             try:
                 self.channel.close(StepMessage(stop=True))
-            except Exception as e:  # noqa: BLE001 - a rank went away meanwhile; it is being shut down anyway
+            except Exception as e:  # noqa: BLE001 - a rank went away; it is shut down anyway
                 logger.warning("tensor-parallel stop message not delivered: %s", e)
                 healthy = False
         if threading.current_thread() is not self._watchdog:
-            self._watchdog.join(timeout=5.0)  # it sees `closed` within POLL_S: no heartbeat from here on
+            self._watchdog.join(timeout=5.0)  # sees `closed` within POLL_S: no more heartbeats
         if self.workers is not None:
             self.workers.shutdown()
         elif healthy and self.channel is not None:
@@ -217,8 +205,8 @@ class _Session:
         destroy_tp_group()
 
     def _wait_for_ranks_to_leave(self) -> None:
-        """torchrun's ranks > 0 leave the process group on the stop message (build_runner); a receive from each
-        ends when its connections close (an error: what this waits for), or at LEAVE_TIMEOUT_S."""
+        """torchrun's ranks > 0 leave the process group on the stop message (build_runner): a
+        receive from each fails when its connections close (what this waits for), or times out."""
         deadline = time.monotonic() + self.LEAVE_TIMEOUT_S
         for rank in range(1, self.tp.world_size):
             work = dist.irecv(torch.empty(1), src=rank, group=self.tp.cpu_group)
@@ -283,12 +271,12 @@ class TPDriver:
                 s.channel.send(message)
                 sampled, out = self.runner.execute(scheduled, plan=plan)
                 if self.runner.device.type == "cuda":
-                    # The engine reads the tokens next; waiting here first lets a dead rank (the watchdog aborts
-                    # NCCL) turn into an error instead of one step of garbage tokens.
+                    # Waiting here lets a dead rank (the watchdog aborts NCCL) become an error,
+                    # not a step of garbage tokens the engine reads next.
                     torch.cuda.current_stream(self.runner.device).synchronize()
-        except BaseException as e:  # also an interrupt (Ctrl-C): the ranks are out of step, stop them all
+        except BaseException as e:  # also Ctrl-C: the ranks are out of step, stop them all
             if isinstance(e, Exception):
-                s.check(grace_s=2.0)  # a dead rank explains the failure better than the collective's error
+                s.check(grace_s=2.0)  # a dead rank explains it better than the collective's error
             s.fail(f"a tensor-parallel step failed: {e!r}")
             s.close()
             if not isinstance(e, Exception):
@@ -298,7 +286,7 @@ class TPDriver:
         return sampled, out
 
     def shutdown(self) -> None:
-        """Stops the workers and leaves the process group (also at exit or when the driver is collected)."""
+        """Stops the workers and leaves the process group (also at exit or when collected)."""
         self._finalizer()
 
 
@@ -315,7 +303,7 @@ def _spawn(config: EngineConfig, model_dir: Path, device_type: str, profiler: Pr
         session = _Session(tp, workers)
         return TPDriver(ModelRunner(config, model_dir, profiler), session)
     except BaseException as e:
-        # A worker's failure explains a failed collective (RuntimeError); rank 0's own errors speak for themselves.
+        # A worker's failure explains a failed collective (RuntimeError); rank 0's own errors stand.
         why = workers.failure(wait_s=2.0) if isinstance(e, RuntimeError) else None
         if session is not None:
             session.fail(why or f"rank 0 failed: {e}")
@@ -328,7 +316,7 @@ def _spawn(config: EngineConfig, model_dir: Path, device_type: str, profiler: Pr
         raise
 
 
-# ---- the other ranks -----------------------------------------------------------------------------------------
+# ---- the other ranks -----------------------------------------------------------------------------
 
 def serve(runner: ModelRunner, tp: TPGroup) -> None:
     """A worker's loop: rank 0's messages, in order, until it says stop."""

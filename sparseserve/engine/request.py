@@ -31,9 +31,9 @@ class Sequence:
     num_computed_tokens: int = 0     # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     cache_salt: str | None = None    # prefix caching: only requests with the same salt share blocks
-    # Prefix caching: hashes of the full blocks of token_ids (kvcache/prefix_cache.py), computed as they fill;
-    # how many leading blocks of block_table were offered to the cache; the prompt tokens the cache served
-    # at the first admission (vLLM's num_cached_tokens; None before it).
+    # Prefix caching: hashes of token_ids' full blocks (kvcache/prefix_cache.py), computed as
+    # they fill; how many leading blocks of block_table were offered to the cache; the prompt
+    # tokens the cache served at the first admission (vLLM's num_cached_tokens; None before it).
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     num_cached_blocks: int = 0
     num_cached_tokens: int | None = None
@@ -44,12 +44,12 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # incremental detokenization (engine/detokenizer.py): offsets into token_ids, or the backend's stream state
+    # incremental detokenization (engine/detokenizer.py): offsets, or the backend's stream
     prefix_offset: int = 0
     read_offset: int = 0
     detok_state: object = field(default=None, repr=False)  # None: not started; False: offsets only
-    grammar: object = field(default=None, repr=False)  # structured outputs: its GrammarMatcher (structured/)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token, as computed (runner)
+    grammar: object = field(default=None, repr=False)  # structured outputs: its GrammarMatcher
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token (runner)
     _table_array: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -60,8 +60,8 @@ class Sequence:
             self.logprobs = []
 
     def block_table_array(self) -> np.ndarray:
-        """The block table as int32, rebuilt only when blocks were added: between releases the table
-        only grows, so an equal length means equal contents (O(1) per decode step, not O(blocks))."""
+        """The block table as int32, rebuilt only when blocks were added: between releases the
+        table only grows, so an equal length means equal contents (O(1) per decode step)."""
         if self._table_array is None or len(self._table_array) != len(self.block_table):
             self._table_array = np.asarray(self.block_table, dtype=np.int32)
         return self._table_array

@@ -1,4 +1,4 @@
-"""Model runner: owns the model, the KV cache and the sampler; turns a schedule into batch tensors."""
+"""Model runner: owns the model, the KV cache and the sampler; runs a scheduled step."""
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +9,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from sparseserve.attention.backend import AttentionMetadata, BackendContext, create_backend
@@ -20,12 +19,13 @@ from sparseserve.distributed.utils import shard_heads
 from sparseserve.engine.cuda_graph import DecodeGraphs
 from sparseserve.engine.overlap import PLACEHOLDER, TokenFeed
 from sparseserve.engine.request import Sequence
+from sparseserve.engine.staging import StepUpload
+from sparseserve.engine.step_inputs import StepInputs
 from sparseserve.kernels.dispatch import check_impl, forced
 from sparseserve.kvcache.blocks import blocks_needed
-from sparseserve.kvcache.decode_rows import DecodeRows, tables_of
 from sparseserve.kvcache.host import host_block_bytes
 from sparseserve.kvcache.offload_plan import OffloadPlan
-from sparseserve.kvcache.staging import StepUpload, to_device_many
+from sparseserve.kvcache.transfer import to_device_many
 from sparseserve.layers.logits_processors import LogitsProcessors
 from sparseserve.layers.prompt_logprobs import record_prompt_logprobs
 from sparseserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -37,11 +37,6 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_BYTES = 2 << 30
 
 
-# The static input of the decode graphs that each of a step's tensors fills (kvcache/staging.py; None: scratch).
-STATIC_INPUTS = {"slot_mapping": "slot_mapping", "seq_lens": "seq_lens", "block_tables": "block_tables",
-                 "input_ids": "input_ids", "positions": "positions"}
-
-
 @dataclass
 class StepBatch:
     input_ids: torch.Tensor
@@ -49,7 +44,7 @@ class StepBatch:
     meta: AttentionMetadata
     sample_idx: torch.Tensor            # token index of each sampled sequence's last query token
     sampled: list[Sequence]             # the sequences that get a new token this step
-    graph: bool = False                 # built into the decode graphs' static inputs (DecodeGraphs.begin)
+    graph: bool = False                 # built into the decode graphs' static inputs
 
 
 def resolve_device(device: str) -> torch.device:
@@ -63,9 +58,9 @@ def resolve_device(device: str) -> torch.device:
 
 
 class ModelRunner:
-    """One rank's runner: at tensor_parallel_size > 1 every rank builds one over its shard of the model (its KV
-    heads: `num_kv_heads`), in the process group set up by engine/parallel.py, and the sizes every rank must
-    share (KV blocks, the offload layout) are agreed on (the smallest); rank 0's is driven by the engine."""
+    """One rank's runner. At tensor_parallel_size > 1 every rank builds one over its shard (its KV
+    heads: `num_kv_heads`) in engine/parallel.py's process group; sizes every rank must share (KV
+    blocks, the offload layout) are agreed on (the smallest); the engine drives rank 0's."""
 
     def __init__(self, config: EngineConfig, model_dir: Path, profiler: Profiler | None = None) -> None:
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
@@ -86,7 +81,7 @@ class ModelRunner:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                              f"{self.arch.max_position_embeddings}")
         self.block_size = cc.block_size
-        # The kernels' path for this engine's steps ("auto": Triton on CUDA tensors, the references on CPU).
+        # The kernels' path for this engine ("auto": Triton on CUDA tensors, references on CPU).
         self.kernel_impl = check_impl(mc.attention_backend)
         if self.kernel_impl == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1); "
@@ -95,7 +90,7 @@ class ModelRunner:
         if tp.world_size > 1 and sparse.sparse_prefill_calibration is not None:
             raise ValueError("sparse_prefill_calibration names global query heads; with tensor_parallel_size > 1 "
                              "use one sparse_prefill_threshold for every head")
-        if tp.world_size > 1 and sparse.streaming_heads is not None:  # the file names global KV heads
+        if tp.world_size > 1 and sparse.streaming_heads is not None:  # it names global KV heads
             mask = load_streaming_heads(sparse.streaming_heads, a.num_layers, a.num_kv_heads)
             streaming = mask[:, heads.kv_start: heads.kv_start + heads.num_kv_heads]
             sparse = dataclasses.replace(sparse, streaming_heads=None)
@@ -111,9 +106,6 @@ class ModelRunner:
                                      mc.load_format)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))
         self._sampling: tuple[list[int] | None, SamplingMetadata | None] = (None, None)  # (seq ids, theirs)
-        self._rows: DecodeRows | None = None  # the last decode step's token-block rows (prepare)
-        self._row_lens: list[int] = []  # ... and each row's block table length then
-        self._ranges: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # decode steps' (qsl, sample_idx) by rows
         self.offload = None  # kvcache/offload.py OffloadCache: the hierarchical HBM/DRAM cache
         if config.offload_config.kv_offload:
             self.offload = self._build_offload()
@@ -135,7 +127,8 @@ class ModelRunner:
             self.attn_backend.allocate(self.num_blocks)
         else:
             self.attn_backend.allocate(self.num_blocks, self.offload)
-        self.layer_prefill = None  # engine/layer_prefill.py: prompts prefilled a few layers per step
+        self.inputs = StepInputs(self.block_size, self.device, self.offload)  # a step's host inputs
+        self.layer_prefill = None  # engine/layer_prefill.py: prompts prefilled layer by layer
         if config.offload_config.layer_segmented_prefill:
             from sparseserve.engine.layer_prefill import LayerPrefill
             self.layer_prefill = LayerPrefill(self.model, self.attn_backend, self.offload, self.kv_caches,
@@ -147,12 +140,12 @@ class ModelRunner:
             with self._kernels():
                 self.graphs = DecodeGraphs(self.model, self.attn_backend, self.kv_caches, sc.max_num_seqs,
                                            self.max_model_len, self.block_size, profiler)
-        self.host_cache = None  # the prefix cache's host tier without offload (the scheduler uses it)
+        self.host_cache = None  # the prefix cache's host tier without offload (the scheduler's)
         if cc.host_prefix_cache_memory is not None:
             self.host_cache = self._build_host_cache(cc.host_prefix_cache_memory)
 
     def _kernels(self):
-        """The kernel path of this engine (kernels/dispatch.py); "auto" keeps the caller's choice."""
+        """This engine's kernel path (kernels/dispatch.py); "auto" keeps the caller's choice."""
         return contextlib.nullcontext() if self.kernel_impl == "auto" else forced(self.kernel_impl)
 
     def _build_offload(self):
@@ -177,9 +170,9 @@ class ModelRunner:
             device_blocks=cc.num_gpu_blocks_override)
 
     def _rank_offload_config(self) -> OffloadConfig:
-        """The offload options of this rank. Every size is per rank (per GPU); at tensor_parallel_size > 1 the
-        host store's default (max_num_seqs sequences of max_model_len, at most half the host's available memory
-        shared by the ranks of this host) is agreed on, so every rank's store has the same rows."""
+        """This rank's offload options; every size is per rank. At tensor_parallel_size > 1 the host
+        store's default (max_num_seqs sequences of max_model_len, at most half the host's available
+        memory, shared by its ranks) is agreed on, so every rank's store has the same rows."""
         oc, tp = self.config.offload_config, self.tp
         if tp.world_size == 1:
             return oc
@@ -209,7 +202,7 @@ class ModelRunner:
         return cache
 
     def build_offload_space(self):
-        """The scheduler's side of this runner's KV offload (kvcache/device_space.py; None without)."""
+        """The scheduler's side of this runner's KV offload (kvcache/device_space.py), or None."""
         if self.offload is None:
             return None
         from sparseserve.kvcache.device_space import DeviceBlockMap, OffloadSpace
@@ -241,8 +234,8 @@ class ModelRunner:
             self.offload.sync()
 
     def release(self, seq_id: int, paused: bool = False) -> None:
-        """A sequence finished or was preempted (paused: KV offload's pause, it resumes with what it computed):
-        the backend's per-sequence state is free again."""
+        """A sequence finished or was preempted (paused: it resumes with what it computed): the
+        backend's per-sequence state is free again."""
         self.attn_backend.release(seq_id, paused)
         if self.layer_prefill is not None:
             self.layer_prefill.release(seq_id)
@@ -267,7 +260,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_kv_bytes(self) -> int:
-        """KV bytes = gpu_memory_utilization * total - (what is in use now + the peak of a full-budget step)."""
+        """KV bytes = gpu_memory_utilization * total - (in use now + a full-budget step's peak)."""
         cc, sc = self.config.cache_config, self.config.scheduler_config
         gc.collect()  # an engine dropped just before still holds its KV cache until collected
         torch.cuda.empty_cache()
@@ -300,137 +293,35 @@ class ModelRunner:
         return kv_bytes
 
     def prepare(self, scheduled: list[tuple[Sequence, int]], feed: TokenFeed | None = None) -> StepBatch:
-        """Batch tensors for one step, built in plain Python (per sequence and per block, never per
-        token for slots) and moved to the device with the attention backend's in the step's upload: one copy
-        into the decode graphs' static inputs when a graph can replay the step (kvcache/staging.py).
-        feed (async scheduling, engine/overlap.py): the last input token of each sequence it names is a
-        placeholder, filled on the device from the previous step's sampled tokens."""
+        """A step's batch: host inputs (engine/step_inputs.py and the backend's), one upload (into
+        the graphs' static inputs when a graph can replay it), then handed to the backend. feed
+        (async scheduling): the last input token of each sequence it names is a placeholder,
+        filled on the device from the previous step's sampled tokens."""
         # Decodes (one query token) first: the attention backend runs its decode kernel on them.
         scheduled = sorted(scheduled, key=lambda item: item[1] != 1)
         graph = self.graphs.begin(len(scheduled)) if self.graphs is not None and scheduled[-1][1] == 1 else None
         upload = graph if graph is not None else StepUpload(self.device)
-        if self._rows is None or not self._rows.fits(scheduled):
-            self._rows = self._decode_rows(scheduled)
-        if self._rows is not None:
-            host, ids, fill, sampled, max_seq_len = self._decode_inputs(scheduled, feed)
-        else:
-            host, ids, fill, sampled, max_seq_len = self._step_inputs(scheduled, feed)
-        dev = dict(zip(host, upload.add(list(host.values()), [STATIC_INPUTS.get(k) for k in host])))
+        host, ids, fill, sampled, max_seq_len = self.inputs.build(scheduled, feed)
+        num_decodes = sum(1 for _, n in scheduled if n == 1)
+        host.update(self.attn_backend.step_inputs(scheduled, num_decodes))
+        dev = dict(zip(host, upload.add(list(host.values()), list(host))))
+        upload.commit()
         if "query_start_loc" not in dev:  # a decode step's: on the device already
-            dev["query_start_loc"], dev["sample_idx"] = self._decode_ranges(len(scheduled))
+            dev["query_start_loc"], dev["sample_idx"] = self.inputs.decode_ranges(len(scheduled))
         meta = AttentionMetadata(
             slot_mapping=dev["slot_mapping"], query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"],
-            block_tables=dev["block_tables"], num_decodes=sum(1 for _, n in scheduled if n == 1),
+            block_tables=dev["block_tables"], num_decodes=num_decodes,
             max_query_len=max(n for _, n in scheduled), max_seq_len=max_seq_len)
-        self.attn_backend.prepare(scheduled, meta, upload)
-        upload.commit()
+        self.attn_backend.prepare(scheduled, meta, dev)
         input_ids = dev["input_ids"]
         if feed is not None:
             if ids.count(PLACEHOLDER) != fill:
                 raise RuntimeError("a placeholder token would reach the model without its feed row")
             if "fill_dst" in dev:
                 input_ids.index_copy_(0, dev["fill_dst"], feed.token_ids[dev["fill_src"]])
-            elif fill:  # every row from the feed's row of the same index (`_decode_inputs`): one copy
+            elif fill:  # every row from the feed's row of the same index: one copy
                 input_ids.copy_(feed.token_ids[:fill])
         return StepBatch(input_ids, dev["positions"], meta, dev["sample_idx"], sampled, graph is not None)
-
-    def _decode_ranges(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """query_start_loc (int32 0..n) and sample_idx (int64 0..n-1) of a decode step of n rows on the device,
-        made once per batch size: read-only, so no step builds and uploads them again."""
-        ranges = self._ranges.get(n)
-        if ranges is None:
-            ranges = self._ranges[n] = tuple(to_device_many(
-                [torch.arange(n + 1, dtype=torch.int32), torch.arange(n, dtype=torch.long)], self.device))
-        return ranges
-
-    def _token_row(self, seq: Sequence) -> tuple[int, np.ndarray]:
-        return 0, seq.block_table_array()
-
-    def _decode_rows(self, scheduled: list[tuple[Sequence, int]]) -> DecodeRows | None:
-        """The rows of a step in which every sequence decodes its last token, kept for the steps after it (None:
-        some sequence prefills)."""
-        if not all(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in scheduled):
-            return None
-        self._row_lens = [len(s.block_table_array()) for s, _ in scheduled]
-        return DecodeRows.build(scheduled, self._token_row, 0, self.block_size)
-
-    def _step_inputs(self, scheduled: list[tuple[Sequence, int]], feed: TokenFeed | None):
-        """The step's host tensors built per sequence (and block, for prefill chunks): (tensors in `prepare`'s
-        order, input token ids, feed rows, sampled sequences, longest context)."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl, seq_lens, sample_idx, sampled = [0], [], [], []
-        fill_dst: list[int] = []
-        fill_src: list[int] = []
-        for seq, n in scheduled:
-            c, table = seq.num_computed_tokens, seq.block_table
-            if n == 1:  # a decode's token (every sequence of a large decode batch: this loop is host time a step)
-                ids.extend(seq.token_ids[c:c + 1])  # (a worker rank's SeqView holds the step's tokens: slices)
-                positions.append(c)
-                slots.append(table[c // bs] * bs + c % bs)
-            else:
-                ids.extend(seq.token_ids[c:c + n])
-                positions.extend(range(c, c + n))
-                for blk in range(c // bs, (c + n - 1) // bs + 1):  # the slots of tokens [c, c + n), block by block
-                    lo, hi = max(c, blk * bs), min(c + n, (blk + 1) * bs)
-                    base = table[blk] * bs - blk * bs
-                    slots.extend(range(base + lo, base + hi))
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(c + n)
-            if c + n == seq.num_tokens:
-                sample_idx.append(qsl[-1] - 1)
-                sampled.append(seq)
-                if feed is not None and seq.seq_id in feed.rows:
-                    fill_dst.append(qsl[-1] - 1)
-                    fill_src.append(feed.rows[seq.seq_id])
-        tables = tables_of(scheduled, self._token_row, 0)
-        host = {"slot_mapping": torch.tensor(slots, dtype=torch.long),
-                "query_start_loc": torch.tensor(qsl, dtype=torch.int32),
-                "seq_lens": torch.tensor(seq_lens, dtype=torch.int32), "block_tables": torch.from_numpy(tables),
-                "input_ids": torch.tensor(ids, dtype=torch.long),
-                "positions": torch.tensor(positions, dtype=torch.long),
-                "sample_idx": torch.tensor(sample_idx, dtype=torch.long)}
-        if fill_dst:
-            host["fill_dst"] = torch.tensor(fill_dst, dtype=torch.long)
-            host["fill_src"] = torch.tensor(fill_src, dtype=torch.long)
-        return host, ids, len(fill_dst), sampled, max(seq_lens)
-
-    def _decode_inputs(self, scheduled: list[tuple[Sequence, int]], feed: TokenFeed | None):
-        """`_step_inputs` of a decode step (`_decode_rows`): the rows kept from the decode step of the same
-        sequences before, those whose block table grew rebuilt, positions and slots as arrays; query_start_loc
-        and sample_idx are `prepare`'s (`_decode_ranges`). When every row is fed from the feed's row of the same
-        index (async scheduling's steady step) no feed rows are built: `prepare` copies the feed's tokens whole.
-        One pass over the sequences: at a large batch each per-sequence pass is a visible part of the step."""
-        rows = feed.rows if feed is not None else {}
-        row_lens = self._row_lens
-        grew: list[int] = []
-        ids: list[int] = []
-        fill_dst: list[int] = []
-        fill_src: list[int] = []
-        same_rows = True  # every row so far fed from the feed's row of its own index
-        for b, (seq, _) in enumerate(scheduled):
-            num_blocks = len(seq.block_table_array())
-            if num_blocks != row_lens[b]:
-                row_lens[b] = num_blocks
-                grew.append(seq.seq_id)
-            c = seq.num_computed_tokens
-            ids += seq.token_ids[c:c + 1]  # (a worker rank's SeqView holds the step's tokens: slices)
-            src = rows.get(seq.seq_id)
-            same_rows = same_rows and src == b
-            if src is not None:
-                fill_dst.append(b)
-                fill_src.append(src)
-        slots, tables, pos = self._rows.update(scheduled, grew)
-        # (torch.from_numpy over np.array: a third of torch.tensor's time on a list of ints)
-        host = {"slot_mapping": slots, "seq_lens": torch.from_numpy((pos + 1).astype(np.int32)),
-                "block_tables": torch.from_numpy(tables), "input_ids": torch.from_numpy(np.array(ids, dtype=np.int64)),
-                "positions": torch.from_numpy(pos)}
-        if fill_dst and not same_rows:
-            host["fill_dst"], host["fill_src"] = (torch.from_numpy(np.array(fill_dst, dtype=np.int64)),
-                                                  torch.from_numpy(np.array(fill_src, dtype=np.int64)))
-        return host, ids, len(fill_dst), [seq for seq, _ in scheduled], int(pos.max()) + 1
 
     def sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
         """The sampling parameters of `seqs` on the device; the previous step's again when it sampled the same
@@ -465,7 +356,10 @@ class ModelRunner:
         scheduling: `feed` fills its placeholder tokens on the device), then the layer-segmented
         prefills' segments; one sampling over every sequence that gets a token."""
         if self.offload is not None:
-            self.offload.begin_step(plan, batch=bool(scheduled))
+            self.offload.begin_step(plan)
+            self.inputs.note_plan(plan)  # its ranges and stale blocks: the step's inputs carry them
+            if not scheduled:  # no batch to carry the stale blocks
+                self.offload.drop_stale(self.inputs.take_stale())
         if self.host_cache is not None:
             self.host_cache.begin_step()
         batch = self.prepare(scheduled, feed) if scheduled else None
@@ -479,7 +373,8 @@ class ModelRunner:
                 sampled += batch.sampled
             else:
                 hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-                if self._rows is None and any(s.prompt_logprobs is not None for s, _ in scheduled):
+                if self.tp.is_driver and not self.inputs.steady and any(
+                        s.prompt_logprobs is not None for s, _ in scheduled):
                     # (a step with a prompt chunk; rows in prepare's order: decodes first)
                     record_prompt_logprobs(sorted(scheduled, key=lambda item: item[1] != 1), hidden,
                                            self.model.compute_logits)

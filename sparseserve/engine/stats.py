@@ -1,9 +1,5 @@
-"""The engine's statistics: one named snapshot (EngineStats), with the device counters read a little late.
-
-Counters that the GPU increments inside a step (blocks selected, HBM pool hits and loads, blocks written
-through) are never read with a host sync on the serving path (DESIGN.md principle 2): `DeviceCounters`
-copies them into pinned memory asynchronously (after a step, at most every few milliseconds) and hands out the
-newest copy that has landed.
+"""The engine's statistics: one named snapshot (EngineStats); device counters are read without a
+sync on the serving path, a little late (docs/architecture.md, principle 2; docs/engine.md).
 """
 from __future__ import annotations
 
@@ -22,41 +18,41 @@ class EngineStats:
     num_blocks_used: int = 0
     num_blocks_total: int = 0
     num_preemptions: int = 0           # cumulative counters from here on
-    num_prompt_tokens: int = 0         # prompt tokens computed (recomputation after preemption included)
+    num_prompt_tokens: int = 0         # prompt tokens computed (recomputed ones included)
     num_generation_tokens: int = 0
-    prefix_cache_queries: int = 0      # prompt tokens looked up in the prefix cache at first admissions
-    prefix_cache_hits: int = 0         # ... and found there (vLLM's meaning: tokens, preemptions not counted)
-    prefix_cache_blocks: int = 0       # blocks holding a cached prefix block, referenced or not (gauge)
+    prefix_cache_queries: int = 0      # prompt tokens looked up at first admissions (vLLM's)
+    prefix_cache_hits: int = 0         # ... and found in the prefix cache
+    prefix_cache_blocks: int = 0       # blocks holding a cached block, referenced or not (gauge)
     prefix_cache_evictions: int = 0    # cached blocks taken back for new contents
-    host_prefix_cache_queries: int = 0  # host tier (KV offload off): prompt tokens the device cache missed
+    host_prefix_cache_queries: int = 0  # host tier (no offload): prompt tokens the device missed
     host_prefix_cache_hits: int = 0     # ... and found in host memory (restored by copy)
     host_prefix_cache_blocks: int = 0   # host tier blocks in use (gauge)
     host_prefix_cache_evictions: int = 0
     sparse_blocks_selected: int = 0    # sparse decode: blocks in all selections so far
-    sparse_selections: int = 0         # selections made: one per (decode sequence, sparse layer, KV head)
+    sparse_selections: int = 0         # one per (decode sequence, sparse layer, KV head)
     sparse_block_size: int = 0
     offload_hbm_hits: int = 0          # KV offload: listed head blocks found in the HBM pool
     offload_blocks_loaded: int = 0     # head blocks copied host -> HBM pool (FlashH2D)
-    offload_bypass_reads: int = 0      # misses read straight from the host store (no evictable slot in the set)
-    offload_layer_steps: int = 0       # (decode step, sparse layer) pairs that went through the pool
+    offload_bypass_reads: int = 0      # misses read from the host store (no free way in the set)
+    offload_layer_steps: int = 0       # (decode step, sparse layer) pairs read through the pool
     offload_host_blocks: int = 0       # token blocks of the host store (gauge)
     offload_hbm_slots: int = 0         # head-block slots of the HBM pool (gauge)
     offload_h2d_bytes: int = 0         # bytes loaded host -> HBM pool
     offload_d2h_bytes: int = 0         # bytes written through to the host store
-    offload_device_blocks_used: int = 0  # device block cache (the working set): blocks mapped (gauge)
+    offload_device_blocks_used: int = 0  # device block cache: blocks mapped (gauge)
     offload_device_blocks: int = 0       # device block cache: blocks (gauge)
-    prefill_tiles_computed: int = 0    # sparse prefill: (query tile, key tile, KV head) tiles computed, all layers
-    prefill_tiles_dense: int = 0       # ... and the causally visible ones (what dense prefill computes)
-    offload_blocks_restored: int = 0     # token blocks copied host store -> device block cache (cache hits, resumes)
+    prefill_tiles_computed: int = 0    # sparse prefill: (q tile, k tile, KV head) tiles, all layers
+    prefill_tiles_dense: int = 0       # ... and the causally visible ones (dense prefill's)
+    offload_blocks_restored: int = 0     # token blocks host -> device block cache (hits, resumes)
     layer_prefills_running: int = 0      # layer-segmented prefills in progress (gauge)
     layer_prefill_layers_done: int = 0   # ... and the layers they have done (gauge)
-    working_set_blocks: int = 0        # KV offload: the running requests' working sets summed, head blocks (gauge)
-    working_set_capacity: int = 0      # ... the HBM pool's head-block slots they compare with (gauge)
-    working_set_limit: int = 0         # ... the part of it they may take (working_set_margin left free; gauge)
-    working_set_held_back: int = 0     # requests waiting because the working-set limit stopped the batch (gauge)
+    working_set_blocks: int = 0        # KV offload: the running working sets, head blocks (gauge)
+    working_set_capacity: int = 0      # ... the HBM pool's slots they compare with (gauge)
+    working_set_limit: int = 0         # ... what they may take (the margin left free; gauge)
+    working_set_held_back: int = 0     # requests the working-set limit keeps waiting (gauge)
     working_set_hold_backs: int = 0    # running requests paused by the working-set limit
-    working_set_parked: int = 0        # prefill ahead: prefilled requests waiting for a decode share (gauge)
-    working_set_prefill_aheads: int = 0  # ... requests admitted for prefill beyond the working-set limit
+    working_set_parked: int = 0        # prefilled requests waiting for a decode share (gauge)
+    working_set_prefill_aheads: int = 0  # ... admitted for prefill beyond the working-set limit
 
     # The cumulative fields (the rest are gauges and sizes).
     COUNTERS: ClassVar[frozenset[str]] = frozenset({
@@ -78,13 +74,10 @@ class EngineStats:
 
 
 class DeviceCounters:
-    """Named cumulative int64 device counters, read without a sync: `refresh()` (after a step) marks them changed;
-    a copy into pinned memory starts when they changed, no copy is in flight and the last one started at least
-    `interval_s` ago (checked by `refresh` and by `values`, so an idle engine's reads land the last steps too);
-    `values()` returns the newest copy that has landed (on a busy GPU a step plus interval_s late at most: they
-    serve /metrics and statistics, which `values(sync=True)` makes exact). On CPU both are immediate. The
-    interval keeps the copy (a stack of every counter, a copy and an event: tens of microseconds of host time)
-    off most steps of a fast decode batch."""
+    """Named cumulative int64 device counters, read without a sync. `refresh()` (after a step)
+    marks them changed; a copy into pinned memory starts when changed, none is in flight and the
+    last began `interval_s` ago. `values()` is the newest landed copy: at most a step plus
+    interval_s late on a busy GPU, exact with sync=True; on CPU both are immediate."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], interval_s: float = 0.005) -> None:
         self.names = list(tensors)

@@ -429,7 +429,7 @@ def _select_kernel(q_code_ptr, q_scale_ptr, k_code_ptr, k_scale_ptr, qmk_ptr, se
 
 
 @dataclass(frozen=True)
-class SelectConfig:
+class TileSelectConfig:
     """Launch shapes. `chunk` key tiles (dividing a key group) are one dot per query head;
     `max_registers` caps registers a thread (None: the compiler's choice); `quant_tok`: rows a
     query quantization program. Defaults: docs/sparse_prefill.md, "The kernels"."""
@@ -455,9 +455,9 @@ def _empty_codes(q, num_seqs, num_kv_heads, length) -> QKCodes:
 
 def quantize_qk_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                        query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int, layout: TileLayout,
-                       config: SelectConfig | None = None) -> QKCodes:
+                       config: TileSelectConfig | None = None) -> QKCodes:
     """Stage 1 with Triton: two _sum_kernel launches (partial sums), two _quant_kernel."""
-    config = config or SelectConfig()
+    config = config or TileSelectConfig()
     num_seqs = seq_lens.numel()
     num_q_heads, head_dim = q.shape[1:]
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
@@ -502,10 +502,10 @@ def quantize_qk_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
 
 def select_tiles_triton(codes: QKCodes, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                         max_query_len: int, max_seq_len: int, layout: TileLayout, thresholds: torch.Tensor,
-                        streaming: torch.Tensor | None = None, config: SelectConfig | None = None
+                        streaming: torch.Tensor | None = None, config: TileSelectConfig | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 2 with Triton (select_tiles_ref's contract): (mask, kv_index, kv_count)."""
-    config = config or SelectConfig()
+    config = config or TileSelectConfig()
     q_code, q_scale, k_code, k_scale, qmk = codes
     num_q_heads, head_dim = q_code.shape[1:]
     num_seqs, num_kv_heads, length, _ = k_code.shape
@@ -544,7 +544,7 @@ def sale_select_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 def sale_select(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                 query_start_loc: torch.Tensor, scale: float, max_query_len: int, max_seq_len: int,
                 layout: TileLayout, thresholds: torch.Tensor, streaming: torch.Tensor | None = None,
-                config: SelectConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                config: TileSelectConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The tiles of query_start_loc's prefill chunks that sparse_prefill computes.
 
     q: [T, Hq, D] (the attention's queries); kv_cache: one layer, the chunks' K stored;

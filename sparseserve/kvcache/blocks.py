@@ -1,11 +1,8 @@
-"""Token-block allocation: a request owns token blocks (every layer and KV head of block_size tokens).
-
-With prefix caching (kvcache/prefix_cache.py) a block may be shared: each block has a reference count, full
-blocks are cached by the hash of their tokens, and a cached block whose last reference is dropped stays
-cached (free, but reusable by a later request with the same prefix) until the allocator needs it: new blocks
-come from the never-cached free blocks first, then from the least recently freed cached ones (evicted).
-Every block is in exactly one state: free (uncached), evictable (cached, no reference) or in use (referenced,
-cached or not), so free + evictable + in use == total.
+"""Token-block allocation: a request owns token blocks (every layer and KV head of block_size
+tokens). With prefix caching (docs/prefix_cache.md) blocks are reference-counted and a cached block
+without references stays cached until needed: new blocks come from never-cached free blocks first,
+then the least recently freed cached ones. Invariant: every block is free, evictable (cached, no
+reference) or in use, so free + evictable + in use == total.
 """
 from __future__ import annotations
 
@@ -57,9 +54,9 @@ class BlockAllocator:
         return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        """n blocks with one reference each: never-cached free blocks first, then evicted cached ones (the
-        least recently freed). Callers that keep per-block state elsewhere learn of the reuse from the
-        returned ids (OffloadCache.on_allocate)."""
+        """n blocks with one reference each: never-cached free blocks first, then evicted cached
+        ones (the least recently freed). Callers that keep per-block state elsewhere learn of the
+        reuse from the returned ids (OffloadSpace.on_allocate)."""
         if n > self.num_free:
             raise RuntimeError(f"out of KV blocks: asked for {n}, {self.num_free} free")
         blocks = []
@@ -71,8 +68,8 @@ class BlockAllocator:
         return blocks
 
     def share(self, blocks: Sequence[int]) -> None:
-        """One more reference to each of these cached blocks (a prefix-cache hit); evictable ones leave the
-        eviction order."""
+        """One more reference to each of these cached blocks (a prefix-cache hit); evictable ones
+        leave the eviction order."""
         for b in blocks:
             if self._ref[b] == 0:
                 if self.cache is None or not self.cache.is_evictable(b):
@@ -82,9 +79,9 @@ class BlockAllocator:
             self._ref[b] += 1
 
     def free(self, blocks: Sequence[int]) -> None:
-        """Drops one reference to each block. A block left without references becomes free, or evictable if
-        cached; a sequence's blocks are given in table order and parked tail first, so a prefix outlives its
-        continuations in the eviction order."""
+        """Drops one reference to each block. A block left without references becomes free, or
+        evictable if cached; a sequence's blocks are given in table order and parked tail first,
+        so a prefix outlives its continuations in the eviction order."""
         released = []
         for b in blocks:
             if self._ref[b] <= 0:
@@ -99,18 +96,18 @@ class BlockAllocator:
         self._free.extend(b for b in released if self.cache is None or not self.cache.is_cached(b))
 
     def lookup(self, hashes: Sequence[BlockHash]) -> list[int]:
-        """The blocks of the longest cached prefix of a chain of block hashes (nothing without caching)."""
+        """The blocks of the longest cached prefix of a hash chain (none without caching)."""
         return self.cache.lookup(hashes) if self.cache is not None else []
 
     def cache_block(self, block: int, h: BlockHash) -> bool:
-        """Offers a block that just became full (referenced) to the prefix cache; False if not cached."""
+        """Offers a just-full (referenced) block to the prefix cache; False: not cached."""
         if self.cache is None:
             return False
         assert self._ref[block] > 0, f"KV block {block} is cached while free"
         return self.cache.insert(block, h)
 
     def reset_prefix_cache(self) -> int:
-        """Forgets every cached block nobody references (benchmarks start cold); returns how many."""
+        """Forgets every unreferenced cached block (benchmarks start cold); returns how many."""
         if self.cache is None:
             return 0
         blocks = self.cache.clear()
@@ -118,8 +115,8 @@ class BlockAllocator:
         return len(blocks)
 
     def check(self) -> None:
-        """Accounting invariants (tests): every block in exactly one state, no negative count, no referenced
-        block evictable, the free list without duplicates or cached blocks."""
+        """Accounting invariants (tests): every block in exactly one state, no negative count, no
+        referenced block evictable, the free list without duplicates or cached blocks."""
         free = set(self._free)
         assert len(free) == len(self._free), "a block is twice on the free list"
         assert all(r >= 0 for r in self._ref), "negative reference count"

@@ -11,12 +11,10 @@ from sparseserve.kvcache.offload_plan import OffloadPlan
 
 
 class StaleBlocks:
-    """Token blocks handed to new owners (`OffloadSpace.on_allocate`): the HBM pool must not serve their previous
-    contents, so they leave it (one kernel launch, before the step's kernels) before any selection can list
-    them. A step's launch costs host time, and at a large decode batch some decode opens a block nearly every
-    step; a block a decode opened holds one token, so a selection can list it (full) block_size - 1 decode steps
-    later at the earliest: it waits for the next launch, at most block_size - 2 steps. Any other block (a
-    prefill's: listed by the next step) leaves with its own step and takes the waiting ones along."""
+    """Token blocks handed to new owners (`OffloadSpace.on_allocate`) leave the HBM pool (one
+    launch, before the step's kernels) before any selection can list them. A block a decode
+    opened holds one token, so it waits for the next launch, at most block_size - 2 steps; any
+    other block leaves with its own step and takes the waiting ones along (docs/offload.md)."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -52,21 +50,12 @@ class StaleBlocks:
 
 
 class DeviceBlockMap:
-    """The device block cache's rows and which token blocks of each sequence they hold.
-
-    A sequence maps a contiguous range of its token blocks [start, start + len(blocks)) to device blocks:
-      - a step that prefills (more than one new token, or one token that is not the last one to compute)
-        needs every block of the sequence: dense prefill attention reads all earlier blocks;
-      - a decode (the one token left) needs the local window only (the last `local_blocks` blocks, tail
-        included): the sparse kernel reads every other listed block through the HBM pool or the host store.
-    Blocks leaving that range are released when the step is scheduled. The range only moves forward (a
-    sequence never prefills after decoding unless preempted, which releases everything), so no block is
-    ever loaded back into the device cache.
-
-    Why releasing at scheduling time is safe: a released block left the window, so it is full and was
-    written in an earlier step; the runner fences the host store before it launches a step's kernels
-    (every write-through of earlier steps is in the store), and the step reads the block through the pool /
-    host row only, so a new owner may overwrite the device block in that same step."""
+    """The device block cache's rows and which token blocks of each sequence they hold: a
+    contiguous range [start, start + len(blocks)), every block while it prefills, the last
+    `local_blocks` (tail included) once it decodes. Blocks leaving the range are released when the
+    step is scheduled; the range only moves forward, so nothing is loaded back. Safe because the
+    step's fence lands earlier writes and the step reads released blocks through the pool or host
+    rows only (docs/offload.md, "Two block spaces")."""
 
     def __init__(self, num_blocks: int, local_blocks: int, block_size: int, token_blocks: int) -> None:
         self.allocator = BlockAllocator(num_blocks)
@@ -74,12 +63,12 @@ class DeviceBlockMap:
         self.local_blocks = local_blocks
         self.block_size = block_size
         self.ranges: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (start, device blocks)
-        # Sequences in layer-segmented prefill: they hold only their first decode's window (map_window).
+        # Sequences in layer-segmented prefill: they hold only their first decode's window.
         self.segmented: set[int] = set()
-        # seq_id -> the end of the token block its last decode's `map` wrote into: decodes of tokens before it
-        # keep the same window (a decoding sequence never prefills again without releasing its range first)
+        # seq_id -> the end of the token block its last decode's `map` wrote into: decodes of
+        # tokens before it keep the window (a decoding sequence never prefills again unreleased)
         self.steady_until: dict[int, int] = {}
-        self.changed: set[int] = set()  # seq_ids whose range changed since `take_changed` (the step's tables)
+        self.changed: set[int] = set()  # seq_ids whose range changed since `take_changed`
 
     @property
     def num_blocks(self) -> int:
@@ -89,14 +78,14 @@ class DeviceBlockMap:
         return self.ranges.get(seq.seq_id, (0, []))
 
     def hot_range(self, seq, n: int) -> tuple[int, int]:
-        """Token-block indices [lo, hi) that must be on the device for a step computing n new tokens."""
+        """Token-block indices [lo, hi) a step computing n new tokens needs on the device."""
         c = seq.num_computed_tokens
         hi = blocks_needed(c + n, self.block_size)
         decode = n == 1 and c + 1 == seq.num_tokens
         return (max(hi - self.local_blocks, 0) if decode else 0), hi
 
     def num_to_allocate(self, seq, n: int) -> int:
-        """Device blocks this step takes from the free list, net of what the sequence itself releases."""
+        """Device blocks this step takes from the free list, net of what the sequence releases."""
         lo, hi = self.hot_range(seq, n)
         start, blocks = self.range_of(seq)
         held = len(blocks)
@@ -105,19 +94,17 @@ class DeviceBlockMap:
         return missing - releasable
 
     def steady(self, seq, n: int) -> bool:
-        """A decode whose mapped range is its window already (block_size - 1 of every block_size decode steps):
-        the step maps, releases and restores nothing. The scheduler asks this of every running sequence every
-        step, so it is one lookup (`steady_until`, set by a decode's `map`) before `hot_range`'s general test."""
+        """A decode whose mapped range is its window already (most decode steps): nothing to map,
+        release or restore. One lookup: the scheduler asks it of every sequence every step."""
         return n == 1 and seq.num_computed_tokens < self.steady_until.get(seq.seq_id, 0)
 
     def can_map(self, seq, n: int) -> bool:
         return self.steady(seq, n) or self.allocator.can_allocate(max(self.num_to_allocate(seq, n), 0))
 
     def can_admit(self, seq, running: list) -> bool:
-        """Whether a waiting sequence may start: the device blocks its whole prefill will need (a paused
-        sequence that was decoding: its window) fit next to what the running prefills still need (admitting a
-        prompt whose later chunks cannot get their blocks would only preempt it again). Always true when the
-        device space is as large as the token space."""
+        """Whether a waiting sequence may start: its whole prefill's device blocks (a paused
+        decode: its window) fit beside what running prefills still need, else it would only be
+        preempted again. Always true when the device space is as large as the token space."""
         if self.num_blocks >= self.token_blocks:
             return True
         reserved = sum(self._prefill_rest(s) for s in running)
@@ -136,8 +123,8 @@ class DeviceBlockMap:
         return blocks_needed(seq.num_tokens, self.block_size) - start - len(blocks)
 
     def map(self, seq, n: int) -> list[int]:
-        """Releases the sequence's device blocks before the step's range and maps the blocks it adds.
-        Returns the released device blocks (already back on the free list)."""
+        """Releases the sequence's device blocks before the step's range and maps the blocks it
+        adds. Returns the released device blocks (already back on the free list)."""
         lo, hi = self.hot_range(seq, n)
         start, blocks = self.range_of(seq)
         if not blocks:
@@ -158,26 +145,27 @@ class DeviceBlockMap:
         self.ranges[seq.seq_id] = (start, blocks)
         self.changed.add(seq.seq_id)
         self.segmented.discard(seq.seq_id)
-        if n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens:  # a decode: its range is [lo, hi) now
+        if n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens:  # a decode: range [lo, hi)
             self.steady_until[seq.seq_id] = hi * self.block_size
         else:
             self.steady_until.pop(seq.seq_id, None)
         return released
 
     def window(self, seq) -> tuple[int, int]:
-        """Token-block indices [lo, hi) of the prompt's blocks in its first decode's local window (the prompt's
-        tail block included): what a layer-segmented prefill leaves on the device (engine/layer_prefill.py)."""
+        """Token-block indices [lo, hi) of the prompt's blocks in its first decode's local window
+        (the prompt's tail block included): what a layer-segmented prefill leaves on the device
+        (engine/layer_prefill.py)."""
         p, bs = seq.num_tokens, self.block_size
         return max(blocks_needed(p + 1, bs) - self.local_blocks, 0), blocks_needed(p, bs)
 
     def can_admit_window(self, seq, running: list) -> bool:
-        """Whether a layer-segmented prefill may start: its window fits next to what running prefills still need."""
+        """Whether a layer-segmented prefill may start: its window fits beside running prefills."""
         lo, hi = self.window(seq)
         return self.allocator.num_free - sum(self._prefill_rest(s) for s in running) >= hi - lo
 
     def map_window(self, seq) -> None:
-        """Maps the window of a sequence starting a layer-segmented prefill (it holds no device block); its
-        first decode's `map` then extends the same range."""
+        """Maps the window of a sequence starting a layer-segmented prefill (it holds no device
+        block); its first decode's `map` then extends the same range."""
         if seq.seq_id in self.ranges:
             raise RuntimeError(f"sequence {seq.seq_id} starts a layer-segmented prefill holding device blocks")
         lo, hi = self.window(seq)
@@ -207,13 +195,9 @@ class WorkingSetAccounting(Protocol):
 
 
 class OffloadSpace:
-    """The scheduler's device block space under KV offload (engine/scheduler/kv_cache.py DeviceSpace).
-
-    A step fits if its device blocks do (`can_schedule`, `can_admit`); `schedule` maps them and
-    queues restores of blocks mapped over computed tokens (a prefix-cache hit, a resumed
-    sequence: never recomputed); `pause` queues the save of the partial tail block, not yet
-    written through, and releases the device blocks; `on_allocate` marks token blocks with new
-    owners stale in the pool. `take_plan` hands the queued work to the step."""
+    """The scheduler's device block space under KV offload (its DeviceSpace): `schedule` maps a
+    step's blocks and queues restores over computed tokens (never recomputed), `pause` queues the
+    tail block's save, `on_allocate` marks blocks stale; `take_plan` hands it all to the step."""
 
     def __init__(self, device_map: DeviceBlockMap, block_size: int,
                  working_set: WorkingSetAccounting | None = None) -> None:

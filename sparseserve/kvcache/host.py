@@ -1,23 +1,13 @@
-"""The host KV store of the hierarchical cache (DESIGN.md principle 4): every full head block of every
-running request, written as its tokens arrive (never later changed), so HBM eviction never writes back.
+"""The host KV store: every full head block of every running request, written once as its tokens
+arrive, so HBM eviction never writes back (docs/architecture.md, principles 4, 5; docs/offload.md).
 
-Layout, shaped like the device KV cache plus one trash block:
     data: [num_layers, num_blocks + 1, num_kv_heads, 2, block_size, head_dim]
-Block `num_blocks` is the trash row: the fixed-shape write-through sends every token that does not end
-a block there. Pinned when CUDA is available (a pinned tensor is readable by a Triton kernel over UVA:
-kernels/flash_h2d.py), plain memory on CPU. Viewed flat as [num_layers * (num_blocks + 1) * Hkv, 2, bs, D],
-head block (layer, block, kv_head) is row (layer * (num_blocks + 1) + block) * Hkv + kv_head: the same
-index as the HBM pool's residency map (kvcache/pool.py).
-
-Rows are token (host) block ids; the device cache may use other ids (store_step's token_slot_mapping maps them).
-
-Two ways in (store_step), both whole blocks, only once a block is full: blocks that decode tokens
-complete are written through by a Triton kernel over UVA (all a step captured in a CUDA graph can do);
-blocks that prefill chunks complete leave through FlashD2H (D2HWriter: a device-side gather and one
-contiguous copy per layer into pinned staging on a side stream, CPU worker threads write the rows while
-later layers compute). fence() waits for the workers; the runner calls it before every step, and no step
-reads a block written in the same step (decodes read only their own full blocks before the local window,
-prefill chunks nothing through the store).
+Rows are token (host) block ids; row `num_blocks` is a trash row for the fixed-shape write-through.
+Pinned when CUDA is available (Triton kernels read it over UVA). Flat view: head block (layer,
+block, head) is row (layer * (num_blocks + 1) + block) * Hkv + head, the HBM pool's key.
+Decodes' completed blocks are written through over UVA, prefill chunks' by FlashD2H (D2HWriter).
+The trap: `fence()` before every step's kernels (the runner's offload cache), or a step may read a
+row a CPU worker has not written yet.
 """
 from __future__ import annotations
 
@@ -31,9 +21,8 @@ from sparseserve.kernels.flash_h2d import write_through
 
 
 def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Page-locked host memory of exactly this size, readable by GPU kernels over UVA. Not pin_memory=True:
-    torch's pinned allocator rounds sizes up to a power of two, so an 88 GiB store would ask the driver
-    for 128 GiB and fail. Plain memory registered with CUDA instead."""
+    """Page-locked host memory of exactly this size, readable by GPU kernels over UVA: plain memory
+    registered with CUDA, since torch's pinned allocator rounds sizes up to a power of two."""
     t = torch.zeros(shape, dtype=dtype)
     cudart = torch.cuda.cudart()
     nbytes = t.numel() * t.element_size()
@@ -58,10 +47,10 @@ class HostKVStore:
         self.block_size = block_size
         shape = (num_layers, num_blocks + 1, num_kv_heads, 2, block_size, head_dim)
         self.data = pinned_zeros(shape, dtype) if pin else torch.zeros(shape, dtype=dtype)
-        # Full token blocks x layers written through; on the compute device, so counting never syncs.
+        # Token blocks x layers written through; on the compute device: counting never syncs.
         self.blocks_written = torch.zeros((), dtype=torch.int64, device=device)
         self.d2h: D2HWriter | None = None
-        self.layer_d2h: LayerD2H | None = None  # layer-segmented prefill's writer (engine/layer_prefill.py)
+        self.layer_d2h: LayerD2H | None = None  # layer-segmented prefill's writer
         self.num_fences = 0  # fence() calls (the runner's: one a step)
 
     @property
@@ -89,17 +78,13 @@ class HostKVStore:
 
     def store_step(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_decode_tokens: int,
                    num_seqs: int, token_slot_mapping: torch.Tensor | None = None, decodes: bool = True) -> None:
-        """One layer's step after store_kv: every token block that a token of the step completes goes to the
-        store whole, from the device cache. Decode tokens (the first num_decode_tokens, one per sequence)
-        complete at most one block each: the write-through kernel stores those over UVA, which is also all
-        a step captured in a CUDA graph can do (no host threads there); decodes=False: the K/V store kernel
-        wrote them already (kernels/key_meta.py). The prefill chunks' completed blocks leave through FlashD2H
-        (one contiguous copy per layer, CPU scatter; on CPU the write-through too). A partial block is never
-        stored: it stays in HBM until the token that fills it arrives.
+        """One layer's step after store_kv: each token block a token of the step completes goes to
+        the store whole. Decode tokens (the first num_decode_tokens) by the write-through kernel
+        (all a captured step can do; decodes=False: the K/V store kernel wrote them), prefill
+        chunks' by FlashD2H. A partial block is never stored.
 
-        slot_mapping: [T] device cache slots (-1: padding); token_slot_mapping: [T] the same tokens' slots
-        in token blocks (host store rows), when the device cache is not indexed by token block (None: the
-        same ids)."""
+        slot_mapping: [T] device cache slots (-1: padding); token_slot_mapping: [T] their slots in
+        token blocks (host rows) when the device cache has other ids (None: the same)."""
         nd, tsm = num_decode_tokens, token_slot_mapping
         if decodes and nd:
             self.write_through(layer, kv_cache, slot_mapping[:nd], None if tsm is None else tsm[:nd])
@@ -118,17 +103,17 @@ class HostKVStore:
 
     def write_through(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       host_slots: torch.Tensor | None = None) -> None:
-        """After store_kv of `layer`: every token block that a token of slot_mapping completes goes from the
-        device cache layer [NB, Hkv, 2, bs, D] to the store row of host_slots[i] (the token's slot in host block
-        ids; default: the same), fixed shapes (kernels/flash_h2d.py write_through); blocks_written counts them."""
+        """After store_kv of `layer`: each token block a token of slot_mapping completes goes from
+        the device cache layer [NB, Hkv, 2, bs, D] to the store row of host_slots[i] (its slot in
+        host block ids; default: the same). Fixed shapes; blocks_written counts them."""
         write_through(kv_cache, self.data[layer], slot_mapping, host_slots, self.blocks_written)
 
 
 def completed_blocks(slot_mapping: torch.Tensor, block_size: int, n: int,
                      host_blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(device blocks, host blocks) [n] of the token blocks that the tokens of slot_mapping complete,
-    compacted to the front on the device without a host sync (fixed shape; -1 pads). n must bound their
-    count: floor(T / block_size) + the number of sequences does."""
+    """(device blocks, host blocks) [n] of the token blocks that the tokens of slot_mapping
+    complete, compacted to the front on the device without a host sync (fixed shape; -1 pads). n
+    must bound their count: floor(T / block_size) + the number of sequences does."""
     ends = (slot_mapping >= 0) & ((slot_mapping + 1) % block_size == 0)
     pos = torch.where(ends, torch.cumsum(ends, 0) - 1, n)  # n: a spare row that takes the rest
     src = torch.full((n + 1,), -1, dtype=torch.int64, device=slot_mapping.device)
@@ -139,13 +124,10 @@ def completed_blocks(slot_mapping: torch.Tensor, block_size: int, n: int,
 
 
 class D2HWriter:
-    """FlashD2H (DESIGN.md principle 5) for the blocks that prefill chunks complete: per layer, a gather of
-    those blocks from the device cache into one contiguous device buffer, one copy of it into pinned
-    staging ([L, max_blocks, Hkv, 2, bs, D]) with the blocks' host ids, both on a side stream after the
-    compute stream's work so far; a CPU worker thread waits for the copy's event and writes the staged
-    blocks into the store rows (index_copy_: one contiguous row per block, no per-token scatter), while
-    the following layers compute. Block granular and sync-free: the compaction runs on the device and
-    the worker learns the block ids from the staged copy. fence() waits for the workers."""
+    """FlashD2H for the blocks prefill chunks complete (principle 5): per layer, on a side stream,
+    those blocks gathered on the device and copied at once into pinned staging [L, max_blocks,
+    Hkv, 2, bs, D] with their host ids; a CPU worker writes them into their rows while later
+    layers compute. No host sync; fence() waits for the workers."""
 
     def __init__(self, store: HostKVStore, max_tokens: int, max_seqs: int, num_threads: int = 4) -> None:
         num_layers, _, hkv, _, bs, head_dim = store.data.shape
@@ -163,9 +145,9 @@ class D2HWriter:
 
     def submit(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_seqs: int,
                host_blocks: torch.Tensor | None = None) -> None:
-        """kv_cache: the layer's device cache [NB, Hkv, 2, bs, D] after store_kv; slot_mapping [T] (-1:
-        padding) of the prefill tokens of num_seqs sequences; host_blocks [T]: their host block ids (None: the
-        same)."""
+        """kv_cache: the layer's device cache [NB, Hkv, 2, bs, D] after store_kv; slot_mapping
+        [T] (-1: padding) of the prefill tokens of num_seqs sequences; host_blocks [T]: their
+        host block ids (None: the same)."""
         n = min(slot_mapping.numel() // self.store.block_size + num_seqs, self.max_blocks)
         staged, ids = self.staging[layer, :n], self.staged_ids[layer, :n]
         event = None
@@ -204,13 +186,11 @@ class D2HWriter:
 
 
 class LayerD2H:
-    """FlashD2H of layer-segmented prefill (engine/layer_prefill.py): one layer of one prompt at a time. Its
-    source is a scratch buffer whose rows are the prompt's token blocks in order, so the full blocks leave as
-    one contiguous slice (no compaction): one copy into pinned staging on a side stream after the compute
-    stream's work so far, then a CPU worker writes the rows into the store. `num_buffers` staging buffers
-    alternate like the caller's scratch buffers; a buffer is reused only once its previous rows are in the
-    store. submit returns the copy's event (None on CPU): the caller makes the compute stream wait for it
-    before it overwrites the scratch rows. fence() waits for every write."""
+    """FlashD2H of layer-segmented prefill: one layer of one prompt at a time, a contiguous slice of
+    the scratch (no compaction), one copy into pinned staging on a side stream, then a CPU worker
+    writes the rows. `num_buffers` staging buffers alternate like the caller's scratch. The trap:
+    submit returns the copy's event (None on CPU), which the compute stream must wait for before
+    it overwrites those scratch rows. fence() waits for every write."""
 
     def __init__(self, store: HostKVStore, max_blocks: int, num_buffers: int = 2, num_threads: int = 2) -> None:
         _, _, hkv, _, bs, head_dim = store.data.shape
@@ -226,14 +206,14 @@ class LayerD2H:
         self._lock = threading.Lock()
 
     def submit(self, layer: int, buf: int, src: torch.Tensor, host_rows: torch.Tensor):
-        """src: [n, Hkv, 2, bs, D] full blocks (device); host_rows: int64 [n] (CPU) their store rows."""
+        """src: [n, Hkv, 2, bs, D] full blocks (device); host_rows: int64 [n] (CPU): their rows."""
         n = src.shape[0]
         if n == 0:
             return None
         if n > self.staging.shape[1]:
             raise ValueError(f"{n} blocks exceed the layer writer's staging of {self.staging.shape[1]} blocks")
         if self.busy[buf] is not None:
-            self.busy[buf].result()  # its previous rows are in the store: the staging buffer is free
+            self.busy[buf].result()  # its previous rows are in the store: the buffer is free
         staged, event = self.staging[buf, :n], None
         if src.is_cuda:
             self.stream = self.stream or torch.cuda.Stream(src.device)

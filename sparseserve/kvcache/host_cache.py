@@ -1,21 +1,9 @@
-"""The prefix cache's host tier without KV offload: full token blocks by hash in (pinned) host memory, a second,
-larger tier behind the device's prefix cache (SGLang's HiCache idea; with KV offload the host store itself is
-that tier, kvcache/offload.py). docs/prefix_cache.md has the design.
-
-Write-through, like the offload store (DESIGN.md principle 4): every block the device prefix cache takes in is
-copied to a host slot once (`store`, right after the step that filled it), unless the tier holds its hash
-already, so the device evicts without writing back and a preempted request's full blocks are on the host by the
-time it is preempted. A request's admission continues its device-cache hit in this tier (`lookup`); the blocks
-found are copied back into newly allocated device blocks (`restore`, executed by `begin_step` before the step's
-kernels) instead of recomputed. The tier evicts its least recently used slot when full.
-
-What a block holds: its row of every tensor indexed by token block: the KV cache of each layer and, with a
-sparse policy, the key metadata (codes and scales), so a restored block is scored exactly as the original.
-Both directions are one row-gather kernel per tensor (kernels/flash_h2d.py: FlashH2D reads pinned host rows
-over UVA; the same kernel with the roles swapped stores device rows into pinned host rows), on the compute
-stream: a store follows the kernels that wrote its blocks, a restore precedes the kernels that read them, and
-neither waits on the host. Stores are issued after a step and restores before the next, so a slot a restore
-reads is never rewritten before it is read.
+"""The prefix cache's host tier without KV offload (docs/prefix_cache.md, "Without KV offload"):
+full token blocks by hash in pinned host memory, written through once after the step that filled
+them (`store`), found after a device-cache hit (`lookup`) and copied back into new device blocks
+(`restore`, run by `begin_step` before the step's kernels). A block is its row of every tensor
+indexed by token block (KV cache, key metadata). One row-gather kernel per tensor each way, on
+the compute stream, never waiting on the host. LRU when full.
 """
 from __future__ import annotations
 
@@ -29,8 +17,8 @@ from sparseserve.kvcache.prefix_cache import BlockHash
 
 
 def layer_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """[L, N, ...] over per-layer tensors [N, ...] that are consecutive slices of one tensor (the runner's KV
-    cache), without a copy; a stacked copy would not alias the cache."""
+    """[L, N, ...] over per-layer tensors [N, ...] that are consecutive slices of one tensor (the
+    runner's KV cache), without a copy; a stacked copy would not alias the cache."""
     base = tensors[0]._base
     if base is not None and base.shape[0] == len(tensors) and all(
             t.data_ptr() == base[i].data_ptr() and t.shape == base[i].shape for i, t in enumerate(tensors)):
@@ -39,8 +27,8 @@ def layer_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _copy_rows(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
-    """dst[dst_rows[i]] = src[src_rows[i]] over flat [rows, ...] views; on a GPU one Triton gather reading or
-    writing pinned host rows over UVA (no host sync)."""
+    """dst[dst_rows[i]] = src[src_rows[i]] over flat [rows, ...] views; on a GPU one Triton
+    gather reading or writing pinned host rows over UVA (no host sync)."""
     if src.is_cuda or dst.is_cuda:
         dev = src.device if src.is_cuda else dst.device
         flash_h2d_triton(src, dst, src_rows.to(dev, non_blocking=True), dst_rows.to(dev, non_blocking=True))
@@ -50,13 +38,13 @@ def _copy_rows(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst
 
 class HostPrefixCache:
     def __init__(self, device_tensors: list[torch.Tensor], num_slots: int, pin: bool | None = None) -> None:
-        """device_tensors: each [layers, token blocks, ...], a token block's data in every layer (the KV cache,
-        key metadata); num_slots: blocks the tier holds."""
+        """device_tensors: each [layers, token blocks, ...], a token block's data in every layer
+        (the KV cache, key metadata); num_slots: blocks the tier holds."""
         if num_slots < 1:
             raise ValueError(f"the host prefix cache needs at least one block, got {num_slots}")
         pin = torch.cuda.is_available() if pin is None else pin
         self.num_slots = num_slots
-        self.device = [t.view(t.shape[0] * t.shape[1], *t.shape[2:]) for t in device_tensors]  # aliases
+        self.device = [t.view(t.shape[0] * t.shape[1], *t.shape[2:]) for t in device_tensors]  # alias
         self._blocks = [t.shape[1] for t in device_tensors]
         self._layers = [t.shape[0] for t in device_tensors]
         shapes = [(t.shape[0], num_slots, *t.shape[2:]) for t in device_tensors]
@@ -93,15 +81,16 @@ class HostPrefixCache:
         return n
 
     def restore(self, blocks: list[int], hashes: list[BlockHash]) -> None:
-        """Queues copies of held blocks into these device blocks (before the next step's kernels); they become
-        the most recently used."""
+        """Queues copies of held blocks into these device blocks (before the next step's
+        kernels); they become the most recently used."""
         for b, h in zip(blocks, hashes):
             self._slot_of.move_to_end(h)
             self._restores.append((self._slot_of[h], b))
 
     def store(self, blocks: list[int], hashes: list[BlockHash]) -> None:
-        """Copies device blocks that just joined the prefix cache into host slots (those whose hash the tier
-        lacks; the least recently used slots are evicted for them), behind the kernels that filled them."""
+        """Copies device blocks that just joined the prefix cache into host slots (those whose
+        hash the tier lacks; the least recently used slots are evicted for them), behind the
+        kernels that filled them."""
         src, dst = [], []
         for b, h in zip(blocks, hashes):
             if h in self._slot_of:
@@ -130,7 +119,7 @@ class HostPrefixCache:
 
     def _copy(self, srcs: list[torch.Tensor], dsts: list[torch.Tensor], src_idx: list[int], dst_idx: list[int],
               src_rows: list[int], dst_rows: list[int]) -> None:
-        """Row src_idx[i] of every layer of each source tensor to row dst_idx[i] of the same layer."""
+        """Row src_idx[i] of each layer of each source tensor to row dst_idx[i] of that layer."""
         s, d = torch.tensor(src_idx, dtype=torch.int64), torch.tensor(dst_idx, dtype=torch.int64)
         for src, dst, sr, dr, layers in zip(srcs, dsts, src_rows, dst_rows, self._layers):
             lay = torch.arange(layers, dtype=torch.int64)[:, None]

@@ -1,26 +1,7 @@
-"""KV offload: how the device KV budget is split (DESIGN.md principle 4: DRAM is the store, HBM the cache).
-
-Token blocks (the scheduler's allocator) are the host store's rows. On the device:
-  - key metadata of EVERY token block (scoring reads it each step; int8 codes and a float32 scale per page:
-    ~1/63 of the KV bytes with one page a block, 1/32 with two);
-  - the first `dense_layers` layers keep a full-size KV cache indexed by token block (they attend to every
-    block every step, so offloading them would load everything);
-  - the device block cache of the other layers: the working set only (prefilling sequences whole, decode
-    windows with their tails; kvcache/blocks.py DeviceBlockMap);
-  - the HBM pool of head-block slots (kvcache/pool.py) through which sparse decode reads the rest.
-The device block cache must hold at least one max_model_len sequence (a prefill reads all its blocks).
-
-How the budget left after metadata and dense layers is split: the device block cache gets what the
-scheduler can use (`want_device_blocks`, from the runner: one max_model_len prefill, the decode windows of
-max_num_seqs sequences, or of as many as the pool could serve one step's lists of when that is fewer, and one
-step's prefill tokens for short prompts admitted beside a long one), the
-pool all the rest, up to every head block of the sparse layers (beyond that the device cache takes the
-remainder, up to the token blocks). The pool is what decode throughput depends on: one step's listed head
-blocks of 20 x 32K requests on Llama-3.1-8B are ~4.6 GB, and every one the pool misses crosses PCIe;
-more device blocks would only let more prompts prefill at once. On a tight budget the device cache gives way
-down to one max_model_len sequence before the pool gets less than half. An explicit pool size
-(`hbm_cache_blocks`) leaves the rest to the device cache; an explicit device cache size
-(`num_gpu_blocks_override`) is not checked against a budget.
+"""KV offload: how the device KV budget is split (docs/offload.md, "The device budget";
+docs/architecture.md, principle 4). Token blocks are host store rows; on the device: key metadata
+of every token block, the dense layers' full-size cache, the sparse layers' device block cache
+(the working set; at least one max_model_len sequence) and the HBM pool, which gets the rest.
 """
 from __future__ import annotations
 
@@ -34,7 +15,7 @@ GiB = 2**30
 @dataclass(frozen=True)
 class OffloadLayout:
     token_blocks: int          # host store rows = the scheduler's token blocks
-    device_blocks: int         # rows of the device block cache (sparse layers), without its trash row
+    device_blocks: int         # rows of the sparse layers' device block cache, less its trash row
     pool_slots: int            # HBM pool head-block slots
     dense_layers: int          # layers with a full-size device cache
     token_block_bytes: int     # device bytes per token block: full-size dense layers + metadata
@@ -46,12 +27,11 @@ class OffloadLayout:
              default_pool_slots: int, min_device_blocks: int, want_device_blocks: int, num_layers: int,
              dense_layers: int, kv_layer_block_bytes: int, meta_block_bytes: int, head_block_bytes: int,
              seq_window_blocks: int = 0, seq_pool_slots: int = 0, max_seqs: int = 0) -> "OffloadLayout":
-        """budget: device bytes for all of it (None: device_blocks given, the pool `pool_slots` or else
-        `default_pool_slots`). kv_layer_block_bytes: K and V of one token block in one layer (every KV head).
-        want_device_blocks: the device cache's fixed part; on top of it a decode window (`seq_window_blocks`) for
-        each of at most `max_seqs` sequences, but only for as many as the budget can also give one step's lists
-        (`seq_pool_slots` pool slots each): windows for sequences the pool cannot serve would only take its
-        memory (max_num_seqs = 256 windows of Llama-3.1-8B are 2.5 GB, a fifth of a 40 GB GPU's pool)."""
+        """budget: device bytes for all of it (None: device_blocks given; the pool `pool_slots`,
+        else `default_pool_slots`). kv_layer_block_bytes: K and V of one token block in one layer
+        (every KV head). want_device_blocks: the device cache's fixed part; on top of it a decode
+        window (`seq_window_blocks`) for each of at most `max_seqs` sequences, but only for as
+        many as the budget can also give one step's lists (`seq_pool_slots` slots each)."""
         dense_layers = min(dense_layers, num_layers)
         if dense_layers == num_layers:
             raise ValueError(f"KV offload with sparse_dense_layers={dense_layers} >= the model's {num_layers} "
@@ -60,7 +40,7 @@ class OffloadLayout:
         device_bytes = (num_layers - dense_layers) * kv_layer_block_bytes
         if device_blocks is None:
             assert budget is not None
-            rest = budget - token_blocks * token_bytes - device_bytes  # (the device cache's trash row)
+            rest = budget - token_blocks * token_bytes - device_bytes  # (device cache's trash row)
             if pool_slots is None:
                 want = want_device_blocks
                 if seq_window_blocks:
@@ -71,8 +51,8 @@ class OffloadLayout:
                     device_blocks = max(min_device_blocks, rest // 2 // device_bytes)
                 every_head_block = token_blocks * (device_bytes // head_block_bytes)
                 pool_slots = min(max(rest - device_blocks * device_bytes, 0) // head_block_bytes, every_head_block)
-            # The device cache takes what the pool leaves: more than above only when the pool is explicit or
-            # holds every head block.
+            # The device cache takes what the pool leaves: more than above only when the pool is
+            # explicit or holds every head block.
             device_blocks = min((rest - pool_slots * head_block_bytes) // device_bytes, token_blocks)
         elif pool_slots is None:
             pool_slots = default_pool_slots

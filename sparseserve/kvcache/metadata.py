@@ -1,16 +1,9 @@
-"""Key metadata of head blocks: per-channel min and max of the keys (DESIGN.md principle 6).
-
-Layout, one pair of tensors for the whole model, shaped like the KV cache's blocks:
-    codes: int8    [num_layers, num_blocks + 1, num_kv_heads, 2 (min, max), pages_per_block, head_dim]
-    scale: float32 [num_layers, num_blocks + 1, num_kv_heads, pages_per_block]
-A page is `page_size` consecutive tokens of a block (hierarchical paging: page_size < block_size;
-otherwise one page per block). The extra block `num_blocks` is a trash row: padding tokens
-(slot -1) write there, so the update has fixed shapes and never filters on the host.
-
-int8 codes on a symmetric per-page scale: scoring reads every block's metadata each step and is
-bound by HBM bandwidth, and int8 halves what it reads against bf16 (a head block of one page at
-D = 128: 256 bytes of codes + 4 of scale instead of 512). How they are computed and kept current:
-kernels/key_meta.py.
+"""Key metadata of head blocks: per-channel min and max of the keys, int8 on a per-page scale
+(docs/architecture.md, principle 6; docs/sparse.md, "The backend as it is"). One pair of tensors:
+    codes: int8    [layers, num_blocks + 1, num_kv_heads, 2 (min, max), pages_per_block, head_dim]
+    scale: float32 [layers, num_blocks + 1, num_kv_heads, pages_per_block]
+A page is `page_size` tokens of a block. Row `num_blocks` is a trash row that padding tokens
+(slot -1) write, so the update has fixed shapes. Kept current by kernels/key_meta.py.
 """
 from __future__ import annotations
 
@@ -36,7 +29,7 @@ def key_meta_block_bytes(num_kv_heads: int, pages: int, head_dim: int) -> int:
 
 def allocate_key_meta(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, page_size: int,
                       head_dim: int, device: torch.device) -> KeyMeta:
-    # Zeros, not empty: scoring masks pages past a sequence's end, but NaN garbage must never reach a dot.
+    # Zeros, not empty: scoring masks pages past a sequence's end, but NaN must never reach a dot.
     pages = block_size // page_size
     return KeyMeta(torch.zeros(num_layers, num_blocks + 1, num_kv_heads, 2, pages, head_dim, dtype=torch.int8,
                                device=device),

@@ -1,30 +1,23 @@
-"""KV offload, each rank's side (docs/offload.md): `OffloadCache` owns the host store (every full
-head block, written through once), the sparse layers' device block cache, the HBM pool through which
-sparse decode reads the blocks it selects, and the working-set counter.
-
-Once a step the runner hands it the scheduler's OffloadPlan (`begin_step`: one host fence, tail saves,
-restores, the device ranges); the sparse backend then asks it for the step's device addressing
-(`prepare_step`), writes each layer's new full blocks through (`write_through`, `decode_write`) and
-reads a layer's selected blocks into an HBM view (`read`, `lookup`; lagged: `plan_lagged`,
-`lagged_view`); CUDA graphs replay its addressing (`graph_inputs`, `capture_step`)."""
+"""KV offload, each rank's side (docs/offload.md): `OffloadCache` owns the host store, the sparse
+layers' device block cache, the HBM pool and the working-set counter. The runner hands it the
+step's OffloadPlan once (`begin_step`: one host fence, saves, ranges, restores); the sparse
+backend drops stale blocks, writes blocks through and reads its selected blocks through views."""
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from sparseserve.config import OffloadConfig, available_host_memory
 from sparseserve.kernels.flash_h2d import flash_h2d
 from sparseserve.kernels.sparse_decode import listed_rows
 from sparseserve.kvcache.blocks import blocks_needed
-from sparseserve.kvcache.decode_rows import DecodeRows, tables_of
 from sparseserve.kvcache.host import HostKVStore, host_block_bytes
 from sparseserve.kvcache.layout import OffloadLayout
 from sparseserve.kvcache.offload_plan import OffloadPlan
 from sparseserve.kvcache.pool import HBMPool
-from sparseserve.kvcache.staging import InputField, to_device_many
+from sparseserve.kvcache.transfer import to_device_many
 from sparseserve.kvcache.working_set import WorkingSetCounter
 
 logger = logging.getLogger(__name__)
@@ -53,16 +46,13 @@ class OffloadCache:
         self.block_size, self.local_blocks = block_size, local_blocks
         self.dense_layers = layout.dense_layers
         self.num_device_blocks = layout.device_blocks
-        # The sparse layers' device block cache as one tensor [L - dense, device blocks + 1, Hkv, 2, bs, D]
+        # The sparse layers' device block cache, [L - dense, device blocks + 1, Hkv, 2, bs, D]
         # (the last kv_caches are its layers): restores and saves address it whole.
         self.sparse_cache = sparse_cache
         # seq_id -> (first token block, device blocks): the scheduler's ranges, as its plans said
         self.ranges: dict[int, tuple[int, list[int]]] = {}
-        self._changed: set[int] = set()  # seq_ids whose range changed since the last prepare_step
-        self._stale: list[int] = []  # this step's blocks with new owners (the plan's)
-        self._rows: DecodeRows | None = None  # the last decode step's rows (prepare_step)
         self.num_restored_blocks = 0  # token blocks restored into the device block cache (stats)
-        self.lag_loc: torch.Tensor | None = None  # lagged views: [sparse layers, list rows + 1, Hkv, cap]
+        self.lag_loc: torch.Tensor | None = None  # lag: [sparse layers, list rows + 1, Hkv, cap]
         self.lag_key: torch.Tensor | None = None
         self.cap = 0  # blocks a selection lists (set by `build`)
 
@@ -71,11 +61,10 @@ class OffloadCache:
               dtype: torch.dtype, device: torch.device, dense_layers: int, local_blocks: int, cap: int,
               metadata_block_bytes: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
               budget: int | None, device_blocks: int | None) -> "OffloadCache":
-        """The host store sized from config.host_kv_memory (default: max_num_seqs sequences of max_model_len,
-        at most half the host's available memory), the device budget (bytes; None: device_blocks given) split
-        by OffloadLayout, and everything allocated. With layer-segmented prefill (config.layer_segmented_prefill)
-        no prompt longer than one step's budget maps its blocks on the device: the device block cache keeps no
-        whole-prefill reserve and needs only one step's prefill and a window."""
+        """Sizes the host store from config.host_kv_memory (default: max_num_seqs sequences of
+        max_model_len, at most half the host's available memory), splits the device budget (bytes;
+        None: device_blocks given) by OffloadLayout and allocates everything. With layer-segmented
+        prefill the device cache keeps no whole-prefill reserve (docs/offload.md)."""
         hbb = host_block_bytes(num_layers, num_kv_heads, block_size, head_dim, dtype)
         seq_blocks = blocks_needed(max_model_len, block_size)
         step_blocks = blocks_needed(min(max_num_batched_tokens, max_model_len), block_size)
@@ -92,11 +81,11 @@ class OffloadCache:
                              f"max_model_len={max_model_len}: raise host_kv_memory or lower max_model_len")
         layout = OffloadLayout.plan(
             budget=budget, device_blocks=device_blocks, token_blocks=token_blocks, pool_slots=config.hbm_cache_blocks,
-            # one decode step's lists of max_num_seqs sequences in every layer, at most every head block
+            # a decode step's lists of max_num_seqs sequences per layer, at most every head block
             default_pool_slots=num_layers * num_kv_heads * min(max_num_seqs * cap, token_blocks),
             min_device_blocks=step_blocks + local_blocks + 1 if config.layer_segmented_prefill else seq_blocks,
-            # one whole prefill and one step's prefill tokens, so short prompts can be admitted next to a long
-            # prefill; then a decode window (+1 block of slack) of every sequence the pool can serve
+            # a whole prefill and a step's prefill tokens (short prompts beside a long prefill),
+            # then a decode window (+1 block of slack) for each sequence the pool can serve
             want_device_blocks=whole_prefill + step_blocks, seq_window_blocks=local_blocks + 1,
             seq_pool_slots=(num_layers - dense_layers) * num_kv_heads * cap, max_seqs=max_num_seqs,
             num_layers=num_layers, dense_layers=dense_layers, kv_layer_block_bytes=hbb // num_layers,
@@ -110,8 +99,8 @@ class OffloadCache:
                              f"({avail} bytes): set host_kv_memory lower")
         shape = (num_kv_heads, 2, block_size, head_dim)
         dl = layout.dense_layers
-        # The dense layers attend every block every step: a full-size cache indexed by token block. The sparse
-        # layers' device block cache (+ a trash row that released table entries name) holds the working set.
+        # Dense layers: a full-size cache by token block. Sparse layers: the device block cache
+        # (+ a trash row that released table entries name), the working set.
         dense_cache = torch.empty(dl, layout.token_blocks, *shape, dtype=dtype, device=device)
         sparse_cache = torch.empty(num_layers - dl, layout.device_blocks + 1, *shape, dtype=dtype, device=device)
         host = HostKVStore(num_layers, layout.token_blocks, num_kv_heads, block_size, head_dim, dtype, device=device)
@@ -133,7 +122,7 @@ class OffloadCache:
         return self.layout.token_blocks
 
     def offloads(self, layer: int) -> bool:
-        """Whether a layer's blocks live in the host store (the dense layers keep theirs on the device)."""
+        """Whether a layer's blocks live in the host store (dense layers keep theirs on device)."""
         return layer >= self.dense_layers
 
     def range_of(self, seq_id: int) -> tuple[int, list[int]]:
@@ -142,12 +131,12 @@ class OffloadCache:
 
     # ---- the step (the runner) ----------------------------------------------------------------
 
-    def begin_step(self, plan: OffloadPlan | None, batch: bool = True) -> None:
+    def begin_step(self, plan: OffloadPlan | None) -> None:
         """Before any kernel of a step, once: the host store's pending writes land (the step may
-        rewrite device blocks the scheduler released, and may read any row written before), then the
-        plan's tail saves, its device ranges and its restores (every sparse layer and KV head of the
-        restored blocks in one FlashH2D gather). batch: the step has scheduled rows, whose upload takes
-        the plan's stale blocks (`prepare_step`); without one they leave the pool here."""
+        rewrite device blocks the scheduler released, and may read any row written before), then
+        the plan's tail saves, its device ranges and its restores (every sparse layer and KV head
+        of the restored blocks in one FlashH2D gather). Its stale blocks are the runner's
+        (`drop_stale`)."""
         self.host.fence()
         if plan is None:
             return
@@ -159,13 +148,8 @@ class OffloadCache:
                 self.ranges.pop(sid, None)
             else:
                 self.ranges[sid] = rng
-        self._changed.update(plan.ranges)
         if plan.restores:
             self._restore(plan.restores)
-        if batch:
-            self._stale = plan.stale
-        elif plan.stale:
-            self.pool.invalidate(plan.stale)
 
     def _restore(self, restores: list[tuple[int, int]]) -> None:
         rows = torch.tensor([r for r, _ in restores], dtype=torch.int64)
@@ -179,81 +163,46 @@ class OffloadCache:
         flash_h2d(self.host.flat(), self.sparse_cache.view(-1, *self.sparse_cache.shape[3:]),
                   *to_device_many([key, load], self.sparse_cache.device))
 
-    def prepare_step(self, scheduled: list) -> OffloadStep:
-        """Device cache slots of the step's tokens and device tables of its sequences, in `scheduled`
-        order, and the plan's stale blocks (the caller moves them to the device with the step's other
-        inputs, then calls `drop_stale`). Built per sequence and block on the host, except in a decode
-        step of the same sequences as the one before (kvcache/decode_rows.py)."""
-        bs, nb = self.block_size, self.num_device_blocks
-        changed, self._changed = self._changed, set()
-        if self._rows is None or not self._rows.fits(scheduled):
-            self._rows = DecodeRows.build(scheduled, self._device_row, nb, bs)  # None unless all decode
-            changed = ()
-        if self._rows is not None:
-            slots, tables, _ = self._rows.update(scheduled, changed)
-            return self._step(slots, tables)
-        slots = []
-        for seq, n in scheduled:
-            start, blocks = self.ranges[seq.seq_id]
-            c = seq.num_computed_tokens
-            if n == 1:
-                slots.append(blocks[c // bs - start] * bs + c % bs)
-                continue
-            for blk in range(c // bs, (c + n - 1) // bs + 1):  # tokens [c, c + n), block by block
-                lo, hi = max(c, blk * bs), min(c + n, (blk + 1) * bs)
-                base = blocks[blk - start] * bs - blk * bs
-                slots.extend(range(base + lo, base + hi))
-        width = max(len(seq.block_table) for seq, _ in scheduled)
-        tables = tables_of(scheduled, self._device_row, nb, width)
-        return self._step(torch.tensor(slots, dtype=torch.long), tables)
-
-    def _device_row(self, seq) -> tuple[int, list[int]]:
-        return self.ranges[seq.seq_id]
-
-    def _step(self, slots: torch.Tensor, tables: np.ndarray) -> OffloadStep:
-        stale, self._stale = self._stale, []  # most steps drop nothing: no upload for it then
-        st = torch.from_numpy(np.array(stale, dtype=np.int64)) if stale else None
-        return OffloadStep(slots, torch.from_numpy(tables), st)
-
-    def drop_stale(self, step: OffloadStep) -> None:
-        """The step's blocks with new owners (on the device now) leave the pool: one launch."""
-        if step.stale is not None and step.stale.numel():
-            self.pool.invalidate(step.stale)
+    def drop_stale(self, blocks: torch.Tensor | list[int] | None) -> None:
+        """Token blocks with new owners leave the pool (one launch), before any kernel that may
+        list them: the step's (uploaded with its inputs), or a plan's without a batch."""
+        if blocks is not None and len(blocks):
+            self.pool.invalidate(blocks)
 
     def sync(self) -> None:
         """Every FlashD2H write submitted so far is in the store (statistics, tests)."""
         self.host.fence()
 
-    # ---- the sparse backend, per layer --------------------------------------------------------------------
+    # ---- the sparse backend, per layer -----------------------------------------------------------
 
     def write_through(self, layer: int, kv_cache: torch.Tensor, step: OffloadStep, token_slot_mapping: torch.Tensor,
                       num_decodes: int, num_seqs: int, decodes: bool = True) -> None:
-        """Every token block a token of this step completes goes to the host store whole (kvcache/host.py);
-        decodes=False: the decodes' blocks were written by the K/V store kernel (`decode_write`)."""
+        """Every token block a token of this step completes goes to the host store whole
+        (kvcache/host.py); decodes=False: the decodes' blocks were written by the K/V store
+        kernel (`decode_write`)."""
         self.host.store_step(layer, kv_cache, step.slot_mapping, num_decodes, num_seqs, token_slot_mapping, decodes)
 
     def decode_write(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(host store layer, blocks-written counter): where the K/V store kernel writes the blocks that decode
-        tokens complete (kernels/key_meta.py store_kv_key_meta), saving a launch a layer."""
+        """(host store layer, blocks-written counter): where the K/V store kernel writes the
+        blocks that decode tokens complete (kernels/key_meta.py store_kv_key_meta), saving a
+        launch a layer."""
         return self.host.data[layer], self.host.blocks_written
 
     def keys(self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel_rows: torch.Tensor) -> torch.Tensor:
-        """int64 [B, Hkv, cap]: the host row (pool key) of each listed entry before the local window, the pool's
-        trash key elsewhere. tables: token block tables."""
+        """int64 [B, Hkv, cap]: the host row (pool key) of each listed entry before the local
+        window, the pool's trash key elsewhere. tables: token block tables."""
         listed = listed_rows(sel_rows, seq_lens, self.local_blocks, self.block_size)
         blocks = torch.where(listed, tables.gather(1, sel_rows.clamp_min(0).flatten(1).long()).view_as(sel_rows), -1)
         return self.pool.keys(layer, blocks)
 
     def read(self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel: torch.Tensor,
              row_slots: torch.Tensor) -> OffloadView:
-        """Residency lookup of the listed head blocks, victims for the misses and FlashH2D of the misses into
-        their slots, and the listed blocks counted into their sequences' working sets (kvcache/pool.py `read`:
-        three kernels a layer on the GPU); the view the sparse kernels read them through. sel: the layer's lists
-        by state slot [S, Hkv, cap]; row_slots [B] the decode rows' slots. Fixed shapes, no sync. Sequences
-        sharing prefix-cached token blocks may list the same head block: it is planned once, and every
-        occurrence reads its slot."""
+        """One layer's listed head blocks read through the pool (HBMPool.read: lookup, victims,
+        FlashH2D of the misses, working-set count); returns the sparse kernels' view. sel [S,
+        Hkv, cap]: the layer's lists by state slot; row_slots [B]: the decode rows' slots. A head
+        block listed twice (shared prefix) is planned once. Fixed shapes, no sync."""
         ws = self.working_set
-        if ws is not None and layer == self.dense_layers:  # the first sparse layer starts the step's count
+        if ws is not None and layer == self.dense_layers:  # the first sparse layer starts the count
             ws.begin_step()
         host_flat = self.host.flat()
         loc, key = self.pool.read(host_flat, layer, sel, row_slots, tables, seq_lens, self.local_blocks,
@@ -261,8 +210,9 @@ class OffloadCache:
         return self.pool.slots, host_flat, loc, key
 
     def init_lagged(self, list_rows: int, cap: int) -> None:
-        """Lagged selection: a view buffer per sparse layer with a row per list row (state slot and parity,
-        kernels/block_score.py step_slots) and a scratch row for rows that plan nothing."""
+        """Lagged selection: a view buffer per sparse layer with a row per list row (state slot
+        and parity, kernels/block_score.py step_slots) and a scratch row for rows that plan
+        nothing."""
         shape = (len(self.kv_caches) - self.dense_layers, list_rows + 1, self.host.data.shape[2], cap)
         dev = self.pool.resident.device
         self.lag_loc = torch.full(shape, -1, dtype=torch.int64, device=dev)
@@ -270,12 +220,11 @@ class OffloadCache:
 
     def plan_lagged(self, layer: int | None, tables: torch.Tensor, seq_lens: torch.Tensor, sel: torch.Tensor,
                     list_rows: torch.Tensor, new_round: bool = False) -> None:
-        """Reads the lists of list_rows (-1: none) through the pool as `read` does, for the step's decodes
-        (tables, seq_lens), and keeps their views by list row: one layer's (sel [S', Hkv, cap]), or with layer None
-        every sparse layer's in one plan (sel: the selection buffer of all layers). new_round: the step's first
-        plan: no later plan of the step evicts what it stamps (`HBMPool.begin_round`); it also starts the step's
-        working-set count. The host rows a list names are in the store: the step's fence has landed the FlashD2H
-        writes of earlier steps."""
+        """Reads the lists of list_rows (-1: none) through the pool as `read` does and keeps their
+        views by list row: one layer's (sel [S', Hkv, cap]), or with layer None every sparse
+        layer's in one plan (sel: all layers' buffer). new_round: the step's first plan (no later
+        plan of the step evicts what it stamps; starts the working-set count). The trap: the host
+        rows must be in the store, i.e. after the step's fence."""
         ws = self.working_set
         if new_round:
             self.pool.begin_round()
@@ -304,23 +253,11 @@ class OffloadCache:
         key = self.keys(layer, tables, seq_lens, sel_rows)
         return self.pool.slots, self.host.flat(), self.pool.resident[key], key
 
-    # ---- CUDA graphs --------------------------------------------------------------------------------------
-
-    def graph_inputs(self, max_blocks: int) -> list[InputField]:
-        """The step addressing a captured decode step reads (`capture_step`; the sparse backend fills them by
-        these names from `prepare_step`): padding rows write nothing (slot -1) and name the trash row."""
-        return [InputField("offload_slot_mapping", torch.long, pad=-1),
-                InputField("offload_block_tables", torch.int32, width=max_blocks, pad=self.num_device_blocks)]
-
-    @staticmethod
-    def capture_step(inputs: dict[str, torch.Tensor]) -> OffloadStep:
-        return OffloadStep(inputs["offload_slot_mapping"], inputs["offload_block_tables"])
-
-    # ---- statistics ---------------------------------------------------------------------------------------
+    # ---- statistics ------------------------------------------------------------------------------
 
     def counters(self) -> dict[str, torch.Tensor]:
-        """Cumulative device counters: pool hits, head blocks loaded (FlashH2D), bypass reads, layer steps, and
-        token blocks x layers written through by decode steps."""
+        """Cumulative device counters: pool hits, head blocks loaded (FlashH2D), bypass reads,
+        layer steps, and token blocks x layers written through by decode steps."""
         s = self.pool.stats
         return {"offload_hbm_hits": s[0], "offload_blocks_loaded": s[1], "offload_bypass_reads": s[2],
                 "offload_layer_steps": s[3], "offload_blocks_written": self.host.blocks_written}

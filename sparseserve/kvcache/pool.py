@@ -1,23 +1,17 @@
-"""The unified HBM pool of head-block slots (DESIGN.md principle 4), shared by all layers and KV heads.
+"""The HBM pool of head-block slots shared by all layers and KV heads (docs/architecture.md,
+principle 4; docs/offload.md).
 
-State (fixed-shape tensors on the device; one extra trash entry each, so updates never filter):
+State (fixed-shape device tensors; one extra trash entry each, so updates never filter):
     slots:     [num_slots + 1, 2, block_size, head_dim]  K and V of one head block per slot
     resident:  int64 [num_keys + 1]   head block key -> slot, -1 when not resident
     owner:     int64 [num_slots + 1]  slot -> head block key, -1 when free
     last_use:  int64 [num_slots + 1]  the clock value of the slot's last use (-1: free)
-A head block (layer, token block, KV head) has key (layer * (num_blocks + 1) + block) * Hkv + kv_head,
+Key of head block (layer, token block, KV head): (layer * (num_blocks + 1) + block) * Hkv + head,
 its row in the host store's flat view (kvcache/host.py).
 
-Replacement is set-associative LRU: slot s belongs to set s // ways; a head block may only live in the
-set hash(key) % num_sets. For one layer's requests of a decode step, `plan` finds the hits, then gives
-the misses of each set the least recently used slots of that set that the step does not use (its hits
-and the other misses' victims), in rank order: no sort of the whole pool, only of each missing block's
-`ways` candidates. A miss that finds no free way in its set (more misses in a set than evictable ways)
-is a bypass: it is read straight from the host store this step (on a GPU a UVA read; here a gather)
-and not cached. 32 ways by default: a decode step's working set (every layer's lists) hashed over the sets
-overflows some of them, and an overflowing set misses every one of its blocks every step (LRU over a cyclic
-access): at half the pool in use, 7% of the working set with 8 ways, 1.5% with 16, 0.1% with 32 (Poisson).
-Fixed shapes and no host sync (capturable): kernels/pool_plan.py.
+Set-associative LRU: slot s is in set s // ways; a key lives only in set hash(key) % num_sets. A
+miss with no evictable way in its set is a bypass: read from the host store this step, not
+cached. Fixed shapes, no host sync (capturable): kernels/pool_plan.py.
 """
 from __future__ import annotations
 
@@ -25,7 +19,7 @@ import torch
 
 from sparseserve.kernels.pool_plan import ListLayout, PoolState, invalidate, pool_plan, pool_read, set_of
 from sparseserve.kernels.working_set import TouchState
-from sparseserve.kvcache.staging import to_device
+from sparseserve.kvcache.transfer import to_device
 
 _HASH = 2654435761
 
@@ -37,7 +31,7 @@ class HBMPool:
             raise ValueError(f"the HBM pool needs at least one slot, got {num_slots}")
         self.ways = min(ways, num_slots)
         self.num_sets = num_slots // self.ways
-        self.num_slots = self.num_sets * self.ways  # a remainder smaller than one set is left unused
+        self.num_slots = self.num_sets * self.ways  # a remainder under one set is left unused
         self.num_keys = num_layers * (num_blocks + 1) * num_kv_heads
         self.num_layers, self.num_blocks, self.num_kv_heads = num_layers, num_blocks, num_kv_heads
         n = self.num_slots
@@ -48,13 +42,13 @@ class HBMPool:
         self.clock = torch.zeros((), dtype=torch.int64, device=device)
         # hits, head blocks loaded (H2D), bypass reads, layer steps planned
         self.stats = torch.zeros(4, dtype=torch.int64, device=device)
-        # The Triton plan's scratch: misses per set (zero between calls: the kernel resets what it counts),
+        # The Triton plan's scratch: misses per set (zero between calls: the kernel resets them),
         # each set's queue of misses by rank, and the clock of the call in flight.
         self.set_misses = torch.zeros(self.num_sets, dtype=torch.int32, device=device)
         self.set_queue = torch.zeros(n, dtype=torch.int32, device=device)
         self.plan_cur = torch.zeros(1, dtype=torch.int64, device=device)
-        self.claim = torch.full((self.num_keys + 1,), -1, dtype=torch.int64, device=device)  # read's repeats
-        # Lagged reads (`begin_round`): the oldest stamp no victim may carry (the start of the step's plans).
+        self.claim = torch.full((self.num_keys + 1,), -1, dtype=torch.int64, device=device)  # repeats
+        # Lagged reads (`begin_round`): the oldest stamp no victim may carry (the step's start).
         self.floor = torch.zeros(1, dtype=torch.int64, device=device)
 
     @property
@@ -66,7 +60,7 @@ class HBMPool:
         return self.num_keys
 
     def keys(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
-        """blocks: int [..., Hkv, K] token block ids (-1: no request) -> int64 keys, trash key for -1."""
+        """blocks: int [..., Hkv, K] token block ids (-1: no request) -> int64 keys (-1: trash)."""
         h = torch.arange(self.num_kv_heads, device=blocks.device)[:, None]
         key = (layer * (self.num_blocks + 1) + blocks.long()) * self.num_kv_heads + h
         return torch.where(blocks >= 0, key, self.trash_key)
@@ -75,10 +69,10 @@ class HBMPool:
         return set_of(key, self.num_sets, _HASH)
 
     def plan(self, key: torch.Tensor, lagged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's step: residency lookup of the head blocks key [N] (int64; the trash key: no request;
-        each at most once), victims and installs for the misses (kernels/pool_plan.py). Returns (loc, load):
-        the slot each request reads (-1: bypass or none) and the slot each miss is loaded into (-1: none).
-        lagged: as in `read`."""
+        """One layer's step: residency lookup of the head blocks key [N] (int64; the trash key:
+        no request; each at most once), victims and installs for the misses
+        (kernels/pool_plan.py). Returns (loc, load): the slot each request reads (-1: bypass or
+        none) and the slot each miss is loaded into (-1: none). lagged: as in `read`."""
         return pool_plan(key, self.resident, self.owner, self.last_use, self.clock, self.stats, self.set_misses,
                          self.set_queue, self.plan_cur, ways=self.ways, num_sets=self.num_sets, hash_mult=_HASH,
                          floor=self.floor if lagged else None)
@@ -86,12 +80,12 @@ class HBMPool:
     def read(self, host_flat: torch.Tensor, layer: int, sel: torch.Tensor, row_slots: torch.Tensor,
              tables: torch.Tensor, seq_lens: torch.Tensor, local: int, block_size: int,
              touch: TouchState | None = None, lagged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's decode lists read through the pool (kernels/pool_plan.py pool_read): sel int32 [S, Hkv,
-        cap] the layer's lists by state slot, row_slots [B] each row's slot, tables [B, W] token block tables
-        (host rows), seq_lens [B]. The misses are loaded from host_flat; touch: the working-set count the listed
-        keys join in the same pass (kvcache/working_set.py). Returns (loc, key) [B, Hkv, cap]: each entry's slot
-        (-1: read from host row key, or no request). lagged: a read of the next step's lists beside the step in
-        step, which keeps every slot stamped since its `begin_round`."""
+        """One layer's decode lists read through the pool (kernels/pool_plan.py pool_read).
+        sel: int32 [S, Hkv, cap] the lists by state slot; row_slots [B]: each row's slot; tables
+        [B, W]: token block tables (host rows); seq_lens [B]. Misses load from host_flat; touch:
+        the working-set count the listed keys join in the same pass. Returns (loc, key)
+        [B, Hkv, cap]: each entry's slot (-1: read host row `key`, or no request). lagged: a read
+        beside the step in flight, which keeps every slot stamped since `begin_round`."""
         state = PoolState(self.resident, self.owner, self.last_use, self.clock, self.stats, self.set_misses,
                           self.set_queue, self.plan_cur, self.claim, self.ways, self.num_sets, _HASH,
                           self.floor if lagged else None)
@@ -99,15 +93,15 @@ class HBMPool:
         return pool_read(host_flat, self.slots, sel, row_slots, tables, seq_lens, lay, state, touch)
 
     def begin_round(self) -> None:
-        """Lagged reads: a step starts planning its lists, every layer's before its first sparse layer and some
-        layer by layer: no plan of the step evicts a slot another one stamped, which a later layer still reads
-        (a device op, no sync)."""
+        """Lagged reads: a step starts planning its lists, every layer's before its first sparse
+        layer and some layer by layer: no plan of the step evicts a slot another one stamped,
+        which a later layer still reads (a device op, no sync)."""
         self.floor.copy_(self.clock.view(1))
 
     def invalidate(self, blocks: torch.Tensor | list[int]) -> None:
-        """Token blocks given to a new owner (their old contents are gone; a device tensor, or a list moved
-        there): drop their head blocks of every layer and KV head, so the new owner never hits a stale slot.
-        Between steps; one launch (kernels/pool_plan.py invalidate)."""
+        """Token blocks given to a new owner (their old contents are gone; a device tensor, or a
+        list moved there): drop their head blocks of every layer and KV head, so the new owner
+        never hits a stale slot. Between steps; one launch (kernels/pool_plan.py invalidate)."""
         if isinstance(blocks, list):
             if not blocks:
                 return
@@ -116,8 +110,9 @@ class HBMPool:
                    self.num_kv_heads)
 
     def check(self) -> None:
-        """Accounting invariants (tests; syncs): owner and resident are inverse maps, no slot holds two
-        blocks, the trash entries stay empty, the Triton plan's miss counters are back to zero."""
+        """Accounting invariants (tests; syncs): owner and resident are inverse maps, no slot
+        holds two blocks, the trash entries stay empty, the Triton plan's miss counters are back
+        to zero."""
         assert not self.set_misses.any(), "a set's miss counter was not reset"
         owner, resident = self.owner[: self.num_slots].cpu(), self.resident.cpu()
         assert self.owner[self.trash_slot].item() == -1 and resident[self.trash_key].item() == -1

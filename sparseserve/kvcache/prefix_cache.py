@@ -1,17 +1,11 @@
-"""Automatic prefix caching (DESIGN.md principle 7): which full token blocks hold which tokens.
+"""Automatic prefix caching: which full token blocks hold which tokens (docs/architecture.md,
+principle 7; docs/prefix_cache.md).
 
-A full token block is named by a hash chained over its parent: the SHA-256 of the parent block's hash and
-the block's token ids (the first block's parent is a root derived from the request's `cache_salt`, so
-tenants with different salts never share a block). Equal hashes mean equal tokens at equal positions
-after equal prefixes, so a block's K/V (and its key metadata) is reusable by any request whose prompt
-starts with the same tokens. A collision-resistant hash, not Python's `hash`: a collision would serve
-another prompt's K/V.
-
-`PrefixCache` is the hash -> block map and the LRU order of the cached blocks nobody references any
-more (free, but still holding their tokens). The token-block allocator (kvcache/blocks.py) owns the
-reference counts and takes a cached free block back, least recently freed first, only when it has no
-never-cached free block left. Blocks are cached only once full, and a block's contents never change
-while it is cached (a full block is never written again), so sharing needs no copy.
+A full block is named by SHA-256 over its parent's hash and its token ids, the first block's
+parent derived from the request's `cache_salt`. The trap: never Python's `hash`, since a
+collision would serve another prompt's K/V. `PrefixCache` is the hash -> block map and the LRU of
+cached blocks no one references; the allocator (kvcache/blocks.py) owns the reference counts.
+A cached block is full and never written again, so sharing needs no copy.
 """
 from __future__ import annotations
 
@@ -33,7 +27,7 @@ def root_hash(cache_salt: str | None) -> BlockHash:
 
 
 def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-    """SHA-256 of the parent's 32-byte hash and the block's token ids as int64 (fixed widths: unambiguous)."""
+    """SHA-256 of the parent's 32-byte hash and the block's token ids as int64 (unambiguous)."""
     h = hashlib.sha256(parent)
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return h.digest()
@@ -41,8 +35,9 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
 
 def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, num_blocks: int,
                         cache_salt: str | None) -> list[BlockHash]:
-    """Appends to `hashes` (in place; returned) the hashes of full blocks len(hashes) .. num_blocks - 1 of
-    token_ids. A sequence's tokens only grow, so the hashes of its full blocks never change."""
+    """Appends to `hashes` (in place; returned) the hashes of full blocks len(hashes) ..
+    num_blocks - 1 of token_ids. A sequence's tokens only grow, so the hashes of its full blocks
+    never change."""
     num_blocks = min(num_blocks, len(token_ids) // block_size)
     parent = hashes[-1] if hashes else root_hash(cache_salt)
     for j in range(len(hashes), num_blocks):
@@ -52,7 +47,7 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block
 
 
 class PrefixCache:
-    """Hash -> cached block, and the cached blocks without references in least-recently-freed order."""
+    """Hash -> cached block, and the unreferenced cached blocks in least-recently-freed order."""
 
     def __init__(self) -> None:
         self._block_of: dict[BlockHash, int] = {}
@@ -89,9 +84,10 @@ class PrefixCache:
         return hit
 
     def insert(self, block: int, h: BlockHash) -> bool:
-        """Caches a block that just became full. False (and nothing cached) when another block already holds
-        the same tokens (two requests computed the same block at once): block tables are append-only, so the
-        duplicate stays private to its sequence and is freed like an uncached block."""
+        """Caches a block that just became full. False (and nothing cached) when another block
+        already holds the same tokens (two requests computed the same block at once): block
+        tables are append-only, so the duplicate stays private to its sequence and is freed like
+        an uncached block."""
         if h in self._block_of or block in self._hash_of:
             return False
         self._block_of[h] = block
@@ -107,7 +103,7 @@ class PrefixCache:
         del self._evictable[block]
 
     def evict(self) -> tuple[int, BlockHash]:
-        """Forgets the least recently freed evictable block; returns it (now a plain free block) and its hash."""
+        """Forgets the least recently freed evictable block; returns it (now free) and its hash."""
         block, _ = self._evictable.popitem(last=False)
         h = self._hash_of.pop(block)
         del self._block_of[h]

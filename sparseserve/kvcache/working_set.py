@@ -15,9 +15,9 @@ import torch
 
 from sparseserve.kernels.working_set import TouchState, working_set_begin_step
 from sparseserve.kvcache.blocks import blocks_needed
-from sparseserve.kvcache.staging import to_device
+from sparseserve.kvcache.transfer import to_device
 
-REPORT_INTERVAL_S = 0.05  # publish / sum interval with the control off (the estimates feed /metrics only)
+REPORT_INTERVAL_S = 0.05  # publish / sum interval with the control off (estimates feed /metrics)
 
 
 class WorkingSetCounter:
@@ -111,8 +111,8 @@ class WorkingSetEstimate:
         self._reported = -math.inf
         self._measured: dict[int, tuple[int, int]] = {}  # seq_id -> (blocks, decode steps counted)
         self._floor: dict[int, int] = {}  # seq_id -> its estimate when it was paused
-        # the scheduler's accounting (statistics): running estimates summed, requests the limit keeps
-        # waiting, hold-backs so far, parked requests, admissions ahead of the limit so far
+        # the scheduler's accounting (statistics): running estimates summed, requests the limit
+        # keeps waiting, hold-backs so far, parked requests, admissions ahead of the limit so far
         self.total = 0
         self.num_held_back = 0
         self.num_hold_backs = 0
@@ -120,8 +120,8 @@ class WorkingSetEstimate:
         self.num_prefill_aheads = 0
 
     def estimates(self, seqs: list) -> list[int]:
-        """Each sequence's working set in head blocks: measured, else from the budget; a paused one's
-        floor until its new slot has counted a whole window."""
+        """Each sequence's working set in head blocks: measured, else from the budget; a paused
+        one's floor until its new slot has counted a whole window."""
         for landed in self.source.poll():
             for sid, count in landed.items():
                 self._measured[sid] = (count, self._measured.get(sid, (0, 0))[1] + 1)
@@ -144,7 +144,7 @@ class WorkingSetEstimate:
         return max(min(self.cap, nb) - self.local, 0) * self.lists
 
     def due(self) -> bool:
-        """Whether the scheduler sums the estimates this step (always under the control or on CPU)."""
+        """Whether the scheduler sums the estimates this step (always with the control, on CPU)."""
         return self.enabled or not self.source.cuda or \
             time.perf_counter() - self._reported >= REPORT_INTERVAL_S
 

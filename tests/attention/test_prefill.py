@@ -70,8 +70,9 @@ def make_backend(name: str, hq: int, hkv: int, d: int, bs: int, num_blocks: int,
 def run_step(backend, q, k, v, cache, meta, scheduled, layer: int = 0) -> torch.Tensor:
     meta = AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                              meta.num_decodes, meta.max_query_len, meta.max_seq_len)
-    if scheduled is not None:
-        backend.prepare(scheduled, meta)
+    if scheduled is not None:  # as the runner does: the backend's host inputs, on the device, handed down
+        host = backend.step_inputs(scheduled, meta.num_decodes)
+        backend.prepare(scheduled, meta, {name: t.to(q.device) for name, t in host.items()})
     return backend.forward(layer, q, k, v, cache, meta, q.shape[-1] ** -0.5)
 
 

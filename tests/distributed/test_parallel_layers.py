@@ -18,6 +18,7 @@ from sparseserve.distributed.utils import shard_heads
 from sparseserve.engine.parallel import SeqView, StepMessage
 from sparseserve.engine.request import Sequence
 from sparseserve.engine.scheduler import Preempt, SchedulerOutput
+from sparseserve.engine.step_inputs import StepInputs
 from sparseserve.kvcache.blocks import BlockAllocator
 from sparseserve.kvcache.device_space import DeviceBlockMap, OffloadSpace
 from sparseserve.kvcache.offload import OffloadCache
@@ -184,9 +185,9 @@ def _offload_cache() -> OffloadCache:
 def test_the_offload_plan_keeps_ranks_identical(seed):
     """A scheduler drives KV offload's device space (arrivals, chunked prefill, decode windows moving,
     hold-backs with tail saves, restores, finishes); rank 0's offload cache and a worker's, each executing the
-    step's plan (the worker's after a pickling round trip, as the step message travels) over the step's
-    sequences (the worker's as SeqViews), end every step with the same ranges, pool, host store and
-    step addressing, and their ranges are the scheduler's."""
+    step's plan (the worker's after a pickling round trip, as the step message travels), end every step with
+    the same ranges, host store and device cache, their step inputs over the step's sequences (the worker's
+    as SeqViews) are equal, and their ranges are the scheduler's."""
     import pickle
     rng = random.Random(seed)
     rank0, worker = _offload_cache(), _offload_cache()
@@ -199,6 +200,7 @@ def test_the_offload_plan_keeps_ranks_identical(seed):
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, init_new_token_ratio=0.0,
                           min_new_token_ratio=0.0)
     sched = make_scheduler(cfg, BlockAllocator(rank0.num_token_blocks), 4, space, min_chunk=2)
+    inputs0, inputs1 = StepInputs(4, torch.device("cpu"), rank0), StepInputs(4, torch.device("cpu"), worker)
     saves = restores = 0
     for step in range(80):
         if rng.random() < 0.35:
@@ -211,10 +213,11 @@ def test_the_offload_plan_keeps_ranks_identical(seed):
             saves, restores = saves + len(plan.saves), restores + len(plan.restores)
             views = pickle.loads(pickle.dumps(StepMessage([], [(SeqView.of(q, n), n) for q, n in out.scheduled],
                                                           plan)))
-            rank0.begin_step(plan)
-            worker.begin_step(views.plan)
-            a, b = rank0.prepare_step(out.scheduled), worker.prepare_step(views.scheduled)
-            assert torch.equal(a.slot_mapping, b.slot_mapping) and torch.equal(a.block_tables, b.block_tables)
+            for cache, inputs, msg in ((rank0, inputs0, plan), (worker, inputs1, views.plan)):
+                cache.begin_step(msg)
+                inputs.note_plan(msg)
+            a, b = inputs0.build(out.scheduled, None)[0], inputs1.build(views.scheduled, None)[0]
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
             assert rank0.ranges == worker.ranges == space.map.ranges
             assert torch.equal(rank0.host.data, worker.host.data)
             assert torch.equal(rank0.sparse_cache, worker.sparse_cache)

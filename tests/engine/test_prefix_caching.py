@@ -121,8 +121,8 @@ def run_schedule(model_dir, seed: int, caching: bool, check: bool, **kw) -> tupl
         if check:
             held_blocks(engine)
             contents.check()
-            if engine.host_cache is not None:
-                engine.host_cache.check()
+            if engine.model_runner.host_cache is not None:
+                engine.model_runner.host_cache.check()
 
     drive_random_schedule(engine, rng, steps=40, max_new=24, after_step=after_step, greedy=True,
                           prompts=shared_prefix_prompts(seed), aborted=aborted)
@@ -172,8 +172,8 @@ def test_caching_on_equals_off_over_random_schedules(tiny_model_dir, path, seed)
     if engine.model_runner.offload is not None:
         engine.model_runner.offload.pool.check()
         assert stats.offload_blocks_restored > 0
-    if engine.host_cache is not None:
-        assert stats.host_prefix_cache_hits > 0 and engine.host_cache.num_restored > 0
+    if engine.model_runner.host_cache is not None:
+        assert stats.host_prefix_cache_hits > 0 and engine.model_runner.host_cache.num_restored > 0
 
 
 SELECTIVE = dict(block_size=BS, sparse_budget=4 * BS, sparse_dense_layers=0, sparse_sink_blocks=1,

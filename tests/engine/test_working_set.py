@@ -144,7 +144,7 @@ def test_small_pool_shrinks_the_batch_with_the_same_tokens(tiny_model_dir, lag):
     kw = {**ENGINE, **SMALL_POOL, "sparse_lag": lag}
     off = drive(LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(tiny_model_dir), **kw, working_set_control=False), arrivals)
     engine = LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(tiny_model_dir), **kw, working_set_control=True)
-    ws = engine.model_runner.offload.working_set
+    ws = engine.scheduler.kv.device_space.working_set
     over = []
 
     def check(e, _):

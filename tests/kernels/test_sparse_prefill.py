@@ -10,7 +10,7 @@ import torch
 from sparseserve.kernels.dispatch import forced
 from sparseserve.kernels.paged_prefill import PrefillConfig, paged_prefill, paged_prefill_ref, paged_prefill_triton
 from sparseserve.kernels.sale_select import (
-    SelectConfig,
+    TileSelectConfig,
     pow2_exponent_ref,
     quantize_keys_ref,
     quantize_qk_ref,
@@ -147,7 +147,7 @@ def test_quantize_kernel(triton_backends, hq, hkv):
     q = q * torch.linspace(0.1, 8.0, 64, device=DEV) + 3.0  # uneven channels and a shared offset
     ref = quantize_qk_ref(q, cache, tables, seq_lens, qsl, max_s, layout)
     # 64-row query programs over chunks of 1-40 queries: rows past a chunk's end must not be written.
-    got = quantize_qk_triton(q, cache, tables, seq_lens, qsl, max_q, max_s, layout, SelectConfig(quant_tok=64))
+    got = quantize_qk_triton(q, cache, tables, seq_lens, qsl, max_q, max_s, layout, TileSelectConfig(quant_tok=64))
     valid = torch.arange(ref.k_scale.shape[-1], device=DEV)[None, :] < seq_lens[:, None]
     for name in ("q_code", "k_code"):
         a, b = getattr(ref, name).float(), getattr(got, name).float()
@@ -240,7 +240,7 @@ def test_select_kernel(triton_backends, hq, hkv, d, bs, layout):
     mids = torch.tensor([0.2, 0.3, 0.5, 0.3, 0.25, 0.4, 0.3, 0.5] * 2, device=DEV)[:hq]
     densities = {}
     # The default launch and another (one key tile a step), alternating over the cases.
-    config = SelectConfig() if hq % 4 == 0 else SelectConfig(chunk=1, num_warps=4)
+    config = TileSelectConfig() if hq % 4 == 0 else TileSelectConfig(chunk=1, num_warps=4)
     for name, thr in (("zero", torch.zeros(hq, device=DEV)), ("mid", mids), ("large", torch.full((hq,), 1e4))):
         args = (codes, seq_lens, qsl, scale, max_q, max_s, layout, thr, streaming)
         mask_r, index_r, count_r, margin = select_tiles_ref(*args, with_margin=True)
@@ -289,7 +289,7 @@ def test_dense_when_threshold_zero(triton_backends, hq, hkv):
     q, cache, tables, seq_lens, qsl, max_q, max_s = make_chunks(CHUNKS, hq, hkv, d, bs, torch.float32, seed=7)
     scale = d ** -0.5
     mask, index, count = sale_select(q, cache, tables, seq_lens, qsl, scale, max_q, max_s, layout,
-                                     torch.zeros(hq, device=DEV), config=SelectConfig(quant_tok=64))
+                                     torch.zeros(hq, device=DEV), config=TileSelectConfig(quant_tok=64))
     forced, middle = tile_classes(seq_lens, qsl, mask.shape[2], mask.shape[3], layout)
     assert torch.equal(mask.bool(), (forced | middle)[:, None].expand_as(mask))
     args = (q, cache, tables, seq_lens, qsl, scale, max_q, max_s, layout)

@@ -103,6 +103,6 @@ def test_evicted_prompt_comes_back_from_the_host(tiny_model_dir, policy):
     assert after.num_prompt_tokens - before.num_prompt_tokens == 100 - 96  # 6 blocks restored, 4 tokens computed
     assert after.host_prefix_cache_hits - before.host_prefix_cache_hits == 96
     assert after.prefix_cache_hits == before.prefix_cache_hits
-    assert after.host_prefix_cache_blocks <= engine.host_cache.num_slots and after.prefix_cache_evictions > 0
-    engine.host_cache.check()
+    assert after.host_prefix_cache_blocks <= engine.model_runner.host_cache.num_slots and after.prefix_cache_evictions > 0
+    engine.model_runner.host_cache.check()
     engine.allocator.check()

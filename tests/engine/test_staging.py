@@ -1,11 +1,13 @@
-"""A step's small host -> device copies (kvcache/staging.py): the pinned staging ring (PinnedStaging,
-to_device_many) and the decode graphs' static inputs (StaticInputs)."""
+"""A step's small host -> device copies: the pinned staging ring (kvcache/transfer.py PinnedStaging,
+to_device_many) and the decode graphs' static inputs (engine/staging.py StaticInputs)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sparseserve.kvcache.staging import InputField, PinnedStaging, StaticInputs, to_device_many
+from sparseserve.attention.backend import InputField
+from sparseserve.engine.staging import StaticInputs
+from sparseserve.kvcache.transfer import PinnedStaging, to_device_many
 from tests.kernel_utils import DEVICE, gpu_only
 
 

@@ -1,4 +1,4 @@
-"""A decode batch's rows kept from step to step (kvcache/decode_rows.py) equal the rows built from scratch each
+"""A decode batch's rows kept from step to step (engine/step_inputs.py SteadyRows) equal the rows built from scratch each
 step: token-block tables (the runner's) and device-block tables of the offload cache's windows, while sequences
 open blocks at different steps and one outgrows the others (the tables widen)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sparseserve.engine.request import Sequence
-from sparseserve.kvcache.decode_rows import DecodeRows, tables_of
+from sparseserve.engine.step_inputs import SteadyRows, tables_of
 from sparseserve.kvcache.device_space import DeviceBlockMap
 from sparseserve.sampling_params import SamplingParams
 
@@ -52,7 +52,7 @@ def test_rows_kept_across_steps_equal_rows_built_afresh(space):
             c = seq.num_computed_tokens
             want_slots.append(blocks[c // BS - start] * BS + c % BS)
         if rows is None:
-            rows = DecodeRows.build(scheduled, row_of, pad, BS)
+            rows = SteadyRows.build(scheduled, row_of, pad, BS)
             assert np.array_equal(rows.tables, want_tables)
         else:
             assert rows.fits(scheduled)
@@ -66,4 +66,4 @@ def test_rows_kept_across_steps_equal_rows_built_afresh(space):
             seq.token_ids.append(1)
     assert 0 < rebuilt < len(seqs) * (steps - 1)  # some rows kept, some rebuilt
     assert not rows.fits([(seq, 1) for seq in seqs[:-1]]) and not rows.fits([(seqs[0], 2)] + [(s, 1) for s in seqs[1:]])
-    assert DecodeRows.build([(seqs[0], 3)], row_of, pad, BS) is None
+    assert SteadyRows.build([(seqs[0], 3)], row_of, pad, BS) is None
