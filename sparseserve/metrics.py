@@ -77,8 +77,9 @@ class _EngineStatsCollector:
 
 
 def _prefix_cache_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable[Metric]:
-    """vLLM's prefix-cache counters (prompt tokens looked up and found at first admissions), for the device cache
-    and the host tier (the tokens the device cache missed, found in host memory), and the cached blocks."""
+    """vLLM's prefix-cache counters (prompt tokens looked up and found at first admissions) of
+    the device cache and the host tier (tokens the device missed, found in host memory), and the
+    cached blocks."""
     yield counter("prefix_cache_queries", "Prefix cache queries: prompt tokens looked up.",
                   getattr(stats, "prefix_cache_queries", 0))
     yield counter("prefix_cache_hits", "Prefix cache hits: prompt tokens found cached.",
@@ -97,7 +98,7 @@ def _prefix_cache_metrics(stats: Any, gauge: Callable, counter: Callable) -> Ite
 
 
 def _offload_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable[Metric]:
-    """KV offload on: HBM pool hit ratio, head blocks loaded per (decode step, sparse layer), host store use."""
+    """KV offload: HBM pool hit ratio, blocks loaded per (step, sparse layer), host store use."""
     hits, loads = stats.offload_hbm_hits, stats.offload_blocks_loaded
     bypass, layer_steps = stats.offload_bypass_reads, stats.offload_layer_steps
     requests = hits + loads + bypass
@@ -108,7 +109,7 @@ def _offload_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable
                 hits / requests if requests else 0.0)
     yield gauge("offload_head_blocks_loaded_per_layer_step", "Head blocks loaded per (decode step, sparse layer).",
                 loads / layer_steps if layer_steps else 0.0)
-    # Cumulative bytes: rate() gives the transfer throughput over wall time (not the links' bandwidth).
+    # Cumulative bytes: rate() gives transfer throughput over wall time (not the link bandwidth).
     yield counter("offload_h2d_bytes", "Bytes loaded host -> HBM pool.", stats.offload_h2d_bytes)
     yield counter("offload_d2h_bytes", "Bytes written through to the host store.", stats.offload_d2h_bytes)
     yield gauge("offload_host_blocks_used", "Token blocks of the host KV store in use.", stats.num_blocks_used)
@@ -118,7 +119,7 @@ def _offload_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable
 
 
 def _working_set_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable[Metric]:
-    """KV offload on: working-set-aware batch control (the estimates are reported with the control off too)."""
+    """KV offload: working-set-aware batch control (estimates reported with the control off too)."""
     yield gauge("working_set_blocks", "Sum of the running requests' working sets (head blocks their selections "
                 "touched over the last working_set_window decode steps).", getattr(stats, "working_set_blocks", 0))
     yield gauge("working_set_capacity_blocks", "Head-block slots of the HBM pool the working sets compare with.",
@@ -136,7 +137,7 @@ def _working_set_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iter
 
 
 def _sparse_prefill_metrics(stats: Any, counter: Callable) -> Iterable[Metric]:
-    """Sparse prefill on: attention tiles computed against the causally visible ones (dense prefill's work)."""
+    """Sparse prefill: attention tiles computed against the causally visible ones (dense's work)."""
     yield counter("prefill_tiles_computed", "Sparse prefill: (query tile, key tile, KV head) attention tiles "
                   "computed, all layers.", stats.prefill_tiles_computed)
     yield counter("prefill_tiles_dense", "Sparse prefill: causally visible attention tiles (what dense prefill "

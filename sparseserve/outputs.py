@@ -1,9 +1,9 @@
 """What generation returns, with vLLM's names.
 
-The engine emits deltas (vLLM's `RequestOutputKind.DELTA`): each `RequestOutput` of `LLMEngine.step()`
-carries, per sequence that advanced, only the step's new tokens, text and logprobs, with the finish
-reason once it finishes. `RequestOutput.add` folds later deltas into an earlier one; `LLM.generate`
-returns the folded (cumulative) outputs.
+The engine emits deltas (vLLM's `RequestOutputKind.DELTA`): each `RequestOutput` of
+`LLMEngine.step()` carries, per sequence that advanced, only the step's new tokens, text and
+logprobs, with the finish reason once it finishes. `RequestOutput.add` folds later deltas into an
+earlier one; `LLM.generate` returns the folded (cumulative) outputs.
 """
 from __future__ import annotations
 
@@ -49,13 +49,13 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache (None: not yet scheduled)
-    # SamplingParams.prompt_logprobs: per prompt token (None for the first), in the request's first delta
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served (None: not yet)
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first), in the first delta
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Folds a later delta of the same request into this output (vLLM's `RequestOutput.add`):
-        the texts, token ids and logprobs of each sequence are concatenated, the rest is the newest."""
+        each sequence's texts, token ids and logprobs are concatenated, the rest is the newest."""
         mine = {c.index: c for c in self.outputs}
         for c in delta.outputs:
             if c.index in mine:

@@ -1,4 +1,4 @@
-"""The scheduler: a core that composes block accounting and policy components (docs/scheduler.md)."""
+"""The scheduler: a core composing block accounting and policy components (docs/scheduler.md)."""
 from sparseserve.engine.scheduler.kv_cache import DeviceSpace, HostCache, KVCacheManager, PrefixCacheStats
 from sparseserve.engine.scheduler.output import Preempt, SchedulerOutput
 from sparseserve.engine.scheduler.policies import LongPrefillLimit, SchedulerPolicy

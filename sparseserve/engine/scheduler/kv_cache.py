@@ -135,7 +135,7 @@ class KVCacheManager:
             st.host_hits += hit.host * bs
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """After a step: blocks its computed tokens filled join the prefix cache (and the host tier)."""
+        """After a step: blocks its computed tokens filled join the prefix cache (and host tier)."""
         alloc, bs = self.allocator, self.block_size
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         if not alloc.enable_caching or full <= seq.num_cached_blocks:

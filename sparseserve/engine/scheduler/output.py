@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 class Preempt(enum.Enum):
     """Why a sequence left the running batch (`Scheduler.preempt`, the one verb for it)."""
-    RECOMPUTE = "recompute"  # token blocks ran out: its blocks go back, its tokens are its new prompt
+    RECOMPUTE = "recompute"  # token blocks ran out: its blocks go back, its tokens are its prompt
     PAUSE = "pause"          # device blocks ran out (KV offload): it keeps its blocks and its work
     HOLD_BACK = "hold_back"  # over the working-set limit: paused, first back in
     PARK = "park"            # prefilled ahead of the limit: paused until a decode share frees

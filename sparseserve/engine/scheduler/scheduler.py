@@ -103,8 +103,8 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """FCFS while budget, batch slots and blocks allow (not after a preemption: admitting would only
-        evict again); shorter prompts may pass one that waits only for a long-prompt slot."""
+        """FCFS while budget, batch slots and blocks allow (not after a preemption: admitting
+        would only evict again); shorter prompts may pass one waiting for a long-prompt slot."""
         ws = self.working_set
         if (ws.stops_admission(out) if ws is not None else bool(out.preempted)):
             return
@@ -140,7 +140,7 @@ class Scheduler:
                 ws.admitted(seq, adm)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
-        """Admits `seq` if it fits; the tokens it computes this step (0: it waits, nothing changed)."""
+        """Admits `seq` if it fits; the tokens it computes this step (0: it waits, no change)."""
         kv = self.kv
         if seq.block_table:  # paused under KV offload: everything computed is still there
             n = self._chunk(seq, seq.num_computed_tokens, budget)
@@ -179,9 +179,9 @@ class Scheduler:
             self.long.count(seq)
 
     def preempt(self, seq: Sequence, why: Preempt, out: SchedulerOutput) -> None:
-        """Takes a running sequence out of the batch. RECOMPUTE gives its blocks back (full ones stay
-        cached); the others pause it with its K/V in the host store. Requeued at the front, a parked
-        one in arrival order (parked sequences resume oldest first)."""
+        """Takes a running sequence out of the batch. RECOMPUTE gives its blocks back (full ones
+        stay cached); the others pause it with its K/V in the host store. Requeued at the front,
+        a parked one in arrival order (parked sequences resume oldest first)."""
         if self.running and self.running[-1] is seq:
             self.running.pop()
         else:
@@ -205,7 +205,7 @@ class Scheduler:
         out.preempted.append((seq, why))
 
     def _drop_paused(self) -> bool:
-        """Token blocks ran short: the newest paused sequence gives its blocks back (False: none)."""
+        """Token blocks ran short: the newest paused sequence gives its blocks back (False: none)"""
         for seq in reversed(self.waiting):
             if seq.block_table:
                 self.kv.release(seq)

@@ -1,8 +1,9 @@
-"""Layer-segmented prefill, the scheduler's side (KV offload; the runner's: engine/layer_prefill.py).
+"""Layer-segmented prefill, the scheduler's side (KV offload; runner's: engine/layer_prefill.py).
 
-A prefill whose context is longer than one step's budget is admitted with every token block of its
-context and only its first decode's window on the device, and runs a few layers per step for all its
-tokens: a segment of L layers over T tokens costs T*L/num_layers of the budget. One at a time, FCFS."""
+A prefill whose context is longer than one step's budget is admitted with every token block of
+its context and only its first decode's window on the device, and runs a few layers per step for
+all its tokens: a segment of L layers over T tokens costs T*L/num_layers of the budget. One at
+a time, FCFS."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,8 +39,8 @@ class SegmentPlanner:
         return -(-tokens * layers // self.num_layers)
 
     def segment(self, seq: Sequence, tokens: int, done: int, budget: int, alone: bool) -> LayerSegment | None:
-        """The next segment of a `tokens`-token prefill with `done` layers done, within `budget` (None:
-        none fits). alone: at least one layer runs, even over the budget."""
+        """The next segment of a `tokens`-token prefill with `done` layers done, within `budget`
+        (None: none fits). alone: at least one layer runs, even over the budget."""
         k = min(self.num_layers - done, self.max_layers, budget * self.num_layers // max(tokens, 1))
         if k <= 0:
             if not alone:
@@ -49,8 +50,8 @@ class SegmentPlanner:
 
 
 def only_decodes(out: SchedulerOutput) -> bool:
-    """Nothing but one-token rows so far this step: a segment then runs at least one layer, even over
-    the budget (a layer cannot be split; it never starves behind a decode batch)."""
+    """Nothing but one-token rows so far this step: a segment then runs at least one layer, even
+    over the budget (a layer cannot be split; it never starves behind a decode batch)."""
     return not out.segments and all(n == 1 for _, n in out.scheduled)
 
 

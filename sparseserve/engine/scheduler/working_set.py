@@ -151,9 +151,10 @@ class WorkingSetControl(SchedulerPolicy):
         return bool(seq.block_table) and self._prefilled(seq)
 
     def _share_out(self, out: SchedulerOutput) -> None:
-        """Over the limit the newest shares are given back (never the oldest): a decoding sequence is
-        parked, a prefilling one becomes ahead. Then each ahead sequence whose prefill is done, oldest
-        first, takes a share if it fits and no older one waits, else it is parked."""
+        """Over the limit the newest shares are given back (never the oldest): a decoding
+        sequence is parked, a prefilling one becomes ahead. Then each ahead sequence whose
+        prefill is done, oldest first, takes a share if it fits and no older one waits, or is
+        parked."""
         ws, sched = self.ws, self.sched
         sharing = sorted((s for s in sched.running if s.seq_id not in self.ahead), key=_arrival)
         est = ws.estimates(sharing)
