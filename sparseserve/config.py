@@ -35,11 +35,11 @@ class SchedulerConfig:
         "help": "Admission: engine steps over which the expected fraction decays from its initial value to the "
                 "minimum."})
     long_prefill_token_threshold: int | None = field(default=None, metadata={"size": True,
-        "help": "In a step that also decodes, a prompt is prefilled at most this many tokens "
+        "help": "A prompt is prefilled at most this many tokens a step, as in vLLM "
                 "(0: no limit; default: 512 on CPU, no limit on CUDA)."})
     max_long_partial_prefills: int = field(default=1, metadata={
-        "help": "In a step that also decodes, at most this many prompts longer than "
-                "long_prefill_token_threshold are prefilled, the oldest first."})
+        "help": "At most this many prompts longer than long_prefill_token_threshold are prefilled a step, "
+                "the oldest first."})
     async_scheduling: bool = field(default=False, metadata={
         "help": "Schedule and prepare the next step while the device runs the current one (stop checks run "
                 "one step late; greedy and seeded outputs are unchanged)."})

@@ -6,6 +6,7 @@ from sparseserve.engine.scheduler import (
     KVCacheManager,
     LayerSegmentedPrefill,
     LongPrefillLimit,
+    RequestFairness,
     Scheduler,
     SchedulerPolicies,
     SegmentPlanner,
@@ -18,8 +19,10 @@ from sparseserve.profiler import Profiler
 def make_scheduler(config: SchedulerConfig, allocator: BlockAllocator, block_size: int, device_space=None,
                    host_cache=None, *, max_model_len: int | None = None, min_chunk: int = 1,
                    segments: SegmentPlanner | None = None, long_prefill_token_threshold: int = 0,
-                   max_prefilled_waiting: int = 0, kv_cls: type[KVCacheManager] = KVCacheManager) -> Scheduler:
-    """A working-set limit, if any, is the device space's `working_set` (as the engine's offload space)."""
+                   max_prefilled_waiting: int = 0, kv_cls: type[KVCacheManager] = KVCacheManager,
+                   fair: bool = True) -> Scheduler:
+    """A working-set limit, if any, is the device space's `working_set` (as the engine's offload space);
+    fairness between requests on, as in the engine."""
     kv = kv_cls(config, allocator, block_size, device_space=device_space, host_cache=host_cache,
                 max_model_len=max_model_len, min_chunk=min_chunk)
     long = None
@@ -28,7 +31,7 @@ def make_scheduler(config: SchedulerConfig, allocator: BlockAllocator, block_siz
     ws = getattr(device_space, "working_set", None)
     control = WorkingSetControl(ws, max_prefilled_waiting) if ws is not None else None
     seg = LayerSegmentedPrefill(segments) if segments is not None else None
-    return Scheduler(config, kv, SchedulerPolicies(long, control, seg))
+    return Scheduler(config, kv, SchedulerPolicies(long, control, seg, RequestFairness() if fair else None))
 
 
 def left(out) -> list:

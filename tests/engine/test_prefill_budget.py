@@ -1,4 +1,4 @@
-"""Prefill-decode interference: the long-prompt limit of a step that runs decodes (long_prefill_token_threshold,
+"""Prefill-decode interference: the long-prompt limit of a step (long_prefill_token_threshold,
 max_long_partial_prefills), on the scheduler alone and on the embedded model (issue 20's mixed step)."""
 from __future__ import annotations
 
@@ -23,16 +23,19 @@ def chunks(out) -> dict[int, int]:
     return {s.seq_id: n for s, n in out.scheduled}
 
 
-def test_a_long_prompt_beside_decodes_is_limited_and_alone_is_not():
+def test_a_long_prompt_is_limited_alone_and_beside_decodes():
+    """vLLM's semantics: the limit holds in every step, so a request arriving behind a long prompt waits one
+    limited step, never the whole prompt (issue 41)."""
     sched = scheduler(8)
-    lone = seq(0, 40)
+    lone = seq(0, 20)
     sched.add(lone)
-    assert chunks(run_step(sched)) == {0: 40}  # nothing decodes: the whole budget
+    assert chunks(run_step(sched)) == {0: 8}  # alone: still 8 tokens a step
     short, long_ = seq(1, 5), seq(2, 30)
     sched.add(short)
     sched.add(long_)
-    # lone decodes now: the long prompt gets 8 tokens, the short one (not longer than the limit) all of its own
-    assert chunks(run_step(sched)) == {0: 1, 1: 5, 2: 8}
+    # lone still prefills (one long slot): long_ waits for the slot, short (not long) passes it
+    assert chunks(run_step(sched)) == {0: 8, 1: 5}
+    assert chunks(run_step(sched)) == {0: 4, 1: 1, 2: 8}  # 4 left of lone: no longer long
     assert chunks(run_step(sched)) == {0: 1, 1: 1, 2: 8}
     assert chunks(run_step(sched)) == {0: 1, 1: 1, 2: 8}
     assert chunks(run_step(sched)) == {0: 1, 1: 1, 2: 6}  # 6 left: no longer long

@@ -1,4 +1,5 @@
 """The scheduler: a core composing block accounting and policy components (docs/scheduler.md)."""
+from sparseserve.engine.scheduler.fairness import RequestFairness
 from sparseserve.engine.scheduler.kv_cache import DeviceSpace, HostCache, KVCacheManager, PrefixCacheStats
 from sparseserve.engine.scheduler.output import Preempt, SchedulerOutput
 from sparseserve.engine.scheduler.policies import LongPrefillLimit, SchedulerPolicy
@@ -7,5 +8,5 @@ from sparseserve.engine.scheduler.segments import LayerSegment, LayerSegmentedPr
 from sparseserve.engine.scheduler.working_set import WorkingSetControl, WorkingSetLimit
 
 __all__ = ["DeviceSpace", "HostCache", "KVCacheManager", "LayerSegment", "LayerSegmentedPrefill",
-           "LongPrefillLimit", "Preempt", "PrefixCacheStats", "Scheduler", "SchedulerOutput", "SchedulerPolicies",
+           "LongPrefillLimit", "Preempt", "PrefixCacheStats", "RequestFairness", "Scheduler", "SchedulerOutput", "SchedulerPolicies",
            "SchedulerPolicy", "SegmentPlanner", "WorkingSetControl", "WorkingSetLimit", "build_scheduler"]

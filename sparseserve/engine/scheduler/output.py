@@ -18,11 +18,21 @@ class Preempt(enum.Enum):
     PAUSE = "pause"          # device blocks ran out (KV offload): it keeps its blocks and its work
     HOLD_BACK = "hold_back"  # over the working-set limit: paused, first back in
     PARK = "park"            # prefilled ahead of the limit: paused until a decode share frees
+    YIELD = "yield"          # a request's extra sequence makes room for a waiting request: recomputed
 
     @property
     def limit(self) -> bool:
         """Left because of the working-set limit (not a shortage of blocks)."""
         return self in (Preempt.HOLD_BACK, Preempt.PARK)
+
+    @property
+    def shortage(self) -> bool:
+        """Left because blocks ran out: admission stops this step, the admission estimate rises."""
+        return self in (Preempt.RECOMPUTE, Preempt.PAUSE)
+
+    @property
+    def keeps_work(self) -> bool:
+        return self not in (Preempt.RECOMPUTE, Preempt.YIELD)
 
 
 @dataclass
@@ -43,5 +53,5 @@ class SchedulerOutput:
 
     @property
     def num_evicted(self) -> int:
-        """Sequences that left for want of blocks (a real preemption)."""
-        return sum(1 for _, why in self.preempted if not why.limit)
+        """Sequences that left for want of blocks."""
+        return sum(1 for _, why in self.preempted if why.shortage)

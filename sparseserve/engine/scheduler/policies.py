@@ -29,29 +29,26 @@ class SchedulerPolicy:
 
 
 class LongPrefillLimit(SchedulerPolicy):
-    """In a step that also decodes, a prompt with more than `threshold` tokens left computes at most
-    that many, and at most `max_long` such prompts run (vLLM's long_prefill_token_threshold and
-    max_long_partial_prefills); a step without decodes gives a prompt the whole budget."""
+    """A prompt with more than `threshold` tokens left computes at most that many a step, and at most
+    `max_long` such prompts run a step (vLLM's long_prefill_token_threshold, max_long_partial_prefills):
+    a request arriving behind a long prompt waits one limited step, not the whole prompt."""
 
     def __init__(self, threshold: int, max_long: int, min_chunk: int = 1) -> None:
         # at least two min_chunks, so the chunk rule never rounds a limited chunk to nothing
         self.threshold = max(threshold, 2 * min_chunk)
         self.max_long = max_long
-        self.limit = 0  # this step's (0: no decode runs)
-        self.left = 0   # long prompts it may still take
+        self.left = 0  # long prompts the step may still take
 
     def begin_step(self, out: SchedulerOutput) -> None:
-        decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.sched.running)
-        self.limit = self.threshold if decoding else 0
         self.left = self.max_long
 
     def is_long(self, seq: Sequence) -> bool:
-        return bool(self.limit) and seq.num_tokens - seq.num_computed_tokens > self.limit
+        return seq.num_tokens - seq.num_computed_tokens > self.threshold
 
     def budget(self, remaining: int, budget: int) -> int:
         """The budget a prompt with `remaining` tokens may use this step (0: none)."""
-        if self.limit and remaining > self.limit:
-            return min(budget, self.limit) if self.left else 0
+        if remaining > self.threshold:
+            return min(budget, self.threshold) if self.left else 0
         return budget
 
     def count(self, seq: Sequence) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from sparseserve.config import EngineConfig, SchedulerConfig
 from sparseserve.engine.request import Sequence, SequenceStatus
+from sparseserve.engine.scheduler.fairness import RequestFairness
 from sparseserve.engine.scheduler.kv_cache import KVCacheManager
 from sparseserve.engine.scheduler.output import Preempt, SchedulerOutput
 from sparseserve.engine.scheduler.policies import LongPrefillLimit, SchedulerPolicy
@@ -25,9 +26,11 @@ class SchedulerPolicies:
     long_prefill: LongPrefillLimit | None = None
     working_set: WorkingSetControl | None = None
     segments: LayerSegmentedPrefill | None = None
+    fairness: RequestFairness | None = None
 
     def all(self) -> list[SchedulerPolicy]:
-        return [p for p in (self.long_prefill, self.working_set, self.segments) if p is not None]
+        ps = (self.fairness, self.long_prefill, self.working_set, self.segments)
+        return [p for p in ps if p is not None]
 
 
 class Scheduler:
@@ -38,6 +41,7 @@ class Scheduler:
         self.long = policies.long_prefill
         self.working_set = policies.working_set
         self.segments = policies.segments
+        self.fairness = policies.fairness
         self.policies = policies.all()
         for p in self.policies:
             p.bind(self)
@@ -94,7 +98,7 @@ class Scheduler:
                     break
                 if not tokens_ok and self._drop_paused():
                     continue
-                victim = self.running[-1]
+                victim = self._victim(i - 1)
                 keep = tokens_ok and kv.device_space is not None
                 self.preempt(victim, Preempt.PAUSE if keep else Preempt.RECOMPUTE, out)
                 if victim is seq:
@@ -102,25 +106,47 @@ class Scheduler:
                     break
         return budget
 
+    def _victim(self, start: int) -> Sequence:
+        """Who leaves when blocks run out: the newest of running[start:] (not yet scheduled this step),
+        or, with fairness, the newest of the request running the most sequences among them."""
+        if self.fairness is None:
+            return self.running[-1]
+        return self.fairness.victim(self.running[start:])
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """FCFS while budget, batch slots and blocks allow (not after a preemption: admitting
-        would only evict again); shorter prompts may pass one waiting for a long-prompt slot."""
+        would only evict again); shorter prompts may pass one waiting for a long-prompt slot.
+        With fairness, first the sequences of requests with nothing running, then the others (n > 1)."""
         ws = self.working_set
-        if (ws.stops_admission(out) if ws is not None else bool(out.preempted)):
+        if (ws.stops_admission(out) if ws is not None else out.num_evicted > 0):
             return
-        j = 0
-        while j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        requests = {s.request_id for s in self.running}
+        for extras in ((False, True) if self.fairness is not None else (None,)):
+            budget = self._admit_pass(out, budget, requests, extras)
+            if budget is None:
+                return
+
+    def _admit_pass(self, out: SchedulerOutput, budget: int, requests: set[str], extras: bool | None) -> int | None:
+        """One admission pass over the sequences of requests with something running (extras) or not
+        (None: all); None: admission stops for this step."""
+        ws, j = self.working_set, 0
+        while j < len(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return None
             seq = self.waiting[j]
+            if extras is not None and (seq.request_id in requests) != extras:
+                j += 1
+                continue
             adm = ws.admission(seq) if ws is not None else FREE
             if adm.need is None:
                 if adm.ahead:  # parked: waits for a decode share, newer ones may still prefill
                     j += 1
                     continue
-                break
+                return None
             if self.segments is not None and self.segments.wants(seq):
                 seg = self.segments.admit(seq, budget, out)
                 if seg is None:
-                    break
+                    return None
                 out.segments.append(seg)
                 budget -= seg.cost
             else:
@@ -129,15 +155,17 @@ class Scheduler:
                     if self.long is not None and self.long.passable(seq):
                         j += 1
                         continue
-                    break
+                    return None
                 self._count_long(seq)
                 out.scheduled.append((seq, n))
                 budget -= n
             del self.waiting[j]
             seq.status = RUNNING
             self.running.append(seq)
+            requests.add(seq.request_id)
             if ws is not None:
                 ws.admitted(seq, adm)
+        return budget
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Admits `seq` if it fits; the tokens it computes this step (0: it waits, no change)."""
@@ -188,7 +216,7 @@ class Scheduler:
             self.running.remove(seq)
         for p in self.policies:
             p.on_leave(seq, why)
-        if why is Preempt.RECOMPUTE:
+        if not why.keeps_work:
             self.kv.release(seq)
             seq.num_computed_tokens = 0
         else:
@@ -240,4 +268,4 @@ def build_scheduler(config: EngineConfig, kv: KVCacheManager, *, num_layers: int
     if oc.layer_segmented_prefill:
         planner = SegmentPlanner(num_layers, sc.max_num_batched_tokens, oc.prefill_layer_segment)
         segments = LayerSegmentedPrefill(planner)
-    return Scheduler(sc, kv, SchedulerPolicies(long, control, segments))
+    return Scheduler(sc, kv, SchedulerPolicies(long, control, segments, RequestFairness()))

@@ -85,7 +85,7 @@ class WorkingSetControl(SchedulerPolicy):
 
     def stops_admission(self, out: SchedulerOutput) -> bool:
         """A preemption stops admission; a hold-back too, unless prefill ahead runs."""
-        return out.num_evicted > 0 if self.ahead_mode else bool(out.preempted)
+        return out.num_evicted > 0 or (not self.ahead_mode and bool(out.held_back))
 
     def admission(self, seq: Sequence) -> Admission:
         """The working-set side of admitting the head candidate `seq`."""
