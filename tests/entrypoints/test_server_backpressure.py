@@ -70,7 +70,7 @@ def test_a_reading_consumer_is_never_aborted():
     assert asyncio.run(scenario()) == 150 and not engine.aborted
 
 
-STREAMS, MAX_TOKENS, BOUND, BUF = 40, 1000, 32, 4096
+STREAMS, MAX_TOKENS, BOUND, BUF = 40, 1000, 8, 4096
 KB_PER_TOKEN = 11  # README: 5.3 KB in the engine and 5.3 KB queued with 20 logprobs
 
 
