@@ -4,19 +4,27 @@ wait (seconds each, and under load every later request queues behind it); the wa
 start. Here the keys are read from the launches themselves (tests/kernel_utils.py Specializations): on the CPU
 the kernels run under Triton's interpreter with the same arguments, so a key that depends on a step's shape (a
 constexpr following the batch or the longest context, an integer argument that is 1 or a multiple of 16 in some
-steps only, a view whose alignment follows a row offset) shows here as it would on the GPU.
+steps only, a view whose alignment follows a row offset) shows here as it would on the GPU. The warm-up runs every
+kernel under the interpreter (the engine's step kinds end to end); while serving, an op with a torch reference
+launches its kernels dry and returns its reference's result (tests/kernel_utils.py ReferenceLaunches): the keys
+are the same, the interpreter's cost is not paid a second time.
 
 The workload mixes what serving meets and a warm-up round may not: prompts of every length up to the model's
 limit, decodes beside chunks of several prompts, prefix-cache hits, an abort, and with KV offload a small HBM
 pool (working-set hold-backs, prefills ahead, parked requests resumed)."""
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
+import torch
 
 from sparseserve import LLM, SamplingParams
-from tests.kernel_utils import ON_GPU, Specializations
+import sparseserve.kernels.paged_decode as decode_ops
+import sparseserve.kernels.store_kv as store_ops
+from sparseserve.kernels.dispatch import forced
+from tests.kernel_utils import ON_GPU, ReferenceLaunches, Specializations
 
 SPARSE = dict(sparse_policy="topk", sparse_budget=64, sparse_dense_layers=0, sparse_sink_blocks=1,
               sparse_local_blocks=1, sparse_dense_context=0)
@@ -68,7 +76,8 @@ def test_serving_compiles_nothing_after_the_warm_up(tiny_model_dir, name):
             llm.llm_engine.warm_up()
         warm = spec.keys()
         start = len(spec.launches)
-        steps = serve(llm)
+        with contextlib.nullcontext() if ON_GPU else ReferenceLaunches():
+            steps = serve(llm)
         serving = spec.keys(start)
     assert warm and len(spec.launches) > start, "no kernel launch was seen: the hooks are not in place"
     new = Specializations.differences(serving, warm)
@@ -79,3 +88,32 @@ def test_serving_compiles_nothing_after_the_warm_up(tiny_model_dir, name):
     if CONFIGS[name].get("working_set_control"):  # the pool was small enough for the control's paths to run
         stats = engine.get_stats(sync=True)
         assert stats.working_set_hold_backs > 0 and stats.working_set_prefill_aheads > 0, stats
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's dry launches")
+def test_reference_launches_record_the_keys_of_real_launches():
+    """ReferenceLaunches: the same launches and keys as the interpreted kernels, the references' results, and
+    nothing written by a dry launch (store_kv's cache holds the reference's writes only)."""
+    torch.manual_seed(0)
+    blocks, hkv, bs, d = 8, 2, 16, 64
+    q = torch.randn(3, 4, d)
+    tables = torch.randperm(blocks, dtype=torch.int32)[:6].view(3, 2)
+    lens = torch.tensor([5, 17, 32], dtype=torch.int32)
+    k, v = torch.randn(3, hkv, d), torch.randn(3, hkv, d)
+    slots = torch.tensor([3, 40, 127])
+    context = torch.randn(blocks, hkv, 2, bs - 5, d)
+    runs = []
+    for mode in ("interpreted", "reference"):
+        cache = torch.zeros(blocks, hkv, 2, bs, d)
+        with Specializations() as spec, forced("triton"), \
+                (ReferenceLaunches() if mode == "reference" else contextlib.nullcontext()):
+            store_ops.store_kv(k, v, cache, slots)  # (through the modules: ReferenceLaunches patches them)
+            cache[:, :, :, 5:] += context  # a context to attend
+            out = decode_ops.paged_decode(q, cache, tables, lens, d ** -0.5, 32)
+        runs.append((spec.launches, cache, out))
+    (real_launches, real_cache, real_out), (ref_launches, ref_cache, ref_out) = runs
+    assert ref_launches == real_launches and {name for name, _ in real_launches} >= {
+        "store_kv._store_kv_kernel", "paged_decode._decode_split_kernel"}
+    assert torch.equal(ref_cache, real_cache)  # the stored rows, written once
+    assert torch.equal(ref_out, decode_ops.paged_decode_ref(q, ref_cache, tables, lens, d ** -0.5, 32))
+    assert torch.allclose(ref_out, real_out, atol=1e-5)
