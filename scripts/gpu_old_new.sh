@@ -4,6 +4,7 @@
 #   bash scripts/gpu_old_new.sh tests [PYTEST ARGS]   # this tree's tests on the GPU
 #   bash scripts/gpu_old_new.sh kernels               # bench.kernels, old then new
 #   bash scripts/gpu_old_new.sh serve CONFIG...       # the serving ladder (gpu_serve_check.sh), old then new
+#                                                     # (TREES="new old": the other order)
 # Results under $OUT (kernels_old.json, kernels_new.json, serve_old/, serve_new/); PACK=name.tgz packs them.
 set -uo pipefail
 mode=$1; shift
@@ -25,7 +26,7 @@ case $mode in
         2>&1 | tail -20 || rc=1
     done ;;
   serve)
-    for tree in old new; do
+    for tree in ${TREES:-old new}; do
       server=""; [ $tree = old ] && server=$PWD/.old
       OUT=$OUT/serve_$tree SERVER_TREE=$server LOGS=/tmp/serve_logs_$tree bash scripts/gpu_serve_check.sh "$@" || rc=1
     done ;;

@@ -23,9 +23,20 @@ FINISHED = SequenceStatus.FINISHED
 
 @dataclass
 class TokenFeed:
-    """The previous step's sampled tokens on the device, and each placeholder's row in them."""
+    """The previous step's sampled tokens on the device, and each placeholder's row in them; their
+    host copy lands when `event` fires (before the next step's forward: the host may wait on it)."""
     token_ids: torch.Tensor | None
     rows: dict[int, int]  # seq_id -> row of token_ids
+    host_ids: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+
+    def host_values(self, rows: list[int]) -> list[int]:
+        """The sampled tokens of `rows` on the host, waiting for the previous step's copy only."""
+        if self.host_ids is not None:
+            if self.event is not None:
+                self.event.synchronize()
+            return self.host_ids[rows].tolist()
+        return self.token_ids[torch.tensor(rows, device=self.token_ids.device)].tolist()
 
     EMPTY: ClassVar[TokenFeed]
 
@@ -114,7 +125,10 @@ class InflightStep:
     def feed(self) -> TokenFeed:
         rows = {s.seq_id: i for i, (s, ph) in enumerate(zip(self.sampled, self.placeholder))
                 if ph and s.status is not FINISHED}
-        return TokenFeed(self.out.token_ids if self.out is not None else None, rows)
+        if self.out is None:
+            return TokenFeed(None, rows)
+        host = self.host.token_ids if self.host is not None else None
+        return TokenFeed(self.out.token_ids, rows, host, self.event)
 
     def wait(self) -> SamplerOutput:
         """The host copies of the outputs (the one host sync of the step)."""

@@ -394,7 +394,7 @@ class ModelRunner:
             forced = None if self.profiler is None else self.profiler.on_logits(sampled, step_logits)
             meta = self.sampling_metadata(sampled)
             if meta.processors is not None:  # after the forward's launch: the host's part (grammar masks) overlaps it
-                meta.processors.begin_step(sampled, *((feed.token_ids, feed.rows) if feed is not None else ()))
+                meta.processors.begin_step(sampled, feed)
             out = self.sampler(step_logits, meta)
             if forced is not None:
                 forced = forced.to(out.token_ids.device)

@@ -8,8 +8,8 @@ place. Nothing here loops over tokens in Python: per-step host work is per seque
 tensor), per-token work is on the device.
 
 Async scheduling (engine/overlap.py): the last token of a sequence may still be a placeholder (-1) whose value
-is on the device in the feed; penalties read it there; a grammar needs it on the host, so a step with a
-constrained sequence waits for the step before it (docs/structured_outputs.md).
+is on the device in the feed; penalties read it there; a grammar needs it on the host: it waits for the
+previous step's host copy (the feed's event), not for the step's own forward (docs/structured_outputs.md).
 """
 from __future__ import annotations
 
@@ -104,11 +104,12 @@ class LogitsProcessors:
             proc.min_stop_ids = torch.tensor(padded, dtype=torch.long).to(device)
         return proc
 
-    def begin_step(self, seqs: list[Any], feed_tokens: torch.Tensor | None = None,
-                   feed_rows: dict[int, int] | None = None) -> None:
-        """The step's inputs; `feed_tokens[feed_rows[seq_id]]` is the value of a sequence's trailing placeholder
-        (async scheduling). Called after the forward pass was launched: the host work overlaps it."""
-        feed_rows = feed_rows or {}
+    def begin_step(self, seqs: list[Any], feed: Any = None) -> None:
+        """The step's inputs; feed (async scheduling, engine/overlap.py TokenFeed): the previous step's
+        tokens, `feed.token_ids[feed.rows[seq_id]]` a trailing placeholder's value. Called after the
+        forward pass was launched: the host work overlaps it."""
+        feed_rows = feed.rows if feed is not None else {}
+        feed_tokens = feed.token_ids if feed is not None else None
         if self.penalty_rows:
             self.output_counts = self._output_counts([seqs[i] for i in self.penalty_rows], feed_tokens, feed_rows)
         if self.min_rows:
@@ -122,8 +123,8 @@ class LogitsProcessors:
             if feed_rows and feed_tokens is not None:
                 pending = [(j, feed_rows[s.seq_id]) for j, s in enumerate(grammars)
                            if s.token_ids and s.token_ids[-1] == PLACEHOLDER and s.seq_id in feed_rows]
-                if pending:  # the previous step's tokens: waits for the device (see the module's docstring)
-                    values = feed_tokens[torch.tensor([r for _, r in pending], device=feed_tokens.device)].tolist()
+                if pending:  # the previous step's tokens: their host copy (not behind this step's forward)
+                    values = feed.host_values([r for _, r in pending])
                     tails = {j: v for (j, _), v in zip(pending, values)}
             self.bitmask = fill_bitmask(grammars, tails, self.vocab_size, self.device)
 

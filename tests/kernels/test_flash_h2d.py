@@ -13,7 +13,7 @@ from sparseserve.kernels.key_meta import rebuild_key_meta
 from sparseserve.kernels.sparse_decode import sparse_decode_ref
 from sparseserve.kvcache.host import HostKVStore
 from sparseserve.kvcache.layout import OffloadLayout
-from sparseserve.kvcache.offload import DeviceBlockMap, OffloadCache, OffloadStep
+from sparseserve.kvcache.offload import OffloadCache, OffloadStep
 from sparseserve.kvcache.pool import HBMPool
 from tests.attention.test_sparse_backend import sparse_backend, with_slots
 from tests.kernel_utils import DEVICE, ON_GPU, gpu_only, rel_err
@@ -25,7 +25,7 @@ def offload_cache(host: HostKVStore, pool: HBMPool, num_blocks: int, local: int 
     device cache the test's own (its step addressing is the token addressing)."""
     bs, d = host.block_size, host.data.shape[-1]
     layout = OffloadLayout(num_blocks, num_blocks, pool.num_slots, 0, 0, 0, 2 * bs * d * host.data.element_size())
-    return OffloadCache(layout, host, pool, DeviceBlockMap(num_blocks, local, bs, num_blocks), [], bs, local)
+    return OffloadCache(layout, host, pool, [], bs, local, None)
 
 
 @pytest.mark.parametrize("dtype, bs, d, hkv", [(torch.float32, 4, 16, 2), (torch.float16, 8, 64, 2),

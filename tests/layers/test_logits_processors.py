@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from sparseserve.engine.overlap import TokenFeed
+
 from sparseserve.layers.logits_processors import LogitsProcessors, apply_token_bitmask
 from sparseserve.layers.sampler import Sampler, SamplingMetadata
 from sparseserve.sampling_params import ParameterError, SamplingParams
@@ -83,7 +85,7 @@ def test_placeholder_tokens_are_read_from_the_feed():
         s.output.append(-1)  # async scheduling: the previous step's token is on the device
     logits = torch.randn(len(seqs), V)
     proc = LogitsProcessors.build(seqs, V, torch.device("cpu"))
-    proc.begin_step(seqs, feed_tokens, feed_rows)
+    proc.begin_step(seqs, TokenFeed(feed_tokens, feed_rows))
     values = {sid: int(feed_tokens[r]) for sid, r in feed_rows.items()}
     torch.testing.assert_close(proc.apply(logits.clone()), reference(logits, seqs, values))
 
