@@ -355,14 +355,15 @@ class ModelRunner:
         """One step: the KV-offload plan (once, before any kernel), the scheduled batch (async
         scheduling: `feed` fills its placeholder tokens on the device), then the layer-segmented
         prefills' segments; one sampling over every sequence that gets a token."""
-        if self.offload is not None:
-            self.offload.begin_step(plan)
-            self.inputs.note_plan(plan)  # its ranges and stale blocks: the step's inputs carry them
-            if not scheduled:  # no batch to carry the stale blocks
-                self.offload.drop_stale(self.inputs.take_stale())
-        if self.host_cache is not None:
-            self.host_cache.begin_step()
-        batch = self.prepare(scheduled, feed) if scheduled else None
+        with self._kernels():  # every op of the step on the engine's kernel path
+            if self.offload is not None:
+                self.offload.begin_step(plan)
+                self.inputs.note_plan(plan)  # its ranges and stale blocks: the step's inputs carry them
+                if not scheduled:  # no batch to carry the stale blocks
+                    self.offload.drop_stale(self.inputs.take_stale())
+            if self.host_cache is not None:
+                self.host_cache.begin_step()
+            batch = self.prepare(scheduled, feed) if scheduled else None
         sampled: list[Sequence] = []
         logits: list[torch.Tensor] = []
         with self._kernels():
