@@ -1,5 +1,6 @@
 """What the experiments share: engines built (and freed) one after another, a trace replayed in-process with
 arrival times, the replay's command-line options, and the 8B model directory for dummy weights."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.model_dir import make_model_dir
-from sparseserve.bench.datasets import PromptBuilder, data_dir, load_trace
+from sparseserve.workloads.datasets import PromptBuilder, data_dir, load_trace
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class Job:
 def free_memory() -> None:
     """The dropped engines' GPU memory back (engines hold reference cycles)."""
     import torch
+
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -35,6 +37,7 @@ def build_engine(profiler: Any = None, **engine_kw) -> Any:
     """An LLMEngine of these LLM keyword arguments, with an optional sparseserve.profiler.Profiler."""
     from sparseserve.config import EngineConfig
     from sparseserve.engine.engine import LLMEngine
+
     if profiler is None:
         return LLMEngine.from_kwargs(**engine_kw)
     return LLMEngine(EngineConfig.from_kwargs(**engine_kw), profiler=profiler)
@@ -58,11 +61,15 @@ def make_8b_dir(out: Path) -> Path:
 
 
 def trace_jobs(tokenizer, path: str, n: int, time_scale: float, max_in: int, max_out: int, seed: int = 0) -> list[Job]:
-    """Trace requests as token ids: equal hash ids give equal token blocks (bench/datasets.py trace_block), BOS
+    """Trace requests as token ids: equal hash ids give equal token blocks (workloads/datasets.py trace_block), BOS
     first as a server would tokenize them."""
     builder = PromptBuilder(tokenizer)
-    return [Job(t.arrival_s, tokenizer.encode(builder.trace_prompt(list(t.hash_ids), t.input_length, seed)),
-                t.output_length) for t in load_trace(path, n, time_scale, max_in, max_out)]
+    return [
+        Job(
+            t.arrival_s, tokenizer.encode(builder.trace_prompt(list(t.hash_ids), t.input_length, seed)), t.output_length
+        )
+        for t in load_trace(path, n, time_scale, max_in, max_out)
+    ]
 
 
 def long_jobs(tokenizer, n: int, prompt_len: int, output_len: int) -> list[Job]:
@@ -79,6 +86,7 @@ def replay(engine, jobs: list[Job], on_step: Callable[[list, float, float], None
     import numpy as np
 
     from sparseserve import SamplingParams
+
     jobs = sorted(jobs, key=lambda j: j.arrival_s)
     before = engine.get_stats(sync=True)
     first: dict[str, float] = {}
@@ -90,8 +98,11 @@ def replay(engine, jobs: list[Job], on_step: Callable[[list, float, float], None
         now = time.perf_counter() - t0
         while i < len(jobs) and jobs[i].arrival_s <= now:
             j = jobs[i]
-            engine.add_request(f"j{i}", {"prompt_token_ids": j.prompt_token_ids},
-                               SamplingParams(temperature=0.0, max_tokens=j.max_tokens, ignore_eos=True))
+            engine.add_request(
+                f"j{i}",
+                {"prompt_token_ids": j.prompt_token_ids},
+                SamplingParams(temperature=0.0, max_tokens=j.max_tokens, ignore_eos=True),
+            )
             i += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, min(jobs[i].arrival_s - now, 0.05)))
@@ -108,22 +119,39 @@ def replay(engine, jobs: list[Job], on_step: Callable[[list, float, float], None
             out_tokens += new
     duration = time.perf_counter() - t0
     after = engine.get_stats(sync=True)
-    d = {k: getattr(after, k) - getattr(before, k) for k in (
-        "num_prompt_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
-        "host_prefix_cache_queries", "host_prefix_cache_hits")}
+    d = {
+        k: getattr(after, k) - getattr(before, k)
+        for k in (
+            "num_prompt_tokens",
+            "num_preemptions",
+            "prefix_cache_queries",
+            "prefix_cache_hits",
+            "host_prefix_cache_queries",
+            "host_prefix_cache_hits",
+        )
+    }
     prompt_tokens = sum(len(j.prompt_token_ids) for j in jobs)
     ttft = np.array([first[r] - arrival[r] for r in first])
     q = d["prefix_cache_queries"]
-    return {"requests": len(jobs), "prompt_tokens": prompt_tokens, "prompt_tokens_computed": d["num_prompt_tokens"],
-            "computed_per_prompt": d["num_prompt_tokens"] / prompt_tokens, "preemptions": d["num_preemptions"],
-            "hit_rate": d["prefix_cache_hits"] / q if q else 0.0,
-            "host_hit_rate": d["host_prefix_cache_hits"] / q if q else 0.0,
-            "mean_ttft_s": float(ttft.mean()), "p99_ttft_s": float(np.percentile(ttft, 99)), "duration_s": duration,
-            "output_tok_s": out_tokens / duration, "total_tok_s": (prompt_tokens + out_tokens) / duration}
+    return {
+        "requests": len(jobs),
+        "prompt_tokens": prompt_tokens,
+        "prompt_tokens_computed": d["num_prompt_tokens"],
+        "computed_per_prompt": d["num_prompt_tokens"] / prompt_tokens,
+        "preemptions": d["num_preemptions"],
+        "hit_rate": d["prefix_cache_hits"] / q if q else 0.0,
+        "host_hit_rate": d["host_prefix_cache_hits"] / q if q else 0.0,
+        "mean_ttft_s": float(ttft.mean()),
+        "p99_ttft_s": float(np.percentile(ttft, 99)),
+        "duration_s": duration,
+        "output_tok_s": out_tokens / duration,
+        "total_tok_s": (prompt_tokens + out_tokens) / duration,
+    }
 
 
 def engine_kwargs(args: argparse.Namespace, max_model_len: int) -> dict:
     import torch
+
     kw = dict(max_model_len=max_model_len, device=args.device, seed=0)
     if args.load_format == "dummy":
         kw.update(load_format="dummy", dtype="bfloat16")

@@ -22,6 +22,7 @@ NAME_async (+ async_scheduling).
 at --gpu-memory-gb (the serving reference workload). Any model directory works; on CPU the smoke test runs it with
 a tiny model (tests/benchmarks/test_decode_time.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,6 +56,7 @@ CONFIGS = _LADDER | {f"{k}_async": v | dict(async_scheduling=True) for k, v in _
 class StepRecord:
     """One `step()` call: when it returned, the seconds since the call before, the step that produced its tokens
     (decode rows, prompt tokens, layer segments) and the requests that got a token."""
+
     t: float
     duration: float
     decodes: int
@@ -82,8 +84,11 @@ class Timeline(Profiler):
     def on_schedule(self, out) -> None:
         # Rows of more than one token are prompt chunks; a decode row has one (a one-token last prompt chunk
         # counts as a decode: the same work).
-        self._sched = (sum(1 for _, n in out.scheduled if n == 1), sum(n for _, n in out.scheduled if n > 1),
-                       len(out.segments))
+        self._sched = (
+            sum(1 for _, n in out.scheduled if n == 1),
+            sum(n for _, n in out.scheduled if n > 1),
+            len(out.segments),
+        )
 
     def __call__(self, outputs: list, t: float, idle: float = 0.0) -> None:
         launched, self._sched = self._sched, (0, 0, 0)
@@ -115,15 +120,19 @@ def decompose(steps: list[StepRecord]) -> dict:
     mean = lambda v: 1e3 * statistics.fmean(v) if v else 0.0  # noqa: E731
     dec = [s for s in steps if s.requests and not s.prefills]
     mix = [s for s in steps if s.requests and s.prefills]
-    out = {"requests_decoded": len(parts["decode"]),
-           "tpot_ms": sum(mean(v) for v in parts.values()),
-           **{f"{k}_ms": mean(v) for k, v in parts.items()},
-           "decode_steps": len(dec), "decode_step_ms": mean([s.duration for s in dec]),
-           "decode_batch": statistics.fmean([s.decodes for s in dec]) if dec else 0.0,
-           "prefill_steps": len(mix), "prefill_step_ms": mean([s.duration for s in mix]),
-           "prefill_s": sum(s.duration for s in mix),
-           "prefill_step_batch": statistics.fmean([s.decodes for s in mix]) if mix else 0.0,
-           "prefill_step_tokens": statistics.fmean([s.prompt_tokens for s in mix]) if mix else 0.0}
+    out = {
+        "requests_decoded": len(parts["decode"]),
+        "tpot_ms": sum(mean(v) for v in parts.values()),
+        **{f"{k}_ms": mean(v) for k, v in parts.items()},
+        "decode_steps": len(dec),
+        "decode_step_ms": mean([s.duration for s in dec]),
+        "decode_batch": statistics.fmean([s.decodes for s in dec]) if dec else 0.0,
+        "prefill_steps": len(mix),
+        "prefill_step_ms": mean([s.duration for s in mix]),
+        "prefill_s": sum(s.duration for s in mix),
+        "prefill_step_batch": statistics.fmean([s.decodes for s in mix]) if mix else 0.0,
+        "prefill_step_tokens": statistics.fmean([s.prompt_tokens for s in mix]) if mix else 0.0,
+    }
     return out
 
 
@@ -134,10 +143,17 @@ def run_config(model: str, name: str, jobs: list[Job], engine_kw: dict) -> tuple
     with fresh_engine(timeline, model=model, **config) as engine:
         summary = replay(engine, jobs, on_step=timeline)
         stats = engine.get_stats(sync=True)
-    row = {"config": name, "output_tok_s": summary["output_tok_s"], "mean_ttft_s": summary["mean_ttft_s"],
-           **decompose(timeline.steps), "computed_per_prompt": summary["computed_per_prompt"],
-           "prefix_hit_rate": summary["hit_rate"], "preemptions": summary["preemptions"],
-           "hold_backs": stats.working_set_hold_backs, "prefill_aheads": stats.working_set_prefill_aheads}
+    row = {
+        "config": name,
+        "output_tok_s": summary["output_tok_s"],
+        "mean_ttft_s": summary["mean_ttft_s"],
+        **decompose(timeline.steps),
+        "computed_per_prompt": summary["computed_per_prompt"],
+        "prefix_hit_rate": summary["hit_rate"],
+        "preemptions": summary["preemptions"],
+        "hold_backs": stats.working_set_hold_backs,
+        "prefill_aheads": stats.working_set_prefill_aheads,
+    }
     if stats.offload_layer_steps:
         hits, loaded = stats.offload_hbm_hits, stats.offload_blocks_loaded + stats.offload_bypass_reads
         row["hbm_hit"] = hits / max(hits + loaded, 1)
@@ -149,25 +165,41 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_replay_args(p)
     p.add_argument("--configs", nargs="+", default=["dense", "layerseg_async"], choices=list(CONFIGS))
-    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra engine argument for every config (repeatable), e.g. host_kv_memory=88GB")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra engine argument for every config (repeatable), e.g. host_kv_memory=88GB",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     from transformers import AutoTokenizer
 
     with model_dir(args) as model:
         tokenizer = AutoTokenizer.from_pretrained(model)
-        jobs = trace_jobs(tokenizer, args.trace, args.num_requests, args.time_scale, args.max_input_len,
-                          args.max_output_len)
+        jobs = trace_jobs(
+            tokenizer, args.trace, args.num_requests, args.time_scale, args.max_input_len, args.max_output_len
+        )
         kw = engine_kwargs(args, args.max_input_len + args.max_output_len)
         kw.update(parse_engine_args(args.engine_arg))
         runs = {c: run_config(model, c, jobs, kw) for c in args.configs}
     rows = [row for row, _ in runs.values()]
-    print_table(rows, f"conversation trace, first {args.num_requests} requests at time scale {args.time_scale:g}: "
-                      "TPOT = decode + with_prefill + waiting (ms per output token)")
-    report = {"date": datetime.date.today().isoformat(), "model": args.model, "args": vars(args), "rows": rows,
-              "timelines": {c: [dataclasses.asdict(s) | {"requests": sorted(s.requests)} for s in steps]
-                            for c, (_, steps) in runs.items()}}
+    print_table(
+        rows,
+        f"conversation trace, first {args.num_requests} requests at time scale {args.time_scale:g}: "
+        "TPOT = decode + with_prefill + waiting (ms per output token)",
+    )
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "model": args.model,
+        "args": vars(args),
+        "rows": rows,
+        "timelines": {
+            c: [dataclasses.asdict(s) | {"requests": sorted(s.requests)} for s in steps]
+            for c, (_, steps) in runs.items()
+        },
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return report

@@ -24,6 +24,7 @@ What they imply for the pool: each decoding request loads about (1 - overlap) x 
 layer, KV head) and step when its previous lists are resident, and needs about union_w x listed of them resident
 over a window; `implications` states both in head blocks and bytes per request.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -111,8 +112,15 @@ class SelectionLocality:
         for layer, (n, ov, jac, size, nu, uw) in enumerate(self.sums.tolist()):
             if n == 0:
                 continue
-            rows.append({"layer": layer, "overlap": ov / n, "jaccard": jac / n,
-                         f"union_{self.window}": uw / nu if nu else None, "listed": size / n})
+            rows.append(
+                {
+                    "layer": layer,
+                    "overlap": ov / n,
+                    "jaccard": jac / n,
+                    f"union_{self.window}": uw / nu if nu else None,
+                    "listed": size / n,
+                }
+            )
         return rows
 
 
@@ -126,26 +134,48 @@ def summarize(rows: list[dict], window: int) -> dict:
     return out
 
 
-def measure(model: str, *, prompt_len: int, batch: int, steps: int, budget: int, window: int = 12,
-            load_format: str = "auto", device: str = "auto", dtype: str = "auto", sink: bool = True,
-            **engine_args) -> dict:
+def measure(
+    model: str,
+    *,
+    prompt_len: int,
+    batch: int,
+    steps: int,
+    budget: int,
+    window: int = 12,
+    load_format: str = "auto",
+    device: str = "auto",
+    dtype: str = "auto",
+    sink: bool = True,
+    **engine_args,
+) -> dict:
     """Runs `batch` essay prompts of `prompt_len` tokens through `steps` greedy decode steps (topk at `budget`,
     eager so the observer sees every layer) and returns the per-layer locality, the means and the implications."""
     from sparseserve.bench.accuracy import load_tokenizer
-    from sparseserve.bench.datasets import haystack_token_ids
+    from sparseserve.workloads.datasets import haystack_token_ids
     from sparseserve.engine.engine import LLMEngine
     from sparseserve.sampling_params import SamplingParams
+
     tok = load_tokenizer(model)
     try:
         prompts = [haystack_token_ids(tok, prompt_len, f"locality:{i}") for i in range(batch)]
     except FileNotFoundError as e:  # a plain clone: no essays
-        from sparseserve.bench.tasks import PASSKEY_FILLER
+        from sparseserve.workloads.tasks import PASSKEY_FILLER
+
         print(f"note: {e}; the prompts are the built-in filler sentences instead", file=sys.stderr)
         ids = tok.encode(PASSKEY_FILLER, add_special_tokens=False)
         ids = ids * (prompt_len // len(ids) + batch + 1)
-        prompts = [ids[i * 7: i * 7 + prompt_len] for i in range(batch)]
-    kw = dict(model=model, load_format=load_format, device=device, dtype=dtype, max_model_len=prompt_len + steps + 1,
-              max_num_seqs=batch, sparse_policy="topk", sparse_budget=budget, enforce_eager=True)
+        prompts = [ids[i * 7 : i * 7 + prompt_len] for i in range(batch)]
+    kw = dict(
+        model=model,
+        load_format=load_format,
+        device=device,
+        dtype=dtype,
+        max_model_len=prompt_len + steps + 1,
+        max_num_seqs=batch,
+        sparse_policy="topk",
+        sparse_budget=budget,
+        enforce_eager=True,
+    )
     engine = LLMEngine.from_kwargs(**{**kw, **engine_args})
     runner = engine.model_runner
     backend = runner.attn_backend
@@ -168,12 +198,25 @@ def measure(model: str, *, prompt_len: int, batch: int, steps: int, budget: int,
         ws = union * mean["listed"] * lists if union is not None else None
         implications = {
             "head_blocks_listed_per_request_step": mean["listed"] * lists,
-            "new_head_blocks_per_request_step": per_step, "new_MB_per_request_step": per_step * head_block / 1e6,
+            "new_head_blocks_per_request_step": per_step,
+            "new_MB_per_request_step": per_step * head_block / 1e6,
             "working_set_head_blocks_per_request": ws,
-            "working_set_GB_per_request": ws * head_block / 1e9 if ws is not None else None}
-    return {"model": model, "load_format": load_format, "prompt_len": prompt_len, "batch": batch, "steps": steps,
-            "budget": budget, "block_size": bs, "window": window, "sink_counted": sink, "layers": rows,
-            "mean": mean, "implications": implications}
+            "working_set_GB_per_request": ws * head_block / 1e9 if ws is not None else None,
+        }
+    return {
+        "model": model,
+        "load_format": load_format,
+        "prompt_len": prompt_len,
+        "batch": batch,
+        "steps": steps,
+        "budget": budget,
+        "block_size": bs,
+        "window": window,
+        "sink_counted": sink,
+        "layers": rows,
+        "mean": mean,
+        "implications": implications,
+    }
 
 
 def _model_arg(model: str) -> str:
@@ -184,6 +227,7 @@ def _model_arg(model: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     from sparseserve.bench.accuracy import parse_engine_args
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="model directory, GGUF, smollm2, or 8b (Llama-3.1-8B shapes)")
     p.add_argument("--load-format", default="auto", help="auto, or dummy (random weights)")
@@ -195,20 +239,36 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-sink", action="store_true", help="leave the sink blocks (always listed) out")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, else auto")
-    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra engine argument (repeatable), e.g. sparse_reuse=4")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra engine argument (repeatable), e.g. sparse_reuse=4",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     on_gpu = torch.cuda.is_available() and args.device != "cpu"
-    result = measure(_model_arg(args.model), prompt_len=args.prompt_len, batch=args.batch, steps=args.steps,
-                     budget=args.budget, window=args.window, load_format=args.load_format, device=args.device,
-                     dtype=args.dtype or ("bfloat16" if on_gpu else "auto"), sink=not args.no_sink,
-                     **parse_engine_args(args.engine_arg))
+    result = measure(
+        _model_arg(args.model),
+        prompt_len=args.prompt_len,
+        batch=args.batch,
+        steps=args.steps,
+        budget=args.budget,
+        window=args.window,
+        load_format=args.load_format,
+        device=args.device,
+        dtype=args.dtype or ("bfloat16" if on_gpu else "auto"),
+        sink=not args.no_sink,
+        **parse_engine_args(args.engine_arg),
+    )
     result["model"] = args.model
     result["date"] = datetime.date.today().isoformat()
-    print_table(result["layers"] + [result["mean"]],
-                f"{args.model} ({args.load_format}): topk {args.budget}, {args.prompt_len}-token essays, "
-                f"{args.steps} decode steps x {args.batch}; listed = blocks a list asks the pool for")
+    print_table(
+        result["layers"] + [result["mean"]],
+        f"{args.model} ({args.load_format}): topk {args.budget}, {args.prompt_len}-token essays, "
+        f"{args.steps} decode steps x {args.batch}; listed = blocks a list asks the pool for",
+    )
     if result["implications"]:
         print_table([result["implications"]], "per decoding request (all sparse layers and KV heads)")
     if args.json:

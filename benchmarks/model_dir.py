@@ -7,6 +7,7 @@ and, unless --config-only (for load_format='dummy'), random bf16 safetensors tha
 --embedded-vocab: the embedded tokenizer's vocabulary (4,096) instead of the preset's: a server then decodes
 every id (serving benchmarks); without it ids past the tokenizer's vocabulary decode to nothing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,28 +18,70 @@ from typing import Any
 
 from sparseserve.models.loader import DEFAULT_MODEL_DIR
 
-_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 PRESETS: dict[str, dict[str, Any]] = {
-    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-                         rope_parameters=_LLAMA3_ROPE, tie_word_embeddings=False,
-                         bos_token_id=128000, eos_token_id=128001),
+    "llama-3.1-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        rope_parameters=_LLAMA3_ROPE,
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    ),
     # Llama-2-7B / LWM-7B (the paper's MHA model): 32 KV heads; positions for 32K prompts plus outputs.
-    "mha7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=65536,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-                  bos_token_id=1, eos_token_id=2),
+    "mha7b": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=65536,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Llama-3-8B-262K (the paper's GQA model): Llama-3-8B's shapes with 262,144 positions.
-    "gqa8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=262144,
-                  rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=False,
-                  bos_token_id=128000, eos_token_id=128001),
+    "gqa8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=262144,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    ),
     # SmolLM2-135M's shapes (the real model of the GGUF tests): group size 3, tied embeddings.
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                         rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
+    "smollm2-135m": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 SHAPES = {"8b": "llama-3.1-8b", "mha7b": "mha7b", "gqa8b": "gqa8b"}  # gpu_serve_check.sh's SHAPE names
 
@@ -54,8 +97,9 @@ def model_config(preset: str, embedded_vocab: bool = False) -> dict[str, Any]:
     return cfg
 
 
-def make_model_dir(out: Path, preset: str = "llama-3.1-8b", *, embedded_vocab: bool = False,
-                   weights: bool = False, seed: int = 0) -> Path:
+def make_model_dir(
+    out: Path, preset: str = "llama-3.1-8b", *, embedded_vocab: bool = False, weights: bool = False, seed: int = 0
+) -> Path:
     """Writes config.json and the tokenizer files (and with `weights` the safetensors) into `out`."""
     cfg = model_config(preset, embedded_vocab)
     out.mkdir(parents=True, exist_ok=True)
@@ -92,16 +136,19 @@ def _write_weights(out: Path, c: dict[str, Any], seed: int) -> None:
         tensors = {"model.embed_tokens.weight": rand(c["vocab_size"], hidden)} if s == 0 else {}
         for i in layer_ids:
             p = f"model.layers.{i}."
-            tensors.update({
-                p + "self_attn.q_proj.weight": rand(hidden, hidden),
-                p + "self_attn.k_proj.weight": rand(kv, hidden),
-                p + "self_attn.v_proj.weight": rand(kv, hidden),
-                p + "self_attn.o_proj.weight": rand(hidden, hidden, std=out_std),
-                p + "mlp.gate_proj.weight": rand(inter, hidden),
-                p + "mlp.up_proj.weight": rand(inter, hidden),
-                p + "mlp.down_proj.weight": rand(hidden, inter, std=out_std),
-                p + "input_layernorm.weight": ones(hidden),
-                p + "post_attention_layernorm.weight": ones(hidden)})
+            tensors.update(
+                {
+                    p + "self_attn.q_proj.weight": rand(hidden, hidden),
+                    p + "self_attn.k_proj.weight": rand(kv, hidden),
+                    p + "self_attn.v_proj.weight": rand(kv, hidden),
+                    p + "self_attn.o_proj.weight": rand(hidden, hidden, std=out_std),
+                    p + "mlp.gate_proj.weight": rand(inter, hidden),
+                    p + "mlp.up_proj.weight": rand(inter, hidden),
+                    p + "mlp.down_proj.weight": rand(hidden, inter, std=out_std),
+                    p + "input_layernorm.weight": ones(hidden),
+                    p + "post_attention_layernorm.weight": ones(hidden),
+                }
+            )
         if s == len(shards) - 1:
             tensors["model.norm.weight"] = ones(hidden)
             if not c["tie_word_embeddings"]:
@@ -111,7 +158,8 @@ def _write_weights(out: Path, c: dict[str, Any], seed: int) -> None:
         weight_map.update(dict.fromkeys(tensors, name))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
     (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -124,8 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if (args.out / "config.json").exists():
         raise SystemExit(f"{args.out} exists; remove it first")
-    make_model_dir(args.out, args.preset, embedded_vocab=args.embedded_vocab, weights=not args.config_only,
-                   seed=args.seed)
+    make_model_dir(
+        args.out, args.preset, embedded_vocab=args.embedded_vocab, weights=not args.config_only, seed=args.seed
+    )
     print(f"wrote {args.out} ({args.preset}{', weights' if not args.config_only else ', config only'})")
 
 

@@ -22,6 +22,7 @@ wall time of an engine step in which every request decodes), HBM hit ratio (list
 head blocks loaded and bypass reads. Runs on CPU too (a smoke test on a tiny model). --repeats N: each pair N
 times, medians; --host-profile DIR: a cProfile of each engine's decode steps and where the host's time goes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,7 +47,7 @@ DTYPE = torch.bfloat16
 def h2d_bench(num_blocks: int = 2048, store_blocks: int = 65536, bs: int = 32, d: int = 128) -> list[dict]:
     """GB/s of moving num_blocks random head blocks ([2, bs, d] bf16 = 16 KB) host -> HBM."""
     host = torch.empty(store_blocks, 2, bs, d, dtype=DTYPE, pin_memory=True)
-    host.view(torch.int16).random_(-2**15, 2**15 - 1)
+    host.view(torch.int16).random_(-(2**15), 2**15 - 1)
     slots = torch.empty(num_blocks + 1, 2, bs, d, dtype=DTYPE, device="cuda")
     key = torch.randperm(store_blocks)[:num_blocks].cuda()
     load = torch.arange(num_blocks, device="cuda")
@@ -60,17 +61,22 @@ def h2d_bench(num_blocks: int = 2048, store_blocks: int = 65536, bs: int = 32, d
             slots[i].copy_(host[k], non_blocking=True)
 
     rows = []
-    for name, fn in [("one large pinned copy", lambda: dst.copy_(contiguous, non_blocking=True)),
-                     ("FlashH2D (Triton, UVA gather)", lambda: flash_h2d_triton(host, slots, key, load)),
-                     ("per-block copy loop", per_block)] + [
-                     (f"FlashH2D chunk={c} warps={w}", lambda c=c, w=w: flash_h2d_triton(host, slots, key, load, c, w))
-                     for c in (1024, 2048, 8192) for w in (2, 4, 8)]:
+    for name, fn in [
+        ("one large pinned copy", lambda: dst.copy_(contiguous, non_blocking=True)),
+        ("FlashH2D (Triton, UVA gather)", lambda: flash_h2d_triton(host, slots, key, load)),
+        ("per-block copy loop", per_block),
+    ] + [
+        (f"FlashH2D chunk={c} warps={w}", lambda c=c, w=w: flash_h2d_triton(host, slots, key, load, c, w))
+        for c in (1024, 2048, 8192)
+        for w in (2, 4, 8)
+    ]:
         ms = _time_ms(fn, iters=20)
         rows.append({"h2d": name, "blocks": num_blocks, "MB": nbytes / 1e6, "ms": ms, "GB/s": nbytes / ms / 1e6})
     flash_h2d_triton(host, slots, key, load)
     # Bit patterns, not values: random bits include NaNs, which never compare equal.
-    assert torch.equal(slots[:num_blocks].cpu().view(torch.int16), host[key.cpu()].view(torch.int16)), \
+    assert torch.equal(slots[:num_blocks].cpu().view(torch.int16), host[key.cpu()].view(torch.int16)), (
         "FlashH2D gathered wrong blocks"
+    )
     for r in rows:
         r["vs large copy"] = r["GB/s"] / rows[0]["GB/s"]
     return rows
@@ -79,6 +85,7 @@ def h2d_bench(num_blocks: int = 2048, store_blocks: int = 65536, bs: int = 32, d
 def d2h_bench(tokens: int = 32768, hkv: int = 8, d: int = 128, bs: int = 32) -> list[dict]:
     """One layer's new K/V of a `tokens` prefill leaving the GPU into the host store's block layout."""
     from sparseserve.kvcache.host import HostKVStore
+
     nblk = tokens // bs
     store = HostKVStore(1, nblk, hkv, bs, d, DTYPE, pin=True, device=torch.device("cuda"))
     store.attach_d2h(tokens, max_seqs=1)
@@ -110,8 +117,9 @@ def d2h_bench(tokens: int = 32768, hkv: int = 8, d: int = 128, bs: int = 32) -> 
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         ms = sorted(times)[2] * 1e3
-        rows.append({"d2h (one layer)": name, "tokens": tokens, "MB": nbytes / 1e6, "ms": ms,
-                     "GB/s": nbytes / ms / 1e6})
+        rows.append(
+            {"d2h (one layer)": name, "tokens": tokens, "MB": nbytes / 1e6, "ms": ms, "GB/s": nbytes / ms / 1e6}
+        )
     flash()
     assert torch.equal(store.data[0, :nblk], cache.cpu()), "FlashD2H scattered wrong tokens"
     return rows
@@ -135,11 +143,18 @@ def prefill_bench(model: str, tokens: int = 32768, reps: int = 3) -> list[dict]:
     """Prefill time of one `tokens` prompt: no saving (sparse topk, no offload) and FlashD2H saving (the host
     store's writes included: get_stats(sync=True) waits for them)."""
     from sparseserve.sampling_params import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     rows = []
     for name, kw in [("no saving", dict(sparse_policy="topk", sparse_budget=2048)), ("FlashD2H saving", OFFLOAD)]:
-        engine = _engine(model, max_model_len=tokens + 64, max_num_seqs=1, max_num_batched_tokens=8192,
-                         gpu_memory_utilization=0.6, **kw)
+        engine = _engine(
+            model,
+            max_model_len=tokens + 64,
+            max_num_seqs=1,
+            max_num_batched_tokens=8192,
+            gpu_memory_utilization=0.6,
+            **kw,
+        )
         times = []
         for r in range(reps + 1):
             engine.add_request(f"p{r}", _prompts(1, tokens, seed=r)[0], params)
@@ -163,23 +178,44 @@ def _head_block_gib(engine) -> float:
     return 2 * runner.block_size * runner.arch.head_dim * runner.dtype.itemsize / 2**30
 
 
-def capacity_run(model: str, n: int, gpu_gb: float, output_len: int, prompt_len: int, offload: bool,
-                 host_gb: float, reuse: int = 1, profile: bool = False, working_set_control: bool | None = None,
-                 **engine_args) -> dict:
+def capacity_run(
+    model: str,
+    n: int,
+    gpu_gb: float,
+    output_len: int,
+    prompt_len: int,
+    offload: bool,
+    host_gb: float,
+    reuse: int = 1,
+    profile: bool = False,
+    working_set_control: bool | None = None,
+    **engine_args,
+) -> dict:
     """working_set_control: the offload run's working-set-aware batch control on or off (None: the engine's
     default); engine_args: more options of the offload run (dense, the baseline, runs with its defaults).
     profile: a torch profile of one real decode step (its kernel table)."""
     from sparseserve.sampling_params import SamplingParams
+
     total = torch.cuda.get_device_properties(0).total_memory
-    kw = (dict(OFFLOAD, host_kv_memory=int(host_gb * 2**30), sparse_reuse=reuse) if offload
-          else dict(sparse_policy="dense"))
+    kw = (
+        dict(OFFLOAD, host_kv_memory=int(host_gb * 2**30), sparse_reuse=reuse)
+        if offload
+        else dict(sparse_policy="dense")
+    )
     if offload and working_set_control is not None:
         kw["working_set_control"] = working_set_control
     if offload:
         kw.update(engine_args)
     log = StepLog(timing=True)  # GPU time of each decode graph's replay; eager steps: the sparse phases
-    engine = _engine(model, log, max_model_len=prompt_len + output_len, max_num_seqs=max(n, 1),
-                     max_num_batched_tokens=8192, gpu_memory_utilization=gpu_gb * 1e9 / total, **kw)
+    engine = _engine(
+        model,
+        log,
+        max_model_len=prompt_len + output_len,
+        max_num_seqs=max(n, 1),
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=gpu_gb * 1e9 / total,
+        **kw,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, p in enumerate(_prompts(n, prompt_len)):
         engine.add_request(f"c{i}", p, params)
@@ -196,6 +232,7 @@ def capacity_run(model: str, n: int, gpu_gb: float, output_len: int, prompt_len:
         ts = time.perf_counter()
         if torch_profile:  # the kernels of one real decode step
             from torch.profiler import ProfilerActivity, profile as tprofile
+
             with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
                 engine.step()
                 torch.cuda.synchronize()
@@ -219,15 +256,19 @@ def capacity_run(model: str, n: int, gpu_gb: float, output_len: int, prompt_len:
     stats = engine.get_stats(sync=True)
     config = f"topk 2048 + kv_offload, R={reuse}" + (", working-set control" if kw.get("working_set_control") else "")
     config += "".join(f", {k}={v}" for k, v in engine_args.items() if offload)
-    out = {"config": config if offload else "dense", "requests": n,
-           "max_running": max_running, "decode_tok_s": decode_tokens / decode_s if decode_s else None,
-           "decode_step_ms": 1e3 * decode_s / decode_steps if decode_steps else None,
-           "graph_ms": replays[len(replays) // 2] if replays else None,
-           # Mean and 90th percentile too: with reuse, steps where many lists are recomputed load most misses.
-           "graph_ms_mean": sum(replays) / len(replays) if replays else None,
-           "graph_ms_p90": replays[int(0.9 * (len(replays) - 1))] if replays else None,
-           "total_s": time.perf_counter() - t0,
-           "preemptions": stats.num_preemptions}
+    out = {
+        "config": config if offload else "dense",
+        "requests": n,
+        "max_running": max_running,
+        "decode_tok_s": decode_tokens / decode_s if decode_s else None,
+        "decode_step_ms": 1e3 * decode_s / decode_steps if decode_steps else None,
+        "graph_ms": replays[len(replays) // 2] if replays else None,
+        # Mean and 90th percentile too: with reuse, steps where many lists are recomputed load most misses.
+        "graph_ms_mean": sum(replays) / len(replays) if replays else None,
+        "graph_ms_p90": replays[int(0.9 * (len(replays) - 1))] if replays else None,
+        "total_s": time.perf_counter() - t0,
+        "preemptions": stats.num_preemptions,
+    }
     if offload:
         lookups = stats.offload_hbm_hits + stats.offload_blocks_loaded + stats.offload_bypass_reads
         out["hbm_hit_ratio"] = stats.offload_hbm_hits / lookups if lookups else None
@@ -245,7 +286,8 @@ def capacity_run(model: str, n: int, gpu_gb: float, output_len: int, prompt_len:
 def real_prompts(model: str, n: int, length: int, seed: int = 0) -> list[list[int]]:
     """n prompts of `length` tokens of the essays (the model's tokenizer), each from its own seeded start."""
     from sparseserve.bench.accuracy import load_tokenizer
-    from sparseserve.bench.datasets import haystack_token_ids
+    from sparseserve.workloads.datasets import haystack_token_ids
+
     tok = load_tokenizer(model)
     return [haystack_token_ids(tok, length, f"offload-real:{seed}:{i}") for i in range(n)]
 
@@ -261,28 +303,50 @@ class RealRun:
     margins: also keep each step's top-2 logprobs (for `divergence`; it adds work to every step, so TPOT then is
     not comparable with runs without it)."""
 
-    def __init__(self, model: str, prompts: list[list[int]], output_len: int, offload: bool, budget: int = 1024,
-                 pool_steps: float | None = None, device: str = "auto", dtype: str = "auto", margins: bool = False,
-                 **engine_args) -> None:
+    def __init__(
+        self,
+        model: str,
+        prompts: list[list[int]],
+        output_len: int,
+        offload: bool,
+        budget: int = 1024,
+        pool_steps: float | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        margins: bool = False,
+        **engine_args,
+    ) -> None:
         from sparseserve.sampling_params import SamplingParams
+
         self.n, self.prompt_len = len(prompts), max(len(p) for p in prompts)
         self.offload, self.budget, self.output_len, self.margins = offload, budget, output_len, margins
-        kw = dict(model=model, device=device, dtype=dtype, max_model_len=self.prompt_len + output_len,
-                  max_num_seqs=self.n, sparse_policy="topk", sparse_budget=budget, **engine_args)
+        kw = dict(
+            model=model,
+            device=device,
+            dtype=dtype,
+            max_model_len=self.prompt_len + output_len,
+            max_num_seqs=self.n,
+            sparse_policy="topk",
+            sparse_budget=budget,
+            **engine_args,
+        )
         if offload:
             kw["kv_offload"] = True
             if pool_steps is not None:
                 from sparseserve.models.config import ArchConfig
                 from sparseserve.models.loader import load_hf_config, resolve_model_dir
+
                 a = ArchConfig.from_hf(load_hf_config(resolve_model_dir(model)))
                 sparse_layers = a.num_layers - kw.get("sparse_dense_layers", 2)
-                kw["hbm_cache_blocks"] = max(1, int(pool_steps * self.n * sparse_layers * a.num_kv_heads
-                                                    * (budget // kw.get("block_size", 32))))
+                kw["hbm_cache_blocks"] = max(
+                    1, int(pool_steps * self.n * sparse_layers * a.num_kv_heads * (budget // kw.get("block_size", 32)))
+                )
         # the engine's profiler: each step's schedule, and the decode graphs' GPU time (CUDA graphs only)
         self.log = StepLog(timing=True)
         self.engine = build_engine(self.log, **kw)
-        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
-                                logprobs=2 if margins else None)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=output_len, ignore_eos=True, logprobs=2 if margins else None
+        )
         for i, p in enumerate(prompts):
             self.engine.add_request(f"r{i}", p, params)
         self.step_s: list[float] = []
@@ -330,21 +394,33 @@ class RealRun:
         engine, n, steps = self.engine, self.n, self.step_s
         stats = engine.get_stats(sync=True)
         graph = self.log.times_ms("graph", self.graph_events)
-        out = {"config": f"topk {self.budget}" + (" + KV offload" if self.offload else ", all KV in HBM"), "batch": n,
-               "prompt_len": self.prompt_len, "output_len": self.output_len, "max_running": self.max_running,
-               "decode_steps": len(steps),
-               "tpot_ms": 1e3 * sum(steps) / len(steps) if steps else None,
-               "tpot_median_ms": 1e3 * statistics.median(steps) if steps else None,
-               "graph_median_ms": statistics.median(graph) if graph else None,
-               "total_s": self.total_s, "preemptions": stats.num_preemptions,
-               "tokens_attended": (stats.sparse_blocks_selected * engine.config.cache_config.block_size
-                                   / stats.sparse_selections) if stats.sparse_selections else None}
+        out = {
+            "config": f"topk {self.budget}" + (" + KV offload" if self.offload else ", all KV in HBM"),
+            "batch": n,
+            "prompt_len": self.prompt_len,
+            "output_len": self.output_len,
+            "max_running": self.max_running,
+            "decode_steps": len(steps),
+            "tpot_ms": 1e3 * sum(steps) / len(steps) if steps else None,
+            "tpot_median_ms": 1e3 * statistics.median(steps) if steps else None,
+            "graph_median_ms": statistics.median(graph) if graph else None,
+            "total_s": self.total_s,
+            "preemptions": stats.num_preemptions,
+            "tokens_attended": (
+                stats.sparse_blocks_selected * engine.config.cache_config.block_size / stats.sparse_selections
+            )
+            if stats.sparse_selections
+            else None,
+        }
         if self.offload:
             lookups = stats.offload_hbm_hits + stats.offload_blocks_loaded + stats.offload_bypass_reads
-            out.update(hbm_hit_ratio=stats.offload_hbm_hits / lookups if lookups else None,
-                       blocks_loaded=stats.offload_blocks_loaded, bypass_reads=stats.offload_bypass_reads,
-                       h2d_GB=stats.offload_h2d_bytes / 1e9,
-                       hbm_pool_GiB=stats.offload_hbm_slots * _head_block_gib(engine))
+            out.update(
+                hbm_hit_ratio=stats.offload_hbm_hits / lookups if lookups else None,
+                blocks_loaded=stats.offload_blocks_loaded,
+                bypass_reads=stats.offload_bypass_reads,
+                h2d_GB=stats.offload_h2d_bytes / 1e9,
+                hbm_pool_GiB=stats.offload_hbm_slots * _head_block_gib(engine),
+            )
         if self.host_profile is not None:
             out["host_profile_steps"] = self.profiled_steps
             out["_host_profile"] = self.host_profile
@@ -354,9 +430,19 @@ class RealRun:
         return out
 
 
-def real_run(model: str, prompts: list[list[int]], output_len: int, offload: bool, budget: int = 1024,
-             pool_steps: float | None = None, device: str = "auto", dtype: str = "auto", margins: bool = False,
-             host_profile: bool = False, **engine_args) -> dict:
+def real_run(
+    model: str,
+    prompts: list[list[int]],
+    output_len: int,
+    offload: bool,
+    budget: int = 1024,
+    pool_steps: float | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    margins: bool = False,
+    host_profile: bool = False,
+    **engine_args,
+) -> dict:
     """One engine alone, run to the end (RealRun; host_profile: a cProfile of its decode steps)."""
     free_memory()
     run = RealRun(model, prompts, output_len, offload, budget, pool_steps, device, dtype, margins, **engine_args)
@@ -366,9 +452,20 @@ def real_run(model: str, prompts: list[list[int]], output_len: int, offload: boo
     return run.result()
 
 
-def real_pair(model: str, prompts: list[list[int]], output_len: int, budget: int = 1024,
-              pool_steps: float | None = None, device: str = "auto", dtype: str = "auto", margins: bool = False,
-              block: int = 1, skip: int = 0, host_profile: bool = False, **engine_args) -> tuple[dict, dict]:
+def real_pair(
+    model: str,
+    prompts: list[list[int]],
+    output_len: int,
+    budget: int = 1024,
+    pool_steps: float | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    margins: bool = False,
+    block: int = 1,
+    skip: int = 0,
+    host_profile: bool = False,
+    **engine_args,
+) -> tuple[dict, dict]:
     """All KV in HBM and KV offload side by side in one process, both engines alive, stepped in turn `block` steps
     at a time (the first `skip` of each block untimed: under async scheduling a block's first steps overlap the
     other engine's step in flight): a shared machine's slow and fast periods then fall on both alike. Each engine
@@ -376,8 +473,22 @@ def real_pair(model: str, prompts: list[list[int]], output_len: int, budget: int
     free_memory()
     util = engine_args.pop("gpu_memory_utilization", 0.9)
     # The second engine's share counts the first's memory as used (runner: total * utilization - used).
-    runs = [RealRun(model, prompts, output_len, off, budget, pool_steps, device, dtype, margins,
-                    gpu_memory_utilization=util * (1 + off) / 2, **engine_args) for off in (False, True)]
+    runs = [
+        RealRun(
+            model,
+            prompts,
+            output_len,
+            off,
+            budget,
+            pool_steps,
+            device,
+            dtype,
+            margins,
+            gpu_memory_utilization=util * (1 + off) / 2,
+            **engine_args,
+        )
+        for off in (False, True)
+    ]
     for run in runs:
         run.host_profile = cProfile.Profile() if host_profile else None
     while not all(r.done for r in runs):
@@ -389,8 +500,9 @@ def real_pair(model: str, prompts: list[list[int]], output_len: int, budget: int
     return runs[0].result(), runs[1].result()
 
 
-def divergence(base_tokens: list[list[int]], base_margins: list[list[float]] | None,
-               other_tokens: list[list[int]]) -> dict:
+def divergence(
+    base_tokens: list[list[int]], base_margins: list[list[float]] | None, other_tokens: list[list[int]]
+) -> dict:
     """Where two greedy runs of the same requests part: requests that differ, the first differing position of
     each, and the reference run's top-1 minus top-2 logprob there. A near tie (a margin within the rounding of
     the model's dtype) says the runs parted on rounding, a large margin on a different computation."""
@@ -403,8 +515,11 @@ def divergence(base_tokens: list[list[int]], base_margins: list[list[float]] | N
         firsts.append(k)
         if base_margins is not None and k < len(base_margins[i]):
             at.append(base_margins[i][k])
-    return {"requests_differing": len(firsts), "first_difference_at": sorted(firsts),
-            "margin_at_difference": sorted(at) if base_margins is not None else None}
+    return {
+        "requests_differing": len(firsts),
+        "first_difference_at": sorted(firsts),
+        "margin_at_difference": sorted(at) if base_margins is not None else None,
+    }
 
 
 def _flat(rows: list[dict]) -> list[dict]:
@@ -412,10 +527,21 @@ def _flat(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in ("divergence", "repeats")} for r in rows]
 
 
-def real_bench(model: str, batches: list[int], prompt_len: int | None, output_len: int, budget: int = 1024,
-               pool_steps: float | None = None, device: str = "auto", dtype: str = "auto", margins: bool = False,
-               interleave: bool = True, repeats: int = 1, host_profile: str | None = None,
-               **engine_args) -> list[dict]:
+def real_bench(
+    model: str,
+    batches: list[int],
+    prompt_len: int | None,
+    output_len: int,
+    budget: int = 1024,
+    pool_steps: float | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    margins: bool = False,
+    interleave: bool = True,
+    repeats: int = 1,
+    host_profile: str | None = None,
+    **engine_args,
+) -> list[dict]:
     """Per batch size: topk with every block in HBM and with KV offload, on the same prompts, side by side
     (real_pair; interleave False: one after the other, real_run); the offload row carries its TPOT ratio to the
     HBM-only row. prompt_len None: the model's context less output_len. repeats > 1: the pair runs that many
@@ -426,40 +552,92 @@ def real_bench(model: str, batches: list[int], prompt_len: int | None, output_le
     include the profiler's overhead."""
     if prompt_len is None:
         from sparseserve.bench.accuracy import model_context
+
         prompt_len = model_context(model) - output_len
     prompts = real_prompts(model, max(batches), prompt_len)
     if host_profile:
         Path(host_profile).mkdir(parents=True, exist_ok=True)
     rows = []
     for b in batches:
-        pairs = [_real_compared(model, prompts[:b], output_len, budget, pool_steps, device, dtype, margins, interleave,
-                                host_profile and str(Path(host_profile) / f"host_{{}}_b{b}_r{r}.prof"), **engine_args)
-                 for r in range(repeats)]
+        pairs = [
+            _real_compared(
+                model,
+                prompts[:b],
+                output_len,
+                budget,
+                pool_steps,
+                device,
+                dtype,
+                margins,
+                interleave,
+                host_profile and str(Path(host_profile) / f"host_{{}}_b{b}_r{r}.prof"),
+                **engine_args,
+            )
+            for r in range(repeats)
+        ]
         pair = pairs[0] if repeats == 1 else [_median_row([p[k] for p in pairs]) for k in (0, 1)]
         rows += pair
         print_table(_flat(pair), "")
     return rows
 
 
-def _real_compared(model: str, prompts: list[list[int]], output_len: int, budget: int, pool_steps: float | None,
-                   device: str, dtype: str, margins: bool, interleave: bool, profile_path: str | None,
-                   **engine_args) -> list[dict]:
+def _real_compared(
+    model: str,
+    prompts: list[list[int]],
+    output_len: int,
+    budget: int,
+    pool_steps: float | None,
+    device: str,
+    dtype: str,
+    margins: bool,
+    interleave: bool,
+    profile_path: str | None,
+    **engine_args,
+) -> list[dict]:
     """One HBM / offload pair of real_bench, the offload row with its ratios and the token check; profile_path:
     where each engine's host profile goes ({} = hbm / offload)."""
     if interleave:
-        pair = list(real_pair(model, prompts, output_len, budget, pool_steps, device, dtype, margins,
-                              block=32 if engine_args.get("async_scheduling") else 1,
-                              skip=2 if engine_args.get("async_scheduling") else 0,
-                              host_profile=bool(profile_path), **engine_args))
+        pair = list(
+            real_pair(
+                model,
+                prompts,
+                output_len,
+                budget,
+                pool_steps,
+                device,
+                dtype,
+                margins,
+                block=32 if engine_args.get("async_scheduling") else 1,
+                skip=2 if engine_args.get("async_scheduling") else 0,
+                host_profile=bool(profile_path),
+                **engine_args,
+            )
+        )
     else:
-        pair = [real_run(model, prompts, output_len, off, budget, pool_steps, device, dtype, margins,
-                         host_profile=bool(profile_path), **engine_args) for off in (False, True)]
+        pair = [
+            real_run(
+                model,
+                prompts,
+                output_len,
+                off,
+                budget,
+                pool_steps,
+                device,
+                dtype,
+                margins,
+                host_profile=bool(profile_path),
+                **engine_args,
+            )
+            for off in (False, True)
+        ]
     for row, name in zip(pair, ("hbm", "offload")):
         prof = row.pop("_host_profile", None)
         if prof is not None:
             prof.dump_stats(profile_path.format(name))
-            print_table(host_profile_table(pstats.Stats(prof), row["host_profile_steps"]),
-                        f"{name}, batch {len(prompts)}: host time a decode step under cProfile")
+            print_table(
+                host_profile_table(pstats.Stats(prof), row["host_profile_steps"]),
+                f"{name}, batch {len(prompts)}: host time a decode step under cProfile",
+            )
     base, off = pair
     off["tpot_vs_hbm"] = off["tpot_ms"] / base["tpot_ms"] if off["tpot_ms"] and base["tpot_ms"] else None
     if off["tpot_median_ms"] and base["tpot_median_ms"]:
@@ -480,9 +658,16 @@ def _real_compared(model: str, prompts: list[list[int]], output_len: int, budget
 def host_profile_table(stats: pstats.Stats, steps: int, top: int = 15) -> list[dict]:
     """The engine's functions with the most cumulative host time a step (microseconds; the profiler inflates
     Python calls, so compare rows of one run, not with unprofiled times)."""
-    rows = [{"function": f"{file.rsplit('sparseserve/', 1)[-1]}:{line}({name})", "calls_per_step": nc / steps,
-             "self_us": 1e6 * tt / steps, "cumulative_us": 1e6 * ct / steps}
-            for (file, line, name), (_, nc, tt, ct, _) in stats.stats.items() if "sparseserve" in file]
+    rows = [
+        {
+            "function": f"{file.rsplit('sparseserve/', 1)[-1]}:{line}({name})",
+            "calls_per_step": nc / steps,
+            "self_us": 1e6 * tt / steps,
+            "cumulative_us": 1e6 * ct / steps,
+        }
+        for (file, line, name), (_, nc, tt, ct, _) in stats.stats.items()
+        if "sparseserve" in file
+    ]
     return sorted(rows, key=lambda r: -r["cumulative_us"])[:top] if steps else []
 
 
@@ -503,6 +688,7 @@ def _median_row(runs: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     from sparseserve.bench.accuracy import parse_engine_args
+
     p.add_argument("--transfers", action="store_true", help="FlashH2D / FlashD2H against their contrasts")
     p.add_argument("--prefill", metavar="MODEL", help="32K prefill with and without FlashD2H saving")
     p.add_argument("--capacity", metavar="MODEL", help="concurrency and decode throughput, dense vs offload")
@@ -510,49 +696,97 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--offload-requests", default="20,24", help="request counts for offload (--capacity)")
     p.add_argument("--profile", action="store_true", help="kernel table of one decode graph replay (--capacity)")
     p.add_argument("--reuse", default="1", help="sparse_reuse values for offload (--capacity)")
-    p.add_argument("--working-set-control", default=None,
-                   help="working-set-aware batch control of the offload runs: on, off, or on,off for both (--capacity; "
-                        "default: the engine's)")
+    p.add_argument(
+        "--working-set-control",
+        default=None,
+        help="working-set-aware batch control of the offload runs: on, off, or on,off for both (--capacity; "
+        "default: the engine's)",
+    )
     p.add_argument("--gpu-memory-gb", type=float, default=40.0, help="GPU memory cap (--capacity)")
     p.add_argument("--host-kv-gb", type=float, default=100.0, help="host KV store size (--capacity)")
     p.add_argument("--real", metavar="MODEL", help="KV offload on a real model (e.g. smollm2) vs all KV in HBM")
     p.add_argument("--batches", default="1,2,4,8,16,32", help="request counts (--real)")
     p.add_argument("--budget", type=int, default=1024, help="topk sparse_budget (--real)")
-    p.add_argument("--pool-steps", type=float, default=None,
-                   help="HBM pool in decode steps' selections of the batch (--real; default: the engine's, one)")
+    p.add_argument(
+        "--pool-steps",
+        type=float,
+        default=None,
+        help="HBM pool in decode steps' selections of the batch (--real; default: the engine's, one)",
+    )
     p.add_argument("--device", default="auto", help="auto, cuda or cpu (--real)")
-    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra engine argument (repeatable), e.g. sparse_reuse=4: of both sides with --real, of the "
-                        "offload runs with --capacity")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra engine argument (repeatable), e.g. sparse_reuse=4: of both sides with --real, of the "
+        "offload runs with --capacity",
+    )
     p.add_argument("--dtype", default=None, help="model dtype (--real; default: bfloat16 on a GPU, else auto)")
-    p.add_argument("--prompt-len", type=int, default=None,
-                   help="prompt tokens (default: 32768; --real: the model's context less --output-len)")
+    p.add_argument(
+        "--prompt-len",
+        type=int,
+        default=None,
+        help="prompt tokens (default: 32768; --real: the model's context less --output-len)",
+    )
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--margins", action="store_true",
-                   help="--real: where the two runs' greedy tokens part, the top-1 minus top-2 logprob of the "
-                        "all-in-HBM run there (a near tie: rounding; TPOT then includes computing the logprobs)")
-    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
-                   help="--real: both engines alive in one process, stepped in turn (default), or one after the other")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="--real: runs of each pair (fresh engines); the table holds each number's median")
-    p.add_argument("--host-profile", metavar="DIR", default=None,
-                   help="--real: a cProfile of each engine's decode steps into DIR, and a table of where the host's "
-                        "time goes (the rows' times then include the profiler's overhead)")
+    p.add_argument(
+        "--margins",
+        action="store_true",
+        help="--real: where the two runs' greedy tokens part, the top-1 minus top-2 logprob of the "
+        "all-in-HBM run there (a near tie: rounding; TPOT then includes computing the logprobs)",
+    )
+    p.add_argument(
+        "--interleave",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--real: both engines alive in one process, stepped in turn (default), or one after the other",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="--real: runs of each pair (fresh engines); the table holds each number's median",
+    )
+    p.add_argument(
+        "--host-profile",
+        metavar="DIR",
+        default=None,
+        help="--real: a cProfile of each engine's decode steps into DIR, and a table of where the host's "
+        "time goes (the rows' times then include the profiler's overhead)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     on_gpu = torch.cuda.is_available() and args.device != "cpu"
     if not on_gpu and (args.transfers or args.prefill or args.capacity):
         raise SystemExit("the offload benchmarks need a CUDA GPU (--real also runs on CPU)")
-    result = {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "date": datetime.date.today().isoformat(),
-              "torch": torch.__version__}
+    result = {
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+    }
     if args.real:
-        rows = real_bench(args.real, [int(b) for b in args.batches.split(",") if b], args.prompt_len,
-                          args.output_len, args.budget, args.pool_steps, args.device,
-                          args.dtype or ("bfloat16" if on_gpu else "auto"), args.margins, args.interleave,
-                          args.repeats, args.host_profile, **parse_engine_args(args.engine_arg))
+        rows = real_bench(
+            args.real,
+            [int(b) for b in args.batches.split(",") if b],
+            args.prompt_len,
+            args.output_len,
+            args.budget,
+            args.pool_steps,
+            args.device,
+            args.dtype or ("bfloat16" if on_gpu else "auto"),
+            args.margins,
+            args.interleave,
+            args.repeats,
+            args.host_profile,
+            **parse_engine_args(args.engine_arg),
+        )
         result["real"] = rows
-        print_table(_flat(rows), f"{args.real}: topk {args.budget}, all KV in HBM vs KV offload; TPOT = decode time "
-                                 f"per output token (steps where every request decodes)")
+        print_table(
+            _flat(rows),
+            f"{args.real}: topk {args.budget}, all KV in HBM vs KV offload; TPOT = decode time "
+            f"per output token (steps where every request decodes)",
+        )
     if args.transfers:
         result["h2d"] = h2d_bench()
         print_table(result["h2d"], "Host -> HBM, 2048 random 16 KB head blocks")
@@ -560,24 +794,47 @@ def main(argv: list[str] | None = None) -> None:
         print_table(result["d2h"], "HBM -> host store, one layer of a 32K prefill (8 KV heads, D=128)")
     if args.prefill:
         result["prefill"] = prefill_bench(args.prefill, args.prompt_len or 32768)
-        print_table(result["prefill"], f"Prefill of one {args.prompt_len or 32768}-token prompt, saving to the host "
-                                       f"store")
+        print_table(
+            result["prefill"], f"Prefill of one {args.prompt_len or 32768}-token prompt, saving to the host store"
+        )
     if args.capacity:
         rows = []
-        controls = [None] if args.working_set_control is None else [
-            {"on": True, "off": False}[c] for c in args.working_set_control.split(",")]
+        controls = (
+            [None]
+            if args.working_set_control is None
+            else [{"on": True, "off": False}[c] for c in args.working_set_control.split(",")]
+        )
         runs = [(False, n, 1, None) for n in args.dense_requests.split(",") if n] + [
-            (True, n, r, c) for n in args.offload_requests.split(",") if n for r in args.reuse.split(",")
-            for c in controls]
+            (True, n, r, c)
+            for n in args.offload_requests.split(",")
+            if n
+            for r in args.reuse.split(",")
+            for c in controls
+        ]
         for offload, n, r, c in runs:
-            rows.append(capacity_run(args.capacity, int(n), args.gpu_memory_gb, args.output_len,
-                                     args.prompt_len or 32768, offload, args.host_kv_gb, int(r), args.profile, c,
-                                     **parse_engine_args(args.engine_arg)))
+            rows.append(
+                capacity_run(
+                    args.capacity,
+                    int(n),
+                    args.gpu_memory_gb,
+                    args.output_len,
+                    args.prompt_len or 32768,
+                    offload,
+                    args.host_kv_gb,
+                    int(r),
+                    args.profile,
+                    c,
+                    **parse_engine_args(args.engine_arg),
+                )
+            )
             print_table(rows[-1:], "")
         result["capacity"] = rows
         best = {c: max((r["decode_tok_s"] or 0) for r in rows if r["config"] == c) for c in {r["config"] for r in rows}}
-        print_table(rows, f"{args.prompt_len or 32768}-token prompts, {args.output_len} out, GPU memory capped at "
-                          f"{args.gpu_memory_gb:g} GB; best decode tok/s: {best}")
+        print_table(
+            rows,
+            f"{args.prompt_len or 32768}-token prompts, {args.output_len} out, GPU memory capped at "
+            f"{args.gpu_memory_gb:g} GB; best decode tok/s: {best}",
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

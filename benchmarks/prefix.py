@@ -19,6 +19,7 @@ preemptions, prefix-cache hit rates, mean and p99 TTFT, output and total through
 reference workload), GPU memory capped at --gpu-memory-gb (default 40). Any model directory works; on CPU the
 smoke test runs it with a tiny model and tiny sizes (tests/benchmarks/test_prefix_bench.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,16 @@ import json
 import logging
 from pathlib import Path
 
-from benchmarks.common import (Job, add_replay_args, engine_kwargs, fresh_engine, long_jobs, model_dir, replay,
-                               trace_jobs)
+from benchmarks.common import (
+    Job,
+    add_replay_args,
+    engine_kwargs,
+    fresh_engine,
+    long_jobs,
+    model_dir,
+    replay,
+    trace_jobs,
+)
 from sparseserve.bench.hardware import print_table
 
 logger = logging.getLogger(__name__)
@@ -50,22 +59,37 @@ def run_config(model: str, name: str, jobs: list[Job], engine_kw: dict, extra: d
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_replay_args(p)
-    p.add_argument("--workloads", nargs="+", default=["conversation", "long", "hitrate"],
-                   choices=["conversation", "long", "hitrate"])
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["conversation", "long", "hitrate"],
+        choices=["conversation", "long", "hitrate"],
+    )
     p.add_argument("--long-requests", type=int, default=24)
     p.add_argument("--long-input", type=int, default=16384)
     p.add_argument("--long-output", type=int, default=1024)
     p.add_argument("--hitrate-requests", type=int, default=1000)
     p.add_argument("--hitrate-time-scale", type=float, default=0.1, help="hitrate: compressed trace time scale")
     p.add_argument("--hitrate-max-input-len", type=int, default=32768)
-    p.add_argument("--hitrate-max-output-len", type=int, default=64, help="hitrate: outputs capped lower (the "
-                   "question is prefill)")
+    p.add_argument(
+        "--hitrate-max-output-len", type=int, default=64, help="hitrate: outputs capped lower (the question is prefill)"
+    )
     p.add_argument("--host-cache-gb", type=float, default=64.0, help="hitrate: the host tier's size")
-    p.add_argument("--hitrate-configs", nargs="+", default=["none", "device", "host"],
-                   choices=["none", "device", "host"], help="hitrate: no caching, the device prefix cache, and "
-                   "the device cache with the host tier (each alone fits a 10-minute run where all do not)")
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
-                   help="conversation and long: the configurations to compare")
+    p.add_argument(
+        "--hitrate-configs",
+        nargs="+",
+        default=["none", "device", "host"],
+        choices=["none", "device", "host"],
+        help="hitrate: no caching, the device prefix cache, and "
+        "the device cache with the host tier (each alone fits a 10-minute run where all do not)",
+    )
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=list(CONFIGS),
+        choices=list(CONFIGS),
+        help="conversation and long: the configurations to compare",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     from transformers import AutoTokenizer
@@ -74,32 +98,47 @@ def main(argv: list[str] | None = None) -> dict:
     with model_dir(args) as model:
         tokenizer = AutoTokenizer.from_pretrained(model)
         if "conversation" in args.workloads:
-            jobs = trace_jobs(tokenizer, args.trace, args.num_requests, args.time_scale, args.max_input_len,
-                              args.max_output_len)
+            jobs = trace_jobs(
+                tokenizer, args.trace, args.num_requests, args.time_scale, args.max_input_len, args.max_output_len
+            )
             kw = engine_kwargs(args, args.max_input_len + args.max_output_len)
             report["conversation"] = rows = [run_config(model, c, jobs, kw, CONFIGS[c]) for c in args.configs]
-            print_table(rows, f"conversation trace, first {args.num_requests} requests at time scale "
-                              f"{args.time_scale:g}, dense")
+            print_table(
+                rows, f"conversation trace, first {args.num_requests} requests at time scale {args.time_scale:g}, dense"
+            )
         if "long" in args.workloads:
             jobs = long_jobs(tokenizer, args.long_requests, args.long_input, args.long_output)
             kw = engine_kwargs(args, args.long_input + args.long_output + 8)
             report["long"] = rows = [run_config(model, c, jobs, kw, CONFIGS[c]) for c in args.configs]
-            print_table(rows, f"{args.long_requests} x {args.long_input} tokens, {args.long_output} outputs, "
-                              f"at once, dense")
+            print_table(
+                rows, f"{args.long_requests} x {args.long_input} tokens, {args.long_output} outputs, at once, dense"
+            )
         if "hitrate" in args.workloads:
-            jobs = trace_jobs(tokenizer, args.trace, args.hitrate_requests, args.hitrate_time_scale,
-                              args.hitrate_max_input_len, args.hitrate_max_output_len)
+            jobs = trace_jobs(
+                tokenizer,
+                args.trace,
+                args.hitrate_requests,
+                args.hitrate_time_scale,
+                args.hitrate_max_input_len,
+                args.hitrate_max_output_len,
+            )
             kw = engine_kwargs(args, args.hitrate_max_input_len + args.hitrate_max_output_len)
             host = dict(host_prefix_cache_memory=int(args.host_cache_gb * 2**30))
-            configs = {"none": ("no caching", dict(enable_prefix_caching=False)), "device": ("device cache", {}),
-                       "host": ("device + host tier", host)}
+            configs = {
+                "none": ("no caching", dict(enable_prefix_caching=False)),
+                "device": ("device cache", {}),
+                "host": ("device + host tier", host),
+            }
             rows = [run_config(model, configs[c][0], jobs, kw, configs[c][1]) for c in args.hitrate_configs]
             if args.hitrate_configs[0] == "none":
                 for r in rows[1:]:
                     r["ttft_gain"] = rows[0]["mean_ttft_s"] / r["mean_ttft_s"] if r["mean_ttft_s"] else 0.0
             report["hitrate"] = rows
-            print_table(rows, f"conversation trace, {args.hitrate_requests} requests at time scale "
-                              f"{args.hitrate_time_scale:g}: prefix hit rate, dense")
+            print_table(
+                rows,
+                f"conversation trace, {args.hitrate_requests} requests at time scale "
+                f"{args.hitrate_time_scale:g}: prefix hit rate, dense",
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return report

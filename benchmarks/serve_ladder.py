@@ -17,6 +17,7 @@ output throughput against the request rate).
 
     python -m benchmarks.serve_ladder OUT --model MODEL_DIR [--trace TRACE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,12 +29,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from sparseserve.bench.datasets import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
+from sparseserve.workloads.datasets import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
 from sparseserve.bench.hardware import print_table
 
 LADDER = ("dense", "sparse", "offload", "ws", "layerseg")
-_RESULT = re.compile(r"serve_(?P<config>\w+?)_(?P<load>ts[\d.]+|rate(?:[\d.]+|inf))_"
-                     r"(?P<outputs>(?:out|fix)\d+|lbmax|lbmean)\.json$")
+_RESULT = re.compile(
+    r"serve_(?P<config>\w+?)_(?P<load>ts[\d.]+|rate(?:[\d.]+|inf))_"
+    r"(?P<outputs>(?:out|fix)\d+|lbmax|lbmean)\.json$"
+)
 # Ceilings used when the run did not measure its own (hardware.json): H100 SXM's, and the prefill MFU
 # the engine measured at 32K (docs/benchmarks/engine.md).
 DEFAULT_HARDWARE = {"hbm_bytes_per_s": 2.96e12, "matmul_flops": 775e12}
@@ -55,9 +58,11 @@ class ModelShape:
     def from_model_dir(cls, path: Path) -> ModelShape:
         from sparseserve.models.config import ArchConfig
         from sparseserve.models.loader import load_hf_config
+
         a = ArchConfig.from_hf(load_hf_config(path))
-        return cls(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size,
-                   a.vocab_size)
+        return cls(
+            a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size, a.vocab_size
+        )
 
     @property
     def matmul_params(self) -> int:
@@ -117,8 +122,9 @@ def mean_ttft_bound(arrivals: list[float], work_s: list[float]) -> float:
     return sum(done[i] - arrivals[i] for i in done) / len(done)
 
 
-def workload_bound(trace: list[TraceRequest], shape: ModelShape, hw: dict[str, float], mfu: float,
-                   read_cap: int | None) -> dict[str, float]:
+def workload_bound(
+    trace: list[TraceRequest], shape: ModelShape, hw: dict[str, float], mfu: float, read_cap: int | None
+) -> dict[str, float]:
     """Seconds of the whole run at the bound, the output throughput that implies, and the mean TTFT bound
     (see the module doc)."""
     cached = ideal_cached_tokens(trace)
@@ -131,11 +137,15 @@ def workload_bound(trace: list[TraceRequest], shape: ModelShape, hw: dict[str, f
         kv = sum(n if read_cap is None else min(n, read_cap) for n in active) * shape.kv_bytes_per_token
         decode_s += (weights + kv) / hw["hbm_bytes_per_s"]
     total = max(prefill_s + decode_s, trace[-1].arrival_s)
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "total_s": total,
-            "mean_ttft_s": mean_ttft_bound([r.arrival_s for r in trace], work),
-            "output_throughput": sum(r.output_length for r in trace) / total,
-            "prompt_tokens": sum(r.input_length for r in trace), "computed_prompt_tokens":
-            sum(r.input_length - c for r, c in zip(trace, cached))}
+    return {
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "total_s": total,
+        "mean_ttft_s": mean_ttft_bound([r.arrival_s for r in trace], work),
+        "output_throughput": sum(r.output_length for r in trace) / total,
+        "prompt_tokens": sum(r.input_length for r in trace),
+        "computed_prompt_tokens": sum(r.input_length - c for r, c in zip(trace, cached)),
+    }
 
 
 def _outputs_key(outputs: str) -> tuple[int, str]:
@@ -157,6 +167,7 @@ def _metric(metrics: dict[str, float], name: str) -> float | None:
 
 def load_runs(folder: Path) -> list[dict[str, Any]]:
     from sparseserve.metrics import parse_metrics
+
     runs = []
     for path in sorted(folder.glob("serve_*.json")):
         m = _RESULT.search(path.name)
@@ -166,10 +177,17 @@ def load_runs(folder: Path) -> list[dict[str, Any]]:
         metrics_path = path.with_name(path.name.replace("serve_", "metrics_", 1)).with_suffix(".txt")
         metrics = parse_metrics(metrics_path.read_text()) if metrics_path.exists() else {}
         load = m["load"]
-        runs.append({"config": m["config"], "load": load, "outputs": m["outputs"],
-                     "scale": _load_value(load) if load.startswith("ts") else None,
-                     "rate": _load_value(load) if load.startswith("rate") else None,
-                     "summary": report["runs"][0], "metrics": metrics})
+        runs.append(
+            {
+                "config": m["config"],
+                "load": load,
+                "outputs": m["outputs"],
+                "scale": _load_value(load) if load.startswith("ts") else None,
+                "rate": _load_value(load) if load.startswith("rate") else None,
+                "summary": report["runs"][0],
+                "metrics": metrics,
+            }
+        )
     return runs
 
 
@@ -180,8 +198,15 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def ladder_rows(runs: list[dict[str, Any]], bounds: dict[str, float] | None = None) -> list[dict[str, Any]]:
     """One row per run, ordered (outputs, load, ladder step); ratios against dense of the same group."""
     order = {c: i for i, c in enumerate(LADDER)}  # a variant (ws_wait, layerseg_async) follows its ladder step
-    runs = sorted(runs, key=lambda r: (_outputs_key(r["outputs"]), _load_key(r["load"]),
-                                       order.get(r["config"].split("_")[0], len(LADDER)), r["config"]))
+    runs = sorted(
+        runs,
+        key=lambda r: (
+            _outputs_key(r["outputs"]),
+            _load_key(r["load"]),
+            order.get(r["config"].split("_")[0], len(LADDER)),
+            r["config"],
+        ),
+    )
     rows: list[dict[str, Any]] = []
     for run in runs:
         s, m = run["summary"], run["metrics"]
@@ -193,7 +218,9 @@ def ladder_rows(runs: list[dict[str, Any]], bounds: dict[str, float] | None = No
         bypass = _metric(m, "offload_bypass_reads_total") or 0.0
         computed = _metric(m, "prompt_tokens_total")
         row = {
-            "outputs": run["outputs"], "load": run["load"], "config": run["config"],
+            "outputs": run["outputs"],
+            "load": run["load"],
+            "config": run["config"],
             "done": f"{s['completed']}/{s['completed'] + s['failed']}",
             "out tok/s": s["output_throughput"],
             "x dense": _ratio(s["output_throughput"], dense and dense["output_throughput"]),
@@ -224,16 +251,21 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     """Mean TTFT, mean TPOT and output throughput against the offered request rate (run["rate"]), one line per
     (config, outputs)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     runs = [r for r in runs if r["rate"] is not None and math.isfinite(r["rate"])]  # inf: all at once
-    keys = sorted({(r["config"], r["outputs"]) for r in runs},
-                  key=lambda k: (_outputs_key(k[1]), LADDER.index(k[0]) if k[0] in LADDER else len(LADDER)))
+    keys = sorted(
+        {(r["config"], r["outputs"]) for r in runs},
+        key=lambda k: (_outputs_key(k[1]), LADDER.index(k[0]) if k[0] in LADDER else len(LADDER)),
+    )
     for config, out in keys:
-        pts = sorted(((r["rate"], r["summary"]) for r in runs if (r["config"], r["outputs"]) == (config, out)),
-                     key=lambda p: p[0])
+        pts = sorted(
+            ((r["rate"], r["summary"]) for r in runs if (r["config"], r["outputs"]) == (config, out)),
+            key=lambda p: p[0],
+        )
         rates = [p[0] for p in pts]
         label = f"{config} ({out})"
         axes[0].plot(rates, [p[1]["ttft_ms"]["mean"] / 1e3 for p in pts], "-o", label=label)
@@ -248,8 +280,9 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def group_requests(args: argparse.Namespace, outputs: str, load: str,
-                   group: list[dict[str, Any]]) -> list[TraceRequest] | None:
+def group_requests(
+    args: argparse.Namespace, outputs: str, load: str, group: list[dict[str, Any]]
+) -> list[TraceRequest] | None:
     """The group's requests for its bound: the trace at the load's time scale (outputs capped or fixed as the runs
     asked), or what a run recorded; None when neither is at hand."""
     if load.startswith("ts"):
@@ -264,8 +297,12 @@ def group_requests(args: argparse.Namespace, outputs: str, load: str,
 
 def _title(outputs: str, load: str) -> str:
     n = _outputs_key(outputs)[0]
-    what = {"fix": f"outputs = {n}", "out": f"outputs <= {n}", "lbmax": "LongBench output caps",
-            "lbmean": "LongBench mean outputs"}[outputs[:3] if outputs[:3] in ("fix", "out") else outputs]
+    what = {
+        "fix": f"outputs = {n}",
+        "out": f"outputs <= {n}",
+        "lbmax": "LongBench output caps",
+        "lbmean": "LongBench mean outputs",
+    }[outputs[:3] if outputs[:3] in ("fix", "out") else outputs]
     if load.startswith("ts"):
         return f"{what}, time scale {_load_value(load):g}"
     rate = _load_value(load)
@@ -303,16 +340,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 report["tables"][key] = rows = ladder_rows(group)
                 print_table(rows, f"{title}: no bound (the runs' requests are not at hand)")
                 continue
-            bounds = {name: workload_bound(requests, shape, hw, args.prefill_mfu, cap)
-                      for name, cap in (("dense", None), ("sparse", args.sparse_budget))}
+            bounds = {
+                name: workload_bound(requests, shape, hw, args.prefill_mfu, cap)
+                for name, cap in (("dense", None), ("sparse", args.sparse_budget))
+            }
             report["bounds"][key] = bounds
             report["tables"][key] = rows = ladder_rows(group, {k: b["output_throughput"] for k, b in bounds.items()})
-            print_table(rows, f"{title}: bound {bounds['dense']['output_throughput']:.0f}"
-                              f" out tok/s reading all KV, {bounds['sparse']['output_throughput']:.0f} reading "
-                              f"<= {args.sparse_budget} tokens (prefill {bounds['dense']['prefill_s']:.1f} s at MFU "
-                              f"{args.prefill_mfu}, decode {bounds['dense']['decode_s']:.1f} / "
-                              f"{bounds['sparse']['decode_s']:.1f} s); mean TTFT >= "
-                              f"{bounds['dense']['mean_ttft_s']:.2f} s")
+            print_table(
+                rows,
+                f"{title}: bound {bounds['dense']['output_throughput']:.0f}"
+                f" out tok/s reading all KV, {bounds['sparse']['output_throughput']:.0f} reading "
+                f"<= {args.sparse_budget} tokens (prefill {bounds['dense']['prefill_s']:.1f} s at MFU "
+                f"{args.prefill_mfu}, decode {bounds['dense']['decode_s']:.1f} / "
+                f"{bounds['sparse']['decode_s']:.1f} s); mean TTFT >= "
+                f"{bounds['dense']['mean_ttft_s']:.2f} s",
+            )
     (args.folder / "ladder.json").write_text(json.dumps(report, indent=1))
     plot(runs, args.folder / "ladder.png")
     print(f"\nwrote {args.folder / 'ladder.json'} and {args.folder / 'ladder.png'}")

@@ -16,6 +16,7 @@ variant (random KV: cost does not depend on the values), each step built by hand
 through the runner. Both report the median of many steps (the graph: its replay's GPU time, CUDA events from
 the engine's profiler).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,8 +75,18 @@ def graph_ms(fn, calls: int = 1) -> float:
     return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") / calls
 
 
-def kernel_bench(batch: int = 8, ctx: int = 131072, hq: int = 32, hkv: int = 8, d: int = 128, bs: int = 32,
-                 budget: int = 2048, layers: int = 8, sweep: bool = False, profile: bool = False) -> list[dict]:
+def kernel_bench(
+    batch: int = 8,
+    ctx: int = 131072,
+    hq: int = 32,
+    hkv: int = 8,
+    d: int = 128,
+    bs: int = 32,
+    budget: int = 2048,
+    layers: int = 8,
+    sweep: bool = False,
+    profile: bool = False,
+) -> list[dict]:
     per_seq = triton.cdiv(ctx, bs)
     caches = torch.randn(layers, batch * per_seq, hkv, 2, bs, d, device="cuda", dtype=DTYPE)
     cache = caches[0]
@@ -83,10 +94,18 @@ def kernel_bench(batch: int = 8, ctx: int = 131072, hq: int = 32, hkv: int = 8, 
     seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     q = torch.randn(batch, hq, d, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)
-    scale = d ** -0.5
-    meta = with_slots(AttentionMetadata(torch.full((batch,), -1, device="cuda"),
-                                        torch.arange(batch + 1, device="cuda", dtype=torch.int32), seq_lens, tables,
-                                        num_decodes=batch, max_query_len=1, max_seq_len=ctx))
+    scale = d**-0.5
+    meta = with_slots(
+        AttentionMetadata(
+            torch.full((batch,), -1, device="cuda"),
+            torch.arange(batch + 1, device="cuda", dtype=torch.int32),
+            seq_lens,
+            tables,
+            num_decodes=batch,
+            max_query_len=1,
+            max_seq_len=ctx,
+        )
+    )
 
     def timed(layer_call, calls: int = 1) -> tuple[float, float]:
         """(per layer in a graph of all layers, in a graph of layer 0 alone), ms per call."""
@@ -95,25 +114,42 @@ def kernel_bench(batch: int = 8, ctx: int = 131072, hq: int = 32, hkv: int = 8, 
 
     kv_bytes = 2 * batch * hkv * ctx * d * DTYPE.itemsize
     dense_ms, dense_1 = timed(lambda i: paged_decode(q, caches[i], tables, seq_lens, scale, ctx, out=out))
-    rows = [{"case": f"dense paged decode B={batch} L={ctx}", "ms": dense_ms, "speedup": 1.0,
-             "tb_s": kv_bytes / dense_ms / 1e9, "ms_1layer_graph": dense_1, "speedup_1layer_graph": 1.0}]
+    rows = [
+        {
+            "case": f"dense paged decode B={batch} L={ctx}",
+            "ms": dense_ms,
+            "speedup": 1.0,
+            "tb_s": kv_bytes / dense_ms / 1e9,
+            "ms_1layer_graph": dense_1,
+            "speedup_1layer_graph": 1.0,
+        }
+    ]
     paged_decode(q, cache, tables, seq_lens, scale, ctx, out=out)
     ref = out.clone()
     for policy, reuse in (("topk", 1), ("topk", 4), ("topp", 1), ("topp", 4)):
-        cfg = SparseConfig(sparse_policy=policy, sparse_budget=budget, sparse_reuse=reuse, sparse_top_p=0.9,
-                           sparse_dense_layers=0)
+        cfg = SparseConfig(
+            sparse_policy=policy, sparse_budget=budget, sparse_reuse=reuse, sparse_top_p=0.9, sparse_dense_layers=0
+        )
         sp = backend(cfg, layers, hkv, d, bs, batch, caches)
         ms, ms_1 = timed(lambda i: sp.attend(i, q, caches[i], meta, scale), reuse)
         blocks, selections = selection_counts(sp)
-        rows.append({"case": f"sparse {policy} budget={budget} R={reuse}", "ms": ms, "speedup": dense_ms / ms,
-                     "ms_1layer_graph": ms_1, "speedup_1layer_graph": dense_1 / ms_1,
-                     "mean_blocks": blocks / max(selections, 1)})
+        rows.append(
+            {
+                "case": f"sparse {policy} budget={budget} R={reuse}",
+                "ms": ms,
+                "speedup": dense_ms / ms,
+                "ms_1layer_graph": ms_1,
+                "speedup_1layer_graph": dense_1 / ms_1,
+                "mean_blocks": blocks / max(selections, 1),
+            }
+        )
         print(f"{rows[-1]['case']}: {1e3 * ms:.1f} us a layer ({1e3 * ms_1:.1f} us in a one-layer graph)", flush=True)
         if profile and policy == "topk":
             rows += kernel_profile(lambda: sp.attend(0, q, cache, meta, scale), reuse)
         if reuse == 1:
-            rows += parts(sp, policy, q, cache, tables, seq_lens, scale, per_seq, out, dense_1,
-                          sweep=sweep and policy == "topk")
+            rows += parts(
+                sp, policy, q, cache, tables, seq_lens, scale, per_seq, out, dense_1, sweep=sweep and policy == "topk"
+            )
         sp = None  # frees its buffers before the next variant
     for reuse in (1, 4):
         rows.append(lagged_row(reuse, budget, caches, q, meta, scale, dense_ms, dense_1))
@@ -129,8 +165,9 @@ def lagged_row(reuse: int, budget: int, caches, q, meta, scale, dense_ms, dense_
     steps a graph whose contexts advance by one token, so that one of them selects (at the multiple of R) as
     in the engine; each step computes its rows once."""
     layers, batch, (_, hkv, _, bs, d) = caches.shape[0], q.shape[0], caches.shape[1:]
-    cfg = SparseConfig(sparse_policy="topk", sparse_budget=budget, sparse_reuse=reuse, sparse_dense_layers=0,
-                       sparse_lag=1)
+    cfg = SparseConfig(
+        sparse_policy="topk", sparse_budget=budget, sparse_reuse=reuse, sparse_dense_layers=0, sparse_lag=1
+    )
     sp = backend(cfg, layers, hkv, d, bs, batch, caches)
     metas = [with_slots(dataclasses.replace(meta, seq_lens=meta.seq_lens + c + 1 - reuse)) for c in range(reuse)]
     state = {"call": 0}
@@ -148,8 +185,14 @@ def lagged_row(reuse: int, budget: int, caches, q, meta, scale, dense_ms, dense_
     mirror_lists(sp)
     ms, ms_1 = graph_ms(lambda: step(layers), reuse) / layers, graph_ms(lambda: step(1), reuse)
     blocks, selections = selection_counts(sp)
-    row = {"case": f"sparse topk budget={budget} R={reuse} lag=1", "ms": ms, "speedup": dense_ms / ms,
-           "ms_1layer_graph": ms_1, "speedup_1layer_graph": dense_1 / ms_1, "mean_blocks": blocks / max(selections, 1)}
+    row = {
+        "case": f"sparse topk budget={budget} R={reuse} lag=1",
+        "ms": ms,
+        "speedup": dense_ms / ms,
+        "ms_1layer_graph": ms_1,
+        "speedup_1layer_graph": dense_1 / ms_1,
+        "mean_blocks": blocks / max(selections, 1),
+    }
     print(f"{row['case']}: {1e3 * ms:.1f} us a layer ({1e3 * ms_1:.1f} us in a one-layer graph)", flush=True)
     return row
 
@@ -182,13 +225,15 @@ def kernel_profile(fn, calls: int) -> list[dict]:
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0))
         if us > 0:
-            rows.append({"case": f"    kernel {e.key[:60]} (x{e.count / reps / calls:.2g}/step)",
-                         "ms": us / 1e3 / reps / calls})
+            rows.append(
+                {"case": f"    kernel {e.key[:60]} (x{e.count / reps / calls:.2g}/step)", "ms": us / 1e3 / reps / calls}
+            )
     return rows
 
 
-def parts(sp: SparseBackend, policy: str, q, cache, tables, seq_lens, scale, mb, out, dense_ms, sweep: bool
-          ) -> list[dict]:
+def parts(
+    sp: SparseBackend, policy: str, q, cache, tables, seq_lens, scale, mb, out, dense_ms, sweep: bool
+) -> list[dict]:
     """Scoring, selection and attention, each in its own graph; with sweep, over launch configurations
     (the first of each is the default). tb_s: the bytes a part must read (metadata; K/V of the list
     entries and the local window) over its time."""
@@ -196,38 +241,58 @@ def parts(sp: SparseBackend, policy: str, q, cache, tables, seq_lens, scale, mb,
     km, sel, cnt = sp.key_meta[0], sp.state.sel[0], sp.state.counter[0]
     args = p.kernel_args()
     top_p = p.top_p if policy == "topp" else None
-    score_args = dict(max_blocks=mb, block_size=p.block_size, cap=p.cap, reuse=args["reuse"],
-                      short_dense=p.short_dense, scale=scale)
+    score_args = dict(
+        max_blocks=mb, block_size=p.block_size, cap=p.cap, reuse=args["reuse"], short_dense=p.short_dense, scale=scale
+    )
     scores = block_scores_triton(q, km.codes, km.scale, tables, seq_lens, slots, cnt, **score_args)
     batch, hkv, d = q.shape[0], km.codes.shape[1], q.shape[-1]
-    nbytes = {"score": batch * mb * key_meta_block_bytes(hkv, p.block_size // p.page_size, d),
-              "attend": batch * hkv * (p.cap + p.local) * cache[0, 0].numel() * cache.element_size()}
+    nbytes = {
+        "score": batch * mb * key_meta_block_bytes(hkv, p.block_size // p.page_size, d),
+        "attend": batch * hkv * (p.cap + p.local) * cache[0, 0].numel() * cache.element_size(),
+    }
     variants = {
-        "score": [ScoreConfig()] + ([ScoreConfig(r, 4, st, t) for r in (64, 128) for st in (1, 3, 4)
-                                     for t in (4, 8, 16)]
-                                    + [ScoreConfig(64, 8, 3, 8)] if sweep else []),
+        "score": [ScoreConfig()]
+        + (
+            [ScoreConfig(r, 4, st, t) for r in (64, 128) for st in (1, 3, 4) for t in (4, 8, 16)]
+            + [ScoreConfig(64, 8, 3, 8)]
+            if sweep
+            else []
+        ),
         "select": [SelectConfig()] + ([SelectConfig(k, w) for k in (2, 4, 8) for w in (8, 16)] if sweep else []),
-        "attend": [sparse_decode_default(q, cache), FAST_CONFIG] + ([SparseDecodeConfig(t, 0, 4, st, n)
-                                                                     for t in (64, 128)
-                                                 for n in (2, 3, 4, 6) for st in (2, 3, 4)]
-                                                + [SparseDecodeConfig(64, 0, 8, 3, 4),
-                                                   SparseDecodeConfig(128, 0, 8, 3, 4),
-                                                   SparseDecodeConfig()]  # the one-tile-a-program default of run 2
-                                                if sweep else [])}
-    calls = {"score": lambda c: block_scores_triton(q, km.codes, km.scale, tables, seq_lens, slots, cnt, **score_args,
-                                                    config=c),
-             "select": lambda c: select_blocks_triton(scores, seq_lens, slots, sel, cnt, sp.state.stats,
-                                                      sp.state.streaming[0], **args, top_p=top_p, config=c),
-             "attend": lambda c: sparse_decode_triton(q, cache, tables, seq_lens, sel, slots, p.local, scale, out=out,
-                                                      config=c)}
+        "attend": [sparse_decode_default(q, cache), FAST_CONFIG]
+        + (
+            [SparseDecodeConfig(t, 0, 4, st, n) for t in (64, 128) for n in (2, 3, 4, 6) for st in (2, 3, 4)]
+            + [
+                SparseDecodeConfig(64, 0, 8, 3, 4),
+                SparseDecodeConfig(128, 0, 8, 3, 4),
+                SparseDecodeConfig(),
+            ]  # the one-tile-a-program default of run 2
+            if sweep
+            else []
+        ),
+    }
+    calls = {
+        "score": lambda c: block_scores_triton(
+            q, km.codes, km.scale, tables, seq_lens, slots, cnt, **score_args, config=c
+        ),
+        "select": lambda c: select_blocks_triton(
+            scores, seq_lens, slots, sel, cnt, sp.state.stats, sp.state.streaming[0], **args, top_p=top_p, config=c
+        ),
+        "attend": lambda c: sparse_decode_triton(
+            q, cache, tables, seq_lens, sel, slots, p.local, scale, out=out, config=c
+        ),
+    }
     rows = []
     for name, configs in variants.items():
         for i, c in enumerate(dict.fromkeys(configs)):
             row = {"case": f"  {policy} {name} {'default ' if i == 0 else ''}{vars(c)}"}
             try:
                 t = graph_ms(lambda: calls[name](c))
-                rows.append(row | {"ms": t, "speedup": dense_ms / t}
-                            | ({"tb_s": nbytes[name] / t / 1e9} if name in nbytes else {}))
+                rows.append(
+                    row
+                    | {"ms": t, "speedup": dense_ms / t}
+                    | ({"tb_s": nbytes[name] / t / 1e9} if name in nbytes else {})
+                )
                 print(f"{row['case']}: {1e3 * t:.1f} us", flush=True)
             except Exception as e:  # out of shared memory or registers: record and go on
                 rows.append(row | {"error": str(e).splitlines()[0][:80]})
@@ -240,15 +305,17 @@ def sparse_decode_default(q: torch.Tensor, cache: torch.Tensor) -> SparseDecodeC
 
 def full_budget_error(q, cache, meta, dense_out, scale, bs) -> float:
     """Sparse path (scoring and selection included) with a budget covering the context vs dense."""
-    cfg = SparseConfig(sparse_policy="topk", sparse_budget=meta.max_seq_len + bs, sparse_dense_layers=0,
-                       sparse_dense_context=0)
+    cfg = SparseConfig(
+        sparse_policy="topk", sparse_budget=meta.max_seq_len + bs, sparse_dense_layers=0, sparse_dense_context=0
+    )
     sp = backend(cfg, 1, cache.shape[1], q.shape[-1], bs, q.shape[0], [cache])
     out = sp.attend(0, q, cache, meta, scale)
     return ((out.float() - dense_out.float()).norm() / dense_out.float().norm()).item()
 
 
-def step_bench(model_dir: str, ctx: int = 131056, batch: int = 4, budget: int = 2048, dense_layers: int = 2,
-               steps: int = 20) -> list[dict]:
+def step_bench(
+    model_dir: str, ctx: int = 131056, batch: int = 4, budget: int = 2048, dense_layers: int = 2, steps: int = 20
+) -> list[dict]:
     from benchmarks.common import free_memory
     from sparseserve.engine.engine import LLMEngine
     from sparseserve.engine.request import Sequence, SequenceStatus
@@ -261,15 +328,21 @@ def step_bench(model_dir: str, ctx: int = 131056, batch: int = 4, budget: int = 
     def measure(label: str, **sparse) -> dict:
         free_memory()
         log = StepLog(timing=True)
-        engine = LLMEngine.from_kwargs(log, model=model_dir, load_format="dummy", dtype="bfloat16",
-                                       max_model_len=max_len, max_num_seqs=batch,
-                                       num_gpu_blocks_override=batch * blocks_needed(max_len, 32) + 8, **sparse)
+        engine = LLMEngine.from_kwargs(
+            log,
+            model=model_dir,
+            load_format="dummy",
+            dtype="bfloat16",
+            max_model_len=max_len,
+            max_num_seqs=batch,
+            num_gpu_blocks_override=batch * blocks_needed(max_len, 32) + 8,
+            **sparse,
+        )
         runner, backend = engine.model_runner, engine.model_runner.attn_backend
         for cache in runner.kv_caches:
             cache.normal_()
         if sparse.get("sparse_policy", "dense") != "dense":
-            rebuild_key_meta(runner.kv_caches, backend.key_meta.codes, backend.key_meta.scale,
-                             backend.params.page_size)
+            rebuild_key_meta(runner.kv_caches, backend.key_meta.codes, backend.key_meta.scale, backend.params.page_size)
         seqs = []
         for i in range(batch):
             seq = Sequence(i, f"b{i}", 0, [100 + i] * ctx, SamplingParams(temperature=0.0))
@@ -288,15 +361,24 @@ def step_bench(model_dir: str, ctx: int = 131056, batch: int = 4, budget: int = 
             runner.execute(scheduled)
             torch.cuda.synchronize()
             walls.append(1e3 * (time.perf_counter() - t0))
-        return {"case": f"{label} step B={batch} L={ctx}", "graph_ms": statistics.median(log.times_ms("graph")),
-                "engine_step_ms": statistics.median(walls)}
+        return {
+            "case": f"{label} step B={batch} L={ctx}",
+            "graph_ms": statistics.median(log.times_ms("graph")),
+            "engine_step_ms": statistics.median(walls),
+        }
 
     rows = [measure(f"sparse topk {budget} dense_layers={dense_layers}", **base)]
     # sparse_lag with reuse is left out: at a fixed context every step would select (or none would).
-    for change in ({"sparse_reuse": 4}, {"sparse_dense_layers": 0}, {"sparse_dense_layers": 0, "sparse_reuse": 4},
-                   {"sparse_lag": 1}, {"sparse_lag": 1, "sparse_dense_layers": 0}):
-        rows.append(measure(f"sparse topk {budget} " + " ".join(f"{k[7:]}={v}" for k, v in change.items()),
-                            **(base | change)))
+    for change in (
+        {"sparse_reuse": 4},
+        {"sparse_dense_layers": 0},
+        {"sparse_dense_layers": 0, "sparse_reuse": 4},
+        {"sparse_lag": 1},
+        {"sparse_lag": 1, "sparse_dense_layers": 0},
+    ):
+        rows.append(
+            measure(f"sparse topk {budget} " + " ".join(f"{k[7:]}={v}" for k, v in change.items()), **(base | change))
+        )
     rows.append(measure("dense"))
     for row in rows[:-1]:
         for key in ("graph_ms", "engine_step_ms"):
@@ -313,17 +395,23 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="--kernel: kernel times inside the topk graphs.")
     args = ap.parse_args()
     torch.manual_seed(0)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "hbm_bytes_per_s": hbm_bandwidth()}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "hbm_bytes_per_s": hbm_bandwidth(),
+    }
     if args.kernel or not args.step:
         result["kernel"] = kernel_bench(sweep=args.sweep, profile=args.profile)
         print_table(result["kernel"], f"one layer, sparse vs dense decode attention ({result['device']})")
     if args.step:
         result["step"] = step_bench(args.step)
         print_table(result["step"], f"decode step ({result['device']})")
-    print(f"{result['date']}  torch {result['torch']}  triton {result['triton']}  "
-          f"HBM copy {result['hbm_bytes_per_s'] / 1e12:.2f} TB/s")
+    print(
+        f"{result['date']}  torch {result['torch']}  triton {result['triton']}  "
+        f"HBM copy {result['hbm_bytes_per_s'] / 1e12:.2f} TB/s"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -19,6 +19,7 @@ sdpa_flash (the summary names the densest random mask that gets there); at 128K,
 --sweep also times launch configurations of both kernels at 64K (or the largest context given).
 --device cpu --dtype float32 (with TRITON_INTERPRET=1) runs the same rows on tiny contexts: a smoke test only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,19 +34,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from sparseserve.kernels.paged_prefill import paged_prefill
-from sparseserve.kernels.sale_select import (
-    TileSelectConfig,
-    quantize_qk_triton,
-    sale_select,
-    select_tiles_triton,
-)
-from sparseserve.kernels.sparse_prefill import (
-    SparsePrefillConfig,
-    TileLayout,
-    sparse_prefill,
-    tile_classes,
-    tile_lists,
-)
+from sparseserve.kernels.sale_select import TileSelectConfig, quantize_qk_triton, sale_select, select_tiles_triton
+from sparseserve.kernels.sparse_prefill import SparsePrefillConfig, TileLayout, sparse_prefill, tile_classes, tile_lists
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 32
 CONTEXTS = [16384, 32768, 65536, 131072]
@@ -94,7 +84,7 @@ class Layer:
         self.qsl = torch.tensor([0, ctx], device=device, dtype=torch.int32)
         self.q = torch.randn(ctx, HQ, D, device=device, dtype=dtype)
         self.out = torch.empty_like(self.q)
-        self.scale = D ** -0.5
+        self.scale = D**-0.5
         forced, middle = tile_classes(self.seq_lens, self.qsl, layout.num_q_tiles(ctx), layout.num_k_tiles(ctx), layout)
         self.forced_tiles = HKV * forced.sum().item()
         self.causal_tiles = HKV * (forced | middle).sum().item()
@@ -106,8 +96,9 @@ class Layer:
         return time_ms(fn, self.device)
 
     def dense(self) -> torch.Tensor:
-        return paged_prefill(self.q, self.cache, self.tables, self.seq_lens, self.qsl, self.scale, self.ctx,
-                             out=self.out)
+        return paged_prefill(
+            self.q, self.cache, self.tables, self.seq_lens, self.qsl, self.scale, self.ctx, out=self.out
+        )
 
     def random_lists(self, density: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator(device=self.device).manual_seed(seed)
@@ -126,8 +117,9 @@ class Layer:
         return sale_select(*self.args(), torch.full((HQ,), thr, device=self.device), streaming, config)
 
     def quantize(self):
-        return quantize_qk_triton(self.q, self.cache, self.tables, self.seq_lens, self.qsl, self.ctx, self.ctx,
-                                  self.layout)
+        return quantize_qk_triton(
+            self.q, self.cache, self.tables, self.seq_lens, self.qsl, self.ctx, self.ctx, self.layout
+        )
 
 
 def sdpa_inputs(layer: Layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -170,8 +162,7 @@ def interleaved(layer: Layer, fns: dict, rounds: int) -> dict[str, float]:
     return {name: statistics.median(times[name]) if name in times else float("nan") for name in fns}
 
 
-def bench_context(layer: Layer, densities: list[float], thresholds: list[float], check: bool,
-                  rounds: int = 3) -> dict:
+def bench_context(layer: Layer, densities: list[float], thresholds: list[float], check: bool, rounds: int = 3) -> dict:
     res = {"context": layer.ctx, "rows": [], "rounds": rounds}
 
     def row(kind, ms, **kw):
@@ -184,19 +175,29 @@ def bench_context(layer: Layer, densities: list[float], thresholds: list[float],
     half = torch.arange(HKV, device=layer.device) < HKV // 2
     sale = [(t, None, f"sale@{t}") for t in thresholds] + [(mid, half, f"streaming/2@{mid}")]
     # The headline rows, timed in interleaved rounds: dense, SDPA, the selection, SALE end to end.
-    headline = {"dense_triton": layer.dense, "sdpa_flash": sdpa_call(layer, res, check),
-                "select": lambda: layer.select(mid)}
-    headline.update({kind: (lambda t=t, s=s: layer.sparse(*layer.select(t, s)[1:], streaming=s))
-                     for t, s, kind in sale})
+    headline = {
+        "dense_triton": layer.dense,
+        "sdpa_flash": sdpa_call(layer, res, check),
+        "select": lambda: layer.select(mid),
+    }
+    headline.update(
+        {kind: (lambda t=t, s=s: layer.sparse(*layer.select(t, s)[1:], streaming=s)) for t, s, kind in sale}
+    )
     ms = interleaved(layer, headline, rounds)
     dense_ms = row("dense_triton", ms["dense_triton"], tile_fraction=1.0)
     sdpa_ms = row("sdpa_flash", ms["sdpa_flash"], tile_fraction=1.0)
 
     row("quantize", layer.time(layer.quantize))
     codes, thr = layer.quantize(), torch.full((HQ,), mid, device=layer.device)
-    row("select_tiles", layer.time(lambda: select_tiles_triton(codes, layer.seq_lens, layer.qsl, layer.scale,
-                                                               layer.ctx, layer.ctx, layer.layout, thr)),
-        threshold=mid)
+    row(
+        "select_tiles",
+        layer.time(
+            lambda: select_tiles_triton(
+                codes, layer.seq_lens, layer.qsl, layer.scale, layer.ctx, layer.ctx, layer.layout, thr
+            )
+        ),
+        threshold=mid,
+    )
     codes = None  # free the codes before the rows below
     select_ms = row("select", ms["select"], threshold=mid)
     res["select_over_dense"] = select_ms / dense_ms
@@ -214,8 +215,13 @@ def bench_context(layer: Layer, densities: list[float], thresholds: list[float],
         frac = layer.fraction(layer.select(t, streaming)[2])
         row(kind, ms[kind], threshold=t, tile_fraction=frac, **speedups(ms[kind]))
 
-    reach = [r["density"] for r in res["rows"] if r["kind"].startswith("select+attn@")
-             and r["speedup_vs_dense"] >= SPEEDUP_TARGET and not r["speedup_vs_sdpa"] < SPEEDUP_TARGET]
+    reach = [
+        r["density"]
+        for r in res["rows"]
+        if r["kind"].startswith("select+attn@")
+        and r["speedup_vs_dense"] >= SPEEDUP_TARGET
+        and not r["speedup_vs_sdpa"] < SPEEDUP_TARGET
+    ]
     res["densest_mask_at_target"] = max(reach, default=None)
     return res
 
@@ -227,13 +233,26 @@ def sweep(layer: Layer) -> list[dict]:
     cases = []
     for d in (0.1, 1.0):
         index, count = layer.random_lists(d)
-        cases += [(f"attn@{d}", SparsePrefillConfig(*c),
-                   lambda cfg, index=index, count=count: layer.sparse(index, count, config=cfg))
-                  for c in [(64, 32, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2),
-                            (64, 16, 4, 3)]]
-    cases += [("select@0.01", TileSelectConfig(*c), lambda cfg: layer.select(0.01, config=cfg))
-              for c in [(2, 4, 2, 128), (2, 4, 2, 168), (2, 4, 3, None), (2, 4, 3, 128), (2, 4, 2, 112),
-                        (1, 4, 2, 128), (2, 8, 2, 128)]]
+        cases += [
+            (
+                f"attn@{d}",
+                SparsePrefillConfig(*c),
+                lambda cfg, index=index, count=count: layer.sparse(index, count, config=cfg),
+            )
+            for c in [(64, 32, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 16, 4, 3)]
+        ]
+    cases += [
+        ("select@0.01", TileSelectConfig(*c), lambda cfg: layer.select(0.01, config=cfg))
+        for c in [
+            (2, 4, 2, 128),
+            (2, 4, 2, 168),
+            (2, 4, 3, None),
+            (2, 4, 3, 128),
+            (2, 4, 2, 112),
+            (1, 4, 2, 128),
+            (2, 8, 2, 128),
+        ]
+    ]
     for kind, cfg, fn in cases:
         try:
             rows.append({"kind": kind, "config": vars(cfg), "ms": layer.time(lambda fn=fn, cfg=cfg: fn(cfg))})
@@ -248,25 +267,39 @@ def print_context(res: dict) -> None:
 
     print(f"{'context':>8s} {'kind':22s} {'ms':>10s} {'tiles':>7s} {'vs dense':>9s} {'vs sdpa':>8s}")
     for r in res["rows"]:
-        print(f"{res['context']:8d} {r['kind']:22s} {r['ms']:10.3f} {cell(r, 'tile_fraction', '7.1%'):>7s} "
-              f"{cell(r, 'speedup_vs_dense', '8.2f'):>8s}x {cell(r, 'speedup_vs_sdpa', '7.2f'):>7s}x")
-    print(f"{res['context']:8d} select / dense_triton = {res['select_over_dense']:.1%}; densest random mask with "
-          f"select + attention >= {SPEEDUP_TARGET}x both: {res['densest_mask_at_target']}")
+        print(
+            f"{res['context']:8d} {r['kind']:22s} {r['ms']:10.3f} {cell(r, 'tile_fraction', '7.1%'):>7s} "
+            f"{cell(r, 'speedup_vs_dense', '8.2f'):>8s}x {cell(r, 'speedup_vs_sdpa', '7.2f'):>7s}x"
+        )
+    print(
+        f"{res['context']:8d} select / dense_triton = {res['select_over_dense']:.1%}; densest random mask with "
+        f"select + attention >= {SPEEDUP_TARGET}x both: {res['densest_mask_at_target']}"
+    )
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", help="write every number to this JSON file")
     parser.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS, help="prompt lengths (tokens)")
-    parser.add_argument("--densities", type=float, nargs="+", default=DENSITIES,
-                        help="fractions of the middle tiles the random masks keep")
-    parser.add_argument("--thresholds", type=float, nargs="+", default=THRESHOLDS,
-                        help="SALE thresholds (every head), timed end to end")
+    parser.add_argument(
+        "--densities",
+        type=float,
+        nargs="+",
+        default=DENSITIES,
+        help="fractions of the middle tiles the random masks keep",
+    )
+    parser.add_argument(
+        "--thresholds", type=float, nargs="+", default=THRESHOLDS, help="SALE thresholds (every head), timed end to end"
+    )
     parser.add_argument("--q-tile", type=int, default=TileLayout.q_tile)
     parser.add_argument("--k-tile", type=int, default=TileLayout.k_tile)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: interpreter smoke test")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="interleaved rounds of the headline rows (dense, SDPA, select, SALE): medians")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of the headline rows (dense, SDPA, select, SALE): medians",
+    )
     parser.add_argument("--sweep", action="store_true", help="also time launch configurations of both kernels")
 
 
@@ -276,15 +309,22 @@ def main(args: argparse.Namespace) -> dict:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.manual_seed(0)
     layout = TileLayout(q_tile=args.q_tile, k_tile=args.k_tile)
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "triton": triton.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BLOCK, "dtype": args.dtype},
-              "layout": vars(layout), "contexts": []}
+    result = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BLOCK, "dtype": args.dtype},
+        "layout": vars(layout),
+        "contexts": [],
+    }
     for i, ctx in enumerate(args.contexts):
         layer = Layer(ctx, layout, device, dtype)
-        result["contexts"].append(bench_context(layer, args.densities, args.thresholds, check=i == 0,
-                                                rounds=args.rounds if device.type == "cuda" else 1))
+        result["contexts"].append(
+            bench_context(
+                layer, args.densities, args.thresholds, check=i == 0, rounds=args.rounds if device.type == "cuda" else 1
+            )
+        )
         print_context(result["contexts"][-1])
         del layer
         if device.type == "cuda":

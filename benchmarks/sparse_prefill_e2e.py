@@ -16,10 +16,11 @@ ttft: a prompt of CONTEXT - 1 random tokens (max_model_len CONTEXT), one output 
     engine's max_num_batched_tokens. Each variant's engine warms up (on CUDA) and runs --repeats times, each run
     on fresh random tokens (so no run reuses another's cached prefix). Reports the median wall time of generate
     (the TTFT of an idle engine), the speedup over dense in the same run, and tiles.
-accuracy: the accuracy harness's samples (bench/tasks.py, greedy, exact match) under every variant: its table,
+accuracy: the accuracy harness's samples (workloads/tasks.py, greedy, exact match) under every variant: its table,
     and per variant the mean accuracy, its difference to dense, the outputs equal to dense's and tiles (the curve
     of accuracy against tiles computed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,17 +35,18 @@ import torch
 
 from benchmarks.common import free_memory
 from sparseserve.bench import accuracy as A
-from sparseserve.bench import tasks as T
+from sparseserve.workloads import tasks as T
 from sparseserve.config import SparseConfig
 
 
 def variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     """(label, SparseConfig fields of its prefill attention), dense first."""
-    sale = {"sparse_prefill": "sale", "sparse_prefill_min_len": args.min_len,
-            "streaming_heads": args.streaming_heads}
+    sale = {"sparse_prefill": "sale", "sparse_prefill_min_len": args.min_len, "streaming_heads": args.streaming_heads}
     out = [("dense", {"sparse_prefill": "dense", "sparse_prefill_calibration": None})]
-    out += [(f"sale@{t:g}", {**sale, "sparse_prefill_threshold": t, "sparse_prefill_calibration": None})
-            for t in args.thresholds]
+    out += [
+        (f"sale@{t:g}", {**sale, "sparse_prefill_threshold": t, "sparse_prefill_calibration": None})
+        for t in args.thresholds
+    ]
     out += [(f"sale:{Path(f).name}", {**sale, "sparse_prefill_calibration": f}) for f in args.calibration]
     return out
 
@@ -71,6 +73,7 @@ class Tiles:
 def _engine(args: argparse.Namespace, max_model_len: int, variant: dict[str, Any]) -> Any:
     """The variant's engine, after the previous one's memory is back (the caller dropped it)."""
     from sparseserve import LLM
+
     free_memory()
     kw = A._engine_args(args, max_model_len)
     return LLM(model=args.model, load_format=args.load_format, **kw, **variant)
@@ -78,10 +81,16 @@ def _engine(args: argparse.Namespace, max_model_len: int, variant: dict[str, Any
 
 def _meta(args: argparse.Namespace, llm: Any) -> dict:
     dev = llm.llm_engine.model_runner.device
-    return {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "model": args.model or "embedded default", "model_name": llm.llm_engine.model_name,
-            "engine_args": args.engine_arg, "min_len": args.min_len, "streaming_heads": args.streaming_heads}
+    return {
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": args.model or "embedded default",
+        "model_name": llm.llm_engine.model_name,
+        "engine_args": args.engine_arg,
+        "min_len": args.min_len,
+        "streaming_heads": args.streaming_heads,
+    }
 
 
 def _write(args: argparse.Namespace, out: dict) -> None:
@@ -93,6 +102,7 @@ def _write(args: argparse.Namespace, out: dict) -> None:
 
 def run_ttft(args: argparse.Namespace) -> dict:
     from sparseserve import SamplingParams
+
     n = args.context - 1
     once = SamplingParams(temperature=0.0, max_tokens=1)
     runs = iter(range(1 << 30))
@@ -123,16 +133,32 @@ def run_ttft(args: argparse.Namespace) -> dict:
         meta = _meta(args, llm)
         del llm, counter
     dense = statistics.median(times["dense"])
-    rows = {label: {"ttft_s": times[label], "median_s": statistics.median(times[label]),
-                    "speedup_vs_dense": dense / statistics.median(times[label]),
-                    "tile_fraction": statistics.mean(tiles[label]), "config": kw} for label, kw in vs}
+    rows = {
+        label: {
+            "ttft_s": times[label],
+            "median_s": statistics.median(times[label]),
+            "speedup_vs_dense": dense / statistics.median(times[label]),
+            "tile_fraction": statistics.mean(tiles[label]),
+            "config": kw,
+        }
+        for label, kw in vs
+    }
     print(f"\nTTFT of one {n}-token prompt (median of {args.repeats}), chunks of {chunk} tokens")
     print(f"{'variant':26s} {'TTFT s':>9s} {'min s':>9s} {'vs dense':>9s} {'tiles':>7s}")
     for label, r in rows.items():
-        print(f"{label:26s} {r['median_s']:9.3f} {min(r['ttft_s']):9.3f} {r['speedup_vs_dense']:8.2f}x "
-              f"{r['tile_fraction']:7.1%}")
-    out = {**meta, "mode": "ttft", "context": args.context, "prompt_tokens": n, "chunk_tokens": chunk,
-           "repeats": args.repeats, "variants": rows}
+        print(
+            f"{label:26s} {r['median_s']:9.3f} {min(r['ttft_s']):9.3f} {r['speedup_vs_dense']:8.2f}x "
+            f"{r['tile_fraction']:7.1%}"
+        )
+    out = {
+        **meta,
+        "mode": "ttft",
+        "context": args.context,
+        "prompt_tokens": n,
+        "chunk_tokens": chunk,
+        "repeats": args.repeats,
+        "variants": rows,
+    }
     _write(args, out)
     return out
 
@@ -151,20 +177,35 @@ def run_accuracy(args: argparse.Namespace) -> dict:
         rows_by[label], results[label] = rows, A.accuracy_table(rows)
         mean = sum(r["correct"] for r in rows) / len(rows)
         equal = sum(a["output_token_ids"] == b["output_token_ids"] for a, b in zip(rows_by["dense"], rows))
-        curve[label] = {"tile_fraction": counter.fraction(), "mean_accuracy": mean,
-                        "delta_vs_dense": mean - curve["dense"]["mean_accuracy"] if curve else 0.0,
-                        "equal_to_dense": equal, "seconds": round(time.time() - t0, 2), "config": kw}
+        curve[label] = {
+            "tile_fraction": counter.fraction(),
+            "mean_accuracy": mean,
+            "delta_vs_dense": mean - curve["dense"]["mean_accuracy"] if curve else 0.0,
+            "equal_to_dense": equal,
+            "seconds": round(time.time() - t0, 2),
+            "config": kw,
+        }
         meta = _meta(args, llm)
         del llm, counter
     print(f"\nexact-match accuracy (%), {args.num_samples} samples per cell, seed {args.seed}")
     print(A.format_table(results, tasks, lengths))
     print(f"\n{'variant':26s} {'tiles':>7s} {'accuracy':>9s} {'vs dense':>9s} {'= dense':>8s}")
     for label, c in curve.items():
-        print(f"{label:26s} {c['tile_fraction']:7.1%} {100 * c['mean_accuracy']:8.1f}% "
-              f"{100 * c['delta_vs_dense']:+8.1f} {c['equal_to_dense']:5d}/{len(samples)}")
-    out = {**meta, "mode": "accuracy", "tasks": tasks, "lengths": lengths,
-           "num_samples": args.num_samples, "seed": args.seed, "accuracy": results, "curve": curve,
-           "samples": rows_by}
+        print(
+            f"{label:26s} {c['tile_fraction']:7.1%} {100 * c['mean_accuracy']:8.1f}% "
+            f"{100 * c['delta_vs_dense']:+8.1f} {c['equal_to_dense']:5d}/{len(samples)}"
+        )
+    out = {
+        **meta,
+        "mode": "accuracy",
+        "tasks": tasks,
+        "lengths": lengths,
+        "num_samples": args.num_samples,
+        "seed": args.seed,
+        "accuracy": results,
+        "curve": curve,
+        "samples": rows_by,
+    }
     _write(args, out)
     return out
 
@@ -175,13 +216,22 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--thresholds", type=float, nargs="*", default=[0.01], help="sale@T variants")
     parser.add_argument("--calibration", nargs="*", default=[], help="sale:FILE variants (calibration files)")
     parser.add_argument("--streaming-heads", default=None, help="streaming-heads file for the sale variants")
-    parser.add_argument("--min-len", type=int, default=SparseConfig.sparse_prefill_min_len,
-                        help="sparse_prefill_min_len of the sale variants")
+    parser.add_argument(
+        "--min-len",
+        type=int,
+        default=SparseConfig.sparse_prefill_min_len,
+        help="sparse_prefill_min_len of the sale variants",
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="engine argument (repeatable), e.g. max_num_batched_tokens=16384")
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="engine argument (repeatable), e.g. max_num_batched_tokens=16384",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None, help="JSON results file")
     g = parser.add_argument_group("ttft")

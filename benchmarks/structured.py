@@ -10,6 +10,7 @@ least 1,000 objects: no request can complete it (and stop) within the run. Repor
 step, tokens/s, and each config's ratio to the unconstrained batch (the target: one of 32 constrained >= 0.9x).
 Needs llguidance (`pip install 'sparseserve[structured]'`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,17 +29,28 @@ from sparseserve.bench.throughput import make_prompts
 from sparseserve.engine.engine import LLMEngine
 from sparseserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-SCHEMA = {"type": "array", "minItems": 1000, "items": {
-    "type": "object", "additionalProperties": False, "required": ["id", "name", "tags"],
-    "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16},
-                   "tags": {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "maxItems": 4}}}}
+SCHEMA = {
+    "type": "array",
+    "minItems": 1000,
+    "items": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["id", "name", "tags"],
+        "properties": {
+            "id": {"type": "integer"},
+            "name": {"type": "string", "maxLength": 16},
+            "tags": {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "maxItems": 4},
+        },
+    },
+}
 CONFIGS = {"free": 0, "one": 1, "all": None}  # constrained requests of the batch (None: all)
 
 
 def run(engine: LLMEngine, log: StepLog, prompts: list[list[int]], output_len: int, constrained: int) -> dict:
     free = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    json_params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
-                                 structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    json_params = SamplingParams(
+        temperature=0.0, max_tokens=output_len, ignore_eos=True, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+    )
     engine.reset_prefix_cache()
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, json_params if i < constrained else free)
@@ -73,9 +85,16 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for mode in args.scheduling.split(","):
         log = StepLog()
-        engine = LLMEngine.from_kwargs(log, model=model, tokenizer=args.tokenizer, device=args.device,
-                                       max_model_len=args.input_len + args.output_len + 8, max_num_seqs=args.batch,
-                                       async_scheduling=mode == "async", **kw)
+        engine = LLMEngine.from_kwargs(
+            log,
+            model=model,
+            tokenizer=args.tokenizer,
+            device=args.device,
+            max_model_len=args.input_len + args.output_len + 8,
+            max_num_seqs=args.batch,
+            async_scheduling=mode == "async",
+            **kw,
+        )
         prompts = make_prompts(args.batch, args.input_len, engine.model_runner.arch.vocab_size, seed=0)
         times: dict[str, list[float]] = {name: [] for name in CONFIGS}
         for _ in range(args.repeats):
@@ -86,9 +105,14 @@ def main(argv: list[str] | None = None) -> dict:
         free_ms = min(times["free"]) if times["free"] else None
         for name, ms in times.items():
             best = min(ms) if ms else None
-            row = {"scheduling": mode, "config": name, "batch": args.batch,
-                   "constrained": args.batch if CONFIGS[name] is None else CONFIGS[name], "step_ms": best,
-                   "tok_s": args.batch * 1e3 / best if best else None}
+            row = {
+                "scheduling": mode,
+                "config": name,
+                "batch": args.batch,
+                "constrained": args.batch if CONFIGS[name] is None else CONFIGS[name],
+                "step_ms": best,
+                "tok_s": args.batch * 1e3 / best if best else None,
+            }
             if best and free_ms:
                 row["throughput_vs_free"] = free_ms / best
                 row["extra_ms_per_step"] = best - free_ms
@@ -96,8 +120,13 @@ def main(argv: list[str] | None = None) -> dict:
         del engine
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     print_table(rows, "structured outputs: whole-batch decode steps (best of the repeats' medians)")
-    result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "input_len": args.input_len, "output_len": args.output_len, "schema": SCHEMA, "rows": rows}
+    result = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "schema": SCHEMA,
+        "rows": rows,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if tmp is not None:

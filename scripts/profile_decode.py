@@ -6,6 +6,7 @@ random-weight model (load_format='dummy'), GPU kernel time per step vs wall time
     python scripts/profile_decode.py /tmp/smollm2 --batch 1 --engine-arg sparse_policy=topk \
         --engine-arg sparse_budget=1024 --engine-arg kv_offload=true
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,16 @@ def main() -> None:
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", help="engine option (repeatable)")
     args = ap.parse_args()
     log = StepLog()  # each step's schedule: the profiled steps start once the whole batch decodes
-    engine = LLMEngine.from_kwargs(log, model=args.model, load_format="dummy", dtype="bfloat16",
-                                   max_model_len=args.input_len + 256, max_num_seqs=args.batch,
-                                   max_num_batched_tokens=32768, **parse_engine_args(args.engine_arg))
+    engine = LLMEngine.from_kwargs(
+        log,
+        model=args.model,
+        load_format="dummy",
+        dtype="bfloat16",
+        max_model_len=args.input_len + 256,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=32768,
+        **parse_engine_args(args.engine_arg),
+    )
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     for i in range(args.batch):

@@ -15,6 +15,7 @@ TP=1 side by side in one process (the TP=1 engine on GPU 0 is dropped before the
 MODEL: a Hugging Face directory; benchmarks/model_dir.py writes Llama-3.1-8B's shape (random weights for
 parity; --config-only for step and capacity, which load dummy weights). --json writes the rows.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,8 +68,12 @@ def compare(a: list, b: list) -> dict:
         for i in range(n):
             t = x.token_ids[i]
             dlp = max(dlp, abs(x.logprobs[i][t].logprob - y.logprobs[i][t].logprob))
-    return {"identical_seqs": f"{same}/{len(a)}", "first_divergence_min": min(first),
-            "first_divergence_mean": sum(first) / len(first), "max_dlogprob": dlp}
+    return {
+        "identical_seqs": f"{same}/{len(a)}",
+        "first_divergence_min": min(first),
+        "first_divergence_mean": sum(first) / len(first),
+        "max_dlogprob": dlp,
+    }
 
 
 def parity(args) -> list[dict]:
@@ -83,16 +88,25 @@ def parity(args) -> list[dict]:
     e = engine(args.model, args.tp, **kw)
     tpn = run_all(e, reqs, params)
     drop(e)
-    return [{"compare": "TP=1 one at a time vs TP=1 batched (the spread)", **compare(tp1, tp1_single)},
-            {"compare": f"TP={args.tp} batched vs TP=1 batched", **compare(tp1, tpn)}]
+    return [
+        {"compare": "TP=1 one at a time vs TP=1 batched (the spread)", **compare(tp1, tp1_single)},
+        {"compare": f"TP={args.tp} batched vs TP=1 batched", **compare(tp1, tpn)},
+    ]
 
 
 def step(args) -> list[dict]:
     rows = []
     for tp in (1, args.tp):
         log = StepLog()
-        e = engine(args.model, tp, log, load_format="dummy", max_model_len=args.context + args.steps + 64,
-                   max_num_seqs=args.batch, max_num_batched_tokens=16384)
+        e = engine(
+            args.model,
+            tp,
+            log,
+            load_format="dummy",
+            max_model_len=args.context + args.steps + 64,
+            max_num_seqs=args.batch,
+            max_num_batched_tokens=16384,
+        )
         params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
         for i, p in enumerate(prompts(args.batch, args.context)):
             e.add_request(str(i), p, params)
@@ -107,8 +121,16 @@ def step(args) -> list[dict]:
         drop(e)
         e = None
         times = sorted(times[3:])  # the first decode steps warm up
-        rows.append({"tp": tp, "batch": args.batch, "context": args.context, "steps": len(times),
-                     "step_ms_median": 1e3 * times[len(times) // 2], "step_ms_mean": 1e3 * sum(times) / len(times)})
+        rows.append(
+            {
+                "tp": tp,
+                "batch": args.batch,
+                "context": args.context,
+                "steps": len(times),
+                "step_ms_median": 1e3 * times[len(times) // 2],
+                "step_ms_mean": 1e3 * sum(times) / len(times),
+            }
+        )
     rows[-1]["vs TP=1"] = rows[-1]["step_ms_median"] / rows[0]["step_ms_median"]
     return rows
 
@@ -118,11 +140,21 @@ def capacity(args) -> list[dict]:
     rows = []
     for tp, n in ((1, args.requests_tp1), (args.tp, args.requests)):
         log = StepLog()
-        e = engine(args.model, tp, log, load_format="dummy", max_model_len=args.context + args.output_len,
-                   max_num_seqs=n, max_num_batched_tokens=16384,
-                   gpu_memory_utilization=args.gpu_memory_gb * 1e9 / total,
-                   sparse_policy="topk", sparse_budget=2048, sparse_reuse=args.reuse, kv_offload=True,
-                   host_kv_memory=int(args.host_kv_gb * 2**30))
+        e = engine(
+            args.model,
+            tp,
+            log,
+            load_format="dummy",
+            max_model_len=args.context + args.output_len,
+            max_num_seqs=n,
+            max_num_batched_tokens=16384,
+            gpu_memory_utilization=args.gpu_memory_gb * 1e9 / total,
+            sparse_policy="topk",
+            sparse_budget=2048,
+            sparse_reuse=args.reuse,
+            kv_offload=True,
+            host_kv_memory=int(args.host_kv_gb * 2**30),
+        )
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         for i, p in enumerate(prompts(n, args.context)):
             e.add_request(str(i), p, params)
@@ -139,11 +171,21 @@ def capacity(args) -> list[dict]:
             since = 0 if running > most else since + 1
             most = max(most, running)
         stats = e.get_stats(sync=True)
-        tail = sorted(decode[-args.plateau // 2:]) or [float("nan")]
-        rows.append({"tp": tp, "requests": n, "max_running": most, "all_admitted": not stats.num_waiting,
-                     "preemptions": stats.num_preemptions, "decode_step_ms": 1e3 * tail[len(tail) // 2],
-                     "host_blocks": stats.offload_host_blocks, "device_blocks": stats.offload_device_blocks,
-                     "hbm_slots": stats.offload_hbm_slots, "seconds": time.perf_counter() - t0})
+        tail = sorted(decode[-args.plateau // 2 :]) or [float("nan")]
+        rows.append(
+            {
+                "tp": tp,
+                "requests": n,
+                "max_running": most,
+                "all_admitted": not stats.num_waiting,
+                "preemptions": stats.num_preemptions,
+                "decode_step_ms": 1e3 * tail[len(tail) // 2],
+                "host_blocks": stats.offload_host_blocks,
+                "device_blocks": stats.offload_device_blocks,
+                "hbm_slots": stats.offload_hbm_slots,
+                "seconds": time.perf_counter() - t0,
+            }
+        )
         e.abort_request([str(i) for i in range(n)])
         drop(e)
         e = None
@@ -178,8 +220,16 @@ def main() -> None:
     print_table(rows, f"tensor parallelism: {args.what} ({torch.cuda.get_device_name()} x {args.tp})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-                       "args": vars(args), "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "date": datetime.date.today().isoformat(),
+                    "args": vars(args),
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Train SparseServe's small long-context test model: a Llama (GQA, large RoPE base) in HF format.
 
-Data: the essays (LM loss on natural text) and the RULER-style tasks of sparseserve/bench/tasks.py
+Data: the essays (LM loss on natural text) and the RULER-style tasks of sparseserve/workloads/tasks.py
 (loss on the answer tokens only), with a curriculum over lengths up to --max-len. The run prints its
 loss curve, saves the checkpoint (bf16 safetensors + tokenizer.json with a chat template), then
 reloads that checkpoint with transformers and prints exact-match accuracy per task and length.
@@ -12,6 +12,7 @@ Reproducible from --seed: the tokenizer, the model init and every batch derive f
 is counted in steps. --time-limit only guards the device's 10-minute cap (it stops training early
 and says so; the run is then reproducible with --steps set to the step it reached).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,14 +30,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked
-from sparseserve.bench import tasks as T  # noqa: E402
+from sparseserve.workloads import tasks as T  # noqa: E402
 from sparseserve.bench.accuracy import transformers_greedy  # noqa: E402
 
 SPECIALS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 # Renders messages as plain text after BOS: the model knows only the task format of tasks.py, so a
 # chat turn is the whole prompt ("...\nQuestion: ...\nAnswer:").
-CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['content'] }}"
-                 "{% if not loop.last %}\n{% endif %}{% endfor %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['content'] }}"
+    "{% if not loop.last %}\n{% endif %}{% endfor %}"
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,8 +64,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=250, help="quick niah check every N steps (0: off)")
     p.add_argument("--time-limit", type=float, default=0, help="minutes of training before stopping early (0: none)")
     p.add_argument("--resume", default=None, help="an --out folder: state_fp32_*.safetensors, trained_model/")
-    p.add_argument("--curriculum-from", type=float, default=0.0,
-                   help="where in the length curriculum to start (0..1; for resumed runs)")
+    p.add_argument(
+        "--curriculum-from",
+        type=float,
+        default=0.0,
+        help="where in the length curriculum to start (0..1; for resumed runs)",
+    )
     p.add_argument("--save-every", type=int, default=500)
     p.add_argument("--extra-qa", type=int, default=8, help="extra questions per training sample (kv, multikey)")
     p.add_argument("--workers", type=int, default=12, help="batch-building processes")
@@ -81,6 +88,7 @@ def task_strings(essays: list[str], rng: np.random.Generator, n: int = 1000) -> 
     """Texts in the task formats, so the BPE merges cover the templates, keys and variable names.
     Built with a byte-level tokenizer without merges: one token per byte, decodes to the text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     raw = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -95,25 +103,35 @@ def task_strings(essays: list[str], rng: np.random.Generator, n: int = 1000) -> 
 
 def train_tokenizer(essays: list[str], vocab_size: int, seed: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
     tok = Tokenizer(models.BPE())
     # Digits one by one: numbers are copied digit by digit, and every key tokenizes alike.
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, min_frequency=2,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     corpus = essays + task_strings(essays, np.random.default_rng([seed, 1]))
     tok.train_from_iterator(corpus, trainer=trainer)
     bos = tok.token_to_id("<|bos|>")
-    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", pair="<|bos|> $A $B",
-                                                       special_tokens=[("<|bos|>", bos)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", pair="<|bos|> $A $B", special_tokens=[("<|bos|>", bos)]
+    )
     return tok
 
 
 def save_tokenizer(tok, out: Path, max_len: int) -> None:
     from transformers import PreTrainedTokenizerFast
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
-                                 pad_token="<|pad|>", model_max_length=max_len)
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>", model_max_length=max_len
+    )
     hf.chat_template = CHAT_TEMPLATE
     hf.save_pretrained(out)
     # Keep the template inside tokenizer_config.json (older loaders read it only there).
@@ -129,9 +147,13 @@ def save_tokenizer(tok, out: Path, max_len: int) -> None:
 def phase_lengths(frac: float, max_len: int) -> tuple[list[int], list[float]]:
     """The curriculum: short sequences first (formats are learned cheaply), then long ones, and
     shorter lengths kept in the mix so they are not forgotten."""
-    plan = [(0.2, {256: 0.5, 512: 0.5}), (0.3, {1024: 0.5, 2048: 0.5}), (0.45, {2048: 0.4, 4096: 0.6}),
-            (0.65, {4096: 0.5, 8192: 0.5}),
-            (1.01, {4096: 0.15, 8192: 0.25, 16384: 0.35, 32768: 0.25})]
+    plan = [
+        (0.2, {256: 0.5, 512: 0.5}),
+        (0.3, {1024: 0.5, 2048: 0.5}),
+        (0.45, {2048: 0.4, 4096: 0.6}),
+        (0.65, {4096: 0.5, 8192: 0.5}),
+        (1.01, {4096: 0.15, 8192: 0.25, 16384: 0.35, 32768: 0.25}),
+    ]
     mix = next(m for end, m in plan if frac < end)
     mix = {min(n, max_len): w for n, w in mix.items()}  # --max-len caps the plan (tiny runs)
     return list(mix), [w / sum(mix.values()) for w in mix.values()]
@@ -144,14 +166,30 @@ def task_mix(frac: float) -> dict[str, float]:
     if frac < 0.06:  # pure copying first: the induction circuit every task below reuses
         return {"copy": 1.0}
     if frac < 0.2:
-        return {"copy": 0.4, "passkey": 0.1, "niah_single": 0.05, "niah_multikey": 0.1,
-                "kv_retrieval": 0.3, "lm": 0.05}
-    return {"copy": 0.1, "passkey": 0.1, "niah_single": 0.2, "niah_multikey": 0.2,
-            "kv_retrieval": 0.15, "variable_tracking": 0.15, "lm": 0.1}
+        return {"copy": 0.4, "passkey": 0.1, "niah_single": 0.05, "niah_multikey": 0.1, "kv_retrieval": 0.3, "lm": 0.05}
+    return {
+        "copy": 0.1,
+        "passkey": 0.1,
+        "niah_single": 0.2,
+        "niah_multikey": 0.2,
+        "kv_retrieval": 0.15,
+        "variable_tracking": 0.15,
+        "lm": 0.1,
+    }
 
 
-def make_batch(builder: T.TaskBuilder, seed: int, steps: int, tokens: int, max_len: int,
-               eos: int, pad: int, curriculum_from: float, extra_qa: int, step: int) -> dict:
+def make_batch(
+    builder: T.TaskBuilder,
+    seed: int,
+    steps: int,
+    tokens: int,
+    max_len: int,
+    eos: int,
+    pad: int,
+    curriculum_from: float,
+    extra_qa: int,
+    step: int,
+) -> dict:
     rng = np.random.default_rng([seed, 2, step])
     frac = curriculum_from + (1 - curriculum_from) * step / steps
     lens, weights = phase_lengths(frac, max_len)
@@ -189,7 +227,7 @@ def make_batch(builder: T.TaskBuilder, seed: int, steps: int, tokens: int, max_l
     width = max(len(s) for s in seqs)
     ids = np.full((rows, width), pad, dtype=np.int64)
     for r, s in enumerate(seqs):
-        ids[r, :len(s)] = s
+        ids[r, : len(s)] = s
     # Positions whose next token is supervised: [from, to) of each span.
     out = {"ids": ids, "length": length}
     for key, sp in spans.items():
@@ -211,6 +249,7 @@ class BatchStream:
 
     def __init__(self, builder, args_tuple: tuple, steps: int, workers: int, ahead: int = 12) -> None:
         import multiprocessing as mp
+
         _WORKER.update(builder=builder, args=args_tuple)
         self.pool = mp.get_context("fork").Pool(workers)
         self.steps, self.ahead, self.next, self.pending = steps, ahead, 0, {}
@@ -233,16 +272,26 @@ class BatchStream:
 # -- model --------------------------------------------------------------------------------------
 def build_model(args, tok):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     cfg = LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
         head_dim=args.hidden // args.heads,
         # Trained up to --max-len; the table is larger so that an engine's max_model_len can hold a
         # max-length prompt plus its answer (RoPE is computed, not learned).
         max_position_embeddings=max(2 * args.max_len, 65536),
-        rope_theta=args.rope_theta, rms_norm_eps=1e-5, tie_word_embeddings=True,
-        bos_token_id=tok.token_to_id("<|bos|>"), eos_token_id=tok.token_to_id("<|eos|>"),
-        pad_token_id=tok.token_to_id("<|pad|>"), initializer_range=0.02)
+        rope_theta=args.rope_theta,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=tok.token_to_id("<|bos|>"),
+        eos_token_id=tok.token_to_id("<|eos|>"),
+        pad_token_id=tok.token_to_id("<|pad|>"),
+        initializer_range=0.02,
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(args.seed)
     return LlamaForCausalLM(cfg)
@@ -254,6 +303,7 @@ def check_sdpa_gqa(device: str) -> None:
     if device != "cuda":
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     q = torch.randn(1, 8, 256, 32, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(1, 2, 256, 32, device="cuda", dtype=torch.bfloat16)
     try:
@@ -262,6 +312,7 @@ def check_sdpa_gqa(device: str) -> None:
         print("sdpa: fused kernel supports enable_gqa")
     except RuntimeError:
         import transformers.integrations.sdpa_attention as sa
+
         sa.use_gqa_in_sdpa = lambda *a, **k: False
         print("sdpa: no fused GQA kernel; repeating KV heads instead")
 
@@ -297,8 +348,11 @@ def preflight(model, args, dev: str) -> None:
     model.zero_grad(set_to_none=True)
     if dev == "cuda":
         torch.cuda.synchronize()
-        print(f"preflight {rows}x{args.max_len}: {time.time() - t:.2f}s, "
-              f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
+        print(
+            f"preflight {rows}x{args.max_len}: {time.time() - t:.2f}s, "
+            f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB",
+            flush=True,
+        )
 
 
 def lr_at(step: int, steps: int, base: float, warmup: int = 50) -> float:
@@ -310,7 +364,7 @@ def lr_at(step: int, steps: int, base: float, warmup: int = 50) -> float:
 # -- evaluation ---------------------------------------------------------------------------------
 def greedy(model, prompts: torch.Tensor, max_new: int, eos: int) -> list[list[int]]:
     """Greedy answers, cut at EOS."""
-    return [row[:row.index(eos)] if eos in row else row for row in transformers_greedy(model, prompts, max_new)]
+    return [row[: row.index(eos)] if eos in row else row for row in transformers_greedy(model, prompts, max_new)]
 
 
 def evaluate(model, builder, tok, tasks, lengths, n, seed, eos, device, batch_tokens=1 << 20):
@@ -324,7 +378,7 @@ def evaluate(model, builder, tok, tasks, lengths, n, seed, eos, device, batch_to
             rows = max(1, batch_tokens // length)
             got = []
             for i in range(0, n, rows):
-                chunk = torch.tensor([s.prompt_ids for s in samples[i:i + rows]], device=device)
+                chunk = torch.tensor([s.prompt_ids for s in samples[i : i + rows]], device=device)
                 with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
                     got += greedy(model, chunk, max_new, eos)
             texts = [tok.decode(g, skip_special_tokens=True) for g in got]
@@ -353,16 +407,22 @@ def main(argv: list[str] | None = None) -> None:
     model_dir.mkdir(parents=True, exist_ok=True)
     essays = T.load_essays(T.find_haystack_dir(args.data_dir))
     from tokenizers import Tokenizer
-    tok = (Tokenizer.from_file(str(Path(args.resume) / "trained_model" / "tokenizer.json")) if args.resume
-           else train_tokenizer(essays, args.vocab_size, args.seed))
+
+    tok = (
+        Tokenizer.from_file(str(Path(args.resume) / "trained_model" / "tokenizer.json"))
+        if args.resume
+        else train_tokenizer(essays, args.vocab_size, args.seed)
+    )
     eos, pad = tok.token_to_id("<|eos|>"), tok.token_to_id("<|pad|>")
     builder = T.TaskBuilder(tok, essays, eos_id=eos)
-    print(f"tokenizer: {tok.get_vocab_size()} tokens; essays {len(builder.essays.ids)} tokens "
-          f"({time.time() - t0:.1f}s)")
+    print(
+        f"tokenizer: {tok.get_vocab_size()} tokens; essays {len(builder.essays.ids)} tokens ({time.time() - t0:.1f}s)"
+    )
 
     model = build_model(args, tok)
     if args.resume:
         from safetensors.torch import load_file
+
         state = {}
         for f in sorted(Path(args.resume).glob("state_fp32_*.safetensors")):
             state.update(load_file(str(f)))
@@ -370,12 +430,18 @@ def main(argv: list[str] | None = None) -> None:
     model.to(dev)
     check_sdpa_gqa(dev)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.2f}M params ({2 * n_params / 2**20:.1f} MiB in bf16), "
-          f"{args.layers} layers, hidden {args.hidden}, {args.heads} q / {args.kv_heads} kv heads")
+    print(
+        f"model: {n_params / 1e6:.2f}M params ({2 * n_params / 2**20:.1f} MiB in bf16), "
+        f"{args.layers} layers, hidden {args.hidden}, {args.heads} q / {args.kv_heads} kv heads"
+    )
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), fused=dev == "cuda")
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        fused=dev == "cuda",
+    )
 
     for _ in range(3):  # halve the step's tokens if the longest shape does not fit in memory
         try:
@@ -386,8 +452,12 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.empty_cache()
             args.tokens_per_step //= 2
             print(f"preflight out of memory: --tokens-per-step {args.tokens_per_step}", flush=True)
-    stream = BatchStream(builder, (args.seed, args.steps, args.tokens_per_step, args.max_len, eos, pad,
-                                   args.curriculum_from, args.extra_qa), args.steps, args.workers)
+    stream = BatchStream(
+        builder,
+        (args.seed, args.steps, args.tokens_per_step, args.max_len, eos, pad, args.curriculum_from, args.extra_qa),
+        args.steps,
+        args.workers,
+    )
     log, t_train, hist = [], time.time(), {}
     step = 0
     for step in range(args.steps):
@@ -405,20 +475,36 @@ def main(argv: list[str] | None = None) -> None:
             hist.setdefault(k, []).append(v)
         if step % 25 == 0 or step == args.steps - 1:
             el = time.time() - t_train
-            rec = {"step": step, "len": batch["length"], "lr": lr_at(step, args.steps, args.lr),
-                   "elapsed_s": round(el, 1)}
+            rec = {
+                "step": step,
+                "len": batch["length"],
+                "lr": lr_at(step, args.steps, args.lr),
+                "elapsed_s": round(el, 1),
+            }
             with np.errstate(all="ignore"):
-                rec.update({f"{k}_loss": float(np.nanmean(v[-25:])) if not np.all(np.isnan(v[-25:])) else None
-                            for k, v in hist.items()})
+                rec.update(
+                    {
+                        f"{k}_loss": float(np.nanmean(v[-25:])) if not np.all(np.isnan(v[-25:])) else None
+                        for k, v in hist.items()
+                    }
+                )
             log.append(rec)
-            losses = " ".join(f"{k} {rec[f'{k}_loss']:.3f}" if rec[f"{k}_loss"] is not None else f"{k} -"
-                              for k in hist)
+            losses = " ".join(f"{k} {rec[f'{k}_loss']:.3f}" if rec[f"{k}_loss"] is not None else f"{k} -" for k in hist)
             print(f"step {step:5d} len {batch['length']:6d} {losses} lr {rec['lr']:.2e} {el:6.1f}s", flush=True)
         if args.eval_every and step and step % args.eval_every == 0:
             model.eval()
             n = batch["length"]
-            acc, _ = evaluate(model, builder, tok, ["passkey", "niah_single", "niah_multikey", "kv_retrieval"], [n], 16,
-                              args.seed + 999, eos, dev)
+            acc, _ = evaluate(
+                model,
+                builder,
+                tok,
+                ["passkey", "niah_single", "niah_multikey", "kv_retrieval"],
+                [n],
+                16,
+                args.seed + 999,
+                eos,
+                dev,
+            )
             print(f"  quick eval @ {n}: " + ", ".join(f"{k[0]} {100 * v:.0f}%" for k, v in acc.items()), flush=True)
         if args.save_every and step and step % args.save_every == 0:
             save_fp32(model, out)  # what comes back if the device's time limit kills the run
@@ -438,6 +524,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Final accuracy: the saved bf16 checkpoint, reloaded through transformers.
     from transformers import AutoTokenizer, LlamaForCausalLM
+
     hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
     hf_model = hf_model.to(dev).eval()
     hf_tok = AutoTokenizer.from_pretrained(model_dir)
@@ -445,10 +532,13 @@ def main(argv: list[str] | None = None) -> None:
     tasks = args.eval_tasks.split(",")
     lengths = [int(x) for x in args.eval_lengths.split(",")]
     acc, answers = evaluate(hf_model, builder, tok, tasks, lengths, args.eval_samples, args.seed, eos, dev)
-    print_table(acc, tasks, lengths,
-                f"dense accuracy, transformers, bf16, {args.eval_samples} samples, seed {args.seed}")
-    results.update(accuracy={f"{t}@{n}": a for (t, n), a in acc.items()},
-                   examples={f"{t}@{n}": v[:3] for (t, n), v in answers.items()})
+    print_table(
+        acc, tasks, lengths, f"dense accuracy, transformers, bf16, {args.eval_samples} samples, seed {args.seed}"
+    )
+    results.update(
+        accuracy={f"{t}@{n}": a for (t, n), a in acc.items()},
+        examples={f"{t}@{n}": v[:3] for (t, n), v in answers.items()},
+    )
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"total {time.time() - t0:.0f}s")
 
@@ -456,13 +546,18 @@ def main(argv: list[str] | None = None) -> None:
 def save_checkpoint(model, tok, model_dir: Path, args) -> None:
     from transformers import GenerationConfig
     import copy
+
     bf16 = copy.deepcopy(model).to(torch.bfloat16)  # the fp32 master weights stay untouched
     bf16.config.dtype = "bfloat16"
     bf16.save_pretrained(model_dir, safe_serialization=True)
     save_tokenizer(tok, model_dir, model.config.max_position_embeddings)  # the engine's default max_model_len
-    GenerationConfig(bos_token_id=model.config.bos_token_id, eos_token_id=model.config.eos_token_id,
-                     pad_token_id=model.config.pad_token_id, do_sample=False,
-                     max_new_tokens=32).save_pretrained(model_dir)
+    GenerationConfig(
+        bos_token_id=model.config.bos_token_id,
+        eos_token_id=model.config.eos_token_id,
+        pad_token_id=model.config.pad_token_id,
+        do_sample=False,
+        max_new_tokens=32,
+    ).save_pretrained(model_dir)
     size = sum(f.stat().st_size for f in model_dir.iterdir()) / 2**20
     print(f"saved {model_dir} ({size:.1f} MiB): {sorted(f.name for f in model_dir.iterdir())}")
 
@@ -470,8 +565,8 @@ def save_checkpoint(model, tok, model_dir: Path, args) -> None:
 def save_fp32(model, out: Path) -> None:
     """fp32 weights in two shards (the device tool returns files of at most 16 MiB)."""
     from safetensors.torch import save_file
-    state = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()
-             if k != "lm_head.weight"}
+
+    state = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     parts: list[dict] = [{}, {}]
     total, acc = sum(v.numel() for v in state.values()), 0
     for k in sorted(state):  # split by size, not by count
@@ -479,7 +574,6 @@ def save_fp32(model, out: Path) -> None:
         acc += state[k].numel()
     for i, part in enumerate(parts):
         save_file(part, str(out / f"state_fp32_{i}.safetensors"))
-
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """SparseServe: long-context LLM serving with dynamic sparse attention."""
+
 from __future__ import annotations
 
 import importlib
@@ -12,9 +13,13 @@ if TYPE_CHECKING:
 
 # The public names load on first use, so light entry points do not import torch and
 # transformers.
-_EXPORTS = {"LLM": "sparseserve.entrypoints.llm", "SamplingParams": "sparseserve.sampling_params",
-            "EngineConfig": "sparseserve.config", "RequestOutput": "sparseserve.outputs",
-            "CompletionOutput": "sparseserve.outputs"}
+_EXPORTS = {
+    "LLM": "sparseserve.entrypoints.llm",
+    "SamplingParams": "sparseserve.sampling_params",
+    "EngineConfig": "sparseserve.config",
+    "RequestOutput": "sparseserve.outputs",
+    "CompletionOutput": "sparseserve.outputs",
+}
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 

@@ -4,6 +4,7 @@ Every field of the sub-configs is also a keyword of `LLM(...)` and a `--flag-wit
 `EngineConfig.from_kwargs` routes flat keywords to the sub-config that owns them, so a new option
 is added in exactly one place.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,27 +23,54 @@ CPU_LONG_PREFILL_TOKENS = 512
 class SchedulerConfig:
     max_num_seqs: int = field(default=256, metadata={"help": "Maximum number of sequences in one step."})
     max_num_batched_tokens: int = field(
-        default=8192, metadata={"help": "Token budget of one engine step (prefill chunks + decodes).", "size": True})
+        default=8192, metadata={"help": "Token budget of one engine step (prefill chunks + decodes).", "size": True}
+    )
     enable_chunked_prefill: bool = field(
-        default=True, metadata={"help": "Split prompts longer than the step's token budget into chunks."})
-    init_new_token_ratio: float = field(default=0.7, metadata={
-        "help": "Admission estimate: the fraction of its remaining max_tokens a running request is expected "
-                "to still generate (0: admit whatever fits its prompt now)."})
-    min_new_token_ratio: float = field(default=0.1, metadata={
-        "help": "Admission: the lowest the expected fraction decays to while nothing is preempted (a preemption "
-                "raises it halfway to 1)."})
-    new_token_ratio_decay_steps: int = field(default=600, metadata={
-        "help": "Admission: engine steps over which the expected fraction decays from its initial value to the "
-                "minimum."})
-    long_prefill_token_threshold: int | None = field(default=None, metadata={"size": True,
-        "help": "A prompt is prefilled at most this many tokens a step, as in vLLM "
-                "(0: no limit; default: 512 on CPU, no limit on CUDA)."})
-    max_long_partial_prefills: int = field(default=1, metadata={
-        "help": "At most this many prompts longer than long_prefill_token_threshold are prefilled a step, "
-                "the oldest first."})
-    async_scheduling: bool = field(default=False, metadata={
-        "help": "Schedule and prepare the next step while the device runs the current one (stop checks run "
-                "one step late; greedy and seeded outputs are unchanged)."})
+        default=True, metadata={"help": "Split prompts longer than the step's token budget into chunks."}
+    )
+    init_new_token_ratio: float = field(
+        default=0.7,
+        metadata={
+            "help": "Admission estimate: the fraction of its remaining max_tokens a running request is expected "
+            "to still generate (0: admit whatever fits its prompt now)."
+        },
+    )
+    min_new_token_ratio: float = field(
+        default=0.1,
+        metadata={
+            "help": "Admission: the lowest the expected fraction decays to while nothing is preempted (a preemption "
+            "raises it halfway to 1)."
+        },
+    )
+    new_token_ratio_decay_steps: int = field(
+        default=600,
+        metadata={
+            "help": "Admission: engine steps over which the expected fraction decays from its initial value to the "
+            "minimum."
+        },
+    )
+    long_prefill_token_threshold: int | None = field(
+        default=None,
+        metadata={
+            "size": True,
+            "help": "A prompt is prefilled at most this many tokens a step, as in vLLM "
+            "(0: no limit; default: 512 on CPU, no limit on CUDA).",
+        },
+    )
+    max_long_partial_prefills: int = field(
+        default=1,
+        metadata={
+            "help": "At most this many prompts longer than long_prefill_token_threshold are prefilled a step, "
+            "the oldest first."
+        },
+    )
+    async_scheduling: bool = field(
+        default=False,
+        metadata={
+            "help": "Schedule and prepare the next step while the device runs the current one (stop checks run "
+            "one step late; greedy and seeded outputs are unchanged)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -50,13 +78,16 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not 0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0:
-            raise ValueError(f"need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got "
-                             f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
+            raise ValueError(
+                f"need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got "
+                f"{self.min_new_token_ratio} and {self.init_new_token_ratio}"
+            )
         if self.new_token_ratio_decay_steps < 1:
             raise ValueError(f"new_token_ratio_decay_steps must be >= 1, got {self.new_token_ratio_decay_steps}")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: no limit), got "
-                             f"{self.long_prefill_token_threshold}")
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0 (0: no limit), got {self.long_prefill_token_threshold}"
+            )
         if self.max_long_partial_prefills < 1:
             raise ValueError(f"max_long_partial_prefills must be >= 1, got {self.max_long_partial_prefills}")
 
@@ -73,20 +104,37 @@ class SchedulerConfig:
 class CacheConfig:
     block_size: int = field(default=32, metadata={"help": "Tokens per KV token block."})
     gpu_memory_utilization: float = field(
-        default=0.9, metadata={"help": "Fraction of GPU memory the engine may use (weights, activations, KV)."})
+        default=0.9, metadata={"help": "Fraction of GPU memory the engine may use (weights, activations, KV)."}
+    )
     kv_cache_memory: int | None = field(
-        default=None, metadata={"help": "Bytes of KV cache, e.g. 2GiB (default: sized by "
-                                        "gpu_memory_utilization).",
-                                "size": True, "flag": "kv_cache_memory_bytes"})  # vLLM's name first
+        default=None,
+        metadata={
+            "help": "Bytes of KV cache, e.g. 2GiB (default: sized by gpu_memory_utilization).",
+            "size": True,
+            "flag": "kv_cache_memory_bytes",
+        },
+    )  # vLLM's name first
     num_gpu_blocks_override: int | None = field(
-        default=None, metadata={"help": "Exact number of KV token blocks, for tests and capacity "
-                                        "experiments (default: sized from memory)."})
-    enable_prefix_caching: bool = field(default=True, metadata={
-        "help": "Automatic prefix caching: full KV blocks are shared by the hash of their tokens and "
-                "evicted least recently used."})
-    host_prefix_cache_memory: int | None = field(default=None, metadata={"size": True,
-        "help": "Bytes of pinned host memory keeping prefix-cache blocks for copy-back instead of recompute, "
-                "without KV offload (default: none)."})
+        default=None,
+        metadata={
+            "help": "Exact number of KV token blocks, for tests and capacity experiments (default: sized from memory)."
+        },
+    )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata={
+            "help": "Automatic prefix caching: full KV blocks are shared by the hash of their tokens and "
+            "evicted least recently used."
+        },
+    )
+    host_prefix_cache_memory: int | None = field(
+        default=None,
+        metadata={
+            "size": True,
+            "help": "Bytes of pinned host memory keeping prefix-cache blocks for copy-back instead of recompute, "
+            "without KV offload (default: none).",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -97,88 +145,159 @@ class CacheConfig:
             if self.host_prefix_cache_memory < 1:
                 raise ValueError(f"host_prefix_cache_memory must be >= 1 byte, got {self.host_prefix_cache_memory}")
             if not self.enable_prefix_caching:
-                raise ValueError("host_prefix_cache_memory is the prefix cache's host tier: it needs "
-                                 "enable_prefix_caching")
+                raise ValueError(
+                    "host_prefix_cache_memory is the prefix cache's host tier: it needs enable_prefix_caching"
+                )
             available = available_host_memory()
             if available is not None and self.host_prefix_cache_memory > available:
-                raise ValueError(f"host_prefix_cache_memory={self.host_prefix_cache_memory} bytes exceeds the "
-                                 f"host's available memory ({available} bytes): lower it")
+                raise ValueError(
+                    f"host_prefix_cache_memory={self.host_prefix_cache_memory} bytes exceeds the "
+                    f"host's available memory ({available} bytes): lower it"
+                )
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = field(default=None, metadata={
-        "help": "Hugging Face model directory, GGUF file or known name (default: the embedded model)."})
+    model: str | None = field(
+        default=None,
+        metadata={"help": "Hugging Face model directory, GGUF file or known name (default: the embedded model)."},
+    )
     tokenizer: str | None = field(default=None, metadata={"help": "Tokenizer directory (default: the model's)."})
-    dtype: str = field(default="auto", metadata={
-        "help": "auto (the checkpoint's), float32, bfloat16 or float16.",
-        "choices": ["auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32"]})
-    device: str = field(default="auto", metadata={"help": "auto (CUDA when present), cuda or cpu.",
-                                                   "choices": ["auto", "cuda", "cpu"]})
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (the checkpoint's), float32, bfloat16 or float16.",
+            "choices": ["auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32"],
+        },
+    )
+    device: str = field(
+        default="auto", metadata={"help": "auto (CUDA when present), cuda or cpu.", "choices": ["auto", "cuda", "cpu"]}
+    )
     max_model_len: int | None = field(
-        default=None, metadata={"help": "Longest prompt + output in tokens, e.g. 32k or 32K (default: the model's).",
-                                "size": True})
+        default=None,
+        metadata={"help": "Longest prompt + output in tokens, e.g. 32k or 32K (default: the model's).", "size": True},
+    )
     seed: int = field(default=0, metadata={"help": "Seed of the engine's random state."})
-    load_format: str = field(default="auto", metadata={
-        "help": "auto (the directory's safetensors) or dummy (random weights, for benchmarks).",
-        "choices": ["auto", "dummy"]})
+    load_format: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (the directory's safetensors) or dummy (random weights, for benchmarks).",
+            "choices": ["auto", "dummy"],
+        },
+    )
     enforce_eager: bool = field(default=False, metadata={"help": "Disable CUDA graphs."})
-    attention_backend: str = field(default="auto", metadata={
-        "help": "Kernels: auto (Triton on CUDA, the torch references otherwise), triton or torch (CUDA graphs "
-                "off).", "choices": ["auto", "triton", "torch"]})
+    attention_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "Kernels: auto (Triton on CUDA, the torch references otherwise), triton or torch (CUDA graphs "
+            "off).",
+            "choices": ["auto", "triton", "torch"],
+        },
+    )
 
 
 @dataclass(frozen=True)
 class SparseConfig:
     """Dynamic sparse attention: sparse decode (docs/architecture.md, principle 6) and SALE's
     sparse prefill (attention/prefill.py)."""
-    sparse_policy: str = field(default="dense", metadata={
-        "help": "Decode attention: dense, or a registered selection policy: topk (fixed token budget), topp "
-                "(adaptive budget, mass p)."})
-    sparse_budget: int = field(default=2048, metadata={"size": True,
-        "help": "Tokens each (sequence, KV head) attends per decode step, sink and local window included "
-                "(topp: the candidates it prunes)."})
-    sparse_top_p: float = field(default=0.95, metadata={
-        "help": "topp: the softmax mass the kept blocks must reach, estimated on the candidates' keys."})
-    sparse_topp_heads: str = field(default="mean", metadata={
-        "help": "topp: whose mass must reach p: the mean of a KV group's query heads, or each head (union).",
-        "choices": ["mean", "each"]})
-    sparse_reuse: int = field(default=1, metadata={
-        "help": "Recompute a sequence's block selection every this many decode steps (1: every step)."})
-    sparse_lag: int = field(default=0, metadata={
-        "help": "1 (topk): a decode step attends the blocks selected from the previous step's query, so "
-                "selection runs beside the attention (0: each step selects from its own query).",
-        "choices": [0, 1]})
+
+    sparse_policy: str = field(
+        default="dense",
+        metadata={
+            "help": "Decode attention: dense, or a registered selection policy: topk (fixed token budget), topp "
+            "(adaptive budget, mass p)."
+        },
+    )
+    sparse_budget: int = field(
+        default=2048,
+        metadata={
+            "size": True,
+            "help": "Tokens each (sequence, KV head) attends per decode step, sink and local window included "
+            "(topp: the candidates it prunes).",
+        },
+    )
+    sparse_top_p: float = field(
+        default=0.95,
+        metadata={"help": "topp: the softmax mass the kept blocks must reach, estimated on the candidates' keys."},
+    )
+    sparse_topp_heads: str = field(
+        default="mean",
+        metadata={
+            "help": "topp: whose mass must reach p: the mean of a KV group's query heads, or each head (union).",
+            "choices": ["mean", "each"],
+        },
+    )
+    sparse_reuse: int = field(
+        default=1,
+        metadata={"help": "Recompute a sequence's block selection every this many decode steps (1: every step)."},
+    )
+    sparse_lag: int = field(
+        default=0,
+        metadata={
+            "help": "1 (topk): a decode step attends the blocks selected from the previous step's query, so "
+            "selection runs beside the attention (0: each step selects from its own query).",
+            "choices": [0, 1],
+        },
+    )
     sparse_dense_layers: int = field(default=2, metadata={"help": "The first N layers always attend densely."})
     sparse_sink_blocks: int = field(default=1, metadata={"help": "Leading token blocks always attended."})
-    sparse_local_blocks: int = field(default=4, metadata={
-        "help": "Most recent token blocks always attended (the local window, >= 1)."})
-    sparse_dense_context: int | None = field(default=None, metadata={"size": True,
-        "help": "Steps whose longest context is at most this many tokens run dense (default: the budget; "
-                "0: never, for tests)."})
-    streaming_heads: str | None = field(default=None, metadata={
-        "help": "JSON file of (layer, KV head) pairs that only see sink + local window "
-                "(`sparseserve calibrate` proposes one)."})
-    logical_page_size: int | None = field(default=None, metadata={
-        "help": "Tokens per key-metadata page inside a block (hierarchical paging; default: block_size)."})
-    sparse_prefill: str = field(default="dense", metadata={
-        "help": "Prefill attention: dense, or sale (block-sparse over the tiles whose fp8 estimate clears "
-                "the head's threshold).",
-        "choices": ["dense", "sale"]})
-    sparse_prefill_threshold: float = field(default=0.01, metadata={
-        "help": "sale: every query head's threshold, a share of the sink + local region's softmax mass, when "
-                "no calibration file is given (0: dense)."})
-    sparse_prefill_min_len: int = field(default=8192, metadata={
-        "help": "sale: prefill chunks whose context (earlier tokens + the chunk) is shorter than this run "
-                "dense."})
-    sparse_prefill_calibration: str | None = field(default=None, metadata={
-        "help": "sale: JSON file of per-(layer, query head) thresholds (`sparseserve calibrate --prefill` "
-                "writes one), overriding sparse_prefill_threshold."})
+    sparse_local_blocks: int = field(
+        default=4, metadata={"help": "Most recent token blocks always attended (the local window, >= 1)."}
+    )
+    sparse_dense_context: int | None = field(
+        default=None,
+        metadata={
+            "size": True,
+            "help": "Steps whose longest context is at most this many tokens run dense (default: the budget; "
+            "0: never, for tests).",
+        },
+    )
+    streaming_heads: str | None = field(
+        default=None,
+        metadata={
+            "help": "JSON file of (layer, KV head) pairs that only see sink + local window "
+            "(`sparseserve calibrate` proposes one)."
+        },
+    )
+    logical_page_size: int | None = field(
+        default=None,
+        metadata={"help": "Tokens per key-metadata page inside a block (hierarchical paging; default: block_size)."},
+    )
+    sparse_prefill: str = field(
+        default="dense",
+        metadata={
+            "help": "Prefill attention: dense, or sale (block-sparse over the tiles whose fp8 estimate clears "
+            "the head's threshold).",
+            "choices": ["dense", "sale"],
+        },
+    )
+    sparse_prefill_threshold: float = field(
+        default=0.01,
+        metadata={
+            "help": "sale: every query head's threshold, a share of the sink + local region's softmax mass, when "
+            "no calibration file is given (0: dense)."
+        },
+    )
+    sparse_prefill_min_len: int = field(
+        default=8192,
+        metadata={
+            "help": "sale: prefill chunks whose context (earlier tokens + the chunk) is shorter than this run dense."
+        },
+    )
+    sparse_prefill_calibration: str | None = field(
+        default=None,
+        metadata={
+            "help": "sale: JSON file of per-(layer, query head) thresholds (`sparseserve calibrate --prefill` "
+            "writes one), overriding sparse_prefill_threshold."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.sparse_policy != "dense" and self.sparse_policy not in SELECTION_POLICIES:
-            raise ValueError(f"sparse_policy must be dense or one of {', '.join(SELECTION_POLICIES.names())}, "
-                             f"got {self.sparse_policy!r}")
+            raise ValueError(
+                f"sparse_policy must be dense or one of {', '.join(SELECTION_POLICIES.names())}, "
+                f"got {self.sparse_policy!r}"
+            )
         if self.sparse_budget < 1:
             raise ValueError(f"sparse_budget must be >= 1, got {self.sparse_budget}")
         if not 0.0 < self.sparse_top_p <= 1.0:
@@ -190,13 +309,16 @@ class SparseConfig:
         if self.sparse_lag not in (0, 1):
             raise ValueError(f"sparse_lag must be 0 or 1, got {self.sparse_lag}")
         if self.sparse_lag and self.enabled and not SELECTION_POLICIES.get(self.sparse_policy).supports_lag:
-            raise ValueError(f"sparse_lag=1 does not work with sparse_policy={self.sparse_policy}: its lists fit "
-                             f"the query that selected them, not the next one")
+            raise ValueError(
+                f"sparse_lag=1 does not work with sparse_policy={self.sparse_policy}: its lists fit "
+                f"the query that selected them, not the next one"
+            )
         if self.sparse_dense_layers < 0 or self.sparse_sink_blocks < 0:
             raise ValueError("sparse_dense_layers and sparse_sink_blocks must be >= 0")
         if self.sparse_local_blocks < 1:
-            raise ValueError(f"sparse_local_blocks must be >= 1 (the decode token's own block), "
-                             f"got {self.sparse_local_blocks}")
+            raise ValueError(
+                f"sparse_local_blocks must be >= 1 (the decode token's own block), got {self.sparse_local_blocks}"
+            )
         if self.sparse_dense_context is not None and self.sparse_dense_context < 0:
             raise ValueError(f"sparse_dense_context must be >= 0, got {self.sparse_dense_context}")
         lps = self.logical_page_size
@@ -220,31 +342,63 @@ class SparseConfig:
 class OffloadConfig:
     """Hierarchical KV cache (docs/architecture.md, principles 4 and 5): every full head block
     written through to a host store; sparse decode reads its selections through an HBM pool."""
-    kv_offload: bool = field(default=False, metadata={
-        "help": "Keep every full KV head block in a (pinned) host store and cache the selected ones in an "
-                "HBM slot pool (needs a sparse policy)."})
-    host_kv_memory: int | None = field(default=None, metadata={"size": True,
-        "help": "Bytes of the host KV store, which holds every token block (default: max_num_seqs "
-                "sequences of max_model_len, at most half the host's available memory)."})
-    hbm_cache_blocks: int | None = field(default=None, metadata={
-        "help": "Head-block slots of the HBM pool, shared by all layers and KV heads (default: one decode "
-                "step's selections of max_num_seqs sequences, at most half the device KV memory left)."})
-    layer_segmented_prefill: bool = field(default=False, metadata={
-        "help": "KV offload: prefill a prompt longer than max_num_batched_tokens a few layers at a time, "
-                "each layer's K/V written through to the host store, so prefill HBM is one layer's scratch."})
-    prefill_layer_segment: int | None = field(default=None, metadata={
-        "help": "Layer-segmented prefill: at most this many layers per step (default: as many as the step's "
-                "token budget allows)."})
-    working_set_control: bool = field(default=False, metadata={
-        "help": "With kv_offload: run a decode batch only while the running requests' working sets fit the "
-                "HBM pool less working_set_margin; the newest beyond it wait paused, without recompute."})
-    working_set_window: int = field(default=12, metadata={
-        "help": "Decode steps over which a request's working set is the union of its selections."})
-    working_set_margin: float = field(default=0.1, metadata={
-        "help": "Fraction of the HBM pool the working sets leave free (working_set_control)."})
-    max_prefilled_waiting: int = field(default=16, metadata={
-        "help": "working_set_control: at most this many requests that do not fit are prefilled ahead, one "
-                "at a time, and wait paused for a decode slot (0: they wait unprefilled)."})
+
+    kv_offload: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep every full KV head block in a (pinned) host store and cache the selected ones in an "
+            "HBM slot pool (needs a sparse policy)."
+        },
+    )
+    host_kv_memory: int | None = field(
+        default=None,
+        metadata={
+            "size": True,
+            "help": "Bytes of the host KV store, which holds every token block (default: max_num_seqs "
+            "sequences of max_model_len, at most half the host's available memory).",
+        },
+    )
+    hbm_cache_blocks: int | None = field(
+        default=None,
+        metadata={
+            "help": "Head-block slots of the HBM pool, shared by all layers and KV heads (default: one decode "
+            "step's selections of max_num_seqs sequences, at most half the device KV memory left)."
+        },
+    )
+    layer_segmented_prefill: bool = field(
+        default=False,
+        metadata={
+            "help": "KV offload: prefill a prompt longer than max_num_batched_tokens a few layers at a time, "
+            "each layer's K/V written through to the host store, so prefill HBM is one layer's scratch."
+        },
+    )
+    prefill_layer_segment: int | None = field(
+        default=None,
+        metadata={
+            "help": "Layer-segmented prefill: at most this many layers per step (default: as many as the step's "
+            "token budget allows)."
+        },
+    )
+    working_set_control: bool = field(
+        default=False,
+        metadata={
+            "help": "With kv_offload: run a decode batch only while the running requests' working sets fit the "
+            "HBM pool less working_set_margin; the newest beyond it wait paused, without recompute."
+        },
+    )
+    working_set_window: int = field(
+        default=12, metadata={"help": "Decode steps over which a request's working set is the union of its selections."}
+    )
+    working_set_margin: float = field(
+        default=0.1, metadata={"help": "Fraction of the HBM pool the working sets leave free (working_set_control)."}
+    )
+    max_prefilled_waiting: int = field(
+        default=16,
+        metadata={
+            "help": "working_set_control: at most this many requests that do not fit are prefilled ahead, one "
+            "at a time, and wait paused for a decode slot (0: they wait unprefilled)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.prefill_layer_segment is not None and self.prefill_layer_segment < 1:
@@ -252,8 +406,10 @@ class OffloadConfig:
         if self.prefill_layer_segment is not None and not self.layer_segmented_prefill:
             raise ValueError("prefill_layer_segment needs layer_segmented_prefill")
         if self.layer_segmented_prefill and not self.kv_offload:
-            raise ValueError("layer_segmented_prefill needs kv_offload: each finished layer's K/V goes to the host "
-                             "KV store, which only KV offload has")
+            raise ValueError(
+                "layer_segmented_prefill needs kv_offload: each finished layer's K/V goes to the host "
+                "KV store, which only KV offload has"
+            )
         if self.working_set_window < 1:
             raise ValueError(f"working_set_window must be >= 1, got {self.working_set_window}")
         if not 0.0 <= self.working_set_margin < 1.0:
@@ -267,8 +423,10 @@ class OffloadConfig:
         if self.kv_offload and self.host_kv_memory is not None:
             available = available_host_memory()
             if available is not None and self.host_kv_memory > available:
-                raise ValueError(f"host_kv_memory={self.host_kv_memory} bytes exceeds the host's available "
-                                 f"memory ({available} bytes): lower it")
+                raise ValueError(
+                    f"host_kv_memory={self.host_kv_memory} bytes exceeds the host's available "
+                    f"memory ({available} bytes): lower it"
+                )
 
 
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -305,9 +463,14 @@ def parse_size(text: str | int) -> int:
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism (docs/tensor_parallel.md): the model's heads, MLP and vocabulary split over ranks."""
-    tensor_parallel_size: int = field(default=1, metadata={
-        "help": "GPUs (ranks) the model is split over, one process each, spawned by rank 0 or started by "
-                "torchrun (1: no process group)."})
+
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "GPUs (ranks) the model is split over, one process each, spawned by rank 0 or started by "
+            "torchrun (1: no process group)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -325,14 +488,20 @@ def available_host_memory() -> int | None:
         pass
     try:
         import os
+
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
 
 
-_SUBCONFIGS = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig,
-               "sparse_config": SparseConfig, "offload_config": OffloadConfig,
-               "parallel_config": ParallelConfig}
+_SUBCONFIGS = {
+    "model_config": ModelConfig,
+    "cache_config": CacheConfig,
+    "scheduler_config": SchedulerConfig,
+    "sparse_config": SparseConfig,
+    "offload_config": OffloadConfig,
+    "parallel_config": ParallelConfig,
+}
 
 
 @dataclass(frozen=True)
@@ -347,34 +516,55 @@ class EngineConfig:
     def __post_init__(self) -> None:
         sp, bs = self.sparse_config, self.cache_config.block_size
         if self.offload_config.kv_offload and not sp.enabled:
-            raise ValueError("kv_offload needs a sparse decode policy (sparse_policy='topk' or 'topp'): with "
-                             "dense attention every block is read every step, so an HBM cache cannot help")
+            raise ValueError(
+                "kv_offload needs a sparse decode policy (sparse_policy='topk' or 'topp'): with "
+                "dense attention every block is read every step, so an HBM cache cannot help"
+            )
         if self.offload_config.kv_offload and self.cache_config.host_prefix_cache_memory is not None:
-            raise ValueError("host_prefix_cache_memory is the host tier without KV offload: with kv_offload the "
-                             "host KV store already holds the prefix cache (size it with host_kv_memory)")
+            raise ValueError(
+                "host_prefix_cache_memory is the host tier without KV offload: with kv_offload the "
+                "host KV store already holds the prefix cache (size it with host_kv_memory)"
+            )
         if self.parallel_config.tensor_parallel_size > 1 and self.cache_config.host_prefix_cache_memory is not None:
-            raise ValueError("host_prefix_cache_memory does not work with tensor_parallel_size > 1 yet: the host "
-                             "tier copies rank 0's KV only (KV offload's host store, per rank, does work)")
+            raise ValueError(
+                "host_prefix_cache_memory does not work with tensor_parallel_size > 1 yet: the host "
+                "tier copies rank 0's KV only (KV offload's host store, per rank, does work)"
+            )
         if self.offload_config.layer_segmented_prefill and self.parallel_config.tensor_parallel_size > 1:
             raise ValueError("layer_segmented_prefill does not work with tensor_parallel_size > 1 yet")
         if self.offload_config.kv_offload and sp.sparse_lag and sp.sparse_reuse > 1:
-            raise ValueError("sparse_lag=1 with kv_offload needs sparse_reuse=1: each step plans the views of the "
-                             "lists the next step reads, and a reused list's view would be older than one step")
+            raise ValueError(
+                "sparse_lag=1 with kv_offload needs sparse_reuse=1: each step plans the views of the "
+                "lists the next step reads, and a reused list's view would be older than one step"
+            )
         if self.scheduler_config.async_scheduling:
             pc = self.parallel_config
-            clash = [(name, why) for name, on, why in (
-                ("host_prefix_cache_memory", self.cache_config.host_prefix_cache_memory is not None,
-                 "its per-step host copies assume the previous step has landed"),
-                ("tensor_parallel_size > 1", pc.tensor_parallel_size > 1,
-                 "the workers' step messages assume the previous step has landed")) if on]
+            clash = [
+                (name, why)
+                for name, on, why in (
+                    (
+                        "host_prefix_cache_memory",
+                        self.cache_config.host_prefix_cache_memory is not None,
+                        "its per-step host copies assume the previous step has landed",
+                    ),
+                    (
+                        "tensor_parallel_size > 1",
+                        pc.tensor_parallel_size > 1,
+                        "the workers' step messages assume the previous step has landed",
+                    ),
+                )
+                if on
+            ]
             if clash:
                 raise ValueError(f"async_scheduling does not work with {clash[0][0]} yet: {clash[0][1]}")
         if sp.logical_page_size is not None and sp.logical_page_size > bs:
             raise ValueError(f"logical_page_size {sp.logical_page_size} exceeds block_size {bs}")
         if sp.enabled and sp.sparse_budget // bs < sp.sparse_sink_blocks + sp.sparse_local_blocks + 1:
-            raise ValueError(f"sparse_budget {sp.sparse_budget} holds {sp.sparse_budget // bs} blocks of {bs} "
-                             f"tokens: need more than sink + local = "
-                             f"{sp.sparse_sink_blocks + sp.sparse_local_blocks}")
+            raise ValueError(
+                f"sparse_budget {sp.sparse_budget} holds {sp.sparse_budget // bs} blocks of {bs} "
+                f"tokens: need more than sink + local = "
+                f"{sp.sparse_sink_blocks + sp.sparse_local_blocks}"
+            )
 
     @staticmethod
     def arg_fields() -> list[dataclasses.Field]:

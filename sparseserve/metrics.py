@@ -5,6 +5,7 @@ read at scrape time from the snapshot that the engine thread publishes after eve
 scrape never touches the engine itself. Per-request latencies are observed on the event loop
 by the AsyncLLMEngine as outputs arrive.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable
@@ -13,12 +14,77 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 # Buckets follow vLLM's choices: TTFT and ITL span milliseconds to minutes (long prompts on CPU).
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -51,27 +117,43 @@ class _EngineStatsCollector:
         yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting)
         yield gauge("kv_cache_blocks_used", "KV token blocks in use.", stats.num_blocks_used)
         yield gauge("kv_cache_blocks_total", "KV token blocks in the pool.", total)
-        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                    stats.num_blocks_used / total if total else 0.0)
+        yield gauge(
+            "kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            stats.num_blocks_used / total if total else 0.0,
+        )
         yield counter("num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions)
         yield counter("prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens)
         yield counter("generation_tokens", "Number of generation tokens processed.", stats.num_generation_tokens)
         yield from _prefix_cache_metrics(stats, gauge, counter)
         selections = getattr(stats, "sparse_selections", 0)
         if selections:  # sparse decode on: blocks attended per (sequence, layer, KV head) selection
-            yield counter("sparse_blocks_selected", "Blocks in all sparse decode selections.",
-                          stats.sparse_blocks_selected)
+            yield counter(
+                "sparse_blocks_selected", "Blocks in all sparse decode selections.", stats.sparse_blocks_selected
+            )
             yield counter("sparse_selections", "Sparse decode selections (sequence x layer x KV head).", selections)
-            yield gauge("sparse_mean_blocks_attended", "Mean blocks per sparse decode selection.",
-                        stats.sparse_blocks_selected / selections)
-            yield gauge("sparse_mean_budget_tokens", "Mean tokens per sparse decode selection (the budget used).",
-                        stats.sparse_blocks_selected * stats.sparse_block_size / selections)
+            yield gauge(
+                "sparse_mean_blocks_attended",
+                "Mean blocks per sparse decode selection.",
+                stats.sparse_blocks_selected / selections,
+            )
+            yield gauge(
+                "sparse_mean_budget_tokens",
+                "Mean tokens per sparse decode selection (the budget used).",
+                stats.sparse_blocks_selected * stats.sparse_block_size / selections,
+            )
         if getattr(stats, "offload_hbm_slots", 0):
             yield from _offload_metrics(stats, gauge, counter)
-            yield gauge("layer_prefills_running", "Layer-segmented prefills in progress.",
-                        getattr(stats, "layer_prefills_running", 0))
-            yield gauge("layer_prefill_layers_done", "Layers done by the layer-segmented prefills in progress.",
-                        getattr(stats, "layer_prefill_layers_done", 0))
+            yield gauge(
+                "layer_prefills_running",
+                "Layer-segmented prefills in progress.",
+                getattr(stats, "layer_prefills_running", 0),
+            )
+            yield gauge(
+                "layer_prefill_layers_done",
+                "Layers done by the layer-segmented prefills in progress.",
+                getattr(stats, "layer_prefill_layers_done", 0),
+            )
         if getattr(stats, "prefill_tiles_dense", 0):
             yield from _sparse_prefill_metrics(stats, counter)
 
@@ -80,21 +162,38 @@ def _prefix_cache_metrics(stats: Any, gauge: Callable, counter: Callable) -> Ite
     """vLLM's prefix-cache counters (prompt tokens looked up and found at first admissions) of
     the device cache and the host tier (tokens the device missed, found in host memory), and the
     cached blocks."""
-    yield counter("prefix_cache_queries", "Prefix cache queries: prompt tokens looked up.",
-                  getattr(stats, "prefix_cache_queries", 0))
-    yield counter("prefix_cache_hits", "Prefix cache hits: prompt tokens found cached.",
-                  getattr(stats, "prefix_cache_hits", 0))
-    yield counter("host_prefix_cache_queries", "Host-tier prefix cache queries: prompt tokens the device cache "
-                  "missed, looked up in host memory.", getattr(stats, "host_prefix_cache_queries", 0))
-    yield counter("host_prefix_cache_hits", "Host-tier prefix cache hits: prompt tokens restored from host memory.",
-                  getattr(stats, "host_prefix_cache_hits", 0))
-    yield gauge("prefix_cache_blocks", "KV blocks holding a cached prefix block (in use or free).",
-                getattr(stats, "prefix_cache_blocks", 0))
-    yield counter("prefix_cache_evictions", "Cached KV blocks taken back for new contents.",
-                  getattr(stats, "prefix_cache_evictions", 0))
+    yield counter(
+        "prefix_cache_queries",
+        "Prefix cache queries: prompt tokens looked up.",
+        getattr(stats, "prefix_cache_queries", 0),
+    )
+    yield counter(
+        "prefix_cache_hits", "Prefix cache hits: prompt tokens found cached.", getattr(stats, "prefix_cache_hits", 0)
+    )
+    yield counter(
+        "host_prefix_cache_queries",
+        "Host-tier prefix cache queries: prompt tokens the device cache missed, looked up in host memory.",
+        getattr(stats, "host_prefix_cache_queries", 0),
+    )
+    yield counter(
+        "host_prefix_cache_hits",
+        "Host-tier prefix cache hits: prompt tokens restored from host memory.",
+        getattr(stats, "host_prefix_cache_hits", 0),
+    )
+    yield gauge(
+        "prefix_cache_blocks",
+        "KV blocks holding a cached prefix block (in use or free).",
+        getattr(stats, "prefix_cache_blocks", 0),
+    )
+    yield counter(
+        "prefix_cache_evictions",
+        "Cached KV blocks taken back for new contents.",
+        getattr(stats, "prefix_cache_evictions", 0),
+    )
     yield gauge("host_prefix_cache_blocks", "Host-tier blocks in use.", getattr(stats, "host_prefix_cache_blocks", 0))
-    yield counter("host_prefix_cache_evictions", "Host-tier blocks evicted.",
-                  getattr(stats, "host_prefix_cache_evictions", 0))
+    yield counter(
+        "host_prefix_cache_evictions", "Host-tier blocks evicted.", getattr(stats, "host_prefix_cache_evictions", 0)
+    )
 
 
 def _offload_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable[Metric]:
@@ -105,10 +204,16 @@ def _offload_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable
     yield counter("offload_hbm_hits", "Listed head blocks found in the HBM pool.", hits)
     yield counter("offload_head_blocks_loaded", "Head blocks copied host -> HBM pool (FlashH2D).", loads)
     yield counter("offload_bypass_reads", "Head blocks read straight from the host store (set full).", bypass)
-    yield gauge("offload_hbm_hit_ratio", "HBM pool hits / listed head blocks read, since start.",
-                hits / requests if requests else 0.0)
-    yield gauge("offload_head_blocks_loaded_per_layer_step", "Head blocks loaded per (decode step, sparse layer).",
-                loads / layer_steps if layer_steps else 0.0)
+    yield gauge(
+        "offload_hbm_hit_ratio",
+        "HBM pool hits / listed head blocks read, since start.",
+        hits / requests if requests else 0.0,
+    )
+    yield gauge(
+        "offload_head_blocks_loaded_per_layer_step",
+        "Head blocks loaded per (decode step, sparse layer).",
+        loads / layer_steps if layer_steps else 0.0,
+    )
     # Cumulative bytes: rate() gives transfer throughput over wall time (not the link bandwidth).
     yield counter("offload_h2d_bytes", "Bytes loaded host -> HBM pool.", stats.offload_h2d_bytes)
     yield counter("offload_d2h_bytes", "Bytes written through to the host store.", stats.offload_d2h_bytes)
@@ -120,28 +225,56 @@ def _offload_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable
 
 def _working_set_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable[Metric]:
     """KV offload: working-set-aware batch control (estimates reported with the control off too)."""
-    yield gauge("working_set_blocks", "Sum of the running requests' working sets (head blocks their selections "
-                "touched over the last working_set_window decode steps).", getattr(stats, "working_set_blocks", 0))
-    yield gauge("working_set_capacity_blocks", "Head-block slots of the HBM pool the working sets compare with.",
-                getattr(stats, "working_set_capacity", 0))
-    yield gauge("working_set_limit_blocks", "Head blocks the running working sets may take (the pool less the "
-                "margin).", getattr(stats, "working_set_limit", 0))
-    yield gauge("num_requests_held_back", "Requests waiting because the working-set limit stopped the batch.",
-                getattr(stats, "working_set_held_back", 0))
-    yield counter("working_set_hold_backs", "Running requests paused by the working-set limit.",
-                  getattr(stats, "working_set_hold_backs", 0))
-    yield gauge("num_requests_parked", "Prefilled requests waiting for the working-set limit to let them decode "
-                "(max_prefilled_waiting).", getattr(stats, "working_set_parked", 0))
-    yield counter("working_set_prefill_aheads", "Requests admitted for prefill beyond the working-set limit "
-                  "(their decode waits).", getattr(stats, "working_set_prefill_aheads", 0))
+    yield gauge(
+        "working_set_blocks",
+        "Sum of the running requests' working sets (head blocks their selections "
+        "touched over the last working_set_window decode steps).",
+        getattr(stats, "working_set_blocks", 0),
+    )
+    yield gauge(
+        "working_set_capacity_blocks",
+        "Head-block slots of the HBM pool the working sets compare with.",
+        getattr(stats, "working_set_capacity", 0),
+    )
+    yield gauge(
+        "working_set_limit_blocks",
+        "Head blocks the running working sets may take (the pool less the margin).",
+        getattr(stats, "working_set_limit", 0),
+    )
+    yield gauge(
+        "num_requests_held_back",
+        "Requests waiting because the working-set limit stopped the batch.",
+        getattr(stats, "working_set_held_back", 0),
+    )
+    yield counter(
+        "working_set_hold_backs",
+        "Running requests paused by the working-set limit.",
+        getattr(stats, "working_set_hold_backs", 0),
+    )
+    yield gauge(
+        "num_requests_parked",
+        "Prefilled requests waiting for the working-set limit to let them decode (max_prefilled_waiting).",
+        getattr(stats, "working_set_parked", 0),
+    )
+    yield counter(
+        "working_set_prefill_aheads",
+        "Requests admitted for prefill beyond the working-set limit (their decode waits).",
+        getattr(stats, "working_set_prefill_aheads", 0),
+    )
 
 
 def _sparse_prefill_metrics(stats: Any, counter: Callable) -> Iterable[Metric]:
     """Sparse prefill: attention tiles computed against the causally visible ones (dense's work)."""
-    yield counter("prefill_tiles_computed", "Sparse prefill: (query tile, key tile, KV head) attention tiles "
-                  "computed, all layers.", stats.prefill_tiles_computed)
-    yield counter("prefill_tiles_dense", "Sparse prefill: causally visible attention tiles (what dense prefill "
-                  "computes), all layers.", stats.prefill_tiles_dense)
+    yield counter(
+        "prefill_tiles_computed",
+        "Sparse prefill: (query tile, key tile, KV head) attention tiles computed, all layers.",
+        stats.prefill_tiles_computed,
+    )
+    yield counter(
+        "prefill_tiles_dense",
+        "Sparse prefill: causally visible attention tiles (what dense prefill computes), all layers.",
+        stats.prefill_tiles_dense,
+    )
 
 
 class ServerMetrics:
@@ -151,14 +284,30 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         kw: dict[str, Any] = {"labelnames": ["model_name"], "registry": self.registry}
-        self._ttft = Histogram("sparseserve:time_to_first_token_seconds",
-                               "Histogram of time to first token in seconds.", buckets=_TTFT_BUCKETS, **kw)
-        self._itl = Histogram("sparseserve:inter_token_latency_seconds",
-                              "Histogram of inter-token latency in seconds.", buckets=_ITL_BUCKETS, **kw)
-        self._e2e = Histogram("sparseserve:e2e_request_latency_seconds",
-                              "Histogram of end-to-end request latency in seconds.", buckets=_E2E_BUCKETS, **kw)
-        self._success = Counter("sparseserve:request_success", "Count of successfully processed requests.",
-                                labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self._ttft = Histogram(
+            "sparseserve:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            buckets=_TTFT_BUCKETS,
+            **kw,
+        )
+        self._itl = Histogram(
+            "sparseserve:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            buckets=_ITL_BUCKETS,
+            **kw,
+        )
+        self._e2e = Histogram(
+            "sparseserve:e2e_request_latency_seconds",
+            "Histogram of end-to-end request latency in seconds.",
+            buckets=_E2E_BUCKETS,
+            **kw,
+        )
+        self._success = Counter(
+            "sparseserve:request_success",
+            "Count of successfully processed requests.",
+            labelnames=["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         self.registry.register(_EngineStatsCollector(get_stats, model_name))
 
     def observe_first_token(self, seconds: float) -> None:

@@ -5,6 +5,7 @@ The engine emits deltas (vLLM's `RequestOutputKind.DELTA`): each `RequestOutput`
 logprobs, with the finish reason once it finishes. `RequestOutput.add` folds later deltas into an
 earlier one; `LLM.generate` returns the folded (cumulative) outputs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Logprob:
     logprob: float
-    rank: int                 # 1 = most likely token
+    rank: int  # 1 = most likely token
     decoded_token: str | None = None
 
 
@@ -24,7 +25,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None  # of every token so far, in a delta too
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None   # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None
 
     def finished(self) -> bool:
@@ -61,9 +62,15 @@ class RequestOutput:
             if c.index in mine:
                 mine[c.index].add(c)
             else:
-                mine[c.index] = CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
-                                                 list(c.logprobs) if c.logprobs is not None else None,
-                                                 c.finish_reason, c.stop_reason)
+                mine[c.index] = CompletionOutput(
+                    c.index,
+                    c.text,
+                    list(c.token_ids),
+                    c.cumulative_logprob,
+                    list(c.logprobs) if c.logprobs is not None else None,
+                    c.finish_reason,
+                    c.stop_reason,
+                )
         self.outputs = sorted(mine.values(), key=lambda c: c.index)
         self.finished = delta.finished
         if delta.num_cached_tokens is not None:

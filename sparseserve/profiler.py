@@ -1,6 +1,7 @@
 """Optional hooks for benchmarks and probes, passed once at construction: `LLM(..., profiler=p)`
 or `LLMEngine(config, profiler=p)`. The engine, the runner, the attention backend and the decode
 graphs call them; None (the default) costs nothing. Subclass and override what you need."""
+
 from __future__ import annotations
 
 import contextlib

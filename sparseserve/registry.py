@@ -5,6 +5,7 @@ A registry names the module that registers its built-ins, imported on the first 
 config.py can validate names without importing the layers above (docs/architecture.md,
 principle 9).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -26,6 +27,7 @@ class Registry(Generic[T]):
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self._entries[name] = obj
             return obj
+
         return add
 
     def unregister(self, name: str) -> None:

@@ -1,4 +1,5 @@
 """Per-request sampling parameters, with vLLM's field names and validation."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ logger = logging.getLogger(__name__)
 SAMPLING_EPS = 1e-5
 MIN_TEMPERATURE = 1e-2
 # torch.Generator seeds are 64-bit; vLLM accepts the signed range.
-SEED_MIN, SEED_MAX = -2**63, 2**63 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class ParameterError(ValueError):
@@ -40,6 +41,7 @@ class StructuredOutputsParams:
     json: a JSON schema (dict or its text); json_object: any JSON object; regex; choice: one of the strings;
     grammar: a Lark or GBNF grammar. disable_any_whitespace (vLLM's name): False lets a JSON output hold
     whitespace between its tokens (bounded); True or None (unset, unlike vLLM) writes ", " and ": " only."""
+
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
@@ -52,25 +54,33 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ParameterError(f"structured_outputs takes exactly one of {', '.join(self.KINDS)}; got "
-                                 f"{', '.join(given) or 'none'}", "structured_outputs")
+            raise ParameterError(
+                f"structured_outputs takes exactly one of {', '.join(self.KINDS)}; got {', '.join(given) or 'none'}",
+                "structured_outputs",
+            )
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
             except ValueError as e:
-                raise ParameterError(f"structured_outputs.json is not valid JSON: {e}", "structured_outputs.json") \
-                    from None
+                raise ParameterError(
+                    f"structured_outputs.json is not valid JSON: {e}", "structured_outputs.json"
+                ) from None
         if self.json is not None and not isinstance(self.json, dict):
             raise ParameterError("structured_outputs.json must be a JSON schema object", "structured_outputs.json")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ParameterError(f"structured_outputs.{name} must be a non-empty string",
-                                     f"structured_outputs.{name}")
-        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
-                                        or any(not isinstance(c, str) or not c for c in self.choice)):
-            raise ParameterError("structured_outputs.choice must be a non-empty list of non-empty strings",
-                                 "structured_outputs.choice")
+                raise ParameterError(
+                    f"structured_outputs.{name} must be a non-empty string", f"structured_outputs.{name}"
+                )
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple))
+            or not self.choice
+            or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise ParameterError(
+                "structured_outputs.choice must be a non-empty list of non-empty strings", "structured_outputs.choice"
+            )
 
     @property
     def kind(self) -> str:
@@ -84,9 +94,9 @@ class StructuredOutputsParams:
 @dataclass
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0     # 0 (or below 1e-5) means greedy
+    temperature: float = 1.0  # 0 (or below 1e-5) means greedy
     top_p: float = 1.0
-    top_k: int = -1              # -1 (or 0) disables
+    top_k: int = -1  # -1 (or 0) disables
     min_p: float = 0.0
     max_tokens: int | None = 16  # None: up to max_model_len
     stop: str | list[str] | None = None
@@ -101,7 +111,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
-    min_tokens: int = 0          # EOS and stop_token_ids are masked, stop strings ignored, before this many
+    min_tokens: int = 0  # EOS and stop_token_ids are masked, stop strings ignored, before this many
     prompt_logprobs: int | None = None  # logprobs of each prompt token with this many alternatives
     structured_outputs: StructuredOutputsParams | None = None
     stop_strs: list[str] = field(init=False, repr=False)
@@ -123,8 +133,12 @@ class SamplingParams:
         if self.temperature < SAMPLING_EPS:
             self.temperature = 0.0
         elif self.temperature < MIN_TEMPERATURE:
-            logger.warning("temperature %s is below %s, where logits / temperature overflow; using %s",
-                           self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            logger.warning(
+                "temperature %s is below %s, where logits / temperature overflow; using %s",
+                self.temperature,
+                MIN_TEMPERATURE,
+                MIN_TEMPERATURE,
+            )
             self.temperature = MIN_TEMPERATURE
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")

@@ -1,4 +1,5 @@
 """Tiny Hugging Face model directories with random weights, one per supported architecture variant."""
+
 from __future__ import annotations
 
 import os
@@ -18,22 +19,53 @@ VOCAB = 4096  # the embedded default tokenizer's size, so string prompts work on
 
 # name -> (transformers config class name, config overrides)
 VARIANTS = {
-    "llama-mha-d64-untied": ("LlamaConfig", dict(num_attention_heads=2, num_key_value_heads=2, head_dim=64,
-                                                 hidden_size=128, tie_word_embeddings=False)),
-    "llama3-gqa-d128-tied-rope": ("LlamaConfig", dict(
-        num_attention_heads=4, num_key_value_heads=2, head_dim=128, hidden_size=192, tie_word_embeddings=True,
-        max_position_embeddings=1024, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64})),
-    "qwen2-gqa-bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=256,
-                                           tie_word_embeddings=False)),
-    "qwen3-qknorm-d128": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=128,
-                                              hidden_size=128, tie_word_embeddings=True)),
-    "mistral-gqa": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=128,
-                                          head_dim=32, sliding_window=None, tie_word_embeddings=False)),
+    "llama-mha-d64-untied": (
+        "LlamaConfig",
+        dict(num_attention_heads=2, num_key_value_heads=2, head_dim=64, hidden_size=128, tie_word_embeddings=False),
+    ),
+    "llama3-gqa-d128-tied-rope": (
+        "LlamaConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=128,
+            hidden_size=192,
+            tie_word_embeddings=True,
+            max_position_embeddings=1024,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "qwen2-gqa-bias": (
+        "Qwen2Config",
+        dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=256, tie_word_embeddings=False),
+    ),
+    "qwen3-qknorm-d128": (
+        "Qwen3Config",
+        dict(num_attention_heads=4, num_key_value_heads=1, head_dim=128, hidden_size=128, tie_word_embeddings=True),
+    ),
+    "mistral-gqa": (
+        "MistralConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            hidden_size=128,
+            head_dim=32,
+            sliding_window=None,
+            tie_word_embeddings=False,
+        ),
+    ),
     # SmolLM2-135M's attention shape: 9 query heads over 3 KV heads (a GQA group of 3), head_dim 64, tied embeddings
-    "llama-gqa3-d64-tied": ("LlamaConfig", dict(num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                                                hidden_size=576, tie_word_embeddings=True)),
+    "llama-gqa3-d64-tied": (
+        "LlamaConfig",
+        dict(num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_size=576, tie_word_embeddings=True),
+    ),
 }
 
 
@@ -41,8 +73,16 @@ def make_hf_model(path: Path, config_cls: str, seed: int = 0, **overrides):
     """Saves a random model whose weights are large enough that greedy decoding is not degenerate."""
     import transformers
 
-    cfg = dict(vocab_size=VOCAB, intermediate_size=256, num_hidden_layers=2, max_position_embeddings=1024,
-               rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=5, pad_token_id=1)
+    cfg = dict(
+        vocab_size=VOCAB,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=5,
+        pad_token_id=1,
+    )
     cfg.update(overrides)
     config = getattr(transformers, config_cls)(**cfg)
     torch.manual_seed(seed)

@@ -3,6 +3,7 @@
 Without CUDA the kernels run on the CPU under the Triton interpreter (conftest.py sets
 TRITON_INTERPRET before any kernel module is imported); with CUDA the same tests run on the GPU.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +37,10 @@ def launched_kernels():
     for info in pkgutil.iter_modules(kernels.__path__):
         module = importlib.import_module(f"{kernels.__name__}.{info.name}")
         for fn in vars(module).values():
-            if hasattr(fn, "add_pre_run_hook") and getattr(getattr(fn, "fn", None), "__module__", None) \
-                    == module.__name__:
+            if (
+                hasattr(fn, "add_pre_run_hook")
+                and getattr(getattr(fn, "fn", None), "__module__", None) == module.__name__
+            ):
                 yield fn
 
 
@@ -73,6 +76,7 @@ class Specializations:
 
         def named(entries) -> set[str]:  # by name or by position, as the decorator takes them
             return {params[e] if isinstance(e, int) else e for e in entries or ()}
+
         dns = named(opts.get("do_not_specialize"))
         dns_align = named(opts.get("do_not_specialize_on_alignment"))
         constexpr = {n for n, p in sig.parameters.items() if "constexpr" in str(p.annotation)}
@@ -80,11 +84,15 @@ class Specializations:
 
         def hook(*args, **kwargs):
             bound = sig.bind(*args, **{k: v for k, v in kwargs.items() if k in names})
-            key = tuple((n, repr(v)) if n in constexpr else
-                        (n, native_specialize_impl(BaseBackend, v, False, n not in dns, n not in dns_align))
-                        for n, v in bound.arguments.items())
+            key = tuple(
+                (n, repr(v))
+                if n in constexpr
+                else (n, native_specialize_impl(BaseBackend, v, False, n not in dns, n not in dns_align))
+                for n, v in bound.arguments.items()
+            )
             options = tuple(sorted((k, repr(v)) for k, v in kwargs.items() if k not in names))
             self.launches.append((f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.fn.__name__}", key + options))
+
         return hook
 
     def keys(self, start: int = 0) -> set[tuple[str, tuple]]:
@@ -127,6 +135,7 @@ class ReferenceLaunches:
         from triton.runtime import interpreter
 
         import sparseserve.kernels as kernels
+
         if ON_GPU:
             raise RuntimeError("ReferenceLaunches is for Triton's interpreter (CPU)")
         real_call = interpreter.GridExecutor.__call__
@@ -139,13 +148,17 @@ class ReferenceLaunches:
             kwargs = {k: v for k, v in kwargs.items() if k in spec.args or k in spec.kwonlyargs}
             for hook in executor.pre_run_hooks:
                 hook(*args, **kwargs)
+
         self._patch(interpreter.GridExecutor, "__call__", call)
         ops = {}
         for info in pkgutil.iter_modules(kernels.__path__):
             module = importlib.import_module(f"{kernels.__name__}.{info.name}")
             for name, fn in vars(module).items():
-                if inspect.isfunction(fn) and fn.__module__ == module.__name__ \
-                        and inspect.isfunction(getattr(module, name + "_ref", None)):
+                if (
+                    inspect.isfunction(fn)
+                    and fn.__module__ == module.__name__
+                    and inspect.isfunction(getattr(module, name + "_ref", None))
+                ):
                     ops[fn] = self._reference_op(fn)
         for module in list(sys.modules.values()):  # the dispatchers wherever they were imported
             if getattr(module, "__name__", "").startswith("sparseserve."):
@@ -182,6 +195,7 @@ class ReferenceLaunches:
                     t.copy_(before)
             with forced("torch"):
                 return dispatcher(*args, **kwargs)
+
         return op
 
 

@@ -1,4 +1,5 @@
 """A random workload for accounting tests: arrivals (n up to 2), aborts and engine steps."""
+
 from __future__ import annotations
 
 import random
@@ -27,11 +28,17 @@ def shared_prefix_prompts(seed: int, num_bases: int = 3, max_len: int = 60) -> C
     return prompt
 
 
-def drive_random_schedule(engine, rng: random.Random, steps: int, max_new: int,
-                          after_step: Callable[[list], None], greedy: bool = False,
-                          prompts: Callable[[random.Random], list[int]] = random_prompt,
-                          aborted: set[str] | None = None,
-                          params: Callable[[random.Random], SamplingParams] | None = None) -> list[str]:
+def drive_random_schedule(
+    engine,
+    rng: random.Random,
+    steps: int,
+    max_new: int,
+    after_step: Callable[[list], None],
+    greedy: bool = False,
+    prompts: Callable[[random.Random], list[int]] = random_prompt,
+    aborted: set[str] | None = None,
+    params: Callable[[random.Random], SamplingParams] | None = None,
+) -> list[str]:
     """Runs `steps` rounds of (maybe add, maybe abort, step); after_step sees each step's outputs.
     greedy: no sampled requests (their tokens then do not depend on the schedule). prompts: each new
     request's prompt from the schedule's random state. The workload (prompts, parameters, which request an
@@ -48,9 +55,12 @@ def drive_random_schedule(engine, rng: random.Random, steps: int, max_new: int,
             if params is not None:
                 p = params(rng)
             else:
-                p = SamplingParams(max_tokens=rng.randint(1, max_new),
-                                   temperature=rng.choice([0.0, 1.0]) * (not greedy), n=rng.choice([1, 1, 2]),
-                                   ignore_eos=True)
+                p = SamplingParams(
+                    max_tokens=rng.randint(1, max_new),
+                    temperature=rng.choice([0.0, 1.0]) * (not greedy),
+                    n=rng.choice([1, 1, 2]),
+                    ignore_eos=True,
+                )
             engine.add_request(f"r{i}", prompt, p)
             added.append(f"r{i}")
         elif r < 0.5 and added:
@@ -71,6 +81,7 @@ def held_blocks(engine) -> list[int]:
     the leading cached blocks of each table cached under the sequence's own hashes); with KV offload also the
     device blocks (each mapped once, only by running sequences, inside their tables)."""
     from collections import Counter
+
     seqs = engine.scheduler.running + list(engine.scheduler.waiting)
     held = [b for s in seqs for b in s.block_table]
     alloc = engine.allocator
@@ -101,6 +112,7 @@ def check_pool(offload) -> None:
     """The HBM pool's invariants, and that every resident head block holds its host store row: a pool entry
     never serves contents its block no longer has (blocks handed to a new owner leave the pool)."""
     import torch
+
     pool = offload.pool
     pool.check()
     keys = torch.nonzero(pool.resident[: pool.num_keys] >= 0)[:, 0]
@@ -124,7 +136,7 @@ class CachedBlockContents:
         if off is None:
             out = [c[block] for c in runner.kv_caches]
         else:
-            out = [c[block] for c in runner.kv_caches[: off.dense_layers]] + [off.host.data[off.dense_layers:, block]]
+            out = [c[block] for c in runner.kv_caches[: off.dense_layers]] + [off.host.data[off.dense_layers :, block]]
         km = getattr(runner.attn_backend, "key_meta", None)
         if km is not None:
             out += [km.codes[:, block], km.scale[:, block]]

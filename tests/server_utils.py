@@ -1,4 +1,5 @@
 """Test helpers for the OpenAI server: an app of `build_app` on a real socket in a background thread."""
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,24 @@ def start_server_process(*flags: str) -> tuple[subprocess.Popen, str]:
     Its log (stderr) goes to a file that server_log reads (a pipe nobody drains would stall a chatty server)."""
     port = free_port()
     log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen([sys.executable, "-m", "sparseserve", "serve", "--device", "cpu", "--port", str(port),
-                             "--uvicorn-log-level", "info", *flags], stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sparseserve",
+            "serve",
+            "--device",
+            "cpu",
+            "--port",
+            str(port),
+            "--uvicorn-log-level",
+            "info",
+            *flags,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        text=True,
+    )
     proc.log = log  # type: ignore[attr-defined]
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

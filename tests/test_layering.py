@@ -1,5 +1,6 @@
 """The package's shape: kernels/ is the bottom layer, the import graph between subpackages has no cycle, the KV
 offload path is reached through one component, and a selection policy plugs in with one registration."""
+
 from __future__ import annotations
 
 import ast
@@ -111,8 +112,18 @@ def test_scheduler_components_keep_their_boundaries():
     """The scheduler's side is plain Python over sequences and block ids: no torch, nothing of the runner,
     the attention backends or the worker side of KV offload. Policy components see the core only as a
     type, and the core reaches KV offload only through the device space it is given."""
-    allowed = {"__future__", "collections", "dataclasses", "enum", "math", "typing", "sparseserve.config",
-               "sparseserve.engine.request", "sparseserve.kvcache.blocks", "sparseserve.kvcache.prefix_cache"}
+    allowed = {
+        "__future__",
+        "collections",
+        "dataclasses",
+        "enum",
+        "math",
+        "typing",
+        "sparseserve.config",
+        "sparseserve.engine.request",
+        "sparseserve.kvcache.blocks",
+        "sparseserve.kvcache.prefix_cache",
+    }
     for path in (PKG / "engine" / "scheduler").glob("*.py"):
         mods = {m for m in _all_imports(path) if not m.startswith("sparseserve.engine.scheduler")}
         assert mods <= allowed, f"{path.name} imports {sorted(mods - allowed)}"
@@ -127,8 +138,13 @@ def test_offload_plan_separates_the_scheduler_side_from_the_workers():
     for name in scheduler_side:
         mods = _all_imports(PKG / "kvcache" / name)
         assert "torch" not in mods and "numpy" not in mods, name
-        assert mods <= {"__future__", "dataclasses", "typing", "sparseserve.kvcache.blocks",
-                        "sparseserve.kvcache.offload_plan"}, (name, mods)
+        assert mods <= {
+            "__future__",
+            "dataclasses",
+            "typing",
+            "sparseserve.kvcache.blocks",
+            "sparseserve.kvcache.offload_plan",
+        }, (name, mods)
     for path in (PKG / "kvcache").glob("*.py"):
         if path.name not in scheduler_side:
             assert "sparseserve.kvcache.device_space" not in _all_imports(path), path.name
@@ -165,6 +181,7 @@ def test_a_policy_is_one_class_and_one_registration(tiny_model_dir, recent_polic
     tokens; with a small one each decode attends exactly its most recent blocks (the attention probe)."""
     from sparseserve import LLM, SamplingParams
     from sparseserve.bench.attention_probe import AttentionProbe
+
     common = dict(device="cpu", block_size=8, max_model_len=160, max_num_seqs=2, enforce_eager=True)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, 2000, (n,), generator=g).tolist() for n in (90, 41)]
@@ -177,8 +194,14 @@ def test_a_policy_is_one_class_and_one_registration(tiny_model_dir, recent_polic
     dense, _ = run()
     full, _ = run(sparse_policy=recent_policy, sparse_budget=160, sparse_dense_layers=0, sparse_dense_context=0)
     assert full == dense
-    _, llm = run(sparse_policy=recent_policy, sparse_budget=32, sparse_dense_layers=0, sparse_dense_context=0,
-                 sparse_sink_blocks=0, sparse_local_blocks=1)
+    _, llm = run(
+        sparse_policy=recent_policy,
+        sparse_budget=32,
+        sparse_dense_layers=0,
+        sparse_dense_context=0,
+        sparse_sink_blocks=0,
+        sparse_local_blocks=1,
+    )
     backend = llm.llm_engine.model_runner.attn_backend
     seen = []
 
@@ -187,7 +210,7 @@ def test_a_policy_is_one_class_and_one_registration(tiny_model_dir, recent_polic
         nb = (meta.seq_lens[: meta.num_decodes] + 7) // 8
         for b, n in enumerate(nb.tolist()):
             want = torch.zeros(blocks.shape[-1], dtype=torch.bool)
-            want[max(0, n - 4): n] = True
+            want[max(0, n - 4) : n] = True
             assert torch.equal(blocks[b, 0], want) and torch.equal(blocks[b, 1], want)
             seen.append(n)
 
@@ -197,5 +220,6 @@ def test_a_policy_is_one_class_and_one_registration(tiny_model_dir, recent_polic
     assert max(seen) > 4  # contexts longer than the budget were checked
     with pytest.raises(ValueError, match="recent"):  # the config validates against the registry
         from sparseserve.config import EngineConfig
+
         SELECTION_POLICIES.unregister("recent")
         EngineConfig.from_kwargs(sparse_policy="recent")

@@ -4,6 +4,7 @@ topk: a fixed budget, the best blocks by their key bounds (kernels/block_score.p
 topp: Twilight's select-then-prune: topk picks `cap` candidates, then the fewest whose mass on
 their real keys brings the list to sparse_top_p stay (kernels/topp_prune.py). It does not lag.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -20,9 +21,22 @@ from sparseserve.registry import SELECTION_POLICIES
 class TopK(SelectionPolicy):
     def select(self, layer: int, q: torch.Tensor, rows: DecodeRows, state: SelectionState, key_meta: Any) -> None:
         # topp's first stage is this topk: candidates, pruned in refine
-        score_and_select(q, key_meta.codes, key_meta.scale, rows.tables, rows.seq_lens, rows.slots, state.sel[layer],
-                         state.counter[layer], state.stats, state.streaming[layer], max_blocks=rows.max_blocks,
-                         scale=rows.scale, width=rows.width, **self.params.kernel_args())
+        score_and_select(
+            q,
+            key_meta.codes,
+            key_meta.scale,
+            rows.tables,
+            rows.seq_lens,
+            rows.slots,
+            state.sel[layer],
+            state.counter[layer],
+            state.stats,
+            state.streaming[layer],
+            max_blocks=rows.max_blocks,
+            scale=rows.scale,
+            width=rows.width,
+            **self.params.kernel_args(),
+        )
 
 
 @SELECTION_POLICIES.register("topp")
@@ -30,10 +44,32 @@ class TopP(TopK):
     # Pruned lists fit the selecting query, not the next (docs/sparse.md, lagged selection).
     supports_lag = False
 
-    def refine(self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor, rows: DecodeRows, state: SelectionState,
-               offload: tuple | None) -> bool:
+    def refine(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        rows: DecodeRows,
+        state: SelectionState,
+        offload: tuple | None,
+    ) -> bool:
         p, args = self.params, self.params.kernel_args()
-        topp_prune(q, kv_cache, rows.cache_tables, rows.seq_lens, rows.slots, state.sel[layer], state.counter[layer],
-                   state.stats, sink=p.sink, local=p.local, top_p=p.top_p, scale=rows.scale, reuse=args["reuse"],
-                   short_dense=p.short_dense, per_head=p.per_head, offload=offload)
+        topp_prune(
+            q,
+            kv_cache,
+            rows.cache_tables,
+            rows.seq_lens,
+            rows.slots,
+            state.sel[layer],
+            state.counter[layer],
+            state.stats,
+            sink=p.sink,
+            local=p.local,
+            top_p=p.top_p,
+            scale=rows.scale,
+            reuse=args["reuse"],
+            short_dense=p.short_dense,
+            per_head=p.per_head,
+            offload=offload,
+        )
         return True

@@ -11,6 +11,7 @@ Counters (device, read one step late): prefill_tiles_computed and prefill_tiles_
 (query tile, key tile, KV head) units over layers; computed / dense is the share of dense
 prefill attention's work done.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,13 +41,28 @@ class DensePrefill:
         decodes first."""
         return None
 
-    def attend(self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               out: torch.Tensor) -> None:
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
         """Writes the attention of the prefill rows [meta.num_decodes:] into out at their tokens;
         meta addresses this layer's cache (under KV offload: the step's device block cache)."""
         nd = meta.num_decodes  # query_start_loc: absolute token offsets into q and out
-        paged_prefill(q, kv_cache, meta.block_tables[nd:], meta.seq_lens[nd:], meta.query_start_loc[nd:], scale,
-                      meta.max_query_len, out=out)
+        paged_prefill(
+            q,
+            kv_cache,
+            meta.block_tables[nd:],
+            meta.seq_lens[nd:],
+            meta.query_start_loc[nd:],
+            scale,
+            meta.max_query_len,
+            out=out,
+        )
 
     def counters(self) -> dict[str, torch.Tensor]:
         return {}
@@ -55,22 +71,29 @@ class DensePrefill:
 @dataclass
 class SalePrefillStep:
     """One step's prefill rows, for SalePrefill.attend (built by its prepare)."""
-    query_start_loc: torch.Tensor   # int32 [Bp + 1]: token offsets within q[num_decodes:]
-    max_query_len: int              # host-side bounds of the prefill rows
+
+    query_start_loc: torch.Tensor  # int32 [Bp + 1]: token offsets within q[num_decodes:]
+    max_query_len: int  # host-side bounds of the prefill rows
     max_seq_len: int
-    sparse: bool                    # a row reaches min_len (else: dense)
-    causal_tiles: torch.Tensor      # int64 []: causally visible tiles of a layer (x KV heads)
-    forced_tiles: torch.Tensor      # int64 []: sink, local, diagonal (x KV heads)
-    dense_rows: torch.Tensor | None = None   # bool [Bp]: rows below min_len (None: no such row)
-    full_index: torch.Tensor | None = None   # int32 [Bp, n_q_tiles, n_k_tiles]: all middle tiles
-    full_count: torch.Tensor | None = None   # int32 [Bp, n_q_tiles]
+    sparse: bool  # a row reaches min_len (else: dense)
+    causal_tiles: torch.Tensor  # int64 []: causally visible tiles of a layer (x KV heads)
+    forced_tiles: torch.Tensor  # int64 []: sink, local, diagonal (x KV heads)
+    dense_rows: torch.Tensor | None = None  # bool [Bp]: rows below min_len (None: no such row)
+    full_index: torch.Tensor | None = None  # int32 [Bp, n_q_tiles, n_k_tiles]: all middle tiles
+    full_count: torch.Tensor | None = None  # int32 [Bp, n_q_tiles]
 
 
 class SalePrefill(DensePrefill):
     """SALE's sparse prefill (module docstring)."""
 
-    def __init__(self, thresholds: torch.Tensor, streaming: torch.Tensor, min_len: int, device: torch.device,
-                 layout: TileLayout = TileLayout()) -> None:
+    def __init__(
+        self,
+        thresholds: torch.Tensor,
+        streaming: torch.Tensor,
+        min_len: int,
+        device: torch.device,
+        layout: TileLayout = TileLayout(),
+    ) -> None:
         """thresholds: float [layers, query heads] (>= 0); streaming: bool [layers, KV heads]
         (host tensors)."""
         self.layout = layout
@@ -113,8 +136,17 @@ class SalePrefill(DensePrefill):
                 self.stats += step.causal_tiles
             return
         nd = meta.num_decodes  # decodes first, one token each: prefill tokens are q[nd:]
-        args = (q[nd:], kv_cache, meta.block_tables[nd:], meta.seq_lens[nd:], step.query_start_loc, scale,
-                step.max_query_len, step.max_seq_len, self.layout)
+        args = (
+            q[nd:],
+            kv_cache,
+            meta.block_tables[nd:],
+            meta.seq_lens[nd:],
+            step.query_start_loc,
+            scale,
+            step.max_query_len,
+            step.max_seq_len,
+            self.layout,
+        )
         _, index, count = sale_select(*args, self.thresholds[layer], self.streaming[layer])
         if step.dense_rows is not None:
             index = torch.where(step.dense_rows[:, None, None, None], step.full_index[:, None], index)
@@ -124,8 +156,9 @@ class SalePrefill(DensePrefill):
         self.stats[1] += step.causal_tiles
 
 
-def load_prefill_thresholds(path: str, num_layers: int, num_q_heads: int,
-                            layout: TileLayout = TileLayout()) -> torch.Tensor:
+def load_prefill_thresholds(
+    path: str, num_layers: int, num_q_heads: int, layout: TileLayout = TileLayout()
+) -> torch.Tensor:
     """float32 [num_layers, num_q_heads] from {"sparse_prefill_thresholds": [[per query head] per
     layer], ...} (`sparseserve calibrate --prefill`), checked: the model's shape, finite values
     >= 0, the engine's tile layout."""
@@ -135,18 +168,24 @@ def load_prefill_thresholds(path: str, num_layers: int, num_q_heads: int,
         raise ValueError(f"could not read sparse prefill thresholds from {path}: {e}") from e
     rows = spec.get(THRESHOLDS_KEY) if isinstance(spec, dict) else None
     if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
-        raise ValueError(f"{path}: expected {{\"{THRESHOLDS_KEY}\": [[threshold per query head] per layer]}}")
+        raise ValueError(f'{path}: expected {{"{THRESHOLDS_KEY}": [[threshold per query head] per layer]}}')
     widths = sorted({len(r) for r in rows})
     if len(rows) != num_layers or widths != [num_q_heads]:
         got = f"{len(rows)} x {'/'.join(map(str, widths)) or 0}"
-        raise ValueError(f"{path}: thresholds of shape {got} (layers x query heads); the model has "
-                         f"{num_layers} x {num_q_heads}")
-    bad = [(i, h, v) for i, r in enumerate(rows) for h, v in enumerate(r)
-           if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0]
+        raise ValueError(
+            f"{path}: thresholds of shape {got} (layers x query heads); the model has {num_layers} x {num_q_heads}"
+        )
+    bad = [
+        (i, h, v)
+        for i, r in enumerate(rows)
+        for h, v in enumerate(r)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+    ]
     if bad:
         i, h, v = bad[0]
-        raise ValueError(f"{path}: thresholds must be finite numbers >= 0; layer {i}, head {h} is {v!r} "
-                         f"({len(bad)} bad values)")
+        raise ValueError(
+            f"{path}: thresholds must be finite numbers >= 0; layer {i}, head {h} is {v!r} ({len(bad)} bad values)"
+        )
     got = spec.get("layout")
     if got is not None and got != vars(layout):
         raise ValueError(f"{path} was calibrated for the tile layout {got}; the engine uses {vars(layout)}")
@@ -159,8 +198,7 @@ def create_prefill(ctx: BackendContext) -> DensePrefill:
     if cfg is None or cfg.sparse_prefill == "dense":
         return DensePrefill()
     if not ctx.num_q_heads:
-        raise ValueError(
-            "sparse prefill needs the model's number of query heads (BackendContext.num_q_heads)")
+        raise ValueError("sparse prefill needs the model's number of query heads (BackendContext.num_q_heads)")
     if cfg.sparse_prefill_calibration is not None:
         thr = load_prefill_thresholds(cfg.sparse_prefill_calibration, ctx.num_layers, ctx.num_q_heads)
     else:

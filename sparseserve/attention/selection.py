@@ -10,6 +10,7 @@ SelectionState owns what persists across steps, in fixed device buffers indexed 
 every layer's lists, reuse counters, streaming-head masks and counters. With lagged selection a
 slot keeps two lists (attended, being written; kernels/block_score.py step_slots).
 """
+
 from __future__ import annotations
 
 import abc
@@ -23,42 +24,56 @@ import torch
 
 @dataclass(frozen=True)
 class SelectionParams:
-    cap: int                   # list length in blocks (the budget)
-    sink: int                  # blocks always attended at the start
-    local: int                 # blocks always attended at the end (>= 1: the decode token's own)
-    reuse: int                 # a list is recomputed every `reuse` decode steps
+    cap: int  # list length in blocks (the budget)
+    sink: int  # blocks always attended at the start
+    local: int  # blocks always attended at the end (>= 1: the decode token's own)
+    reuse: int  # a list is recomputed every `reuse` decode steps
     block_size: int
-    page_size: int             # tokens per key-metadata page (hierarchical paging)
-    short_dense: bool = True   # a context of at most cap blocks selects all of them without scoring
+    page_size: int  # tokens per key-metadata page (hierarchical paging)
+    short_dense: bool = True  # a context of at most cap blocks selects all of them without scoring
     top_p: float = 1.0
-    per_head: bool = False     # topp: each query head's mass reaches p (union), not the mean
-    lag: bool = False          # lagged selection (step_slots): kernels then see no reuse
+    per_head: bool = False  # topp: each query head's mass reaches p (union), not the mean
+    lag: bool = False  # lagged selection (step_slots): kernels then see no reuse
 
     @classmethod
     def from_config(cls, cfg: Any, block_size: int) -> "SelectionParams":
         """cfg: config.SparseConfig."""
-        return cls(cap=cfg.sparse_budget // block_size, sink=cfg.sparse_sink_blocks,
-                   local=cfg.sparse_local_blocks, reuse=cfg.sparse_reuse, block_size=block_size,
-                   page_size=cfg.logical_page_size or block_size,
-                   short_dense=cfg.sparse_dense_context != 0, top_p=cfg.sparse_top_p,
-                   per_head=cfg.sparse_topp_heads == "each", lag=bool(cfg.sparse_lag))
+        return cls(
+            cap=cfg.sparse_budget // block_size,
+            sink=cfg.sparse_sink_blocks,
+            local=cfg.sparse_local_blocks,
+            reuse=cfg.sparse_reuse,
+            block_size=block_size,
+            page_size=cfg.logical_page_size or block_size,
+            short_dense=cfg.sparse_dense_context != 0,
+            top_p=cfg.sparse_top_p,
+            per_head=cfg.sparse_topp_heads == "each",
+            lag=bool(cfg.sparse_lag),
+        )
 
     def kernel_args(self) -> dict[str, Any]:
         """The selection kernels' shape arguments (kernels/block_score.py)."""
-        return dict(block_size=self.block_size, cap=self.cap, sink=self.sink, local=self.local,
-                    reuse=1 if self.lag else self.reuse, short_dense=self.short_dense)
+        return dict(
+            block_size=self.block_size,
+            cap=self.cap,
+            sink=self.sink,
+            local=self.local,
+            reuse=1 if self.lag else self.reuse,
+            short_dense=self.short_dense,
+        )
 
 
 @dataclass
 class DecodeRows:
     """The rows a sparse layer selects for: decodes, or prefill chunks' last tokens (lag)."""
-    seq_lens: torch.Tensor      # int32 [B]
-    tables: torch.Tensor        # int32 [B, W] token blocks: key-metadata rows
+
+    seq_lens: torch.Tensor  # int32 [B]
+    tables: torch.Tensor  # int32 [B, W] token blocks: key-metadata rows
     cache_tables: torch.Tensor  # int32 [B, W] the layer's KV cache blocks (differ under KV offload)
-    slots: torch.Tensor         # int32 [B] selection-buffer rows to write (-1: none this step)
-    max_blocks: int             # host-side bound of the contexts in blocks
+    slots: torch.Tensor  # int32 [B] selection-buffer rows to write (-1: none this step)
+    max_blocks: int  # host-side bound of the contexts in blocks
     scale: float
-    width: int = 0              # selection launch size (longest context in blocks; 0: max_blocks)
+    width: int = 0  # selection launch size (longest context in blocks; 0: max_blocks)
 
 
 def load_streaming_heads(path: str | None, num_layers: int, num_kv_heads: int) -> torch.Tensor:
@@ -71,8 +86,10 @@ def load_streaming_heads(path: str | None, num_layers: int, num_kv_heads: int) -
         for layer, heads in spec.items():
             for h in heads:
                 if not (0 <= int(layer) < num_layers and 0 <= int(h) < num_kv_heads):
-                    raise ValueError(f"(layer {layer}, KV head {h}) is outside the model's "
-                                     f"{num_layers} layers x {num_kv_heads} KV heads")
+                    raise ValueError(
+                        f"(layer {layer}, KV head {h}) is outside the model's "
+                        f"{num_layers} layers x {num_kv_heads} KV heads"
+                    )
                 mask[int(layer), int(h)] = True
     except (OSError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
         raise ValueError(f"could not read streaming heads from {path}: {e!r}") from e
@@ -82,8 +99,15 @@ def load_streaming_heads(path: str | None, num_layers: int, num_kv_heads: int) -
 class SelectionState:
     """Selection lists, reuse counters and statistics of every sparse layer, per state slot."""
 
-    def __init__(self, params: SelectionParams, num_layers: int, num_kv_heads: int, max_num_seqs: int,
-                 streaming: torch.Tensor, device: torch.device) -> None:
+    def __init__(
+        self,
+        params: SelectionParams,
+        num_layers: int,
+        num_kv_heads: int,
+        max_num_seqs: int,
+        streaming: torch.Tensor,
+        device: torch.device,
+    ) -> None:
         self.num_slots = max_num_seqs
         rows = max_num_seqs * (2 if params.lag else 1)  # lag: attended + being written
         self.sel = torch.full((num_layers, rows, num_kv_heads, params.cap), -1, dtype=torch.int32, device=device)
@@ -157,8 +181,15 @@ class SelectionPolicy(abc.ABC):
         """Writes the lists of rows q [B, Hq, D] into state.sel[layer] at rows.slots;
         key_meta: the layer's kvcache/metadata.py KeyMeta."""
 
-    def refine(self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor, rows: DecodeRows, state: SelectionState,
-               offload: tuple | None) -> bool:
+    def refine(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        rows: DecodeRows,
+        state: SelectionState,
+        offload: tuple | None,
+    ) -> bool:
         """Once the listed blocks are readable (offload: the pool view, kernels/sparse_decode.py),
         may trim the lists just selected in place. Returns whether it changed them."""
         return False

@@ -4,6 +4,7 @@ read through the HBM pool (offload), refine, attend; prefill chunks through atte
 Lagged selection selects the next lists on a side stream joined at the last layer. The trap:
 padding rows of CUDA graphs (seq_len 0) must never touch the selection state.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,8 +32,8 @@ from sparseserve.registry import SELECTION_POLICIES
 
 @dataclass
 class SparseStepMeta:
-    slots: torch.Tensor             # int32 [B]: each row's state slot
-    cache: AttentionMetadata        # the step in the sparse layers' cache (device blocks: offload)
+    slots: torch.Tensor  # int32 [B]: each row's state slot
+    cache: AttentionMetadata  # the step in the sparse layers' cache (device blocks: offload)
     offload: OffloadStep | None = None
     # Lag + offload: decode rows with fresh state slots, which select their own lists first and
     # plan them layer by layer (bool [num_decodes]; None: none; such a step runs eagerly).
@@ -50,8 +51,10 @@ class SparseBackend(AttentionBackend):
         self.width = -(-ctx.max_model_len // ctx.block_size)
         self.policy = SELECTION_POLICIES.get(cfg.sparse_policy)(p)
         if p.lag and not self.policy.supports_lag:
-            raise ValueError(f"sparse_lag=1 does not work with sparse_policy={cfg.sparse_policy!r}: its lists fit the "
-                             f"query that selected them, not the next one")
+            raise ValueError(
+                f"sparse_lag=1 does not work with sparse_policy={cfg.sparse_policy!r}: its lists fit the "
+                f"query that selected them, not the next one"
+            )
         self.dense_layers = cfg.sparse_dense_layers
         self.dense_context = cfg.sparse_budget if cfg.sparse_dense_context is None else cfg.sparse_dense_context
         streaming = load_streaming_heads(cfg.streaming_heads, ctx.num_layers, ctx.num_kv_heads)
@@ -71,8 +74,9 @@ class SparseBackend(AttentionBackend):
 
     def allocate(self, num_blocks: int, offload: OffloadCache | None = None) -> None:
         c = self.ctx
-        self.key_meta = allocate_key_meta(c.num_layers, num_blocks, c.num_kv_heads, c.block_size,
-                                          self.params.page_size, c.head_dim, c.device)
+        self.key_meta = allocate_key_meta(
+            c.num_layers, num_blocks, c.num_kv_heads, c.block_size, self.params.page_size, c.head_dim, c.device
+        )
         self.offload = offload
         if offload is not None and self.params.lag:
             offload.init_lagged(self.state.sel.shape[1], self.params.cap)
@@ -100,8 +104,9 @@ class SparseBackend(AttentionBackend):
         if self.offload is not None:
             step = OffloadStep(dev["offload_slot_mapping"], dev["offload_block_tables"], dev.get("offload_stale"))
             self.offload.drop_stale(step.stale)  # before the step's kernels
-        meta.backend_meta = SparseStepMeta(dev["slots"], self._cache_view(meta, step), step,
-                                           fix_select=dev.get("fix_select"))
+        meta.backend_meta = SparseStepMeta(
+            dev["slots"], self._cache_view(meta, step), step, fix_select=dev.get("fix_select")
+        )
 
     def can_replay(self, meta: AttentionMetadata) -> bool:
         sm: SparseStepMeta | None = meta.backend_meta
@@ -121,15 +126,26 @@ class SparseBackend(AttentionBackend):
     def _cache_view(meta: AttentionMetadata, step: OffloadStep | None) -> AttentionMetadata:
         if step is None:
             return meta
-        return AttentionMetadata(step.slot_mapping, meta.query_start_loc, meta.seq_lens, step.block_tables,
-                                 meta.num_decodes, meta.max_query_len, meta.max_seq_len,
-                                 prefill_meta=meta.prefill_meta)
+        return AttentionMetadata(
+            step.slot_mapping,
+            meta.query_start_loc,
+            meta.seq_lens,
+            step.block_tables,
+            meta.num_decodes,
+            meta.max_query_len,
+            meta.max_seq_len,
+            prefill_meta=meta.prefill_meta,
+        )
 
     def is_sparse(self, layer: int, meta: AttentionMetadata) -> bool:
         """Host-side decision, fixed while a graph replays (max_seq_len is its bound). Under offload
         short contexts go sparse too: the device cache holds only the decodes' windows."""
-        return (self.key_meta is not None and layer >= self.dense_layers and meta.num_decodes > 0
-                and (meta.max_seq_len > self.dense_context or self.offload is not None))
+        return (
+            self.key_meta is not None
+            and layer >= self.dense_layers
+            and meta.num_decodes > 0
+            and (meta.max_seq_len > self.dense_context or self.offload is not None)
+        )
 
     def _phase(self, name: str):
         profiler = self.ctx.profiler
@@ -155,16 +171,29 @@ class SparseBackend(AttentionBackend):
         else:  # with offload the decodes' completed blocks go to the host store in the same kernel
             km = self.key_meta[layer]
             host, count = self.offload.decode_write(layer) if write else (None, None)
-            store_kv_key_meta(k, v, kv_cache, km.codes, km.scale, cm.slot_mapping, self.params.page_size,
-                              None if cm is meta else meta.slot_mapping, host, meta.num_decodes, count)
+            store_kv_key_meta(
+                k,
+                v,
+                kv_cache,
+                km.codes,
+                km.scale,
+                cm.slot_mapping,
+                self.params.page_size,
+                None if cm is meta else meta.slot_mapping,
+                host,
+                meta.num_decodes,
+                count,
+            )
             decodes = False
         if write:
-            self.offload.write_through(layer, kv_cache, sm.offload, meta.slot_mapping, meta.num_decodes, meta.num_seqs,
-                                       decodes)
+            self.offload.write_through(
+                layer, kv_cache, sm.offload, meta.slot_mapping, meta.num_decodes, meta.num_seqs, decodes
+            )
         return self.attend_layer(layer, q, kv_cache, meta, scale)
 
-    def attend_layer(self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float) -> torch.Tensor:
+    def attend_layer(
+        self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         """A layer's attention once its K/V are stored; with lagged selection also the next lists'
         selection (side stream), joined at the step's last layer."""
         sm: SparseStepMeta | None = meta.backend_meta
@@ -180,8 +209,9 @@ class SparseBackend(AttentionBackend):
             self.end_step()
         return out
 
-    def attend(self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         """Select (unless lagged), read (offload), refine, attend: one layer's decode attention."""
         sm: SparseStepMeta | None = meta.backend_meta
         cm = meta if sm is None else sm.cache
@@ -192,8 +222,15 @@ class SparseBackend(AttentionBackend):
         if meta.num_seqs > nd:  # the prefill chunks
             self.prefill.attend(layer, q, kv_cache, cm, scale, out)
         q, p, state = q[:nd], self.params, self.state
-        rows = DecodeRows(meta.seq_lens[:nd], meta.block_tables[:nd], cm.block_tables[:nd], sm.slots[:nd],
-                          self._max_blocks(meta), scale, self.width)
+        rows = DecodeRows(
+            meta.seq_lens[:nd],
+            meta.block_tables[:nd],
+            cm.block_tables[:nd],
+            sm.slots[:nd],
+            self._max_blocks(meta),
+            scale,
+            self.width,
+        )
         if p.lag:  # lists selected at an earlier step; _select_next selects the next ones beside
             rows.slots = self.step_rows[0][:nd]
         else:
@@ -210,8 +247,19 @@ class SparseBackend(AttentionBackend):
             if self.policy.refine(layer, q, kv_cache, rows, state, view):
                 view = self.offload.lookup(layer, rows.tables, rows.seq_lens, state.sel[layer][rows.slots.long()])
         with self._phase("attention"):
-            sparse_decode(q, kv_cache, rows.cache_tables, rows.seq_lens, state.sel[layer], rows.slots, p.local, scale,
-                          out=out[:nd], offload=view, view_by_slot=p.lag)
+            sparse_decode(
+                q,
+                kv_cache,
+                rows.cache_tables,
+                rows.seq_lens,
+                state.sel[layer],
+                rows.slots,
+                p.local,
+                scale,
+                out=out[:nd],
+                offload=view,
+                view_by_slot=p.lag,
+            )
         return out
 
     def _max_blocks(self, meta: AttentionMetadata) -> int:
@@ -242,8 +290,9 @@ class SparseBackend(AttentionBackend):
             stream = torch.cuda.stream(self.side)
             self.pending.append(rows)
         with stream:
-            self.offload.plan_lagged(None, meta.block_tables[:nd], meta.seq_lens[:nd], self.state.sel, rows,
-                                     new_round=True)
+            self.offload.plan_lagged(
+                None, meta.block_tables[:nd], meta.seq_lens[:nd], self.state.sel, rows, new_round=True
+            )
 
     def _plan_fresh(self, layer, q, meta, cm, scale) -> None:
         """Lag + offload: decode rows with fresh state slots select their lists from their own
@@ -253,9 +302,15 @@ class SparseBackend(AttentionBackend):
         if self.side is not None and layer > self.dense_layers:
             torch.cuda.current_stream(q.device).wait_stream(self.side)
         tables, seq_lens = meta.block_tables[:nd], meta.seq_lens[:nd]
-        rows = DecodeRows(seq_lens, tables, cm.block_tables[:nd],
-                          torch.where(sm.fix_select, self.step_rows[0][:nd], -1), self._max_blocks(meta), scale,
-                          self.width)
+        rows = DecodeRows(
+            seq_lens,
+            tables,
+            cm.block_tables[:nd],
+            torch.where(sm.fix_select, self.step_rows[0][:nd], -1),
+            self._max_blocks(meta),
+            scale,
+            self.width,
+        )
         self.policy.select(layer, q[:nd], rows, self.state, self.key_meta[layer])
         self.offload.plan_lagged(layer, tables, seq_lens, self.state.sel[layer], rows.slots)
 
@@ -265,8 +320,15 @@ class SparseBackend(AttentionBackend):
         ones too. Side stream: the main stream writes nothing it reads before the join."""
         if meta.num_seqs > meta.num_decodes:
             q = q[meta.query_start_loc[1:].long() - 1]
-        rows = DecodeRows(meta.seq_lens, meta.block_tables, cm.block_tables, self.step_rows[1], self._max_blocks(meta),
-                          scale, self.width)
+        rows = DecodeRows(
+            meta.seq_lens,
+            meta.block_tables,
+            cm.block_tables,
+            self.step_rows[1],
+            self._max_blocks(meta),
+            scale,
+            self.width,
+        )
         stream = contextlib.nullcontext()
         if self.side is not None:
             self.side.wait_stream(torch.cuda.current_stream(q.device))
@@ -288,9 +350,10 @@ class SparseBackend(AttentionBackend):
         # Padding rows name state slot 0: with length 0 they select, read and write nothing.
         fields = super().graph_inputs(max_batch, max_blocks) + [InputField("slots", torch.int32)]
         if self.offload is not None:  # padding rows write nothing and name the trash row
-            fields += [InputField("offload_slot_mapping", torch.long, pad=-1),
-                       InputField("offload_block_tables", torch.int32, width=max_blocks,
-                                  pad=self.offload.num_device_blocks)]
+            fields += [
+                InputField("offload_slot_mapping", torch.long, pad=-1),
+                InputField("offload_block_tables", torch.int32, width=max_blocks, pad=self.offload.num_device_blocks),
+            ]
         return fields
 
     def capture_metadata(self, batch: int, inputs: dict[str, torch.Tensor]) -> AttentionMetadata:
@@ -310,7 +373,8 @@ class SparseBackend(AttentionBackend):
         seq_lens = meta.seq_lens[:nd]
         if not self.is_sparse(layer, meta):
             nb = (seq_lens.long() + bs - 1) // bs
-            return (torch.arange(mb, device=nb.device)[None] < nb[:, None])[:, None].expand(-1, self.ctx.num_kv_heads,
-                                                                                            -1)
+            return (torch.arange(mb, device=nb.device)[None] < nb[:, None])[:, None].expand(
+                -1, self.ctx.num_kv_heads, -1
+            )
         slots = self.step_rows[0][:nd] if self.params.lag else meta.backend_meta.slots[:nd]
         return attended_blocks(self.state.sel[layer][slots.long()], seq_lens, self.params.local, bs, mb)

@@ -3,8 +3,8 @@
     sparseserve bench accuracy smollm2 --suite completion --lengths 2048,4096,8128 --num-samples 50 \\
         --policies dense topk:sparse_budget=1024 topp:sparse_budget=1024,sparse_top_p=0.9 --output acc.json
 
-Two task suites: `ruler` (bench/tasks.py, "Question: ... Answer:", the format the embedded model was trained on)
-and `completion` (bench/completion_tasks.py: the prompt ends inside the answer's sentence, for small instruct
+Two task suites: `ruler` (workloads/tasks.py, "Question: ... Answer:", the format the embedded model was trained on)
+and `completion` (workloads/completion_tasks.py: the prompt ends inside the answer's sentence, for small instruct
 models such as SmolLM2-135M). Samples come from --seed and the essays; each policy runs them through its own engine
 with greedy decoding (CUDA graphs as configured), one batch per length, scored by exact match. Per policy and length
 it also reports:
@@ -22,6 +22,7 @@ A policy is NAME (a preset below) or NAME:key=value,... (engine arguments). A NA
 the spec without the "sparse_" prefixes ("topk:budget=1024"), so several budgets can run side by side. A new
 NAME with arguments is its own label (`topk768:sparse_policy=topk,sparse_budget=768` is "topk768").
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sparseserve.bench import completion_tasks as C
-from sparseserve.bench import tasks as T
+from sparseserve.workloads import completion_tasks as C
+from sparseserve.workloads import tasks as T
 
 # Presets: a policy given as "name:key=value,..." starts from its entry here (or from nothing, for a new name) and
 # overrides keys, so new policies and budgets need no change here. The *_1024 ones are issue 16's settings on
@@ -77,11 +78,12 @@ def _value(text: str) -> Any:
 
 def _selection_policies() -> list[str]:
     from sparseserve.registry import SELECTION_POLICIES
+
     return SELECTION_POLICIES.names()
 
 
 def parse_policy(spec: str) -> Policy:
-    """"dense", a preset, "topk:sparse_budget=1024" (a selection policy's name sets sparse_policy) or
+    """ "dense", a preset, "topk:sparse_budget=1024" (a selection policy's name sets sparse_policy) or
     "label:sparse_policy=topk,sparse_budget=1024" (a new label plus engine arguments)."""
     name, _, rest = spec.partition(":")
     name = name.strip()
@@ -89,9 +91,11 @@ def parse_policy(spec: str) -> Policy:
         raise ValueError(f"empty policy name in {spec!r}")
     selection = name in _selection_policies()
     if name not in POLICIES and not rest and not selection:
-        raise ValueError(f"unknown policy {name!r}: known are {', '.join(POLICIES)} and the selection policies "
-                         f"{', '.join(_selection_policies())}; or give engine arguments, e.g. "
-                         f"{name}:sparse_policy=topk,sparse_budget=2048")
+        raise ValueError(
+            f"unknown policy {name!r}: known are {', '.join(POLICIES)} and the selection policies "
+            f"{', '.join(_selection_policies())}; or give engine arguments, e.g. "
+            f"{name}:sparse_policy=topk,sparse_budget=2048"
+        )
     args = dict(POLICIES.get(name, {"sparse_policy": name} if selection else {}))
     for item in filter(None, (x.strip() for x in rest.split(","))):
         key, eq, val = item.partition("=")
@@ -131,8 +135,14 @@ class Suite:
 
 
 SUITES = {
-    "ruler": Suite("ruler", T.TASKS, "4096,16384", T.build_suite, lambda s, text: float(T.is_correct(text, s.answer)),
-                   lambda s: len(s.answer_ids) + 4),
+    "ruler": Suite(
+        "ruler",
+        T.TASKS,
+        "4096,16384",
+        T.build_suite,
+        lambda s, text: float(T.is_correct(text, s.answer)),
+        lambda s: len(s.answer_ids) + 4,
+    ),
     # 8128 = SmolLM2's 8192-token context less the generation room of the longest answer (multi-value).
     "completion": Suite("completion", C.TASKS, "2048,4096,8128", C.build_suite, C.score, C.max_tokens),
 }
@@ -143,37 +153,69 @@ def _csv(text: str) -> list[str]:
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="HF model directory, .gguf file or known name such as smollm2 (default: embedded model)")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="HF model directory, .gguf file or known name such as smollm2 (default: embedded model)",
+    )
     parser.add_argument("--model", dest="model_option", default=None, help="same as MODEL")
-    parser.add_argument("--suite", default="ruler", choices=list(SUITES),
-                        help="ruler (Question/Answer, the embedded model's format) or completion (small instruct "
-                             "models: the prompt ends inside the answer's sentence)")
-    parser.add_argument("--lengths", default=None,
-                        help="prompt lengths in tokens, comma-separated (default: ruler 4096,16384; "
-                             "completion 2048,4096,8128)")
+    parser.add_argument(
+        "--suite",
+        default="ruler",
+        choices=list(SUITES),
+        help="ruler (Question/Answer, the embedded model's format) or completion (small instruct "
+        "models: the prompt ends inside the answer's sentence)",
+    )
+    parser.add_argument(
+        "--lengths",
+        default=None,
+        help="prompt lengths in tokens, comma-separated (default: ruler 4096,16384; completion 2048,4096,8128)",
+    )
     parser.add_argument("--num-samples", type=int, default=20, help="samples per task and length")
     parser.add_argument("--tasks", default=None, help="comma-separated (default: all of the suite's)")
-    parser.add_argument("--policies", nargs="+", default=["dense"],
-                        help="attention policies: NAME or NAME:key=value,...; dense is always run first")
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        default=["dense"],
+        help="attention policies: NAME or NAME:key=value,...; dense is always run first",
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=0, help="seed of the task samples and perplexity windows")
     parser.add_argument("--data-dir", default=None, help="essay folder (default: ../shared/data/haystack)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="engine max_model_len (default: longest length + answer room)")
-    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra engine argument for every policy (repeatable), e.g. attention_backend=torch")
-    parser.add_argument("--ppl-tokens", type=int, default=128,
-                        help="decode-step perplexity: tokens scored per essay window, after a prefix that fills "
-                             "the length (0: no perplexity)")
-    parser.add_argument("--ppl-samples", type=int, default=None,
-                        help="essay windows per length (default: --num-samples)")
-    parser.add_argument("--probe-steps", type=int, default=4,
-                        help="decode steps per probed request for the attention report (0: no report)")
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="engine max_model_len (default: longest length + answer room)"
+    )
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra engine argument for every policy (repeatable), e.g. attention_backend=torch",
+    )
+    parser.add_argument(
+        "--ppl-tokens",
+        type=int,
+        default=128,
+        help="decode-step perplexity: tokens scored per essay window, after a prefix that fills "
+        "the length (0: no perplexity)",
+    )
+    parser.add_argument(
+        "--ppl-samples", type=int, default=None, help="essay windows per length (default: --num-samples)"
+    )
+    parser.add_argument(
+        "--probe-steps",
+        type=int,
+        default=4,
+        help="decode steps per probed request for the attention report (0: no report)",
+    )
     parser.add_argument("--probe-samples", type=int, default=2, help="requests per task and length probed")
-    parser.add_argument("--compare-hf", action="store_true",
-                        help="also run the samples through transformers (greedy) and report token parity")
+    parser.add_argument(
+        "--compare-hf",
+        action="store_true",
+        help="also run the samples through transformers (greedy) and report token parity",
+    )
     parser.add_argument("--output", default=None, help="JSON results file (default: print only)")
     parser.add_argument("--plot", default=None, help="PNG of the accuracy and perplexity curves (needs matplotlib)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -198,6 +240,7 @@ def _release_memory() -> None:
     gc.collect()
     try:
         import torch
+
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     except ImportError:
@@ -208,6 +251,7 @@ def model_context(model: str | None) -> int:
     """The model's context (max_position_embeddings), read from its config without loading weights."""
     from sparseserve.models.config import ArchConfig
     from sparseserve.models.loader import load_hf_config, resolve_model_dir
+
     return ArchConfig.from_hf(load_hf_config(resolve_model_dir(model))).max_position_embeddings
 
 
@@ -215,22 +259,32 @@ def load_tokenizer(model: str | None, tokenizer: str | None = None) -> Any:
     """The tokenizer the engine will use (LLMEngine loads it the same way), so samples exist before any engine."""
     from sparseserve.models.loader import load_tokenizer as load_model_tokenizer
     from sparseserve.models.loader import resolve_model_dir
+
     return load_model_tokenizer(tokenizer or resolve_model_dir(model))
 
 
 # -- running one policy --------------------------------------------------------------------------------------
-def run_policy(llm: Any, samples: list[T.TaskSample], suite: Suite = SUITES["ruler"],
-               use_tqdm: bool = False) -> list[dict]:
+def run_policy(
+    llm: Any, samples: list[T.TaskSample], suite: Suite = SUITES["ruler"], use_tqdm: bool = False
+) -> list[dict]:
     """Greedy answers of all samples in one batch (the engine schedules them), scored by the suite ("correct":
     1.0 or 0.0, a share for partial-credit tasks)."""
     from sparseserve import SamplingParams
+
     params = [SamplingParams(temperature=0.0, max_tokens=suite.max_tokens(s)) for s in samples]
     outs = llm.generate([s.prompt_ids for s in samples], params, use_tqdm=use_tqdm)
     rows = []
     for i, (s, o) in enumerate(zip(samples, outs)):
         text = o.outputs[0].text
-        row = {"task": s.task, "length": s.length, "index": i, "answer": s.answer, "output": text,
-               "output_token_ids": list(o.outputs[0].token_ids), "correct": suite.score(s, text)}
+        row = {
+            "task": s.task,
+            "length": s.length,
+            "index": i,
+            "answer": s.answer,
+            "output": text,
+            "output_token_ids": list(o.outputs[0].token_ids),
+            "correct": suite.score(s, text),
+        }
         if "depth" in s.meta:
             row["depth"] = s.meta["depth"]
         rows.append(row)
@@ -258,8 +312,12 @@ def tokens_attended(before: tuple[int, int], after: tuple[int, int], block_size:
 
 def mean_tokens_attended(llm: Any, samples: list[T.TaskSample]) -> float:
     """Over the engine's whole life (see `tokens_attended` for a span of it)."""
-    return tokens_attended((0, 0), selection_counters(llm), llm.llm_engine.config.cache_config.block_size,
-                           sum(s.length for s in samples) / len(samples))
+    return tokens_attended(
+        (0, 0),
+        selection_counters(llm),
+        llm.llm_engine.config.cache_config.block_size,
+        sum(s.length for s in samples) / len(samples),
+    )
 
 
 def _same_tokens(a: list[int], b: list[int], eos_ids: set[int]) -> bool:
@@ -272,6 +330,7 @@ def transformers_greedy(model: Any, ids: Any, steps: int) -> list[list[int]]:
     """Batched greedy decoding with transformers' KV cache: equal-length prompts, no padding (so SDPA
     stays on its causal path). The reference of parity checks and of the training script's evaluation."""
     import torch
+
     with torch.no_grad():
         res = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         past, nxt = res.past_key_values, res.logits[:, -1].argmax(-1)
@@ -283,14 +342,21 @@ def transformers_greedy(model: Any, ids: Any, steps: int) -> list[list[int]]:
     return torch.stack(gen, 1).tolist()
 
 
-def hf_greedy(model: str | None, samples: list[T.TaskSample], device: str, dtype: str, eos_ids: set[int],
-              max_tokens: Callable[[T.TaskSample], int] = SUITES["ruler"].max_tokens) -> list[list[int]]:
+def hf_greedy(
+    model: str | None,
+    samples: list[T.TaskSample],
+    device: str,
+    dtype: str,
+    eos_ids: set[int],
+    max_tokens: Callable[[T.TaskSample], int] = SUITES["ruler"].max_tokens,
+) -> list[list[int]]:
     """Greedy tokens of transformers' implementation for every sample: the parity reference.
     Samples of one (task, length) have equal prompt lengths, so they batch without padding."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from sparseserve.models.loader import resolve_model_dir
+
     path = resolve_model_dir(model)
     dev = "cuda" if device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
@@ -308,14 +374,14 @@ def hf_greedy(model: str | None, samples: list[T.TaskSample], device: str, dtype
         for idx in groups.values():
             rows = max(1, budget // samples[idx[0]].length)
             for j in range(0, len(idx), rows):
-                part = idx[j:j + rows]
+                part = idx[j : j + rows]
                 ids = torch.tensor([samples[i].prompt_ids for i in part], device=dev)
                 steps = max(max_tokens(samples[i]) for i in part)
                 for i, row in zip(part, transformers_greedy(hf, ids, steps)):
                     # Cut as the engine does: at EOS (kept in the tokens), or at max_tokens.
-                    row = row[:max_tokens(samples[i])]
+                    row = row[: max_tokens(samples[i])]
                     end = next((k for k, t in enumerate(row) if t in eos_ids), None)
-                    out[i] = row if end is None else row[:end + 1]
+                    out[i] = row if end is None else row[: end + 1]
     del hf
     _release_memory()
     return out  # type: ignore[return-value]
@@ -346,13 +412,19 @@ def format_depths(depths: dict[str, dict[str, dict[str, float]]]) -> str:
     lines = [f"{'policy @ length':<{w}}" + "".join(f"{d:>6}" for d in cols)]
     for p, by_len in depths.items():
         for n, x in by_len.items():
-            lines.append(f"{p + ' @' + n:<{w}}" + "".join(f"{100 * x[d]:>6.0f}" if d in x else f"{'-':>6}"
-                                                         for d in cols))
+            lines.append(
+                f"{p + ' @' + n:<{w}}" + "".join(f"{100 * x[d]:>6.0f}" if d in x else f"{'-':>6}" for d in cols)
+            )
     return "\n".join(lines)
 
 
-def format_table(results: dict[str, dict[str, dict[str, float]]], tasks: list[str], lengths: list[int],
-                 ref: str = "dense", extra_rows: dict[str, dict[str, dict[str, str]]] | None = None) -> str:
+def format_table(
+    results: dict[str, dict[str, dict[str, float]]],
+    tasks: list[str],
+    lengths: list[int],
+    ref: str = "dense",
+    extra_rows: dict[str, dict[str, dict[str, str]]] | None = None,
+) -> str:
     """Rows task x length, one column per policy (the reference first), accuracies in percent;
     other columns also show their difference to the reference. `extra_rows`: {row name: {length: {policy:
     cell}}} printed below (perplexity, tokens attended)."""
@@ -377,8 +449,9 @@ def format_table(results: dict[str, dict[str, dict[str, float]]], tasks: list[st
     return "\n".join(lines)
 
 
-def curve(results: dict[str, dict], ppl: dict[str, dict], attended: dict[str, dict], lengths: list[int],
-          ref: str = "dense") -> list[dict]:
+def curve(
+    results: dict[str, dict], ppl: dict[str, dict], attended: dict[str, dict], lengths: list[int], ref: str = "dense"
+) -> list[dict]:
     """One point per (policy, length): mean accuracy over the tasks, perplexity and their differences to the
     reference against mean tokens attended (the tasks' decode queries)."""
     points = []
@@ -389,10 +462,17 @@ def curve(results: dict[str, dict], ppl: dict[str, dict], attended: dict[str, di
             p = ppl.get(pol, {}).get(str(n), {}).get("ppl")
             pb = ppl.get(ref, {}).get(str(n), {}).get("ppl")
             acc = sum(accs) / len(accs) if accs else None
-            points.append({"policy": pol, "length": n, "tokens_attended": attended.get(pol, {}).get(str(n)),
-                           "accuracy": acc,
-                           "accuracy_vs_dense": None if acc is None or not base else acc - sum(base) / len(base),
-                           "ppl": p, "ppl_ratio": p / pb if p is not None and pb else None})
+            points.append(
+                {
+                    "policy": pol,
+                    "length": n,
+                    "tokens_attended": attended.get(pol, {}).get(str(n)),
+                    "accuracy": acc,
+                    "accuracy_vs_dense": None if acc is None or not base else acc - sum(base) / len(base),
+                    "ppl": p,
+                    "ppl_ratio": p / pb if p is not None and pb else None,
+                }
+            )
     return points
 
 
@@ -401,10 +481,12 @@ def format_curve(points: list[dict]) -> str:
     lines = [f"{'policy':<{w}}{'length':>7}{'tokens':>9}{'accuracy':>10}{'vs dense':>9}{'ppl':>9}{'ppl/dense':>10}"]
     for c in points:
         f = lambda v, fmt: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)  # noqa
-        lines.append(f"{c['policy']:<{w}}{c['length']:>7}{f(c['tokens_attended'], '.0f'):>9}"
-                     f"{f(None if c['accuracy'] is None else 100 * c['accuracy'], '.1f'):>10}"
-                     f"{f(None if c['accuracy_vs_dense'] is None else 100 * c['accuracy_vs_dense'], '+.1f'):>9}"
-                     f"{f(c['ppl'], '.3f'):>9}{f(c['ppl_ratio'], '.4f'):>10}")
+        lines.append(
+            f"{c['policy']:<{w}}{c['length']:>7}{f(c['tokens_attended'], '.0f'):>9}"
+            f"{f(None if c['accuracy'] is None else 100 * c['accuracy'], '.1f'):>10}"
+            f"{f(None if c['accuracy_vs_dense'] is None else 100 * c['accuracy_vs_dense'], '+.1f'):>9}"
+            f"{f(c['ppl'], '.3f'):>9}{f(c['ppl_ratio'], '.4f'):>10}"
+        )
     return "\n".join(lines)
 
 
@@ -413,6 +495,7 @@ def plot_curve(points: list[dict], path: str) -> bool:
     nothing written) without matplotlib."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -456,8 +539,9 @@ def main(args: argparse.Namespace) -> dict:
     tasks = _csv(args.tasks) if args.tasks else list(suite.tasks)
     bad = [t for t in tasks if t not in suite.tasks]
     if bad:
-        raise ValueError(f"unknown task(s) {', '.join(bad)} in suite {suite.name}: "
-                         f"choose from {', '.join(suite.tasks)}")
+        raise ValueError(
+            f"unknown task(s) {', '.join(bad)} in suite {suite.name}: choose from {', '.join(suite.tasks)}"
+        )
     lengths = [int(x) for x in _csv(args.lengths or suite.default_lengths)]
     policies = parse_policies(args.policies)
     essays = T.load_essays(T.find_haystack_dir(args.data_dir))
@@ -470,9 +554,11 @@ def main(args: argparse.Namespace) -> dict:
     max_len = args.max_model_len or max(lengths) + room
     context = model_context(model)
     if max_len > context:
-        raise ValueError(f"prompts of {max(lengths)} tokens plus {room} tokens of answer room need "
-                         f"max_model_len={max_len}, more than the model's context ({context}): the longest prompt "
-                         f"that fits is {context - room} tokens")
+        raise ValueError(
+            f"prompts of {max(lengths)} tokens plus {room} tokens of answer room need "
+            f"max_model_len={max_len}, more than the model's context ({context}): the longest prompt "
+            f"that fits is {context - room} tokens"
+        )
     ppl_samples = args.num_samples if args.ppl_samples is None else args.ppl_samples
     windows = {}
     if args.ppl_tokens and ppl_samples:
@@ -519,8 +605,9 @@ def main(args: argparse.Namespace) -> dict:
                 before = selection_counters(llm)
                 lps = P.forced_logprobs(llm, forcing, windows[n])
                 ppl[pol.name][str(n)] = P.summarize(lps)
-                attended_ppl[pol.name][str(n)] = tokens_attended(before, selection_counters(llm), bs,
-                                                                 n - args.ppl_tokens / 2)
+                attended_ppl[pol.name][str(n)] = tokens_attended(
+                    before, selection_counters(llm), bs, n - args.ppl_tokens / 2
+                )
         for i, r in enumerate(rows):
             r["index"] = i
         rows_by_policy[pol.name] = rows
@@ -532,8 +619,12 @@ def main(args: argparse.Namespace) -> dict:
             if offload:
                 print(f"[{pol.name}] no attention probe under KV offload (the device cache holds only the windows)")
             else:
-                probe_samples = [s for t in tasks for n in lengths
-                                 for s in [x for x in samples if x.task == t and x.length == n][:args.probe_samples]]
+                probe_samples = [
+                    s
+                    for t in tasks
+                    for n in lengths
+                    for s in [x for x in samples if x.task == t and x.length == n][: args.probe_samples]
+                ]
                 probes[pol.name] = attention_probe.probe(model, engine_kw, probe_samples, args.probe_steps)
                 _release_memory()
         timing[pol.name] = round(time.time() - t0, 2)
@@ -541,9 +632,19 @@ def main(args: argparse.Namespace) -> dict:
         print(f"[{pol.name}] mean accuracy {100 * mean:.1f}% over {len(rows)} samples, {timing[pol.name]:.0f} s")
         if args.output:  # what is done so far survives an interrupted run
             Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.output).write_text(json.dumps({"partial": True, "accuracy": results, "perplexity": ppl,
-                                                     "mean_tokens_attended": attended, "seconds": timing,
-                                                     "samples": rows_by_policy}, indent=1))
+            Path(args.output).write_text(
+                json.dumps(
+                    {
+                        "partial": True,
+                        "accuracy": results,
+                        "perplexity": ppl,
+                        "mean_tokens_attended": attended,
+                        "seconds": timing,
+                        "samples": rows_by_policy,
+                    },
+                    indent=1,
+                )
+            )
 
     parity_out = None
     if args.compare_hf:  # after the engines are gone: the reference needs the memory they held
@@ -576,9 +677,11 @@ def main(args: argparse.Namespace) -> dict:
                 base = ppl["dense"][n]["ppl"]
                 cell = f"{v['ppl']:.3f}" + ("" if name == "dense" else f" (x{v['ppl'] / base:.3f})")
                 extra_rows["perplexity"].setdefault(n, {})[name] = cell
-    print(f"\nexact-match accuracy (%), suite {suite.name}, model {model_desc}, {args.num_samples} samples per cell, "
-          f"seed {args.seed}; tokens attended: mean per decode query in the sparse layers"
-          + (f"; perplexity: {args.ppl_tokens} decode-step tokens x {ppl_samples} essay windows" if windows else ""))
+    print(
+        f"\nexact-match accuracy (%), suite {suite.name}, model {model_desc}, {args.num_samples} samples per cell, "
+        f"seed {args.seed}; tokens attended: mean per decode query in the sparse layers"
+        + (f"; perplexity: {args.ppl_tokens} decode-step tokens x {ppl_samples} essay windows" if windows else "")
+    )
     print(format_table(results, tasks, lengths, extra_rows=extra_rows))
     depths = {name: depth_table(rows) for name, rows in rows_by_policy.items() if name != "hf"}
     if any(depths.values()):
@@ -586,8 +689,11 @@ def main(args: argparse.Namespace) -> dict:
         print(format_depths(depths))
     # With few samples a cell moves many points on one low-margin sample: agreement with dense, sample by
     # sample, tells a policy that tracks dense from one that drifts.
-    agree = {name: sum(a["output_token_ids"] == b["output_token_ids"] for a, b in zip(rows_by_policy["dense"], rows))
-             for name, rows in rows_by_policy.items() if name not in ("dense", "hf")}
+    agree = {
+        name: sum(a["output_token_ids"] == b["output_token_ids"] for a, b in zip(rows_by_policy["dense"], rows))
+        for name, rows in rows_by_policy.items()
+        if name not in ("dense", "hf")
+    }
     if agree:
         print(f"outputs equal to dense (of {len(samples)}): " + ", ".join(f"{n} {k}" for n, k in agree.items()))
     if parity_out is not None:
@@ -598,20 +704,38 @@ def main(args: argparse.Namespace) -> dict:
     print(format_curve(points))
     if args.plot:
         print(f"wrote {args.plot}" if plot_curve(points, args.plot) else "no plot: matplotlib is not installed")
-    print("seconds per policy (engine start, tasks, perplexity, probe): "
-          + ", ".join(f"{n} {t:.0f}" for n, t in timing.items()))
+    print(
+        "seconds per policy (engine start, tasks, perplexity, probe): "
+        + ", ".join(f"{n} {t:.0f}" for n, t in timing.items())
+    )
     if probes:
         print("\nattention probe: softmax mass covered / relative output error vs dense, per layer")
         for name, rep in probes.items():
             print(attention_probe.format_report(name, rep))
-    out = {"model": model or "embedded default", "model_name": model_desc, "suite": suite.name, "seed": args.seed,
-           "num_samples": args.num_samples, "tasks": tasks, "lengths": lengths,
-           "policies": {p.name: p.engine_args for p in policies}, "accuracy": results, "depth_accuracy": depths,
-           "perplexity": ppl, "ppl_tokens": args.ppl_tokens, "ppl_samples": ppl_samples if windows else 0,
-           "mean_tokens_attended": attended, "prefill_tiles_computed": tiles, "mean_tokens_attended_ppl": attended_ppl,
-           "curve": points,
-           "probe": probes, "seconds": timing, "hf_parity": parity_out, "equal_to_dense": agree,
-           "samples": {name: rows for name, rows in rows_by_policy.items()}}
+    out = {
+        "model": model or "embedded default",
+        "model_name": model_desc,
+        "suite": suite.name,
+        "seed": args.seed,
+        "num_samples": args.num_samples,
+        "tasks": tasks,
+        "lengths": lengths,
+        "policies": {p.name: p.engine_args for p in policies},
+        "accuracy": results,
+        "depth_accuracy": depths,
+        "perplexity": ppl,
+        "ppl_tokens": args.ppl_tokens,
+        "ppl_samples": ppl_samples if windows else 0,
+        "mean_tokens_attended": attended,
+        "prefill_tiles_computed": tiles,
+        "mean_tokens_attended_ppl": attended_ppl,
+        "curve": points,
+        "probe": probes,
+        "seconds": timing,
+        "hf_parity": parity_out,
+        "equal_to_dense": agree,
+        "samples": {name: rows for name, rows in rows_by_policy.items()},
+    }
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(out, indent=1))

@@ -21,13 +21,14 @@ heads of a KV group share one selection). Without that method the backend is den
 without Python, so it would not call the observer). Not under KV offload (the device cache then holds only the
 decode windows).
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 import torch
 
-from sparseserve.bench.tasks import TaskSample
+from sparseserve.workloads.tasks import TaskSample
 
 
 class AttentionProbe:
@@ -43,8 +44,9 @@ class AttentionProbe:
     def __exit__(self, *exc) -> None:
         self.backend.observers.remove(self._observe)
 
-    def _observe(self, layer_idx: int, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, meta: Any,
-                 scale: float) -> None:
+    def _observe(
+        self, layer_idx: int, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, meta: Any, scale: float
+    ) -> None:
         if meta.num_decodes > 0:
             with torch.no_grad():
                 self._measure(layer_idx, q, out, kv_cache, meta, scale)
@@ -53,8 +55,9 @@ class AttentionProbe:
         fn = getattr(self.backend, "attended_blocks", None)
         return None if fn is None else fn(layer_idx, meta)
 
-    def _measure(self, layer_idx: int, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: Any, scale: float) -> None:
+    def _measure(
+        self, layer_idx: int, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, meta: Any, scale: float
+    ) -> None:
         _, num_kv_heads, _, block_size, _ = kv_cache.shape
         num_q_heads = q.shape[1]
         group = num_q_heads // num_kv_heads
@@ -82,7 +85,8 @@ class AttentionProbe:
             got = out[qsl[b]].float().reshape(num_q_heads, -1)
             err = ((got - dense).norm() / dense.norm().clamp_min(1e-30)).item()
             self.records.setdefault(layer_idx, []).append(
-                (mass.mean().item(), mass.min().item(), err, oracle_block, oracle_token))
+                (mass.mean().item(), mass.min().item(), err, oracle_block, oracle_token)
+            )
 
     def report(self) -> dict:
         """Per layer: mean and minimum mass (minimum over query heads and steps), mean and max error, and the
@@ -90,11 +94,15 @@ class AttentionProbe:
         layers = {}
         for layer in sorted(self.records):
             rec = self.records[layer]
-            layers[str(layer)] = {"mass_mean": sum(r[0] for r in rec) / len(rec), "mass_min": min(r[1] for r in rec),
-                                  "rel_err_mean": sum(r[2] for r in rec) / len(rec),
-                                  "rel_err_max": max(r[2] for r in rec),
-                                  "oracle_block_mean": sum(r[3] for r in rec) / len(rec),
-                                  "oracle_token_mean": sum(r[4] for r in rec) / len(rec), "num_queries": len(rec)}
+            layers[str(layer)] = {
+                "mass_mean": sum(r[0] for r in rec) / len(rec),
+                "mass_min": min(r[1] for r in rec),
+                "rel_err_mean": sum(r[2] for r in rec) / len(rec),
+                "rel_err_max": max(r[2] for r in rec),
+                "oracle_block_mean": sum(r[3] for r in rec) / len(rec),
+                "oracle_token_mean": sum(r[4] for r in rec) / len(rec),
+                "num_queries": len(rec),
+            }
         return {"layers": layers}
 
 
@@ -119,6 +127,7 @@ def probe(model: str | None, engine_args: dict, samples: list[TaskSample], steps
     """Runs `samples` for `steps` decode steps each (greedy, EOS ignored so every step happens) through an eager
     engine of `engine_args` with the probe installed, and returns its per-layer report."""
     from sparseserve import LLM, SamplingParams
+
     llm = LLM(model=model, **{**engine_args, "enforce_eager": True})
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     with AttentionProbe(llm.llm_engine.model_runner.attn_backend) as p:
@@ -129,11 +138,15 @@ def probe(model: str | None, engine_args: dict, samples: list[TaskSample], steps
 
 
 def format_report(name: str, rep: dict) -> str:
-    lines = [f"[{name}] {rep.get('num_requests', '?')} requests x {rep.get('decode_steps', '?')} decode steps",
-             f"{'layer':>6}{'mass mean':>11}{'mass min':>10}{'err mean':>10}{'err max':>10}"
-             f"{'oracle blk':>12}{'oracle tok':>12}"]
+    lines = [
+        f"[{name}] {rep.get('num_requests', '?')} requests x {rep.get('decode_steps', '?')} decode steps",
+        f"{'layer':>6}{'mass mean':>11}{'mass min':>10}{'err mean':>10}{'err max':>10}"
+        f"{'oracle blk':>12}{'oracle tok':>12}",
+    ]
     for layer, r in rep["layers"].items():
-        lines.append(f"{layer:>6}{r['mass_mean']:>11.4f}{r['mass_min']:>10.4f}"
-                     f"{r['rel_err_mean']:>10.2e}{r['rel_err_max']:>10.2e}"
-                     f"{r.get('oracle_block_mean', 1.0):>12.4f}{r.get('oracle_token_mean', 1.0):>12.4f}")
+        lines.append(
+            f"{layer:>6}{r['mass_mean']:>11.4f}{r['mass_min']:>10.4f}"
+            f"{r['rel_err_mean']:>10.2e}{r['rel_err_max']:>10.2e}"
+            f"{r.get('oracle_block_mean', 1.0):>12.4f}{r.get('oracle_token_mean', 1.0):>12.4f}"
+        )
     return "\n".join(lines)

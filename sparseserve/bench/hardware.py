@@ -1,4 +1,5 @@
 """Hardware ceilings measured in the same run as a benchmark (ratios against them, never absolute times)."""
+
 from __future__ import annotations
 
 import torch

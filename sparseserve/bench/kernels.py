@@ -7,6 +7,7 @@ prefill rows TFLOP/s of the causal attention; one line measures a large device-t
 HBM ceiling. --sweep also times launch configurations of the decode and prefill kernels on the
 headline shapes, to choose the defaults.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,13 +85,18 @@ def bench_decode(shape: tuple, config: DecodeConfig | None = None, with_sdpa: bo
     batch, ctx, hq, hkv, d, bs = shape
     cache, tables, seq_lens, q = decode_inputs(shape)
     out = torch.empty_like(q)
-    scale = d ** -0.5
+    scale = d**-0.5
     nbytes = 2 * batch * hkv * ctx * d * DTYPE.itemsize + 2 * q.nbytes
     config = config or default_decode_config(q.dtype, d)
     ms = bench_ms(lambda: paged_decode_triton(q, cache, tables, seq_lens, scale, ctx, out=out, config=config))
-    row = {"kind": "decode", "name": f"decode B={batch} L={ctx} Hq={hq} Hkv={hkv} D={d} bs={bs}",
-           "ms": ms, "tbps": nbytes / ms / 1e9, "config": vars(config),
-           "split_size_num_splits": split_plan(batch, hkv, ctx, q.device, config)}
+    row = {
+        "kind": "decode",
+        "name": f"decode B={batch} L={ctx} Hq={hq} Hkv={hkv} D={d} bs={bs}",
+        "ms": ms,
+        "tbps": nbytes / ms / 1e9,
+        "config": vars(config),
+        "split_size_num_splits": split_plan(batch, hkv, ctx, q.device, config),
+    }
     if with_sdpa:
         k, v = contiguous_kv(cache, tables)
         q4 = q.unsqueeze(2)  # [B, Hq, 1, D]
@@ -115,11 +121,16 @@ def bench_prefill(shape: tuple, config: PrefillConfig | None = None, with_sdpa: 
     qsl = torch.tensor([0, chunk], device="cuda", dtype=torch.int32)
     q = torch.randn(chunk, hq, d, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)
-    scale = d ** -0.5
+    scale = d**-0.5
     flops = 4 * d * hq * (chunk * prefix + chunk * (chunk + 1) / 2)
     ms = bench_ms(lambda: paged_prefill_triton(q, cache, tables, seq_lens, qsl, scale, chunk, out=out, config=config))
-    row = {"kind": "prefill", "name": f"prefill chunk={chunk} prefix={prefix} Hq={hq} Hkv={hkv} D={d} bs={bs}",
-           "ms": ms, "tflops": flops / ms / 1e9, "config": vars(config or default_prefill_config(q.dtype, d))}
+    row = {
+        "kind": "prefill",
+        "name": f"prefill chunk={chunk} prefix={prefix} Hq={hq} Hkv={hkv} D={d} bs={bs}",
+        "ms": ms,
+        "tflops": flops / ms / 1e9,
+        "config": vars(config or default_prefill_config(q.dtype, d)),
+    }
     if with_sdpa:
         k, v = contiguous_kv(cache, tables)
         q4 = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, chunk, D]
@@ -128,6 +139,7 @@ def bench_prefill(shape: tuple, config: PrefillConfig | None = None, with_sdpa: 
             mask_kw = {"is_causal": True}
         else:
             from torch.nn.attention.bias import causal_lower_right
+
             mask_kw = {"attn_mask": causal_lower_right(chunk, ctx)}
         try:
             ref = sdpa_flash(q4, k, v, scale=scale, **mask_kw)[0].transpose(0, 1)
@@ -169,9 +181,11 @@ def print_table(rows: list[dict]) -> None:
         unit = "tbps" if r["kind"] != "prefill" else "tflops"
         label = "TB/s" if unit == "tbps" else "TFLOP/s"
         sd = r.get(f"sdpa_{unit}")
-        print(f"{r['name']:58s} {r[unit]:8.2f} {(f'{sd:8.2f}' if sd else 'n/a'):>8s} {label:7s} "
-              f"{r.get('ratio', math.nan):6.1%} "
-              f"{r.get('rel_err_vs_sdpa', math.nan):8.1e}")
+        print(
+            f"{r['name']:58s} {r[unit]:8.2f} {(f'{sd:8.2f}' if sd else 'n/a'):>8s} {label:7s} "
+            f"{r.get('ratio', math.nan):6.1%} "
+            f"{r.get('rel_err_vs_sdpa', math.nan):8.1e}"
+        )
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -181,8 +195,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "rows": []}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "rows": [],
+    }
     if args.sweep:
         result["decode_sweep"] = sweep_decode(DECODE_SHAPES[0])
         result["prefill_sweep"] = sweep_prefill(PREFILL_SHAPES[0])

@@ -1,7 +1,8 @@
 """Engine vs transformers on the same weights: prompt-logit relative error and greedy agreement.
 
-    python -m sparseserve.bench.parity MODEL --dtype bfloat16 --prompt-len 512 --json out.json
+python -m sparseserve.bench.parity MODEL --dtype bfloat16 --prompt-len 512 --json out.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,13 @@ def prompt_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 def main(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.prompt_len + args.max_tokens + 1,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.prompt_len + args.max_tokens + 1,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
     runner = llm.llm_engine.model_runner
     dev, dtype = runner.device, runner.dtype
     g = torch.Generator().manual_seed(args.seed)
@@ -47,8 +53,9 @@ def main(args: argparse.Namespace) -> dict:
     ids = torch.tensor([prompt], device=dev)
     with torch.no_grad():
         ref = hf(ids).logits[0].float()
-        hf_tokens = hf.generate(ids, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens,
-                                do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        hf_tokens = hf.generate(
+            ids, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :].tolist()
     rel = ((ours - ref).norm() / ref.norm()).item()
     # transformers' own spread between two attention implementations: the bf16 noise floor.
     hf.set_attn_implementation("eager")
@@ -58,11 +65,17 @@ def main(args: argparse.Namespace) -> dict:
     # ... and the engine against eager too: within the spread means no farther from either than they are apart.
     rel_eager = ((ours - eager).norm() / eager.norm()).item()
     agree = next((i for i, (a, b) in enumerate(zip(our_tokens, hf_tokens)) if a != b), len(our_tokens))
-    row = {"model": llm.llm_engine.model_name, "dtype": str(dtype).removeprefix("torch."), "device": dev.type,
-           "prompt_len": args.prompt_len, "logits_rel_err": rel,
-           "logits_rel_err_vs_eager": rel_eager, "hf_eager_vs_sdpa_rel_err": floor,
-           "argmax_agree": (ours.argmax(-1) == ref.argmax(-1))
-           .float().mean().item(), "greedy_tokens_equal_prefix": f"{agree}/{len(our_tokens)}"}
+    row = {
+        "model": llm.llm_engine.model_name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": dev.type,
+        "prompt_len": args.prompt_len,
+        "logits_rel_err": rel,
+        "logits_rel_err_vs_eager": rel_eager,
+        "hf_eager_vs_sdpa_rel_err": floor,
+        "argmax_agree": (ours.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+        "greedy_tokens_equal_prefix": f"{agree}/{len(our_tokens)}",
+    }
     print_table([row], f"parity vs transformers ({time.strftime('%Y-%m-%d')})")
     if args.json:
         with open(args.json, "w") as f:

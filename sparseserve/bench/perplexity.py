@@ -7,6 +7,7 @@ appends is the next target, whatever the sampler picked, and the log-probability
 recorded. The engine's own scheduling, batching, CUDA graphs and sparse backend run unchanged: `TeacherForcing`
 is the engine's profiler (sparseserve/profiler.py), which sees each step's logits and names the tokens to append.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,18 +17,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from sparseserve.bench.tasks import TaskBuilder
+from sparseserve.workloads.tasks import TaskBuilder
 from sparseserve.profiler import Profiler
 
 
 @dataclass
 class Window:
     prefix_ids: list[int]
-    target_ids: list[int]   # target 0 is forced after the prefill, unscored; targets 1.. are scored
+    target_ids: list[int]  # target 0 is forced after the prefill, unscored; targets 1.. are scored
 
 
-def essay_windows(builder: TaskBuilder, prefix_len: int, num_tokens: int, num_windows: int,
-                  seed: int) -> list[Window]:
+def essay_windows(builder: TaskBuilder, prefix_len: int, num_tokens: int, num_windows: int, seed: int) -> list[Window]:
     """`num_windows` slices of the essays (each from a random sentence start), `prefix_len` tokens of context
     (the tokenizer's BOS first, if it has one) then num_tokens + 1 targets."""
     rng = np.random.default_rng([seed, 7919, prefix_len, num_tokens])
@@ -43,8 +43,8 @@ def essay_windows(builder: TaskBuilder, prefix_len: int, num_tokens: int, num_wi
 @dataclass
 class ForcedRun:
     logprobs: dict[str, list[float]] = field(default_factory=dict)  # request id -> scored targets' logprobs
-    decode_scored: int = 0     # scored tokens whose logits came from a decode step
-    other_scored: int = 0      # scored tokens whose logits came from a prefill (a recomputed, preempted sequence)
+    decode_scored: int = 0  # scored tokens whose logits came from a decode step
+    other_scored: int = 0  # scored tokens whose logits came from a prefill (a recomputed, preempted sequence)
 
 
 class TeacherForcing(Profiler):
@@ -93,13 +93,15 @@ def forced_logprobs(llm: Any, tf: TeacherForcing, windows: list[Window]) -> list
     batch; the engine schedules them). `llm` was built with `tf` as its profiler. Raises if a preempted sequence
     had a target scored by a prefill."""
     from sparseserve import SamplingParams
+
     engine = llm.llm_engine
     ids = [f"ppl-{i}" for i in range(len(windows))]
     tf.run = ForcedRun()
     for rid, w in zip(ids, windows):
         tf.targets[rid] = w.target_ids
-        engine.add_request(rid, w.prefix_ids, SamplingParams(temperature=0.0, max_tokens=len(w.target_ids),
-                                                             ignore_eos=True))
+        engine.add_request(
+            rid, w.prefix_ids, SamplingParams(temperature=0.0, max_tokens=len(w.target_ids), ignore_eos=True)
+        )
     pending = set(ids)
     while pending:
         for out in engine.step():
@@ -108,8 +110,10 @@ def forced_logprobs(llm: Any, tf: TeacherForcing, windows: list[Window]) -> list
     for rid in ids:
         del tf.targets[rid]
     if tf.run.other_scored:
-        raise RuntimeError(f"{tf.run.other_scored} scored tokens came from a recomputing prefill (preemption): "
-                           f"give the engine more KV memory or fewer windows")
+        raise RuntimeError(
+            f"{tf.run.other_scored} scored tokens came from a recomputing prefill (preemption): "
+            f"give the engine more KV memory or fewer windows"
+        )
     return [tf.run.logprobs.get(rid, []) for rid in ids]
 
 

@@ -1,10 +1,11 @@
 """`sparseserve bench serve`: load generator for any OpenAI-compatible server (SparseServe, vLLM, SGLang).
 
 Streams completions over httpx, with Poisson arrivals at one or several rates (fixed lengths, or LongBench's
-request mix: bench/longbench.py) or a replayed Mooncake trace, and reports TTFT, TPOT, ITL and end-to-end
+request mix: workloads/longbench.py) or a replayed Mooncake trace, and reports TTFT, TPOT, ITL and end-to-end
 latency (mean, p50, p90, p99), request and token throughput, and goodput under SLOs. Prompts come from the
-haystack essays (bench/datasets.py).
+haystack essays (workloads/datasets.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,15 +21,15 @@ from typing import Any
 import httpx
 import numpy as np
 
-from sparseserve.bench import longbench
-from sparseserve.bench.datasets import PromptBuilder, haystack_corpus, load_trace
+from sparseserve.workloads import longbench
+from sparseserve.workloads.datasets import PromptBuilder, haystack_corpus, load_trace
 from sparseserve.config import parse_size
 
 
 @dataclass(frozen=True)
 class RequestSpec:
     prompt: str
-    prompt_len: int   # intended length; the server's usage count is reported when it sends one
+    prompt_len: int  # intended length; the server's usage count is reported when it sends one
     output_len: int
     arrival_s: float  # seconds after the start of the run
 
@@ -45,9 +46,15 @@ class RequestResult:
 
 
 def _payload(args: argparse.Namespace, model: str, spec: RequestSpec, chat: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "max_tokens": spec.output_len, "stream": True,
-                            "stream_options": {"include_usage": True}, "temperature": args.temperature,
-                            "ignore_eos": args.ignore_eos, "seed": args.seed}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": spec.output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": args.temperature,
+        "ignore_eos": args.ignore_eos,
+        "seed": args.seed,
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": spec.prompt}]
     else:
@@ -93,8 +100,13 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
     return res
 
 
-async def run_load(client: httpx.AsyncClient, url: str, bodies: list[dict[str, Any]], specs: list[RequestSpec],
-                   max_concurrency: int | None) -> tuple[list[RequestResult], float]:
+async def run_load(
+    client: httpx.AsyncClient,
+    url: str,
+    bodies: list[dict[str, Any]],
+    specs: list[RequestSpec],
+    max_concurrency: int | None,
+) -> tuple[list[RequestResult], float]:
     """Sends each request at its arrival time; returns the results and the wall time of the run."""
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
@@ -129,18 +141,31 @@ def summarize(results: list[RequestResult], duration: float, slo_ms: dict[str, f
     that met every given SLO (ttft, tpot, e2e)."""
     ok = [r for r in results if r.success]
     tpot = {id(r): (r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1}
-    good = [r for r in ok if (r.ttft * 1e3 <= slo_ms.get("ttft", math.inf)
-                              and tpot.get(id(r), 0.0) * 1e3 <= slo_ms.get("tpot", math.inf)
-                              and r.e2e * 1e3 <= slo_ms.get("e2e", math.inf))]
+    good = [
+        r
+        for r in ok
+        if (
+            r.ttft * 1e3 <= slo_ms.get("ttft", math.inf)
+            and tpot.get(id(r), 0.0) * 1e3 <= slo_ms.get("tpot", math.inf)
+            and r.e2e * 1e3 <= slo_ms.get("e2e", math.inf)
+        )
+    ]
     prompt_tokens, output_tokens = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
     return {
-        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
-        "total_input_tokens": prompt_tokens, "total_output_tokens": output_tokens,
-        "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": prompt_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
         "total_token_throughput": (prompt_tokens + output_tokens) / duration,
-        "goodput": len(good) / duration if slo_ms else None, "slo_ms": slo_ms,
-        "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(list(tpot.values())),
-        "itl_ms": _stats([x for r in ok for x in r.itl]), "e2e_ms": _stats([r.e2e for r in ok]),
+        "goodput": len(good) / duration if slo_ms else None,
+        "slo_ms": slo_ms,
+        "ttft_ms": _stats([r.ttft for r in ok]),
+        "tpot_ms": _stats(list(tpot.values())),
+        "itl_ms": _stats([x for r in ok for x in r.itl]),
+        "e2e_ms": _stats([r.e2e for r in ok]),
         "errors": sorted({r.error for r in results if r.error})[:5],
     }
 
@@ -148,6 +173,7 @@ def summarize(results: list[RequestResult], duration: float, slo_ms: dict[str, f
 def plot(runs: list[dict[str, Any]], path: str | Path) -> None:
     """Latency and throughput against the offered request rate."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -178,26 +204,50 @@ async def _calibrate_chars_per_token(client: httpx.AsyncClient, base: str, model
 def _specs(args: argparse.Namespace, builder: PromptBuilder, rate: float | None) -> list[RequestSpec]:
     if args.trace:
         trace = load_trace(args.trace, args.num_prompts, args.trace_time_scale, args.max_input_len, args.max_output_len)
-        return [RequestSpec(builder.trace_prompt(list(t.hash_ids), t.input_length, args.seed), t.input_length,
-                            args.trace_output_len or t.output_length, t.arrival_s) for t in trace]
+        return [
+            RequestSpec(
+                builder.trace_prompt(list(t.hash_ids), t.input_length, args.seed),
+                t.input_length,
+                args.trace_output_len or t.output_length,
+                t.arrival_s,
+            )
+            for t in trace
+        ]
     arrivals = poisson_arrivals(args.num_prompts, rate, args.seed)
     if args.dataset == "longbench":  # the same requests at every rate; only the arrivals differ
-        reqs = longbench.sample_requests(args.num_prompts, args.seed, args.longbench_tokenizer, args.max_input_len,
-                                         args.longbench_output, args.trace_output_len)
-        return [RequestSpec(builder.prompt(r.full_len, f"{args.seed}:lb:{i}", keep=r.prompt_len), r.prompt_len,
-                            r.output_len, t) for i, (r, t) in enumerate(zip(reqs, arrivals))]
-    return [RequestSpec(builder.prompt(args.input_len, f"{args.seed}:{i}"), args.input_len, args.output_len, t)
-            for i, t in enumerate(arrivals)]
+        reqs = longbench.sample_requests(
+            args.num_prompts,
+            args.seed,
+            args.longbench_tokenizer,
+            args.max_input_len,
+            args.longbench_output,
+            args.trace_output_len,
+        )
+        return [
+            RequestSpec(
+                builder.prompt(r.full_len, f"{args.seed}:lb:{i}", keep=r.prompt_len), r.prompt_len, r.output_len, t
+            )
+            for i, (r, t) in enumerate(zip(reqs, arrivals))
+        ]
+    return [
+        RequestSpec(builder.prompt(args.input_len, f"{args.seed}:{i}"), args.input_len, args.output_len, t)
+        for i, t in enumerate(arrivals)
+    ]
 
 
-_CACHE_COUNTERS = ("prefix_cache_queries_total", "prefix_cache_hits_total", "host_prefix_cache_queries_total",
-                   "host_prefix_cache_hits_total")
+_CACHE_COUNTERS = (
+    "prefix_cache_queries_total",
+    "prefix_cache_hits_total",
+    "host_prefix_cache_queries_total",
+    "host_prefix_cache_hits_total",
+)
 
 
 async def _cache_counters(client: httpx.AsyncClient, base: str) -> dict[str, float] | None:
     """The server's cumulative prefix-cache counters from /metrics (SparseServe's names, or vLLM's), None when
     it exposes none."""
     from sparseserve.metrics import parse_metrics
+
     try:
         r = await client.get(f"{base}/metrics")
         r.raise_for_status()
@@ -218,8 +268,14 @@ def cache_hit_rates(before: dict[str, float] | None, after: dict[str, float] | N
     d = {k: after[k] - before[k] for k in _CACHE_COUNTERS}
     q, hq = d["prefix_cache_queries_total"], d["host_prefix_cache_queries_total"]
     hits, host_hits = d["prefix_cache_hits_total"], d["host_prefix_cache_hits_total"]
-    return {"queries": q, "hits": hits, "host_hits": host_hits, "hit_rate": hits / q if q else 0.0,
-            "host_hit_rate": host_hits / hq if hq else 0.0, "total_hit_rate": (hits + host_hits) / q if q else 0.0}
+    return {
+        "queries": q,
+        "hits": hits,
+        "host_hits": host_hits,
+        "hit_rate": hits / q if q else 0.0,
+        "host_hit_rate": host_hits / hq if hq else 0.0,
+        "total_hit_rate": (hits + host_hits) / q if q else 0.0,
+    }
 
 
 async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -231,40 +287,54 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         model = args.model or (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
         if args.tokenizer:
             from transformers import AutoTokenizer
+
             builder = PromptBuilder(AutoTokenizer.from_pretrained(args.tokenizer))
         else:
             builder = PromptBuilder(chars_per_token=await _calibrate_chars_per_token(client, base, model))
         runs = []
-        for rate in ([None] if args.trace else args.request_rate):
+        for rate in [None] if args.trace else args.request_rate:
             specs = _specs(args, builder, rate)
             bodies = [_payload(args, model, s, chat) for s in specs]
             cache_before = await _cache_counters(client, base)
             results, duration = await run_load(client, base + args.endpoint, bodies, specs, args.max_concurrency)
-            summary = {"request_rate": rate if rate is None or math.isfinite(rate) else "inf",
-                       **summarize(results, duration, dict(args.slo)),
-                       "prefix_cache": cache_hit_rates(cache_before, await _cache_counters(client, base)),
-                       # what was asked (arrival s, prompt tokens, output tokens): the report's workload bounds
-                       "workload": [[s.arrival_s, s.prompt_len, s.output_len] for s in specs]}
+            summary = {
+                "request_rate": rate if rate is None or math.isfinite(rate) else "inf",
+                **summarize(results, duration, dict(args.slo)),
+                "prefix_cache": cache_hit_rates(cache_before, await _cache_counters(client, base)),
+                # what was asked (arrival s, prompt tokens, output tokens): the report's workload bounds
+                "workload": [[s.arrival_s, s.prompt_len, s.output_len] for s in specs],
+            }
             if args.save_details:
                 summary["requests"] = [asdict(r) for r in results]
             runs.append(summary)
             _print_summary(summary)
-    return {"base_url": base, "endpoint": args.endpoint, "model": model, "trace": args.trace,
-            "dataset": None if args.trace else args.dataset, "seed": args.seed,
-            "exact_prompt_lengths": args.tokenizer is not None, "runs": runs}
+    return {
+        "base_url": base,
+        "endpoint": args.endpoint,
+        "model": model,
+        "trace": args.trace,
+        "dataset": None if args.trace else args.dataset,
+        "seed": args.seed,
+        "exact_prompt_lengths": args.tokenizer is not None,
+        "runs": runs,
+    }
 
 
 def _print_summary(s: dict[str, Any]) -> None:
-    print(f"rate={s['request_rate']} completed={s['completed']} failed={s['failed']} "
-          f"duration={s['duration_s']:.2f}s req/s={s['request_throughput']:.2f} "
-          f"out tok/s={s['output_throughput']:.1f} goodput={s['goodput']}")
+    print(
+        f"rate={s['request_rate']} completed={s['completed']} failed={s['failed']} "
+        f"duration={s['duration_s']:.2f}s req/s={s['request_throughput']:.2f} "
+        f"out tok/s={s['output_throughput']:.1f} goodput={s['goodput']}"
+    )
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         print(f"  {key:8s} " + " ".join(f"{q}={v:.1f}" for q, v in s[key].items()))
     cache = s.get("prefix_cache")
     if cache is not None:
-        print(f"  prefix cache hit rate {100 * cache['hit_rate']:.1f}% of {cache['queries']:.0f} prompt tokens "
-              f"(host tier {100 * cache['host_hit_rate']:.1f}% of the rest; "
-              f"together {100 * cache['total_hit_rate']:.1f}%)")
+        print(
+            f"  prefix cache hit rate {100 * cache['hit_rate']:.1f}% of {cache['queries']:.0f} prompt tokens "
+            f"(host tier {100 * cache['host_hit_rate']:.1f}% of the rest; "
+            f"together {100 * cache['total_hit_rate']:.1f}%)"
+        )
     for e in s["errors"]:
         print(f"  error: {e}")
 
@@ -288,57 +358,134 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Flags; where vLLM's `bench serve` names one differently, its name is an alias."""
     p = parser.add_argument
     p("--base-url", default="http://127.0.0.1:8000", help="Server root (default: %(default)s).")
-    p("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
-      help="API to load (default: %(default)s).")
+    p(
+        "--endpoint",
+        default="/v1/completions",
+        choices=["/v1/completions", "/v1/chat/completions"],
+        help="API to load (default: %(default)s).",
+    )
     p("--model", default=None, help="Model name to request (default: the first of /v1/models).")
     p("--api-key", default=None, help="Sent as 'Authorization: Bearer KEY' (default: none).")
-    p("--tokenizer", default=None, help="Tokenizer dir for exact prompt lengths (default: calibrate the "
-                                        "characters per token from the server's usage counts).")
-    p("--request-rate", type=float, nargs="+", default=[math.inf],
-      help="Poisson arrival rate(s) in requests/s; several run one after another; inf sends all at once "
-           "(default: inf).")
-    p("--num-prompts", type=int, default=100, help="Requests per rate, or trace records to replay (default: "
-                                                   "%(default)s).")
-    p("--input-len", "--random-input-len", dest="input_len", type=_count, default=1024,
-      help="Prompt tokens of each Poisson request; 1k, 4K work (default: %(default)s).")
-    p("--output-len", "--random-output-len", dest="output_len", type=_count, default=128,
-      help="max_tokens of each Poisson request (default: %(default)s).")
-    p("--dataset", "--dataset-name", dest="dataset", default="random", choices=["random", "longbench"],
-      help="Poisson requests: random (--input-len / --output-len) or longbench (LongBench v1's mix of datasets, "
-           "prompt and output lengths; bench/longbench.py) (default: %(default)s).")
-    p("--longbench-tokenizer", default="llama3", choices=list(longbench.TOKENIZERS),
-      help="longbench: prompt lengths in this tokenizer's counts (llama2: LWM-7B, Llama-2-7B) "
-           "(default: %(default)s).")
-    p("--longbench-output", default="max", choices=list(longbench.OUTPUTS),
-      help="longbench: output lengths, the dataset's cap (max, with --ignore-eos) or a real model's mean "
-           "(default: %(default)s).")
+    p(
+        "--tokenizer",
+        default=None,
+        help="Tokenizer dir for exact prompt lengths (default: calibrate the "
+        "characters per token from the server's usage counts).",
+    )
+    p(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=[math.inf],
+        help="Poisson arrival rate(s) in requests/s; several run one after another; inf sends all at once "
+        "(default: inf).",
+    )
+    p(
+        "--num-prompts",
+        type=int,
+        default=100,
+        help="Requests per rate, or trace records to replay (default: %(default)s).",
+    )
+    p(
+        "--input-len",
+        "--random-input-len",
+        dest="input_len",
+        type=_count,
+        default=1024,
+        help="Prompt tokens of each Poisson request; 1k, 4K work (default: %(default)s).",
+    )
+    p(
+        "--output-len",
+        "--random-output-len",
+        dest="output_len",
+        type=_count,
+        default=128,
+        help="max_tokens of each Poisson request (default: %(default)s).",
+    )
+    p(
+        "--dataset",
+        "--dataset-name",
+        dest="dataset",
+        default="random",
+        choices=["random", "longbench"],
+        help="Poisson requests: random (--input-len / --output-len) or longbench (LongBench v1's mix of datasets, "
+        "prompt and output lengths; workloads/longbench.py) (default: %(default)s).",
+    )
+    p(
+        "--longbench-tokenizer",
+        default="llama3",
+        choices=list(longbench.TOKENIZERS),
+        help="longbench: prompt lengths in this tokenizer's counts (llama2: LWM-7B, Llama-2-7B) "
+        "(default: %(default)s).",
+    )
+    p(
+        "--longbench-output",
+        default="max",
+        choices=list(longbench.OUTPUTS),
+        help="longbench: output lengths, the dataset's cap (max, with --ignore-eos) or a real model's mean "
+        "(default: %(default)s).",
+    )
     p("--trace", default=None, help="Replay a Mooncake trace (jsonl) instead of Poisson arrivals (default: none).")
-    p("--trace-time-scale", type=float, default=1.0,
-      help="Multiplies trace inter-arrival times; 0.1 replays 10x faster (default: %(default)s).")
-    p("--max-input-len", type=_count, default=None,
-      help="Cap on trace and longbench prompt lengths (longbench cuts the prompt's middle; default: none).")
+    p(
+        "--trace-time-scale",
+        type=float,
+        default=1.0,
+        help="Multiplies trace inter-arrival times; 0.1 replays 10x faster (default: %(default)s).",
+    )
+    p(
+        "--max-input-len",
+        type=_count,
+        default=None,
+        help="Cap on trace and longbench prompt lengths (longbench cuts the prompt's middle; default: none).",
+    )
     p("--max-output-len", type=_count, default=None, help="Cap on trace output lengths (default: none).")
-    p("--trace-output-len", type=_count, default=None,
-      help="Every trace or longbench request asks for exactly this many tokens instead of its own output length, "
-           "for a decode-heavy run of the same arrivals and prompts (default: the requests').")
+    p(
+        "--trace-output-len",
+        type=_count,
+        default=None,
+        help="Every trace or longbench request asks for exactly this many tokens instead of its own output length, "
+        "for a decode-heavy run of the same arrivals and prompts (default: the requests').",
+    )
     p("--max-concurrency", type=int, default=None, help="At most this many requests in flight (default: no cap).")
     p("--temperature", type=float, default=0.0, help="Sampling temperature (default: %(default)s, greedy).")
-    p("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-      help="Ask for exactly max_tokens tokens (vLLM/SGLang extension; default: on).")
-    p("--slo", "--goodput", dest="slo", type=_slo, nargs="*", default=[],
-      help="Goodput SLOs in ms, e.g. ttft:500 tpot:50 e2e:10000 (e2el works too; default: none, no goodput).")
+    p(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Ask for exactly max_tokens tokens (vLLM/SGLang extension; default: on).",
+    )
+    p(
+        "--slo",
+        "--goodput",
+        dest="slo",
+        type=_slo,
+        nargs="*",
+        default=[],
+        help="Goodput SLOs in ms, e.g. ttft:500 tpot:50 e2e:10000 (e2el works too; default: none, no goodput).",
+    )
     p("--seed", type=int, default=0, help="Seed of prompts, arrivals and sampling (default: %(default)s).")
     p("--timeout", type=float, default=600.0, help="Per-request timeout in seconds (default: %(default)s).")
     p("--output-json", default=None, help="Write the results here (default: none; see --save-result).")
-    p("--save-result", action="store_true",
-      help="Write the results to --result-dir/--result-filename when no --output-json is given (default: off).")
+    p(
+        "--save-result",
+        action="store_true",
+        help="Write the results to --result-dir/--result-filename when no --output-json is given (default: off).",
+    )
     p("--result-dir", default=".", help="Folder of --save-result (default: the working directory).")
-    p("--result-filename", default=None,
-      help="File name of --save-result (default: serve-<endpoint>-<date>.json).")
-    p("--plot", default=None, help="Latency/throughput-vs-rate plot (PNG) when several rates run "
-                                   "(default: next to the JSON results, if any).")
-    p("--save-details", "--save-detailed", dest="save_details", action="store_true",
-      help="Include per-request results in the JSON (default: off).")
+    p("--result-filename", default=None, help="File name of --save-result (default: serve-<endpoint>-<date>.json).")
+    p(
+        "--plot",
+        default=None,
+        help="Latency/throughput-vs-rate plot (PNG) when several rates run "
+        "(default: next to the JSON results, if any).",
+    )
+    p(
+        "--save-details",
+        "--save-detailed",
+        dest="save_details",
+        action="store_true",
+        help="Include per-request results in the JSON (default: off).",
+    )
 
 
 def output_path(args: argparse.Namespace) -> Path | None:
@@ -347,8 +494,9 @@ def output_path(args: argparse.Namespace) -> Path | None:
         return Path(args.output_json)
     if not args.save_result:
         return None
-    name = args.result_filename or (f"serve-{args.endpoint.strip('/').replace('/', '-')}-"
-                                    f"{time.strftime('%Y%m%d-%H%M%S')}.json")
+    name = args.result_filename or (
+        f"serve-{args.endpoint.strip('/').replace('/', '-')}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    )
     return Path(args.result_dir) / name
 
 

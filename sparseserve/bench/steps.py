@@ -1,6 +1,7 @@
 """A profiler for benchmarks (sparseserve/profiler.py): what each step scheduled, and CUDA-event times of the
 library's named phases ("graph": a decode graph's replay; "selection", "h2d", "attention": eager sparse steps).
 Pass it at construction: `LLMEngine.from_kwargs(log, ...)`, `LLM(model, profiler=log)`."""
+
 from __future__ import annotations
 
 import contextlib
@@ -17,6 +18,7 @@ from sparseserve.profiler import Profiler
 class Scheduled:
     """One step's schedule, read before it runs: decode rows (one generated token each), rows in all, prompt
     tokens and layer segments."""
+
     decodes: int
     rows: int
     prompt_tokens: int

@@ -4,6 +4,7 @@ on the same weights and prompts, against the HBM roofline measured in the same r
     sparseserve bench throughput MODEL --input-lens 1024,8192 --output-len 256 --batch-sizes 1,16,32 \
         --hf-batch-sizes 1,4 --json out.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=256, help="Generated tokens per request.")
     p.add_argument("--batch-sizes", type=_ints, default=[1, 16, 32], help="Concurrent requests (engine).")
     p.add_argument("--hf-batch-sizes", type=_ints, default=[], help="Batch sizes for transformers' generate.")
-    p.add_argument("--hf-input-lens", type=_ints, default=None, help="Prompt lengths for transformers "
-                   "(default: --input-lens).")
+    p.add_argument(
+        "--hf-input-lens", type=_ints, default=None, help="Prompt lengths for transformers (default: --input-lens)."
+    )
     p.add_argument("--dtype", default="bfloat16", help="Model dtype.")
     p.add_argument("--device", default="auto", help="auto, cuda or cpu.")
     p.add_argument("--max-num-batched-tokens", type=int, default=32768, help="Engine step token budget.")
@@ -66,10 +68,13 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, log
         if first_token_at is None and engine.num_generation_tokens - gen0 >= len(prompts):
             first_token_at = te - t0  # every request has its first token: the batch's prefill is done
     total = time.perf_counter() - t0
-    out = {"total_s": total, "prefill_s": first_token_at,
-           "decode_step_ms": 1e3 * statistics.median(decode_steps) if decode_steps else None,
-           "decode_step_mean_ms": 1e3 * statistics.fmean(decode_steps) if decode_steps else None,
-           "output_tok_s": len(prompts) * output_len / total}
+    out = {
+        "total_s": total,
+        "prefill_s": first_token_at,
+        "decode_step_ms": 1e3 * statistics.median(decode_steps) if decode_steps else None,
+        "decode_step_mean_ms": 1e3 * statistics.fmean(decode_steps) if decode_steps else None,
+        "output_tok_s": len(prompts) * output_len / total,
+    }
     if graph_ms:
         # The decode forward alone (the graph replays' GPU time): the rest of a step is scheduling, sampling
         # and detokenization on the host.
@@ -81,8 +86,7 @@ def run_hf(model, prompts: list[list[int]], output_len: int, compile: bool) -> d
     """transformers' generate with a static cache; `compile` is its default for static caches (the
     first call compiles, so an identical call warms up), False is the same cache run eagerly."""
     ids = torch.tensor(prompts, device=model.device)
-    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None, max_new_tokens=output_len,
-              min_new_tokens=output_len)
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None, max_new_tokens=output_len, min_new_tokens=output_len)
     if model.device.type == "cuda":
         kw |= dict(cache_implementation="static", disable_compile=not compile)
     try:
@@ -103,8 +107,12 @@ def run_hf(model, prompts: list[list[int]], output_len: int, compile: bool) -> d
         gc.collect()
         if model.device.type == "cuda":
             torch.cuda.empty_cache()
-    return {"total_s": total, "prefill_s": prefill, "decode_step_ms": 1e3 * (total - prefill) / (output_len - 1),
-            "output_tok_s": len(prompts) * output_len / total}
+    return {
+        "total_s": total,
+        "prefill_s": prefill,
+        "decode_step_ms": 1e3 * (total - prefill) / (output_len - 1),
+        "output_tok_s": len(prompts) * output_len / total,
+    }
 
 
 def _sync(device: torch.device) -> None:
@@ -126,8 +134,11 @@ def decode_bytes(engine: LLMEngine, batch: int, context: int) -> int:
 def prefill_flops(engine: LLMEngine, tokens: int) -> float:
     """GEMM FLOPs (2 per weight per token, lm_head for one token) + causal attention (QK and PV)."""
     a = engine.model_runner.arch
-    per_layer = a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim \
-        + a.num_heads * a.head_dim * a.hidden_size + 3 * a.hidden_size * a.intermediate_size
+    per_layer = (
+        a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+        + a.num_heads * a.head_dim * a.hidden_size
+        + 3 * a.hidden_size * a.intermediate_size
+    )
     gemm = 2 * tokens * a.num_layers * per_layer + 2 * a.hidden_size * a.vocab_size
     attn = 2 * a.num_layers * a.num_heads * a.head_dim * tokens * tokens  # 2 matmuls x 2 FLOPs x T^2/2
     return gemm + attn
@@ -137,13 +148,23 @@ def main(args: argparse.Namespace) -> None:
     max_len = max(args.input_lens) + args.output_len
     log = StepLog(timing=True)
     engine = LLMEngine.from_kwargs(
-        log, model=args.model, dtype=args.dtype, device=args.device, max_model_len=max_len,
-        max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+        log,
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=max_len,
+        max_num_seqs=max(args.batch_sizes),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+    )
     dev = engine.model_runner.device
-    result: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                    "date": time.strftime("%Y-%m-%d"), "model": engine.model_name,
-              "args": {k: v for k, v in vars(args).items() if k != "func"}}
+    result: dict = {
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "date": time.strftime("%Y-%m-%d"),
+        "model": engine.model_name,
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+    }
     if dev.type == "cuda":
         result["hbm_bytes_per_s"] = hbm_bandwidth()
         result["matmul_flops"] = matmul_flops()
@@ -172,8 +193,16 @@ def main(args: argparse.Namespace) -> None:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         from transformers import AutoModelForCausalLM
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype) if args.dtype != "auto"
-                                                  else "auto", attn_implementation="sdpa").to(dev).eval()
+
+        hf = (
+            AutoModelForCausalLM.from_pretrained(
+                model_dir,
+                dtype=getattr(torch, args.dtype) if args.dtype != "auto" else "auto",
+                attn_implementation="sdpa",
+            )
+            .to(dev)
+            .eval()
+        )
         for length in args.hf_input_lens or args.input_lens:
             for batch in args.hf_batch_sizes:
                 for compile in (True, False) if dev.type == "cuda" else (False,):
@@ -183,16 +212,28 @@ def main(args: argparse.Namespace) -> None:
                     print_table([rows[-1]])
     result["rows"] = rows
     for r in rows:  # side-by-side ratios at equal (input, batch)
-        for peer_name, col in (("transformers", "speedup_vs_hf"),
-                               ("transformers-nocompile", "speedup_vs_hf_nocompile")):
-            peer = next((p for p in rows if p["engine"] == peer_name and p["input"] == r["input"]
-                         and p["batch"] == r["batch"] and isinstance(p.get("total_s"), float)), None)
+        for peer_name, col in (
+            ("transformers", "speedup_vs_hf"),
+            ("transformers-nocompile", "speedup_vs_hf_nocompile"),
+        ):
+            peer = next(
+                (
+                    p
+                    for p in rows
+                    if p["engine"] == peer_name
+                    and p["input"] == r["input"]
+                    and p["batch"] == r["batch"]
+                    and isinstance(p.get("total_s"), float)
+                ),
+                None,
+            )
             if r["engine"] == "sparseserve" and peer and isinstance(r.get("output_tok_s"), float):
                 r[col] = r["output_tok_s"] / peer["output_tok_s"]
     print_table(rows, f"throughput on {result['device']} ({result['model']})")
     if "hbm_bytes_per_s" in result:
-        print(f"HBM {result['hbm_bytes_per_s'] / 1e12:.2f} TB/s, "
-              f"bf16 matmul {result['matmul_flops'] / 1e12:.0f} TFLOP/s")
+        print(
+            f"HBM {result['hbm_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {result['matmul_flops'] / 1e12:.0f} TFLOP/s"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

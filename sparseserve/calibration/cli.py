@@ -6,8 +6,9 @@
 
 Default: streaming heads, the --streaming-heads file (calibration/heads.py). --prefill: the per-head thresholds
 of SALE's sparse prefill, the --sparse-prefill-calibration file (calibration/prefill.py). Prompts: long-context
-task prompts (bench/tasks.py, or bench/completion_tasks.py with --suite completion), or random tokens.
+task prompts (workloads/tasks.py, or workloads/completion_tasks.py with --suite completion), or random tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,22 +19,39 @@ import torch
 from sparseserve.calibration import heads, prefill
 
 # Retrieval prompts: a head that the needle's lookup needs must not look like a streaming head.
-CALIBRATION_TASKS = {"ruler": "niah_single,variable_tracking",
-                     "completion": "needle_multikey,needle_multivalue,extract_record"}
+CALIBRATION_TASKS = {
+    "ruler": "niah_single,variable_tracking",
+    "completion": "needle_multikey,needle_multivalue,extract_record",
+}
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="Model directory, .gguf file or known name such as smollm2 (default: embedded model).")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="Model directory, .gguf file or known name such as smollm2 (default: embedded model).",
+    )
     p.add_argument("--out", required=True, help="JSON file to write (streaming heads, or --prefill thresholds).")
-    p.add_argument("--prefill", action="store_true",
-                   help="Calibrate the per-head thresholds of sparse prefill (sparse_prefill=sale) instead.")
+    p.add_argument(
+        "--prefill",
+        action="store_true",
+        help="Calibrate the per-head thresholds of sparse prefill (sparse_prefill=sale) instead.",
+    )
     p.add_argument("--lengths", default="8192", help="Prompt lengths in tokens, comma-separated.")
     p.add_argument("--num-samples", type=int, default=2, help="Prompts per task and length.")
-    p.add_argument("--suite", default="ruler", choices=["ruler", "completion"],
-                   help="Task suite of the prompts (bench/accuracy.py): completion for small instruct models.")
-    p.add_argument("--tasks", default=None, help="Tasks of the suite (default: ruler niah_single,variable_tracking; "
-                                                  "completion needle_multikey,needle_multivalue,extract_record).")
+    p.add_argument(
+        "--suite",
+        default="ruler",
+        choices=["ruler", "completion"],
+        help="Task suite of the prompts (bench/accuracy.py): completion for small instruct models.",
+    )
+    p.add_argument(
+        "--tasks",
+        default=None,
+        help="Tasks of the suite (default: ruler niah_single,variable_tracking; "
+        "completion needle_multikey,needle_multivalue,extract_record).",
+    )
     p.add_argument("--random-prompts", action="store_true", help="Random token prompts instead of tasks.")
     p.add_argument("--decode-steps", type=int, default=8, help="Decode steps measured per prompt.")
     p.add_argument("--threshold", type=float, default=0.9, help="Minimum sink + local mass of a streaming head.")
@@ -50,8 +68,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def calibration_prompts(engine: Any, args: argparse.Namespace) -> list[list[int]]:
-    """Task prompts (bench/tasks.py) or random tokens, --num-samples of each length (and task)."""
-    from sparseserve.bench import tasks as T
+    """Task prompts (workloads/tasks.py) or random tokens, --num-samples of each length (and task)."""
+    from sparseserve.workloads import tasks as T
 
     lengths = [int(x) for x in args.lengths.split(",") if x]
     if args.random_prompts:
@@ -63,8 +81,9 @@ def calibration_prompts(engine: Any, args: argparse.Namespace) -> list[list[int]
     from sparseserve.bench.accuracy import SUITES
 
     tasks = args.tasks or CALIBRATION_TASKS[args.suite]
-    samples = SUITES[args.suite].build(builder, [t for t in tasks.split(",") if t], lengths, args.num_samples,
-                                       args.seed)
+    samples = SUITES[args.suite].build(
+        builder, [t for t in tasks.split(",") if t], lengths, args.num_samples, args.seed
+    )
     return [s.prompt_ids for s in samples]
 
 

@@ -3,6 +3,7 @@ query's softmax mass on the sink blocks and the local window (the blocks a strea
 the group's query heads. A head whose mass there stays at or above the threshold at every measured query is
 proposed, in layers >= the dense layers, at most max_fraction of the sparse layers' heads (the highest minimum
 mass first)."""
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,9 @@ class SinkLocalProbe:
         self.mass.setdefault(layer, []).append((probs * kept).sum(-1).mean(-1).cpu())
 
 
-def propose(mass: dict[int, list[torch.Tensor]], threshold: float, dense_layers: int,
-            max_fraction: float) -> tuple[dict[str, list[int]], dict[str, Any]]:
+def propose(
+    mass: dict[int, list[torch.Tensor]], threshold: float, dense_layers: int, max_fraction: float
+) -> tuple[dict[str, list[int]], dict[str, Any]]:
     """(streaming heads by layer, per-layer mean and min mass per KV head)."""
     stats, ranked = {}, []
     for layer in sorted(mass):
@@ -72,24 +74,41 @@ def calibrate(args: argparse.Namespace, prompts_of: Callable[[Any], list[list[in
     lengths = [int(x) for x in args.lengths.split(",") if x]
     max_len, context = max(lengths) + args.decode_steps + 8, model_context(args.model)
     if max_len > context:
-        raise ValueError(f"prompts of {max(lengths)} tokens and {args.decode_steps} decode steps need "
-                         f"max_model_len={max_len}, more than the model's context ({context}): use --lengths "
-                         f"{context - args.decode_steps - 8} or less")
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size, enforce_eager=True,
-              max_model_len=max_len)
+        raise ValueError(
+            f"prompts of {max(lengths)} tokens and {args.decode_steps} decode steps need "
+            f"max_model_len={max_len}, more than the model's context ({context}): use --lengths "
+            f"{context - args.decode_steps - 8} or less"
+        )
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        enforce_eager=True,
+        max_model_len=max_len,
+    )
     engine = llm.llm_engine
     prompts = prompts_of(engine)
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_steps + 1, ignore_eos=True)
     with SinkLocalProbe(engine.model_runner.attn_backend, args.sparse_sink_blocks, args.sparse_local_blocks) as probe:
         llm.generate(prompts, params, use_tqdm=False)
     heads, stats = propose(probe.mass, args.threshold, args.sparse_dense_layers, args.max_fraction)
-    out = {"streaming_heads": heads, "threshold": args.threshold, "model": engine.model_name,
-           "block_size": args.block_size, "sink_blocks": args.sparse_sink_blocks,
-           "local_blocks": args.sparse_local_blocks, "lengths": lengths, "num_prompts": len(prompts),
-           "sink_local_mass": stats}
+    out = {
+        "streaming_heads": heads,
+        "threshold": args.threshold,
+        "model": engine.model_name,
+        "block_size": args.block_size,
+        "sink_blocks": args.sparse_sink_blocks,
+        "local_blocks": args.sparse_local_blocks,
+        "lengths": lengths,
+        "num_prompts": len(prompts),
+        "sink_local_mass": stats,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     a = engine.model_runner.arch
-    print(f"proposed {sum(map(len, heads.values()))} of {a.num_layers * a.num_kv_heads} (layer, KV head) pairs "
-          f"as streaming heads -> {args.out}")
+    print(
+        f"proposed {sum(map(len, heads.values()))} of {a.num_layers * a.num_kv_heads} (layer, KV head) pairs "
+        f"as streaming heads -> {args.out}"
+    )
     return out

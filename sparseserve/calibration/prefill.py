@@ -1,7 +1,7 @@
 """Per-head thresholds of SALE's sparse prefill, calibrated offline (`sparseserve calibrate --prefill`): the file
 `--sparse-prefill-calibration FILE` loads.
 
-A dense engine prefills each calibration prompt (bench/tasks.py prompts; --random-prompts for random tokens) as
+A dense engine prefills each calibration prompt (workloads/tasks.py prompts; --random-prompts for random tokens) as
 one chunk. After every layer's attention an observer takes that layer's queries and KV cache and, for each query
 head, tries thresholds start, start/2, start/4, ... (down to --min-threshold; below it the head gets 0, which keeps
 every tile): the head's threshold is the first one at which its attention output is within --error-bound of dense
@@ -13,6 +13,7 @@ pass. A head's threshold over several prompts is the smallest of theirs.
 Afterwards a second engine runs the prompts with the calibrated file loaded (sparse prefill on every chunk) and
 reports the share of dense prefill's attention tiles it computes (`tile_fraction`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,13 +29,30 @@ from sparseserve.kernels.sale_select import sale_select
 from sparseserve.kernels.sparse_prefill import TileLayout, sparse_prefill
 
 
-def calibrate_layer(q: torch.Tensor, kv_cache: torch.Tensor, meta: Any, scale: float, layout: TileLayout,
-                    start: float, min_threshold: float, error_bound: float) -> torch.Tensor:
+def calibrate_layer(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: Any,
+    scale: float,
+    layout: TileLayout,
+    start: float,
+    min_threshold: float,
+    error_bound: float,
+) -> torch.Tensor:
     """float32 [Hq] (CPU): each query head's threshold on this prefill step (module docstring)."""
     hq, hkv = q.shape[1], kv_cache.shape[1]
     group = hq // hkv
-    args = (q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, meta.max_query_len,
-            meta.max_seq_len, layout)
+    args = (
+        q,
+        kv_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        scale,
+        meta.max_query_len,
+        meta.max_seq_len,
+        layout,
+    )
     ref = sparse_prefill(*args).float()  # every tile: the same kernel, so a selection keeping all has error 0
     ref_norm = ref.norm(dim=(0, 2)).clamp_min(torch.finfo(torch.float32).tiny)
     chosen = torch.zeros(hq)
@@ -60,8 +78,16 @@ class PrefillCalibrator:
     """Observes a dense engine's attention backend; keeps each (layer, query head)'s threshold, the smallest over
     the single-sequence prefill steps seen."""
 
-    def __init__(self, backend: Any, num_layers: int, num_q_heads: int, start: float, min_threshold: float,
-                 error_bound: float, layout: TileLayout = TileLayout()) -> None:
+    def __init__(
+        self,
+        backend: Any,
+        num_layers: int,
+        num_q_heads: int,
+        start: float,
+        min_threshold: float,
+        error_bound: float,
+        layout: TileLayout = TileLayout(),
+    ) -> None:
         self.backend, self.layout = backend, layout
         self.start, self.min_threshold, self.error_bound = start, min_threshold, error_bound
         self.thresholds = torch.full((num_layers, num_q_heads), float("inf"))
@@ -78,19 +104,26 @@ class PrefillCalibrator:
     def _observe(self, layer, q, out, kv_cache, meta, scale) -> None:
         if meta.num_decodes or meta.num_seqs != 1:
             return
-        thr = calibrate_layer(q, kv_cache, meta, scale, self.layout, self.start, self.min_threshold,
-                              self.error_bound)
+        thr = calibrate_layer(q, kv_cache, meta, scale, self.layout, self.start, self.min_threshold, self.error_bound)
         self.thresholds[layer] = torch.minimum(self.thresholds[layer], thr)
         self.steps += layer == 0
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("--prefill (sparse prefill thresholds)")
-    g.add_argument("--error-bound", type=float, default=0.02,
-                   help="Largest relative L2 error of a head's prefill attention output against dense.")
+    g.add_argument(
+        "--error-bound",
+        type=float,
+        default=0.02,
+        help="Largest relative L2 error of a head's prefill attention output against dense.",
+    )
     g.add_argument("--start-threshold", type=float, default=1.0, help="First threshold tried; then halved.")
-    g.add_argument("--min-threshold", type=float, default=2.0 ** -20,
-                   help="Smallest threshold tried; a head that needs less gets 0 (every tile).")
+    g.add_argument(
+        "--min-threshold",
+        type=float,
+        default=2.0**-20,
+        help="Smallest threshold tried; a head that needs less gets 0 (every tile).",
+    )
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="As the engine flag.")
 
 
@@ -100,40 +133,67 @@ def calibrate(args: argparse.Namespace, prompts_of: Any) -> dict:
 
     lengths = [int(x) for x in args.lengths.split(",") if x]
     layout = TileLayout()
-    engine_args = dict(device=args.device, dtype=args.dtype, block_size=args.block_size, enforce_eager=True,
-                       load_format=args.load_format, max_model_len=max(lengths) + 8, max_num_seqs=1,
-                       max_num_batched_tokens=max(lengths))  # one chunk a prompt
+    engine_args = dict(
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        enforce_eager=True,
+        load_format=args.load_format,
+        max_model_len=max(lengths) + 8,
+        max_num_seqs=1,
+        max_num_batched_tokens=max(lengths),
+    )  # one chunk a prompt
     llm = LLM(args.model, **engine_args)
     engine = llm.llm_engine
     a = engine.model_runner.arch
     prompts = prompts_of(engine)
     once = SamplingParams(temperature=0.0, max_tokens=1)
-    with PrefillCalibrator(engine.model_runner.attn_backend, a.num_layers, a.num_heads, args.start_threshold,
-                           args.min_threshold, args.error_bound, layout) as cal:
+    with PrefillCalibrator(
+        engine.model_runner.attn_backend,
+        a.num_layers,
+        a.num_heads,
+        args.start_threshold,
+        args.min_threshold,
+        args.error_bound,
+        layout,
+    ) as cal:
         llm.generate(prompts, once, use_tqdm=False)
     if cal.steps != len(prompts):
         raise RuntimeError(f"calibrated {cal.steps} prefill steps for {len(prompts)} prompts")
     thresholds = cal.thresholds
-    out = {THRESHOLDS_KEY: thresholds.tolist(), "layout": vars(layout), "error_bound": args.error_bound,
-           "start_threshold": args.start_threshold, "min_threshold": args.min_threshold,
-           "model": engine.model_name, "num_layers": a.num_layers, "num_q_heads": a.num_heads,
-           "num_kv_heads": a.num_kv_heads, "lengths": lengths, "num_prompts": len(prompts),
-           "random_prompts": bool(args.random_prompts), "dtype": str(engine.model_runner.dtype)}
+    out = {
+        THRESHOLDS_KEY: thresholds.tolist(),
+        "layout": vars(layout),
+        "error_bound": args.error_bound,
+        "start_threshold": args.start_threshold,
+        "min_threshold": args.min_threshold,
+        "model": engine.model_name,
+        "num_layers": a.num_layers,
+        "num_q_heads": a.num_heads,
+        "num_kv_heads": a.num_kv_heads,
+        "lengths": lengths,
+        "num_prompts": len(prompts),
+        "random_prompts": bool(args.random_prompts),
+        "dtype": str(engine.model_runner.dtype),
+    }
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     # The file through the engine's own loader, then the tiles it saves on the calibration prompts.
     del llm, engine, cal
     _free_memory()
-    llm = LLM(args.model, **engine_args, sparse_prefill="sale", sparse_prefill_calibration=str(path),
-              sparse_prefill_min_len=0)
+    llm = LLM(
+        args.model, **engine_args, sparse_prefill="sale", sparse_prefill_calibration=str(path), sparse_prefill_min_len=0
+    )
     llm.generate(prompts, once, use_tqdm=False)
     out["tile_fraction"] = tile_fraction(llm.llm_engine.get_stats(sync=True))
     path.write_text(json.dumps(out, indent=1))
     dense = int((thresholds == 0).sum())
-    print(f"sparse prefill thresholds of {a.num_layers} layers x {a.num_heads} query heads -> {path}: median "
-          f"{thresholds.median().item():.3g}, {dense} heads dense (0); tiles computed on the calibration prompts: "
-          f"{out['tile_fraction']:.1%} of dense")
+    print(
+        f"sparse prefill thresholds of {a.num_layers} layers x {a.num_heads} query heads -> {path}: median "
+        f"{thresholds.median().item():.3g}, {dense} heads dense (0); tiles computed on the calibration prompts: "
+        f"{out['tile_fraction']:.1%} of dense"
+    )
     return out
 
 

@@ -6,6 +6,7 @@ right before running the step and holds the channel (`hold()`) for the whole ste
 `heartbeat()` sends an empty message every `heartbeat_s` so a worker's wait never reaches
 MESSAGE_TIMEOUT_S unless rank 0 hangs. `close()` sends the last message; no heartbeat follows.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -11,6 +11,7 @@ The trap: `destroy_tp_group()` must end the groups in the caller's thread. Layer
 TPGroup (the model may be a cycle only the GC frees), and groups ending at interpreter teardown
 break the other ranks (docs/tensor_parallel.md, "When something fails").
 """
+
 from __future__ import annotations
 
 import datetime
@@ -45,8 +46,8 @@ class _Groups:
 class TPGroup:
     rank: int = 0
     world_size: int = 1
-    local_rank: int = 0           # rank among the processes of this host (its GPU index)
-    local_world_size: int = 1     # ranks on this host (they share its host memory)
+    local_rank: int = 0  # rank among the processes of this host (its GPU index)
+    local_world_size: int = 1  # ranks on this host (they share its host memory)
     groups: _Groups | None = None
 
     @property
@@ -110,14 +111,17 @@ def get_tp_group() -> TPGroup:
     return _TP
 
 
-def init_tp_group(*, rank: int, world_size: int, local_rank: int, local_world_size: int, device_type: str,
-                  store: Any = None) -> TPGroup:
+def init_tp_group(
+    *, rank: int, world_size: int, local_rank: int, local_world_size: int, device_type: str, store: Any = None
+) -> TPGroup:
     """Joins the process group (`store`: a rendezvous store; None: env://) and sets this
     process's TP group. One tensor-parallel engine per process."""
     global _TP
     if _TP.world_size > 1 or dist.is_initialized():
-        raise RuntimeError("this process already belongs to a tensor-parallel group: shut its engine down first "
-                           "(one tensor-parallel engine per process)")
+        raise RuntimeError(
+            "this process already belongs to a tensor-parallel group: shut its engine down first "
+            "(one tensor-parallel engine per process)"
+        )
     kwargs: dict[str, Any] = {"init_method": "env://"} if store is None else {"store": store}
     backend = "gloo"
     if device_type == "cuda":
@@ -125,8 +129,9 @@ def init_tp_group(*, rank: int, world_size: int, local_rank: int, local_world_si
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast: docs/tensor_parallel.md
         torch.cuda.set_device(local_rank)
         kwargs["device_id"] = torch.device("cuda", local_rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kwargs)
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kwargs
+    )
     cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=MESSAGE_TIMEOUT_S))
     _TP = TPGroup(rank, world_size, local_rank, local_world_size, _Groups(dist.group.WORLD, cpu_group))
     return _TP

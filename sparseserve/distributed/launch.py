@@ -6,6 +6,7 @@ its children may). They meet rank 0 at a TCPStore on 127.0.0.1; rank 0 checks ea
 alive while it waits, so a worker failing before joining is an error, not a hang. A worker
 writes its exception to the store; rank 0 names it in its own error.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -41,8 +42,9 @@ def torchrun_env() -> TorchrunEnv | None:
     if not all(v in os.environ for v in TORCHRUN_VARS):
         return None
     world = int(os.environ["WORLD_SIZE"])
-    return TorchrunEnv(int(os.environ["RANK"]), world, int(os.environ["LOCAL_RANK"]),
-                       int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    return TorchrunEnv(
+        int(os.environ["RANK"]), world, int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    )
 
 
 def check_devices(tp_size: int, device_type: str, local_world_size: int) -> None:
@@ -51,12 +53,16 @@ def check_devices(tp_size: int, device_type: str, local_world_size: int) -> None
         raise ValueError("tensor_parallel_size > 1 needs torch.distributed, which this PyTorch build lacks")
     if device_type == "cuda":
         if not dist.is_nccl_available():
-            raise ValueError("tensor_parallel_size > 1 on CUDA needs NCCL, which this PyTorch build lacks "
-                             "(install a CUDA build of PyTorch, or run on CPU with device='cpu': gloo)")
+            raise ValueError(
+                "tensor_parallel_size > 1 on CUDA needs NCCL, which this PyTorch build lacks "
+                "(install a CUDA build of PyTorch, or run on CPU with device='cpu': gloo)"
+            )
         visible = torch.cuda.device_count()
         if local_world_size > visible:
-            raise ValueError(f"tensor_parallel_size={tp_size} needs {local_world_size} GPUs on this host, but "
-                             f"{visible} are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})")
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} needs {local_world_size} GPUs on this host, but "
+                f"{visible} are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})"
+            )
     elif not dist.is_gloo_available():
         raise ValueError("tensor_parallel_size > 1 on CPU needs gloo, which this PyTorch build lacks")
 
@@ -77,13 +83,26 @@ class WorkerProcesses:
         import torch.multiprocessing as mp
 
         self.world_size = world_size
-        self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        self.store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(preload)
         env = dict(os.environ)
-        self.procs = [ctx.Process(target=target, args=(r, world_size, self.store.port, env, *args), daemon=True,
-                                  name=f"sparseserve-tp-rank{r}") for r in range(1, world_size)]
+        self.procs = [
+            ctx.Process(
+                target=target,
+                args=(r, world_size, self.store.port, env, *args),
+                daemon=True,
+                name=f"sparseserve-tp-rank{r}",
+            )
+            for r in range(1, world_size)
+        ]
         for p in self.procs:
             p.start()
         self.stopping = False
@@ -96,8 +115,7 @@ class WorkerProcesses:
             self.check()
             waiting = [r for r in waiting if not self.store.check([_ready_key(r)])]
             if waiting and time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"tensor-parallel ranks {waiting} did not start within {timeout_s:.0f} s")
+                raise RuntimeError(f"tensor-parallel ranks {waiting} did not start within {timeout_s:.0f} s")
             if waiting:
                 time.sleep(0.01)
 
@@ -149,8 +167,7 @@ def worker_setup(rank: int, port: int, env: dict[str, str], parent_pid: int) -> 
     # Ctrl-C reaches the whole process group: rank 0 stops us
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(parent_pid)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False,
-                          timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     store.set(_ready_key(rank), "1")
     return store
 
@@ -168,6 +185,7 @@ def report_worker_error(store: Any, rank: int) -> None:
 def _watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
     """A worker must not outlive rank 0: its collectives would wait forever (gloo fails by
     itself once rank 0's connections close; this also covers a worker blocked on its GPU)."""
+
     def watch() -> None:
         while True:
             time.sleep(interval_s)

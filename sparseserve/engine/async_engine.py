@@ -2,6 +2,7 @@
 (docs/engine.md, "The engine thread"). Only that thread touches the engine: adds and aborts are
 queued and applied between steps; outputs reach each request's RequestStream on the event loop.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,9 +52,12 @@ class RequestStream:
         if self._max_unread is not None and self._unread > self._max_unread and not item.finished:
             self._overflowed = True
             self._engine.abort(self.request_id)  # the engine thread drops it and frees its blocks
-            self._queue.put_nowait(RequestAborted(
-                f"the client did not read its stream: more than {self._max_unread} tokens of output waited "
-                f"unread (--max-unread-stream-tokens), so the request was aborted"))
+            self._queue.put_nowait(
+                RequestAborted(
+                    f"the client did not read its stream: more than {self._max_unread} tokens of output waited "
+                    f"unread (--max-unread-stream-tokens), so the request was aborted"
+                )
+            )
 
     def _take(self, item: RequestOutput) -> RequestOutput:
         self._unread -= _num_tokens(item)
@@ -93,6 +97,7 @@ class RequestStream:
 @dataclass
 class _Tracking:
     """Per-request timing for the latency metrics (event-loop side only)."""
+
     stream: RequestStream
     arrival: float
     last_token_time: float | None = None
@@ -132,6 +137,7 @@ class AsyncLLMEngine:
     @classmethod
     def from_kwargs(cls, **engine_kwargs: Any) -> "AsyncLLMEngine":
         from sparseserve.engine.engine import LLMEngine
+
         return cls(LLMEngine.from_kwargs(**engine_kwargs))
 
     @property
@@ -164,8 +170,7 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="sparseserve-engine", daemon=True)
         self._thread.start()
 
-    async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams) -> RequestStream:
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
         """Queue a request; returns once the engine accepted it (ValueError if it rejected it)."""
         if not self.accepting:
             raise RequestAborted("server is shutting down" if self._draining else "engine is not running")
@@ -209,8 +214,11 @@ class AsyncLLMEngine:
             finally:
                 for w in waits:
                     w.cancel()
-        await self.shutdown("the server is shutting down and the request did not finish within the shutdown "
-                            "timeout" if self._requests else "server is shutting down")
+        await self.shutdown(
+            "the server is shutting down and the request did not finish within the shutdown timeout"
+            if self._requests
+            else "server is shutting down"
+        )
 
     async def shutdown(self, reason: str = "server is shutting down", join_timeout: float = 30.0) -> None:
         """Stops the thread after its step; aborts every request in flight. Safe to call twice."""
@@ -230,8 +238,11 @@ class AsyncLLMEngine:
                 logger.error("the engine step did not end within %.0f s of the shutdown", join_timeout)
                 return
             stats = self.stats
-            logger.info("engine stopped: %d request(s) aborted, %d KV blocks in use", len(aborted),
-                        stats.num_blocks_used if stats is not None else -1)
+            logger.info(
+                "engine stopped: %d request(s) aborted, %d KV blocks in use",
+                len(aborted),
+                stats.num_blocks_used if stats is not None else -1,
+            )
 
     # ---- engine thread -------------------------------------------------------------------
 
@@ -253,8 +264,9 @@ class AsyncLLMEngine:
         assert loop is not None
         while True:
             with self._cond:
-                while not (self._stopping or self._pending.adds or self._pending.aborts
-                           or engine.has_unfinished_requests()):
+                while not (
+                    self._stopping or self._pending.adds or self._pending.aborts or engine.has_unfinished_requests()
+                ):
                     self._waiting_for_work = True
                     self._cond.wait()
                 self._heartbeat = time.monotonic()

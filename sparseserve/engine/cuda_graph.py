@@ -6,6 +6,7 @@ any smaller batch. The trap: buckets share one buffer, so a graph replays the in
 step built only if that step was its bucket's. Without CUDA graphs (CPU) a replay runs the
 captured step eagerly over the same inputs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +28,16 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, backend: AttentionBackend, kv_caches: list[torch.Tensor], max_batch: int,
-                 max_model_len: int, block_size: int, profiler: Profiler | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        backend: AttentionBackend,
+        kv_caches: list[torch.Tensor],
+        max_batch: int,
+        max_model_len: int,
+        block_size: int,
+        profiler: Profiler | None = None,
+    ) -> None:
         dev = kv_caches[0].device
         self.buckets = batch_buckets(max_batch)
         fields = [InputField("input_ids", torch.long), InputField("positions", torch.long)]

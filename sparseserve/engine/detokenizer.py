@@ -1,4 +1,5 @@
 """Incremental detokenization and stop conditions for one sequence."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -42,11 +43,11 @@ def detokenize_incrementally(decode: Callable[[list[int]], str], seq: Sequence) 
     leading spaces come out right; holds text back while it ends in an incomplete character.
     decode: text_decoder's function."""
     ids = seq.token_ids
-    prefix = decode(ids[seq.prefix_offset:seq.read_offset])
-    full = decode(ids[seq.prefix_offset:])
+    prefix = decode(ids[seq.prefix_offset : seq.read_offset])
+    full = decode(ids[seq.prefix_offset :])
     if len(full) > len(prefix) and not full.endswith("\ufffd"):
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
-        return full[len(prefix):]
+        return full[len(prefix) :]
     return ""
 
 
@@ -69,6 +70,7 @@ class Detokenizer:
         if self._backend is not None:
             try:
                 from tokenizers.decoders import DecodeStream
+
                 DecodeStream(ids=[0], skip_special_tokens=True).step(self._backend, [0])
                 self._stream_cls = DecodeStream
             except Exception:  # an older tokenizers: no DecodeStream with context ids or list steps
@@ -84,10 +86,12 @@ class Detokenizer:
             return detokenize_incrementally(self.decode, seq)
         ids = seq.token_ids
         if state is None:
-            state = seq.detok_state = _Stream(self._stream_cls(ids=ids[seq.prefix_offset:seq.read_offset],
-                                                               skip_special_tokens=True), seq.read_offset)
+            state = seq.detok_state = _Stream(
+                self._stream_cls(ids=ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=True),
+                seq.read_offset,
+            )
         try:
-            new = state.stream.step(self._backend, ids[state.fed:])
+            new = state.stream.step(self._backend, ids[state.fed :])
         except Exception:
             # The stream refuses a decode that does not extend the text before it (byte-level
             # corner cases): the two decodes take this sequence over, from the offsets kept below.

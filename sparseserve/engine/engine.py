@@ -1,4 +1,5 @@
 """LLMEngine: requests in, one scheduled model step at a time, outputs out."""
+
 from __future__ import annotations
 
 import itertools
@@ -17,6 +18,7 @@ from sparseserve.engine.parallel import build_runner
 from sparseserve.engine.request import Sequence, SequenceStatus
 from sparseserve.engine.scheduler import KVCacheManager, SchedulerOutput, build_scheduler
 from sparseserve.engine.stats import DeviceCounters, EngineStats
+from sparseserve.engine.warm_up import warm_up_prompts
 from sparseserve.kvcache.blocks import BlockAllocator
 from sparseserve.layers.sampler import SamplerOutput
 from sparseserve.models.loader import load_tokenizer, resolve_model_dir
@@ -65,11 +67,16 @@ class LLMEngine:
         cc = config.cache_config
         self.allocator = BlockAllocator(runner.num_blocks, enable_caching=cc.enable_prefix_caching)
         # a sparse policy attends one-token chunks as decode rows: prompt chunks take >= 2 tokens
-        kv = KVCacheManager(config.scheduler_config, self.allocator, cc.block_size,
-                            device_space=runner.build_offload_space(), host_cache=runner.host_cache,
-                            max_model_len=self.max_model_len, min_chunk=2 if config.sparse_config.enabled else 1)
-        self.scheduler = build_scheduler(config, kv, num_layers=runner.arch.num_layers,
-                                         device_type=runner.device.type)
+        kv = KVCacheManager(
+            config.scheduler_config,
+            self.allocator,
+            cc.block_size,
+            device_space=runner.build_offload_space(),
+            host_cache=runner.host_cache,
+            max_model_len=self.max_model_len,
+            min_chunk=2 if config.sparse_config.enabled else 1,
+        )
+        self.scheduler = build_scheduler(config, kv, num_layers=runner.arch.num_layers, device_type=runner.device.type)
         self.counters = DeviceCounters(runner.counters())
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._inflight: InflightStep | None = None  # async scheduling: the step not yet landed
@@ -85,34 +92,36 @@ class LLMEngine:
         self._stats_start: EngineStats | None = None  # counters after the warm-up: get_stats' zero
         if runner.device.type == "cuda":
             self.warm_up()
-        logger.info("engine ready: model=%s device=%s dtype=%s max_model_len=%d", model_dir,
-                    self.model_runner.device, self.model_runner.dtype, self.max_model_len)
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s max_model_len=%d",
+            model_dir,
+            self.model_runner.device,
+            self.model_runner.dtype,
+            self.max_model_len,
+        )
 
     def warm_up(self) -> None:
         """Runs the step kinds the first requests meet, so they never wait for a kernel's JIT
         compilation (docs/engine.md, "The warm-up"). Afterwards no block is held or cached and the
         statistics start from zero. Runs by itself on CUDA."""
-        sc, bs = self.config.scheduler_config, self.config.cache_config.block_size
-        budget = sc.max_num_batched_tokens
-        room = (self.allocator.num_blocks // 4 - 2) * bs  # four prompts and outputs fit
-        long_len = min(budget + 2 * bs, self.max_model_len - 13, room)
-        if long_len < 2 * bs + 4:
+        bs = self.config.cache_config.block_size
+        rounds = warm_up_prompts(
+            bs,
+            self.config.scheduler_config.max_num_batched_tokens,
+            self.max_model_len,
+            self.allocator.num_blocks,
+            self.model_runner.arch.vocab_size,
+        )
+        if not rounds:
             return
-        t0, steps, vocab = time.perf_counter(), 0, self.model_runner.arch.vocab_size
-        for odd in (0, 1):
-            # 1. short (decodes beside the rest); 2. within the budget but cut by the short one's
-            # share (a chunk after a prefix: never layer-segmented; round 2: a prefix-cache hit on
-            # round 1's, restored from the host store under KV offload); 3. longer than the budget
-            # (round 2: a hit on round 1's first two blocks, which a layer-segmented prefill
-            # restores); 4. short again (mid-step)
-            lengths = (2 * bs + 3 * odd, min(budget, long_len) - bs - odd, long_len + 5 * odd, bs + 7 * odd)
-            for i, n in enumerate(lengths):
-                start = i * 7919 + (odd * 104729 if i != 1 else 0)
-                prompt = [(start + t) % vocab for t in range(n)]
-                if i == 2 and odd:
-                    prompt[:2 * bs] = [(i * 7919 + t) % vocab for t in range(2 * bs)]
-                self.add_request(f"warm-up-{odd}-{i}", prompt,
-                                 SamplingParams(temperature=0.0, max_tokens=8 if i == 0 else 4, ignore_eos=True))
+        t0, steps = time.perf_counter(), 0
+        for odd, prompts in enumerate(rounds):
+            for i, prompt in enumerate(prompts):
+                self.add_request(
+                    f"warm-up-{odd}-{i}",
+                    prompt,
+                    SamplingParams(temperature=0.0, max_tokens=8 if i == 0 else 4, ignore_eos=True),
+                )
             for _ in range(1000):
                 if not (self.has_unfinished_requests() or self._inflight is not None):
                     break
@@ -141,11 +150,11 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             return None, list(prompt)
-        raise ParameterError("a prompt must be a string, a list of token ids, or {'prompt_token_ids': [...]}",
-                             "prompt")
+        raise ParameterError("a prompt must be a string, a list of token ids, or {'prompt_token_ids': [...]}", "prompt")
 
-    def add_request(self, request_id: str, prompt: str | list[int] | dict,
-                    params: SamplingParams | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None
+    ) -> None:
         """Validates fully before anything is allocated: an invalid request raises ValueError and changes nothing."""
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -162,28 +171,42 @@ class LLMEngine:
         if any(t >= vocab for t in params.stop_token_ids):
             raise ParameterError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         if len(ids) >= self.max_model_len:
-            raise ParameterError(f"the prompt has {len(ids)} tokens; with at least one output token that exceeds "
-                                 f"max_model_len={self.max_model_len}", "prompt")
+            raise ParameterError(
+                f"the prompt has {len(ids)} tokens; with at least one output token that exceeds "
+                f"max_model_len={self.max_model_len}",
+                "prompt",
+            )
         sc = self.config.scheduler_config
         if not sc.enable_chunked_prefill and len(ids) > sc.max_num_batched_tokens:
-            raise ParameterError(f"the prompt has {len(ids)} tokens, more than max_num_batched_tokens="
-                                 f"{sc.max_num_batched_tokens} with chunked prefill disabled", "prompt")
+            raise ParameterError(
+                f"the prompt has {len(ids)} tokens, more than max_num_batched_tokens="
+                f"{sc.max_num_batched_tokens} with chunked prefill disabled",
+                "prompt",
+            )
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             # vLLM's behaviour offline: generate what fits, end with finish_reason "length", and say so.
-            logger.warning("request %s: max_tokens=%d is cut to %d by max_model_len=%d (%d prompt tokens)",
-                           request_id, params.max_tokens, self.max_model_len - len(ids), self.max_model_len,
-                           len(ids))
+            logger.warning(
+                "request %s: max_tokens=%d is cut to %d by max_model_len=%d (%d prompt tokens)",
+                request_id,
+                params.max_tokens,
+                self.max_model_len - len(ids),
+                self.max_model_len,
+                len(ids),
+            )
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ParameterError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         if params.prompt_logprobs is not None:
             if self.config.parallel_config.tensor_parallel_size > 1 or self.model_runner.layer_prefill is not None:
-                raise ParameterError("prompt_logprobs is not supported with tensor_parallel_size > 1 or "
-                                     "layer_segmented_prefill", "prompt_logprobs")
+                raise ParameterError(
+                    "prompt_logprobs is not supported with tensor_parallel_size > 1 or layer_segmented_prefill",
+                    "prompt_logprobs",
+                )
             # every prompt token of every sequence computed, none served by the prefix cache
             salt = f"prompt-logprobs:{request_id}:{next(self._seq_ids)}"
         grammar = None
         if params.structured_outputs is not None:  # the server compiled it already (a cache hit here)
             from sparseserve.structured import structured_backend
+
             grammar = structured_backend(self).compile(params.structured_outputs)
         params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         seqs = []
@@ -231,16 +254,26 @@ class LLMEngine:
             runner.sync()
         values = self.counters.values(sync=sync)
         alloc, pc = self.allocator, s.kv.prefix_stats
-        values.update(num_running=len(s.running), num_waiting=len(s.waiting), num_blocks_used=alloc.num_used,
-                      num_blocks_total=alloc.num_blocks, num_preemptions=s.num_preemptions,
-                      num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
-                      prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
-                      prefix_cache_blocks=alloc.num_cached, prefix_cache_evictions=alloc.num_evictions,
-                      host_prefix_cache_queries=pc.host_queries, host_prefix_cache_hits=pc.host_hits)
+        values.update(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_blocks_used=alloc.num_used,
+            num_blocks_total=alloc.num_blocks,
+            num_preemptions=s.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            prefix_cache_queries=pc.queries,
+            prefix_cache_hits=pc.hits,
+            prefix_cache_blocks=alloc.num_cached,
+            prefix_cache_evictions=alloc.num_evictions,
+            host_prefix_cache_queries=pc.host_queries,
+            host_prefix_cache_hits=pc.host_hits,
+        )
         host_cache = runner.host_cache
         if host_cache is not None:
-            values.update(host_prefix_cache_blocks=host_cache.num_used,
-                          host_prefix_cache_evictions=host_cache.num_evictions)
+            values.update(
+                host_prefix_cache_blocks=host_cache.num_used, host_prefix_cache_evictions=host_cache.num_evictions
+            )
         if "sparse_selections" in values:
             values["sparse_block_size"] = runner.block_size
         values.update(runner.gauges())
@@ -297,8 +330,11 @@ class LLMEngine:
 
     def _advance(self, sched: SchedulerOutput) -> None:
         """A launched step's bookkeeping: its tokens computed, full blocks into the prefix cache."""
-        done = [(seg.seq, seg.seq.num_tokens - seg.seq.num_computed_tokens) for seg in sched.segments
-                if self.scheduler.finish_segment(seg)]  # layer-segmented prefills now done
+        done = [
+            (seg.seq, seg.seq.num_tokens - seg.seq.num_computed_tokens)
+            for seg in sched.segments
+            if self.scheduler.finish_segment(seg)
+        ]  # layer-segmented prefills now done
         kv = self.scheduler.kv
         bs = kv.block_size
         for seq, n in sched.scheduled + done:
@@ -320,8 +356,9 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self.model_runner.release(seq.seq_id)
 
-    def _append_tokens(self, seqs: list[Sequence], out: SamplerOutput,
-                       placeholder: list[bool] | None = None) -> list[Sequence]:
+    def _append_tokens(
+        self, seqs: list[Sequence], out: SamplerOutput, placeholder: list[bool] | None = None
+    ) -> list[Sequence]:
         """Appends each sequence's sampled token (async scheduling: replaces its placeholder) and checks its stop
         conditions; returns the sequences that advanced."""
         tokens = out.token_ids.tolist()  # the step's one host sync
@@ -344,7 +381,7 @@ class LLMEngine:
                 if seq.logprobs is not None:
                     k = seq.params.logprobs
                     entry = {token: Logprob(lps[i][0], ranks[i], self.tokenizer.decode([token]))}
-                    for r, (tid, lp) in enumerate(zip(lp_ids[i][1:k + 1], lps[i][1:k + 1])):
+                    for r, (tid, lp) in enumerate(zip(lp_ids[i][1 : k + 1], lps[i][1 : k + 1])):
                         entry.setdefault(tid, Logprob(lp, r + 1, self.tokenizer.decode([tid])))
                     seq.logprobs.append(entry)
             new_text = detokenize(seq)
@@ -385,11 +422,26 @@ class LLMEngine:
             text, t0 = s.output_text, req.text_sent[i]
             t1 = len(text) if done else max(t0, len(text) - s.params.stop_hold)
             lps = s.logprobs
-            outs.append(CompletionOutput(  # positional: matching seven keywords is a visible part of the call
-                i, text[t0:t1], ids[prompt + k0:], s.cumulative_logprob if s.params.logprobs is not None else None,
-                lps[k0:] if lps is not None else None, s.finish_reason, s.stop_reason))
+            outs.append(
+                CompletionOutput(  # positional: matching seven keywords is a visible part of the call
+                    i,
+                    text[t0:t1],
+                    ids[prompt + k0 :],
+                    s.cumulative_logprob if s.params.logprobs is not None else None,
+                    lps[k0:] if lps is not None else None,
+                    s.finish_reason,
+                    s.stop_reason,
+                )
+            )
             req.tokens_sent[i], req.text_sent[i] = len(ids) - prompt, t1
             if done:
                 req.finished_sent.add(i)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
-                             num_cached_tokens=seqs[0].num_cached_tokens, prompt_logprobs=prompt_logprobs)
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            outs,
+            finished,
+            num_cached_tokens=seqs[0].num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+        )

@@ -8,6 +8,7 @@ block j; a kept prefix is first copied in from the host store), its full blocks 
 a dense layer uses its full-size cache. The hidden states persist between steps. The scheduler's
 side: engine/scheduler/segments.py. One at a time (buffers allocated at start).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,16 +27,17 @@ from sparseserve.kvcache.host import LayerD2H
 @dataclass
 class _Prefill:
     """The prefill in progress."""
+
     seq_id: int
-    computed: int                     # tokens computed before it (a prefix-cache hit): whole blocks
-    tokens: int                       # tokens it computes
+    computed: int  # tokens computed before it (a prefix-cache hit): whole blocks
+    tokens: int  # tokens it computes
     layers_done: int
     rope: tuple[torch.Tensor, torch.Tensor]
     chunks: list[tuple[int, int, AttentionMetadata]]  # [a, b) of the new tokens, its metadata
     prefix_rows: torch.Tensor | None  # int64 [c / bs] (device): the prefix's host rows, or None
-    host_rows: torch.Tensor           # int64 [full new blocks] (CPU): their host store rows
-    window_start: int                 # token block of the window's first device block
-    window_blocks: torch.Tensor       # int64 [w] (device): the window's device blocks
+    host_rows: torch.Tensor  # int64 [full new blocks] (CPU): their host store rows
+    window_start: int  # token block of the window's first device block
+    window_blocks: torch.Tensor  # int64 [w] (device): the window's device blocks
 
 
 class _Chunk:
@@ -48,8 +50,19 @@ class _Chunk:
 class LayerPrefill:
     """The persisted hidden states, the scratch KV and the layer-by-layer forward."""
 
-    def __init__(self, model, backend, offload, kv_caches: list[torch.Tensor], *, hidden_size: int,
-                 max_model_len: int, chunk_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        model,
+        backend,
+        offload,
+        kv_caches: list[torch.Tensor],
+        *,
+        hidden_size: int,
+        max_model_len: int,
+        chunk_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.model, self.backend, self.offload, self.kv_caches = model, backend, offload, kv_caches
         self.num_layers = len(kv_caches)
         self.chunk_tokens = chunk_tokens
@@ -65,8 +78,9 @@ class LayerPrefill:
         self.current: _Prefill | None = None
 
     @staticmethod
-    def device_bytes(*, num_kv_heads: int, head_dim: int, hidden_size: int, block_size: int, max_model_len: int,
-                     dtype: torch.dtype) -> int:
+    def device_bytes(
+        *, num_kv_heads: int, head_dim: int, hidden_size: int, block_size: int, max_model_len: int, dtype: torch.dtype
+    ) -> int:
         """Device memory it allocates (taken from the KV budget)."""
         tokens = blocks_needed(max_model_len, block_size) * block_size
         return (2 * tokens * num_kv_heads * 2 * head_dim + 2 * max_model_len * hidden_size) * dtype.itemsize
@@ -74,8 +88,10 @@ class LayerPrefill:
     def progress(self) -> dict[str, int]:
         """Prefills in progress and the layers they have done (statistics)."""
         cur = self.current
-        return {"layer_prefills_running": int(cur is not None),
-                "layer_prefill_layers_done": cur.layers_done if cur is not None else 0}
+        return {
+            "layer_prefills_running": int(cur is not None),
+            "layer_prefill_layers_done": cur.layers_done if cur is not None else 0,
+        }
 
     def release(self, seq_id: int) -> None:
         """A sequence finished, was aborted or preempted: its prefill's progress is gone (a resumed
@@ -92,8 +108,10 @@ class LayerPrefill:
             self.current = self._begin(seq)
         cur = self.current
         if cur is None or cur.seq_id != seq.seq_id or cur.layers_done != seg.start:
-            raise RuntimeError(f"layer-segmented prefill of sequence {seq.seq_id}: segment from layer {seg.start} "
-                               f"does not continue the prefill in progress")
+            raise RuntimeError(
+                f"layer-segmented prefill of sequence {seq.seq_id}: segment from layer {seg.start} "
+                f"does not continue the prefill in progress"
+            )
         for layer in range(seg.start, seg.end):
             self._layer(cur, layer)
         cur.layers_done = seg.end
@@ -101,15 +119,16 @@ class LayerPrefill:
             return None
         self.current = None
         t = cur.tokens
-        x, _ = self.model.model.norm(self.hidden[0, t - 1:t], self.hidden[1, t - 1:t])
+        x, _ = self.model.model.norm(self.hidden[0, t - 1 : t], self.hidden[1, t - 1 : t])
         return x
 
     def _begin(self, seq) -> _Prefill:
         bs, dev = self.block_size, self.device
         c, p = seq.num_computed_tokens, seq.num_tokens
         if c % bs:
-            raise RuntimeError(f"layer-segmented prefill of sequence {seq.seq_id} after {c} computed tokens: "
-                               f"needs whole blocks")
+            raise RuntimeError(
+                f"layer-segmented prefill of sequence {seq.seq_id} after {c} computed tokens: needs whole blocks"
+            )
         t = p - c
         table = np.asarray(seq.block_table[: blocks_needed(p, bs)], dtype=np.int64)
         pos = np.arange(c, p)
@@ -125,21 +144,42 @@ class LayerPrefill:
             b = min(a + self.chunk_tokens, t)
             qsl = torch.tensor([0, b - a], dtype=torch.int32, device=dev)
             seq_lens = torch.tensor([c + b], dtype=torch.int32, device=dev)
-            meta = AttentionMetadata(token_slots[a:b], qsl, seq_lens, token_table, num_decodes=0,
-                                     max_query_len=b - a, max_seq_len=c + b)
-            meta.prefill_meta = self.backend.prefill.prepare([(_Chunk(seq.seq_id, c + a, seq.block_table), b - a)],
-                                                             meta)
+            meta = AttentionMetadata(
+                token_slots[a:b], qsl, seq_lens, token_table, num_decodes=0, max_query_len=b - a, max_seq_len=c + b
+            )
+            meta.prefill_meta = self.backend.prefill.prepare(
+                [(_Chunk(seq.seq_id, c + a, seq.block_table), b - a)], meta
+            )
             # Sparse layers address the scratch (row j = the prompt's block j): slot = position.
-            scratch = AttentionMetadata(positions[a:b], qsl, seq_lens, scratch_table, num_decodes=0,
-                                        max_query_len=b - a, max_seq_len=c + b, prefill_meta=meta.prefill_meta)
+            scratch = AttentionMetadata(
+                positions[a:b],
+                qsl,
+                seq_lens,
+                scratch_table,
+                num_decodes=0,
+                max_query_len=b - a,
+                max_seq_len=c + b,
+                prefill_meta=meta.prefill_meta,
+            )
             # No state slot: under lagged selection its first decode selects its own list.
-            meta.backend_meta = SparseStepMeta(torch.zeros(1, dtype=torch.int32, device=dev), scratch, None,
-                                               selects=False)
+            meta.backend_meta = SparseStepMeta(
+                torch.zeros(1, dtype=torch.int32, device=dev), scratch, None, selects=False
+            )
             chunks.append((a, b, meta))
         start, blocks = self.offload.range_of(seq.seq_id)
         prefix = torch.from_numpy(table[: c // bs]).to(dev, non_blocking=True) if c else None
-        return _Prefill(seq.seq_id, c, t, 0, rope, chunks, prefix, torch.from_numpy(table[c // bs: p // bs]),
-                        start, torch.tensor(blocks, dtype=torch.long).to(dev, non_blocking=True))
+        return _Prefill(
+            seq.seq_id,
+            c,
+            t,
+            0,
+            rope,
+            chunks,
+            prefix,
+            torch.from_numpy(table[c // bs : p // bs]),
+            start,
+            torch.tensor(blocks, dtype=torch.long).to(dev, non_blocking=True),
+        )
 
     def _layer(self, cur: _Prefill, layer: int) -> None:
         sparse = self.offload.offloads(layer)
@@ -156,8 +196,9 @@ class LayerPrefill:
         x, res = self.hidden[0], self.hidden[1]
         cos, sin = cur.rope
         for a, b, meta in cur.chunks:
-            out, out_res = self.model.model.forward_layers(range(layer, layer + 1), (cos[a:b], sin[a:b]), x[a:b],
-                                                           None if layer == 0 else res[a:b], caches, meta)
+            out, out_res = self.model.model.forward_layers(
+                range(layer, layer + 1), (cos[a:b], sin[a:b]), x[a:b], None if layer == 0 else res[a:b], caches, meta
+            )
             x[a:b] = out
             res[a:b] = out_res
         if not sparse:
@@ -165,8 +206,8 @@ class LayerPrefill:
         bs, c, p = self.block_size, cur.computed, cur.computed + cur.tokens
         n = cur.window_blocks.numel()
         if n:
-            self.kv_caches[layer].index_copy_(0, cur.window_blocks, cache[cur.window_start: cur.window_start + n])
-        self.events[buf] = self.offload.host.layer_d2h.submit(layer, buf, cache[c // bs: p // bs], cur.host_rows)
+            self.kv_caches[layer].index_copy_(0, cur.window_blocks, cache[cur.window_start : cur.window_start + n])
+        self.events[buf] = self.offload.host.layer_d2h.submit(layer, buf, cache[c // bs : p // bs], cur.host_rows)
 
     def _restore_prefix(self, cur: _Prefill, layer: int, cache: torch.Tensor) -> None:
         """This layer's prefix K/V from its host rows into the scratch's first rows (FlashH2D)."""

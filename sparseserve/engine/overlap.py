@@ -4,6 +4,7 @@ A sequence N samples for carries a PLACEHOLDER until N lands; the runner fills i
 from N's tokens (`TokenFeed`). N's outputs are copied to pinned memory right after its sampling
 (`HostCopies`) and read in the call that launches N+1 (`InflightStep.wait`). The trap: a
 sequence that stopped at N already runs in N+1; that token is dropped."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ FINISHED = SequenceStatus.FINISHED
 class TokenFeed:
     """The previous step's sampled tokens on the device, and each placeholder's row in them; their
     host copy lands when `event` fires (before the next step's forward: the host may wait on it)."""
+
     token_ids: torch.Tensor | None
     rows: dict[int, int]  # seq_id -> row of token_ids
     host_ids: torch.Tensor | None = None
@@ -79,8 +81,12 @@ class HostCopies:
                 h = buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin_memory)
             return h.copy_(t, non_blocking=True)
 
-        host = SamplerOutput(to_host(0, out.token_ids), to_host(1, out.logprobs), to_host(2, out.logprob_token_ids),
-                             to_host(3, out.sampled_ranks))
+        host = SamplerOutput(
+            to_host(0, out.token_ids),
+            to_host(1, out.logprobs),
+            to_host(2, out.logprob_token_ids),
+            to_host(3, out.sampled_ranks),
+        )
         if out.token_ids.is_cuda:
             if event is None:
                 event = self.events[slot] = torch.cuda.Event()
@@ -92,14 +98,15 @@ class HostCopies:
 class InflightStep:
     sched: SchedulerOutput
     sampled: list[Sequence]
-    out: SamplerOutput | None                # device tensors (None: nothing sampled)
-    host: SamplerOutput | None = None        # their host copies, complete once `event` has fired
+    out: SamplerOutput | None  # device tensors (None: nothing sampled)
+    host: SamplerOutput | None = None  # their host copies, complete once `event` has fired
     event: torch.cuda.Event | None = None
     placeholder: list[bool] = field(default_factory=list)  # per sampled row: holds a placeholder
 
     @classmethod
-    def launch(cls, sched: SchedulerOutput, sampled: list[Sequence], out: SamplerOutput | None,
-               copies: HostCopies) -> InflightStep:
+    def launch(
+        cls, sched: SchedulerOutput, sampled: list[Sequence], out: SamplerOutput | None, copies: HostCopies
+    ) -> InflightStep:
         """Starts the copies of the step's outputs into `copies` (the engine's), on the stream right
         after its sampling."""
         step = cls(sched, sampled, out, placeholder=[False] * len(sampled))
@@ -123,8 +130,11 @@ class InflightStep:
             self.placeholder[i] = True
 
     def feed(self) -> TokenFeed:
-        rows = {s.seq_id: i for i, (s, ph) in enumerate(zip(self.sampled, self.placeholder))
-                if ph and s.status is not FINISHED}
+        rows = {
+            s.seq_id: i
+            for i, (s, ph) in enumerate(zip(self.sampled, self.placeholder))
+            if ph and s.status is not FINISHED
+        }
         if self.out is None:
             return TokenFeed(None, rows)
         host = self.host.token_ids if self.host is not None else None

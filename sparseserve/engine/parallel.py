@@ -7,6 +7,7 @@ since the last one, the step's OffloadPlan), so every rank runs the same batch a
 same device ranges, pool and selection slots. Only rank 0 samples. A dead rank stops the engine
 with an error naming it (docs/tensor_parallel.md, "When something fails").
 """
+
 from __future__ import annotations
 
 import datetime
@@ -45,9 +46,14 @@ from sparseserve.profiler import Profiler
 logger = logging.getLogger(__name__)
 # What the forkserver imports once for every worker it starts: this module, the components a
 # runner builds, and transformers' config classes of the supported architectures.
-WORKER_PRELOAD = ["sparseserve.engine.parallel", "sparseserve.attention.sparse", "sparseserve.attention.policies",
-                  "sparseserve.kvcache.offload", "transformers.models.auto.configuration_auto",
-                  *(f"transformers.models.{m}.configuration_{m}" for m in ("llama", "qwen2", "qwen3", "mistral"))]
+WORKER_PRELOAD = [
+    "sparseserve.engine.parallel",
+    "sparseserve.attention.sparse",
+    "sparseserve.attention.policies",
+    "sparseserve.kvcache.offload",
+    "transformers.models.auto.configuration_auto",
+    *(f"transformers.models.{m}.configuration_{m}" for m in ("llama", "qwen2", "qwen3", "mistral")),
+]
 
 
 def build_runner(config: EngineConfig, model_dir: Path, profiler: Profiler | None = None) -> "ModelRunner | TPDriver":
@@ -57,8 +63,10 @@ def build_runner(config: EngineConfig, model_dir: Path, profiler: Profiler | Non
     tp_size = config.parallel_config.tensor_parallel_size
     env = torchrun_env()
     if env is not None and env.world_size > 1 and env.world_size != tp_size:
-        raise ValueError(f"started by torchrun with WORLD_SIZE={env.world_size}, but tensor_parallel_size="
-                         f"{tp_size}: they must be equal (tensor parallelism is the only parallelism here)")
+        raise ValueError(
+            f"started by torchrun with WORLD_SIZE={env.world_size}, but tensor_parallel_size="
+            f"{tp_size}: they must be equal (tensor parallelism is the only parallelism here)"
+        )
     if tp_size == 1:
         return ModelRunner(config, model_dir, profiler)
     check_model(config, model_dir)
@@ -66,8 +74,13 @@ def build_runner(config: EngineConfig, model_dir: Path, profiler: Profiler | Non
     if env is None:
         return _spawn(config, model_dir, device_type, profiler)
     check_devices(tp_size, device_type, env.local_world_size)
-    tp = init_tp_group(rank=env.rank, world_size=tp_size, local_rank=env.local_rank,
-                       local_world_size=env.local_world_size, device_type=device_type)
+    tp = init_tp_group(
+        rank=env.rank,
+        world_size=tp_size,
+        local_rank=env.local_rank,
+        local_world_size=env.local_world_size,
+        device_type=device_type,
+    )
     if tp.is_driver:
         return TPDriver(ModelRunner(config, model_dir, profiler), _Session(tp, None))
     try:
@@ -89,6 +102,7 @@ def check_model(config: EngineConfig, model_dir: Path) -> None:
 
 # ---- what rank 0 sends ---------------------------------------------------------------------------
 
+
 class _StepTokens:
     """A SeqView's token_ids: only the step's tokens, at their positions (the runner reads
     token_ids[num_computed_tokens:num_computed_tokens + n] and nothing else of them)."""
@@ -97,12 +111,13 @@ class _StepTokens:
         self.start, self.ids = start, ids
 
     def __getitem__(self, s: slice) -> list[int]:
-        return self.ids[s.start - self.start: s.stop - self.start]
+        return self.ids[s.start - self.start : s.stop - self.start]
 
 
 @dataclass
 class SeqView:
     """What a rank's runner, attention backend and offload cache read of a scheduled Sequence."""
+
     seq_id: int
     num_computed_tokens: int
     num_tokens: int
@@ -112,7 +127,7 @@ class SeqView:
     @classmethod
     def of(cls, seq: Any, n: int) -> "SeqView":
         c = seq.num_computed_tokens
-        return cls(seq.seq_id, c, seq.num_tokens, seq.token_ids[c:c + n], seq.block_table_array())
+        return cls(seq.seq_id, c, seq.num_tokens, seq.token_ids[c : c + n], seq.block_table_array())
 
     @property
     def token_ids(self) -> _StepTokens:
@@ -129,16 +144,18 @@ class SeqView:
 @dataclass
 class StepMessage:
     released: list[tuple[int, bool]] = field(default_factory=list)  # (seq_id, paused): first
-    scheduled: list[tuple[SeqView, int]] | None = None     # the step to run (None: none)
-    plan: OffloadPlan | None = None                          # KV offload: the step's plan
+    scheduled: list[tuple[SeqView, int]] | None = None  # the step to run (None: none)
+    plan: OffloadPlan | None = None  # KV offload: the step's plan
     stop: bool = False
 
 
 # ---- rank 0 --------------------------------------------------------------------------------------
 
+
 class _Session:
     """One engine's process group, channel, spawned workers and watchdog thread; apart from the
     driver so the thread and the finalizer hold no reference to it."""
+
     POLL_S = 0.1
     LEAVE_TIMEOUT_S = 30.0  # how long rank 0 waits for the other ranks to leave the process group
 
@@ -215,8 +232,11 @@ class _Session:
             except Exception:  # noqa: BLE001 - the rank's connections closed, or the time ran out
                 pass
             if time.monotonic() >= deadline:
-                logger.warning("tensor-parallel rank %d did not leave the process group within %.0f s; rank 0 "
-                               "leaves anyway", rank, self.LEAVE_TIMEOUT_S)
+                logger.warning(
+                    "tensor-parallel rank %d did not leave the process group within %.0f s; rank 0 leaves anyway",
+                    rank,
+                    self.LEAVE_TIMEOUT_S,
+                )
                 return
 
 
@@ -250,16 +270,19 @@ class TPDriver:
             raise AttributeError(name)
         value = getattr(self.runner, name)
         if inspect.ismethod(value):  # it would run on rank 0 alone and leave the other ranks behind
-            raise AttributeError(f"ModelRunner.{name} is not available under tensor parallelism: only what "
-                                 f"TPDriver sends to every rank is (engine/parallel.py)")
+            raise AttributeError(
+                f"ModelRunner.{name} is not available under tensor parallelism: only what "
+                f"TPDriver sends to every rank is (engine/parallel.py)"
+            )
         return value
 
     def release(self, seq_id: int, paused: bool = False) -> None:
         self.runner.release(seq_id, paused)
         self._released.append((seq_id, paused))
 
-    def execute(self, scheduled: list, segments: list = (), plan: OffloadPlan | None = None,
-                feed: Any = None) -> tuple[list, SamplerOutput | None]:
+    def execute(
+        self, scheduled: list, segments: list = (), plan: OffloadPlan | None = None, feed: Any = None
+    ) -> tuple[list, SamplerOutput | None]:
         if segments or feed is not None:
             raise RuntimeError("layer-segmented prefill and async scheduling do not run under tensor parallelism")
         s = self._session
@@ -293,13 +316,18 @@ class TPDriver:
 def _spawn(config: EngineConfig, model_dir: Path, device_type: str, profiler: Profiler | None) -> TPDriver:
     tp_size = config.parallel_config.tensor_parallel_size
     check_devices(tp_size, device_type, tp_size)
-    workers = WorkerProcesses(tp_size, _worker_main, (config, model_dir, os.getpid()),
-                              preload=WORKER_PRELOAD)
+    workers = WorkerProcesses(tp_size, _worker_main, (config, model_dir, os.getpid()), preload=WORKER_PRELOAD)
     session = None
     try:
         workers.wait_ready()
-        tp = init_tp_group(rank=0, world_size=tp_size, local_rank=0, local_world_size=tp_size,
-                           device_type=device_type, store=workers.store)
+        tp = init_tp_group(
+            rank=0,
+            world_size=tp_size,
+            local_rank=0,
+            local_world_size=tp_size,
+            device_type=device_type,
+            store=workers.store,
+        )
         session = _Session(tp, workers)
         return TPDriver(ModelRunner(config, model_dir, profiler), session)
     except BaseException as e:
@@ -318,6 +346,7 @@ def _spawn(config: EngineConfig, model_dir: Path, device_type: str, profiler: Pr
 
 # ---- the other ranks -----------------------------------------------------------------------------
 
+
 def serve(runner: ModelRunner, tp: TPGroup) -> None:
     """A worker's loop: rank 0's messages, in order, until it says stop."""
     channel = StepChannel(tp)
@@ -334,8 +363,9 @@ def serve(runner: ModelRunner, tp: TPGroup) -> None:
             runner.execute(message.scheduled, plan=message.plan)
 
 
-def _worker_main(rank: int, world_size: int, port: int, env: dict[str, str], config: EngineConfig,
-                 model_dir: Path, parent_pid: int) -> None:
+def _worker_main(
+    rank: int, world_size: int, port: int, env: dict[str, str], config: EngineConfig, model_dir: Path, parent_pid: int
+) -> None:
     """A worker spawned by rank 0 (distributed/launch.py)."""
     store = worker_setup(rank, port, env, parent_pid)
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s [tp rank {rank}] %(name)s: %(message)s")
@@ -343,8 +373,14 @@ def _worker_main(rank: int, world_size: int, port: int, env: dict[str, str], con
         device_type = resolve_device(config.model_config.device).type
         if device_type == "cpu":  # the ranks of one host share its cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        tp = init_tp_group(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size,
-                           device_type=device_type, store=store)
+        tp = init_tp_group(
+            rank=rank,
+            world_size=world_size,
+            local_rank=rank,
+            local_world_size=world_size,
+            device_type=device_type,
+            store=store,
+        )
         serve(ModelRunner(config, model_dir), tp)
     except BaseException:
         report_worker_error(store, rank)

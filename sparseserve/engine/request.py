@@ -1,4 +1,5 @@
 """A sequence: one prompt's stream of tokens (a request with n > 1 owns n sequences)."""
+
 from __future__ import annotations
 
 import enum
@@ -22,15 +23,15 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     seq_id: int
     request_id: str
-    index: int                       # which of the request's n outputs
+    index: int  # which of the request's n outputs
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)
-    num_computed_tokens: int = 0     # tokens whose K/V are in the cache
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
-    cache_salt: str | None = None    # prefix caching: only requests with the same salt share blocks
+    cache_salt: str | None = None  # prefix caching: only requests with the same salt share blocks
     # Prefix caching: hashes of token_ids' full blocks (kvcache/prefix_cache.py), computed as
     # they fill; how many leading blocks of block_table were offered to the cache; the prompt
     # tokens the cache served at the first admission (vLLM's num_cached_tokens; None before it).
@@ -81,7 +82,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,9 +1,9 @@
 """Model runner: owns the model, the KV cache and the sampler; runs a scheduled step."""
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -13,17 +13,17 @@ import torch
 
 from sparseserve.attention.backend import AttentionMetadata, BackendContext, create_backend
 from sparseserve.attention.selection import load_streaming_heads
-from sparseserve.config import EngineConfig, OffloadConfig, available_host_memory
+from sparseserve.config import EngineConfig
 from sparseserve.distributed.group import get_tp_group
 from sparseserve.distributed.utils import shard_heads
 from sparseserve.engine.cuda_graph import DecodeGraphs
+from sparseserve.engine.kv_memory import profile_kv_bytes, rank_offload_config
 from sparseserve.engine.overlap import PLACEHOLDER, TokenFeed
 from sparseserve.engine.request import Sequence
 from sparseserve.engine.staging import StepUpload
 from sparseserve.engine.step_inputs import StepInputs
 from sparseserve.kernels.dispatch import check_impl, forced
 from sparseserve.kvcache.blocks import blocks_needed
-from sparseserve.kvcache.host import host_block_bytes
 from sparseserve.kvcache.offload_plan import OffloadPlan
 from sparseserve.kvcache.transfer import to_device_many
 from sparseserve.layers.logits_processors import LogitsProcessors
@@ -42,9 +42,9 @@ class StepBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    sample_idx: torch.Tensor            # token index of each sampled sequence's last query token
-    sampled: list[Sequence]             # the sequences that get a new token this step
-    graph: bool = False                 # built into the decode graphs' static inputs
+    sample_idx: torch.Tensor  # token index of each sampled sequence's last query token
+    sampled: list[Sequence]  # the sequences that get a new token this step
+    graph: bool = False  # built into the decode graphs' static inputs
 
 
 def resolve_device(device: str) -> torch.device:
@@ -78,32 +78,46 @@ class ModelRunner:
         self.dtype = resolve_dtype(mc.dtype, hf_config, self.device)
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         if self.max_model_len > self.arch.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
-                             f"{self.arch.max_position_embeddings}")
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{self.arch.max_position_embeddings}"
+            )
         self.block_size = cc.block_size
         # The kernels' path for this engine ("auto": Triton on CUDA tensors, references on CPU).
         self.kernel_impl = check_impl(mc.attention_backend)
         if self.kernel_impl == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1); "
-                             "use 'torch' on CPU")
+            raise ValueError(
+                "attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1); use 'torch' on CPU"
+            )
         sparse, streaming = config.sparse_config, None
         if tp.world_size > 1 and sparse.sparse_prefill_calibration is not None:
-            raise ValueError("sparse_prefill_calibration names global query heads; with tensor_parallel_size > 1 "
-                             "use one sparse_prefill_threshold for every head")
+            raise ValueError(
+                "sparse_prefill_calibration names global query heads; with tensor_parallel_size > 1 "
+                "use one sparse_prefill_threshold for every head"
+            )
         if tp.world_size > 1 and sparse.streaming_heads is not None:  # it names global KV heads
             mask = load_streaming_heads(sparse.streaming_heads, a.num_layers, a.num_kv_heads)
-            streaming = mask[:, heads.kv_start: heads.kv_start + heads.num_kv_heads]
+            streaming = mask[:, heads.kv_start : heads.kv_start + heads.num_kv_heads]
             sparse = dataclasses.replace(sparse, streaming_heads=None)
-        ctx = BackendContext(a.num_layers, self.num_kv_heads, a.head_dim, self.block_size, self.dtype, self.device,
-                             sc.max_num_seqs, self.max_model_len, sparse,
-                             num_q_heads=heads.num_heads, profiler=profiler)
+        ctx = BackendContext(
+            a.num_layers,
+            self.num_kv_heads,
+            a.head_dim,
+            self.block_size,
+            self.dtype,
+            self.device,
+            sc.max_num_seqs,
+            self.max_model_len,
+            sparse,
+            num_q_heads=heads.num_heads,
+            profiler=profiler,
+        )
         self.attn_backend = create_backend("sparse" if sparse.enabled else "dense", ctx)
         if streaming is not None:
             self.attn_backend.state.streaming = streaming.to(self.device)
         torch.manual_seed(mc.seed)
         with self._kernels():
-            self.model = build_model(self.arch, self.attn_backend, model_dir, self.dtype, self.device,
-                                     mc.load_format)
+            self.model = build_model(self.arch, self.attn_backend, model_dir, self.dtype, self.device, mc.load_format)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))
         self._sampling: tuple[list[int] | None, SamplingMetadata | None] = (None, None)  # (seq ids, theirs)
         self.offload = None  # kvcache/offload.py OffloadCache: the hierarchical HBM/DRAM cache
@@ -113,16 +127,22 @@ class ModelRunner:
         else:
             self.num_blocks = tp.min_int(self._num_kv_blocks())
         if self.num_blocks * self.block_size < self.max_model_len:
-            raise ValueError(f"the KV cache holds {self.num_blocks * self.block_size} tokens, fewer than "
-                             f"max_model_len={self.max_model_len}: lower max_model_len or give more KV memory")
+            raise ValueError(
+                f"the KV cache holds {self.num_blocks * self.block_size} tokens, fewer than "
+                f"max_model_len={self.max_model_len}: lower max_model_len or give more KV memory"
+            )
         if self.offload is None:
             shape = (self.num_kv_heads, 2, self.block_size, a.head_dim)
             kv_cache = torch.empty(a.num_layers, self.num_blocks, *shape, dtype=self.dtype, device=self.device)
             self.kv_caches: list[torch.Tensor] = list(kv_cache)
         else:
             self.kv_caches = self.offload.kv_caches
-        logger.info("KV cache: %d token blocks of %d tokens (%.2f GiB on the device)", self.num_blocks,
-                    self.block_size, sum(c.numel() * c.element_size() for c in self.kv_caches) / 2**30)
+        logger.info(
+            "KV cache: %d token blocks of %d tokens (%.2f GiB on the device)",
+            self.num_blocks,
+            self.block_size,
+            sum(c.numel() * c.element_size() for c in self.kv_caches) / 2**30,
+        )
         if self.offload is None:
             self.attn_backend.allocate(self.num_blocks)
         else:
@@ -131,15 +151,30 @@ class ModelRunner:
         self.layer_prefill = None  # engine/layer_prefill.py: prompts prefilled layer by layer
         if config.offload_config.layer_segmented_prefill:
             from sparseserve.engine.layer_prefill import LayerPrefill
-            self.layer_prefill = LayerPrefill(self.model, self.attn_backend, self.offload, self.kv_caches,
-                                              hidden_size=a.hidden_size, max_model_len=self.max_model_len,
-                                              chunk_tokens=sc.max_num_batched_tokens, dtype=self.dtype,
-                                              device=self.device)
+
+            self.layer_prefill = LayerPrefill(
+                self.model,
+                self.attn_backend,
+                self.offload,
+                self.kv_caches,
+                hidden_size=a.hidden_size,
+                max_model_len=self.max_model_len,
+                chunk_tokens=sc.max_num_batched_tokens,
+                dtype=self.dtype,
+                device=self.device,
+            )
         self.graphs = None
         if self.device.type == "cuda" and not mc.enforce_eager and self.kernel_impl != "torch":
             with self._kernels():
-                self.graphs = DecodeGraphs(self.model, self.attn_backend, self.kv_caches, sc.max_num_seqs,
-                                           self.max_model_len, self.block_size, profiler)
+                self.graphs = DecodeGraphs(
+                    self.model,
+                    self.attn_backend,
+                    self.kv_caches,
+                    sc.max_num_seqs,
+                    self.max_model_len,
+                    self.block_size,
+                    profiler,
+                )
         self.host_cache = None  # the prefix cache's host tier without offload (the scheduler's)
         if cc.host_prefix_cache_memory is not None:
             self.host_cache = self._build_host_cache(cc.host_prefix_cache_memory)
@@ -150,49 +185,51 @@ class ModelRunner:
 
     def _build_offload(self):
         from sparseserve.kvcache.offload import OffloadCache
+
         a, cc, sc = self.arch, self.config.cache_config, self.config.scheduler_config
         budget = None
         if cc.num_gpu_blocks_override is None:
-            budget = self.tp.min_int(cc.kv_cache_memory or (self._profile_kv_bytes() if self.device.type == "cuda"
-                                                            else CPU_DEFAULT_KV_BYTES))
+            budget = self.tp.min_int(
+                cc.kv_cache_memory or (self._profile_kv_bytes() if self.device.type == "cuda" else CPU_DEFAULT_KV_BYTES)
+            )
         if budget is not None and self.config.offload_config.layer_segmented_prefill:
             from sparseserve.engine.layer_prefill import LayerPrefill
-            budget -= LayerPrefill.device_bytes(num_kv_heads=self.num_kv_heads, head_dim=a.head_dim,
-                                                hidden_size=a.hidden_size, block_size=self.block_size,
-                                                max_model_len=self.max_model_len, dtype=self.dtype)
+
+            budget -= LayerPrefill.device_bytes(
+                num_kv_heads=self.num_kv_heads,
+                head_dim=a.head_dim,
+                hidden_size=a.hidden_size,
+                block_size=self.block_size,
+                max_model_len=self.max_model_len,
+                dtype=self.dtype,
+            )
         sp = self.attn_backend.params
         return OffloadCache.build(
-            self._rank_offload_config(), num_layers=a.num_layers, num_kv_heads=self.num_kv_heads, head_dim=a.head_dim,
-            block_size=self.block_size, dtype=self.dtype, device=self.device,
-            dense_layers=self.config.sparse_config.sparse_dense_layers, local_blocks=sp.local, cap=sp.cap,
-            metadata_block_bytes=self.attn_backend.block_bytes(), max_model_len=self.max_model_len,
-            max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens, budget=budget,
-            device_blocks=cc.num_gpu_blocks_override)
-
-    def _rank_offload_config(self) -> OffloadConfig:
-        """This rank's offload options; every size is per rank. At tensor_parallel_size > 1 the host
-        store's default (max_num_seqs sequences of max_model_len, at most half the host's available
-        memory, shared by its ranks) is agreed on, so every rank's store has the same rows."""
-        oc, tp = self.config.offload_config, self.tp
-        if tp.world_size == 1:
-            return oc
-        a, sc = self.arch, self.config.scheduler_config
-        hbb = host_block_bytes(a.num_layers, self.num_kv_heads, self.block_size, a.head_dim, self.dtype)
-        avail = available_host_memory()
-        if oc.host_kv_memory is not None:
-            if avail is not None and oc.host_kv_memory * tp.local_world_size > avail:
-                raise ValueError(f"host_kv_memory={oc.host_kv_memory} bytes per rank for the {tp.local_world_size} "
-                                 f"ranks of this host exceeds its available memory ({avail} bytes): lower it")
-            return oc
-        rows = sc.max_num_seqs * blocks_needed(self.max_model_len, self.block_size)
-        if avail is not None:
-            rows = min(rows, avail // 2 // tp.local_world_size // hbb)
-        return dataclasses.replace(oc, host_kv_memory=tp.min_int(rows) * hbb)
+            rank_offload_config(
+                self.config, self.tp, a, self.num_kv_heads, self.block_size, self.dtype, self.max_model_len
+            ),
+            num_layers=a.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=a.head_dim,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            device=self.device,
+            dense_layers=self.config.sparse_config.sparse_dense_layers,
+            local_blocks=sp.local,
+            cap=sp.cap,
+            metadata_block_bytes=self.attn_backend.block_bytes(),
+            max_model_len=self.max_model_len,
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            budget=budget,
+            device_blocks=cc.num_gpu_blocks_override,
+        )
 
     def _build_host_cache(self, nbytes: int):
         """The prefix cache's host tier over every tensor indexed by token block: the KV cache and,
         with a sparse policy, the key metadata."""
         from sparseserve.kvcache.host_cache import HostPrefixCache, layer_stack
+
         tensors = [layer_stack(self.kv_caches)]
         key_meta = getattr(self.attn_backend, "key_meta", None)
         if key_meta is not None:
@@ -207,13 +244,20 @@ class ModelRunner:
             return None
         from sparseserve.kvcache.device_space import DeviceBlockMap, OffloadSpace
         from sparseserve.kvcache.working_set import WorkingSetEstimate
+
         off, oc = self.offload, self.config.offload_config
         layout = off.layout
         estimate = WorkingSetEstimate(
-            off.working_set, window=oc.working_set_window, capacity=off.pool.num_slots,
-            margin=oc.working_set_margin, enabled=oc.working_set_control,
-            lists=(self.arch.num_layers - layout.dense_layers) * self.num_kv_heads, cap=off.cap,
-            local=off.local_blocks, block_size=self.block_size)
+            off.working_set,
+            window=oc.working_set_window,
+            capacity=off.pool.num_slots,
+            margin=oc.working_set_margin,
+            enabled=oc.working_set_control,
+            lists=(self.arch.num_layers - layout.dense_layers) * self.num_kv_heads,
+            cap=off.cap,
+            local=off.local_blocks,
+            block_size=self.block_size,
+        )
         dm = DeviceBlockMap(layout.device_blocks, off.local_blocks, self.block_size, layout.token_blocks)
         return OffloadSpace(dm, self.block_size, estimate)
 
@@ -246,6 +290,19 @@ class ModelRunner:
         kv = a.num_layers * self.num_kv_heads * 2 * self.block_size * a.head_dim * self.dtype.itemsize
         return kv + self.attn_backend.block_bytes()
 
+    def _profile_kv_bytes(self) -> int:
+        return profile_kv_bytes(
+            self.model,
+            self.config,
+            self.arch,
+            self.num_kv_heads,
+            self.block_size,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            self._kernels(),
+        )
+
     def _num_kv_blocks(self) -> int:
         cc, sc = self.config.cache_config, self.config.scheduler_config
         if cc.num_gpu_blocks_override is not None:
@@ -257,40 +314,6 @@ class ModelRunner:
         # CPU: never more than every sequence at full length could use; memory is touched lazily.
         cap = sc.max_num_seqs * blocks_needed(self.max_model_len, self.block_size)
         return min(CPU_DEFAULT_KV_BYTES // self.block_bytes, cap)
-
-    @torch.inference_mode()
-    def _profile_kv_bytes(self) -> int:
-        """KV bytes = gpu_memory_utilization * total - (in use now + a full-budget step's peak)."""
-        cc, sc = self.config.cache_config, self.config.scheduler_config
-        gc.collect()  # an engine dropped just before still holds its KV cache until collected
-        torch.cuda.empty_cache()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        n = min(sc.max_num_batched_tokens, self.max_model_len)
-        a = self.arch
-        scratch = torch.empty(a.num_layers, blocks_needed(n, self.block_size), self.num_kv_heads, 2, self.block_size,
-                              a.head_dim, dtype=self.dtype, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, device=self.device),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(scratch.shape[1], dtype=torch.int32, device=self.device)[None],
-            num_decodes=0, max_query_len=n, max_seq_len=n)
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        with self._kernels():
-            hidden = self.model(ids, torch.arange(n, device=self.device), list(scratch), meta)
-        self.model.compute_logits(hidden[: sc.max_num_seqs])
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before - scratch.numel() * scratch.element_size()
-        del scratch, hidden
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        kv_bytes = int(total * cc.gpu_memory_utilization) - (total - free) - peak
-        if kv_bytes <= 0:
-            raise ValueError(f"no GPU memory left for the KV cache at gpu_memory_utilization="
-                             f"{cc.gpu_memory_utilization}: raise it or lower max_num_batched_tokens")
-        return kv_bytes
 
     def prepare(self, scheduled: list[tuple[Sequence, int]], feed: TokenFeed | None = None) -> StepBatch:
         """A step's batch: host inputs (engine/step_inputs.py and the backend's), one upload (into
@@ -309,9 +332,14 @@ class ModelRunner:
         if "query_start_loc" not in dev:  # a decode step's: on the device already
             dev["query_start_loc"], dev["sample_idx"] = self.inputs.decode_ranges(len(scheduled))
         meta = AttentionMetadata(
-            slot_mapping=dev["slot_mapping"], query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"],
-            block_tables=dev["block_tables"], num_decodes=num_decodes,
-            max_query_len=max(n for _, n in scheduled), max_seq_len=max_seq_len)
+            slot_mapping=dev["slot_mapping"],
+            query_start_loc=dev["query_start_loc"],
+            seq_lens=dev["seq_lens"],
+            block_tables=dev["block_tables"],
+            num_decodes=num_decodes,
+            max_query_len=max(n for _, n in scheduled),
+            max_seq_len=max_seq_len,
+        )
         self.attn_backend.prepare(scheduled, meta, dev)
         input_ids = dev["input_ids"]
         if feed is not None:
@@ -333,25 +361,38 @@ class ModelRunner:
         vocab = self.arch.vocab_size
         logprobs = [p.logprobs for p in ps if p.logprobs is not None]
         temperature, top_k, top_p, min_p = to_device_many(
-            [torch.tensor([p.temperature for p in ps], dtype=torch.float32),
-             torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps]),
-             torch.tensor([p.top_p for p in ps], dtype=torch.float32),
-             torch.tensor([p.min_p for p in ps], dtype=torch.float32)], self.device)
+            [
+                torch.tensor([p.temperature for p in ps], dtype=torch.float32),
+                torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps]),
+                torch.tensor([p.top_p for p in ps], dtype=torch.float32),
+                torch.tensor([p.min_p for p in ps], dtype=torch.float32),
+            ],
+            self.device,
+        )
         meta = SamplingMetadata(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
             generators={i: s.generator for i, s in enumerate(seqs) if s.generator is not None and not s.params.greedy},
             all_greedy=all(p.greedy for p in ps),
             need_top_k=any(0 < p.top_k < vocab for p in ps),
             need_top_p=any(p.top_p < 1.0 for p in ps),
             need_min_p=any(p.min_p > 0.0 for p in ps),
             max_num_logprobs=max(logprobs) if logprobs else None,
-            processors=LogitsProcessors.build(seqs, vocab, self.device))
+            processors=LogitsProcessors.build(seqs, vocab, self.device),
+        )
         self._sampling = (ids, meta)
         return meta
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]], segments: list = (), plan: OffloadPlan | None = None,
-                feed: TokenFeed | None = None) -> tuple[list[Sequence], SamplerOutput | None]:
+    def execute(
+        self,
+        scheduled: list[tuple[Sequence, int]],
+        segments: list = (),
+        plan: OffloadPlan | None = None,
+        feed: TokenFeed | None = None,
+    ) -> tuple[list[Sequence], SamplerOutput | None]:
         """One step: the KV-offload plan (once, before any kernel), the scheduled batch (async
         scheduling: `feed` fills its placeholder tokens on the device), then the layer-segmented
         prefills' segments; one sampling over every sequence that gets a token."""
@@ -374,11 +415,15 @@ class ModelRunner:
                 sampled += batch.sampled
             else:
                 hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-                if self.tp.is_driver and not self.inputs.steady and any(
-                        s.prompt_logprobs is not None for s, _ in scheduled):
+                if (
+                    self.tp.is_driver
+                    and not self.inputs.steady
+                    and any(s.prompt_logprobs is not None for s, _ in scheduled)
+                ):
                     # (a step with a prompt chunk; rows in prepare's order: decodes first)
-                    record_prompt_logprobs(sorted(scheduled, key=lambda item: item[1] != 1), hidden,
-                                           self.model.compute_logits)
+                    record_prompt_logprobs(
+                        sorted(scheduled, key=lambda item: item[1] != 1), hidden, self.model.compute_logits
+                    )
                 if batch.sampled:
                     logits.append(self.model.compute_logits(hidden[batch.sample_idx]))
                     sampled += batch.sampled

@@ -1,6 +1,7 @@
 """A step's upload of the host tensors engine/step_inputs.py builds (docs/engine.md): `StepUpload`
 for an eager step, one staging copy per `add`; `StaticInputs` for a step that replays a CUDA
 graph, one copy straight into the graphs' static buffers."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -34,8 +35,14 @@ class StaticInputs(StepUpload):
     padding into a slab; `commit` copies the bucket's layout and a scratch tail for the step's
     other tensors in one copy. A slab is rewritten only once its copy is done (an event each)."""
 
-    def __init__(self, fields: Sequence[InputField], buckets: Sequence[int], device: torch.device,
-                 scratch_bytes: int = 1 << 16, num_slabs: int = 3) -> None:
+    def __init__(
+        self,
+        fields: Sequence[InputField],
+        buckets: Sequence[int],
+        device: torch.device,
+        scratch_bytes: int = 1 << 16,
+        num_slabs: int = 3,
+    ) -> None:
         super().__init__(device)
         self.fields = {f.name: f for f in fields}
         self.layouts: dict[int, dict[str, tuple[int, int]]] = {}  # bucket -> name -> (off, bytes)
@@ -120,7 +127,7 @@ class StaticInputs(StepUpload):
     def _view(self, buf: torch.Tensor, name: str, bucket: int) -> torch.Tensor:
         f = self.fields[name]
         off, nbytes = self.layouts[bucket][name]
-        t = buf[off: off + nbytes].view(f.dtype)
+        t = buf[off : off + nbytes].view(f.dtype)
         return t.view(bucket, f.width) if f.width else t
 
     def _cached(self, key: tuple, make) -> torch.Tensor:
@@ -162,8 +169,10 @@ class StaticInputs(StepUpload):
         f, rows = self.fields[name], t.shape[0]
         width = t.shape[1] if t.dim() == 2 else 0
         if t.dtype != f.dtype or rows > self.bucket or t.dim() != (2 if f.width else 1) or width > f.width:
-            raise ValueError(f"static input {name!r}: {tuple(t.shape)} {t.dtype} does not fit "
-                             f"{self.bucket} rows of {f.width or 1} {f.dtype}")
+            raise ValueError(
+                f"static input {name!r}: {tuple(t.shape)} {t.dtype} does not fit "
+                f"{self.bucket} rows of {f.width or 1} {f.dtype}"
+            )
         if len(self._fits) > 4096:  # shapes come and go with the batch: keep the cache bounded
             self._fits.clear()
         return rows, width, self._cached((self.bucket, name, rows, width), lambda: self._rows(name, rows, width))
@@ -177,10 +186,11 @@ class StaticInputs(StepUpload):
         if self._scratch + nbytes > self.scratch_bytes:
             return to_device_many([t], self.device)[0]
         pos = self.ends[self.bucket] + self._scratch
-        self._np[self.slab][pos: pos + nbytes] = _host_bytes(t)
+        self._np[self.slab][pos : pos + nbytes] = _host_bytes(t)
         self._scratch += _align(nbytes)
-        return self._cached((pos, t.dtype, tuple(t.shape)),
-                            lambda: self.dev[pos: pos + nbytes].view(t.dtype).view(t.shape))
+        return self._cached(
+            (pos, t.dtype, tuple(t.shape)), lambda: self.dev[pos : pos + nbytes].view(t.dtype).view(t.shape)
+        )
 
 
 def _host_bytes(t: torch.Tensor) -> np.ndarray:

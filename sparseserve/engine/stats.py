@@ -1,6 +1,7 @@
 """The engine's statistics: one named snapshot (EngineStats); device counters are read without a
 sync on the serving path, a little late (docs/architecture.md, principle 2; docs/engine.md).
 """
+
 from __future__ import annotations
 
 import math
@@ -17,51 +18,70 @@ class EngineStats:
     num_waiting: int = 0
     num_blocks_used: int = 0
     num_blocks_total: int = 0
-    num_preemptions: int = 0           # cumulative counters from here on
-    num_prompt_tokens: int = 0         # prompt tokens computed (recomputed ones included)
+    num_preemptions: int = 0  # cumulative counters from here on
+    num_prompt_tokens: int = 0  # prompt tokens computed (recomputed ones included)
     num_generation_tokens: int = 0
-    prefix_cache_queries: int = 0      # prompt tokens looked up at first admissions (vLLM's)
-    prefix_cache_hits: int = 0         # ... and found in the prefix cache
-    prefix_cache_blocks: int = 0       # blocks holding a cached block, referenced or not (gauge)
-    prefix_cache_evictions: int = 0    # cached blocks taken back for new contents
+    prefix_cache_queries: int = 0  # prompt tokens looked up at first admissions (vLLM's)
+    prefix_cache_hits: int = 0  # ... and found in the prefix cache
+    prefix_cache_blocks: int = 0  # blocks holding a cached block, referenced or not (gauge)
+    prefix_cache_evictions: int = 0  # cached blocks taken back for new contents
     host_prefix_cache_queries: int = 0  # host tier (no offload): prompt tokens the device missed
-    host_prefix_cache_hits: int = 0     # ... and found in host memory (restored by copy)
-    host_prefix_cache_blocks: int = 0   # host tier blocks in use (gauge)
+    host_prefix_cache_hits: int = 0  # ... and found in host memory (restored by copy)
+    host_prefix_cache_blocks: int = 0  # host tier blocks in use (gauge)
     host_prefix_cache_evictions: int = 0
-    sparse_blocks_selected: int = 0    # sparse decode: blocks in all selections so far
-    sparse_selections: int = 0         # one per (decode sequence, sparse layer, KV head)
+    sparse_blocks_selected: int = 0  # sparse decode: blocks in all selections so far
+    sparse_selections: int = 0  # one per (decode sequence, sparse layer, KV head)
     sparse_block_size: int = 0
-    offload_hbm_hits: int = 0          # KV offload: listed head blocks found in the HBM pool
-    offload_blocks_loaded: int = 0     # head blocks copied host -> HBM pool (FlashH2D)
-    offload_bypass_reads: int = 0      # misses read from the host store (no free way in the set)
-    offload_layer_steps: int = 0       # (decode step, sparse layer) pairs read through the pool
-    offload_host_blocks: int = 0       # token blocks of the host store (gauge)
-    offload_hbm_slots: int = 0         # head-block slots of the HBM pool (gauge)
-    offload_h2d_bytes: int = 0         # bytes loaded host -> HBM pool
-    offload_d2h_bytes: int = 0         # bytes written through to the host store
+    offload_hbm_hits: int = 0  # KV offload: listed head blocks found in the HBM pool
+    offload_blocks_loaded: int = 0  # head blocks copied host -> HBM pool (FlashH2D)
+    offload_bypass_reads: int = 0  # misses read from the host store (no free way in the set)
+    offload_layer_steps: int = 0  # (decode step, sparse layer) pairs read through the pool
+    offload_host_blocks: int = 0  # token blocks of the host store (gauge)
+    offload_hbm_slots: int = 0  # head-block slots of the HBM pool (gauge)
+    offload_h2d_bytes: int = 0  # bytes loaded host -> HBM pool
+    offload_d2h_bytes: int = 0  # bytes written through to the host store
     offload_device_blocks_used: int = 0  # device block cache: blocks mapped (gauge)
-    offload_device_blocks: int = 0       # device block cache: blocks (gauge)
-    prefill_tiles_computed: int = 0    # sparse prefill: (q tile, k tile, KV head) tiles, all layers
-    prefill_tiles_dense: int = 0       # ... and the causally visible ones (dense prefill's)
-    offload_blocks_restored: int = 0     # token blocks host -> device block cache (hits, resumes)
-    layer_prefills_running: int = 0      # layer-segmented prefills in progress (gauge)
-    layer_prefill_layers_done: int = 0   # ... and the layers they have done (gauge)
-    working_set_blocks: int = 0        # KV offload: the running working sets, head blocks (gauge)
-    working_set_capacity: int = 0      # ... the HBM pool's slots they compare with (gauge)
-    working_set_limit: int = 0         # ... what they may take (the margin left free; gauge)
-    working_set_held_back: int = 0     # requests the working-set limit keeps waiting (gauge)
-    working_set_hold_backs: int = 0    # running requests paused by the working-set limit
-    working_set_parked: int = 0        # prefilled requests waiting for a decode share (gauge)
+    offload_device_blocks: int = 0  # device block cache: blocks (gauge)
+    prefill_tiles_computed: int = 0  # sparse prefill: (q tile, k tile, KV head) tiles, all layers
+    prefill_tiles_dense: int = 0  # ... and the causally visible ones (dense prefill's)
+    offload_blocks_restored: int = 0  # token blocks host -> device block cache (hits, resumes)
+    layer_prefills_running: int = 0  # layer-segmented prefills in progress (gauge)
+    layer_prefill_layers_done: int = 0  # ... and the layers they have done (gauge)
+    working_set_blocks: int = 0  # KV offload: the running working sets, head blocks (gauge)
+    working_set_capacity: int = 0  # ... the HBM pool's slots they compare with (gauge)
+    working_set_limit: int = 0  # ... what they may take (the margin left free; gauge)
+    working_set_held_back: int = 0  # requests the working-set limit keeps waiting (gauge)
+    working_set_hold_backs: int = 0  # running requests paused by the working-set limit
+    working_set_parked: int = 0  # prefilled requests waiting for a decode share (gauge)
     working_set_prefill_aheads: int = 0  # ... admitted for prefill beyond the working-set limit
 
     # The cumulative fields (the rest are gauges and sizes).
-    COUNTERS: ClassVar[frozenset[str]] = frozenset({
-        "num_preemptions", "num_prompt_tokens", "num_generation_tokens", "prefix_cache_queries", "prefix_cache_hits",
-        "prefix_cache_evictions", "host_prefix_cache_queries", "host_prefix_cache_hits",
-        "host_prefix_cache_evictions", "sparse_blocks_selected", "sparse_selections", "offload_hbm_hits",
-        "offload_blocks_loaded", "offload_bypass_reads", "offload_layer_steps", "offload_h2d_bytes",
-        "offload_d2h_bytes", "prefill_tiles_computed", "prefill_tiles_dense", "offload_blocks_restored",
-        "working_set_hold_backs", "working_set_prefill_aheads"})
+    COUNTERS: ClassVar[frozenset[str]] = frozenset(
+        {
+            "num_preemptions",
+            "num_prompt_tokens",
+            "num_generation_tokens",
+            "prefix_cache_queries",
+            "prefix_cache_hits",
+            "prefix_cache_evictions",
+            "host_prefix_cache_queries",
+            "host_prefix_cache_hits",
+            "host_prefix_cache_evictions",
+            "sparse_blocks_selected",
+            "sparse_selections",
+            "offload_hbm_hits",
+            "offload_blocks_loaded",
+            "offload_bypass_reads",
+            "offload_layer_steps",
+            "offload_h2d_bytes",
+            "offload_d2h_bytes",
+            "prefill_tiles_computed",
+            "prefill_tiles_dense",
+            "offload_blocks_restored",
+            "working_set_hold_backs",
+            "working_set_prefill_aheads",
+        }
+    )
 
     @classmethod
     def from_values(cls, values: dict[str, int]) -> "EngineStats":

@@ -3,6 +3,7 @@ block tables, sampling's rows, and under KV offload the device addressing (docs/
 
 A steady decode batch (same sequences, same order) keeps its rows (`SteadyRows`, vLLM's
 persistent batch); a row is rebuilt when its sequence opens a block or moves its device window."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -28,8 +29,7 @@ class SteadyRows:
         """The rows of a step in which every sequence decodes (None otherwise)."""
         if any(n != 1 for _, n in scheduled):
             return None
-        rows = cls([seq.seq_id for seq, _ in scheduled], tables_of(scheduled, row_of, pad), row_of, pad,
-                   block_size)
+        rows = cls([seq.seq_id for seq, _ in scheduled], tables_of(scheduled, row_of, pad), row_of, pad, block_size)
         for b, (seq, _) in enumerate(scheduled):
             rows._set_base(b, seq)
         return rows
@@ -52,10 +52,9 @@ class SteadyRows:
                 wider[:, : self.tables.shape[1]] = self.tables
                 self.tables = wider
             self.tables[b] = self.pad
-            self.tables[b, start: start + len(blocks)] = blocks
+            self.tables[b, start : start + len(blocks)] = blocks
             self._set_base(b, seq)
-        pos = np.fromiter((seq.num_computed_tokens for seq, _ in scheduled), dtype=np.int64,
-                          count=len(self.ids))
+        pos = np.fromiter((seq.num_computed_tokens for seq, _ in scheduled), dtype=np.int64, count=len(self.ids))
         return torch.from_numpy(self.base + pos), self.tables.copy(), pos
 
     def _set_base(self, b: int, seq) -> None:
@@ -70,7 +69,7 @@ def tables_of(scheduled: list, row_of: RowOf, pad: int, width: int | None = None
     width = max(start + len(blocks) for start, blocks in rows) if width is None else width
     tables = np.full((len(scheduled), width), pad, dtype=np.int32)
     for b, (start, blocks) in enumerate(rows):
-        tables[b, start: start + len(blocks)] = blocks
+        tables[b, start : start + len(blocks)] = blocks
     return tables
 
 
@@ -162,7 +161,7 @@ class StepInputs:
         fill_src: list[int] = []
         for seq, n in scheduled:
             c = seq.num_computed_tokens
-            ids.extend(seq.token_ids[c:c + n])  # (slices: a worker's SeqView has only these)
+            ids.extend(seq.token_ids[c : c + n])  # (slices: a worker's SeqView has only these)
             if n == 1:
                 positions.append(c)
             else:
@@ -176,13 +175,15 @@ class StepInputs:
                     fill_dst.append(qsl[-1] - 1)
                     fill_src.append(feed.rows[seq.seq_id])
         slots = slots_of(scheduled, _token_list, self.block_size)
-        host = {"slot_mapping": torch.tensor(slots, dtype=torch.long),
-                "query_start_loc": torch.tensor(qsl, dtype=torch.int32),
-                "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
-                "block_tables": torch.from_numpy(tables_of(scheduled, _token_row, 0)),
-                "input_ids": torch.tensor(ids, dtype=torch.long),
-                "positions": torch.tensor(positions, dtype=torch.long),
-                "sample_idx": torch.tensor(sample_idx, dtype=torch.long)}
+        host = {
+            "slot_mapping": torch.tensor(slots, dtype=torch.long),
+            "query_start_loc": torch.tensor(qsl, dtype=torch.int32),
+            "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+            "block_tables": torch.from_numpy(tables_of(scheduled, _token_row, 0)),
+            "input_ids": torch.tensor(ids, dtype=torch.long),
+            "positions": torch.tensor(positions, dtype=torch.long),
+            "sample_idx": torch.tensor(sample_idx, dtype=torch.long),
+        }
         if fill_dst:
             host["fill_dst"] = torch.tensor(fill_dst, dtype=torch.long)
             host["fill_src"] = torch.tensor(fill_src, dtype=torch.long)
@@ -204,17 +205,20 @@ class StepInputs:
                 row_lens[b] = num_blocks
                 grew.append(seq.seq_id)
             c = seq.num_computed_tokens
-            ids += seq.token_ids[c:c + 1]
+            ids += seq.token_ids[c : c + 1]
             src = rows.get(seq.seq_id)
             same_rows = same_rows and src == b
             if src is not None:
                 fill_dst.append(b)
                 fill_src.append(src)
         slots, tables, pos = self._rows.update(scheduled, grew)
-        host = {"slot_mapping": slots, "seq_lens": torch.from_numpy((pos + 1).astype(np.int32)),
-                "block_tables": torch.from_numpy(tables),
-                "input_ids": torch.from_numpy(np.array(ids, dtype=np.int64)),
-                "positions": torch.from_numpy(pos)}
+        host = {
+            "slot_mapping": slots,
+            "seq_lens": torch.from_numpy((pos + 1).astype(np.int32)),
+            "block_tables": torch.from_numpy(tables),
+            "input_ids": torch.from_numpy(np.array(ids, dtype=np.int64)),
+            "positions": torch.from_numpy(pos),
+        }
         if fill_dst and not same_rows:
             host["fill_dst"] = torch.from_numpy(np.array(fill_dst, dtype=np.int64))
             host["fill_src"] = torch.from_numpy(np.array(fill_src, dtype=np.int64))

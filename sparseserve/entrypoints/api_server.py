@@ -5,6 +5,7 @@
 is answered with an OpenAI-style error body ({"error": {"message", "type", "param", "code"}}), 5xx included,
 and never stops the server or resets a kept-alive connection.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,14 +33,34 @@ from sparseserve.config import parse_size
 from sparseserve.engine.async_engine import AsyncLLMEngine, RequestAborted
 from sparseserve.entrypoints.cli import add_engine_args, engine_kwargs_from_args
 from sparseserve.entrypoints.http_server import ClientLimits, DrainingServer, uvicorn_config
-from sparseserve.entrypoints.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                              CompletionResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList,
-                                              invalid_unicode, random_id)
-from sparseserve.entrypoints.serving import (ChatFormat, CompletionFormat, Prompts, PromptsStream, last_output,
-                                             sse_events)
+from sparseserve.entrypoints.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    invalid_unicode,
+    random_id,
+)
+from sparseserve.entrypoints.serving import (
+    ChatFormat,
+    CompletionFormat,
+    Prompts,
+    PromptsStream,
+    last_output,
+    sse_events,
+)
 from sparseserve.entrypoints.tool_parsers import TOOL_PARSERS
-from sparseserve.entrypoints.tools import (fallback_messages, message_dicts, parser_name, plan_tools,
-                                           template_renders_tools)
+from sparseserve.entrypoints.tools import (
+    fallback_messages,
+    message_dicts,
+    parser_name,
+    plan_tools,
+    template_renders_tools,
+)
 from sparseserve.metrics import CONTENT_TYPE, ServerMetrics
 from sparseserve.models.loader import resolve_model_dir
 from sparseserve.sampling_params import ParameterError, SamplingParams
@@ -48,8 +69,16 @@ logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
         self.headers = headers
@@ -62,9 +91,15 @@ class ErrorJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace")
 
 
-def error_response(status: int, message: str, *, type: str = "invalid_request_error",
-                   param: str | None = None, code: str | int | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | int | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
     return ErrorJSONResponse(body.model_dump(), status_code=status, headers=headers)
 
@@ -87,16 +122,25 @@ class ServerConfig:
     api_key: tuple[str, ...] | str | None = None  # any one of them is accepted; a str is one key
     max_request_body_bytes: int = 16 * 1024 * 1024
     metrics_require_api_key: bool = False  # /metrics behind the API key too
-    disable_fastapi_docs: bool = False     # no /openapi.json (/docs and /redoc are never served)
+    disable_fastapi_docs: bool = False  # no /openapi.json (/docs and /redoc are never served)
     engine_watchdog_timeout: float = 60.0  # /health is 503 when a step takes longer (s)
-    enable_prompt_tokens_details: bool = _opt(False, "Report usage.prompt_tokens_details.cached_tokens (off: it "
-                                              "tells a client whether anyone sent the same prefix before).")
-    cache_salt_source: str = _opt("request", "Whose prompts share prefix-cache blocks: request (those with the "
-                                  "same cache_salt field, or none), api-key (only those of the same API key) or "
-                                  "header:NAME (only those with the same value of header NAME).")
-    tool_call_parser: str = _opt("auto", "How chat outputs are read for tool calls with tool_choice auto: hermes "
-                                 "(<tool_call> blocks: Qwen2.5, Qwen3), llama3_json (Llama 3.1/3.2's JSON), or auto "
-                                 "(hermes when the chat template writes <tool_call>, else llama3_json).")
+    enable_prompt_tokens_details: bool = _opt(
+        False,
+        "Report usage.prompt_tokens_details.cached_tokens (off: it "
+        "tells a client whether anyone sent the same prefix before).",
+    )
+    cache_salt_source: str = _opt(
+        "request",
+        "Whose prompts share prefix-cache blocks: request (those with the "
+        "same cache_salt field, or none), api-key (only those of the same API key) or "
+        "header:NAME (only those with the same value of header NAME).",
+    )
+    tool_call_parser: str = _opt(
+        "auto",
+        "How chat outputs are read for tool calls with tool_choice auto: hermes "
+        "(<tool_call> blocks: Qwen2.5, Qwen3), llama3_json (Llama 3.1/3.2's JSON), or auto "
+        "(hermes when the chat template writes <tool_call>, else llama3_json).",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.api_key, str):
@@ -109,8 +153,9 @@ class ServerConfig:
         if source == "api-key" and self.api_key is None:
             raise ValueError("--cache-salt-source api-key needs --api-key")
         if self.tool_call_parser != "auto" and self.tool_call_parser not in TOOL_PARSERS:
-            raise ValueError(f"--tool-call-parser must be auto or one of {TOOL_PARSERS.names()}, "
-                             f"got {self.tool_call_parser!r}")
+            raise ValueError(
+                f"--tool-call-parser must be auto or one of {TOOL_PARSERS.names()}, got {self.tool_call_parser!r}"
+            )
 
 
 class BodySizeLimit:
@@ -170,8 +215,9 @@ class ErrorBoundary:
         except Exception as e:
             logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             if not started:
-                await error_response(500, f"Internal server error: {type(e).__name__}", type="internal_error",
-                                     code=500)(scope, receive, send)
+                await error_response(
+                    500, f"Internal server error: {type(e).__name__}", type="internal_error", code=500
+                )(scope, receive, send)
             elif not finished:
                 with contextlib.suppress(Exception):
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -183,8 +229,10 @@ def _error_doc(description: str) -> dict[str, Any]:
 
 # What the OpenAPI document lists for the /v1 routes (FastAPI alone lists 200 and 422).
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: _error_doc("Invalid request: malformed JSON, a field of the wrong type, a value out of range, a prompt "
-                    "too long, a duplicated Authorization header."),
+    400: _error_doc(
+        "Invalid request: malformed JSON, a field of the wrong type, a value out of range, a prompt "
+        "too long, a duplicated Authorization header."
+    ),
     401: _error_doc("Missing or wrong API key."),
     404: _error_doc("Unknown model."),
     413: _error_doc("Request body too large."),
@@ -193,10 +241,21 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def _stream_doc(model: Any) -> dict[int | str, dict[str, Any]]:
-    sse = {"schema": {"type": "string", "description": "Server-sent events: `data: <chunk JSON>` lines, an error "
-                                                       "event if the request fails, then `data: [DONE]`."}}
-    return {200: {"model": model, "description": "The completion; with `stream: true`, server-sent events.",
-                  "content": {"text/event-stream": sse}}, **ERROR_RESPONSES}
+    sse = {
+        "schema": {
+            "type": "string",
+            "description": "Server-sent events: `data: <chunk JSON>` lines, an error "
+            "event if the request fails, then `data: [DONE]`.",
+        }
+    }
+    return {
+        200: {
+            "model": model,
+            "description": "The completion; with `stream: true`, server-sent events.",
+            "content": {"text/event-stream": sse},
+        },
+        **ERROR_RESPONSES,
+    }
 
 
 # ---- per-app state (app.state.engine, app.state.server_config) and the checks the routes share --------------
@@ -240,8 +299,12 @@ def check_api_key(request: Request, _: Any = Security(BEARER)) -> None:
     given_bytes = given.strip().encode()
     matches = [hmac.compare_digest(given_bytes, key.encode()) for key in keys]
     if not (any(matches) and scheme.lower() == "bearer"):
-        raise APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
-                       type="authentication_error", code="invalid_api_key")
+        raise APIError(
+            401,
+            "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+            type="authentication_error",
+            code="invalid_api_key",
+        )
     request.state.api_key_index = matches.index(True)
 
 
@@ -256,11 +319,12 @@ def cache_salt(request: Request, salt: str | None) -> str | None:
     if source == "api-key":
         tenant = "key:" + config_of(request).api_key[request.state.api_key_index]  # type: ignore[index]
     else:
-        name = source[len("header:"):]
+        name = source[len("header:") :]
         value = one_header(request, name)
         if value is None:
-            raise APIError(400, f"The {name} header is required (the server isolates prefix caches by it).",
-                           code="missing_header")
+            raise APIError(
+                400, f"The {name} header is required (the server isolates prefix caches by it).", code="missing_header"
+            )
         tenant = "header:" + value
     digest = hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()
     return digest if salt is None else f"{digest}:{salt}"
@@ -280,16 +344,24 @@ def check_model(config: ServerConfig, name: str | None) -> str:
     if name is None:
         return config.served_model_names[0]
     if name not in config.served_model_names:
-        raise APIError(404, f"The model '{name}' does not exist; served: {list(config.served_model_names)}.",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model '{name}' does not exist; served: {list(config.served_model_names)}.",
+            param="model",
+            code="model_not_found",
+        )
     return name
 
 
 def check_unicode(req: Any) -> None:
     param = invalid_unicode(req.model_dump(exclude_defaults=True))
     if param is not None:
-        raise APIError(400, f"{param} is not valid Unicode (it holds a lone UTF-16 surrogate).", param=param,
-                       code="invalid_unicode")
+        raise APIError(
+            400,
+            f"{param} is not valid Unicode (it holds a lone UTF-16 surrogate).",
+            param=param,
+            code="invalid_unicode",
+        )
 
 
 def sampling(engine: AsyncLLMEngine, req: Any, max_tokens: int | None, logprobs: int | None, **extra: Any) -> Any:
@@ -309,14 +381,21 @@ async def check_constraint(engine: AsyncLLMEngine, params: SamplingParams, param
     if params.structured_outputs is None:
         return
     from sparseserve.structured import structured_backend
+
     try:
         await asyncio.to_thread(lambda: structured_backend(engine.engine).compile(params.structured_outputs))
     except ParameterError as e:
         raise APIError(400, str(e), param=param or e.param) from None
 
 
-async def submit(engine: AsyncLLMEngine, prefix: str, prompt: str | list[int], params: Any, prompt_param: str,
-                 cache_salt: str | None = None) -> tuple[str, Any]:
+async def submit(
+    engine: AsyncLLMEngine,
+    prefix: str,
+    prompt: str | list[int],
+    params: Any,
+    prompt_param: str,
+    cache_salt: str | None = None,
+) -> tuple[str, Any]:
     llm = engine.engine
     request_id = random_id(prefix)
     if isinstance(prompt, str):  # tokenized here (off the event loop) to check the context length
@@ -325,10 +404,13 @@ async def submit(engine: AsyncLLMEngine, prefix: str, prompt: str | list[int], p
         prompt = await asyncio.to_thread(llm.tokenizer.encode, prompt)
     if params.max_tokens is not None and len(prompt) + params.max_tokens > llm.max_model_len:
         # vLLM refuses what it cannot finish; the prompt is at fault when not even one token fits after it
-        raise APIError(400, f"This model's maximum context length (max_model_len) is {llm.max_model_len} tokens; "
-                       f"the request asks for {len(prompt) + params.max_tokens} ({len(prompt)} in the prompt, "
-                       f"{params.max_tokens} to generate).",
-                       param=prompt_param if len(prompt) >= llm.max_model_len else "max_tokens")
+        raise APIError(
+            400,
+            f"This model's maximum context length (max_model_len) is {llm.max_model_len} tokens; "
+            f"the request asks for {len(prompt) + params.max_tokens} ({len(prompt)} in the prompt, "
+            f"{params.max_tokens} to generate).",
+            param=prompt_param if len(prompt) >= llm.max_model_len else "max_tokens",
+        )
     if cache_salt is not None:
         prompt = {"prompt_token_ids": prompt, "cache_salt": cache_salt}
     try:
@@ -365,20 +447,25 @@ router = APIRouter()
 @v1_router.get("/v1/models")
 async def show_available_models(raw: Request) -> ModelList:
     max_model_len = engine_of(raw).engine.max_model_len
-    return ModelList(data=[ModelCard(id=name, max_model_len=max_model_len)
-                           for name in config_of(raw).served_model_names])
+    return ModelList(
+        data=[ModelCard(id=name, max_model_len=max_model_len) for name in config_of(raw).served_model_names]
+    )
 
 
 @v1_router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, raw: Request) -> ModelCard:
     if model_id not in config_of(raw).served_model_names:
-        raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found",
-                       type="not_found_error")
+        raise APIError(
+            404,
+            f"The model '{model_id}' does not exist.",
+            param="model",
+            code="model_not_found",
+            type="not_found_error",
+        )
     return ModelCard(id=model_id, max_model_len=engine_of(raw).engine.max_model_len, root=model_id)
 
 
-@v1_router.post("/v1/completions", dependencies=[Depends(check_accepting)],
-                responses=_stream_doc(CompletionResponse))
+@v1_router.post("/v1/completions", dependencies=[Depends(check_accepting)], responses=_stream_doc(CompletionResponse))
 async def create_completion(req: CompletionRequest, raw: Request) -> Response:
     engine = engine_of(raw)
     check_unicode(req)
@@ -390,8 +477,7 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response:
         raise APIError(400, str(e), param=e.param) from None
     echo_only = req.echo and req.max_tokens == 0  # vLLM's: the prompt alone (one token generated and dropped)
     max_tokens = 1 if echo_only else 16 if req.max_tokens is None else req.max_tokens
-    params = sampling(engine, req, max_tokens, req.logprobs,
-                      prompt_logprobs=req.logprobs if req.echo else None)
+    params = sampling(engine, req, max_tokens, req.logprobs, prompt_logprobs=req.logprobs if req.echo else None)
     await check_constraint(engine, params, req.constraint_param())
     salt = cache_salt(raw, req.cache_salt)
     ids = [p if isinstance(p, list) else await asyncio.to_thread(tokenizer.encode, p) for p in prompts]
@@ -405,13 +491,22 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response:
         raise
     texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if req.echo else []
     info = Prompts(texts, ids, params.n)
-    fmt = CompletionFormat(submitted[0][0], model, req.logprobs, tokenizer, config_of(raw).enable_prompt_tokens_details,
-                           info, req.echo, echo_only)
+    fmt = CompletionFormat(
+        submitted[0][0],
+        model,
+        req.logprobs,
+        tokenizer,
+        config_of(raw).enable_prompt_tokens_details,
+        info,
+        req.echo,
+        echo_only,
+    )
     return await respond(fmt, PromptsStream([s for _, s in submitted], info), req, raw)
 
 
-@v1_router.post("/v1/chat/completions", dependencies=[Depends(check_accepting)],
-                responses=_stream_doc(ChatCompletionResponse))
+@v1_router.post(
+    "/v1/chat/completions", dependencies=[Depends(check_accepting)], responses=_stream_doc(ChatCompletionResponse)
+)
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
     engine = engine_of(raw)
     check_unicode(req)
@@ -421,8 +516,9 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
         raise APIError(400, f"The model '{model}' has no chat template; use /v1/completions.", param="messages")
     try:
         k = req.logprobs_k()
-        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
-                          parser_name(config_of(raw).tool_call_parser, tokenizer))
+        plan = plan_tools(
+            req.tools, req.tool_choice, req.parallel_tool_calls, parser_name(config_of(raw).tool_call_parser, tokenizer)
+        )
     except ParameterError as e:
         raise APIError(400, str(e), param=e.param) from None
     messages = message_dicts(req.messages)
@@ -433,8 +529,13 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
         else:
             messages, plan.template_tools = fallback_messages(messages, plan.tools), False
     try:
-        text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tools=tools, tokenize=False,
-                                       add_generation_prompt=req.add_generation_prompt)
+        text = await asyncio.to_thread(
+            tokenizer.apply_chat_template,
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=req.add_generation_prompt,
+        )
     except (TemplateError, ValueError, TypeError) as e:  # a template may refuse a conversation (roles out of order)
         raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from None
     prompt_ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
@@ -459,8 +560,12 @@ async def health(raw: Request) -> Response:
         return error_response(503, not_accepting(engine), type="service_unavailable", code=503)
     stuck = engine.seconds_without_progress()
     if stuck > timeout:
-        return error_response(503, f"The engine loop has not completed a step for {stuck:.0f} s "
-                              f"(--engine-watchdog-timeout {timeout:g}).", type="service_unavailable", code=503)
+        return error_response(
+            503,
+            f"The engine loop has not completed a step for {stuck:.0f} s (--engine-watchdog-timeout {timeout:g}).",
+            type="service_unavailable",
+            code=503,
+        )
     return Response(status_code=200)
 
 
@@ -524,8 +629,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     if engine.metrics is None:
         engine.metrics = ServerMetrics(lambda: engine.stats, config.served_model_names[0])
     # No Swagger UI or ReDoc: FastAPI's pages load their scripts from a public CDN. /openapi.json stays.
-    app = FastAPI(title="SparseServe", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None if config.disable_fastapi_docs else "/openapi.json")
+    app = FastAPI(
+        title="SparseServe",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None if config.disable_fastapi_docs else "/openapi.json",
+    )
     app.openapi = functools.partial(openapi_schema, app)  # type: ignore[method-assign]
     app.state.engine = engine
     app.state.server_config = config
@@ -562,20 +672,37 @@ def param_of(loc: tuple | list) -> str:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)  # positional MODEL and every engine flag, straight from EngineConfig
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="Address to listen on (default: 127.0.0.1, loopback only; 0.0.0.0 exposes the server).")
+    g.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="Address to listen on (default: 127.0.0.1, loopback only; 0.0.0.0 exposes the server).",
+    )
     g.add_argument("--port", type=int, default=8000, help="Port to listen on (default: %(default)s).")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="Model name(s) clients use in the `model` field (default: the model dir's name).")
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="Model name(s) clients use in the `model` field (default: the model dir's name).",
+    )
     env_key = os.environ.get("SPARSESERVE_API_KEY")
-    g.add_argument("--api-key", nargs="+", default=[env_key] if env_key else None,
-                   help="Require 'Authorization: Bearer KEY' on /v1 with one of these keys (default: "
-                        "$SPARSESERVE_API_KEY, else none).")
-    g.add_argument("--metrics-require-api-key", action="store_true",
-                   help="Require the API key on /metrics too (default: /metrics is open, like vLLM's).")
-    g.add_argument("--disable-fastapi-docs", action="store_true",
-                   help="Serve no OpenAPI document (/openapi.json; default: served). /docs and /redoc are never "
-                        "served: their pages load scripts from a public CDN.")
+    g.add_argument(
+        "--api-key",
+        nargs="+",
+        default=[env_key] if env_key else None,
+        help="Require 'Authorization: Bearer KEY' on /v1 with one of these keys (default: "
+        "$SPARSESERVE_API_KEY, else none).",
+    )
+    g.add_argument(
+        "--metrics-require-api-key",
+        action="store_true",
+        help="Require the API key on /metrics too (default: /metrics is open, like vLLM's).",
+    )
+    g.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="Serve no OpenAPI document (/openapi.json; default: served). /docs and /redoc are never "
+        "served: their pages load scripts from a public CDN.",
+    )
     for name in ("enable_prompt_tokens_details", "cache_salt_source", "tool_call_parser"):
         f = next(f for f in dataclasses.fields(ServerConfig) if f.name == name)
         flag, help = "--" + name.replace("_", "-"), f"{f.metadata['help']} (default: {f.default})"
@@ -583,42 +710,84 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             g.add_argument(flag, action="store_true", help=help)
         else:
             g.add_argument(flag, default=f.default, help=help)
-    g.add_argument("--max-request-body-bytes", type=parse_size, default=ServerConfig.max_request_body_bytes,
-                   help="Larger request bodies get 413; sizes like 16MiB work (default: %(default)s).")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="Seconds in-flight requests get to finish after SIGINT/SIGTERM; those still running then end "
-                        "with an error event (streams) or a 503 (default: %(default)s).")
-    g.add_argument("--max-unread-stream-tokens", type=int, default=MAX_UNREAD_STREAM_TOKENS,
-                   help="A stream whose client leaves more than this many tokens of output unread is aborted, its "
-                        "KV blocks freed: a stream's queued output stays bounded (default: %(default)s).")
-    g.add_argument("--engine-watchdog-timeout", type=float, default=ServerConfig.engine_watchdog_timeout,
-                   help="/health answers 503 when the engine loop has work but has not completed a step for this "
-                        "many seconds (default: %(default)s).")
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=parse_size,
+        default=ServerConfig.max_request_body_bytes,
+        help="Larger request bodies get 413; sizes like 16MiB work (default: %(default)s).",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="Seconds in-flight requests get to finish after SIGINT/SIGTERM; those still running then end "
+        "with an error event (streams) or a 503 (default: %(default)s).",
+    )
+    g.add_argument(
+        "--max-unread-stream-tokens",
+        type=int,
+        default=MAX_UNREAD_STREAM_TOKENS,
+        help="A stream whose client leaves more than this many tokens of output unread is aborted, its "
+        "KV blocks freed: a stream's queued output stays bounded (default: %(default)s).",
+    )
+    g.add_argument(
+        "--engine-watchdog-timeout",
+        type=float,
+        default=ServerConfig.engine_watchdog_timeout,
+        help="/health answers 503 when the engine loop has work but has not completed a step for this "
+        "many seconds (default: %(default)s).",
+    )
     limits = ClientLimits()
-    g.add_argument("--timeout-header-read", type=float, default=limits.header_timeout,
-                   help="Seconds a client has to send a request's headers, from their first byte (or the "
-                        "connection's opening); then 408 and the connection is closed (default: %(default)s).")
-    g.add_argument("--timeout-body-read", type=float, default=limits.body_timeout,
-                   help="Seconds a client has to send a request's body once its headers arrived; then 408 and the "
-                        "connection is closed (default: %(default)s).")
-    g.add_argument("--timeout-keep-alive", type=float, default=limits.keep_alive_timeout,
-                   help="Seconds an idle kept-alive connection stays open (uvicorn's; default: %(default)s).")
-    g.add_argument("--limit-concurrency", type=int, default=limits.max_connections,
-                   help="Most connections open at once; requests on connections beyond get 503 (default: "
-                        "%(default)s).")
-    g.add_argument("--max-pending-connections-per-client", type=int, default=limits.max_pending_per_client,
-                   help="Most connections one client address holds without a whole request (opening, sending a "
-                        "request, idle between requests); one more closes its oldest such connection, so no client "
-                        "takes every slot; 0: no limit. Behind a reverse proxy every client is the proxy's address "
-                        "(default: %(default)s).")
-    g.add_argument("--socket-send-buffer-bytes", type=parse_size, default=None,
-                   help="Send buffers of each connection (the kernel's SO_SNDBUF and the server's write buffer), "
-                        "e.g. 256KiB: what a client that stops reading leaves queued before back-pressure reaches "
-                        "its request (default: the kernel's autotuning, up to net.ipv4.tcp_wmem's maximum, and 64 "
-                        "KiB).")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="Log level of uvicorn (default: %(default)s).")
+    g.add_argument(
+        "--timeout-header-read",
+        type=float,
+        default=limits.header_timeout,
+        help="Seconds a client has to send a request's headers, from their first byte (or the "
+        "connection's opening); then 408 and the connection is closed (default: %(default)s).",
+    )
+    g.add_argument(
+        "--timeout-body-read",
+        type=float,
+        default=limits.body_timeout,
+        help="Seconds a client has to send a request's body once its headers arrived; then 408 and the "
+        "connection is closed (default: %(default)s).",
+    )
+    g.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=limits.keep_alive_timeout,
+        help="Seconds an idle kept-alive connection stays open (uvicorn's; default: %(default)s).",
+    )
+    g.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=limits.max_connections,
+        help="Most connections open at once; requests on connections beyond get 503 (default: %(default)s).",
+    )
+    g.add_argument(
+        "--max-pending-connections-per-client",
+        type=int,
+        default=limits.max_pending_per_client,
+        help="Most connections one client address holds without a whole request (opening, sending a "
+        "request, idle between requests); one more closes its oldest such connection, so no client "
+        "takes every slot; 0: no limit. Behind a reverse proxy every client is the proxy's address "
+        "(default: %(default)s).",
+    )
+    g.add_argument(
+        "--socket-send-buffer-bytes",
+        type=parse_size,
+        default=None,
+        help="Send buffers of each connection (the kernel's SO_SNDBUF and the server's write buffer), "
+        "e.g. 256KiB: what a client that stops reading leaves queued before back-pressure reaches "
+        "its request (default: the kernel's autotuning, up to net.ipv4.tcp_wmem's maximum, and 64 "
+        "KiB).",
+    )
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="Log level of uvicorn (default: %(default)s).",
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -630,40 +799,55 @@ def is_loopback(host: str) -> bool:
 
 
 def client_limits_from_args(args: argparse.Namespace) -> ClientLimits:
-    return ClientLimits(header_timeout=args.timeout_header_read, body_timeout=args.timeout_body_read,
-                        max_connections=args.limit_concurrency, keep_alive_timeout=args.timeout_keep_alive,
-                        max_pending_per_client=args.max_pending_connections_per_client or None,
-                        send_buffer_bytes=args.socket_send_buffer_bytes)
+    return ClientLimits(
+        header_timeout=args.timeout_header_read,
+        body_timeout=args.timeout_body_read,
+        max_connections=args.limit_concurrency,
+        keep_alive_timeout=args.timeout_keep_alive,
+        max_pending_per_client=args.max_pending_connections_per_client or None,
+        send_buffer_bytes=args.socket_send_buffer_bytes,
+    )
 
 
 def run_server(args: argparse.Namespace) -> None:
     from sparseserve.engine.engine import LLMEngine
 
     # Checked before the engine loads (seconds to minutes); the model's name is filled in after.
-    config = ServerConfig(served_model_names=tuple(args.served_model_name or [""]),
-                          api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
-                          metrics_require_api_key=args.metrics_require_api_key,
-                          disable_fastapi_docs=args.disable_fastapi_docs,
-                          engine_watchdog_timeout=args.engine_watchdog_timeout,
-                          enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                          cache_salt_source=args.cache_salt_source, tool_call_parser=args.tool_call_parser)
+    config = ServerConfig(
+        served_model_names=tuple(args.served_model_name or [""]),
+        api_key=args.api_key,
+        max_request_body_bytes=args.max_request_body_bytes,
+        metrics_require_api_key=args.metrics_require_api_key,
+        disable_fastapi_docs=args.disable_fastapi_docs,
+        engine_watchdog_timeout=args.engine_watchdog_timeout,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        cache_salt_source=args.cache_salt_source,
+        tool_call_parser=args.tool_call_parser,
+    )
     engine = LLMEngine.from_kwargs(**engine_kwargs_from_args(args))
     if not args.served_model_name:
         config = dataclasses.replace(config, served_model_names=(engine.model_name,))
     async_engine = AsyncLLMEngine(engine, max_unread_tokens=args.max_unread_stream_tokens)
     app = build_app(async_engine, config)
     limits = client_limits_from_args(args)
-    effective = {**dataclasses.asdict(engine.config), "max_model_len": engine.max_model_len,
-                 "num_kv_blocks": engine.get_stats().num_blocks_total, "host": args.host, "port": args.port,
-                 **dataclasses.asdict(config), "api_key": "set" if args.api_key else "none",
-                 **dataclasses.asdict(limits), "shutdown_timeout": args.shutdown_timeout}
+    effective = {
+        **dataclasses.asdict(engine.config),
+        "max_model_len": engine.max_model_len,
+        "num_kv_blocks": engine.get_stats().num_blocks_total,
+        "host": args.host,
+        "port": args.port,
+        **dataclasses.asdict(config),
+        "api_key": "set" if args.api_key else "none",
+        **dataclasses.asdict(limits),
+        "shutdown_timeout": args.shutdown_timeout,
+    }
     logger.info("effective config: %s", json.dumps(effective, default=str))
     if not is_loopback(args.host) and not args.api_key:
         logger.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
-    server = DrainingServer(uvicorn_config(app, args.host, args.port, limits, args.uvicorn_log_level),
-                            async_engine, args.shutdown_timeout)
+    server = DrainingServer(
+        uvicorn_config(app, args.host, args.port, limits, args.uvicorn_log_level), async_engine, args.shutdown_timeout
+    )
     server.run()
 
 
 main = run_server  # `sparseserve serve` dispatches to the module's main(args)
-

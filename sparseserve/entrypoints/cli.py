@@ -1,5 +1,6 @@
 """`sparseserve` command line: generate, serve, calibrate, bench. Engine flags come from the config dataclasses,
 so every LLM keyword argument is a flag of the same name with dashes."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,11 +14,13 @@ from sparseserve.config import EngineConfig, parse_size
 
 _TYPES = {"int": int, "float": float, "str": str}
 # `sparseserve bench NAME` runs module NAME's add_cli_args(parser) + main(args).
-BENCHMARKS = {"serve": ("sparseserve.bench.serve", "Load-test an OpenAI-compatible server."),
-              "accuracy": ("sparseserve.bench.accuracy", "Long-context task accuracy per attention policy."),
-              "throughput": ("sparseserve.bench.throughput", "Offline generation throughput vs transformers."),
-              "parity": ("sparseserve.bench.parity", "Prompt logits and greedy tokens vs transformers."),
-              "kernels": ("sparseserve.bench.kernels", "Attention kernels vs torch SDPA (GPU).")}
+BENCHMARKS = {
+    "serve": ("sparseserve.bench.serve", "Load-test an OpenAI-compatible server."),
+    "accuracy": ("sparseserve.bench.accuracy", "Long-context task accuracy per attention policy."),
+    "throughput": ("sparseserve.bench.throughput", "Offline generation throughput vs transformers."),
+    "parity": ("sparseserve.bench.parity", "Prompt logits and greedy tokens vs transformers."),
+    "kernels": ("sparseserve.bench.kernels", "Attention kernels vs torch SDPA (GPU)."),
+}
 
 
 def size(text: str) -> int:
@@ -42,8 +45,12 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
         if f.name == "model":
             if positional_model:  # `serve MODEL` or `serve --model MODEL`, as in vLLM
                 group.add_argument("model", nargs="?", default=None, help=_help(f))
-                group.add_argument("--model", dest="model_option", default=None,
-                                   help="Same as MODEL (default: MODEL, else the embedded model).")
+                group.add_argument(
+                    "--model",
+                    dest="model_option",
+                    default=None,
+                    help="Same as MODEL (default: MODEL, else the embedded model).",
+                )
             else:
                 group.add_argument("--model", default=None, help=_help(f))
             continue
@@ -73,10 +80,14 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="Generate completions offline.")
     add_engine_args(p)
-    p.add_argument("--prompt", action="append",
-                   help="A prompt (repeatable; default: a short sentence when no --prompt-file is given).")
-    p.add_argument("--prompt-file", help="Read one prompt from a file, e.g. a long document with a question "
-                                         "(default: none).")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        help="A prompt (repeatable; default: a short sentence when no --prompt-file is given).",
+    )
+    p.add_argument(
+        "--prompt-file", help="Read one prompt from a file, e.g. a long document with a question (default: none)."
+    )
     p.add_argument("--chat", action="store_true", help="Wrap each prompt in the model's chat template (default: off).")
     p.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate per prompt (default: %(default)s).")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s).")
@@ -95,8 +106,9 @@ def _run_generate(args: argparse.Namespace) -> None:
     if not prompts:
         prompts = ["The best way to learn a new language is"]
     llm = LLM(**engine_kwargs_from_args(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+    )
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
@@ -120,10 +132,20 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparseserve", description="Long-context LLM serving with sparse attention.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    _add_module_command(sub, "serve", "sparseserve.entrypoints.api_server", "Start the OpenAI-compatible server.",
-                        load=argv[:1] == ["serve"])
-    _add_module_command(sub, "calibrate", "sparseserve.calibration.cli",
-                        "Calibrate streaming heads or sparse prefill thresholds.", load=argv[:1] == ["calibrate"])
+    _add_module_command(
+        sub,
+        "serve",
+        "sparseserve.entrypoints.api_server",
+        "Start the OpenAI-compatible server.",
+        load=argv[:1] == ["serve"],
+    )
+    _add_module_command(
+        sub,
+        "calibrate",
+        "sparseserve.calibration.cli",
+        "Calibrate streaming heads or sparse prefill thresholds.",
+        load=argv[:1] == ["calibrate"],
+    )
     bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench", required=True)
     for name, (module, help) in BENCHMARKS.items():
         _add_module_command(bench, name, module, help, load=argv[:2] == ["bench", name])

@@ -16,6 +16,7 @@ graceful drain on SIGINT/SIGTERM.
   then does uvicorn close the connections, so no task is cancelled mid-response. A second signal aborts at once.
   The process exits with status 0 (uvicorn would re-raise the signal).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,8 +56,10 @@ def error_bytes(status: int, message: str, type: str) -> bytes:
     """A whole HTTP/1.1 response with an OpenAI-style error body that closes the connection, for the
     moments where no ASGI response can be sent (the request never arrived whole)."""
     body = json.dumps({"error": {"message": message, "type": type, "param": None, "code": status}}).encode()
-    head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+    head = (
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -65,9 +68,15 @@ def error_app(status: int, message: str, type: str) -> Any:
     body = json.dumps({"error": {"message": message, "type": type, "param": None, "code": status}}).encode()
 
     async def app(scope: dict, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
+
     return app
 
 
@@ -75,6 +84,7 @@ class GuardedH11Protocol(H11Protocol):
     """See the module docstring. `limits`, `pending` and `closing` are set on the subclass that `guarded_protocol`
     makes: `pending` maps a client address to its connections without a whole request, oldest first; `closing`
     holds the connections closed here whose loss asyncio has not reported yet (they hold no slot)."""
+
     limits = ClientLimits()
     pending: dict[str, dict[GuardedH11Protocol, None]] = {}
     closing: set[GuardedH11Protocol] = set()
@@ -114,8 +124,11 @@ class GuardedH11Protocol(H11Protocol):
         self._watch()
         limit = self.limits.max_connections
         if limit is not None and len(self.connections) - len(self.closing) > limit:
-            self.app = error_app(503, f"The server has {limit} connections open (--limit-concurrency); retry later.",
-                                 "service_unavailable")
+            self.app = error_app(
+                503,
+                f"The server has {limit} connections open (--limit-concurrency); retry later.",
+                "service_unavailable",
+            )
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -182,8 +195,12 @@ class GuardedH11Protocol(H11Protocol):
 
     def _evict(self) -> None:
         logger.info("closing the oldest pending connection of %s (--max-pending-connections-per-client)", self._host)
-        self._close_with(self._phase or "headers", 503, "Too many connections without a whole request from this "
-                         "address; this one, its oldest, is closed.", "service_unavailable")
+        self._close_with(
+            self._phase or "headers",
+            503,
+            "Too many connections without a whole request from this address; this one, its oldest, is closed.",
+            "service_unavailable",
+        )
 
     def _close_with(self, phase: str, status: int, message: str, type: str) -> None:
         """Ends a connection whose request (its `phase`) did not arrive: an error response unless one started,
@@ -204,8 +221,9 @@ class GuardedH11Protocol(H11Protocol):
             return
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
         logger.info("closing the connection of %s: request %s not received within %g s", client, phase, timeout)
-        self._close_with(phase, 408, f"The request {phase} did not arrive within {timeout:g} s.",
-                         "invalid_request_error")
+        self._close_with(
+            phase, 408, f"The request {phase} did not arrive within {timeout:g} s.", "invalid_request_error"
+        )
 
 
 def guarded_protocol(limits: ClientLimits) -> type[GuardedH11Protocol]:
@@ -257,8 +275,11 @@ class DrainingServer(uvicorn.Server):
     def _on_shutdown_request(self) -> None:
         assert self._force is not None
         if self._drain_task is None:
-            logger.info("shutting down: new requests get 503; %d request(s) in flight get up to %g s",
-                        self.engine.num_requests, self.shutdown_timeout)
+            logger.info(
+                "shutting down: new requests get 503; %d request(s) in flight get up to %g s",
+                self.engine.num_requests,
+                self.shutdown_timeout,
+            )
             self._drain_task = asyncio.ensure_future(self._drain())
         elif not self._force.is_set():
             logger.info("shutting down now: aborting the requests in flight")
@@ -282,14 +303,21 @@ class DrainingServer(uvicorn.Server):
 
 
 def uvicorn_config(app: Any, host: str, port: int, limits: ClientLimits, log_level: str = "info") -> uvicorn.Config:
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=guarded_protocol(limits),
-                          timeout_keep_alive=limits.keep_alive_timeout,  # type: ignore[arg-type]
-                          timeout_graceful_shutdown=int(RESPONSE_GRACE_S))
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=guarded_protocol(limits),
+        timeout_keep_alive=limits.keep_alive_timeout,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=int(RESPONSE_GRACE_S),
+    )
 
 
 @contextlib.contextmanager
-def running_server(app: Any, engine: Any, host: str = "127.0.0.1", limits: ClientLimits = ClientLimits(),
-                   shutdown_timeout: float = 5.0) -> Iterator[tuple[str, DrainingServer]]:
+def running_server(
+    app: Any, engine: Any, host: str = "127.0.0.1", limits: ClientLimits = ClientLimits(), shutdown_timeout: float = 5.0
+) -> Iterator[tuple[str, DrainingServer]]:
     """Runs `app` in a background thread on a free port; yields its base URL and the server. For tests and
     harnesses that need a real socket (streaming, disconnects, slow clients, the openai client)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

@@ -3,6 +3,7 @@
 Requests ignore unknown fields, as OpenAI-compatible servers do, so clients that send extra
 options keep working; options we accept but cannot honour are rejected explicitly instead.
 """
+
 from __future__ import annotations
 
 import time
@@ -70,12 +71,14 @@ class JsonSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     """OpenAI's response_format: text (free), json_object (any JSON object) or json_schema."""
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
 class StructuredOutputsRequest(BaseModel):
     """vLLM's `structured_outputs` field: exactly one of json, regex, choice, grammar, json_object."""
+
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
@@ -121,16 +124,34 @@ class _SamplingRequest(BaseModel):
         the request's field). extra: more SamplingParams fields (prompt_logprobs, a tool choice's constraint)."""
         if self.stream_options is not None and not self.stream:
             raise ParameterError("stream_options can only be set with stream=true", "stream_options")
-        kw: dict[str, Any] = dict(n=self.n, temperature=self.temperature, top_p=self.top_p,
-                                  max_tokens=max_tokens, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
-                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
-        optional = dict(top_k=self.top_k, min_p=self.min_p, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                        seed=self.seed, logprobs=logprobs, repetition_penalty=self.repetition_penalty,
-                        logit_bias=self.logit_bias, structured_outputs=self.structured_constraint())
+        kw: dict[str, Any] = dict(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=max_tokens,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+        )
+        optional = dict(
+            top_k=self.top_k,
+            min_p=self.min_p,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            seed=self.seed,
+            logprobs=logprobs,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            structured_outputs=self.structured_constraint(),
+        )
         kw.update({k: v for k, v in optional.items() if v is not None})
         if "structured_outputs" in kw and extra.get("structured_outputs") is not None:
-            raise ParameterError("a tool_choice of required or a named function constrains the output itself; "
-                                 "it cannot be combined with response_format or structured_outputs", "tool_choice")
+            raise ParameterError(
+                "a tool_choice of required or a named function constrains the output itself; "
+                "it cannot be combined with response_format or structured_outputs",
+                "tool_choice",
+            )
         kw.update({k: v for k, v in extra.items() if v is not None})
         return SamplingParams(**kw)
 
@@ -140,8 +161,9 @@ class _SamplingRequest(BaseModel):
         if not found:
             return None
         if len(found) > 1:
-            raise ParameterError(f"the output can have one constraint; got {', '.join(p for p, _ in found)}",
-                                 found[1][0])
+            raise ParameterError(
+                f"the output can have one constraint; got {', '.join(p for p, _ in found)}", found[1][0]
+            )
         param, fields = found[0]
         try:
             return StructuredOutputsParams(**fields)
@@ -160,15 +182,26 @@ class _SamplingRequest(BaseModel):
             found.append(("response_format", {"json_object": True}))
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.json_schema is None:
-                raise ParameterError("response_format of type json_schema needs json_schema.schema",
-                                     "response_format.json_schema")
+                raise ParameterError(
+                    "response_format of type json_schema needs json_schema.schema", "response_format.json_schema"
+                )
             found.append(("response_format", {"json": rf.json_schema.json_schema}))
         so = self.structured_outputs
         if so is not None:
-            fields = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
-                      "json_object": so.json_object}
-            found.append(("structured_outputs", {k: v for k, v in fields.items() if v is not None}
-                          | {"disable_any_whitespace": so.disable_any_whitespace}))
+            fields = {
+                "json": so.json_,
+                "regex": so.regex,
+                "choice": so.choice,
+                "grammar": so.grammar,
+                "json_object": so.json_object,
+            }
+            found.append(
+                (
+                    "structured_outputs",
+                    {k: v for k, v in fields.items() if v is not None}
+                    | {"disable_any_whitespace": so.disable_any_whitespace},
+                )
+            )
         for kind in ("json", "regex", "choice", "grammar"):
             value = getattr(self, f"guided_{kind}")
             if value is not None:
@@ -183,6 +216,7 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     """prompt: one prompt (a string or token ids) or a list of them, each its own choices (index = prompt * n +
     choice, as OpenAI's)."""
+
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     logprobs: Int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
@@ -227,7 +261,7 @@ class ChatMessage(BaseModel):
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None           # a tool's answer: to which call
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -1,5 +1,6 @@
 """Turning engine outputs into OpenAI responses: logprobs, stream deltas, SSE events, and the
 final output of a non-streamed request (watching for a client that goes away)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,11 +13,26 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from sparseserve.engine.async_engine import RequestAborted
-from sparseserve.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
-                                              ChatResponseMessage, ChatStreamChoice, CompletionChoice,
-                                              CompletionLogprobs, CompletionResponse, ErrorInfo, ErrorResponse,
-                                              FunctionCall, PromptTokensDetails, TokenLogprob, ToolCall, TopLogprob,
-                                              UsageInfo, random_id)
+from sparseserve.entrypoints.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    ErrorInfo,
+    ErrorResponse,
+    FunctionCall,
+    PromptTokensDetails,
+    TokenLogprob,
+    ToolCall,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
 from sparseserve.entrypoints.tools import ToolPlan, ToolStream, output_calls
 from sparseserve.outputs import CompletionOutput
 
@@ -25,12 +41,14 @@ logger = logging.getLogger(__name__)
 
 def _top(entry: dict[int, Any], k: int) -> list[tuple[int, Any]]:
     """The k best alternatives of one position, best first."""
-    return sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and 1 <= lp.rank <= k),
-                  key=lambda t_lp: t_lp[1].rank)
+    return sorted(
+        ((t, lp) for t, lp in entry.items() if lp.rank is not None and 1 <= lp.rank <= k), key=lambda t_lp: t_lp[1].rank
+    )
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Any]], k: int, offset: int,
-                        decode: Any) -> CompletionLogprobs:
+def completion_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Any]], k: int, offset: int, decode: Any
+) -> CompletionLogprobs:
     """Legacy completions format; `offset` is the text offset of the first token."""
     out = CompletionLogprobs()
     for tid, entry in zip(token_ids, logprobs):
@@ -38,8 +56,11 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Any]], k:
         token = sampled.decoded_token if sampled.decoded_token is not None else decode(tid)
         out.tokens.append(token)
         out.token_logprobs.append(sampled.logprob)
-        out.top_logprobs.append({(lp.decoded_token if lp.decoded_token is not None else decode(t)): lp.logprob
-                                 for t, lp in _top(entry, k)} if k else None)
+        out.top_logprobs.append(
+            {(lp.decoded_token if lp.decoded_token is not None else decode(t)): lp.logprob for t, lp in _top(entry, k)}
+            if k
+            else None
+        )
         out.text_offset.append(offset)
         offset += len(token)
     return out
@@ -64,6 +85,7 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Any]], k: int, 
 @dataclass
 class Delta:
     """What one choice gained since the last chunk."""
+
     index: int
     text: str
     token_ids: list[int]
@@ -76,6 +98,7 @@ class Delta:
 class StreamState:
     """Per-choice progress of a response, built from the engine's deltas (the engine holds back the text
     that a stop string may still cut, so every delta's text is final)."""
+
     prompt_tokens: int = 0
     cached_tokens: int | None = None
     text_len: dict[int, int] = field(default_factory=dict)
@@ -106,13 +129,18 @@ def num_prompt_tokens(out: Any) -> int:
 
 def usage_of(out: Any) -> UsageInfo:
     """Usage of a cumulative (folded) output."""
-    return usage_info(num_prompt_tokens(out), sum(len(c.token_ids) for c in out.outputs),
-                      getattr(out, "num_cached_tokens", None))
+    return usage_info(
+        num_prompt_tokens(out), sum(len(c.token_ids) for c in out.outputs), getattr(out, "num_cached_tokens", None)
+    )
 
 
 def usage_info(prompt: int, completion: int, cached: int | None) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=None if cached is None else PromptTokensDetails(cached_tokens=cached))
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=None if cached is None else PromptTokensDetails(cached_tokens=cached),
+    )
 
 
 def reported(usage: UsageInfo, cached_tokens: bool) -> UsageInfo:
@@ -124,9 +152,17 @@ class CompletionFormat:
     """Completions' responses. prompts: the request's prompts (echo: each choice's text and logprobs start with
     its prompt's; echo_only: max_tokens 0, the one generated token is dropped)."""
 
-    def __init__(self, request_id: str, model: str, logprobs: int | None, tokenizer: Any,
-                 cached_tokens: bool = False, prompts: Prompts | None = None, echo: bool = False,
-                 echo_only: bool = False) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        logprobs: int | None,
+        tokenizer: Any,
+        cached_tokens: bool = False,
+        prompts: Prompts | None = None,
+        echo: bool = False,
+        echo_only: bool = False,
+    ) -> None:
         self.id, self.model, self.k, self.cached_tokens = request_id, model, logprobs, cached_tokens
         self._decode = lambda tid: tokenizer.decode([tid])
         self.prompts, self.echo, self.echo_only = prompts, echo, echo_only
@@ -138,8 +174,9 @@ class CompletionFormat:
             return None
         return completion_logprobs(token_ids, lps, self.k, offset, self._decode)
 
-    def _choice(self, index: int, text: str, token_ids: list[int], lps: Any, finish: str | None,
-                first: bool) -> CompletionChoice:
+    def _choice(
+        self, index: int, text: str, token_ids: list[int], lps: Any, finish: str | None, first: bool
+    ) -> CompletionChoice:
         if self.echo_only:
             text, token_ids, lps = "", [], [] if lps is not None else None
         offset = self._offset.get(index, 0)
@@ -170,8 +207,9 @@ class CompletionFormat:
             token = self._decode(tid)
             out.tokens.append(token)
             out.token_logprobs.append(None if entry is None else entry[tid].logprob)
-            out.top_logprobs.append(None if entry is None else
-                                    {self._decode(t): lp.logprob for t, lp in _top(entry, self.k)})
+            out.top_logprobs.append(
+                None if entry is None else {self._decode(t): lp.logprob for t, lp in _top(entry, self.k)}
+            )
             out.text_offset.append(offset)
             offset += len(token)
         return out
@@ -189,17 +227,26 @@ class CompletionFormat:
         return CompletionResponse(id=self.id, model=self.model, choices=[], usage=reported(usage, self.cached_tokens))
 
     def full_response(self, out: Any) -> BaseModel:
-        choices = [self._choice(c.index, c.text, list(c.token_ids), c.logprobs, c.finish_reason, True)
-                   for c in out.outputs]
-        return CompletionResponse(id=self.id, model=self.model, choices=choices,
-                                  usage=reported(usage_of(out), self.cached_tokens))
+        choices = [
+            self._choice(c.index, c.text, list(c.token_ids), c.logprobs, c.finish_reason, True) for c in out.outputs
+        ]
+        return CompletionResponse(
+            id=self.id, model=self.model, choices=choices, usage=reported(usage_of(out), self.cached_tokens)
+        )
 
 
 class ChatFormat:
     """Chat responses; tools: the request's tool plan (tools.py: the output's calls, streamed or whole)."""
 
-    def __init__(self, request_id: str, model: str, top_logprobs: int | None, tokenizer: Any,
-                 cached_tokens: bool = False, tools: ToolPlan | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        top_logprobs: int | None,
+        tokenizer: Any,
+        cached_tokens: bool = False,
+        tools: ToolPlan | None = None,
+    ) -> None:
         self.id, self.model, self.k, self.cached_tokens = request_id, model, top_logprobs, cached_tokens
         self._decode = lambda tid: tokenizer.decode([tid])
         self._role_sent: set[int] = set()
@@ -232,9 +279,20 @@ class ChatFormat:
             if d.index not in self._role_sent:  # OpenAI opens every choice with its role
                 self._role_sent.add(d.index)
                 delta["role"] = "assistant"
-            out.append(ChatCompletionChunk(id=self.id, model=self.model, choices=[ChatStreamChoice(
-                index=d.index, delta=delta, logprobs=self._logprobs(d.token_ids, d.logprobs),
-                finish_reason=finish)]))
+            out.append(
+                ChatCompletionChunk(
+                    id=self.id,
+                    model=self.model,
+                    choices=[
+                        ChatStreamChoice(
+                            index=d.index,
+                            delta=delta,
+                            logprobs=self._logprobs(d.token_ids, d.logprobs),
+                            finish_reason=finish,
+                        )
+                    ],
+                )
+            )
         return out
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
@@ -244,18 +302,27 @@ class ChatFormat:
         if self.tools is None:
             return ChatResponseMessage(content=c.text), c.finish_reason
         content, calls = output_calls(self.tools, c.text)
-        message = ChatResponseMessage(content=content, tool_calls=[
-            ToolCall(function=FunctionCall(name=call.name, arguments=call.arguments)) for call in calls])
+        message = ChatResponseMessage(
+            content=content,
+            tool_calls=[ToolCall(function=FunctionCall(name=call.name, arguments=call.arguments)) for call in calls],
+        )
         return message, self._finish_reason(c.finish_reason, len(calls))
 
     def full_response(self, out: Any) -> BaseModel:
         choices = []
         for c in out.outputs:
             message, finish = self._message(c)
-            choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish,
-                                      logprobs=self._logprobs(list(c.token_ids), c.logprobs)))
-        return ChatCompletionResponse(id=self.id, model=self.model, choices=choices,
-                                      usage=reported(usage_of(out), self.cached_tokens))
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=message,
+                    finish_reason=finish,
+                    logprobs=self._logprobs(list(c.token_ids), c.logprobs),
+                )
+            )
+        return ChatCompletionResponse(
+            id=self.id, model=self.model, choices=choices, usage=reported(usage_of(out), self.cached_tokens)
+        )
 
 
 # ---- a completion request's prompts --------------------------------------------------------------------------
@@ -265,6 +332,7 @@ class ChatFormat:
 class Prompts:
     """A completion request's prompts as submitted (their text for echo, their tokens), `n` choices each; the
     prompt logprobs (per prompt index) fill in as the engine sends them."""
+
     texts: list[str]
     token_ids: list[list[int]]
     n: int
@@ -274,6 +342,7 @@ class Prompts:
 @dataclass
 class PromptsOutput:
     """A delta (or the folded output) of a completion request's prompts: choices indexed prompt * n + choice."""
+
     outputs: list[CompletionOutput]
     finished: bool
     num_prompt_tokens: int
@@ -329,9 +398,18 @@ class PromptsStream:
             self.prompts.logprobs[p] = out.prompt_logprobs
         if out.num_cached_tokens is not None:
             self._cached[p] = out.num_cached_tokens
-        outputs = [CompletionOutput(p * n + c.index, c.text, list(c.token_ids), c.cumulative_logprob,
-                                    list(c.logprobs) if c.logprobs is not None else None, c.finish_reason,
-                                    c.stop_reason) for c in out.outputs]
+        outputs = [
+            CompletionOutput(
+                p * n + c.index,
+                c.text,
+                list(c.token_ids),
+                c.cumulative_logprob,
+                list(c.logprobs) if c.logprobs is not None else None,
+                c.finish_reason,
+                c.stop_reason,
+            )
+            for c in out.outputs
+        ]
         finished = all(s.finished for s in self.streams)
         cached = sum(self._cached.values()) if self._cached else None
         return PromptsOutput(outputs, finished, sum(map(len, self.prompts.token_ids)), cached)
@@ -373,6 +451,7 @@ async def sse_events(fmt: Any, stream: Any, include_usage: bool) -> AsyncIterato
 async def last_output(stream: Any, raw: Request) -> Any | None:
     """The whole (folded) output of a non-streamed request, or None when the client went away first
     (nothing else notices a disconnect before the response is written)."""
+
     async def collect() -> Any:
         total = None
         async for out in stream:

@@ -4,6 +4,7 @@ hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, text 
 (Qwen2.5, Qwen3, Hermes). llama3_json: Llama 3.1/3.2's JSON calls, `{"name": ..., "parameters": {...}}`, several
 separated by `;`, optionally after `<|python_tag|>`; an output that is not all calls is content.
 """
+
 from __future__ import annotations
 
 import json
@@ -86,7 +87,7 @@ class Llama3JsonParser(ToolParser):
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         body = text.strip()
         if body.startswith(self.TAG):
-            body = body[len(self.TAG):].lstrip()
+            body = body[len(self.TAG) :].lstrip()
         if not body.startswith("{"):
             return text, []
         decoder, calls, at = json.JSONDecoder(), [], 0
@@ -108,7 +109,7 @@ class Llama3JsonParser(ToolParser):
 
     def stream_hold(self, text: str) -> int:
         body = text.lstrip()
-        if not body or body.startswith("{") or self.TAG.startswith(body[:len(self.TAG)]):
+        if not body or body.startswith("{") or self.TAG.startswith(body[: len(self.TAG)]):
             return 0  # a call may be coming: hold everything
         return len(text)
 

@@ -9,6 +9,7 @@ and the response.
 A chat template that does not render tools (the embedded model's) gets them in a system message instead,
 with the JSON format the llama3_json parser reads (`fallback_messages`).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,20 +25,21 @@ PROBE_NAME = "sparseserve_probe_tool_7f3a"  # a name no template writes unless i
 
 @dataclass
 class ToolPlan:
-    choice: str                                # none, auto, required or named
-    tools: list[dict[str, Any]]                # OpenAI's tool objects
-    name: str | None = None                    # the named function
-    parser: ToolParser | None = None           # auto: reads the output
+    choice: str  # none, auto, required or named
+    tools: list[dict[str, Any]]  # OpenAI's tool objects
+    name: str | None = None  # the named function
+    parser: ToolParser | None = None  # auto: reads the output
     constraint: StructuredOutputsParams | None = None  # required / named: the output's JSON schema
-    template_tools: bool = True                # the chat template renders them (else a system message does)
+    template_tools: bool = True  # the chat template renders them (else a system message does)
 
     @property
     def calls_expected(self) -> bool:
         return self.choice in ("auto", "required", "named")
 
 
-def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool,
-               parser_name: str) -> ToolPlan | None:
+def plan_tools(
+    tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool, parser_name: str
+) -> ToolPlan | None:
     """The request's plan, None without tools; ParameterError (param tools / tool_choice) for what is invalid."""
     if not tools:
         if tool_choice not in (None, "none"):
@@ -50,8 +52,7 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
     for t in specs:
         params = t["function"].get("parameters")
         if params is not None and params.get("type", "object") != "object":
-            raise ParameterError(f"the parameters of tool {t['function']['name']!r} must be an object schema",
-                                 "tools")
+            raise ParameterError(f"the parameters of tool {t['function']['name']!r} must be an object schema", "tools")
     if tool_choice is None or isinstance(tool_choice, str):
         choice = tool_choice or "auto"
         plan = ToolPlan(choice, specs)
@@ -69,10 +70,18 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
 
 def calls_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """A JSON array of one or more calls, each {"name": one tool's name, "parameters": its arguments}."""
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-              "properties": {"name": {"const": t["function"]["name"]},
-                             "parameters": t["function"].get("parameters") or {"type": "object"}}}
-             for t in tools]
+    calls = [
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name", "parameters"],
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "parameters": t["function"].get("parameters") or {"type": "object"},
+            },
+        }
+        for t in tools
+    ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
@@ -90,9 +99,14 @@ def message_dicts(messages: list[Any]) -> list[dict[str, Any]]:
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function",
-                                "function": {"name": c.function.name, "arguments": _as_object(c.function.arguments)}}
-                               for c in m.tool_calls]
+            d["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _as_object(c.function.arguments)},
+                }
+                for c in m.tool_calls
+            ]
         out.append(d)
     return out
 
@@ -120,11 +134,20 @@ def template_renders_tools(tokenizer: Any) -> bool:
     """Whether the tokenizer's chat template writes the tools it is given into the prompt (probed once)."""
     known = _RENDERS.get(tokenizer)
     if known is None:
-        probe = [{"type": "function", "function": {"name": PROBE_NAME, "description": "probe",
-                                                   "parameters": {"type": "object", "properties": {}}}}]
+        probe = [
+            {
+                "type": "function",
+                "function": {
+                    "name": PROBE_NAME,
+                    "description": "probe",
+                    "parameters": {"type": "object", "properties": {}},
+                },
+            }
+        ]
         try:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=probe, tokenize=False,
-                                                 add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}], tools=probe, tokenize=False, add_generation_prompt=True
+            )
             known = PROBE_NAME in text
         except Exception:  # a template that fails with tools does not render them
             known = False
@@ -136,8 +159,11 @@ def fallback_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
     """The tools in a system message (for a template that does not render them): before the first message, or
     added to the system message that opens the conversation."""
     listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
-    text = ("You can call these functions (JSON schemas of their parameters):\n" + listing +
-            '\nTo call one, answer only with JSON: {"name": function name, "parameters": its arguments}.')
+    text = (
+        "You can call these functions (JSON schemas of their parameters):\n"
+        + listing
+        + '\nTo call one, answer only with JSON: {"name": function name, "parameters": its arguments}.'
+    )
     if messages and messages[0]["role"] in ("system", "developer"):
         first = dict(messages[0], content=f"{messages[0]['content']}\n\n{text}")
         return [first] + messages[1:]
@@ -167,10 +193,11 @@ class ToolStream:
     """One choice's streamed output under a plan: text deltas in, (content delta, tool-call deltas) out.
     A named call's arguments stream as they come; auto and required hold back from where calls may begin
     and send the calls whole when the choice finishes."""
+
     plan: ToolPlan
     text: str = ""
-    sent: int = 0               # characters of text sent as content (or named arguments)
-    opened: bool = False        # named: the call's opening delta went out
+    sent: int = 0  # characters of text sent as content (or named arguments)
+    opened: bool = False  # named: the call's opening delta went out
     num_calls: int = 0
     call_ids: list[str] = field(default_factory=list)
 
@@ -182,8 +209,9 @@ class ToolStream:
             if not self.opened:
                 self.opened = True
                 self.num_calls = 1
-                calls.append({"index": 0, "id": new_id(), "type": "function",
-                              "function": {"name": plan.name, "arguments": ""}})
+                calls.append(
+                    {"index": 0, "id": new_id(), "type": "function", "function": {"name": plan.name, "arguments": ""}}
+                )
             if delta:
                 calls.append({"index": 0, "function": {"arguments": delta}})
             return "", calls
@@ -191,10 +219,12 @@ class ToolStream:
             return delta, []
         if not finished:
             hold = 0 if plan.choice == "required" else plan.parser.stream_hold(self.text)
-            out, self.sent = self.text[self.sent:max(hold, self.sent)], max(hold, self.sent)
+            out, self.sent = self.text[self.sent : max(hold, self.sent)], max(hold, self.sent)
             return out, []
         _, calls = output_calls(plan, self.text)
-        rest = "" if calls else self.text[self.sent:]  # (text after a call is not streamed)
+        rest = "" if calls else self.text[self.sent :]  # (text after a call is not streamed)
         self.num_calls = len(calls)
-        return rest, [{"index": i, "id": new_id(), "type": "function",
-                       "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
+        return rest, [
+            {"index": i, "id": new_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in enumerate(calls)
+        ]

@@ -20,6 +20,7 @@ Grids follow shapes and host-side bounds only; programs with nothing to do (past
 padding rows, slot -1, reused pairs) return at once, so a decode step is capturable.
 Design notes: docs/sparse.md, "Kernel notes".
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,16 +36,17 @@ MAX_SELECT_BLOCKS = 16384  # one selection program holds a row of block scores i
 @dataclass(frozen=True)
 class ScoreConfig:
     """The scoring launch; defaults from sweeps (docs/sparse.md, "Kernel notes")."""
-    rows: int = 128       # metadata rows (blocks x pages) of a tile: two [G, D] x [D, rows] dots
+
+    rows: int = 128  # metadata rows (blocks x pages) of a tile: two [G, D] x [D, rows] dots
     num_warps: int = 4
-    num_stages: int = 2   # software pipelining of the tile loop
-    tiles: int = 2        # tiles a program loops over (fewer when the context is short)
+    num_stages: int = 2  # software pipelining of the tile loop
+    tiles: int = 2  # tiles a program loops over (fewer when the context is short)
 
 
 @dataclass(frozen=True)
 class SelectConfig:
-    ways: int = 2         # thresholds tested per search round (a power of two)
-    num_warps: int = 0    # 0: by the row length (8 at 4096 blocks)
+    ways: int = 2  # thresholds tested per search round (a power of two)
+    num_warps: int = 0  # 0: by the row length (8 at 4096 blocks)
 
 
 def mass_target(top_p: float | None) -> float:
@@ -55,8 +57,16 @@ def mass_target(top_p: float | None) -> float:
 # ---- references ----
 
 
-def block_scores_ref(q: torch.Tensor, codes: torch.Tensor, page_scale: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, max_blocks: int, block_size: int, scale: float) -> torch.Tensor:
+def block_scores_ref(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    page_scale: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_blocks: int,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
     """q: [B, Hq, D] decode queries; codes [NB + 1, Hkv, 2, P, D], page_scale [NB + 1, Hkv, P]:
     one layer's key metadata. Returns float32 [B, Hq, max_blocks]: scale * the block's bound,
     -inf past the sequence's end."""
@@ -67,8 +77,9 @@ def block_scores_ref(q: torch.Tensor, codes: torch.Tensor, page_scale: torch.Ten
     page_codes = codes[tables].float()  # [B, MB, Hkv, 2, P, D]
     scales = page_scale[tables].permute(0, 2, 1, 3)[:, :, None]  # [B, Hkv, 1, MB, P]
     qg = q.float().view(batch, num_kv_heads, group, -1)
-    dots = (torch.einsum("bhgd,bnhpd->bhgnp", qg.clamp_min(0), page_codes[:, :, :, 1])
-            + torch.einsum("bhgd,bnhpd->bhgnp", qg.clamp_max(0), page_codes[:, :, :, 0]))
+    dots = torch.einsum("bhgd,bnhpd->bhgnp", qg.clamp_min(0), page_codes[:, :, :, 1]) + torch.einsum(
+        "bhgd,bnhpd->bhgnp", qg.clamp_max(0), page_codes[:, :, :, 0]
+    )
     bound = dots * (scales * scale)  # the kernel's order: scale applied per page, before the max
     page_start = torch.arange(max_blocks * pages, device=q.device).view(max_blocks, pages) * (block_size // pages)
     valid = page_start[None] < seq_lens.long()[:, None, None]  # [B, MB, P]
@@ -83,8 +94,9 @@ def block_masses(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return probs.view(batch, num_kv_heads, num_q_heads // num_kv_heads, mb).mean(2)
 
 
-def forced_blocks(seq_lens: torch.Tensor, max_blocks: int, *, block_size: int, cap: int, sink: int, local: int,
-                  short_dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def forced_blocks(
+    seq_lens: torch.Tensor, max_blocks: int, *, block_size: int, cap: int, sink: int, local: int, short_dense: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(valid, forced) masks [B, MB]: blocks inside the context, and those always selected."""
     nb = (seq_lens.long() + block_size - 1) // block_size
     j = torch.arange(max_blocks, device=seq_lens.device)[None]
@@ -93,15 +105,26 @@ def forced_blocks(seq_lens: torch.Tensor, max_blocks: int, *, block_size: int, c
     return valid, forced
 
 
-def select_ref(scores: torch.Tensor, seq_lens: torch.Tensor, streaming: torch.Tensor, *, block_size: int, cap: int,
-               sink: int, local: int, short_dense: bool = True, top_p: float | None = None) -> torch.Tensor:
+def select_ref(
+    scores: torch.Tensor,
+    seq_lens: torch.Tensor,
+    streaming: torch.Tensor,
+    *,
+    block_size: int,
+    cap: int,
+    sink: int,
+    local: int,
+    short_dense: bool = True,
+    top_p: float | None = None,
+) -> torch.Tensor:
     """The selection lists [B, Hkv, cap] (int32, -1 padded): forced blocks first, then the chosen
     ones, each in block order. streaming: bool [Hkv]."""
     batch, _, mb = scores.shape
     hkv = streaming.numel()
     r = block_masses(scores, hkv)
-    valid, forced = forced_blocks(seq_lens, mb, block_size=block_size, cap=cap, sink=sink, local=local,
-                                  short_dense=short_dense)
+    valid, forced = forced_blocks(
+        seq_lens, mb, block_size=block_size, cap=cap, sink=sink, local=local, short_dense=short_dense
+    )
     forced = forced[:, None].expand(batch, hkv, mb)
     cand = valid[:, None] & ~forced & ~streaming[None, :, None]
     n_forced = forced.sum(-1, keepdim=True)
@@ -120,16 +143,38 @@ def select_ref(scores: torch.Tensor, seq_lens: torch.Tensor, streaming: torch.Te
     return out[..., :cap]
 
 
-def select_blocks_ref(scores: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor,
-                      counter: torch.Tensor, stats: torch.Tensor, streaming: torch.Tensor, *, block_size: int,
-                      cap: int, sink: int, local: int, reuse: int = 1, short_dense: bool = True,
-                      top_p: float | None = None) -> None:
+def select_blocks_ref(
+    scores: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    sel: torch.Tensor,
+    counter: torch.Tensor,
+    stats: torch.Tensor,
+    streaming: torch.Tensor,
+    *,
+    block_size: int,
+    cap: int,
+    sink: int,
+    local: int,
+    reuse: int = 1,
+    short_dense: bool = True,
+    top_p: float | None = None,
+) -> None:
     """Writes new lists into sel [S, Hkv, cap] at the rows' state slots, for the (slot, KV head)
     pairs due a recomputation (all without reuse); counter [S, Hkv] counts decode steps; stats
     int64 [2] += (blocks selected, selections). Padding rows and slot -1 change nothing."""
     rows = (seq_lens > 0) & (slots >= 0)  # slot -1 (lag: a reused step): none
-    lists = select_ref(scores[rows], seq_lens[rows], streaming, block_size=block_size, cap=cap, sink=sink,
-                       local=local, short_dense=short_dense, top_p=top_p)
+    lists = select_ref(
+        scores[rows],
+        seq_lens[rows],
+        streaming,
+        block_size=block_size,
+        cap=cap,
+        sink=sink,
+        local=local,
+        short_dense=short_dense,
+        top_p=top_p,
+    )
     slots = slots[rows].long()
     # without reuse every row (the lag's slots index two list rows a slot: no counter row)
     due = counter[slots] % reuse == 0 if reuse > 1 else torch.ones_like(lists[..., 0], dtype=torch.bool)
@@ -140,20 +185,53 @@ def select_blocks_ref(scores: torch.Tensor, seq_lens: torch.Tensor, slots: torch
     stats[1] += due.sum()
 
 
-def score_and_select_ref(q: torch.Tensor, codes: torch.Tensor, page_scale: torch.Tensor, block_tables: torch.Tensor,
-                         seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor,
-                         stats: torch.Tensor, streaming: torch.Tensor, *, max_blocks: int, scale: float,
-                         block_size: int, cap: int, sink: int, local: int, reuse: int = 1, short_dense: bool = True,
-                         top_p: float | None = None, width: int = 0) -> None:
+def score_and_select_ref(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    page_scale: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    sel: torch.Tensor,
+    counter: torch.Tensor,
+    stats: torch.Tensor,
+    streaming: torch.Tensor,
+    *,
+    max_blocks: int,
+    scale: float,
+    block_size: int,
+    cap: int,
+    sink: int,
+    local: int,
+    reuse: int = 1,
+    short_dense: bool = True,
+    top_p: float | None = None,
+    width: int = 0,
+) -> None:
     """Scores then selects for the decode rows q [B, Hq, D] into sel (select_blocks_ref).
     max_blocks: host-side bound of the contexts in blocks; width: the launch's size hint only."""
     scores = block_scores_ref(q, codes, page_scale, block_tables, seq_lens, max_blocks, block_size, scale)
-    select_blocks_ref(scores, seq_lens, slots, sel, counter, stats, streaming, block_size=block_size, cap=cap,
-                      sink=sink, local=local, reuse=reuse, short_dense=short_dense, top_p=top_p)
+    select_blocks_ref(
+        scores,
+        seq_lens,
+        slots,
+        sel,
+        counter,
+        stats,
+        streaming,
+        block_size=block_size,
+        cap=cap,
+        sink=sink,
+        local=local,
+        reuse=reuse,
+        short_dense=short_dense,
+        top_p=top_p,
+    )
 
 
-def step_slots_ref(seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int, reuse: int, num_slots: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def step_slots_ref(
+    seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int, reuse: int, num_slots: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Lagged selection: the list rows a step's rows read and write. Slot x keeps two lists, rows
     x and x + num_slots. A selection at context s goes to x + num_slots * ((s // R + 1) % 2); a
     decode at context s reads the latest one below s: x + num_slots * (((s - 1) // R + 1) % 2).
@@ -170,9 +248,19 @@ def step_slots_ref(seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int
 # ---- dispatchers ----
 
 
-def score_and_select(q: torch.Tensor, codes: torch.Tensor, page_scale: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor,
-                     stats: torch.Tensor, streaming: torch.Tensor, **kw) -> None:
+def score_and_select(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    page_scale: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    sel: torch.Tensor,
+    counter: torch.Tensor,
+    stats: torch.Tensor,
+    streaming: torch.Tensor,
+    **kw,
+) -> None:
     """score_and_select_ref's contract."""
     if q.shape[0] == 0:
         return
@@ -180,8 +268,9 @@ def score_and_select(q: torch.Tensor, codes: torch.Tensor, page_scale: torch.Ten
     fn(q, codes, page_scale, block_tables, seq_lens, slots, sel, counter, stats, streaming, **kw)
 
 
-def step_slots(seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int, reuse: int, num_slots: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def step_slots(
+    seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int, reuse: int, num_slots: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """step_slots_ref's contract."""
     fn = step_slots_triton if use_triton(seq_lens) else step_slots_ref
     return fn(seq_lens, slots, num_decodes, reuse, num_slots)
@@ -191,15 +280,45 @@ def step_slots(seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int, re
 
 
 # Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
-@triton.jit(do_not_specialize=["stride_sb", "stride_sh", "stride_tb", "max_blocks", "blocks_per_split"],
-            do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "slots_ptr"])
-def _score_kernel(q_ptr, codes_ptr, page_scale_ptr, table_ptr, seq_lens_ptr, slots_ptr, counter_ptr, scores_ptr,
-                  scale, stride_qt, stride_qh, stride_mb, stride_mh, stride_mm, stride_sb, stride_sh, stride_tb,
-                  stride_cs, max_blocks, blocks_per_split,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
-                  CAP: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, NUM_STAGES: tl.constexpr,
-                  PDL: tl.constexpr):
+@triton.jit(
+    do_not_specialize=["stride_sb", "stride_sh", "stride_tb", "max_blocks", "blocks_per_split"],
+    do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "slots_ptr"],
+)
+def _score_kernel(
+    q_ptr,
+    codes_ptr,
+    page_scale_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    slots_ptr,
+    counter_ptr,
+    scores_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_sb,
+    stride_sh,
+    stride_tb,
+    stride_cs,
+    max_blocks,
+    blocks_per_split,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PAGES: tl.constexpr,
+    CAP: tl.constexpr,
+    REUSE: tl.constexpr,
+    SHORT_DENSE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Program (sequence, KV head, split of blocks_per_split blocks): scores[b, h, n] for the
     GROUP query heads (reference: block_scores_ref). The int8 codes enter the dots in q's dtype
     (exact up to 127 in bf16/fp16); the split's tiles of BLOCK_N are software-pipelined."""
@@ -222,8 +341,11 @@ def _score_kernel(q_ptr, codes_ptr, page_scale_ptr, table_ptr, seq_lens_ptr, slo
     g = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=(g < GROUP)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+        mask=(g < GROUP)[:, None] & (dims < HEAD_DIM)[None, :],
+        other=0.0,
+    ).to(tl.float32)
     q_pos = tl.maximum(q, 0.0).to(q_ptr.dtype.element_ty)
     q_neg = tl.minimum(q, 0.0).to(q_ptr.dtype.element_ty)
     # Rows: BLOCK_N blocks x PAGES pages; a page's min then max codes sit stride_mm apart.
@@ -242,8 +364,9 @@ def _score_kernel(q_ptr, codes_ptr, page_scale_ptr, table_ptr, seq_lens_ptr, slo
         cmin = tl.load(ptrs, mask=kmask, other=0).to(q_ptr.dtype.element_ty)
         cmax = tl.load(ptrs + stride_mm, mask=kmask, other=0).to(q_ptr.dtype.element_ty)
         row_scale = tl.load(page_scale_head + blk * stride_sb, mask=valid, other=0.0) * scale
-        s = (tl.dot(q_pos, tl.trans(cmax), input_precision=DOT_PREC)
-             + tl.dot(q_neg, tl.trans(cmin), input_precision=DOT_PREC))
+        s = tl.dot(q_pos, tl.trans(cmax), input_precision=DOT_PREC) + tl.dot(
+            q_neg, tl.trans(cmin), input_precision=DOT_PREC
+        )
         s = tl.where(valid[None, :], s * row_scale[None, :], float("-inf"))
         if PAGES > 1:
             s = tl.max(tl.reshape(s, (BLOCK_G, BLOCK_N, PAGES)), 2)
@@ -252,11 +375,31 @@ def _score_kernel(q_ptr, codes_ptr, page_scale_ptr, table_ptr, seq_lens_ptr, slo
 
 
 @triton.jit(do_not_specialize=["max_blocks"], do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr"])
-def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, stats_ptr, streaming_ptr,
-                   mass_target, max_blocks, stride_ss, stride_cs,
-                   GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr, SINK: tl.constexpr,
-                   LOCAL: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, MASS: tl.constexpr,
-                   WAYS: tl.constexpr, NB_PAD: tl.constexpr, HEADS: tl.constexpr, PDL: tl.constexpr):
+def _select_kernel(
+    scores_ptr,
+    seq_lens_ptr,
+    slots_ptr,
+    sel_ptr,
+    counter_ptr,
+    stats_ptr,
+    streaming_ptr,
+    mass_target,
+    max_blocks,
+    stride_ss,
+    stride_cs,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CAP: tl.constexpr,
+    SINK: tl.constexpr,
+    LOCAL: tl.constexpr,
+    REUSE: tl.constexpr,
+    SHORT_DENSE: tl.constexpr,
+    MASS: tl.constexpr,
+    WAYS: tl.constexpr,
+    NB_PAD: tl.constexpr,
+    HEADS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Program (sequence, KV head): the selection list (reference: select_blocks_ref).
 
     No sort: a search over the masses' bit patterns (non-negative floats order like their bits)
@@ -298,8 +441,9 @@ def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, st
         for g0 in tl.static_range(0, GROUP, HEADS):
             live = g0 + h < GROUP
             row = (b * tl.num_programs(1) * GROUP + kvh * GROUP + g0 + h).to(tl.int64) * max_blocks
-            s = tl.load(scores_ptr + row[:, None] + j[None, :], mask=live[:, None] & valid[None, :],
-                        other=float("-inf"))
+            s = tl.load(
+                scores_ptr + row[:, None] + j[None, :], mask=live[:, None] & valid[None, :], other=float("-inf")
+            )
             # rows past the group: exp(-inf) = 0
             e = tl.exp(s - tl.where(live, tl.max(s, 1), 0.0)[:, None])
             r += tl.sum(e / tl.where(live, tl.sum(e, 1), 1.0)[:, None], 0)
@@ -345,8 +489,11 @@ def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, st
     rank = tl.cumsum(packed, 0)
     total = tl.sum(packed, 0)
     n_hi = total & 0xFFFF
-    pos = tl.where(forced, tl.where(j < sink_end, j, sink_end + j - local_start),
-                   tl.where(chosen_hi, n_forced + (rank & 0xFFFF) - 1, n_forced + n_hi + (rank >> 16) - 1))
+    pos = tl.where(
+        forced,
+        tl.where(j < sink_end, j, sink_end + j - local_start),
+        tl.where(chosen_hi, n_forced + (rank & 0xFFFF) - 1, n_forced + n_hi + (rank >> 16) - 1),
+    )
     keep = ((forced.to(tl.int32) + packed) != 0) & (pos < CAP)
     count = tl.minimum(n_forced + n_hi + (total >> 16), CAP)
     row = sel_ptr + slot * stride_ss + kvh * CAP
@@ -356,10 +503,23 @@ def _select_kernel(scores_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, st
     tl.atomic_add(stats_ptr + 1, 1)
 
 
-def block_scores_triton(q: torch.Tensor, codes: torch.Tensor, page_scale: torch.Tensor, block_tables: torch.Tensor,
-                        seq_lens: torch.Tensor, slots: torch.Tensor, counter: torch.Tensor, *, max_blocks: int,
-                        block_size: int, cap: int, reuse: int, short_dense: bool, scale: float,
-                        config: ScoreConfig | None = None) -> torch.Tensor:
+def block_scores_triton(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    page_scale: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    counter: torch.Tensor,
+    *,
+    max_blocks: int,
+    block_size: int,
+    cap: int,
+    reuse: int,
+    short_dense: bool,
+    scale: float,
+    config: ScoreConfig | None = None,
+) -> torch.Tensor:
     """float32 [B, Hq, max_blocks] (block_scores_ref), written only where selection reads it:
     rows over cap blocks that recompute this step, blocks inside the context."""
     batch, num_q_heads, head_dim = q.shape
@@ -373,56 +533,168 @@ def block_scores_triton(q: torch.Tensor, codes: torch.Tensor, page_scale: torch.
     group = num_q_heads // hkv
     pdl = use_pdl(q.device)
     _score_kernel[(batch, hkv, triton.cdiv(max_blocks, per_split))](
-        q, codes, page_scale, block_tables, seq_lens, slots, counter, scores, scale,
-        q.stride(0), q.stride(1), codes.stride(0), codes.stride(1), codes.stride(2),
-        page_scale.stride(0), page_scale.stride(1), block_tables.stride(0), counter.stride(0), max_blocks, per_split,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGES=pages, CAP=cap, REUSE=reuse,
-        SHORT_DENSE=short_dense, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        q,
+        codes,
+        page_scale,
+        block_tables,
+        seq_lens,
+        slots,
+        counter,
+        scores,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        codes.stride(0),
+        codes.stride(1),
+        codes.stride(2),
+        page_scale.stride(0),
+        page_scale.stride(1),
+        block_tables.stride(0),
+        counter.stride(0),
+        max_blocks,
+        per_split,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        PAGES=pages,
+        CAP=cap,
+        REUSE=reuse,
+        SHORT_DENSE=short_dense,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_N=block_n, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        NUM_STAGES=config.num_stages, num_warps=config.num_warps, PDL=pdl, launch_pdl=pdl)
+        BLOCK_N=block_n,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps,
+        PDL=pdl,
+        launch_pdl=pdl,
+    )
     return scores
 
 
-def select_blocks_triton(scores: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor,
-                         counter: torch.Tensor, stats: torch.Tensor, streaming: torch.Tensor, *, block_size: int,
-                         cap: int, sink: int, local: int, reuse: int = 1, short_dense: bool = True,
-                         top_p: float | None = None, config: SelectConfig | None = None, width: int = 0) -> None:
+def select_blocks_triton(
+    scores: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    sel: torch.Tensor,
+    counter: torch.Tensor,
+    stats: torch.Tensor,
+    streaming: torch.Tensor,
+    *,
+    block_size: int,
+    cap: int,
+    sink: int,
+    local: int,
+    reuse: int = 1,
+    short_dense: bool = True,
+    top_p: float | None = None,
+    config: SelectConfig | None = None,
+    width: int = 0,
+) -> None:
     """select_blocks_ref's contract. width: blocks the launch is sized for when more than the
     scores' (the model's longest context), so one compiled variant serves every step."""
     config = config or SelectConfig()
     batch, num_q_heads, max_blocks = scores.shape
     hkv = sel.shape[1]
     if max_blocks > MAX_SELECT_BLOCKS:
-        raise ValueError(f"sparse selection handles up to {MAX_SELECT_BLOCKS} blocks per sequence, got "
-                         f"{max_blocks}: raise block_size or lower max_model_len")
+        raise ValueError(
+            f"sparse selection handles up to {MAX_SELECT_BLOCKS} blocks per sequence, got "
+            f"{max_blocks}: raise block_size or lower max_model_len"
+        )
     assert sel.shape[-1] == cap and sel.stride(2) == 1 and counter.stride(1) == 1
     nb_pad = max(triton.next_power_of_2(max(max_blocks, width)), triton.next_power_of_2(cap), 16)
     pdl = use_pdl(scores.device)
     _select_kernel[(batch, hkv)](
-        scores, seq_lens, slots, sel, counter, stats, streaming.view(torch.uint8), mass_target(top_p), max_blocks,
-        sel.stride(0), counter.stride(0),
-        GROUP=num_q_heads // hkv, BLOCK_SIZE=block_size, CAP=cap, SINK=sink, LOCAL=local,
-        REUSE=reuse, SHORT_DENSE=short_dense, MASS=top_p is not None, WAYS=config.ways, NB_PAD=nb_pad,
+        scores,
+        seq_lens,
+        slots,
+        sel,
+        counter,
+        stats,
+        streaming.view(torch.uint8),
+        mass_target(top_p),
+        max_blocks,
+        sel.stride(0),
+        counter.stride(0),
+        GROUP=num_q_heads // hkv,
+        BLOCK_SIZE=block_size,
+        CAP=cap,
+        SINK=sink,
+        LOCAL=local,
+        REUSE=reuse,
+        SHORT_DENSE=short_dense,
+        MASS=top_p is not None,
+        WAYS=config.ways,
+        NB_PAD=nb_pad,
         HEADS=min(triton.next_power_of_2(num_q_heads // hkv), max(1, 16384 // nb_pad)),
-        num_warps=config.num_warps or min(16, max(4, nb_pad // 512)), PDL=pdl, launch_pdl=pdl)
+        num_warps=config.num_warps or min(16, max(4, nb_pad // 512)),
+        PDL=pdl,
+        launch_pdl=pdl,
+    )
 
 
-def score_and_select_triton(q: torch.Tensor, codes: torch.Tensor, page_scale: torch.Tensor,
-                            block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor,
-                            counter: torch.Tensor, stats: torch.Tensor, streaming: torch.Tensor, *, max_blocks: int,
-                            scale: float, block_size: int, cap: int, sink: int, local: int, reuse: int = 1,
-                            short_dense: bool = True, top_p: float | None = None, width: int = 0) -> None:
-    scores = block_scores_triton(q, codes, page_scale, block_tables, seq_lens, slots, counter, max_blocks=max_blocks,
-                                 block_size=block_size, cap=cap, reuse=reuse, short_dense=short_dense, scale=scale)
-    select_blocks_triton(scores, seq_lens, slots, sel, counter, stats, streaming, block_size=block_size, cap=cap,
-                         sink=sink, local=local, reuse=reuse, short_dense=short_dense, top_p=top_p, width=width)
+def score_and_select_triton(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    page_scale: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    sel: torch.Tensor,
+    counter: torch.Tensor,
+    stats: torch.Tensor,
+    streaming: torch.Tensor,
+    *,
+    max_blocks: int,
+    scale: float,
+    block_size: int,
+    cap: int,
+    sink: int,
+    local: int,
+    reuse: int = 1,
+    short_dense: bool = True,
+    top_p: float | None = None,
+    width: int = 0,
+) -> None:
+    scores = block_scores_triton(
+        q,
+        codes,
+        page_scale,
+        block_tables,
+        seq_lens,
+        slots,
+        counter,
+        max_blocks=max_blocks,
+        block_size=block_size,
+        cap=cap,
+        reuse=reuse,
+        short_dense=short_dense,
+        scale=scale,
+    )
+    select_blocks_triton(
+        scores,
+        seq_lens,
+        slots,
+        sel,
+        counter,
+        stats,
+        streaming,
+        block_size=block_size,
+        cap=cap,
+        sink=sink,
+        local=local,
+        reuse=reuse,
+        short_dense=short_dense,
+        top_p=top_p,
+        width=width,
+    )
 
 
 # The batch and its decodes follow the step: not specialized on, one BLOCK for every batch.
 @triton.jit(do_not_specialize=["batch", "num_decodes"])
-def _step_slots_kernel(seq_lens_ptr, slots_ptr, read_ptr, write_ptr, batch, num_decodes, reuse, num_slots,
-                       BLOCK: tl.constexpr):
+def _step_slots_kernel(
+    seq_lens_ptr, slots_ptr, read_ptr, write_ptr, batch, num_decodes, reuse, num_slots, BLOCK: tl.constexpr
+):
     """The list rows each sequence reads and writes this step (step_slots_ref)."""
     for start in range(0, batch, BLOCK):
         i = start + tl.arange(0, BLOCK)
@@ -435,13 +707,15 @@ def _step_slots_kernel(seq_lens_ptr, slots_ptr, read_ptr, write_ptr, batch, num_
         tl.store(write_ptr + i, tl.where(due, x + num_slots * ((s // reuse + 1) % 2), -1), mask=m)
 
 
-def step_slots_triton(seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int, reuse: int, num_slots: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def step_slots_triton(
+    seq_lens: torch.Tensor, slots: torch.Tensor, num_decodes: int, reuse: int, num_slots: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """step_slots_ref's contract, one launch a step."""
     batch = seq_lens.numel()
     read = torch.empty(batch, dtype=torch.int32, device=seq_lens.device)
     write = torch.empty_like(read)
     if batch:
-        _step_slots_kernel[(1,)](seq_lens, slots, read, write, batch, num_decodes, reuse, num_slots, BLOCK=256,
-                                 num_warps=1)
+        _step_slots_kernel[(1,)](
+            seq_lens, slots, read, write, batch, num_decodes, reuse, num_slots, BLOCK=256, num_warps=1
+        )
     return read, write

@@ -7,6 +7,7 @@ never leaks into another thread or task. Without Triton (the `gpu` extra) every 
 module still imports: its `@triton.jit` functions stay plain, never-called functions.
 See docs/architecture.md, principle 1.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,6 +19,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+
     HAS_TRITON = True
 except ImportError:  # CPU install: the references run
     HAS_TRITON = False

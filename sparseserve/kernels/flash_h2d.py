@@ -7,6 +7,7 @@ write_through is the other direction, for the blocks that decode tokens complete
 cache's head blocks stored straight into the pinned host store over UVA (capturable; a
 graphed step cannot hand work to host threads, so decode does not use FlashD2H).
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,13 @@ def flash_h2d(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, l
     (flash_h2d_triton if use_triton(slots) else flash_h2d_ref)(host_flat, slots, key, load)
 
 
-def write_through_ref(kv_cache: torch.Tensor, host_layer: torch.Tensor, slot_mapping: torch.Tensor,
-                      host_slots: torch.Tensor | None = None, count: torch.Tensor | None = None) -> None:
+def write_through_ref(
+    kv_cache: torch.Tensor,
+    host_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    host_slots: torch.Tensor | None = None,
+    count: torch.Tensor | None = None,
+) -> None:
     """host_layer[dst] = kv_cache[blk] for each token block blk that a token of slot_mapping
     completes (writes offset block_size - 1); dst = host_slots[i] // block_size (default: blk).
     count (int64 [], optional) += blocks written.
@@ -50,18 +56,36 @@ def write_through_ref(kv_cache: torch.Tensor, host_layer: torch.Tensor, slot_map
         count += ends.sum().to(count.device)
 
 
-def write_through(kv_cache: torch.Tensor, host_layer: torch.Tensor, slot_mapping: torch.Tensor,
-                  host_slots: torch.Tensor | None = None, count: torch.Tensor | None = None) -> None:
+def write_through(
+    kv_cache: torch.Tensor,
+    host_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    host_slots: torch.Tensor | None = None,
+    count: torch.Tensor | None = None,
+) -> None:
     """write_through_ref's contract."""
-    (write_through_triton if use_triton(kv_cache) else write_through_ref)(kv_cache, host_layer, slot_mapping,
-                                                                            host_slots, count)
+    (write_through_triton if use_triton(kv_cache) else write_through_ref)(
+        kv_cache, host_layer, slot_mapping, host_slots, count
+    )
 
 
 # Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["n"])
-def _flash_h2d_kernel(host_ptr, slots_ptr, key_ptr, load_ptr, resident_ptr, loc_ptr, todo_ptr, n,
-                      ELEMS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, REPEATS: tl.constexpr,
-                      PDL: tl.constexpr):
+def _flash_h2d_kernel(
+    host_ptr,
+    slots_ptr,
+    key_ptr,
+    load_ptr,
+    resident_ptr,
+    loc_ptr,
+    todo_ptr,
+    n,
+    ELEMS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    REPEATS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_wait(PDL)  # load and loc are the pool plan's output
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -90,10 +114,17 @@ def _flash_h2d_kernel(host_ptr, slots_ptr, key_ptr, load_ptr, resident_ptr, loc_
             tl.debug_barrier()  # list read by all before it is rewritten
 
 
-def flash_h2d_triton(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, load: torch.Tensor,
-                     chunk: int = 4096, num_warps: int = 4,
-                     repeats: tuple[torch.Tensor, torch.Tensor] | None = None, block: int = 64,
-                     programs_per_sm: float = 1.0) -> None:
+def flash_h2d_triton(
+    host_flat: torch.Tensor,
+    slots: torch.Tensor,
+    key: torch.Tensor,
+    load: torch.Tensor,
+    chunk: int = 4096,
+    num_warps: int = 4,
+    repeats: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block: int = 64,
+    programs_per_sm: float = 1.0,
+) -> None:
     """repeats = (resident, loc) (pool_plan.pool_read): where load is -2 the entry repeats a key
     planned elsewhere, and loc[i] = resident[key[i]] is written in the same launch. block:
     requests a program scans at a time (a power of two); programs_per_sm bounds the grid."""
@@ -109,9 +140,23 @@ def flash_h2d_triton(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Te
     grid = min(triton.cdiv(n, block), max(1, int(programs_per_sm * _num_sms(dev))))
     todo = torch.empty(grid * block, dtype=torch.int32, device=dev)
     pdl = use_pdl(slots.device)
-    _flash_h2d_kernel[(grid,)](host_flat, slots, key.contiguous(), load.contiguous(), resident, loc, todo, n,
-                               ELEMS=elems, CHUNK=chunk, BLOCK=block, REPEATS=repeats is not None,
-                               num_warps=num_warps, PDL=pdl, launch_pdl=pdl)
+    _flash_h2d_kernel[(grid,)](
+        host_flat,
+        slots,
+        key.contiguous(),
+        load.contiguous(),
+        resident,
+        loc,
+        todo,
+        n,
+        ELEMS=elems,
+        CHUNK=chunk,
+        BLOCK=block,
+        REPEATS=repeats is not None,
+        num_warps=num_warps,
+        PDL=pdl,
+        launch_pdl=pdl,
+    )
 
 
 @functools.cache
@@ -122,9 +167,19 @@ def _num_sms(device: torch.device) -> int:
 
 
 @triton.jit
-def _write_through_kernel(cache_ptr, host_ptr, slot_ptr, dst_ptr, count_ptr, BLOCK_SIZE: tl.constexpr,
-                          ELEMS: tl.constexpr, CHUNK: tl.constexpr, HAS_DST: tl.constexpr, COUNT: tl.constexpr,
-                          PDL: tl.constexpr):
+def _write_through_kernel(
+    cache_ptr,
+    host_ptr,
+    slot_ptr,
+    dst_ptr,
+    count_ptr,
+    BLOCK_SIZE: tl.constexpr,
+    ELEMS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    HAS_DST: tl.constexpr,
+    COUNT: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_wait(PDL)  # the block's last token was just stored
     i = tl.program_id(0)
     slot = tl.load(slot_ptr + i)
@@ -142,8 +197,13 @@ def _write_through_kernel(cache_ptr, host_ptr, slot_ptr, dst_ptr, count_ptr, BLO
             tl.atomic_add(count_ptr, 1, sem="relaxed")
 
 
-def write_through_triton(kv_cache: torch.Tensor, host_layer: torch.Tensor, slot_mapping: torch.Tensor,
-                         host_slots: torch.Tensor | None = None, count: torch.Tensor | None = None) -> None:
+def write_through_triton(
+    kv_cache: torch.Tensor,
+    host_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    host_slots: torch.Tensor | None = None,
+    count: torch.Tensor | None = None,
+) -> None:
     assert kv_cache.is_contiguous() and host_layer.is_contiguous() and kv_cache.dtype == host_layer.dtype
     assert kv_cache.shape[1:] == host_layer.shape[1:]
     t = slot_mapping.numel()
@@ -152,7 +212,18 @@ def write_through_triton(kv_cache: torch.Tensor, host_layer: torch.Tensor, slot_
     elems = kv_cache[0].numel()
     dst = slot_mapping if host_slots is None else host_slots.contiguous()
     pdl = use_pdl(kv_cache.device)
-    _write_through_kernel[(t,)](kv_cache, host_layer, slot_mapping.contiguous(), dst,
-                                slot_mapping if count is None else count, BLOCK_SIZE=kv_cache.shape[3], ELEMS=elems,
-                                CHUNK=min(triton.next_power_of_2(elems), 4096), HAS_DST=host_slots is not None,
-                                COUNT=count is not None, num_warps=4, PDL=pdl, launch_pdl=pdl)
+    _write_through_kernel[(t,)](
+        kv_cache,
+        host_layer,
+        slot_mapping.contiguous(),
+        dst,
+        slot_mapping if count is None else count,
+        BLOCK_SIZE=kv_cache.shape[3],
+        ELEMS=elems,
+        CHUNK=min(triton.next_power_of_2(elems), 4096),
+        HAS_DST=host_slots is not None,
+        COUNT=count is not None,
+        num_warps=4,
+        PDL=pdl,
+        launch_pdl=pdl,
+    )

@@ -9,6 +9,7 @@ upper bound of q.k over the page (looser by at most one code step, amax / 127, p
 store_kv_key_meta (sparse layers): store_kv plus the update of the pages the step's tokens end,
 one kernel on the GPU, bit-identical to the reference under chunked prefill.
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,8 +43,14 @@ def page_end_tokens(slot_mapping: torch.Tensor, page_size: int) -> torch.Tensor:
     return (slot_mapping >= 0) & ((nxt != slot_mapping + 1) | ((slot_mapping + 1) % page_size == 0))
 
 
-def update_key_meta_ref(kv_cache: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                        slot_mapping: torch.Tensor, page_size: int, meta_slots: torch.Tensor | None = None) -> None:
+def update_key_meta_ref(
+    kv_cache: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    page_size: int,
+    meta_slots: torch.Tensor | None = None,
+) -> None:
     """After store_kv: recompute min/max of every page this step wrote, from the cache itself.
 
     kv_cache: one layer [cache_blocks, Hkv, 2, block_size, D]; codes, scale: that layer's
@@ -86,10 +93,20 @@ def rebuild_key_meta(kv_caches, codes: torch.Tensor, scale: torch.Tensor, page_s
         codes[layer, :nb] = page_codes.transpose(2, 3)
         scale[layer, :nb] = page_scale
 
-def store_kv_key_meta_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, codes: torch.Tensor,
-                          scale: torch.Tensor, slot_mapping: torch.Tensor, page_size: int,
-                          meta_slots: torch.Tensor | None = None, host_layer: torch.Tensor | None = None,
-                          num_write: int = 0, count: torch.Tensor | None = None) -> None:
+
+def store_kv_key_meta_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    page_size: int,
+    meta_slots: torch.Tensor | None = None,
+    host_layer: torch.Tensor | None = None,
+    num_write: int = 0,
+    count: torch.Tensor | None = None,
+) -> None:
     """store_kv of k, v [T, Hkv, D] into kv_cache (one layer [NB, Hkv, 2, bs, D]), then the
     metadata of the pages they end. meta_slots: the tokens' slots in the blocks that index the
     metadata, where the cache is a device block cache (KV offload); None: slot_mapping.
@@ -103,23 +120,60 @@ def store_kv_key_meta_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tens
         write_through_ref(kv_cache, host_layer, slot_mapping[:num_write], dst, count)
 
 
-def store_kv_key_meta(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, codes: torch.Tensor,
-                      scale: torch.Tensor, slot_mapping: torch.Tensor, page_size: int,
-                      meta_slots: torch.Tensor | None = None, host_layer: torch.Tensor | None = None,
-                      num_write: int = 0, count: torch.Tensor | None = None) -> None:
+def store_kv_key_meta(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    page_size: int,
+    meta_slots: torch.Tensor | None = None,
+    host_layer: torch.Tensor | None = None,
+    num_write: int = 0,
+    count: torch.Tensor | None = None,
+) -> None:
     """store_kv_key_meta_ref's contract."""
     fn = store_kv_key_meta_triton if use_triton(k) else store_kv_key_meta_ref
     fn(k, v, kv_cache, codes, scale, slot_mapping, page_size, meta_slots, host_layer, num_write, count)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_write"])
-def _store_kv_key_meta_kernel(k_ptr, v_ptr, cache_ptr, codes_ptr, scale_ptr, slot_ptr, meta_slot_ptr, num_tokens,
-                              host_ptr, count_ptr, num_write,
-                              stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ch, stride_ckv,
-                              stride_mb, stride_mh, stride_mm, stride_sb, stride_sh, stride_hb, stride_hh, stride_hkv,
-                              HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE: tl.constexpr,
-                              BLOCK_D: tl.constexpr, AMAX_FLOOR: tl.constexpr, WRITE: tl.constexpr,
-                              PDL: tl.constexpr):
+def _store_kv_key_meta_kernel(
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    codes_ptr,
+    scale_ptr,
+    slot_ptr,
+    meta_slot_ptr,
+    num_tokens,
+    host_ptr,
+    count_ptr,
+    num_write,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ch,
+    stride_ckv,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_sb,
+    stride_sh,
+    stride_hb,
+    stride_hh,
+    stride_hkv,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr,
+    WRITE: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Program (token, KV head): stores the token's K and V; a page's last token this step also
     recomputes the page's codes and scale (bit-identical to quantize_key_meta). Rows this step
     writes (other programs store them) are read from k, the others from the cache. WRITE (KV
@@ -147,11 +201,16 @@ def _store_kv_key_meta_kernel(k_ptr, v_ptr, cache_ptr, codes_ptr, scale_ptr, slo
         return
     head_row = cache_ptr + blk * stride_cb + h * stride_ch
     k_src = k_ptr + h * stride_kh + dims
-    tl.store(head_row + off * HEAD_DIM + dims,
-             tl.load(k_src + t.to(tl.int64) * stride_kt, mask=dmask).to(cache_ptr.dtype.element_ty), mask=dmask)
-    tl.store(head_row + stride_ckv + off * HEAD_DIM + dims,
-             tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + dims, mask=dmask).to(
-                 cache_ptr.dtype.element_ty), mask=dmask)
+    tl.store(
+        head_row + off * HEAD_DIM + dims,
+        tl.load(k_src + t.to(tl.int64) * stride_kt, mask=dmask).to(cache_ptr.dtype.element_ty),
+        mask=dmask,
+    )
+    tl.store(
+        head_row + stride_ckv + off * HEAD_DIM + dims,
+        tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + dims, mask=dmask).to(cache_ptr.dtype.element_ty),
+        mask=dmask,
+    )
     if (nxt == slot + 1) & ((slot + 1) % PAGE != 0):  # not the page's last token this step
         return
     mask = (rows <= off)[:, None] & dmask[None, :]
@@ -176,8 +235,9 @@ def _store_kv_key_meta_kernel(k_ptr, v_ptr, cache_ptr, codes_ptr, scale_ptr, slo
             tl.debug_barrier()  # this token's row was stored above by other threads
             rows_all = tl.arange(0, BLOCK_SIZE)
             src_kv = head_row + rows_all[:, None] * HEAD_DIM + dims[None, :]
-            dst_kv = (host_ptr + mblk.to(tl.int64) * stride_hb + h * stride_hh + rows_all[:, None] * HEAD_DIM
-                      + dims[None, :])
+            dst_kv = (
+                host_ptr + mblk.to(tl.int64) * stride_hb + h * stride_hh + rows_all[:, None] * HEAD_DIM + dims[None, :]
+            )
             m2 = dmask[None, :]  # broadcast over the block's rows
             tl.store(dst_kv, tl.load(src_kv, mask=m2), mask=m2)
             tl.store(dst_kv + stride_hkv, tl.load(src_kv + stride_ckv, mask=m2), mask=m2)
@@ -185,10 +245,19 @@ def _store_kv_key_meta_kernel(k_ptr, v_ptr, cache_ptr, codes_ptr, scale_ptr, slo
                 tl.atomic_add(count_ptr, 1, sem="relaxed")
 
 
-def store_kv_key_meta_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, codes: torch.Tensor,
-                             scale: torch.Tensor, slot_mapping: torch.Tensor, page_size: int,
-                             meta_slots: torch.Tensor | None = None, host_layer: torch.Tensor | None = None,
-                             num_write: int = 0, count: torch.Tensor | None = None) -> None:
+def store_kv_key_meta_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    page_size: int,
+    meta_slots: torch.Tensor | None = None,
+    host_layer: torch.Tensor | None = None,
+    num_write: int = 0,
+    count: torch.Tensor | None = None,
+) -> None:
     """One program per (token, KV head); page-end tokens update the metadata."""
     num_tokens = slot_mapping.numel()
     _, hkv, _, block_size, head_dim = kv_cache.shape
@@ -205,10 +274,39 @@ def store_kv_key_meta_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.T
     host = host_layer if write else kv_cache
     pdl = use_pdl(kv_cache.device)
     _store_kv_key_meta_kernel[(num_tokens, hkv)](
-        k, v, kv_cache, codes, scale, slot_mapping, meta_slots, num_tokens, host, count if write else scale,
+        k,
+        v,
+        kv_cache,
+        codes,
+        scale,
+        slot_mapping,
+        meta_slots,
+        num_tokens,
+        host,
+        count if write else scale,
         num_write if write else 0,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        codes.stride(0), codes.stride(1), codes.stride(2), scale.stride(0), scale.stride(1),
-        host.stride(0), host.stride(1), host.stride(2),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGE=page_size, BLOCK_D=triton.next_power_of_2(head_dim),
-        AMAX_FLOOR=AMAX_FLOOR, WRITE=write, num_warps=1, PDL=pdl, launch_pdl=pdl)
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        codes.stride(0),
+        codes.stride(1),
+        codes.stride(2),
+        scale.stride(0),
+        scale.stride(1),
+        host.stride(0),
+        host.stride(1),
+        host.stride(2),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        PAGE=page_size,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        AMAX_FLOOR=AMAX_FLOOR,
+        WRITE=write,
+        num_warps=1,
+        PDL=pdl,
+        launch_pdl=pdl,
+    )

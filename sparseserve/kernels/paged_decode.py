@@ -6,6 +6,7 @@ grid follows only the batch, the head counts and the host-side `max_seq_len` bou
 graph replays it for any `seq_lens` (splits past a sequence's end return at once).
 Design notes: docs/kernels.md.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,10 +22,27 @@ MERGE_TILE = 16
 
 
 @triton.jit
-def attend_tile(acc, m_i, l_i, q, kv_base, table_row, tile_start, kv_end, pos, dims, qk_scale,
-                stride_cb, stride_ckv,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                TILE_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+def attend_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    kv_base,
+    table_row,
+    tile_start,
+    kv_end,
+    pos,
+    dims,
+    qk_scale,
+    stride_cb,
+    stride_ckv,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """One online-softmax step of q [M, D] over TILE_N paged tokens starting at tile_start.
 
     Scores are in the log2 domain (qk_scale includes log2(e)). MASKED tiles hide tokens >= kv_end
@@ -74,12 +92,29 @@ def softmax_update(acc, m_i, l_i, s, v, DOT_PREC: tl.constexpr):
 
 # Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["stride_tb"])
-def _decode_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
-                         qk_scale, split_size,
-                         stride_qt, stride_qh, stride_cb, stride_ch, stride_ckv, stride_tb,
-                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
-                         DOT_PREC: tl.constexpr):
+def _decode_split_kernel(
+    q_ptr,
+    cache_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,
+    split_size,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_ch,
+    stride_ckv,
+    stride_tb,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """Partial attention of one (sequence, KV head, split) (reference: paged_decode_ref).
 
     Writes part_out[b, h, split] = softmax-weighted V over the split and part_lse = its log2-sum-exp
@@ -99,8 +134,7 @@ def _decode_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, part_out_ptr
     dims = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
     q_mask = (g[:, None] < GROUP) & (dims[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=q_mask, other=0.0)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
     kv_base = cache_ptr + kvh * stride_ch
     table_row = table_ptr + b.to(tl.int64) * stride_tb
     pos = tl.full([BLOCK_G], 0, tl.int32) + (seq_len - 1)  # the decode query is the last token
@@ -110,11 +144,49 @@ def _decode_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, part_out_ptr
     l_i = tl.zeros([BLOCK_G], tl.float32)
     full_end = start + (end - start) // TILE_N * TILE_N
     for tile in range(start, full_end, TILE_N):
-        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, kv_base, table_row, tile, end, pos, dims, qk_scale,
-                                    stride_cb, stride_ckv, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, False, DOT_PREC)
+        acc, m_i, l_i = attend_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            kv_base,
+            table_row,
+            tile,
+            end,
+            pos,
+            dims,
+            qk_scale,
+            stride_cb,
+            stride_ckv,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_SIZE,
+            TILE_N,
+            False,
+            DOT_PREC,
+        )
     if full_end < end:
-        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, kv_base, table_row, full_end, end, pos, dims, qk_scale,
-                                    stride_cb, stride_ckv, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, True, DOT_PREC)
+        acc, m_i, l_i = attend_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            kv_base,
+            table_row,
+            full_end,
+            end,
+            pos,
+            dims,
+            qk_scale,
+            stride_cb,
+            stride_ckv,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_SIZE,
+            TILE_N,
+            True,
+            DOT_PREC,
+        )
 
     # part_out is [B, Hq, num_splits, BLOCK_D] and part_lse [B, Hq, num_splits], both contiguous.
     row = (b * tl.num_programs(1) * GROUP + heads).to(tl.int64) * num_splits + split
@@ -141,18 +213,29 @@ def merge_splits(part_out_ptr, part_lse_ptr, row0, num_valid, BLOCK_D: tl.conste
         smask = s0 + st < num_valid
         w = tl.exp2(tl.load(part_lse_ptr + row0 + s0 + st, mask=smask, other=float("-inf")) - lse_max)
         denom_tile += w
-        part = tl.load(part_out_ptr + (row0 + s0 + st)[:, None] * BLOCK_D + dims[None, :],
-                       mask=smask[:, None], other=0.0)
+        part = tl.load(
+            part_out_ptr + (row0 + s0 + st)[:, None] * BLOCK_D + dims[None, :], mask=smask[:, None], other=0.0
+        )
         acc += tl.sum(w[:, None] * part, 0)
     denom = tl.sum(denom_tile, 0)
     return acc / tl.where(denom > 0, denom, 1.0)
 
 
 @triton.jit(do_not_specialize=["split_size", "num_splits"])
-def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, split_size, num_splits,
-                         stride_ot, stride_oh,
-                         NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, MERGE_TILE: tl.constexpr):
+def _decode_merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    split_size,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MERGE_TILE: tl.constexpr,
+):
     """Log-sum-exp merge of the splits of one (sequence, query head) (reference: paged_decode_ref).
 
     Only the splits the sequence reaches are read (the others were never written); length 0
@@ -165,14 +248,18 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, spli
     row0 = (b * NUM_Q_HEADS + h).to(tl.int64) * num_splits
     out = merge_splits(part_out_ptr, part_lse_ptr, row0, num_valid, BLOCK_D, MERGE_TILE)
     dims = tl.arange(0, BLOCK_D)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    tl.store(
+        out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch parameters; `target_programs` sets the number of splits (B * Hkv * splits).
     Defaults from a sweep: docs/kernels.md, "Run 1"."""
+
     tile_n: int = 128
     target_programs: int = 0  # 0: 8 per multiprocessor
     num_warps: int = 4
@@ -190,8 +277,9 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
-def split_plan(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-               config: DecodeConfig) -> tuple[int, int]:
+def split_plan(
+    batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device, config: DecodeConfig
+) -> tuple[int, int]:
     """(split_size, num_splits) from host-side bounds only: a fixed grid under a CUDA graph."""
     target = config.target_programs or 8 * _num_sms(device)
     max_tiles = max(1, triton.cdiv(max_seq_len, config.tile_n))
@@ -219,13 +307,25 @@ def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, sc
     if not (n == 1 and first + 1 >= length):
         mask = torch.arange(length, device=q.device)[None, :] <= first + torch.arange(n, device=q.device)[:, None]
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.float().transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=scale,
-        enable_gqa=num_q_heads != num_kv_heads)
+        q.float().transpose(0, 1)[None],
+        k[None],
+        v[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=num_q_heads != num_kv_heads,
+    )
     return out[0].transpose(0, 1)
 
 
-def paged_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float, max_seq_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q: [B, Hq, D], one query per sequence at position seq_lens[b] - 1; returns (or fills)
     out [B, Hq, D]. Rows of length 0 give zeros."""
     out = torch.empty_like(q) if out is None else out
@@ -234,20 +334,34 @@ def paged_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
             out[b] = 0
             continue
         k, v = sequence_kv(kv_cache, block_tables[b], length)
-        out[b] = attend_ref(q[b:b + 1], k, v, length - 1, scale)[0].to(out.dtype)
+        out[b] = attend_ref(q[b : b + 1], k, v, length - 1, scale)[0].to(out.dtype)
     return out
 
 
-def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 scale: float, max_seq_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """paged_decode_ref's contract."""
     fn = paged_decode_triton if use_triton(q) else paged_decode_ref
     return fn(q, kv_cache, block_tables, seq_lens, scale, max_seq_len, out)
 
 
-def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                        scale: float, max_seq_len: int, out: torch.Tensor | None = None,
-                        config: DecodeConfig | None = None) -> torch.Tensor:
+def paged_decode_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
     batch, num_q_heads, head_dim = q.shape
     config = config or default_decode_config(q.dtype, head_dim)
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
@@ -262,15 +376,43 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     part_out = torch.empty(batch, num_q_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, kv_cache, block_tables, seq_lens, part_out, part_lse,
-        scale * LOG2E, split_size,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        part_out,
+        part_lse,
+        scale * LOG2E,
+        split_size,
+        q.stride(0),
+        q.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
         block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, TILE_N=config.tile_n,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d,
+        TILE_N=config.tile_n,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
     _decode_merge_kernel[(batch, num_q_heads)](
-        part_out, part_lse, seq_lens, out, split_size, num_splits, out.stride(0), out.stride(1),
-        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, MERGE_TILE=MERGE_TILE, num_warps=4)
+        part_out,
+        part_lse,
+        seq_lens,
+        out,
+        split_size,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        NUM_Q_HEADS=num_q_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        MERGE_TILE=MERGE_TILE,
+        num_warps=4,
+    )
     return out

@@ -4,6 +4,7 @@ store_kv has already written the chunk's own K/V, so every key is read through t
 A program's rows are BLOCK_Q query tokens x the GROUP query heads of one KV head (row r: token
 r // GROUP, head r % GROUP), so one K/V tile load serves the GQA group.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,13 +16,32 @@ from sparseserve.kernels.paged_decode import LOG2E, attend_ref, attend_tile, seq
 
 
 # Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
-@triton.jit(do_not_specialize=["stride_tb"],
-            do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "qsl_ptr"])
-def _prefill_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, qsl_ptr, out_ptr, qk_scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ckv, stride_tb,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_tb"], do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "qsl_ptr"])
+def _prefill_kernel(
+    q_ptr,
+    cache_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    out_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ch,
+    stride_ckv,
+    stride_tb,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """Program (sequence, tile of BLOCK_Q queries, KV head) (reference: paged_prefill_ref).
 
     Query i of sequence b sits at position seq_lens[b] - q_len + i. Key tiles wholly before the
@@ -43,8 +63,7 @@ def _prefill_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
     dims = tl.arange(0, BLOCK_D)
     io_mask = ((r < BLOCK_Q * GROUP) & (qi < q_len))[:, None] & (dims[None, :] < HEAD_DIM)
     tok = (q_start + qi).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=io_mask, other=0.0)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=io_mask, other=0.0)
     pos = ctx_start + qi
     kv_base = cache_ptr + kvh * stride_ch
     table_row = table_ptr + b.to(tl.int64) * stride_tb
@@ -55,22 +74,62 @@ def _prefill_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
     kv_end = tl.minimum(seq_len, ctx_start + first_q + BLOCK_Q)  # one past the tile's last query
     full_end = (ctx_start + first_q) // BLOCK_N * BLOCK_N
     for tile in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, kv_base, table_row, tile, kv_end, pos, dims, qk_scale,
-                                    stride_cb, stride_ckv, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False,
-                                    DOT_PREC)
+        acc, m_i, l_i = attend_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            kv_base,
+            table_row,
+            tile,
+            kv_end,
+            pos,
+            dims,
+            qk_scale,
+            stride_cb,
+            stride_ckv,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_SIZE,
+            BLOCK_N,
+            False,
+            DOT_PREC,
+        )
     for tile in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, kv_base, table_row, tile, kv_end, pos, dims, qk_scale,
-                                    stride_cb, stride_ckv, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True,
-                                    DOT_PREC)
+        acc, m_i, l_i = attend_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            kv_base,
+            table_row,
+            tile,
+            kv_end,
+            pos,
+            dims,
+            qk_scale,
+            stride_cb,
+            stride_ckv,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_SIZE,
+            BLOCK_N,
+            True,
+            DOT_PREC,
+        )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
     """Rows per program (query tokens x GQA group), key tile, and the launch shape.
     Defaults from a sweep: docs/kernels.md, "Run 1"."""
+
     block_m: int = 128
     block_n: int = 32
     num_warps: int = 8
@@ -87,9 +146,16 @@ def default_prefill_config(dtype: torch.dtype, head_dim: int) -> PrefillConfig:
 _REF_SCORE_ELEMENTS = 1 << 24
 
 
-def paged_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                      query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_prefill_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal paged attention for the sequences of query_start_loc (token offsets into q).
 
     q: [T, Hq, D]; block_tables, seq_lens: a row per sequence, query_start_loc one more entry;
@@ -113,17 +179,32 @@ def paged_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     return out
 
 
-def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                  query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_prefill(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """paged_prefill_ref's contract."""
     fn = paged_prefill_triton if use_triton(q) else paged_prefill_ref
     return fn(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, out)
 
 
-def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                         query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                         out: torch.Tensor | None = None, config: PrefillConfig | None = None) -> torch.Tensor:
+def paged_prefill_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:
     num_q_heads, head_dim = q.shape[1:]
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     assert num_q_heads % num_kv_heads == 0 and kv_cache.shape[4] == head_dim
@@ -137,11 +218,30 @@ def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     block_m = max(config.block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     _prefill_kernel[(num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)](
-        q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=config.block_n,
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_N=config.block_n,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
     return out

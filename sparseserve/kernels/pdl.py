@@ -8,6 +8,7 @@ sequence lengths, state slots, slot mappings, earlier steps' reuse counters); it
 and reads no activation there. The trap: every kernel of the chain must call `pdl_wait` on every
 path, early returns included, or its successor runs ahead of the grid before it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,8 +27,11 @@ ENABLED = os.environ.get("SPARSESERVE_PDL", "1") != "0"
 
 @functools.lru_cache(maxsize=8)
 def _capable(device: torch.device) -> bool:
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    return (
+        device.type == "cuda"
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )
 
 
 def use_pdl(device: torch.device) -> bool:

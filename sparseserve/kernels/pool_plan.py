@@ -12,6 +12,7 @@ pool_read: one sparse layer's whole read of its decode lists under offload: the 
 blocks' keys, one plan per distinct key (repeats read their representative's slot) and the
 FlashH2D of the misses; three launches on the GPU. See docs/offload.md, "The pool plan's kernels".
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -28,15 +29,16 @@ NEVER = 1 << 62  # last_use of slots the current step uses: never a victim
 
 class PoolState(NamedTuple):
     """The HBM pool's device state and the plan's scratch (kvcache/pool.py owns them)."""
-    resident: torch.Tensor    # int64 [num_keys + 1] key -> slot (-1)
-    owner: torch.Tensor       # int64 [num_slots + 1] slot -> key (-1)
-    last_use: torch.Tensor    # int64 [num_slots + 1]
-    clock: torch.Tensor       # int64 []
-    stats: torch.Tensor       # int64 [4]
+
+    resident: torch.Tensor  # int64 [num_keys + 1] key -> slot (-1)
+    owner: torch.Tensor  # int64 [num_slots + 1] slot -> key (-1)
+    last_use: torch.Tensor  # int64 [num_slots + 1]
+    clock: torch.Tensor  # int64 []
+    stats: torch.Tensor  # int64 [4]
     set_misses: torch.Tensor  # int32 [num_sets], zero between calls
-    set_queue: torch.Tensor   # int32 [num_slots]
-    plan_cur: torch.Tensor    # int64 [1]
-    claim: torch.Tensor       # int64 [num_keys + 1], -1 at first: repeat detection (scratch)
+    set_queue: torch.Tensor  # int32 [num_slots]
+    plan_cur: torch.Tensor  # int64 [1]
+    claim: torch.Tensor  # int64 [num_keys + 1], -1 at first: repeat detection (scratch)
     ways: int
     num_sets: int
     hash_mult: int
@@ -49,10 +51,11 @@ class ListLayout(NamedTuple):
     """How a layer's lists name head blocks: key = (layer * (num_blocks + 1) + token block) * Hkv
     + head (the host store's rows), the trash key num_keys for none. A read of several layers'
     lists (sel [layers, S, Hkv, cap]) starts at `layer`."""
+
     layer: int
     num_blocks: int
     num_kv_heads: int
-    local: int       # local window blocks: read from the device cache, never the pool
+    local: int  # local window blocks: read from the device cache, never the pool
     block_size: int
 
 
@@ -61,9 +64,19 @@ def set_of(key: torch.Tensor, num_sets: int, hash_mult: int) -> torch.Tensor:
     return (key * hash_mult) % num_sets
 
 
-def pool_plan_ref(key: torch.Tensor, resident: torch.Tensor, owner: torch.Tensor, last_use: torch.Tensor,
-                  clock: torch.Tensor, stats: torch.Tensor, *, ways: int, num_sets: int, hash_mult: int,
-                  floor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def pool_plan_ref(
+    key: torch.Tensor,
+    resident: torch.Tensor,
+    owner: torch.Tensor,
+    last_use: torch.Tensor,
+    clock: torch.Tensor,
+    stats: torch.Tensor,
+    *,
+    ways: int,
+    num_sets: int,
+    hash_mult: int,
+    floor: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's step. key: int64 [N] head blocks the step reads, each at most once (the trash
     key resident.numel() - 1: none). Updated in place (int64): resident [num_keys + 1] (key ->
     slot, -1), owner and last_use [num_slots + 1] (slot -> key / clock of last use, -1 free;
@@ -109,18 +122,44 @@ def pool_plan_ref(key: torch.Tensor, resident: torch.Tensor, owner: torch.Tensor
     return loc, load
 
 
-def pool_plan(key: torch.Tensor, resident: torch.Tensor, owner: torch.Tensor, last_use: torch.Tensor,
-              clock: torch.Tensor, stats: torch.Tensor, set_misses: torch.Tensor, set_queue: torch.Tensor,
-              plan_cur: torch.Tensor, *, ways: int, num_sets: int, hash_mult: int, floor: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def pool_plan(
+    key: torch.Tensor,
+    resident: torch.Tensor,
+    owner: torch.Tensor,
+    last_use: torch.Tensor,
+    clock: torch.Tensor,
+    stats: torch.Tensor,
+    set_misses: torch.Tensor,
+    set_queue: torch.Tensor,
+    plan_cur: torch.Tensor,
+    *,
+    ways: int,
+    num_sets: int,
+    hash_mult: int,
+    floor: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """pool_plan_ref's contract, up to the pairing of a set's misses with its victims. Scratch:
     set_misses int32 [num_sets] (zero between calls), set_queue int32 [num_slots],
     plan_cur int64 [1]."""
     if use_triton(key):
-        return pool_plan_triton(key, resident, owner, last_use, clock, stats, set_misses, set_queue, plan_cur,
-                                ways=ways, num_sets=num_sets, hash_mult=hash_mult, floor=floor)
-    return pool_plan_ref(key, resident, owner, last_use, clock, stats, ways=ways, num_sets=num_sets,
-                         hash_mult=hash_mult, floor=floor)
+        return pool_plan_triton(
+            key,
+            resident,
+            owner,
+            last_use,
+            clock,
+            stats,
+            set_misses,
+            set_queue,
+            plan_cur,
+            ways=ways,
+            num_sets=num_sets,
+            hash_mult=hash_mult,
+            floor=floor,
+        )
+    return pool_plan_ref(
+        key, resident, owner, last_use, clock, stats, ways=ways, num_sets=num_sets, hash_mult=hash_mult, floor=floor
+    )
 
 
 BLOCK_LOOKUP = 512
@@ -128,8 +167,25 @@ BLOCK_EVICT = 64
 
 
 @triton.jit
-def _lookup(key, need, slot, i, inb, last_use_ptr, clock, stats_ptr, count_ptr, queue_ptr, rank_ptr, loc_ptr,
-            load_ptr, num_sets, load_other, WAYS: tl.constexpr, HASH: tl.constexpr):
+def _lookup(
+    key,
+    need,
+    slot,
+    i,
+    inb,
+    last_use_ptr,
+    clock,
+    stats_ptr,
+    count_ptr,
+    queue_ptr,
+    rank_ptr,
+    loc_ptr,
+    load_ptr,
+    num_sets,
+    load_other,
+    WAYS: tl.constexpr,
+    HASH: tl.constexpr,
+):
     """Kernel 1's lookup of the requested keys (need) at positions i (inb: in bounds); the
     caller loaded slot = resident[key]. load_other: `load` where kernel 2 installs nothing
     (-1; pool_read marks repeats -2). A hit's last_use = clock marks it in use this step."""
@@ -150,9 +206,26 @@ def _lookup(key, need, slot, i, inb, last_use_ptr, clock, stats_ptr, count_ptr, 
 
 # Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["n"])
-def _lookup_kernel(key_ptr, resident_ptr, last_use_ptr, clock_ptr, cur_ptr, stats_ptr, count_ptr, queue_ptr,
-                   rank_ptr, loc_ptr, load_ptr, n, trash_key, num_sets,
-                   WAYS: tl.constexpr, HASH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _lookup_kernel(
+    key_ptr,
+    resident_ptr,
+    last_use_ptr,
+    clock_ptr,
+    cur_ptr,
+    stats_ptr,
+    count_ptr,
+    queue_ptr,
+    rank_ptr,
+    loc_ptr,
+    load_ptr,
+    n,
+    trash_key,
+    num_sets,
+    WAYS: tl.constexpr,
+    HASH: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_wait(PDL)
     pid = tl.program_id(0)
     i = pid * BLOCK + tl.arange(0, BLOCK)
@@ -161,8 +234,25 @@ def _lookup_kernel(key_ptr, resident_ptr, last_use_ptr, clock_ptr, cur_ptr, stat
     clock = tl.load(clock_ptr)
     need = key != trash_key
     slot = tl.load(resident_ptr + key, mask=need, other=-1)
-    _lookup(key, need, slot, i, inb, last_use_ptr, clock, stats_ptr, count_ptr, queue_ptr, rank_ptr, loc_ptr,
-            load_ptr, num_sets, tl.full([BLOCK], -1, tl.int64), WAYS=WAYS, HASH=HASH)
+    _lookup(
+        key,
+        need,
+        slot,
+        i,
+        inb,
+        last_use_ptr,
+        clock,
+        stats_ptr,
+        count_ptr,
+        queue_ptr,
+        rank_ptr,
+        loc_ptr,
+        load_ptr,
+        num_sets,
+        tl.full([BLOCK], -1, tl.int64),
+        WAYS=WAYS,
+        HASH=HASH,
+    )
     if pid == 0:
         tl.atomic_add(stats_ptr + 3, 1, sem="relaxed")
         tl.store(cur_ptr, clock)
@@ -170,13 +260,46 @@ def _lookup_kernel(key_ptr, resident_ptr, last_use_ptr, clock_ptr, cur_ptr, stat
 
 # Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["stride_tb"])
-def _list_lookup_kernel(sel_ptr, row_slots_ptr, tables_ptr, seq_lens_ptr, key_out_ptr, claim_ptr,
-                        resident_ptr, last_use_ptr, clock_ptr, cur_ptr, stats_ptr, count_ptr, queue_ptr,
-                        rank_ptr, loc_ptr, load_ptr, stamp_ptr, hist_ptr, since_ptr, ws_clock_ptr,
-                        stride_sl, stride_ss, stride_tb, key_base, key_step, trash_key, num_sets,
-                        HKV: tl.constexpr, CAP: tl.constexpr, CAP_P2: tl.constexpr, LOCAL: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr, WAYS: tl.constexpr, HASH: tl.constexpr, TOUCH: tl.constexpr,
-                        NUM_SLOTS: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr):
+def _list_lookup_kernel(
+    sel_ptr,
+    row_slots_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    key_out_ptr,
+    claim_ptr,
+    resident_ptr,
+    last_use_ptr,
+    clock_ptr,
+    cur_ptr,
+    stats_ptr,
+    count_ptr,
+    queue_ptr,
+    rank_ptr,
+    loc_ptr,
+    load_ptr,
+    stamp_ptr,
+    hist_ptr,
+    since_ptr,
+    ws_clock_ptr,
+    stride_sl,
+    stride_ss,
+    stride_tb,
+    key_base,
+    key_step,
+    trash_key,
+    num_sets,
+    HKV: tl.constexpr,
+    CAP: tl.constexpr,
+    CAP_P2: tl.constexpr,
+    LOCAL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    WAYS: tl.constexpr,
+    HASH: tl.constexpr,
+    TOUCH: tl.constexpr,
+    NUM_SLOTS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Program (row, KV head, layer of the call): its list's keys, the claim of each (an atomic
     exchange of the clock: the first claimant represents the key), the lookup of the
     representatives; TOUCH: the keys join the row's working set (kernels/working_set.py)."""
@@ -205,12 +328,30 @@ def _list_lookup_kernel(sel_ptr, row_slots_ptr, tables_ptr, seq_lens_ptr, key_ou
     if TOUCH:
         prev = tl.load(stamp_ptr + key, mask=listed, other=-1)
     repeat = listed & (old == clock)
-    _lookup(key, listed & ~repeat, slot, i, inb, last_use_ptr, clock, stats_ptr, count_ptr, queue_ptr, rank_ptr,
-            loc_ptr, load_ptr, num_sets, tl.where(repeat, -2, -1).to(tl.int64), WAYS=WAYS, HASH=HASH)
+    _lookup(
+        key,
+        listed & ~repeat,
+        slot,
+        i,
+        inb,
+        last_use_ptr,
+        clock,
+        stats_ptr,
+        count_ptr,
+        queue_ptr,
+        rank_ptr,
+        loc_ptr,
+        load_ptr,
+        num_sets,
+        tl.where(repeat, -2, -1).to(tl.int64),
+        WAYS=WAYS,
+        HASH=HASH,
+    )
     if TOUCH:
         ws_slot = row_slot % NUM_SLOTS  # a lagged list's row is its state slot + num_slots * parity
-        added = touch_keys(key, listed, prev, ws_slot, t, stamp_ptr, hist_ptr, since_ptr, NUM_SLOTS=NUM_SLOTS,
-                           WINDOW=WINDOW)
+        added = touch_keys(
+            key, listed, prev, ws_slot, t, stamp_ptr, hist_ptr, since_ptr, NUM_SLOTS=NUM_SLOTS, WINDOW=WINDOW
+        )
         tl.atomic_add(hist_ptr + tl.maximum(ws_slot, 0) * WINDOW + t % WINDOW, added)
     if (b == 0) & (h == 0):  # a layer step planned
         tl.atomic_add(stats_ptr + 3, 1, sem="relaxed")
@@ -220,10 +361,28 @@ def _list_lookup_kernel(sel_ptr, row_slots_ptr, tables_ptr, seq_lens_ptr, key_ou
 
 # Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["n"])
-def _evict_kernel(key_ptr, rank_ptr, resident_ptr, owner_ptr, last_use_ptr, clock_ptr, cur_ptr, floor_ptr, stats_ptr,
-                  count_ptr, queue_ptr, loc_ptr, load_ptr, n, num_sets,
-                  WAYS: tl.constexpr, WAYS_P2: tl.constexpr, HASH: tl.constexpr, BLOCK: tl.constexpr,
-                  PDL: tl.constexpr):
+def _evict_kernel(
+    key_ptr,
+    rank_ptr,
+    resident_ptr,
+    owner_ptr,
+    last_use_ptr,
+    clock_ptr,
+    cur_ptr,
+    floor_ptr,
+    stats_ptr,
+    count_ptr,
+    queue_ptr,
+    loc_ptr,
+    load_ptr,
+    n,
+    num_sets,
+    WAYS: tl.constexpr,
+    WAYS_P2: tl.constexpr,
+    HASH: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_wait(PDL)
     pid = tl.program_id(0)
     i = pid * BLOCK + tl.arange(0, BLOCK)
@@ -263,10 +422,22 @@ def _evict_kernel(key_ptr, rank_ptr, resident_ptr, owner_ptr, last_use_ptr, cloc
         tl.store(clock_ptr, clock + 1)
 
 
-def pool_plan_triton(key: torch.Tensor, resident: torch.Tensor, owner: torch.Tensor, last_use: torch.Tensor,
-                     clock: torch.Tensor, stats: torch.Tensor, set_misses: torch.Tensor, set_queue: torch.Tensor,
-                     plan_cur: torch.Tensor, *, ways: int, num_sets: int, hash_mult: int,
-                     floor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def pool_plan_triton(
+    key: torch.Tensor,
+    resident: torch.Tensor,
+    owner: torch.Tensor,
+    last_use: torch.Tensor,
+    clock: torch.Tensor,
+    stats: torch.Tensor,
+    set_misses: torch.Tensor,
+    set_queue: torch.Tensor,
+    plan_cur: torch.Tensor,
+    *,
+    ways: int,
+    num_sets: int,
+    hash_mult: int,
+    floor: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     key = key.contiguous()
     n = key.numel()
     rank = torch.empty(n, dtype=torch.int32, device=key.device)
@@ -276,17 +447,54 @@ def pool_plan_triton(key: torch.Tensor, resident: torch.Tensor, owner: torch.Ten
     common = dict(WAYS=ways, HASH=hash_mult, PDL=pdl, launch_pdl=pdl)
     # At least one program: an empty call still advances the clock and counts a layer step.
     _lookup_kernel[(max(triton.cdiv(n, BLOCK_LOOKUP), 1),)](
-        key, resident, last_use, clock, plan_cur, stats, set_misses, set_queue,
-        rank, loc, load, n, resident.numel() - 1, num_sets, BLOCK=BLOCK_LOOKUP, **common)
+        key,
+        resident,
+        last_use,
+        clock,
+        plan_cur,
+        stats,
+        set_misses,
+        set_queue,
+        rank,
+        loc,
+        load,
+        n,
+        resident.numel() - 1,
+        num_sets,
+        BLOCK=BLOCK_LOOKUP,
+        **common,
+    )
     _evict_kernel[(max(triton.cdiv(n, BLOCK_EVICT), 1),)](
-        key, rank, resident, owner, last_use, clock, plan_cur, plan_cur if floor is None else floor, stats,
-        set_misses, set_queue, loc, load, n, num_sets,
-        WAYS_P2=triton.next_power_of_2(ways), BLOCK=BLOCK_EVICT, **common)
+        key,
+        rank,
+        resident,
+        owner,
+        last_use,
+        clock,
+        plan_cur,
+        plan_cur if floor is None else floor,
+        stats,
+        set_misses,
+        set_queue,
+        loc,
+        load,
+        n,
+        num_sets,
+        WAYS_P2=triton.next_power_of_2(ways),
+        BLOCK=BLOCK_EVICT,
+        **common,
+    )
     return loc, load
 
 
-def list_keys(sel: torch.Tensor, row_slots: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
-              lay: ListLayout, trash_key: int) -> torch.Tensor:
+def list_keys(
+    sel: torch.Tensor,
+    row_slots: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    lay: ListLayout,
+    trash_key: int,
+) -> torch.Tensor:
     """int64 [B, Hkv, cap]: the key of each entry before its row's local window, trash_key
     elsewhere. sel: int32 [S, Hkv, cap] the lists by state slot (-1 padded); row_slots: int [B]
     (-1: padding row); tables: int [B, W] token block tables; seq_lens: int [B]."""
@@ -299,9 +507,17 @@ def list_keys(sel: torch.Tensor, row_slots: torch.Tensor, tables: torch.Tensor, 
     return torch.where(listed, key, trash_key)
 
 
-def pool_read_ref(host_flat: torch.Tensor, pool_slots: torch.Tensor, sel: torch.Tensor, row_slots: torch.Tensor,
-                  tables: torch.Tensor, seq_lens: torch.Tensor, lay: ListLayout, st: PoolState,
-                  touch: TouchState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def pool_read_ref(
+    host_flat: torch.Tensor,
+    pool_slots: torch.Tensor,
+    sel: torch.Tensor,
+    row_slots: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    lay: ListLayout,
+    st: PoolState,
+    touch: TouchState | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sparse layer's read of its lists through the pool (list_keys' arguments): one plan
     per distinct key (repeats read their first occurrence's slot), then FlashH2D of the misses;
     `touch`: listed keys join their rows' working sets. Returns (loc, key) int64 [B, Hkv, cap]:
@@ -309,8 +525,12 @@ def pool_read_ref(host_flat: torch.Tensor, pool_slots: torch.Tensor, sel: torch.
     lay.layer.. planned at once, (loc, key) [L, B, Hkv, cap]."""
     trash_key = st.resident.numel() - 1
     if sel.dim() == 4:
-        key = torch.stack([list_keys(s, row_slots, tables, seq_lens, lay._replace(layer=lay.layer + i), trash_key)
-                           for i, s in enumerate(sel)])
+        key = torch.stack(
+            [
+                list_keys(s, row_slots, tables, seq_lens, lay._replace(layer=lay.layer + i), trash_key)
+                for i, s in enumerate(sel)
+            ]
+        )
     else:
         key = list_keys(sel, row_slots, tables, seq_lens, lay, trash_key)
     flat = key.reshape(-1)
@@ -319,22 +539,39 @@ def pool_read_ref(host_flat: torch.Tensor, pool_slots: torch.Tensor, sel: torch.
     first = torch.full_like(pos, flat.numel()).scatter_reduce_(0, inverse, pos, "amin")
     rep = first[inverse]  # the first occurrence of each key represents it
     unique = torch.where(rep == pos, flat, trash_key)
-    loc, load = pool_plan_ref(unique, st.resident, st.owner, st.last_use, st.clock, st.stats, ways=st.ways,
-                              num_sets=st.num_sets, hash_mult=st.hash_mult, floor=st.floor)
+    loc, load = pool_plan_ref(
+        unique,
+        st.resident,
+        st.owner,
+        st.last_use,
+        st.clock,
+        st.stats,
+        ways=st.ways,
+        num_sets=st.num_sets,
+        hash_mult=st.hash_mult,
+        floor=st.floor,
+    )
     if sel.dim() == 4:  # a layer step per layer, as the kernels count
         st.stats[3] += sel.shape[0] - 1
     flash_h2d_ref(host_flat, pool_slots, unique, load)
     if touch is not None:
         # lag: a row is slot + S * parity
         ws_slots = torch.where(row_slots >= 0, row_slots.long() % touch.hist.shape[0], -1)
-        working_set_touch_ref(key.transpose(0, 1).flatten(1) if sel.dim() == 4 else key.flatten(1), ws_slots,
-                              *touch)
+        working_set_touch_ref(key.transpose(0, 1).flatten(1) if sel.dim() == 4 else key.flatten(1), ws_slots, *touch)
     return loc[rep].view_as(key), key
 
 
-def pool_read_triton(host_flat: torch.Tensor, pool_slots: torch.Tensor, sel: torch.Tensor, row_slots: torch.Tensor,
-                     tables: torch.Tensor, seq_lens: torch.Tensor, lay: ListLayout, st: PoolState,
-                     touch: TouchState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def pool_read_triton(
+    host_flat: torch.Tensor,
+    pool_slots: torch.Tensor,
+    sel: torch.Tensor,
+    row_slots: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    lay: ListLayout,
+    st: PoolState,
+    touch: TouchState | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     layers = sel.shape[0] if sel.dim() == 4 else 1
     sel4 = sel if sel.dim() == 4 else sel[None]
     b, cap = row_slots.numel(), sel.shape[-1]
@@ -349,39 +586,120 @@ def pool_read_triton(host_flat: torch.Tensor, pool_slots: torch.Tensor, sel: tor
     if b:
         ws = touch if touch is not None else TouchState(loc, loc, loc, loc)  # unused without TOUCH
         _list_lookup_kernel[(b, lay.num_kv_heads, layers)](
-            sel4, row_slots, tables, seq_lens, key, st.claim, st.resident, st.last_use, st.clock, st.plan_cur,
-            st.stats, st.set_misses, st.set_queue, rank, loc, load, *ws, sel4.stride(0), sel4.stride(1),
-            tables.stride(0), lay.layer * (lay.num_blocks + 1), lay.num_blocks + 1, st.resident.numel() - 1,
-            st.num_sets, HKV=lay.num_kv_heads, CAP=cap,
-            CAP_P2=triton.next_power_of_2(cap), LOCAL=lay.local, BLOCK_SIZE=lay.block_size, WAYS=st.ways,
-            HASH=st.hash_mult, TOUCH=touch is not None, NUM_SLOTS=ws.hist.shape[0] if touch is not None else 1,
-            WINDOW=ws.hist.shape[1] if touch is not None else 1, PDL=pdl, launch_pdl=pdl)
+            sel4,
+            row_slots,
+            tables,
+            seq_lens,
+            key,
+            st.claim,
+            st.resident,
+            st.last_use,
+            st.clock,
+            st.plan_cur,
+            st.stats,
+            st.set_misses,
+            st.set_queue,
+            rank,
+            loc,
+            load,
+            *ws,
+            sel4.stride(0),
+            sel4.stride(1),
+            tables.stride(0),
+            lay.layer * (lay.num_blocks + 1),
+            lay.num_blocks + 1,
+            st.resident.numel() - 1,
+            st.num_sets,
+            HKV=lay.num_kv_heads,
+            CAP=cap,
+            CAP_P2=triton.next_power_of_2(cap),
+            LOCAL=lay.local,
+            BLOCK_SIZE=lay.block_size,
+            WAYS=st.ways,
+            HASH=st.hash_mult,
+            TOUCH=touch is not None,
+            NUM_SLOTS=ws.hist.shape[0] if touch is not None else 1,
+            WINDOW=ws.hist.shape[1] if touch is not None else 1,
+            PDL=pdl,
+            launch_pdl=pdl,
+        )
     else:  # no rows: the clock still advances and a layer step counts, as in pool_plan
-        _lookup_kernel[(1,)](key, st.resident, st.last_use, st.clock, st.plan_cur, st.stats, st.set_misses,
-                             st.set_queue, rank, loc, load, 0, st.resident.numel() - 1, st.num_sets,
-                             BLOCK=BLOCK_LOOKUP, WAYS=st.ways, HASH=st.hash_mult, PDL=pdl, launch_pdl=pdl)
+        _lookup_kernel[(1,)](
+            key,
+            st.resident,
+            st.last_use,
+            st.clock,
+            st.plan_cur,
+            st.stats,
+            st.set_misses,
+            st.set_queue,
+            rank,
+            loc,
+            load,
+            0,
+            st.resident.numel() - 1,
+            st.num_sets,
+            BLOCK=BLOCK_LOOKUP,
+            WAYS=st.ways,
+            HASH=st.hash_mult,
+            PDL=pdl,
+            launch_pdl=pdl,
+        )
         if layers > 1:
             st.stats[3:].add_(layers - 1)
     _evict_kernel[(max(triton.cdiv(n, BLOCK_EVICT), 1),)](
-        key, rank, st.resident, st.owner, st.last_use, st.clock, st.plan_cur,
-        st.plan_cur if st.floor is None else st.floor, st.stats, st.set_misses,
-        st.set_queue, loc, load, n, st.num_sets, WAYS=st.ways, WAYS_P2=triton.next_power_of_2(st.ways),
-        HASH=st.hash_mult, BLOCK=BLOCK_EVICT, PDL=pdl, launch_pdl=pdl)
+        key,
+        rank,
+        st.resident,
+        st.owner,
+        st.last_use,
+        st.clock,
+        st.plan_cur,
+        st.plan_cur if st.floor is None else st.floor,
+        st.stats,
+        st.set_misses,
+        st.set_queue,
+        loc,
+        load,
+        n,
+        st.num_sets,
+        WAYS=st.ways,
+        WAYS_P2=triton.next_power_of_2(st.ways),
+        HASH=st.hash_mult,
+        BLOCK=BLOCK_EVICT,
+        PDL=pdl,
+        launch_pdl=pdl,
+    )
     flash_h2d_triton(host_flat, pool_slots, key.view(-1), load, repeats=(st.resident, loc))
     return loc.view_as(key), key
 
 
-def pool_read(host_flat: torch.Tensor, pool_slots: torch.Tensor, sel: torch.Tensor, row_slots: torch.Tensor,
-              tables: torch.Tensor, seq_lens: torch.Tensor, lay: ListLayout, st: PoolState,
-              touch: TouchState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def pool_read(
+    host_flat: torch.Tensor,
+    pool_slots: torch.Tensor,
+    sel: torch.Tensor,
+    row_slots: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    lay: ListLayout,
+    st: PoolState,
+    touch: TouchState | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """pool_read_ref's contract, up to the pairing of misses with victims and which repeat
     represents a key."""
     fn = pool_read_triton if use_triton(sel) else pool_read_ref
     return fn(host_flat, pool_slots, sel, row_slots, tables, seq_lens, lay, st, touch)
 
 
-def invalidate_ref(blocks: torch.Tensor, resident: torch.Tensor, owner: torch.Tensor, last_use: torch.Tensor,
-                   num_layers: int, num_blocks: int, num_kv_heads: int) -> None:
+def invalidate_ref(
+    blocks: torch.Tensor,
+    resident: torch.Tensor,
+    owner: torch.Tensor,
+    last_use: torch.Tensor,
+    num_layers: int,
+    num_blocks: int,
+    num_kv_heads: int,
+) -> None:
     """Token blocks given to a new owner (int [N]) leave the pool: every layer's and KV head's
     head block is no longer resident, and its slot, if any, is free (owner, last_use -1)."""
     if blocks.numel() == 0:
@@ -399,8 +717,9 @@ def invalidate_ref(blocks: torch.Tensor, resident: torch.Tensor, owner: torch.Te
 
 # Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["num_keys"])
-def _invalidate_kernel(blocks_ptr, resident_ptr, owner_ptr, last_use_ptr, layer_keys, num_keys,
-                       HKV: tl.constexpr, KEYS_P2: tl.constexpr):
+def _invalidate_kernel(
+    blocks_ptr, resident_ptr, owner_ptr, last_use_ptr, layer_keys, num_keys, HKV: tl.constexpr, KEYS_P2: tl.constexpr
+):
     # One program a token block: its num_keys = layers x Hkv head blocks in one vector.
     b = tl.load(blocks_ptr + tl.program_id(0)).to(tl.int64)
     j = tl.arange(0, KEYS_P2)
@@ -413,17 +732,39 @@ def _invalidate_kernel(blocks_ptr, resident_ptr, owner_ptr, last_use_ptr, layer_
     tl.store(resident_ptr + key, -1, mask=m)
 
 
-def invalidate_triton(blocks: torch.Tensor, resident: torch.Tensor, owner: torch.Tensor, last_use: torch.Tensor,
-                      num_layers: int, num_blocks: int, num_kv_heads: int) -> None:
+def invalidate_triton(
+    blocks: torch.Tensor,
+    resident: torch.Tensor,
+    owner: torch.Tensor,
+    last_use: torch.Tensor,
+    num_layers: int,
+    num_blocks: int,
+    num_kv_heads: int,
+) -> None:
     if blocks.numel() == 0:
         return
     keys = num_layers * num_kv_heads
-    _invalidate_kernel[(blocks.numel(),)](blocks, resident, owner, last_use, (num_blocks + 1) * num_kv_heads, keys,
-                                          HKV=num_kv_heads, KEYS_P2=triton.next_power_of_2(keys))
+    _invalidate_kernel[(blocks.numel(),)](
+        blocks,
+        resident,
+        owner,
+        last_use,
+        (num_blocks + 1) * num_kv_heads,
+        keys,
+        HKV=num_kv_heads,
+        KEYS_P2=triton.next_power_of_2(keys),
+    )
 
 
-def invalidate(blocks: torch.Tensor, resident: torch.Tensor, owner: torch.Tensor, last_use: torch.Tensor,
-               num_layers: int, num_blocks: int, num_kv_heads: int) -> None:
+def invalidate(
+    blocks: torch.Tensor,
+    resident: torch.Tensor,
+    owner: torch.Tensor,
+    last_use: torch.Tensor,
+    num_layers: int,
+    num_blocks: int,
+    num_kv_heads: int,
+) -> None:
     """invalidate_ref's contract: one launch (a step's few new blocks, at its start)."""
     fn = invalidate_triton if use_triton(resident) else invalidate_ref
     fn(blocks, resident, owner, last_use, num_layers, num_blocks, num_kv_heads)

@@ -17,6 +17,7 @@ tiles as kv_index int32 [same] and kv_count int32 [B, Hkv, n_q_tiles]. Reference
 quantize_qk_ref, select_tiles_ref. No host sync: grids follow host-side bounds; thresholds and
 streaming flags are device tensors. Why fp8 and group scales: docs/sparse_prefill.md.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,11 +38,12 @@ _SCORE_ELEMENTS = 1 << 25
 class QKCodes(NamedTuple):
     """Quantized Q and K of a batch of chunks; L = n_k_tiles * k_tile (past seq_len: code 0,
     scale 1)."""
+
     q_code: torch.Tensor  # float8_e4m3fn [T, Hq, D]
     q_scale: torch.Tensor  # float32 [T, Hq]
     k_code: torch.Tensor  # float8_e4m3fn [B, Hkv, L, D]
     k_scale: torch.Tensor  # float32 [B, Hkv, L]
-    qmk: torch.Tensor     # float32 [B, Hq, L]: mean_q[h] . K~_j
+    qmk: torch.Tensor  # float32 [B, Hq, L]: mean_q[h] . K~_j
 
 
 def _gather_keys(kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -100,8 +102,15 @@ def _means_ref(q, keys, seq_lens, query_start_loc, length):
     return mean_q, mean_k
 
 
-def quantize_qk_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, max_seq_len: int, layout: TileLayout) -> QKCodes:
+def quantize_qk_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_seq_len: int,
+    layout: TileLayout,
+) -> QKCodes:
     """Stage 1 in torch (module docstring)."""
     num_q_heads = q.shape[1]
     num_kv_heads = kv_cache.shape[1]
@@ -110,8 +119,9 @@ def quantize_qk_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     keys = _gather_keys(kv_cache, block_tables, length)
     mean_q, mean_k = _means_ref(q, keys, seq_lens, query_start_loc, length)
     qsl = query_start_loc.long()
-    seq_idx = torch.repeat_interleave(torch.arange(seq_lens.numel(), device=q.device), qsl[1:] - qsl[:-1],
-                                      output_size=q.shape[0])
+    seq_idx = torch.repeat_interleave(
+        torch.arange(seq_lens.numel(), device=q.device), qsl[1:] - qsl[:-1], output_size=q.shape[0]
+    )
     q_code, q_scale = _quantize_rows_ref(q.float() - mean_q[seq_idx])
     valid = torch.arange(length, device=q.device)[None, :] < seq_lens.long()[:, None]
     kt = torch.where(valid[:, None, :, None], keys - mean_k[:, :, None], 0.0)  # K~, 0 past the end
@@ -120,9 +130,18 @@ def quantize_qk_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     return QKCodes(q_code, q_scale, k_code, k_scale, qmk.reshape(-1, num_q_heads, length))
 
 
-def select_tiles_ref(codes: QKCodes, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                     max_query_len: int, max_seq_len: int, layout: TileLayout, thresholds: torch.Tensor,
-                     streaming: torch.Tensor | None = None, with_margin: bool = False):
+def select_tiles_ref(
+    codes: QKCodes,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    layout: TileLayout,
+    thresholds: torch.Tensor,
+    streaming: torch.Tensor | None = None,
+    with_margin: bool = False,
+):
     """Stage 2 in torch: (mask, kv_index, kv_count); with_margin also float32 [B, Hkv, n_q_tiles,
     n_k_tiles], each middle tile's max (est - T) * scale * log2(e) (> 0: kept; -inf: not
     estimated), so tests see how far each decision is from its boundary."""
@@ -149,8 +168,9 @@ def select_tiles_ref(codes: QKCodes, seq_lens: torch.Tensor, query_start_loc: to
             toks = qsl[b] + rows
             qtile = rows // layout.q_tile
             pos = lens[b] - (qsl[b + 1] - qsl[b]) + rows
-            s = torch.einsum("thgd,hjd->hgtj", q_code[toks].float().view(-1, num_kv_heads, group, q_code.shape[2]),
-                             k_code_f[b])  # [Hkv, G, rows, L]
+            s = torch.einsum(
+                "thgd,hjd->hgtj", q_code[toks].float().view(-1, num_kv_heads, group, q_code.shape[2]), k_code_f[b]
+            )  # [Hkv, G, rows, L]
             sq = q_scale[toks].T.reshape(num_kv_heads, group, -1, 1)
             # the kernel's order of operations
             est = s * k_scale[b][:, None, None, :] * sq + qmk[b].view(num_kv_heads, group, 1, length)
@@ -192,12 +212,28 @@ def _pow2(n):
 
 
 # Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
-@triton.jit(do_not_specialize=["split_len", "stride_tb"],
-            do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "qsl_ptr"])
-def _sum_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, part_ptr, split_len,
-                stride_xt, stride_xh, stride_cb, stride_ch, stride_tb,
-                PAGED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-                TOK: tl.constexpr):
+@triton.jit(
+    do_not_specialize=["split_len", "stride_tb"],
+    do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "qsl_ptr"],
+)
+def _sum_kernel(
+    x_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    part_ptr,
+    split_len,
+    stride_xt,
+    stride_xh,
+    stride_cb,
+    stride_ch,
+    stride_tb,
+    PAGED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TOK: tl.constexpr,
+):
     """part[b, h, split] = sum of head h's rows in the split's range: sequence b's chunk queries
     (q), or, PAGED, the context's keys (through the block table)."""
     b = tl.program_id(0)
@@ -227,11 +263,37 @@ def _sum_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, part_ptr, split_len,
 
 
 @triton.jit(do_not_specialize=["stride_tb"], do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "qsl_ptr"])
-def _quant_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, mean_ptr, mean_q_ptr, code_ptr, scale_ptr, qmk_ptr,
-                  length, stride_xt, stride_xh, stride_cb, stride_ch, stride_tb, stride_oa, stride_ob, stride_st,
-                  stride_sh, stride_mb, stride_mh, stride_qmb, stride_qmh,
-                  PAGED: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  BLOCK_D: tl.constexpr, TOK: tl.constexpr):
+def _quant_kernel(
+    x_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    mean_ptr,
+    mean_q_ptr,
+    code_ptr,
+    scale_ptr,
+    qmk_ptr,
+    length,
+    stride_xt,
+    stride_xh,
+    stride_cb,
+    stride_ch,
+    stride_tb,
+    stride_oa,
+    stride_ob,
+    stride_st,
+    stride_sh,
+    stride_mb,
+    stride_mh,
+    stride_qmb,
+    stride_qmh,
+    PAGED: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TOK: tl.constexpr,
+):
     """Quantizes TOK rows of head h (stage 1; reference: quantize_qk_ref).
 
     Not PAGED: sequence b's chunk queries -> code [T, Hq, D], scale [T, Hq].
@@ -281,8 +343,9 @@ def _quant_kernel(x_ptr, table_ptr, seq_lens_ptr, qsl_ptr, mean_ptr, mean_q_ptr,
             hq = h * GROUP + g
             # mean_q: [B, Hq, BLOCK_D]
             mq = tl.load(mean_q_ptr + (b * tl.num_programs(1) * GROUP + hq) * BLOCK_D + dims)
-            tl.store(qmk_ptr + b.to(tl.int64) * stride_qmb + hq * stride_qmh + r, tl.sum(x * mq[None, :], 1),
-                     mask=w_mask)
+            tl.store(
+                qmk_ptr + b.to(tl.int64) * stride_qmb + hq * stride_qmh + r, tl.sum(x * mq[None, :], 1), mask=w_mask
+            )
 
 
 @triton.jit
@@ -295,15 +358,50 @@ def _split_tiles(x, Q_TILE: tl.constexpr, K_TILE: tl.constexpr, CHUNK: tl.conste
         return tl.split(tl.reshape(x, [Q_TILE, K_TILE, 2]))
 
 
-@triton.jit(do_not_specialize=["num_q_tiles", "stride_mb", "stride_mh", "stride_mt", "stride_nb", "stride_nh"],
-            do_not_specialize_on_alignment=["seq_lens_ptr", "qsl_ptr", "stream_ptr"])
-def _select_kernel(q_code_ptr, q_scale_ptr, k_code_ptr, k_scale_ptr, qmk_ptr, seq_lens_ptr, qsl_ptr, log2_thr_ptr,
-                   stream_ptr, mask_ptr, idx_ptr, cnt_ptr, c_log2, num_q_tiles,
-                   stride_qct, stride_qch, stride_qst, stride_qsh, stride_kcb, stride_kch, stride_ksb, stride_ksh,
-                   stride_qmb, stride_qmh, stride_mb, stride_mh, stride_mt, stride_nb, stride_nh,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, Q_TILE: tl.constexpr,
-                   K_TILE: tl.constexpr, SINK: tl.constexpr, LOCAL: tl.constexpr, CHUNK: tl.constexpr,
-                   STREAMING: tl.constexpr):
+@triton.jit(
+    do_not_specialize=["num_q_tiles", "stride_mb", "stride_mh", "stride_mt", "stride_nb", "stride_nh"],
+    do_not_specialize_on_alignment=["seq_lens_ptr", "qsl_ptr", "stream_ptr"],
+)
+def _select_kernel(
+    q_code_ptr,
+    q_scale_ptr,
+    k_code_ptr,
+    k_scale_ptr,
+    qmk_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    log2_thr_ptr,
+    stream_ptr,
+    mask_ptr,
+    idx_ptr,
+    cnt_ptr,
+    c_log2,
+    num_q_tiles,
+    stride_qct,
+    stride_qch,
+    stride_qst,
+    stride_qsh,
+    stride_kcb,
+    stride_kch,
+    stride_ksb,
+    stride_ksh,
+    stride_qmb,
+    stride_qmh,
+    stride_mb,
+    stride_mh,
+    stride_mt,
+    stride_nb,
+    stride_nh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    Q_TILE: tl.constexpr,
+    K_TILE: tl.constexpr,
+    SINK: tl.constexpr,
+    LOCAL: tl.constexpr,
+    CHUNK: tl.constexpr,
+    STREAMING: tl.constexpr,
+):
     """Program (sequence, query tile, KV head): the tile's mask row and middle-tile list
     (reference: select_tiles_ref). The group's heads run in a static loop, each one
     [Q_TILE, CHUNK * K_TILE] dot against the CHUNK key tiles loaded once."""
@@ -357,10 +455,14 @@ def _select_kernel(q_code_ptr, q_scale_ptr, k_code_ptr, k_scale_ptr, qmk_ptr, se
             scales = ()
             for g in tl.static_range(GROUP):
                 h = kvh * GROUP + g
-                codes = codes + (tl.load(q_code_ptr + (tok * stride_qct + h * stride_qch)[:, None] + dims[None, :],
-                                         mask=row_ok[:, None] & dmask, other=0.0),)
-                scales = scales + (tl.load(q_scale_ptr + tok * stride_qst + h * stride_qsh, mask=row_ok,
-                                           other=0.0),)
+                codes = codes + (
+                    tl.load(
+                        q_code_ptr + (tok * stride_qct + h * stride_qch)[:, None] + dims[None, :],
+                        mask=row_ok[:, None] & dmask,
+                        other=0.0,
+                    ),
+                )
+                scales = scales + (tl.load(q_scale_ptr + tok * stride_qst + h * stride_qsh, mask=row_ok, other=0.0),)
             # Reference statistics over the forced tiles: [0, s_end) then [lo, last].
             ms = ()
             ls = ()
@@ -378,8 +480,7 @@ def _select_kernel(q_code_ptr, q_scale_ptr, k_code_ptr, k_scale_ptr, qmk_ptr, se
                 for g in tl.static_range(GROUP):
                     qmk = tl.load(qm_base + g * stride_qmh + keys)
                     s = tl.dot(codes[g], tl.trans(k))
-                    z = tl.where(vis, (s * ksc[None, :] * scales[g][:, None] + qmk[None, :]) * c_log2,
-                                 float("-inf"))
+                    z = tl.where(vis, (s * ksc[None, :] * scales[g][:, None] + qmk[None, :]) * c_log2, float("-inf"))
                     m_new = tl.maximum(ms[g], tl.max(z, 1))
                     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
                     new_ls = new_ls + (ls[g] * tl.exp2(ms[g] - m_shift) + tl.sum(tl.exp2(z - m_shift[:, None]), 1),)
@@ -401,8 +502,9 @@ def _select_kernel(q_code_ptr, q_scale_ptr, k_code_ptr, k_scale_ptr, qmk_ptr, se
             for j0 in range(s_end - s_end % CHUNK, lo, CHUNK):
                 keys = (j0 + r_tile) * K_TILE + r_key
                 in_range = (j0 + r_tile >= s_end) & (j0 + r_tile < lo)
-                k = tl.load(k_base + (keys * HEAD_DIM)[:, None] + dims[None, :], mask=in_range[:, None] & dmask,
-                            other=0.0)
+                k = tl.load(
+                    k_base + (keys * HEAD_DIM)[:, None] + dims[None, :], mask=in_range[:, None] & dmask, other=0.0
+                )
                 k_group_scale = tl.load(ks_base + j0 * K_TILE)
                 row_hits = ()
                 for cc in tl.static_range(CHUNK):
@@ -433,6 +535,7 @@ class TileSelectConfig:
     """Launch shapes. `chunk` key tiles (dividing a key group) are one dot per query head;
     `max_registers` caps registers a thread (None: the compiler's choice); `quant_tok`: rows a
     query quantization program. Defaults: docs/sparse_prefill.md, "The kernels"."""
+
     chunk: int = 2
     num_warps: int = 4
     num_stages: int = 2
@@ -446,16 +549,26 @@ class TileSelectConfig:
 
 def _empty_codes(q, num_seqs, num_kv_heads, length) -> QKCodes:
     dev, (t, hq, d) = q.device, q.shape
-    return QKCodes(torch.empty(t, hq, d, dtype=torch.float8_e4m3fn, device=dev),
-                   torch.empty(t, hq, dtype=torch.float32, device=dev),
-                   torch.empty(num_seqs, num_kv_heads, length, d, dtype=torch.float8_e4m3fn, device=dev),
-                   torch.empty(num_seqs, num_kv_heads, length, dtype=torch.float32, device=dev),
-                   torch.empty(num_seqs, hq, length, dtype=torch.float32, device=dev))
+    return QKCodes(
+        torch.empty(t, hq, d, dtype=torch.float8_e4m3fn, device=dev),
+        torch.empty(t, hq, dtype=torch.float32, device=dev),
+        torch.empty(num_seqs, num_kv_heads, length, d, dtype=torch.float8_e4m3fn, device=dev),
+        torch.empty(num_seqs, num_kv_heads, length, dtype=torch.float32, device=dev),
+        torch.empty(num_seqs, hq, length, dtype=torch.float32, device=dev),
+    )
 
 
-def quantize_qk_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                       query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int, layout: TileLayout,
-                       config: TileSelectConfig | None = None) -> QKCodes:
+def quantize_qk_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    layout: TileLayout,
+    config: TileSelectConfig | None = None,
+) -> QKCodes:
     """Stage 1 with Triton: two _sum_kernel launches (partial sums), two _quant_kernel."""
     config = config or TileSelectConfig()
     num_seqs = seq_lens.numel()
@@ -478,8 +591,20 @@ def quantize_qk_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
         split_len = triton.cdiv(triton.cdiv(n, splits), tok) * tok
         part = torch.empty(num_seqs, heads, splits, block_d, dtype=torch.float32, device=q.device)
         _sum_kernel[(num_seqs, heads, splits)](
-            kv_cache if paged else q, block_tables, seq_lens, query_start_loc, part, split_len,
-            q.stride(0), q.stride(1), *cache_strides, PAGED=paged, TOK=tok, **common, num_warps=4)
+            kv_cache if paged else q,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            part,
+            split_len,
+            q.stride(0),
+            q.stride(1),
+            *cache_strides,
+            PAGED=paged,
+            TOK=tok,
+            **common,
+            num_warps=4,
+        )
         sums.append(part.sum(2))
     qsl = query_start_loc.long()
     mean_q = sums[0] / (qsl[1:] - qsl[:-1]).clamp_min(1)[:, None, None]
@@ -487,23 +612,77 @@ def quantize_qk_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
     mean_q = mean_q.contiguous()  # [B, Hq, BLOCK_D] (padding dims zero)
     q_code, q_scale, k_code, k_scale, qmk = codes
     _quant_kernel[(num_seqs, num_q_heads, triton.cdiv(max_query_len, tok))](
-        q, block_tables, seq_lens, query_start_loc, mean_q, mean_q, q_code, q_scale, qmk, length,
-        q.stride(0), q.stride(1), *cache_strides, q_code.stride(0), q_code.stride(1), q_scale.stride(0),
-        q_scale.stride(1), mean_q.stride(0), mean_q.stride(1), 0, 0,
-        PAGED=False, GROUP=group, TOK=tok, **common, num_warps=4)
+        q,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        mean_q,
+        mean_q,
+        q_code,
+        q_scale,
+        qmk,
+        length,
+        q.stride(0),
+        q.stride(1),
+        *cache_strides,
+        q_code.stride(0),
+        q_code.stride(1),
+        q_scale.stride(0),
+        q_scale.stride(1),
+        mean_q.stride(0),
+        mean_q.stride(1),
+        0,
+        0,
+        PAGED=False,
+        GROUP=group,
+        TOK=tok,
+        **common,
+        num_warps=4,
+    )
     key_rows = KEY_GROUP_TILES * layout.k_tile  # a key program quantizes one key group
     _quant_kernel[(num_seqs, num_kv_heads, triton.cdiv(length, key_rows))](
-        kv_cache, block_tables, seq_lens, query_start_loc, mean_k, mean_q, k_code, k_scale, qmk, length,
-        q.stride(0), q.stride(1), *cache_strides, k_code.stride(1), k_code.stride(2), k_scale.stride(0),
-        k_scale.stride(1), mean_k.stride(0), mean_k.stride(1), qmk.stride(0), qmk.stride(1),
-        PAGED=True, GROUP=group, TOK=key_rows, **common, num_warps=8 if key_rows > 64 else 4)
+        kv_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        mean_k,
+        mean_q,
+        k_code,
+        k_scale,
+        qmk,
+        length,
+        q.stride(0),
+        q.stride(1),
+        *cache_strides,
+        k_code.stride(1),
+        k_code.stride(2),
+        k_scale.stride(0),
+        k_scale.stride(1),
+        mean_k.stride(0),
+        mean_k.stride(1),
+        qmk.stride(0),
+        qmk.stride(1),
+        PAGED=True,
+        GROUP=group,
+        TOK=key_rows,
+        **common,
+        num_warps=8 if key_rows > 64 else 4,
+    )
     return codes
 
 
-def select_tiles_triton(codes: QKCodes, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                        max_query_len: int, max_seq_len: int, layout: TileLayout, thresholds: torch.Tensor,
-                        streaming: torch.Tensor | None = None, config: TileSelectConfig | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def select_tiles_triton(
+    codes: QKCodes,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    layout: TileLayout,
+    thresholds: torch.Tensor,
+    streaming: torch.Tensor | None = None,
+    config: TileSelectConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 2 with Triton (select_tiles_ref's contract): (mask, kv_index, kv_count)."""
     config = config or TileSelectConfig()
     q_code, q_scale, k_code, k_scale, qmk = codes
@@ -520,31 +699,84 @@ def select_tiles_triton(codes: QKCodes, seq_lens: torch.Tensor, query_start_loc:
     log2_thr = torch.log2(thresholds.to(device=dev, dtype=torch.float32).clamp_min(0)).contiguous()
     stream = streaming.to(device=dev, dtype=torch.bool) if streaming is not None else log2_thr
     _select_kernel[(num_seqs, n_qt, num_kv_heads)](
-        q_code, q_scale, k_code, k_scale, qmk, seq_lens, query_start_loc, log2_thr, stream, mask, index, count,
-        scale * LOG2E, n_qt,
-        q_code.stride(0), q_code.stride(1), q_scale.stride(0), q_scale.stride(1), k_code.stride(0),
-        k_code.stride(1), k_scale.stride(0), k_scale.stride(1), qmk.stride(0), qmk.stride(1),
-        mask.stride(0), mask.stride(1), mask.stride(2), count.stride(0), count.stride(1),
-        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        Q_TILE=layout.q_tile, K_TILE=layout.k_tile, SINK=layout.sink, LOCAL=layout.local, CHUNK=config.chunk,
-        STREAMING=streaming is not None, num_warps=config.num_warps, num_stages=config.num_stages,
-        **({"maxnreg": config.max_registers} if config.max_registers else {}))
+        q_code,
+        q_scale,
+        k_code,
+        k_scale,
+        qmk,
+        seq_lens,
+        query_start_loc,
+        log2_thr,
+        stream,
+        mask,
+        index,
+        count,
+        scale * LOG2E,
+        n_qt,
+        q_code.stride(0),
+        q_code.stride(1),
+        q_scale.stride(0),
+        q_scale.stride(1),
+        k_code.stride(0),
+        k_code.stride(1),
+        k_scale.stride(0),
+        k_scale.stride(1),
+        qmk.stride(0),
+        qmk.stride(1),
+        mask.stride(0),
+        mask.stride(1),
+        mask.stride(2),
+        count.stride(0),
+        count.stride(1),
+        GROUP=num_q_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        Q_TILE=layout.q_tile,
+        K_TILE=layout.k_tile,
+        SINK=layout.sink,
+        LOCAL=layout.local,
+        CHUNK=config.chunk,
+        STREAMING=streaming is not None,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **({"maxnreg": config.max_registers} if config.max_registers else {}),
+    )
     return mask, index, count
 
 
-def sale_select_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, scale: float, max_query_len: int, max_seq_len: int,
-                    layout: TileLayout, thresholds: torch.Tensor, streaming: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sale_select_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    layout: TileLayout,
+    thresholds: torch.Tensor,
+    streaming: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     codes = quantize_qk_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, max_seq_len, layout)
-    return select_tiles_ref(codes, seq_lens, query_start_loc, scale, max_query_len, max_seq_len, layout, thresholds,
-                            streaming)
+    return select_tiles_ref(
+        codes, seq_lens, query_start_loc, scale, max_query_len, max_seq_len, layout, thresholds, streaming
+    )
 
 
-def sale_select(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                query_start_loc: torch.Tensor, scale: float, max_query_len: int, max_seq_len: int,
-                layout: TileLayout, thresholds: torch.Tensor, streaming: torch.Tensor | None = None,
-                config: TileSelectConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sale_select(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    layout: TileLayout,
+    thresholds: torch.Tensor,
+    streaming: torch.Tensor | None = None,
+    config: TileSelectConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The tiles of query_start_loc's prefill chunks that sparse_prefill computes.
 
     q: [T, Hq, D] (the attention's queries); kv_cache: one layer, the chunks' K stored;
@@ -557,9 +789,22 @@ def sale_select(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
     if streaming is not None and streaming.shape != (num_kv_heads,):
         raise ValueError(f"streaming must be [num_kv_heads={num_kv_heads}], got {tuple(streaming.shape)}")
     if not use_triton(q):
-        return sale_select_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
-                               max_seq_len, layout, thresholds, streaming)
-    codes = quantize_qk_triton(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
-                               layout, config)
-    return select_tiles_triton(codes, seq_lens, query_start_loc, scale, max_query_len, max_seq_len, layout,
-                               thresholds, streaming, config)
+        return sale_select_ref(
+            q,
+            kv_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            max_query_len,
+            max_seq_len,
+            layout,
+            thresholds,
+            streaming,
+        )
+    codes = quantize_qk_triton(
+        q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, layout, config
+    )
+    return select_tiles_triton(
+        codes, seq_lens, query_start_loc, scale, max_query_len, max_seq_len, layout, thresholds, streaming, config
+    )

@@ -4,6 +4,7 @@ SiLU-and-mul; one program per token row, one pass (why: docs/kernels.md, "Design
 The references (`*_ref`) compute as transformers does. The kernels compute in float32 and round
 once at the end (the references round between ops), so bf16 results may differ in the last bit.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,18 @@ from sparseserve.kernels.pdl import pdl_wait, use_pdl
 
 
 @triton.jit
-def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _add_rmsnorm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    n_cols,
+    eps,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -23,7 +34,7 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
     if HAS_RES:
         # The sum is rounded to the model dtype first, as the torch residual add does.
-        x = (x.to(tl.float32) + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(tl.float32) + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         x = x.to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
     xf = x.to(tl.float32)
@@ -63,19 +74,44 @@ def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     res = residual.reshape(-1, shape[-1]) if residual is not None else x2
     if x2.shape[0]:
         pdl = use_pdl(x.device)
-        _add_rmsnorm_kernel[(x2.shape[0],)](x2, res, weight, out, res_out, shape[-1], eps,
-                                            HAS_RES=residual is not None,
-                                            BLOCK=triton.next_power_of_2(shape[-1]), num_warps=4, PDL=pdl,
-                                            launch_pdl=pdl)
+        _add_rmsnorm_kernel[(x2.shape[0],)](
+            x2,
+            res,
+            weight,
+            out,
+            res_out,
+            shape[-1],
+            eps,
+            HAS_RES=residual is not None,
+            BLOCK=triton.next_power_of_2(shape[-1]),
+            num_warps=4,
+            PDL=pdl,
+            launch_pdl=pdl,
+        )
     if residual is None:
         return out.view(shape)
     return out.view(shape), res_out.view(shape)
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, stride_qt, stride_qh, stride_kt,
-                   stride_kh, NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _rotary_kernel(
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    NUM_Q: tl.constexpr,
+    NUM_K: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -122,11 +158,26 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     if num_tokens:
         cos, sin = cos.reshape(num_tokens, -1).contiguous(), sin.reshape(num_tokens, -1).contiguous()
         pdl = use_pdl(q.device)
-        _rotary_kernel[(num_tokens,)](q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0),
-                                      k.stride(1), NUM_Q=num_q, NUM_K=num_k, HALF=head_dim // 2,
-                                      BLOCK_H=triton.next_power_of_2(max(num_q, num_k)),
-                                      BLOCK_D=triton.next_power_of_2(head_dim // 2), num_warps=4, PDL=pdl,
-                                      launch_pdl=pdl)
+        _rotary_kernel[(num_tokens,)](
+            q,
+            k,
+            cos,
+            sin,
+            q_out,
+            k_out,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            NUM_Q=num_q,
+            NUM_K=num_k,
+            HALF=head_dim // 2,
+            BLOCK_H=triton.next_power_of_2(max(num_q, num_k)),
+            BLOCK_D=triton.next_power_of_2(head_dim // 2),
+            num_warps=4,
+            PDL=pdl,
+            launch_pdl=pdl,
+        )
     return q_out, k_out
 
 
@@ -160,6 +211,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(n))
         pdl = use_pdl(x.device)
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, n, BLOCK=block, num_warps=4, PDL=pdl,
-                                                                    launch_pdl=pdl)
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
+            x2, out, n, BLOCK=block, num_warps=4, PDL=pdl, launch_pdl=pdl
+        )
     return out.view(*x.shape[:-1], n)

@@ -12,6 +12,7 @@ where loc < 0 (bypass); the window still comes from kv_cache. With `view_by_slot
 are indexed by the lists' rows (as sel), not the batch rows (lagged reads, kvcache/offload.py).
 Design notes: docs/sparse.md, "Kernel notes".
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,8 +37,9 @@ def listed_rows(sel_rows: torch.Tensor, seq_lens: torch.Tensor, local: int, bloc
     return (sel_rows >= 0) & (sel_rows < (nb - local).clamp_min(0)[:, None, None])
 
 
-def attended_blocks(sel_rows: torch.Tensor, seq_lens: torch.Tensor, local: int, block_size: int,
-                    max_blocks: int) -> torch.Tensor:
+def attended_blocks(
+    sel_rows: torch.Tensor, seq_lens: torch.Tensor, local: int, block_size: int, max_blocks: int
+) -> torch.Tensor:
     """bool [B, Hkv, MB]: the blocks the sparse kernel attends given lists sel_rows [B, Hkv, cap]:
     listed blocks before the current local window, plus that window."""
     nb = (seq_lens.long() + block_size - 1) // block_size
@@ -60,8 +62,14 @@ def read_listed_ref(offload: tuple) -> torch.Tensor:
     return torch.where((loc >= 0)[..., None, None, None], from_pool, from_host)
 
 
-def offload_context_ref(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                        sel_rows: torch.Tensor, local: int, offload: tuple) -> torch.Tensor:
+def offload_context_ref(
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sel_rows: torch.Tensor,
+    local: int,
+    offload: tuple,
+) -> torch.Tensor:
     """float32 [B, MB, Hkv, 2, bs, D]: each context as a decode may read it under offload: the
     local window from kv_cache, listed blocks through the pool view, zeros elsewhere."""
     batch, num_kv_heads, _ = sel_rows.shape
@@ -81,8 +89,9 @@ def offload_context_ref(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_
     return flat[:-1].view_as(kv)
 
 
-def attend_blocks_ref(q: torch.Tensor, kv: torch.Tensor, seq_lens: torch.Tensor, blocks: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+def attend_blocks_ref(
+    q: torch.Tensor, kv: torch.Tensor, seq_lens: torch.Tensor, blocks: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Attention of q [B, Hq, D] over the blocks marked in blocks [B, Hkv, MB] of
     kv [B, MB, Hkv, 2, bs, D]."""
     batch, num_q_heads, head_dim = q.shape
@@ -103,9 +112,19 @@ def _max_blocks(seq_lens: torch.Tensor, block_size: int) -> int:
     return max(1, -(-int(seq_lens.max()) // block_size)) if seq_lens.numel() else 1
 
 
-def sparse_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                      sel: torch.Tensor, slots: torch.Tensor, local: int, scale: float, out: torch.Tensor | None = None,
-                      offload: tuple | None = None, view_by_slot: bool = False) -> torch.Tensor:
+def sparse_decode_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sel: torch.Tensor,
+    slots: torch.Tensor,
+    local: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    offload: tuple | None = None,
+    view_by_slot: bool = False,
+) -> torch.Tensor:
     """Attention of decode queries q [B, Hq, D] over the blocks their lists sel[slots]
     ([S, Hkv, cap], one layer's) name plus the local window, in float32; fills (or returns)
     out [B, Hq, D]. Under offload, bit-identical to the same data without it."""
@@ -127,13 +146,34 @@ def sparse_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     return out
 
 
-def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                  sel: torch.Tensor, slots: torch.Tensor, local: int, scale: float, out: torch.Tensor | None = None,
-                  offload: tuple | None = None, view_by_slot: bool = False) -> torch.Tensor:
+def sparse_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sel: torch.Tensor,
+    slots: torch.Tensor,
+    local: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    offload: tuple | None = None,
+    view_by_slot: bool = False,
+) -> torch.Tensor:
     """sparse_decode_ref's contract."""
     fn = sparse_decode_triton if use_triton(q) else sparse_decode_ref
-    return fn(q, kv_cache, block_tables, seq_lens, sel, slots, local, scale, out=out, offload=offload,
-              view_by_slot=view_by_slot)
+    return fn(
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        sel,
+        slots,
+        local,
+        scale,
+        out=out,
+        offload=offload,
+        view_by_slot=view_by_slot,
+    )
 
 
 # ---- Triton ----
@@ -148,25 +188,66 @@ def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constex
 
 
 @triton.jit
-def _store_partial(part_out_ptr, part_lse_ptr, b, heads, split, dims, g, q_mask, m_i, l_i, acc, GROUP: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+def _store_partial(
+    part_out_ptr,
+    part_lse_ptr,
+    b,
+    heads,
+    split,
+    dims,
+    g,
+    q_mask,
+    m_i,
+    l_i,
+    acc,
+    GROUP: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """part_out [B, Hq, splits, BLOCK_D], part_lse [B, Hq, splits]; empty split: zeros, -inf."""
     row = (b * tl.num_programs(1) * GROUP + heads).to(tl.int64) * tl.num_programs(2) + split
-    tl.store(part_out_ptr + row[:, None] * BLOCK_D + dims[None, :], acc / tl.where(l_i > 0, l_i, 1.0)[:, None],
-             mask=q_mask)
+    tl.store(
+        part_out_ptr + row[:, None] * BLOCK_D + dims[None, :], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], mask=q_mask
+    )
     tl.store(part_lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=g < GROUP)
 
 
 # The tables' width and the split's length follow the step: not specialized on.
 @triton.jit(do_not_specialize=["entries_per_split", "stride_tb"])
-def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, sel_ptr, part_out_ptr, part_lse_ptr,
-                         pool_ptr, host_ptr, loc_ptr, key_ptr,
-                         qk_scale, entries_per_split,
-                         stride_qt, stride_qh, stride_cb, stride_ch, stride_ckv, stride_tb, stride_ss,
-                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr,
-                         LOCAL: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE_E: tl.constexpr,
-                         DOT_PREC: tl.constexpr, OFFLOAD: tl.constexpr, VIEW_BY_SLOT: tl.constexpr,
-                         PDL: tl.constexpr):
+def _sparse_split_kernel(
+    q_ptr,
+    cache_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    slots_ptr,
+    sel_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    pool_ptr,
+    host_ptr,
+    loc_ptr,
+    key_ptr,
+    qk_scale,
+    entries_per_split,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_ch,
+    stride_ckv,
+    stride_tb,
+    stride_ss,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CAP: tl.constexpr,
+    LOCAL: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TILE_E: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    OFFLOAD: tl.constexpr,
+    VIEW_BY_SLOT: tl.constexpr,
+    PDL: tl.constexpr,
+):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -209,10 +290,15 @@ def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, s
             blk = tl.load(table_row + j, mask=ok & ~listed, other=0).to(tl.int64)
             row = (off * HEAD_DIM)[:, None] + dims[None, :]
             # One pointer per entry (a select, not three masked loads): pool, host (UVA) or cache.
-            k_ptrs = tl.where((in_list & (pslot >= 0))[:, None],
-                              pool_ptr + (tl.maximum(pslot, 0) * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row,
-                              tl.where(in_list[:, None], host_ptr + (hkey * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row,
-                                       kv_base + (blk * stride_cb)[:, None] + row))
+            k_ptrs = tl.where(
+                (in_list & (pslot >= 0))[:, None],
+                pool_ptr + (tl.maximum(pslot, 0) * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row,
+                tl.where(
+                    in_list[:, None],
+                    host_ptr + (hkey * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row,
+                    kv_base + (blk * stride_cb)[:, None] + row,
+                ),
+            )
             v_ptrs = k_ptrs + tl.where(in_list, BLOCK_SIZE * HEAD_DIM, stride_ckv)[:, None]
             kv_mask = ok[:, None] & (dims[None, :] < HEAD_DIM)
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
@@ -229,12 +315,33 @@ def _sparse_split_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, s
 
 # Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["stride_tb"])
-def _sparse_split_tma_kernel(q_ptr, kv_desc, table_ptr, seq_lens_ptr, slots_ptr, sel_ptr, part_out_ptr, part_lse_ptr,
-                             qk_scale, stride_qt, stride_qh, stride_tb, stride_ss,
-                             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr,
-                             LOCAL: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_G: tl.constexpr,
-                             BLOCK_D: tl.constexpr, SPLIT_E: tl.constexpr, NUM_STAGES: tl.constexpr,
-                             DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+def _sparse_split_tma_kernel(
+    q_ptr,
+    kv_desc,
+    table_ptr,
+    seq_lens_ptr,
+    slots_ptr,
+    sel_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_tb,
+    stride_ss,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CAP: tl.constexpr,
+    LOCAL: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT_E: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """The split kernel with the block gather done by TMA: a descriptor over the layer's cache as
     [blocks x Hkv x 2 x block_size, D] rows, one [block_size, D] box for K and one for V. A
     program loads its SPLIT_E entries' blocks up front, then loops over valid entries only, so
@@ -278,9 +385,19 @@ def _sparse_split_tma_kernel(q_ptr, kv_desc, table_ptr, seq_lens_ptr, slots_ptr,
 
 # The number of splits follows the batch: not specialized on, merged in tiles (merge_splits).
 @triton.jit(do_not_specialize=["num_splits"])
-def _sparse_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
-                         NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         MERGE_TILE: tl.constexpr, PDL: tl.constexpr):
+def _sparse_merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MERGE_TILE: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Log-sum-exp merge of one (sequence, query head); a row that attended nothing gets zeros."""
     pdl_wait(PDL)
     b = tl.program_id(0)
@@ -288,20 +405,24 @@ def _sparse_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride
     row0 = (b * NUM_Q_HEADS + h).to(tl.int64) * num_splits
     out = merge_splits(part_out_ptr, part_lse_ptr, row0, num_splits, BLOCK_D, MERGE_TILE)
     dims = tl.arange(0, BLOCK_D)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)
+    tl.store(
+        out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
 
 
 @dataclass(frozen=True)
 class SparseDecodeConfig:
     """The split kernel's launch; FAST_CONFIG and TMA_CONFIG: docs/sparse.md, "Kernel notes"."""
-    tile_n: int = 128           # tokens a tile (whole blocks: at least one)
+
+    tile_n: int = 128  # tokens a tile (whole blocks: at least one)
     # tiles == 0: programs aimed at (0: 8 an SM); else the least (0: 2 an SM)
     target_programs: int = 0
     num_warps: int = 4
     num_stages: int = 2
-    tiles: int = 0              # tiles a program loops over (0: as many as target_programs leaves)
-    tma: bool = False           # gather with TMA (capability 9+, no offload): tiles x tile_n tokens
+    tiles: int = 0  # tiles a program loops over (0: as many as target_programs leaves)
+    tma: bool = False  # gather with TMA (capability 9+, no offload): tiles x tile_n tokens
 
 
 # bf16/fp16, offload too: a few tiles a program, 3 stages.
@@ -329,8 +450,9 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
-def split_plan(batch: int, num_kv_heads: int, entries: int, tile_e: int, device: torch.device,
-               config: SparseDecodeConfig) -> tuple[int, int]:
+def split_plan(
+    batch: int, num_kv_heads: int, entries: int, tile_e: int, device: torch.device, config: SparseDecodeConfig
+) -> tuple[int, int]:
     """(entries per split, splits) from shapes only: a fixed grid under a CUDA graph."""
     tiles = triton.cdiv(entries, tile_e)
     if config.tiles:
@@ -347,10 +469,20 @@ def split_plan(batch: int, num_kv_heads: int, entries: int, tile_e: int, device:
     return per_split * tile_e, triton.cdiv(tiles, per_split)
 
 
-def sparse_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                         sel: torch.Tensor, slots: torch.Tensor, local: int, scale: float,
-                         out: torch.Tensor | None = None, offload: tuple | None = None, view_by_slot: bool = False,
-                         config: SparseDecodeConfig | None = None) -> torch.Tensor:
+def sparse_decode_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sel: torch.Tensor,
+    slots: torch.Tensor,
+    local: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    offload: tuple | None = None,
+    view_by_slot: bool = False,
+    config: SparseDecodeConfig | None = None,
+) -> torch.Tensor:
     """q: [B, Hq, D]; sel: one layer's lists [S, Hkv, cap]; slots: int32 [B].
     Returns (fills) out [B, Hq, D]."""
     batch, num_q_heads, head_dim = q.shape
@@ -377,27 +509,85 @@ def sparse_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     else:
         pool_slots = host_flat = loc = key = kv_cache  # unused (OFFLOAD=False)
     pdl = use_pdl(q.device)
-    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, CAP=cap, LOCAL=local,
-                  BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-                  DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
-                  num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
+    common = dict(
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        CAP=cap,
+        LOCAL=local,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        PDL=pdl,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        launch_pdl=pdl,
+    )
     # else the plain kernel
     if config.tma and tma_capable(kv_cache, offload) and per_split & (per_split - 1) == 0:
         from triton.tools.tensor_descriptor import TensorDescriptor
+
         kv_desc = TensorDescriptor.from_tensor(kv_cache.view(-1, head_dim), [block_size, head_dim])
         _sparse_split_tma_kernel[(batch, num_kv_heads, num_splits)](
-            q, kv_desc, block_tables, seq_lens, slots, sel, part_out, part_lse, scale * LOG2E,
-            q.stride(0), q.stride(1), block_tables.stride(0), sel.stride(0),
-            NUM_KV_HEADS=num_kv_heads, SPLIT_E=per_split, NUM_STAGES=config.num_stages, **common)
+            q,
+            kv_desc,
+            block_tables,
+            seq_lens,
+            slots,
+            sel,
+            part_out,
+            part_lse,
+            scale * LOG2E,
+            q.stride(0),
+            q.stride(1),
+            block_tables.stride(0),
+            sel.stride(0),
+            NUM_KV_HEADS=num_kv_heads,
+            SPLIT_E=per_split,
+            NUM_STAGES=config.num_stages,
+            **common,
+        )
     else:
         _sparse_split_kernel[(batch, num_kv_heads, num_splits)](
-            q, kv_cache, block_tables, seq_lens, slots, sel, part_out, part_lse, pool_slots, host_flat, loc, key,
-            scale * LOG2E, per_split,
-            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-            block_tables.stride(0), sel.stride(0), TILE_E=tile_e, OFFLOAD=offload is not None,
-            VIEW_BY_SLOT=view_by_slot, **common)
+            q,
+            kv_cache,
+            block_tables,
+            seq_lens,
+            slots,
+            sel,
+            part_out,
+            part_lse,
+            pool_slots,
+            host_flat,
+            loc,
+            key,
+            scale * LOG2E,
+            per_split,
+            q.stride(0),
+            q.stride(1),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            block_tables.stride(0),
+            sel.stride(0),
+            TILE_E=tile_e,
+            OFFLOAD=offload is not None,
+            VIEW_BY_SLOT=view_by_slot,
+            **common,
+        )
     _sparse_merge_kernel[(batch, num_q_heads)](
-        part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        MERGE_TILE=MERGE_TILE, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        part_out,
+        part_lse,
+        out,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        NUM_Q_HEADS=num_q_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        MERGE_TILE=MERGE_TILE,
+        PDL=pdl,
+        num_warps=4,
+        launch_pdl=pdl,
+    )
     return out

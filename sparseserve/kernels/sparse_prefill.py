@@ -16,6 +16,7 @@ tile_lists() makes them from a dense tile mask; kernels/sale_select.py writes th
 kv_index None computes every middle tile (dense). Reference: sparse_prefill_ref.
 Design notes: docs/sparse_prefill.md, "The kernels".
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,10 +30,11 @@ from sparseserve.kernels.paged_decode import LOG2E, attend_tile
 @dataclass(frozen=True)
 class TileLayout:
     """The (query tile, key tile) grid of a sparse prefill; see the module docstring."""
+
     q_tile: int = 64  # chunk queries a mask row
     k_tile: int = 64  # context positions a mask column
-    sink: int = 1     # leading key tiles always computed
-    local: int = 2    # key tiles before a query tile's diagonal always computed
+    sink: int = 1  # leading key tiles always computed
+    local: int = 2  # key tiles before a query tile's diagonal always computed
 
     def __post_init__(self) -> None:
         for name in ("q_tile", "k_tile"):
@@ -49,8 +51,9 @@ class TileLayout:
         return max(1, -(-max_seq_len // self.k_tile))
 
 
-def tile_geometry(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_q_tiles: int, layout: TileLayout
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def tile_geometry(
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_q_tiles: int, layout: TileLayout
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """int64 [B, n_q_tiles] each: (valid, s_end, lo, last) of every query tile (module docstring).
 
     valid: the tile holds at least one query. For invalid tiles the other values are meaningless."""
@@ -65,8 +68,9 @@ def tile_geometry(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_q_t
     return t * layout.q_tile < q_len, s_end, lo, p1 // layout.k_tile
 
 
-def tile_classes(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_q_tiles: int, num_k_tiles: int,
-                 layout: TileLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def tile_classes(
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_q_tiles: int, num_k_tiles: int, layout: TileLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
     """bool [B, n_q_tiles, n_k_tiles] each: (forced, middle) tiles of every valid query tile."""
     valid, s_end, lo, last = (x[..., None] for x in tile_geometry(seq_lens, query_start_loc, num_q_tiles, layout))
     j = torch.arange(num_k_tiles, device=seq_lens.device)
@@ -75,8 +79,9 @@ def tile_classes(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_q_ti
     return forced, middle
 
 
-def tile_lists(mask: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, layout: TileLayout
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def tile_lists(
+    mask: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, layout: TileLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(kv_index, kv_count) of a tile mask [B, Hkv, n_q_tiles, n_k_tiles] (nonzero: compute):
     its middle tiles in ascending order, without a host sync."""
     _, middle = tile_classes(seq_lens, query_start_loc, mask.shape[2], mask.shape[3], layout)
@@ -86,8 +91,9 @@ def tile_lists(mask: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torc
     return index, count
 
 
-def _allowed_tiles(seq_lens, query_start_loc, num_kv_heads, num_q_tiles, num_k_tiles, layout, kv_index, kv_count,
-                   streaming) -> torch.Tensor:
+def _allowed_tiles(
+    seq_lens, query_start_loc, num_kv_heads, num_q_tiles, num_k_tiles, layout, kv_index, kv_count, streaming
+) -> torch.Tensor:
     """bool [B, Hkv, n_q_tiles, n_k_tiles]: the tiles the kernel computes."""
     forced, middle = tile_classes(seq_lens, query_start_loc, num_q_tiles, num_k_tiles, layout)
     batch = seq_lens.numel()
@@ -98,8 +104,9 @@ def _allowed_tiles(seq_lens, query_start_loc, num_kv_heads, num_q_tiles, num_k_t
         used = torch.arange(n, device=kv_index.device) < kv_count[..., None].long()
         # Unused entries go to a spare column, dropped after the scatter.
         cols = torch.where(used, kv_index.long(), num_k_tiles)
-        listed = torch.zeros(batch, num_kv_heads, num_q_tiles, num_k_tiles + 1, dtype=torch.bool,
-                             device=seq_lens.device)
+        listed = torch.zeros(
+            batch, num_kv_heads, num_q_tiles, num_k_tiles + 1, dtype=torch.bool, device=seq_lens.device
+        )
         listed.scatter_(-1, cols, True)
         listed = listed[..., :num_k_tiles] & middle[:, None]
     if streaming is not None:
@@ -110,11 +117,21 @@ def _allowed_tiles(seq_lens, query_start_loc, num_kv_heads, num_q_tiles, num_k_t
 _SCORE_ELEMENTS = 1 << 25
 
 
-def sparse_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                       query_start_loc: torch.Tensor, scale: float, max_query_len: int, max_seq_len: int,
-                       layout: TileLayout, kv_index: torch.Tensor | None = None,
-                       kv_count: torch.Tensor | None = None, streaming: torch.Tensor | None = None,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+def sparse_prefill_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    layout: TileLayout,
+    kv_index: torch.Tensor | None = None,
+    kv_count: torch.Tensor | None = None,
+    streaming: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal float32 attention of each chunk query over the keys of its allowed tiles."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
@@ -124,8 +141,7 @@ def sparse_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
     if num_tokens == 0 or batch == 0 or max_query_len == 0:
         return out
     n_qt, n_kt = layout.num_q_tiles(max_query_len), layout.num_k_tiles(max_seq_len)
-    allowed = _allowed_tiles(seq_lens, query_start_loc, num_kv_heads, n_qt, n_kt, layout, kv_index, kv_count,
-                             streaming)
+    allowed = _allowed_tiles(seq_lens, query_start_loc, num_kv_heads, n_qt, n_kt, layout, kv_index, kv_count, streaming)
     max_blocks = max(1, -(-max_seq_len // block_size))
     kv = kv_cache[block_tables[:, :max_blocks].long()].float()  # [B, MB, Hkv, 2, bs, D]
     ctx = max_blocks * block_size
@@ -163,18 +179,51 @@ def sparse_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
 
 
 # Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
-@triton.jit(do_not_specialize=["num_progs", "stride_tb", "stride_ib", "stride_ih", "stride_it", "stride_nb",
-                                "stride_nh"],
-            do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "qsl_ptr", "stream_ptr"])
-def _sparse_prefill_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, qsl_ptr, idx_ptr, cnt_ptr, stream_ptr, out_ptr,
-                           qk_scale, num_progs,
-                           stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ckv, stride_tb,
-                           stride_ib, stride_ih, stride_it, stride_nb, stride_nh,
-                           GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, Q_TILE: tl.constexpr, K_TILE: tl.constexpr,
-                           SINK: tl.constexpr, LOCAL: tl.constexpr, DENSE: tl.constexpr, STREAMING: tl.constexpr,
-                           DOT_PREC: tl.constexpr):
+@triton.jit(
+    do_not_specialize=["num_progs", "stride_tb", "stride_ib", "stride_ih", "stride_it", "stride_nb", "stride_nh"],
+    do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "qsl_ptr", "stream_ptr"],
+)
+def _sparse_prefill_kernel(
+    q_ptr,
+    cache_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    idx_ptr,
+    cnt_ptr,
+    stream_ptr,
+    out_ptr,
+    qk_scale,
+    num_progs,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ch,
+    stride_ckv,
+    stride_tb,
+    stride_ib,
+    stride_ih,
+    stride_it,
+    stride_nb,
+    stride_nh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    Q_TILE: tl.constexpr,
+    K_TILE: tl.constexpr,
+    SINK: tl.constexpr,
+    LOCAL: tl.constexpr,
+    DENSE: tl.constexpr,
+    STREAMING: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """Program (sequence, BLOCK_Q queries, KV head): rows are BLOCK_Q tokens x GROUP_PAD heads
     (heads >= GROUP pad); BLOCK_Q divides q_tile. The last query tiles run first."""
     b = tl.program_id(0)
@@ -226,22 +275,67 @@ def _sparse_prefill_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, qsl_ptr, i
             j = s_end + e // SUB
         else:
             j = tl.load(list_row + e // SUB, mask=listed, other=0)
-        tile = tl.where(i < sink_steps, i * BLOCK_N,
-                        tl.where(listed, j * K_TILE + (e % SUB) * BLOCK_N, lo * K_TILE + (i - list_end) * BLOCK_N))
-        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, kv_base, table_row, tile, kv_end, pos, dims, qk_scale,
-                                    stride_cb, stride_ckv, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, DOT_PREC)
+        tile = tl.where(
+            i < sink_steps,
+            i * BLOCK_N,
+            tl.where(listed, j * K_TILE + (e % SUB) * BLOCK_N, lo * K_TILE + (i - list_end) * BLOCK_N),
+        )
+        acc, m_i, l_i = attend_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            kv_base,
+            table_row,
+            tile,
+            kv_end,
+            pos,
+            dims,
+            qk_scale,
+            stride_cb,
+            stride_ckv,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_SIZE,
+            BLOCK_N,
+            False,
+            DOT_PREC,
+        )
     for tile in range(full_end, kv_end, BLOCK_N):  # diagonal: causal mask
-        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, kv_base, table_row, tile, kv_end, pos, dims, qk_scale,
-                                    stride_cb, stride_ckv, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, DOT_PREC)
+        acc, m_i, l_i = attend_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            kv_base,
+            table_row,
+            tile,
+            kv_end,
+            pos,
+            dims,
+            qk_scale,
+            stride_cb,
+            stride_ckv,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_SIZE,
+            BLOCK_N,
+            True,
+            DOT_PREC,
+        )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
 
 
 @dataclass(frozen=True)
 class SparsePrefillConfig:
     """Rows a program (query tokens x padded GQA group), keys a step (divides k_tile), launch
     shape. Defaults: docs/sparse_prefill.md, "The kernels"."""
+
     block_m: int = 64
     block_n: int = 32
     num_warps: int = 4
@@ -252,11 +346,22 @@ def default_sparse_prefill_config(dtype: torch.dtype, head_dim: int, k_tile: int
     return SparsePrefillConfig(block_n=min(32, k_tile))
 
 
-def sparse_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                   query_start_loc: torch.Tensor, scale: float, max_query_len: int, max_seq_len: int,
-                   layout: TileLayout, kv_index: torch.Tensor | None = None, kv_count: torch.Tensor | None = None,
-                   streaming: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                   config: SparsePrefillConfig | None = None) -> torch.Tensor:
+def sparse_prefill(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    layout: TileLayout,
+    kv_index: torch.Tensor | None = None,
+    kv_count: torch.Tensor | None = None,
+    streaming: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: SparsePrefillConfig | None = None,
+) -> torch.Tensor:
     """Block-sparse causal paged attention of the chunks of query_start_loc (module docstring).
 
     q: [T, Hq, D]; kv_cache: one layer [NB, Hkv, 2, bs, D], the chunks' own K/V already stored;
@@ -271,13 +376,29 @@ def sparse_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     if (kv_index is None) != (kv_count is None):
         raise ValueError("pass kv_index and kv_count together (or neither: every tile)")
     n_qt = layout.num_q_tiles(max_query_len)
-    if kv_index is not None and (kv_index.shape[:3] != (seq_lens.numel(), num_kv_heads, n_qt)
-                                 or kv_count.shape != kv_index.shape[:3]):
-        raise ValueError(f"kv_index {tuple(kv_index.shape)} / kv_count {tuple(kv_count.shape)} do not match "
-                         f"(B, Hkv, n_q_tiles) = {(seq_lens.numel(), num_kv_heads, n_qt)}")
+    if kv_index is not None and (
+        kv_index.shape[:3] != (seq_lens.numel(), num_kv_heads, n_qt) or kv_count.shape != kv_index.shape[:3]
+    ):
+        raise ValueError(
+            f"kv_index {tuple(kv_index.shape)} / kv_count {tuple(kv_count.shape)} do not match "
+            f"(B, Hkv, n_q_tiles) = {(seq_lens.numel(), num_kv_heads, n_qt)}"
+        )
     if not use_triton(q):
-        return sparse_prefill_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
-                                  max_seq_len, layout, kv_index, kv_count, streaming, out)
+        return sparse_prefill_ref(
+            q,
+            kv_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            max_query_len,
+            max_seq_len,
+            layout,
+            kv_index,
+            kv_count,
+            streaming,
+            out,
+        )
     assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim and q.stride(2) == 1
     config = config or default_sparse_prefill_config(q.dtype, head_dim, layout.k_tile)
     if layout.k_tile % config.block_n:
@@ -298,14 +419,46 @@ def sparse_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     stream = streaming if streaming is not None else seq_lens  # unused (STREAMING=False)
     num_progs = triton.cdiv(max_query_len, block_q)
     _sparse_prefill_kernel[(num_seqs, num_progs, num_kv_heads)](
-        q, kv_cache, block_tables, seq_lens, query_start_loc, idx, cnt, stream, out, scale * LOG2E, num_progs,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
-        idx.stride(0) if not dense else 0, idx.stride(1) if not dense else 0, idx.stride(2) if not dense else 0,
-        cnt.stride(0) if not dense else 0, cnt.stride(1) if not dense else 0,
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
-        BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=config.block_n,
-        Q_TILE=layout.q_tile, K_TILE=layout.k_tile, SINK=layout.sink, LOCAL=layout.local, DENSE=dense,
-        STREAMING=streaming is not None, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        idx,
+        cnt,
+        stream,
+        out,
+        scale * LOG2E,
+        num_progs,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        block_tables.stride(0),
+        idx.stride(0) if not dense else 0,
+        idx.stride(1) if not dense else 0,
+        idx.stride(2) if not dense else 0,
+        cnt.stride(0) if not dense else 0,
+        cnt.stride(1) if not dense else 0,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_N=config.block_n,
+        Q_TILE=layout.q_tile,
+        K_TILE=layout.k_tile,
+        SINK=layout.sink,
+        LOCAL=layout.local,
+        DENSE=dense,
+        STREAMING=streaming is not None,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
     return out

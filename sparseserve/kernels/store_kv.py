@@ -1,4 +1,5 @@
 """store_kv: a step's new K/V into the paged cache (one layer [NB, Hkv, 2, block_size, D])."""
+
 from __future__ import annotations
 
 import torch
@@ -8,11 +9,25 @@ from sparseserve.kernels.pdl import pdl_wait, use_pdl
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
-                     stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_cb, stride_ch, stride_ckv,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ch,
+    stride_ckv,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One program per token: all KV heads of token t go to slot_mapping[t].
 
     A slot of -1 (CUDA-graph padding) returns at once, so padded rows touch no memory.
@@ -61,9 +76,23 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
         return
     pdl = use_pdl(k.device)
     _store_kv_kernel[(num_tokens,)](
-        k, v, kv_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        PDL=pdl, num_warps=4, launch_pdl=pdl)
+        k,
+        v,
+        kv_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        PDL=pdl,
+        num_warps=4,
+        launch_pdl=pdl,
+    )

@@ -13,6 +13,7 @@ Both skip padding rows, rows that fit the cap and, with reuse, lists kept this s
 grid follows shapes only (capturable). Under KV offload keys are read through the pool view
 (`offload`, as in kernels/sparse_decode.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,14 @@ def prune_target(top_p: float) -> float:
 # ---- references ----
 
 
-def block_lse_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                  lists: torch.Tensor, scale: float) -> torch.Tensor:
+def block_lse_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    lists: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """float32 [B, Hq, cap]: per query head, log-sum-exp of scale * q.k over the valid tokens of
     each block of lists [B, Hkv, cap]; -inf for -1 entries. kv_cache: [NB, Hkv, 2, bs, D]."""
     batch, num_q_heads, head_dim = q.shape
@@ -51,8 +58,18 @@ def block_lse_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
     return torch.logsumexp(s, -1).reshape(batch, num_q_heads, cap)
 
 
-def prune_ref(lse: torch.Tensor, lists: torch.Tensor, seq_lens: torch.Tensor, *, block_size: int, sink: int,
-              local: int, top_p: float, short_dense: bool = True, per_head: bool = False) -> torch.Tensor:
+def prune_ref(
+    lse: torch.Tensor,
+    lists: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    block_size: int,
+    sink: int,
+    local: int,
+    top_p: float,
+    short_dense: bool = True,
+    per_head: bool = False,
+) -> torch.Tensor:
     """The pruned lists [B, Hkv, cap] from the blocks' lse [B, Hq, cap] (module docstring,
     step 2): the kept entries in list order, then -1."""
     batch, num_kv_heads, cap = lists.shape
@@ -68,18 +85,34 @@ def prune_ref(lse: torch.Tensor, lists: torch.Tensor, seq_lens: torch.Tensor, *,
     reach = (mass * forced).sum(-1, keepdim=True) + vals.clamp_min(0).cumsum(-1) >= target
     first = torch.where(reach & (vals >= 0), torch.arange(cap, device=lists.device), cap).amin(-1, keepdim=True)
     forced_reach = (mass * forced).sum(-1, keepdim=True) >= target
-    threshold = torch.where(forced_reach, float("inf"),
-                            torch.where(first < cap, vals.gather(-1, first.clamp_max(cap - 1)), 0.0))
+    threshold = torch.where(
+        forced_reach, float("inf"), torch.where(first < cap, vals.gather(-1, first.clamp_max(cap - 1)), 0.0)
+    )
     keep = (forced | (cand & (mass >= threshold))).any(2)
     out = torch.full((batch, num_kv_heads, cap + 1), -1, dtype=lists.dtype, device=lists.device)
     out.scatter_(-1, torch.where(keep, keep.cumsum(-1) - 1, cap), lists)  # column cap: the dropped
     return out[..., :cap]
 
 
-def topp_prune_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                   slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor, *, sink: int,
-                   local: int, top_p: float, scale: float, reuse: int = 1, short_dense: bool = True,
-                   per_head: bool = False, offload: tuple | None = None) -> None:
+def topp_prune_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    sel: torch.Tensor,
+    counter: torch.Tensor,
+    stats: torch.Tensor,
+    *,
+    sink: int,
+    local: int,
+    top_p: float,
+    scale: float,
+    reuse: int = 1,
+    short_dense: bool = True,
+    per_head: bool = False,
+    offload: tuple | None = None,
+) -> None:
     """Right after the first stage wrote lists into sel [S, Hkv, cap] for the decode rows q
     [B, Hq, D]: prunes in place the lists recomputed this step (counter - 1 a multiple of R:
     the first stage already counted the step); stats[0] -= dropped entries. offload: as for
@@ -94,14 +127,32 @@ def topp_prune_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
         kv_cache = ctx.flatten(0, 1)
         block_tables = torch.arange(kv_cache.shape[0], device=q.device).view(ctx.shape[:2])
     lse = block_lse_ref(q, kv_cache, block_tables, seq_lens, lists, scale)
-    pruned = prune_ref(lse, lists, seq_lens, block_size=block_size, sink=sink, local=local, top_p=top_p,
-                       short_dense=short_dense, per_head=per_head)
+    pruned = prune_ref(
+        lse,
+        lists,
+        seq_lens,
+        block_size=block_size,
+        sink=sink,
+        local=local,
+        top_p=top_p,
+        short_dense=short_dense,
+        per_head=per_head,
+    )
     sel[slots] = torch.where(due[..., None], pruned, lists)
     stats[0] -= (((lists >= 0).sum(-1) - (pruned >= 0).sum(-1)) * due).sum()
 
 
-def topp_prune(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-               slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor, **kw) -> None:
+def topp_prune(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    sel: torch.Tensor,
+    counter: torch.Tensor,
+    stats: torch.Tensor,
+    **kw,
+) -> None:
     """topp_prune_ref's contract."""
     if q.shape[0] == 0:
         return
@@ -113,8 +164,18 @@ def topp_prune(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tens
 
 
 @triton.jit
-def _skip(seq_lens_ptr, slots_ptr, counter_ptr, b, kvh, stride_cs,
-          BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr):
+def _skip(
+    seq_lens_ptr,
+    slots_ptr,
+    counter_ptr,
+    b,
+    kvh,
+    stride_cs,
+    BLOCK_SIZE: tl.constexpr,
+    CAP: tl.constexpr,
+    REUSE: tl.constexpr,
+    SHORT_DENSE: tl.constexpr,
+):
     """Whether row b's list for kvh stays: a padding row, a context within the cap, or a list
     kept this step (recomputed iff (counter - 1) % REUSE == 0: selection already counted it)."""
     seq_len = tl.load(seq_lens_ptr + b)
@@ -127,13 +188,41 @@ def _skip(seq_lens_ptr, slots_ptr, counter_ptr, b, kvh, stride_cs,
 
 # Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["stride_tb"])
-def _block_lse_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, lse_ptr, scale,
-                      pool_ptr, host_ptr, loc_ptr, key_ptr,
-                      stride_qt, stride_qh, stride_cb, stride_ch, stride_tb, stride_ss, stride_cs,
-                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr,
-                      REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                      TILE_E: tl.constexpr, DOT_PREC: tl.constexpr, OFFLOAD: tl.constexpr, LOCAL: tl.constexpr,
-                      PDL: tl.constexpr):
+def _block_lse_kernel(
+    q_ptr,
+    cache_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    slots_ptr,
+    sel_ptr,
+    counter_ptr,
+    lse_ptr,
+    scale,
+    pool_ptr,
+    host_ptr,
+    loc_ptr,
+    key_ptr,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_ch,
+    stride_tb,
+    stride_ss,
+    stride_cs,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CAP: tl.constexpr,
+    REUSE: tl.constexpr,
+    SHORT_DENSE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TILE_E: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    OFFLOAD: tl.constexpr,
+    LOCAL: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """lse[b, kvh * GROUP + g, e] for this program's TILE_E entries (reference: block_lse_ref).
     OFFLOAD: entries before the local window read K as the sparse decode kernel does."""
     pdl_wait(PDL)
@@ -146,8 +235,11 @@ def _block_lse_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, sel_
     g = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=(g < GROUP)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+        mask=(g < GROUP)[:, None] & (dims < HEAD_DIM)[None, :],
+        other=0.0,
+    )
     t = tl.arange(0, TILE_E * BLOCK_SIZE)  # token t: entry t // BLOCK_SIZE, row t % BLOCK_SIZE
     e = tl.program_id(2) * TILE_E + t // BLOCK_SIZE
     off = t % BLOCK_SIZE
@@ -162,16 +254,26 @@ def _block_lse_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, slots_ptr, sel_
         in_cache = ok & ~listed
         blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + j, mask=in_cache, other=0).to(tl.int64)
         row = (off * HEAD_DIM)[:, None] + dims[None, :]  # K: first half of a head block
-        k = tl.load(cache_ptr + (blk * stride_cb + kvh * stride_ch)[:, None] + row,
-                    mask=in_cache[:, None] & dmask, other=0.0)
-        k += tl.load(pool_ptr + (tl.maximum(pslot, 0) * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row,
-                     mask=(listed & (pslot >= 0))[:, None] & dmask, other=0.0)
-        k += tl.load(host_ptr + (hkey * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row,
-                     mask=(listed & (pslot < 0))[:, None] & dmask, other=0.0)
+        k = tl.load(
+            cache_ptr + (blk * stride_cb + kvh * stride_ch)[:, None] + row, mask=in_cache[:, None] & dmask, other=0.0
+        )
+        k += tl.load(
+            pool_ptr + (tl.maximum(pslot, 0) * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row,
+            mask=(listed & (pslot >= 0))[:, None] & dmask,
+            other=0.0,
+        )
+        k += tl.load(
+            host_ptr + (hkey * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row,
+            mask=(listed & (pslot < 0))[:, None] & dmask,
+            other=0.0,
+        )
     else:
         blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + j, mask=ok, other=0).to(tl.int64)
-        k = tl.load(cache_ptr + (blk * stride_cb + kvh * stride_ch + off * HEAD_DIM)[:, None] + dims[None, :],
-                    mask=ok[:, None] & dmask, other=0.0)
+        k = tl.load(
+            cache_ptr + (blk * stride_cb + kvh * stride_ch + off * HEAD_DIM)[:, None] + dims[None, :],
+            mask=ok[:, None] & dmask,
+            other=0.0,
+        )
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale  # [BLOCK_G, TILE_E * BLOCK_SIZE]
     s = tl.reshape(tl.where(ok[None, :], s, float("-inf")), (BLOCK_G, TILE_E, BLOCK_SIZE))
     m = tl.max(s, 2)
@@ -204,11 +306,30 @@ def _keep_top_p(r, forced, cand, top_p, WAYS: tl.constexpr, ITERS: tl.constexpr)
 
 
 @triton.jit
-def _prune_kernel(lse_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, stats_ptr, top_p, stride_ss, stride_cs,
-                  GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr, SINK: tl.constexpr,
-                  LOCAL: tl.constexpr, REUSE: tl.constexpr, SHORT_DENSE: tl.constexpr, PER_HEAD: tl.constexpr,
-                  BLOCK_G: tl.constexpr, CAP_PAD: tl.constexpr, WAYS: tl.constexpr, ITERS: tl.constexpr,
-                  PDL: tl.constexpr):
+def _prune_kernel(
+    lse_ptr,
+    seq_lens_ptr,
+    slots_ptr,
+    sel_ptr,
+    counter_ptr,
+    stats_ptr,
+    top_p,
+    stride_ss,
+    stride_cs,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CAP: tl.constexpr,
+    SINK: tl.constexpr,
+    LOCAL: tl.constexpr,
+    REUSE: tl.constexpr,
+    SHORT_DENSE: tl.constexpr,
+    PER_HEAD: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    CAP_PAD: tl.constexpr,
+    WAYS: tl.constexpr,
+    ITERS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Prunes the list of (b, kvh) in place (reference: prune_ref)."""
     pdl_wait(PDL)
     b = tl.program_id(0)
@@ -226,8 +347,11 @@ def _prune_kernel(lse_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, stats_
     # Per query head: softmax over the listed entries; then the group's mean (or each head).
     g = tl.arange(0, BLOCK_G)
     valid = (g < GROUP)[:, None] & listed[None, :]
-    lse = tl.load(lse_ptr + ((b * tl.num_programs(1) * GROUP + kvh * GROUP + g).to(tl.int64) * CAP)[:, None]
-                  + e[None, :], mask=valid, other=float("-inf"))
+    lse = tl.load(
+        lse_ptr + ((b * tl.num_programs(1) * GROUP + kvh * GROUP + g).to(tl.int64) * CAP)[:, None] + e[None, :],
+        mask=valid,
+        other=float("-inf"),
+    )
     m = tl.max(lse, 1)
     x = tl.where(valid, tl.exp(lse - tl.where(m == float("-inf"), 0.0, m)[:, None]), 0.0)
     z = tl.sum(x, 1)
@@ -235,8 +359,9 @@ def _prune_kernel(lse_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, stats_
     keep = forced
     if PER_HEAD:
         for h in tl.static_range(GROUP):
-            keep = keep | _keep_top_p(tl.sum(tl.where(g[:, None] == h, probs, 0.0), 0), forced, cand, top_p,
-                                      WAYS, ITERS)
+            keep = keep | _keep_top_p(
+                tl.sum(tl.where(g[:, None] == h, probs, 0.0), 0), forced, cand, top_p, WAYS, ITERS
+            )
     else:
         keep = keep | _keep_top_p(tl.sum(probs, 0) / GROUP, forced, cand, top_p, WAYS, ITERS)
     count = tl.sum(keep.to(tl.int32), 0)
@@ -246,10 +371,22 @@ def _prune_kernel(lse_ptr, seq_lens_ptr, slots_ptr, sel_ptr, counter_ptr, stats_
     tl.atomic_add(stats_ptr, (count - tl.sum(listed.to(tl.int32), 0)).to(tl.int64))
 
 
-def block_lse_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor, *, local: int, scale: float,
-                     reuse: int = 1, short_dense: bool = True, tile_n: int = 128, offload: tuple | None = None
-                     ) -> torch.Tensor:
+def block_lse_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    sel: torch.Tensor,
+    counter: torch.Tensor,
+    *,
+    local: int,
+    scale: float,
+    reuse: int = 1,
+    short_dense: bool = True,
+    tile_n: int = 128,
+    offload: tuple | None = None,
+) -> torch.Tensor:
     """float32 [B, Hq, cap]: block_lse_ref of sel[slots], written for the rows that prune."""
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
@@ -268,20 +405,62 @@ def block_lse_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         pool_slots = host_flat = loc = key = kv_cache  # unused (OFFLOAD=False)
     pdl = use_pdl(q.device)
     _block_lse_kernel[(batch, num_kv_heads, triton.cdiv(cap, tile_e))](
-        q, kv_cache, block_tables, seq_lens, slots, sel, counter, lse, scale, pool_slots, host_flat, loc, key,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), sel.stride(0),
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        slots,
+        sel,
+        counter,
+        lse,
+        scale,
+        pool_slots,
+        host_flat,
+        loc,
+        key,
+        q.stride(0),
+        q.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_tables.stride(0),
+        sel.stride(0),
         counter.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, CAP=cap, REUSE=reuse, SHORT_DENSE=short_dense,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        TILE_E=tile_e, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", OFFLOAD=offload is not None,
-        LOCAL=local, num_warps=4, PDL=pdl, launch_pdl=pdl)
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        CAP=cap,
+        REUSE=reuse,
+        SHORT_DENSE=short_dense,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        TILE_E=tile_e,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        OFFLOAD=offload is not None,
+        LOCAL=local,
+        num_warps=4,
+        PDL=pdl,
+        launch_pdl=pdl,
+    )
     return lse
 
 
-def prune_lists_triton(lse: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, sel: torch.Tensor,
-                       counter: torch.Tensor, stats: torch.Tensor, *, block_size: int, sink: int, local: int,
-                       top_p: float, reuse: int = 1, short_dense: bool = True, per_head: bool = False,
-                       ways: int = 4) -> None:
+def prune_lists_triton(
+    lse: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    sel: torch.Tensor,
+    counter: torch.Tensor,
+    stats: torch.Tensor,
+    *,
+    block_size: int,
+    sink: int,
+    local: int,
+    top_p: float,
+    reuse: int = 1,
+    short_dense: bool = True,
+    per_head: bool = False,
+    ways: int = 4,
+) -> None:
     """Prunes sel[slots] in place from their blocks' lse [B, Hq, cap] (prune_ref); stats[0] -=
     dropped entries."""
     batch, num_q_heads, cap = lse.shape
@@ -294,18 +473,78 @@ def prune_lists_triton(lse: torch.Tensor, seq_lens: torch.Tensor, slots: torch.T
     group = num_q_heads // num_kv_heads
     pdl = use_pdl(lse.device)
     _prune_kernel[(batch, num_kv_heads)](
-        lse, seq_lens, slots, sel, counter, stats, prune_target(top_p), sel.stride(0), counter.stride(0),
-        GROUP=group, BLOCK_SIZE=block_size, CAP=cap, SINK=sink, LOCAL=local, REUSE=reuse,
-        SHORT_DENSE=short_dense, PER_HEAD=per_head, BLOCK_G=triton.next_power_of_2(group),
+        lse,
+        seq_lens,
+        slots,
+        sel,
+        counter,
+        stats,
+        prune_target(top_p),
+        sel.stride(0),
+        counter.stride(0),
+        GROUP=group,
+        BLOCK_SIZE=block_size,
+        CAP=cap,
+        SINK=sink,
+        LOCAL=local,
+        REUSE=reuse,
+        SHORT_DENSE=short_dense,
+        PER_HEAD=per_head,
+        BLOCK_G=triton.next_power_of_2(group),
         CAP_PAD=max(16, triton.next_power_of_2(cap)),
-        WAYS=ways, ITERS=-(-31 // (ways.bit_length() - 1)) + 1, num_warps=4, PDL=pdl, launch_pdl=pdl)
+        WAYS=ways,
+        ITERS=-(-31 // (ways.bit_length() - 1)) + 1,
+        num_warps=4,
+        PDL=pdl,
+        launch_pdl=pdl,
+    )
 
 
-def topp_prune_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                      slots: torch.Tensor, sel: torch.Tensor, counter: torch.Tensor, stats: torch.Tensor, *, sink: int,
-                      local: int, top_p: float, scale: float, reuse: int = 1, short_dense: bool = True,
-                      per_head: bool = False, offload: tuple | None = None) -> None:
-    lse = block_lse_triton(q, kv_cache, block_tables, seq_lens, slots, sel, counter, local=local, scale=scale,
-                           reuse=reuse, short_dense=short_dense, offload=offload)
-    prune_lists_triton(lse, seq_lens, slots, sel, counter, stats, block_size=kv_cache.shape[3], sink=sink,
-                       local=local, top_p=top_p, reuse=reuse, short_dense=short_dense, per_head=per_head)
+def topp_prune_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    sel: torch.Tensor,
+    counter: torch.Tensor,
+    stats: torch.Tensor,
+    *,
+    sink: int,
+    local: int,
+    top_p: float,
+    scale: float,
+    reuse: int = 1,
+    short_dense: bool = True,
+    per_head: bool = False,
+    offload: tuple | None = None,
+) -> None:
+    lse = block_lse_triton(
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        slots,
+        sel,
+        counter,
+        local=local,
+        scale=scale,
+        reuse=reuse,
+        short_dense=short_dense,
+        offload=offload,
+    )
+    prune_lists_triton(
+        lse,
+        seq_lens,
+        slots,
+        sel,
+        counter,
+        stats,
+        block_size=kv_cache.shape[3],
+        sink=sink,
+        local=local,
+        top_p=top_p,
+        reuse=reuse,
+        short_dense=short_dense,
+        per_head=per_head,
+    )

@@ -15,6 +15,7 @@ Each key in the window counts once, in the bucket of its last touch, so a slot's
 its working set. A block shared by two sequences counts for the last one to touch it (two rows
 touching it in one step both count it until it leaves the window). See docs/working_set.md.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -30,8 +31,14 @@ def working_set_begin_step(hist: torch.Tensor, clock: torch.Tensor) -> None:
     hist.index_fill_(1, clock % hist.shape[1], 0)
 
 
-def working_set_touch_ref(key: torch.Tensor, slots: torch.Tensor, stamp: torch.Tensor, hist: torch.Tensor,
-                          since: torch.Tensor, clock: torch.Tensor) -> None:
+def working_set_touch_ref(
+    key: torch.Tensor,
+    slots: torch.Tensor,
+    stamp: torch.Tensor,
+    hist: torch.Tensor,
+    since: torch.Tensor,
+    clock: torch.Tensor,
+) -> None:
     """One layer's lists touch their head blocks; updates stamp and hist in place.
     key: int64 [B, K] head-block keys of row b's entries (stamp.numel() - 1: no entry);
     slots: int [B] each row's state slot (-1: none)."""
@@ -44,16 +51,19 @@ def working_set_touch_ref(key: torch.Tensor, slots: torch.Tensor, stamp: torch.T
     owner = prev.remainder(num_slots)
     live = valid & (prev >= 0) & (clock - step0 < window) & (step0 > since[owner])
     flat = hist.view(-1)
-    flat.index_add_(0, torch.where(live, owner * window + step0 % window, 0).reshape(-1),
-                    -live.reshape(-1).to(hist.dtype))
-    flat.index_add_(0, torch.where(valid, slot * window + clock % window, 0).reshape(-1),
-                    valid.reshape(-1).to(hist.dtype))
+    flat.index_add_(
+        0, torch.where(live, owner * window + step0 % window, 0).reshape(-1), -live.reshape(-1).to(hist.dtype)
+    )
+    flat.index_add_(
+        0, torch.where(valid, slot * window + clock % window, 0).reshape(-1), valid.reshape(-1).to(hist.dtype)
+    )
     stamp.index_put_((torch.where(valid, key, trash).reshape(-1),), (clock * num_slots + slot).reshape(-1))
 
 
 class TouchState(NamedTuple):
     """The count's device state (owner: kvcache/working_set.py), for kernels that touch keys
     they compute themselves (kernels/pool_plan.py pool_read)."""
+
     stamp: torch.Tensor
     hist: torch.Tensor
     since: torch.Tensor
@@ -61,8 +71,9 @@ class TouchState(NamedTuple):
 
 
 @triton.jit
-def touch_keys(key, valid, prev, slot, t, stamp_ptr, hist_ptr, since_ptr, NUM_SLOTS: tl.constexpr,
-               WINDOW: tl.constexpr):
+def touch_keys(
+    key, valid, prev, slot, t, stamp_ptr, hist_ptr, since_ptr, NUM_SLOTS: tl.constexpr, WINDOW: tl.constexpr
+):
     """One row's valid keys touched at clock t; prev = stamp[key] (-1 where not valid), loaded by
     the caller. Moves each key out of its previous bucket (if that touch is in the window and
     newer than its slot's `since`); returns how many the row's bucket

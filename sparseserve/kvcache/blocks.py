@@ -4,6 +4,7 @@ without references stays cached until needed: new blocks come from never-cached 
 then the least recently freed cached ones. Invariant: every block is free, evictable (cached, no
 reference) or in use, so free + evictable + in use == total.
 """
+
 from __future__ import annotations
 
 from collections import deque

@@ -2,6 +2,7 @@
 the sparse layers' device block cache, pauses, restores and blocks with new owners, emitted once
 a step as an OffloadPlan that every rank's OffloadCache executes (kvcache/offload.py). Plain
 Python: no tensor is touched here."""
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -130,8 +131,10 @@ class DeviceBlockMap:
         if not blocks:
             start = lo
         if lo < start:
-            raise RuntimeError(f"sequence {seq.seq_id} needs token block {lo} on the device again after "
-                               f"releasing it (device range starts at {start})")
+            raise RuntimeError(
+                f"sequence {seq.seq_id} needs token block {lo} on the device again after "
+                f"releasing it (device range starts at {start})"
+            )
         cut = min(lo - start, len(blocks))
         released: list[int] = []
         if cut:  # a decode's window moves once per block_size steps: most steps release nothing
@@ -199,8 +202,9 @@ class OffloadSpace:
     step's blocks and queues restores over computed tokens (never recomputed), `pause` queues the
     tail block's save, `on_allocate` marks blocks stale; `take_plan` hands it all to the step."""
 
-    def __init__(self, device_map: DeviceBlockMap, block_size: int,
-                 working_set: WorkingSetAccounting | None = None) -> None:
+    def __init__(
+        self, device_map: DeviceBlockMap, block_size: int, working_set: WorkingSetAccounting | None = None
+    ) -> None:
         self.map = device_map
         self.block_size = block_size
         self.working_set = working_set
@@ -264,18 +268,27 @@ class OffloadSpace:
         """The step's work; scheduled: its (sequence, new tokens) pairs (empty: segments only)."""
         bs = self.block_size
         if scheduled:  # the token blocks the step's decodes open (their first token)
-            opened = [seq.block_table[seq.num_computed_tokens // bs] for seq, n in scheduled
-                      if n == 1 and seq.num_computed_tokens % bs == 0]
+            opened = [
+                seq.block_table[seq.num_computed_tokens // bs]
+                for seq, n in scheduled
+                if n == 1 and seq.num_computed_tokens % bs == 0
+            ]
             stale = self._stale.take(opened)
         else:
             stale = self._stale.take_pending()
         ranges = self.map.ranges
-        plan = OffloadPlan([(row, dev) for _, row, dev in self._saves], self._restores,
-                           {sid: ranges.get(sid) for sid in self.map.take_changed()}, stale)
+        plan = OffloadPlan(
+            [(row, dev) for _, row, dev in self._saves],
+            self._restores,
+            {sid: ranges.get(sid) for sid in self.map.take_changed()},
+            stale,
+        )
         self._saves, self._restores = [], []
         return plan
 
     def gauges(self) -> dict[str, int]:
         ws = self.working_set.gauges() if self.working_set is not None else {}
-        return ws | {"offload_device_blocks": self.map.num_blocks,
-                     "offload_device_blocks_used": self.map.allocator.num_used}
+        return ws | {
+            "offload_device_blocks": self.map.num_blocks,
+            "offload_device_blocks_used": self.map.allocator.num_used,
+        }

@@ -9,6 +9,7 @@ Decodes' completed blocks are written through over UVA, prefill chunks' by Flash
 The trap: `fence()` before every step's kernels (the runner's offload cache), or a step may read a
 row a CPU worker has not written yet.
 """
+
 from __future__ import annotations
 
 import threading
@@ -28,8 +29,10 @@ def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = t.numel() * t.element_size()
     err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
     if int(getattr(err, "value", err)) != 0:
-        raise MemoryError(f"could not page-lock {nbytes / 2**30:.1f} GiB of host memory for the KV store "
-                          f"(cudaHostRegister: {err}): lower host_kv_memory")
+        raise MemoryError(
+            f"could not page-lock {nbytes / 2**30:.1f} GiB of host memory for the KV store "
+            f"(cudaHostRegister: {err}): lower host_kv_memory"
+        )
     weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
     return t
 
@@ -40,8 +43,17 @@ def host_block_bytes(num_layers: int, num_kv_heads: int, block_size: int, head_d
 
 
 class HostKVStore:
-    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                 dtype: torch.dtype, pin: bool | None = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        num_kv_heads: int,
+        block_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        pin: bool | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         pin = torch.cuda.is_available() if pin is None else pin
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -76,8 +88,16 @@ class HostKVStore:
         """Token blocks x layers the FlashD2H writers stored so far (host-side count)."""
         return sum(w.blocks_written for w in (self.d2h, self.layer_d2h) if w is not None)
 
-    def store_step(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_decode_tokens: int,
-                   num_seqs: int, token_slot_mapping: torch.Tensor | None = None, decodes: bool = True) -> None:
+    def store_step(
+        self,
+        layer: int,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_decode_tokens: int,
+        num_seqs: int,
+        token_slot_mapping: torch.Tensor | None = None,
+        decodes: bool = True,
+    ) -> None:
         """One layer's step after store_kv: each token block a token of the step completes goes to
         the store whole. Decode tokens (the first num_decode_tokens) by the write-through kernel
         (all a captured step can do; decodes=False: the K/V store kernel wrote them), prefill
@@ -93,24 +113,27 @@ class HostKVStore:
             if self.d2h is None:
                 self.write_through(layer, kv_cache, rest, rest_tsm)
             else:
-                self.d2h.submit(layer, kv_cache, rest, num_seqs - nd,
-                                None if rest_tsm is None else rest_tsm // self.block_size)
+                self.d2h.submit(
+                    layer, kv_cache, rest, num_seqs - nd, None if rest_tsm is None else rest_tsm // self.block_size
+                )
 
     def bytes_written(self) -> int:
         """Bytes written into the store so far (whole blocks + FlashD2H tokens; syncs)."""
         block = self.data[0, 0].numel() * self.data.element_size()
         return (int(self.blocks_written) + self.d2h_blocks_written()) * block
 
-    def write_through(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      host_slots: torch.Tensor | None = None) -> None:
+    def write_through(
+        self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, host_slots: torch.Tensor | None = None
+    ) -> None:
         """After store_kv of `layer`: each token block a token of slot_mapping completes goes from
         the device cache layer [NB, Hkv, 2, bs, D] to the store row of host_slots[i] (its slot in
         host block ids; default: the same). Fixed shapes; blocks_written counts them."""
         write_through(kv_cache, self.data[layer], slot_mapping, host_slots, self.blocks_written)
 
 
-def completed_blocks(slot_mapping: torch.Tensor, block_size: int, n: int,
-                     host_blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def completed_blocks(
+    slot_mapping: torch.Tensor, block_size: int, n: int, host_blocks: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(device blocks, host blocks) [n] of the token blocks that the tokens of slot_mapping
     complete, compacted to the front on the device without a host sync (fixed shape; -1 pads). n
     must bound their count: floor(T / block_size) + the number of sequences does."""
@@ -134,8 +157,9 @@ class D2HWriter:
         pin = store.data.is_pinned()
         self.store = store
         self.max_blocks = max_tokens // bs + max_seqs
-        self.staging = torch.empty(num_layers, self.max_blocks, hkv, 2, bs, head_dim, dtype=store.data.dtype,
-                                   pin_memory=pin)
+        self.staging = torch.empty(
+            num_layers, self.max_blocks, hkv, 2, bs, head_dim, dtype=store.data.dtype, pin_memory=pin
+        )
         self.staged_ids = torch.empty(num_layers, self.max_blocks, dtype=torch.int64, pin_memory=pin)
         self.workers = ThreadPoolExecutor(num_threads, thread_name_prefix="sparseserve-d2h")
         self.pending: list[Future] = []
@@ -143,8 +167,14 @@ class D2HWriter:
         self.blocks_written = 0  # token blocks x layers written (stats)
         self._lock = threading.Lock()
 
-    def submit(self, layer: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_seqs: int,
-               host_blocks: torch.Tensor | None = None) -> None:
+    def submit(
+        self,
+        layer: int,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_seqs: int,
+        host_blocks: torch.Tensor | None = None,
+    ) -> None:
         """kv_cache: the layer's device cache [NB, Hkv, 2, bs, D] after store_kv; slot_mapping
         [T] (-1: padding) of the prefill tokens of num_seqs sequences; host_blocks [T]: their
         host block ids (None: the same)."""
@@ -196,8 +226,9 @@ class LayerD2H:
         _, _, hkv, _, bs, head_dim = store.data.shape
         pin = store.data.is_pinned()
         self.store = store
-        self.staging = torch.empty(num_buffers, max_blocks, hkv, 2, bs, head_dim, dtype=store.data.dtype,
-                                   pin_memory=pin)
+        self.staging = torch.empty(
+            num_buffers, max_blocks, hkv, 2, bs, head_dim, dtype=store.data.dtype, pin_memory=pin
+        )
         self.workers = ThreadPoolExecutor(num_threads, thread_name_prefix="sparseserve-layer-d2h")
         self.busy: list[Future | None] = [None] * num_buffers
         self.pending: list[Future] = []

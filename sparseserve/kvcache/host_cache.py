@@ -5,6 +5,7 @@ them (`store`), found after a device-cache hit (`lookup`) and copied back into n
 indexed by token block (KV cache, key metadata). One row-gather kernel per tensor each way, on
 the compute stream, never waiting on the host. LRU when full.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -20,8 +21,11 @@ def layer_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """[L, N, ...] over per-layer tensors [N, ...] that are consecutive slices of one tensor (the
     runner's KV cache), without a copy; a stacked copy would not alias the cache."""
     base = tensors[0]._base
-    if base is not None and base.shape[0] == len(tensors) and all(
-            t.data_ptr() == base[i].data_ptr() and t.shape == base[i].shape for i, t in enumerate(tensors)):
+    if (
+        base is not None
+        and base.shape[0] == len(tensors)
+        and all(t.data_ptr() == base[i].data_ptr() and t.shape == base[i].shape for i, t in enumerate(tensors))
+    ):
         return base
     raise ValueError("the per-layer KV caches are not slices of one tensor")
 
@@ -48,8 +52,9 @@ class HostPrefixCache:
         self._blocks = [t.shape[1] for t in device_tensors]
         self._layers = [t.shape[0] for t in device_tensors]
         shapes = [(t.shape[0], num_slots, *t.shape[2:]) for t in device_tensors]
-        host = [pinned_zeros(s, t.dtype) if pin else torch.zeros(s, dtype=t.dtype)
-                for s, t in zip(shapes, device_tensors)]
+        host = [
+            pinned_zeros(s, t.dtype) if pin else torch.zeros(s, dtype=t.dtype) for s, t in zip(shapes, device_tensors)
+        ]
         self.host = [h.view(-1, *h.shape[2:]) for h in host]
         self._slot_of: OrderedDict[BlockHash, int] = OrderedDict()  # first = least recently used
         self._free = list(range(num_slots - 1, -1, -1))
@@ -117,8 +122,15 @@ class HostPrefixCache:
         self.num_restored += len(blocks)
         self._copy(self.host, self.device, slots, blocks, [self.num_slots] * len(self.host), self._blocks)
 
-    def _copy(self, srcs: list[torch.Tensor], dsts: list[torch.Tensor], src_idx: list[int], dst_idx: list[int],
-              src_rows: list[int], dst_rows: list[int]) -> None:
+    def _copy(
+        self,
+        srcs: list[torch.Tensor],
+        dsts: list[torch.Tensor],
+        src_idx: list[int],
+        dst_idx: list[int],
+        src_rows: list[int],
+        dst_rows: list[int],
+    ) -> None:
         """Row src_idx[i] of each layer of each source tensor to row dst_idx[i] of that layer."""
         s, d = torch.tensor(src_idx, dtype=torch.int64), torch.tensor(dst_idx, dtype=torch.int64)
         for src, dst, sr, dr, layers in zip(srcs, dsts, src_rows, dst_rows, self._layers):

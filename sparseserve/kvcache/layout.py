@@ -3,6 +3,7 @@ docs/architecture.md, principle 4). Token blocks are host store rows; on the dev
 of every token block, the dense layers' full-size cache, the sparse layers' device block cache
 (the working set; at least one max_model_len sequence) and the HBM pool, which gets the rest.
 """
+
 from __future__ import annotations
 
 import logging
@@ -14,19 +15,34 @@ GiB = 2**30
 
 @dataclass(frozen=True)
 class OffloadLayout:
-    token_blocks: int          # host store rows = the scheduler's token blocks
-    device_blocks: int         # rows of the sparse layers' device block cache, less its trash row
-    pool_slots: int            # HBM pool head-block slots
-    dense_layers: int          # layers with a full-size device cache
-    token_block_bytes: int     # device bytes per token block: full-size dense layers + metadata
-    device_block_bytes: int    # bytes of one device block (every sparse layer and KV head)
-    head_block_bytes: int      # bytes of one pool slot
+    token_blocks: int  # host store rows = the scheduler's token blocks
+    device_blocks: int  # rows of the sparse layers' device block cache, less its trash row
+    pool_slots: int  # HBM pool head-block slots
+    dense_layers: int  # layers with a full-size device cache
+    token_block_bytes: int  # device bytes per token block: full-size dense layers + metadata
+    device_block_bytes: int  # bytes of one device block (every sparse layer and KV head)
+    head_block_bytes: int  # bytes of one pool slot
 
     @classmethod
-    def plan(cls, *, budget: int | None, device_blocks: int | None, token_blocks: int, pool_slots: int | None,
-             default_pool_slots: int, min_device_blocks: int, want_device_blocks: int, num_layers: int,
-             dense_layers: int, kv_layer_block_bytes: int, meta_block_bytes: int, head_block_bytes: int,
-             seq_window_blocks: int = 0, seq_pool_slots: int = 0, max_seqs: int = 0) -> "OffloadLayout":
+    def plan(
+        cls,
+        *,
+        budget: int | None,
+        device_blocks: int | None,
+        token_blocks: int,
+        pool_slots: int | None,
+        default_pool_slots: int,
+        min_device_blocks: int,
+        want_device_blocks: int,
+        num_layers: int,
+        dense_layers: int,
+        kv_layer_block_bytes: int,
+        meta_block_bytes: int,
+        head_block_bytes: int,
+        seq_window_blocks: int = 0,
+        seq_pool_slots: int = 0,
+        max_seqs: int = 0,
+    ) -> "OffloadLayout":
         """budget: device bytes for all of it (None: device_blocks given; the pool `pool_slots`,
         else `default_pool_slots`). kv_layer_block_bytes: K and V of one token block in one layer
         (every KV head). want_device_blocks: the device cache's fixed part; on top of it a decode
@@ -34,8 +50,10 @@ class OffloadLayout:
         many as the budget can also give one step's lists (`seq_pool_slots` slots each)."""
         dense_layers = min(dense_layers, num_layers)
         if dense_layers == num_layers:
-            raise ValueError(f"KV offload with sparse_dense_layers={dense_layers} >= the model's {num_layers} "
-                             f"layers offloads nothing: lower sparse_dense_layers")
+            raise ValueError(
+                f"KV offload with sparse_dense_layers={dense_layers} >= the model's {num_layers} "
+                f"layers offloads nothing: lower sparse_dense_layers"
+            )
         token_bytes = dense_layers * kv_layer_block_bytes + meta_block_bytes
         device_bytes = (num_layers - dense_layers) * kv_layer_block_bytes
         if device_blocks is None:
@@ -56,19 +74,29 @@ class OffloadLayout:
             device_blocks = min((rest - pool_slots * head_block_bytes) // device_bytes, token_blocks)
         elif pool_slots is None:
             pool_slots = default_pool_slots
-        layout = cls(token_blocks, max(device_blocks, 0), max(pool_slots, 0), dense_layers, token_bytes,
-                     device_bytes, head_block_bytes)
+        layout = cls(
+            token_blocks,
+            max(device_blocks, 0),
+            max(pool_slots, 0),
+            dense_layers,
+            token_bytes,
+            device_bytes,
+            head_block_bytes,
+        )
         if layout.device_blocks < min_device_blocks or layout.pool_slots < 1:
             raise ValueError(
                 f"KV offload: {layout.describe()}; the device block cache needs at least {min_device_blocks} "
                 f"blocks (one max_model_len sequence; with layer-segmented prefill one step's prefill and a "
                 f"window) and the pool one slot: lower host_kv_memory, "
-                f"hbm_cache_blocks, sparse_dense_layers or max_model_len, or give the KV cache more memory")
+                f"hbm_cache_blocks, sparse_dense_layers or max_model_len, or give the KV cache more memory"
+            )
         return layout
 
     def describe(self) -> str:
-        return (f"{self.token_blocks} token blocks (metadata + {self.dense_layers} dense layers: "
-                f"{self.token_blocks * self.token_block_bytes / GiB:.2f} GiB), device block cache "
-                f"{self.device_blocks} blocks ({(self.device_blocks + 1) * self.device_block_bytes / GiB:.2f} GiB), "
-                f"HBM pool {self.pool_slots} head-block slots "
-                f"({self.pool_slots * self.head_block_bytes / GiB:.2f} GiB)")
+        return (
+            f"{self.token_blocks} token blocks (metadata + {self.dense_layers} dense layers: "
+            f"{self.token_blocks * self.token_block_bytes / GiB:.2f} GiB), device block cache "
+            f"{self.device_blocks} blocks ({(self.device_blocks + 1) * self.device_block_bytes / GiB:.2f} GiB), "
+            f"HBM pool {self.pool_slots} head-block slots "
+            f"({self.pool_slots * self.head_block_bytes / GiB:.2f} GiB)"
+        )

@@ -5,6 +5,7 @@
 A page is `page_size` tokens of a block. Row `num_blocks` is a trash row that padding tokens
 (slot -1) write, so the update has fixed shapes. Kept current by kernels/key_meta.py.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,10 +28,18 @@ def key_meta_block_bytes(num_kv_heads: int, pages: int, head_dim: int) -> int:
     return num_kv_heads * pages * (2 * head_dim * torch.int8.itemsize + torch.float32.itemsize)
 
 
-def allocate_key_meta(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, page_size: int,
-                      head_dim: int, device: torch.device) -> KeyMeta:
+def allocate_key_meta(
+    num_layers: int,
+    num_blocks: int,
+    num_kv_heads: int,
+    block_size: int,
+    page_size: int,
+    head_dim: int,
+    device: torch.device,
+) -> KeyMeta:
     # Zeros, not empty: scoring masks pages past a sequence's end, but NaN must never reach a dot.
     pages = block_size // page_size
-    return KeyMeta(torch.zeros(num_layers, num_blocks + 1, num_kv_heads, 2, pages, head_dim, dtype=torch.int8,
-                               device=device),
-                   torch.zeros(num_layers, num_blocks + 1, num_kv_heads, pages, dtype=torch.float32, device=device))
+    return KeyMeta(
+        torch.zeros(num_layers, num_blocks + 1, num_kv_heads, 2, pages, head_dim, dtype=torch.int8, device=device),
+        torch.zeros(num_layers, num_blocks + 1, num_kv_heads, pages, dtype=torch.float32, device=device),
+    )

@@ -2,6 +2,7 @@
 layers' device block cache, the HBM pool and the working-set counter. The runner hands it the
 step's OffloadPlan once (`begin_step`: one host fence, saves, ranges, restores); the sparse
 backend drops stale blocks, writes blocks through and reads its selected blocks through views."""
+
 from __future__ import annotations
 
 import logging
@@ -29,6 +30,7 @@ OffloadView = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 @dataclass
 class OffloadStep:
     """One step's addressing of the sparse layers' device block cache."""
+
     slot_mapping: torch.Tensor  # int64 [T]
     block_tables: torch.Tensor  # int32 [B, W]; released entries name the trash row
     # token blocks with new owners, to leave the pool before the step's kernels (`drop_stale`);
@@ -37,9 +39,17 @@ class OffloadStep:
 
 
 class OffloadCache:
-    def __init__(self, layout: OffloadLayout, host: HostKVStore, pool: HBMPool, kv_caches: list[torch.Tensor],
-                 block_size: int, local_blocks: int, sparse_cache: torch.Tensor,
-                 working_set: WorkingSetCounter | None = None) -> None:
+    def __init__(
+        self,
+        layout: OffloadLayout,
+        host: HostKVStore,
+        pool: HBMPool,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        local_blocks: int,
+        sparse_cache: torch.Tensor,
+        working_set: WorkingSetCounter | None = None,
+    ) -> None:
         self.layout, self.host, self.pool = layout, host, pool
         self.working_set = working_set
         self.kv_caches = kv_caches
@@ -57,10 +67,26 @@ class OffloadCache:
         self.cap = 0  # blocks a selection lists (set by `build`)
 
     @classmethod
-    def build(cls, config: OffloadConfig, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-              dtype: torch.dtype, device: torch.device, dense_layers: int, local_blocks: int, cap: int,
-              metadata_block_bytes: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-              budget: int | None, device_blocks: int | None) -> "OffloadCache":
+    def build(
+        cls,
+        config: OffloadConfig,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        dense_layers: int,
+        local_blocks: int,
+        cap: int,
+        metadata_block_bytes: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        budget: int | None,
+        device_blocks: int | None,
+    ) -> "OffloadCache":
         """Sizes the host store from config.host_kv_memory (default: max_num_seqs sequences of
         max_model_len, at most half the host's available memory), splits the device budget (bytes;
         None: device_blocks given) by OffloadLayout and allocates everything. With layer-segmented
@@ -77,26 +103,40 @@ class OffloadCache:
             if avail is not None:
                 token_blocks = min(token_blocks, avail // 2 // hbb)
         if token_blocks * block_size < max_model_len:
-            raise ValueError(f"the host KV store holds {token_blocks * block_size} tokens, fewer than "
-                             f"max_model_len={max_model_len}: raise host_kv_memory or lower max_model_len")
+            raise ValueError(
+                f"the host KV store holds {token_blocks * block_size} tokens, fewer than "
+                f"max_model_len={max_model_len}: raise host_kv_memory or lower max_model_len"
+            )
         layout = OffloadLayout.plan(
-            budget=budget, device_blocks=device_blocks, token_blocks=token_blocks, pool_slots=config.hbm_cache_blocks,
+            budget=budget,
+            device_blocks=device_blocks,
+            token_blocks=token_blocks,
+            pool_slots=config.hbm_cache_blocks,
             # a decode step's lists of max_num_seqs sequences per layer, at most every head block
             default_pool_slots=num_layers * num_kv_heads * min(max_num_seqs * cap, token_blocks),
             min_device_blocks=step_blocks + local_blocks + 1 if config.layer_segmented_prefill else seq_blocks,
             # a whole prefill and a step's prefill tokens (short prompts beside a long prefill),
             # then a decode window (+1 block of slack) for each sequence the pool can serve
-            want_device_blocks=whole_prefill + step_blocks, seq_window_blocks=local_blocks + 1,
-            seq_pool_slots=(num_layers - dense_layers) * num_kv_heads * cap, max_seqs=max_num_seqs,
-            num_layers=num_layers, dense_layers=dense_layers, kv_layer_block_bytes=hbb // num_layers,
-            meta_block_bytes=metadata_block_bytes, head_block_bytes=2 * block_size * head_dim * dtype.itemsize)
-        logger.info("KV offload device budget%s: %s", "" if budget is None else f" {budget / 2**30:.2f} GiB",
-                    layout.describe())
+            want_device_blocks=whole_prefill + step_blocks,
+            seq_window_blocks=local_blocks + 1,
+            seq_pool_slots=(num_layers - dense_layers) * num_kv_heads * cap,
+            max_seqs=max_num_seqs,
+            num_layers=num_layers,
+            dense_layers=dense_layers,
+            kv_layer_block_bytes=hbb // num_layers,
+            meta_block_bytes=metadata_block_bytes,
+            head_block_bytes=2 * block_size * head_dim * dtype.itemsize,
+        )
+        logger.info(
+            "KV offload device budget%s: %s", "" if budget is None else f" {budget / 2**30:.2f} GiB", layout.describe()
+        )
         need = (layout.token_blocks + 1) * hbb
         avail = available_host_memory()
         if avail is not None and need > avail:
-            raise ValueError(f"the host KV store needs {need} bytes, more than the host's available memory "
-                             f"({avail} bytes): set host_kv_memory lower")
+            raise ValueError(
+                f"the host KV store needs {need} bytes, more than the host's available memory "
+                f"({avail} bytes): set host_kv_memory lower"
+            )
         shape = (num_kv_heads, 2, block_size, head_dim)
         dl = layout.dense_layers
         # Dense layers: a full-size cache by token block. Sparse layers: the device block cache
@@ -105,15 +145,28 @@ class OffloadCache:
         sparse_cache = torch.empty(num_layers - dl, layout.device_blocks + 1, *shape, dtype=dtype, device=device)
         host = HostKVStore(num_layers, layout.token_blocks, num_kv_heads, block_size, head_dim, dtype, device=device)
         host.attach_d2h(max_num_batched_tokens, max_num_seqs)
-        pool = HBMPool(num_layers, layout.token_blocks, num_kv_heads, block_size, head_dim, layout.pool_slots, dtype,
-                       device)
-        counter = WorkingSetCounter(num_keys=pool.num_keys, num_slots=max_num_seqs, window=config.working_set_window,
-                                    enabled=config.working_set_control, device=device)
-        logger.info("KV offload: host store %d blocks (%.2f GiB, pinned=%s), device block cache %d blocks, "
-                    "HBM pool %d head-block slots", layout.token_blocks, host.nbytes / 2**30, host.data.is_pinned(),
-                    layout.device_blocks, pool.num_slots)
-        cache = cls(layout, host, pool, list(dense_cache) + list(sparse_cache), block_size, local_blocks,
-                    sparse_cache, counter)
+        pool = HBMPool(
+            num_layers, layout.token_blocks, num_kv_heads, block_size, head_dim, layout.pool_slots, dtype, device
+        )
+        counter = WorkingSetCounter(
+            num_keys=pool.num_keys,
+            num_slots=max_num_seqs,
+            window=config.working_set_window,
+            enabled=config.working_set_control,
+            device=device,
+        )
+        logger.info(
+            "KV offload: host store %d blocks (%.2f GiB, pinned=%s), device block cache %d blocks, "
+            "HBM pool %d head-block slots",
+            layout.token_blocks,
+            host.nbytes / 2**30,
+            host.data.is_pinned(),
+            layout.device_blocks,
+            pool.num_slots,
+        )
+        cache = cls(
+            layout, host, pool, list(dense_cache) + list(sparse_cache), block_size, local_blocks, sparse_cache, counter
+        )
         cache.cap = cap
         return cache
 
@@ -160,8 +213,11 @@ class OffloadCache:
         heads = torch.arange(hkv)[None, None, :]
         key = ((layers * (self.host.num_blocks + 1) + rows[None, :, None]) * hkv + heads).reshape(-1)
         load = (((layers - dl) * self.sparse_cache.shape[1] + devs[None, :, None]) * hkv + heads).reshape(-1)
-        flash_h2d(self.host.flat(), self.sparse_cache.view(-1, *self.sparse_cache.shape[3:]),
-                  *to_device_many([key, load], self.sparse_cache.device))
+        flash_h2d(
+            self.host.flat(),
+            self.sparse_cache.view(-1, *self.sparse_cache.shape[3:]),
+            *to_device_many([key, load], self.sparse_cache.device),
+        )
 
     def drop_stale(self, blocks: torch.Tensor | list[int] | None) -> None:
         """Token blocks with new owners leave the pool (one launch), before any kernel that may
@@ -175,8 +231,16 @@ class OffloadCache:
 
     # ---- the sparse backend, per layer -----------------------------------------------------------
 
-    def write_through(self, layer: int, kv_cache: torch.Tensor, step: OffloadStep, token_slot_mapping: torch.Tensor,
-                      num_decodes: int, num_seqs: int, decodes: bool = True) -> None:
+    def write_through(
+        self,
+        layer: int,
+        kv_cache: torch.Tensor,
+        step: OffloadStep,
+        token_slot_mapping: torch.Tensor,
+        num_decodes: int,
+        num_seqs: int,
+        decodes: bool = True,
+    ) -> None:
         """Every token block a token of this step completes goes to the host store whole
         (kvcache/host.py); decodes=False: the decodes' blocks were written by the K/V store
         kernel (`decode_write`)."""
@@ -195,8 +259,9 @@ class OffloadCache:
         blocks = torch.where(listed, tables.gather(1, sel_rows.clamp_min(0).flatten(1).long()).view_as(sel_rows), -1)
         return self.pool.keys(layer, blocks)
 
-    def read(self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel: torch.Tensor,
-             row_slots: torch.Tensor) -> OffloadView:
+    def read(
+        self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel: torch.Tensor, row_slots: torch.Tensor
+    ) -> OffloadView:
         """One layer's listed head blocks read through the pool (HBMPool.read: lookup, victims,
         FlashH2D of the misses, working-set count); returns the sparse kernels' view. sel [S,
         Hkv, cap]: the layer's lists by state slot; row_slots [B]: the decode rows' slots. A head
@@ -205,8 +270,17 @@ class OffloadCache:
         if ws is not None and layer == self.dense_layers:  # the first sparse layer starts the count
             ws.begin_step()
         host_flat = self.host.flat()
-        loc, key = self.pool.read(host_flat, layer, sel, row_slots, tables, seq_lens, self.local_blocks,
-                                  self.block_size, None if ws is None else ws.touch_state())
+        loc, key = self.pool.read(
+            host_flat,
+            layer,
+            sel,
+            row_slots,
+            tables,
+            seq_lens,
+            self.local_blocks,
+            self.block_size,
+            None if ws is None else ws.touch_state(),
+        )
         return self.pool.slots, host_flat, loc, key
 
     def init_lagged(self, list_rows: int, cap: int) -> None:
@@ -218,8 +292,15 @@ class OffloadCache:
         self.lag_loc = torch.full(shape, -1, dtype=torch.int64, device=dev)
         self.lag_key = torch.full(shape, self.pool.trash_key, dtype=torch.int64, device=dev)
 
-    def plan_lagged(self, layer: int | None, tables: torch.Tensor, seq_lens: torch.Tensor, sel: torch.Tensor,
-                    list_rows: torch.Tensor, new_round: bool = False) -> None:
+    def plan_lagged(
+        self,
+        layer: int | None,
+        tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        sel: torch.Tensor,
+        list_rows: torch.Tensor,
+        new_round: bool = False,
+    ) -> None:
         """Reads the lists of list_rows (-1: none) through the pool as `read` does and keeps their
         views by list row: one layer's (sel [S', Hkv, cap]), or with layer None every sparse
         layer's in one plan (sel: all layers' buffer). new_round: the step's first plan (no later
@@ -231,10 +312,19 @@ class OffloadCache:
             if ws is not None:
                 ws.begin_step()
         if layer is None:
-            sel = sel[self.dense_layers:]
-        loc, key = self.pool.read(self.host.flat(), self.dense_layers if layer is None else layer, sel, list_rows,
-                                  tables, seq_lens, self.local_blocks, self.block_size,
-                                  None if ws is None else ws.touch_state(), lagged=True)
+            sel = sel[self.dense_layers :]
+        loc, key = self.pool.read(
+            self.host.flat(),
+            self.dense_layers if layer is None else layer,
+            sel,
+            list_rows,
+            tables,
+            seq_lens,
+            self.local_blocks,
+            self.block_size,
+            None if ws is None else ws.touch_state(),
+            lagged=True,
+        )
         dst = torch.where(list_rows >= 0, list_rows.long(), self.lag_loc.shape[1] - 1)
         if layer is None:
             self.lag_loc.index_copy_(1, dst, loc)
@@ -259,12 +349,20 @@ class OffloadCache:
         """Cumulative device counters: pool hits, head blocks loaded (FlashH2D), bypass reads,
         layer steps, and token blocks x layers written through by decode steps."""
         s = self.pool.stats
-        return {"offload_hbm_hits": s[0], "offload_blocks_loaded": s[1], "offload_bypass_reads": s[2],
-                "offload_layer_steps": s[3], "offload_blocks_written": self.host.blocks_written}
+        return {
+            "offload_hbm_hits": s[0],
+            "offload_blocks_loaded": s[1],
+            "offload_bypass_reads": s[2],
+            "offload_layer_steps": s[3],
+            "offload_blocks_written": self.host.blocks_written,
+        }
 
     def gauges(self) -> dict[str, int]:
         """Host-side values: sizes, blocks restored, FlashD2H's blocks written."""
-        return {"offload_host_blocks": self.layout.token_blocks, "offload_hbm_slots": self.pool.num_slots,
-                "offload_head_block_bytes": self.layout.head_block_bytes,
-                "offload_blocks_restored": self.num_restored_blocks,
-                "offload_d2h_blocks_written": self.host.d2h_blocks_written()}
+        return {
+            "offload_host_blocks": self.layout.token_blocks,
+            "offload_hbm_slots": self.pool.num_slots,
+            "offload_head_block_bytes": self.layout.head_block_bytes,
+            "offload_blocks_restored": self.num_restored_blocks,
+            "offload_d2h_blocks_written": self.host.d2h_blocks_written(),
+        }

@@ -1,6 +1,7 @@
 """One step's KV-offload work, decided by the scheduler's block space (kvcache/device_space.py) and
 executed once by every rank's OffloadCache (kvcache/offload.py) before the step's kernels. Plain
 Python values: it crosses to tensor-parallel workers in the step message."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

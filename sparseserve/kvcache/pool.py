@@ -13,6 +13,7 @@ Set-associative LRU: slot s is in set s // ways; a key lives only in set hash(ke
 miss with no evictable way in its set is a bypass: read from the host store this step, not
 cached. Fixed shapes, no host sync (capturable): kernels/pool_plan.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,18 @@ _HASH = 2654435761
 
 
 class HBMPool:
-    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                 num_slots: int, dtype: torch.dtype, device: torch.device, ways: int = 32) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        num_kv_heads: int,
+        block_size: int,
+        head_dim: int,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        ways: int = 32,
+    ) -> None:
         if num_slots < 1:
             raise ValueError(f"the HBM pool needs at least one slot, got {num_slots}")
         self.ways = min(ways, num_slots)
@@ -73,22 +84,56 @@ class HBMPool:
         no request; each at most once), victims and installs for the misses
         (kernels/pool_plan.py). Returns (loc, load): the slot each request reads (-1: bypass or
         none) and the slot each miss is loaded into (-1: none). lagged: as in `read`."""
-        return pool_plan(key, self.resident, self.owner, self.last_use, self.clock, self.stats, self.set_misses,
-                         self.set_queue, self.plan_cur, ways=self.ways, num_sets=self.num_sets, hash_mult=_HASH,
-                         floor=self.floor if lagged else None)
+        return pool_plan(
+            key,
+            self.resident,
+            self.owner,
+            self.last_use,
+            self.clock,
+            self.stats,
+            self.set_misses,
+            self.set_queue,
+            self.plan_cur,
+            ways=self.ways,
+            num_sets=self.num_sets,
+            hash_mult=_HASH,
+            floor=self.floor if lagged else None,
+        )
 
-    def read(self, host_flat: torch.Tensor, layer: int, sel: torch.Tensor, row_slots: torch.Tensor,
-             tables: torch.Tensor, seq_lens: torch.Tensor, local: int, block_size: int,
-             touch: TouchState | None = None, lagged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(
+        self,
+        host_flat: torch.Tensor,
+        layer: int,
+        sel: torch.Tensor,
+        row_slots: torch.Tensor,
+        tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        local: int,
+        block_size: int,
+        touch: TouchState | None = None,
+        lagged: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's decode lists read through the pool (kernels/pool_plan.py pool_read).
         sel: int32 [S, Hkv, cap] the lists by state slot; row_slots [B]: each row's slot; tables
         [B, W]: token block tables (host rows); seq_lens [B]. Misses load from host_flat; touch:
         the working-set count the listed keys join in the same pass. Returns (loc, key)
         [B, Hkv, cap]: each entry's slot (-1: read host row `key`, or no request). lagged: a read
         beside the step in flight, which keeps every slot stamped since `begin_round`."""
-        state = PoolState(self.resident, self.owner, self.last_use, self.clock, self.stats, self.set_misses,
-                          self.set_queue, self.plan_cur, self.claim, self.ways, self.num_sets, _HASH,
-                          self.floor if lagged else None)
+        state = PoolState(
+            self.resident,
+            self.owner,
+            self.last_use,
+            self.clock,
+            self.stats,
+            self.set_misses,
+            self.set_queue,
+            self.plan_cur,
+            self.claim,
+            self.ways,
+            self.num_sets,
+            _HASH,
+            self.floor if lagged else None,
+        )
         lay = ListLayout(layer, self.num_blocks, self.num_kv_heads, local, block_size)
         return pool_read(host_flat, self.slots, sel, row_slots, tables, seq_lens, lay, state, touch)
 
@@ -106,8 +151,9 @@ class HBMPool:
             if not blocks:
                 return
             blocks = to_device(torch.tensor(blocks, dtype=torch.int64), self.resident.device)
-        invalidate(blocks, self.resident, self.owner, self.last_use, self.num_layers, self.num_blocks,
-                   self.num_kv_heads)
+        invalidate(
+            blocks, self.resident, self.owner, self.last_use, self.num_layers, self.num_blocks, self.num_kv_heads
+        )
 
     def check(self) -> None:
         """Accounting invariants (tests; syncs): owner and resident are inverse maps, no slot

@@ -7,6 +7,7 @@ collision would serve another prompt's K/V. `PrefixCache` is the hash -> block m
 cached blocks no one references; the allocator (kvcache/blocks.py) owns the reference counts.
 A cached block is full and never written again, so sharing needs no copy.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,15 +34,16 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     return h.digest()
 
 
-def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, num_blocks: int,
-                        cache_salt: str | None) -> list[BlockHash]:
+def extend_block_hashes(
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, num_blocks: int, cache_salt: str | None
+) -> list[BlockHash]:
     """Appends to `hashes` (in place; returned) the hashes of full blocks len(hashes) ..
     num_blocks - 1 of token_ids. A sequence's tokens only grow, so the hashes of its full blocks
     never change."""
     num_blocks = min(num_blocks, len(token_ids) // block_size)
     parent = hashes[-1] if hashes else root_hash(cache_salt)
     for j in range(len(hashes), num_blocks):
-        parent = hash_block(parent, token_ids[j * block_size:(j + 1) * block_size])
+        parent = hash_block(parent, token_ids[j * block_size : (j + 1) * block_size])
         hashes.append(parent)
     return hashes
 

@@ -1,6 +1,7 @@
 """Small host -> device copies that never wait for the device: a ring of pinned staging slabs
 (`PinnedStaging`) behind `to_device` / `to_device_many` (a step's addressing, sampling
 parameters)."""
+
 from __future__ import annotations
 
 import threading
@@ -38,15 +39,15 @@ class PinnedStaging:
             pos = base
             for t, span in zip(tensors, spans):
                 raw = t.contiguous().view(-1).view(torch.uint8).numpy()
-                self.host[pos: pos + raw.size] = raw
+                self.host[pos : pos + raw.size] = raw
                 pos += span
             dev = torch.empty(total, dtype=torch.uint8, device=self.device)
-            dev.copy_(self.buf[base: base + total], non_blocking=True)
+            dev.copy_(self.buf[base : base + total], non_blocking=True)
             stream = torch.cuda.current_stream(self.device)
             self.streams[stream.stream_id] = stream
         out, pos = [], 0
         for t, span in zip(tensors, spans):
-            out.append(dev[pos: pos + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+            out.append(dev[pos : pos + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
             pos += span
         return out
 

@@ -5,6 +5,7 @@ request's selections asked the HBM pool for over the last `window` decode steps,
 selection-state slot; `publish` starts an async copy of the counts before a step's kernels.
 `WorkingSetEstimate` (the scheduler's): each request's estimate from the newest landed copy (one
 step late), from the selection budget before a measurement, or a paused request's floor."""
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,7 @@ REPORT_INTERVAL_S = 0.05  # publish / sum interval with the control off (estimat
 
 
 class WorkingSetCounter:
-    def __init__(self, *, num_keys: int, num_slots: int, window: int, enabled: bool,
-                 device: torch.device) -> None:
+    def __init__(self, *, num_keys: int, num_slots: int, window: int, enabled: bool, device: torch.device) -> None:
         """num_keys: the HBM pool's key space; num_slots: selection-state slots (max_num_seqs)."""
         if window < 1:
             raise ValueError(f"working_set_window must be >= 1, got {window}")
@@ -98,8 +98,19 @@ class WorkingSetCounter:
 
 
 class WorkingSetEstimate:
-    def __init__(self, source: WorkingSetCounter, *, window: int, capacity: int, margin: float,
-                 enabled: bool, lists: int, cap: int, local: int, block_size: int) -> None:
+    def __init__(
+        self,
+        source: WorkingSetCounter,
+        *,
+        window: int,
+        capacity: int,
+        margin: float,
+        enabled: bool,
+        lists: int,
+        cap: int,
+        local: int,
+        block_size: int,
+    ) -> None:
         """capacity: the pool's head-block slots; lists: sparse layers x KV heads (selections per
         decode row); cap, local: list length and local window in blocks."""
         self.source = source
@@ -145,8 +156,7 @@ class WorkingSetEstimate:
 
     def due(self) -> bool:
         """Whether the scheduler sums the estimates this step (always with the control, on CPU)."""
-        return self.enabled or not self.source.cuda or \
-            time.perf_counter() - self._reported >= REPORT_INTERVAL_S
+        return self.enabled or not self.source.cuda or time.perf_counter() - self._reported >= REPORT_INTERVAL_S
 
     def record(self, total: int, held: int, new_holds: int) -> None:
         self.total, self.num_held_back = total, held
@@ -174,7 +184,12 @@ class WorkingSetEstimate:
         return len(self._measured.keys() | self._floor.keys() | self.source.pending.keys())
 
     def gauges(self) -> dict[str, int]:
-        return {"working_set_blocks": self.total, "working_set_capacity": self.capacity,
-                "working_set_limit": self.limit, "working_set_held_back": self.num_held_back,
-                "working_set_hold_backs": self.num_hold_backs, "working_set_parked": self.num_parked,
-                "working_set_prefill_aheads": self.num_prefill_aheads}
+        return {
+            "working_set_blocks": self.total,
+            "working_set_capacity": self.capacity,
+            "working_set_limit": self.limit,
+            "working_set_held_back": self.num_held_back,
+            "working_set_hold_backs": self.num_hold_backs,
+            "working_set_parked": self.num_parked,
+            "working_set_prefill_aheads": self.num_prefill_aheads,
+        }

@@ -5,6 +5,7 @@ zero padding). The embedding looks up the ids in its range, zeroes the others an
 the LM head gathers its rows' logits to rank 0, which samples. Tied embeddings share the
 parameter. At one rank both are F.embedding / F.linear.
 """
+
 from __future__ import annotations
 
 import torch

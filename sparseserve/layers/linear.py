@@ -10,6 +10,7 @@ tensor (or a lazy slice with `.shape` and `.narrow`, models/loader.py), shard_id
 packed parameter (0, 1, 2 for q, k, v); packed parameters give their part count in `num_shards`.
 See docs/tensor_parallel.md.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,7 @@ from sparseserve.distributed.group import TPGroup, get_tp_group
 from sparseserve.distributed.utils import divide, shard_heads
 
 
-def load_part(dst: torch.Tensor, loaded, full_shape: tuple[int, ...], dim: int | None = None,
-              start: int = 0) -> None:
+def load_part(dst: torch.Tensor, loaded, full_shape: tuple[int, ...], dim: int | None = None, start: int = 0) -> None:
     """Copies loaded.narrow(dim, start, dst.shape[dim]) (all of it for dim None) into dst,
     after checking the checkpoint tensor's full shape."""
     if tuple(loaded.shape) != tuple(full_shape):
@@ -77,16 +77,28 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param, loaded, shard_id=None):
         offset, size = sum(self.local_sizes[:shard_id]), self.local_sizes[shard_id]
-        load_part(param.data.narrow(0, offset, size), loaded, (self.output_sizes[shard_id], *param.shape[1:]), 0,
-                  self.tp.rank * size)
+        load_part(
+            param.data.narrow(0, offset, size),
+            loaded,
+            (self.output_sizes[shard_id], *param.shape[1:]),
+            0,
+            self.tp.rank * size,
+        )
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matmul, split by heads (`heads`: distributed/utils.py
     HeadShard; with fewer KV heads than ranks a KV head and its group are replicated)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp: TPGroup | None = None,
+    ) -> None:
         tp = tp or get_tp_group()
         self.heads = h = shard_heads(num_heads, num_kv_heads, tp.world_size, tp.rank)
         self.num_heads, self.num_kv_heads, self.head_dim = h.num_heads, h.num_kv_heads, head_dim
@@ -101,8 +113,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param, loaded, shard_id=None):
         offset, size = sum(self.local_sizes[:shard_id]), self.local_sizes[shard_id]
         start = (self.q_start if shard_id == 0 else self.kv_start) * self.head_dim
-        load_part(param.data.narrow(0, offset, size), loaded, (self.full_sizes[shard_id], *param.shape[1:]), 0,
-                  start)
+        load_part(param.data.narrow(0, offset, size), loaded, (self.full_sizes[shard_id], *param.shape[1:]), 0, start)
 
 
 class RowParallelLinear(_Linear):

@@ -11,6 +11,7 @@ Async scheduling (engine/overlap.py): the last token of a sequence may still be 
 is on the device in the feed; penalties read it there; a grammar needs it on the host: it waits for the
 previous step's host copy (the feed's event), not for the step's own forward (docs/structured_outputs.md).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -31,8 +32,14 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab], float("-inf"))
 
 
-def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor | None, output_counts: torch.Tensor,
-                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> None:
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor | None,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> None:
     """vLLM's order and definitions, in place. repetition [B]: a logit of a token in the prompt or the output is
     divided by it when positive, multiplied when not; then frequency [B] * count and presence [B] * (count > 0)
     of the output's tokens are subtracted."""
@@ -49,6 +56,7 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor | None, outp
 @dataclass
 class LogitsProcessors:
     """One batch's processors (rows are the batch's sampled sequences, in order)."""
+
     vocab_size: int
     device: torch.device
     # penalties: rows that use any, their parameters, and the prompt tokens' mask (repetition only)
@@ -64,8 +72,8 @@ class LogitsProcessors:
     grammar_rows: list[int] = field(default_factory=list)
     # per step (`begin_step`)
     output_counts: torch.Tensor | None = None
-    min_active: torch.Tensor | None = None     # bool [len(min_rows)]
-    bitmask: torch.Tensor | None = None        # int32 [len(grammar_rows), words] on the device
+    min_active: torch.Tensor | None = None  # bool [len(min_rows)]
+    bitmask: torch.Tensor | None = None  # int32 [len(grammar_rows), words] on the device
     _rows: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
@@ -84,8 +92,10 @@ class LogitsProcessors:
         proc._rows = {k: torch.tensor(v, dtype=torch.long).to(device) for k, v in rows.items() if v}
         if penalty_rows:
             pp = [ps[i] for i in penalty_rows]
-            proc.penalty_params = tuple(torch.tensor([getattr(p, name) for p in pp], dtype=torch.float32).to(device)
-                                        for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+            proc.penalty_params = tuple(
+                torch.tensor([getattr(p, name) for p in pp], dtype=torch.float32).to(device)
+                for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")
+            )
             if any(p.repetition_penalty != 1.0 for p in pp):
                 proc.prompt_mask = token_mask([seqs[i].prompt_token_ids for i in penalty_rows], vocab_size, device)
         if bias_rows:
@@ -95,8 +105,11 @@ class LogitsProcessors:
                     r.append(i)
                     t.append(tid)
                     v.append(val)
-            proc.bias = (torch.tensor(r).to(device), torch.tensor(t).to(device),
-                         torch.tensor(v, dtype=torch.float32).to(device))
+            proc.bias = (
+                torch.tensor(r).to(device),
+                torch.tensor(t).to(device),
+                torch.tensor(v, dtype=torch.float32).to(device),
+            )
         if min_rows:
             stops = [sorted(ps[i].all_stop_token_ids | set(ps[i].stop_token_ids)) for i in min_rows]
             width = max(1, max(map(len, stops)))
@@ -118,20 +131,25 @@ class LogitsProcessors:
             self.min_active = torch.tensor([n < m for n, m in zip(lens, mins)]).to(self.device)
         if self.grammar_rows:
             from sparseserve.structured.bitmask import fill_bitmask
+
             grammars = [seqs[i] for i in self.grammar_rows]
             tails = None
             if feed_rows and feed_tokens is not None:
-                pending = [(j, feed_rows[s.seq_id]) for j, s in enumerate(grammars)
-                           if s.token_ids and s.token_ids[-1] == PLACEHOLDER and s.seq_id in feed_rows]
+                pending = [
+                    (j, feed_rows[s.seq_id])
+                    for j, s in enumerate(grammars)
+                    if s.token_ids and s.token_ids[-1] == PLACEHOLDER and s.seq_id in feed_rows
+                ]
                 if pending:  # the previous step's tokens: their host copy (not behind this step's forward)
                     values = feed.host_values([r for _, r in pending])
                     tails = {j: v for (j, _), v in zip(pending, values)}
             self.bitmask = fill_bitmask(grammars, tails, self.vocab_size, self.device)
 
-    def _output_counts(self, seqs: list[Any], feed_tokens: torch.Tensor | None,
-                       feed_rows: dict[int, int]) -> torch.Tensor:
+    def _output_counts(
+        self, seqs: list[Any], feed_tokens: torch.Tensor | None, feed_rows: dict[int, int]
+    ) -> torch.Tensor:
         """int32 [R, vocab]: each output token's count per row (placeholders read from the feed on the device)."""
-        outs = [s.token_ids[len(s.prompt_token_ids):] for s in seqs]
+        outs = [s.token_ids[len(s.prompt_token_ids) :] for s in seqs]
         width = max(1, max(map(len, outs)))
         pad = self.vocab_size  # a column past the vocabulary, dropped
         ids = torch.tensor([o + [pad] * (width - len(o)) for o in outs], dtype=torch.long).to(self.device)
@@ -140,7 +158,7 @@ class LogitsProcessors:
             ids = torch.where(ids == PLACEHOLDER, feed_tokens[src][:, None], ids)
         counts = torch.zeros(len(seqs), self.vocab_size + 1, dtype=torch.int32, device=self.device)
         counts.scatter_add_(1, ids.clamp_(0, pad), torch.ones_like(ids, dtype=torch.int32))
-        return counts[:, :self.vocab_size]
+        return counts[:, : self.vocab_size]
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """In place, in vLLM's order: the grammar's mask, min_tokens, logit_bias, penalties."""
@@ -150,7 +168,7 @@ class LogitsProcessors:
             rows = self._rows["min"][self.min_active]
             stop = self.min_stop_ids[self.min_active]
             masked = torch.nn.functional.pad(logits[rows], (0, 1)).scatter_(1, stop, float("-inf"))
-            logits[rows] = masked[:, :self.vocab_size]
+            logits[rows] = masked[:, : self.vocab_size]
         if self.bias is not None:
             logits.index_put_(self.bias[:2], self.bias[2], accumulate=True)
         if self.penalty_rows:

@@ -1,4 +1,5 @@
 """Rotary position embedding (HF's rotate-half convention): default, linear, llama3 scaling."""
+
 from __future__ import annotations
 
 import math
@@ -41,5 +42,3 @@ class RotaryEmbedding(nn.Module):
         """cos, sin [T, 1, D/2] for positions [T]; computed once per step, shared by all layers."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return freqs.cos()[:, None, :].to(dtype), freqs.sin()[:, None, :].to(dtype)
-
-

@@ -5,6 +5,7 @@ Sampling draws Exponential(1) noise q and takes argmax(p / q), which samples fro
 requests draw their noise from their own generator, so their output does not depend on which
 other requests share the batch; the rest share one engine generator.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,23 +17,23 @@ from sparseserve.layers.logits_processors import LogitsProcessors
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor        # float32 [B]; 0 = greedy
-    top_k: torch.Tensor              # int64 [B]; vocab size when disabled
-    top_p: torch.Tensor              # float32 [B]
-    min_p: torch.Tensor              # float32 [B]
+    temperature: torch.Tensor  # float32 [B]; 0 = greedy
+    top_k: torch.Tensor  # int64 [B]; vocab size when disabled
+    top_p: torch.Tensor  # float32 [B]
+    min_p: torch.Tensor  # float32 [B]
     generators: dict[int, torch.Generator]  # row -> generator of a seeded request
     all_greedy: bool
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
-    max_num_logprobs: int | None     # None: no row asked for logprobs
+    max_num_logprobs: int | None  # None: no row asked for logprobs
     processors: LogitsProcessors | None = None  # None: no row uses one (the batch pays nothing)
 
 
 @dataclass
 class SamplerOutput:
-    token_ids: torch.Tensor                    # int64 [B]
-    logprobs: torch.Tensor | None = None       # float32 [B, 1 + K]: sampled token, then top-K
+    token_ids: torch.Tensor  # int64 [B]
+    logprobs: torch.Tensor | None = None  # float32 [B, 1 + K]: sampled token, then top-K
     logprob_token_ids: torch.Tensor | None = None  # int64 [B, 1 + K]
     sampled_ranks: torch.Tensor | None = None  # int64 [B]: rank of the sampled token (1 = best)
 
@@ -65,8 +66,9 @@ class Sampler:
         temp = torch.where(meta.temperature == 0, torch.ones_like(meta.temperature), meta.temperature)
         logits = logits / temp[:, None]
         if meta.need_top_k or meta.need_top_p:
-            logits = apply_top_k_top_p(logits, meta.top_k if meta.need_top_k else None,
-                                       meta.top_p if meta.need_top_p else None)
+            logits = apply_top_k_top_p(
+                logits, meta.top_k if meta.need_top_k else None, meta.top_p if meta.need_top_p else None
+            )
         probs = torch.softmax(logits, dim=-1)
         if meta.need_min_p:
             keep = probs >= meta.min_p[:, None] * probs.amax(dim=-1, keepdim=True)

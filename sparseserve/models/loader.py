@@ -1,5 +1,6 @@
 """Model directories in Hugging Face format: config, dtype, safetensors weights (one file or
 sharded). GGUF files resolve to a directory converted from them (models/gguf.py)."""
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,16 @@ from sparseserve.models.gguf import KNOWN_MODELS, gguf_model_dir, is_gguf_path
 from sparseserve.models.llama import LlamaForCausalLM
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default"
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -29,8 +37,9 @@ def resolve_model_dir(model: str | None) -> Path:
     if is_gguf_path(path):
         return gguf_model_dir(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory not found: {path} "
-                                "(expected a Hugging Face model directory or a .gguf file)")
+        raise FileNotFoundError(
+            f"model directory not found: {path} (expected a Hugging Face model directory or a .gguf file)"
+        )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in model directory {path}")
     return path
@@ -39,9 +48,20 @@ def resolve_model_dir(model: str | None) -> Path:
 # A Llama config.json that spells out every key whose default ArchConfig.from_hf would take from
 # LlamaConfig is read as plain JSON, skipping transformers' slow config imports. Any other config
 # goes through AutoConfig (its defaults and rope checks).
-_PLAIN_LLAMA_KEYS = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "max_position_embeddings",
-                     "tie_word_embeddings", "hidden_act", "eos_token_id")
+_PLAIN_LLAMA_KEYS = (
+    "architectures",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "hidden_act",
+    "eos_token_id",
+)
 
 
 def load_hf_config(path: Path):
@@ -51,10 +71,16 @@ def load_hf_config(path: Path):
         raw = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"unsupported or invalid model config in {path}: {e}") from e
-    if (isinstance(raw, dict) and raw.get("model_type") == "llama" and all(k in raw for k in _PLAIN_LLAMA_KEYS)
-            and "rope_scaling" not in raw and ("rope_parameters" in raw or "rope_theta" in raw)):
+    if (
+        isinstance(raw, dict)
+        and raw.get("model_type") == "llama"
+        and all(k in raw for k in _PLAIN_LLAMA_KEYS)
+        and "rope_scaling" not in raw
+        and ("rope_parameters" in raw or "rope_theta" in raw)
+    ):
         return SimpleNamespace(**raw)
     from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, KeyError) as e:  # unknown model_type and similar
@@ -75,8 +101,10 @@ def load_tokenizer(path: str | Path):
         cls = None
     if cls in _PLAIN_TOKENIZER_CLASSES and (path / "tokenizer.json").is_file():
         from transformers import PreTrainedTokenizerFast
+
         return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
@@ -105,8 +133,14 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def build_model(cfg: ArchConfig, backend: AttentionBackend, path: Path, dtype: torch.dtype,
-                device: torch.device, load_format: str = "auto") -> LlamaForCausalLM:
+def build_model(
+    cfg: ArchConfig,
+    backend: AttentionBackend,
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+) -> LlamaForCausalLM:
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -176,5 +210,6 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
         expected.discard("lm_head.weight")
     missing = sorted(expected - loaded)
     if missing:
-        raise ValueError(f"checkpoint in {path} is missing weights: {', '.join(missing[:8])}"
-                         + (" ..." if len(missing) > 8 else ""))
+        raise ValueError(
+            f"checkpoint in {path} is missing weights: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else "")
+        )

@@ -1,5 +1,6 @@
 """llguidance behind a small interface: a tokenizer's backend compiles constraints into `Grammar`s (cached by the
 constraint's text) and each sequence gets a fresh `GrammarMatcher` of one (a copy of the compiled matcher)."""
+
 from __future__ import annotations
 
 import json
@@ -64,8 +65,9 @@ class GuidanceBackend:
                 return hit
         template = self._llg.LLMatcher(self.tokenizer, self._grammar_text(spec), log_level=0)
         if template.is_error():
-            raise ParameterError(f"invalid {spec.kind} constraint: {template.get_error().strip()}",
-                                 f"structured_outputs.{spec.kind}")
+            raise ParameterError(
+                f"invalid {spec.kind} constraint: {template.get_error().strip()}", f"structured_outputs.{spec.kind}"
+            )
         grammar = Grammar(template, key)
         with self._lock:
             self._cache[key] = grammar
@@ -77,8 +79,11 @@ class GuidanceBackend:
         llg, kind = self._llg, spec.kind
         if kind in ("json", "json_object"):
             schema = spec.json if kind == "json" else {"type": "object"}
-            options = {"whitespace_pattern": JSON_WHITESPACE} if spec.disable_any_whitespace is False else \
-                {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+            options = (
+                {"whitespace_pattern": JSON_WHITESPACE}
+                if spec.disable_any_whitespace is False
+                else {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+            )
             try:
                 return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
             except (ValueError, TypeError) as e:

@@ -1,5 +1,6 @@
 """One sequence's grammar state: it consumes the sequence's output tokens as they land and tells the next
 token's mask."""
+
 from __future__ import annotations
 
 import logging
@@ -17,7 +18,7 @@ class GrammarMatcher:
 
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher  # llguidance.LLMatcher
-        self.consumed = 0       # output tokens consumed
+        self.consumed = 0  # output tokens consumed
 
     def advance(self, token_ids: list[int], num_prompt_tokens: int, tail: int | None = None) -> None:
         """Consumes the output tokens not consumed yet; a trailing placeholder stands for `tail` (or stops it)."""

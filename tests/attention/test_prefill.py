@@ -2,6 +2,7 @@
 after a cached prefix) through the dense and the sparse backend; threshold 0 is dense prefill, a sale step is
 the composition of the kernels' references, rows below min_len and unprepared steps stay dense; the counters;
 the calibration file's checks; the config and its flags; the metric names."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,35 +42,71 @@ def mixed_step(hq: int, hkv: int, d: int, bs: int, seed: int = 0):
     tables = torch.zeros(len(ROWS), max(need), dtype=torch.int32)
     start = 0
     for b, n in enumerate(need):
-        tables[b, :n] = ids[start:start + n]
+        tables[b, :n] = ids[start : start + n]
         start += n
     cache = torch.randn(sum(need), hkv, 2, bs, d, generator=g)
     slots = [int(tables[b, pos // bs]) * bs + pos % bs for b, (p, n) in enumerate(ROWS) for pos in range(p, p + n)]
     qsl = torch.tensor([0] + [n for _, n in ROWS]).cumsum(0).to(torch.int32)
-    meta = AttentionMetadata(torch.tensor(slots), qsl, torch.tensor(seq_lens, dtype=torch.int32), tables,
-                             NUM_DECODES, max(n for _, n in ROWS), max(seq_lens))
-    scheduled = [(SimpleNamespace(seq_id=b, num_computed_tokens=p, block_table=tables[b, :need[b]].tolist()), n)
-                 for b, (p, n) in enumerate(ROWS)]
+    meta = AttentionMetadata(
+        torch.tensor(slots),
+        qsl,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        tables,
+        NUM_DECODES,
+        max(n for _, n in ROWS),
+        max(seq_lens),
+    )
+    scheduled = [
+        (SimpleNamespace(seq_id=b, num_computed_tokens=p, block_table=tables[b, : need[b]].tolist()), n)
+        for b, (p, n) in enumerate(ROWS)
+    ]
     t = len(slots)
     q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
     return q, k, v, cache, meta, scheduled
 
 
-def make_backend(name: str, hq: int, hkv: int, d: int, bs: int, num_blocks: int, num_layers: int = 1,
-                 device: str = "cpu", **prefill) -> object:
-    sparse = dict(sparse_policy="topk", sparse_budget=4096, sparse_dense_layers=0, sparse_dense_context=0,
-                  sparse_local_blocks=2) if name == "sparse" else {}
+def make_backend(
+    name: str, hq: int, hkv: int, d: int, bs: int, num_blocks: int, num_layers: int = 1, device: str = "cpu", **prefill
+) -> object:
+    sparse = (
+        dict(
+            sparse_policy="topk",
+            sparse_budget=4096,
+            sparse_dense_layers=0,
+            sparse_dense_context=0,
+            sparse_local_blocks=2,
+        )
+        if name == "sparse"
+        else {}
+    )
     cfg = SparseConfig(**sparse, **prefill)
-    ctx = BackendContext(num_layers, hkv, d, bs, torch.float32, torch.device(device), max_num_seqs=8,
-                         max_model_len=4096, sparse=cfg, num_q_heads=hq)
+    ctx = BackendContext(
+        num_layers,
+        hkv,
+        d,
+        bs,
+        torch.float32,
+        torch.device(device),
+        max_num_seqs=8,
+        max_model_len=4096,
+        sparse=cfg,
+        num_q_heads=hq,
+    )
     backend = create_backend(name, ctx)
     backend.allocate(num_blocks)
     return backend
 
 
 def run_step(backend, q, k, v, cache, meta, scheduled, layer: int = 0) -> torch.Tensor:
-    meta = AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                             meta.num_decodes, meta.max_query_len, meta.max_seq_len)
+    meta = AttentionMetadata(
+        meta.slot_mapping,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        meta.num_decodes,
+        meta.max_query_len,
+        meta.max_seq_len,
+    )
     if scheduled is not None:  # as the runner does: the backend's host inputs, on the device, handed down
         host = backend.step_inputs(scheduled, meta.num_decodes)
         backend.prepare(scheduled, meta, {name: t.to(q.device) for name, t in host.items()})
@@ -90,8 +127,17 @@ def test_threshold_zero_is_dense_prefill(name, hq, hkv, d):
     causally visible tile is counted as computed."""
     bs = 16
     q, k, v, cache, meta, scheduled = mixed_step(hq, hkv, d, bs)
-    sale = make_backend(name, hq, hkv, d, bs, cache.shape[0], sparse_prefill="sale", sparse_prefill_threshold=0.0,
-                        sparse_prefill_min_len=0)
+    sale = make_backend(
+        name,
+        hq,
+        hkv,
+        d,
+        bs,
+        cache.shape[0],
+        sparse_prefill="sale",
+        sparse_prefill_threshold=0.0,
+        sparse_prefill_min_len=0,
+    )
     plain = make_backend(name, hq, hkv, d, bs, cache.shape[0])
     assert isinstance(sale.prefill, SalePrefill)
     c_sale, c_plain = cache.clone(), cache.clone()
@@ -100,12 +146,15 @@ def test_threshold_zero_is_dense_prefill(name, hq, hkv, d):
     assert torch.equal(c_sale, c_plain)
     assert torch.equal(out[:NUM_DECODES], want[:NUM_DECODES])
     assert rel_err(out[NUM_DECODES:], want[NUM_DECODES:]) < 1e-5
-    assert rel_err(want, attend_paged(q, c_plain, meta, d ** -0.5)) < 1e-5  # (sparse decode covers every block)
+    assert rel_err(want, attend_paged(q, c_plain, meta, d**-0.5)) < 1e-5  # (sparse decode covers every block)
     counters = sale.counters()
     forced, middle = prefill_tiles(meta, hkv)
     assert middle.any()
-    assert int(counters["prefill_tiles_computed"]) == int(counters["prefill_tiles_dense"]) \
+    assert (
+        int(counters["prefill_tiles_computed"])
+        == int(counters["prefill_tiles_dense"])
         == int((forced | middle).sum()) * hkv
+    )
     assert "prefill_tiles_dense" not in plain.counters()
 
 
@@ -117,8 +166,9 @@ def test_sale_step_is_the_reference_composition(hq, hkv):
     attended."""
     d, bs = 32, 16
     q, k, v, cache, meta, scheduled = mixed_step(hq, hkv, d, bs, seed=1)
-    backend = make_backend("dense", hq, hkv, d, bs, cache.shape[0], num_layers=2, sparse_prefill="sale",
-                           sparse_prefill_min_len=300)
+    backend = make_backend(
+        "dense", hq, hkv, d, bs, cache.shape[0], num_layers=2, sparse_prefill="sale", sparse_prefill_min_len=300
+    )
     thr = torch.linspace(0.02, 0.4, hq)
     backend.prefill.thresholds[1] = thr
     streaming = torch.zeros(hkv, dtype=torch.bool)
@@ -127,7 +177,7 @@ def test_sale_step_is_the_reference_composition(hq, hkv):
     out = run_step(backend, q, k, v, cache, meta, scheduled, layer=1)
 
     nd, t0 = NUM_DECODES, NUM_DECODES  # decodes: one token each
-    scale = d ** -0.5
+    scale = d**-0.5
     seq_lens, tables = meta.seq_lens[nd:], meta.block_tables[nd:]
     qsl = meta.query_start_loc[nd:] - nd
     max_q, max_s = max(n for _, n in ROWS[nd:]), int(seq_lens.max())
@@ -160,8 +210,17 @@ def test_unprepared_and_short_steps_run_dense():
     q, k, v, cache, meta, scheduled = mixed_step(hq, hkv, d, bs, seed=2)
     want = run_step(make_backend("dense", hq, hkv, d, bs, cache.shape[0]), q, k, v, cache.clone(), meta, scheduled)
     for min_len, prepared in ((0, None), (10_000, scheduled)):
-        backend = make_backend("dense", hq, hkv, d, bs, cache.shape[0], sparse_prefill="sale",
-                               sparse_prefill_threshold=0.5, sparse_prefill_min_len=min_len)
+        backend = make_backend(
+            "dense",
+            hq,
+            hkv,
+            d,
+            bs,
+            cache.shape[0],
+            sparse_prefill="sale",
+            sparse_prefill_threshold=0.5,
+            sparse_prefill_min_len=min_len,
+        )
         out = run_step(backend, q, k, v, cache.clone(), meta, prepared)
         assert rel_err(out[NUM_DECODES:], want[NUM_DECODES:]) < 1e-5
         c = backend.counters()
@@ -179,12 +238,29 @@ def test_triton_path_equals_torch_path(threshold):
     step = mixed_step(hq, hkv, d, bs, seed=3)
     q, k, v, cache = (x.cuda() for x in step[:4])
     meta = step[4]
-    meta = AttentionMetadata(meta.slot_mapping.cuda(), meta.query_start_loc.cuda(), meta.seq_lens.cuda(),
-                             meta.block_tables.cuda(), meta.num_decodes, meta.max_query_len, meta.max_seq_len)
+    meta = AttentionMetadata(
+        meta.slot_mapping.cuda(),
+        meta.query_start_loc.cuda(),
+        meta.seq_lens.cuda(),
+        meta.block_tables.cuda(),
+        meta.num_decodes,
+        meta.max_query_len,
+        meta.max_seq_len,
+    )
     outs, counts = {}, {}
     for impl in ("torch", "triton"):
-        backend = make_backend("dense", hq, hkv, d, bs, cache.shape[0], sparse_prefill="sale",
-                               sparse_prefill_threshold=threshold, sparse_prefill_min_len=300, device="cuda")
+        backend = make_backend(
+            "dense",
+            hq,
+            hkv,
+            d,
+            bs,
+            cache.shape[0],
+            sparse_prefill="sale",
+            sparse_prefill_threshold=threshold,
+            sparse_prefill_min_len=300,
+            device="cuda",
+        )
         backend.prefill.streaming[0] = torch.tensor([False, True], device="cuda")
         with forced(impl):
             outs[impl] = run_step(backend, q, k, v, cache.clone(), meta, step[5])
@@ -194,6 +270,7 @@ def test_triton_path_equals_torch_path(threshold):
 
 
 # ---- the calibration file -------------------------------------------------------------------------------------
+
 
 def write(tmp_path, spec) -> str:
     path = tmp_path / "cal.json"
@@ -205,29 +282,41 @@ def test_calibration_file_loads(tmp_path):
     thr = [[0.0, 0.5, 0.25, 1e-3], [2.0, 0.0, 0.0, 0.125]]
     path = write(tmp_path, {"sparse_prefill_thresholds": thr, "layout": vars(TileLayout()), "model": "x"})
     assert torch.equal(load_prefill_thresholds(path, 2, 4), torch.tensor(thr))
-    ctx = BackendContext(2, 2, 32, 16, torch.float32, DEV, 4, 1024, num_q_heads=4,
-                         sparse=SparseConfig(sparse_prefill="sale", sparse_prefill_calibration=path,
-                                             sparse_prefill_threshold=0.7))
+    ctx = BackendContext(
+        2,
+        2,
+        32,
+        16,
+        torch.float32,
+        DEV,
+        4,
+        1024,
+        num_q_heads=4,
+        sparse=SparseConfig(sparse_prefill="sale", sparse_prefill_calibration=path, sparse_prefill_threshold=0.7),
+    )
     prefill = create_prefill(ctx)
     assert torch.equal(prefill.thresholds, torch.tensor(thr))  # the file wins over the single threshold
     one = dataclasses.replace(ctx, sparse=SparseConfig(sparse_prefill="sale", sparse_prefill_threshold=0.7))
     assert torch.equal(create_prefill(one).thresholds, torch.full((2, 4), 0.7))
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("{not json", "could not read"),
-    ({"thresholds": [[0.1] * 4] * 2}, "expected"),
-    ({"sparse_prefill_thresholds": [0.1] * 8}, "expected"),
-    ({"sparse_prefill_thresholds": [[0.1] * 4] * 3}, "3 x 4"),
-    ({"sparse_prefill_thresholds": [[0.1] * 4, [0.1] * 3]}, "2 x 3/4"),
-    ({"sparse_prefill_thresholds": [[0.1] * 8] * 2}, "2 x 8"),
-    ({"sparse_prefill_thresholds": [[0.1, -0.5, 0.1, 0.1]] * 2}, "layer 0, head 1"),
-    ('{"sparse_prefill_thresholds": [[0.1, 0.1, NaN, 0.1], [0.1, 0.1, 0.1, 0.1]]}', "finite"),
-    ('{"sparse_prefill_thresholds": [[0.1, 0.1, 0.1, 0.1], [0.1, Infinity, 0.1, 0.1]]}', "layer 1, head 1"),
-    ({"sparse_prefill_thresholds": [[0.1, "0.1", 0.1, 0.1]] * 2}, "finite numbers"),
-    ({"sparse_prefill_thresholds": [[0.1, True, 0.1, 0.1]] * 2}, "finite numbers"),
-    ({"sparse_prefill_thresholds": [[0.1] * 4] * 2, "layout": {"q_tile": 128}}, "tile layout"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("{not json", "could not read"),
+        ({"thresholds": [[0.1] * 4] * 2}, "expected"),
+        ({"sparse_prefill_thresholds": [0.1] * 8}, "expected"),
+        ({"sparse_prefill_thresholds": [[0.1] * 4] * 3}, "3 x 4"),
+        ({"sparse_prefill_thresholds": [[0.1] * 4, [0.1] * 3]}, "2 x 3/4"),
+        ({"sparse_prefill_thresholds": [[0.1] * 8] * 2}, "2 x 8"),
+        ({"sparse_prefill_thresholds": [[0.1, -0.5, 0.1, 0.1]] * 2}, "layer 0, head 1"),
+        ('{"sparse_prefill_thresholds": [[0.1, 0.1, NaN, 0.1], [0.1, 0.1, 0.1, 0.1]]}', "finite"),
+        ('{"sparse_prefill_thresholds": [[0.1, 0.1, 0.1, 0.1], [0.1, Infinity, 0.1, 0.1]]}', "layer 1, head 1"),
+        ({"sparse_prefill_thresholds": [[0.1, "0.1", 0.1, 0.1]] * 2}, "finite numbers"),
+        ({"sparse_prefill_thresholds": [[0.1, True, 0.1, 0.1]] * 2}, "finite numbers"),
+        ({"sparse_prefill_thresholds": [[0.1] * 4] * 2, "layout": {"q_tile": 128}}, "tile layout"),
+    ],
+)
 def test_bad_calibration_files_are_refused(tmp_path, spec, message):
     with pytest.raises(ValueError, match=message):
         load_prefill_thresholds(write(tmp_path, spec), 2, 4)
@@ -240,20 +329,37 @@ def test_missing_calibration_file(tmp_path):
 
 # ---- config, flags, metrics -----------------------------------------------------------------------------------
 
+
 def test_config_and_flags(tmp_path):
     args = build_parser(["generate"]).parse_args(
-        ["generate", "--sparse-prefill", "sale", "--sparse-prefill-threshold", "0.05", "--sparse-prefill-min-len",
-         "4096", "--sparse-prefill-calibration", "cal.json"])
+        [
+            "generate",
+            "--sparse-prefill",
+            "sale",
+            "--sparse-prefill-threshold",
+            "0.05",
+            "--sparse-prefill-min-len",
+            "4096",
+            "--sparse-prefill-calibration",
+            "cal.json",
+        ]
+    )
     kw = engine_kwargs_from_args(args)
-    assert (kw["sparse_prefill"], kw["sparse_prefill_threshold"], kw["sparse_prefill_min_len"],
-            kw["sparse_prefill_calibration"]) == ("sale", 0.05, 4096, "cal.json")
+    assert (
+        kw["sparse_prefill"],
+        kw["sparse_prefill_threshold"],
+        kw["sparse_prefill_min_len"],
+        kw["sparse_prefill_calibration"],
+    ) == ("sale", 0.05, 4096, "cal.json")
     cfg = EngineConfig.from_kwargs(sparse_prefill="sale", sparse_prefill_threshold=0.0).sparse_config
     assert cfg.sparse_prefill == "sale" and not cfg.enabled  # sparse prefill needs no sparse decode policy
-    for bad, message in ((dict(sparse_prefill="flash"), "dense or sale"),
-                         (dict(sparse_prefill="sale", sparse_prefill_threshold=-1.0), "finite and >= 0"),
-                         (dict(sparse_prefill="sale", sparse_prefill_threshold=float("nan")), "finite"),
-                         (dict(sparse_prefill="sale", sparse_prefill_min_len=-1), "min_len"),
-                         (dict(sparse_prefill_calibration="cal.json"), "needs sparse_prefill='sale'")):
+    for bad, message in (
+        (dict(sparse_prefill="flash"), "dense or sale"),
+        (dict(sparse_prefill="sale", sparse_prefill_threshold=-1.0), "finite and >= 0"),
+        (dict(sparse_prefill="sale", sparse_prefill_threshold=float("nan")), "finite"),
+        (dict(sparse_prefill="sale", sparse_prefill_min_len=-1), "min_len"),
+        (dict(sparse_prefill_calibration="cal.json"), "needs sparse_prefill='sale'"),
+    ):
         with pytest.raises(ValueError, match=message):
             EngineConfig.from_kwargs(**bad)
     with pytest.raises(ValueError, match="query heads"):  # a context without the model's head count

@@ -1,6 +1,7 @@
 """Sparse decode on the CPU through the public API: config and flags, the selection reference, the
 engine (sparse path with a covering budget == dense, token for token; small budgets run, attend less
 and free every block), streaming heads and their calibration, stats and /metrics."""
+
 from __future__ import annotations
 
 import argparse
@@ -37,21 +38,51 @@ def run(model_dir, probe: bool = False, **kw) -> tuple[list[list[int]], LLM, dic
 
 
 def test_config_and_flags():
-    cfg = EngineConfig.from_kwargs(sparse_policy="topp", sparse_budget=4096, sparse_top_p=0.9, sparse_reuse=4,
-                                   sparse_dense_layers=1, streaming_heads="h.json", logical_page_size=8)
+    cfg = EngineConfig.from_kwargs(
+        sparse_policy="topp",
+        sparse_budget=4096,
+        sparse_top_p=0.9,
+        sparse_reuse=4,
+        sparse_dense_layers=1,
+        streaming_heads="h.json",
+        logical_page_size=8,
+    )
     assert cfg.sparse_config.sparse_top_p == 0.9 and cfg.sparse_config.enabled
     args = build_parser(["generate"]).parse_args(
-        ["generate", "--sparse-policy", "topk", "--sparse-budget", "1024", "--sparse-reuse", "2",
-         "--streaming-heads", "h.json", "--logical-page-size", "16", "--sparse-dense-layers", "0", "--sparse-lag", "1"])
+        [
+            "generate",
+            "--sparse-policy",
+            "topk",
+            "--sparse-budget",
+            "1024",
+            "--sparse-reuse",
+            "2",
+            "--streaming-heads",
+            "h.json",
+            "--logical-page-size",
+            "16",
+            "--sparse-dense-layers",
+            "0",
+            "--sparse-lag",
+            "1",
+        ]
+    )
     kw = engine_kwargs_from_args(args)
     assert kw["sparse_policy"] == "topk" and kw["sparse_budget"] == 1024 and kw["logical_page_size"] == 16
     assert kw["sparse_lag"] == 1
-    bad = [dict(sparse_policy="quest"), dict(sparse_top_p=0.0), dict(sparse_topp_heads="max"), dict(sparse_reuse=0),
-           dict(sparse_local_blocks=0),
-           dict(logical_page_size=48), dict(logical_page_size=64, block_size=32),
-           dict(sparse_policy="topk", sparse_budget=128, block_size=32),  # 4 blocks: no room past sink + local
-           dict(sparse_lag=2), dict(sparse_policy="topk", sparse_lag=1, sparse_reuse=2, kv_offload=True),
-           dict(sparse_policy="topp", sparse_lag=1)]
+    bad = [
+        dict(sparse_policy="quest"),
+        dict(sparse_top_p=0.0),
+        dict(sparse_topp_heads="max"),
+        dict(sparse_reuse=0),
+        dict(sparse_local_blocks=0),
+        dict(logical_page_size=48),
+        dict(logical_page_size=64, block_size=32),
+        dict(sparse_policy="topk", sparse_budget=128, block_size=32),  # 4 blocks: no room past sink + local
+        dict(sparse_lag=2),
+        dict(sparse_policy="topk", sparse_lag=1, sparse_reuse=2, kv_offload=True),
+        dict(sparse_policy="topp", sparse_lag=1),
+    ]
     for kwargs in bad:
         with pytest.raises(ValueError):
             EngineConfig.from_kwargs(**kwargs)
@@ -78,8 +109,13 @@ def test_prune_reference():
     lse = torch.tensor([[head0, head1]]).log()  # a one-token block's lse is its logit
     lens = torch.tensor([10])  # group mean: sink + local 0.8, then 0.15, 0.03, 0.02
     p = dict(sink=1, local=1, block_size=1)
-    for top_p, kept in [(0.79, [0, 9]), (0.9, [0, 9, 3]), (0.96, [0, 9, 3, 5]), (0.99, [0, 9, 3, 5, 7]),
-                        (1.0, [0, 9, 3, 5, 7])]:
+    for top_p, kept in [
+        (0.79, [0, 9]),
+        (0.9, [0, 9, 3]),
+        (0.96, [0, 9, 3, 5]),
+        (0.99, [0, 9, 3, 5, 7]),
+        (1.0, [0, 9, 3, 5, 7]),
+    ]:
         got = prune_ref(lse, lists, lens, top_p=top_p, **p)[0, 0].tolist()
         assert got == kept + [-1] * (6 - len(kept)), top_p
     # Each head on its own: head 0 needs 3 and 5 to reach 0.94 (0.6 + 0.3 + 0.06), the group's mean only 3.
@@ -119,9 +155,18 @@ def test_small_budget(tiny_model_dir, tmp_path):
     reuse, hierarchical pages and streaming heads run, every block comes back."""
     heads = tmp_path / "heads.json"
     heads.write_text(json.dumps({"streaming_heads": {"1": [0]}}))
-    cases = [dict(sparse_policy="topk", sparse_budget=4 * BS, sparse_dense_layers=0),
-             dict(sparse_policy="topp", sparse_budget=6 * BS, sparse_top_p=0.6, sparse_reuse=3, logical_page_size=2,
-                  sparse_dense_layers=1, streaming_heads=str(heads))]
+    cases = [
+        dict(sparse_policy="topk", sparse_budget=4 * BS, sparse_dense_layers=0),
+        dict(
+            sparse_policy="topp",
+            sparse_budget=6 * BS,
+            sparse_top_p=0.6,
+            sparse_reuse=3,
+            logical_page_size=2,
+            sparse_dense_layers=1,
+            streaming_heads=str(heads),
+        ),
+    ]
     for kw in cases:
         outs, llm, probe = run(tiny_model_dir, probe=True, sparse_sink_blocks=1, sparse_local_blocks=2, **kw)
         assert all(len(o) == GREEDY.max_tokens for o in outs)
@@ -142,18 +187,47 @@ def test_small_budget(tiny_model_dir, tmp_path):
 
 def test_calibrate_streaming_heads(tiny_model_dir, tmp_path):
     from sparseserve.calibration import cli as calibrate
+
     p = argparse.ArgumentParser()
     calibrate.add_cli_args(p)
     out = tmp_path / "heads.json"
-    args = p.parse_args([str(tiny_model_dir), "--out", str(out), "--random-prompts", "--lengths", "48",
-                         "--num-samples", "1", "--decode-steps", "2", "--threshold", "0", "--max-fraction", "0.5",
-                         "--sparse-dense-layers", "1", "--block-size", str(BS), "--sparse-local-blocks", "2",
-                         "--device", "cpu"])
+    args = p.parse_args(
+        [
+            str(tiny_model_dir),
+            "--out",
+            str(out),
+            "--random-prompts",
+            "--lengths",
+            "48",
+            "--num-samples",
+            "1",
+            "--decode-steps",
+            "2",
+            "--threshold",
+            "0",
+            "--max-fraction",
+            "0.5",
+            "--sparse-dense-layers",
+            "1",
+            "--block-size",
+            str(BS),
+            "--sparse-local-blocks",
+            "2",
+            "--device",
+            "cpu",
+        ]
+    )
     res = calibrate.main(args)
     assert res["streaming_heads"] and set(res["streaming_heads"]) == {"1"}  # layer 0 stays dense
     assert len(res["streaming_heads"]["1"]) == 1  # half of the sparse layers' 2 KV heads
-    outs, _, _ = run(tiny_model_dir, sparse_policy="topk", sparse_budget=4 * BS, sparse_dense_layers=1,
-                     sparse_local_blocks=2, streaming_heads=str(out))
+    outs, _, _ = run(
+        tiny_model_dir,
+        sparse_policy="topk",
+        sparse_budget=4 * BS,
+        sparse_dense_layers=1,
+        sparse_local_blocks=2,
+        streaming_heads=str(out),
+    )
     assert all(len(o) == GREEDY.max_tokens for o in outs)
 
 
@@ -162,10 +236,23 @@ def test_preemption_reuses_state_slots(tiny_model_dir, lag):
     """A KV pool too small for every sequence: preempted sequences give their state slot back and
     select afresh when they run again (lag: from the recomputed prefill's last token); the run completes
     and every block and slot comes back."""
-    small_pool = {**COMMON, "num_gpu_blocks_override": 24, "max_model_len": 160,  # prompts + outputs need 32
-                  "init_new_token_ratio": 0.0, "min_new_token_ratio": 0.0}  # admit what fits now: preemptions happen
-    llm = LLM(str(tiny_model_dir), **small_pool, sparse_policy="topk", sparse_budget=4 * BS, sparse_dense_layers=0,
-              sparse_local_blocks=2, sparse_reuse=2, sparse_lag=lag)
+    small_pool = {
+        **COMMON,
+        "num_gpu_blocks_override": 24,
+        "max_model_len": 160,  # prompts + outputs need 32
+        "init_new_token_ratio": 0.0,
+        "min_new_token_ratio": 0.0,
+    }  # admit what fits now: preemptions happen
+    llm = LLM(
+        str(tiny_model_dir),
+        **small_pool,
+        sparse_policy="topk",
+        sparse_budget=4 * BS,
+        sparse_dense_layers=0,
+        sparse_local_blocks=2,
+        sparse_reuse=2,
+        sparse_lag=lag,
+    )
     outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
     engine = llm.llm_engine
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)

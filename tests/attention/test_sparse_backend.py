@@ -1,5 +1,6 @@
 """SparseBackend (attention/sparse.py): store, select, attend through the whole layer on either kernel path,
 lagged selection, and the captured sparse decode on the GPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,10 +18,17 @@ from tests.kernel_utils import gpu_only, rel_err
 from tests.kernels.test_sparse_kernels import decode_batch
 
 
-def sparse_backend(policy: str, budget: int, bs: int, hkv: int, d: int, dtype, num_blocks: int, num_layers: int = 1,
-                   **kw) -> SparseBackend:
-    cfg = SparseConfig(sparse_policy=policy, sparse_budget=budget, sparse_dense_layers=0, sparse_dense_context=0,
-                       sparse_local_blocks=2, **kw)
+def sparse_backend(
+    policy: str, budget: int, bs: int, hkv: int, d: int, dtype, num_blocks: int, num_layers: int = 1, **kw
+) -> SparseBackend:
+    cfg = SparseConfig(
+        sparse_policy=policy,
+        sparse_budget=budget,
+        sparse_dense_layers=0,
+        sparse_dense_context=0,
+        sparse_local_blocks=2,
+        **kw,
+    )
     ctx = BackendContext(num_layers, hkv, d, bs, dtype, DEV, max_num_seqs=8, max_model_len=1 << 20, sparse=cfg)
     backend = SparseBackend(ctx)
     backend.allocate(num_blocks)
@@ -43,8 +51,15 @@ def test_backend_triton_vs_torch(policy, budget):
     hq, hkv, d, bs = 8, 2, 32, 16
     q, cache, meta = decode_batch([0, 150, 70, 33], hq, hkv, d, bs, torch.float32, slack=bs)
     k, v = torch.randn(meta.num_seqs, hkv, d, device=DEV), torch.randn(meta.num_seqs, hkv, d, device=DEV)
-    meta.slot_mapping = torch.tensor([-1] + [int(meta.block_tables[b, (n - 1) // bs]) * bs + (n - 1) % bs
-                                             for b, n in enumerate(meta.seq_lens.tolist()) if b > 0], device=DEV)
+    meta.slot_mapping = torch.tensor(
+        [-1]
+        + [
+            int(meta.block_tables[b, (n - 1) // bs]) * bs + (n - 1) % bs
+            for b, n in enumerate(meta.seq_lens.tolist())
+            if b > 0
+        ],
+        device=DEV,
+    )
     with_slots(meta)
     outs, caches = [], []
     for impl in ("torch", "triton"):
@@ -52,13 +67,13 @@ def test_backend_triton_vs_torch(policy, budget):
         c = cache.clone()
         rebuild_key_meta(c[None], backend.key_meta.codes, backend.key_meta.scale, bs)
         with forced(impl):
-            outs.append(backend.forward(0, q, k, v, c, meta, d ** -0.5))
+            outs.append(backend.forward(0, q, k, v, c, meta, d**-0.5))
         caches.append(c)
     assert torch.equal(caches[0], caches[1])
     assert rel_err(outs[1], outs[0]) < 1e-5
     if budget >= 150:
         with forced("torch"):
-            assert rel_err(outs[0], attend_paged(q, caches[0], meta, d ** -0.5)) < 1e-5
+            assert rel_err(outs[0], attend_paged(q, caches[0], meta, d**-0.5)) < 1e-5
 
 
 def _extend(cache: torch.Tensor, meta: AttentionMetadata, steps: int, bs: int) -> torch.Tensor:
@@ -79,11 +94,12 @@ def test_lagged_selection(impl, reuse):
     attends the list of the latest earlier selection (the prefill's end, then each decode at a context that is
     a multiple of R), recomputed here from the references on the queries and key metadata of that step."""
     torch.manual_seed(9)
-    hq, hkv, d, bs, steps, scale = 8, 2, 32, 16, 4, 32 ** -0.5
+    hq, hkv, d, bs, steps, scale = 8, 2, 32, 16, 4, 32**-0.5
     q, cache, meta = decode_batch([158, 0, 95, 200], hq, hkv, d, bs, torch.float32, slack=steps + 1)
     cache = _extend(cache, meta, steps, bs)
-    backend = sparse_backend("topk", 6 * bs, bs, hkv, d, torch.float32, cache.shape[0], sparse_reuse=reuse,
-                             sparse_lag=1)
+    backend = sparse_backend(
+        "topk", 6 * bs, bs, hkv, d, torch.float32, cache.shape[0], sparse_reuse=reuse, sparse_lag=1
+    )
     rebuild_key_meta(cache[None], backend.key_meta.codes, backend.key_meta.scale, bs)
     with_slots(meta)
     p, mb = backend.params, -(-meta.max_seq_len // bs)
@@ -96,8 +112,9 @@ def test_lagged_selection(impl, reuse):
             meta.seq_lens += live.to(torch.int32)
         meta.num_decodes = 0 if step == 0 else 4
         pos = (meta.seq_lens.long() - 1).clamp_min(0)
-        meta.slot_mapping = torch.where(live, meta.block_tables.long().gather(1, (pos // bs)[:, None])[:, 0] * bs
-                                        + pos % bs, -1)
+        meta.slot_mapping = torch.where(
+            live, meta.block_tables.long().gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs, -1
+        )
         q, k, v = (torch.randn(4, h, d, device=DEV) for h in (hq, hkv, hkv))
         with forced(impl):
             out = backend.forward(0, q, k, v, cache, meta, scale)
@@ -106,8 +123,15 @@ def test_lagged_selection(impl, reuse):
             assert rel_err(out[live], ref[live]) < 1e-5, step
         km = backend.key_meta[0]
         scores = block_scores_ref(q, km.codes, km.scale, meta.block_tables, meta.seq_lens, mb, bs, scale)
-        lists = select_ref(scores, meta.seq_lens, torch.zeros(hkv, dtype=torch.bool, device=DEV), block_size=bs,
-                           cap=p.cap, sink=p.sink, local=p.local)
+        lists = select_ref(
+            scores,
+            meta.seq_lens,
+            torch.zeros(hkv, dtype=torch.bool, device=DEV),
+            block_size=bs,
+            cap=p.cap,
+            sink=p.sink,
+            local=p.local,
+        )
         due = live & ((step == 0) | (meta.seq_lens % reuse == 0))
         latest = torch.where(due[:, None, None], lists, latest)
         selections += int(due.sum()) * hkv
@@ -125,16 +149,15 @@ def test_large_decode_cuda_graph(policy):
     backend = sparse_backend(policy, 2048, bs, hkv, d, torch.bfloat16, cache.shape[0], sparse_reuse=2)
     rebuild_key_meta(cache[None], backend.key_meta.codes, backend.key_meta.scale, bs)
     sm = with_slots(meta).backend_meta
-    backend.attend(0, q, cache, meta, d ** -0.5)  # compile outside the capture
+    backend.attend(0, q, cache, meta, d**-0.5)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = backend.attend(0, q, cache, meta, d ** -0.5)
+        out = backend.attend(0, q, cache, meta, d**-0.5)
     backend.state.counter.zero_()
     for step in range(3):
         q.copy_(torch.randn_like(q))
         graph.replay()
-        ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, backend.state.sel[0], sm.slots, 2,
-                                d ** -0.5)
+        ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, backend.state.sel[0], sm.slots, 2, d**-0.5)
         assert rel_err(out, ref) < 1e-2, step
     nb = (meta.seq_lens + bs - 1) // bs
     counts = (backend.state.sel[0][: len(lens)] >= 0).sum(-1)
@@ -150,12 +173,14 @@ def test_engine_gpu_sparse_equals_dense(hf_models):
     logits are far apart); a small budget (reuse, hierarchical pages) runs and frees every block."""
     from sparseserve import LLM, SamplingParams
     from sparseserve.bench.attention_probe import AttentionProbe
+
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 2000, (n,), generator=g).tolist() for n in (700, 300, 90)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     # A fixed KV size: engines of this test (and other GPU users) must not starve each other's profiling.
-    common = dict(device="cuda", dtype="float32", block_size=16, max_model_len=1024, max_num_seqs=4,
-                  kv_cache_memory=256 << 20)
+    common = dict(
+        device="cuda", dtype="float32", block_size=16, max_model_len=1024, max_num_seqs=4, kv_cache_memory=256 << 20
+    )
     full = dict(sparse_policy="topk", sparse_budget=1024, sparse_dense_layers=0, sparse_dense_context=0)
 
     llm = LLM(str(hf_models["llama3-gqa-d128-tied-rope"][0]), **common, **full, enforce_eager=True)
@@ -175,7 +200,13 @@ def test_engine_gpu_sparse_equals_dense(hf_models):
     assert sparse == dense and stats.sparse_selections > 0
     lagged, stats = run(**full, sparse_lag=1)  # selection on a side stream of the captured graphs
     assert lagged == dense and stats.sparse_selections > 0
-    small, stats = run(sparse_policy="topp", sparse_budget=128, sparse_top_p=0.8, sparse_reuse=4,
-                       logical_page_size=4, sparse_dense_layers=1)
+    small, stats = run(
+        sparse_policy="topp",
+        sparse_budget=128,
+        sparse_top_p=0.8,
+        sparse_reuse=4,
+        logical_page_size=4,
+        sparse_dense_layers=1,
+    )
     assert all(len(o) == params.max_tokens for o in small) and stats.num_blocks_used == 0
     assert stats.sparse_blocks_selected <= stats.sparse_selections * 128 // 16

@@ -1,9 +1,10 @@
 """Fixtures shared by the benchmark tests: the essays and a task builder over the embedded model's tokenizer."""
+
 from __future__ import annotations
 
 import pytest
 
-from sparseserve.bench import tasks as T
+from sparseserve.workloads import tasks as T
 
 
 def haystack_dir():
@@ -18,5 +19,6 @@ def builder():
     from transformers import AutoTokenizer
 
     from sparseserve.models.loader import DEFAULT_MODEL_DIR
+
     tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
     return T.TaskBuilder(tok, T.load_essays(haystack_dir()), eos_id=tok.eos_token_id)

@@ -1,5 +1,6 @@
 """RULER-style tasks, exact-match scoring, policy parsing, the attention probe and the accuracy harness
 end to end on CPU with the embedded default model (its accuracy is not the point here: the machinery is)."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,7 @@ import torch
 
 from sparseserve.attention.backend import AttentionMetadata, BackendContext, PagedAttentionBackend, attend_paged
 from sparseserve.bench import accuracy
-from sparseserve.bench import tasks as T
+from sparseserve.workloads import tasks as T
 from sparseserve.bench.attention_probe import AttentionProbe
 from sparseserve.kernels.store_kv import store_kv
 from tests.bench.conftest import haystack_dir
@@ -23,7 +24,7 @@ def test_tasks_exact_length_and_needles(builder):
         for length in (600, 1500):
             s = builder.build(task, length, T.sample_rng(0, task, length, 0))
             assert len(s.prompt_ids) == length
-            assert s.prompt_ids[:len(builder.bos)] == builder.bos
+            assert s.prompt_ids[: len(builder.bos)] == builder.bos
             text = s.prompt_text
             assert text.rstrip().endswith("Answer:")
             for part in s.answer.split():  # the needle (or every variable of the chain) is in the prompt
@@ -89,9 +90,10 @@ def test_tokens_attended():
 
 
 def test_depth_table():
-    rows = [{"task": "needle_depth", "length": 8, "depth": d, "correct": c}
-            for d, c in [(0.0, 1.0), (0.0, 0.0), (1.0, 1.0), (0.5, 0.0)]] + [
-           {"task": "needle_single", "length": 8, "depth": 0.3, "correct": 1.0}]
+    rows = [
+        {"task": "needle_depth", "length": 8, "depth": d, "correct": c}
+        for d, c in [(0.0, 1.0), (0.0, 0.0), (1.0, 1.0), (0.5, 0.0)]
+    ] + [{"task": "needle_single", "length": 8, "depth": 0.3, "correct": 1.0}]
     table = accuracy.depth_table(rows)
     assert table == {"8": {"0.0": 0.5, "0.5": 0.0, "1.0": 1.0}}
     text = accuracy.format_depths({"dense": table})
@@ -123,8 +125,15 @@ class _HalfBackend(PagedAttentionBackend):
 
     def _forward(self, layer_idx, q, k, v, kv_cache, meta, scale):
         store_kv(k, v, kv_cache, meta.slot_mapping)
-        cut = AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens.clamp(max=kv_cache.shape[3]),
-                                meta.block_tables, meta.num_decodes, meta.max_query_len, kv_cache.shape[3])
+        cut = AttentionMetadata(
+            meta.slot_mapping,
+            meta.query_start_loc,
+            meta.seq_lens.clamp(max=kv_cache.shape[3]),
+            meta.block_tables,
+            meta.num_decodes,
+            meta.max_query_len,
+            kv_cache.shape[3],
+        )
         return attend_paged(q, kv_cache, cut, scale)
 
     def attended_blocks(self, layer_idx, meta):
@@ -138,22 +147,26 @@ def test_probe_mass_and_error(backend_cls):
     torch.manual_seed(0)
     num_blocks, hkv, bs, d, hq, n = 6, 2, 4, 8, 4, 14  # one decode request with 14 tokens of context
     cache = torch.randn(num_blocks, hkv, 2, bs, d)
-    meta = AttentionMetadata(slot_mapping=torch.tensor([n - 1]),
-                             query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
-                             seq_lens=torch.tensor([n], dtype=torch.int32),
-                             block_tables=torch.tensor([[3, 0, 5, 1]], dtype=torch.int32),
-                             num_decodes=1, max_query_len=1, max_seq_len=n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([n - 1]),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.tensor([[3, 0, 5, 1]], dtype=torch.int32),
+        num_decodes=1,
+        max_query_len=1,
+        max_seq_len=n,
+    )
     q, k, v = torch.randn(1, hq, d), torch.randn(1, hkv, d), torch.randn(1, hkv, d)
     backend = backend_cls(BackendContext(1, hkv, d, bs, torch.float32, torch.device("cpu"), 1, 64))
     with AttentionProbe(backend) as probe:
-        backend.forward(0, q, k, v, cache, meta, d ** -0.5)
+        backend.forward(0, q, k, v, cache, meta, d**-0.5)
     assert not backend.observers  # removed again
     rep = probe.report()["layers"]["0"]
     if backend_cls is PagedAttentionBackend:
         assert rep["mass_mean"] == pytest.approx(1.0) and rep["rel_err_max"] < 1e-5
     else:  # mass on the first block, recomputed by hand
         keys = cache[[3, 0, 5, 1], :, 0].permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :n]
-        probs = torch.softmax(torch.einsum("hgd,hnd->hgn", q[0].view(hkv, 2, d), keys) * d ** -0.5, -1)
+        probs = torch.softmax(torch.einsum("hgd,hnd->hgn", q[0].view(hkv, 2, d), keys) * d**-0.5, -1)
         assert rep["mass_mean"] == pytest.approx(probs[..., :bs].sum(-1).mean().item(), rel=1e-5)
         assert rep["mass_mean"] < 1 and rep["rel_err_mean"] > 1e-3
         # Oracles at the same budget (one block = 4 tokens per KV head), by hand: the block of largest mean
@@ -172,10 +185,30 @@ def test_harness_end_to_end_cpu(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     accuracy.add_cli_args(parser)
     out = tmp_path / "acc.json"
-    args = parser.parse_args(["--lengths", "256,384", "--num-samples", "2", "--tasks", "passkey,niah_single",
-                              "--policies", "dense", "dense2:attention_backend=torch", "--device", "cpu",
-                              "--output", str(out), "--quiet", "--probe-steps", "2", "--probe-samples", "1",
-                              "--ppl-tokens", "0"])
+    args = parser.parse_args(
+        [
+            "--lengths",
+            "256,384",
+            "--num-samples",
+            "2",
+            "--tasks",
+            "passkey,niah_single",
+            "--policies",
+            "dense",
+            "dense2:attention_backend=torch",
+            "--device",
+            "cpu",
+            "--output",
+            str(out),
+            "--quiet",
+            "--probe-steps",
+            "2",
+            "--probe-samples",
+            "1",
+            "--ppl-tokens",
+            "0",
+        ]
+    )
     res = accuracy.main(args)
     printed = capsys.readouterr().out
     assert "dense" in printed and "dense2" in printed and "niah_single" in printed
@@ -188,8 +221,9 @@ def test_harness_end_to_end_cpu(tmp_path, capsys):
         layers = data["probe"][pol]["layers"]
         assert layers and all(r["mass_min"] == pytest.approx(1.0) for r in layers.values())
     # Same engine math under both labels: the same greedy tokens.
-    assert [r["output_token_ids"] for r in data["samples"]["dense"]] == \
-           [r["output_token_ids"] for r in data["samples"]["dense2"]]
+    assert [r["output_token_ids"] for r in data["samples"]["dense"]] == [
+        r["output_token_ids"] for r in data["samples"]["dense2"]
+    ]
     assert res["accuracy"] == data["accuracy"]
 
 
@@ -199,11 +233,35 @@ def test_harness_completion_suite_end_to_end(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     accuracy.add_cli_args(parser)
     out, png = tmp_path / "acc.json", tmp_path / "curve.png"
-    args = parser.parse_args(["--suite", "completion", "--lengths", "320", "--num-samples", "1",
-                              "--tasks", "needle_single,needle_multivalue,extract_record",
-                              "--policies", "topk:sparse_budget=192,sparse_dense_layers=0", "--device", "cpu",
-                              "--ppl-tokens", "12", "--ppl-samples", "2", "--probe-steps", "1",
-                              "--probe-samples", "1", "--output", str(out), "--plot", str(png), "--quiet"])
+    args = parser.parse_args(
+        [
+            "--suite",
+            "completion",
+            "--lengths",
+            "320",
+            "--num-samples",
+            "1",
+            "--tasks",
+            "needle_single,needle_multivalue,extract_record",
+            "--policies",
+            "topk:sparse_budget=192,sparse_dense_layers=0",
+            "--device",
+            "cpu",
+            "--ppl-tokens",
+            "12",
+            "--ppl-samples",
+            "2",
+            "--probe-steps",
+            "1",
+            "--probe-samples",
+            "1",
+            "--output",
+            str(out),
+            "--plot",
+            str(png),
+            "--quiet",
+        ]
+    )
     res = accuracy.main(args)
     printed = capsys.readouterr().out
     assert "perplexity" in printed and "tokens attended" in printed and "needle_multivalue" in printed
@@ -234,11 +292,30 @@ def test_harness_reports_sparse_prefill_tiles(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     accuracy.add_cli_args(parser)
     out = tmp_path / "acc.json"
-    args = parser.parse_args(["--suite", "completion", "--lengths", "640", "--num-samples", "1",
-                              "--tasks", "needle_single", "--device", "cpu", "--ppl-tokens", "0",
-                              "--probe-steps", "0", "--output", str(out), "--quiet", "--policies",
-                              "all:sparse_prefill=sale,sparse_prefill_min_len=0,sparse_prefill_threshold=0",
-                              "few:sparse_prefill=sale,sparse_prefill_min_len=0,sparse_prefill_threshold=1e6"])
+    args = parser.parse_args(
+        [
+            "--suite",
+            "completion",
+            "--lengths",
+            "640",
+            "--num-samples",
+            "1",
+            "--tasks",
+            "needle_single",
+            "--device",
+            "cpu",
+            "--ppl-tokens",
+            "0",
+            "--probe-steps",
+            "0",
+            "--output",
+            str(out),
+            "--quiet",
+            "--policies",
+            "all:sparse_prefill=sale,sparse_prefill_min_len=0,sparse_prefill_threshold=0",
+            "few:sparse_prefill=sale,sparse_prefill_min_len=0,sparse_prefill_threshold=1e6",
+        ]
+    )
     accuracy.main(args)
     assert "prefill tiles" in capsys.readouterr().out
     data = json.loads(out.read_text())

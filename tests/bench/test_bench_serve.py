@@ -1,4 +1,5 @@
 """`sparseserve bench serve` against the in-process server; prompt building from the haystack."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,7 @@ import httpx
 import pytest
 
 from sparseserve.bench import serve as bench_serve
-from sparseserve.bench.datasets import PromptBuilder, data_dir, haystack_text, load_trace
+from sparseserve.workloads.datasets import PromptBuilder, data_dir, haystack_text, load_trace
 from sparseserve.engine.async_engine import AsyncLLMEngine
 from sparseserve.engine.engine import LLMEngine
 from sparseserve.entrypoints.api_server import ServerConfig, build_app
@@ -16,11 +17,16 @@ from sparseserve.metrics import parse_metrics
 from sparseserve.models.loader import DEFAULT_MODEL_DIR
 from tests.server_utils import serve_in_thread
 
-pytestmark = pytest.mark.skipif(not (data_dir() / "haystack").is_dir(),
-                                reason=f"benchmark data not found at {data_dir()} (../shared/data)")
+pytestmark = pytest.mark.skipif(
+    not (data_dir() / "haystack").is_dir(), reason=f"benchmark data not found at {data_dir()} (../shared/data)"
+)
 TRACE = data_dir() / "traces" / "mooncake_conversation.jsonl"
-COUNTERS = ("sparseserve:request_success_total", "sparseserve:prompt_tokens_total",
-            "sparseserve:generation_tokens_total", "sparseserve:prefix_cache_hits_total")
+COUNTERS = (
+    "sparseserve:request_success_total",
+    "sparseserve:prompt_tokens_total",
+    "sparseserve:generation_tokens_total",
+    "sparseserve:prefix_cache_hits_total",
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +39,7 @@ def server():
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
 
 
@@ -44,8 +51,7 @@ def counters(url: str) -> dict[str, float]:
 def run_bench(url: str, tmp_path, *extra: str) -> dict:
     parser = argparse.ArgumentParser()
     bench_serve.add_cli_args(parser)
-    args = parser.parse_args(["--base-url", url, "--api-key", "k", "--output-json", str(tmp_path / "out.json"),
-                              *extra])
+    args = parser.parse_args(["--base-url", url, "--api-key", "k", "--output-json", str(tmp_path / "out.json"), *extra])
     return bench_serve.main(args)
 
 
@@ -65,8 +71,23 @@ def test_haystack_prompts_have_exact_lengths_and_shared_prefixes(tokenizer):
 @pytest.mark.slow
 def test_poisson_rates_agree_with_server_metrics(server, tmp_path):
     before = counters(server)
-    report = run_bench(server, tmp_path, "--tokenizer", str(DEFAULT_MODEL_DIR), "--request-rate", "20", "inf",
-                       "--num-prompts", "6", "--input-len", "48", "--output-len", "5", "--slo", "ttft:60000")
+    report = run_bench(
+        server,
+        tmp_path,
+        "--tokenizer",
+        str(DEFAULT_MODEL_DIR),
+        "--request-rate",
+        "20",
+        "inf",
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "48",
+        "--output-len",
+        "5",
+        "--slo",
+        "ttft:60000",
+    )
     after = counters(server)
     runs = report["runs"]
     assert [r["completed"] for r in runs] == [6, 6] and all(r["failed"] == 0 for r in runs)
@@ -91,14 +112,30 @@ def test_trace_replay_without_tokenizer(server, tmp_path):
     """No tokenizer: prompt lengths are calibrated from the server's usage, so only roughly right."""
     trace = load_trace(TRACE, 4, time_scale=0.001, max_input_len=600, max_output_len=4)
     before = counters(server)
-    report = run_bench(server, tmp_path, "--trace", str(TRACE), "--num-prompts", "4", "--trace-time-scale", "0.001",
-                       "--max-input-len", "600", "--max-output-len", "4", "--endpoint", "/v1/chat/completions")
+    report = run_bench(
+        server,
+        tmp_path,
+        "--trace",
+        str(TRACE),
+        "--num-prompts",
+        "4",
+        "--trace-time-scale",
+        "0.001",
+        "--max-input-len",
+        "600",
+        "--max-output-len",
+        "4",
+        "--endpoint",
+        "/v1/chat/completions",
+    )
     run = report["runs"][0]
     assert run["completed"] == 4 and run["total_output_tokens"] == sum(t.output_length for t in trace)
     after = counters(server)
     # the calibration probe is one more request, with one output token
     assert after["sparseserve:request_success_total"] - before["sparseserve:request_success_total"] == 4 + 1
-    assert after["sparseserve:generation_tokens_total"] - before["sparseserve:generation_tokens_total"] \
+    assert (
+        after["sparseserve:generation_tokens_total"] - before["sparseserve:generation_tokens_total"]
         == run["total_output_tokens"] + 1
+    )
     expected = sum(t.input_length for t in trace)
     assert 0.7 * expected < run["total_input_tokens"] < 1.3 * expected + 4 * 30  # + chat template tokens

@@ -1,5 +1,6 @@
 """`sparseserve bench serve` trace replay against the in-process server: the trace's shared prefixes reach the
 prefix cache (equal hash ids -> equal token ids), and the report's hit rate is the /metrics counters' delta."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,7 @@ import httpx
 import pytest
 
 from sparseserve.bench import serve as bench_serve
-from sparseserve.bench.datasets import data_dir
+from sparseserve.workloads.datasets import data_dir
 from sparseserve.engine.async_engine import AsyncLLMEngine
 from sparseserve.engine.engine import LLMEngine
 from sparseserve.entrypoints.api_server import ServerConfig, build_app
@@ -17,8 +18,10 @@ from sparseserve.models.loader import DEFAULT_MODEL_DIR
 from tests.server_utils import serve_in_thread
 
 TRACE = data_dir() / "traces" / "mooncake_conversation.jsonl"
-pytestmark = pytest.mark.skipif(not TRACE.exists() or not (data_dir() / "haystack").is_dir(),
-                                reason=f"benchmark data not found at {data_dir()} (../shared/data)")
+pytestmark = pytest.mark.skipif(
+    not TRACE.exists() or not (data_dir() / "haystack").is_dir(),
+    reason=f"benchmark data not found at {data_dir()} (../shared/data)",
+)
 
 
 def test_trace_replay_reports_the_prefix_cache_hit_rate(tmp_path):
@@ -28,9 +31,26 @@ def test_trace_replay_reports_the_prefix_cache_hit_rate(tmp_path):
         parser = argparse.ArgumentParser()
         bench_serve.add_cli_args(parser)
         # the first requests all start with hash id 0: 1,024-token prompts share their first 512 tokens (+ BOS)
-        args = parser.parse_args(["--base-url", url, "--trace", str(TRACE), "--num-prompts", "4",
-                                  "--trace-time-scale", "0", "--max-input-len", "1024", "--max-output-len", "2",
-                                  "--tokenizer", str(DEFAULT_MODEL_DIR), "--max-concurrency", "1"])
+        args = parser.parse_args(
+            [
+                "--base-url",
+                url,
+                "--trace",
+                str(TRACE),
+                "--num-prompts",
+                "4",
+                "--trace-time-scale",
+                "0",
+                "--max-input-len",
+                "1024",
+                "--max-output-len",
+                "2",
+                "--tokenizer",
+                str(DEFAULT_MODEL_DIR),
+                "--max-concurrency",
+                "1",
+            ]
+        )
         report = bench_serve.main(args)
         after = parse_metrics(httpx.get(f"{url}/metrics").text)
     cache = report["runs"][0]["prefix_cache"]

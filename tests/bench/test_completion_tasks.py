@@ -1,5 +1,6 @@
-"""The completion-style task suite (bench/completion_tasks.py): exact lengths, needles where the depths say,
+"""The completion-style task suite (workloads/completion_tasks.py): exact lengths, needles where the depths say,
 the prompt ending in the answer's sentence, determinism, and exact-match scoring of completions."""
+
 from __future__ import annotations
 
 import re
@@ -7,15 +8,15 @@ import re
 import numpy as np
 import pytest
 
-from sparseserve.bench import completion_tasks as C
-from sparseserve.bench import tasks as T
+from sparseserve.workloads import completion_tasks as C
+from sparseserve.workloads import tasks as T
 from tests.bench.conftest import haystack_dir
 
 
 def _find(seq: list[int], sub: list[int]) -> list[int]:
     """Start positions of `sub` in `seq`."""
     n = len(sub)
-    return [i for i in range(len(seq) - n + 1) if seq[i:i + n] == sub]
+    return [i for i in range(len(seq) - n + 1) if seq[i : i + n] == sub]
 
 
 @pytest.mark.parametrize("task", C.TASKS)
@@ -23,7 +24,7 @@ def _find(seq: list[int], sub: list[int]) -> list[int]:
 def test_exact_length_needles_and_query(builder, task, length):
     s = C.build(builder, task, length, 3, seed=0)
     assert s.task == task and s.length == length and len(s.prompt_ids) == length
-    assert s.prompt_ids[:len(builder.bos)] == builder.bos
+    assert s.prompt_ids[: len(builder.bos)] == builder.bos
     text = s.prompt_text
     if task == "needle_multivalue":
         (key,) = s.meta["keys"]
@@ -31,7 +32,7 @@ def test_exact_length_needles_and_query(builder, task, length):
         for v in s.meta["values"]:  # every value's needle is in the context, once
             assert _find(s.prompt_ids, builder.enc(C.MV_NEEDLE.format(key, v))) != []
             assert text.count(v) == 1
-        assert s.prompt_ids[-len(builder.enc(C.MV_QUERY.format(key))):] == builder.enc(C.MV_QUERY.format(key))
+        assert s.prompt_ids[-len(builder.enc(C.MV_QUERY.format(key))) :] == builder.enc(C.MV_QUERY.format(key))
     elif task == "extract_record":
         # The records are consecutive lines, the asked one among them with its code.
         lines = [x for x in text.splitlines() if x.startswith("The special magic number for the ")]
@@ -40,7 +41,7 @@ def test_exact_length_needles_and_query(builder, task, length):
         assert "\n".join(lines) in text
         assert re.fullmatch(r"\d{4}(-\d{4}){%d}" % (C.CODE_GROUPS - 1), s.answer)
         query = builder.enc(C.QUERY.format(s.meta["asked"]))
-        assert s.prompt_ids[-len(query):] == query
+        assert s.prompt_ids[-len(query) :] == query
     else:
         keys = s.meta["keys"]
         assert len(keys) == (4 if task == "needle_multikey" else 1) and s.meta["asked"] in keys
@@ -48,7 +49,7 @@ def test_exact_length_needles_and_query(builder, task, length):
             assert len(_find(s.prompt_ids, builder.enc(C.NEEDLE.format(k, "")[:-1]))) == 1
         assert _find(s.prompt_ids, builder.enc(C.NEEDLE.format(s.meta["asked"], s.answer))) != []
         query = builder.enc(C.QUERY.format(s.meta["asked"]))
-        assert s.prompt_ids[-len(query):] == query  # the prompt ends inside the answer's sentence
+        assert s.prompt_ids[-len(query) :] == query  # the prompt ends inside the answer's sentence
     assert builder.enc(" " + s.answer) == s.answer_ids
 
 
@@ -105,8 +106,9 @@ def test_scoring():
     assert C.score(code, " 1234-5678.") == 1.0
     assert C.score(code, " 1234-5678-9") == 0.0  # a copy that runs on is not the record's code
     assert C.score(code, " 1234-567") == 0.0
-    mv = T.TaskSample("needle_multivalue", 10, [], "1111, 2222, 3333, 4444", [],
-                      {"values": ["1111", "2222", "3333", "4444"]})
+    mv = T.TaskSample(
+        "needle_multivalue", 10, [], "1111, 2222, 3333, 4444", [], {"values": ["1111", "2222", "3333", "4444"]}
+    )
     assert C.score(mv, " 4444, 3333, 1111 and 2222.") == 1.0
     assert C.score(mv, ":\n1. 1111\n2. 2222\n3. 3333\n4. 4444") == 1.0  # a numbered list
     assert C.score(mv, " 1111, 1111, 2222.") == 0.5  # repeats count once
@@ -118,6 +120,7 @@ def test_scoring():
 def test_smollm2_tokenizer_lengths():
     """The suite at SmolLM2's tokenizer (digits one token each, no BOS), when the package is installed."""
     from sparseserve.bench.accuracy import load_tokenizer
+
     try:
         tok = load_tokenizer("smollm2")
     except (FileNotFoundError, ImportError) as e:

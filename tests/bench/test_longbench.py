@@ -1,6 +1,7 @@
-"""LongBench's request mix (bench/longbench.py, `bench serve --dataset longbench`): the datasets' shares, each
+"""LongBench's request mix (workloads/longbench.py, `bench serve --dataset longbench`): the datasets' shares, each
 dataset's length quantiles against the table over many draws, the tokenizer ratios, the cap that cuts the
 prompt's middle, the outputs, and the seed."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,9 +11,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from sparseserve.bench import longbench as L
+from sparseserve.workloads import longbench as L
 from sparseserve.bench import serve
-from sparseserve.bench.datasets import PromptBuilder, cut_middle, data_dir
+from sparseserve.workloads.datasets import PromptBuilder, cut_middle, data_dir
 
 TOTAL = sum(d.samples for d in L.DATASETS)
 
@@ -97,16 +98,27 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_serve_specs_of_the_longbench_mix():
     builder = SimpleNamespace(prompt=lambda n, seed, keep=None: f"{n}:{keep}:{seed}")
-    args = _args("--dataset", "longbench", "--num-prompts", "40", "--max-input-len", "16K", "--seed", "3",
-                 "--longbench-tokenizer", "llama2")
+    args = _args(
+        "--dataset",
+        "longbench",
+        "--num-prompts",
+        "40",
+        "--max-input-len",
+        "16K",
+        "--seed",
+        "3",
+        "--longbench-tokenizer",
+        "llama2",
+    )
     slow, fast = serve._specs(args, builder, 0.5), serve._specs(args, builder, 4.0)
     reqs = L.sample_requests(40, 3, "llama2", 16384)
     assert [(s.prompt_len, s.output_len) for s in slow] == [(r.prompt_len, r.output_len) for r in reqs]
     assert [s.prompt for s in slow] == [s.prompt for s in fast]  # the same requests at every rate
     assert [s.arrival_s for s in fast] == serve.poisson_arrivals(40, 4.0, 3)
     assert slow[0].prompt == f"{reqs[0].full_len}:{reqs[0].prompt_len}:3:lb:0"
-    fixed = serve._specs(_args("--dataset", "longbench", "--num-prompts", "5", "--trace-output-len", "1024"),
-                         builder, 1.0)
+    fixed = serve._specs(
+        _args("--dataset", "longbench", "--num-prompts", "5", "--trace-output-len", "1024"), builder, 1.0
+    )
     assert {s.output_len for s in fixed} == {1024}
     with pytest.raises(ValueError, match="--trace"):
         serve.main(_args("--dataset", "longbench", "--trace", "t.jsonl"))
@@ -117,6 +129,7 @@ def test_a_capped_prompt_is_the_full_prompts_two_ends():
     from transformers import AutoTokenizer
 
     from sparseserve.models.loader import DEFAULT_MODEL_DIR
+
     tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
     builder = PromptBuilder(tok)
     full, cut = builder.prompt(3000, "s"), builder.prompt(3000, "s", keep=1001)

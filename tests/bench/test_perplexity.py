@@ -1,6 +1,7 @@
 """Decode-step perplexity (bench/perplexity.py): the engine's teacher-forced log-probabilities against one
 transformers forward pass on the same weights, every scored token computed by a decode step, and the sparse
 policy on the path (a budget covering every block equals dense, a tight one does not)."""
+
 from __future__ import annotations
 
 import math
@@ -10,7 +11,7 @@ import torch
 
 from sparseserve import LLM, SamplingParams
 from sparseserve.bench import perplexity as P
-from sparseserve.bench import tasks as T
+from sparseserve.workloads import tasks as T
 
 PREFIX, TOKENS = 56, 9
 
@@ -18,6 +19,7 @@ PREFIX, TOKENS = 56, 9
 @pytest.fixture(scope="module")
 def windows(tiny_model_dir):
     from transformers import AutoTokenizer
+
     try:
         essays = T.load_essays(T.find_haystack_dir())
     except FileNotFoundError:
@@ -72,11 +74,19 @@ def test_sparse_policy_is_on_the_path(tiny_model_dir, windows):
     dense = P.forced_logprobs(*_llm(tiny_model_dir), windows)
     # Every decode through scoring, selection and the sparse kernel (sparse_dense_context=0); a budget that
     # covers every block is dense attention.
-    full = P.forced_logprobs(*_llm(tiny_model_dir, sparse_policy="topk", sparse_budget=128, sparse_dense_context=0,
-                                   sparse_dense_layers=0), windows)
+    full = P.forced_logprobs(
+        *_llm(tiny_model_dir, sparse_policy="topk", sparse_budget=128, sparse_dense_context=0, sparse_dense_layers=0),
+        windows,
+    )
     assert torch.allclose(torch.tensor(full), torch.tensor(dense), atol=1e-4)
-    llm, tf = _llm(tiny_model_dir, sparse_policy="topk", sparse_budget=24, sparse_dense_context=0,
-                   sparse_dense_layers=0, sparse_local_blocks=1)
+    llm, tf = _llm(
+        tiny_model_dir,
+        sparse_policy="topk",
+        sparse_budget=24,
+        sparse_dense_context=0,
+        sparse_dense_layers=0,
+        sparse_local_blocks=1,
+    )
     tight = P.forced_logprobs(llm, tf, windows)
     stats = llm.llm_engine.get_stats(sync=True)
     assert stats.sparse_selections > 0 and stats.sparse_blocks_selected / stats.sparse_selections <= 3

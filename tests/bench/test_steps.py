@@ -1,5 +1,6 @@
 """bench/steps.py's StepLog as an engine's profiler: each step's schedule read before it runs (prefill rows,
 decode rows, segments), and no events where nothing is timed."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -11,8 +12,9 @@ from sparseserve.sampling_params import SamplingParams
 
 def test_the_log_follows_each_steps_schedule(tiny_model_dir):
     log = StepLog(timing=True)
-    engine = LLMEngine.from_kwargs(log, model=str(tiny_model_dir), device="cpu", max_model_len=128,
-                                   max_num_batched_tokens=64)
+    engine = LLMEngine.from_kwargs(
+        log, model=str(tiny_model_dir), device="cpu", max_model_len=128, max_num_batched_tokens=64
+    )
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     engine.add_request("a", list(range(10, 90)), params)  # 80 tokens: two chunks of at most 64
     engine.add_request("b", list(range(20, 30)), params)

@@ -1,5 +1,6 @@
 """The README's first command from a plain clone: without the essays the needle demo uses built-in filler
 sentences, says so on stderr, and the embedded model still finds the needle."""
+
 from __future__ import annotations
 
 import re
@@ -8,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from sparseserve import LLM, SamplingParams
-from sparseserve.bench import tasks
+from sparseserve.workloads import tasks
 from sparseserve.models.loader import resolve_model_dir
 
 
@@ -16,6 +17,7 @@ from sparseserve.models.loader import resolve_model_dir
 def test_demo_prompt_without_essays(monkeypatch, capsys):
     def missing(explicit=None):
         raise FileNotFoundError("essay haystack not found")
+
     monkeypatch.setattr(tasks, "find_haystack_dir", missing)
     tasks._main(["niah_single", "1024"])
     out, err = capsys.readouterr()
@@ -27,11 +29,15 @@ def test_demo_prompt_without_essays(monkeypatch, capsys):
 
     tok = AutoTokenizer.from_pretrained(resolve_model_dir(None))
     sample = tasks.TaskBuilder(tok, tasks.builtin_filler()).build(
-        "niah_single", 1024, tasks.sample_rng(0, "niah_single", 1024, 0))
+        "niah_single", 1024, tasks.sample_rng(0, "niah_single", 1024, 0)
+    )
     assert sample.answer == answer and len(sample.prompt_ids) == 1024
     llm = LLM(device="cpu", max_model_len=1100)
-    text = llm.generate([sample.prompt_ids], SamplingParams(max_tokens=12, temperature=0),
-                        use_tqdm=False)[0].outputs[0].text
+    text = (
+        llm.generate([sample.prompt_ids], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
     assert tasks.is_correct(text, answer), (text, answer)
 
 

@@ -1,20 +1,23 @@
-"""Trace prompts (bench/datasets.py): equal Mooncake hash ids give equal token ids through the tokenizer, so the
+"""Trace prompts (workloads/datasets.py): equal Mooncake hash ids give equal token ids through the tokenizer, so the
 trace's real prefix sharing reaches a server's prefix cache; prompt lengths stay exact."""
+
 from __future__ import annotations
 
 import pytest
 
-from sparseserve.bench.datasets import TRACE_BLOCK_TOKENS, PromptBuilder, data_dir, load_trace
+from sparseserve.workloads.datasets import TRACE_BLOCK_TOKENS, PromptBuilder, data_dir, load_trace
 from sparseserve.models.loader import DEFAULT_MODEL_DIR
 
 TRACE = data_dir() / "traces" / "mooncake_conversation.jsonl"
-pytestmark = pytest.mark.skipif(not (data_dir() / "haystack").is_dir(),
-                                reason=f"benchmark data not found at {data_dir()} (../shared/data)")
+pytestmark = pytest.mark.skipif(
+    not (data_dir() / "haystack").is_dir(), reason=f"benchmark data not found at {data_dir()} (../shared/data)"
+)
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
 
 

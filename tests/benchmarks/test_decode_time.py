@@ -1,6 +1,7 @@
 """The decode-time breakdown (benchmarks/decode_time.py): its split on a hand-built timeline, the async attribution of a
 step's tokens to the schedule launched one call earlier, and a CPU smoke run whose parts add up to the TPOT of
 the token times."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import decode_time as D
-from sparseserve.bench.datasets import data_dir
+from sparseserve.workloads.datasets import data_dir
 
 TRACE = data_dir() / "traces" / "mooncake_conversation.jsonl"
 
@@ -20,11 +21,13 @@ def _step(t, duration, prompt_tokens=0, segments=0, requests=(), decodes=1):
 
 
 def test_split_of_a_hand_built_timeline():
-    steps = [_step(0.010, 0.010, prompt_tokens=100, requests=["a"]),  # a's first token (its prefill)
-             _step(0.020, 0.010, requests=["a", "b"]),                # decode only: 10 ms
-             _step(0.025, 0.005, prompt_tokens=64),                   # a waits: 5 ms
-             _step(0.045, 0.020, segments=1, requests=["a", "b"]),    # with a prefill segment: 20 ms
-             _step(0.050, 0.005, requests=["b"])]                     # b only
+    steps = [
+        _step(0.010, 0.010, prompt_tokens=100, requests=["a"]),  # a's first token (its prefill)
+        _step(0.020, 0.010, requests=["a", "b"]),  # decode only: 10 ms
+        _step(0.025, 0.005, prompt_tokens=64),  # a waits: 5 ms
+        _step(0.045, 0.020, segments=1, requests=["a", "b"]),  # with a prefill segment: 20 ms
+        _step(0.050, 0.005, requests=["b"]),
+    ]  # b only
     out = D.decompose(steps)
     # a: intervals 1 (10 ms decode) and 3 (5 ms waiting + 20 ms with prefill) over 2 tokens;
     # b: intervals 3 (5 + 20) and 4 (5 ms decode) over 2
@@ -55,11 +58,35 @@ def test_tokens_are_booked_to_the_step_that_produced_them(async_scheduling):
 @pytest.mark.skipif(not TRACE.exists(), reason=f"Mooncake trace not found at {TRACE} (../shared/data)")
 def test_decode_time_smoke(tiny_model_dir, tmp_path):
     out = tmp_path / "decode_time.json"
-    report = D.main(["--model", str(tiny_model_dir), "--device", "cpu", "--num-gpu-blocks", "64",
-                     "--num-requests", "5", "--time-scale", "0", "--max-input-len", "300", "--max-output-len", "12",
-                     "--configs", "dense", "layerseg_async", "--engine-arg", "block_size=16",
-                     "--engine-arg", "sparse_budget=128", "--engine-arg", "sparse_dense_layers=1",
-                     "--json", str(out)])
+    report = D.main(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--device",
+            "cpu",
+            "--num-gpu-blocks",
+            "64",
+            "--num-requests",
+            "5",
+            "--time-scale",
+            "0",
+            "--max-input-len",
+            "300",
+            "--max-output-len",
+            "12",
+            "--configs",
+            "dense",
+            "layerseg_async",
+            "--engine-arg",
+            "block_size=16",
+            "--engine-arg",
+            "sparse_budget=128",
+            "--engine-arg",
+            "sparse_dense_layers=1",
+            "--json",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text())["rows"] == report["rows"]
     assert [r["config"] for r in report["rows"]] == ["dense", "layerseg_async"]
     for row in report["rows"]:

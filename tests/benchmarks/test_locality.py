@@ -1,5 +1,6 @@
 """benchmarks/locality.py on the CPU with a tiny model: the observer's device statistics equal a plain-Python recount of
 the lists the backend made (overlap, Jaccard, union over the window), and the CLI writes its report."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,14 @@ from sparseserve.kernels.sparse_decode import listed_rows
 from sparseserve.sampling_params import SamplingParams
 
 BS = 8
-SPARSE = dict(block_size=BS, sparse_policy="topk", sparse_budget=6 * BS, sparse_dense_layers=0, sparse_sink_blocks=1,
-              sparse_local_blocks=2)
+SPARSE = dict(
+    block_size=BS,
+    sparse_policy="topk",
+    sparse_budget=6 * BS,
+    sparse_dense_layers=0,
+    sparse_sink_blocks=1,
+    sparse_local_blocks=2,
+)
 
 
 class PythonLists:
@@ -45,15 +52,16 @@ class PythonLists:
                     a[0].append(len(cur & steps[t - 1]) / len(cur))
                     a[1].append(len(cur & steps[t - 1]) / len(cur | steps[t - 1]))
                 if t + 1 >= window and cur:
-                    win = steps[t + 1 - window: t + 1]
+                    win = steps[t + 1 - window : t + 1]
                     a[2].append(len(set().union(*win)) / max(sum(map(len, win)) / window, 1))
         return {layer: tuple(sum(v) / len(v) for v in a) for layer, a in acc.items()}
 
 
 @pytest.mark.parametrize("window", [1, 4])
 def test_observer_equals_a_python_recount(tiny_model_dir, window):
-    engine = LLMEngine.from_kwargs(model=str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=256,
-                                   max_num_seqs=3, **SPARSE)
+    engine = LLMEngine.from_kwargs(
+        model=str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=256, max_num_seqs=3, **SPARSE
+    )
     backend = engine.model_runner.attn_backend
     ref = PythonLists(backend)
     backend.observers.append(ref)
@@ -72,14 +80,42 @@ def test_observer_equals_a_python_recount(tiny_model_dir, window):
 
 
 def test_measure_and_cli(tiny_model_dir, tmp_path):
-    res = measure(str(tiny_model_dir), prompt_len=200, batch=2, steps=16, budget=6 * BS, window=4, device="cpu",
-                  **{k: v for k, v in SPARSE.items() if k not in ("sparse_policy", "sparse_budget")})
+    res = measure(
+        str(tiny_model_dir),
+        prompt_len=200,
+        batch=2,
+        steps=16,
+        budget=6 * BS,
+        window=4,
+        device="cpu",
+        **{k: v for k, v in SPARSE.items() if k not in ("sparse_policy", "sparse_budget")},
+    )
     assert [r["layer"] for r in res["layers"]] == [0, 1] and res["mean"]["listed"] > 0
     imp = res["implications"]
     assert imp["head_blocks_listed_per_request_step"] == pytest.approx(res["mean"]["listed"] * 2 * 2)  # layers x Hkv
     assert imp["working_set_head_blocks_per_request"] >= imp["head_blocks_listed_per_request_step"] * 0.999
     out = tmp_path / "loc.json"
-    main(["--model", str(tiny_model_dir), "--prompt-len", "120", "--batch", "1", "--steps", "6", "--budget", "48",
-          "--window", "3", "--device", "cpu", "--engine-arg", "block_size=8", "--json", str(out)])
+    main(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--prompt-len",
+            "120",
+            "--batch",
+            "1",
+            "--steps",
+            "6",
+            "--budget",
+            "48",
+            "--window",
+            "3",
+            "--device",
+            "cpu",
+            "--engine-arg",
+            "block_size=8",
+            "--json",
+            str(out),
+        ]
+    )
     data = json.loads(out.read_text())
     assert data["window"] == 3 and data["mean"]["layer"] == "mean" and "union_3" in data["mean"]

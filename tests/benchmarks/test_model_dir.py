@@ -1,5 +1,6 @@
 """benchmarks/model_dir.py: each preset's shapes as the engine reads them, the embedded tokenizer's vocabulary on
 request, and random weights that transformers and the engine both load."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,14 @@ SHAPES = {  # layers, query heads, KV heads, hidden, intermediate, positions
 def test_presets_have_their_architectures_shapes(tmp_path, preset):
     out = M.make_model_dir(tmp_path / preset, preset)
     a = ArchConfig.from_hf(load_hf_config(out))
-    assert (a.num_layers, a.num_heads, a.num_kv_heads, a.hidden_size, a.intermediate_size,
-            a.max_position_embeddings) == SHAPES[preset]
+    assert (
+        a.num_layers,
+        a.num_heads,
+        a.num_kv_heads,
+        a.hidden_size,
+        a.intermediate_size,
+        a.max_position_embeddings,
+    ) == SHAPES[preset]
     assert a.head_dim == a.hidden_size // a.num_heads and a.vocab_size == M.PRESETS[preset]["vocab_size"]
     assert (out / "tokenizer.json").is_file() and not list(out.glob("*.safetensors"))
 
@@ -33,12 +40,14 @@ def test_embedded_vocab_takes_the_tokenizers_ids():
     embedded = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
     cfg = M.model_config("mha7b", embedded_vocab=True)
     assert [cfg[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")] == [
-        embedded[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")]
+        embedded[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")
+    ]
     assert cfg["num_key_value_heads"] == 32 and cfg["intermediate_size"] == 11008
 
 
 def test_the_8b_dir_of_the_experiments(tmp_path):
     from benchmarks.common import make_8b_dir
+
     cfg = json.loads((make_8b_dir(tmp_path / "m") / "config.json").read_text())
     assert cfg["vocab_size"] == 4096 and cfg["head_dim"] == 128 and cfg["num_key_value_heads"] == 8
     assert cfg["rope_parameters"]["rope_type"] == "llama3" and (tmp_path / "m" / "generation_config.json").is_file()
@@ -48,8 +57,17 @@ def test_random_weights_load_in_transformers_and_the_engine(tmp_path, monkeypatc
     from transformers import AutoModelForCausalLM
 
     from sparseserve import LLM, SamplingParams
-    tiny = dict(M.PRESETS["llama-3.1-8b"], hidden_size=64, intermediate_size=128, num_hidden_layers=9,
-                num_attention_heads=4, num_key_value_heads=2, vocab_size=4096, max_position_embeddings=512)
+
+    tiny = dict(
+        M.PRESETS["llama-3.1-8b"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=9,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4096,
+        max_position_embeddings=512,
+    )
     monkeypatch.setitem(M.PRESETS, "tiny", tiny)
     M.main(["--preset", "tiny", "--out", str(tmp_path / "m")])
     index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
@@ -57,7 +75,8 @@ def test_random_weights_load_in_transformers_and_the_engine(tmp_path, monkeypatc
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
     assert hf.model.layers[8].mlp.down_proj.weight.shape == (64, 128)
     out = LLM(str(tmp_path / "m"), device="cpu", dtype="float32", max_model_len=64).generate(
-        [[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+        [[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False
+    )
     ids = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
         ref = hf.generate(ids, max_new_tokens=3, do_sample=False)[0, 3:].tolist()

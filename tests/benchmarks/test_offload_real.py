@@ -1,5 +1,6 @@
 """`python -m benchmarks.offload --real MODEL`: KV offload against all KV in HBM on real prompts, side by side
 per batch size; a CPU smoke run on a tiny model (its numbers matter on the GPU only)."""
+
 from __future__ import annotations
 
 import json
@@ -15,15 +16,40 @@ from benchmarks import offload
 def test_real_mode_smoke(tiny_model_dir, tmp_path, capsys, scheduling, repeats):
     """Both engines alive and stepped in turn (one step at a time; async scheduling: blocks of steps); repeats:
     each number the median over the pairs."""
-    from sparseserve.bench.datasets import data_dir
+    from sparseserve.workloads.datasets import data_dir
+
     if not (data_dir() / "haystack").is_dir():
         pytest.skip("essay haystack (../shared/data/haystack) not found")
     out = tmp_path / "real.json"
-    offload.main(["--real", str(tiny_model_dir), "--batches", "1,3", "--prompt-len", "400", "--output-len", "6",
-                  "--margins", "--budget", "192", "--device", "cpu", "--dtype", "float32",
-                  "--engine-arg", "sparse_dense_layers=0", "--json", str(out),
-                  "--engine-arg", f"async_scheduling={scheduling == 'async'}", "--repeats", str(repeats),
-                  "--host-profile", str(tmp_path / "prof")])
+    offload.main(
+        [
+            "--real",
+            str(tiny_model_dir),
+            "--batches",
+            "1,3",
+            "--prompt-len",
+            "400",
+            "--output-len",
+            "6",
+            "--margins",
+            "--budget",
+            "192",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--engine-arg",
+            "sparse_dense_layers=0",
+            "--json",
+            str(out),
+            "--engine-arg",
+            f"async_scheduling={scheduling == 'async'}",
+            "--repeats",
+            str(repeats),
+            "--host-profile",
+            str(tmp_path / "prof"),
+        ]
+    )
     printed = capsys.readouterr().out
     assert "KV offload" in printed and "offload, batch 3: host time a decode step under cProfile" in printed
     rows = json.loads(out.read_text())["real"]
@@ -43,8 +69,9 @@ def test_real_mode_smoke(tiny_model_dir, tmp_path, capsys, scheduling, repeats):
         assert 0 < off["host_profile_steps"] < off["output_len"] and "_host_profile" not in off
         for name, row in (("hbm", base), ("offload", off)):
             stats = pstats.Stats(str(tmp_path / "prof" / f"host_{name}_b{row['batch']}_r0.prof"))
-            scheduled = [v for (file, _, func), v in stats.stats.items() if file.endswith("scheduler.py")
-                         and func == "schedule"]
+            scheduled = [
+                v for (file, _, func), v in stats.stats.items() if file.endswith("scheduler.py") and func == "schedule"
+            ]
             assert scheduled and scheduled[0][1] == row["host_profile_steps"]  # one schedule a profiled step
         if repeats > 1:
             assert len(base["repeats"]) == len(off["repeats"]) == repeats
@@ -61,13 +88,17 @@ def test_divergence_names_where_runs_part_and_the_margin_there():
     margins = [[0.5, 0.5, 0.5, 0.5], [2.0, 0.01, 3.0], [1.0, 1.0]]
     d = offload.divergence(base, margins, other)
     assert d == {"requests_differing": 2, "first_difference_at": [1, 2], "margin_at_difference": [0.01]}
-    assert offload.divergence(base, None, base) == {"requests_differing": 0, "first_difference_at": [],
-                                                    "margin_at_difference": None}
+    assert offload.divergence(base, None, base) == {
+        "requests_differing": 0,
+        "first_difference_at": [],
+        "margin_at_difference": None,
+    }
 
 
 def test_real_run_keeps_each_tokens_top2_margin(tiny_model_dir):
     prompts = [[(7 * i + j) % 200 + 3 for j in range(300)] for i in range(2)]
-    run = offload.real_run(str(tiny_model_dir), prompts, 5, False, 192, device="cpu", dtype="float32", margins=True,
-                           sparse_dense_layers=0)
+    run = offload.real_run(
+        str(tiny_model_dir), prompts, 5, False, 192, device="cpu", dtype="float32", margins=True, sparse_dense_layers=0
+    )
     assert [len(m) for m in run["_margins"]] == [5, 5]  # one per output token
     assert all(m >= 0 for ms in run["_margins"] for m in ms)

@@ -1,4 +1,5 @@
 """The serving ladder report (benchmarks/serve_ladder.py) and bench serve's decode-heavy trace replay."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,15 +20,19 @@ from benchmarks.serve_ladder import (
     workload_bound,
 )
 from sparseserve.bench import serve
-from sparseserve.bench.datasets import TraceRequest
+from sparseserve.workloads.datasets import TraceRequest
 
 SHAPE = ModelShape(layers=2, hidden=8, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10)
 HW = {"hbm_bytes_per_s": 1e3, "matmul_flops": 1e6}
 
 
 def test_ideal_cached_tokens_follow_shared_hash_prefixes():
-    trace = [TraceRequest(0.0, 1536, 4, (1, 2, 3)), TraceRequest(0.0, 1536, 4, (1, 2, 9)),
-             TraceRequest(0.0, 1536, 4, (1, 2, 3)), TraceRequest(0.0, 700, 4, (7, 8))]
+    trace = [
+        TraceRequest(0.0, 1536, 4, (1, 2, 3)),
+        TraceRequest(0.0, 1536, 4, (1, 2, 9)),
+        TraceRequest(0.0, 1536, 4, (1, 2, 3)),
+        TraceRequest(0.0, 700, 4, (7, 8)),
+    ]
     # the second shares two blocks; the third all three but recomputes its last token; a partial last
     # block (700 = 512 + 188) is never cached for later requests
     assert ideal_cached_tokens(trace) == [0, 1024, 1535, 0]
@@ -58,11 +63,26 @@ def test_workload_bound_by_hand():
     assert workload_bound(late, SHAPE, HW, 0.5, None)["total_s"] == 1e6  # never before the last arrival
 
 
-def _run(folder: Path, tag: str, tok_s: float, ttft_ms: float, goodput: float, metrics: str = "",
-         workload: list | None = None) -> None:
+def _run(
+    folder: Path,
+    tag: str,
+    tok_s: float,
+    ttft_ms: float,
+    goodput: float,
+    metrics: str = "",
+    workload: list | None = None,
+) -> None:
     stats = lambda mean: {"mean": mean, "p50": mean, "p90": mean, "p99": 2 * mean}  # noqa: E731
-    summary = {"completed": 4, "failed": 0, "output_throughput": tok_s, "total_input_tokens": 1000,
-               "ttft_ms": stats(ttft_ms), "tpot_ms": stats(20.0), "e2e_ms": stats(ttft_ms + 1000), "goodput": goodput}
+    summary = {
+        "completed": 4,
+        "failed": 0,
+        "output_throughput": tok_s,
+        "total_input_tokens": 1000,
+        "ttft_ms": stats(ttft_ms),
+        "tpot_ms": stats(20.0),
+        "e2e_ms": stats(ttft_ms + 1000),
+        "goodput": goodput,
+    }
     if workload is not None:
         summary["workload"] = workload
     (folder / f"serve_{tag}.json").write_text(json.dumps({"runs": [summary]}))
@@ -70,10 +90,12 @@ def _run(folder: Path, tag: str, tok_s: float, ttft_ms: float, goodput: float, m
 
 
 def test_ladder_rows_ratios_against_dense_of_the_same_group(tmp_path):
-    offload = ('sparseserve:offload_hbm_hits_total{model_name="m"} 90.0\n'
-               'sparseserve:offload_head_blocks_loaded_total{model_name="m"} 10.0\n'
-               'sparseserve:working_set_hold_backs_total{model_name="m"} 3.0\n'
-               'sparseserve:working_set_prefill_aheads_total{model_name="m"} 2.0\n')
+    offload = (
+        'sparseserve:offload_hbm_hits_total{model_name="m"} 90.0\n'
+        'sparseserve:offload_head_blocks_loaded_total{model_name="m"} 10.0\n'
+        'sparseserve:working_set_hold_backs_total{model_name="m"} 3.0\n'
+        'sparseserve:working_set_prefill_aheads_total{model_name="m"} 2.0\n'
+    )
     _run(tmp_path, "dense_ts1_out512", 100.0, 8000.0, 0.5)
     _run(tmp_path, "layerseg_ts1_out512", 300.0, 1000.0, 2.0, offload)
     _run(tmp_path, "offload_ts1_out512", 200.0, 2000.0, 1.0, offload)
@@ -84,7 +106,12 @@ def test_ladder_rows_ratios_against_dense_of_the_same_group(tmp_path):
     assert len(runs) == 5
     rows = ladder_rows(runs, {"dense": 200.0, "sparse": 400.0})
     assert [(r["outputs"], r["config"]) for r in rows] == [
-        ("out512", "dense"), ("out512", "offload"), ("out512", "layerseg"), ("fix2048", "dense"), ("fix2048", "ws")]
+        ("out512", "dense"),
+        ("out512", "offload"),
+        ("out512", "layerseg"),
+        ("fix2048", "dense"),
+        ("fix2048", "ws"),
+    ]
     by = {(r["outputs"], r["config"]): r for r in rows}
     lay = by["out512", "layerseg"]
     assert lay["x dense"] == 3.0 and lay["step gain"] == 1.5 and lay["TTFT x lower"] == 8.0
@@ -97,8 +124,13 @@ def test_ladder_rows_ratios_against_dense_of_the_same_group(tmp_path):
 
 def test_trace_output_len_overrides_every_request(tmp_path):
     trace = tmp_path / "t.jsonl"
-    trace.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": 600, "output_length": 7 + i,
-                                         "hash_ids": [i, 100 + i]}) + "\n" for i in range(3)))
+    trace.write_text(
+        "".join(
+            json.dumps({"timestamp": 1000 * i, "input_length": 600, "output_length": 7 + i, "hash_ids": [i, 100 + i]})
+            + "\n"
+            for i in range(3)
+        )
+    )
     parser = argparse.ArgumentParser()
     serve.add_cli_args(parser)
     # the prompt text is the builder's business (tests/bench/test_bench_serve.py, with the essays)
@@ -111,17 +143,31 @@ def test_trace_output_len_overrides_every_request(tmp_path):
 
 
 def _config(folder: Path) -> None:
-    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                                                    "num_hidden_layers": 2, "hidden_size": 8,
-                                                    "num_attention_heads": 2, "num_key_value_heads": 1,
-                                                    "intermediate_size": 16, "vocab_size": 10,
-                                                    "rms_norm_eps": 1e-5}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "num_hidden_layers": 2,
+                "hidden_size": 8,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "intermediate_size": 16,
+                "vocab_size": 10,
+                "rms_norm_eps": 1e-5,
+            }
+        )
+    )
 
 
 def test_main_writes_the_report(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
-    trace.write_text("".join(json.dumps({"timestamp": 500 * i, "input_length": 100, "output_length": 4,
-                                         "hash_ids": [i]}) + "\n" for i in range(4)))
+    trace.write_text(
+        "".join(
+            json.dumps({"timestamp": 500 * i, "input_length": 100, "output_length": 4, "hash_ids": [i]}) + "\n"
+            for i in range(4)
+        )
+    )
     _config(tmp_path)
     _run(tmp_path, "dense_ts1_out4", 10.0, 100.0, 1.0)
     _run(tmp_path, "sparse_ts1_out4", 12.0, 90.0, 1.0)
@@ -148,14 +194,23 @@ def test_longbench_runs_get_their_bound_from_the_requests_they_asked(tmp_path, c
     _run(tmp_path, "dense_ts1_out4", 10.0, 100.0, 1.0)
     runs = load_runs(tmp_path)
     assert {(r["load"], r["outputs"], r["rate"]) for r in runs if r["config"] == "dense"} == {
-        ("rate1", "lbmax", 1.0), ("rate2", "lbmax", 2.0), ("rate0.5", "fix1024", 0.5), ("rateinf", "fix1024", math.inf),
-        ("ts1", "out4", None)}
+        ("rate1", "lbmax", 1.0),
+        ("rate2", "lbmax", 2.0),
+        ("rate0.5", "fix1024", 0.5),
+        ("rateinf", "fix1024", math.inf),
+        ("ts1", "out4", None),
+    }
     report = serve_ladder.main([str(tmp_path), "--model", str(tmp_path)])
     assert set(report["tables"]) == {"out4_ts1", "fix1024_rate0.5", "fix1024_rateinf", "lbmax_rate1", "lbmax_rate2"}
     assert set(report["bounds"]) == {"fix1024_rate0.5", "fix1024_rateinf", "lbmax_rate1", "lbmax_rate2"}
     assert report["tables"]["lbmax_rate2"][1]["x dense"] == pytest.approx(1.5)
-    want = workload_bound([TraceRequest(0.0, 300, 128, ()), TraceRequest(0.5, 200, 64, ())], SHAPE,
-                          serve_ladder.DEFAULT_HARDWARE, serve_ladder.DEFAULT_PREFILL_MFU, None)
+    want = workload_bound(
+        [TraceRequest(0.0, 300, 128, ()), TraceRequest(0.5, 200, 64, ())],
+        SHAPE,
+        serve_ladder.DEFAULT_HARDWARE,
+        serve_ladder.DEFAULT_PREFILL_MFU,
+        None,
+    )
     assert report["bounds"]["lbmax_rate2"]["dense"] == pytest.approx(want)
     assert "of bound" in report["tables"]["lbmax_rate1"][0] and "of bound" not in report["tables"]["out4_ts1"][0]
     printed = capsys.readouterr().out

@@ -1,6 +1,7 @@
 """Tensor parallelism without processes: how heads split, each parallel layer's shards (loaded from full
 checkpoint tensors) against the unsplit layer, the clean refusals, and the offload plan that keeps every rank's
 offload cache identical."""
+
 from __future__ import annotations
 
 import random
@@ -44,8 +45,9 @@ def ranks(tp: int) -> list[OneRank]:
     return [OneRank(rank=r, world_size=tp) for r in range(tp)]
 
 
-@pytest.mark.parametrize("hq, hkv, tp", [(4, 2, 2), (4, 1, 2), (8, 2, 4), (4, 4, 2), (6, 3, 3), (8, 1, 4), (12, 2, 4),
-                                         (4, 2, 1)])
+@pytest.mark.parametrize(
+    "hq, hkv, tp", [(4, 2, 2), (4, 1, 2), (8, 2, 4), (4, 4, 2), (6, 3, 3), (8, 1, 4), (12, 2, 4), (4, 2, 1)]
+)
 def test_head_shards_cover_every_head_with_its_own_kv_head(hq, hkv, tp):
     group = hq // hkv
     out: list[int] = []
@@ -55,12 +57,14 @@ def test_head_shards_cover_every_head_with_its_own_kv_head(hq, hkv, tp):
         kv = range(h.kv_start, h.kv_start + h.num_kv_heads)
         assert h.num_kv_heads == max(hkv // tp, 1) and h.out_heads == hq // tp
         assert {q // group for q in attended} == set(kv)  # whole groups of exactly the rank's KV heads
-        out += list(attended)[h.out_offset: h.out_offset + h.out_heads]
+        out += list(attended)[h.out_offset : h.out_offset + h.out_heads]
     assert out == list(range(hq))  # o_proj's input: every head once, in order
 
 
-@pytest.mark.parametrize("hq, hkv, tp, match", [(2, 2, 4, "attention heads"), (4, 2, 3, "attention heads"),
-                                                (12, 3, 2, "KV heads"), (12, 3, 4, "KV heads")])
+@pytest.mark.parametrize(
+    "hq, hkv, tp, match",
+    [(2, 2, 4, "attention heads"), (4, 2, 3, "attention heads"), (12, 3, 2, "KV heads"), (12, 3, 4, "KV heads")],
+)
 def test_head_split_refusals(hq, hkv, tp, match):
     with pytest.raises(ValueError, match=match):
         shard_heads(hq, hkv, tp)
@@ -81,9 +85,9 @@ def test_qkv_shards_match_the_full_projection(hq, hkv, tp):
             layer.bias.weight_loader(layer.bias, b[i], i)
         h = layer.heads
         q, k, v = layer(x).split([h.num_heads * d, h.num_kv_heads * d, h.num_kv_heads * d], dim=-1)
-        torch.testing.assert_close(q.view(5, -1, d), full[0][:, h.q_start: h.q_start + h.num_heads])
-        torch.testing.assert_close(k.view(5, -1, d), full[1][:, h.kv_start: h.kv_start + h.num_kv_heads])
-        torch.testing.assert_close(v.view(5, -1, d), full[2][:, h.kv_start: h.kv_start + h.num_kv_heads])
+        torch.testing.assert_close(q.view(5, -1, d), full[0][:, h.q_start : h.q_start + h.num_heads])
+        torch.testing.assert_close(k.view(5, -1, d), full[1][:, h.kv_start : h.kv_start + h.num_kv_heads])
+        torch.testing.assert_close(v.view(5, -1, d), full[2][:, h.kv_start : h.kv_start + h.num_kv_heads])
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -138,6 +142,7 @@ def test_shard_loading_checks_the_checkpoint_shape():
 
 def test_one_rank_is_no_process_group(tiny_model_dir):
     import torch.distributed as dist
+
     LLM(str(tiny_model_dir), device="cpu", max_model_len=128, tensor_parallel_size=1)
     assert get_tp_group().world_size == 1 and not dist.is_initialized()
 
@@ -163,6 +168,7 @@ def test_refusals_before_any_process_starts(hf_models, monkeypatch):
 def test_device_refusals(monkeypatch):
     """NCCL missing and fewer visible GPUs than ranks are refused by name (checked with a faked CUDA build)."""
     import torch.distributed as dist
+
     monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
     with pytest.raises(ValueError, match="needs NCCL"):
         launch.check_devices(2, "cuda", 2)
@@ -175,10 +181,23 @@ def test_device_refusals(monkeypatch):
 
 def _offload_cache() -> OffloadCache:
     return OffloadCache.build(
-        OffloadConfig(kv_offload=True, host_kv_memory=40 * 256, hbm_cache_blocks=12), num_layers=2, num_kv_heads=1,
-        head_dim=4, block_size=4, dtype=torch.float32, device=torch.device("cpu"), dense_layers=0, local_blocks=2,
-        cap=3, metadata_block_bytes=64, max_model_len=48, max_num_seqs=4, max_num_batched_tokens=16, budget=None,
-        device_blocks=16)
+        OffloadConfig(kv_offload=True, host_kv_memory=40 * 256, hbm_cache_blocks=12),
+        num_layers=2,
+        num_kv_heads=1,
+        head_dim=4,
+        block_size=4,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        dense_layers=0,
+        local_blocks=2,
+        cap=3,
+        metadata_block_bytes=64,
+        max_model_len=48,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        budget=None,
+        device_blocks=16,
+    )
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -189,6 +208,7 @@ def test_the_offload_plan_keeps_ranks_identical(seed):
     the same ranges, host store and device cache, their step inputs over the step's sequences (the worker's
     as SeqViews) are equal, and their ranges are the scheduler's."""
     import pickle
+
     rng = random.Random(seed)
     rank0, worker = _offload_cache(), _offload_cache()
     g = torch.Generator().manual_seed(seed)
@@ -197,22 +217,25 @@ def test_the_offload_plan_keeps_ranks_identical(seed):
         cache.sparse_cache.copy_(torch.randn(cache.sparse_cache.shape, generator=g))
         cache.host.data.copy_(torch.randn(cache.host.data.shape, generator=g))
     space = OffloadSpace(DeviceBlockMap(rank0.num_device_blocks, 2, 4, rank0.num_token_blocks), 4)
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, init_new_token_ratio=0.0,
-                          min_new_token_ratio=0.0)
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
     sched = make_scheduler(cfg, BlockAllocator(rank0.num_token_blocks), 4, space, min_chunk=2)
     inputs0, inputs1 = StepInputs(4, torch.device("cpu"), rank0), StepInputs(4, torch.device("cpu"), worker)
     saves = restores = 0
     for step in range(80):
         if rng.random() < 0.35:
-            s = Sequence(step, f"r{step}", 0, [rng.randrange(100) for _ in range(rng.randint(2, 40))],
-                         SamplingParams(max_tokens=rng.randint(1, 12)))
+            s = Sequence(
+                step,
+                f"r{step}",
+                0,
+                [rng.randrange(100) for _ in range(rng.randint(2, 40))],
+                SamplingParams(max_tokens=rng.randint(1, 12)),
+            )
             sched.add(s)
         out = sched.schedule()
         if not out.is_empty:
             plan = out.offload
             saves, restores = saves + len(plan.saves), restores + len(plan.restores)
-            views = pickle.loads(pickle.dumps(StepMessage([], [(SeqView.of(q, n), n) for q, n in out.scheduled],
-                                                          plan)))
+            views = pickle.loads(pickle.dumps(StepMessage([], [(SeqView.of(q, n), n) for q, n in out.scheduled], plan)))
             for cache, inputs, msg in ((rank0, inputs0, plan), (worker, inputs1, views.plan)):
                 cache.begin_step(msg)
                 inputs.note_plan(msg)

@@ -7,6 +7,7 @@ preemptions too. A worker that dies
 stops rank 0 with an error naming it, within a bounded time (and so does one failing at start); a rank 0 that
 dies stops its worker; and the torchrun path (every rank from the environment, the same CLI command on each)
 gives the same tokens."""
+
 from __future__ import annotations
 
 import json
@@ -30,10 +31,17 @@ from tests.conftest import VARIANTS
 from tests.schedules import drive_random_schedule
 
 BS = 8
-COMMON = dict(device="cpu", dtype="float32", block_size=BS, max_model_len=192, max_num_seqs=4,
-              max_num_batched_tokens=48)  # chunked prefill mixed with decodes
-TOPK = dict(sparse_policy="topk", sparse_budget=4 * BS, sparse_sink_blocks=1, sparse_local_blocks=2,
-            sparse_dense_layers=0, sparse_dense_context=0)  # every decode through selection: 2 of ~11 blocks
+COMMON = dict(
+    device="cpu", dtype="float32", block_size=BS, max_model_len=192, max_num_seqs=4, max_num_batched_tokens=48
+)  # chunked prefill mixed with decodes
+TOPK = dict(
+    sparse_policy="topk",
+    sparse_budget=4 * BS,
+    sparse_sink_blocks=1,
+    sparse_local_blocks=2,
+    sparse_dense_layers=0,
+    sparse_dense_context=0,
+)  # every decode through selection: 2 of ~11 blocks
 OFFLOAD = dict(TOPK, sparse_dense_layers=1, kv_offload=True, num_gpu_blocks_override=40, hbm_cache_blocks=16)
 CONFIGS = {"dense": {}, "topk": TOPK, "offload": OFFLOAD}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
@@ -70,8 +78,11 @@ def shutdown(llm: LLM) -> None:
 
 # Every variant whose query heads split over 2 ranks (SmolLM2's 9 heads over 2 are refused: test_parallel_layers)
 SPLIT = [v for v in VARIANTS if VARIANTS[v][1]["num_attention_heads"] % 2 == 0]
-CASES = [(v, "dense") for v in SPLIT] + [(v, "offload") for v in SPLIT] + [
-    ("qwen3-qknorm-d128", "topk"), ("llama3-gqa-d128-tied-rope", "topk")]
+CASES = (
+    [(v, "dense") for v in SPLIT]
+    + [(v, "offload") for v in SPLIT]
+    + [("qwen3-qknorm-d128", "topk"), ("llama3-gqa-d128-tied-rope", "topk")]
+)
 
 
 @pytest.mark.parametrize("variant, config", CASES)
@@ -110,8 +121,9 @@ def test_random_schedule_with_aborts_and_preemptions(hf_models):
     offload cache and selection slots follow rank 0's scheduler, so each finished request's tokens equal one
     rank's."""
     model_dir = hf_models["mistral-gqa"][0]
-    kw = dict(OFFLOAD, max_model_len=96, num_gpu_blocks_override=14,
-              init_new_token_ratio=0.0, min_new_token_ratio=0.0)  # admit what fits now: preemptions happen
+    kw = dict(
+        OFFLOAD, max_model_len=96, num_gpu_blocks_override=14, init_new_token_ratio=0.0, min_new_token_ratio=0.0
+    )  # admit what fits now: preemptions happen
     host_block = host_block_bytes(2, 2, BS, 32, torch.float32)  # 2 layers, 2 KV heads of 32 (1 a rank)
 
     def run(llm: LLM) -> tuple[dict, int]:
@@ -142,8 +154,9 @@ def _wait_for_failure(llm: LLM) -> tuple[BaseException | None, float]:
 
     def work() -> None:
         try:
-            llm.generate(prompts() * 2, SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True),
-                         use_tqdm=False)
+            llm.generate(
+                prompts() * 2, SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True), use_tqdm=False
+            )
         except BaseException as e:  # noqa: BLE001 - the test inspects it
             box.append(e)
 
@@ -190,12 +203,14 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_dead_rank_0_stops_its_worker(tiny_model_dir):
-    script = ("import os, signal\n"
-              "from sparseserve import LLM\n"
-              "if __name__ == '__main__':\n"
-              f"    llm = LLM({str(tiny_model_dir)!r}, device='cpu', max_model_len=128, tensor_parallel_size=2)\n"
-              "    print(llm.llm_engine.model_runner._session.workers.procs[0].pid, flush=True)\n"
-              "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    script = (
+        "import os, signal\n"
+        "from sparseserve import LLM\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({str(tiny_model_dir)!r}, device='cpu', max_model_len=128, tensor_parallel_size=2)\n"
+        "    print(llm.llm_engine.model_runner._session.workers.procs[0].pid, flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     pid = int(proc.stdout.split()[-1])
@@ -209,22 +224,50 @@ def test_torchrun_environment_runs_the_same_command_on_every_rank(tiny_model_dir
     """What `torchrun --nproc-per-node 2 -m sparseserve generate ... --tensor-parallel-size 2` does, with its
     environment variables set by hand: rank 0 prints the completion, rank 1 serves it and exits 0."""
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "sparseserve", "generate", "--model", str(tiny_model_dir), "--device", "cpu",
-           "--max-model-len", "128", "--max-tokens", "6", "--prompt", "The secret number is",
-           "--tensor-parallel-size", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sparseserve",
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--device",
+        "cpu",
+        "--max-model-len",
+        "128",
+        "--max-tokens",
+        "6",
+        "--prompt",
+        "The secret number is",
+        "--tensor-parallel-size",
+        "2",
+    ]
     procs = []
     for rank in (0, 1):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        procs.append(
+            subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
-    ref = LLM(str(tiny_model_dir), device="cpu", max_model_len=128).generate(
-        ["The secret number is"], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0].outputs[0].text
+    ref = (
+        LLM(str(tiny_model_dir), device="cpu", max_model_len=128)
+        .generate(["The secret number is"], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
     assert f"Output: {ref!r}" in outs[0][0] and "Output:" not in outs[1][0]
 
 

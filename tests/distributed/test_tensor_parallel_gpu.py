@@ -1,6 +1,7 @@
 """Tensor parallelism on 2 CUDA GPUs (NCCL, Triton kernels, a CUDA graph of the decode step on each rank): the
 tiny models' greedy tokens at tensor_parallel_size=2 equal one GPU's, dense, topk and topk + KV offload, in
 float32. Skipped without 2 GPUs; the CPU file (gloo) covers the same logic everywhere."""
+
 from __future__ import annotations
 
 import pytest

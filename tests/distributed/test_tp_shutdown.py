@@ -2,6 +2,7 @@
 groups' threads and connections at once (not when the model, a reference cycle, is collected at interpreter
 exit, while the other ranks react to the closing connections), and rank 0's channel sends nothing after its last
 message. The torchrun exit path itself: test_tensor_parallel.py::test_torchrun_environment_..."""
+
 from __future__ import annotations
 
 import gc

@@ -1,4 +1,5 @@
 """Building a Scheduler in tests from the pieces an engine would wire (engine/scheduler/)."""
+
 from __future__ import annotations
 
 from sparseserve.config import SchedulerConfig
@@ -16,15 +17,32 @@ from sparseserve.kvcache.blocks import BlockAllocator
 from sparseserve.profiler import Profiler
 
 
-def make_scheduler(config: SchedulerConfig, allocator: BlockAllocator, block_size: int, device_space=None,
-                   host_cache=None, *, max_model_len: int | None = None, min_chunk: int = 1,
-                   segments: SegmentPlanner | None = None, long_prefill_token_threshold: int = 0,
-                   max_prefilled_waiting: int = 0, kv_cls: type[KVCacheManager] = KVCacheManager,
-                   fair: bool = True) -> Scheduler:
+def make_scheduler(
+    config: SchedulerConfig,
+    allocator: BlockAllocator,
+    block_size: int,
+    device_space=None,
+    host_cache=None,
+    *,
+    max_model_len: int | None = None,
+    min_chunk: int = 1,
+    segments: SegmentPlanner | None = None,
+    long_prefill_token_threshold: int = 0,
+    max_prefilled_waiting: int = 0,
+    kv_cls: type[KVCacheManager] = KVCacheManager,
+    fair: bool = True,
+) -> Scheduler:
     """A working-set limit, if any, is the device space's `working_set` (as the engine's offload space);
     fairness between requests on, as in the engine."""
-    kv = kv_cls(config, allocator, block_size, device_space=device_space, host_cache=host_cache,
-                max_model_len=max_model_len, min_chunk=min_chunk)
+    kv = kv_cls(
+        config,
+        allocator,
+        block_size,
+        device_space=device_space,
+        host_cache=host_cache,
+        max_model_len=max_model_len,
+        min_chunk=min_chunk,
+    )
     long = None
     if long_prefill_token_threshold:
         long = LongPrefillLimit(long_prefill_token_threshold, config.max_long_partial_prefills, min_chunk)

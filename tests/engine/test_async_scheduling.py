@@ -2,6 +2,7 @@
 arrivals, aborts, stops (token ids, strings, EOS, length) and preemption, greedy and seeded sampling, dense and
 sparse attention; no block leaks; and the overlap really happens (placeholders filled on the device from the
 previous step's tokens, tokens of stopped sequences dropped)."""
+
 from __future__ import annotations
 
 import random
@@ -15,8 +16,14 @@ from sparseserve.layers.sampler import SamplerOutput
 from tests.kernel_utils import DEVICE, ON_GPU
 from tests.schedules import drive_random_schedule, held_blocks, shared_prefix_prompts
 
-SPARSE = dict(sparse_policy="topk", sparse_budget=64, sparse_dense_layers=0, sparse_sink_blocks=1,
-              sparse_local_blocks=1, sparse_dense_context=0)
+SPARSE = dict(
+    sparse_policy="topk",
+    sparse_budget=64,
+    sparse_dense_layers=0,
+    sparse_sink_blocks=1,
+    sparse_local_blocks=1,
+    sparse_dense_context=0,
+)
 
 
 def random_params(seeded: bool):
@@ -25,10 +32,16 @@ def random_params(seeded: bool):
     def params(rng: random.Random) -> SamplingParams:
         sampled = seeded and rng.random() < 0.6
         return SamplingParams(
-            max_tokens=rng.randint(1, 24), n=rng.choice([1, 1, 2]), ignore_eos=rng.random() < 0.5,
-            temperature=1.0 if sampled else 0.0, seed=rng.randrange(2**31) if sampled else None,
-            stop_token_ids=stop_ids if rng.random() < 0.5 else [], stop=["e "] if rng.random() < 0.2 else None,
-            logprobs=2 if rng.random() < 0.3 else None)
+            max_tokens=rng.randint(1, 24),
+            n=rng.choice([1, 1, 2]),
+            ignore_eos=rng.random() < 0.5,
+            temperature=1.0 if sampled else 0.0,
+            seed=rng.randrange(2**31) if sampled else None,
+            stop_token_ids=stop_ids if rng.random() < 0.5 else [],
+            stop=["e "] if rng.random() < 0.2 else None,
+            logprobs=2 if rng.random() < 0.3 else None,
+        )
+
     return params
 
 
@@ -47,6 +60,7 @@ class Spy:
             seqs, out = execute(scheduled, segments, plan, feed=feed)
             self.sampled += len(seqs)
             return seqs, out
+
         runner.execute = spy
 
 
@@ -54,9 +68,19 @@ def run(tiny_model_dir, seed: int, async_scheduling: bool, seeded: bool = False,
     rng = random.Random(seed)
     # max_model_len below the longest prompt + max_tokens: some requests end at the context's end
     kw.setdefault("max_num_batched_tokens", rng.choice([16, 48, 96]))
-    llm = LLM(str(tiny_model_dir), device=device, dtype="float32", block_size=16, max_model_len=72,
-              num_gpu_blocks_override=12, max_num_seqs=6, init_new_token_ratio=0.0, min_new_token_ratio=0.0,
-              async_scheduling=async_scheduling, **kw)
+    llm = LLM(
+        str(tiny_model_dir),
+        device=device,
+        dtype="float32",
+        block_size=16,
+        max_model_len=72,
+        num_gpu_blocks_override=12,
+        max_num_seqs=6,
+        init_new_token_ratio=0.0,
+        min_new_token_ratio=0.0,
+        async_scheduling=async_scheduling,
+        **kw,
+    )
     engine = llm.llm_engine
     spy = Spy(engine)
     tokens: dict[tuple[str, int], list[int]] = {}
@@ -73,8 +97,16 @@ def run(tiny_model_dir, seed: int, async_scheduling: bool, seeded: bool = False,
         held_blocks(engine)
 
     aborted: set[str] = set()
-    drive_random_schedule(engine, rng, steps=60, max_new=24, after_step=collect, aborted=aborted,
-                          prompts=shared_prefix_prompts(seed), params=random_params(seeded))
+    drive_random_schedule(
+        engine,
+        rng,
+        steps=60,
+        max_new=24,
+        after_step=collect,
+        aborted=aborted,
+        prompts=shared_prefix_prompts(seed),
+        params=random_params(seeded),
+    )
     while engine.has_unfinished_requests():
         collect(engine.step())
     assert engine.allocator.num_used == 0 and not engine.scheduler.running and not engine.scheduler.waiting
@@ -109,13 +141,21 @@ def test_async_gives_the_tokens_of_sync_over_random_schedules(tiny_model_dir, se
     assert engine.scheduler.num_preemptions > 0 or seed % 2 == 1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the overlap on a device stream (CUDA graphs, "
-                    "Triton kernels, pinned copies)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs CUDA: the overlap on a device stream (CUDA graphs, Triton kernels, pinned copies)",
+)
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("sparse", [False, True, "offload", "layerseg", "offload_lag", "layerseg_lag"])
 def test_async_on_cuda(tiny_model_dir, seed, sparse):
-    extra = {False: {}, True: SPARSE, "offload": SPARSE | OFFLOAD, "layerseg": SPARSE | LAYERSEG,
-             "offload_lag": SPARSE | OFFLOAD | LAG, "layerseg_lag": SPARSE | LAYERSEG | LAG}[sparse]
+    extra = {
+        False: {},
+        True: SPARSE,
+        "offload": SPARSE | OFFLOAD,
+        "layerseg": SPARSE | LAYERSEG,
+        "offload_lag": SPARSE | OFFLOAD | LAG,
+        "layerseg_lag": SPARSE | LAYERSEG | LAG,
+    }[sparse]
     kw = dict(device="cuda", seeded=seed == 1, **extra)
     asyn = run(tiny_model_dir, seed, True, **kw)
     check_same(run(tiny_model_dir, seed, False, **kw), asyn)
@@ -130,10 +170,20 @@ LAYERSEG = dict(OFFLOAD, layer_segmented_prefill=True, prefill_layer_segment=1, 
 LAG = dict(sparse_lag=1)
 
 
-@pytest.mark.parametrize("extra", [{}, dict(sparse_lag=1), dict(sparse_policy="topp", sparse_reuse=3), OFFLOAD,
-                                   dict(OFFLOAD, working_set_control=True, sparse_policy="topp", sparse_reuse=2),
-                                   LAYERSEG, dict(OFFLOAD, sparse_lag=1),
-                                   dict(OFFLOAD, working_set_control=True, sparse_lag=1), dict(LAYERSEG, sparse_lag=1)])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        dict(sparse_lag=1),
+        dict(sparse_policy="topp", sparse_reuse=3),
+        OFFLOAD,
+        dict(OFFLOAD, working_set_control=True, sparse_policy="topp", sparse_reuse=2),
+        LAYERSEG,
+        dict(OFFLOAD, sparse_lag=1),
+        dict(OFFLOAD, working_set_control=True, sparse_lag=1),
+        dict(LAYERSEG, sparse_lag=1),
+    ],
+)
 def test_async_with_sparse_attention(tiny_model_dir, extra):
     kw = SPARSE | extra
     asyn = run(tiny_model_dir, 6, True, **kw)  # a seed whose schedule preempts in every offload config
@@ -172,6 +222,7 @@ def test_generate_and_deltas_one_step_late(tiny_model_dir):
 
 def test_refused_where_it_does_not_work_yet(tiny_model_dir):
     from sparseserve.config import EngineConfig
+
     with pytest.raises(ValueError, match="host_prefix_cache_memory"):
         EngineConfig.from_kwargs(async_scheduling=True, host_prefix_cache_memory="1MiB")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
@@ -218,9 +269,12 @@ def _sampler_output(g: torch.Generator, rows: int, k: int | None) -> SamplerOutp
     tokens = torch.randint(0, 4096, (rows,), generator=g)
     if k is None:
         return SamplerOutput(tokens.to(DEVICE))
-    return SamplerOutput(tokens.to(DEVICE), torch.randn(rows, k + 1, generator=g).to(DEVICE),
-                         torch.randint(0, 4096, (rows, k + 1), generator=g).to(DEVICE),
-                         torch.randint(1, 9, (rows,), generator=g).to(DEVICE))
+    return SamplerOutput(
+        tokens.to(DEVICE),
+        torch.randn(rows, k + 1, generator=g).to(DEVICE),
+        torch.randint(0, 4096, (rows, k + 1), generator=g).to(DEVICE),
+        torch.randint(1, 9, (rows,), generator=g).to(DEVICE),
+    )
 
 
 def test_host_copies_reuse_buffers_and_keep_values_until_consumed():
@@ -236,16 +290,22 @@ def test_host_copies_reuse_buffers_and_keep_values_until_consumed():
         out = _sampler_output(g, rows, 2 if step % 5 == 0 and step < 60 else None)
         if ON_GPU and step % 10 == 0:
             torch.cuda._sleep(5_000_000)
-        expected = SamplerOutput(*(None if t is None else t.cpu() for t in (
-            out.token_ids, out.logprobs, out.logprob_token_ids, out.sampled_ranks)))
+        expected = SamplerOutput(
+            *(
+                None if t is None else t.cpu()
+                for t in (out.token_ids, out.logprobs, out.logprob_token_ids, out.sampled_ranks)
+            )
+        )
         host, event = copies.copy(out)
         assert (event is not None) == ON_GPU
         if pending is not None:  # the step before lands now, after this one's copy started
             want, got, ev = pending
             if ev is not None:
                 ev.synchronize()
-            for w, h in zip((want.token_ids, want.logprobs, want.logprob_token_ids, want.sampled_ranks),
-                            (got.token_ids, got.logprobs, got.logprob_token_ids, got.sampled_ranks)):
+            for w, h in zip(
+                (want.token_ids, want.logprobs, want.logprob_token_ids, want.sampled_ranks),
+                (got.token_ids, got.logprobs, got.logprob_token_ids, got.sampled_ranks),
+            ):
                 assert (w is None) == (h is None)
                 if w is not None:
                     assert h.device.type == "cpu" and h.is_pinned() == ON_GPU and torch.equal(h, w)

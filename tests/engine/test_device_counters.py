@@ -1,5 +1,6 @@
 """The engine's device counters read without a sync (engine/stats.py DeviceCounters): late by at most a step and
 the copy interval while steps run, never ahead of the device, and exact once an idle engine's reads have polled."""
+
 from __future__ import annotations
 
 import time

@@ -1,4 +1,5 @@
 """Bad input is refused clearly and loses nothing; the KV pool's accounting holds over random schedules."""
+
 from __future__ import annotations
 
 import random
@@ -15,18 +16,21 @@ def llm(tiny_model_dir):
     return LLM(str(tiny_model_dir), device="cpu", dtype="float32", block_size=16, max_model_len=128)
 
 
-@pytest.mark.parametrize("make_call, message", [
-    (lambda llm: llm.generate([""]), "empty"),
-    (lambda llm: llm.generate([[]]), "empty"),
-    (lambda llm: llm.generate([list(range(10, 10 + 200))]), "max_model_len"),
-    (lambda llm: llm.generate(["ok", [99999]]), "token ids"),
-    (lambda llm: llm.generate(["hi"], SamplingParams(max_tokens=0)), "max_tokens"),
-    (lambda llm: llm.generate(["hi"], SamplingParams(max_tokens=-3)), "max_tokens"),
-    (lambda llm: llm.generate(["hi"], SamplingParams(top_p=0.0)), "top_p"),
-    (lambda llm: llm.generate(["hi"], SamplingParams(top_p=1.5)), "top_p"),
-    (lambda llm: llm.generate(["hi"], SamplingParams(temperature=-1.0)), "temperature"),
-    (lambda llm: llm.generate(["hi"], SamplingParams(n=0)), "n must"),
-])
+@pytest.mark.parametrize(
+    "make_call, message",
+    [
+        (lambda llm: llm.generate([""]), "empty"),
+        (lambda llm: llm.generate([[]]), "empty"),
+        (lambda llm: llm.generate([list(range(10, 10 + 200))]), "max_model_len"),
+        (lambda llm: llm.generate(["ok", [99999]]), "token ids"),
+        (lambda llm: llm.generate(["hi"], SamplingParams(max_tokens=0)), "max_tokens"),
+        (lambda llm: llm.generate(["hi"], SamplingParams(max_tokens=-3)), "max_tokens"),
+        (lambda llm: llm.generate(["hi"], SamplingParams(top_p=0.0)), "top_p"),
+        (lambda llm: llm.generate(["hi"], SamplingParams(top_p=1.5)), "top_p"),
+        (lambda llm: llm.generate(["hi"], SamplingParams(temperature=-1.0)), "temperature"),
+        (lambda llm: llm.generate(["hi"], SamplingParams(n=0)), "n must"),
+    ],
+)
 def test_bad_input_is_refused_and_engine_keeps_working(llm, make_call, message):
     with pytest.raises(ValueError, match=message):
         make_call(llm)
@@ -71,8 +75,16 @@ def test_pool_accounting_over_random_schedules(tiny_model_dir, seed):
     """Random arrivals, aborts and steps with a pool small enough to preempt: after every step the
     blocks held by sequences are exactly the allocator's used set, and at the end everything is free."""
     rng = random.Random(seed)
-    llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", block_size=16, max_model_len=96,
-              num_gpu_blocks_override=10, max_num_batched_tokens=rng.choice([16, 48, 96]), max_num_seqs=6)
+    llm = LLM(
+        str(tiny_model_dir),
+        device="cpu",
+        dtype="float32",
+        block_size=16,
+        max_model_len=96,
+        num_gpu_blocks_override=10,
+        max_num_batched_tokens=rng.choice([16, 48, 96]),
+        max_num_seqs=6,
+    )
     engine = llm.llm_engine
     live = drive_random_schedule(engine, rng, steps=40, max_new=30, after_step=lambda _: held_blocks(engine))
     engine.abort_request(live[: len(live) // 2])

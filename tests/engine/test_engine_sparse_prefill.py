@@ -2,6 +2,7 @@
 tokens with chunked prefill (chunks starting mid-context), GQA groups of 1, 3 and 4, and under KV offload; a
 threshold computes fewer tiles and the run completes; streaming heads change exactly their heads' prefill output;
 the calibration tool writes a file the engine loads."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,9 @@ from tests.kernel_utils import gpu_only
 
 # Chunks of 160 tokens: the 450-token prompt's later chunks start mid-context with middle tiles to select (key
 # tiles of 64 tokens, sink 1, local window 2); the short prompt stays a first chunk.
-COMMON = dict(device="cpu", dtype="float32", block_size=16, max_model_len=512, max_num_batched_tokens=160,
-              max_num_seqs=4)
+COMMON = dict(
+    device="cpu", dtype="float32", block_size=16, max_model_len=512, max_num_batched_tokens=160, max_num_seqs=4
+)
 SALE0 = dict(sparse_prefill="sale", sparse_prefill_threshold=0.0, sparse_prefill_min_len=0)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
@@ -37,8 +39,15 @@ def run(model_dir, prompt_lengths=(450, 120), **kw):
 @pytest.fixture(scope="module")
 def group3_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama-gqa3")
-    make_hf_model(path, "LlamaConfig", num_attention_heads=6, num_key_value_heads=2, head_dim=32, hidden_size=192,
-                  tie_word_embeddings=False)
+    make_hf_model(
+        path,
+        "LlamaConfig",
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=32,
+        hidden_size=192,
+        tie_word_embeddings=False,
+    )
     return path
 
 
@@ -69,14 +78,19 @@ def test_offload_threshold_zero_equals_dense(hf_models):
 def test_threshold_computes_fewer_tiles(group3_model):
     """A threshold drops tiles (the counters, /metrics) and the run completes; a prompt below min_len stays dense
     (the 120-token prompt's tiles are all computed, so the drop comes from the long one alone)."""
-    outs, stats, _ = run(group3_model, sparse_prefill="sale", sparse_prefill_threshold=1.0,
-                         sparse_prefill_min_len=200)
+    outs, stats, _ = run(group3_model, sparse_prefill="sale", sparse_prefill_threshold=1.0, sparse_prefill_min_len=200)
     assert all(len(o) == GREEDY.max_tokens for o in outs)
     assert 0 < stats.prefill_tiles_computed < stats.prefill_tiles_dense
-    _, short, _ = run(group3_model, prompt_lengths=(120,), sparse_prefill="sale", sparse_prefill_threshold=1.0,
-                      sparse_prefill_min_len=200)
+    _, short, _ = run(
+        group3_model,
+        prompt_lengths=(120,),
+        sparse_prefill="sale",
+        sparse_prefill_threshold=1.0,
+        sparse_prefill_min_len=200,
+    )
     assert short.prefill_tiles_computed == short.prefill_tiles_dense > 0
     from sparseserve.metrics import ServerMetrics, parse_metrics
+
     got = parse_metrics(ServerMetrics(lambda: stats, "m").render().decode())
     assert got["sparseserve:prefill_tiles_computed_total"] == stats.prefill_tiles_computed
 
@@ -94,7 +108,7 @@ def test_streaming_heads_change_prefill(hf_models, tmp_path):
 
         def observe(layer, q, out, kv_cache, meta, scale):
             if layer == 1:  # the prefill tokens of the step (decodes come first, one token each)
-                seen.append(out[meta.num_decodes:].clone())
+                seen.append(out[meta.num_decodes :].clone())
 
         llm.llm_engine.model_runner.attn_backend.observers.append(observe)
         llm.generate(prompts((450,)), SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
@@ -113,18 +127,42 @@ def test_calibration_writes_a_file_the_engine_loads(hf_models, tmp_path, capsys)
     """calibrate --prefill on random prompts: one threshold per (layer, query head), each 0 or the start halved
     k times, and the file (with its layout and the tile fraction measured after) loads into an engine."""
     from sparseserve.calibration import cli as calibrate
+
     model = hf_models["qwen3-qknorm-d128"][0]
     parser = argparse.ArgumentParser()
     calibrate.add_cli_args(parser)
     out = tmp_path / "prefill.json"
-    res = calibrate.main(parser.parse_args([str(model), "--prefill", "--random-prompts", "--lengths", "400",
-                                            "--num-samples", "1", "--out", str(out), "--device", "cpu",
-                                            "--dtype", "float32", "--block-size", "16", "--error-bound", "0.05",
-                                            "--start-threshold", "0.5", "--min-threshold", "0.01"]))
+    res = calibrate.main(
+        parser.parse_args(
+            [
+                str(model),
+                "--prefill",
+                "--random-prompts",
+                "--lengths",
+                "400",
+                "--num-samples",
+                "1",
+                "--out",
+                str(out),
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--block-size",
+                "16",
+                "--error-bound",
+                "0.05",
+                "--start-threshold",
+                "0.5",
+                "--min-threshold",
+                "0.01",
+            ]
+        )
+    )
     data = json.loads(out.read_text())
     assert data == json.loads(json.dumps(res)) and "2 layers x 4 query heads" in capsys.readouterr().out
     thr = load_prefill_thresholds(str(out), 2, 4)
-    allowed = {0.0} | {0.5 / 2 ** k for k in range(6)}
+    allowed = {0.0} | {0.5 / 2**k for k in range(6)}
     assert set(thr.flatten().tolist()) <= allowed
     assert 0 < data["tile_fraction"] <= 1 and data["num_q_heads"] == 4 and data["error_bound"] == 0.05
     outs, stats, _ = run(model, sparse_prefill="sale", sparse_prefill_calibration=str(out), sparse_prefill_min_len=0)

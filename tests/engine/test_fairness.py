@@ -1,6 +1,7 @@
 """Fairness between requests (engine/scheduler/fairness.py): a request with many sequences (n > 1) never keeps
 other requests waiting, on the scheduler alone and on the embedded model (issue 41: one n=64 request held every
 later request for two minutes)."""
+
 from __future__ import annotations
 
 import time
@@ -15,8 +16,12 @@ from tests.engine.test_scheduler import BS, NO_RESERVE, run_step
 
 
 def hog_and_others(fair: bool):
-    sched = make_scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, **NO_RESERVE),
-                           BlockAllocator(48, enable_caching=True), BS, fair=fair)
+    sched = make_scheduler(
+        SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, **NO_RESERVE),
+        BlockAllocator(48, enable_caching=True),
+        BS,
+        fair=fair,
+    )
     hog = [Sequence(i, "hog", i, list(range(12)), SamplingParams(n=16, max_tokens=400)) for i in range(16)]
     for s in hog:
         sched.add(s)
@@ -62,14 +67,18 @@ def test_eight_requests_beside_an_n64_hog_start_at_once():
     256-block cache, then eight ordinary requests: each gets its first token within a few steps (the wall time is
     printed: a unit test holds no timing threshold), and nothing leaks when the hog is aborted."""
     from sparseserve.engine.engine import LLMEngine
+
     engine = LLMEngine.from_kwargs(device="cpu", max_model_len=4096, num_gpu_blocks_override=256)
     engine.add_request("hog", "Tell me a long story. " * 20, SamplingParams(n=64, max_tokens=3000, ignore_eos=True))
     for _ in range(8):
         engine.step()
     t0 = time.perf_counter()
     for i in range(8):
-        engine.add_request(f"r{i}", f"Question {i}: what is the capital of France? " * 8,
-                           SamplingParams(max_tokens=100, ignore_eos=True))
+        engine.add_request(
+            f"r{i}",
+            f"Question {i}: what is the capital of France? " * 8,
+            SamplingParams(max_tokens=100, ignore_eos=True),
+        )
     first: dict[str, int] = {}
     for step in range(1, 40):
         for out in engine.step():
@@ -77,8 +86,10 @@ def test_eight_requests_beside_an_n64_hog_start_at_once():
                 first.setdefault(out.request_id, step)
         if len(first) == 8:
             break
-    print(f"eight requests beside an n=64 hog: first tokens within {max(first.values())} steps, "
-          f"{time.perf_counter() - t0:.2f} s")
+    print(
+        f"eight requests beside an n=64 hog: first tokens within {max(first.values())} steps, "
+        f"{time.perf_counter() - t0:.2f} s"
+    )
     assert len(first) == 8 and max(first.values()) <= 6, first
     engine.abort_request(list(engine.requests))
     assert engine.allocator.num_used == 0 and not engine.scheduler.running and not engine.scheduler.waiting

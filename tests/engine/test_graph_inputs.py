@@ -2,6 +2,7 @@
 StaticInputs) give the tokens of eager steps: dense, sparse, lagged selection, KV offload with a small HBM
 pool, async scheduling, under a random schedule (arrivals, aborts, preemption). Without a GPU a "replay" runs
 the captured step eagerly over the same static inputs, padding rows included; on a GPU the graphs are real."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +17,15 @@ from tests.kernel_utils import DEVICE
 from tests.schedules import check_pool, drive_random_schedule, held_blocks
 
 BS = 8
-SPARSE = dict(block_size=BS, sparse_policy="topk", sparse_budget=4 * BS, sparse_dense_layers=0, sparse_sink_blocks=1,
-              sparse_local_blocks=2, sparse_dense_context=0)
+SPARSE = dict(
+    block_size=BS,
+    sparse_policy="topk",
+    sparse_budget=4 * BS,
+    sparse_dense_layers=0,
+    sparse_sink_blocks=1,
+    sparse_local_blocks=2,
+    sparse_dense_context=0,
+)
 CONFIGS = {
     "dense": dict(),
     "topk": SPARSE,
@@ -42,18 +50,28 @@ class ReplayCount(Profiler):
 def run(model_dir, graphs: bool, seed: int, **kw) -> tuple[dict[str, list[int]], ReplayCount, object]:
     kw = {"num_gpu_blocks_override": 64, **kw}  # a small cache: preemptions, and engines side by side on a GPU
     count = ReplayCount()
-    llm = LLM(str(model_dir), device=DEVICE.type, dtype="float32", max_model_len=136, max_num_seqs=6,
-              max_num_batched_tokens=64, enforce_eager=not graphs, profiler=count, **kw)
+    llm = LLM(
+        str(model_dir),
+        device=DEVICE.type,
+        dtype="float32",
+        max_model_len=136,
+        max_num_seqs=6,
+        max_num_batched_tokens=64,
+        enforce_eager=not graphs,
+        profiler=count,
+        **kw,
+    )
     engine = llm.llm_engine
     runner = engine.model_runner
     if graphs and runner.graphs is None:  # no CUDA: the same static inputs, each "replay" run eagerly
-        runner.graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.kv_caches, 6,
-                                     runner.max_model_len, runner.block_size, count)
+        runner.graphs = DecodeGraphs(
+            runner.model, runner.attn_backend, runner.kv_caches, 6, runner.max_model_len, runner.block_size, count
+        )
     tokens: dict[str, list[int]] = {}
 
     def after(outs):
         for o in outs:
-            tokens.setdefault(o.request_id, []).extend(o.outputs[0].token_ids[len(tokens.get(o.request_id, [])):])
+            tokens.setdefault(o.request_id, []).extend(o.outputs[0].token_ids[len(tokens.get(o.request_id, [])) :])
 
     params = lambda rng: SamplingParams(max_tokens=rng.randint(4, 40), temperature=0.0, ignore_eos=True)  # noqa: E731
     drive_random_schedule(engine, random.Random(seed), 60, 40, after, greedy=True, params=params)

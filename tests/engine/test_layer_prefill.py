@@ -3,6 +3,7 @@ costs, the device reserve it frees, and the engine: the same greedy tokens as ch
 layers, one layer or as many as the budget allows per step, several requests mixing with decodes), the first
 token's logprobs equal to transformers', and random schedules with preemptions and aborts in the middle of a
 prefill: the same tokens, no block leaked, the host store equal to the device cache for every full block."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,10 +22,24 @@ from tests.engine.sched_utils import LastSchedule
 from tests.schedules import check_pool, held_blocks
 
 BS = 8
-SPARSE = dict(block_size=BS, sparse_policy="topk", sparse_budget=4 * BS, sparse_dense_layers=0, sparse_sink_blocks=1,
-              sparse_local_blocks=2, sparse_dense_context=0)
-COMMON = dict(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32,
-              kv_offload=True, **SPARSE)
+SPARSE = dict(
+    block_size=BS,
+    sparse_policy="topk",
+    sparse_budget=4 * BS,
+    sparse_dense_layers=0,
+    sparse_sink_blocks=1,
+    sparse_local_blocks=2,
+    sparse_dense_context=0,
+)
+COMMON = dict(
+    device="cpu",
+    dtype="float32",
+    max_model_len=256,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    kv_offload=True,
+    **SPARSE,
+)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
@@ -32,8 +47,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 def model4(tmp_path_factory):
     """A 4-layer GQA Llama (segments of 1, 2 or 3 layers are all possible)."""
     path = tmp_path_factory.mktemp("llama4")
-    hf = make_hf_model(path, "LlamaConfig", num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                       hidden_size=128, tie_word_embeddings=False, num_hidden_layers=4)
+    hf = make_hf_model(
+        path,
+        "LlamaConfig",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        hidden_size=128,
+        tie_word_embeddings=False,
+        num_hidden_layers=4,
+    )
     return path, hf
 
 
@@ -46,8 +69,17 @@ def test_config_flags_and_refusals():
     cfg = EngineConfig.from_kwargs(kv_offload=True, layer_segmented_prefill=True, prefill_layer_segment=2, **SPARSE)
     assert cfg.offload_config.layer_segmented_prefill and cfg.offload_config.prefill_layer_segment == 2
     assert not OffloadConfig().layer_segmented_prefill  # off by default
-    args = build_parser(["generate"]).parse_args(["generate", "--kv-offload", "--sparse-policy", "topk",
-                                                  "--layer-segmented-prefill", "--prefill-layer-segment", "3"])
+    args = build_parser(["generate"]).parse_args(
+        [
+            "generate",
+            "--kv-offload",
+            "--sparse-policy",
+            "topk",
+            "--layer-segmented-prefill",
+            "--prefill-layer-segment",
+            "3",
+        ]
+    )
     kw = engine_kwargs_from_args(args)
     assert kw["layer_segmented_prefill"] is True and kw["prefill_layer_segment"] == 3
     with pytest.raises(ValueError, match="layer_segmented_prefill needs kv_offload"):
@@ -80,12 +112,27 @@ def test_segment_planner():
 def test_reserve_freed_for_the_pool():
     """With layer-segmented prefill the device block cache keeps no whole max_model_len prefill: its blocks go
     to the HBM pool, and a device cache smaller than one max_model_len sequence is allowed."""
+
     def build(on: bool, budget: int | None = 15 << 20, device_blocks: int | None = None) -> OffloadCache:
         return OffloadCache.build(
             OffloadConfig(kv_offload=True, host_kv_memory=4 * 1024 * 4096, layer_segmented_prefill=on),
-            num_layers=4, num_kv_heads=2, head_dim=32, block_size=BS, dtype=torch.float32,
-            device=torch.device("cpu"), dense_layers=1, local_blocks=2, cap=4, metadata_block_bytes=256,
-            max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=64, budget=budget, device_blocks=device_blocks)
+            num_layers=4,
+            num_kv_heads=2,
+            head_dim=32,
+            block_size=BS,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            dense_layers=1,
+            local_blocks=2,
+            cap=4,
+            metadata_block_bytes=256,
+            max_model_len=1024,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            budget=budget,
+            device_blocks=device_blocks,
+        )
+
     off, on = build(False).layout, build(True).layout
     seq_blocks = 1024 // BS
     assert off.device_blocks - on.device_blocks == seq_blocks
@@ -120,7 +167,7 @@ def check_segmented(engine) -> None:
     sched, dm = engine.scheduler, engine.scheduler.kv.device_space.map
     assert len(sched.segments.layers_done) <= 1
     offload.sync()
-    sparse = torch.stack(engine.model_runner.kv_caches[offload.dense_layers:])
+    sparse = torch.stack(engine.model_runner.kv_caches[offload.dense_layers :])
     for seq in sched.running:
         start, blocks = dm.range_of(seq)
         if seq.seq_id in sched.segments.layers_done:
@@ -128,19 +175,24 @@ def check_segmented(engine) -> None:
             continue
         full = range(start, min(seq.num_computed_tokens // BS, start + len(blocks)))
         dev = [blocks[j - start] for j in full]
-        assert torch.equal(offload.host.data[offload.dense_layers:, [seq.block_table[j] for j in full]],
-                           sparse[:, dev].cpu())
+        assert torch.equal(
+            offload.host.data[offload.dense_layers :, [seq.block_table[j] for j in full]], sparse[:, dev].cpu()
+        )
 
 
-@pytest.mark.parametrize("dense_layers, segment", [pytest.param(0, None, marks=pytest.mark.slow), (1, 1),
-                                                   pytest.param(2, 3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "dense_layers, segment",
+    [pytest.param(0, None, marks=pytest.mark.slow), (1, 1), pytest.param(2, 3, marks=pytest.mark.slow)],
+)
 def test_layer_segmented_equals_chunked(model4, dense_layers, segment):
     """Prompts longer than one step's budget (and one shorter), several at once: the same greedy tokens as
     chunked prefill with KV offload; segments ran beside decodes, one prefill at a time, each holding only its
     window on the device; the layer-progress gauges show on /metrics; nothing leaks."""
     kw = dict(COMMON, sparse_dense_layers=dense_layers)
     base, _ = drive(LLM(str(model4[0]), **kw, profiler=LastSchedule()), prompts(), GREEDY)
-    llm = LLM(str(model4[0]), **kw, layer_segmented_prefill=True, prefill_layer_segment=segment, profiler=LastSchedule())
+    llm = LLM(
+        str(model4[0]), **kw, layer_segmented_prefill=True, prefill_layer_segment=segment, profiler=LastSchedule()
+    )
     engine = llm.llm_engine
     seen_progress = []
 
@@ -160,9 +212,12 @@ def test_layer_segmented_equals_chunked(model4, dense_layers, segment):
     assert any(s.segments and any(n == 1 for _, n in s.scheduled) for s in schedules)  # beside decodes
     assert all(seg.end - seg.start <= (segment or 4) for seg in segs)
     # over the budget only one layer beside nothing but decodes (a layer cannot be split)
-    assert all(seg.cost + sum(n for _, n in s.scheduled) <= 32
-               or (s.segments == [seg] and seg.end - seg.start == 1 and all(n == 1 for _, n in s.scheduled))
-               for s in schedules for seg in s.segments)
+    assert all(
+        seg.cost + sum(n for _, n in s.scheduled) <= 32
+        or (s.segments == [seg] and seg.end - seg.start == 1 and all(n == 1 for _, n in s.scheduled))
+        for s in schedules
+        for seg in s.segments
+    )
     assert seen_progress and max(seen_progress) > 0
     stats = engine.get_stats(sync=True)
     assert stats.num_blocks_used == 0 == stats.offload_device_blocks_used and stats.layer_prefills_running == 0
@@ -173,11 +228,23 @@ def test_layer_segmented_equals_chunked(model4, dense_layers, segment):
 def test_sparse_prefill_per_layer(model4):
     """SALE's sparse prefill inside the segments: a 450-token prompt alone (so the chunk boundaries are those of
     chunked prefill) selects the same tiles (counters) and gives the same tokens."""
-    kw = dict(COMMON, max_model_len=512, max_num_batched_tokens=128, sparse_prefill="sale",
-              sparse_prefill_threshold=1.0, sparse_prefill_min_len=200)
+    kw = dict(
+        COMMON,
+        max_model_len=512,
+        max_num_batched_tokens=128,
+        sparse_prefill="sale",
+        sparse_prefill_threshold=1.0,
+        sparse_prefill_min_len=200,
+    )
     runs = []
     for on in (False, True):
-        llm = LLM(str(model4[0]), **kw, layer_segmented_prefill=on, prefill_layer_segment=2 if on else None, profiler=LastSchedule())
+        llm = LLM(
+            str(model4[0]),
+            **kw,
+            layer_segmented_prefill=on,
+            prefill_layer_segment=2 if on else None,
+            profiler=LastSchedule(),
+        )
         tokens, schedules = drive(llm, prompts((450,)), GREEDY)
         assert any(s.segments for s in schedules) == on
         runs.append((tokens, llm.llm_engine.get_stats(sync=True)))
@@ -208,8 +275,9 @@ def test_first_token_logprobs_match_transformers(model4):
             assert abs(lp.logprob - float(expect[tid])) < 1e-4, (tid, lp.logprob, float(expect[tid]))
 
 
-@pytest.mark.parametrize("how", ["pause", pytest.param("recompute", marks=pytest.mark.slow),
-                                 pytest.param("abort", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "how", ["pause", pytest.param("recompute", marks=pytest.mark.slow), pytest.param("abort", marks=pytest.mark.slow)]
+)
 def test_interrupted_mid_prefill(model4, how):
     """The 200-token prompt is preempted (paused: it keeps its token blocks; recomputed: it gives them back) or
     aborted after two of its four layers: a resumed prefill starts again at layer 0 and every token equals
@@ -254,6 +322,7 @@ def test_random_schedules_preempt_and_abort_mid_prefill(model4, monkeypatch, see
     some of their layers ran."""
     from sparseserve.engine.engine import LLMEngine
     from tests.kvcache.test_offload import random_schedule
+
     interrupted, aborted, current = [], set(), []
     init, preempt, finish, abort = Scheduler.__init__, Scheduler.preempt, Scheduler.finish, LLMEngine.abort_request
 
@@ -278,16 +347,27 @@ def test_random_schedules_preempt_and_abort_mid_prefill(model4, monkeypatch, see
         aborted.add(request_id)
         abort(self, request_id)
 
-    for cls, name, spy in ((Scheduler, "__init__", init_spy), (Scheduler, "preempt", preempt_spy),
-                           (Scheduler, "finish", finish_spy), (LLMEngine, "abort_request", abort_spy)):
+    for cls, name, spy in (
+        (Scheduler, "__init__", init_spy),
+        (Scheduler, "preempt", preempt_spy),
+        (Scheduler, "finish", finish_spy),
+        (LLMEngine, "abort_request", abort_spy),
+    ):
         monkeypatch.setattr(cls, name, spy)
     host = 16 * host_block_bytes(4, 2, BS, 32, torch.float32)  # 16 token blocks
-    covering = dict(greedy=True, sparse_budget=12 * BS, kv_offload=True, hbm_cache_blocks=16, host_kv_memory=host,
-                    num_gpu_blocks_override=12)
+    covering = dict(
+        greedy=True,
+        sparse_budget=12 * BS,
+        kv_offload=True,
+        hbm_cache_blocks=16,
+        host_kv_memory=host,
+        num_gpu_blocks_override=12,
+    )
     off, _ = random_schedule(model4[0], seed, check=True, **covering)
     interrupted.clear()
-    on, _ = random_schedule(model4[0], seed, check=True, layer_segmented_prefill=True, prefill_layer_segment=1,
-                            **covering)
+    on, _ = random_schedule(
+        model4[0], seed, check=True, layer_segmented_prefill=True, prefill_layer_segment=1, **covering
+    )
     assert interrupted, "no prefill was interrupted after some of its layers"
     assert set(on) | aborted == set(off) | aborted
     for rid in set(on) | set(off):

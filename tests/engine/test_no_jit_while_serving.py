@@ -12,6 +12,7 @@ are the same, the interpreter's cost is not paid a second time.
 The workload mixes what serving meets and a warm-up round may not: prompts of every length up to the model's
 limit, decodes beside chunks of several prompts, prefix-cache hits, an abort, and with KV offload a small HBM
 pool (working-set hold-backs, prefills ahead, parked requests resumed)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -26,13 +27,26 @@ import sparseserve.kernels.store_kv as store_ops
 from sparseserve.kernels.dispatch import forced
 from tests.kernel_utils import ON_GPU, ReferenceLaunches, Specializations
 
-SPARSE = dict(sparse_policy="topk", sparse_budget=64, sparse_dense_layers=0, sparse_sink_blocks=1,
-              sparse_local_blocks=1, sparse_dense_context=0)
+SPARSE = dict(
+    sparse_policy="topk",
+    sparse_budget=64,
+    sparse_dense_layers=0,
+    sparse_sink_blocks=1,
+    sparse_local_blocks=1,
+    sparse_dense_context=0,
+)
 CONFIGS = {
     "dense": {},
     "topk_sale": dict(SPARSE, sparse_prefill="sale", sparse_prefill_min_len=48),
-    "layerseg_async": dict(SPARSE, kv_offload=True, layer_segmented_prefill=True, prefill_layer_segment=1,
-                           working_set_control=True, async_scheduling=True, hbm_cache_blocks=32),
+    "layerseg_async": dict(
+        SPARSE,
+        kv_offload=True,
+        layer_segmented_prefill=True,
+        prefill_layer_segment=1,
+        working_set_control=True,
+        async_scheduling=True,
+        hbm_cache_blocks=32,
+    ),
 }
 MAX_MODEL_LEN = 320
 
@@ -48,12 +62,15 @@ def serve(llm: LLM, seed: int = 0, num_requests: int = 16) -> int:
             if prompts and rng.random() < 0.4:  # a prefix shared with an earlier prompt, then a short or long rest
                 base = rng.choice(prompts)
                 rest = rng.choice([8, rng.randint(64, 200)])
-                prompt = base[:rng.randint(1, len(base))] + [rng.randrange(10, 4000) for _ in range(rest)]
-                prompt = prompt[:MAX_MODEL_LEN - 16]
+                prompt = base[: rng.randint(1, len(base))] + [rng.randrange(10, 4000) for _ in range(rest)]
+                prompt = prompt[: MAX_MODEL_LEN - 16]
             else:
                 prompt = [rng.randrange(10, 4000) for _ in range(n)]
-            engine.add_request(f"r{len(prompts)}", prompt,
-                               SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 24), ignore_eos=True))
+            engine.add_request(
+                f"r{len(prompts)}",
+                prompt,
+                SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 24), ignore_eos=True),
+            )
             prompts.append(prompt)
             if len(prompts) == num_requests // 2:
                 engine.abort_request(f"r{len(prompts) - 3}")
@@ -66,10 +83,16 @@ def serve(llm: LLM, seed: int = 0, num_requests: int = 16) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_serving_compiles_nothing_after_the_warm_up(tiny_model_dir, name):
-    kw = dict(device="cuda" if ON_GPU else "cpu", dtype="float32", block_size=16, max_model_len=MAX_MODEL_LEN,
-              max_num_batched_tokens=64, attention_backend="triton",
-              num_gpu_blocks_override=256,  # a small cache: engines one after another on a GPU
-              **CONFIGS[name])
+    kw = dict(
+        device="cuda" if ON_GPU else "cpu",
+        dtype="float32",
+        block_size=16,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=64,
+        attention_backend="triton",
+        num_gpu_blocks_override=256,  # a small cache: engines one after another on a GPU
+        **CONFIGS[name],
+    )
     with Specializations() as spec:
         llm = LLM(str(tiny_model_dir), **kw)
         if not ON_GPU:  # on CUDA the engine warms up when it is built
@@ -105,15 +128,20 @@ def test_reference_launches_record_the_keys_of_real_launches():
     runs = []
     for mode in ("interpreted", "reference"):
         cache = torch.zeros(blocks, hkv, 2, bs, d)
-        with Specializations() as spec, forced("triton"), \
-                (ReferenceLaunches() if mode == "reference" else contextlib.nullcontext()):
+        with (
+            Specializations() as spec,
+            forced("triton"),
+            ReferenceLaunches() if mode == "reference" else contextlib.nullcontext(),
+        ):
             store_ops.store_kv(k, v, cache, slots)  # (through the modules: ReferenceLaunches patches them)
             cache[:, :, :, 5:] += context  # a context to attend
-            out = decode_ops.paged_decode(q, cache, tables, lens, d ** -0.5, 32)
+            out = decode_ops.paged_decode(q, cache, tables, lens, d**-0.5, 32)
         runs.append((spec.launches, cache, out))
     (real_launches, real_cache, real_out), (ref_launches, ref_cache, ref_out) = runs
     assert ref_launches == real_launches and {name for name, _ in real_launches} >= {
-        "store_kv._store_kv_kernel", "paged_decode._decode_split_kernel"}
+        "store_kv._store_kv_kernel",
+        "paged_decode._decode_split_kernel",
+    }
     assert torch.equal(ref_cache, real_cache)  # the stored rows, written once
-    assert torch.equal(ref_out, decode_ops.paged_decode_ref(q, ref_cache, tables, lens, d ** -0.5, 32))
+    assert torch.equal(ref_out, decode_ops.paged_decode_ref(q, ref_cache, tables, lens, d**-0.5, 32))
     assert torch.allclose(ref_out, real_out, atol=1e-5)

@@ -1,4 +1,5 @@
 """The engine's output path: per-step deltas (vLLM's RequestOutputKind.DELTA), folded by the offline API."""
+
 from __future__ import annotations
 
 import pytest
@@ -47,11 +48,11 @@ def test_stop_string_text_is_held_back_until_final(llm):
     is, at every step, a prefix of the final text."""
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     full = llm.generate(["Once upon a time"], greedy, use_tqdm=False)[0].outputs[0].text
-    stop = full[len(full) // 2:][:4]
+    stop = full[len(full) // 2 :][:4]
     assert len(stop.strip()) >= 2, full
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop, "zz"])
     deltas = run_steps(llm, "Once upon a time", params)
-    final = full[:full.index(stop)]
+    final = full[: full.index(stop)]
     sent = ""
     for d in deltas:
         sent += "".join(c.text for c in d.outputs)
@@ -63,13 +64,19 @@ def test_stop_string_text_is_held_back_until_final(llm):
 def test_request_output_add():
     def lp(x: float) -> dict[int, Logprob]:
         return {1: Logprob(x, 1)}
+
     a = RequestOutput("r", "p", [1], [CompletionOutput(0, "a", [1], -1.0, [lp(-1.0)])])
     a.add(RequestOutput("r", "p", [1], [CompletionOutput(1, "x", [9], None, None)]))
     a.add(RequestOutput("r", "p", [1], [CompletionOutput(0, "b", [2], -3.0, [lp(-2.0)], "stop", "b")], True))
     assert a.finished and [c.index for c in a.outputs] == [0, 1]
     c0 = a.outputs[0]
-    assert (c0.text, c0.token_ids, c0.cumulative_logprob, c0.finish_reason, c0.stop_reason) == \
-        ("ab", [1, 2], -3.0, "stop", "b")
+    assert (c0.text, c0.token_ids, c0.cumulative_logprob, c0.finish_reason, c0.stop_reason) == (
+        "ab",
+        [1, 2],
+        -3.0,
+        "stop",
+        "b",
+    )
     assert [e[1].logprob for e in c0.logprobs] == [-1.0, -2.0]
 
 
@@ -85,6 +92,7 @@ def test_text_decoder_equals_the_tokenizers_decode(clean_up):
 
     from sparseserve.engine.detokenizer import text_decoder
     from sparseserve.models.loader import DEFAULT_MODEL_DIR
+
     tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
     tok.clean_up_tokenization_spaces = clean_up != "off"
     tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = clean_up == "forced"
@@ -94,8 +102,14 @@ def test_text_decoder_equals_the_tokenizers_decode(clean_up):
     punct = tok.encode(" . ? ! , ' n't 'm 's 've 're", add_special_tokens=False)
     cases = []
     for n in (1, 2, 7, 40, 40, 40):
-        ids = [rng.choice(special) if rng.random() < 0.2 else rng.choice(punct) if rng.random() < 0.3
-               else rng.randrange(len(tok)) for _ in range(n)]
+        ids = [
+            rng.choice(special)
+            if rng.random() < 0.2
+            else rng.choice(punct)
+            if rng.random() < 0.3
+            else rng.randrange(len(tok))
+            for _ in range(n)
+        ]
         cases.append((ids, tok.decode(ids, skip_special_tokens=True)))
     if clean_up == "forced":  # the clean-up changes some of these texts
         assert any(text != tok.backend_tokenizer.decode(ids, skip_special_tokens=True) for ids, text in cases)
@@ -109,19 +123,29 @@ def _sentencepiece_style_tokenizer():
     tokens), the decoder's strip of the first leading space."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
-    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + \
-        ["▁", "▁the", "▁a", "ing", "▁cat", "s", ".", ",", "▁日本", "語", "é", "▁über", "!", "▁▁", "x"]
-    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
-                               byte_fallback=True, fuse_unk=True))
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   clean_up_tokenization_spaces=False)
+
+    pieces = (
+        ["<unk>", "<s>", "</s>"]
+        + [f"<0x{b:02X}>" for b in range(256)]
+        + ["▁", "▁the", "▁a", "ing", "▁cat", "s", ".", ",", "▁日本", "語", "é", "▁über", "!", "▁▁", "x"]
+    )
+    tok = Tokenizer(
+        models.BPE(
+            vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True
+        )
+    )
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", clean_up_tokenization_spaces=False
+    )
 
 
 def _tokenizers():
     from sparseserve.models.gguf import find_smollm2
     from sparseserve.models.loader import DEFAULT_MODEL_DIR, load_tokenizer, resolve_model_dir
+
     yield "embedded", load_tokenizer(DEFAULT_MODEL_DIR)
     yield "sentencepiece-style", _sentencepiece_style_tokenizer()
     try:
@@ -139,6 +163,7 @@ def test_stream_detokenizer_equals_the_two_decodes_step_by_step():
 
     from sparseserve.engine.detokenizer import Detokenizer, detokenize_incrementally
     from sparseserve.engine.request import Sequence
+
     names = []
     for name, tok in _tokenizers():
         names.append(name)
@@ -149,8 +174,9 @@ def test_stream_detokenizer_equals_the_two_decodes_step_by_step():
         utf8 = tok.encode("é日本語ü", add_special_tokens=False)
         streamed = fell_back = 0
         for trial in range(60):
-            prompt = tok.encode(rng.choice(["Hello there, how", "The cats.", "é ü 日本語", "x"]),
-                                add_special_tokens=rng.random() < 0.5)
+            prompt = tok.encode(
+                rng.choice(["Hello there, how", "The cats.", "é ü 日本語", "x"]), add_special_tokens=rng.random() < 0.5
+            )
             a = Sequence(0, "r", 0, list(prompt), SamplingParams(max_tokens=99))
             b = Sequence(1, "r", 0, list(prompt), SamplingParams(max_tokens=99))
             for _ in range(30):
@@ -159,7 +185,7 @@ def test_stream_detokenizer_equals_the_two_decodes_step_by_step():
                 a.token_ids.append(t)
                 b.token_ids.append(t)
                 new = det(b)
-                assert new == detokenize_incrementally(det.decode, a), (name, trial, a.token_ids[len(prompt):])
+                assert new == detokenize_incrementally(det.decode, a), (name, trial, a.token_ids[len(prompt) :])
             streamed += b.detok_state is not False
             fell_back += b.detok_state is False
         # many sequences kept the stream to the end (random byte tokens make the others fall back)

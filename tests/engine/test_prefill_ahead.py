@@ -5,6 +5,7 @@ no prefill admission, a real preemption does; aborting a parked request frees ev
 HBM pool far smaller than the working sets: greedy tokens equal the runs without the control and without prefill
 ahead, every request's first token comes before any request finishes, the decode batch keeps to the limit, nothing
 leaks; with layer-segmented prefill too."""
+
 from __future__ import annotations
 
 import random
@@ -45,12 +46,18 @@ def seq(i: int, prompt_len: int = 6, max_tokens: int = 50) -> Sequence:
     return Sequence(i, f"r{i}", 0, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
 
 
-def make(est: dict[int, int], limit: int = 10, bound: int = 8, space: int = 100, blocks: int = 64,
-         budget: int = 64, **cfg) -> tuple[Scheduler, AheadWorkingSet, Space]:
+def make(
+    est: dict[int, int], limit: int = 10, bound: int = 8, space: int = 100, blocks: int = 64, budget: int = 64, **cfg
+) -> tuple[Scheduler, AheadWorkingSet, Space]:
     ws = AheadWorkingSet(limit, est)
     sp = Space(space, ws)
-    sched = make_scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, **cfg), BlockAllocator(blocks),
-                      BS, sp, max_prefilled_waiting=bound)
+    sched = make_scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, **cfg),
+        BlockAllocator(blocks),
+        BS,
+        sp,
+        max_prefilled_waiting=bound,
+    )
     return sched, ws, sp
 
 
@@ -240,6 +247,7 @@ def test_config_and_flags():
 
 # ---- the engine --------------------------------------------------------------------------------------------------
 
+
 def engine(model, **kw) -> LLMEngine:
     return LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(model), **{**ENGINE, **SMALL_POOL, **kw})
 
@@ -247,6 +255,7 @@ def engine(model, **kw) -> LLMEngine:
 def watch(firsts: dict[str, int], finishes: dict[str, int], over: list, step_no: list[int]):
     """A drive() check: the step of each request's first token and finish, and the decode rows of any step whose
     decode shares' working sets exceed the limit; also that no request without a decode share decodes."""
+
     def check(e: LLMEngine, before) -> None:
         sched = e.scheduler
         step_no[0] += 1
@@ -263,6 +272,7 @@ def watch(firsts: dict[str, int], finishes: dict[str, int], over: list, step_no:
         stats = e.get_stats()
         if stats.working_set_blocks > stats.working_set_limit:
             over.append(sum(1 for s, n in e.profiler.out.scheduled if n == 1))
+
     return check
 
 
@@ -273,9 +283,11 @@ def test_first_tokens_before_any_finish_and_decode_within_the_limit(tiny_model_d
     without the control and without prefill ahead; nothing leaks; the statistics and /metrics count it."""
     arrivals = {0: [(f"r{i}", p, 30) for i, p in enumerate(prompts())]}
     runs = {}
-    for name, kw in (("off", dict(working_set_control=False)), ("wait", dict(working_set_control=True,
-                                                                             max_prefilled_waiting=0)),
-                     ("ahead", dict(working_set_control=True))):
+    for name, kw in (
+        ("off", dict(working_set_control=False)),
+        ("wait", dict(working_set_control=True, max_prefilled_waiting=0)),
+        ("ahead", dict(working_set_control=True)),
+    ):
         e = engine(tiny_model_dir, **kw)
         firsts, finishes, over = {}, {}, []
         runs[name] = drive(e, arrivals, watch(firsts, finishes, over, [0]))
@@ -332,7 +344,8 @@ def test_random_arrivals_same_tokens(tiny_model_dir):
         arrivals: dict[int, list] = {}
         for i in range(10):
             arrivals.setdefault(rng.randrange(0, 30), []).append(
-                (f"r{i}", torch.randint(10, 2000, (rng.randint(20, 200),), generator=g).tolist(), rng.randint(2, 30)))
+                (f"r{i}", torch.randint(10, 2000, (rng.randint(20, 200),), generator=g).tolist(), rng.randint(2, 30))
+            )
         ref = drive(engine(tiny_model_dir, working_set_control=False), arrivals)["tokens"]
         for bound in (0, 2, 16):
             e = engine(tiny_model_dir, working_set_control=True, max_prefilled_waiting=bound)

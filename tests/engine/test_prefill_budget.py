@@ -1,5 +1,6 @@
 """Prefill-decode interference: the long-prompt limit of a step (long_prefill_token_threshold,
 max_long_partial_prefills), on the scheduler alone and on the embedded model (issue 20's mixed step)."""
+
 from __future__ import annotations
 
 import random
@@ -15,8 +16,13 @@ from tests.engine.test_scheduler import BS, run_step, seq
 
 def scheduler(threshold: int, min_chunk: int = 1, **kw):
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, **kw)
-    return make_scheduler(cfg, BlockAllocator(256), BS, min_chunk=min_chunk,
-                     long_prefill_token_threshold=cfg.prefill_token_threshold("cpu") if threshold < 0 else threshold)
+    return make_scheduler(
+        cfg,
+        BlockAllocator(256),
+        BS,
+        min_chunk=min_chunk,
+        long_prefill_token_threshold=cfg.prefill_token_threshold("cpu") if threshold < 0 else threshold,
+    )
 
 
 def chunks(out) -> dict[int, int]:
@@ -97,8 +103,10 @@ def test_defaults_and_flags():
     import argparse
 
     from sparseserve.entrypoints.cli import add_engine_args, engine_kwargs_from_args
+
     args = add_engine_args(argparse.ArgumentParser()).parse_args(
-        ["--long-prefill-token-threshold", "2K", "--max-long-partial-prefills", "3"])
+        ["--long-prefill-token-threshold", "2K", "--max-long-partial-prefills", "3"]
+    )
     kw = engine_kwargs_from_args(args)
     assert kw["long_prefill_token_threshold"] == 2048 and kw["max_long_partial_prefills"] == 3
 
@@ -151,7 +159,9 @@ def test_mixed_step_on_the_embedded_model():
         max_gap, last = max(max_gap, now - last), now
     mixed = time.perf_counter() - t0
     engine.abort_request(streams)
-    print(f"\n8K prompt alone {alone:.2f} s; beside 64 decoding streams {mixed:.2f} s ({mixed / alone:.2f}x) in "
-          f"{steps} steps; max inter-token gap of the streams {max_gap:.2f} s")
+    print(
+        f"\n8K prompt alone {alone:.2f} s; beside 64 decoding streams {mixed:.2f} s ({mixed / alone:.2f}x) in "
+        f"{steps} steps; max inter-token gap of the streams {max_gap:.2f} s"
+    )
     assert steps == -(-8192 // limit)
     assert engine.allocator.num_used == 0

@@ -4,6 +4,7 @@ equal those with caching off over random schedules of requests sharing prefixes 
 chunked prefill and forced preemption, for dense attention, topk, topp and KV offload, while the block
 accounting (reference counts, free + evictable + in use == total, cached blocks never overwritten) holds
 after every step."""
+
 from __future__ import annotations
 
 import gc
@@ -26,8 +27,16 @@ NO_RESERVE = dict(init_new_token_ratio=0.0, min_new_token_ratio=0.0)  # greedy a
 @pytest.fixture(scope="module")
 def long_model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("long-llama")
-    make_hf_model(path, "LlamaConfig", num_attention_heads=4, num_key_value_heads=2, head_dim=32, hidden_size=128,
-                  max_position_embeddings=8192, tie_word_embeddings=False)
+    make_hf_model(
+        path,
+        "LlamaConfig",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        hidden_size=128,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    )
     return path
 
 
@@ -40,8 +49,14 @@ def test_flag_and_defaults():
 
 
 def test_repeated_4k_prompt_computes_only_its_last_block_and_salt_isolates(long_model_dir):
-    llm = LLM(str(long_model_dir), device="cpu", dtype="float32", block_size=32, max_model_len=4200,
-              max_num_batched_tokens=2048)
+    llm = LLM(
+        str(long_model_dir),
+        device="cpu",
+        dtype="float32",
+        block_size=32,
+        max_model_len=4200,
+        max_num_batched_tokens=2048,
+    )
     engine = llm.llm_engine
     prompt = torch.randint(10, 4000, (4096,), generator=torch.Generator().manual_seed(0)).tolist()
 
@@ -49,8 +64,10 @@ def test_repeated_4k_prompt_computes_only_its_last_block_and_salt_isolates(long_
         before = engine.get_stats()
         out = llm.generate([request], GREEDY, use_tqdm=False)[0]
         after = engine.get_stats()
-        delta = {k: getattr(after, k) - getattr(before, k) for k in
-                 ("num_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits")}
+        delta = {
+            k: getattr(after, k) - getattr(before, k)
+            for k in ("num_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits")
+        }
         return out.outputs[0].token_ids, out.num_cached_tokens, delta
 
     first, cached, d1 = run({"prompt_token_ids": prompt})
@@ -78,8 +95,14 @@ def test_repeated_4k_prompt_computes_only_its_last_block_and_salt_isolates(long_
 
 
 def test_caching_off_shares_nothing(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", block_size=16, max_model_len=128,
-              enable_prefix_caching=False)
+    llm = LLM(
+        str(tiny_model_dir),
+        device="cpu",
+        dtype="float32",
+        block_size=16,
+        max_model_len=128,
+        enable_prefix_caching=False,
+    )
     prompt = list(range(100, 180))
     llm.generate([prompt, prompt], GREEDY, use_tqdm=False)
     llm.generate([prompt], GREEDY, use_tqdm=False)
@@ -104,9 +127,19 @@ def run_schedule(model_dir, seed: int, caching: bool, check: bool, **kw) -> tupl
     rng = random.Random(seed)
     if not caching:
         kw.pop("host_prefix_cache_memory", None)  # the host tier is the prefix cache's
-    llm = LLM(str(model_dir), **{"device": "cpu", "dtype": "float32", "max_model_len": 96, "max_num_seqs": 5,
-                                 "max_num_batched_tokens": rng.choice([16, 48]), "enable_prefix_caching": caching,
-                                 **NO_RESERVE, **kw})
+    llm = LLM(
+        str(model_dir),
+        **{
+            "device": "cpu",
+            "dtype": "float32",
+            "max_model_len": 96,
+            "max_num_seqs": 5,
+            "max_num_batched_tokens": rng.choice([16, 48]),
+            "enable_prefix_caching": caching,
+            **NO_RESERVE,
+            **kw,
+        },
+    )
     engine = llm.llm_engine
     folded: dict = {}  # request id -> its RequestOutput with every delta so far folded in
     aborted: set[str] = set()
@@ -124,8 +157,16 @@ def run_schedule(model_dir, seed: int, caching: bool, check: bool, **kw) -> tupl
             if engine.model_runner.host_cache is not None:
                 engine.model_runner.host_cache.check()
 
-    drive_random_schedule(engine, rng, steps=40, max_new=24, after_step=after_step, greedy=True,
-                          prompts=shared_prefix_prompts(seed), aborted=aborted)
+    drive_random_schedule(
+        engine,
+        rng,
+        steps=40,
+        max_new=24,
+        after_step=after_step,
+        greedy=True,
+        prompts=shared_prefix_prompts(seed),
+        aborted=aborted,
+    )
     while engine.has_unfinished_requests():
         after_step(engine.step())
     assert engine.allocator.num_used == 0
@@ -139,8 +180,9 @@ def run_schedule(model_dir, seed: int, caching: bool, check: bool, **kw) -> tupl
 BS = 8
 # A budget covering max_model_len: every decode still goes through scoring, selection (and the pool) but
 # selects every block, so the tokens cannot depend on when a block was computed (prefill or decode).
-COVERING = dict(sparse_budget=12 * BS, sparse_dense_layers=0, sparse_sink_blocks=1, sparse_local_blocks=2,
-                sparse_dense_context=0)
+COVERING = dict(
+    sparse_budget=12 * BS, sparse_dense_layers=0, sparse_sink_blocks=1, sparse_local_blocks=2, sparse_dense_context=0
+)
 PATHS = {
     "dense": dict(block_size=16, num_gpu_blocks_override=7),
     "topk": dict(block_size=BS, num_gpu_blocks_override=16, sparse_policy="topk", **COVERING),
@@ -148,15 +190,29 @@ PATHS = {
     # the sparse decode that first computed them, would change what is pruned: recompute, not caching, changes
     # tokens; test_sparse_selection_over_shared_blocks has real pruning without preemption)
     "topp": dict(block_size=BS, num_gpu_blocks_override=16, sparse_policy="topp", sparse_top_p=1.0, **COVERING),
-    "offload": dict(block_size=BS, sparse_policy="topk", kv_offload=True, hbm_cache_blocks=16,
-                    host_kv_memory=16 * 2 * 2 * 2 * BS * 128 * 4, **COVERING),
+    "offload": dict(
+        block_size=BS,
+        sparse_policy="topk",
+        kv_offload=True,
+        hbm_cache_blocks=16,
+        host_kv_memory=16 * 2 * 2 * 2 * BS * 128 * 4,
+        **COVERING,
+    ),
     # the host tier: blocks the small device cache evicts (a preempted request's too) are copied back
     "dense+host": dict(block_size=16, num_gpu_blocks_override=7, host_prefix_cache_memory=4 << 20),
-    "topk+host": dict(block_size=BS, num_gpu_blocks_override=16, sparse_policy="topk", host_prefix_cache_memory=4 << 20,
-                      **COVERING),
+    "topk+host": dict(
+        block_size=BS, num_gpu_blocks_override=16, sparse_policy="topk", host_prefix_cache_memory=4 << 20, **COVERING
+    ),
     # a device block cache of one max_model_len sequence: prefills wait for it, decodes are paused
-    "offload-paused": dict(block_size=BS, sparse_policy="topk", kv_offload=True, hbm_cache_blocks=16,
-                           host_kv_memory=16 * 2 * 2 * 2 * BS * 128 * 4, num_gpu_blocks_override=12, **COVERING),
+    "offload-paused": dict(
+        block_size=BS,
+        sparse_policy="topk",
+        kv_offload=True,
+        hbm_cache_blocks=16,
+        host_kv_memory=16 * 2 * 2 * 2 * BS * 128 * 4,
+        num_gpu_blocks_override=12,
+        **COVERING,
+    ),
 }
 
 
@@ -176,18 +232,29 @@ def test_caching_on_equals_off_over_random_schedules(tiny_model_dir, path, seed)
         assert stats.host_prefix_cache_hits > 0 and engine.model_runner.host_cache.num_restored > 0
 
 
-SELECTIVE = dict(block_size=BS, sparse_budget=4 * BS, sparse_dense_layers=0, sparse_sink_blocks=1,
-                 sparse_local_blocks=2, sparse_dense_context=0, max_model_len=160, max_num_batched_tokens=256)
+SELECTIVE = dict(
+    block_size=BS,
+    sparse_budget=4 * BS,
+    sparse_dense_layers=0,
+    sparse_sink_blocks=1,
+    sparse_local_blocks=2,
+    sparse_dense_context=0,
+    max_model_len=160,
+    max_num_batched_tokens=256,
+)
 
 
-@pytest.mark.parametrize("policy", [
-    dict(sparse_policy="topk"),
-    dict(sparse_policy="topk", sparse_lag=1),
-    dict(sparse_policy="topk", sparse_reuse=3),
-    dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=6 * BS),
-    dict(sparse_policy="topk", kv_offload=True, hbm_cache_blocks=24),
-    dict(sparse_policy="topk", kv_offload=True, num_gpu_blocks_override=21),  # prefills wait for device blocks
-])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        dict(sparse_policy="topk"),
+        dict(sparse_policy="topk", sparse_lag=1),
+        dict(sparse_policy="topk", sparse_reuse=3),
+        dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=6 * BS),
+        dict(sparse_policy="topk", kv_offload=True, hbm_cache_blocks=24),
+        dict(sparse_policy="topk", kv_offload=True, num_gpu_blocks_override=21),  # prefills wait for device blocks
+    ],
+)
 def test_sparse_selection_over_shared_blocks(tiny_model_dir, tmp_path, policy, device="cpu"):
     """A budget of 4 blocks of contexts up to 14: selection really chooses, from key metadata of blocks another
     request computed (shared by reference; under KV offload their K/V restored from the host store). Tokens
@@ -196,6 +263,7 @@ def test_sparse_selection_over_shared_blocks(tiny_model_dir, tmp_path, policy, d
     selection (the first decode of a request with a cached prefix attends what its prefill chunk selected),
     reuse, a streaming head and the device block cache too small for the four requests' prefills at once."""
     import json
+
     heads = tmp_path / "streaming.json"
     heads.write_text(json.dumps({"streaming_heads": {"1": [1]}}))
     g = torch.Generator().manual_seed(3)
@@ -206,8 +274,14 @@ def test_sparse_selection_over_shared_blocks(tiny_model_dir, tmp_path, policy, d
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = {}
     for caching in (False, True):
-        llm = LLM(str(tiny_model_dir), device=device, dtype="float32", enable_prefix_caching=caching,
-                  streaming_heads=str(heads), **{**SELECTIVE, **policy})
+        llm = LLM(
+            str(tiny_model_dir),
+            device=device,
+            dtype="float32",
+            enable_prefix_caching=caching,
+            streaming_heads=str(heads),
+            **{**SELECTIVE, **policy},
+        )
         a = llm.generate(first, params, use_tqdm=False)
         b = llm.generate(later, params, use_tqdm=False)
         outs[caching] = [o.outputs[0].token_ids for o in a + b]
@@ -252,15 +326,24 @@ def test_cuda_graphs_caching_on_equals_off(tiny_model_dir, tmp_path, path):
     release_gpu_memory()
     if path in ("topk", "offload"):
         extra = dict(kv_offload=True, hbm_cache_blocks=24) if path == "offload" else {}
-        test_sparse_selection_over_shared_blocks(tiny_model_dir, tmp_path, dict(sparse_policy="topk", **extra),
-                                                 device="cuda")
+        test_sparse_selection_over_shared_blocks(
+            tiny_model_dir, tmp_path, dict(sparse_policy="topk", **extra), device="cuda"
+        )
 
 
 def test_prefix_cache_metrics(tiny_model_dir):
     """The server's Prometheus exposition of the prefix-cache statistics (vLLM's names and meaning)."""
     from sparseserve.metrics import ServerMetrics, parse_metrics
-    llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", block_size=16, max_model_len=128,
-              num_gpu_blocks_override=8, host_prefix_cache_memory=1 << 22)
+
+    llm = LLM(
+        str(tiny_model_dir),
+        device="cpu",
+        dtype="float32",
+        block_size=16,
+        max_model_len=128,
+        num_gpu_blocks_override=8,
+        host_prefix_cache_memory=1 << 22,
+    )
     prompt = list(range(100, 180))
     llm.generate([prompt], GREEDY, use_tqdm=False)
     llm.generate([prompt], GREEDY, use_tqdm=False)

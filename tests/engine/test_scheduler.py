@@ -1,6 +1,7 @@
 """The scheduler on its own (no model): token budget, FCFS admission, chunked prefill, preemption of the newest
 running sequence when blocks run out, a second block space (the offload cache's device blocks), prefix-cache
 hits on admission, the admission estimate that leaves room to grow, and preemption that keeps the work."""
+
 from __future__ import annotations
 
 import random
@@ -51,7 +52,9 @@ def test_budget_fcfs_and_chunked_prefill():
 
 
 def test_preempts_newest_and_requeues_it_first():
-    sched = make_scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, **NO_RESERVE), BlockAllocator(6), BS)
+    sched = make_scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, **NO_RESERVE), BlockAllocator(6), BS
+    )
     old, new = seq(0, 12), seq(1, 12)  # 3 full blocks each: the pool is full after both prefill
     sched.add(old)
     sched.add(new)
@@ -69,8 +72,9 @@ def test_preempts_newest_and_requeues_it_first():
 
 
 def test_max_num_seqs_and_prefill_without_chunking():
-    sched = make_scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, enable_chunked_prefill=False),
-                      BlockAllocator(64), BS)
+    sched = make_scheduler(
+        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, enable_chunked_prefill=False), BlockAllocator(64), BS
+    )
     for i, n in enumerate((4, 4, 4)):
         sched.add(seq(i, n))
     out = run_step(sched)
@@ -211,8 +215,9 @@ def test_admission_leaves_room_for_the_running_batch_to_grow():
 
 
 def test_new_token_ratio_decays_and_rises_at_preemption():
-    cfg = SchedulerConfig(max_num_batched_tokens=64, init_new_token_ratio=0.6, min_new_token_ratio=0.2,
-                          new_token_ratio_decay_steps=4)
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=64, init_new_token_ratio=0.6, min_new_token_ratio=0.2, new_token_ratio_decay_steps=4
+    )
     sched = make_scheduler(cfg, BlockAllocator(6), BS)
     old, new = seq_of(0, range(12), max_tokens=1000), seq_of(1, range(20, 32), max_tokens=1000)
     sched.add(old)
@@ -257,7 +262,9 @@ def test_device_space_shortage_pauses_and_token_shortage_drops_the_pause():
     for tokens in (16, 8):
         space = DeviceSpace(7)
         alloc = BlockAllocator(tokens, enable_caching=True)
-        sched = make_scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, **NO_RESERVE), alloc, BS, space)
+        sched = make_scheduler(
+            SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, **NO_RESERVE), alloc, BS, space
+        )
         a, b = seq_of(0, range(12), max_tokens=20), seq_of(1, range(50, 62), max_tokens=20)
         sched.add(a)
         sched.add(b)
@@ -320,9 +327,17 @@ def test_steady_decode_fast_path_decides_as_the_general_path():
     fast path for steady decodes schedules, maps and preempts exactly as the general path."""
     for seed in range(4):
         rng = random.Random(seed)
-        scheds = [make_scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, **NO_RESERVE),
-                                 BlockAllocator(24), BS, WindowSpace(12, 24), min_chunk=2, kv_cls=cls)
-                  for cls in (KVCacheManager, GeneralPath)]
+        scheds = [
+            make_scheduler(
+                SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, **NO_RESERVE),
+                BlockAllocator(24),
+                BS,
+                WindowSpace(12, 24),
+                min_chunk=2,
+                kv_cls=cls,
+            )
+            for cls in (KVCacheManager, GeneralPath)
+        ]
         seqs = [{}, {}]
         fast_rows = 0
         for step in range(150):
@@ -341,7 +356,8 @@ def test_steady_decode_fast_path_decides_as_the_general_path():
                 for s in list(sched.running):
                     if s.num_output_tokens >= s.params.max_tokens:
                         sched.finish(s)
-                assert {i: (s.block_table, sched.kv.device_space.map.range_of(s)) for i, s in seqs[k].items()} == \
-                    {i: (s.block_table, scheds[0].kv.device_space.map.range_of(s)) for i, s in seqs[0].items()}
+                assert {i: (s.block_table, sched.kv.device_space.map.range_of(s)) for i, s in seqs[k].items()} == {
+                    i: (s.block_table, scheds[0].kv.device_space.map.range_of(s)) for i, s in seqs[0].items()
+                }
                 sched.kv.allocator.check()
         assert fast_rows > 50 and scheds[0].num_preemptions > 0

@@ -1,5 +1,6 @@
 """A step's small host -> device copies: the pinned staging ring (kvcache/transfer.py PinnedStaging,
 to_device_many) and the decode graphs' static inputs (engine/staging.py StaticInputs)."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,9 +16,15 @@ def _batch(g: torch.Generator, n: int) -> list[torch.Tensor]:
     """Mixed dtypes and shapes of a step's inputs: slots, lengths, a block table, flags, sampling floats, an
     empty tensor and a non-contiguous one."""
     table = torch.randint(0, 1000, (n, 7), generator=g, dtype=torch.int32)
-    return [torch.randint(-1, 10**9, (n,), generator=g), torch.randint(0, 8192, (n + 1,), generator=g).int(),
-            table, torch.rand(n, generator=g) > 0.5, torch.rand(n, generator=g), torch.empty(0, dtype=torch.long),
-            table[:, ::2]]
+    return [
+        torch.randint(-1, 10**9, (n,), generator=g),
+        torch.randint(0, 8192, (n + 1,), generator=g).int(),
+        table,
+        torch.rand(n, generator=g) > 0.5,
+        torch.rand(n, generator=g),
+        torch.empty(0, dtype=torch.long),
+        table[:, ::2],
+    ]
 
 
 def test_to_device_many_keeps_values_dtypes_and_shapes():
@@ -59,19 +66,30 @@ def test_staging_reuses_slabs_only_after_their_copies():
     assert torch.equal(staging.upload(large)[0].cpu(), large[0])
 
 
-FIELDS = [InputField("ids", torch.long), InputField("slot", torch.long, pad=-1), InputField("lens", torch.int32),
-          InputField("tables", torch.int32, width=9, pad=77), InputField("more", torch.int32, width=5, pad=-3)]
+FIELDS = [
+    InputField("ids", torch.long),
+    InputField("slot", torch.long, pad=-1),
+    InputField("lens", torch.int32),
+    InputField("tables", torch.int32, width=9, pad=77),
+    InputField("more", torch.int32, width=5, pad=-3),
+]
 
 
 def _step(g: torch.Generator, rows: int) -> tuple[list[torch.Tensor], list[str | None]]:
     """One step's tensors: every field (tables narrower than their width) and unnamed ones for the scratch (a
     strided one and a bfloat16 one among them: no numpy dtype)."""
-    host = [torch.randint(0, 10**6, (rows,), generator=g), torch.randint(-1, 10**6, (rows,), generator=g),
-            torch.randint(1, 9000, (rows,), generator=g, dtype=torch.int32),
-            torch.randint(0, 500, (rows, int(torch.randint(1, 10, (1,), generator=g))), generator=g, dtype=torch.int32),
-            torch.randint(0, 500, (rows, 5), generator=g, dtype=torch.int32),
-            torch.arange(rows + 1, dtype=torch.int32), torch.rand(rows, generator=g) > 0.5, torch.empty(0),
-            torch.randint(0, 10**6, (2 * rows,), generator=g)[::2], torch.randn(rows, generator=g).bfloat16()]
+    host = [
+        torch.randint(0, 10**6, (rows,), generator=g),
+        torch.randint(-1, 10**6, (rows,), generator=g),
+        torch.randint(1, 9000, (rows,), generator=g, dtype=torch.int32),
+        torch.randint(0, 500, (rows, int(torch.randint(1, 10, (1,), generator=g))), generator=g, dtype=torch.int32),
+        torch.randint(0, 500, (rows, 5), generator=g, dtype=torch.int32),
+        torch.arange(rows + 1, dtype=torch.int32),
+        torch.rand(rows, generator=g) > 0.5,
+        torch.empty(0),
+        torch.randint(0, 10**6, (2 * rows,), generator=g)[::2],
+        torch.randn(rows, generator=g).bfloat16(),
+    ]
     return host, ["ids", "slot", "lens", "tables", "more", None, None, None, None, None]
 
 

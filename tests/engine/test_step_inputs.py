@@ -1,6 +1,7 @@
-"""A decode batch's rows kept from step to step (engine/step_inputs.py SteadyRows) equal the rows built from scratch each
-step: token-block tables (the runner's) and device-block tables of the offload cache's windows, while sequences
-open blocks at different steps and one outgrows the others (the tables widen)."""
+"""A decode batch's rows kept from step to step (engine/step_inputs.py SteadyRows) equal the rows built from
+scratch each step: token-block tables (the runner's) and device-block tables of the offload cache's windows,
+while sequences open blocks at different steps and one outgrows the others (the tables widen)."""
+
 from __future__ import annotations
 
 import random
@@ -42,8 +43,11 @@ def test_rows_kept_across_steps_equal_rows_built_afresh(space):
                 seq.block_table.append(next(next_block))
             if not dm.steady(seq, 1):
                 dm.map(seq, 1)
-        changed = dm.take_changed() if space == "device" else \
-            [s.seq_id for s, n in zip(seqs, lens) if len(s.block_table) != n]
+        changed = (
+            dm.take_changed()
+            if space == "device"
+            else [s.seq_id for s, n in zip(seqs, lens) if len(s.block_table) != n]
+        )
         lens = [len(s.block_table) for s in seqs]
         want_tables = tables_of(scheduled, row_of, pad)
         want_slots = []
@@ -60,7 +64,7 @@ def test_rows_kept_across_steps_equal_rows_built_afresh(space):
             slots, tables, pos = rows.update(scheduled, changed)
             assert slots.tolist() == want_slots and pos.tolist() == [s.num_computed_tokens for s in seqs]
             assert np.array_equal(tables[:, : want_tables.shape[1]], want_tables)
-            assert (tables[:, want_tables.shape[1]:] == pad).all()
+            assert (tables[:, want_tables.shape[1] :] == pad).all()
         for seq in seqs:
             seq.num_computed_tokens += 1
             seq.token_ids.append(1)

@@ -3,6 +3,7 @@
 token counts that are multiples of 16 and others),
 then leaves nothing behind: no block held or cached, no request, every counter of the statistics at zero, and
 the engine's later outputs and counts equal to an engine that never warmed up."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,10 +13,17 @@ import pytest
 from sparseserve import LLM, SamplingParams
 from sparseserve.engine.stats import EngineStats
 
-SPARSE = dict(sparse_policy="topk", sparse_budget=64, sparse_dense_layers=0, sparse_sink_blocks=1,
-              sparse_local_blocks=1, sparse_dense_context=0)
-LAYERSEG = dict(SPARSE, kv_offload=True, layer_segmented_prefill=True, prefill_layer_segment=1,
-                working_set_control=True)
+SPARSE = dict(
+    sparse_policy="topk",
+    sparse_budget=64,
+    sparse_dense_layers=0,
+    sparse_sink_blocks=1,
+    sparse_local_blocks=1,
+    sparse_dense_context=0,
+)
+LAYERSEG = dict(
+    SPARSE, kv_offload=True, layer_segmented_prefill=True, prefill_layer_segment=1, working_set_control=True
+)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
@@ -25,8 +33,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize("extra", [{}, dict(async_scheduling=True), LAYERSEG, dict(LAYERSEG, async_scheduling=True)])
 def test_warm_up_leaves_nothing_behind(tiny_model_dir, extra):
-    kw = dict(device="cpu", dtype="float32", block_size=16, max_model_len=160, max_num_batched_tokens=64,
-              **extra)
+    kw = dict(device="cpu", dtype="float32", block_size=16, max_model_len=160, max_num_batched_tokens=64, **extra)
     fresh = LLM(str(tiny_model_dir), **kw)
     want = [o.outputs[0].token_ids for o in fresh.generate(prompts(), PARAMS, use_tqdm=False)]
     want_stats = fresh.llm_engine.get_stats(sync=True)
@@ -40,6 +47,7 @@ def test_warm_up_leaves_nothing_behind(tiny_model_dir, extra):
         seen.append(([n for _, n in scheduled], len(segments)))
         chunks_after_prefix.extend(n > 1 and seq.num_computed_tokens > 0 for seq, n in scheduled)
         return execute(scheduled, segments, plan, feed=feed)
+
     engine.model_runner.execute = spy
     engine.warm_up()
     # the long prompt went through more than one step (chunks or layer segments) beside the short one's decodes
@@ -60,15 +68,22 @@ def test_warm_up_leaves_nothing_behind(tiny_model_dir, extra):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts(), PARAMS, use_tqdm=False)]
     assert got == want
     stats = engine.get_stats(sync=True)
-    for name in ("num_prompt_tokens", "num_generation_tokens", "prefix_cache_queries", "prefix_cache_hits",
-                 "sparse_selections", "num_preemptions"):
+    for name in (
+        "num_prompt_tokens",
+        "num_generation_tokens",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "sparse_selections",
+        "num_preemptions",
+    ):
         assert getattr(stats, name) == getattr(want_stats, name), name
     assert stats.num_generation_tokens == 3 * PARAMS.max_tokens
 
 
 def test_since_subtracts_counters_only():
-    start = EngineStats(num_running=2, num_blocks_total=100, num_prompt_tokens=50, offload_blocks_loaded=7,
-                        working_set_limit=9)
+    start = EngineStats(
+        num_running=2, num_blocks_total=100, num_prompt_tokens=50, offload_blocks_loaded=7, working_set_limit=9
+    )
     now = dataclasses.replace(start, num_running=1, num_prompt_tokens=80, offload_blocks_loaded=10)
     d = now.since(start)
     assert (d.num_running, d.num_blocks_total, d.working_set_limit) == (1, 100, 9)  # gauges and sizes as they are

@@ -3,6 +3,7 @@ on its own (hold back the newest, never the last; held-back requests first back 
 engine with an HBM pool far smaller than the working sets of all its requests: the batch shrinks, every request
 finishes with the tokens of the unlimited run, nothing leaks; the counts the engine keeps equal a recount of the
 selections it made; no request starves under arrivals; the statistics and /metrics."""
+
 from __future__ import annotations
 
 import random
@@ -23,9 +24,21 @@ from tests.kernel_utils import gpu_only
 from tests.schedules import check_pool, held_blocks
 
 BS = 8
-ENGINE = dict(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=6, max_num_batched_tokens=128,
-              block_size=BS, sparse_policy="topk", sparse_budget=6 * BS, sparse_dense_layers=0, sparse_sink_blocks=1,
-              sparse_local_blocks=2, sparse_dense_context=0, kv_offload=True)
+ENGINE = dict(
+    device="cpu",
+    dtype="float32",
+    max_model_len=256,
+    max_num_seqs=6,
+    max_num_batched_tokens=128,
+    block_size=BS,
+    sparse_policy="topk",
+    sparse_budget=6 * BS,
+    sparse_dense_layers=0,
+    sparse_sink_blocks=1,
+    sparse_local_blocks=2,
+    sparse_dense_context=0,
+    kv_offload=True,
+)
 # 64 head-block slots: one request's working set over 12 steps is ~30 of the tiny model's (2 layers x 2 KV
 # heads x 4 listed blocks a step, and the lists change), six requests' ~180.
 SMALL_POOL = dict(hbm_cache_blocks=64)
@@ -90,8 +103,9 @@ def test_config_and_flags():
     cfg = EngineConfig.from_kwargs(working_set_window=4, working_set_margin=0.2, working_set_control=True)
     oc = cfg.offload_config
     assert (oc.working_set_control, oc.working_set_window, oc.working_set_margin) == (True, 4, 0.2)
-    args = build_parser(["generate"]).parse_args(["generate", "--no-working-set-control", "--working-set-window",
-                                                  "8", "--working-set-margin", "0.05"])
+    args = build_parser(["generate"]).parse_args(
+        ["generate", "--no-working-set-control", "--working-set-window", "8", "--working-set-margin", "0.05"]
+    )
     kw = engine_kwargs_from_args(args)
     assert kw["working_set_control"] is False and kw["working_set_window"] == 8 and kw["working_set_margin"] == 0.05
     for bad in (dict(working_set_window=0), dict(working_set_margin=1.0), dict(working_set_margin=-0.1)):
@@ -142,7 +156,10 @@ def test_small_pool_shrinks_the_batch_with_the_same_tokens(tiny_model_dir, lag):
     and selects its first list from its own query."""
     arrivals = {0: [(f"r{i}", p, 30) for i, p in enumerate(prompts())]}
     kw = {**ENGINE, **SMALL_POOL, "sparse_lag": lag}
-    off = drive(LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(tiny_model_dir), **kw, working_set_control=False), arrivals)
+    off = drive(
+        LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(tiny_model_dir), **kw, working_set_control=False),
+        arrivals,
+    )
     engine = LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(tiny_model_dir), **kw, working_set_control=True)
     ws = engine.scheduler.kv.device_space.working_set
     over = []
@@ -224,9 +241,16 @@ def test_engine_counts_equal_a_recount_of_its_selections(tiny_model_dir, control
     keys its lists asked for over the last `window` decode steps (since its slot was handed out: a held-back
     request resumes on a new slot); with arrivals, so sequences join and leave. lag: lagged selection, whose
     step reads the lists the step before selected (a resumed request's first ones selected in its step)."""
-    engine = LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(tiny_model_dir), **{**ENGINE, "device": device}, **SMALL_POOL,
-                                   working_set_control=control, working_set_window=window, enforce_eager=True,
-                                   sparse_lag=lag)
+    engine = LLMEngine.from_kwargs(
+        profiler=LastSchedule(),
+        model=str(tiny_model_dir),
+        **{**ENGINE, "device": device},
+        **SMALL_POOL,
+        working_set_control=control,
+        working_set_window=window,
+        enforce_eager=True,
+        sparse_lag=lag,
+    )
     recount = Recount(engine)
     ps = prompts(5, seed=1)
     arrivals = {3 * i: [(f"r{i}", p, 12 + 3 * i)] for i, p in enumerate(ps)}
@@ -241,12 +265,20 @@ def test_no_starvation_under_arrivals(tiny_model_dir):
     the hold-backs happened."""
     rng = random.Random(0)
     g = torch.Generator().manual_seed(2)
-    arrivals = {2 * i: [(f"r{i}", torch.randint(10, 2000, (rng.randint(40, 160),), generator=g).tolist(),
-                         rng.randint(4, 24))] for i in range(14)}
+    arrivals = {
+        2 * i: [(f"r{i}", torch.randint(10, 2000, (rng.randint(40, 160),), generator=g).tolist(), rng.randint(4, 24))]
+        for i in range(14)
+    }
     order = [rid for step in sorted(arrivals) for rid, _, _ in arrivals[step]]
-    off = drive(LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(tiny_model_dir), **ENGINE, **SMALL_POOL, working_set_control=False),
-                arrivals)
-    engine = LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(tiny_model_dir), **ENGINE, **SMALL_POOL, working_set_control=True)
+    off = drive(
+        LLMEngine.from_kwargs(
+            profiler=LastSchedule(), model=str(tiny_model_dir), **ENGINE, **SMALL_POOL, working_set_control=False
+        ),
+        arrivals,
+    )
+    engine = LLMEngine.from_kwargs(
+        profiler=LastSchedule(), model=str(tiny_model_dir), **ENGINE, **SMALL_POOL, working_set_control=True
+    )
 
     def oldest_runs(e, before):
         unfinished = [rid for rid in order if rid in before]
@@ -270,8 +302,13 @@ def test_cuda_counts_and_graphs(tiny_model_dir):
     arrivals = {0: [(f"r{i}", p, 30) for i, p in enumerate(prompts())]}
     runs = {}
     for control in (False, True):
-        engine = LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(tiny_model_dir), **{**ENGINE, "device": "cuda"}, **SMALL_POOL,
-                                       working_set_control=control)
+        engine = LLMEngine.from_kwargs(
+            profiler=LastSchedule(),
+            model=str(tiny_model_dir),
+            **{**ENGINE, "device": "cuda"},
+            **SMALL_POOL,
+            working_set_control=control,
+        )
         assert engine.model_runner.graphs is not None
         runs[control] = drive(engine, arrivals)
         assert_no_leaks(engine)

@@ -1,4 +1,5 @@
 """The README's first command path: the CLI on the embedded default model, and flags mirroring LLM kwargs."""
+
 from __future__ import annotations
 
 import subprocess
@@ -11,8 +12,20 @@ from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
 
 
 def test_every_engine_option_is_a_flag():
-    args = build_parser([]).parse_args(["generate", "some/model", "--max-num-seqs", "3", "--block-size", "16",
-                                      "--enforce-eager", "--no-enable-chunked-prefill", "--dtype", "bfloat16"])
+    args = build_parser([]).parse_args(
+        [
+            "generate",
+            "some/model",
+            "--max-num-seqs",
+            "3",
+            "--block-size",
+            "16",
+            "--enforce-eager",
+            "--no-enable-chunked-prefill",
+            "--dtype",
+            "bfloat16",
+        ]
+    )
     kwargs = engine_kwargs_from_args(args)
     assert set(kwargs) == {f.name for f in EngineConfig.arg_fields()}
     cfg = EngineConfig.from_kwargs(**kwargs)
@@ -23,16 +36,35 @@ def test_every_engine_option_is_a_flag():
 
 @pytest.mark.slow
 def test_generate_command_on_embedded_default():
-    out = subprocess.run([sys.executable, "-m", "sparseserve", "generate", "--device", "cpu", "--max-tokens", "5",
-                          "--prompt", "Hello there"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sparseserve",
+            "generate",
+            "--device",
+            "cpu",
+            "--max-tokens",
+            "5",
+            "--prompt",
+            "Hello there",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert "Output:" in out.stdout and "Hello there" in out.stdout
 
 
 @pytest.mark.slow
 def test_generate_command_reports_bad_input():
-    out = subprocess.run([sys.executable, "-m", "sparseserve", "generate", "/no/such/model", "--device", "cpu"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "sparseserve", "generate", "/no/such/model", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2 and "model directory not found" in out.stderr
 
 
@@ -42,6 +74,7 @@ def _parsers():
 
     from sparseserve.bench.serve import add_cli_args as bench_serve_args
     from sparseserve.entrypoints.api_server import add_cli_args as serve_args
+
     bench = argparse.ArgumentParser()
     bench_serve_args(bench)
     serve = argparse.ArgumentParser()
@@ -62,13 +95,25 @@ def test_every_flag_states_one_default():
 
 
 def test_sizes_and_vllm_flag_names():
-    args = build_parser([]).parse_args(["generate", "--max-model-len", "32k", "--max-num-batched-tokens", "4K",
-                                        "--kv-cache-memory-bytes", "2GiB", "--host-kv-memory", "1.5G"])
+    args = build_parser([]).parse_args(
+        [
+            "generate",
+            "--max-model-len",
+            "32k",
+            "--max-num-batched-tokens",
+            "4K",
+            "--kv-cache-memory-bytes",
+            "2GiB",
+            "--host-kv-memory",
+            "1.5G",
+        ]
+    )
     kw = engine_kwargs_from_args(args)
     assert (kw["max_model_len"], kw["max_num_batched_tokens"]) == (32000, 4096)
     assert (kw["kv_cache_memory"], kw["host_kv_memory"]) == (2 * 2**30, 3 * 2**29)
     old = build_parser([]).parse_args(["generate", "--kv-cache-memory", "1000"])  # the old spelling still works
     assert engine_kwargs_from_args(old)["kv_cache_memory"] == 1000
+
 
 def test_a_bad_size_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
@@ -78,10 +123,25 @@ def test_a_bad_size_is_a_usage_error(capsys):
 
 def test_bench_serve_takes_vllm_names(tmp_path):
     from sparseserve.bench.serve import output_path
+
     bench = _parsers()["bench serve"]
-    args = bench.parse_args(["--random-input-len", "2k", "--random-output-len", "64", "--goodput", "ttft:500",
-                             "e2el:9000", "--save-result", "--result-dir", str(tmp_path), "--result-filename",
-                             "r.json", "--save-detailed"])
+    args = bench.parse_args(
+        [
+            "--random-input-len",
+            "2k",
+            "--random-output-len",
+            "64",
+            "--goodput",
+            "ttft:500",
+            "e2el:9000",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            "r.json",
+            "--save-detailed",
+        ]
+    )
     assert (args.input_len, args.output_len, args.save_details) == (2000, 64, True)
     assert dict(args.slo) == {"ttft": 500.0, "e2e": 9000.0}
     assert output_path(args) == tmp_path / "r.json"

@@ -3,6 +3,7 @@
 calls (required and named, streamed and not), logit_bias, penalties against a reference computed in torch on
 transformers' model, echo, several prompts in one request, GET /v1/models/{id}, and the invalid combinations
 (400 naming the param). The embedded model knows no JSON: the constraints alone make its outputs valid."""
+
 from __future__ import annotations
 
 import functools
@@ -26,8 +27,18 @@ pytest.importorskip("llguidance")
 pytestmark = pytest.mark.slow  # a server process
 
 MODEL = "tiny"
-FLAGS = ("--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "32",
-         "--seed", "0")
+FLAGS = (
+    "--served-model-name",
+    MODEL,
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "1024",
+    "--max-num-seqs",
+    "32",
+    "--seed",
+    "0",
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +55,14 @@ def client(server):
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
 
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict:
     """An object schema of 1-3 required properties: enums, bounded integers and strings, booleans, short arrays,
     nested objects (bounded everywhere: the embedded model would otherwise write one string until max_tokens)."""
+
     def value(d: int) -> dict:
         kinds = ["enum", "int", "bool", "str", "array"] + (["object"] if d < 2 else [])
         kind = rng.choice(kinds)
@@ -67,8 +80,12 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
         return random_schema(rng, d + 1)
 
     names = rng.sample(["id", "name", "kind", "size", "tags", "meta", "ok", "city", "unit"], rng.randint(1, 3))
-    return {"type": "object", "properties": {n: value(depth) for n in names}, "required": names,
-            "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {n: value(depth) for n in names},
+        "required": names,
+        "additionalProperties": False,
+    }
 
 
 def test_json_schema_outputs_validate_for_random_schemas(client):
@@ -79,11 +96,17 @@ def test_json_schema_outputs_validate_for_random_schemas(client):
     def ask(i: int) -> str:
         fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schemas[i]}}
         if i % 2:  # completions take response_format too (vLLM's)
-            r = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=200, temperature=0,
-                                          extra_body={"response_format": fmt})
+            r = client.completions.create(
+                model=MODEL, prompt=prompts[i], max_tokens=200, temperature=0, extra_body={"response_format": fmt}
+            )
             return r.choices[0].text, r.choices[0].finish_reason
-        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompts[i]}],
-                                           max_tokens=200, temperature=0, response_format=fmt)
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": prompts[i]}],
+            max_tokens=200,
+            temperature=0,
+            response_format=fmt,
+        )
         return r.choices[0].message.content, r.choices[0].finish_reason
 
     with ThreadPoolExecutor(20) as pool:  # one batch: 20 constrained requests side by side
@@ -95,32 +118,69 @@ def test_json_schema_outputs_validate_for_random_schemas(client):
 
 def test_json_object_choice_and_regex_are_honoured(client):
     # The embedded model never closes a free-form string: a bias towards '"' and '}' lets json_object end.
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "JSON please"}],
-                                       max_tokens=60, temperature=0, response_format={"type": "json_object"},
-                                       logit_bias={"4": 15, "95": 15})
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "JSON please"}],
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_object"},
+        logit_bias={"4": 15, "95": 15},
+    )
     assert isinstance(json.loads(r.choices[0].message.content), dict)
     choices = ["alpha", "beta gamma", "delta"]
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Pick"}], max_tokens=20,
-                                       temperature=1.0, seed=3, n=4, extra_body={"structured_outputs":
-                                                                                 {"choice": choices}})
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Pick"}],
+        max_tokens=20,
+        temperature=1.0,
+        seed=3,
+        n=4,
+        extra_body={"structured_outputs": {"choice": choices}},
+    )
     assert all(c.message.content in choices for c in r.choices)
-    r = client.completions.create(model=MODEL, prompt="The code is", max_tokens=20, temperature=1.0, seed=5, n=3,
-                                  extra_body={"guided_regex": r"[A-Z]{2}-[0-9]{3}"})
+    r = client.completions.create(
+        model=MODEL,
+        prompt="The code is",
+        max_tokens=20,
+        temperature=1.0,
+        seed=5,
+        n=3,
+        extra_body={"guided_regex": r"[A-Z]{2}-[0-9]{3}"},
+    )
     for c in r.choices:
         assert len(c.text) == 6 and c.text[:2].isupper() and c.text[2] == "-" and c.text[3:].isdigit(), c.text
 
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "The weather in a city.",
-        "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-                       "properties": {"city": {"type": "string", "maxLength": 8},
-                                      "unit": {"enum": ["celsius", "fahrenheit"]}}}}},
-    {"type": "function", "function": {
-        "name": "add", "description": "Adds two numbers.",
-        "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"],
-                       "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                                      "b": {"type": "integer", "minimum": 0, "maximum": 99}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["city", "unit"],
+                "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Adds two numbers.",
+            "parameters": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["a", "b"],
+                "properties": {
+                    "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                    "b": {"type": "integer", "minimum": 0, "maximum": 99},
+                },
+            },
+        },
+    },
 ]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
@@ -148,14 +208,23 @@ def test_required_and_named_tool_choices_return_valid_calls(client, stream):
     messages = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
     for tool_choice in ("required", {"type": "function", "function": {"name": "add"}}):
         # one call (the embedded model would add calls to the array until max_tokens)
-        r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=tool_choice,
-                                           max_tokens=120, temperature=0, stream=stream, parallel_tool_calls=False)
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            max_tokens=120,
+            temperature=0,
+            stream=stream,
+            parallel_tool_calls=False,
+        )
         if stream:
             calls, finish = streamed_calls(r)
         else:
             message = r.choices[0].message
-            calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
-                     for c in message.tool_calls]
+            calls = [
+                {"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls
+            ]
             finish = r.choices[0].finish_reason
         assert calls, tool_choice
         for call in calls:
@@ -178,11 +247,18 @@ def test_a_template_without_tool_rendering_gets_the_tools_in_a_system_message(cl
 
 def test_logit_bias_of_100_makes_greedy_output_that_token(client, tokenizer):
     token = 1234
-    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0,
-                                  logit_bias={str(token): 100})
+    r = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0, logit_bias={str(token): 100}
+    )
     assert r.choices[0].text == tokenizer.decode([token] * 6)
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                       temperature=0, logit_bias={str(token): 100}, logprobs=True)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(token): 100},
+        logprobs=True,
+    )
     assert r.choices[0].message.content == tokenizer.decode([token] * 4)
 
 
@@ -192,11 +268,17 @@ def reference_greedy():
     (multiplies a negative one) of every token of the prompt or the output; frequency and presence subtract
     count * frequency and presence once per output token seen."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
 
     @functools.cache
-    def greedy(prompt_ids: tuple[int, ...], num_tokens: int, presence: float = 0.0, frequency: float = 0.0,
-               repetition: float = 1.0) -> list[int]:
+    def greedy(
+        prompt_ids: tuple[int, ...],
+        num_tokens: int,
+        presence: float = 0.0,
+        frequency: float = 0.0,
+        repetition: float = 1.0,
+    ) -> list[int]:
         out: list[int] = []
         with torch.no_grad():
             for _ in range(num_tokens):
@@ -208,21 +290,39 @@ def reference_greedy():
                 logits = logits - frequency * counts - presence * (counts > 0).float()
                 out.append(int(logits.argmax()))
         return out
+
     return greedy
 
 
-@pytest.mark.parametrize("fields", [dict(presence_penalty=1.5), dict(frequency_penalty=1.5),
-                                    dict(repetition_penalty=1.8),
-                                    dict(presence_penalty=-0.5, frequency_penalty=0.6, repetition_penalty=1.2)])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(presence_penalty=1.5),
+        dict(frequency_penalty=1.5),
+        dict(repetition_penalty=1.8),
+        dict(presence_penalty=-0.5, frequency_penalty=0.6, repetition_penalty=1.2),
+    ],
+)
 def test_penalties_match_a_torch_reference(client, tokenizer, reference_greedy, fields):
     prompt = "the cat and the dog and the cat and the dog and the cat"
     ids = tuple(tokenizer.encode(prompt))
     extra = {"ignore_eos": True, "repetition_penalty": fields.get("repetition_penalty", 1.0)}
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
-                                  presence_penalty=fields.get("presence_penalty", 0.0),
-                                  frequency_penalty=fields.get("frequency_penalty", 0.0), extra_body=extra)
-    expected = reference_greedy(ids, 16, fields.get("presence_penalty", 0.0), fields.get("frequency_penalty", 0.0),
-                                fields.get("repetition_penalty", 1.0))
+    r = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
+        presence_penalty=fields.get("presence_penalty", 0.0),
+        frequency_penalty=fields.get("frequency_penalty", 0.0),
+        extra_body=extra,
+    )
+    expected = reference_greedy(
+        ids,
+        16,
+        fields.get("presence_penalty", 0.0),
+        fields.get("frequency_penalty", 0.0),
+        fields.get("repetition_penalty", 1.0),
+    )
     assert r.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
     assert expected != reference_greedy(ids, 16)  # the penalty changed the output
 
@@ -235,30 +335,34 @@ def test_echo_returns_the_prompt(client, tokenizer):
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1)
     lp = r.choices[0].logprobs
     ids = tokenizer.encode(prompt)
-    assert lp.tokens[:len(ids)] == [tokenizer.decode([t]) for t in ids] and len(lp.tokens) == len(ids) + 3
+    assert lp.tokens[: len(ids)] == [tokenizer.decode([t]) for t in ids] and len(lp.tokens) == len(ids) + 3
     assert lp.token_logprobs[0] is None and all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
     assert lp.top_logprobs[0] is None and all(len(t) >= 1 for t in lp.top_logprobs[1:])
     only = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
     assert only.choices[0].text == prompt and len(only.choices[0].logprobs.tokens) == len(ids)
-    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True,
-                                         stream=True)
+    streamed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == prompt + plain.choices[0].text
 
 
 def test_a_list_of_prompts_returns_choices_indexed_by_prompt(client, tokenizer):
     prompts = ["The quick brown fox", "Once upon a time"]
-    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0).choices[0].text
-             for p in prompts]
+    alone = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0).choices[0].text for p in prompts
+    ]
     r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0)
     assert [c.index for c in r.choices] == [0, 1] and [c.text for c in r.choices] == alone
     assert r.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
-    r = client.completions.create(model=MODEL, prompt=[tokenizer.encode(p) for p in prompts], max_tokens=5,
-                                  temperature=0, n=2)
+    r = client.completions.create(
+        model=MODEL, prompt=[tokenizer.encode(p) for p in prompts], max_tokens=5, temperature=0, n=2
+    )
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert [c.text for c in r.choices] == [alone[0], alone[0], alone[1], alone[1]]  # OpenAI's: prompt * n + i
     texts: dict[int, str] = {}
-    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0, stream=True,
-                                           stream_options={"include_usage": True}):
+    for chunk in client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=5, temperature=0, stream=True, stream_options={"include_usage": True}
+    ):
         for c in chunk.choices:
             texts[c.index] = texts.get(c.index, "") + c.text
         if chunk.usage is not None:
@@ -277,33 +381,57 @@ CMPL = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}
 TOOL = TOOLS[:1]
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("completions", dict(CMPL, best_of=2), "best_of"),
-    ("completions", dict(CMPL, suffix="!"), "suffix"),
-    ("completions", dict(CMPL, prompt=[]), "prompt"),
-    ("completions", dict(CMPL, stream_options={"include_usage": True}), "stream_options"),
-    ("chat/completions", dict(CHAT, top_logprobs=2), "top_logprobs"),
-    ("chat/completions", dict(CHAT, stream_options={"include_usage": True}), "stream_options"),
-    ("chat/completions", dict(CHAT, presence_penalty=3), "presence_penalty"),
-    ("chat/completions", dict(CHAT, logit_bias={"99999999": 1}), "logit_bias"),
-    ("chat/completions", dict(CHAT, logit_bias={"x": 1}), "logit_bias"),
-    ("chat/completions", dict(CHAT, repetition_penalty=0), "repetition_penalty"),
-    ("chat/completions", dict(CHAT, min_tokens=10), "min_tokens"),
-    ("chat/completions", dict(CHAT, tool_choice="required"), "tool_choice"),
-    ("chat/completions", dict(CHAT, tools=TOOL, tool_choice={"type": "function", "function": {"name": "x"}}),
-     "tool_choice"),
-    ("chat/completions", dict(CHAT, tools=TOOL, tool_choice="required", response_format={"type": "json_object"}),
-     "tool_choice"),
-    ("chat/completions", dict(CHAT, tools=TOOL + TOOL), "tools"),
-    ("chat/completions", dict(CHAT, response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
-     "response_format.json_schema"),
-    ("chat/completions", dict(CHAT, response_format={"type": "json_object"}, guided_regex="a+"), "guided_regex"),
-    ("chat/completions", dict(CHAT, guided_regex="a("), "guided_regex"),
-    ("completions", dict(CMPL, structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),
-    ("completions", dict(CMPL, structured_outputs={"grammar": "start: undefined_rule"}), "structured_outputs"),
-    ("chat/completions", dict(CHAT, response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}}}), "response_format"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("completions", dict(CMPL, best_of=2), "best_of"),
+        ("completions", dict(CMPL, suffix="!"), "suffix"),
+        ("completions", dict(CMPL, prompt=[]), "prompt"),
+        ("completions", dict(CMPL, stream_options={"include_usage": True}), "stream_options"),
+        ("chat/completions", dict(CHAT, top_logprobs=2), "top_logprobs"),
+        ("chat/completions", dict(CHAT, stream_options={"include_usage": True}), "stream_options"),
+        ("chat/completions", dict(CHAT, presence_penalty=3), "presence_penalty"),
+        ("chat/completions", dict(CHAT, logit_bias={"99999999": 1}), "logit_bias"),
+        ("chat/completions", dict(CHAT, logit_bias={"x": 1}), "logit_bias"),
+        ("chat/completions", dict(CHAT, repetition_penalty=0), "repetition_penalty"),
+        ("chat/completions", dict(CHAT, min_tokens=10), "min_tokens"),
+        ("chat/completions", dict(CHAT, tool_choice="required"), "tool_choice"),
+        (
+            "chat/completions",
+            dict(CHAT, tools=TOOL, tool_choice={"type": "function", "function": {"name": "x"}}),
+            "tool_choice",
+        ),
+        (
+            "chat/completions",
+            dict(CHAT, tools=TOOL, tool_choice="required", response_format={"type": "json_object"}),
+            "tool_choice",
+        ),
+        ("chat/completions", dict(CHAT, tools=TOOL + TOOL), "tools"),
+        (
+            "chat/completions",
+            dict(CHAT, response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+            "response_format.json_schema",
+        ),
+        ("chat/completions", dict(CHAT, response_format={"type": "json_object"}, guided_regex="a+"), "guided_regex"),
+        ("chat/completions", dict(CHAT, guided_regex="a("), "guided_regex"),
+        ("completions", dict(CMPL, structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),
+        ("completions", dict(CMPL, structured_outputs={"grammar": "start: undefined_rule"}), "structured_outputs"),
+        (
+            "chat/completions",
+            dict(
+                CHAT,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}},
+                    },
+                },
+            ),
+            "response_format",
+        ),
+    ],
+)
 def test_invalid_combinations_are_400_naming_the_param(server, path, body, param):
     r = httpx.post(f"{server}/v1/{path}", json=body, timeout=60)
     assert r.status_code == 400, r.text
@@ -322,8 +450,15 @@ def test_no_block_leaks_and_the_server_keeps_serving(server, client):
 
 def test_sampling_params_from_a_request_keep_the_fields():
     from sparseserve.entrypoints.protocol import CompletionRequest
-    req = CompletionRequest(prompt="x", logit_bias={"5": 3}, repetition_penalty=1.1, min_tokens=2, max_tokens=8,
-                            structured_outputs={"json": {"type": "object"}})
+
+    req = CompletionRequest(
+        prompt="x",
+        logit_bias={"5": 3},
+        repetition_penalty=1.1,
+        min_tokens=2,
+        max_tokens=8,
+        structured_outputs={"json": {"type": "object"}},
+    )
     p = req.sampling_params(8, None)
     assert isinstance(p, SamplingParams) and p.logit_bias == {5: 3.0} and p.repetition_penalty == 1.1
     assert p.min_tokens == 2 and p.structured_outputs.json == {"type": "object"}

@@ -1,4 +1,5 @@
 """OpenAI-compatible server on the embedded model, in-process on 127.0.0.1 (uvicorn in a thread)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -52,8 +53,16 @@ def test_openai_client_drives_both_endpoints(server):
 
     c = client.completions.create(model=MODEL, prompt="The best way to", max_tokens=8, temperature=0)
     assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 8 and c.choices[0].text
-    chunks = list(client.completions.create(model=MODEL, prompt="The best way to", max_tokens=8, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="The best way to",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.choices[0].text
     assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].usage.prompt_tokens == c.usage.prompt_tokens
 
@@ -66,8 +75,9 @@ def test_openai_client_drives_both_endpoints(server):
 
     lp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0, logprobs=2)
     assert len(lp.choices[0].logprobs.tokens) == 3 and all(len(t) <= 2 for t in lp.choices[0].logprobs.top_logprobs)
-    lp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0, logprobs=True,
-                                        top_logprobs=2)
+    lp = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, temperature=0, logprobs=True, top_logprobs=2
+    )
     assert all(len(t.top_logprobs) == 2 for t in lp.choices[0].logprobs.content)
 
 
@@ -90,14 +100,26 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[dict
 def test_64_concurrent_streams_match_offline_generate(server):
     url, _ = server
     prompts = [f"Request {i}: the startup founders said" for i in range(64)]
-    params = [SamplingParams(max_tokens=4 + i % 13, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
-              for i in range(64)]
+    params = [
+        SamplingParams(max_tokens=4 + i % 13, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+        for i in range(64)
+    ]
 
     async def run_all():
         async with httpx.AsyncClient(headers=AUTH, timeout=120) as client:
-            bodies = [{"model": MODEL, "prompt": p, "max_tokens": sp.max_tokens, "temperature": sp.temperature,
-                       "seed": sp.seed, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-                      for p, sp in zip(prompts, params)]
+            bodies = [
+                {
+                    "model": MODEL,
+                    "prompt": p,
+                    "max_tokens": sp.max_tokens,
+                    "temperature": sp.temperature,
+                    "seed": sp.seed,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                for p, sp in zip(prompts, params)
+            ]
             return await asyncio.gather(*(_stream(client, url, b) for b in bodies))
 
     before = metrics(url)
@@ -108,8 +130,11 @@ def test_64_concurrent_streams_match_offline_generate(server):
         assert usage["completion_tokens"] == sp.max_tokens
     after = wait_idle(url)
     assert after["sparseserve:request_success_total"] - before.get("sparseserve:request_success_total", 0) == 64
-    assert after["sparseserve:time_to_first_token_seconds_count"] - before.get(
-        "sparseserve:time_to_first_token_seconds_count", 0) == 64
+    assert (
+        after["sparseserve:time_to_first_token_seconds_count"]
+        - before.get("sparseserve:time_to_first_token_seconds_count", 0)
+        == 64
+    )
 
 
 def test_client_disconnect_mid_stream_frees_blocks(server):
@@ -128,27 +153,33 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
     assert after["sparseserve:request_success_total"] == before["sparseserve:request_success_total"]
 
 
-@pytest.mark.parametrize("body,headers,status,needle", [
-    (b"{not json", AUTH, 400, "Malformed JSON"),
-    ({"model": MODEL, "max_tokens": 4}, AUTH, 400, "prompt"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, AUTH, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": "hi", "temperature": [1]}, AUTH, 400, "temperature"),
-    ({"model": "gpt-4", "prompt": "hi"}, AUTH, 404, "does not exist"),
-    ({"model": MODEL, "prompt": [7] * 300}, AUTH, 400, "max_model_len"),
-    ({"model": MODEL, "prompt": [7] * 200, "max_tokens": 100}, AUTH, 400, "200 in the prompt, 100 to generate"),
-    ({"model": MODEL, "prompt": ""}, AUTH, 400, "empty"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, AUTH, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, AUTH, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": "hi", "n": 65}, AUTH, 400, "n must be"),
-    ({"model": MODEL, "prompt": "hi", "top_p": 0}, AUTH, 400, "top_p"),
-    ({"model": MODEL, "prompt": "hi"}, {"Authorization": "Bearer wrong"}, 401, "API key"),
-    ({"model": MODEL, "prompt": "hi"}, {}, 401, "API key"),
-    ({"model": MODEL, "prompt": "x" * 70000}, AUTH, 413, "exceeds"),
-])
+@pytest.mark.parametrize(
+    "body,headers,status,needle",
+    [
+        (b"{not json", AUTH, 400, "Malformed JSON"),
+        ({"model": MODEL, "max_tokens": 4}, AUTH, 400, "prompt"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, AUTH, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "temperature": [1]}, AUTH, 400, "temperature"),
+        ({"model": "gpt-4", "prompt": "hi"}, AUTH, 404, "does not exist"),
+        ({"model": MODEL, "prompt": [7] * 300}, AUTH, 400, "max_model_len"),
+        ({"model": MODEL, "prompt": [7] * 200, "max_tokens": 100}, AUTH, 400, "200 in the prompt, 100 to generate"),
+        ({"model": MODEL, "prompt": ""}, AUTH, 400, "empty"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, AUTH, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, AUTH, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "n": 65}, AUTH, 400, "n must be"),
+        ({"model": MODEL, "prompt": "hi", "top_p": 0}, AUTH, 400, "top_p"),
+        ({"model": MODEL, "prompt": "hi"}, {"Authorization": "Bearer wrong"}, 401, "API key"),
+        ({"model": MODEL, "prompt": "hi"}, {}, 401, "API key"),
+        ({"model": MODEL, "prompt": "x" * 70000}, AUTH, 413, "exceeds"),
+    ],
+)
 def test_invalid_requests_get_openai_errors(server, body, headers, status, needle):
     url, _ = server
-    kw = {"content": body, "headers": {**headers, "content-type": "application/json"}} if isinstance(body, bytes) \
+    kw = (
+        {"content": body, "headers": {**headers, "content-type": "application/json"}}
+        if isinstance(body, bytes)
         else {"json": body, "headers": headers}
+    )
     r = httpx.post(f"{url}/v1/completions", timeout=30, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -165,8 +196,9 @@ def test_chat_errors_and_unknown_route(server):
     tokenizer = engine.engine.tokenizer
     template, tokenizer.chat_template = tokenizer.chat_template, None
     try:
-        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
-                       headers=AUTH)
+        r = httpx.post(
+            f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, headers=AUTH
+        )
     finally:
         tokenizer.chat_template = template
     assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
@@ -178,15 +210,19 @@ def test_n_stop_and_usage(server):
     url, _ = server
     base = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     full = httpx.post(f"{url}/v1/completions", json=base, headers=AUTH).json()["choices"][0]["text"]
-    stop = full[len(full) // 2:len(full) // 2 + 3]
-    cut = full[:full.index(stop)]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    cut = full[: full.index(stop)]
     r = httpx.post(f"{url}/v1/completions", json={**base, "stop": stop}, headers=AUTH).json()
     assert r["choices"][0]["text"] == cut and r["choices"][0]["finish_reason"] == "stop"
     texts, _ = asyncio.run(_stream_once(url, {**base, "stop": stop, "stream": True}))
     assert texts[0] == cut  # streamed deltas never leak the start of the stop string
 
-    texts, usage = asyncio.run(_stream_once(url, {**base, "n": 3, "temperature": 1.0, "seed": 1, "stream": True,
-                                                  "stream_options": {"include_usage": True}}))
+    texts, usage = asyncio.run(
+        _stream_once(
+            url,
+            {**base, "n": 3, "temperature": 1.0, "seed": 1, "stream": True, "stream_options": {"include_usage": True}},
+        )
+    )
     assert sorted(texts) == [0, 1, 2] and usage["completion_tokens"] == 36
 
 
@@ -198,11 +234,18 @@ async def _stream_once(url: str, body: dict) -> tuple[dict[int, str], dict]:
 def test_metrics_exposition(server):
     url, _ = server
     text = httpx.get(f"{url}/metrics").text
-    for name in ("sparseserve:num_requests_running", "sparseserve:num_requests_waiting",
-                 "sparseserve:kv_cache_blocks_used", "sparseserve:kv_cache_blocks_total",
-                 "sparseserve:time_to_first_token_seconds_bucket", "sparseserve:inter_token_latency_seconds_bucket",
-                 "sparseserve:e2e_request_latency_seconds_bucket", "sparseserve:prompt_tokens_total",
-                 "sparseserve:generation_tokens_total", "sparseserve:num_preemptions_total"):
+    for name in (
+        "sparseserve:num_requests_running",
+        "sparseserve:num_requests_waiting",
+        "sparseserve:kv_cache_blocks_used",
+        "sparseserve:kv_cache_blocks_total",
+        "sparseserve:time_to_first_token_seconds_bucket",
+        "sparseserve:inter_token_latency_seconds_bucket",
+        "sparseserve:e2e_request_latency_seconds_bucket",
+        "sparseserve:prompt_tokens_total",
+        "sparseserve:generation_tokens_total",
+        "sparseserve:num_preemptions_total",
+    ):
         assert name in text
     assert metrics(url)["sparseserve:kv_cache_blocks_total"] == 512
 
@@ -241,9 +284,20 @@ def test_serve_cli_flags_have_help_and_loopback_default():
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
     flags = {s for a in parser._actions for s in a.option_strings}
-    for flag in ("--host", "--port", "--max-model-len", "--gpu-memory-utilization", "--max-num-seqs",
-                 "--max-num-batched-tokens", "--block-size", "--dtype", "--enforce-eager", "--served-model-name",
-                 "--api-key", "--seed"):
+    for flag in (
+        "--host",
+        "--port",
+        "--max-model-len",
+        "--gpu-memory-utilization",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--block-size",
+        "--dtype",
+        "--enforce-eager",
+        "--served-model-name",
+        "--api-key",
+        "--seed",
+    ):
         assert flag in flags
     assert all(a.help for a in parser._actions)
     args = parser.parse_args([])
@@ -276,8 +330,12 @@ def test_a_chat_with_the_embedded_model_ends():
         r = client.chat.completions.create(model="sparseserve-default", messages=[{"role": "user", "content": "Hello"}])
         assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.content
         assert r.usage.completion_tokens <= 32
-        r = client.chat.completions.create(model="sparseserve-default", messages=[{"role": "user", "content": "Hi"}],
-                                           max_tokens=40, extra_body={"ignore_eos": True})
+        r = client.chat.completions.create(
+            model="sparseserve-default",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=40,
+            extra_body={"ignore_eos": True},
+        )
         assert r.usage.completion_tokens == 40  # the default only: a request's own max_tokens wins
 
 
@@ -285,4 +343,5 @@ def test_the_embedded_model_agrees_on_its_length():
     engine = LLMEngine.from_kwargs(device="cpu", num_gpu_blocks_override=2048)
     assert engine.tokenizer.model_max_length == engine.max_model_len == 65536
     from sparseserve.entrypoints.api_server import generation_max_new_tokens
+
     assert generation_max_new_tokens(None) == 32

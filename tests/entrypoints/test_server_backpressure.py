@@ -1,6 +1,7 @@
 """Back-pressure: a stream whose client stops reading stops generating. Past --max-unread-stream-tokens unread
 tokens its request is aborted (KV blocks freed); the stream ends with the deltas queued before, an error
 event and [DONE], so a non-reading client holds a bounded amount of the server's memory (README, Server)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -82,14 +83,28 @@ def rss(pid: int) -> int:
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads a process's memory from /proc")
 def test_non_reading_streams_stop_generating_and_memory_stays_bounded():
-    flags = ("--max-model-len", "2048", "--num-gpu-blocks-override", "2048", "--max-unread-stream-tokens",
-             str(BOUND), "--socket-send-buffer-bytes", str(BUF))
+    flags = (
+        "--max-model-len",
+        "2048",
+        "--num-gpu-blocks-override",
+        "2048",
+        "--max-unread-stream-tokens",
+        str(BOUND),
+        "--socket-send-buffer-bytes",
+        str(BUF),
+    )
     with server_process(*flags) as (proc, url):
+
         def metrics() -> dict[str, float]:
             return parse_metrics(httpx.get(f"{url}/metrics").text)
 
-        request = {"prompt": "Tell a long story.", "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
-                   "logprobs": 20}
+        request = {
+            "prompt": "Tell a long story.",
+            "max_tokens": MAX_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+            "logprobs": 20,
+        }
         with httpx.stream("POST", f"{url}/v1/completions", json={**request, "max_tokens": 16}, timeout=60) as r:
             chunk = min(len(line) for line in r.iter_lines() if line.startswith("data: {"))
         # A non-reading client's output waits in its receive buffer and the server's send buffer (each at most
@@ -105,14 +120,18 @@ def test_non_reading_streams_stop_generating_and_memory_stays_bounded():
                 s = socket.socket()
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUF)
                 s.connect(("127.0.0.1", port))
-                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-                          b"content-length: %d\r\n\r\n%s" % (len(body), body))
+                s.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(body), body)
+                )
                 socks.append(s)
             deadline = time.monotonic() + 300
             while True:  # every stream's request aborted: nothing runs, no block is held
                 m = metrics()
-                if m["sparseserve:num_requests_running"] == m["sparseserve:num_requests_waiting"] == 0 \
-                        and m["sparseserve:generation_tokens_total"] > gen0:
+                if (
+                    m["sparseserve:num_requests_running"] == m["sparseserve:num_requests_waiting"] == 0
+                    and m["sparseserve:generation_tokens_total"] > gen0
+                ):
                     break
                 assert time.monotonic() < deadline, m
                 time.sleep(0.5)

@@ -1,6 +1,7 @@
 """5xx hygiene, request validation and the API's conventions, against a real server on the embedded model:
 every error is OpenAI JSON that names its `param`, invalid Unicode is a 400, and no error resets a kept-alive
 connection."""
+
 from __future__ import annotations
 
 import http.client
@@ -35,8 +36,12 @@ def server():
 
 def post(url: str, path: str, body: dict | bytes, headers: dict | None = None) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()  # json escapes surrogates
-    return httpx.post(f"{url}{path}", content=content, timeout=60,
-                      headers={**AUTH, "content-type": "application/json", **(headers or {})})
+    return httpx.post(
+        f"{url}{path}",
+        content=content,
+        timeout=60,
+        headers={**AUTH, "content-type": "application/json", **(headers or {})},
+    )
 
 
 def assert_openai_error(r: httpx.Response | http.client.HTTPResponse, status: int, body: bytes | None = None) -> dict:
@@ -46,24 +51,39 @@ def assert_openai_error(r: httpx.Response | http.client.HTTPResponse, status: in
     return err
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", {"prompt": "\ud800", "max_tokens": 2}, "prompt"),
-    ("/v1/completions", {"prompt": "fine \udfff text", "max_tokens": 2}, "prompt"),
-    ("/v1/completions", {"prompt": ["\udc00"], "max_tokens": 2}, "prompt.0"),
-    ("/v1/completions", {"prompt": "ok", "stop": ["\ud83d"], "max_tokens": 2}, "stop.0"),
-    ("/v1/completions", {"prompt": "ok", "model": "\ud800", "max_tokens": 2}, "model"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2},
-     "messages.0.content"),
-    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "ok"},
-                                           {"role": "user", "content": [{"type": "text", "text": "a\udbffb"}]}],
-                              "max_tokens": 2}, "messages.1.content.0.text"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "\ud800", "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": "fine \udfff text", "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": ["\udc00"], "max_tokens": 2}, "prompt.0"),
+        ("/v1/completions", {"prompt": "ok", "stop": ["\ud83d"], "max_tokens": 2}, "stop.0"),
+        ("/v1/completions", {"prompt": "ok", "model": "\ud800", "max_tokens": 2}, "model"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2},
+            "messages.0.content",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "system", "content": "ok"},
+                    {"role": "user", "content": [{"type": "text", "text": "a\udbffb"}]},
+                ],
+                "max_tokens": 2,
+            },
+            "messages.1.content.0.text",
+        ),
+    ],
+)
 def test_lone_surrogates_are_a_400_naming_the_param(server, path, body, param):
     url, _ = server
     r = post(url, path, body)
     err = assert_openai_error(r, 400)
-    assert err["param"] == param and err["message"] == \
-        f"{param} is not valid Unicode (it holds a lone UTF-16 surrogate)."
+    assert (
+        err["param"] == param and err["message"] == f"{param} is not valid Unicode (it holds a lone UTF-16 surrogate)."
+    )
     assert post(url, path, {**body, "prompt": "ok", "messages": CHAT, "stop": None, "model": None}).status_code == 200
 
 
@@ -73,8 +93,9 @@ def test_raw_invalid_utf8_is_a_400(server):
     assert_openai_error(r, 400)
 
 
-def _request(conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None = None,
-             headers: dict | None = None) -> tuple[http.client.HTTPResponse, bytes]:
+def _request(
+    conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None = None, headers: dict | None = None
+) -> tuple[http.client.HTTPResponse, bytes]:
     conn.request(method, path, body=body, headers={**AUTH, "content-type": "application/json", **(headers or {})})
     r = conn.getresponse()
     return r, r.read()
@@ -160,7 +181,7 @@ VALIDATION_CASES = [
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": ["a", ""]}, 400, "prompt"),
     ({"prompt": "hi", "seed": 2**64}, 400, "seed"),
-    ({"prompt": "hi", "seed": -2**63 - 1}, 400, "seed"),
+    ({"prompt": "hi", "seed": -(2**63) - 1}, 400, "seed"),
     ({"prompt": "hi", "seed": 1e30}, 400, "seed"),
     ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "hi", "suffix": "x"}, 400, "suffix"),
@@ -176,15 +197,18 @@ def test_validation_errors_name_their_param(server, body, status, param):
     assert err["param"] == param, err
 
 
-@pytest.mark.parametrize("body, status, param", [
-    ({"messages": CHAT, "temperature": math.nan}, 400, "temperature"),
-    ({"messages": CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
-    ({"messages": CHAT, "top_logprobs": 30, "logprobs": True}, 400, "top_logprobs"),
-    ({"messages": CHAT, "stop_token_ids": [4096]}, 400, "stop_token_ids"),
-    ({"messages": [{"role": "user", "content": "x " * 300}], "max_tokens": 1}, 400, "messages"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
-    ({"messages": []}, 400, "messages"),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"messages": CHAT, "temperature": math.nan}, 400, "temperature"),
+        ({"messages": CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
+        ({"messages": CHAT, "top_logprobs": 30, "logprobs": True}, 400, "top_logprobs"),
+        ({"messages": CHAT, "stop_token_ids": [4096]}, 400, "stop_token_ids"),
+        ({"messages": [{"role": "user", "content": "x " * 300}], "max_tokens": 1}, 400, "messages"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
+        ({"messages": []}, 400, "messages"),
+    ],
+)
 def test_chat_validation_errors_name_their_param(server, body, status, param):
     url, _ = server
     err = assert_openai_error(post(url, "/v1/chat/completions", body), status)
@@ -210,14 +234,21 @@ def test_openapi_lists_errors_and_event_stream(server):
         assert doc["paths"][path]["post"]["security"] == [{"HTTPBearer": []}]
     assert "503" in doc["paths"]["/health"]["get"]["responses"]
     assert doc["components"]["securitySchemes"]["HTTPBearer"] == {
-        "type": "http", "scheme": "bearer", "description": "Required when the server runs with --api-key."}
+        "type": "http",
+        "scheme": "bearer",
+        "description": "Required when the server runs with --api-key.",
+    }
     assert '"422"' not in json.dumps(doc) and "HTTPValidationError" not in json.dumps(doc)
 
 
 def test_docs_can_be_disabled_and_metrics_protected(server):
     _, engine = server  # the app is only built, never started: no second engine thread
-    app = build_app(engine, ServerConfig(served_model_names=("tiny",), api_key=KEY, metrics_require_api_key=True,
-                                         disable_fastapi_docs=True))
+    app = build_app(
+        engine,
+        ServerConfig(
+            served_model_names=("tiny",), api_key=KEY, metrics_require_api_key=True, disable_fastapi_docs=True
+        ),
+    )
     client = TestClient(app)
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert_openai_error(client.get(path), 404)
@@ -231,14 +262,17 @@ def test_docs_can_be_disabled_and_metrics_protected(server):
         assert_openai_error(TestClient(open_app).get(path), 404)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": "hi", "n": True}, "n"),
-    ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
-    ({"prompt": "hi", "seed": False}, "seed"),
-    ({"prompt": "hi", "logprobs": True}, "logprobs"),
-    ({"prompt": "hi", "top_k": True}, "top_k"),
-    ({"prompt": "hi", "temperature": True}, "temperature"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "hi", "n": True}, "n"),
+        ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "hi", "seed": False}, "seed"),
+        ({"prompt": "hi", "logprobs": True}, "logprobs"),
+        ({"prompt": "hi", "top_k": True}, "top_k"),
+        ({"prompt": "hi", "temperature": True}, "temperature"),
+    ],
+)
 def test_booleans_are_not_numbers(server, body, param):
     url, _ = server
     err = assert_openai_error(post(url, "/v1/completions", body), 400)
@@ -258,13 +292,20 @@ def test_every_out_of_range_n_gets_one_message(server):
 def test_two_authorization_headers_are_refused(server):
     url, _ = server
     u = urlparse(url)
-    for first, second in ((f"Bearer {KEY}", "Bearer wrong"), ("Bearer wrong", f"Bearer {KEY}"),
-                          (f"Bearer {KEY}", f"Bearer {KEY}")):
+    for first, second in (
+        (f"Bearer {KEY}", "Bearer wrong"),
+        ("Bearer wrong", f"Bearer {KEY}"),
+        (f"Bearer {KEY}", f"Bearer {KEY}"),
+    ):
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
         conn.putrequest("POST", "/v1/completions")
         body = b'{"prompt": "hi", "max_tokens": 1}'
-        for name, value in (("Authorization", first), ("Authorization", second),
-                            ("content-type", "application/json"), ("content-length", str(len(body)))):
+        for name, value in (
+            ("Authorization", first),
+            ("Authorization", second),
+            ("content-type", "application/json"),
+            ("content-length", str(len(body))),
+        ):
             conn.putheader(name, value)
         conn.endheaders(body)
         r = conn.getresponse()
@@ -278,9 +319,15 @@ def test_content_length_with_chunked_encoding_is_refused(server):
     u = urlparse(url)
     sock = socket.create_connection((u.hostname, u.port), timeout=30)
     body = b'{"prompt": "hi", "max_tokens": 1}'
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
-                 + b"\r\ncontent-type: application/json\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
-                 + hex(len(body))[2:].encode() + b"\r\n" + body + b"\r\n0\r\n\r\n")
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + KEY.encode()
+        + b"\r\ncontent-type: application/json\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + hex(len(body))[2:].encode()
+        + b"\r\n"
+        + body
+        + b"\r\n0\r\n\r\n"
+    )
     data = b""
     while chunk := sock.recv(65536):
         data += chunk
@@ -295,6 +342,7 @@ def test_an_exception_mid_stream_ends_it_with_an_error_event(server, monkeypatch
     """After the status line went out, a failure is reported in band: an error event, then [DONE], and the
     connection stays usable."""
     from sparseserve.entrypoints import serving
+
     url, engine = server
     real, calls = serving.CompletionFormat.chunks, [0]
 

@@ -3,6 +3,7 @@ lone surrogates, garbage bytes, streams), each answered without a 5xx, every inv
 and vLLM: no 422), every error in OpenAI's format, every stream ended by [DONE]; afterwards the server is
 healthy and every KV block is free. Outputs are 1-2 tokens of the embedded model, so the whole file takes well
 under a minute on two cores."""
+
 from __future__ import annotations
 
 import json
@@ -25,10 +26,10 @@ MAX_BODY = 4096
 
 # Text of any code point, lone surrogates included (JSON escapes them; no encoder accepts them).
 TEXT = st.text(st.characters(exclude_categories=()), max_size=24)
-SCALARS = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True, allow_infinity=True)
-           | TEXT)
-JUNK = st.recursive(SCALARS, lambda c: st.lists(c, max_size=3) | st.dictionaries(TEXT, c, max_size=3),
-                    max_leaves=6)
+SCALARS = (
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True, allow_infinity=True) | TEXT
+)
+JUNK = st.recursive(SCALARS, lambda c: st.lists(c, max_size=3) | st.dictionaries(TEXT, c, max_size=3), max_leaves=6)
 TOKEN_IDS = st.lists(st.integers(-5, 5000), max_size=8)
 SMALL = st.integers(1, 2)  # max_tokens that keep a valid request cheap
 NUMBER = st.floats(-2, 3, allow_nan=False) | st.sampled_from([0.0, 1e-45, 1e-3, float("nan"), float("inf")])
@@ -54,7 +55,7 @@ def common_fields() -> dict[str, st.SearchStrategy]:
         "n": mostly(st.integers(-1, 3)),
         "stop": mostly(TEXT | st.lists(TEXT, max_size=3)),
         "stop_token_ids": mostly(TOKEN_IDS),
-        "seed": mostly(st.integers(-2**65, 2**65)),
+        "seed": mostly(st.integers(-(2**65), 2**65)),
         "stream": mostly(st.booleans()),
         "stream_options": mostly(st.fixed_dictionaries({"include_usage": st.booleans()})),
         "ignore_eos": mostly(st.booleans()),
@@ -68,19 +69,33 @@ def completion_bodies() -> st.SearchStrategy:
     prompt = TEXT | TOKEN_IDS | st.lists(TEXT, max_size=2) | st.lists(TOKEN_IDS, max_size=2)
     return st.fixed_dictionaries(
         {"prompt": mostly(prompt), "max_tokens": MAX_TOKENS},
-        optional={**common_fields(), "logprobs": mostly(st.integers(-1, 22)), "echo": mostly(st.booleans()),
-                  "suffix": mostly(TEXT | st.none())})
+        optional={
+            **common_fields(),
+            "logprobs": mostly(st.integers(-1, 22)),
+            "echo": mostly(st.booleans()),
+            "suffix": mostly(TEXT | st.none()),
+        },
+    )
 
 
 def chat_bodies() -> st.SearchStrategy:
     part = st.fixed_dictionaries({"type": mostly(st.just("text")), "text": mostly(TEXT)})
     message = st.fixed_dictionaries(
-        {"role": mostly(st.sampled_from(["user", "assistant", "system", "developer", "tool", "robot"])),
-         "content": mostly(TEXT | st.lists(part, max_size=2) | st.none())})
+        {
+            "role": mostly(st.sampled_from(["user", "assistant", "system", "developer", "tool", "robot"])),
+            "content": mostly(TEXT | st.lists(part, max_size=2) | st.none()),
+        }
+    )
     return st.fixed_dictionaries(
         {"messages": mostly(st.lists(message, max_size=3)), "max_tokens": MAX_TOKENS},
-        optional={**common_fields(), "max_completion_tokens": mostly(SMALL), "logprobs": mostly(st.booleans()),
-                  "top_logprobs": mostly(st.integers(-1, 22)), "add_generation_prompt": mostly(st.booleans())})
+        optional={
+            **common_fields(),
+            "max_completion_tokens": mostly(SMALL),
+            "logprobs": mostly(st.booleans()),
+            "top_logprobs": mostly(st.integers(-1, 22)),
+            "add_generation_prompt": mostly(st.booleans()),
+        },
+    )
 
 
 def payloads(bodies: st.SearchStrategy) -> st.SearchStrategy:
@@ -118,8 +133,14 @@ def check_response(r: httpx.Response, payload: bytes) -> None:
 
 def fuzz(url: str, path: str, bodies: st.SearchStrategy) -> None:
     with httpx.Client(base_url=url, timeout=60, headers={"content-type": "application/json"}) as client:
-        @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
         @given(payload=payloads(bodies))
         def one(payload: bytes) -> None:
             check_response(client.post(path, content=payload), payload)

@@ -1,5 +1,6 @@
 """Shutdown, the engine watchdog and aborts: a drained server ends every request in flight with an error event or
 a 503 (never a cut stream), frees its blocks and exits with 0; /health notices a stuck engine loop."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,6 +30,7 @@ def slow_steps(engine: AsyncLLMEngine, seconds: float) -> None:
     def step():
         time.sleep(seconds)
         return real()
+
     engine.engine.step = step
 
 
@@ -57,11 +59,14 @@ def test_shutdown_past_the_deadline_ends_every_request_cleanly():
     long = {"prompt": "Tell a long story.", "max_tokens": 400, "ignore_eos": True}
     short = {"prompt": "Hi.", "max_tokens": 4, "ignore_eos": True}
     with running_server(app, engine, shutdown_timeout=1.0) as (url, server):
+
         async def scenario():
             async with httpx.AsyncClient(timeout=60) as client:
                 started = [asyncio.Event() for _ in range(3)]
-                streams = [asyncio.ensure_future(sse(client, url, long, started[0])),
-                           asyncio.ensure_future(sse(client, url, long, started[1]))]
+                streams = [
+                    asyncio.ensure_future(sse(client, url, long, started[0])),
+                    asyncio.ensure_future(sse(client, url, long, started[1])),
+                ]
                 plain = [asyncio.ensure_future(client.post(f"{url}/v1/completions", json=long)) for _ in range(2)]
                 await asyncio.gather(*(e.wait() for e in started[:2]))
                 await until(lambda: engine.num_requests == 4)
@@ -92,8 +97,9 @@ def test_sigterm_past_the_deadline_in_a_real_process():
     """SIGTERM with a stream and a non-streamed request that cannot finish within --shutdown-timeout: the stream
     ends with an error event and [DONE], the other request gets a 503 JSON, a new request a 503, the blocks are
     freed, the log holds no traceback and the process exits with 0."""
-    proc, url = start_server_process("--max-model-len", "8192", "--num-gpu-blocks-override", "600",
-                                     "--shutdown-timeout", "1")
+    proc, url = start_server_process(
+        "--max-model-len", "8192", "--num-gpu-blocks-override", "600", "--shutdown-timeout", "1"
+    )
     try:
         body = {"prompt": "Tell a long story.", "max_tokens": 8000, "ignore_eos": True}
         results: dict[str, object] = {}
@@ -163,8 +169,11 @@ def test_health_reports_a_stuck_engine_loop():
         assert httpx.get(f"{url}/health").status_code == 200
         engine.engine.step = stuck_step
         done: dict[str, httpx.Response] = {}
-        t = threading.Thread(target=lambda: done.setdefault("r", httpx.post(
-            f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)))
+        t = threading.Thread(
+            target=lambda: done.setdefault(
+                "r", httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+            )
+        )
         t.start()
         deadline = time.monotonic() + 30
         while (h := httpx.get(f"{url}/health")).status_code == 200:
@@ -197,6 +206,7 @@ def test_abort_takes_effect_within_one_step():
             steps_with.append(present)
             count[0] += 1
         return out
+
     llm.step = counting_step
 
     async def scenario():
@@ -217,13 +227,24 @@ def test_abort_takes_effect_within_one_step():
     assert engine.stats.num_blocks_used == 0
 
 
-@pytest.mark.parametrize("flag", ["--shutdown-timeout", "--engine-watchdog-timeout", "--timeout-header-read",
-                                  "--timeout-body-read", "--limit-concurrency", "--timeout-keep-alive",
-                                  "--disable-fastapi-docs", "--metrics-require-api-key"])
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--shutdown-timeout",
+        "--engine-watchdog-timeout",
+        "--timeout-header-read",
+        "--timeout-body-read",
+        "--limit-concurrency",
+        "--timeout-keep-alive",
+        "--disable-fastapi-docs",
+        "--metrics-require-api-key",
+    ],
+)
 def test_server_flags_are_documented(flag):
     import argparse
 
     from sparseserve.entrypoints.api_server import add_cli_args
+
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
     action = next(a for a in parser._actions if flag in a.option_strings)

@@ -1,6 +1,7 @@
 """The server's prefix-cache surface: usage.prompt_tokens_details.cached_tokens like OpenAI's, only with vLLM's
 --enable-prompt-tokens-details (the count tells a client whether anyone sent the same prefix before); vLLM's
 cache_salt request field; --cache-salt-source api-key / header:NAME keeping tenants' blocks apart."""
+
 from __future__ import annotations
 
 import http.client
@@ -30,10 +31,11 @@ def engine():
 @pytest.fixture
 def serve(engine):
     """A server on the module's engine with the given ServerConfig options (one at a time; caches reset)."""
+
     def start(**options):
         engine.reset_prefix_cache()
-        return serve_in_thread(build_app(AsyncLLMEngine(engine), ServerConfig(served_model_names=(MODEL,),
-                                                                              **options)))
+        return serve_in_thread(build_app(AsyncLLMEngine(engine), ServerConfig(served_model_names=(MODEL,), **options)))
+
     return start
 
 
@@ -49,16 +51,25 @@ def test_cached_tokens_in_usage_and_cache_salt(serve):
         assert cached() == 192
         assert cached(cache_salt="tenant-a") == 0  # another tenant shares nothing
         assert cached(cache_salt="tenant-a") == 192
-        chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
-                                                stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            client.completions.create(
+                model=MODEL,
+                prompt=PROMPT,
+                max_tokens=2,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 192
         messages = [{"role": "user", "content": "Tell me about prefix caching. " * 10}]
         r1 = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
         r2 = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
         assert r1.usage.prompt_tokens_details.cached_tokens == 0
         assert r2.usage.prompt_tokens_details.cached_tokens == (r2.usage.prompt_tokens - 1) // 32 * 32 > 0
-        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1,
-                                                      "cache_salt": ""})
+        r = httpx.post(
+            f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1, "cache_salt": ""}
+        )
         assert r.status_code == 400 and "cache_salt" in r.text
 
 
@@ -73,8 +84,12 @@ def test_cached_tokens_are_not_reported_by_default(serve):
         for _ in range(2):
             usage = httpx.post(f"{url}/v1/completions", json=body).json()["usage"]
             assert usage.get("prompt_tokens_details") is None, usage
-        with httpx.stream("POST", f"{url}/v1/completions", timeout=30,
-                          json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/completions",
+            timeout=30,
+            json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        ) as r:
             events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
         assert events[-1]["usage"]["prompt_tokens"] == 200 and events[-1]["usage"].get("prompt_tokens_details") is None
         chat = {"messages": [{"role": "user", "content": "hi " * 50}], "max_tokens": 2}
@@ -102,6 +117,7 @@ def _post(url: str, headers: list[tuple[str, str]], body: dict) -> tuple[int, di
 
 def test_a_header_names_the_tenant(serve):
     with serve(cache_salt_source="header:X-Tenant", enable_prompt_tokens_details=True) as url:
+
         def cached(tenant: str, **extra) -> int:
             status, body = _post(url, [("X-Tenant", tenant)], {"prompt": PROMPT, "max_tokens": 1, **extra})
             assert status == 200, body
@@ -128,20 +144,40 @@ def test_api_keys_never_share_blocks_in_a_real_server():
     """`sparseserve serve --api-key k1 k2 --cache-salt-source api-key`: the second key's identical prompt computes
     every token (the prefix-cache counters of /metrics), each key reuses its own blocks, and usage carries no
     cached_tokens (no --enable-prompt-tokens-details)."""
-    flags = ("--api-key", "k1", "k2", "--cache-salt-source", "api-key", "--max-model-len", "512",
-             "--num-gpu-blocks-override", "64")
+    flags = (
+        "--api-key",
+        "k1",
+        "k2",
+        "--cache-salt-source",
+        "api-key",
+        "--max-model-len",
+        "512",
+        "--num-gpu-blocks-override",
+        "64",
+    )
     with server_process(*flags) as (proc, url):
+
         def send(key: str) -> tuple[float, float]:
             before = hits(url)
-            r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1},
-                           headers={"Authorization": f"Bearer {key}"}, timeout=60)
+            r = httpx.post(
+                f"{url}/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": 1},
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=60,
+            )
             assert r.status_code == 200 and r.json()["usage"].get("prompt_tokens_details") is None, r.text
             after = hits(url)
             return after[0] - before[0], after[1] - before[1]
 
         assert send("k1") == (200, 0)
         assert send("k1") == (200, 192)  # the same tenant shares
-        assert send("k2") == (200, 0)    # another key computes every token
+        assert send("k2") == (200, 0)  # another key computes every token
         assert send("k2") == (200, 192)
-        assert httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1},
-                          headers={"Authorization": "Bearer k3"}).status_code == 401
+        assert (
+            httpx.post(
+                f"{url}/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": 1},
+                headers={"Authorization": "Bearer k3"},
+            ).status_code
+            == 401
+        )

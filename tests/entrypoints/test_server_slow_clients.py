@@ -1,5 +1,6 @@
 """Slow and half-open clients: read deadlines release their connections, a connection cap answers 503, one
 client address holds at most its share of the connections without a whole request."""
+
 from __future__ import annotations
 
 import http.client
@@ -71,8 +72,12 @@ def test_half_open_connections_are_released_after_the_timeouts(engine):
         # A kept-alive connection whose next request stalls halfway is released too, and a well-behaved
         # client is served throughout.
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=20)
-        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "hi", "max_tokens": 2}),
-                     headers={"content-type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body=json.dumps({"prompt": "hi", "max_tokens": 2}),
+            headers={"content-type": "application/json"},
+        )
         r = conn.getresponse()
         assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 2
         conn.sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
@@ -137,10 +142,13 @@ def health(url: str, source: str) -> int:
         return client.get(f"{url}/health").status_code
 
 
-@pytest.mark.parametrize("limits, slow", [
-    (ClientLimits(max_connections=48, max_pending_per_client=16), 200),
-    pytest.param(ClientLimits(), 2200, marks=pytest.mark.slow),  # the defaults: 2048, 256 pending per client
-])
+@pytest.mark.parametrize(
+    "limits, slow",
+    [
+        (ClientLimits(max_connections=48, max_pending_per_client=16), 200),
+        pytest.param(ClientLimits(), 2200, marks=pytest.mark.slow),  # the defaults: 2048, 256 pending per client
+    ],
+)
 def test_one_client_cannot_take_every_connection_slot(engine, limits, slow):
     """Slow connections from one address: past max_pending_per_client each new one closes that client's oldest
     (a 503 for its partial request), so /health answers 200 on a fresh connection from another address and from

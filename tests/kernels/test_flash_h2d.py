@@ -1,6 +1,7 @@
 """FlashH2D and the write-through (kernels/flash_h2d.py) against their torch references, FlashD2H, and the sparse
 decode path reading through HBM pool slots against the one without offload (TRITON_INTERPRET on CPU, small
 shapes)."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,8 +29,10 @@ def offload_cache(host: HostKVStore, pool: HBMPool, num_blocks: int, local: int 
     return OffloadCache(layout, host, pool, [], bs, local, None)
 
 
-@pytest.mark.parametrize("dtype, bs, d, hkv", [(torch.float32, 4, 16, 2), (torch.float16, 8, 64, 2),
-                                               pytest.param(torch.float32, 8, 64, 3, id="group-3kv")])
+@pytest.mark.parametrize(
+    "dtype, bs, d, hkv",
+    [(torch.float32, 4, 16, 2), (torch.float16, 8, 64, 2), pytest.param(torch.float32, 8, 64, 3, id="group-3kv")],
+)
 def test_flash_h2d_matches_gather(dtype, bs, d, hkv):
     torch.manual_seed(0)
     layers, blocks = 2, 6
@@ -64,22 +67,23 @@ def test_flash_h2d_few_loads_among_many_requests(block):
     load = torch.full((n,), -1, dtype=torch.int64)
     pos = torch.randperm(n, generator=g)
     load[pos[:num_slots]] = torch.randperm(num_slots, generator=g)  # 24 loads into distinct slots
-    load[pos[num_slots: num_slots + 30]] = -2  # repeats
+    load[pos[num_slots : num_slots + 30]] = -2  # repeats
     resident = torch.randint(0, num_slots, (rows + 1,), generator=g)
     slots = torch.randn(num_slots + 1, 2, 4, 16, generator=g)
     want_slots, want_loc = slots.clone(), torch.full((n,), -7, dtype=torch.int64)
     flash_h2d_ref(host, want_slots, key, load)
     want_loc[load == -2] = resident[key[load == -2]]
     got_slots, loc = slots.to(DEVICE), torch.full((n,), -7, dtype=torch.int64, device=DEVICE)
-    flash_h2d_triton(host, got_slots, key.to(DEVICE), load.to(DEVICE), repeats=(resident.to(DEVICE), loc),
-                     block=block)
+    flash_h2d_triton(host, got_slots, key.to(DEVICE), load.to(DEVICE), repeats=(resident.to(DEVICE), loc), block=block)
     assert torch.equal(got_slots.cpu(), want_slots)
     assert torch.equal(loc.cpu(), want_loc)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy, budget, slots, hq, hkv", [("topk", 64, 8, 8, 2), ("topp", 96, 64, 8, 2),
-                                                            pytest.param("topk", 64, 8, 9, 3, id="group3-9q3kv")])
+@pytest.mark.parametrize(
+    "policy, budget, slots, hq, hkv",
+    [("topk", 64, 8, 8, 2), ("topp", 96, 64, 8, 2), pytest.param("topk", 64, 8, 9, 3, id="group3-9q3kv")],
+)
 def test_sparse_decode_through_pool(policy, budget, slots, hq, hkv):
     """Decode steps through SparseBackend with KV offload on the torch and the Triton path (scoring,
     selection, pool plan, FlashH2D, the sparse kernel reading slots / host rows / the window): both equal
@@ -90,8 +94,10 @@ def test_sparse_decode_through_pool(policy, budget, slots, hq, hkv):
     q, cache, meta = decode_batch([0, 150, 70, 33], hq, hkv, d, bs, torch.float32, slack=bs)
     k, v = torch.randn(meta.num_seqs, hkv, d, device=DEVICE), torch.randn(meta.num_seqs, hkv, d, device=DEVICE)
     lens = meta.seq_lens.tolist()
-    meta.slot_mapping = torch.tensor([-1] + [int(meta.block_tables[b, (n - 1) // bs]) * bs + (n - 1) % bs
-                                             for b, n in enumerate(lens) if b > 0], device=DEVICE)
+    meta.slot_mapping = torch.tensor(
+        [-1] + [int(meta.block_tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens) if b > 0],
+        device=DEVICE,
+    )
     poisoned = cache.clone()
     for b, n in enumerate(lens):
         for j in range(max(0, -(-n // bs) - 2)):  # local window: the last 2 blocks
@@ -108,12 +114,13 @@ def test_sparse_decode_through_pool(policy, budget, slots, hq, hkv):
             oc = offload_cache(host, pool, cache.shape[0])
             backend.allocate(cache.shape[0], oc)
             # the test's device cache holds every block under its token id: the same addressing
-            meta.backend_meta = SparseStepMeta(meta.backend_meta.slots, meta,
-                                               OffloadStep(meta.slot_mapping, meta.block_tables))
+            meta.backend_meta = SparseStepMeta(
+                meta.backend_meta.slots, meta, OffloadStep(meta.slot_mapping, meta.block_tables)
+            )
             c = poisoned.clone()
         rebuild_key_meta(cache[None], backend.key_meta.codes, backend.key_meta.scale, bs)
         with forced(impl):
-            outs.append([backend.forward(0, q, k, v, c, meta, d ** -0.5) for _ in range(3)])
+            outs.append([backend.forward(0, q, k, v, c, meta, d**-0.5) for _ in range(3)])
         if offload:
             pool.check()
             stats.append(pool.stats.tolist())
@@ -143,8 +150,9 @@ def test_d2h_writer_stores_completed_blocks(remap):
     ref = HostKVStore(layers, blocks, hkv, bs, d, torch.float32, pin=False)
     for layer in range(layers):
         out.store_step(layer, cache[layer], slots, num_decode_tokens=1, num_seqs=4, token_slot_mapping=token_slots)
-        write_through_ref(cache[layer].cpu(), ref.data[layer], slots.cpu(), None if token_slots is None
-                          else token_slots.cpu())
+        write_through_ref(
+            cache[layer].cpu(), ref.data[layer], slots.cpu(), None if token_slots is None else token_slots.cpu()
+        )
     out.fence()
     assert torch.equal(out.data, ref.data)
     rows = perm[[5, 1, 0]].tolist() if remap else [5, 1, 0]
@@ -153,8 +161,9 @@ def test_d2h_writer_stores_completed_blocks(remap):
     assert out.bytes_written() == 3 * layers * hkv * 2 * bs * d * 4
 
 
-@pytest.mark.parametrize("dtype, hkv", [(torch.float32, 2), (torch.float16, 2),
-                                        pytest.param(torch.float32, 3, id="group-3kv")])
+@pytest.mark.parametrize(
+    "dtype, hkv", [(torch.float32, 2), (torch.float16, 2), pytest.param(torch.float32, 3, id="group-3kv")]
+)
 def test_write_through_matches_reference(dtype, hkv):
     """Tokens that complete a block copy that block (all KV heads) to the host store; others, padding
     (-1) and partial blocks copy nothing."""
@@ -194,15 +203,14 @@ def test_offload_decode_cuda_graph():
         poisoned[meta.block_tables[b, : max(0, -(-n // bs) - 2)].long()] = float("nan")
     sm = SparseStepMeta(with_slots(meta).backend_meta.slots, meta, OffloadStep(meta.slot_mapping, meta.block_tables))
     meta.backend_meta = sm
-    backend.attend(0, q, poisoned, meta, d ** -0.5)  # compile outside the capture
+    backend.attend(0, q, poisoned, meta, d**-0.5)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = backend.attend(0, q, poisoned, meta, d ** -0.5)
+        out = backend.attend(0, q, poisoned, meta, d**-0.5)
     for step in range(3):
         q.copy_(torch.randn_like(q))
         graph.replay()
-        ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, backend.state.sel[0], sm.slots, 2,
-                                d ** -0.5)
+        ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, backend.state.sel[0], sm.slots, 2, d**-0.5)
         assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-2, step
     pool.check()
     hits, loads, bypass, steps = pool.stats.tolist()
@@ -211,8 +219,10 @@ def test_offload_decode_cuda_graph():
 
 @gpu_only
 @pytest.mark.parametrize("enforce_eager", [True, False])
-@pytest.mark.parametrize("policy", [dict(), dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64,
-                                                 sparse_reuse=2), dict(sparse_lag=1)])
+@pytest.mark.parametrize(
+    "policy",
+    [dict(), dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_reuse=2), dict(sparse_lag=1)],
+)
 def test_engine_offload_equals_no_offload_on_gpu(hf_models, enforce_eager, policy):
     """On the GPU (Triton kernels, pinned store over UVA, CUDA graphs unless eager): offload on == off,
     token for token, under the same sparse policy (topk; topp pruning through the pool, with reuse; topk with
@@ -220,9 +230,18 @@ def test_engine_offload_equals_no_offload_on_gpu(hf_models, enforce_eager, polic
     a 4-slot pool (evictions every step, bypass reads)."""
     from sparseserve import LLM
     from tests.kvcache.test_offload import GREEDY, SPARSE, prompts
+
     model_dir = hf_models["qwen2-gqa-bias"][0]
-    common = dict(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
-                  kv_cache_memory=64 << 20, enforce_eager=enforce_eager, **{**SPARSE, **policy})
+    common = dict(
+        device="cuda",
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        kv_cache_memory=64 << 20,
+        enforce_eager=enforce_eager,
+        **{**SPARSE, **policy},
+    )
 
     def tokens(**kw):
         llm = LLM(str(model_dir), **common, **kw)

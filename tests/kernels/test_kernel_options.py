@@ -1,6 +1,7 @@
 """The kernels' `do_not_specialize` / `do_not_specialize_on_alignment` lists name parameters of their kernel: Triton
 ignores a name it does not know, so a typo would silently bring back a compilation while serving
 (docs/architecture.md, kernels/)."""
+
 from __future__ import annotations
 
 import inspect
@@ -16,6 +17,7 @@ def test_unspecialized_names_are_parameters():
         for key in ("do_not_specialize", "do_not_specialize_on_alignment"):
             for entry in opts.get(key) or ():
                 seen += 1
-                assert entry in params or (isinstance(entry, int) and entry < len(params)), \
+                assert entry in params or (isinstance(entry, int) and entry < len(params)), (
                     f"{fn.fn.__name__}: {key} names {entry!r}, not a parameter"
+                )
     assert seen >= 20  # the lists are where the hook looks for them

@@ -3,6 +3,7 @@
 Without CUDA the kernels run on the CPU under the Triton interpreter (small shapes, CI); with CUDA the
 same tests run on the GPU, plus larger shapes and a CUDA-graph replay check.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -37,8 +38,16 @@ def paged_attention_ref(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMet
     return out.to(q.dtype)
 
 
-def make_batch(decode_lens: list[int], prefills: list[tuple[int, int]], hq: int, hkv: int, d: int, bs: int,
-               dtype: torch.dtype, slack: int = 0) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+def make_batch(
+    decode_lens: list[int],
+    prefills: list[tuple[int, int]],
+    hq: int,
+    hkv: int,
+    d: int,
+    bs: int,
+    dtype: torch.dtype,
+    slack: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Random cache, queries and metadata: decodes of the given context lengths (0 = padding), then
     prefill chunks (prefix_len, q_len). Block ids are shuffled, table entries past a sequence's end
     are random valid ids (the kernels must not read them), max_seq_len exceeds the longest by `slack`."""
@@ -52,7 +61,7 @@ def make_batch(decode_lens: list[int], prefills: list[tuple[int, int]], hq: int,
     ids = torch.randperm(num_blocks, dtype=torch.int32)
     start = 0
     for b, n in enumerate(need):
-        tables[b, :n] = ids[start:start + n]
+        tables[b, :n] = ids[start : start + n]
         start += n
     slots = []
     for b, (n, ql) in enumerate(zip(seq_lens, q_lens)):
@@ -61,9 +70,13 @@ def make_batch(decode_lens: list[int], prefills: list[tuple[int, int]], hq: int,
     qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
-        query_start_loc=qsl.to(DEVICE), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=tables.to(DEVICE), num_decodes=len(decode_lens),
-        max_query_len=max(q_lens), max_seq_len=max_seq_len)
+        query_start_loc=qsl.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=tables.to(DEVICE),
+        num_decodes=len(decode_lens),
+        max_query_len=max(q_lens),
+        max_seq_len=max_seq_len,
+    )
     cache = torch.randn(num_blocks, hkv, 2, bs, d, device=DEVICE).to(dtype)
     q = torch.randn(len(slots), hq, d, device=DEVICE).to(dtype)
     return q, cache, meta
@@ -78,7 +91,7 @@ def test_store_kv(dtype, hkv, d, bs):
     slots[[0, 5, 12]] = -1  # CUDA-graph padding rows
     # k and v as views into one projection output, as a fused QKV matmul leaves them.
     kv = torch.randn(t, 2 * hkv + 1, d, device=DEVICE).to(dtype)
-    k, v = kv[:, :hkv], kv[:, hkv:2 * hkv]
+    k, v = kv[:, :hkv], kv[:, hkv : 2 * hkv]
     ref = torch.randn(num_blocks, hkv, 2, bs, d, device=DEVICE).to(dtype)
     out = ref.clone()
     store_kv_ref(k, v, ref, slots)
@@ -89,8 +102,8 @@ def test_store_kv(dtype, hkv, d, bs):
 DECODE_CASES = [  # (hq, hkv, d, bs, config)
     (4, 4, 64, 16, DecodeConfig(tile_n=16, target_programs=64)),  # MHA, many splits
     (8, 2, 64, 32, DecodeConfig(tile_n=16, target_programs=40)),  # GQA, tiles of half a block
-    (6, 2, 32, 16, DecodeConfig(tile_n=32, target_programs=1)),   # group of 3, one split, 2 blocks a tile
-    (8, 2, 64, 16, None),                                         # default launch plan
+    (6, 2, 32, 16, DecodeConfig(tile_n=32, target_programs=1)),  # group of 3, one split, 2 blocks a tile
+    (8, 2, 64, 16, None),  # default launch plan
 ]
 # GQA groups that are not powers of two (SmolLM2-135M: 9 query / 3 KV heads), padded to BLOCK_G rows in the kernel.
 ODD_GROUP_DECODE_CASES = [
@@ -107,12 +120,11 @@ def test_paged_decode(dtype, hq, hkv, d, bs, config):
     torch.manual_seed(2)
     lens = [0, 1, bs - 1, bs, 3 * bs + 5, 150]
     q, cache, meta = make_batch(lens, [], hq, hkv, d, bs, dtype, slack=2 * bs + 3)
-    ref = paged_attention_ref(q, cache, meta, d ** -0.5)
-    torch_ref = paged_decode_ref(q, cache, meta.block_tables, meta.seq_lens, d ** -0.5, meta.max_seq_len)
+    ref = paged_attention_ref(q, cache, meta, d**-0.5)
+    torch_ref = paged_decode_ref(q, cache, meta.block_tables, meta.seq_lens, d**-0.5, meta.max_seq_len)
     assert rel_err(torch_ref, ref) < TOL[dtype]
     out = torch.full_like(q, float("nan"))
-    paged_decode_triton(q, cache, meta.block_tables, meta.seq_lens, d ** -0.5, meta.max_seq_len, out=out,
-                        config=config)
+    paged_decode_triton(q, cache, meta.block_tables, meta.seq_lens, d**-0.5, meta.max_seq_len, out=out, config=config)
     assert torch.isfinite(out).all()
     assert torch.count_nonzero(out[0]) == 0 == torch.count_nonzero(torch_ref[0])  # seq_len 0: zeros
     assert rel_err(out, ref) < TOL[dtype]
@@ -124,12 +136,11 @@ def test_paged_decode_merges_many_splits(dtype):
     that reach only a few of them."""
     torch.manual_seed(3)
     q, cache, meta = make_batch([0, 5, 700, 260], [], 6, 2, 32, 16, dtype, slack=16)
-    ref = paged_attention_ref(q, cache, meta, 32 ** -0.5)
+    ref = paged_attention_ref(q, cache, meta, 32**-0.5)
     out = torch.full_like(q, float("nan"))
     config = DecodeConfig(tile_n=16, target_programs=4096)
     assert split_plan(4, 2, meta.max_seq_len, q.device, config)[1] > 2 * MERGE_TILE
-    paged_decode_triton(q, cache, meta.block_tables, meta.seq_lens, 32 ** -0.5, meta.max_seq_len, out=out,
-                        config=config)
+    paged_decode_triton(q, cache, meta.block_tables, meta.seq_lens, 32**-0.5, meta.max_seq_len, out=out, config=config)
     assert torch.count_nonzero(out[0]) == 0
     assert rel_err(out, ref) < TOL[dtype]
 
@@ -154,13 +165,23 @@ def test_paged_prefill(dtype, hq, hkv, d, bs, config):
     # A first chunk, chunks after a prefix (aligned or not), and a one-token chunk.
     prefills = [(0, 9), (37, 20), (2 * bs, 1), (3 * bs, 2 * bs + 5)]
     q, cache, meta = make_batch([], prefills, hq, hkv, d, bs, dtype, slack=5)
-    ref = paged_attention_ref(q, cache, meta, d ** -0.5)
-    torch_ref = paged_prefill_ref(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, d ** -0.5,
-                                  meta.max_query_len)
+    ref = paged_attention_ref(q, cache, meta, d**-0.5)
+    torch_ref = paged_prefill_ref(
+        q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, d**-0.5, meta.max_query_len
+    )
     assert rel_err(torch_ref, ref) < TOL[dtype]
     out = torch.full_like(q, float("nan"))
-    paged_prefill_triton(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, d ** -0.5,
-                         meta.max_query_len, out=out, config=config)
+    paged_prefill_triton(
+        q,
+        cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        d**-0.5,
+        meta.max_query_len,
+        out=out,
+        config=config,
+    )
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < TOL[dtype]
 
@@ -168,6 +189,7 @@ def test_paged_prefill(dtype, hq, hkv, d, bs, config):
 def test_prefill_ref_query_chunks(monkeypatch):
     """The reference's query chunking (bounded memory for long prompts) does not change its result."""
     import sparseserve.kernels.paged_prefill as pp
+
     torch.manual_seed(7)
     q, cache, meta = make_batch([], [(0, 40), (17, 23)], 4, 2, 16, 8, torch.float32)
     args = (q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.25, meta.max_query_len)
@@ -188,10 +210,10 @@ def test_backend_mixed_batch(dtype, hq, hkv):
     ref_cache = cache.clone()
     with forced("torch"):
         store_kv_ref(k, v, ref_cache, meta.slot_mapping)
-        ref = attend_paged(q, ref_cache, meta, d ** -0.5)
+        ref = attend_paged(q, ref_cache, meta, d**-0.5)
     with forced("triton"):
         store_kv_triton(k, v, cache, meta.slot_mapping)
-        out = attend_paged(q, cache, meta, d ** -0.5)
+        out = attend_paged(q, cache, meta, d**-0.5)
     assert torch.equal(cache, ref_cache)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < TOL[dtype]
@@ -199,15 +221,17 @@ def test_backend_mixed_batch(dtype, hq, hkv):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", ATTN_DTYPES)
-@pytest.mark.parametrize("hq,hkv,bs,d", [(32, 8, 32, 128), (32, 32, 16, 128), (28, 4, 64, 128),
-                                         pytest.param(9, 3, 32, 64, id="group3-smollm2")])
+@pytest.mark.parametrize(
+    "hq,hkv,bs,d",
+    [(32, 8, 32, 128), (32, 32, 16, 128), (28, 4, 64, 128), pytest.param(9, 3, 32, 64, id="group3-smollm2")],
+)
 def test_large_shapes_gpu(dtype, hq, hkv, bs, d):
     torch.manual_seed(5)
     decode_lens = [0, 1, 4099, 777, 2 * bs, 8191]
     q, cache, meta = make_batch(decode_lens, [(3000, 517), (0, 1024), (bs, 1)], hq, hkv, d, bs, dtype, slack=100)
     with forced("torch"):
-        ref = attend_paged(q, cache, meta, d ** -0.5)
-    out = attend_paged(q, cache, meta, d ** -0.5)
+        ref = attend_paged(q, cache, meta, d**-0.5)
+    out = attend_paged(q, cache, meta, d**-0.5)
     nd = meta.num_decodes
     assert torch.isfinite(out).all()
     assert rel_err(out[:nd], ref[:nd]) < TOL[dtype]
@@ -220,10 +244,10 @@ def test_decode_cuda_graph_replay():
     torch.manual_seed(6)
     hq, hkv, d, bs, batch, bound = 32, 8, 128, 32, 4, 4096
     q, cache, meta = make_batch([bound] * batch, [], hq, hkv, d, bs, torch.bfloat16)
-    attend_paged(q, cache, meta, d ** -0.5)  # compile outside the capture
+    attend_paged(q, cache, meta, d**-0.5)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = attend_paged(q, cache, meta, d ** -0.5)
+        out = attend_paged(q, cache, meta, d**-0.5)
     for lens in ([4096, 1, 0, 2000], [33, 4000, 64, 1025]):
         meta.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         meta.block_tables.copy_(meta.block_tables[torch.randperm(batch, device=DEVICE)])
@@ -231,6 +255,6 @@ def test_decode_cuda_graph_replay():
         out.fill_(float("nan"))
         graph.replay()
         with forced("torch"):
-            ref = attend_paged(q, cache, meta, d ** -0.5)
+            ref = attend_paged(q, cache, meta, d**-0.5)
         assert torch.isfinite(out).all()
         assert rel_err(out, ref) < 1e-2

@@ -2,6 +2,7 @@
 reference pool_plan_ref, step by step from the same state: the hits and their slots, the victims
 chosen in each set, the bypass reads per set, the LRU clock stamps, the statistics and the invariants
 are the reference's; only which miss of a set gets which victim may differ (atomic ranks on a GPU)."""
+
 from __future__ import annotations
 
 import random
@@ -27,8 +28,10 @@ def requests(pool: HBMPool, g: torch.Generator, per_head: int, batch: int) -> to
     own distinct blocks (each key at most once a call, as plan requires)."""
     layer = int(torch.randint(pool.num_keys // ((pool.num_blocks + 1) * pool.num_kv_heads), (1,), generator=g))
     pad = batch * per_head // 4
-    heads = [torch.randperm(pool.num_blocks + pad, generator=g)[: batch * per_head] - pad  # < 0: padding
-             for _ in range(pool.num_kv_heads)]
+    heads = [
+        torch.randperm(pool.num_blocks + pad, generator=g)[: batch * per_head] - pad  # < 0: padding
+        for _ in range(pool.num_kv_heads)
+    ]
     blocks = torch.stack(heads).clamp_min(-1).view(pool.num_kv_heads, batch, per_head).transpose(0, 1)
     return pool.keys(layer, blocks.to(DEVICE)).reshape(-1)
 
@@ -54,8 +57,10 @@ def compare_step(pool: HBMPool, ref: HBMPool, key: torch.Tensor, lagged: bool = 
     assert torch.equal(load[load >= 0].sort().values, load_r[load_r >= 0].sort().values)  # same victims
     sets = pool.set_of(key)
     bypass = miss & (loc < 0)
-    assert torch.equal(torch.bincount(sets[bypass], minlength=pool.num_sets),
-                       torch.bincount(sets[miss & (loc_r < 0)], minlength=pool.num_sets))
+    assert torch.equal(
+        torch.bincount(sets[bypass], minlength=pool.num_sets),
+        torch.bincount(sets[miss & (loc_r < 0)], minlength=pool.num_sets),
+    )
     assert torch.equal(pool.resident[key[load >= 0]], load[load >= 0])  # installed where loaded
     for name in ("last_use", "clock", "stats"):
         assert torch.equal(getattr(pool, name), getattr(ref, name)), name
@@ -66,14 +71,17 @@ def compare_step(pool: HBMPool, ref: HBMPool, key: torch.Tensor, lagged: bool = 
     return int(bypass.sum())
 
 
-@pytest.mark.parametrize("slots, ways, per_head, batch, bypasses, hkv", [
-    (8, 4, 6, 2, True, 2),      # two sets: many misses per set, bypass reads every step
-    (6, 8, 3, 2, True, 2),      # ways clipped to 6 slots: one set, ways not a power of two
-    (1, 8, 2, 2, True, 2),      # a single slot
-    (64, 8, 10, 8, True, 2),    # 160 requests: several programs in kernel 2
-    (16, 8, 3, 1, False, 2),    # few misses per set: which free / equally old ways go first matters
-    pytest.param(24, 8, 4, 3, True, 3, id="group-3kv"),  # 3 KV heads (SmolLM2): keys of (layer, block, head)
-])
+@pytest.mark.parametrize(
+    "slots, ways, per_head, batch, bypasses, hkv",
+    [
+        (8, 4, 6, 2, True, 2),  # two sets: many misses per set, bypass reads every step
+        (6, 8, 3, 2, True, 2),  # ways clipped to 6 slots: one set, ways not a power of two
+        (1, 8, 2, 2, True, 2),  # a single slot
+        (64, 8, 10, 8, True, 2),  # 160 requests: several programs in kernel 2
+        (16, 8, 3, 1, False, 2),  # few misses per set: which free / equally old ways go first matters
+        pytest.param(24, 8, 4, 3, True, 3, id="group-3kv"),  # 3 KV heads (SmolLM2): keys of (layer, block, head)
+    ],
+)
 def test_triton_plan_matches_reference(slots, ways, per_head, batch, bypasses, hkv):
     g = torch.Generator().manual_seed(slots * 100 + per_head)
     layers, blocks = 2, batch * per_head + 4  # few blocks: hits across steps
@@ -135,8 +143,10 @@ def test_invalidate_kernel_matches_reference():
 def test_triton_plan_empty_and_padding_only():
     """A call without requests, or only padding, still advances the clock and counts a layer step."""
     pool, ref = make(1, 4, 1, 4, 4), make(1, 4, 1, 4, 4)
-    for key in (torch.empty(0, dtype=torch.int64, device=DEVICE),
-                torch.full((5,), pool.trash_key, dtype=torch.int64, device=DEVICE)):
+    for key in (
+        torch.empty(0, dtype=torch.int64, device=DEVICE),
+        torch.full((5,), pool.trash_key, dtype=torch.int64, device=DEVICE),
+    ):
         compare_step(pool, ref, key)
     assert pool.clock.item() == 2 and pool.stats.tolist() == [0, 0, 0, 2]
 
@@ -166,8 +176,9 @@ def test_triton_plan_cuda_graph():
         pool.check()
 
 
-def lists(g: torch.Generator, rows: int, slots: int, hkv: int, cap: int, blocks: int, shared: int
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def lists(
+    g: torch.Generator, rows: int, slots: int, hkv: int, cap: int, blocks: int, shared: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer's decode lists: sel [slots, hkv, cap] (-1 padded, some entries inside the local window or past
     the context), each row's state slot (the last row a padding row, slot -1), token block tables whose first
     `shared` blocks are the same token blocks in every row (a prefix-cache hit: rows list the same head blocks)
@@ -187,11 +198,14 @@ def lists(g: torch.Generator, rows: int, slots: int, hkv: int, cap: int, blocks:
     return sel.to(DEVICE), row_slots.to(DEVICE), tables.to(torch.int32).to(DEVICE), seq_lens.to(DEVICE)
 
 
-@pytest.mark.parametrize("hkv, cap, slots, ways, bypasses, shared", [
-    (2, 6, 16, 4, True, 3),    # a pool far smaller than a step's lists: bypass reads every step
-    (3, 5, 96, 8, False, 3),   # group 3 (SmolLM2's 3 KV heads of 9 query heads), room for two steps' lists
-    (1, 10, 40, 8, False, 0),  # one KV head, longer lists, no shared blocks
-])
+@pytest.mark.parametrize(
+    "hkv, cap, slots, ways, bypasses, shared",
+    [
+        (2, 6, 16, 4, True, 3),  # a pool far smaller than a step's lists: bypass reads every step
+        (3, 5, 96, 8, False, 3),  # group 3 (SmolLM2's 3 KV heads of 9 query heads), room for two steps' lists
+        (1, 10, 40, 8, False, 0),  # one KV head, longer lists, no shared blocks
+    ],
+)
 def test_triton_read_matches_reference(hkv, cap, slots, ways, bypasses, shared):
     """pool_read (list keys, one plan per distinct key, FlashH2D, repeats resolved, the working-set count) on the
     Triton kernels against the torch reference from the same state, over steps with repeats across rows (shared prefix
@@ -200,16 +214,22 @@ def test_triton_read_matches_reference(hkv, cap, slots, ways, bypasses, shared):
     from sparseserve.kernels.pool_plan import list_keys
     from sparseserve.kernels.sparse_decode import read_listed_ref
     from sparseserve.kvcache.host import HostKVStore
+
     g = torch.Generator().manual_seed(hkv * 10 + cap)
     layers, blocks, local, bs = 2, 48, 1, 4
     host = HostKVStore(layers, blocks, hkv, bs, 4, torch.float32, pin=ON_GPU)
     host.data.copy_(torch.randn(host.data.shape, generator=g))
     pool = HBMPool(layers, blocks, hkv, bs, 4, slots, torch.float32, DEVICE, ways=ways)
     ref = HBMPool(layers, blocks, hkv, bs, 4, slots, torch.float32, DEVICE, ways=ways)
-    touch, touch_r = (TouchState(torch.full((pool.num_keys + 1,), -1, dtype=torch.int64, device=DEVICE),
-                                 torch.zeros(8, 3, dtype=torch.int32, device=DEVICE),
-                                 torch.zeros(8, dtype=torch.int64, device=DEVICE),
-                                 torch.zeros(1, dtype=torch.int64, device=DEVICE)) for _ in range(2))
+    touch, touch_r = (
+        TouchState(
+            torch.full((pool.num_keys + 1,), -1, dtype=torch.int64, device=DEVICE),
+            torch.zeros(8, 3, dtype=torch.int32, device=DEVICE),
+            torch.zeros(8, dtype=torch.int64, device=DEVICE),
+            torch.zeros(1, dtype=torch.int64, device=DEVICE),
+        )
+        for _ in range(2)
+    )
     repeats = bypass = 0
     step_lists = {}
     for step in range(12):
@@ -242,8 +262,10 @@ def test_triton_read_matches_reference(hkv, cap, slots, ways, bypasses, shared):
         else:
             assert torch.equal(touch.hist, touch_r.hist) and torch.equal(touch.stamp[:-1], touch_r.stamp[:-1])
         with forced("torch"):
-            assert torch.equal(key, list_keys(sel, row_slots, tables, seq_lens,
-                                              ListLayout(layer, blocks, hkv, local, bs), pool.trash_key))
+            assert torch.equal(
+                key,
+                list_keys(sel, row_slots, tables, seq_lens, ListLayout(layer, blocks, hkv, local, bs), pool.trash_key),
+            )
         flat = host.flat()
         for p, lc in ((pool, loc), (ref, loc_r)):
             got = read_listed_ref((p.slots, flat, lc, key))
@@ -254,8 +276,10 @@ def test_triton_read_matches_reference(hkv, cap, slots, ways, bypasses, shared):
         # as many loads; which misses of an overflowing set bypass follows the kernel's atomic ranks on a GPU
         assert int((loc >= 0).sum()) == int((loc_r >= 0).sum())
         sets = pool.set_of(key[need & (loc < 0)])
-        assert torch.equal(torch.bincount(sets, minlength=pool.num_sets),
-                           torch.bincount(ref.set_of(key[need & (loc_r < 0)]), minlength=pool.num_sets))
+        assert torch.equal(
+            torch.bincount(sets, minlength=pool.num_sets),
+            torch.bincount(ref.set_of(key[need & (loc_r < 0)]), minlength=pool.num_sets),
+        )
         for name in ("last_use", "clock", "stats"):
             assert torch.equal(getattr(pool, name), getattr(ref, name)), name
         pool.check()
@@ -271,6 +295,7 @@ def test_triton_read_of_several_layers_matches_reference():
     from sparseserve.kernels.pool_plan import list_keys
     from sparseserve.kernels.sparse_decode import read_listed_ref
     from sparseserve.kvcache.host import HostKVStore
+
     g = torch.Generator().manual_seed(3)
     layers, blocks, local, bs, hkv, cap = 3, 48, 1, 4, 2, 5
     host = HostKVStore(layers, blocks, hkv, bs, 4, torch.float32, pin=ON_GPU)
@@ -292,12 +317,17 @@ def test_triton_read_of_several_layers_matches_reference():
         assert key.shape == (2, row_slots.numel(), hkv, cap) and torch.equal(key, key_r)
         with forced("torch"):
             for i in range(2):
-                assert torch.equal(key[i], list_keys(sel[i], row_slots, tables, seq_lens,
-                                                     ListLayout(1 + i, blocks, hkv, local, bs), pool.trash_key))
+                assert torch.equal(
+                    key[i],
+                    list_keys(
+                        sel[i], row_slots, tables, seq_lens, ListLayout(1 + i, blocks, hkv, local, bs), pool.trash_key
+                    ),
+                )
         need = key != pool.trash_key
         for p, lc in ((pool, loc), (ref, loc_r)):
-            assert torch.equal(read_listed_ref((p.slots, host.flat(), lc, key))[need].cpu(),
-                               host.flat()[key[need].cpu()])
+            assert torch.equal(
+                read_listed_ref((p.slots, host.flat(), lc, key))[need].cpu(), host.flat()[key[need].cpu()]
+            )
         hit = need & (before[key] >= 0)
         assert torch.equal(loc[hit], before[key][hit]) and int((loc >= 0).sum()) == int((loc_r >= 0).sum())
         for name in ("last_use", "clock", "stats"):

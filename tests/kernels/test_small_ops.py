@@ -1,4 +1,5 @@
 """Fused small-op kernels (kernels/small_ops.py) against their torch references."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,12 +35,15 @@ def test_add_rmsnorm(dtype, tokens, hidden):
         ulp = 2.0 ** (torch.frexp(ref_res.float()).exponent.float() - 8)
         assert ((res_out.float() - ref_res.float()).abs() <= ulp).all()
     assert rel(out.cpu(), ref_out) < TOL[dtype]
-    assert rel(add_rmsnorm_triton(x.to(DEVICE), None, weight.to(DEVICE), 1e-5).cpu(), rmsnorm_ref(x, weight, 1e-5)) \
+    assert (
+        rel(add_rmsnorm_triton(x.to(DEVICE), None, weight.to(DEVICE), 1e-5).cpu(), rmsnorm_ref(x, weight, 1e-5))
         < TOL[dtype]
+    )
 
 
 def test_rmsnorm_ref_matches_transformers():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
     hf = LlamaRMSNorm(96, eps=1e-6).to(torch.bfloat16)
     with torch.no_grad():
         hf.weight.copy_(1 + 0.1 * torch.randn(96))
@@ -48,13 +52,14 @@ def test_rmsnorm_ref_matches_transformers():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens, hq, hkv, d", [(1, 4, 2, 64), (7, 6, 3, 32), (20, 8, 1, 128),
-                                              pytest.param(5, 9, 3, 64, id="group3-9q3kv")])
+@pytest.mark.parametrize(
+    "tokens, hq, hkv, d", [(1, 4, 2, 64), (7, 6, 3, 32), (20, 8, 1, 128), pytest.param(5, 9, 3, 64, id="group3-9q3kv")]
+)
 def test_rotary_on_strided_qk(dtype, tokens, hq, hkv, d):
     # q and k are views of one packed qkv row, as in the model.
     qkv = torch.randn(tokens, (hq + 2 * hkv) * d, dtype=dtype)
     q = qkv[:, : hq * d].view(tokens, hq, d)
-    k = qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
     pos = torch.randint(0, 5000, (tokens,))
     cos, sin = RotaryEmbedding(d, {"rope_theta": 10000.0})(pos, dtype)
     q_out, k_out = rotary_triton(*(t.to(DEVICE) for t in (q, k, cos, sin)))

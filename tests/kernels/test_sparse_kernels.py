@@ -2,6 +2,7 @@
 their torch references. Without CUDA they run under the Triton interpreter on small shapes; with CUDA the same
 tests run on the GPU.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -50,21 +51,32 @@ def decode_batch(lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype: tor
     tables = torch.randint(0, num_blocks, (len(lens), width), dtype=torch.int32)
     start = 0
     for b, n in enumerate(lens):
-        tables[b, : -(-n // bs)] = ids[start:start - (-n // bs)]
+        tables[b, : -(-n // bs)] = ids[start : start - (-n // bs)]
         start += -(-n // bs)
     meta = AttentionMetadata(
         slot_mapping=torch.full((len(lens),), -1, dtype=torch.int64, device=DEV),
         query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEV), block_tables=tables.to(DEV),
-        num_decodes=len(lens), max_query_len=1, max_seq_len=max(lens) + slack)
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEV),
+        block_tables=tables.to(DEV),
+        num_decodes=len(lens),
+        max_query_len=1,
+        max_seq_len=max(lens) + slack,
+    )
     cache = torch.randn(num_blocks, hkv, 2, bs, d, device=DEV).to(dtype)
     return torch.randn(len(lens), hq, d, device=DEV).to(dtype), cache, meta
 
 
 def params(policy: str, cap: int, bs: int, reuse: int = 1, top_p: float = 0.9, sink: int = 1, local: int = 2) -> dict:
     """The selection kernels' keyword arguments (topk: no mass target)."""
-    return dict(block_size=bs, cap=cap, sink=sink, local=local, reuse=reuse, short_dense=True,
-                top_p=top_p if policy == "topp" else None)
+    return dict(
+        block_size=bs,
+        cap=cap,
+        sink=sink,
+        local=local,
+        reuse=reuse,
+        short_dense=True,
+        top_p=top_p if policy == "topp" else None,
+    )
 
 
 @pytest.mark.slow
@@ -97,7 +109,7 @@ def test_update_key_meta(bs, page, hkv, dtype):
     for table, start, end in seqs:
         for p0 in range(start // page * page, end, page):
             blk, off = table[p0 // bs], p0 % bs
-            keys = cache[blk, :, 0, off: off + min(page, end - p0)]
+            keys = cache[blk, :, 0, off : off + min(page, end - p0)]
             codes, scale = quantize_key_meta(keys.amin(1), keys.amax(1))
             assert torch.equal(ref.codes[blk, :, :, off // page], codes)
             assert torch.equal(ref.scale[blk, :, off // page], scale)
@@ -163,7 +175,7 @@ def test_key_meta_brackets_keys():
     kmin, kmax = pages.amin(3), pages.amax(3)  # [NB, Hkv, P, D]
     scale = ref.scale[:nblocks, :, :, None].double()
     lo, hi = ref.codes[:nblocks, :, 0].double() * scale, ref.codes[:nblocks, :, 1].double() * scale
-    slack = 2 ** -21 * torch.maximum(kmin.abs(), kmax.abs())  # a few float32 roundings
+    slack = 2**-21 * torch.maximum(kmin.abs(), kmax.abs())  # a few float32 roundings
     assert (lo <= kmin + slack).all() and (hi >= kmax - slack).all()
     assert (kmin - lo <= scale + slack).all() and (hi - kmax <= scale + slack).all()
     assert not ref.codes[3, 0, :, 1].any() and torch.isfinite(ref.scale).all()
@@ -177,15 +189,21 @@ def scored_batch(lens, hq, hkv, d, bs, page, dtype, slack=0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv,bs,page,config", [(8, 2, 16, 16, None), (6, 2, 16, 4, None), (4, 4, 32, 32, None),
-                                                   # several pipelined tiles a program, several splits a row
-                                                   (8, 2, 16, 16, ScoreConfig(rows=16, tiles=3)),
-                                                   (6, 2, 16, 4, ScoreConfig(rows=16, tiles=2, num_stages=2)),
-                                                   # groups that are not powers of two: rows past GROUP masked
-                                                   pytest.param(9, 3, 16, 16, None, id="group3-9q3kv"),
-                                                   pytest.param(15, 3, 16, 4, ScoreConfig(rows=16, tiles=2),
-                                                                id="group5-15q3kv"),
-                                                   pytest.param(7, 1, 16, 16, None, id="group7-7q1kv")])
+@pytest.mark.parametrize(
+    "hq,hkv,bs,page,config",
+    [
+        (8, 2, 16, 16, None),
+        (6, 2, 16, 4, None),
+        (4, 4, 32, 32, None),
+        # several pipelined tiles a program, several splits a row
+        (8, 2, 16, 16, ScoreConfig(rows=16, tiles=3)),
+        (6, 2, 16, 4, ScoreConfig(rows=16, tiles=2, num_stages=2)),
+        # groups that are not powers of two: rows past GROUP masked
+        pytest.param(9, 3, 16, 16, None, id="group3-9q3kv"),
+        pytest.param(15, 3, 16, 4, ScoreConfig(rows=16, tiles=2), id="group5-15q3kv"),
+        pytest.param(7, 1, 16, 16, None, id="group7-7q1kv"),
+    ],
+)
 def test_block_scores(dtype, hq, hkv, bs, page, config):
     torch.manual_seed(1)
     d, cap = 32, 4
@@ -194,10 +212,23 @@ def test_block_scores(dtype, hq, hkv, bs, page, config):
     mb = -(-meta.max_seq_len // bs)
     slots = torch.arange(len(lens), dtype=torch.int32, device=DEV)
     counter = torch.zeros(len(lens), hkv, dtype=torch.int32, device=DEV)
-    out = block_scores_triton(q, key_meta.codes, key_meta.scale, meta.block_tables, meta.seq_lens, slots, counter,
-                              max_blocks=mb, block_size=bs, cap=cap, reuse=1, short_dense=True, scale=d ** -0.5,
-                              config=config)
-    ref = block_scores_ref(q, key_meta.codes, key_meta.scale, meta.block_tables, meta.seq_lens, mb, bs, d ** -0.5)
+    out = block_scores_triton(
+        q,
+        key_meta.codes,
+        key_meta.scale,
+        meta.block_tables,
+        meta.seq_lens,
+        slots,
+        counter,
+        max_blocks=mb,
+        block_size=bs,
+        cap=cap,
+        reuse=1,
+        short_dense=True,
+        scale=d**-0.5,
+        config=config,
+    )
+    ref = block_scores_ref(q, key_meta.codes, key_meta.scale, meta.block_tables, meta.seq_lens, mb, bs, d**-0.5)
     for b, n in enumerate(lens):  # written where selection reads: rows with more than cap blocks
         nb = -(-n // bs)
         if nb > cap:
@@ -220,9 +251,14 @@ def test_select_blocks(policy, top_p, ways, hq, hkv):
     p = params(policy, cap, bs, reuse=2, top_p=top_p)
     slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
     streaming = torch.arange(hkv, device=DEV) == 1  # KV head 1 (if any) streams
-    state = [(torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
-              torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV),
-              torch.zeros(2, dtype=torch.int64, device=DEV)) for _ in range(3)]
+    state = [
+        (
+            torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
+            torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV),
+            torch.zeros(2, dtype=torch.int64, device=DEV),
+        )
+        for _ in range(3)
+    ]
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
     for step in range(3):
         # Sharp random scores: distinct masses; -inf past each row's end, as scoring leaves them.
@@ -232,12 +268,14 @@ def test_select_blocks(policy, top_p, ways, hq, hkv):
         select_blocks_ref(scores, seq_lens, slots, *state[0], streaming, **p)
         select_blocks_triton(scores, seq_lens, slots, *state[1], streaming, **p, config=SelectConfig(ways=ways))
         # launched wider than the scores (the engine's one size for every step): the same lists
-        select_blocks_triton(scores, seq_lens, slots, *state[2], streaming, **p, config=SelectConfig(ways=ways),
-                             width=300)
+        select_blocks_triton(
+            scores, seq_lens, slots, *state[2], streaming, **p, config=SelectConfig(ways=ways), width=300
+        )
         for other in state[1:]:
             for a, b in zip(state[0], other):
-                assert torch.equal(a.sort(-1).values if a.dim() == 3 else a,
-                                   b.sort(-1).values if b.dim() == 3 else b), step
+                assert torch.equal(
+                    a.sort(-1).values if a.dim() == 3 else a, b.sort(-1).values if b.dim() == 3 else b
+                ), step
     sel = state[0][0]
     assert sorted(sel[0, 0].tolist()) == [-1, -1, -1, 0, 1, 2]  # 3 blocks <= cap: all of them
     if hkv > 1:
@@ -245,13 +283,19 @@ def test_select_blocks(policy, top_p, ways, hq, hkv):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hq,hkv", [(6, 2), pytest.param(10, 2, id="group5-10q2kv"),
-                                    pytest.param(7, 1, id="group7-7q1kv")])
-@pytest.mark.parametrize("policy,top_p,sink,local,ways,tied", [("topk", 1.0, 1, 2, 4, True),
-                                                                ("topk", 1.0, 3, 4, 2, True),
-                                                                ("topp", 0.6, 1, 2, 1, False),
-                                                                ("topp", 0.05, 1, 2, 8, False),
-                                                                ("topp", 0.9, 3, 4, 4, False)])
+@pytest.mark.parametrize(
+    "hq,hkv", [(6, 2), pytest.param(10, 2, id="group5-10q2kv"), pytest.param(7, 1, id="group7-7q1kv")]
+)
+@pytest.mark.parametrize(
+    "policy,top_p,sink,local,ways,tied",
+    [
+        ("topk", 1.0, 1, 2, 4, True),
+        ("topk", 1.0, 3, 4, 2, True),
+        ("topp", 0.6, 1, 2, 1, False),
+        ("topp", 0.05, 1, 2, 8, False),
+        ("topp", 0.9, 3, 4, 4, False),
+    ],
+)
 def test_select_blocks_edges(policy, top_p, sink, local, ways, tied, hq, hkv):
     """The early-stopping search against the reference: masses with many exact ties (topk: coarse
     scores, constant rows; topp fills ties at its threshold up to the cap, the reference stops at p, so
@@ -272,9 +316,14 @@ def test_select_blocks_edges(policy, top_p, sink, local, ways, tied, hq, hkv):
         scores = 4 * torch.randn(len(lens), hq, 256, device=DEV)
     past_end = torch.arange(256, device=DEV)[None, None] >= -(-seq_lens[:, None, None] // bs)
     scores.masked_fill_(past_end, float("-inf"))
-    state = [(torch.full((len(lens), hkv, cap), -1, dtype=torch.int32, device=DEV),
-              torch.zeros(len(lens), hkv, dtype=torch.int32, device=DEV),
-              torch.zeros(2, dtype=torch.int64, device=DEV)) for _ in range(2)]
+    state = [
+        (
+            torch.full((len(lens), hkv, cap), -1, dtype=torch.int32, device=DEV),
+            torch.zeros(len(lens), hkv, dtype=torch.int32, device=DEV),
+            torch.zeros(2, dtype=torch.int64, device=DEV),
+        )
+        for _ in range(2)
+    ]
     select_blocks_ref(scores, seq_lens, slots, *state[0], streaming, **p)
     select_blocks_triton(scores, seq_lens, slots, *state[1], streaming, **p, config=SelectConfig(ways=ways))
     assert torch.equal(state[0][0].sort(-1).values, state[1][0].sort(-1).values)
@@ -297,17 +346,24 @@ def test_select_blocks_wide_rows_group3(policy):
     scores = torch.randn(len(lens), hq, mb, device=DEV)
     scores.scatter_(-1, torch.randint(0, 3000, (len(lens), hq, 4), device=DEV), 12.0)
     scores.masked_fill_(torch.arange(mb, device=DEV)[None, None] >= -(-seq_lens[:, None, None] // bs), float("-inf"))
-    state = [(torch.full((len(lens), hkv, cap), -1, dtype=torch.int32, device=DEV),
-              torch.zeros(len(lens), hkv, dtype=torch.int32, device=DEV),
-              torch.zeros(2, dtype=torch.int64, device=DEV)) for _ in range(2)]
+    state = [
+        (
+            torch.full((len(lens), hkv, cap), -1, dtype=torch.int32, device=DEV),
+            torch.zeros(len(lens), hkv, dtype=torch.int32, device=DEV),
+            torch.zeros(2, dtype=torch.int64, device=DEV),
+        )
+        for _ in range(2)
+    ]
     select_blocks_ref(scores, seq_lens, slots, *state[0], streaming, **p)
     select_blocks_triton(scores, seq_lens, slots, *state[1], streaming, **p)
     assert torch.equal(state[0][0].sort(-1).values, state[1][0].sort(-1).values)
     assert torch.equal(state[0][2], state[1][2])
 
 
-@pytest.mark.parametrize("hq,hkv", [(8, 2), pytest.param(9, 3, id="group3-9q3kv", marks=pytest.mark.slow),
-                                    pytest.param(7, 1, id="group7-7q1kv")])
+@pytest.mark.parametrize(
+    "hq,hkv",
+    [(8, 2), pytest.param(9, 3, id="group3-9q3kv", marks=pytest.mark.slow), pytest.param(7, 1, id="group7-7q1kv")],
+)
 @pytest.mark.parametrize("policy", ["topk", "topp"])
 def test_score_and_select(policy, hq, hkv):
     """Scoring then selection (the engine's Triton path) equal the references over reuse steps: lists,
@@ -320,36 +376,53 @@ def test_score_and_select(policy, hq, hkv):
     p = params(policy, 6, bs, reuse=2)
     slots = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32, device=DEV)
     streaming = torch.arange(hkv, device=DEV) == 1  # KV head 1 (if any) streams
-    state = [(torch.full((5, hkv, 6), -1, dtype=torch.int32, device=DEV), torch.zeros(5, hkv, dtype=torch.int32,
-              device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV)) for _ in range(2)]
+    state = [
+        (
+            torch.full((5, hkv, 6), -1, dtype=torch.int32, device=DEV),
+            torch.zeros(5, hkv, dtype=torch.int32, device=DEV),
+            torch.zeros(2, dtype=torch.int64, device=DEV),
+        )
+        for _ in range(2)
+    ]
     for step in range(3):
         q = torch.randn_like(q)
-        scores = block_scores_ref(q, key_meta.codes, key_meta.scale, meta.block_tables, meta.seq_lens, mb, bs,
-                                  d ** -0.5)
+        scores = block_scores_ref(q, key_meta.codes, key_meta.scale, meta.block_tables, meta.seq_lens, mb, bs, d**-0.5)
         select_blocks_ref(scores, meta.seq_lens, slots, *state[0], streaming, **p)
-        score_and_select_triton(q, key_meta.codes, key_meta.scale, meta.block_tables, meta.seq_lens, slots, *state[1],
-                                streaming, max_blocks=mb, scale=d ** -0.5, **p)
+        score_and_select_triton(
+            q,
+            key_meta.codes,
+            key_meta.scale,
+            meta.block_tables,
+            meta.seq_lens,
+            slots,
+            *state[1],
+            streaming,
+            max_blocks=mb,
+            scale=d**-0.5,
+            **p,
+        )
         assert torch.equal(state[0][0].sort(-1).values, state[1][0].sort(-1).values), step
         assert torch.equal(state[0][1], state[1][1]) and torch.equal(state[0][2], state[1][2]), step
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv,d,bs,config", [(8, 2, 64, 16, SparseDecodeConfig(tile_n=32, target_programs=24)),
-                                                 (6, 2, 32, 16, SparseDecodeConfig(tile_n=16, target_programs=1)),
-                                                 (8, 2, 64, 16, SparseDecodeConfig(tile_n=16, num_stages=3, tiles=2)),
-                                                 (8, 2, 64, 16, SparseDecodeConfig(tile_n=32, tiles=2, num_stages=3,
-                                                                                   tma=True)),
-                                                 (6, 2, 32, 16, SparseDecodeConfig(tile_n=16, tiles=1, tma=True)),
-                                                 (4, 4, 64, 32, None),
-                                                 # groups that are not powers of two, plain and TMA kernels
-                                                 pytest.param(9, 3, 64, 16, SparseDecodeConfig(tile_n=32,
-                                                              target_programs=24), id="group3-9q3kv"),
-                                                 pytest.param(9, 3, 64, 16, SparseDecodeConfig(tile_n=32, tiles=2,
-                                                              tma=True), id="group3-9q3kv-tma"),
-                                                 pytest.param(15, 3, 32, 16, SparseDecodeConfig(tile_n=16, tiles=1,
-                                                              tma=True), id="group5-15q3kv-tma"),
-                                                 pytest.param(7, 1, 64, 16, None, id="group7-7q1kv")])
+@pytest.mark.parametrize(
+    "hq,hkv,d,bs,config",
+    [
+        (8, 2, 64, 16, SparseDecodeConfig(tile_n=32, target_programs=24)),
+        (6, 2, 32, 16, SparseDecodeConfig(tile_n=16, target_programs=1)),
+        (8, 2, 64, 16, SparseDecodeConfig(tile_n=16, num_stages=3, tiles=2)),
+        (8, 2, 64, 16, SparseDecodeConfig(tile_n=32, tiles=2, num_stages=3, tma=True)),
+        (6, 2, 32, 16, SparseDecodeConfig(tile_n=16, tiles=1, tma=True)),
+        (4, 4, 64, 32, None),
+        # groups that are not powers of two, plain and TMA kernels
+        pytest.param(9, 3, 64, 16, SparseDecodeConfig(tile_n=32, target_programs=24), id="group3-9q3kv"),
+        pytest.param(9, 3, 64, 16, SparseDecodeConfig(tile_n=32, tiles=2, tma=True), id="group3-9q3kv-tma"),
+        pytest.param(15, 3, 32, 16, SparseDecodeConfig(tile_n=16, tiles=1, tma=True), id="group5-15q3kv-tma"),
+        pytest.param(7, 1, 64, 16, None, id="group7-7q1kv"),
+    ],
+)
 def test_sparse_decode(dtype, hq, hkv, d, bs, config):
     """Random lists with padding, entries inside the local window, and a padding row (tma: the TMA gather)."""
     torch.manual_seed(3)
@@ -358,12 +431,12 @@ def test_sparse_decode(dtype, hq, hkv, d, bs, config):
     cap = 5
     sel = random_lists(lens, hkv, bs, cap)
     slots = torch.arange(len(lens), dtype=torch.int32, device=DEV)
-    ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, sel, slots, 2, d ** -0.5)
+    ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, sel, slots, 2, d**-0.5)
     if config is not None and config.tma:  # the TMA kernel runs, not the fallback
         per_split = split_plan(len(lens), hkv, cap + 2, max(1, config.tile_n // bs), q.device, config)[0]
         assert tma_capable(cache, None) and per_split & (per_split - 1) == 0
     out = torch.full_like(q, float("nan"))
-    sparse_decode_triton(q, cache, meta.block_tables, meta.seq_lens, sel, slots, 2, d ** -0.5, out=out, config=config)
+    sparse_decode_triton(q, cache, meta.block_tables, meta.seq_lens, sel, slots, 2, d**-0.5, out=out, config=config)
     assert torch.isfinite(out).all() and torch.count_nonzero(out[0]) == 0
     assert rel_err(out, ref) < TOL[dtype]
 
@@ -411,15 +484,16 @@ def test_sparse_decode_view_by_slot(dtype, hq=6, hkv=2):
     slots = torch.tensor([5, 0, 3], dtype=torch.int32, device=DEV)
     sel = torch.full((rows, hkv, cap), -1, dtype=torch.int32, device=DEV)
     sel[slots.long()] = listed
-    loc_s = torch.full((rows + 1, hkv, cap), 10 ** 9, dtype=torch.int64, device=DEV)  # out of range if read
-    key_s = torch.full_like(loc_s, 10 ** 9)
+    loc_s = torch.full((rows + 1, hkv, cap), 10**9, dtype=torch.int64, device=DEV)  # out of range if read
+    key_s = torch.full_like(loc_s, 10**9)
     loc_s[slots.long()], key_s[slots.long()] = loc, key
-    args = (q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, d ** -0.5)
+    args = (q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, d**-0.5)
     by_row = sparse_decode_ref(*args, offload=(pool, host, loc, key))
     assert torch.isfinite(by_row).all()
     assert torch.equal(sparse_decode_ref(*args, offload=(pool, host, loc_s, key_s), view_by_slot=True), by_row)
-    out = sparse_decode_triton(*args, offload=(pool, host, loc_s, key_s), view_by_slot=True,
-                               config=SparseDecodeConfig(tile_n=32))
+    out = sparse_decode_triton(
+        *args, offload=(pool, host, loc_s, key_s), view_by_slot=True, config=SparseDecodeConfig(tile_n=32)
+    )
     assert rel_err(out, by_row) < TOL[dtype]
 
 
@@ -440,14 +514,15 @@ def test_sparse_decode_splits(dtype, offload, tile_n, tiles, splits, hq=6, hkv=2
     if offload:
         kw["offload"], listed_kv, cache = offload_inputs(cache, meta.block_tables, meta.seq_lens, sel, local)
         assert torch.equal(read_listed_ref(kw["offload"]), listed_kv)  # the view serves the listed blocks
-    ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, d ** -0.5, **kw)
+    ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, d**-0.5, **kw)
     if offload:  # the poisoned blocks before the window were never read
         assert torch.isfinite(ref).all()
     config = SparseDecodeConfig(tile_n=tile_n, tiles=tiles, target_programs=1)
     assert split_plan(len(lens), hkv, cap + local, max(1, tile_n // bs), q.device, config)[1] == splits
     out = torch.full_like(q, float("nan"))
-    sparse_decode_triton(q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, d ** -0.5, out=out,
-                         config=config, **kw)
+    sparse_decode_triton(
+        q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, d**-0.5, out=out, config=config, **kw
+    )
     assert torch.isfinite(out).all() and torch.count_nonzero(out[0]) == 0
     assert rel_err(out, ref) < TOL[dtype]
 
@@ -462,20 +537,25 @@ def test_sparse_decode_merges_many_splits(hq=6, hkv=2):
     sel = random_lists(lens, hkv, bs, cap)[: len(lens)]
     sel[1, 0] = torch.randperm(48, device=DEV)[:cap].to(torch.int32)  # a full list: every split has an entry
     slots = torch.arange(len(lens), dtype=torch.int32, device=DEV)
-    ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, d ** -0.5)
+    ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, d**-0.5)
     config = SparseDecodeConfig(tile_n=bs, tiles=1, target_programs=1)
     assert split_plan(len(lens), hkv, cap + local, 1, q.device, config)[1] > 2 * MERGE_TILE
     out = torch.full_like(q, float("nan"))
-    sparse_decode_triton(q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, d ** -0.5, out=out,
-                         config=config)
+    sparse_decode_triton(q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, d**-0.5, out=out, config=config)
     assert torch.isfinite(out).all() and torch.count_nonzero(out[0]) == 0
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("offload", [False, True])
-@pytest.mark.parametrize("hq,hkv", [pytest.param(9, 3, id="group3-9q3kv"), pytest.param(15, 3, id="group5-15q3kv"),
-                                    pytest.param(7, 1, id="group7-7q1kv")])
+@pytest.mark.parametrize(
+    "hq,hkv",
+    [
+        pytest.param(9, 3, id="group3-9q3kv"),
+        pytest.param(15, 3, id="group5-15q3kv"),
+        pytest.param(7, 1, id="group7-7q1kv"),
+    ],
+)
 def test_sparse_decode_splits_odd_groups(hq, hkv, offload):
     """Groups that are not powers of two through the split kernel, several splits and the merge, with the
     offloaded reads (pool slots, host rows) and without."""
@@ -493,20 +573,45 @@ def test_large_decode_group3_gpu(offload):
     hq, hkv, d, bs, cap, local = 9, 3, 64, 32, 64, 2
     lens = [8192, 5000, 0, 8000 - 7]
     q, cache, meta, key_meta = scored_batch(lens, hq, hkv, d, bs, bs, torch.bfloat16)
-    mb, scale = -(-meta.max_seq_len // bs), d ** -0.5
+    mb, scale = -(-meta.max_seq_len // bs), d**-0.5
     slots = torch.arange(len(lens), dtype=torch.int32, device=DEV)
     sel = torch.full((len(lens), hkv, cap), -1, dtype=torch.int32, device=DEV)
     counter = torch.zeros(len(lens), hkv, dtype=torch.int32, device=DEV)
     stats = torch.zeros(2, dtype=torch.int64, device=DEV)
-    scores = block_scores_triton(q, key_meta.codes, key_meta.scale, meta.block_tables, meta.seq_lens, slots, counter,
-                                 max_blocks=mb, block_size=bs, cap=cap, reuse=1, short_dense=True, scale=scale)
+    scores = block_scores_triton(
+        q,
+        key_meta.codes,
+        key_meta.scale,
+        meta.block_tables,
+        meta.seq_lens,
+        slots,
+        counter,
+        max_blocks=mb,
+        block_size=bs,
+        cap=cap,
+        reuse=1,
+        short_dense=True,
+        scale=scale,
+    )
     ref = block_scores_ref(q, key_meta.codes, key_meta.scale, meta.block_tables, meta.seq_lens, mb, bs, scale)
     for b, n in enumerate(lens):
         if -(-n // bs) > cap:
             assert rel_err(scores[b, :, : -(-n // bs)], ref[b, :, : -(-n // bs)]) < TOL[torch.bfloat16], b
-    score_and_select_triton(q, key_meta.codes, key_meta.scale, meta.block_tables, meta.seq_lens, slots, sel, counter,
-                            stats, torch.zeros(hkv, dtype=torch.bool, device=DEV), max_blocks=mb, scale=scale,
-                            **params("topk", cap, bs, local=local))
+    score_and_select_triton(
+        q,
+        key_meta.codes,
+        key_meta.scale,
+        meta.block_tables,
+        meta.seq_lens,
+        slots,
+        sel,
+        counter,
+        stats,
+        torch.zeros(hkv, dtype=torch.bool, device=DEV),
+        max_blocks=mb,
+        scale=scale,
+        **params("topk", cap, bs, local=local),
+    )
     assert ((sel[[0, 1, 3]] >= 0).sum(-1) == cap).all()  # every long row fills its budget
     kw = {}
     if offload:
@@ -540,5 +645,3 @@ def test_step_slots():
                 r, w = (int(x) for x in step_slots_ref(torch.tensor([n], device=DEV), one, 1, reuse, 16))
                 assert r == row and w != r and (w >= 0) == (n % reuse == 0) and r % 16 == 3
                 row = w if w >= 0 else row
-
-

@@ -2,6 +2,7 @@
 against their torch references on ragged batches of chunks. Without CUDA the kernels run under the Triton
 interpreter on tiny shapes; the GPU-only tests add bf16 and longer contexts.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -48,15 +49,21 @@ def make_chunks(chunks, hq, hkv, d, bs, dtype, seed=0):
     tables = torch.randint(0, num_blocks, (len(chunks), width), generator=g, dtype=torch.int32)
     start = 0
     for b, n in enumerate(need):
-        tables[b, :n] = ids[start:start + n]
+        tables[b, :n] = ids[start : start + n]
         start += n
     q_lens = [n for _, n in chunks]
     qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     cache = torch.randn(num_blocks, hkv, 2, bs, d, generator=g)
     q = torch.randn(sum(q_lens), hq, d, generator=g)
-    return (q.to(DEV, dtype), cache.to(DEV, dtype), tables.to(DEV),
-            torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
-            qsl.to(DEV), max(q_lens), max(seq_lens))
+    return (
+        q.to(DEV, dtype),
+        cache.to(DEV, dtype),
+        tables.to(DEV),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
+        qsl.to(DEV),
+        max(q_lens),
+        max(seq_lens),
+    )
 
 
 def dense_ref(q, cache, tables, seq_lens, qsl, max_q, max_s, scale):
@@ -72,19 +79,41 @@ def triton_backends():
 # (hq, hkv, d, bs, layout, config, dtype): groups of 1, 3 and 4; a query tile served by two programs (group 4:
 # 8 queries a program, 16 a tile); key tiles of two 16-key steps.
 ATTN_CASES = [
-    (4, 4, 64, 16, TileLayout(q_tile=16, k_tile=16, sink=1, local=1), SparsePrefillConfig(16, 16, 4, 2),
-     torch.float32),
-    (6, 2, 64, 32, TileLayout(q_tile=16, k_tile=32, sink=1, local=1), SparsePrefillConfig(64, 16, 4, 2),
-     torch.float16),
-    (8, 2, 128, 16, TileLayout(q_tile=16, k_tile=16, sink=2, local=1), SparsePrefillConfig(32, 16, 4, 2),
-     torch.float32),
+    (4, 4, 64, 16, TileLayout(q_tile=16, k_tile=16, sink=1, local=1), SparsePrefillConfig(16, 16, 4, 2), torch.float32),
+    (6, 2, 64, 32, TileLayout(q_tile=16, k_tile=32, sink=1, local=1), SparsePrefillConfig(64, 16, 4, 2), torch.float16),
+    (
+        8,
+        2,
+        128,
+        16,
+        TileLayout(q_tile=16, k_tile=16, sink=2, local=1),
+        SparsePrefillConfig(32, 16, 4, 2),
+        torch.float32,
+    ),
     # groups that are not powers of two: GROUP_PAD rows a query, the padding heads masked
-    pytest.param(9, 3, 64, 16, TileLayout(q_tile=16, k_tile=16, sink=1, local=1), SparsePrefillConfig(32, 16, 4, 2),
-                 torch.float32, id="group3-9q3kv"),
-    pytest.param(15, 3, 32, 16, TileLayout(q_tile=16, k_tile=32, sink=1, local=1), SparsePrefillConfig(64, 16, 4, 2),
-                 torch.float16, id="group5-15q3kv"),
-    pytest.param(7, 1, 64, 16, TileLayout(q_tile=16, k_tile=16, sink=1, local=1), None, torch.float32,
-                 id="group7-7q1kv"),
+    pytest.param(
+        9,
+        3,
+        64,
+        16,
+        TileLayout(q_tile=16, k_tile=16, sink=1, local=1),
+        SparsePrefillConfig(32, 16, 4, 2),
+        torch.float32,
+        id="group3-9q3kv",
+    ),
+    pytest.param(
+        15,
+        3,
+        32,
+        16,
+        TileLayout(q_tile=16, k_tile=32, sink=1, local=1),
+        SparsePrefillConfig(64, 16, 4, 2),
+        torch.float16,
+        id="group5-15q3kv",
+    ),
+    pytest.param(
+        7, 1, 64, 16, TileLayout(q_tile=16, k_tile=16, sink=1, local=1), None, torch.float32, id="group7-7q1kv"
+    ),
 ]
 
 
@@ -94,7 +123,7 @@ def test_sparse_prefill_kernel(triton_backends, hq, hkv, d, bs, layout, config, 
     """Random tile masks and a streaming head: the kernel equals the reference; the mask matters (the output
     differs from dense attention), and the reference itself is dense attention when every tile is allowed."""
     q, cache, tables, seq_lens, qsl, max_q, max_s = make_chunks(CHUNKS, hq, hkv, d, bs, dtype)
-    scale = d ** -0.5
+    scale = d**-0.5
     n_qt, n_kt = layout.num_q_tiles(max_q), layout.num_k_tiles(max_s)
     mask = torch.rand(len(CHUNKS), hkv, n_qt, n_kt, generator=torch.Generator().manual_seed(1)) < 0.4
     index, count = tile_lists(mask.to(DEV), seq_lens, qsl, layout)
@@ -123,11 +152,14 @@ def test_tile_lists_and_classes():
     for b, (prefix, n) in enumerate(CHUNKS):
         for t in range(n_qt):
             first, last = prefix + t * 16, min(prefix + t * 16 + 16, prefix + n) - 1
-            causal = (torch.arange(n_kt, device=DEV) <= last // 16 if t * 16 < n
-                      else torch.zeros(n_kt, dtype=torch.bool, device=DEV))
+            causal = (
+                torch.arange(n_kt, device=DEV) <= last // 16
+                if t * 16 < n
+                else torch.zeros(n_kt, dtype=torch.bool, device=DEV)
+            )
             assert torch.equal(forced[b, t] | middle[b, t], causal)
             if t * 16 < n:
-                assert forced[b, t, 0] and forced[b, t, first // 16: last // 16 + 1].all()
+                assert forced[b, t, 0] and forced[b, t, first // 16 : last // 16 + 1].all()
     mask = torch.rand(len(CHUNKS), 2, n_qt, n_kt, generator=torch.Generator().manual_seed(3)) < 0.5
     index, count = tile_lists(mask.to(DEV), seq_lens, qsl, layout)
     keep = mask.to(DEV) & middle[:, None]
@@ -136,8 +168,10 @@ def test_tile_lists_and_classes():
         assert index[b, h, t, : count[b, h, t]].tolist() == torch.nonzero(keep[b, h, t]).flatten().tolist()
 
 
-@pytest.mark.parametrize("hq,hkv", [(6, 2), pytest.param(15, 3, id="group5-15q3kv", marks=pytest.mark.slow),
-                                    pytest.param(7, 1, id="group7-7q1kv")])
+@pytest.mark.parametrize(
+    "hq,hkv",
+    [(6, 2), pytest.param(15, 3, id="group5-15q3kv", marks=pytest.mark.slow), pytest.param(7, 1, id="group7-7q1kv")],
+)
 def test_quantize_kernel(triton_backends, hq, hkv):
     """Stage 1: the kernels' fp8 codes equal the reference's (the rounding helper against torch's e4m3 cast),
     scales and the mean term agree to float32 rounding, and the estimate is q.k up to a per-row constant."""
@@ -163,11 +197,18 @@ def test_quantize_kernel(triton_backends, hq, hkv):
     b, t0, n = 3, int(qsl[3]), CHUNKS[3][1]
     keys = cache[tables[b, : -(-int(seq_lens[b]) // 16)].long(), :, 0].permute(1, 0, 2, 3).reshape(hkv, -1, 64)
     keys = keys[:, : int(seq_lens[b])].repeat_interleave(group, 0)  # [Hq, L, D]
-    exact = torch.einsum("thd,hjd->htj", q[t0:t0 + n], keys)
-    codes = torch.einsum("thd,hjd->htj", ref.q_code[t0:t0 + n].float(),
-                         ref.k_code[b].float().repeat_interleave(group, 0)[:, : int(seq_lens[b])])
-    est = (codes * ref.k_scale[b].repeat_interleave(group, 0)[:, None, : int(seq_lens[b])]
-           * ref.q_scale[t0:t0 + n].T[:, :, None] + ref.qmk[b][:, None, : int(seq_lens[b])])
+    exact = torch.einsum("thd,hjd->htj", q[t0 : t0 + n], keys)
+    codes = torch.einsum(
+        "thd,hjd->htj",
+        ref.q_code[t0 : t0 + n].float(),
+        ref.k_code[b].float().repeat_interleave(group, 0)[:, : int(seq_lens[b])],
+    )
+    est = (
+        codes
+        * ref.k_scale[b].repeat_interleave(group, 0)[:, None, : int(seq_lens[b])]
+        * ref.q_scale[t0 : t0 + n].T[:, :, None]
+        + ref.qmk[b][:, None, : int(seq_lens[b])]
+    )
     diff = est - exact
     spread = (diff - diff.mean(-1, keepdim=True)).pow(2).mean().sqrt()  # e4m3: a few % of each code
     assert spread < 0.05 * exact.std(), (spread, exact.std())
@@ -189,10 +230,10 @@ def test_key_groups_keep_each_keys_own_codes():
     assert (own.abs().amax(-1) <= 448 * torch.exp2(e[..., 0])).all()
     shared = code.float() * scale[..., None]
     assert (scale[:, :, :group_rows] == scale[:, :, :1]).all()  # one scale a group
-    normal = (own / scale[..., None]).abs() >= 2.0 ** -6  # the key's own code, shifted: still a normal e4m3
+    normal = (own / scale[..., None]).abs() >= 2.0**-6  # the key's own code, shifted: still a normal e4m3
     assert normal.float().mean() > 0.9
     assert torch.equal(shared[normal], own[normal])
-    assert ((shared - own).abs() <= 2.0 ** -10 * scale[..., None])[~normal].all()
+    assert ((shared - own).abs() <= 2.0**-10 * scale[..., None])[~normal].all()
     assert (code.float()[~valid[:, None].expand(b, h, length)] == 0).all()
 
 
@@ -204,9 +245,10 @@ def test_quantize_with_tables_as_wide_as_the_context(triton_backends):
     layout = TileLayout(q_tile=16, k_tile=64)
     q, cache, tables, seq_lens, qsl, max_q, max_s = make_chunks([(50, 20), (0, 40)], 4, 2, 32, 16, torch.float32)
     narrow = tables[:, : -(-max_s // 16)]  # 5 blocks: 80 positions, the key tiles 128
-    for exact, quantize in ((True, lambda t: quantize_qk_ref(q, cache, t, seq_lens, qsl, max_s, layout)),
-                            (False, lambda t: quantize_qk_triton(q, cache, t.contiguous(), seq_lens, qsl, max_q,
-                                                                 max_s, layout))):
+    for exact, quantize in (
+        (True, lambda t: quantize_qk_ref(q, cache, t, seq_lens, qsl, max_s, layout)),
+        (False, lambda t: quantize_qk_triton(q, cache, t.contiguous(), seq_lens, qsl, max_q, max_s, layout)),
+    ):
         for got, want in zip(quantize(narrow), quantize(tables)):
             if exact and got.device.type == "cpu":
                 assert torch.equal(got.float(), want.float())
@@ -231,7 +273,7 @@ def test_select_kernel(triton_backends, hq, hkv, d, bs, layout):
     MARGIN from its threshold (and the lists and counts with it); threshold 0 keeps every tile, a large one only
     the forced tiles, per-head middle values something between; a streaming head keeps only forced tiles."""
     q, cache, tables, seq_lens, qsl, max_q, max_s = make_chunks(CHUNKS, hq, hkv, d, bs, torch.float32, seed=5)
-    scale = d ** -0.5
+    scale = d**-0.5
     codes = quantize_qk_ref(q, cache, tables, seq_lens, qsl, max_s, layout)
     n_qt, n_kt = layout.num_q_tiles(max_q), layout.num_k_tiles(max_s)
     forced, middle = tile_classes(seq_lens, qsl, n_qt, n_kt, layout)
@@ -272,8 +314,9 @@ def test_relative_score_picks_the_heavy_tile():
     far_block = int(tables[0, 3])  # key tile 3 (tokens 48..63): the needle, ~5 logits above the rest
     cache[far_block, :, 0] += 20 * u
     for thr in (0.3, 1.0):
-        mask, _, _ = sale_select(q, cache, tables, seq_lens, qsl, d ** -0.5, max_q, max_s, layout,
-                                 torch.full((hq,), thr, device=DEV))
+        mask, _, _ = sale_select(
+            q, cache, tables, seq_lens, qsl, d**-0.5, max_q, max_s, layout, torch.full((hq,), thr, device=DEV)
+        )
         _, middle = tile_classes(seq_lens, qsl, 1, layout.num_k_tiles(max_s), layout)
         kept = torch.nonzero(mask[0, 0, 0].bool() & middle[0, 0]).flatten().tolist()
         assert kept == [3], (thr, kept)
@@ -287,16 +330,28 @@ def test_dense_when_threshold_zero(triton_backends, hq, hkv):
     d, bs = 64, 16
     layout = TileLayout(q_tile=16, k_tile=32, sink=1, local=1)
     q, cache, tables, seq_lens, qsl, max_q, max_s = make_chunks(CHUNKS, hq, hkv, d, bs, torch.float32, seed=7)
-    scale = d ** -0.5
-    mask, index, count = sale_select(q, cache, tables, seq_lens, qsl, scale, max_q, max_s, layout,
-                                     torch.zeros(hq, device=DEV), config=TileSelectConfig(quant_tok=64))
+    scale = d**-0.5
+    mask, index, count = sale_select(
+        q,
+        cache,
+        tables,
+        seq_lens,
+        qsl,
+        scale,
+        max_q,
+        max_s,
+        layout,
+        torch.zeros(hq, device=DEV),
+        config=TileSelectConfig(quant_tok=64),
+    )
     forced, middle = tile_classes(seq_lens, qsl, mask.shape[2], mask.shape[3], layout)
     assert torch.equal(mask.bool(), (forced | middle)[:, None].expand_as(mask))
     args = (q, cache, tables, seq_lens, qsl, scale, max_q, max_s, layout)
     cfg = SparsePrefillConfig(64, 32, 4, 2)
     sparse = sparse_prefill(*args, index, count, config=cfg)
-    dense = paged_prefill_triton(q, cache, tables, seq_lens, qsl, scale, max_q,
-                                 config=PrefillConfig(block_m=64, block_n=32))
+    dense = paged_prefill_triton(
+        q, cache, tables, seq_lens, qsl, scale, max_q, config=PrefillConfig(block_m=64, block_n=32)
+    )
     ref = dense_ref(*args[:5], max_q, max_s, scale)
     assert rel_err(sparse, ref) < TOL[torch.float32]
     assert rel_err(sparse, dense) < TOL[torch.float32]
@@ -310,10 +365,21 @@ def test_streaming_heads_see_only_sink_and_local(triton_backends):
     layout = TileLayout(q_tile=16, k_tile=16, sink=1, local=1)
     chunks = [(118, 33), (0, 40)]
     q, cache, tables, seq_lens, qsl, max_q, max_s = make_chunks(chunks, hq, hkv, d, bs, torch.float32, seed=8)
-    scale = d ** -0.5
+    scale = d**-0.5
     streaming = torch.tensor([True, False], device=DEV)
-    out = sparse_prefill(q, cache, tables, seq_lens, qsl, scale, max_q, max_s, layout, streaming=streaming,
-                         config=SparsePrefillConfig(32, 16, 4, 2))
+    out = sparse_prefill(
+        q,
+        cache,
+        tables,
+        seq_lens,
+        qsl,
+        scale,
+        max_q,
+        max_s,
+        layout,
+        streaming=streaming,
+        config=SparsePrefillConfig(32, 16, 4, 2),
+    )
     full = dense_ref(q, cache, tables, seq_lens, qsl, max_q, max_s, scale)
     assert rel_err(out[:, 2:], full[:, 2:]) < TOL[torch.float32]  # the other KV head stays dense
     for b, (prefix, n) in enumerate(chunks):
@@ -339,11 +405,32 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="thresholds"):
         sale_select(q, cache, tables, seq_lens, qsl, 0.25, max_q, max_s, layout, torch.zeros(2))
     with pytest.raises(ValueError, match="together"):
-        sparse_prefill(q, cache, tables, seq_lens, qsl, 0.25, max_q, max_s, layout,
-                       kv_index=torch.zeros(1, 2, 1, 1, dtype=torch.int32))
+        sparse_prefill(
+            q,
+            cache,
+            tables,
+            seq_lens,
+            qsl,
+            0.25,
+            max_q,
+            max_s,
+            layout,
+            kv_index=torch.zeros(1, 2, 1, 1, dtype=torch.int32),
+        )
     with pytest.raises(ValueError, match="do not match"):
-        sparse_prefill(q, cache, tables, seq_lens, qsl, 0.25, max_q, max_s, layout,
-                       torch.zeros(1, 1, 1, 1, dtype=torch.int32), torch.zeros(1, 1, 1, dtype=torch.int32))
+        sparse_prefill(
+            q,
+            cache,
+            tables,
+            seq_lens,
+            qsl,
+            0.25,
+            max_q,
+            max_s,
+            layout,
+            torch.zeros(1, 1, 1, 1, dtype=torch.int32),
+            torch.zeros(1, 1, 1, dtype=torch.int32),
+        )
 
 
 @gpu_only
@@ -355,7 +442,7 @@ def test_gpu_long_chunks_bf16(hq, hkv, d):
     layout = TileLayout()
     chunks = [(0, 1500), (2048, 1024), (333, 700)]
     q, cache, tables, seq_lens, qsl, max_q, max_s = make_chunks(chunks, hq, hkv, d, bs, torch.bfloat16, seed=9)
-    scale = d ** -0.5
+    scale = d**-0.5
     codes_ref = quantize_qk_ref(q, cache, tables, seq_lens, qsl, max_s, layout)
     codes = quantize_qk_triton(q, cache, tables, seq_lens, qsl, max_q, max_s, layout)
     for got, ref in ((codes.q_code, codes_ref.q_code), (codes.k_code, codes_ref.k_code)):
@@ -369,9 +456,9 @@ def test_gpu_long_chunks_bf16(hq, hkv, d):
     out = sparse_prefill(q, cache, tables, seq_lens, qsl, scale, max_q, max_s, layout, index, count)
     ref = sparse_prefill_ref(q, cache, tables, seq_lens, qsl, scale, max_q, max_s, layout, index, count)
     assert rel_err(out, ref) < TOL[torch.bfloat16]
-    _, index0, count0 = sale_select(q, cache, tables, seq_lens, qsl, scale, max_q, max_s, layout,
-                                    torch.zeros(hq, device=DEV))
+    _, index0, count0 = sale_select(
+        q, cache, tables, seq_lens, qsl, scale, max_q, max_s, layout, torch.zeros(hq, device=DEV)
+    )
     sparse = sparse_prefill(q, cache, tables, seq_lens, qsl, scale, max_q, max_s, layout, index0, count0)
     dense = paged_prefill(q, cache, tables, seq_lens, qsl, scale, max_q)
     assert rel_err(sparse, dense) < TOL[torch.bfloat16]
-

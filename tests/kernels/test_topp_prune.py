@@ -1,5 +1,6 @@
 """kernels/topp_prune.py (topp's select-then-prune) against its torch references, on random inputs. Without CUDA
 the kernels run under the Triton interpreter on small shapes."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,7 @@ from tests.kernels.test_sparse_kernels import offload_inputs
 
 
 def params(cap: int, bs: int, top_p: float, reuse: int = 1, per_head: bool = False) -> dict:
-    return dict(cap=cap, block_size=bs, sink=1, local=2, top_p=top_p, reuse=reuse, short_dense=True,
-                per_head=per_head)
+    return dict(cap=cap, block_size=bs, sink=1, local=2, top_p=top_p, reuse=reuse, short_dense=True, per_head=per_head)
 
 
 def batch(lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype, sharp: float):
@@ -34,20 +34,31 @@ def batch(lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype: torch.dtyp
     start = 0
     for b, n in enumerate(lens):
         nb = -(-n // bs)
-        tables[b, :nb] = ids[start:start + nb]
+        tables[b, :nb] = ids[start : start + nb]
         start += nb
     q = (sharp * torch.randn(len(lens), hq, d)).to(dtype)
     cache = torch.randn(num_blocks, hkv, 2, bs, d).to(dtype)
     return q.to(DEV), cache.to(DEV), tables.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
 
 
-def candidates(seq_lens: torch.Tensor, slots: torch.Tensor, state, streaming: torch.Tensor, p: dict,
-               scores: torch.Tensor) -> None:
+def candidates(
+    seq_lens: torch.Tensor, slots: torch.Tensor, state, streaming: torch.Tensor, p: dict, scores: torch.Tensor
+) -> None:
     """The first stage, as the engine runs it: topk over bound scores [B, Hq, MB] fills the lists."""
     bs = p["block_size"]
     past_end = torch.arange(scores.shape[-1], device=DEV)[None, None] >= -(-seq_lens[:, None, None] // bs)
-    select_blocks_ref(scores.masked_fill(past_end, float("-inf")), seq_lens, slots, *state, streaming, block_size=bs,
-                      cap=p["cap"], sink=p["sink"], local=p["local"], reuse=p["reuse"])
+    select_blocks_ref(
+        scores.masked_fill(past_end, float("-inf")),
+        seq_lens,
+        slots,
+        *state,
+        streaming,
+        block_size=bs,
+        cap=p["cap"],
+        sink=p["sink"],
+        local=p["local"],
+        reuse=p["reuse"],
+    )
 
 
 def random_scores(seq_lens: torch.Tensor, hq: int, bs: int) -> torch.Tensor:
@@ -58,10 +69,17 @@ LENS = [40 * 16, 3 * 16, 0, 17 * 16 + 3, 25 * 16 + 1]  # long rows, one that fit
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 2, 32, 16), (6, 2, 16, 8), (4, 4, 64, 32),
-                                         pytest.param(9, 3, 64, 16, id="group3-9q3kv"),
-                                         pytest.param(15, 3, 32, 8, id="group5-15q3kv"),
-                                         pytest.param(7, 1, 32, 16, id="group7-7q1kv")])
+@pytest.mark.parametrize(
+    "hq,hkv,d,bs",
+    [
+        (8, 2, 32, 16),
+        (6, 2, 16, 8),
+        (4, 4, 64, 32),
+        pytest.param(9, 3, 64, 16, id="group3-9q3kv"),
+        pytest.param(15, 3, 32, 8, id="group5-15q3kv"),
+        pytest.param(7, 1, 32, 16, id="group7-7q1kv"),
+    ],
+)
 def test_block_lse(dtype, hq, hkv, d, bs):
     """Per query head log-sum-exp of q.k over each listed block's valid tokens, on the rows that prune."""
     torch.manual_seed(0)
@@ -69,13 +87,17 @@ def test_block_lse(dtype, hq, hkv, d, bs):
     q, cache, tables, seq_lens = batch(lens, hq, hkv, d, bs, dtype, sharp=1.0)
     p = params(7, bs, 0.9)
     slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
-    state = (torch.full((6, hkv, p["cap"]), -1, dtype=torch.int32, device=DEV),
-             torch.zeros(6, hkv, dtype=torch.int32, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV))
-    candidates(seq_lens, slots, state, torch.zeros(hkv, dtype=torch.bool, device=DEV), p,
-               random_scores(seq_lens, hq, bs))
+    state = (
+        torch.full((6, hkv, p["cap"]), -1, dtype=torch.int32, device=DEV),
+        torch.zeros(6, hkv, dtype=torch.int32, device=DEV),
+        torch.zeros(2, dtype=torch.int64, device=DEV),
+    )
+    candidates(
+        seq_lens, slots, state, torch.zeros(hkv, dtype=torch.bool, device=DEV), p, random_scores(seq_lens, hq, bs)
+    )
     sel = state[0]
-    out = block_lse_triton(q, cache, tables, seq_lens, slots, sel, state[1], local=2, scale=d ** -0.5)
-    ref = block_lse_ref(q, cache, tables, seq_lens, sel[slots.long()], d ** -0.5)
+    out = block_lse_triton(q, cache, tables, seq_lens, slots, sel, state[1], local=2, scale=d**-0.5)
+    ref = block_lse_ref(q, cache, tables, seq_lens, sel[slots.long()], d**-0.5)
     rows = [b for b, n in enumerate(lens) if -(-n // bs) > p["cap"]]  # the others keep every block: not written
     assert len(rows) == 3
     listed = (sel[slots.long()][rows] >= 0).repeat_interleave(hq // hkv, 1)
@@ -84,11 +106,17 @@ def test_block_lse(dtype, hq, hkv, d, bs):
     assert torch.equal(out[rows][~listed], ref[rows][~listed])
 
 
-PRUNE_CASES = [(0.5, False, 8, 4), (0.8, False, 8, 4), (0.95, False, 8, 4), (1.0, False, 8, 4), (0.8, True, 8, 4),
-               pytest.param(0.8, False, 9, 3, id="group3-9q3kv"),
-               pytest.param(0.8, True, 9, 3, id="group3-9q3kv-per-head"),
-               pytest.param(0.8, False, 15, 3, id="group5-15q3kv"),
-               pytest.param(0.8, False, 7, 1, id="group7-7q1kv")]
+PRUNE_CASES = [
+    (0.5, False, 8, 4),
+    (0.8, False, 8, 4),
+    (0.95, False, 8, 4),
+    (1.0, False, 8, 4),
+    (0.8, True, 8, 4),
+    pytest.param(0.8, False, 9, 3, id="group3-9q3kv"),
+    pytest.param(0.8, True, 9, 3, id="group3-9q3kv-per-head"),
+    pytest.param(0.8, False, 15, 3, id="group5-15q3kv"),
+    pytest.param(0.8, False, 7, 1, id="group7-7q1kv"),
+]
 
 
 @pytest.mark.slow
@@ -102,8 +130,11 @@ def test_prune_lists(top_p, per_head, hq, hkv):
     slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
     streaming = torch.arange(hkv, device=DEV) == 1  # KV head 1 (if any) streams
     p = params(cap, bs, top_p, reuse=2, per_head=per_head)
-    state = (torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
-             torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV))
+    state = (
+        torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
+        torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV),
+        torch.zeros(2, dtype=torch.int64, device=DEV),
+    )
     pruned_any = kept_any = False
     for step in range(3):
         candidates(seq_lens, slots, state, streaming, p, random_scores(seq_lens, hq, bs))
@@ -131,11 +162,17 @@ def test_prune_lists(top_p, per_head, hq, hkv):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32])
-@pytest.mark.parametrize("top_p,reuse,per_head,hq,hkv", [(0.6, 1, False, 8, 2), (0.9, 3, False, 8, 2),
-                                                         (0.7, 1, True, 8, 2),
-                                                         pytest.param(0.6, 1, False, 9, 3, id="group3-9q3kv"),
-                                                         pytest.param(0.9, 2, False, 15, 3, id="group5-15q3kv"),
-                                                         pytest.param(0.6, 1, False, 7, 1, id="group7-7q1kv")])
+@pytest.mark.parametrize(
+    "top_p,reuse,per_head,hq,hkv",
+    [
+        (0.6, 1, False, 8, 2),
+        (0.9, 3, False, 8, 2),
+        (0.7, 1, True, 8, 2),
+        pytest.param(0.6, 1, False, 9, 3, id="group3-9q3kv"),
+        pytest.param(0.9, 2, False, 15, 3, id="group5-15q3kv"),
+        pytest.param(0.6, 1, False, 7, 1, id="group7-7q1kv"),
+    ],
+)
 def test_topp_prune_vs_reference(dtype, top_p, reuse, per_head, hq, hkv):
     """Both kernels together against topp_prune_ref on fresh candidate lists, over reuse steps."""
     torch.manual_seed(2)
@@ -144,10 +181,15 @@ def test_topp_prune_vs_reference(dtype, top_p, reuse, per_head, hq, hkv):
     slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
     streaming = torch.zeros(hkv, dtype=torch.bool, device=DEV)
     p = params(cap, bs, top_p, reuse=reuse, per_head=per_head)
-    kw = dict(sink=1, local=2, top_p=top_p, reuse=reuse, per_head=per_head, scale=d ** -0.5)
-    states = [(torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
-               torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV))
-              for _ in range(2)]
+    kw = dict(sink=1, local=2, top_p=top_p, reuse=reuse, per_head=per_head, scale=d**-0.5)
+    states = [
+        (
+            torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
+            torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV),
+            torch.zeros(2, dtype=torch.int64, device=DEV),
+        )
+        for _ in range(2)
+    ]
     live, n_listed = seq_lens > 0, 0
     for step in range(4):
         q = 3 * torch.randn_like(q)
@@ -168,8 +210,15 @@ def test_topp_prune_vs_reference(dtype, top_p, reuse, per_head, hq, hkv):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hq,hkv", [(8, 2), pytest.param(9, 3, id="group3-9q3kv"),
-                                    pytest.param(15, 3, id="group5-15q3kv"), pytest.param(7, 1, id="group7-7q1kv")])
+@pytest.mark.parametrize(
+    "hq,hkv",
+    [
+        (8, 2),
+        pytest.param(9, 3, id="group3-9q3kv"),
+        pytest.param(15, 3, id="group5-15q3kv"),
+        pytest.param(7, 1, id="group7-7q1kv"),
+    ],
+)
 def test_topp_prune_offload(hq, hkv):
     """Under KV offload the candidates' keys come through the HBM pool view (pool slots, host rows for bypass
     reads) and the device cache before each local window is poisoned: both kernels equal topp_prune_ref."""
@@ -178,12 +227,16 @@ def test_topp_prune_offload(hq, hkv):
     q, cache, tables, seq_lens = batch(LENS, hq, hkv, d, bs, torch.float32, sharp=3.0)
     slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
     p = params(cap, bs, top_p)
-    state = (torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
-             torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV))
-    candidates(seq_lens, slots, state, torch.zeros(hkv, dtype=torch.bool, device=DEV), p,
-               random_scores(seq_lens, hq, bs))
+    state = (
+        torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
+        torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV),
+        torch.zeros(2, dtype=torch.int64, device=DEV),
+    )
+    candidates(
+        seq_lens, slots, state, torch.zeros(hkv, dtype=torch.bool, device=DEV), p, random_scores(seq_lens, hq, bs)
+    )
     offload, _, poisoned = offload_inputs(cache, tables, seq_lens, state[0][slots.long()], p["local"])
-    kw = dict(sink=1, local=2, top_p=top_p, scale=d ** -0.5, offload=offload)
+    kw = dict(sink=1, local=2, top_p=top_p, scale=d**-0.5, offload=offload)
     states = [tuple(t.clone() for t in state) for _ in range(2)]
     topp_prune_ref(q, poisoned, tables, seq_lens, slots, *states[0], **kw)
     topp_prune_triton(q, poisoned, tables, seq_lens, slots, *states[1], **kw)

@@ -1,6 +1,7 @@
 """Working-set counting (kernels/working_set.py): the per-slot counts equal a plain-Python recount of the
 selections over the window (random selections, slots handed to new sequences, head blocks passing from one
 sequence to another). The Triton path counts inside the pool's read kernel: tests/kernels/test_pool_plan.py."""
+
 from __future__ import annotations
 
 import random
@@ -13,18 +14,26 @@ from tests.kernel_utils import DEVICE
 
 
 def state(num_keys: int, num_slots: int, window: int, device=DEVICE):
-    return (torch.full((num_keys + 1,), -1, dtype=torch.int64, device=device),
-            torch.zeros(num_slots, window, dtype=torch.int32, device=device),
-            torch.zeros(num_slots, dtype=torch.int64, device=device),
-            torch.zeros(1, dtype=torch.int64, device=device))
+    return (
+        torch.full((num_keys + 1,), -1, dtype=torch.int64, device=device),
+        torch.zeros(num_slots, window, dtype=torch.int32, device=device),
+        torch.zeros(num_slots, dtype=torch.int64, device=device),
+        torch.zeros(1, dtype=torch.int64, device=device),
+    )
 
 
 def counts(hist: torch.Tensor) -> list[int]:
     return hist.sum(1).tolist()
 
 
-def random_rows(rng: random.Random, slots: list[int], pools: dict[int, list[int]], width: int, trash: int,
-                shared: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def random_rows(
+    rng: random.Random,
+    slots: list[int],
+    pools: dict[int, list[int]],
+    width: int,
+    trash: int,
+    shared: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's lists: row b (slot slots[b]) takes distinct keys of its own key range (and maybe some of the
     shared keys, each taken by one row at most), padded with the trash key."""
     free = list(shared or [])
@@ -59,8 +68,10 @@ def test_counts_equal_a_recount_of_the_window(seed):
             born[s] = step
             hist[s] = 0
             since[s] = clock
-        pools = {s: list(range((gen[s] * num_slots + s) * per_slot, (gen[s] * num_slots + s + 1) * per_slot))
-                 for s in range(num_slots)}
+        pools = {
+            s: list(range((gen[s] * num_slots + s) * per_slot, (gen[s] * num_slots + s + 1) * per_slot))
+            for s in range(num_slots)
+        }
         active = sorted(rng.sample(range(num_slots), rng.randint(1, num_slots)))
         working_set_begin_step(hist, clock)
         touched: dict[int, set[int]] = {}

@@ -2,6 +2,7 @@
 (KV cache, int8 key-metadata codes, float32 scales) written through to host slots and copied back exactly into
 other blocks, LRU eviction, the accounting, the row copy on its Triton path (interpreter on CPU), and through
 the engine: a prompt evicted from the device cache is restored from the host instead of recomputed."""
+
 from __future__ import annotations
 
 import pytest
@@ -79,9 +80,20 @@ def test_config_refusals():
         EngineConfig.from_kwargs(host_prefix_cache_memory=1 << 60)
 
 
-@pytest.mark.parametrize("policy", [dict(), dict(sparse_policy="topk", sparse_budget=64, sparse_dense_layers=0,
-                                                 sparse_sink_blocks=1, sparse_local_blocks=1,
-                                                 sparse_dense_context=0)])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        dict(),
+        dict(
+            sparse_policy="topk",
+            sparse_budget=64,
+            sparse_dense_layers=0,
+            sparse_sink_blocks=1,
+            sparse_local_blocks=1,
+            sparse_dense_context=0,
+        ),
+    ],
+)
 def test_evicted_prompt_comes_back_from_the_host(tiny_model_dir, policy):
     """A device cache of 8 blocks: after three other prompts the first one's blocks are evicted from it, but
     the host tier restores them (K/V and key metadata): the repeat computes only its last block, with the same
@@ -89,8 +101,16 @@ def test_evicted_prompt_comes_back_from_the_host(tiny_model_dir, policy):
     g = torch.Generator().manual_seed(5)
     first, *others = [torch.randint(10, 2000, (100,), generator=g).tolist() for _ in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", block_size=16, max_model_len=128,
-              num_gpu_blocks_override=8, host_prefix_cache_memory=1 << 22, **policy)
+    llm = LLM(
+        str(tiny_model_dir),
+        device="cpu",
+        dtype="float32",
+        block_size=16,
+        max_model_len=128,
+        num_gpu_blocks_override=8,
+        host_prefix_cache_memory=1 << 22,
+        **policy,
+    )
     engine = llm.llm_engine
     want = llm.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids
     for p in others:
@@ -103,6 +123,8 @@ def test_evicted_prompt_comes_back_from_the_host(tiny_model_dir, policy):
     assert after.num_prompt_tokens - before.num_prompt_tokens == 100 - 96  # 6 blocks restored, 4 tokens computed
     assert after.host_prefix_cache_hits - before.host_prefix_cache_hits == 96
     assert after.prefix_cache_hits == before.prefix_cache_hits
-    assert after.host_prefix_cache_blocks <= engine.model_runner.host_cache.num_slots and after.prefix_cache_evictions > 0
+    assert (
+        after.host_prefix_cache_blocks <= engine.model_runner.host_cache.num_slots and after.prefix_cache_evictions > 0
+    )
     engine.model_runner.host_cache.check()
     engine.allocator.check()

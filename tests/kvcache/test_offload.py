@@ -4,6 +4,7 @@ map (the device KV cache holds only the working set), and the engine: offload on
 for token under the same sparse policy (also with a pool so small that nearly every step evicts, and a
 device block space so small that sequences wait for it), with the accounting of token blocks, device
 blocks and pool slots checked over random schedules."""
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,15 @@ from tests.schedules import check_pool, drive_random_schedule, held_blocks
 
 BS = 8
 COMMON = dict(device="cpu", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
-SPARSE = dict(block_size=BS, sparse_policy="topk", sparse_budget=4 * BS, sparse_dense_layers=0, sparse_sink_blocks=1,
-              sparse_local_blocks=2, sparse_dense_context=0)
+SPARSE = dict(
+    block_size=BS,
+    sparse_policy="topk",
+    sparse_budget=4 * BS,
+    sparse_dense_layers=0,
+    sparse_sink_blocks=1,
+    sparse_local_blocks=2,
+    sparse_dense_context=0,
+)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
@@ -43,8 +51,18 @@ def prompts() -> list[list[int]]:
 def test_config_flags_and_refusals(tiny_model_dir):
     cfg = EngineConfig.from_kwargs(kv_offload=True, host_kv_memory=1 << 20, hbm_cache_blocks=64, **SPARSE)
     assert cfg.offload_config.kv_offload and cfg.offload_config.hbm_cache_blocks == 64
-    args = build_parser(["generate"]).parse_args(["generate", "--kv-offload", "--host-kv-memory", "1048576",
-                                                  "--hbm-cache-blocks", "32", "--sparse-policy", "topk"])
+    args = build_parser(["generate"]).parse_args(
+        [
+            "generate",
+            "--kv-offload",
+            "--host-kv-memory",
+            "1048576",
+            "--hbm-cache-blocks",
+            "32",
+            "--sparse-policy",
+            "topk",
+        ]
+    )
     kw = engine_kwargs_from_args(args)
     assert kw["kv_offload"] is True and kw["host_kv_memory"] == 1 << 20 and kw["hbm_cache_blocks"] == 32
     with pytest.raises(ValueError, match="sparse decode policy"):
@@ -63,9 +81,15 @@ def test_host_capacity_bounds_admission(tiny_model_dir):
     """host_kv_memory smaller than the device KV memory: the engine has only the host store's blocks (the
     scheduler admits and preempts against them) and still completes every request."""
     block_bytes = 2 * 2 * 2 * BS * 128 * 4  # layers x KV heads x (K, V) x tokens x head_dim x float32
-    llm = LLM(str(tiny_model_dir), **{**COMMON, "max_model_len": 160}, kv_offload=True,
-              host_kv_memory=24 * block_bytes + block_bytes // 2, init_new_token_ratio=0.0, min_new_token_ratio=0.0,
-              **SPARSE)  # greedy admission: preempts
+    llm = LLM(
+        str(tiny_model_dir),
+        **{**COMMON, "max_model_len": 160},
+        kv_offload=True,
+        host_kv_memory=24 * block_bytes + block_bytes // 2,
+        init_new_token_ratio=0.0,
+        min_new_token_ratio=0.0,
+        **SPARSE,
+    )  # greedy admission: preempts
     engine = llm.llm_engine
     offload = engine.model_runner.offload
     assert engine.allocator.num_blocks == 24 == offload.num_device_blocks  # never more device blocks
@@ -76,8 +100,14 @@ def test_host_capacity_bounds_admission(tiny_model_dir):
     assert stats.num_preemptions > 0 and stats.num_blocks_used == 0 and stats.offload_host_blocks == 24
 
 
-def make_pool(num_slots: int, ways: int, blocks: int = 8, layers: int = 1, hkv: int = 1,
-              device: torch.device = torch.device("cpu")) -> HBMPool:
+def make_pool(
+    num_slots: int,
+    ways: int,
+    blocks: int = 8,
+    layers: int = 1,
+    hkv: int = 1,
+    device: torch.device = torch.device("cpu"),
+) -> HBMPool:
     return HBMPool(layers, blocks, hkv, 2, 4, num_slots, torch.float32, device, ways=ways)
 
 
@@ -146,10 +176,10 @@ def test_offload_decode_reference_reads_only_the_window_from_the_device():
     sel = torch.tensor([[[0, 2, 4, -1], [1, 3, 5, 0]], [[0, 1, 2, 3], [2, -1, -1, -1]], [[-1] * 4] * 2]).int()
     q = torch.randn(b, hq, d)
     slots = torch.arange(b)
-    ref = sparse_decode_ref(q, cache, tables, seq_lens, sel, slots, local, d ** -0.5)
+    ref = sparse_decode_ref(q, cache, tables, seq_lens, sel, slots, local, d**-0.5)
     listed_kv = torch.stack(
-        [torch.stack([cache[tables[i, sel[i, h].clamp_min(0).long()].long(), h] for h in range(hkv)])
-         for i in range(b)])  # [B, Hkv, cap, 2, bs, D]
+        [torch.stack([cache[tables[i, sel[i, h].clamp_min(0).long()].long(), h] for h in range(hkv)]) for i in range(b)]
+    )  # [B, Hkv, cap, 2, bs, D]
     # half the entries from pool slots, half straight from host rows (loc -1)
     n = listed_kv[:, :, :, 0, 0, 0].numel()
     loc = torch.arange(n).view(sel.shape)
@@ -164,7 +194,7 @@ def test_offload_decode_reference_reads_only_the_window_from_the_device():
     for i in range(b):
         for j in range(max(0, int(nb[i]) - local)):
             poisoned[tables[i, j].long()] = float("nan")
-    out = sparse_decode_ref(q, poisoned, tables, seq_lens, sel, slots, local, d ** -0.5, offload=offload)
+    out = sparse_decode_ref(q, poisoned, tables, seq_lens, sel, slots, local, d**-0.5, offload=offload)
     assert torch.equal(out, ref)
 
 
@@ -177,10 +207,20 @@ def test_offload_layout_split():
     fixed = tokens * (2 * kv_layer + 130_000) + dev_bytes  # metadata + dense layers, the device trash row
 
     def plan(rest: int | None, **kw) -> OffloadLayout:
-        args = dict(budget=None if rest is None else fixed + rest, device_blocks=None, token_blocks=tokens,
-                    pool_slots=None, default_pool_slots=32 * 8 * 20 * 64, min_device_blocks=seq,
-                    want_device_blocks=want, num_layers=32, dense_layers=2, kv_layer_block_bytes=kv_layer,
-                    meta_block_bytes=130_000, head_block_bytes=hb)
+        args = dict(
+            budget=None if rest is None else fixed + rest,
+            device_blocks=None,
+            token_blocks=tokens,
+            pool_slots=None,
+            default_pool_slots=32 * 8 * 20 * 64,
+            min_device_blocks=seq,
+            want_device_blocks=want,
+            num_layers=32,
+            dense_layers=2,
+            kv_layer_block_bytes=kv_layer,
+            meta_block_bytes=130_000,
+            head_block_bytes=hb,
+        )
         return OffloadLayout.plan(**{**args, **kw})
 
     rest = int(12.3 * GiB)
@@ -316,6 +356,7 @@ def test_key_meta_update_rows_by_token_block(page):
     )
     from sparseserve.kernels.store_kv import store_kv_ref
     from sparseserve.kvcache.metadata import allocate_key_meta
+
     torch.manual_seed(2)
     bs, hkv, d, dev_blocks, token_blocks = 4, 2, 8, 3, 6
     cache = torch.randn(dev_blocks, hkv, 2, bs, d, device=DEVICE)
@@ -346,7 +387,7 @@ def test_key_meta_update_rows_by_token_block(page):
 
     keys = cache[2, :, 0, :3]  # partial block 1: its 3 tokens, pages over them
     for pg in range(bs // page):
-        assert_page(1, pg, keys[:, pg * page: (pg + 1) * page])
+        assert_page(1, pg, keys[:, pg * page : (pg + 1) * page])
     assert not got.codes[[0, 2, 4]].any() and not got.scale[[0, 2, 4]].any()
     assert_page(3, 0, cache[1, :, 0, :1])
 
@@ -358,9 +399,16 @@ def run(model_dir, **kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", [dict(), dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=6 * BS,
-                                                 sparse_reuse=2), dict(sparse_dense_layers=1),
-                                    dict(sparse_lag=1), dict(sparse_lag=1, sparse_dense_layers=1)])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        dict(),
+        dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=6 * BS, sparse_reuse=2),
+        dict(sparse_dense_layers=1),
+        dict(sparse_lag=1),
+        dict(sparse_lag=1, sparse_dense_layers=1),
+    ],
+)
 def test_offload_equals_no_offload(hf_models, policy):
     """Same sparse policy, offload off vs on: identical greedy tokens with a roomy pool, a pool of a few
     sets (evictions) and a pool of 4 slots (nearly every step evicts, misses overflow into bypass reads),
@@ -370,15 +418,15 @@ def test_offload_equals_no_offload(hf_models, policy):
     kw = {**SPARSE, **policy, "max_model_len": 136}
     base, _ = run(model_dir, **kw)
     for slots, device_blocks in ((None, None), (24, None), (4, None), (24, 17)):
-        got, llm = run(model_dir, kv_offload=True, hbm_cache_blocks=slots, num_gpu_blocks_override=device_blocks,
-                       **kw)
+        got, llm = run(model_dir, kv_offload=True, hbm_cache_blocks=slots, num_gpu_blocks_override=device_blocks, **kw)
         assert got == base, f"hbm_cache_blocks={slots}, device blocks {device_blocks}"
         runner = llm.llm_engine.model_runner
         dense = policy.get("sparse_dense_layers", 0)
         num_tokens = llm.llm_engine.allocator.num_blocks
         assert len(runner.kv_caches) == 2
-        assert [c.shape[0] == num_tokens for c in runner.kv_caches] == [True] * dense + [False] * (2 - dense) \
-            or device_blocks is None  # dense layers: a full-size cache by token block
+        assert [c.shape[0] == num_tokens for c in runner.kv_caches] == [True] * dense + [False] * (
+            2 - dense
+        ) or device_blocks is None  # dense layers: a full-size cache by token block
         if device_blocks is not None:
             assert runner.kv_caches[-1].shape[0] == device_blocks + 1 < runner.offload.host.data.shape[1]
         engine = llm.llm_engine
@@ -407,9 +455,21 @@ def test_lagged_views_name_the_host_blocks(hf_models):
     view of each decode's list names its blocks' host rows, and every pool slot it names holds its host row (the
     step read the right K/V); nothing leaks."""
     model_dir = hf_models["qwen2-gqa-bias"][0]
-    llm = LLM(str(model_dir), **{**COMMON, **SPARSE, "max_model_len": 136, "device": DEVICE.type, "dtype": "float32",
-                                 "num_gpu_blocks_override": 48, "sparse_lag": 1, "kv_offload": True,
-                                 "hbm_cache_blocks": 16}, profiler=LastSchedule())
+    llm = LLM(
+        str(model_dir),
+        **{
+            **COMMON,
+            **SPARSE,
+            "max_model_len": 136,
+            "device": DEVICE.type,
+            "dtype": "float32",
+            "num_gpu_blocks_override": 48,
+            "sparse_lag": 1,
+            "kv_offload": True,
+            "hbm_cache_blocks": 16,
+        },
+        profiler=LastSchedule(),
+    )
     engine = llm.llm_engine
     off, backend = engine.model_runner.offload, engine.model_runner.attn_backend
     for i, p in enumerate(prompts()):
@@ -440,16 +500,23 @@ def test_lagged_views_name_the_host_blocks(hf_models):
     off.pool.check()
 
 
-def random_schedule(model_dir, seed: int, check: bool, greedy: bool = False, triton_plan: bool = False,
-                    **kw) -> dict[str, list[list[int]]]:
+def random_schedule(
+    model_dir, seed: int, check: bool, greedy: bool = False, triton_plan: bool = False, **kw
+) -> dict[str, list[list[int]]]:
     """Random arrivals, aborts and steps with a KV pool small enough to preempt; returns every request's
     tokens; with check, after every step: the block, host and HBM accounting, and the host store holding
     every full block of the running sequences (FlashD2H + write-through) exactly as the device cache.
     triton_plan: the HBM pool plans with its Triton kernels (under the interpreter without CUDA)."""
     rng = random.Random(seed)
-    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=96,
-              max_num_batched_tokens=rng.choice([16, 48]), max_num_seqs=4,
-              **{**SPARSE, "init_new_token_ratio": 0.0, "min_new_token_ratio": 0.0, **kw})  # greedy admission
+    llm = LLM(
+        str(model_dir),
+        device="cpu",
+        dtype="float32",
+        max_model_len=96,
+        max_num_batched_tokens=rng.choice([16, 48]),
+        max_num_seqs=4,
+        **{**SPARSE, "init_new_token_ratio": 0.0, "min_new_token_ratio": 0.0, **kw},
+    )  # greedy admission
     engine = llm.llm_engine
     results: dict[str, list[list[int]]] = {}
     offload = engine.model_runner.offload
@@ -460,6 +527,7 @@ def random_schedule(model_dir, seed: int, check: bool, greedy: bool = False, tri
         def triton_pool_plan(key):
             with forced("triton"):
                 return plan(key)
+
         pool.plan = triton_pool_plan
 
     def collect(outs):  # the engine's outputs are deltas: append each step's new tokens
@@ -474,11 +542,11 @@ def random_schedule(model_dir, seed: int, check: bool, greedy: bool = False, tri
         if check:
             held_blocks(engine)
             offload.sync()
-            sparse_caches = torch.stack(engine.model_runner.kv_caches[offload.dense_layers:])
+            sparse_caches = torch.stack(engine.model_runner.kv_caches[offload.dense_layers :])
             for seq in engine.scheduler.running:  # every full block on the device is in the host store, equal
                 segments = engine.scheduler.segments  # a layer-segmented prefill fills its window
                 if segments is not None and segments.running(seq):
-                    continue                                    # layer by layer (tests/engine/test_layer_prefill.py)
+                    continue  # layer by layer (tests/engine/test_layer_prefill.py)
                 start, blocks = offload.range_of(seq.seq_id)
                 full = range(start, min(seq.num_computed_tokens // BS, start + len(blocks)))
                 dev = [blocks[j - start] for j in full]
@@ -502,9 +570,10 @@ HOST_16 = 16 * 2 * 2 * 2 * BS * 128 * 4  # 16 token blocks of the tiny model in 
 # The engine runs on CPU here, so its Triton plan runs under the interpreter only (on a GPU machine
 # kernels/test_pool_plan.py and kernels/test_flash_h2d.py cover the plan on CUDA tensors).
 @pytest.mark.slow
-@pytest.mark.parametrize("seed, triton_plan, lag",
-                         [(0, False, 0), (2, False, 1)]
-                         + ([(1, True, 0)] if os.environ.get("TRITON_INTERPRET") == "1" else []))
+@pytest.mark.parametrize(
+    "seed, triton_plan, lag",
+    [(0, False, 0), (2, False, 1)] + ([(1, True, 0)] if os.environ.get("TRITON_INTERPRET") == "1" else []),
+)
 def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, triton_plan, lag):
     """16 token blocks both ways (host store with offload); with offload first as many device blocks (the
     schedule, sampled tokens included, equals offload off), then 12, one max_model_len sequence: sequences
@@ -514,14 +583,30 @@ def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, tri
     plan, or its Triton plan). lag: lagged selection, whose next lists the pool reads a step ahead (paused
     sequences resume with fresh state slots, which select and read in their step)."""
     off, _ = random_schedule(tiny_model_dir, seed, check=False, num_gpu_blocks_override=16, sparse_lag=lag)
-    on, preemptions = random_schedule(tiny_model_dir, seed, check=True, kv_offload=True, hbm_cache_blocks=16,
-                                      host_kv_memory=HOST_16, triton_plan=triton_plan, sparse_lag=lag)
+    on, preemptions = random_schedule(
+        tiny_model_dir,
+        seed,
+        check=True,
+        kv_offload=True,
+        hbm_cache_blocks=16,
+        host_kv_memory=HOST_16,
+        triton_plan=triton_plan,
+        sparse_lag=lag,
+    )
     assert on == off and preemptions > 0
     covering = dict(greedy=True, sparse_budget=12 * BS, sparse_lag=lag)
     off, _ = random_schedule(tiny_model_dir, seed, check=False, num_gpu_blocks_override=16, **covering)
-    on, _ = random_schedule(tiny_model_dir, seed, check=True, kv_offload=True, hbm_cache_blocks=16,
-                            host_kv_memory=HOST_16, num_gpu_blocks_override=12, triton_plan=triton_plan,
-                            **covering)
+    on, _ = random_schedule(
+        tiny_model_dir,
+        seed,
+        check=True,
+        kv_offload=True,
+        hbm_cache_blocks=16,
+        host_kv_memory=HOST_16,
+        num_gpu_blocks_override=12,
+        triton_plan=triton_plan,
+        **covering,
+    )
     assert on == off
 
 
@@ -531,8 +616,18 @@ def test_stale_blocks_move_with_a_step_only_when_some_leave(tiny_model_dir, monk
     to a new owner leaves it (random schedule over a small token block space: blocks are reused often)."""
     from sparseserve.attention.sparse import SparseBackend
 
-    llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=96, max_num_batched_tokens=48,
-              max_num_seqs=4, **SPARSE, kv_offload=True, hbm_cache_blocks=16, host_kv_memory=HOST_16)
+    llm = LLM(
+        str(tiny_model_dir),
+        device="cpu",
+        dtype="float32",
+        max_model_len=96,
+        max_num_batched_tokens=48,
+        max_num_seqs=4,
+        **SPARSE,
+        kv_offload=True,
+        hbm_cache_blocks=16,
+        host_kv_memory=HOST_16,
+    )
     engine = llm.llm_engine
     offload = engine.model_runner.offload
     handed: list[int] = []
@@ -573,16 +668,27 @@ def test_stale_blocks_move_with_a_step_only_when_some_leave(tiny_model_dir, monk
     check_pool(offload)
 
 
-@pytest.mark.parametrize("kw", [{}, {"layer_segmented_prefill": True, "max_num_batched_tokens": 32},
-                                {"async_scheduling": True}], ids=["plain", "layerseg", "async"])
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"layer_segmented_prefill": True, "max_num_batched_tokens": 32}, {"async_scheduling": True}],
+    ids=["plain", "layerseg", "async"],
+)
 def test_one_host_fence_per_step(tiny_model_dir, kw):
     """The offload step has one owner: each step that runs fences the host store exactly once (the runner's
     begin_step of the step's plan), a step with nothing to run not at all; a pool so small that the
     working-set limit pauses sequences, and repeated prompts, so plans carry saves, restores and stale
     blocks."""
     rec = LastSchedule()
-    llm = LLM(str(tiny_model_dir), **{**COMMON, "max_model_len": 160, **kw}, **SPARSE, kv_offload=True,
-              hbm_cache_blocks=16, num_gpu_blocks_override=24, working_set_control=True, profiler=rec)
+    llm = LLM(
+        str(tiny_model_dir),
+        **{**COMMON, "max_model_len": 160, **kw},
+        **SPARSE,
+        kv_offload=True,
+        hbm_cache_blocks=16,
+        num_gpu_blocks_override=24,
+        working_set_control=True,
+        profiler=rec,
+    )
     engine = llm.llm_engine
     host = engine.model_runner.offload.host
     for i, p in enumerate(prompts() * 2):

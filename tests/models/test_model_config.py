@@ -1,5 +1,6 @@
 """ArchConfig.from_hf reads RoPE settings in both spellings: transformers 5's `rope_parameters` and the older
 top-level `rope_theta` (+ `rope_scaling`), from config.json files and from plain config objects."""
+
 from __future__ import annotations
 
 import json
@@ -12,22 +13,38 @@ from sparseserve.layers.rotary import rope_inv_freq
 from sparseserve.models.config import ArchConfig
 from sparseserve.models.loader import load_hf_config
 
-BASE = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
-            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=100, rms_norm_eps=1e-5,
-            max_position_embeddings=256, hidden_act="silu")
+BASE = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=100,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=256,
+    hidden_act="silu",
+)
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 # (old spelling, transformers 5 spelling, what the engine must read from both)
 CASES = {
-    "default": (dict(rope_theta=123456.0),
-                dict(rope_parameters={"rope_theta": 123456.0, "rope_type": "default"}),
-                {"rope_theta": 123456.0, "rope_type": "default"}),
-    "llama3": (dict(rope_theta=5e5, rope_scaling={"rope_type": "llama3", **LLAMA3}),
-               dict(rope_parameters={"rope_theta": 5e5, "rope_type": "llama3", **LLAMA3}),
-               {"rope_theta": 5e5, "rope_type": "llama3", **LLAMA3}),
-    "linear-type-key": (dict(rope_theta=5e4, rope_scaling={"type": "linear", "factor": 2.0}),
-                        dict(rope_parameters={"rope_theta": 5e4, "rope_type": "linear", "factor": 2.0}),
-                        {"rope_theta": 5e4, "rope_type": "linear", "factor": 2.0}),
+    "default": (
+        dict(rope_theta=123456.0),
+        dict(rope_parameters={"rope_theta": 123456.0, "rope_type": "default"}),
+        {"rope_theta": 123456.0, "rope_type": "default"},
+    ),
+    "llama3": (
+        dict(rope_theta=5e5, rope_scaling={"rope_type": "llama3", **LLAMA3}),
+        dict(rope_parameters={"rope_theta": 5e5, "rope_type": "llama3", **LLAMA3}),
+        {"rope_theta": 5e5, "rope_type": "llama3", **LLAMA3},
+    ),
+    "linear-type-key": (
+        dict(rope_theta=5e4, rope_scaling={"type": "linear", "factor": 2.0}),
+        dict(rope_parameters={"rope_theta": 5e4, "rope_type": "linear", "factor": 2.0}),
+        {"rope_theta": 5e4, "rope_type": "linear", "factor": 2.0},
+    ),
 }
 
 
@@ -69,6 +86,7 @@ def test_unsupported_rope_type_is_refused():
 
 def _via_transformers(path) -> ArchConfig:
     from transformers import AutoConfig
+
     return ArchConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
 
 
@@ -84,8 +102,13 @@ def test_plain_json_path_reads_what_transformers_reads(tmp_path, rope):
     assert ArchConfig.from_hf(plain) == _via_transformers(DEFAULT_MODEL_DIR)
     assert resolve_dtype("auto", plain) == torch.bfloat16
     old, new, _ = CASES["llama3"]
-    cfg = {**BASE, "tie_word_embeddings": False, "eos_token_id": [5, 6], "dtype": "float16",
-           **(dict(rope_theta=5e5) if rope == "rope_theta" else new)}
+    cfg = {
+        **BASE,
+        "tie_word_embeddings": False,
+        "eos_token_id": [5, 6],
+        "dtype": "float16",
+        **(dict(rope_theta=5e5) if rope == "rope_theta" else new),
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert isinstance(load_hf_config(tmp_path), SimpleNamespace)
     assert ArchConfig.from_hf(load_hf_config(tmp_path)) == _via_transformers(tmp_path)
@@ -114,8 +137,11 @@ def test_load_tokenizer_equals_auto_tokenizer(tmp_path):
     assert type(fast) is type(auto)
     text = "The special magic number for Paris is 12345.\n  Äpfel, 東京 and tabs\t!"
     assert fast.encode(text) == auto.encode(text) and fast.decode(fast.encode(text)) == auto.decode(auto.encode(text))
-    assert (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id) == (auto.bos_token_id, auto.eos_token_id,
-                                                                         auto.pad_token_id)
+    assert (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id) == (
+        auto.bos_token_id,
+        auto.eos_token_id,
+        auto.pad_token_id,
+    )
     chat = [{"role": "user", "content": "hi"}, {"role": "user", "content": "there"}]
     assert fast.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(chat, tokenize=False)
     for f in ("tokenizer.json", "tokenizer_config.json"):

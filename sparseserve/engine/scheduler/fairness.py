@@ -4,6 +4,7 @@ A request's extra sequences never keep another request waiting: admission takes 
 requests with nothing running first (the core's first pass), a preemption takes the newest sequence
 of the request running the most, and a request that cannot start makes a request running several
 sequences give its newest back (Preempt.YIELD). With one sequence a request nothing changes."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -48,5 +49,6 @@ class RequestFairness(SchedulerPolicy):
         computed = len(hit.blocks) * kv.block_size
         n = min(seq.num_tokens - computed, sched.config.max_num_batched_tokens)
         need = blocks_needed(computed + n, kv.block_size) - len(hit.blocks)
-        return kv.allocator.can_allocate(need + hit.parked) and \
-            kv.fits_with_growth(seq, len(hit.blocks), hit.parked, sched.running)
+        return kv.allocator.can_allocate(need + hit.parked) and kv.fits_with_growth(
+            seq, len(hit.blocks), hit.parked, sched.running
+        )

@@ -1,5 +1,6 @@
 """The scheduler's block accounting: token blocks (allocator, prefix cache, its host tier), the
 KV-offload device block space, and the admission estimate (docs/scheduler.md)."""
+
 from __future__ import annotations
 
 import math
@@ -43,6 +44,7 @@ class HostCache(Protocol):
 @dataclass
 class PrefixCacheStats:
     """Prompt tokens looked up and found at first admissions, per tier (vLLM's meaning)."""
+
     queries: int = 0
     hits: int = 0
     host_queries: int = 0
@@ -51,17 +53,25 @@ class PrefixCacheStats:
 
 class PrefixHit(NamedTuple):
     blocks: list[int]  # cached token blocks of the prompt's prefix
-    host: int          # blocks after them found in the host tier
-    parked: int        # of `blocks`, those no one holds (they leave the free list when taken)
+    host: int  # blocks after them found in the host tier
+    parked: int  # of `blocks`, those no one holds (they leave the free list when taken)
 
     def computed(self, block_size: int) -> int:
         return (len(self.blocks) + self.host) * block_size
 
 
 class KVCacheManager:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int, *,
-                 device_space: DeviceSpace | None = None, host_cache: HostCache | None = None,
-                 max_model_len: int | None = None, min_chunk: int = 1) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: BlockAllocator,
+        block_size: int,
+        *,
+        device_space: DeviceSpace | None = None,
+        host_cache: HostCache | None = None,
+        max_model_len: int | None = None,
+        min_chunk: int = 1,
+    ) -> None:
         self.config = config
         self.allocator = allocator
         self.block_size = block_size
@@ -71,8 +81,7 @@ class KVCacheManager:
         self.min_chunk = min_chunk
         self.prefix_stats = PrefixCacheStats()
         self.new_token_ratio = config.init_new_token_ratio
-        self._decay = (config.init_new_token_ratio - config.min_new_token_ratio) \
-            / config.new_token_ratio_decay_steps
+        self._decay = (config.init_new_token_ratio - config.min_new_token_ratio) / config.new_token_ratio_decay_steps
 
     # ---- prefix cache ---------------------------------------------------------------------------
 
@@ -89,7 +98,7 @@ class KVCacheManager:
         hashes = self.prompt_hashes(seq)
         hit = alloc.lookup(hashes)
         tier = self.host_cache is not None and host and hit != hashes
-        host_hit = self.host_cache.lookup(hashes[len(hit):]) if tier else 0
+        host_hit = self.host_cache.lookup(hashes[len(hit) :]) if tier else 0
         return PrefixHit(hit, host_hit, sum(1 for b in hit if alloc.ref_count(b) == 0))
 
     def admits(self, seq: Sequence, hit: PrefixHit, n: int, running: list[Sequence]) -> bool:
@@ -101,8 +110,9 @@ class KVCacheManager:
         if not self.fits_with_growth(seq, len(hit.blocks), hit.parked, running):
             return False
         seq.num_computed_tokens = computed  # what the device space reads
-        if self.device_space is not None and not (self.device_space.can_admit(seq, running)
-                                                  and self.device_space.can_schedule(seq, n)):
+        if self.device_space is not None and not (
+            self.device_space.can_admit(seq, running) and self.device_space.can_schedule(seq, n)
+        ):
             seq.num_computed_tokens = 0
             return False
         return True
@@ -114,7 +124,7 @@ class KVCacheManager:
         seq.block_table = list(hit.blocks)
         if hit.host:
             restored = alloc.allocate(hit.host)
-            hashes = self.prompt_hashes(seq)[len(hit.blocks):len(hit.blocks) + hit.host]
+            hashes = self.prompt_hashes(seq)[len(hit.blocks) : len(hit.blocks) + hit.host]
             self.host_cache.restore(restored, hashes)
             for b, h in zip(restored, hashes):
                 alloc.cache_block(b, h)
@@ -166,8 +176,11 @@ class KVCacheManager:
         """A decode whose token fits its last block and whose device window is mapped: what the
         general path would decide, without its calls (most rows of a decode batch)."""
         c = seq.num_computed_tokens
-        return seq.num_tokens - c == 1 and c < len(seq.block_table) * self.block_size and (
-            self.device_space is None or self.device_space.steady_decode(seq))
+        return (
+            seq.num_tokens - c == 1
+            and c < len(seq.block_table) * self.block_size
+            and (self.device_space is None or self.device_space.steady_decode(seq))
+        )
 
     def grow(self, seq: Sequence, n: int) -> None:
         need = self.new_blocks(seq, n)

@@ -1,4 +1,5 @@
 """What one scheduling step decides, and why a sequence left the running batch."""
+
 from __future__ import annotations
 
 import enum
@@ -14,11 +15,12 @@ if TYPE_CHECKING:
 
 class Preempt(enum.Enum):
     """Why a sequence left the running batch (`Scheduler.preempt`, the one verb for it)."""
+
     RECOMPUTE = "recompute"  # token blocks ran out: its blocks go back, its tokens are its prompt
-    PAUSE = "pause"          # device blocks ran out (KV offload): it keeps its blocks and its work
+    PAUSE = "pause"  # device blocks ran out (KV offload): it keeps its blocks and its work
     HOLD_BACK = "hold_back"  # over the working-set limit: paused, first back in
-    PARK = "park"            # prefilled ahead of the limit: paused until a decode share frees
-    YIELD = "yield"          # a request's extra sequence makes room for a waiting request: recomputed
+    PARK = "park"  # prefilled ahead of the limit: paused until a decode share frees
+    YIELD = "yield"  # a request's extra sequence makes room for a waiting request: recomputed
 
     @property
     def limit(self) -> bool:

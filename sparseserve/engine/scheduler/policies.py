@@ -1,4 +1,5 @@
 """The scheduler's policy components: the hooks it consults, and the long-prefill limit."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

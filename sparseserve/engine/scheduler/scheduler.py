@@ -3,6 +3,7 @@ token budget, prefix-cache admission, and preemption when blocks run out (out of
 scheduling event, never a crash). Block accounting is the KVCacheManager's; the long-prefill
 limit, working-set control and layer-segmented prefill are policy components consulted at
 named points of a step."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -34,8 +35,9 @@ class SchedulerPolicies:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 policies: SchedulerPolicies = SchedulerPolicies()) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, policies: SchedulerPolicies = SchedulerPolicies()
+    ) -> None:
         self.config = config
         self.kv = kv
         self.long = policies.long_prefill
@@ -118,10 +120,10 @@ class Scheduler:
         would only evict again); shorter prompts may pass one waiting for a long-prompt slot.
         With fairness, first the sequences of requests with nothing running, then the others (n > 1)."""
         ws = self.working_set
-        if (ws.stops_admission(out) if ws is not None else out.num_evicted > 0):
+        if ws.stops_admission(out) if ws is not None else out.num_evicted > 0:
             return
         requests = {s.request_id for s in self.running}
-        for extras in ((False, True) if self.fairness is not None else (None,)):
+        for extras in (False, True) if self.fairness is not None else (None,):
             budget = self._admit_pass(out, budget, requests, extras)
             if budget is None:
                 return

@@ -4,6 +4,7 @@ A prefill whose context is longer than one step's budget is admitted with every 
 its context and only its first decode's window on the device, and runs a few layers per step for
 all its tokens: a segment of L layers over T tokens costs T*L/num_layers of the budget. One at
 a time, FCFS."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from sparseserve.kvcache.blocks import blocks_needed
 @dataclass(frozen=True)
 class LayerSegment:
     """One step's work of a layer-segmented prefill: layers [start, end) over every prompt token."""
+
     seq: Sequence
     start: int
     end: int
@@ -90,8 +92,11 @@ class LayerSegmentedPrefill(SchedulerPolicy):
         held = len(seq.block_table) if hit is None else len(hit.blocks)
         seg = self.planner.segment(seq, seq.num_tokens - computed, 0, budget, only_decodes(out))
         need = blocks_needed(seq.num_tokens, bs) - held
-        if seg is None or not alloc.can_allocate(need + parked) \
-                or not kv.fits_with_growth(seq, held, parked, sched.running):
+        if (
+            seg is None
+            or not alloc.can_allocate(need + parked)
+            or not kv.fits_with_growth(seq, held, parked, sched.running)
+        ):
             return None
         before, seq.num_computed_tokens = seq.num_computed_tokens, computed
         if not kv.device_space.can_admit_segmented(seq, sched.running):

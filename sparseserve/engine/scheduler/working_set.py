@@ -5,6 +5,7 @@ newest are held back (never the last), a waiting sequence is admitted only if it
 With prefill ahead (max_prefilled_waiting > 0) the limit governs decode, not prefill: a sequence
 that does not fit is still prefilled (one at a time), then parked until a decode share frees;
 shares go in arrival order, so the oldest request always makes progress."""
+
 from __future__ import annotations
 
 from typing import NamedTuple, Protocol
@@ -18,7 +19,7 @@ class WorkingSetLimit(Protocol):
     """The estimates and accounting of kvcache/working_set.py WorkingSetEstimate."""
 
     enabled: bool  # whether the limit holds back and refuses (else only the gauge)
-    limit: int     # head blocks the running working sets may take together
+    limit: int  # head blocks the running working sets may take together
 
     def estimates(self, seqs: list[Sequence]) -> list[int]: ...
     def due(self) -> bool: ...
@@ -28,7 +29,7 @@ class WorkingSetLimit(Protocol):
 
 class Admission(NamedTuple):
     need: int | None  # its estimate; None: it waits
-    ahead: bool       # admitted for its prefill only / (need None) parked: newer ones may pass
+    ahead: bool  # admitted for its prefill only / (need None) parked: newer ones may pass
 
 
 WAIT = Admission(None, False)
@@ -40,8 +41,9 @@ def _arrival(seq: Sequence) -> int:
 
 class _ShareQueue(NamedTuple):
     """The sequences without a decode share that wait for one (ahead or parked)."""
-    oldest: int | None      # the oldest one's arrival
-    waiting: int            # how many
+
+    oldest: int | None  # the oldest one's arrival
+    waiting: int  # how many
     prefilling_ahead: bool  # one admitted ahead is still prefilling
 
 
@@ -143,8 +145,11 @@ class WorkingSetControl(SchedulerPolicy):
     def _prefilled(self, seq: Sequence) -> bool:
         """Its prompt is computed and its next token sampled: only decode is left."""
         segments = self.sched.segments
-        return seq.num_computed_tokens > 0 and seq.num_tokens - seq.num_computed_tokens == 1 \
+        return (
+            seq.num_computed_tokens > 0
+            and seq.num_tokens - seq.num_computed_tokens == 1
             and not (segments is not None and segments.running(seq))
+        )
 
     def _is_parked(self, seq: Sequence) -> bool:
         """A waiting sequence paused with only decode left (it holds its blocks)."""
@@ -202,8 +207,11 @@ class WorkingSetControl(SchedulerPolicy):
         docs/working_set.md)."""
         need = self.ws.estimates([seq])[0]
         sharing = len(self.sched.running) > len(self.ahead)
-        if seq.seq_id not in self._parked_now and not self._blocked(seq, queue) and \
-                (not sharing or self.total + need <= self.ws.limit):
+        if (
+            seq.seq_id not in self._parked_now
+            and not self._blocked(seq, queue)
+            and (not sharing or self.total + need <= self.ws.limit)
+        ):
             return Admission(need, False)
         if self._is_parked(seq):
             return Admission(None, True)

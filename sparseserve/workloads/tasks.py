@@ -13,6 +13,7 @@ and makes generation cheap enough to run inside the training loop. Pieces start 
 or a newline, so the ids equal those of the joined text for byte-level BPE tokenizers up to the
 cut, and `TaskSample.prompt_text` gives that text for display.
 """
+
 from __future__ import annotations
 
 import re
@@ -42,8 +43,9 @@ tulip turtle umbrella valley violin volcano wagon walnut wallet whistle window w
 """.split()
 
 # The filler of the passkey task: a few plain sentences repeated (the classic passkey setting).
-PASSKEY_FILLER = ("The river runs down to the sea. The hills are green and quiet. "
-                  "The wind moves the leaves. The days come and go.")
+PASSKEY_FILLER = (
+    "The river runs down to the sea. The hills are green and quiet. The wind moves the leaves. The days come and go."
+)
 
 
 class Tokenizer(Protocol):
@@ -66,7 +68,7 @@ def leading_special_ids(tok: Any) -> list[int]:
     out = tok.encode("a", add_special_tokens=True)
     full = list(out.ids) if hasattr(out, "ids") else list(out)  # raw tokenizers.Tokenizer or HF
     plain = encode(tok, "a")
-    return full[: len(full) - len(plain)] if full[len(full) - len(plain):] == plain else []
+    return full[: len(full) - len(plain)] if full[len(full) - len(plain) :] == plain else []
 
 
 def normalize_answer(text: str) -> str:
@@ -98,7 +100,8 @@ def find_haystack_dir(explicit: str | None = None) -> Path:
             raise FileNotFoundError(f"haystack directory not found: {path}")
         return path
     try:  # the benchmarks' data folder ($SPARSESERVE_DATA_DIR, else ../shared/data)
-        from sparseserve.bench.datasets import data_dir
+        from sparseserve.workloads.datasets import data_dir
+
         if (data_dir() / "haystack").is_dir():
             return data_dir() / "haystack"
     except ImportError:
@@ -113,11 +116,31 @@ def find_haystack_dir(explicit: str | None = None) -> Path:
 
 # The needle demo's haystack when the essays are absent (a plain clone): noise in RULER's manner, short
 # sentences that carry nothing to retrieve, generated from these word lists.
-_NOISE_SUBJECTS = [("grass", "green"), ("sky", "blue"), ("sun", "warm"), ("sea", "deep"), ("snow", "white"),
-                   ("night", "dark"), ("road", "long"), ("river", "slow"), ("stone", "grey"), ("wind", "cold"),
-                   ("field", "wide"), ("hill", "quiet"), ("morning", "still"), ("forest", "old"), ("lake", "calm")]
-_NOISE_FORMS = ["The {0} is {1}.", "The {0} is {1} today.", "Here the {0} stays {1}.", "The {0} was {1} again.",
-                "Far away, the {0} is {1}.", "Day after day the {0} is {1}."]
+_NOISE_SUBJECTS = [
+    ("grass", "green"),
+    ("sky", "blue"),
+    ("sun", "warm"),
+    ("sea", "deep"),
+    ("snow", "white"),
+    ("night", "dark"),
+    ("road", "long"),
+    ("river", "slow"),
+    ("stone", "grey"),
+    ("wind", "cold"),
+    ("field", "wide"),
+    ("hill", "quiet"),
+    ("morning", "still"),
+    ("forest", "old"),
+    ("lake", "calm"),
+]
+_NOISE_FORMS = [
+    "The {0} is {1}.",
+    "The {0} is {1} today.",
+    "Here the {0} stays {1}.",
+    "The {0} was {1} again.",
+    "Far away, the {0} is {1}.",
+    "Day after day the {0} is {1}.",
+]
 
 
 def builtin_filler(num_sentences: int = 3000, seed: int = 0) -> list[str]:
@@ -139,10 +162,10 @@ def load_essays(data_dir: str | Path) -> list[str]:
 @dataclass
 class TaskSample:
     task: str
-    length: int                  # the prompt's exact length in tokens, BOS included
+    length: int  # the prompt's exact length in tokens, BOS included
     prompt_ids: list[int]
-    answer: str                  # the exact-match target (no leading space)
-    answer_ids: list[int]        # ids of " " + answer: the completion the model is trained on
+    answer: str  # the exact-match target (no leading space)
+    answer_ids: list[int]  # ids of " " + answer: the completion the model is trained on
     meta: dict = field(default_factory=dict)  # needle depths, keys: for reports and debugging
     tokenizer: Any = field(default=None, repr=False, compare=False)
 
@@ -165,7 +188,7 @@ class TokenCorpus:
         total = len(self.ids)
         s = int(self.starts[rng.integers(len(self.starts))])
         reps = (s + n) // total + 1
-        ids = np.tile(self.ids, reps)[s:s + n] if reps > 1 else self.ids[s:s + n]
+        ids = np.tile(self.ids, reps)[s : s + n] if reps > 1 else self.ids[s : s + n]
         starts = np.concatenate([self.starts + r * total for r in range(reps)]) - s
         return ids, starts[(starts >= 0) & (starts < n)]
 
@@ -212,9 +235,18 @@ class TaskBuilder:
         return [(self.enc(pool[i][0]), self.enc(" " + pool[i][1])) for i in pick]
 
     # -- assembly -------------------------------------------------------------------------------
-    def assemble(self, task: str, length: int, prefix: str, hay: np.ndarray, starts: np.ndarray,
-                 needles: list[tuple[float, str]], question: str, answer: str,
-                 meta: dict) -> TaskSample:
+    def assemble(
+        self,
+        task: str,
+        length: int,
+        prefix: str,
+        hay: np.ndarray,
+        starts: np.ndarray,
+        needles: list[tuple[float, str]],
+        question: str,
+        answer: str,
+        meta: dict,
+    ) -> TaskSample:
         """bos + prefix + haystack (needles at the sentence starts nearest their depths) + question,
         with the haystack cut so that the whole prompt is exactly `length` tokens."""
         head = self.bos + self.enc_cached(prefix)
@@ -233,29 +265,43 @@ class TaskBuilder:
         parts: list[np.ndarray | list[int]] = [head]
         prev = 0
         for i in order:
-            parts += [hay[prev:cuts[i]], needle_ids[i]]
+            parts += [hay[prev : cuts[i]], needle_ids[i]]
             prev = cuts[i]
         parts += [hay[prev:], tail]
         ids = [int(t) for p in parts for t in p]
         assert len(ids) == length, (len(ids), length)
         meta = dict(meta, depths=[round(d, 3) for d, _ in needles])
-        return TaskSample(task=task, length=length, prompt_ids=ids, answer=answer,
-                          answer_ids=self.enc(" " + answer), meta=meta, tokenizer=self.tok)
+        return TaskSample(
+            task=task,
+            length=length,
+            prompt_ids=ids,
+            answer=answer,
+            answer_ids=self.enc(" " + answer),
+            meta=meta,
+            tokenizer=self.tok,
+        )
 
 
 # -- the tasks ---------------------------------------------------------------------------------
 def _digits(rng: np.random.Generator, n: int) -> str:
-    return str(int(rng.integers(10 ** (n - 1), 10 ** n)))
+    return str(int(rng.integers(10 ** (n - 1), 10**n)))
 
 
 def passkey(b: TaskBuilder, length: int, rng: np.random.Generator) -> TaskSample:
     key = _digits(rng, 5)
     hay, starts = b.filler.slice(rng, length)
     needle = f" The pass key is {key}. Remember it: {key} is the pass key."
-    return b.assemble("passkey", length,
-                      "A pass key is hidden in the text below. Find it and remember it.\n",
-                      hay, starts, [(float(rng.random()), needle)],
-                      "\nQuestion: What is the pass key?\nAnswer:", key, {})
+    return b.assemble(
+        "passkey",
+        length,
+        "A pass key is hidden in the text below. Find it and remember it.\n",
+        hay,
+        starts,
+        [(float(rng.random()), needle)],
+        "\nQuestion: What is the pass key?\nAnswer:",
+        key,
+        {},
+    )
 
 
 def _niah(b: TaskBuilder, length: int, rng: np.random.Generator, task: str, num_keys: int) -> TaskSample:
@@ -264,14 +310,22 @@ def _niah(b: TaskBuilder, length: int, rng: np.random.Generator, task: str, num_
     hay, starts = b.essays.slice(rng, length)
     needles = [(float(rng.random()), f" The secret number of the {k} is {v}.") for k, v in zip(keys, values)]
     q = int(rng.integers(num_keys))  # which key is asked for; the others are distractors
-    return b.assemble(task, length,
-                      "Secret numbers are hidden in the essays below. Remember them: "
-                      "you will be asked for one of them.\n",
-                      hay, starts, needles,
-                      NIAH_QUESTION.format(keys[q]),
-                      values[q], {"keys": keys, "asked": keys[q], "depth": needles[q][0],
-                                  "qa_pool": [(NIAH_QUESTION.format(k), v) for i, (k, v) in
-                                              enumerate(zip(keys, values)) if i != q]})
+    return b.assemble(
+        task,
+        length,
+        "Secret numbers are hidden in the essays below. Remember them: you will be asked for one of them.\n",
+        hay,
+        starts,
+        needles,
+        NIAH_QUESTION.format(keys[q]),
+        values[q],
+        {
+            "keys": keys,
+            "asked": keys[q],
+            "depth": needles[q][0],
+            "qa_pool": [(NIAH_QUESTION.format(k), v) for i, (k, v) in enumerate(zip(keys, values)) if i != q],
+        },
+    )
 
 
 NIAH_QUESTION = "\nQuestion: What is the secret number of the {}?\nAnswer:"
@@ -312,11 +366,25 @@ def kv_retrieval(b: TaskBuilder, length: int, rng: np.random.Generator) -> TaskS
     q = int(rng.integers(kept))
     corpus = TokenCorpus(pieces)
     hay, starts = corpus.ids, corpus.starts
-    return b.assemble("kv_retrieval", length, KV_PREFIX, hay, starts, [],
-                      question.format(pairs[q][0]), pairs[q][1],
-                      {"num_pairs": kept, "asked_index": q,
-                       "qa_pool": [(question.format(pairs[i][0]), pairs[i][1])
-                                   for i in rng.choice(kept, size=min(kept, 33), replace=False) if i != q][:32]})
+    return b.assemble(
+        "kv_retrieval",
+        length,
+        KV_PREFIX,
+        hay,
+        starts,
+        [],
+        question.format(pairs[q][0]),
+        pairs[q][1],
+        {
+            "num_pairs": kept,
+            "asked_index": q,
+            "qa_pool": [
+                (question.format(pairs[i][0]), pairs[i][1])
+                for i in rng.choice(kept, size=min(kept, 33), replace=False)
+                if i != q
+            ][:32],
+        },
+    )
 
 
 KV_PREFIX = "Below is a table of keys and values. Find the value of the key asked for at the end."
@@ -326,8 +394,7 @@ def _var_name(rng: np.random.Generator) -> str:
     return "".join(chr(65 + i) for i in rng.integers(26, size=5))
 
 
-def variable_tracking(b: TaskBuilder, length: int, rng: np.random.Generator,
-                      hops: int = 4) -> TaskSample:
+def variable_tracking(b: TaskBuilder, length: int, rng: np.random.Generator, hops: int = 4) -> TaskSample:
     """A chain VAR A = 12345, VAR B = VAR A, ... spread through the essays, in order; the answer
     lists every variable that holds the value, in assignment order."""
     names: list[str] = []
@@ -339,17 +406,25 @@ def variable_tracking(b: TaskBuilder, length: int, rng: np.random.Generator,
     depths = np.sort(rng.random(hops + 1))
     texts = [f" VAR {names[0]} = {value}."] + [f" VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, hops + 1)]
     hay, starts = b.essays.slice(rng, length)
-    return b.assemble("variable_tracking", length,
-                      "Variables are assigned in the text below. Keep track of their values.\n",
-                      hay, starts, [(float(d), t) for d, t in zip(depths, texts)],
-                      f"\nQuestion: Which variables hold the value {value}? "
-                      f"List them in the order they were assigned.\nAnswer:",
-                      " ".join(names), {"names": names})
+    return b.assemble(
+        "variable_tracking",
+        length,
+        "Variables are assigned in the text below. Keep track of their values.\n",
+        hay,
+        starts,
+        [(float(d), t) for d, t in zip(depths, texts)],
+        f"\nQuestion: Which variables hold the value {value}? List them in the order they were assigned.\nAnswer:",
+        " ".join(names),
+        {"names": names},
+    )
 
 
 GENERATORS: dict[str, Callable[[TaskBuilder, int, np.random.Generator], TaskSample]] = {
-    "passkey": passkey, "niah_single": niah_single, "niah_multikey": niah_multikey,
-    "kv_retrieval": kv_retrieval, "variable_tracking": variable_tracking,
+    "passkey": passkey,
+    "niah_single": niah_single,
+    "niah_multikey": niah_multikey,
+    "kv_retrieval": kv_retrieval,
+    "variable_tracking": variable_tracking,
 }
 
 
@@ -359,15 +434,15 @@ def sample_rng(seed: int, task: str, length: int, index: int) -> np.random.Gener
     return np.random.default_rng([seed, TASKS.index(task), length, index])
 
 
-def build_suite(builder: TaskBuilder, tasks: list[str], lengths: list[int], num_samples: int,
-                seed: int) -> list[TaskSample]:
-    return [builder.build(t, n, sample_rng(seed, t, n, i))
-            for t in tasks for n in lengths for i in range(num_samples)]
+def build_suite(
+    builder: TaskBuilder, tasks: list[str], lengths: list[int], num_samples: int, seed: int
+) -> list[TaskSample]:
+    return [builder.build(t, n, sample_rng(seed, t, n, i)) for t in tasks for n in lengths for i in range(num_samples)]
 
 
 def _main(argv: list[str] | None = None) -> None:
     """Prints one task prompt as text (for a demo: `sparseserve generate --prompt "$(python -m
-    sparseserve.bench.tasks niah_single 4096)"`); the expected answer goes to stderr."""
+    sparseserve.workloads.tasks niah_single 4096)"`); the expected answer goes to stderr."""
     import argparse
     import sys
     from pathlib import Path
@@ -381,9 +456,11 @@ def _main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.model is None:  # the embedded model: its tokenizer.json alone, without importing torch or transformers
         from tokenizers import Tokenizer
+
         tok = Tokenizer.from_file(str(Path(__file__).parents[1] / "models" / "default" / "tokenizer.json"))
     else:
         from sparseserve.models.loader import load_tokenizer, resolve_model_dir
+
         tok = load_tokenizer(resolve_model_dir(a.model))
     try:
         essays = load_essays(find_haystack_dir(a.data_dir))

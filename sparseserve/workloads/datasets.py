@@ -4,6 +4,7 @@ request traces from ../shared/data/traces (Mooncake format).
 With a tokenizer, lengths are exact: `len(tokenizer.encode(text, add_special_tokens=False))` equals
 the requested length. Without one, text is cut by a measured characters-per-token ratio.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -55,7 +56,7 @@ def haystack_token_ids(tokenizer: Any, num_tokens: int, seed: int | str) -> list
     ids = _corpus_ids(tokenizer)
     start = random.Random(seed).randrange(len(ids))
     reps = (start + num_tokens) // len(ids) + 1
-    return (ids * reps)[start:start + num_tokens] if reps > 1 else ids[start:start + num_tokens]
+    return (ids * reps)[start : start + num_tokens] if reps > 1 else ids[start : start + num_tokens]
 
 
 def fit_text(tokenizer: Any, ids: list[int], seed: int | str = 0) -> str:
@@ -82,7 +83,7 @@ def cut_middle(items: Any, keep: int) -> Any:
     if len(items) <= keep:
         return items
     head = keep // 2
-    return items[:head] + items[len(items) - (keep - head):]
+    return items[:head] + items[len(items) - (keep - head) :]
 
 
 def haystack_text(tokenizer: Any, num_tokens: int, seed: int | str = 0) -> str:
@@ -106,7 +107,7 @@ class PromptBuilder:
         corpus = haystack_corpus()
         n = max(1, round(num_tokens * self.chars_per_token))
         start = random.Random(seed).randrange(len(corpus))
-        return (corpus * (n // len(corpus) + 2))[start:start + n]
+        return (corpus * (n // len(corpus) + 2))[start : start + n]
 
     def prompt(self, num_tokens: int, seed: int | str, keep: int | None = None) -> str:
         """keep: the text of num_tokens cut to keep tokens in the middle (`cut_middle`)."""
@@ -126,10 +127,13 @@ class PromptBuilder:
         if key in self._blocks:
             return self._blocks[key]
         tok = self.tokenizer
-        text = tok.decode(haystack_token_ids(tok, 2 * TRACE_BLOCK_TOKENS, f"{seed}:block:{hash_id}"),
-                          skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        text = tok.decode(
+            haystack_token_ids(tok, 2 * TRACE_BLOCK_TOKENS, f"{seed}:block:{hash_id}"),
+            skip_special_tokens=True,
+            clean_up_tokenization_spaces=False,
+        )
         edges = [m.start() for m in _BLOCK_EDGE.finditer(text)]
-        text = text[edges[0]:] if edges else " " + text.strip()
+        text = text[edges[0] :] if edges else " " + text.strip()
         edges = [e - edges[0] for e in edges] if edges else []
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
         starts = [a for a, _ in enc["offset_mapping"]]
@@ -173,8 +177,13 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
 
-def load_trace(path: str | Path, num_requests: int | None = None, time_scale: float = 1.0,
-               max_input_len: int | None = None, max_output_len: int | None = None) -> list[TraceRequest]:
+def load_trace(
+    path: str | Path,
+    num_requests: int | None = None,
+    time_scale: float = 1.0,
+    max_input_len: int | None = None,
+    max_output_len: int | None = None,
+) -> list[TraceRequest]:
     """The first `num_requests` records of a Mooncake trace. `time_scale` multiplies the gaps between
     arrivals (0.1 = ten times faster); lengths are capped, and hash ids beyond the cap dropped."""
     out: list[TraceRequest] = []
@@ -188,8 +197,10 @@ def load_trace(path: str | Path, num_requests: int | None = None, time_scale: fl
             n_in = rec["input_length"] if max_input_len is None else min(rec["input_length"], max_input_len)
             n_out = rec["output_length"] if max_output_len is None else min(rec["output_length"], max_output_len)
             blocks = -(-n_in // TRACE_BLOCK_TOKENS)
-            out.append(TraceRequest(rec["timestamp"] / 1000.0, max(1, n_in), max(1, n_out),
-                                    tuple(rec.get("hash_ids", []))[:blocks]))
+            out.append(
+                TraceRequest(
+                    rec["timestamp"] / 1000.0, max(1, n_in), max(1, n_out), tuple(rec.get("hash_ids", []))[:blocks]
+                )
+            )
     t0 = out[0].arrival_s if out else 0.0
-    return [TraceRequest((r.arrival_s - t0) * time_scale, r.input_length, r.output_length, r.hash_ids)
-            for r in out]
+    return [TraceRequest((r.arrival_s - t0) * time_scale, r.input_length, r.output_length, r.hash_ids) for r in out]

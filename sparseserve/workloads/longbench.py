@@ -7,8 +7,9 @@ spreads below and above the median: the three quantiles hold exactly), clipped t
 Llama-3 tokens; `tokenizer="llama2"` multiplies each dataset's by its measured Llama-2 / Llama-3 ratio (LWM-7B
 uses the Llama-2 tokenizer). The output length is the dataset's `dataset2maxlen` (with ignore_eos) or, with
 `output="mean"`, the mean length a real model generated. A cap on the prompt cuts its middle, as LongBench does
-(bench/datasets.py `cut_middle`). docs/benchmarks/serving.md shows how to run the paper's figures with it.
+(workloads/datasets.py `cut_middle`). docs/benchmarks/serving.md shows how to run the paper's figures with it.
 """
+
 from __future__ import annotations
 
 import math
@@ -69,8 +70,14 @@ def draw_lengths(d: Dataset, n: int, rng: np.random.Generator, ratio: float = 1.
     return np.clip(np.rint(x), 1, round(d.max * ratio)).astype(np.int64)
 
 
-def sample_requests(n: int, seed: int, tokenizer: str = "llama3", max_input_len: int | None = None,
-                    output: str = "max", output_len: int | None = None) -> list[Request]:
+def sample_requests(
+    n: int,
+    seed: int,
+    tokenizer: str = "llama3",
+    max_input_len: int | None = None,
+    output: str = "max",
+    output_len: int | None = None,
+) -> list[Request]:
     """n requests of the mix, reproducible by seed; output_len: every request asks for that many tokens."""
     if tokenizer not in TOKENIZERS or output not in OUTPUTS:
         raise ValueError(f"tokenizer must be one of {TOKENIZERS} and output one of {OUTPUTS}")
@@ -89,4 +96,3 @@ def sample_requests(n: int, seed: int, tokenizer: str = "llama3", max_input_len:
         gen = output_len or (d.max_gen if output == "max" else d.mean_gen)
         out.append(Request(d.name, full, min(full, max_input_len or full), gen))
     return out
-
