@@ -327,7 +327,7 @@ def test_random_schedules_preempt_and_abort_mid_prefill(model4, monkeypatch, see
     init, preempt, finish, abort = Scheduler.__init__, Scheduler.preempt, Scheduler.finish, LLMEngine.abort_request
 
     def mid_prefill(sched, seq) -> bool:
-        return sched.segments.layers_done.get(seq.seq_id, 0) > 0
+        return sched.segments is not None and sched.segments.layers_done.get(seq.seq_id, 0) > 0
 
     def init_spy(self, *a, **k):
         init(self, *a, **k)
