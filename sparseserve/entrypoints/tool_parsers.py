@@ -7,6 +7,7 @@ separated by `;`, optionally after `<|python_tag|>`; an output that is not all c
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 from dataclasses import dataclass
@@ -20,15 +21,15 @@ class ParsedCall:
     arguments: str  # JSON text
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """extract: the whole output's (content or None, calls). stream_hold: where a tool call may begin in a
     streamed output so far (text before it can go out as content)."""
 
-    def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]: ...
 
-    def stream_hold(self, text: str) -> int:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def stream_hold(self, text: str) -> int: ...
 
 
 TOOL_PARSERS: Registry[type[ToolParser]] = Registry("tool_call_parser")
