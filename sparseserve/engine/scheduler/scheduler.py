@@ -1,8 +1,8 @@
 """Continuous batching (docs/scheduler.md): FCFS, chunked prefill mixed with decode under a per-step
 token budget, prefix-cache admission, and preemption when blocks run out (out of memory is a
-scheduling event, never a crash). Block accounting is the KVCacheManager's; the long-prefill
-limit, working-set control and layer-segmented prefill are policy components consulted at
-named points of a step."""
+scheduling event, never a crash). Block accounting is the KVCacheManager's; request fairness,
+the long-prefill limit, working-set control and layer-segmented prefill are policy components
+consulted at named points of a step."""
 
 from __future__ import annotations
 
