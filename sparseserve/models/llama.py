@@ -135,10 +135,6 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def set_attention_backend(self, backend: AttentionBackend) -> None:
-        for layer in self.model.layers:
-            layer.self_attn.backend = backend
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] on rank 0; [N, 0] on the other tensor-parallel ranks."""
         return self.lm_head(hidden)
