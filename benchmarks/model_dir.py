@@ -54,20 +54,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         bos_token_id=1,
         eos_token_id=2,
     ),
-    # Llama-3-8B-262K (the paper's GQA model): Llama-3-8B's shapes with 262,144 positions.
-    "gqa8b": dict(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=262144,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        tie_word_embeddings=False,
-        bos_token_id=128000,
-        eos_token_id=128001,
-    ),
     # SmolLM2-135M's shapes (the real model of the GGUF tests): group size 3, tied embeddings.
     "smollm2-135m": dict(
         vocab_size=49152,
@@ -83,6 +69,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         eos_token_id=2,
     ),
 }
+# Llama-3-8B-262K (the paper's GQA model): Llama-3-8B's shapes with 262,144 positions.
+PRESETS["gqa8b"] = dict(
+    PRESETS["llama-3.1-8b"],
+    max_position_embeddings=262144,
+    rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+)
 SHAPES = {"8b": "llama-3.1-8b", "mha7b": "mha7b", "gqa8b": "gqa8b"}  # gpu_serve_check.sh's SHAPE names
 
 

@@ -120,9 +120,9 @@ class Scheduler:
         would only evict again); shorter prompts may pass one waiting for a long-prompt slot.
         With fairness, first the sequences of requests with nothing running, then the others (n > 1)."""
         ws = self.working_set
-        if ws.stops_admission(out) if ws is not None else out.num_evicted > 0:
-            return
-        requests = {s.request_id for s in self.running}
+        if not self.waiting or (ws.stops_admission(out) if ws is not None else out.num_evicted > 0):
+            return  # (a steady decode batch's usual step: nothing waits, no pass over the running ones)
+        requests = {s.request_id for s in self.running} if self.fairness is not None else set()
         for extras in (False, True) if self.fairness is not None else (None,):
             budget = self._admit_pass(out, budget, requests, extras)
             if budget is None:
