@@ -13,7 +13,10 @@ it also reports:
   tokens    mean tokens a decode query attended in the sparse layers (the engine's counters:
             sparse_blocks_selected / sparse_selections * block_size; the mean context where nothing was sparse);
   probe     with --probe-steps, per layer, the softmax mass the attended tokens cover and the attention output's
-            relative error against dense (bench/attention_probe.py).
+            relative error against dense (bench/attention_probe.py);
+  paired    the accuracy difference to dense on the same prompts, sample by sample, with its 95% interval and
+            the "within 1 point" verdict: mean >= -1 point, interval >= -2 (bench/paired.py). --samples N asks
+            N samples per policy and length (spread over the tasks) instead of --num-samples per task.
 It prints the accuracy table (task x length, dense first), the curve of accuracy and perplexity against mean
 tokens attended per policy (also a PNG with --plot, needs matplotlib: the `bench` extra), and writes JSON.
 
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sparseserve.bench import paired as PD
 from sparseserve.workloads import completion_tasks as C
 from sparseserve.workloads import tasks as T
 
@@ -148,6 +152,23 @@ SUITES = {
 }
 
 
+NUM_SAMPLES = 20  # per task and length, when neither --num-samples nor --samples is given
+
+
+def samples_per_task(num_samples: int | None, samples: int | None, num_tasks: int) -> int:
+    """--num-samples, or --samples (per policy and length) spread over the tasks, rounded up."""
+    if num_samples is not None and samples is not None:
+        raise ValueError("give --num-samples (per task) or --samples (per policy and length), not both")
+    if samples is not None:
+        if samples < 1:
+            raise ValueError(f"--samples must be >= 1, got {samples}")
+        return math.ceil(samples / num_tasks)
+    n = NUM_SAMPLES if num_samples is None else num_samples
+    if n < 1:
+        raise ValueError(f"--num-samples must be >= 1, got {n}")
+    return n
+
+
 def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -172,7 +193,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="prompt lengths in tokens, comma-separated (default: ruler 4096,16384; completion 2048,4096,8128)",
     )
-    parser.add_argument("--num-samples", type=int, default=20, help="samples per task and length")
+    parser.add_argument(
+        "--num-samples", type=int, default=None, help=f"samples per task and length (default {NUM_SAMPLES})"
+    )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="samples per policy and length, split evenly over the tasks (rounded up to a multiple of "
+        "their number); instead of --num-samples",
+    )
     parser.add_argument("--tasks", default=None, help="comma-separated (default: all of the suite's)")
     parser.add_argument(
         "--policies",
@@ -543,13 +573,14 @@ def main(args: argparse.Namespace) -> dict:
             f"unknown task(s) {', '.join(bad)} in suite {suite.name}: choose from {', '.join(suite.tasks)}"
         )
     lengths = [int(x) for x in _csv(args.lengths or suite.default_lengths)]
+    per_task = samples_per_task(args.num_samples, getattr(args, "samples", None), len(tasks))
     policies = parse_policies(args.policies)
     essays = T.load_essays(T.find_haystack_dir(args.data_dir))
     extra = _engine_args(args, 0)
     tok = load_tokenizer(model, extra.get("tokenizer"))
     builder = T.TaskBuilder(tok, essays, eos_id=tok.eos_token_id)
     # Run order: one batch per length (rows, the reference's outputs and every policy's rows line up with this).
-    samples = sorted(suite.build(builder, tasks, lengths, args.num_samples, args.seed), key=lambda s: s.length)
+    samples = sorted(suite.build(builder, tasks, lengths, per_task, args.seed), key=lambda s: s.length)
     room = max(suite.max_tokens(s) for s in samples) + 1
     max_len = args.max_model_len or max(lengths) + room
     context = model_context(model)
@@ -559,7 +590,7 @@ def main(args: argparse.Namespace) -> dict:
             f"max_model_len={max_len}, more than the model's context ({context}): the longest prompt "
             f"that fits is {context - room} tokens"
         )
-    ppl_samples = args.num_samples if args.ppl_samples is None else args.ppl_samples
+    ppl_samples = per_task if args.ppl_samples is None else args.ppl_samples
     windows = {}
     if args.ppl_tokens and ppl_samples:
         for n in lengths:
@@ -678,7 +709,7 @@ def main(args: argparse.Namespace) -> dict:
                 cell = f"{v['ppl']:.3f}" + ("" if name == "dense" else f" (x{v['ppl'] / base:.3f})")
                 extra_rows["perplexity"].setdefault(n, {})[name] = cell
     print(
-        f"\nexact-match accuracy (%), suite {suite.name}, model {model_desc}, {args.num_samples} samples per cell, "
+        f"\nexact-match accuracy (%), suite {suite.name}, model {model_desc}, {per_task} samples per cell, "
         f"seed {args.seed}; tokens attended: mean per decode query in the sparse layers"
         + (f"; perplexity: {args.ppl_tokens} decode-step tokens x {ppl_samples} essay windows" if windows else "")
     )
@@ -702,6 +733,11 @@ def main(args: argparse.Namespace) -> dict:
     points = curve({k: v for k, v in results.items() if k != "hf"}, ppl, attended, lengths)
     print("\naccuracy (mean over tasks) and perplexity against mean tokens attended")
     print(format_curve(points))
+    paired = PD.paired_report({k: v for k, v in rows_by_policy.items() if k != "hf"}, lengths, ppl, attended)
+    if paired:
+        print("\npaired difference to dense on the same prompts, in points (within 1 point: mean >= -1 and the")
+        print(f"interval's lower end >= -2); {PD.METHOD}")
+        print(PD.format_paired(paired))
     if args.plot:
         print(f"wrote {args.plot}" if plot_curve(points, args.plot) else "no plot: matplotlib is not installed")
     print(
@@ -717,7 +753,8 @@ def main(args: argparse.Namespace) -> dict:
         "model_name": model_desc,
         "suite": suite.name,
         "seed": args.seed,
-        "num_samples": args.num_samples,
+        "num_samples": per_task,
+        "samples_per_policy": per_task * len(tasks),  # per length
         "tasks": tasks,
         "lengths": lengths,
         "policies": {p.name: p.engine_args for p in policies},
@@ -730,6 +767,8 @@ def main(args: argparse.Namespace) -> dict:
         "prefill_tiles_computed": tiles,
         "mean_tokens_attended_ppl": attended_ppl,
         "curve": points,
+        "paired": paired,
+        "paired_method": PD.METHOD,
         "probe": probes,
         "seconds": timing,
         "hf_parity": parity_out,

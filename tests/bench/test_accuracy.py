@@ -239,8 +239,8 @@ def test_harness_completion_suite_end_to_end(tmp_path, capsys):
             "completion",
             "--lengths",
             "320",
-            "--num-samples",
-            "1",
+            "--samples",
+            "3",
             "--tasks",
             "needle_single,needle_multivalue,extract_record",
             "--policies",
@@ -283,6 +283,16 @@ def test_harness_completion_suite_end_to_end(tmp_path, capsys):
     assert points["dense"]["ppl_ratio"] == 1.0 and points[sparse]["ppl_ratio"] > 0
     assert png.stat().st_size > 0
     assert res["curve"] == data["curve"]
+    # --samples 3 over 3 tasks: one each; the paired difference to dense over those 3, with the curve's mean.
+    assert data["num_samples"] == 1 and data["samples_per_policy"] == 3
+    assert "paired difference to dense" in printed and "bootstrap" in data["paired_method"]
+    (pair,) = data["paired"]
+    assert pair["policy"] == sparse and pair["length"] == 320 and pair["n"] == 3
+    assert pair["diff"] == pytest.approx(points[sparse]["accuracy_vs_dense"])
+    assert pair["diff_low"] <= pair["diff"] <= pair["diff_high"]
+    assert pair["ppl_ratio"] == pytest.approx(points[sparse]["ppl_ratio"])
+    assert pair["tokens_attended"] == data["mean_tokens_attended"][sparse]["320"]
+    assert isinstance(pair["within_1_point"], bool)
 
 
 def test_harness_reports_sparse_prefill_tiles(tmp_path, capsys):
