@@ -47,7 +47,8 @@ from sparseserve.workloads import tasks as T
 # SmolLM2 (one eighth of an 8K context); streaming heads need a file: add streaming_heads=PATH.
 TOPK1024 = {"sparse_policy": "topk", "sparse_budget": 1024}
 POLICIES: dict[str, dict[str, Any]] = {
-    "dense": {},
+    # Explicit, not the engine's defaults: the reference of every paired difference stays dense if they turn sparse.
+    "dense": {"sparse_policy": "dense", "sparse_prefill": "dense"},
     # The smallest fixed budget that matched dense on the trained test model, and topp at half its mean budget or
     # less: 512 candidates by their key bounds, pruned to mass 0.9 on q.k (docs/benchmarks/accuracy.md).
     "topk512": {"sparse_policy": "topk", "sparse_budget": 512},
@@ -122,7 +123,7 @@ def parse_policies(specs: list[str]) -> list[Policy]:
             raise ValueError(f"policy {p.name!r} is given twice")
         seen.add(p.name)
     if "dense" not in seen:
-        policies.insert(0, Policy("dense", {}))
+        policies.insert(0, parse_policy("dense"))
     policies.sort(key=lambda p: p.name != "dense")
     return policies
 

@@ -58,7 +58,8 @@ def test_answer_checking():
 
 
 def test_parse_policy():
-    assert accuracy.parse_policy("dense").engine_args == {}
+    # Dense by its options, not the engine's defaults (which may turn sparse).
+    assert accuracy.parse_policy("dense").engine_args == {"sparse_policy": "dense", "sparse_prefill": "dense"}
     p = accuracy.parse_policy("mine:sparse_policy=topk,sparse_budget=1024,reuse=false,p=0.9")
     assert p.name == "mine"
     assert p.engine_args == {"sparse_policy": "topk", "sparse_budget": 1024, "reuse": False, "p": 0.9}
