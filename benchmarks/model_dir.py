@@ -3,6 +3,7 @@ and, unless --config-only (for load_format='dummy'), random bf16 safetensors tha
 
     python -m benchmarks.model_dir --preset llama-3.1-8b --out /tmp/llama8b
     python -m benchmarks.model_dir --preset mha7b --embedded-vocab --config-only --out /tmp/mha7b
+    python -m benchmarks.model_dir --preset llama-3.1-70b --embedded-vocab --config-only --out /tmp/70b
 
 --embedded-vocab: the embedded tokenizer's vocabulary (4,096) instead of the preset's: a server then decodes
 every id (serving benchmarks); without it ids past the tokenizer's vocabulary decode to nothing.
@@ -75,7 +76,18 @@ PRESETS["gqa8b"] = dict(
     max_position_embeddings=262144,
     rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
 )
-SHAPES = {"8b": "llama-3.1-8b", "mha7b": "mha7b", "gqa8b": "gqa8b"}  # gpu_serve_check.sh's SHAPE names
+# Llama-3.1-70B: 80 layers, 64 query / 8 KV heads (Llama-3.1-8B's vocabulary, rope and positions); about 141 GB
+# of bf16 weights, so one GPU does not hold it: tensor parallelism's serving shape (docs/tensor_parallel.md).
+PRESETS["llama-3.1-70b"] = dict(
+    PRESETS["llama-3.1-8b"],
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+)
+# gpu_serve_check.sh's SHAPE names
+SHAPES = {"8b": "llama-3.1-8b", "mha7b": "mha7b", "gqa8b": "gqa8b", "70b": "llama-3.1-70b"}
 
 
 def model_config(preset: str, embedded_vocab: bool = False) -> dict[str, Any]:

@@ -17,6 +17,7 @@ SHAPES = {  # layers, query heads, KV heads, hidden, intermediate, positions
     "mha7b": (32, 32, 32, 4096, 11008, 65536),
     "gqa8b": (32, 32, 8, 4096, 14336, 262144),
     "smollm2-135m": (30, 9, 3, 576, 1536, 8192),
+    "llama-3.1-70b": (80, 64, 8, 8192, 28672, 131072),
 }
 
 
@@ -83,3 +84,20 @@ def test_random_weights_load_in_transformers_and_the_engine(tmp_path, monkeypatc
     assert list(out[0].outputs[0].token_ids) == ref
     with pytest.raises(SystemExit, match="exists"):
         M.main(["--preset", "tiny", "--out", str(tmp_path / "m")])
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_the_70b_shape_splits_for_tensor_parallelism(tmp_path, tp):
+    """The preset gpu_tp_check.sh serves at TP=4 (and 2): its heads and MLP split, its bf16 weights need more
+    than one 80-GB GPU, and it keeps Llama-3.1's rope and positions."""
+    from sparseserve.config import EngineConfig
+    from sparseserve.engine.parallel import check_model
+
+    out = M.make_model_dir(tmp_path / "70b", "llama-3.1-70b", embedded_vocab=True)
+    check_model(EngineConfig.from_kwargs(tensor_parallel_size=tp), out)
+    a = ArchConfig.from_hf(load_hf_config(out))
+    layer = a.hidden_size * a.head_dim * (2 * a.num_heads + 2 * a.num_kv_heads) + 3 * a.hidden_size * 28672
+    assert 130e9 < 2 * a.num_layers * layer < 145e9  # bf16 bytes, the embedded vocabulary's tables aside
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["rope_parameters"] == M.PRESETS["llama-3.1-8b"]["rope_parameters"]
+    assert cfg["vocab_size"] == 4096  # the embedded tokenizer's, for a server that decodes every id
