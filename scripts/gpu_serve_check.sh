@@ -5,8 +5,11 @@
 # the end `benchmarks.serve_ladder` prints the ladder table (ratios against dense of the same load, the workload's
 # bound) and writes ladder.json and ladder.png (TTFT/TPOT/throughput against the request rate).
 #
-# SHAPE: 8b (default: Llama-3.1-8B), mha7b (Llama-2-7B / LWM-7B: 32 KV heads, intermediate 11008) or gqa8b
-#   (Llama-3-8B-262K), each over the embedded tokenizer's vocabulary (benchmarks/model_dir.py).
+# SHAPE: 8b (default: Llama-3.1-8B), mha7b (Llama-2-7B / LWM-7B: 32 KV heads, intermediate 11008), gqa8b
+#   (Llama-3-8B-262K) or 70b (Llama-3.1-70B: needs TP), each over the embedded tokenizer's vocabulary
+#   (benchmarks/model_dir.py).
+# TP: tensor_parallel_size of every server (default 1); at TP > 1 a config's results are named NAME_tpTP, CAP_GB
+#   and OFFLOAD_FLAGS' --host-kv-memory are per GPU (scripts/gpu_tp_check.sh serve: TP=1 against TP=N).
 # WORKLOAD: mooncake (default: the first N requests of the Mooncake conversation trace, inputs capped at MAX_INPUT,
 #   outputs at OUTPUT_LEN, replayed at each time scale of SCALES) or longbench (N requests of LongBench v1's mix,
 #   Poisson arrivals at each rate of RATES, prompts capped at MAX_INPUT by cutting the middle, LongBench's output
@@ -28,15 +31,17 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N=${N:-48}; SCALES=${SCALES:-1 4}; OUTPUT_LEN=${OUTPUT_LEN:-512}; MAX_INPUT=${MAX_INPUT:-32768}
 SHAPE=${SHAPE:-8b}; WORKLOAD=${WORKLOAD:-mooncake}; RATES=${RATES:-0.5 1 2}; LB_OUTPUT=${LB_OUTPUT:-max}
 SLO=${SLO:-ttft:10000 tpot:150}  # goodput: requests within every SLO (ms)
-declare -A PRESET=([8b]=llama-3.1-8b [mha7b]=mha7b [gqa8b]=gqa8b)
+declare -A PRESET=([8b]=llama-3.1-8b [mha7b]=mha7b [gqa8b]=gqa8b [70b]=llama-3.1-70b)
 [ -v "PRESET[$SHAPE]" ] || { echo "unknown SHAPE $SHAPE (one of ${!PRESET[*]})"; exit 2; }
 [ "$SHAPE" = mha7b ] && LB_TOKENIZER=${LB_TOKENIZER:-llama2} || LB_TOKENIZER=${LB_TOKENIZER:-llama3}
 [ "$SHAPE" = 8b ] && MODEL=${MODEL:-/tmp/m8b} || MODEL=${MODEL:-/tmp/$SHAPE}
-CAP_GB=${CAP_GB:-40}; PORT=${PORT:-8123}; RUN_TIMEOUT=${RUN_TIMEOUT:-540}
+CAP_GB=${CAP_GB:-40}; PORT=${PORT:-8123}; RUN_TIMEOUT=${RUN_TIMEOUT:-540}; TP=${TP:-1}
 # BUDGET_S: wall seconds this call may take (a device call ends at 600 s); a config that could not finish by then
-# is skipped, and a run's timeout shrinks to what is left. OFFLOAD_FLAGS go to the KV-offload configs only
+# (SERVER_START_S to start, 90 s to run) is skipped, and a run's timeout shrinks to what is left once its server is
+# up. LADDER=0: no ladder report at the end. OFFLOAD_FLAGS go to the KV-offload configs only
 # (e.g. --host-kv-memory 88GB for the decode-heavy variant, whose KV outgrows the default host store).
 BUDGET_S=${BUDGET_S:-0}; OFFLOAD_FLAGS=${OFFLOAD_FLAGS:-}; LOGS=${LOGS:-/tmp/serve_logs}; mkdir -p "$LOGS"
+SERVER_START_S=${SERVER_START_S:-60}
 START=$(date +%s)
 DATA=${SPARSESERVE_DATA_DIR:-../shared/data}
 TRACE=${TRACE:-$DATA/traces/mooncake_conversation.jsonl}
@@ -62,6 +67,8 @@ if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import fastapi, uvicorn" 2>/de
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+# NVLink multicast off in every server and rank it starts (docs/tensor_parallel.md)
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 CUDA=$(python3 -c "import torch; print(int(torch.cuda.is_available()))")
 DEVFLAGS="--max-model-len $(( MAX_INPUT + OUTPUT_LEN ))"
 if [ "$CUDA" = 1 ]; then
@@ -73,6 +80,7 @@ matmul_flops; json.dump({'hbm_bytes_per_s': hbm_bandwidth(), 'matmul_flops': mat
   UTIL=$(python3 -c "import torch; print(round($CAP_GB * 1e9 / torch.cuda.mem_get_info()[1], 4))")
   DEVFLAGS="$DEVFLAGS --load-format dummy --dtype bfloat16 --gpu-memory-utilization $UTIL"
 fi
+TPTAG=""; [ "$TP" -gt 1 ] && { TPTAG=_tp$TP; DEVFLAGS="$DEVFLAGS --tensor-parallel-size $TP"; }
 OUTTAG=out$OUTPUT_LEN; OUTARGS="--max-output-len $OUTPUT_LEN"
 case $WORKLOAD in
   mooncake) POINTS=$SCALES; LADDER_ARGS="--trace $TRACE" ;;
@@ -91,13 +99,13 @@ for point in $POINTS; do
   fi
   for name in "$@"; do
     [ -v "FLAGS[$name]" ] || { echo "unknown config $name (one of ${!FLAGS[*]})"; exit 2; }
-    tag="${name}_${load}_${OUTTAG}"
+    tag="${name}${TPTAG}_${load}_${OUTTAG}"
     t0=$(date +%s)
-    timeout_s=$RUN_TIMEOUT
+    timeout_s=$RUN_TIMEOUT; wait_s=300
     if [ "$BUDGET_S" -gt 0 ]; then
-      left=$(( START + BUDGET_S - t0 - 60 ))  # server start and stop
-      [ $left -lt 90 ] && { echo "== $tag: skipped ($left s left)"; continue; }
-      [ $left -lt $timeout_s ] && timeout_s=$left
+      left=$(( START + BUDGET_S - t0 - SERVER_START_S - 30 ))  # server start and stop
+      [ $left -lt 90 ] && { echo "== $tag: skipped ($left s left after a server start of ~$SERVER_START_S s)"; continue; }
+      wait_s=$(( left + SERVER_START_S - 90 ))
     fi
     flags="${FLAGS[$name]} ${EXTRA_FLAGS:-}"
     [[ $flags == *--kv-offload* ]] && flags="$flags $OFFLOAD_FLAGS"
@@ -110,12 +118,16 @@ for point in $POINTS; do
       $DEVFLAGS $flags >"$LOGS/server_$tag.log" 2>&1 &
     pid=$!
     up=0
-    for _ in $(seq 1 300); do
+    for _ in $(seq 1 $wait_s); do
       curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && { up=1; touch "$tc.up"; break; }
       kill -0 $pid 2>/dev/null || break
       sleep 1
     done
     echo "== $tag: server up=$up after $(( $(date +%s) - t0 )) s (${flags:-defaults})"
+    if [ "$BUDGET_S" -gt 0 ]; then
+      left=$(( START + BUDGET_S - $(date +%s) - 30 ))  # what is left once the server is up, less its stop
+      [ $left -lt $timeout_s ] && timeout_s=$left
+    fi
     if [ $up = 1 ]; then
       timeout "$timeout_s" python3 -m sparseserve bench serve --base-url "http://127.0.0.1:$PORT" \
         --tokenizer "$MODEL" $LOADARGS --num-prompts "$N" --max-input-len "$MAX_INPUT" \
@@ -128,14 +140,23 @@ for point in $POINTS; do
     else
       rc=1; tail -20 "$LOGS/server_$tag.log"
     fi
+    # the server's processes (at TP > 1 its ranks): none may outlive it
+    kids=$(for c in $(pgrep -P $pid); do echo $c; pgrep -P $c; done)
     kill -INT $pid 2>/dev/null
-    for _ in $(seq 1 30); do kill -0 $pid 2>/dev/null || break; sleep 1; done
-    kill -9 $pid 2>/dev/null; wait $pid 2>/dev/null
-    echo "== $tag: done in $(( $(date +%s) - t0 )) s"
+    stopped=0
+    for _ in $(seq 1 30); do kill -0 $pid 2>/dev/null || { stopped=1; break; }; sleep 1; done
+    kill -9 $pid 2>/dev/null; wait $pid 2>/dev/null; status=$?
+    [ $stopped = 1 ] || echo "== $tag: the server did not exit within 30 s of SIGINT (killed)"
+    for _ in $(seq 1 20); do  # its forkserver and resource tracker follow it within a few seconds
+      stray=$(for k in $kids; do ps -o stat= -p $k 2>/dev/null | grep -qv Z && echo $k; done)
+      [ -z "$stray" ] && break; sleep 0.5
+    done
+    [ -n "$stray" ] && { echo "== $tag: alive 10 s after the server: $(ps -o pid=,args= -p "$(echo $stray | tr ' ' ,)" | cut -c1-80) (killed)"; kill -9 $stray; }
+    echo "== $tag: done in $(( $(date +%s) - t0 )) s (server exit status $status)"
   done
 done
-python3 -m benchmarks.serve_ladder "$OUT" $LADDER_ARGS --model "$MODEL" --num-prompts "$N" \
-  --max-input-len "$MAX_INPUT" || rc=1
+[ "${LADDER:-1}" = 1 ] && { python3 -m benchmarks.serve_ladder "$OUT" $LADDER_ARGS --model "$MODEL" --num-prompts "$N" \
+  --max-input-len "$MAX_INPUT" || rc=1; }
 if [ -n "${PACK:-}" ]; then  # the device tool brings back only a few files: one archive of $OUT and the log tails
   mkdir -p "$OUT/logs"
   for f in "$LOGS"/*.log; do [ -f "$f" ] && tail -60 "$f" >"$OUT/logs/$(basename "$f")"; done

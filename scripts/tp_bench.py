@@ -28,6 +28,7 @@ import datetime
 import gc
 import json
 import re
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -245,6 +246,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def serve_rows(folder: Path) -> list[dict[str, Any]]:
     """One row per run of a config at some TP (config NAME: TP=1, NAME_tpN: TP=N), ratios against TP=1 of the
     same config, outputs and load, and throughput against dense at the same TP (the 70B runs have no TP=1)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's benchmarks/
     from benchmarks.serve_ladder import load_runs
 
     runs = []
