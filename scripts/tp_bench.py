@@ -189,7 +189,7 @@ def capacity(args, emit: Callable[[dict], None]) -> None:
             sparse_budget=args.sparse_budget,
             sparse_reuse=args.reuse,
             kv_offload=True,
-            host_kv_memory=int(args.host_kv_gb * 2**30),
+            host_kv_memory=int(args.host_kv_gb * 1e9),
             **cap,
         )
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -307,7 +307,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=None, help="step (8192), capacity (131072)")
     p.add_argument("--steps", type=int, default=40, help="step: decode steps timed")
     p.add_argument("--gpu-memory-gb", type=float, default=40.0, help="capacity: per GPU (0: the engine's default)")
-    p.add_argument("--host-kv-gb", type=float, default=100.0, help="capacity: host store per rank (GiB)")
+    p.add_argument("--host-kv-gb", type=float, default=100.0, help="capacity: host store per rank (GB)")
     p.add_argument("--requests-tp1", type=int, default=8, help="capacity: requests offered to TP=1")
     p.add_argument("--requests", type=int, nargs="+", default=None, help="capacity: to each TP=N (N x TP=1's)")
     p.add_argument("--output-len", type=int, default=4096, help="capacity: long enough that none finishes")

@@ -65,7 +65,7 @@ def test_capacity_doubles_with_the_host_store_per_rank(model4):
     # and every rank of TP=2 holds half the KV heads in its own 10 MiB
     rows = bench(
         "capacity", str(model4), "--tp", "2", "--dtype", "float32", "--context", "512", "--output-len", "64",
-        "--sparse-budget", "256", "--host-kv-gb", str(10 / 1024), "--requests-tp1", "4", "--plateau", "6",
+        "--sparse-budget", "256", "--host-kv-gb", str(10 * 2**20 / 1e9), "--requests-tp1", "4", "--plateau", "6",
         "--reuse", "1",
     )  # fmt: skip
     assert [(r["tp"], r["requests"]) for r in rows] == [(1, 4), (2, 8)]
