@@ -25,7 +25,9 @@ LEAVE_BOUND_S = 30.0  # for the ranks to be gone after the server exits, and for
 
 
 def _flags(device: str) -> tuple[str, ...]:
-    return ("--device", device, "--dtype", "float32", "--max-model-len", "1024", "--tensor-parallel-size", "2")
+    # a fixed KV cache: on a GPU the pytest process (rank 0's device too) may hold memory of earlier tests
+    return ("--device", device, "--dtype", "float32", "--max-model-len", "1024", "--num-gpu-blocks-override", "256",
+            "--tensor-parallel-size", "2")  # fmt: skip
 
 
 def _children(pid: int) -> list[int]:
@@ -87,7 +89,7 @@ def _alive(pid: int) -> bool:
 
 def _reference(device: str, prompt: str, max_tokens: int) -> str:
     """One rank's greedy text (then its memory is given back: the server's rank 0 shares the device)."""
-    llm = LLM(str(DEFAULT_MODEL_DIR), device=device, dtype="float32", max_model_len=1024)
+    llm = LLM(str(DEFAULT_MODEL_DIR), device=device, dtype="float32", max_model_len=1024, num_gpu_blocks_override=256)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     text = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
     del llm
