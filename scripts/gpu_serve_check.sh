@@ -75,7 +75,7 @@ if [ "$CUDA" = 1 ]; then
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
   [ -f "$MODEL/config.json" ] || python3 -m benchmarks.model_dir --preset "${PRESET[$SHAPE]}" --embedded-vocab \
     --config-only --out "$MODEL" >/dev/null
-  [ -f "$OUT/hardware.json" ] || python3 -c "import json; from sparseserve.bench.hardware import hbm_bandwidth, \
+  [ -f "$OUT/hardware.json" ] || [ "${LADDER:-1}" = 0 ] || python3 -c "import json; from sparseserve.bench.hardware import hbm_bandwidth, \
 matmul_flops; json.dump({'hbm_bytes_per_s': hbm_bandwidth(), 'matmul_flops': matmul_flops()}, open('$OUT/hardware.json', 'w'))"
   UTIL=$(python3 -c "import torch; print(round($CAP_GB * 1e9 / torch.cuda.mem_get_info()[1], 4))")
   DEVFLAGS="$DEVFLAGS --load-format dummy --dtype bfloat16 --gpu-memory-utilization $UTIL"

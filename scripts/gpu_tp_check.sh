@@ -7,7 +7,9 @@
 #   parity    Llama-3.1-8B shape with random weights: TP=2 vs TP=1 tokens and top-5 logprobs, bf16 and float32
 #             (with 4 GPUs, `tests parity` run side by side: tests on GPUs 0-1, parity on 2-3)
 #   step      Llama-3.1-8B shape decode step, batch 32 at 8K: TP=1, 2 and (4 GPUs) 4
-#   capacity  sparse (topk 2048) + KV offload at 128K, 40 GB per GPU (CAPACITY_HOST_GB per rank): TP=1 vs TP=2
+#   capacity  sparse (topk 2048) + KV offload at 128K, 40 GB per GPU, CAPACITY_HOST_GB (72) of host store per rank
+#             (it bounds the requests: a 128K one's KV is 17 GB at TP=1, so about 4), REQ1 (8) and REQ2 (16)
+#             offered: TP=1 vs TP=2
 #   serve     `sparseserve serve` under `sparseserve bench serve` (gpu_serve_check.sh; LongBench, SERVE_N requests
 #             at SERVE_RATES req/s), dense and SparseServe mode, TP=1 then TP=SERVE_TP (default 2) of each
 #   serve70b  Llama-3.1-70B shape, dummy bf16 weights: TP=4 (and TP=2 where each GPU has >= 120 GB), dense and
@@ -16,7 +18,7 @@
 # refuses layer-segmented prefill at TP > 1 (config.py), the same without it (gpu_serve_check.sh's `ws`) at every TP.
 #
 # Usage (project root; carry .whl (the server's wheels) and .data (the haystack)):
-#   bash scripts/gpu_tp_check.sh tests parity step      # then: capacity serve; then: serve70b
+#   bash scripts/gpu_tp_check.sh step tests parity      # then: serve70b; then: capacity serve
 # Results in $OUT (tp_*.json, tp_tests.log, serve8b/ and serve70b/ with the servers' log tails, summary.txt), packed
 # into one archive $OUT/$PACK (default tp_check.tgz; PACK= keeps the files). DRY_RUN=1 prints the commands only.
 # NGPU and GPU_GB stand in for the GPUs (no nvidia-smi): with DRY_RUN, or for `serve` on CPU ranks with MODEL set to
@@ -30,9 +32,9 @@ START=$(date +%s); BUDGET_S=${BUDGET_S:-560}; DRY_RUN=${DRY_RUN:-0}; PACK=${PACK
 # cannot hold it for every rank (the engine refuses more; some hosts' memory starts small and grows with use)
 SERVE_TP=${SERVE_TP:-2}; SERVE_N=${SERVE_N:-24}; SERVE_RATES=${SERVE_RATES:-1}; HOST_KV_GB=${HOST_KV_GB:-48}
 CONFIGS=${CONFIGS:-dense sparseserve}  # serve's and serve70b's, in order (sparseserve: SparseServe mode)
-N70=${N70:-16}; RATES70=${RATES70:-1}; HOST_KV70_GB=${HOST_KV70_GB:-32}; CAPACITY_HOST_GB=${CAPACITY_HOST_GB:-100}
+N70=${N70:-16}; RATES70=${RATES70:-1}; HOST_KV70_GB=${HOST_KV70_GB:-32}; CAPACITY_HOST_GB=${CAPACITY_HOST_GB:-72}
 # the shortest time each mode needs to be worth starting (s); a mode that runs long is stopped at the budget
-declare -A NEEDS=([tests]=200 [parity]=240 [step]=180 [capacity]=300 [serve]=240 [serve70b]=320)
+declare -A NEEDS=([tests]=200 [parity]=240 [step]=180 [capacity]=200 [serve]=240 [serve70b]=300)
 [ $# -gt 0 ] || set -- tests
 for m in "$@"; do
   [ -v "NEEDS[$m]" ] || { echo "unknown mode $m (modes: tests parity step capacity serve serve70b)"; exit 2; }
@@ -91,7 +93,8 @@ model_dir() {  # model_dir DIR [--config-only]: Llama-3.1-8B's shapes (random bf
 quiet() { grep -v -e "^INFO" -e "^\[transformers\]"; }
 
 run_tests() {  # run_tests GPUS
-  CUDA_VISIBLE_DEVICES=$1 bounded python3 -m pytest -q -rfEs -p no:cacheprovider --durations=5 tests/distributed \
+  CUDA_VISIBLE_DEVICES=$1 bounded python3 -m pytest -q -rfEs -p no:cacheprovider --durations=5 \
+    -o faulthandler_timeout=150 tests/distributed \
     >"$OUT/tp_tests.log" 2>&1
   local rc=$?
   tail -25 "$OUT/tp_tests.log"; note "tests on GPUs $1: rc=$rc ($(tail -1 "$OUT/tp_tests.log"))"
@@ -136,7 +139,7 @@ run_serve() {
   serve_runs "$OUT/serve8b" "1 $SERVE_TP" $CONFIGS
 }
 run_serve70b() {
-  SERVE_ENV=(SHAPE=70b WORKLOAD=longbench N="$N70" RATES="$RATES70" CAP_GB=70 SERVER_START_S=180
+  SERVE_ENV=(SHAPE=70b WORKLOAD=longbench N="$N70" RATES="$RATES70" CAP_GB=70 SERVER_START_S=150
     OFFLOAD_FLAGS="--host-kv-memory $(host_gb "$HOST_KV70_GB" 4)GB")
   serve_runs "$OUT/serve70b" 4 $CONFIGS
   if [ "$GPU_GB" -ge 120 ]; then  # 70B's weights are ~69 GB a GPU at TP=2
@@ -153,7 +156,7 @@ for m in "$@"; do
   if [ $together -ge 1 ] && [[ $m == tests || $m == parity ]]; then
     [ $together = 2 ] && continue
     together=2
-    fits parity || continue
+    fits parity || { note "tests: skipped (beside parity)"; continue; }
     run_tests 0,1 &
     tests_pid=$!
     run_parity 2,3
