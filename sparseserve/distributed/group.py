@@ -7,9 +7,10 @@ Each process of a tensor-parallel engine holds one `TPGroup`: rank, world size a
 At tensor_parallel_size 1 there is no process group: `get_tp_group()` is a single-rank group
 whose collectives return their input.
 
-The trap: `destroy_tp_group()` must end the groups in the caller's thread. Layers keep their
+The traps: `destroy_tp_group()` must end the groups before it returns. Layers keep their
 TPGroup (the model may be a cycle only the GC frees), and groups ending at interpreter teardown
-break the other ranks (docs/tensor_parallel.md, "When something fails").
+break the other ranks (docs/tensor_parallel.md, "When something fails"). And NCCL's graceful
+destroy (finalize) waits for peers that may have left already: NCCL groups are aborted.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,13 +33,18 @@ COLLECTIVE_TIMEOUT_S = float(os.environ.get("SPARSESERVE_TP_TIMEOUT", 1800))
 # Seconds a worker waits for rank 0's next message (rank 0 sends heartbeats while idle): how long
 # a worker outlives a rank 0 that hangs without closing its connections.
 MESSAGE_TIMEOUT_S = float(os.environ.get("SPARSESERVE_TP_MESSAGE_TIMEOUT", 120))
+# Seconds ending this process's groups may take before it goes on without them (an NCCL abort is
+# local; this bounds one that blocks anyway). Below WorkerProcesses.shutdown's wait for a worker.
+END_TIMEOUT_S = 20.0
+_END_LOCK = threading.Lock()  # one end or abort at a time (the watchdog's abort may race a shutdown)
 
 
 class _Groups:
     """One TPGroup's torch.distributed groups, in one place so `destroy_tp_group` drops them."""
 
-    def __init__(self, device_group: Any, cpu_group: Any) -> None:
+    def __init__(self, device_group: Any, cpu_group: Any, nccl: bool) -> None:
         self.device_group, self.cpu_group = device_group, cpu_group
+        self.nccl = nccl  # the device group's backend: ended by an abort
 
     def release(self) -> None:
         self.device_group = self.cpu_group = None
@@ -133,15 +141,21 @@ def init_tp_group(
         backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kwargs
     )
     cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=MESSAGE_TIMEOUT_S))
-    _TP = TPGroup(rank, world_size, local_rank, local_world_size, _Groups(dist.group.WORLD, cpu_group))
+    groups = _Groups(dist.group.WORLD, cpu_group, nccl=dist.get_backend() == "nccl")
+    _TP = TPGroup(rank, world_size, local_rank, local_world_size, groups)
     return _TP
 
 
-def destroy_tp_group() -> None:
+def destroy_tp_group(timeout_s: float | None = None) -> None:
     """Leaves the process group and ends it now: threads joined and connections closed before
-    this returns (every TPGroup of this process then refuses collectives)."""
+    this returns (every TPGroup of this process then refuses collectives). On NCCL it aborts and
+    waits at most timeout_s (default END_TIMEOUT_S), then warns and goes on."""
     global _TP
     groups, _TP = _TP.groups, TPGroup()
+    nccl = groups.nccl if groups is not None else dist.is_initialized() and dist.get_backend() == "nccl"
+    if nccl:
+        _bounded(lambda: _end_nccl(groups), "leaving the NCCL process group", timeout_s)
+        return
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -151,12 +165,61 @@ def destroy_tp_group() -> None:
         groups.release()  # last references: destructors run here, not at exit
 
 
-def abort_tp_group() -> None:
+def _end_nccl(groups: _Groups | None) -> None:
+    """The gloo group ends as on CPU; the NCCL world is aborted (no finalize: it waits for peers)."""
+    with _END_LOCK:
+        if dist.is_initialized():
+            if groups is not None and groups.cpu_group is not None:
+                try:
+                    dist.destroy_process_group(groups.cpu_group)
+                except Exception as e:  # noqa: BLE001 - the abort below ends it anyway
+                    logger.warning("leaving the tensor-parallel gloo group: %s", e)
+            # Safe: rank 0 synced its last step before the stop message: no collective anyone reads is in flight.
+            _abort_world()
+        if groups is not None:
+            groups.release()  # the communicators' destructors, here (and bounded), not at exit
+
+
+def abort_tp_group(timeout_s: float | None = None) -> None:
     """From another thread, on a dead rank: aborts the communicators so a collective or device
     sync waiting on it returns (NCCL kernels never time out); gloo fails by itself."""
+
+    def abort() -> None:
+        with _END_LOCK:
+            if dist.is_initialized():
+                _abort_world()
+
+    _bounded(abort, "aborting the tensor-parallel process group", timeout_s)
+
+
+def _abort_world() -> None:
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    if abort is not None and dist.is_initialized():
+    (abort or dist.destroy_process_group)()  # torch without it: the bound below still holds
+
+
+def _bounded(fn: Callable[[], None], what: str, timeout_s: float | None) -> None:
+    """fn in a daemon thread, waited for at most timeout_s (None: END_TIMEOUT_S). Past that this
+    warns and returns; the thread keeps its groups alive (no destructor at interpreter exit) and
+    the process exits without waiting for it (a daemon)."""
+    timeout_s = END_TIMEOUT_S if timeout_s is None else timeout_s
+
+    def run() -> None:
         try:
-            abort()
-        except Exception:  # noqa: BLE001 - best effort; the caller raises the real error
-            pass
+            fn()
+        except Exception as e:  # noqa: BLE001 - best effort: the groups are left either way
+            logger.warning("%s: %s", what, e)
+
+    try:
+        thread = threading.Thread(target=run, name="sparseserve-tp-end", daemon=True)
+        thread.start()
+    except RuntimeError:  # no new threads while the interpreter shuts down
+        run()
+        return
+    thread.join(timeout_s)
+    if thread.is_alive():
+        logger.warning(
+            "%s did not end within %.0f s; this process goes on without waiting for it (a new "
+            "tensor-parallel engine cannot start in it)",
+            what,
+            timeout_s,
+        )

@@ -1,19 +1,26 @@
 """The order in which a tensor-parallel engine's ranks leave the process group: shutting the engine down ends the
 groups' threads and connections at once (not when the model, a reference cycle, is collected at interpreter
 exit, while the other ranks react to the closing connections), and rank 0's channel sends nothing after its last
-message. The torchrun exit path itself: test_tensor_parallel.py::test_torchrun_environment_..."""
+message. An NCCL group is aborted, never destroyed gracefully (its finalize waits for peers that already left),
+and an end that blocks anyway returns after its timeout. The torchrun exit path itself:
+test_tensor_parallel.py::test_torchrun_environment_..."""
 
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import threading
 import time
 
 import pytest
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from sparseserve import LLM
+from sparseserve.distributed import group
 from sparseserve.distributed.channel import StepChannel
-from sparseserve.distributed.group import TPGroup
+from sparseserve.distributed.group import TPGroup, abort_tp_group, destroy_tp_group, get_tp_group, init_tp_group
 
 # torch's names for its gloo threads: a connection's event loop and a process group's work threads
 GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
@@ -75,3 +82,67 @@ def test_no_heartbeat_after_the_last_message():
     channel.close("stop")
     channel.heartbeat()
     assert tp.sent == [None, "stop"]  # the ranks may be leaving the group: nothing follows the last message
+
+
+@pytest.fixture
+def nccl_like_group(monkeypatch):
+    """This process's TP group over a real one-rank gloo world that reports NCCL as the device group's backend,
+    as on GPUs; whatever the test leaves is cleaned up."""
+    monkeypatch.setattr(group, "_TP", TPGroup())  # restored afterwards
+    destroy = dist.destroy_process_group  # the real one: tests replace it
+    with monkeypatch.context() as m:
+        m.setattr(dist, "get_backend", lambda group=None: "nccl")
+        tp = init_tp_group(
+            rank=0, world_size=1, local_rank=0, local_world_size=1, device_type="cpu", store=dist.HashStore()
+        )
+    yield tp
+    if dist.is_initialized():
+        destroy()
+
+
+@pytest.mark.parametrize("failed", [False, True], ids=["shutdown", "after-a-dead-rank"])
+def test_leaving_an_nccl_group_aborts_it_and_never_waits_on_peers(nccl_like_group, monkeypatch, failed):
+    tp, ended = nccl_like_group, []
+    cpu_group = tp.cpu_group
+    real_destroy, real_abort = dist.destroy_process_group, c10d._abort_process_group
+
+    def destroy(group=None):  # the waiting destroy is recorded, never run
+        ended.append(("destroy", group))
+        if group is not None and group is not dist.group.WORLD:
+            real_destroy(group)
+
+    def abort(group=None):
+        ended.append(("abort", group))
+        real_abort(group)
+
+    monkeypatch.setattr(dist, "destroy_process_group", destroy)
+    monkeypatch.setattr(c10d, "_abort_process_group", abort)
+    if failed:
+        abort_tp_group()  # the watchdog, on a dead rank; the shutdown follows
+    destroy_tp_group()
+    # the gloo group ends as on CPU, the NCCL world is aborted: its graceful destroy is never called
+    assert ended == ([] if failed else [("destroy", cpu_group)]) + [("abort", None)]
+    assert not dist.is_initialized() and get_tp_group().world_size == 1
+    with pytest.raises(RuntimeError, match="process group was destroyed"):
+        tp.device_group
+
+
+def test_an_end_that_blocks_returns_after_its_timeout_with_a_warning(nccl_like_group, monkeypatch, caplog):
+    release, real_abort = threading.Event(), c10d._abort_process_group
+
+    def stuck_abort(group=None):  # blocks until the test lets it go
+        release.wait(60)
+        real_abort(group)
+
+    monkeypatch.setattr(c10d, "_abort_process_group", stuck_abort)
+    try:
+        with caplog.at_level(logging.WARNING, logger=group.__name__):
+            destroy_tp_group(timeout_s=0.2)
+        assert "did not end within" in caplog.text
+        assert dist.is_initialized() and get_tp_group().world_size == 1  # returned while the abort blocks
+    finally:
+        release.set()
+        for t in threading.enumerate():
+            if t.name == "sparseserve-tp-end":
+                t.join(30)
+    assert not dist.is_initialized()
