@@ -149,6 +149,12 @@ class AsyncLLMEngine:
         """Running and not draining: new requests are admitted."""
         return self.is_running and not self._draining
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can serve no more (a tensor-parallel rank is gone: every step fails), None
+        while it can. Any thread may read it: the runner sets it once (TPDriver.failure)."""
+        return getattr(getattr(self.engine, "model_runner", None), "failure", None)
+
     def seconds_without_progress(self) -> float:
         """How long the engine thread has been in one step (or between steps) while it has work; 0
         while it waits for work. Beyond the watchdog timeout the loop is stuck (/health: 503)."""

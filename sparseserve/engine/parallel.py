@@ -265,6 +265,12 @@ class TPDriver:
     def sync(self) -> None:
         self.runner.sync()
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped for good (a rank is gone, a step failed); None while it serves.
+        Every later step raises it; the server's /health reads it."""
+        return self._session.failure
+
     def __getattr__(self, name: str) -> Any:
         if name in ("runner", "_session"):
             raise AttributeError(name)

@@ -551,13 +551,21 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
     return await respond(fmt, stream, req, raw)
 
 
-@router.get("/health", responses={503: _error_doc("Shutting down, or the engine loop is stuck in one step.")})
+@router.get(
+    "/health",
+    responses={503: _error_doc("Shutting down, the engine failed for good, or its loop is stuck in one step.")},
+)
 async def health(raw: Request) -> Response:
-    """200 while the engine serves; 503 while it shuts down, or when its loop has work but has not completed a
-    step for longer than --engine-watchdog-timeout (a load balancer should then restart it)."""
+    """200 while the engine serves; 503 while it shuts down, once it failed for good (a tensor-parallel rank is
+    gone), or when its loop has work but has not completed a step for longer than --engine-watchdog-timeout (a
+    load balancer should then restart it)."""
     engine, timeout = engine_of(raw), config_of(raw).engine_watchdog_timeout
     if not engine.accepting:
         return error_response(503, not_accepting(engine), type="service_unavailable", code=503)
+    if (failure := engine.failure) is not None:
+        reason = failure.split("\n", 1)[0]  # a worker's traceback stays in the log
+        message = f"The engine has failed and must be restarted: {reason}"
+        return error_response(503, message, type="service_unavailable", code=503)
     stuck = engine.seconds_without_progress()
     if stuck > timeout:
         return error_response(

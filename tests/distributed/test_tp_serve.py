@@ -1,7 +1,7 @@
 """`sparseserve serve --tensor-parallel-size 2` in a real process, as scripts/gpu_tp_check.sh's serve modes
 start it (gloo on CPU; NCCL, CUDA graphs and Triton too where 2 GPUs are visible): it answers what one rank
 answers and exits 0 on SIGINT with every rank gone; a rank killed mid-stream ends that stream with an error
-event, later requests get a 503 naming the rank, and the server still exits 0 with no process left."""
+event, later requests and /health get a 503 naming the rank, and the server still exits 0 with no process left."""
 
 from __future__ import annotations
 
@@ -124,6 +124,7 @@ def test_a_rank_killed_mid_stream_ends_it_and_the_server_still_exits(device):
     try:
         spawned = _descendants(proc.pid)
         (worker,) = _workers(proc.pid)
+        assert httpx.get(f"{url}/health").status_code == 200
         body = {"prompt": "Tell a story.", "max_tokens": 900, "ignore_eos": True, "stream": True}
         t0, events = time.monotonic(), []
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
@@ -141,6 +142,8 @@ def test_a_rank_killed_mid_stream_ends_it_and_the_server_still_exits(device):
         assert sum("choices" in json.loads(e) for e in events[:-2]) < 900  # cut short, not finished
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "again", "max_tokens": 3}, timeout=60)
         assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"]
+        h = httpx.get(f"{url}/health")  # a load balancer restarts it
+        assert h.status_code == 503 and f"rank 1 (pid {worker}) was killed by signal 9" in h.json()["error"]["message"]
         log = _stop(proc, spawned)
     finally:
         if proc.poll() is None:

@@ -187,6 +187,37 @@ def test_health_reports_a_stuck_engine_loop():
         assert httpx.get(f"{url}/health").status_code == 200
 
 
+class FailedRunner:
+    """A runner after a tensor-parallel rank died, as TPDriver behaves then: `failure` says why (with the worker's
+    traceback), and every step raises it."""
+
+    def __init__(self, runner, failure: str) -> None:
+        self.runner, self.failure = runner, failure
+
+    def execute(self, *args, **kwargs):
+        raise RuntimeError(f"{self.failure}; the tensor-parallel engine has stopped")
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+
+def test_health_reports_an_engine_that_failed_for_good():
+    engine = AsyncLLMEngine(LLMEngine.from_kwargs(**ENGINE_KW))
+    app = build_app(engine, ServerConfig(served_model_names=("tiny",)))
+    with running_server(app, engine) as (url, _):
+        assert httpx.get(f"{url}/health").status_code == 200
+        why = "tensor-parallel rank 1 (pid 7) was killed by signal 9:\nTraceback (most recent call last): ..."
+        engine.engine.model_runner = FailedRunner(engine.engine.model_runner, why)
+        h = httpx.get(f"{url}/health")  # idle: no request has to fail first
+        assert h.status_code == 503
+        error = h.json()["error"]
+        assert error["type"] == "service_unavailable" and error["code"] == 503
+        assert "rank 1 (pid 7) was killed by signal 9" in error["message"] and "Traceback" not in error["message"]
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"]
+        assert httpx.get(f"{url}/health").status_code == 503  # it stays failed
+
+
 def test_abort_takes_effect_within_one_step():
     """An abort issued at any moment is applied before the next step: at most one more step (the one running
     when it arrived) includes the request."""
