@@ -220,6 +220,26 @@ def _offload_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable
     yield gauge("offload_host_blocks_used", "Token blocks of the host KV store in use.", stats.num_blocks_used)
     yield gauge("offload_host_blocks_total", "Token blocks of the host KV store.", stats.offload_host_blocks)
     yield gauge("offload_hbm_slots", "Head-block slots of the HBM pool.", stats.offload_hbm_slots)
+    yield gauge(
+        "offload_device_rows",
+        "Device rows for the running requests' token blocks (dense layers' KV and key metadata).",
+        getattr(stats, "offload_device_rows", 0),
+    )
+    yield gauge("offload_device_rows_used", "Device rows mapped.", getattr(stats, "offload_device_rows_used", 0))
+    yield counter(
+        "offload_rows_saved", "Device rows saved to the host store (pauses, releases).", stats.offload_rows_saved
+    )
+    yield counter(
+        "offload_rows_restored",
+        "Device rows restored from the host store (resumes, hits).",
+        stats.offload_rows_restored,
+    )
+    for part in ("pool", "dense_layers", "metadata", "device_block_cache"):
+        yield gauge(
+            f"offload_hbm_bytes_{part}",
+            f"KV offload's device memory: {part.replace('_', ' ')} (bytes).",
+            getattr(stats, f"offload_hbm_bytes_{part}", 0),
+        )
     yield from _working_set_metrics(stats, gauge, counter)
 
 

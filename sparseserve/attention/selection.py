@@ -68,7 +68,7 @@ class DecodeRows:
     """The rows a sparse layer selects for: decodes, or prefill chunks' last tokens (lag)."""
 
     seq_lens: torch.Tensor  # int32 [B]
-    tables: torch.Tensor  # int32 [B, W] token blocks: key-metadata rows
+    tables: torch.Tensor  # int32 [B, W] key-metadata rows: token blocks (KV offload: device rows)
     cache_tables: torch.Tensor  # int32 [B, W] the layer's KV cache blocks (differ under KV offload)
     slots: torch.Tensor  # int32 [B] selection-buffer rows to write (-1: none this step)
     max_blocks: int  # host-side bound of the contexts in blocks

@@ -39,6 +39,8 @@ class SparseStepMeta:
     # plan them layer by layer (bool [num_decodes]; None: none; such a step runs eagerly).
     fix_select: torch.Tensor | None = None
     selects: bool = True  # False: rows without state slots (layer-segmented prefill) select nothing
+    # KV offload: the step by device row (dense layers' cache, key metadata); made at first use
+    rows: AttentionMetadata | None = None
 
 
 @ATTENTION_BACKENDS.register("sparse")
@@ -78,6 +80,8 @@ class SparseBackend(AttentionBackend):
             c.num_layers, num_blocks, c.num_kv_heads, c.block_size, self.params.page_size, c.head_dim, c.device
         )
         self.offload = offload
+        if offload is not None:
+            offload.attach_key_meta(self.key_meta)
         if offload is not None and self.params.lag:
             offload.init_lagged(self.state.sel.shape[1], self.params.cap)
 
@@ -137,6 +141,26 @@ class SparseBackend(AttentionBackend):
             prefill_meta=meta.prefill_meta,
         )
 
+    def _rows(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """The step addressed by device row (KV offload; else the step itself), made by the first
+        layer that needs it: inside a CUDA graph's capture, so replays redo the translation."""
+        sm: SparseStepMeta | None = meta.backend_meta
+        if self.offload is None or sm is None:
+            return meta
+        if sm.rows is None:
+            tables, slots = self.offload.row_view(meta.block_tables, meta.slot_mapping)
+            sm.rows = AttentionMetadata(
+                slots,
+                meta.query_start_loc,
+                meta.seq_lens,
+                tables,
+                meta.num_decodes,
+                meta.max_query_len,
+                meta.max_seq_len,
+                prefill_meta=meta.prefill_meta,
+            )
+        return sm.rows
+
     def is_sparse(self, layer: int, meta: AttentionMetadata) -> bool:
         """Host-side decision, fixed while a graph replays (max_seq_len is its bound). Under offload
         short contexts go sparse too: the device cache holds only the decodes' windows."""
@@ -159,9 +183,10 @@ class SparseBackend(AttentionBackend):
         if lagged and (layer == 0 or self._step_meta is not meta):
             self.begin_step(meta)
         if self.offload is not None and not self.offload.offloads(layer):
-            # a dense layer keeps every block in its full-size cache: nothing to write through
-            store_kv(k, v, kv_cache, meta.slot_mapping)
-            return attend_paged(q, kv_cache, meta, scale, self.prefill, layer)
+            # a dense layer keeps its running blocks by device row: saved when they leave
+            rm = self._rows(meta)
+            store_kv(k, v, kv_cache, rm.slot_mapping)
+            return attend_paged(q, kv_cache, rm, scale, self.prefill, layer)
         cm = meta if sm is None else sm.cache
         # (a layer-segmented prefill writes a layer whole: no write-through)
         write = self.offload is not None and sm is not None and sm.offload is not None
@@ -179,10 +204,11 @@ class SparseBackend(AttentionBackend):
                 km.scale,
                 cm.slot_mapping,
                 self.params.page_size,
-                None if cm is meta else meta.slot_mapping,
+                None if cm is meta else self._rows(meta).slot_mapping,
                 host,
                 meta.num_decodes,
                 count,
+                None if cm is meta else meta.slot_mapping,  # host rows: token blocks
             )
             decodes = False
         if write:
@@ -222,9 +248,10 @@ class SparseBackend(AttentionBackend):
         if meta.num_seqs > nd:  # the prefill chunks
             self.prefill.attend(layer, q, kv_cache, cm, scale, out)
         q, p, state = q[:nd], self.params, self.state
+        tokens = meta.block_tables[:nd]  # host rows: the pool's keys
         rows = DecodeRows(
             meta.seq_lens[:nd],
-            meta.block_tables[:nd],
+            self._rows(meta).block_tables[:nd],
             cm.block_tables[:nd],
             sm.slots[:nd],
             self._max_blocks(meta),
@@ -243,9 +270,9 @@ class SparseBackend(AttentionBackend):
             view = self.offload.lagged_view(layer)
         elif self.offload is not None:
             with self._phase("h2d"):
-                view = self.offload.read(layer, rows.tables, rows.seq_lens, state.sel[layer], rows.slots)
+                view = self.offload.read(layer, tokens, rows.seq_lens, state.sel[layer], rows.slots)
             if self.policy.refine(layer, q, kv_cache, rows, state, view):
-                view = self.offload.lookup(layer, rows.tables, rows.seq_lens, state.sel[layer][rows.slots.long()])
+                view = self.offload.lookup(layer, tokens, rows.seq_lens, state.sel[layer][rows.slots.long()])
         with self._phase("attention"):
             sparse_decode(
                 q,
@@ -304,7 +331,7 @@ class SparseBackend(AttentionBackend):
         tables, seq_lens = meta.block_tables[:nd], meta.seq_lens[:nd]
         rows = DecodeRows(
             seq_lens,
-            tables,
+            self._rows(meta).block_tables[:nd],
             cm.block_tables[:nd],
             torch.where(sm.fix_select, self.step_rows[0][:nd], -1),
             self._max_blocks(meta),
@@ -322,7 +349,7 @@ class SparseBackend(AttentionBackend):
             q = q[meta.query_start_loc[1:].long() - 1]
         rows = DecodeRows(
             meta.seq_lens,
-            meta.block_tables,
+            self._rows(meta).block_tables,
             cm.block_tables,
             self.step_rows[1],
             self._max_blocks(meta),

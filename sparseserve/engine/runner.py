@@ -146,7 +146,7 @@ class ModelRunner:
         if self.offload is None:
             self.attn_backend.allocate(self.num_blocks)
         else:
-            self.attn_backend.allocate(self.num_blocks, self.offload)
+            self.attn_backend.allocate(self.offload.layout.rows, self.offload)  # metadata by device row
         self.inputs = StepInputs(self.block_size, self.device, self.offload)  # a step's host inputs
         self.layer_prefill = None  # engine/layer_prefill.py: prompts prefilled layer by layer
         if config.offload_config.layer_segmented_prefill:
@@ -242,7 +242,7 @@ class ModelRunner:
         """The scheduler's side of this runner's KV offload (kvcache/device_space.py), or None."""
         if self.offload is None:
             return None
-        from sparseserve.kvcache.device_space import DeviceBlockMap, OffloadSpace
+        from sparseserve.kvcache.device_space import DeviceBlockMap, DeviceRowMap, OffloadSpace
         from sparseserve.kvcache.working_set import WorkingSetEstimate
 
         off, oc = self.offload, self.config.offload_config
@@ -259,7 +259,9 @@ class ModelRunner:
             block_size=self.block_size,
         )
         dm = DeviceBlockMap(layout.device_blocks, off.local_blocks, self.block_size, layout.token_blocks)
-        return OffloadSpace(dm, self.block_size, estimate)
+        return OffloadSpace(
+            dm, self.block_size, estimate, DeviceRowMap(layout.rows, self.block_size, layout.token_blocks)
+        )
 
     def counters(self) -> dict[str, torch.Tensor]:
         """Cumulative device counters (int64 scalars), read without a sync (engine/stats.py)."""

@@ -45,6 +45,14 @@ class EngineStats:
     prefill_tiles_computed: int = 0  # sparse prefill: (q tile, k tile, KV head) tiles, all layers
     prefill_tiles_dense: int = 0  # ... and the causally visible ones (dense prefill's)
     offload_blocks_restored: int = 0  # token blocks host -> device block cache (hits, resumes)
+    offload_device_rows: int = 0  # device rows (running token blocks: dense layers + metadata; gauge)
+    offload_device_rows_used: int = 0  # ... mapped (gauge)
+    offload_rows_saved: int = 0  # device rows saved to their host rows (pauses, releases)
+    offload_rows_restored: int = 0  # ... and restored (resumes, prefix hits)
+    offload_hbm_bytes_pool: int = 0  # the offload's device memory by part (gauges)
+    offload_hbm_bytes_dense_layers: int = 0
+    offload_hbm_bytes_metadata: int = 0
+    offload_hbm_bytes_device_block_cache: int = 0
     layer_prefills_running: int = 0  # layer-segmented prefills in progress (gauge)
     layer_prefill_layers_done: int = 0  # ... and the layers they have done (gauge)
     working_set_blocks: int = 0  # KV offload: the running working sets, head blocks (gauge)
@@ -78,6 +86,8 @@ class EngineStats:
             "prefill_tiles_computed",
             "prefill_tiles_dense",
             "offload_blocks_restored",
+            "offload_rows_saved",
+            "offload_rows_restored",
             "working_set_hold_backs",
             "working_set_prefill_aheads",
         }

@@ -106,17 +106,19 @@ def store_kv_key_meta_ref(
     host_layer: torch.Tensor | None = None,
     num_write: int = 0,
     count: torch.Tensor | None = None,
+    host_slots: torch.Tensor | None = None,
 ) -> None:
     """store_kv of k, v [T, Hkv, D] into kv_cache (one layer [NB, Hkv, 2, bs, D]), then the
     metadata of the pages they end. meta_slots: the tokens' slots in the blocks that index the
     metadata, where the cache is a device block cache (KV offload); None: slot_mapping.
     host_layer (KV offload): the host store's layer [R + 1, Hkv, 2, bs, D]; each block that one
-    of the first num_write tokens (the decodes) completes is copied whole to the row of its meta
-    slot's token block (flash_h2d.write_through_ref; count += blocks written)."""
+    of the first num_write tokens (the decodes) completes is copied whole to the row of its host
+    slot's block (host_slots, default meta_slots; flash_h2d.write_through_ref; count += blocks)."""
     store_kv_ref(k, v, kv_cache, slot_mapping)
     update_key_meta_ref(kv_cache, codes, scale, slot_mapping, page_size, meta_slots)
     if host_layer is not None and num_write > 0:
-        dst = (slot_mapping if meta_slots is None else meta_slots)[:num_write]
+        dst = host_slots if host_slots is not None else slot_mapping if meta_slots is None else meta_slots
+        dst = dst[:num_write]
         write_through_ref(kv_cache, host_layer, slot_mapping[:num_write], dst, count)
 
 
@@ -132,10 +134,11 @@ def store_kv_key_meta(
     host_layer: torch.Tensor | None = None,
     num_write: int = 0,
     count: torch.Tensor | None = None,
+    host_slots: torch.Tensor | None = None,
 ) -> None:
     """store_kv_key_meta_ref's contract."""
     fn = store_kv_key_meta_triton if use_triton(k) else store_kv_key_meta_ref
-    fn(k, v, kv_cache, codes, scale, slot_mapping, page_size, meta_slots, host_layer, num_write, count)
+    fn(k, v, kv_cache, codes, scale, slot_mapping, page_size, meta_slots, host_layer, num_write, count, host_slots)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_write"])
@@ -147,6 +150,7 @@ def _store_kv_key_meta_kernel(
     scale_ptr,
     slot_ptr,
     meta_slot_ptr,
+    host_slot_ptr,
     num_tokens,
     host_ptr,
     count_ptr,
@@ -178,7 +182,7 @@ def _store_kv_key_meta_kernel(
     recomputes the page's codes and scale (bit-identical to quantize_key_meta). Rows this step
     writes (other programs store them) are read from k, the others from the cache. WRITE (KV
     offload): a decode token (t < num_write) that completes its block copies the head's block
-    to the host row of its meta slot over UVA (as flash_h2d.write_through)."""
+    to the host row of its host slot over UVA (as flash_h2d.write_through)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)  # step inputs: read before pdl_wait (kernels/pdl.py)
@@ -234,9 +238,10 @@ def _store_kv_key_meta_kernel(
         if (t < num_write) & ((slot + 1) % BLOCK_SIZE == 0):
             tl.debug_barrier()  # this token's row was stored above by other threads
             rows_all = tl.arange(0, BLOCK_SIZE)
+            hblk = tl.load(host_slot_ptr + t) // BLOCK_SIZE
             src_kv = head_row + rows_all[:, None] * HEAD_DIM + dims[None, :]
             dst_kv = (
-                host_ptr + mblk.to(tl.int64) * stride_hb + h * stride_hh + rows_all[:, None] * HEAD_DIM + dims[None, :]
+                host_ptr + hblk.to(tl.int64) * stride_hb + h * stride_hh + rows_all[:, None] * HEAD_DIM + dims[None, :]
             )
             m2 = dmask[None, :]  # broadcast over the block's rows
             tl.store(dst_kv, tl.load(src_kv, mask=m2), mask=m2)
@@ -257,6 +262,7 @@ def store_kv_key_meta_triton(
     host_layer: torch.Tensor | None = None,
     num_write: int = 0,
     count: torch.Tensor | None = None,
+    host_slots: torch.Tensor | None = None,
 ) -> None:
     """One program per (token, KV head); page-end tokens update the metadata."""
     num_tokens = slot_mapping.numel()
@@ -281,6 +287,7 @@ def store_kv_key_meta_triton(
         scale,
         slot_mapping,
         meta_slots,
+        meta_slots if host_slots is None else host_slots.contiguous(),
         num_tokens,
         host,
         count if write else scale,

@@ -189,6 +189,90 @@ class DeviceBlockMap:
         self.allocator.free(blocks)
 
 
+class DeviceRowMap:
+    """Device rows of the running sequences' token blocks, which index the dense layers' KV and the
+    key metadata (docs/offload.md, "Device rows"): HBM sized by what runs, not by the host store.
+    A token block has at most one row, shared by the running sequences that hold it (prefix hits);
+    the last holder's pause or release frees it, its contents first saved to the block's host row
+    when the block has computed tokens; mapping a block over computed tokens restores them."""
+
+    def __init__(self, num_rows: int, block_size: int, token_blocks: int) -> None:
+        self.allocator = BlockAllocator(num_rows)
+        self.block_size = block_size
+        self.unbounded = num_rows >= token_blocks  # a row for every token block: never short
+        self.row_of: dict[int, int] = {}  # token block -> row
+        self.holders: dict[int, int] = {}  # row -> running sequences holding it
+        self.mapped: dict[int, int] = {}  # seq_id -> its leading token blocks that have rows
+        self.changes: dict[int, int] = {}  # token block -> row (-1: none) since `take`
+        self.saves: list[tuple[int, int]] = []  # (token block, row): row -> the block's host row
+        self.restores: list[tuple[int, int]] = []  # (token block, row): the block's host row -> row
+
+    @property
+    def num_rows(self) -> int:
+        return self.allocator.num_blocks
+
+    def _missing(self, seq, hi: int) -> int:
+        """Rows mapping its first `hi` token blocks would take (blocks not allocated yet count)."""
+        table, have = seq.block_table, self.mapped.get(seq.seq_id, 0)
+        return sum(1 for j in range(have, hi) if j >= len(table) or table[j] not in self.row_of)
+
+    def can_map(self, seq, n: int) -> bool:
+        hi = blocks_needed(seq.num_computed_tokens + n, self.block_size)
+        return self.unbounded or self.allocator.can_allocate(self._missing(seq, hi))
+
+    def can_admit(self, seq, running: list) -> bool:
+        """Rows for its whole prompt (and first decode) beside what running prefills still need."""
+        if self.unbounded:
+            return True
+        bs = self.block_size
+        reserved = sum(
+            max(blocks_needed(s.num_tokens, bs) - self.mapped.get(s.seq_id, 0), 0)
+            for s in running
+            if s.num_computed_tokens + 1 < s.num_tokens
+        )
+        return self.allocator.num_free - reserved >= self._missing(seq, blocks_needed(seq.num_tokens + 1, bs))
+
+    def map(self, seq, hi: int) -> None:
+        """Rows for its token blocks [mapped, hi) (the blocks must be allocated)."""
+        have, computed = self.mapped.get(seq.seq_id, 0), seq.num_computed_tokens
+        for j in range(have, hi):
+            tb = seq.block_table[j]
+            row = self.row_of.get(tb)
+            if row is None:
+                row = self.row_of[tb] = self.allocator.allocate(1)[0]
+                self.holders[row] = 0
+                self.changes[tb] = row
+                if j * self.block_size < computed:
+                    self.restores.append((tb, row))
+            self.holders[row] += 1
+        self.mapped[seq.seq_id] = max(have, hi)
+
+    def release(self, seq) -> None:
+        """Its rows; a row's last holder saves the computed contents (a restore still pending
+        this step is dropped instead: the host row holds them)."""
+        have, computed = self.mapped.pop(seq.seq_id, 0), seq.num_computed_tokens
+        pending = set(self.restores)
+        for j in range(have):
+            tb = seq.block_table[j]
+            row = self.row_of[tb]
+            self.holders[row] -= 1
+            if self.holders[row]:
+                continue
+            del self.holders[row], self.row_of[tb]
+            self.changes[tb] = -1
+            self.allocator.free([row])
+            if (tb, row) in pending:
+                self.restores.remove((tb, row))
+            elif j * self.block_size < computed:
+                self.saves.append((tb, row))
+
+    def take(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        """(row changes, saves, restores) since the last take."""
+        out = (list(self.changes.items()), self.saves, self.restores)
+        self.changes, self.saves, self.restores = {}, [], []
+        return out
+
+
 class WorkingSetAccounting(Protocol):
     """What pauses and releases tell the working-set estimate (kvcache/working_set.py)."""
 
@@ -203,9 +287,14 @@ class OffloadSpace:
     tail block's save, `on_allocate` marks blocks stale; `take_plan` hands it all to the step."""
 
     def __init__(
-        self, device_map: DeviceBlockMap, block_size: int, working_set: WorkingSetAccounting | None = None
+        self,
+        device_map: DeviceBlockMap,
+        block_size: int,
+        working_set: WorkingSetAccounting | None = None,
+        rows: DeviceRowMap | None = None,
     ) -> None:
         self.map = device_map
+        self.rows = rows  # the dense layers' and key metadata's device rows (None: one per token block)
         self.block_size = block_size
         self.working_set = working_set
         self._saves: list[tuple[int, int, int]] = []  # (seq_id, host row, device block)
@@ -213,10 +302,10 @@ class OffloadSpace:
         self._stale = StaleBlocks(block_size)
 
     def can_schedule(self, seq, n: int) -> bool:
-        return self.map.can_map(seq, n)
+        return self.map.can_map(seq, n) and (self.rows is None or self.rows.can_map(seq, n))
 
     def can_admit(self, seq, running: list) -> bool:
-        return self.map.can_admit(seq, running)
+        return self.map.can_admit(seq, running) and (self.rows is None or self.rows.can_admit(seq, running))
 
     def steady_decode(self, seq) -> bool:
         """A decode that maps, releases and restores nothing."""
@@ -233,20 +322,27 @@ class OffloadSpace:
         computed = blocks_needed(seq.num_computed_tokens, self.block_size)
         for j in range(max(first, start), min(start + len(blocks), computed)):
             self._restores.append((seq.block_table[j], blocks[j - start]))
+        if self.rows is not None:
+            self.rows.map(seq, start + len(blocks))
 
     def free(self, seq) -> None:
         self.map.release(seq)
+        if self.rows is not None:
+            self.rows.release(seq)
         self._saves = [s for s in self._saves if s[0] != seq.seq_id]
         if self.working_set is not None:
             self.working_set.forget(seq)
 
     def can_admit_segmented(self, seq, running: list) -> bool:
         """Whether a layer-segmented prefill may start (its first decode's window fits)."""
-        return self.map.can_admit_window(seq, running)
+        return self.map.can_admit_window(seq, running) and (self.rows is None or self.rows.can_admit(seq, running))
 
     def schedule_segmented(self, seq) -> None:
-        """Its window's device blocks, filled layer by layer by the prefill (nothing to restore)."""
+        """Its window's device blocks, filled layer by layer by the prefill (nothing to restore),
+        and rows for every block of its prompt (a computed prefix's restored)."""
         self.map.map_window(seq)
+        if self.rows is not None:
+            self.rows.map(seq, blocks_needed(seq.num_tokens, self.block_size))
 
     def pause(self, seq) -> None:
         """It keeps its token blocks (the host store holds every full block it computed); its
@@ -258,6 +354,8 @@ class OffloadSpace:
             self._restores = [(row, dev) for row, dev in self._restores if dev not in mine]
             self._saves.append((seq.seq_id, seq.block_table[c // bs], blocks[c // bs - start]))
         self.map.release(seq)
+        if self.rows is not None:
+            self.rows.release(seq)
         if self.working_set is not None:
             self.working_set.on_pause(seq)
 
@@ -283,12 +381,16 @@ class OffloadSpace:
             {sid: ranges.get(sid) for sid in self.map.take_changed()},
             stale,
         )
+        if self.rows is not None:
+            plan.rows, plan.row_saves, plan.row_restores = self.rows.take()
         self._saves, self._restores = [], []
         return plan
 
     def gauges(self) -> dict[str, int]:
         ws = self.working_set.gauges() if self.working_set is not None else {}
-        return ws | {
-            "offload_device_blocks": self.map.num_blocks,
-            "offload_device_blocks_used": self.map.allocator.num_used,
-        }
+        rows = {} if self.rows is None else {"offload_device_rows_used": self.rows.allocator.num_used}
+        return (
+            ws
+            | rows
+            | {"offload_device_blocks": self.map.num_blocks, "offload_device_blocks_used": self.map.allocator.num_used}
+        )

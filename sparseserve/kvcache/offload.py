@@ -14,7 +14,7 @@ from sparseserve.config import OffloadConfig, available_host_memory
 from sparseserve.kernels.flash_h2d import flash_h2d
 from sparseserve.kernels.sparse_decode import listed_rows
 from sparseserve.kvcache.blocks import blocks_needed
-from sparseserve.kvcache.host import HostKVStore, host_block_bytes
+from sparseserve.kvcache.host import HostKVStore, host_block_bytes, pinned_zeros
 from sparseserve.kvcache.layout import OffloadLayout
 from sparseserve.kvcache.offload_plan import OffloadPlan
 from sparseserve.kvcache.pool import HBMPool
@@ -49,6 +49,7 @@ class OffloadCache:
         local_blocks: int,
         sparse_cache: torch.Tensor,
         working_set: WorkingSetCounter | None = None,
+        dense_cache: torch.Tensor | None = None,
     ) -> None:
         self.layout, self.host, self.pool = layout, host, pool
         self.working_set = working_set
@@ -65,6 +66,13 @@ class OffloadCache:
         self.lag_loc: torch.Tensor | None = None  # lag: [sparse layers, list rows + 1, Hkv, cap]
         self.lag_key: torch.Tensor | None = None
         self.cap = 0  # blocks a selection lists (set by `build`)
+        # token block -> device row (kvcache/device_space.py DeviceRowMap), the trash row where none
+        dev = pool.resident.device
+        self.row_of = torch.full((layout.token_blocks + 1,), layout.rows, dtype=torch.int32, device=dev)
+        self.dense_cache = dense_cache  # [dense layers, rows + 1, Hkv, 2, bs, D]: the first kv_caches
+        self.key_meta = None  # the sparse backend's, by device row (attach_key_meta)
+        self.host_meta: tuple[torch.Tensor, torch.Tensor] | None = None  # its copy by host row
+        self.num_row_moves = [0, 0]  # device rows saved, restored (stats)
 
     @classmethod
     def build(
@@ -115,6 +123,10 @@ class OffloadCache:
             # a decode step's lists of max_num_seqs sequences per layer, at most every head block
             default_pool_slots=num_layers * num_kv_heads * min(max_num_seqs * cap, token_blocks),
             min_device_blocks=step_blocks + local_blocks + 1 if config.layer_segmented_prefill else seq_blocks,
+            # rows: at least one max_model_len sequence (and its first decode); a share of the
+            # budget as for sequences of half max_model_len (docs/offload.md, "Device rows")
+            min_rows=blocks_needed(max_model_len + 1, block_size),
+            seq_rows=min(seq_blocks, max(seq_blocks // 2, 4 * cap)),
             # a whole prefill and a step's prefill tokens (short prompts beside a long prefill),
             # then a decode window (+1 block of slack) for each sequence the pool can serve
             want_device_blocks=whole_prefill + step_blocks,
@@ -141,7 +153,7 @@ class OffloadCache:
         dl = layout.dense_layers
         # Dense layers: a full-size cache by token block. Sparse layers: the device block cache
         # (+ a trash row that released table entries name), the working set.
-        dense_cache = torch.empty(dl, layout.token_blocks, *shape, dtype=dtype, device=device)
+        dense_cache = torch.empty(dl, layout.rows + 1, *shape, dtype=dtype, device=device)
         sparse_cache = torch.empty(num_layers - dl, layout.device_blocks + 1, *shape, dtype=dtype, device=device)
         host = HostKVStore(num_layers, layout.token_blocks, num_kv_heads, block_size, head_dim, dtype, device=device)
         host.attach_d2h(max_num_batched_tokens, max_num_seqs)
@@ -156,16 +168,22 @@ class OffloadCache:
             device=device,
         )
         logger.info(
-            "KV offload: host store %d blocks (%.2f GiB, pinned=%s), device block cache %d blocks, "
-            "HBM pool %d head-block slots",
+            "KV offload: host store %d blocks (%.2f GiB, pinned=%s); device: %s",
             layout.token_blocks,
             host.nbytes / 2**30,
             host.data.is_pinned(),
-            layout.device_blocks,
-            pool.num_slots,
+            ", ".join(f"{k.replace('_', ' ')} {v / 2**30:.2f} GiB" for k, v in layout.split().items()),
         )
         cache = cls(
-            layout, host, pool, list(dense_cache) + list(sparse_cache), block_size, local_blocks, sparse_cache, counter
+            layout,
+            host,
+            pool,
+            list(dense_cache) + list(sparse_cache),
+            block_size,
+            local_blocks,
+            sparse_cache,
+            counter,
+            dense_cache,
         )
         cache.cap = cap
         return cache
@@ -173,6 +191,23 @@ class OffloadCache:
     @property
     def num_token_blocks(self) -> int:
         return self.layout.token_blocks
+
+    def attach_key_meta(self, key_meta) -> None:
+        """The sparse backend's key metadata (kvcache/metadata.py KeyMeta, by device row) and its
+        copy by host row, which saved rows go to and restored ones come from."""
+        self.key_meta = key_meta
+        pin = torch.cuda.is_available()
+        rows = self.layout.token_blocks + 1
+        shapes = [((t.shape[0], rows, *t.shape[2:]), t.dtype) for t in (key_meta.codes, key_meta.scale)]
+        self.host_meta = tuple(pinned_zeros(s, d) if pin else torch.zeros(s, dtype=d) for s, d in shapes)
+
+    def row_view(self, tables: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables, slot mapping) by token block -> by device row (fixed shapes: CUDA
+        graphs capture it; -1 slots stay -1)."""
+        bs = self.block_size
+        rows = self.row_of[tables.long()]
+        row_slots = self.row_of[(slots // bs).clamp_min(0)].long() * bs + slots % bs
+        return rows, torch.where(slots >= 0, row_slots, -1)
 
     def offloads(self, layer: int) -> bool:
         """Whether a layer's blocks live in the host store (dense layers keep theirs on device)."""
@@ -196,13 +231,21 @@ class OffloadCache:
         dl = self.dense_layers
         for row, dev in plan.saves:
             self.host.data[dl:, row].copy_(self.sparse_cache[:, dev])
+        if plan.row_saves:
+            self._move_rows(plan.row_saves, save=True)
         for sid, rng in plan.ranges.items():
             if rng is None:
                 self.ranges.pop(sid, None)
             else:
                 self.ranges[sid] = rng
+        if plan.rows:
+            blocks = torch.tensor([b for b, _ in plan.rows], dtype=torch.int64)
+            rows = torch.tensor([r if r >= 0 else self.layout.rows for _, r in plan.rows], dtype=torch.int32)
+            self.row_of.index_copy_(0, *to_device_many([blocks, rows], self.row_of.device))
         if plan.restores:
             self._restore(plan.restores)
+        if plan.row_restores:
+            self._move_rows(plan.row_restores, save=False)
 
     def _restore(self, restores: list[tuple[int, int]]) -> None:
         rows = torch.tensor([r for r, _ in restores], dtype=torch.int64)
@@ -218,6 +261,34 @@ class OffloadCache:
             self.sparse_cache.view(-1, *self.sparse_cache.shape[3:]),
             *to_device_many([key, load], self.sparse_cache.device),
         )
+
+    def _move_rows(self, pairs: list[tuple[int, int]], save: bool) -> None:
+        """(token block, device row) pairs: the dense layers' KV and the sparse layers' key
+        metadata, device row -> the block's host row (save) or back (restore), one FlashH2D
+        gather per tensor."""
+        self.num_row_moves[0 if save else 1] += len(pairs)
+        dev = self.row_of.device
+        blocks = torch.tensor([b for b, _ in pairs], dtype=torch.int64)
+        rows = torch.tensor([r for _, r in pairs], dtype=torch.int64)
+        moves = [(self.host.data[: self.dense_layers], self.dense_cache)]
+        if self.key_meta is not None:
+            km, (codes, scale) = self.key_meta, self.host_meta
+            dl = self.dense_layers
+            moves += [(codes[dl:], km.codes[dl:]), (scale[dl:], km.scale[dl:])]
+        for host, device in moves:
+            if device is None or host.numel() == 0:
+                continue
+            layers, hkv = host.shape[0], host.shape[2]
+            lay = torch.arange(layers)[:, None, None]
+            heads = torch.arange(hkv)[None, None, :]
+            host_key = ((lay * host.shape[1] + blocks[None, :, None]) * hkv + heads).reshape(-1)
+            dev_key = ((lay * device.shape[1] + rows[None, :, None]) * hkv + heads).reshape(-1)
+            host_key, dev_key = to_device_many([host_key, dev_key], dev)
+            host_flat, dev_flat = host.reshape(-1, *host.shape[3:]), device.reshape(-1, *device.shape[3:])
+            if save:
+                flash_h2d(dev_flat, host_flat, dev_key, host_key)
+            else:
+                flash_h2d(host_flat, dev_flat, host_key, dev_key)
 
     def drop_stale(self, blocks: torch.Tensor | list[int] | None) -> None:
         """Token blocks with new owners leave the pool (one launch), before any kernel that may
@@ -364,5 +435,9 @@ class OffloadCache:
             "offload_hbm_slots": self.pool.num_slots,
             "offload_head_block_bytes": self.layout.head_block_bytes,
             "offload_blocks_restored": self.num_restored_blocks,
+            "offload_device_rows": self.layout.rows,
+            "offload_rows_saved": self.num_row_moves[0],
+            "offload_rows_restored": self.num_row_moves[1],
+            **{f"offload_hbm_bytes_{k}": v for k, v in self.layout.split().items()},
             "offload_d2h_blocks_written": self.host.d2h_blocks_written(),
         }

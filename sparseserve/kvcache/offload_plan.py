@@ -19,3 +19,9 @@ class OffloadPlan:
     ranges: dict[int, tuple[int, list[int]] | None] = field(default_factory=dict)
     # token blocks with new owners: they leave the HBM pool before the step's kernels
     stale: list[int] = field(default_factory=list)
+    # device rows (dense layers' KV + key metadata, kvcache/device_space.py DeviceRowMap):
+    # (token block, row; -1: none) changed, then (token block, row) saved to the block's host
+    # row before any restore, then restored from it
+    rows: list[tuple[int, int]] = field(default_factory=list)
+    row_saves: list[tuple[int, int]] = field(default_factory=list)
+    row_restores: list[tuple[int, int]] = field(default_factory=list)

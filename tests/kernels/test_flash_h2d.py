@@ -25,8 +25,12 @@ def offload_cache(host: HostKVStore, pool: HBMPool, num_blocks: int, local: int 
     """An offload cache around a given store and pool for a one-layer backend test: every layer sparse, the
     device cache the test's own (its step addressing is the token addressing)."""
     bs, d = host.block_size, host.data.shape[-1]
-    layout = OffloadLayout(num_blocks, num_blocks, pool.num_slots, 0, 0, 0, 2 * bs * d * host.data.element_size())
-    return OffloadCache(layout, host, pool, [], bs, local, None)
+    layout = OffloadLayout(
+        num_blocks, num_blocks, num_blocks, pool.num_slots, 0, 0, 0, 2 * bs * d * host.data.element_size()
+    )
+    cache = OffloadCache(layout, host, pool, [], bs, local, None)
+    cache.row_of.copy_(torch.arange(num_blocks + 1))  # device rows = token blocks
+    return cache
 
 
 @pytest.mark.parametrize(

@@ -204,7 +204,8 @@ def test_offload_layout_split():
     pool all the rest; explicit sizes win; a tight budget keeps half for the pool down to one sequence."""
     hb, kv_layer, seq, want, tokens = 2 * 32 * 128 * 2, 8 * 2 * 32 * 128 * 2, 1032, 1032 + 20 * 5 + 256, 20640
     dev_bytes = 30 * kv_layer
-    fixed = tokens * (2 * kv_layer + 130_000) + dev_bytes  # metadata + dense layers, the device trash row
+    row_bytes = 2 * kv_layer + 130_000  # a device row: dense layers + metadata
+    fixed = (tokens + 1) * row_bytes + dev_bytes  # a row per token block, the trash rows
 
     def plan(rest: int | None, **kw) -> OffloadLayout:
         args = dict(
@@ -246,6 +247,20 @@ def test_offload_layout_split():
     served = (rest - (want - 100) * dev_bytes) // (5 * dev_bytes + lists * hb)
     assert 20 < served < 256 and many.device_blocks == want - 100 + 5 * served
     assert many.pool_slots >= served * lists
+    # Device rows sized by the running sequences: the share of sequences of `seq_rows` blocks beside their
+    # lists and window, at least `min_rows`; what they leave goes to the pool.
+    rows = dict(per_seq, max_seqs=256, min_rows=seq + 1, seq_rows=516)
+    free = tokens * row_bytes + rest - (want - 100) * dev_bytes  # less the device cache's fixed part
+    shared = plan(rest, **rows)
+    assert shared.rows == free * 516 // (516 * row_bytes + lists * hb + 5 * dev_bytes) < tokens
+    assert shared.pool_slots > many.pool_slots  # what the rows leave goes to the pool (and windows)
+    assert fixed + rest - dev_bytes - hb < sum(shared.split().values()) <= fixed + rest  # the whole budget
+    assert plan(rest, **{**rows, "seq_rows": 10**6}).rows == tokens  # never more rows than token blocks
+    assert plan(rest, **{**rows, "seq_rows": 1}).rows == seq + 1  # one max_model_len sequence at least
+    split = shared.split()
+    assert split["dense_layers"] == (shared.rows + 1) * 2 * kv_layer
+    assert split["metadata"] == (shared.rows + 1) * 130_000 and split["pool"] == shared.pool_slots * hb
+    assert split["device_block_cache"] == (shared.device_blocks + 1) * dev_bytes
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 4, 16])
@@ -392,6 +407,39 @@ def test_key_meta_update_rows_by_token_block(page):
     assert_page(3, 0, cache[1, :, 0, :1])
 
 
+def test_decode_write_through_to_host_rows_apart_from_metadata_rows():
+    """KV offload with device rows: the fused store kernel writes the metadata at the token's
+    device-row slot (meta_slots) and the block a decode completes to its host row (host_slots);
+    the Triton kernel (interpreter on CPU) equals the reference on fresh random inputs."""
+    from sparseserve.kernels.key_meta import store_kv_key_meta_ref, store_kv_key_meta_triton
+    from sparseserve.kvcache.metadata import allocate_key_meta
+
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    bs, hkv, d, dev_blocks, rows, host_rows, page = 4, 2, 8, 3, 5, 7, 2
+    # three decodes: two complete their blocks (offset bs - 1), one does not; then a prefill token
+    dev = [2, 0, 1, 1]
+    offs = [bs - 1, bs - 1, 1, 2]
+    row = [4, 1, 3, 3]
+    host = [6, 2, 5, 5]
+    slots = torch.tensor([b * bs + o for b, o in zip(dev, offs)], device=DEVICE)
+    meta_slots = torch.tensor([r * bs + o for r, o in zip(row, offs)], device=DEVICE)
+    host_slots = torch.tensor([h * bs + o for h, o in zip(host, offs)], device=DEVICE)
+    k, v = (torch.randn(len(dev), hkv, d, device=DEVICE) for _ in range(2))
+    cache = torch.randn(dev_blocks, hkv, 2, bs, d, device=DEVICE)
+    out = []
+    for fn in (store_kv_key_meta_ref, store_kv_key_meta_triton):
+        c, m = cache.clone(), allocate_key_meta(1, rows, hkv, bs, page, d, torch.device(DEVICE))[0]
+        h, count = torch.zeros(host_rows + 1, hkv, 2, bs, d, device=DEVICE), torch.zeros((), dtype=torch.int64)
+        fn(k, v, c, m.codes, m.scale, slots, page, meta_slots, h, 3, count, host_slots)
+        out.append((c, m.codes, m.scale, h[:host_rows], count))  # (the last row: the reference's trash)
+    for got, want in zip(out[1], out[0]):
+        assert torch.equal(got, want)
+    c, codes, _, h, count = out[0]
+    assert int(count) == 2 and torch.equal(h[6], c[2]) and torch.equal(h[2], c[0])
+    assert not h[[0, 1, 3, 4, 5]].any()  # nothing at the metadata rows or the incomplete block's host row
+    assert codes[[4, 1, 3]].any() and not codes[[0, 2]].any()  # metadata at the device rows only
+
+
 def run(model_dir, **kw):
     llm = LLM(str(model_dir), **{**COMMON, **kw})
     outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
@@ -424,9 +472,11 @@ def test_offload_equals_no_offload(hf_models, policy):
         dense = policy.get("sparse_dense_layers", 0)
         num_tokens = llm.llm_engine.allocator.num_blocks
         assert len(runner.kv_caches) == 2
-        assert [c.shape[0] == num_tokens for c in runner.kv_caches] == [True] * dense + [False] * (
+        rows = runner.offload.layout.rows
+        assert rows == num_tokens  # no budget: a device row per token block
+        assert [c.shape[0] == rows + 1 for c in runner.kv_caches] == [True] * dense + [False] * (
             2 - dense
-        ) or device_blocks is None  # dense layers: a full-size cache by token block
+        ) or device_blocks is None  # dense layers: a cache by device row (+ trash)
         if device_blocks is not None:
             assert runner.kv_caches[-1].shape[0] == device_blocks + 1 < runner.offload.host.data.shape[1]
         engine = llm.llm_engine

@@ -1,0 +1,160 @@
+"""Device rows under KV offload (kvcache/device_space.py DeviceRowMap): the dense layers' KV and the key
+metadata of the running sequences' token blocks only, shared by the sequences holding a block, saved to the
+block's host row when the last holder leaves and restored when a block with computed tokens maps again."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sparseserve import LLM, SamplingParams
+from sparseserve.kvcache.blocks import blocks_needed
+from sparseserve.kvcache.device_space import DeviceRowMap
+
+BS = 8
+
+
+class Seq:
+    def __init__(self, seq_id: int, table: list[int], computed: int = 0, tokens: int = 0) -> None:
+        self.seq_id, self.block_table, self.num_computed_tokens = seq_id, table, computed
+        self.num_tokens = tokens or computed + 1
+
+
+def test_rows_shared_saved_restored():
+    rows = DeviceRowMap(num_rows=6, block_size=BS, token_blocks=20)
+    a = Seq(1, [10, 11, 12], computed=0, tokens=20)
+    assert rows.can_admit(a, []) and rows.can_map(a, 20)
+    rows.map(a, blocks_needed(20, BS))
+    changes, saves, restores = rows.take()
+    assert sorted(b for b, _ in changes) == [10, 11, 12] and not saves and not restores  # nothing computed yet
+    a.num_computed_tokens = 20
+    b = Seq(2, [10, 11, 13], computed=16, tokens=24)  # a prefix hit on a's first two blocks
+    assert rows.can_map(b, 8)  # one new row (block 13): 3 free
+    rows.map(b, 3)
+    changes, saves, restores = rows.take()
+    assert [bk for bk, _ in changes] == [13] and not restores  # 10, 11 shared (their rows are live)
+    assert rows.row_of[10] == dict(changes).get(10, rows.row_of[10]) and rows.allocator.num_used == 4
+    rows.release(a)  # a leaves: 10, 11 stay (b holds them), 12 is saved (computed), its row freed
+    changes, saves, restores = rows.take()
+    assert changes == [(12, -1)] and [bk for bk, _ in saves] == [12] and rows.allocator.num_used == 3
+    rows.release(b)  # b pauses after 16 computed tokens: 10, 11 saved; 13 has none
+    changes, saves, restores = rows.take()
+    assert sorted(bk for bk, _ in saves) == [10, 11] and sorted(changes) == [(10, -1), (11, -1), (13, -1)]
+    rows.map(b, 3)  # b resumes: 10 and 11 come back from their host rows, 13 has nothing to restore
+    changes, saves, restores = rows.take()
+    assert sorted(bk for bk, _ in restores) == [10, 11] and not saves
+    rows.release(b)  # a restore still pending with its row released: dropped, nothing saved
+    rows.map(b, 3)
+    rows.release(b)
+    changes, saves, restores = rows.take()
+    assert sorted(bk for bk, _ in saves) == [10, 11] and not restores
+    assert rows.allocator.num_used == 0 and not rows.row_of and not rows.holders
+    rows.allocator.check()
+
+
+def test_rows_admission_and_growth():
+    rows = DeviceRowMap(num_rows=5, block_size=BS, token_blocks=20)
+    a = Seq(1, [0, 1], computed=0, tokens=12)
+    assert rows.can_admit(a, [])
+    rows.map(a, 2)
+    big = Seq(2, [], computed=0, tokens=4 * BS)  # its prompt and first decode need 5 rows: 3 free
+    assert not rows.can_admit(big, [a]) and rows.can_admit(Seq(3, [], tokens=2 * BS), [a])
+    a.num_computed_tokens, a.num_tokens = 16, 17  # a decodes into a third block: one more row
+    assert rows.can_map(a, 1)
+    a.block_table.append(2)
+    rows.map(a, 3)
+    assert rows.allocator.num_used == 3
+    assert DeviceRowMap(2, BS, token_blocks=2).can_admit(big, [a])  # a row per token block: never short
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rows_random_walk(seed):
+    """Random steps, pauses and releases over shared prefix blocks: a row has as many holders as the running
+    sequences mapping its block, restores name only blocks saved earlier, and nothing leaks."""
+    rng = random.Random(seed)
+    rows = DeviceRowMap(num_rows=40, block_size=BS, token_blocks=100)
+    prefix = [90, 91, 92]
+    live, paused, saved, nxt, sid = {}, [], set(), 0, 0
+    for _ in range(400):
+        if live and rng.random() < 0.3:
+            s = live.pop(rng.choice(list(live)))
+            rows.release(s)
+            if rng.random() < 0.5 and s.num_computed_tokens < len(s.block_table) * BS:
+                paused.append(s)  # resumes later with what it computed
+        else:
+            if paused and rng.random() < 0.5:
+                s = paused.pop(rng.randrange(len(paused)))
+            else:  # a new sequence: the prefix blocks some earlier one computed are a hit
+                usable = []
+                for b in prefix[: rng.randrange(4)]:
+                    if b not in saved and b not in rows.row_of:
+                        break
+                    usable.append(b)
+                s = Seq(sid, usable + list(range(nxt, nxt + 3)), computed=len(usable) * BS)
+                sid, nxt = sid + 1, nxt + 3
+            n = min(rng.randrange(1, 2 * BS), len(s.block_table) * BS - s.num_computed_tokens)
+            if n <= 0 or not rows.can_map(s, n):
+                continue
+            rows.map(s, blocks_needed(s.num_computed_tokens + n, BS))
+            s.num_computed_tokens += n
+            live[s.seq_id] = s
+        changes, saves, restores = rows.take()
+        for b, r in restores:
+            assert b in saved and rows.row_of[b] == r
+        saved.update(b for b, _ in saves)
+        holders = {}
+        for s in live.values():
+            for b in s.block_table[: rows.mapped[s.seq_id]]:
+                holders[rows.row_of[b]] = holders.get(rows.row_of[b], 0) + 1
+        assert holders == rows.holders
+    for s in list(live.values()):
+        rows.release(s)
+    assert rows.allocator.num_used == 0 and saved
+    rows.allocator.check()
+
+
+def test_fewer_rows_than_token_blocks_keeps_the_tokens(hf_models):
+    """KV offload with device rows for only part of the host store (a small kv_cache_memory): greedy tokens
+    equal sparse decode without offload, float32, with prefix hits on finished requests' blocks (rows saved at
+    release, restored at the hit) and a dense first layer; the split is reported; nothing leaks."""
+    model_dir = hf_models["qwen2-gqa-bias"][0]
+    kw = dict(
+        device="cpu",
+        dtype="float32",
+        max_model_len=136,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        block_size=BS,
+        sparse_policy="topk",
+        sparse_budget=4 * BS,
+        sparse_dense_layers=1,
+        sparse_sink_blocks=1,
+        sparse_local_blocks=2,
+        sparse_dense_context=0,
+        enable_prefix_caching=True,
+    )
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    prefix = torch.randint(10, 2000, (64,), generator=g).tolist()
+    tail = [torch.randint(10, 2000, (n,), generator=g).tolist() for n in (40, 30, 100, 50)]
+    waves = [[prefix + tail[0]], [prefix + tail[1], tail[2], prefix + tail[3]]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run(**extra) -> tuple[list[list[int]], LLM]:
+        llm = LLM(str(model_dir), **kw, **extra)
+        return [o.outputs[0].token_ids for w in waves for o in llm.generate(w, params, use_tqdm=False)], llm
+
+    base, _ = run()
+    got, llm = run(kv_offload=True, kv_cache_memory=600_000, host_kv_memory=2_000_000)
+    assert got == base
+    engine = llm.llm_engine
+    layout = engine.model_runner.offload.layout
+    stats = engine.get_stats(sync=True)
+    assert layout.rows < layout.token_blocks == stats.offload_host_blocks
+    assert stats.offload_device_rows == layout.rows and stats.offload_device_rows_used == 0
+    assert stats.offload_rows_saved > 0 and stats.offload_rows_restored > 0  # the hits came back from the host
+    assert stats.offload_hbm_bytes_dense_layers > 0 and stats.offload_hbm_bytes_metadata > 0
+    assert stats.offload_hbm_bytes_pool == layout.pool_slots * layout.head_block_bytes
+    assert stats.num_blocks_used == 0
+    engine.scheduler.kv.device_space.rows.allocator.check()
