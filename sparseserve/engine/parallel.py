@@ -2,14 +2,16 @@
 driver and the workers' loop.
 
 Rank 0 runs the engine; every rank runs a ModelRunner over its shard. Before each step
-`TPDriver` sends the workers one `StepMessage` (the step's `SeqView`s, the sequences released
-since the last one, the step's OffloadPlan), so every rank runs the same batch and keeps the
-same device ranges, pool and selection slots. Only rank 0 samples. A dead rank stops the engine
-with an error naming it (docs/tensor_parallel.md, "When something fails").
+`TPDriver` sends the workers one `StepMessage` (the step's `SeqView`s and layer-segmented
+prefill segments, the sequences released since the last one, the step's OffloadPlan), so every
+rank runs the same batch and keeps the same device ranges, pool and selection slots. Only rank
+0 samples. A dead rank stops the engine with an error naming it (docs/tensor_parallel.md, "When
+something fails").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import inspect
 import logging
@@ -37,6 +39,7 @@ from sparseserve.distributed.launch import (
 )
 from sparseserve.distributed.utils import divide, shard_heads
 from sparseserve.engine.runner import ModelRunner, resolve_device
+from sparseserve.engine.scheduler.segments import LayerSegment
 from sparseserve.kvcache.offload_plan import OffloadPlan
 from sparseserve.layers.sampler import SamplerOutput
 from sparseserve.models.config import ArchConfig
@@ -104,13 +107,13 @@ def check_model(config: EngineConfig, model_dir: Path) -> None:
 
 
 class _StepTokens:
-    """A SeqView's token_ids: only the step's tokens, at their positions (the runner reads
+    """A view's token_ids: only the tokens it carries, at their positions (the runner reads
     token_ids[num_computed_tokens:num_computed_tokens + n] and nothing else of them)."""
 
-    def __init__(self, start: int, ids: list[int]) -> None:
+    def __init__(self, start: int, ids: list[int] | np.ndarray) -> None:
         self.start, self.ids = start, ids
 
-    def __getitem__(self, s: slice) -> list[int]:
+    def __getitem__(self, s: slice) -> list[int] | np.ndarray:
         return self.ids[s.start - self.start : s.stop - self.start]
 
 
@@ -142,11 +145,47 @@ class SeqView:
 
 
 @dataclass
+class SegmentView:
+    """What engine/layer_prefill.py reads of a layer-segmented prefill's sequence. The prompt's
+    uncomputed tokens and the block table come with the first segment (layer 0) only: a later
+    one continues the prefill in progress, found by seq_id (reading them then raises)."""
+
+    seq_id: int
+    num_computed_tokens: int
+    num_tokens: int
+    new_token_ids: np.ndarray | None  # int32: token_ids[num_computed_tokens:]
+    table: np.ndarray | None  # int32: the block table
+
+    @classmethod
+    def segment(cls, seg: LayerSegment) -> LayerSegment:
+        """`seg` with its sequence replaced by a view (rank 0's segments keep the Sequence)."""
+        seq, first = seg.seq, seg.start == 0
+        c = seq.num_computed_tokens
+        ids = np.asarray(seq.token_ids[c:], dtype=np.int32) if first else None
+        view = cls(seq.seq_id, c, seq.num_tokens, ids, seq.block_table_array() if first else None)
+        return dataclasses.replace(seg, seq=view)
+
+    def _first(self, what: str, value: np.ndarray | None) -> np.ndarray:
+        if value is None:
+            raise RuntimeError(f"sequence {self.seq_id}: its {what} came with its first segment only")
+        return value
+
+    @property
+    def token_ids(self) -> _StepTokens:
+        return _StepTokens(self.num_computed_tokens, self._first("token ids", self.new_token_ids))
+
+    @property
+    def block_table(self) -> np.ndarray:
+        return self._first("block table", self.table)
+
+
+@dataclass
 class StepMessage:
     released: list[tuple[int, bool]] = field(default_factory=list)  # (seq_id, paused): first
     scheduled: list[tuple[SeqView, int]] | None = None  # the step to run (None: none)
     plan: OffloadPlan | None = None  # KV offload: the step's plan
     stop: bool = False
+    segments: list[LayerSegment] = field(default_factory=list)  # of SegmentViews, run after `scheduled`
 
 
 # ---- rank 0 --------------------------------------------------------------------------------------
@@ -289,16 +328,21 @@ class TPDriver:
     def execute(
         self, scheduled: list, segments: list = (), plan: OffloadPlan | None = None, feed: Any = None
     ) -> tuple[list, SamplerOutput | None]:
-        if segments or feed is not None:
-            raise RuntimeError("layer-segmented prefill and async scheduling do not run under tensor parallelism")
+        if feed is not None:
+            raise RuntimeError("async scheduling does not run under tensor parallelism")
         s = self._session
         s.check()
-        message = StepMessage(self._released, [(SeqView.of(seq, n), n) for seq, n in scheduled], plan)
+        message = StepMessage(
+            self._released,
+            [(SeqView.of(seq, n), n) for seq, n in scheduled],
+            plan,
+            segments=[SegmentView.segment(seg) for seg in segments],
+        )
         self._released = []
         try:
             with s.channel.hold():
                 s.channel.send(message)
-                sampled, out = self.runner.execute(scheduled, plan=plan)
+                sampled, out = self.runner.execute(scheduled, segments, plan)
                 if self.runner.device.type == "cuda":
                     # Waiting here lets a dead rank (the watchdog aborts NCCL) become an error,
                     # not a step of garbage tokens the engine reads next.
@@ -365,8 +409,8 @@ def serve(runner: ModelRunner, tp: TPGroup) -> None:
             return
         for seq_id, paused in message.released:
             runner.release(seq_id, paused)
-        if message.scheduled:
-            runner.execute(message.scheduled, plan=message.plan)
+        if message.scheduled or message.segments:  # rank 0's order: the batch, then the segments
+            runner.execute(message.scheduled or [], message.segments, message.plan)
 
 
 def _worker_main(

@@ -264,6 +264,31 @@ def test_seq_view_reads_like_the_sequence():
     assert list(view.block_table) == seq.block_table and view.block_table_array().tolist() == seq.block_table
 
 
+def test_segment_view_reads_like_the_sequence():
+    """A layer-segmented prefill's first segment carries the uncomputed tokens and the block table (what
+    engine/layer_prefill.py reads); a later one only the ids and counts, and reading more of it raises."""
+    import pickle
+
+    from sparseserve.engine.parallel import SegmentView
+    from sparseserve.engine.scheduler.segments import LayerSegment
+
+    seq = Sequence(3, "r", 0, list(range(4000, 4100)), SamplingParams())
+    seq.block_table = [7, 2, 9, 4, 11, 5, 8, 1, 3, 6, 10, 12, 0]
+    seq.num_computed_tokens = 40  # a prefix-cache hit
+    first = pickle.loads(pickle.dumps(SegmentView.segment(LayerSegment(seq, 0, 2, 30))))
+    view = first.seq
+    assert (first.start, first.end, first.cost) == (0, 2, 30)
+    assert (view.seq_id, view.num_computed_tokens, view.num_tokens) == (3, 40, 100)
+    assert list(view.token_ids[40:100]) == seq.token_ids[40:100]
+    assert list(view.block_table[:13]) == seq.block_table
+    later = SegmentView.segment(LayerSegment(seq, 2, 3, 15))
+    assert later.seq.seq_id == 3 and len(pickle.dumps(later)) < len(pickle.dumps(first)) - 200
+    with pytest.raises(RuntimeError, match="sequence 3: its token ids came with its first segment only"):
+        later.seq.token_ids[40:100]
+    with pytest.raises(RuntimeError, match="its block table came with its first segment only"):
+        later.seq.block_table
+
+
 def test_driver_refuses_runner_methods_that_would_run_on_rank_0_alone():
     from sparseserve.engine.parallel import TPDriver
 
