@@ -27,7 +27,8 @@ from sparseserve import LLM, SamplingParams
 from sparseserve.distributed.launch import WorkerProcesses, report_worker_error, worker_setup
 from sparseserve.engine.parallel import WORKER_PRELOAD
 from sparseserve.kvcache.host import host_block_bytes
-from tests.conftest import VARIANTS
+from sparseserve.profiler import Profiler
+from tests.conftest import VARIANTS, VOCAB
 from tests.schedules import drive_random_schedule
 
 BS = 8
@@ -116,6 +117,59 @@ def test_streaming_heads_name_global_kv_heads(hf_models, tmp_path):
         shutdown(llm)
 
 
+class SegmentLog(Profiler):
+    """Per step: the layer-segmented prefill segments it runs and rank 0's layer-progress gauges
+    before it (set `engine` after the engine is built)."""
+
+    def __init__(self) -> None:
+        self.engine, self.steps = None, []
+
+    def on_schedule(self, out) -> None:
+        stats = self.engine.get_stats()
+        gauges = (stats.layer_prefills_running, stats.layer_prefill_layers_done)
+        self.steps.append(([(s.seq.seq_id, s.start, s.end) for s in out.segments], gauges))
+
+
+def test_layer_segmented_prefill_equals_one_rank(hf_models):
+    """SparseServe mode (topk + KV offload + layer-segmented prefill): prompts longer than a step's budget run
+    one layer per step on every rank (layer 0 dense, layer 1 sparse through the scratch and the host store), one
+    of them after a 40-token prefix-cache hit restored from the host store; the same segments, greedy tokens
+    and logprobs as one rank, and rank 0's gauges show the prefill's progress."""
+    model_dir = hf_models["mistral-gqa"][0]
+    kw = dict(OFFLOAD, layer_segmented_prefill=True, prefill_layer_segment=1)
+    g = torch.Generator().manual_seed(1)  # ids over the whole vocabulary: both ranks' embedding rows
+    long, short, tiny = (torch.randint(10, VOCAB, (n,), generator=g).tolist() for n in (70, 29, 5))
+    reqs = [long, long[:40] + short, short, tiny]  # the second: 69 tokens (> 48 a step), 5 blocks cached
+
+    def run(llm: LLM) -> tuple[list, SegmentLog, list]:
+        log = llm.llm_engine.profiler
+        log.engine = llm.llm_engine
+        outs = llm.generate(reqs, GREEDY, use_tqdm=False)
+        return [o.outputs[0] for o in outs], log, [o.num_cached_tokens for o in outs]
+
+    ref, ref_log, ref_cached = run(LLM(str(model_dir), **COMMON, **kw, profiler=SegmentLog()))
+    llm = tp_engine(model_dir, **kw, profiler=SegmentLog())
+    try:
+        got, log, cached = run(llm)
+        stats = llm.llm_engine.get_stats(sync=True)
+    finally:
+        shutdown(llm)
+    assert_same(ref, got)
+    assert log.steps == ref_log.steps
+    segs = [seg for step, _ in log.steps for seg in step]
+    assert [(start, end) for _, start, end in segs] == [(0, 1), (1, 2)] * 2  # the two long prompts
+    assert cached[1] == ref_cached[1] == 40
+    assert (1, 1) in [g for _, g in log.steps]  # rank 0's progress gauges, between a prefill's segments
+    assert stats.layer_prefills_running == 0 and stats.offload_blocks_loaded > 0
+
+
+def unlimited(engine) -> None:
+    """KV offload's working-set limit off inside rank 0's scheduler (no configuration does that): each rank's pool
+    holds its share of the KV heads, so with the limit TP=2 decodes more requests than one GPU and the schedules
+    (the preemptions compared below) differ."""
+    engine.scheduler.working_set.ws.enabled = False
+
+
 def test_random_schedule_with_aborts_and_preemptions(hf_models):
     """Arrivals (n up to 2), aborts, a device space and a host store small enough to preempt: every rank's
     offload cache and selection slots follow rank 0's scheduler, so each finished request's tokens equal one
@@ -128,6 +182,7 @@ def test_random_schedule_with_aborts_and_preemptions(hf_models):
 
     def run(llm: LLM) -> tuple[dict, int]:
         engine, done = llm.llm_engine, {}
+        unlimited(engine)
 
         def collect(outs):
             done.update({o.request_id: [c.token_ids for c in o.outputs] for o in outs if o.finished})
@@ -146,6 +201,62 @@ def test_random_schedule_with_aborts_and_preemptions(hf_models):
         shutdown(llm)
     assert ref_preemptions > 0 and preemptions == ref_preemptions
     assert got == ref and len(ref) > 10
+
+
+@pytest.mark.slow
+def test_random_schedule_preempts_and_aborts_layer_segmented_prefills(hf_models):
+    """Layer-segmented prefill under a random schedule with aborts and a device space small enough to preempt
+    (this seed preempts a prefill after its first layer): every rank drops a released prefill's progress at
+    the same point of the step order (the message's `released` before its segments) and restarts it at layer
+    0, so the tokens and the preemptions equal one rank's."""
+    model_dir = hf_models["mistral-gqa"][0]
+    kw = dict(
+        OFFLOAD,
+        max_model_len=96,
+        num_gpu_blocks_override=14,
+        init_new_token_ratio=0.0,
+        min_new_token_ratio=0.0,
+        layer_segmented_prefill=True,
+        prefill_layer_segment=1,
+    )
+    host_block = host_block_bytes(2, 2, BS, 32, torch.float32)
+
+    def prompt(rng: random.Random) -> list[int]:  # over the whole vocabulary; half longer than a step's 48
+        return [rng.randrange(10, VOCAB) for _ in range(rng.choice([rng.randint(1, 48), rng.randint(49, 80)]))]
+
+    def run(llm: LLM) -> tuple[dict, int, list]:
+        engine, done = llm.llm_engine, {}
+        engine.profiler.engine = engine
+        unlimited(engine)
+
+        def collect(outs):
+            done.update({o.request_id: [c.token_ids for c in o.outputs] for o in outs if o.finished})
+
+        drive_random_schedule(
+            engine, random.Random(10), steps=40, max_new=12, after_step=collect, greedy=True, prompts=prompt
+        )
+        while engine.has_unfinished_requests():
+            collect(engine.step())
+        segs = [seg for step, _ in engine.profiler.steps for seg in step]
+        return done, engine.get_stats().num_preemptions, segs
+
+    ref = run(LLM(str(model_dir), **{**COMMON, **kw}, host_kv_memory=14 * host_block, profiler=SegmentLog()))
+    llm = LLM(
+        str(model_dir),
+        **{**COMMON, **kw},
+        host_kv_memory=14 * host_block // 2,
+        tensor_parallel_size=2,
+        profiler=SegmentLog(),
+    )
+    try:
+        got = run(llm)
+    finally:
+        shutdown(llm)
+    done, preemptions, segs = ref
+    started = [sid for sid, start, _ in segs if start == 0]
+    finished = [sid for sid, _, end in segs if end == 2]
+    assert preemptions > 0 and len(started) > len(finished) > 2  # a prefill left between its layers
+    assert got == ref and len(done) > 10
 
 
 def _wait_for_failure(llm: LLM) -> tuple[BaseException | None, float]:

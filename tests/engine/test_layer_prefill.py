@@ -86,8 +86,8 @@ def test_config_flags_and_refusals():
         EngineConfig.from_kwargs(layer_segmented_prefill=True, **SPARSE)
     with pytest.raises(ValueError, match="prefill_layer_segment must be >= 1"):
         EngineConfig.from_kwargs(kv_offload=True, layer_segmented_prefill=True, prefill_layer_segment=0, **SPARSE)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig.from_kwargs(kv_offload=True, layer_segmented_prefill=True, tensor_parallel_size=2, **SPARSE)
+    # under tensor parallelism too (tests/distributed/test_tensor_parallel.py)
+    EngineConfig.from_kwargs(kv_offload=True, layer_segmented_prefill=True, tensor_parallel_size=2, **SPARSE)
 
 
 def test_segment_planner():
