@@ -341,13 +341,15 @@ class SparseConfig:
 @dataclass(frozen=True)
 class OffloadConfig:
     """Hierarchical KV cache (docs/architecture.md, principles 4 and 5): every full head block
-    written through to a host store; sparse decode reads its selections through an HBM pool."""
+    written through to a host store; sparse decode reads its selections through an HBM pool.
+    Working-set control is part of it, never a switch: without it the pool thrashes
+    (docs/working_set.md)."""
 
     kv_offload: bool = field(
         default=False,
         metadata={
             "help": "Keep every full KV head block in a (pinned) host store and cache the selected ones in an "
-            "HBM slot pool (needs a sparse policy)."
+            "HBM slot pool, decoding only as many requests as their working sets fit it (needs a sparse policy)."
         },
     )
     host_kv_memory: int | None = field(
@@ -379,24 +381,24 @@ class OffloadConfig:
             "token budget allows)."
         },
     )
-    working_set_control: bool = field(
-        default=False,
-        metadata={
-            "help": "With kv_offload: run a decode batch only while the running requests' working sets fit the "
-            "HBM pool less working_set_margin; the newest beyond it wait paused, without recompute."
-        },
-    )
     working_set_window: int = field(
         default=12, metadata={"help": "Decode steps over which a request's working set is the union of its selections."}
     )
     working_set_margin: float = field(
-        default=0.1, metadata={"help": "Fraction of the HBM pool the working sets leave free (working_set_control)."}
+        default=0.1, metadata={"help": "Fraction of the HBM pool the decoding requests' working sets leave free."}
     )
     max_prefilled_waiting: int = field(
-        default=16,
+        default=8,
         metadata={
-            "help": "working_set_control: at most this many requests that do not fit are prefilled ahead, one "
-            "at a time, and wait paused for a decode slot (0: they wait unprefilled)."
+            "help": "At most this many requests whose working sets do not fit yet are prefilled ahead, one at a "
+            "time, and wait paused for a decode slot (0: they wait unprefilled)."
+        },
+    )
+    max_park_steps: int = field(
+        default=8,
+        metadata={
+            "help": "A request is prefilled ahead only if its decode slot is expected to open at most this many "
+            "steps after its prefill ends (from the running requests' remaining max_tokens)."
         },
     )
 
@@ -416,6 +418,8 @@ class OffloadConfig:
             raise ValueError(f"working_set_margin must be in [0, 1), got {self.working_set_margin}")
         if self.max_prefilled_waiting < 0:
             raise ValueError(f"max_prefilled_waiting must be >= 0, got {self.max_prefilled_waiting}")
+        if self.max_park_steps < 0:
+            raise ValueError(f"max_park_steps must be >= 0, got {self.max_park_steps}")
         if self.host_kv_memory is not None and self.host_kv_memory < 1:
             raise ValueError(f"host_kv_memory must be >= 1 byte, got {self.host_kv_memory}")
         if self.hbm_cache_blocks is not None and self.hbm_cache_blocks < 1:
@@ -427,6 +431,12 @@ class OffloadConfig:
                     f"host_kv_memory={self.host_kv_memory} bytes exceeds the host's available "
                     f"memory ({available} bytes): lower it"
                 )
+
+    @property
+    def working_set_control(self) -> bool:
+        """Whether the decode batch is limited to the working sets the HBM pool holds: always with
+        kv_offload (docs/working_set.md)."""
+        return self.kv_offload
 
 
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -493,6 +503,14 @@ def available_host_memory() -> int | None:
     except (ValueError, OSError, AttributeError):
         return None
 
+
+# Options that no longer exist, and why (a clear error rather than "unknown").
+REMOVED_ARGS = {
+    "working_set_control": (
+        "kv_offload always runs working-set control; without it the HBM pool thrashes (hit ratio "
+        "near 0) and serving stalls (docs/working_set.md)"
+    )
+}
 
 _SUBCONFIGS = {
     "model_config": ModelConfig,
@@ -580,6 +598,8 @@ class EngineConfig:
         for key, value in kwargs.items():
             key = aliases.get(key, key)
             owner = next((n for n, c in _SUBCONFIGS.items() if key in {f.name for f in fields(c)}), None)
+            if key in REMOVED_ARGS:
+                raise TypeError(f"engine argument {key!r} was removed: {REMOVED_ARGS[key]}")
             if owner is None:
                 raise TypeError(f"unknown engine argument {key!r}")
             parts[owner][key] = parse_size(value) if key in sizes and isinstance(value, str) else value

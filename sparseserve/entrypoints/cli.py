@@ -10,7 +10,7 @@ import logging
 import sys
 from typing import Any
 
-from sparseserve.config import EngineConfig, parse_size
+from sparseserve.config import REMOVED_ARGS, EngineConfig, parse_size
 
 _TYPES = {"int": int, "float": float, "str": str}
 # `sparseserve bench NAME` runs module NAME's add_cli_args(parser) + main(args).
@@ -39,8 +39,18 @@ def _help(f: dataclasses.Field) -> str:
     return text.replace("%", "%%")  # argparse %-formats help strings
 
 
+class _Removed(argparse.Action):
+    """A removed option's flag (hidden): the error says why it is gone."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} was removed: {REMOVED_ARGS[self.dest]}")
+
+
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> argparse.ArgumentParser:
     group = parser.add_argument_group("engine")
+    for name in REMOVED_ARGS:
+        flag = name.replace("_", "-")
+        group.add_argument(f"--{flag}", f"--no-{flag}", dest=name, nargs=0, action=_Removed, help=argparse.SUPPRESS)
     for f in EngineConfig.arg_fields():
         if f.name == "model":
             if positional_model:  # `serve MODEL` or `serve --model MODEL`, as in vLLM

@@ -29,6 +29,7 @@ def make_scheduler(
     segments: SegmentPlanner | None = None,
     long_prefill_token_threshold: int = 0,
     max_prefilled_waiting: int = 0,
+    max_park_steps: int = 8,
     kv_cls: type[KVCacheManager] = KVCacheManager,
     fair: bool = True,
 ) -> Scheduler:
@@ -47,7 +48,7 @@ def make_scheduler(
     if long_prefill_token_threshold:
         long = LongPrefillLimit(long_prefill_token_threshold, config.max_long_partial_prefills, min_chunk)
     ws = getattr(device_space, "working_set", None)
-    control = WorkingSetControl(ws, max_prefilled_waiting) if ws is not None else None
+    control = WorkingSetControl(ws, max_prefilled_waiting, max_park_steps) if ws is not None else None
     seg = LayerSegmentedPrefill(segments) if segments is not None else None
     return Scheduler(config, kv, SchedulerPolicies(long, control, seg, RequestFairness() if fair else None))
 

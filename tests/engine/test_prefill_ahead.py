@@ -10,19 +10,29 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from sparseserve.config import EngineConfig, SchedulerConfig
 from sparseserve.engine.engine import LLMEngine
 from sparseserve.engine.request import Sequence, SequenceStatus
 from sparseserve.engine.scheduler import Scheduler
+from sparseserve.engine.scheduler.working_set import share_opens
 from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
 from sparseserve.kvcache.blocks import BlockAllocator
 from sparseserve.metrics import ServerMetrics, parse_metrics
 from sparseserve.sampling_params import SamplingParams
-from tests.engine.sched_utils import LastSchedule, left, make_scheduler
+from tests.engine.sched_utils import left, make_scheduler
 from tests.engine.test_scheduler import NO_RESERVE, DeviceSpace, run_step
-from tests.engine.test_working_set import ENGINE, SMALL_POOL, FakeWorkingSet, assert_no_leaks, drive, prompts
+from tests.engine.test_working_set import (
+    ENGINE,
+    SMALL_POOL,
+    FakeWorkingSet,
+    assert_no_leaks,
+    drive,
+    make_engine,
+    prompts,
+)
 
 BS = 8
 
@@ -46,8 +56,19 @@ def seq(i: int, prompt_len: int = 6, max_tokens: int = 50) -> Sequence:
     return Sequence(i, f"r{i}", 0, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
 
 
+# A horizon that never binds: the tests of the other rules (arrival order, the bound, one at a time).
+NO_HORIZON = 10**6
+
+
 def make(
-    est: dict[int, int], limit: int = 10, bound: int = 8, space: int = 100, blocks: int = 64, budget: int = 64, **cfg
+    est: dict[int, int],
+    limit: int = 10,
+    bound: int = 8,
+    space: int = 100,
+    blocks: int = 64,
+    budget: int = 64,
+    park: int = NO_HORIZON,
+    **cfg,
 ) -> tuple[Scheduler, AheadWorkingSet, Space]:
     ws = AheadWorkingSet(limit, est)
     sp = Space(space, ws)
@@ -57,6 +78,7 @@ def make(
         BS,
         sp,
         max_prefilled_waiting=bound,
+        max_park_steps=park,
     )
     return sched, ws, sp
 
@@ -233,28 +255,112 @@ def test_without_control_or_bound_zero_nothing_changes():
         assert ids(s for s, _ in out.scheduled) == expect and not sched.working_set.ahead and not ws.ahead_records
 
 
+def test_share_opens():
+    """When a sequence takes its decode share: decoding (steps left, need) end shortest first, the queue (need, steps
+    it then decodes) takes shares in arrival order before the sequence, and an empty batch always takes one."""
+    assert share_opens(4, [(9, 5)], [], 4) == 0  # fits now
+    assert share_opens(0, [(9, 5), (3, 5)], [], 4) == 3  # the shorter decode ends first
+    assert share_opens(0, [(9, 2), (3, 2)], [], 4) == 9  # one ending frees too little
+    assert share_opens(0, [(9, 5), (3, 5)], [(5, 20)], 4) == 9  # an older one takes the first share
+    assert share_opens(0, [(3, 5)], [(5, 20)], 4) == 23  # ... and decodes 20 steps before this one fits
+    assert share_opens(-6, [(3, 4)], [], 20) == 3  # too big for the limit: when the batch empties
+    assert share_opens(0, [], [], 4) == 0
+
+
+def drive_steps(sched: Scheduler, arrivals: dict[int, list[Sequence]]) -> tuple[dict[int, int], dict[int, int]]:
+    """run_step until every arrival has finished (at its max_tokens); the step of each sequence's first and second
+    token."""
+    firsts: dict[int, int] = {}
+    seconds: dict[int, int] = {}
+    step = 0
+    while sched.has_unfinished() or step <= max(arrivals):
+        for s in arrivals.get(step, []):
+            sched.add(s)
+        for s, _ in run_step(sched).scheduled:
+            if s.num_output_tokens >= 1:
+                firsts.setdefault(s.seq_id, step)
+            if s.num_output_tokens >= 2:
+                seconds.setdefault(s.seq_id, step)
+        for s in list(sched.running):
+            if s.num_output_tokens >= s.params.max_tokens:
+                sched.finish(s)
+        step += 1
+        assert step < 2000, "did not finish"
+    return firsts, seconds
+
+
+def parked_steps(firsts: dict[int, int], seconds: dict[int, int]) -> dict[int, int]:
+    """Steps each sequence waited between its first and second token beyond the one step a decode takes."""
+    return {i: seconds[i] - firsts[i] - 1 for i in seconds}
+
+
+def test_prefill_ahead_only_for_a_slot_about_to_open():
+    """Two decodes fill the limit for 20 and 40 more steps; c arrives: it is prefilled ahead only when a's share is
+    about to open (its prefill ends at most `park` steps before), so its first and second tokens are at most `park`
+    steps apart, yet its prefill ran before the share opened (it decodes at once). Without the horizon (the old
+    rule) c is prefilled at once and waits parked ~20 steps between its first two tokens."""
+    runs = {}
+    for park in (3, NO_HORIZON):
+        sched, ws, _ = make({0: 5, 1: 5, 2: 5}, park=park, budget=16)
+        a, b, c = seq(0, max_tokens=21), seq(1, max_tokens=41), seq(2, prompt_len=40, max_tokens=30)
+        runs[park] = drive_steps(sched, {0: [a, b], 1: [c]}), ws
+    (firsts, seconds), ws = runs[3]
+    assert parked_steps(firsts, seconds)[2] <= 3 and sum(n for _, n in ws.ahead_records) == 1  # c went ahead
+    assert firsts[2] < 21 <= seconds[2]  # its first token before a ended (its prefill took 3 steps of 16 tokens)
+    (firsts, seconds), ws = runs[NO_HORIZON]
+    assert firsts[2] == 3 and parked_steps(firsts, seconds)[2] > 15
+
+
+def test_random_arrivals_park_at_most_the_horizon():
+    """Random arrivals, prompts of one to three steps' budget, max_tokens, and working sets (fixed): every sequence
+    that was prefilled ahead waits at most `park` steps between its first two tokens (decodes end at their
+    max_tokens, as predicted), prefill ahead still happens, every sequence finishes; without the horizon some wait
+    far longer (the test fails on the old rule)."""
+    worst = {}
+    for park in (0, 4, NO_HORIZON):
+        worst[park] = 0
+        aheads = 0
+        for seed in range(6):
+            rng = random.Random(seed)
+            arrivals: dict[int, list[Sequence]] = {}
+            est = {}
+            for i, step in enumerate(sorted(rng.randrange(0, 40) for _ in range(14))):  # ids in arrival order
+                est[i] = rng.randint(2, 6)
+                s = seq(i, prompt_len=rng.randint(4, 40), max_tokens=rng.randint(2, 40))
+                arrivals.setdefault(step, []).append(s)
+            sched, ws, _ = make(est, park=park, budget=16, blocks=512, space=1000)
+            firsts, seconds = drive_steps(sched, arrivals)
+            assert len(firsts) == 14 and not sched.has_unfinished()
+            worst[park] = max([worst[park], *parked_steps(firsts, seconds).values()])
+            aheads += sum(n for _, n in ws.ahead_records)
+        assert aheads > 0, park
+        if park != NO_HORIZON:
+            assert worst[park] <= park, (park, worst[park])
+    assert worst[NO_HORIZON] > 4 * 4
+
+
 def test_config_and_flags():
-    assert EngineConfig.from_kwargs().offload_config.max_prefilled_waiting == 16
-    args = build_parser(["serve"]).parse_args(["serve", "--max-prefilled-waiting", "0"])
-    assert engine_kwargs_from_args(args)["max_prefilled_waiting"] == 0
-    try:
-        EngineConfig.from_kwargs(max_prefilled_waiting=-1)
-    except ValueError as e:
-        assert "max_prefilled_waiting" in str(e)
-    else:
-        raise AssertionError("a negative bound was accepted")
+    oc = EngineConfig.from_kwargs().offload_config
+    assert (oc.max_prefilled_waiting, oc.max_park_steps) == (8, 8)
+    args = build_parser(["serve"]).parse_args(["serve", "--max-prefilled-waiting", "0", "--max-park-steps", "2"])
+    kw = engine_kwargs_from_args(args)
+    assert (kw["max_prefilled_waiting"], kw["max_park_steps"]) == (0, 2)
+    for bad in ("max_prefilled_waiting", "max_park_steps"):
+        with pytest.raises(ValueError, match=bad):
+            EngineConfig.from_kwargs(**{bad: -1})
 
 
 # ---- the engine --------------------------------------------------------------------------------------------------
 
 
-def engine(model, **kw) -> LLMEngine:
-    return LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(model), **{**ENGINE, **SMALL_POOL, **kw})
+def engine(model, control: bool = True, **kw) -> LLMEngine:
+    return make_engine(model, control, **{**ENGINE, **SMALL_POOL, **kw})
 
 
-def watch(firsts: dict[str, int], finishes: dict[str, int], over: list, step_no: list[int]):
-    """A drive() check: the step of each request's first token and finish, and the decode rows of any step whose
-    decode shares' working sets exceed the limit; also that no request without a decode share decodes."""
+def watch(firsts: dict[str, int], finishes: dict[str, int], over: list, step_no: list[int], seconds=None):
+    """A drive() check: the step of each request's first token (second token: into `seconds`, if given) and finish,
+    and the decode rows of any step whose decode shares' working sets exceed the limit; also that no request without
+    a decode share decodes."""
 
     def check(e: LLMEngine, before) -> None:
         sched = e.scheduler
@@ -267,6 +373,8 @@ def watch(firsts: dict[str, int], finishes: dict[str, int], over: list, step_no:
             seqs = req.seqs if req is not None else []
             if req is None or any(s.num_output_tokens for s in seqs):
                 firsts.setdefault(rid, step_no[0])
+            if seconds is not None and (req is None or any(s.num_output_tokens >= 2 for s in seqs)):
+                seconds.setdefault(rid, step_no[0])
             if req is None:
                 finishes.setdefault(rid, step_no[0])
         stats = e.get_stats()
@@ -276,31 +384,34 @@ def watch(firsts: dict[str, int], finishes: dict[str, int], over: list, step_no:
     return check
 
 
-def test_first_tokens_before_any_finish_and_decode_within_the_limit(tiny_model_dir):
-    """Six requests whose working sets need ~3x the pool, arriving together: with prefill ahead every request gets its
-    first token before any request finishes (without it, the ones that do not fit wait unprefilled until some
-    finish); the decode batch stays within the limit (over it only with one decode row); tokens equal the runs
+def test_prefill_ahead_bounds_the_first_token_gap_and_decode_within_the_limit(tiny_model_dir):
+    """Six requests whose working sets need ~3x the pool, arriving together: with prefill ahead (a horizon of 4 steps)
+    a request is prefilled ahead only as its decode share is about to open, so none waits more than 4 steps between
+    its first two tokens; without the horizon (the old rule, up to 16 ahead) every request got its first token before
+    any finished and then waited parked for tens of steps; without prefill ahead the ones that do not fit wait
+    unprefilled. The decode batch stays within the limit (over it only with one decode row); tokens equal the runs
     without the control and without prefill ahead; nothing leaks; the statistics and /metrics count it."""
     arrivals = {0: [(f"r{i}", p, 30) for i, p in enumerate(prompts())]}
     runs = {}
     for name, kw in (
-        ("off", dict(working_set_control=False)),
-        ("wait", dict(working_set_control=True, max_prefilled_waiting=0)),
-        ("ahead", dict(working_set_control=True)),
+        ("off", dict(control=False)),
+        ("wait", dict(max_prefilled_waiting=0)),
+        ("ahead", dict(max_park_steps=4)),
+        ("unbounded", dict(max_park_steps=NO_HORIZON, max_prefilled_waiting=16)),
     ):
         e = engine(tiny_model_dir, **kw)
-        firsts, finishes, over = {}, {}, []
-        runs[name] = drive(e, arrivals, watch(firsts, finishes, over, [0]))
-        runs[name].update(firsts=firsts, finishes=finishes, over=over, engine=e)
+        firsts, seconds, finishes, over = {}, {}, {}, []
+        runs[name] = drive(e, arrivals, watch(firsts, finishes, over, [0], seconds))
+        runs[name].update(finishes=finishes, over=over, engine=e, firsts=firsts, parked=parked_steps(firsts, seconds))
         assert_no_leaks(e)
         assert not e.scheduler.working_set.ahead and not e.scheduler.waiting
-    assert runs["ahead"]["tokens"] == runs["off"]["tokens"] == runs["wait"]["tokens"]
+        assert name == "off" or set(runs[name]["over"]) <= {0, 1}
+        assert runs[name]["tokens"] == runs["off"]["tokens"]
     assert all(len(t) == 30 for t in runs["ahead"]["tokens"].values())
-    for name in ("wait", "ahead"):
-        assert set(runs[name]["over"]) <= {0, 1}
-    first_finish = min(runs["ahead"]["finishes"].values())
-    assert max(runs["ahead"]["firsts"].values()) < first_finish
-    assert max(runs["wait"]["firsts"].values()) > min(runs["wait"]["finishes"].values())  # the problem it solves
+    assert max(runs["ahead"]["parked"].values()) <= 4
+    assert max(runs["unbounded"]["firsts"].values()) < min(runs["unbounded"]["finishes"].values())
+    assert max(runs["unbounded"]["parked"].values()) > 4 * 4  # what the horizon prevents
+    assert max(runs["wait"]["firsts"].values()) > min(runs["wait"]["finishes"].values())
     stats = runs["ahead"]["engine"].get_stats(sync=True)
     assert stats.working_set_prefill_aheads > 0 and stats.working_set_hold_backs > 0 and stats.num_preemptions == 0
     assert stats.working_set_parked == 0  # a gauge: all done
@@ -314,8 +425,8 @@ def test_parked_gauge_and_abort_of_a_parked_request(tiny_model_dir):
     """Abort a request while it is parked (prefilled, paused): its blocks, device blocks and state go back; the other
     requests finish with the tokens of the run without the control."""
     arrivals = {0: [(f"r{i}", p, 20) for i, p in enumerate(prompts(5, seed=3))]}
-    off = drive(engine(tiny_model_dir, working_set_control=False), arrivals)
-    e = engine(tiny_model_dir, working_set_control=True)
+    off = drive(engine(tiny_model_dir, control=False), arrivals)
+    e = engine(tiny_model_dir)
     aborted = []
 
     def check(eng: LLMEngine, _) -> None:
@@ -346,9 +457,9 @@ def test_random_arrivals_same_tokens(tiny_model_dir):
             arrivals.setdefault(rng.randrange(0, 30), []).append(
                 (f"r{i}", torch.randint(10, 2000, (rng.randint(20, 200),), generator=g).tolist(), rng.randint(2, 30))
             )
-        ref = drive(engine(tiny_model_dir, working_set_control=False), arrivals)["tokens"]
+        ref = drive(engine(tiny_model_dir, control=False), arrivals)["tokens"]
         for bound in (0, 2, 16):
-            e = engine(tiny_model_dir, working_set_control=True, max_prefilled_waiting=bound)
+            e = engine(tiny_model_dir, max_prefilled_waiting=bound)
             over: list = []
             run = drive(e, arrivals, watch({}, {}, over, [0]))
             assert run["tokens"] == ref, (seed, bound)
@@ -358,22 +469,29 @@ def test_random_arrivals_same_tokens(tiny_model_dir):
 
 
 def test_layer_segmented_prefill_ahead(tiny_model_dir):
-    """Prompts longer than the step budget go through layer-segmented prefill; with prefill ahead they prefill
-    beyond the limit and park: tokens equal the run without the control; first tokens before any finish."""
+    """Prompts longer than the step budget go through layer-segmented prefill (a layer a step: one layer of a prompt
+    costs more than the budget); with prefill ahead they prefill beyond the limit and park at most the horizon:
+    tokens equal the run without the control."""
     arrivals = {0: [(f"r{i}", p, 24) for i, p in enumerate(prompts(5, seed=4))]}
     kw = dict(layer_segmented_prefill=True, max_num_batched_tokens=64, long_prefill_token_threshold=0)
-    off = drive(engine(tiny_model_dir, working_set_control=False, **kw), arrivals)
-    e = engine(tiny_model_dir, working_set_control=True, **kw)
-    segmented = []
-    firsts, finishes, over = {}, {}, []
-    inner = watch(firsts, finishes, over, [0])
+    off = drive(engine(tiny_model_dir, control=False, **kw), arrivals)
+    e = engine(tiny_model_dir, max_park_steps=2, **kw)
+    segmented, seen, went_ahead = [], set(), set()
+    firsts, seconds, finishes, over = {}, {}, {}, []
+    inner = watch(firsts, finishes, over, [0], seconds)
 
     def check(eng: LLMEngine, before) -> None:
         inner(eng, before)
-        segmented.extend(seg.seq.seq_id for seg in eng.profiler.out.segments)
+        out = eng.profiler.out
+        segmented.extend(seg.seq.seq_id for seg in out.segments)
+        for s in [s for s, _ in out.scheduled] + [seg.seq for seg in out.segments]:
+            if s.seq_id not in seen and s.seq_id in eng.scheduler.working_set.ahead:
+                went_ahead.add(s.request_id)  # admitted ahead (not given back its share later, when over the limit)
+            seen.add(s.seq_id)
 
     on = drive(e, arrivals, check)
     assert segmented and on["tokens"] == off["tokens"]
-    assert e.get_stats().working_set_prefill_aheads > 0
-    assert max(firsts.values()) < min(finishes.values()) and set(over) <= {0, 1}
+    assert e.get_stats().working_set_prefill_aheads > 0 and e.get_stats().working_set_hold_backs > 0
+    parked = parked_steps(firsts, seconds)
+    assert went_ahead and max(parked[r] for r in went_ahead) <= 2 and set(over) <= {0, 1}
     assert_no_leaks(e)

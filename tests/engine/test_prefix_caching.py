@@ -121,9 +121,13 @@ def assert_same_tokens(on: dict, off: dict, aborted: set[str]) -> None:
     assert len(on.keys() - aborted) > 5
 
 
-def run_schedule(model_dir, seed: int, caching: bool, check: bool, **kw) -> tuple[dict, set[str], object]:
+def run_schedule(
+    model_dir, seed: int, caching: bool, check: bool, control: bool = True, **kw
+) -> tuple[dict, set[str], object]:
     """A random schedule (arrivals of prompts sharing prefixes, aborts, steps) on a KV cache small enough to
-    preempt, greedy requests; returns every request's tokens. check: the accounting after every step."""
+    preempt, greedy requests; returns every request's tokens. check: the accounting after every step. control=False:
+    KV offload's working-set limit off inside the engine (no configuration does that: the memory preemptions it
+    prevents)."""
     rng = random.Random(seed)
     if not caching:
         kw.pop("host_prefix_cache_memory", None)  # the host tier is the prefix cache's
@@ -141,6 +145,8 @@ def run_schedule(model_dir, seed: int, caching: bool, check: bool, **kw) -> tupl
         },
     )
     engine = llm.llm_engine
+    if not control:
+        engine.scheduler.working_set.ws.enabled = False
     folded: dict = {}  # request id -> its RequestOutput with every delta so far folded in
     aborted: set[str] = set()
     contents = CachedBlockContents(engine)
@@ -203,6 +209,16 @@ PATHS = {
     "topk+host": dict(
         block_size=BS, num_gpu_blocks_override=16, sparse_policy="topk", host_prefix_cache_memory=4 << 20, **COVERING
     ),
+    # without the working-set limit (inside the engine): the batch outgrows the host store, requests are preempted
+    "offload-unlimited": dict(
+        block_size=BS,
+        sparse_policy="topk",
+        kv_offload=True,
+        hbm_cache_blocks=16,
+        host_kv_memory=16 * 2 * 2 * 2 * BS * 128 * 4,
+        control=False,
+        **COVERING,
+    ),
     # a device block cache of one max_model_len sequence: prefills wait for it, decodes are paused
     "offload-paused": dict(
         block_size=BS,
@@ -223,7 +239,9 @@ def test_caching_on_equals_off_over_random_schedules(tiny_model_dir, path, seed)
     assert aborted == aborted_on
     assert_same_tokens(on, off, aborted)
     stats = engine.get_stats(sync=True)
-    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
+    # KV offload's working-set limit keeps the batch small: requests are held back (paused) instead of preempted
+    limited = PATHS[path].get("kv_offload") and PATHS[path].get("control", True)
+    assert stats.prefix_cache_hits > 0 and (stats.working_set_hold_backs if limited else stats.num_preemptions) > 0
     assert 0 < stats.prefix_cache_hits <= stats.prefix_cache_queries
     if engine.model_runner.offload is not None:
         engine.model_runner.offload.pool.check()

@@ -21,9 +21,7 @@ SPARSE = dict(
     sparse_local_blocks=1,
     sparse_dense_context=0,
 )
-LAYERSEG = dict(
-    SPARSE, kv_offload=True, layer_segmented_prefill=True, prefill_layer_segment=1, working_set_control=True
-)
+LAYERSEG = dict(SPARSE, kv_offload=True, layer_segmented_prefill=True, prefill_layer_segment=1)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 

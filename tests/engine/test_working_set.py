@@ -99,18 +99,37 @@ def test_scheduler_holds_back_the_newest_and_admits_first_come_first_served():
     assert [s for s, _ in out.scheduled] == [b, c, d] and ws.records[-1][1:] == (0, 0)
 
 
-def test_config_and_flags():
-    cfg = EngineConfig.from_kwargs(working_set_window=4, working_set_margin=0.2, working_set_control=True)
+def test_config_and_flags(capsys):
+    """Working-set control is part of KV offload, not a switch: the old option is refused with the reason, by the
+    LLM's keywords and the CLI; its tuning options remain."""
+    cfg = EngineConfig.from_kwargs(working_set_window=4, working_set_margin=0.2, sparse_policy="topk", kv_offload=True)
     oc = cfg.offload_config
     assert (oc.working_set_control, oc.working_set_window, oc.working_set_margin) == (True, 4, 0.2)
+    assert not EngineConfig.from_kwargs().offload_config.working_set_control  # nothing to control without offload
+    for value in (True, False):
+        with pytest.raises(TypeError, match="working_set_control' was removed: kv_offload always runs"):
+            EngineConfig.from_kwargs(working_set_control=value)
+    for flag in ("--working-set-control", "--no-working-set-control"):
+        with pytest.raises(SystemExit) as e:
+            build_parser(["generate"]).parse_args(["generate", flag])
+        assert e.value.code == 2 and "thrashes" in capsys.readouterr().err
     args = build_parser(["generate"]).parse_args(
-        ["generate", "--no-working-set-control", "--working-set-window", "8", "--working-set-margin", "0.05"]
+        ["generate", "--working-set-window", "8", "--working-set-margin", "0.05"]
     )
     kw = engine_kwargs_from_args(args)
-    assert kw["working_set_control"] is False and kw["working_set_window"] == 8 and kw["working_set_margin"] == 0.05
+    assert "working_set_control" not in kw and kw["working_set_window"] == 8 and kw["working_set_margin"] == 0.05
     for bad in (dict(working_set_window=0), dict(working_set_margin=1.0), dict(working_set_margin=-0.1)):
         with pytest.raises(ValueError, match="working_set"):
             EngineConfig.from_kwargs(**bad)
+
+
+def make_engine(model, control: bool = True, **kw) -> LLMEngine:
+    """An engine recording its last schedule. control=False turns the limit off inside the component (its estimates
+    feed the gauges only): the thrashing reference that no accepted configuration gives."""
+    engine = LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(model), **kw)
+    if not control:
+        engine.scheduler.working_set.ws.enabled = False
+    return engine
 
 
 def prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
@@ -156,11 +175,8 @@ def test_small_pool_shrinks_the_batch_with_the_same_tokens(tiny_model_dir, lag):
     and selects its first list from its own query."""
     arrivals = {0: [(f"r{i}", p, 30) for i, p in enumerate(prompts())]}
     kw = {**ENGINE, **SMALL_POOL, "sparse_lag": lag}
-    off = drive(
-        LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(tiny_model_dir), **kw, working_set_control=False),
-        arrivals,
-    )
-    engine = LLMEngine.from_kwargs(profiler=LastSchedule(), model=str(tiny_model_dir), **kw, working_set_control=True)
+    off = drive(make_engine(tiny_model_dir, control=False, **kw), arrivals)
+    engine = make_engine(tiny_model_dir, **kw)
     ws = engine.scheduler.kv.device_space.working_set
     over = []
 
@@ -241,12 +257,11 @@ def test_engine_counts_equal_a_recount_of_its_selections(tiny_model_dir, control
     keys its lists asked for over the last `window` decode steps (since its slot was handed out: a held-back
     request resumes on a new slot); with arrivals, so sequences join and leave. lag: lagged selection, whose
     step reads the lists the step before selected (a resumed request's first ones selected in its step)."""
-    engine = LLMEngine.from_kwargs(
-        profiler=LastSchedule(),
-        model=str(tiny_model_dir),
+    engine = make_engine(
+        tiny_model_dir,
+        control,
         **{**ENGINE, "device": device},
         **SMALL_POOL,
-        working_set_control=control,
         working_set_window=window,
         enforce_eager=True,
         sparse_lag=lag,
@@ -270,15 +285,8 @@ def test_no_starvation_under_arrivals(tiny_model_dir):
         for i in range(14)
     }
     order = [rid for step in sorted(arrivals) for rid, _, _ in arrivals[step]]
-    off = drive(
-        LLMEngine.from_kwargs(
-            profiler=LastSchedule(), model=str(tiny_model_dir), **ENGINE, **SMALL_POOL, working_set_control=False
-        ),
-        arrivals,
-    )
-    engine = LLMEngine.from_kwargs(
-        profiler=LastSchedule(), model=str(tiny_model_dir), **ENGINE, **SMALL_POOL, working_set_control=True
-    )
+    off = drive(make_engine(tiny_model_dir, control=False, **ENGINE, **SMALL_POOL), arrivals)
+    engine = make_engine(tiny_model_dir, **ENGINE, **SMALL_POOL)
 
     def oldest_runs(e, before):
         unfinished = [rid for rid in order if rid in before]
@@ -302,13 +310,7 @@ def test_cuda_counts_and_graphs(tiny_model_dir):
     arrivals = {0: [(f"r{i}", p, 30) for i, p in enumerate(prompts())]}
     runs = {}
     for control in (False, True):
-        engine = LLMEngine.from_kwargs(
-            profiler=LastSchedule(),
-            model=str(tiny_model_dir),
-            **{**ENGINE, "device": "cuda"},
-            **SMALL_POOL,
-            working_set_control=control,
-        )
+        engine = make_engine(tiny_model_dir, control, **{**ENGINE, "device": "cuda"}, **SMALL_POOL)
         assert engine.model_runner.graphs is not None
         runs[control] = drive(engine, arrivals)
         assert_no_leaks(engine)

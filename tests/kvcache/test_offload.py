@@ -736,7 +736,6 @@ def test_one_host_fence_per_step(tiny_model_dir, kw):
         kv_offload=True,
         hbm_cache_blocks=16,
         num_gpu_blocks_override=24,
-        working_set_control=True,
         profiler=rec,
     )
     engine = llm.llm_engine

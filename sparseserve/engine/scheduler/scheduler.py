@@ -78,7 +78,7 @@ class Scheduler:
             seq = self.running[i]
             i += 1
             if self.segments is not None and self.segments.running(seq):  # its next layers
-                seg = self.segments.next_segment(seq, budget, out)
+                seg = self.segments.next_segment(seq, self._prefill_budget(seq, budget), out)
                 if seg is not None:
                     out.segments.append(seg)
                     budget -= seg.cost
@@ -87,7 +87,7 @@ class Scheduler:
                 out.scheduled.append((seq, 1))
                 budget -= 1
                 continue
-            n = self._chunk(seq, seq.num_computed_tokens, budget)
+            n = self._chunk(seq, seq.num_computed_tokens, self._prefill_budget(seq, budget))
             if n == 0:  # a prefill chunk the budget left cannot hold: next step
                 continue
             while True:
@@ -107,6 +107,11 @@ class Scheduler:
                     i -= 1
                     break
         return budget
+
+    def _prefill_budget(self, seq: Sequence, budget: int) -> int:
+        """What a running sequence may take of the step's budget left (a prefill ahead leaves parked
+        sequences' resumes theirs)."""
+        return budget if self.working_set is None else self.working_set.prefill_budget(seq, budget)
 
     def _victim(self, start: int) -> Sequence:
         """Who leaves when blocks run out: the newest of running[start:] (not yet scheduled this step),
@@ -265,7 +270,7 @@ def build_scheduler(config: EngineConfig, kv: KVCacheManager, *, num_layers: int
     threshold = sc.prefill_token_threshold(device_type)
     long = LongPrefillLimit(threshold, sc.max_long_partial_prefills, kv.min_chunk) if threshold else None
     ws = getattr(kv.device_space, "working_set", None)
-    control = WorkingSetControl(ws, oc.max_prefilled_waiting) if ws is not None else None
+    control = WorkingSetControl(ws, oc.max_prefilled_waiting, oc.max_park_steps) if ws is not None else None
     segments = None
     if oc.layer_segmented_prefill:
         planner = SegmentPlanner(num_layers, sc.max_num_batched_tokens, oc.prefill_layer_segment)

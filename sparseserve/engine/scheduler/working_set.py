@@ -4,10 +4,14 @@ A decode batch runs only while the running sequences' working sets fit the HBM p
 newest are held back (never the last), a waiting sequence is admitted only if its estimate fits.
 With prefill ahead (max_prefilled_waiting > 0) the limit governs decode, not prefill: a sequence
 that does not fit is still prefilled (one at a time), then parked until a decode share frees;
-shares go in arrival order, so the oldest request always makes progress."""
+shares go in arrival order, so the oldest request always makes progress. A sequence goes ahead
+only if its share is expected to open at most max_park_steps steps after its prefill ends
+(decodes finishing at their max_tokens, estimates unchanged): a bound on its first-token gap."""
 
 from __future__ import annotations
 
+import heapq
+import math
 from typing import NamedTuple, Protocol
 
 from sparseserve.engine.request import Sequence
@@ -39,6 +43,23 @@ def _arrival(seq: Sequence) -> int:
     return seq.seq_id  # the engine numbers sequences as requests arrive
 
 
+def share_opens(free: int, decoding: list[tuple[int, int]], queue: list[tuple[int, int]], need: int) -> int:
+    """Steps until a sequence needing `need` takes a decode share behind `queue` (older ones waiting:
+    (need, steps they decode once they have it)), in arrival order, if each of `decoding` ((steps
+    left, need)) frees its need when it ends; free: the limit less the decoding needs. A share
+    is taken when its need fits, or by the first sequence of an empty batch."""
+    heap = list(decoding)
+    heapq.heapify(heap)
+    now = 0
+    for q_need, q_steps in [*queue, (need, 0)]:
+        while free < q_need and heap:
+            now, freed = heapq.heappop(heap)
+            free += freed
+        free -= q_need
+        heapq.heappush(heap, (now + q_steps, q_need))
+    return now
+
+
 class _ShareQueue(NamedTuple):
     """The sequences without a decode share that wait for one (ahead or parked)."""
 
@@ -48,14 +69,16 @@ class _ShareQueue(NamedTuple):
 
 
 class WorkingSetControl(SchedulerPolicy):
-    def __init__(self, limit: WorkingSetLimit, max_prefilled_waiting: int = 0) -> None:
+    def __init__(self, limit: WorkingSetLimit, max_prefilled_waiting: int = 0, max_park_steps: int = 8) -> None:
         self.ws = limit
         self.max_waiting = max_prefilled_waiting
+        self.max_park = max_park_steps
         self.total = 0  # the decode shares' working sets this step
         self.ahead: set[int] = set()  # running sequences prefilling without a decode share
         self._parked_now: set[int] = set()
         self._new_ahead = 0
         self._queue: _ShareQueue | None = None
+        self._resuming = 0  # parked sequences whose share is free at this step's start
 
     @property
     def ahead_mode(self) -> bool:
@@ -67,8 +90,10 @@ class WorkingSetControl(SchedulerPolicy):
         self._parked_now.clear()
         self._new_ahead = 0
         self._queue = None
+        self._resuming = 0
         if self.ahead_mode:
             self._share_out(out)
+            self._resuming = self._resumable()
             return
         self.ahead.clear()
         if not self.ws.enabled:
@@ -84,6 +109,11 @@ class WorkingSetControl(SchedulerPolicy):
             total -= est.pop()
             sched.preempt(seq, Preempt.HOLD_BACK, out)
         self.total = total
+
+    def prefill_budget(self, seq: Sequence, budget: int) -> int:
+        """The step's budget for a running sequence's prefill: one prefilling ahead leaves a token for
+        each parked sequence that resumes this step (older: it never delays their decode)."""
+        return max(budget - self._resuming, 0) if seq.seq_id in self.ahead else budget
 
     def stops_admission(self, out: SchedulerOutput) -> bool:
         """A preemption stops admission; a hold-back too, unless prefill ahead runs."""
@@ -183,6 +213,21 @@ class WorkingSetControl(SchedulerPolicy):
                 self._park(seq, out)
         self.total = total
 
+    def _resumable(self) -> int:
+        """Parked sequences whose decode share is free now, oldest first up to the first that does
+        not fit (or an older one still prefilling ahead)."""
+        sched = self.sched
+        oldest_ahead = min((_arrival(s) for s in sched.running if s.seq_id in self.ahead), default=None)
+        parked = sorted(
+            (w for w in sched.waiting if self._is_parked(w) and w.seq_id not in self._parked_now), key=_arrival
+        )
+        free, sharing, n = self.ws.limit - self.total, len(sched.running) > len(self.ahead), 0
+        for seq, need in zip(parked, self.ws.estimates(parked)):
+            if (oldest_ahead is not None and oldest_ahead < _arrival(seq)) or (sharing and need > free):
+                break
+            free, sharing, n = free - need, True, n + 1
+        return n
+
     def _park(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.sched.preempt(seq, Preempt.PARK, out)
         self._parked_now.add(seq.seq_id)
@@ -215,6 +260,37 @@ class WorkingSetControl(SchedulerPolicy):
             return Admission(need, False)
         if self._is_parked(seq):
             return Admission(None, True)
-        if queue.waiting >= self.max_waiting or queue.prefilling_ahead:
+        if queue.waiting >= self.max_waiting or queue.prefilling_ahead or self._park_steps(seq, need) > self.max_park:
             return WAIT
         return Admission(need, True)
+
+    def _steps_left(self, seq: Sequence) -> int:
+        """Steps until `seq` ends at its max_tokens (or max_model_len), if nothing pauses it: its
+        prompt left at a whole step's budget a step (the last one samples a token), then a token
+        a step."""
+        sched = self.sched
+        left = [seq.params.max_tokens - seq.num_output_tokens] if seq.params.max_tokens is not None else []
+        if sched.kv.max_model_len is not None:
+            left.append(sched.kv.max_model_len - seq.num_tokens)
+        return self._prefill_steps(seq) + max(min(left, default=1 << 40) - 1, 0)
+
+    def _prefill_steps(self, seq: Sequence) -> int:
+        """The fewest steps its prompt left takes (1 once prefilled): a step's budget each, or for a
+        layer-segmented prefill a layer each where one layer of it exceeds the budget."""
+        sched = self.sched
+        steps = math.ceil((seq.num_tokens - seq.num_computed_tokens) / sched.config.max_num_batched_tokens)
+        segments = sched.segments
+        if segments is not None and (segments.running(seq) or segments.wants(seq)):
+            steps = min(steps, segments.num_layers)
+        return steps
+
+    def _park_steps(self, seq: Sequence, need: int) -> int:
+        """Steps `seq`, prefilled ahead from now, is expected to wait parked for its decode share:
+        when the share opens (share_opens) less its prefill's steps (at least that many without a
+        prefix-cache hit)."""
+        sched, ws = self.sched, self.ws
+        sharing = [s for s in sched.running if s.seq_id not in self.ahead]
+        decoding = [(self._steps_left(s), n) for s, n in zip(sharing, ws.estimates(sharing))]
+        older = sorted((w for w in sched.waiting if self._is_parked(w) and _arrival(w) < _arrival(seq)), key=_arrival)
+        queue = [(n, self._steps_left(w)) for w, n in zip(older, ws.estimates(older))]
+        return share_opens(self.ws.limit - self.total, decoding, queue, need) - self._prefill_steps(seq)
