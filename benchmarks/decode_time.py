@@ -16,7 +16,7 @@ device time of the step launched in the earlier one, which is the step that prod
     python -m benchmarks.decode_time --configs dense layerseg_async [--time-scale 1] [--json out.json]
 
 Configurations (the serving ladder's, scripts/gpu_serve_check.sh): dense; sparse (topk 2048); offload (+
-kv_offload); ws (+ working_set_control); layerseg (+ layer_segmented_prefill); layerseg_lag (+ sparse_lag 1);
+kv_offload, working-set control included); layerseg (+ layer_segmented_prefill); layerseg_lag (+ sparse_lag 1);
 NAME_async (+ async_scheduling).
 `--model 8b`: Llama-3.1-8B shapes over the embedded tokenizer's vocabulary, dummy bf16 weights, GPU memory capped
 at --gpu-memory-gb (the serving reference workload). Any model directory works; on CPU the smoke test runs it with
@@ -45,8 +45,7 @@ _LADDER = {
     "dense": {},
     "sparse": _SPARSE,
     "offload": _SPARSE | dict(kv_offload=True),
-    "ws": _SPARSE | dict(kv_offload=True, working_set_control=True),
-    "layerseg": _SPARSE | dict(kv_offload=True, working_set_control=True, layer_segmented_prefill=True),
+    "layerseg": _SPARSE | dict(kv_offload=True, layer_segmented_prefill=True),
 }
 _LADDER["layerseg_lag"] = _LADDER["layerseg"] | dict(sparse_lag=1)
 CONFIGS = _LADDER | {f"{k}_async": v | dict(async_scheduling=True) for k, v in _LADDER.items()}

@@ -11,7 +11,8 @@ into pinned staging (side stream) plus the CPU writes into the store rows, again
 the host and with FlashD2H saving (kv_offload); the per-block copies FlashD2H replaces are timed by --transfers.
 --capacity MODEL: GPU memory capped at --gpu-memory-gb (default 40, the papers' GPUs), 32K-token
 prompts, 256 output tokens: dense attention with every block in HBM against topk 2048 with kv_offload
-(with working-set-aware batch control on and/or off: --working-set-control on,off), each at several
+(working-set-aware batch control on, or off inside the engine for a contrast no configuration gives:
+--working-set-control on,off), each at several
 request counts: the most requests running at once and the decode throughput; with `--engine-arg
 enforce_eager=true` the offload runs also split the decode step into selection, H2D and attention (CUDA events
 around each phase, the engine's profiler, on a few decode steps in the middle of the run).
@@ -191,8 +192,9 @@ def capacity_run(
     working_set_control: bool | None = None,
     **engine_args,
 ) -> dict:
-    """working_set_control: the offload run's working-set-aware batch control on or off (None: the engine's
-    default); engine_args: more options of the offload run (dense, the baseline, runs with its defaults).
+    """working_set_control: False turns the offload run's working-set-aware batch control off inside the engine
+    (its scheduler's limit; KV offload always has it, so this is a contrast only a benchmark makes); engine_args:
+    more options of the offload run (dense, the baseline, runs with its defaults).
     profile: a torch profile of one real decode step (its kernel table)."""
     from sparseserve.sampling_params import SamplingParams
 
@@ -202,8 +204,6 @@ def capacity_run(
         if offload
         else dict(sparse_policy="dense")
     )
-    if offload and working_set_control is not None:
-        kw["working_set_control"] = working_set_control
     if offload:
         kw.update(engine_args)
     log = StepLog(timing=True)  # GPU time of each decode graph's replay; eager steps: the sparse phases
@@ -216,6 +216,9 @@ def capacity_run(
         gpu_memory_utilization=gpu_gb * 1e9 / total,
         **kw,
     )
+    control = offload and working_set_control is not False
+    if offload and not control:
+        engine.scheduler.working_set.ws.enabled = False
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, p in enumerate(_prompts(n, prompt_len)):
         engine.add_request(f"c{i}", p, params)
@@ -254,7 +257,7 @@ def capacity_run(
     torch.cuda.synchronize()
     replays.sort()
     stats = engine.get_stats(sync=True)
-    config = f"topk 2048 + kv_offload, R={reuse}" + (", working-set control" if kw.get("working_set_control") else "")
+    config = f"topk 2048 + kv_offload, R={reuse}" + ("" if control else ", no working-set control")
     config += "".join(f", {k}={v}" for k, v in engine_args.items() if offload)
     out = {
         "config": config if offload else "dense",
@@ -699,8 +702,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--working-set-control",
         default=None,
-        help="working-set-aware batch control of the offload runs: on, off, or on,off for both (--capacity; "
-        "default: the engine's)",
+        help="working-set-aware batch control of the offload runs: on, off (turned off inside the engine: the "
+        "thrashing contrast), or on,off for both (--capacity; default: on)",
     )
     p.add_argument("--gpu-memory-gb", type=float, default=40.0, help="GPU memory cap (--capacity)")
     p.add_argument("--host-kv-gb", type=float, default=100.0, help="host KV store size (--capacity)")

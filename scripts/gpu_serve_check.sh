@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Serving under load for the ladder dense -> + sparse -> + KV offload -> + working-set control -> + layer-segmented
-# prefill, a `sparseserve serve` per (config, load) with dummy bf16 weights and GPU memory capped at CAP_GB, loaded
-# by `sparseserve bench serve`. Per (config, load): the client's JSON, the server's /metrics and log (in $LOGS); at
-# the end `benchmarks.serve_ladder` prints the ladder table (ratios against dense of the same load, the workload's
-# bound) and writes ladder.json and ladder.png (TTFT/TPOT/throughput against the request rate).
+# Serving under load for the ladder dense -> + sparse -> + KV offload (working-set control included: the engine takes
+# no offload without it) -> + layer-segmented prefill, a `sparseserve serve` per (config, load) with dummy bf16
+# weights and GPU memory capped at CAP_GB, loaded by `sparseserve bench serve`. Per (config, load): the client's
+# JSON, the server's /metrics and log (in $LOGS); at the end `benchmarks.serve_ladder` prints the ladder table
+# (ratios against dense of the same load, the workload's bound) and writes ladder.json and ladder.png
+# (TTFT/TPOT/throughput against the request rate).
 #
 # SHAPE: 8b (default: Llama-3.1-8B), mha7b (Llama-2-7B / LWM-7B: 32 KV heads, intermediate 11008), gqa8b
 #   (Llama-3-8B-262K) or 70b (Llama-3.1-70B: needs TP), each over the embedded tokenizer's vocabulary
@@ -18,9 +19,9 @@
 #
 # Usage (project root; on the device carry .whl with the server's wheels and .data with the haystack and the trace,
 # and set SPARSESERVE_DATA_DIR=.data):
-#   SCALES="1 4" bash scripts/gpu_serve_check.sh dense sparse offload ws layerseg
+#   SCALES="1 4" bash scripts/gpu_serve_check.sh dense sparse offload layerseg
 #   SCALES=1 bash scripts/gpu_serve_check.sh dense dense_async layerseg_async   # NAME_async: --async-scheduling
-#   FIXED_OUTPUT=1 OUTPUT_LEN=2048 SCALES=1 bash scripts/gpu_serve_check.sh dense ws   # decode-heavy: every
+#   FIXED_OUTPUT=1 OUTPUT_LEN=2048 SCALES=1 bash scripts/gpu_serve_check.sh dense offload   # decode-heavy: every
 #   request asks for exactly OUTPUT_LEN tokens (without FIXED_OUTPUT the trace's output lengths are capped at it)
 #   SHAPE=mha7b WORKLOAD=longbench RATES="0.5 1 2" N=96 bash scripts/gpu_serve_check.sh dense sparse layerseg
 # Each (config, load) is a separate server with a fresh Triton cache (FRESH_TRITON_CACHE=0: the shared one);
@@ -49,16 +50,20 @@ SPARSE="--sparse-policy topk --sparse-budget 2048"
 declare -A FLAGS=(
   [dense]=""
   [sparse]="$SPARSE"
+  # KV offload is the full system: working-set control and prefill ahead are part of it (docs/working_set.md)
   [offload]="$SPARSE --kv-offload"
-  [ws]="$SPARSE --kv-offload --working-set-control"
-  [layerseg]="$SPARSE --kv-offload --working-set-control --layer-segmented-prefill"
-  # the control without prefill ahead: requests over the limit wait unprefilled (to compare side by side)
-  [ws_wait]="$SPARSE --kv-offload --working-set-control --max-prefilled-waiting 0"
-  [layerseg_wait]="$SPARSE --kv-offload --working-set-control --layer-segmented-prefill --max-prefilled-waiting 0"
+  [layerseg]="$SPARSE --kv-offload --layer-segmented-prefill"
+  # without prefill ahead: requests over the limit wait unprefilled (to compare side by side)
+  [offload_wait]="$SPARSE --kv-offload --max-prefilled-waiting 0"
+  [layerseg_wait]="$SPARSE --kv-offload --layer-segmented-prefill --max-prefilled-waiting 0"
+  # prefill ahead's horizon: none (requests park as soon as prefilled, the rule before max_park_steps), or longer
+  [layerseg_unbounded]="$SPARSE --kv-offload --layer-segmented-prefill --max-prefilled-waiting 16 \
+--max-park-steps 1000000"
+  [layerseg_park32]="$SPARSE --kv-offload --layer-segmented-prefill --max-park-steps 32"
   # lagged selection: the pool reads each step's next lists beside it (docs/offload.md, "Lagged reads")
-  [layerseg_lag]="$SPARSE --kv-offload --working-set-control --layer-segmented-prefill --sparse-lag 1"
+  [layerseg_lag]="$SPARSE --kv-offload --layer-segmented-prefill --sparse-lag 1"
 )
-for name in dense sparse offload ws layerseg layerseg_lag; do  # NAME_async: the same with async scheduling
+for name in "${!FLAGS[@]}"; do  # NAME_async: the same with async scheduling
   FLAGS[${name}_async]="${FLAGS[$name]} --async-scheduling"
 done
 if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
