@@ -440,8 +440,11 @@ def test_decode_write_through_to_host_rows_apart_from_metadata_rows():
     assert codes[[4, 1, 3]].any() and not codes[[0, 2]].any()  # metadata at the device rows only
 
 
-def run(model_dir, **kw):
+def run(model_dir, control: bool = True, **kw):
+    """control=False: KV offload's working-set limit off inside the engine (no configuration does that)."""
     llm = LLM(str(model_dir), **{**COMMON, **kw})
+    if not control:
+        llm.llm_engine.scheduler.working_set.ws.enabled = False
     outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], llm
 
@@ -459,14 +462,22 @@ def run(model_dir, **kw):
 )
 def test_offload_equals_no_offload(hf_models, policy):
     """Same sparse policy, offload off vs on: identical greedy tokens with a roomy pool, a pool of a few
-    sets (evictions) and a pool of 4 slots (nearly every step evicts, misses overflow into bypass reads),
-    and a device block space of one max_model_len sequence (prompts wait for device blocks). A dense
-    first layer keeps its own full-size device cache."""
+    sets (evictions) and a pool of 4 slots with the working-set limit off (which would keep a batch of one:
+    nearly every step evicts, misses overflow into bypass reads), and a device block space of one
+    max_model_len sequence (prompts wait for device blocks). A dense first layer keeps its own full-size
+    device cache."""
     model_dir = hf_models["qwen2-gqa-bias"][0]
     kw = {**SPARSE, **policy, "max_model_len": 136}
     base, _ = run(model_dir, **kw)
     for slots, device_blocks in ((None, None), (24, None), (4, None), (24, 17)):
-        got, llm = run(model_dir, kv_offload=True, hbm_cache_blocks=slots, num_gpu_blocks_override=device_blocks, **kw)
+        got, llm = run(
+            model_dir,
+            control=slots != 4,
+            kv_offload=True,
+            hbm_cache_blocks=slots,
+            num_gpu_blocks_override=device_blocks,
+            **kw,
+        )
         assert got == base, f"hbm_cache_blocks={slots}, device blocks {device_blocks}"
         runner = llm.llm_engine.model_runner
         dense = policy.get("sparse_dense_layers", 0)
@@ -551,12 +562,20 @@ def test_lagged_views_name_the_host_blocks(hf_models):
 
 
 def random_schedule(
-    model_dir, seed: int, check: bool, greedy: bool = False, triton_plan: bool = False, **kw
+    model_dir,
+    seed: int,
+    check: bool,
+    greedy: bool = False,
+    triton_plan: bool = False,
+    control: bool = True,
+    aborted: set[str] | None = None,
+    **kw,
 ) -> dict[str, list[list[int]]]:
     """Random arrivals, aborts and steps with a KV pool small enough to preempt; returns every request's
     tokens; with check, after every step: the block, host and HBM accounting, and the host store holding
     every full block of the running sequences (FlashD2H + write-through) exactly as the device cache.
-    triton_plan: the HBM pool plans with its Triton kernels (under the interpreter without CUDA)."""
+    triton_plan: the HBM pool plans with its Triton kernels (under the interpreter without CUDA).
+    control=False: KV offload's working-set limit off inside the engine; aborted: collects the ids aborts named."""
     rng = random.Random(seed)
     llm = LLM(
         str(model_dir),
@@ -568,6 +587,8 @@ def random_schedule(
         **{**SPARSE, "init_new_token_ratio": 0.0, "min_new_token_ratio": 0.0, **kw},
     )  # greedy admission
     engine = llm.llm_engine
+    if not control:
+        engine.scheduler.working_set.ws.enabled = False
     results: dict[str, list[list[int]]] = {}
     offload = engine.model_runner.offload
     pool = offload.pool if offload is not None else None
@@ -603,7 +624,7 @@ def random_schedule(
                 assert torch.equal(offload.host.data[:, [seq.block_table[j] for j in full]], sparse_caches[:, dev])
             check_pool(offload)
 
-    drive_random_schedule(engine, rng, steps=30, max_new=20, after_step=after_step, greedy=greedy)
+    drive_random_schedule(engine, rng, steps=30, max_new=20, after_step=after_step, greedy=greedy, aborted=aborted)
     while engine.has_unfinished_requests():
         collect(engine.step())
     assert engine.allocator.num_used == 0
@@ -625,13 +646,14 @@ HOST_16 = 16 * 2 * 2 * 2 * BS * 128 * 4  # 16 token blocks of the tiny model in 
     [(0, False, 0), (2, False, 1)] + ([(1, True, 0)] if os.environ.get("TRITON_INTERPRET") == "1" else []),
 )
 def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, triton_plan, lag):
-    """16 token blocks both ways (host store with offload); with offload first as many device blocks (the
-    schedule, sampled tokens included, equals offload off), then 12, one max_model_len sequence: sequences
-    wait for device blocks, so the schedule differs. Greedy requests and a budget covering max_model_len
-    then (a one-token prefill chunk is a decode, attended sparsely: with a smaller budget its tokens would
-    depend on the schedule); every block still goes through scoring, selection and the pool (its torch
-    plan, or its Triton plan). lag: lagged selection, whose next lists the pool reads a step ahead (paused
-    sequences resume with fresh state slots, which select and read in their step)."""
+    """16 token blocks both ways (host store with offload); with offload first as many device blocks and the
+    working-set limit off (the schedule, sampled tokens included, equals offload off), then 12, one
+    max_model_len sequence, with the limit: sequences wait for device blocks and working sets, so the
+    schedule differs. Greedy requests and a budget covering max_model_len then (a one-token prefill chunk is
+    a decode, attended sparsely: with a smaller budget its tokens would depend on the schedule; an aborted
+    request got as far as its schedule let it: a prefix); every block still goes through scoring, selection
+    and the pool (its torch plan, or its Triton plan). lag: lagged selection, whose next lists the pool reads
+    a step ahead (paused sequences resume with fresh state slots, which select and read in their step)."""
     off, _ = random_schedule(tiny_model_dir, seed, check=False, num_gpu_blocks_override=16, sparse_lag=lag)
     on, preemptions = random_schedule(
         tiny_model_dir,
@@ -642,9 +664,11 @@ def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, tri
         host_kv_memory=HOST_16,
         triton_plan=triton_plan,
         sparse_lag=lag,
+        control=False,
     )
     assert on == off and preemptions > 0
     covering = dict(greedy=True, sparse_budget=12 * BS, sparse_lag=lag)
+    aborted: set[str] = set()
     off, _ = random_schedule(tiny_model_dir, seed, check=False, num_gpu_blocks_override=16, **covering)
     on, _ = random_schedule(
         tiny_model_dir,
@@ -655,9 +679,14 @@ def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, tri
         host_kv_memory=HOST_16,
         num_gpu_blocks_override=12,
         triton_plan=triton_plan,
+        aborted=aborted,
         **covering,
     )
-    assert on == off
+    assert set(on) | aborted == set(off) | aborted
+    for rid in set(on) | set(off):
+        a, b = on.get(rid, []), off.get(rid, [])
+        assert a == b or rid in aborted, rid
+        assert all(x[: len(y)] == y[: len(x)] for x, y in zip(a, b)), rid
 
 
 def test_stale_blocks_move_with_a_step_only_when_some_leave(tiny_model_dir, monkeypatch):
