@@ -14,8 +14,8 @@
 #             at SERVE_RATES req/s), dense and SparseServe mode, TP=1 then TP=SERVE_TP (default 2) of each
 #   serve70b  Llama-3.1-70B shape, dummy bf16 weights: TP=4 (and TP=2 where each GPU has >= 120 GB), dense and
 #             SparseServe mode, N70 requests
-# SparseServe mode: topk 2048 + --kv-offload + --working-set-control + --layer-segmented-prefill; where the engine
-# refuses layer-segmented prefill at TP > 1 (config.py), the same without it (gpu_serve_check.sh's `ws`) at every TP.
+# SparseServe mode: topk 2048 + --kv-offload (working-set control included) + --layer-segmented-prefill
+# (gpu_serve_check.sh's `layerseg`) at every TP.
 #
 # Usage (project root; carry .whl (the server's wheels) and .data (the haystack)):
 #   bash scripts/gpu_tp_check.sh step tests parity      # then: serve70b; then: capacity serve
@@ -56,13 +56,7 @@ print(n, int(torch.cuda.get_device_properties(0).total_memory / 1e9) if n else 0
   [ "$NGPU" -ge 2 ] || { echo "needs 2 or more CUDA GPUs ($NGPU visible)"; exit 2; }
 fi
 echo "$NGPU GPUs of $GPU_GB GB; modes: $*; budget $BUDGET_S s"
-# SparseServe mode: with layer-segmented prefill where the engine takes it at TP > 1
-SPARSE_CFG=ws
-python3 -c "from sparseserve.config import EngineConfig as C; C.from_kwargs(sparse_policy='topk', kv_offload=True, \
-working_set_control=True, layer_segmented_prefill=True, tensor_parallel_size=2)" 2>/dev/null && SPARSE_CFG=layerseg
-[ $SPARSE_CFG = ws ] && echo "SparseServe mode without --layer-segmented-prefill (refused at TP > 1): topk 2048 \
-+ --kv-offload + --working-set-control at every TP"
-CONFIGS=${CONFIGS//sparseserve/$SPARSE_CFG}
+CONFIGS=${CONFIGS//sparseserve/layerseg}  # SparseServe mode, at every TP
 
 left() { echo $(( START + BUDGET_S - $(date +%s) )); }
 AVAIL_GB=$(awk '/MemAvailable/ {print int($2 / 1e6)}' /proc/meminfo)

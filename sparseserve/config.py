@@ -548,8 +548,6 @@ class EngineConfig:
                 "host_prefix_cache_memory does not work with tensor_parallel_size > 1 yet: the host "
                 "tier copies rank 0's KV only (KV offload's host store, per rank, does work)"
             )
-        if self.offload_config.layer_segmented_prefill and self.parallel_config.tensor_parallel_size > 1:
-            raise ValueError("layer_segmented_prefill does not work with tensor_parallel_size > 1 yet")
         if self.offload_config.kv_offload and sp.sparse_lag and sp.sparse_reuse > 1:
             raise ValueError(
                 "sparse_lag=1 with kv_offload needs sparse_reuse=1: each step plans the views of the "
