@@ -512,9 +512,10 @@ def test_offload_equals_no_offload(hf_models, policy):
 
 def test_lagged_views_name_the_host_blocks(hf_models):
     """Lagged selection under offload (on a GPU with CUDA graphs, each step planning its lists of every sparse
-    layer on the side stream at its start), a pool of 16 slots (evictions, bypass reads): after every step, the
-    view of each decode's list names its blocks' host rows, and every pool slot it names holds its host row (the
-    step read the right K/V); nothing leaks."""
+    layer on the side stream at its start), a pool of 16 slots (evictions, bypass reads: the working-set limit,
+    which would keep the batch within the pool, is off inside the engine): after every step, the view of each
+    decode's list names its blocks' host rows, and every pool slot it names holds its host row (the step read the
+    right K/V); nothing leaks."""
     model_dir = hf_models["qwen2-gqa-bias"][0]
     llm = LLM(
         str(model_dir),
@@ -532,6 +533,7 @@ def test_lagged_views_name_the_host_blocks(hf_models):
         profiler=LastSchedule(),
     )
     engine = llm.llm_engine
+    engine.scheduler.working_set.ws.enabled = False
     off, backend = engine.model_runner.offload, engine.model_runner.attn_backend
     for i, p in enumerate(prompts()):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
