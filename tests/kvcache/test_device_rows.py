@@ -12,8 +12,7 @@ import torch
 from sparseserve import LLM, SamplingParams
 from sparseserve.kvcache.blocks import blocks_needed
 from sparseserve.kvcache.device_space import DeviceRowMap
-
-BS = 8
+from tests.kvcache.test_offload import BS, COMMON, SPARSE
 
 
 class Seq:
@@ -120,21 +119,8 @@ def test_fewer_rows_than_token_blocks_keeps_the_tokens(hf_models):
     equal sparse decode without offload, float32, with prefix hits on finished requests' blocks (rows saved at
     release, restored at the hit) and a dense first layer; the split is reported; nothing leaks."""
     model_dir = hf_models["qwen2-gqa-bias"][0]
-    kw = dict(
-        device="cpu",
-        dtype="float32",
-        max_model_len=136,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        block_size=BS,
-        sparse_policy="topk",
-        sparse_budget=4 * BS,
-        sparse_dense_layers=1,
-        sparse_sink_blocks=1,
-        sparse_local_blocks=2,
-        sparse_dense_context=0,
-        enable_prefix_caching=True,
-    )
+    kw = {**COMMON, **SPARSE, "dtype": "float32", "max_model_len": 136, "sparse_dense_layers": 1}
+    kw["enable_prefix_caching"] = True
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     prefix = torch.randint(10, 2000, (64,), generator=g).tolist()
     tail = [torch.randint(10, 2000, (n,), generator=g).tolist() for n in (40, 30, 100, 50)]
