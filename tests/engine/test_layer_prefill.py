@@ -313,13 +313,14 @@ def test_interrupted_mid_prefill(model4, how):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2, 10])
-def test_random_schedules_preempt_and_abort_mid_prefill(model4, monkeypatch, seed):
+@pytest.mark.parametrize("seed, control", [(1, False), (2, True), (10, True)])
+def test_random_schedules_preempt_and_abort_mid_prefill(model4, monkeypatch, seed, control):
     """Random arrivals, aborts and steps with 16 token blocks and 12 device blocks (preemptions), one layer per
     segment: the same greedy tokens as chunked prefill with KV offload (a budget covering max_model_len, so
     every block is selected; an aborted request's tokens agree up to where either run cut it), accounting and
     the host store equal to the device cache after every step; these seeds preempt or abort prefills after
-    some of their layers ran."""
+    some of their layers ran (seed 1 with the working-set limit off inside the engine: the preemption it makes
+    mid-prefill is one the limit avoids)."""
     from sparseserve.engine.engine import LLMEngine
     from tests.kvcache.test_offload import random_schedule
 
@@ -366,7 +367,7 @@ def test_random_schedules_preempt_and_abort_mid_prefill(model4, monkeypatch, see
     off, _ = random_schedule(model4[0], seed, check=True, **covering)
     interrupted.clear()
     on, _ = random_schedule(
-        model4[0], seed, check=True, layer_segmented_prefill=True, prefill_layer_segment=1, **covering
+        model4[0], seed, check=True, layer_segmented_prefill=True, prefill_layer_segment=1, control=control, **covering
     )
     assert interrupted, "no prefill was interrupted after some of its layers"
     assert set(on) | aborted == set(off) | aborted
