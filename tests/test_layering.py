@@ -117,6 +117,7 @@ def test_scheduler_components_keep_their_boundaries():
         "collections",
         "dataclasses",
         "enum",
+        "heapq",
         "math",
         "typing",
         "sparseserve.config",
