@@ -122,8 +122,9 @@ def check_pool(offload) -> None:
 
 class CachedBlockContents:
     """Checks that a block's contents never change while it stays cached under one hash: K/V of every layer
-    (under KV offload the sparse layers' host store rows) and the key metadata. A snapshot is taken when a
-    block is first seen cached and dropped when it leaves the cache (evicted, maybe reused)."""
+    and the key metadata (under KV offload the sparse layers' host store rows, the dense layers' K/V and the
+    metadata where they are: the block's device row while one is mapped, else its host row). A snapshot is
+    taken when a block is first seen cached and dropped when it leaves the cache (evicted, maybe reused)."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -133,13 +134,20 @@ class CachedBlockContents:
     def data(self, block: int) -> list:
         runner = self.engine.model_runner
         off = runner.offload
+        km = getattr(runner.attn_backend, "key_meta", None)
         if off is None:
             out = [c[block] for c in runner.kv_caches]
-        else:
-            out = [c[block] for c in runner.kv_caches[: off.dense_layers]] + [off.host.data[off.dense_layers :, block]]
-        km = getattr(runner.attn_backend, "key_meta", None)
-        if km is not None:
-            out += [km.codes[:, block], km.scale[:, block]]
+            if km is not None:
+                out += [km.codes[:, block], km.scale[:, block]]
+            return [t.clone() for t in out]
+        dl = off.dense_layers
+        out = [off.host.data[dl:, block]]  # the sparse layers: the host store
+        row = int(off.row_of[block])
+        if row < off.layout.rows:  # a running sequence holds it: its device row
+            out += [c[row] for c in runner.kv_caches[:dl]] + [km.codes[dl:, row], km.scale[dl:, row]]
+        else:  # saved to its host row
+            out += [off.host.data[layer, block] for layer in range(dl)]
+            out += [off.host_meta[0][dl:, block], off.host_meta[1][dl:, block]]
         return [t.clone() for t in out]
 
     def check(self) -> None:
