@@ -143,7 +143,8 @@ class SparseBackend(AttentionBackend):
 
     def _rows(self, meta: AttentionMetadata) -> AttentionMetadata:
         """The step addressed by device row (KV offload; else the step itself), made by the first
-        layer that needs it: inside a CUDA graph's capture, so replays redo the translation."""
+        layer of a forward that needs it: inside a CUDA graph's capture, so replays redo it. The
+        trap: a graph's warm-up runs the same metadata first (hence the reset at layer 0)."""
         sm: SparseStepMeta | None = meta.backend_meta
         if self.offload is None or sm is None:
             return meta
@@ -179,6 +180,8 @@ class SparseBackend(AttentionBackend):
 
     def _forward(self, layer, q, k, v, kv_cache, meta, scale):
         sm: SparseStepMeta | None = meta.backend_meta
+        if layer == 0 and sm is not None:
+            sm.rows = None  # each forward translates its own inputs (a graph's capture, not its warm-up)
         lagged = self.params.lag and (sm is None or sm.selects)
         if lagged and (layer == 0 or self._step_meta is not meta):
             self.begin_step(meta)

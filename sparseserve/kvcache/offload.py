@@ -151,8 +151,8 @@ class OffloadCache:
             )
         shape = (num_kv_heads, 2, block_size, head_dim)
         dl = layout.dense_layers
-        # Dense layers: a full-size cache by token block. Sparse layers: the device block cache
-        # (+ a trash row that released table entries name), the working set.
+        # Dense layers: a cache by device row (the running sequences' blocks). Sparse layers: the
+        # device block cache (+ a trash row that released table entries name), the working set.
         dense_cache = torch.empty(dl, layout.rows + 1, *shape, dtype=dtype, device=device)
         sparse_cache = torch.empty(num_layers - dl, layout.device_blocks + 1, *shape, dtype=dtype, device=device)
         host = HostKVStore(num_layers, layout.token_blocks, num_kv_heads, block_size, head_dim, dtype, device=device)

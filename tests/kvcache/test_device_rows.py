@@ -144,3 +144,23 @@ def test_fewer_rows_than_token_blocks_keeps_the_tokens(hf_models):
     assert stats.offload_hbm_bytes_pool == layout.pool_slots * layout.head_block_bytes
     assert stats.num_blocks_used == 0
     engine.scheduler.kv.device_space.rows.allocator.check()
+
+
+def test_each_forward_translates_its_own_rows(hf_models):
+    """A CUDA graph's warm-up and capture run the same step metadata; replays refill its inputs in place. The
+    row view must be made again by each forward (inside the capture), not kept from an earlier one."""
+    llm = LLM(str(hf_models["qwen2-gqa-bias"][0]), **COMMON, **SPARSE, kv_offload=True)
+    engine, runner = llm.llm_engine, llm.llm_engine.model_runner
+    engine.add_request("a", list(range(10, 60)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine.step()  # the prefill
+    seq = engine.scheduler.running[0]
+    batch = runner.prepare([(seq, 1)])
+    meta, off = batch.meta, runner.offload
+    with torch.inference_mode():
+        runner.model(batch.input_ids, batch.positions, runner.kv_caches, meta)
+        first = meta.backend_meta.rows.block_tables.clone()
+        mapped = off.row_of[seq.block_table].clone()
+        off.row_of[seq.block_table] = mapped.flip(0)  # another mapping of the same blocks (a replay's)
+        runner.model(batch.input_ids, batch.positions, runner.kv_caches, meta)
+    again = meta.backend_meta.rows.block_tables
+    assert torch.equal(again, off.row_of[meta.block_tables.long()]) and not torch.equal(again, first)
