@@ -248,47 +248,40 @@ class OffloadCache:
             self._move_rows(plan.row_restores, save=False)
 
     def _restore(self, restores: list[tuple[int, int]]) -> None:
+        self.num_restored_blocks += len(restores)
         rows = torch.tensor([r for r, _ in restores], dtype=torch.int64)
         devs = torch.tensor([d for _, d in restores], dtype=torch.int64)
-        self.num_restored_blocks += rows.numel()
-        dl, num_layers, hkv = self.dense_layers, self.host.data.shape[0], self.host.data.shape[2]
-        layers = torch.arange(dl, num_layers)[:, None, None]
-        heads = torch.arange(hkv)[None, None, :]
-        key = ((layers * (self.host.num_blocks + 1) + rows[None, :, None]) * hkv + heads).reshape(-1)
-        load = (((layers - dl) * self.sparse_cache.shape[1] + devs[None, :, None]) * hkv + heads).reshape(-1)
-        flash_h2d(
-            self.host.flat(),
-            self.sparse_cache.view(-1, *self.sparse_cache.shape[3:]),
-            *to_device_many([key, load], self.sparse_cache.device),
-        )
+        self._copy_rows(self.host.data[self.dense_layers :], self.sparse_cache, rows, devs)
 
     def _move_rows(self, pairs: list[tuple[int, int]], save: bool) -> None:
         """(token block, device row) pairs: the dense layers' KV and the sparse layers' key
-        metadata, device row -> the block's host row (save) or back (restore), one FlashH2D
-        gather per tensor."""
+        metadata, device row -> the block's host row (save) or back (restore)."""
         self.num_row_moves[0 if save else 1] += len(pairs)
-        dev = self.row_of.device
         blocks = torch.tensor([b for b, _ in pairs], dtype=torch.int64)
         rows = torch.tensor([r for _, r in pairs], dtype=torch.int64)
-        moves = [(self.host.data[: self.dense_layers], self.dense_cache)]
+        dl = self.dense_layers
+        moves = [(self.host.data[:dl], self.dense_cache)] if dl else []
         if self.key_meta is not None:
-            km, (codes, scale) = self.key_meta, self.host_meta
-            dl = self.dense_layers
+            (codes, scale), km = self.host_meta, self.key_meta
             moves += [(codes[dl:], km.codes[dl:]), (scale[dl:], km.scale[dl:])]
         for host, device in moves:
-            if device is None or host.numel() == 0:
-                continue
-            layers, hkv = host.shape[0], host.shape[2]
-            lay = torch.arange(layers)[:, None, None]
-            heads = torch.arange(hkv)[None, None, :]
-            host_key = ((lay * host.shape[1] + blocks[None, :, None]) * hkv + heads).reshape(-1)
-            dev_key = ((lay * device.shape[1] + rows[None, :, None]) * hkv + heads).reshape(-1)
-            host_key, dev_key = to_device_many([host_key, dev_key], dev)
-            host_flat, dev_flat = host.reshape(-1, *host.shape[3:]), device.reshape(-1, *device.shape[3:])
             if save:
-                flash_h2d(dev_flat, host_flat, dev_key, host_key)
+                self._copy_rows(device, host, rows, blocks)
             else:
-                flash_h2d(host_flat, dev_flat, host_key, dev_key)
+                self._copy_rows(host, device, blocks, rows)
+
+    def _copy_rows(self, src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        """dst[:, dst_rows[i]] = src[:, src_rows[i]] for every layer and KV head of [layers, rows,
+        Hkv, ...] tensors (on the device or pinned on the host): one FlashH2D launch over UVA."""
+        layers = torch.arange(src.shape[0])[:, None, None]
+        heads = torch.arange(src.shape[2])[None, None, :]
+        key = ((layers * src.shape[1] + src_rows[None, :, None]) * src.shape[2] + heads).reshape(-1)
+        load = ((layers * dst.shape[1] + dst_rows[None, :, None]) * dst.shape[2] + heads).reshape(-1)
+        flash_h2d(
+            src.reshape(-1, *src.shape[3:]),
+            dst.reshape(-1, *dst.shape[3:]),
+            *to_device_many([key, load], self.row_of.device),
+        )
 
     def drop_stale(self, blocks: torch.Tensor | list[int] | None) -> None:
         """Token blocks with new owners leave the pool (one launch), before any kernel that may
