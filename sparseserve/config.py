@@ -370,8 +370,17 @@ class OffloadConfig:
     layer_segmented_prefill: bool = field(
         default=False,
         metadata={
-            "help": "KV offload: prefill a prompt longer than max_num_batched_tokens a few layers at a time, "
+            "help": "KV offload: prefill a prompt longer than layer_segment_min_tokens a few layers at a time, "
             "each layer's K/V written through to the host store, so prefill HBM is one layer's scratch."
+        },
+    )
+    layer_segment_min_tokens: int = field(
+        default=2048,
+        metadata={
+            "help": "Layer-segmented prefill: prompts longer than this (or than max_num_batched_tokens, if less) go "
+            "layer by layer; shorter ones prefill whole in the device block cache, which keeps room for one step "
+            'of them (docs/offload.md, "The device budget").',
+            "size": True,
         },
     )
     prefill_layer_segment: int | None = field(
@@ -412,6 +421,8 @@ class OffloadConfig:
                 "layer_segmented_prefill needs kv_offload: each finished layer's K/V goes to the host "
                 "KV store, which only KV offload has"
             )
+        if self.layer_segment_min_tokens < 1:
+            raise ValueError(f"layer_segment_min_tokens must be >= 1, got {self.layer_segment_min_tokens}")
         if self.working_set_window < 1:
             raise ValueError(f"working_set_window must be >= 1, got {self.working_set_window}")
         if not 0.0 <= self.working_set_margin < 1.0:
@@ -431,6 +442,11 @@ class OffloadConfig:
                     f"host_kv_memory={self.host_kv_memory} bytes exceeds the host's available "
                     f"memory ({available} bytes): lower it"
                 )
+
+    def segment_min_tokens(self, max_num_batched_tokens: int) -> int:
+        """Prompts longer than this prefill layer by layer (with layer_segmented_prefill); the device
+        block cache keeps room for one step of the shorter ones."""
+        return min(max_num_batched_tokens, self.layer_segment_min_tokens)
 
     @property
     def working_set_control(self) -> bool:

@@ -5,6 +5,7 @@ Python: no tensor is touched here."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Protocol
 
 from sparseserve.kvcache.blocks import BlockAllocator, blocks_needed
@@ -192,16 +193,19 @@ class DeviceBlockMap:
 class DeviceRowMap:
     """Device rows of the running sequences' token blocks, which index the dense layers' KV and the
     key metadata (docs/offload.md, "Device rows"): HBM sized by what runs, not by the host store.
-    A token block has at most one row, shared by the running sequences that hold it (prefix hits);
-    the last holder's pause or release frees it, its contents first saved to the block's host row
-    when the block has computed tokens; mapping a block over computed tokens restores them."""
+    A token block has at most one row, shared by the running sequences that hold it (prefix hits).
+    When its last holder pauses or leaves, the row stays with the block, idle, until another block
+    needs it (least recently released first); only then are its computed contents saved to the
+    block's host row. Mapping a block whose row is idle takes it back as it is; mapping one whose row
+    was taken restores its computed contents."""
 
     def __init__(self, num_rows: int, block_size: int, token_blocks: int) -> None:
         self.allocator = BlockAllocator(num_rows)
         self.block_size = block_size
         self.unbounded = num_rows >= token_blocks  # a row for every token block: never short
-        self.row_of: dict[int, int] = {}  # token block -> row
+        self.row_of: dict[int, int] = {}  # held token block -> row
         self.holders: dict[int, int] = {}  # row -> running sequences holding it
+        self.idle: OrderedDict[int, tuple[int, bool]] = OrderedDict()  # token block -> (row, computed contents)
         self.mapped: dict[int, int] = {}  # seq_id -> its leading token blocks that have rows
         self.changes: dict[int, int] = {}  # token block -> row (-1: none) since `take`
         self.saves: list[tuple[int, int]] = []  # (token block, row): row -> the block's host row
@@ -211,14 +215,20 @@ class DeviceRowMap:
     def num_rows(self) -> int:
         return self.allocator.num_blocks
 
+    @property
+    def num_available(self) -> int:
+        """Rows free or idle (an idle row is taken, its contents saved, when a block needs it)."""
+        return self.allocator.num_free + len(self.idle)
+
     def _missing(self, seq, hi: int) -> int:
-        """Rows mapping its first `hi` token blocks would take (blocks not allocated yet count)."""
+        """Rows mapping its first `hi` token blocks would take (its idle rows and blocks not allocated
+        yet count)."""
         table, have = seq.block_table, self.mapped.get(seq.seq_id, 0)
         return sum(1 for j in range(have, hi) if j >= len(table) or table[j] not in self.row_of)
 
     def can_map(self, seq, n: int) -> bool:
         hi = blocks_needed(seq.num_computed_tokens + n, self.block_size)
-        return self.unbounded or self.allocator.can_allocate(self._missing(seq, hi))
+        return self.unbounded or self.num_available >= self._missing(seq, hi)
 
     def can_admit(self, seq, running: list) -> bool:
         """Rows for its whole prompt (and first decode) beside what running prefills still need."""
@@ -230,28 +240,49 @@ class DeviceRowMap:
             for s in running
             if s.num_computed_tokens + 1 < s.num_tokens
         )
-        return self.allocator.num_free - reserved >= self._missing(seq, blocks_needed(seq.num_tokens + 1, bs))
+        return self.num_available - reserved >= self._missing(seq, blocks_needed(seq.num_tokens + 1, bs))
+
+    def _take_row(self) -> int:
+        """A free row, else the least recently released idle one (its computed contents saved first,
+        or, when a restore into it is still pending this step, that restore dropped: the host row
+        holds them)."""
+        if self.allocator.num_free:
+            return self.allocator.allocate(1)[0]
+        tb, (row, computed) = self.idle.popitem(last=False)
+        self.changes[tb] = -1
+        if (tb, row) in self.restores:
+            self.restores.remove((tb, row))
+        elif computed:
+            self.saves.append((tb, row))
+        return row
 
     def map(self, seq, hi: int) -> None:
-        """Rows for its token blocks [mapped, hi) (the blocks must be allocated)."""
+        """Rows for its token blocks [mapped, hi) (the blocks must be allocated): held and idle rows
+        first, so that taking rows never takes one of its own idle ones."""
         have, computed = self.mapped.get(seq.seq_id, 0), seq.num_computed_tokens
+        new = []
         for j in range(have, hi):
             tb = seq.block_table[j]
             row = self.row_of.get(tb)
-            if row is None:
-                row = self.row_of[tb] = self.allocator.allocate(1)[0]
+            if row is None and tb in self.idle:
+                row = self.row_of[tb] = self.idle.pop(tb)[0]
                 self.holders[row] = 0
-                self.changes[tb] = row
-                if j * self.block_size < computed:
-                    self.restores.append((tb, row))
-            self.holders[row] += 1
+            if row is None:
+                new.append(j)
+            else:
+                self.holders[row] += 1
+        for j in new:
+            tb = seq.block_table[j]
+            row = self.row_of[tb] = self._take_row()
+            self.holders[row] = 1
+            self.changes[tb] = row
+            if j * self.block_size < computed:
+                self.restores.append((tb, row))
         self.mapped[seq.seq_id] = max(have, hi)
 
     def release(self, seq) -> None:
-        """Its rows; a row's last holder saves the computed contents (a restore still pending
-        this step is dropped instead: the host row holds them)."""
+        """Its rows; a row's last holder leaves it idle with the block."""
         have, computed = self.mapped.pop(seq.seq_id, 0), seq.num_computed_tokens
-        pending = set(self.restores)
         for j in range(have):
             tb = seq.block_table[j]
             row = self.row_of[tb]
@@ -259,12 +290,15 @@ class DeviceRowMap:
             if self.holders[row]:
                 continue
             del self.holders[row], self.row_of[tb]
-            self.changes[tb] = -1
-            self.allocator.free([row])
-            if (tb, row) in pending:
-                self.restores.remove((tb, row))
-            elif j * self.block_size < computed:
-                self.saves.append((tb, row))
+            self.idle[tb] = (row, j * self.block_size < computed)
+
+    def forget(self, blocks: list[int]) -> None:
+        """Token blocks with new owners: their idle rows are free, their contents no one's."""
+        for tb in blocks:
+            if tb in self.idle:
+                row, _ = self.idle.pop(tb)
+                self.changes[tb] = -1
+                self.allocator.free([row])
 
     def take(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
         """(row changes, saves, restores) since the last take."""
@@ -361,6 +395,8 @@ class OffloadSpace:
 
     def on_allocate(self, blocks: list[int]) -> None:
         self._stale.add(blocks)
+        if self.rows is not None:
+            self.rows.forget(blocks)
 
     def take_plan(self, scheduled: list) -> OffloadPlan:
         """The step's work; scheduled: its (sequence, new tokens) pairs (empty: segments only)."""
@@ -388,7 +424,7 @@ class OffloadSpace:
 
     def gauges(self) -> dict[str, int]:
         ws = self.working_set.gauges() if self.working_set is not None else {}
-        rows = {} if self.rows is None else {"offload_device_rows_used": self.rows.allocator.num_used}
+        rows = {} if self.rows is None else {"offload_device_rows_used": len(self.rows.holders)}
         return (
             ws
             | rows

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 GiB = 2**30
+# A request's working set over the working-set window, in one step's lists, for the rows' share of the
+# budget: measured 1.2-1.6 on SmolLM2 and about 2.5 on the MHA 7B shape with dummy weights (docs/offload.md).
+WORKING_SET_LISTS = 2
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,8 @@ class OffloadLayout:
         part; on top of it a decode window (`seq_window_blocks`) for each of at most `max_seqs`
         sequences, but only for as many as the budget can also give one step's lists
         (`seq_pool_slots` slots each). Rows take the budget's share of a sequence of `seq_rows`
-        token blocks beside its lists and window, at least `min_rows` (one max_model_len
-        sequence), at most a row per token block."""
+        token blocks beside its working set (`WORKING_SET_LISTS` lists) and window, at least
+        `min_rows` (one max_model_len sequence), at most a row per token block."""
         dense_layers = min(dense_layers, num_layers)
         if dense_layers == num_layers:
             raise ValueError(
@@ -68,7 +71,11 @@ class OffloadLayout:
             assert budget is not None
             rest = budget - token_bytes - device_bytes  # (the trash rows)
             if seq_rows:  # the share of what the device cache's fixed part leaves
-                per_seq = seq_rows * token_bytes + seq_pool_slots * head_block_bytes + seq_window_blocks * device_bytes
+                per_seq = (
+                    seq_rows * token_bytes
+                    + WORKING_SET_LISTS * seq_pool_slots * head_block_bytes
+                    + seq_window_blocks * device_bytes
+                )
                 free = max(rest - max(want_device_blocks, min_device_blocks) * device_bytes, 0)
                 rows = min(token_blocks, max(min_rows, free * seq_rows // per_seq))
             rest -= rows * token_bytes

@@ -101,7 +101,10 @@ class OffloadCache:
         prefill the device cache keeps no whole-prefill reserve (docs/offload.md)."""
         hbb = host_block_bytes(num_layers, num_kv_heads, block_size, head_dim, dtype)
         seq_blocks = blocks_needed(max_model_len, block_size)
-        step_blocks = blocks_needed(min(max_num_batched_tokens, max_model_len), block_size)
+        step_tokens = max_num_batched_tokens
+        if config.layer_segmented_prefill:  # longer prompts go layer by layer: one step of shorter ones
+            step_tokens = config.segment_min_tokens(max_num_batched_tokens)
+        step_blocks = blocks_needed(min(step_tokens, max_model_len), block_size)
         whole_prefill = 0 if config.layer_segmented_prefill else seq_blocks
         if config.host_kv_memory is not None:
             token_blocks = config.host_kv_memory // hbb

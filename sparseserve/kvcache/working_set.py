@@ -97,6 +97,9 @@ class WorkingSetCounter:
             landed.pop(seq_id, None)
 
 
+GROWTH_SAMPLES = 64  # the growth's running mean weighs about the last this many whole-window counts
+
+
 class WorkingSetEstimate:
     def __init__(
         self,
@@ -121,6 +124,10 @@ class WorkingSetEstimate:
         self.lists, self.cap, self.local, self.block_size = lists, cap, local, block_size
         self._reported = -math.inf
         self._measured: dict[int, tuple[int, int]] = {}  # seq_id -> (blocks, decode steps counted)
+        # a whole window's working set over one step's list, of the requests that counted one (running
+        # mean): what a new request's estimate grows to (its first steps see only part of the window)
+        self.growth = 1.0
+        self._growth_samples = 0
         self._floor: dict[int, int] = {}  # seq_id -> its estimate when it was paused
         # the scheduler's accounting (statistics): running estimates summed, requests the limit
         # keeps waiting, hold-backs so far, parked requests, admissions ahead of the limit so far
@@ -131,28 +138,43 @@ class WorkingSetEstimate:
         self.num_prefill_aheads = 0
 
     def estimates(self, seqs: list) -> list[int]:
-        """Each sequence's working set in head blocks: measured, else from the budget; a paused
-        one's floor until its new slot has counted a whole window."""
+        """Each sequence's working set in head blocks: measured once it has counted a whole window,
+        before that at least its expected one (one step's list times `growth`); a paused one's
+        floor until its new slot has counted a whole window again."""
+        landed_now: set[int] = set()
         for landed in self.source.poll():
             for sid, count in landed.items():
                 self._measured[sid] = (count, self._measured.get(sid, (0, 0))[1] + 1)
+                landed_now.add(sid)
         out = []
         for seq in seqs:
             measured, steps = self._measured.get(seq.seq_id, (0, 0))
             floor = self._floor.get(seq.seq_id)
-            if floor is None:
-                out.append(measured if steps else self.default(seq))
-            elif steps >= self.window:
+            if steps >= self.window and seq.seq_id in landed_now:
+                self._learn(measured, self.default(seq))
+            if floor is not None and steps >= self.window:
                 del self._floor[seq.seq_id]
+                floor = None
+            if steps >= self.window:
                 out.append(measured)
             else:
-                out.append(max(measured, floor))
+                out.append(max(measured, floor or 0, self.expected(seq)))
         return out
 
+    def _learn(self, measured: int, one_list: int) -> None:
+        if one_list <= 0:
+            return
+        self._growth_samples = min(self._growth_samples + 1, GROWTH_SAMPLES)
+        self.growth += (measured / one_list - self.growth) / self._growth_samples
+
     def default(self, seq) -> int:
-        """Before a measurement: one step's list entries outside the local window."""
+        """One step's list entries outside the local window."""
         nb = blocks_needed(seq.num_tokens, self.block_size)
         return max(min(self.cap, nb) - self.local, 0) * self.lists
+
+    def expected(self, seq) -> int:
+        """Before a whole window is counted: one step's list grown as the measured windows grew."""
+        return int(self.default(seq) * self.growth)
 
     def due(self) -> bool:
         """Whether the scheduler sums the estimates this step (always with the control, on CPU)."""

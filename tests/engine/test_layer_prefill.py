@@ -94,7 +94,7 @@ def test_segment_planner():
     """A segment of k layers over T tokens costs ceil(T * k / layers); it takes as many layers as the budget
     left allows (at most prefill_layer_segment), at least one when the scheduler says it runs alone (beside
     nothing but decodes), none otherwise."""
-    plan = SegmentPlanner(num_layers=4, max_num_batched_tokens=32)
+    plan = SegmentPlanner(num_layers=4, min_context=32)
     seq = Sequence(0, "r", 0, list(range(100)), GREEDY)
     assert plan.wants(seq) and not plan.wants(Sequence(1, "r", 0, list(range(32)), GREEDY))
     seq.num_computed_tokens = 99  # a paused decode resumes as a decode
@@ -105,7 +105,7 @@ def test_segment_planner():
     assert plan.segment(seq, 200, 2, 32, alone=False) is None  # one layer (50) exceeds what is left
     seg = plan.segment(seq, 200, 2, 32, alone=True)
     assert (seg.start, seg.end, seg.cost) == (2, 3, 50)  # never starves
-    capped = SegmentPlanner(num_layers=4, max_num_batched_tokens=32, max_layers=2)
+    capped = SegmentPlanner(num_layers=4, min_context=32, max_layers=2)
     assert capped.segment(seq, 10, 0, 32, alone=True).end == 2
 
 
@@ -113,9 +113,9 @@ def test_reserve_freed_for_the_pool():
     """With layer-segmented prefill the device block cache keeps no whole max_model_len prefill: its blocks go
     to the HBM pool, and a device cache smaller than one max_model_len sequence is allowed."""
 
-    def build(on: bool, budget: int | None = 15 << 20, device_blocks: int | None = None) -> OffloadCache:
+    def build(on: bool, budget: int | None = 15 << 20, device_blocks: int | None = None, **kw) -> OffloadCache:
         return OffloadCache.build(
-            OffloadConfig(kv_offload=True, host_kv_memory=4 * 1024 * 4096, layer_segmented_prefill=on),
+            OffloadConfig(kv_offload=True, host_kv_memory=4 * 1024 * 4096, layer_segmented_prefill=on, **kw),
             num_layers=4,
             num_kv_heads=2,
             head_dim=32,
@@ -137,6 +137,11 @@ def test_reserve_freed_for_the_pool():
     seq_blocks = 1024 // BS
     assert off.device_blocks - on.device_blocks == seq_blocks
     assert (on.pool_slots - off.pool_slots) * on.head_block_bytes > (seq_blocks - 1) * on.device_block_bytes
+    # prompts above layer_segment_min_tokens (16 < the step's 64) go layer by layer: the device cache keeps
+    # room for 16 prefill tokens, not 64, and the pool gets the rest
+    low = build(True, layer_segment_min_tokens=16).layout
+    assert on.device_blocks - low.device_blocks == (64 - 16) // BS and low.pool_slots > on.pool_slots
+    assert build(False, layer_segment_min_tokens=16).layout == off  # only with layer-segmented prefill
     small = 64 // BS + 2 + 1  # one step's prefill and a window
     assert build(True, None, small).layout.device_blocks == small
     with pytest.raises(ValueError, match="device block cache needs at least"):
@@ -222,6 +227,21 @@ def test_layer_segmented_equals_chunked(model4, dense_layers, segment):
     stats = engine.get_stats(sync=True)
     assert stats.num_blocks_used == 0 == stats.offload_device_blocks_used and stats.layer_prefills_running == 0
     assert stats.num_prompt_tokens == sum(map(len, prompts()))
+
+
+def test_segment_threshold_below_the_budget(model4):
+    """layer_segment_min_tokens below the step's budget: a 30-token prompt (over 24, under the budget of 32)
+    goes layer by layer too; the same greedy tokens as chunked prefill; refused below 1."""
+    base, _ = drive(LLM(str(model4[0]), **COMMON, profiler=LastSchedule()), prompts(), GREEDY)
+    llm = LLM(
+        str(model4[0]), **COMMON, layer_segmented_prefill=True, layer_segment_min_tokens=24, profiler=LastSchedule()
+    )
+    got, schedules = drive(llm, prompts(), GREEDY, check_segmented)
+    assert got == base
+    assert {len(seg.seq.prompt_token_ids) for s in schedules for seg in s.segments} == {120, 75, 30, 200}
+    assert llm.llm_engine.get_stats(sync=True).num_blocks_used == 0
+    with pytest.raises(ValueError, match="layer_segment_min_tokens must be >= 1"):
+        OffloadConfig(kv_offload=True, layer_segmented_prefill=True, layer_segment_min_tokens=0)
 
 
 @pytest.mark.slow

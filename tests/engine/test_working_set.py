@@ -316,3 +316,50 @@ def test_cuda_counts_and_graphs(tiny_model_dir):
         assert_no_leaks(engine)
     assert runs[True]["tokens"] == runs[False]["tokens"]
     assert runs[True]["most"] < runs[False]["most"] and runs[True]["stats"].working_set_hold_backs > 0
+
+
+class LandingSource:
+    """A WorkingSetCounter stand-in: each `land` is one step's copy of the per-sequence counts."""
+
+    cuda = False
+
+    def __init__(self) -> None:
+        self.landed: list[dict[int, int]] = []
+        self.pending: dict[int, int] = {}
+
+    def land(self, counts: dict[int, int]) -> None:
+        self.landed.append(dict(counts))
+
+    def poll(self) -> list[dict[int, int]]:
+        out, self.landed = self.landed, []
+        return out
+
+    def drop(self, seq_id: int) -> None:
+        for landed in self.landed:
+            landed.pop(seq_id, None)
+
+
+def test_new_requests_are_estimated_as_the_measured_windows_grew():
+    """A request's first steps count only part of its window: before it has counted a whole window its estimate
+    is at least one step's list times the growth the requests with a whole window showed (whole window over one
+    list, a running mean), so admission does not take in what the next steps will hold back."""
+    from sparseserve.kvcache.working_set import WorkingSetEstimate
+
+    src = LandingSource()
+    est = WorkingSetEstimate(
+        src, window=3, capacity=1000, margin=0.0, enabled=True, lists=4, cap=6, local=1, block_size=BS
+    )
+    a, b = seq(0, prompt_len=20 * BS), seq(1, prompt_len=20 * BS)
+    one_list = (6 - 1) * 4
+    assert est.estimates([a, b]) == [one_list, one_list] and est.growth == 1.0  # nothing learned yet
+    for count in (20, 28, 36):  # a's lists change: its window grows to 36 = 1.8 lists
+        src.land({0: count})
+        got = est.estimates([a, b])
+    assert got == [36, int(one_list * 1.8)] and est.growth == pytest.approx(1.8)
+    src.land({0: 30, 1: 20})  # a's next whole window is another sample (1.5); b's first count is below its
+    assert est.estimates([a, b]) == [30, int(one_list * 1.65)]  # expected window: the expected one stands
+    assert est.growth == pytest.approx((1.8 + 1.5) / 2)
+    src.land({1: 50})
+    assert est.estimates([b]) == [50]  # measured above the expectation: measured
+    est.on_pause(a)  # a paused: its estimate stands as the floor of its new slot until a whole window
+    assert est.estimates([a]) == [max(30, int(one_list * est.growth))]

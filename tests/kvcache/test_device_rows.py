@@ -1,6 +1,7 @@
 """Device rows under KV offload (kvcache/device_space.py DeviceRowMap): the dense layers' KV and the key
 metadata of the running sequences' token blocks only, shared by the sequences holding a block, saved to the
-block's host row when the last holder leaves and restored when a block with computed tokens maps again."""
+block's host row when another block needs the row of one no running sequence holds, and restored when a block
+with computed tokens maps again."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class Seq:
         self.num_tokens = tokens or computed + 1
 
 
-def test_rows_shared_saved_restored():
+def test_rows_shared_idle_saved_restored():
     rows = DeviceRowMap(num_rows=6, block_size=BS, token_blocks=20)
     a = Seq(1, [10, 11, 12], computed=0, tokens=20)
     assert rows.can_admit(a, []) and rows.can_map(a, 20)
@@ -34,22 +35,42 @@ def test_rows_shared_saved_restored():
     rows.map(b, 3)
     changes, saves, restores = rows.take()
     assert [bk for bk, _ in changes] == [13] and not restores  # 10, 11 shared (their rows are live)
-    assert rows.row_of[10] == dict(changes).get(10, rows.row_of[10]) and rows.allocator.num_used == 4
-    rows.release(a)  # a leaves: 10, 11 stay (b holds them), 12 is saved (computed), its row freed
+    assert len(rows.holders) == 4 and rows.num_available == 2
+    row12 = rows.row_of[12]
+    rows.release(a)  # a leaves: 10, 11 stay (b holds them); 12's row stays with it, idle: nothing moves
+    assert rows.take() == ([], [], []) and rows.idle == {12: (row12, True)} and rows.num_available == 3
+    rows.release(b)  # b pauses after 16 computed tokens: idle too, nothing saved
+    assert rows.take() == ([], [], []) and rows.num_available == 6
+    rows.map(b, 3)  # b resumes at once: it takes its idle rows back as they are
+    assert rows.take() == ([], [], []) and list(rows.idle) == [12]
+    rows.release(b)
+    c = Seq(3, [0, 1, 2, 3, 4], computed=0, tokens=5 * BS)  # needs 5 rows: 2 free, then the least recently
+    assert rows.can_admit(c, [])  # released idle ones: 12 (a's), 10 and 11 (b's, computed) are saved
+    rows.map(c, 5)
     changes, saves, restores = rows.take()
-    assert changes == [(12, -1)] and [bk for bk, _ in saves] == [12] and rows.allocator.num_used == 3
-    rows.release(b)  # b pauses after 16 computed tokens: 10, 11 saved; 13 has none
-    changes, saves, restores = rows.take()
-    assert sorted(bk for bk, _ in saves) == [10, 11] and sorted(changes) == [(10, -1), (11, -1), (13, -1)]
-    rows.map(b, 3)  # b resumes: 10 and 11 come back from their host rows, 13 has nothing to restore
+    assert sorted(bk for bk, _ in saves) == [10, 11, 12] and not restores
+    assert {bk for bk, r in changes if r == -1} == {10, 11, 12} and list(rows.idle) == [13]
+    rows.release(c)
+    rows.take()
+    rows.map(b, 3)  # b resumes: 10 and 11 come back from their host rows (13 has nothing to restore)
     changes, saves, restores = rows.take()
     assert sorted(bk for bk, _ in restores) == [10, 11] and not saves
-    rows.release(b)  # a restore still pending with its row released: dropped, nothing saved
-    rows.map(b, 3)
     rows.release(b)
+    rows.map(c, 5)  # c takes 10's and 11's rows back (saved first)
     changes, saves, restores = rows.take()
-    assert sorted(bk for bk, _ in saves) == [10, 11] and not restores
-    assert rows.allocator.num_used == 0 and not rows.row_of and not rows.holders
+    assert sorted(bk for bk, _ in saves) == [10, 11]
+    rows.release(c)
+    rows.map(b, 3)  # b resumes (10 and 11 from the host again) but leaves before its restores ran; c takes
+    rows.release(b)  # those rows again: the pending restores are dropped, not saved back (the host rows hold
+    rows.map(c, 5)  # the contents)
+    rows.map(Seq(4, [5], computed=0, tokens=2), 1)
+    changes, saves, restores = rows.take()
+    assert not restores and not {10, 11} & {bk for bk, _ in saves}
+    rows.forget([5])  # a held block is not touched by forget; an idle one's row is freed
+    rows.release(c)
+    rows.forget([0, 1])
+    assert 0 not in rows.idle and 1 not in rows.idle and rows.allocator.num_free == 2
+    assert not rows.holders or list(rows.holders.values()) == [1]
     rows.allocator.check()
 
 
@@ -65,6 +86,8 @@ def test_rows_admission_and_growth():
     a.block_table.append(2)
     rows.map(a, 3)
     assert rows.allocator.num_used == 3
+    rows.release(a)  # idle rows count as available: they are taken (saved first) when needed
+    assert rows.can_admit(big, [])
     assert DeviceRowMap(2, BS, token_blocks=2).can_admit(big, [a])  # a row per token block: never short
 
 
@@ -110,7 +133,7 @@ def test_rows_random_walk(seed):
         assert holders == rows.holders
     for s in list(live.values()):
         rows.release(s)
-    assert rows.allocator.num_used == 0 and saved
+    assert not rows.holders and rows.num_available == rows.num_rows and saved
     rows.allocator.check()
 
 
@@ -123,8 +146,10 @@ def test_fewer_rows_than_token_blocks_keeps_the_tokens(hf_models):
     kw["enable_prefix_caching"] = True
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     prefix = torch.randint(10, 2000, (64,), generator=g).tolist()
-    tail = [torch.randint(10, 2000, (n,), generator=g).tolist() for n in (40, 30, 100, 50)]
-    waves = [[prefix + tail[0]], [prefix + tail[1], tail[2], prefix + tail[3]]]
+    tail = [torch.randint(10, 2000, (n,), generator=g).tolist() for n in (40, 30, 100, 50, 120, 110)]
+    # the middle wave's prompts need every row: the prefix's idle rows are taken (saved), the last wave's hits
+    # restore them
+    waves = [[prefix + tail[0]], [tail[4], tail[5]], [prefix + tail[1], tail[2], prefix + tail[3]]]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     def run(**extra) -> tuple[list[list[int]], LLM]:
@@ -138,6 +163,7 @@ def test_fewer_rows_than_token_blocks_keeps_the_tokens(hf_models):
     layout = engine.model_runner.offload.layout
     stats = engine.get_stats(sync=True)
     assert layout.rows < layout.token_blocks == stats.offload_host_blocks
+    assert layout.rows <= blocks_needed(120 + 110 + 16, BS)
     assert stats.offload_device_rows == layout.rows and stats.offload_device_rows_used == 0
     assert stats.offload_rows_saved > 0 and stats.offload_rows_restored > 0  # the hits came back from the host
     assert stats.offload_hbm_bytes_dense_layers > 0 and stats.offload_hbm_bytes_metadata > 0

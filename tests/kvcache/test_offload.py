@@ -22,7 +22,7 @@ from sparseserve.kernels.flash_h2d import flash_h2d
 from sparseserve.kernels.sparse_decode import read_listed_ref, sparse_decode_ref
 from sparseserve.kvcache.device_space import DeviceBlockMap, StaleBlocks
 from sparseserve.kvcache.host import HostKVStore
-from sparseserve.kvcache.layout import GiB, OffloadLayout
+from sparseserve.kvcache.layout import WORKING_SET_LISTS, GiB, OffloadLayout
 from sparseserve.kvcache.pool import HBMPool
 from sparseserve.metrics import ServerMetrics, parse_metrics
 from tests.engine.sched_utils import LastSchedule
@@ -248,11 +248,11 @@ def test_offload_layout_split():
     assert 20 < served < 256 and many.device_blocks == want - 100 + 5 * served
     assert many.pool_slots >= served * lists
     # Device rows sized by the running sequences: the share of sequences of `seq_rows` blocks beside their
-    # lists and window, at least `min_rows`; what they leave goes to the pool.
+    # working sets (WORKING_SET_LISTS lists) and window, at least `min_rows`; what they leave goes to the pool.
     rows = dict(per_seq, max_seqs=256, min_rows=seq + 1, seq_rows=516)
     free = tokens * row_bytes + rest - (want - 100) * dev_bytes  # less the device cache's fixed part
     shared = plan(rest, **rows)
-    assert shared.rows == free * 516 // (516 * row_bytes + lists * hb + 5 * dev_bytes) < tokens
+    assert shared.rows == free * 516 // (516 * row_bytes + WORKING_SET_LISTS * lists * hb + 5 * dev_bytes) < tokens
     assert shared.pool_slots > many.pool_slots  # what the rows leave goes to the pool (and windows)
     assert fixed + rest - dev_bytes - hb < sum(shared.split().values()) <= fixed + rest  # the whole budget
     assert plan(rest, **{**rows, "seq_rows": 10**6}).rows == tokens  # never more rows than token blocks
@@ -429,7 +429,10 @@ def test_decode_write_through_to_host_rows_apart_from_metadata_rows():
     out = []
     for fn in (store_kv_key_meta_ref, store_kv_key_meta_triton):
         c, m = cache.clone(), allocate_key_meta(1, rows, hkv, bs, page, d, torch.device(DEVICE))[0]
-        h, count = torch.zeros(host_rows + 1, hkv, 2, bs, d, device=DEVICE), torch.zeros((), dtype=torch.int64)
+        h, count = (
+            torch.zeros(host_rows + 1, hkv, 2, bs, d, device=DEVICE),
+            torch.zeros((), dtype=torch.int64, device=DEVICE),
+        )
         fn(k, v, c, m.codes, m.scale, slots, page, meta_slots, h, 3, count, host_slots)
         out.append((c, m.codes, m.scale, h[:host_rows], count))  # (the last row: the reference's trash)
     for got, want in zip(out[1], out[0]):

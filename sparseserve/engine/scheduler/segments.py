@@ -1,9 +1,9 @@
 """Layer-segmented prefill, the scheduler's side (KV offload; runner's: engine/layer_prefill.py).
 
-A prefill whose context is longer than one step's budget is admitted with every token block of
-its context and only its first decode's window on the device, and runs a few layers per step for
-all its tokens: a segment of L layers over T tokens costs T*L/num_layers of the budget. One at
-a time, FCFS."""
+A prefill whose context is longer than `OffloadConfig.segment_min_tokens` (at most one step's
+budget) is admitted with every token block of its context and only its first decode's window on
+the device, and runs a few layers per step for all its tokens: a segment of L layers over T
+tokens costs T*L/num_layers of the budget. One at a time, FCFS."""
 
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ class LayerSegment:
 class SegmentPlanner:
     """Which prefills go layer by layer, and how many layers a step gives one."""
 
-    def __init__(self, num_layers: int, max_num_batched_tokens: int, max_layers: int | None = None) -> None:
+    def __init__(self, num_layers: int, min_context: int, max_layers: int | None = None) -> None:
         self.num_layers = num_layers
-        self.min_context = max_num_batched_tokens
+        self.min_context = min_context  # longer prompts go layer by layer (OffloadConfig.segment_min_tokens)
         self.max_layers = max_layers or num_layers
 
     def wants(self, seq: Sequence) -> bool:
-        """A prefill (not a paused decode) whose context is longer than one step's budget."""
+        """A prefill (not a paused decode) whose context is longer than `min_context`."""
         return seq.num_tokens > self.min_context and seq.num_computed_tokens + 1 < seq.num_tokens
 
     def cost(self, tokens: int, layers: int) -> int:
