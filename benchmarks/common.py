@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
+import math
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.model_dir import make_model_dir
+from benchmarks.model_dir import PRESETS, make_model_dir
 from sparseserve.workloads.datasets import PromptBuilder, data_dir, load_trace
 
 
@@ -70,6 +72,43 @@ def trace_jobs(tokenizer, path: str, n: int, time_scale: float, max_in: int, max
         )
         for t in load_trace(path, n, time_scale, max_in, max_out)
     ]
+
+
+def longbench_jobs(tokenizer, args: argparse.Namespace) -> list[Job]:
+    """`bench serve --dataset longbench`'s requests (workloads/longbench.py) as token ids, Poisson arrivals at
+    args.request_rate (inf: all at once); --output-len makes every request ask for exactly that many tokens."""
+    from sparseserve.bench.serve import poisson_arrivals
+    from sparseserve.workloads import longbench
+
+    builder = PromptBuilder(tokenizer)
+    reqs = longbench.sample_requests(
+        args.num_requests, 0, args.longbench_tokenizer, args.max_input_len, "max", args.output_len
+    )
+    arrivals = poisson_arrivals(args.num_requests, args.request_rate, 0)
+    return [
+        Job(t, tokenizer.encode(builder.prompt(r.full_len, f"0:lb:{i}", keep=r.prompt_len)), r.output_len)
+        for i, (r, t) in enumerate(zip(reqs, arrivals))
+    ]
+
+
+def workload_jobs(tokenizer, args: argparse.Namespace) -> list[Job]:
+    """The replay's requests: the conversation trace (`trace_jobs`) or LongBench's mix (`longbench_jobs`)."""
+    if args.dataset == "longbench":
+        return longbench_jobs(tokenizer, args)
+    out = args.output_len or args.max_output_len
+    jobs = trace_jobs(tokenizer, args.trace, args.num_requests, args.time_scale, args.max_input_len, out)
+    return [dataclasses.replace(j, max_tokens=out) for j in jobs] if args.output_len else jobs
+
+
+def max_output_len(args: argparse.Namespace) -> int:
+    """The longest output a replay's request may ask for (for max_model_len)."""
+    if args.output_len:
+        return args.output_len
+    if args.dataset == "longbench":
+        from sparseserve.workloads import longbench
+
+        return max(d.max_gen for d in longbench.DATASETS)
+    return args.max_output_len
 
 
 def long_jobs(tokenizer, n: int, prompt_len: int, output_len: int) -> list[Job]:
@@ -167,7 +206,12 @@ def engine_kwargs(args: argparse.Namespace, max_model_len: int) -> dict:
 def add_replay_args(p: argparse.ArgumentParser) -> None:
     """The model, engine-size and trace options of an in-process replay benchmark (`engine_kwargs`, `model_dir`,
     `trace_jobs`)."""
-    p.add_argument("--model", default="8b", help="model directory, or 8b (Llama-3.1-8B shapes, dummy weights)")
+    p.add_argument(
+        "--model",
+        default="8b",
+        help="model directory, or a benchmarks/model_dir.py preset over the embedded vocabulary with dummy weights: "
+        "8b (Llama-3.1-8B), mha7b (Llama-2-7B / LWM-7B), gqa8b (Llama-3-8B-262K)",
+    )
     p.add_argument("--load-format", default=None, choices=["auto", "dummy"], help="default: dummy for 8b")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--gpu-memory-gb", type=float, default=40.0, help="GPU memory cap (CUDA)")
@@ -181,12 +225,28 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output-len", type=int, default=512, help="cap on the trace's output lengths")
 
 
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """`workload_jobs`' options beside `add_replay_args`': the conversation trace or LongBench's mix."""
+    p.add_argument(
+        "--dataset",
+        default="trace",
+        choices=["trace", "longbench"],
+        help="trace (--trace replayed at --time-scale) or longbench (LongBench v1's mix, workloads/longbench.py, "
+        "Poisson arrivals at --request-rate, prompts capped at --max-input-len, LongBench's output caps)",
+    )
+    p.add_argument("--request-rate", type=float, default=math.inf, help="longbench: requests/s (default: all at once)")
+    p.add_argument("--longbench-tokenizer", default="llama3", choices=["llama3", "llama2"], help="longbench lengths")
+    p.add_argument("--output-len", type=int, default=None, help="every request asks for exactly this many tokens")
+
+
 @contextlib.contextmanager
 def model_dir(args: argparse.Namespace) -> Iterator[str]:
-    """args.model, or for "8b" a temporary Llama-3.1-8B-shaped directory (dummy weights) for the duration."""
-    if args.model != "8b":
+    """args.model, or for a preset name ("8b" or one of benchmarks/model_dir.py's) a temporary directory of its
+    shapes (dummy weights) for the duration."""
+    preset = {"8b": "llama-3.1-8b"}.get(args.model, args.model)
+    if preset not in PRESETS:
         yield args.model
         return
     args.load_format = args.load_format or "dummy"
     with tempfile.TemporaryDirectory() as tmp:
-        yield str(make_8b_dir(Path(tmp) / "m8b"))
+        yield str(make_model_dir(Path(tmp) / preset, preset, embedded_vocab=True))

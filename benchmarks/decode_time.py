@@ -14,13 +14,16 @@ Under async scheduling a step's tokens come out of the next `step()` call: the t
 device time of the step launched in the earlier one, which is the step that produced them.
 
     python -m benchmarks.decode_time --configs dense layerseg_async [--time-scale 1] [--json out.json]
+    python -m benchmarks.decode_time --model mha7b --dataset longbench --longbench-tokenizer llama2 \
+        --num-requests 24 --output-len 1024 --configs dense sparse_async layerseg_async
 
 Configurations (the serving ladder's, scripts/gpu_serve_check.sh): dense; sparse (topk 2048); offload (+
 kv_offload, working-set control included); layerseg (+ layer_segmented_prefill); layerseg_lag (+ sparse_lag 1);
 NAME_async (+ async_scheduling).
-`--model 8b`: Llama-3.1-8B shapes over the embedded tokenizer's vocabulary, dummy bf16 weights, GPU memory capped
-at --gpu-memory-gb (the serving reference workload). Any model directory works; on CPU the smoke test runs it with
-a tiny model (tests/benchmarks/test_decode_time.py).
+`--model 8b` (or a benchmarks/model_dir.py preset: mha7b, gqa8b): those shapes over the embedded tokenizer's
+vocabulary, dummy bf16 weights, GPU memory capped at --gpu-memory-gb. `--dataset longbench`: LongBench v1's mix
+(the SparseServe paper's serving workload) instead of the conversation trace. Any model directory works; on CPU
+the smoke test runs it with a tiny model (tests/benchmarks/test_decode_time.py).
 """
 
 from __future__ import annotations
@@ -33,7 +36,17 @@ import logging
 import statistics
 from pathlib import Path
 
-from benchmarks.common import Job, add_replay_args, engine_kwargs, fresh_engine, model_dir, replay, trace_jobs
+from benchmarks.common import (
+    Job,
+    add_replay_args,
+    add_workload_args,
+    engine_kwargs,
+    fresh_engine,
+    max_output_len,
+    model_dir,
+    replay,
+    workload_jobs,
+)
 from sparseserve.bench.accuracy import parse_engine_args
 from sparseserve.bench.hardware import print_table
 from sparseserve.profiler import Profiler
@@ -156,6 +169,10 @@ def run_config(model: str, name: str, jobs: list[Job], engine_kw: dict) -> tuple
     if stats.offload_layer_steps:
         hits, loaded = stats.offload_hbm_hits, stats.offload_blocks_loaded + stats.offload_bypass_reads
         row["hbm_hit"] = hits / max(hits + loaded, 1)
+        row["loaded_per_layer_step"] = loaded / stats.offload_layer_steps
+        row["rows_saved"], row["rows_restored"] = stats.offload_rows_saved, stats.offload_rows_restored
+        row["pool_gb"] = stats.offload_hbm_bytes_pool / 1e9
+        row["ws_limit"] = stats.working_set_limit
     logger.info("%s", row)
     return row, timeline.steps
 
@@ -163,6 +180,7 @@ def run_config(model: str, name: str, jobs: list[Job], engine_kw: dict) -> tuple
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_replay_args(p)
+    add_workload_args(p)
     p.add_argument("--configs", nargs="+", default=["dense", "layerseg_async"], choices=list(CONFIGS))
     p.add_argument(
         "--engine-arg",
@@ -177,16 +195,20 @@ def main(argv: list[str] | None = None) -> dict:
 
     with model_dir(args) as model:
         tokenizer = AutoTokenizer.from_pretrained(model)
-        jobs = trace_jobs(
-            tokenizer, args.trace, args.num_requests, args.time_scale, args.max_input_len, args.max_output_len
-        )
-        kw = engine_kwargs(args, args.max_input_len + args.max_output_len)
+        jobs = workload_jobs(tokenizer, args)
+        kw = engine_kwargs(args, args.max_input_len + max_output_len(args))
         kw.update(parse_engine_args(args.engine_arg))
         runs = {c: run_config(model, c, jobs, kw) for c in args.configs}
     rows = [row for row, _ in runs.values()]
     print_table(
         rows,
-        f"conversation trace, first {args.num_requests} requests at time scale {args.time_scale:g}: "
+        (
+            f"longbench ({args.longbench_tokenizer} lengths), {args.num_requests} requests at {args.request_rate:g}/s"
+            if args.dataset == "longbench"
+            else f"conversation trace, first {args.num_requests} requests at time scale {args.time_scale:g}"
+        )
+        + (f", outputs of {args.output_len}" if args.output_len else "")
+        + ": "
         "TPOT = decode + with_prefill + waiting (ms per output token)",
     )
     report = {

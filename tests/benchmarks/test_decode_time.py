@@ -101,3 +101,31 @@ def test_decode_time_smoke(tiny_model_dir, tmp_path):
         assert row["decode_ms"] + row["with_prefill_ms"] + row["waiting_ms"] == pytest.approx(row["tpot_ms"])
         assert row["decode_steps"] > 0 and row["output_tok_s"] > 0
     assert "hbm_hit" in report["rows"][1]
+
+
+def test_longbench_replay_jobs(tiny_model_dir):
+    """The LongBench mix replayed in-process: `bench serve --dataset longbench`'s lengths (capped), every request
+    asking for --output-len tokens, Poisson arrivals at --request-rate (all at once by default)."""
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    from benchmarks.common import add_replay_args, add_workload_args, max_output_len, workload_jobs
+    from sparseserve.workloads import longbench
+
+    p = argparse.ArgumentParser()
+    add_replay_args(p)
+    add_workload_args(p)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    args = p.parse_args(["--dataset", "longbench", "--num-requests", "6", "--max-input-len", "400"])
+    args.output_len = 7
+    jobs = workload_jobs(tok, args)
+    want = longbench.sample_requests(6, 0, "llama3", 400, "max", 7)
+    assert [j.max_tokens for j in jobs] == [7] * 6 and max_output_len(args) == 7
+    assert all(j.arrival_s == 0 for j in jobs)
+    for j, r in zip(jobs, want):  # the prompt builder's length within a few tokens of the drawn one (BOS, joins)
+        assert abs(len(j.prompt_token_ids) - r.prompt_len) <= 8
+    args = p.parse_args(["--dataset", "longbench", "--num-requests", "6", "--request-rate", "2"])
+    assert max_output_len(args) == max(d.max_gen for d in longbench.DATASETS)
+    arrivals = [j.arrival_s for j in workload_jobs(tok, args)]
+    assert arrivals == sorted(arrivals) and arrivals[-1] > 0
