@@ -141,6 +141,7 @@ def test_offload_plan_separates_the_scheduler_side_from_the_workers():
         assert "torch" not in mods and "numpy" not in mods, name
         assert mods <= {
             "__future__",
+            "collections",
             "dataclasses",
             "typing",
             "sparseserve.kvcache.blocks",

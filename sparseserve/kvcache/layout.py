@@ -12,7 +12,7 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 GiB = 2**30
 # A request's working set over the working-set window, in one step's lists, for the rows' share of the
-# budget: measured 1.2-1.6 on SmolLM2 and about 2.5 on the MHA 7B shape with dummy weights (docs/offload.md).
+# budget: measured 1.2-1.6 on SmolLM2 and about 2.6 on the MHA 7B shape with dummy weights (docs/offload.md).
 WORKING_SET_LISTS = 2
 
 

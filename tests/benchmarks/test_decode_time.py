@@ -103,7 +103,21 @@ def test_decode_time_smoke(tiny_model_dir, tmp_path):
     assert "hbm_hit" in report["rows"][1]
 
 
-def test_longbench_replay_jobs(tiny_model_dir):
+@pytest.fixture
+def filler_haystack(tmp_path, monkeypatch):
+    """A haystack of the built-in filler sentences (a clone without ../shared/data has no essays)."""
+    from sparseserve.workloads.datasets import haystack_corpus
+    from sparseserve.workloads.tasks import builtin_filler
+
+    (tmp_path / "haystack").mkdir()
+    (tmp_path / "haystack" / "filler.txt").write_text(" ".join(builtin_filler(400)))
+    monkeypatch.setenv("SPARSESERVE_DATA_DIR", str(tmp_path))
+    haystack_corpus.cache_clear()
+    yield
+    haystack_corpus.cache_clear()
+
+
+def test_longbench_replay_jobs(tiny_model_dir, filler_haystack):
     """The LongBench mix replayed in-process: `bench serve --dataset longbench`'s lengths (capped), every request
     asking for --output-len tokens, Poisson arrivals at --request-rate (all at once by default)."""
     import argparse
