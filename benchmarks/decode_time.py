@@ -173,6 +173,7 @@ def run_config(model: str, name: str, jobs: list[Job], engine_kw: dict) -> tuple
         row["rows_saved"], row["rows_restored"] = stats.offload_rows_saved, stats.offload_rows_restored
         row["pool_gb"] = stats.offload_hbm_bytes_pool / 1e9
         row["ws_limit"] = stats.working_set_limit
+        row["ws_growth"] = stats.working_set_growth
     logger.info("%s", row)
     return row, timeline.steps
 

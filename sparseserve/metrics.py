@@ -281,6 +281,12 @@ def _working_set_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iter
         "Requests admitted for prefill beyond the working-set limit (their decode waits).",
         getattr(stats, "working_set_prefill_aheads", 0),
     )
+    yield gauge(
+        "working_set_growth",
+        "A request's working set over the whole working_set_window, in one step's lists (running mean; 1 until "
+        "a request has counted a whole window): how much its selections move from step to step.",
+        getattr(stats, "working_set_growth", 0.0),
+    )
 
 
 def _sparse_prefill_metrics(stats: Any, counter: Callable) -> Iterable[Metric]:

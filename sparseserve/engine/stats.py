@@ -62,6 +62,7 @@ class EngineStats:
     working_set_hold_backs: int = 0  # running requests paused by the working-set limit
     working_set_parked: int = 0  # prefilled requests waiting for a decode share (gauge)
     working_set_prefill_aheads: int = 0  # ... admitted for prefill beyond the working-set limit
+    working_set_growth: float = 0.0  # a whole window's working set over one step's list (running mean; gauge)
 
     # The cumulative fields (the rest are gauges and sizes).
     COUNTERS: ClassVar[frozenset[str]] = frozenset(
@@ -96,7 +97,9 @@ class EngineStats:
     @classmethod
     def from_values(cls, values: dict[str, int]) -> "EngineStats":
         """Fills the fields by name (values may hold more keys)."""
-        return cls(**{f.name: int(values[f.name]) for f in fields(cls) if f.name in values})
+        return cls(
+            **{f.name: type(f.default)(values[f.name]) for f in fields(cls) if f.name in values}  # int or float
+        )
 
     def since(self, start: "EngineStats") -> "EngineStats":
         """The counters counted from `start` on (the engine's warm-up is not the served traffic)."""

@@ -312,7 +312,7 @@ class WorkingSetAccounting(Protocol):
 
     def on_pause(self, seq) -> None: ...
     def forget(self, seq) -> None: ...
-    def gauges(self) -> dict[str, int]: ...
+    def gauges(self) -> dict[str, float]: ...
 
 
 class OffloadSpace:
@@ -422,7 +422,7 @@ class OffloadSpace:
         self._saves, self._restores = [], []
         return plan
 
-    def gauges(self) -> dict[str, int]:
+    def gauges(self) -> dict[str, float]:
         ws = self.working_set.gauges() if self.working_set is not None else {}
         rows = {} if self.rows is None else {"offload_device_rows_used": len(self.rows.holders)}
         return (

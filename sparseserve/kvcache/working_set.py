@@ -205,7 +205,7 @@ class WorkingSetEstimate:
         """Sequences with a measurement, a floor or a copy in flight (none once all are freed)."""
         return len(self._measured.keys() | self._floor.keys() | self.source.pending.keys())
 
-    def gauges(self) -> dict[str, int]:
+    def gauges(self) -> dict[str, float]:
         return {
             "working_set_blocks": self.total,
             "working_set_capacity": self.capacity,
@@ -214,4 +214,5 @@ class WorkingSetEstimate:
             "working_set_hold_backs": self.num_hold_backs,
             "working_set_parked": self.num_parked,
             "working_set_prefill_aheads": self.num_prefill_aheads,
+            "working_set_growth": self.growth,
         }

@@ -201,6 +201,8 @@ def test_small_pool_shrinks_the_batch_with_the_same_tokens(tiny_model_dir, lag):
     assert m["sparseserve:working_set_capacity_blocks"] == 64 and "sparseserve:num_requests_held_back" in m
     assert "sparseserve:working_set_blocks" in m
     assert m["sparseserve:working_set_limit_blocks"] == stats.working_set_limit
+    # the lists move from step to step: a whole window holds more than one step's list
+    assert stats.working_set_growth > 1.0 and m["sparseserve:working_set_growth"] == stats.working_set_growth
     # The pool serves the smaller batch better (the point of the control).
     ratio = lambda s: s.offload_hbm_hits / (s.offload_hbm_hits + s.offload_blocks_loaded + s.offload_bypass_reads)  # noqa: E731
     assert ratio(stats) > ratio(off["stats"])
@@ -361,5 +363,6 @@ def test_new_requests_are_estimated_as_the_measured_windows_grew():
     assert est.growth == pytest.approx((1.8 + 1.5) / 2)
     src.land({1: 50})
     assert est.estimates([b]) == [50]  # measured above the expectation: measured
+    assert est.gauges()["working_set_growth"] == est.growth
     est.on_pause(a)  # a paused: its estimate stands as the floor of its new slot until a whole window
     assert est.estimates([a]) == [max(30, int(one_list * est.growth))]
