@@ -5,6 +5,7 @@
 # TOTAL_S after the start); `left` prints the seconds to it (for gpu_serve_check.sh's BUDGET_S). Its output goes to
 # $OUT/TAG/run.log; at the end the servers' logs are cut to their tails and $OUT packed into $OUT/side_by_side.tgz
 # (the device tool brings back few files). The servers share the host's CPUs and PCIe: say so beside the numbers.
+# SHAPES: the model_dir presets written to /tmp/SHAPE first (default "mha7b gqa8b"; empty: none).
 #
 #   D='SHAPE=mha7b WORKLOAD=longbench FIXED_OUTPUT=1 OUTPUT_LEN=1024 RATES=inf N=48'
 #   bash scripts/gpu_side_by_side.sh "0|dense|$D BUDGET_S=\$(left) bash scripts/gpu_serve_check.sh dense" \
@@ -21,7 +22,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 [ -d .data/haystack ] && export SPARSESERVE_DATA_DIR=${SPARSESERVE_DATA_DIR:-$PWD/.data}
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/gpus.txt"
 T0=$(date +%s); export DEADLINE=$(( T0 + ${TOTAL_S:-550} ))
-for s in mha7b gqa8b; do  # the shapes' config directories once, before the groups race for them
+for s in ${SHAPES-mha7b gqa8b}; do  # the shapes' config directories once, before the groups race for them
   [ -f /tmp/$s/config.json ] || python3 -m benchmarks.model_dir --preset $s --embedded-vocab --config-only \
     --out /tmp/$s >/dev/null
 done
