@@ -150,8 +150,8 @@ class WorkingSetEstimate:
         for seq in seqs:
             measured, steps = self._measured.get(seq.seq_id, (0, 0))
             floor = self._floor.get(seq.seq_id)
-            if steps >= self.window and seq.seq_id in landed_now:
-                self._learn(measured, self.default(seq))
+            if steps >= self.window and seq.seq_id in landed_now and self.default(seq) < self.every(seq):
+                self._learn(measured, self.default(seq))  # (a context within one list selects it all)
             if floor is not None and steps >= self.window:
                 del self._floor[seq.seq_id]
                 floor = None
@@ -172,9 +172,14 @@ class WorkingSetEstimate:
         nb = blocks_needed(seq.num_tokens, self.block_size)
         return max(min(self.cap, nb) - self.local, 0) * self.lists
 
+    def every(self, seq) -> int:
+        """Every head block its lists can name: its context's blocks outside the local window."""
+        return max(blocks_needed(seq.num_tokens, self.block_size) - self.local, 0) * self.lists
+
     def expected(self, seq) -> int:
-        """Before a whole window is counted: one step's list grown as the measured windows grew."""
-        return int(self.default(seq) * self.growth)
+        """Before a whole window is counted: one step's list grown as the measured windows grew, at
+        most every head block it has."""
+        return min(int(self.default(seq) * self.growth), self.every(seq))
 
     def due(self) -> bool:
         """Whether the scheduler sums the estimates this step (always with the control, on CPU)."""

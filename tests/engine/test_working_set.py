@@ -364,5 +364,12 @@ def test_new_requests_are_estimated_as_the_measured_windows_grew():
     src.land({1: 50})
     assert est.estimates([b]) == [50]  # measured above the expectation: measured
     assert est.gauges()["working_set_growth"] == est.growth
+    short = seq(2, prompt_len=4 * BS)  # a context within one list: it selects all of it, every step
+    assert est.estimates([short]) == [(4 - 1) * 4]  # never more than every head block it has
+    g = est.growth
+    for _ in range(3):
+        src.land({2: (4 - 1) * 4})
+        est.estimates([short])
+    assert est.growth == g  # nor does its whole window teach the growth anything
     est.on_pause(a)  # a paused: its estimate stands as the floor of its new slot until a whole window
     assert est.estimates([a]) == [max(30, int(one_list * est.growth))]
