@@ -212,7 +212,7 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
         help="model directory, or a benchmarks/model_dir.py preset over the embedded vocabulary with dummy weights: "
         "8b (Llama-3.1-8B), mha7b (Llama-2-7B / LWM-7B), gqa8b (Llama-3-8B-262K)",
     )
-    p.add_argument("--load-format", default=None, choices=["auto", "dummy"], help="default: dummy for 8b")
+    p.add_argument("--load-format", default=None, choices=["auto", "dummy"], help="default: dummy for a preset")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--gpu-memory-gb", type=float, default=40.0, help="GPU memory cap (CUDA)")
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="exact KV blocks instead (CPU smoke runs)")
@@ -244,7 +244,7 @@ def model_dir(args: argparse.Namespace) -> Iterator[str]:
     """args.model, or for a preset name ("8b" or one of benchmarks/model_dir.py's) a temporary directory of its
     shapes (dummy weights) for the duration."""
     preset = {"8b": "llama-3.1-8b"}.get(args.model, args.model)
-    if preset not in PRESETS:
+    if preset not in PRESETS or Path(args.model).is_dir():  # a directory of that name wins
         yield args.model
         return
     args.load_format = args.load_format or "dummy"
