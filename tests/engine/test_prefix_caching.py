@@ -189,6 +189,14 @@ BS = 8
 COVERING = dict(
     sparse_budget=12 * BS, sparse_dense_layers=0, sparse_sink_blocks=1, sparse_local_blocks=2, sparse_dense_context=0
 )
+OFFLOAD_PATH = dict(
+    block_size=BS,
+    sparse_policy="topk",
+    kv_offload=True,
+    hbm_cache_blocks=16,
+    host_kv_memory=16 * 2 * 2 * 2 * BS * 128 * 4,
+    **COVERING,
+)
 PATHS = {
     "dense": dict(block_size=16, num_gpu_blocks_override=7),
     "topk": dict(block_size=BS, num_gpu_blocks_override=16, sparse_policy="topk", **COVERING),
@@ -196,29 +204,14 @@ PATHS = {
     # the sparse decode that first computed them, would change what is pruned: recompute, not caching, changes
     # tokens; test_sparse_selection_over_shared_blocks has real pruning without preemption)
     "topp": dict(block_size=BS, num_gpu_blocks_override=16, sparse_policy="topp", sparse_top_p=1.0, **COVERING),
-    "offload": dict(
-        block_size=BS,
-        sparse_policy="topk",
-        kv_offload=True,
-        hbm_cache_blocks=16,
-        host_kv_memory=16 * 2 * 2 * 2 * BS * 128 * 4,
-        **COVERING,
-    ),
+    "offload": OFFLOAD_PATH,
     # the host tier: blocks the small device cache evicts (a preempted request's too) are copied back
     "dense+host": dict(block_size=16, num_gpu_blocks_override=7, host_prefix_cache_memory=4 << 20),
     "topk+host": dict(
         block_size=BS, num_gpu_blocks_override=16, sparse_policy="topk", host_prefix_cache_memory=4 << 20, **COVERING
     ),
     # without the working-set limit (inside the engine): the batch outgrows the host store, requests are preempted
-    "offload-unlimited": dict(
-        block_size=BS,
-        sparse_policy="topk",
-        kv_offload=True,
-        hbm_cache_blocks=16,
-        host_kv_memory=16 * 2 * 2 * 2 * BS * 128 * 4,
-        control=False,
-        **COVERING,
-    ),
+    "offload-unlimited": dict(OFFLOAD_PATH, control=False),
     # a device block cache of one max_model_len sequence: prefills wait for it, decodes are paused
     "offload-paused": dict(
         block_size=BS,
