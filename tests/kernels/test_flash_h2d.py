@@ -231,7 +231,7 @@ def test_engine_offload_equals_no_offload_on_gpu(hf_models, enforce_eager, polic
     """On the GPU (Triton kernels, pinned store over UVA, CUDA graphs unless eager): offload on == off,
     token for token, under the same sparse policy (topk; topp pruning through the pool, with reuse; topk with
     lagged selection, whose next lists the pool reads a step ahead on the side stream), with a roomy pool and with
-    a 4-slot pool (evictions every step, bypass reads)."""
+    a 4-slot pool (the working-set limit off: evictions every step, bypass reads)."""
     from sparseserve import LLM
     from tests.kvcache.test_offload import GREEDY, SPARSE, prompts
 
@@ -247,14 +247,16 @@ def test_engine_offload_equals_no_offload_on_gpu(hf_models, enforce_eager, polic
         **{**SPARSE, **policy},
     )
 
-    def tokens(**kw):
+    def tokens(control: bool = True, **kw):
         llm = LLM(str(model_dir), **common, **kw)
+        if not control:  # as tests/kvcache/test_offload.py's `run`: else a batch of one fits 4 slots
+            llm.llm_engine.scheduler.working_set.ws.enabled = False
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
         return outs, llm.llm_engine
 
     base, _ = tokens()
     for slots in (None, 4):
-        got, engine = tokens(kv_offload=True, hbm_cache_blocks=slots)
+        got, engine = tokens(control=slots is None, kv_offload=True, hbm_cache_blocks=slots)
         assert got == base, f"hbm_cache_blocks={slots}"
         stats = engine.get_stats()
         assert stats.offload_blocks_loaded > 0 and stats.num_blocks_used == 0
