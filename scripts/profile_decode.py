@@ -1,5 +1,7 @@
 """Where a decode step's time goes on the GPU: torch profiler over full-batch decode steps of a
-random-weight model (load_format='dummy'), GPU kernel time per step vs wall time per step.
+random-weight model (load_format='dummy'): wall time per step, the GPU's busy and idle time, and each
+kernel's share of the GPU's critical path (summed kernel times overcount: kernels overlap under PDL).
+`--cprofile`: the host's Python time by function; `--trace`: the timeline for chrome://tracing.
 
     python -m benchmarks.model_dir --config-only --out /tmp/cfg8b
     python scripts/profile_decode.py /tmp/cfg8b --batch 32 --input-len 8192
@@ -10,6 +12,12 @@ random-weight model (load_format='dummy'), GPU kernel time per step vs wall time
 from __future__ import annotations
 
 import argparse
+import collections
+import cProfile
+import json
+import os
+import pstats
+import tempfile
 import time
 
 import torch
@@ -27,6 +35,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rows", type=int, default=15, help="kernels (and host ops) listed")
+    ap.add_argument("--cprofile", action="store_true", help="also the host's Python functions (cProfile)")
+    ap.add_argument("--trace", help="write the profiled steps' timeline here (Chrome trace JSON)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", help="engine option (repeatable)")
     args = ap.parse_args()
     log = StepLog()  # each step's schedule: the profiled steps start once the whole batch decodes
@@ -42,8 +53,9 @@ def main() -> None:
     )
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    high = min(30000, engine.model_runner.arch.vocab_size)
     for i in range(args.batch):
-        engine.add_request(str(i), torch.randint(100, 30000, (args.input_len,), generator=g).tolist(), params)
+        engine.add_request(str(i), torch.randint(10, high, (args.input_len,), generator=g).tolist(), params)
     engine.step()
     while not log.last.pure_decode(args.batch):
         engine.step()
@@ -51,16 +63,59 @@ def main() -> None:
         engine.step()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+    times = []
     for _ in range(args.steps):
         engine.step()
-    wall = (time.perf_counter() - t0) / args.steps * 1e3
+        times.append(time.perf_counter())
+    wall = (times[-1] - t0) / args.steps * 1e3
+    each = sorted((b - a) * 1e3 for a, b in zip([t0] + times, times))
+    print(f"step ms: median {each[len(each) // 2]:.2f}, min {each[0]:.2f}, max {each[-1]:.2f}")
+    if args.cprofile:  # the host's Python time by function (a run of its own: it slows the host)
+        stats = cProfile.Profile()
+        stats.runcall(lambda: [engine.step() for _ in range(args.steps)])
+        pstats.Stats(stats).sort_stats("tottime").print_stats(args.rows)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             engine.step()
     events = prof.key_averages()
     gpu_us = sum(e.self_device_time_total for e in events) / args.steps
-    print(events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
-    print(f"batch {args.batch} input {args.input_len}: wall {wall:.2f} ms/step, GPU kernels {gpu_us / 1e3:.2f} ms/step")
+    print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.trace or os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            busy, idle, by_name = critical_path(json.load(f)["traceEvents"])
+    print(f"{'GPU critical path (us a step; PDL overlap counted once)':<60} {'us':>9}")
+    for name, us in by_name.most_common(args.rows):
+        print(f"{name[:60]:<60} {us / args.steps:9.1f}")
+    print(
+        f"batch {args.batch} input {args.input_len}: wall {wall:.2f} ms/step; GPU busy {busy / args.steps / 1e3:.2f}, "
+        f"idle {idle / args.steps / 1e3:.2f} ms/step (kernel times summed: {gpu_us / 1e3:.2f})"
+    )
+
+
+def critical_path(trace: list[dict]) -> tuple[float, float, collections.Counter]:
+    """(busy us, idle us, us by kernel name) of the GPU's timeline in a Chrome trace: each kernel or
+    copy counts only past the end of what ran before it, so kernels that overlap (programmatic
+    dependent launch starts one before its predecessor ends) are not counted twice."""
+    ops = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"])
+        for e in trace
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    by_name: collections.Counter = collections.Counter()
+    if not ops:
+        return 0.0, 0.0, by_name
+    busy = idle = 0.0
+    last = ops[0][0]
+    for start, end, name in ops:
+        idle += max(0.0, start - last)
+        own = max(0.0, end - max(start, last))
+        by_name[name] += own
+        busy += own
+        last = max(last, end)
+    return busy, idle, by_name
 
 
 if __name__ == "__main__":
