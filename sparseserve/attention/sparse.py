@@ -65,6 +65,7 @@ class SparseBackend(AttentionBackend):
         self.offload: OffloadCache | None = None
         self.side = torch.cuda.Stream(ctx.device) if p.lag and ctx.device.type == "cuda" else None
         self.pending: list[torch.Tensor] = []  # lag: the side stream's inputs, alive until end_step
+        self.loaded: list[torch.cuda.Event] = []  # lag + offload: each sparse layer's loads done (side stream)
         self.step_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # lag: (read, write) rows
         self._step_meta: AttentionMetadata | None = None
         # the last step's state slots (SelectionState.assign's list) and as a tensor (prepare)
@@ -228,8 +229,10 @@ class SparseBackend(AttentionBackend):
         sm: SparseStepMeta | None = meta.backend_meta
         cm = meta if sm is None else sm.cache
         if self.params.lag and self.key_meta is not None and layer >= self.dense_layers and (sm is None or sm.selects):
-            if self.offload is not None and layer == self.dense_layers and self.side is not None:
-                torch.cuda.current_stream(q.device).wait_stream(self.side)  # begin_step's plan
+            if self.loaded and (sm is None or sm.fix_select is None):  # begin_step's plan, this layer's loads
+                torch.cuda.current_stream(q.device).wait_event(self.loaded[layer - self.dense_layers])
+            elif self.offload is not None and layer == self.dense_layers and self.side is not None:
+                torch.cuda.current_stream(q.device).wait_stream(self.side)  # the whole plan
             if sm is not None and sm.fix_select is not None:
                 self._plan_fresh(layer, q, meta, cm, scale)
             self._select_next(layer, q, kv_cache, meta, cm, scale)
@@ -300,8 +303,10 @@ class SparseBackend(AttentionBackend):
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Lagged selection, at layer 0 before its K/V store: the step's read and write rows
         (step_slots); under offload then every sparse layer's views of the decode rows in one plan
-        on the side stream (joined at the first sparse layer). The trap: kernels read the rows
-        before their PDL wait (kernels/pdl.py), so their writer must not directly precede them."""
+        on the side stream and each layer's loads after it (each sparse layer waits for its own).
+        The trap: kernels read the rows before their PDL wait (kernels/pdl.py), so their writer
+        must not directly precede them."""
+        self.loaded.clear()
         sm: SparseStepMeta | None = meta.backend_meta
         dev = meta.seq_lens.device
         slots = sm.slots if sm is not None else torch.arange(meta.num_seqs, dtype=torch.int32, device=dev)
@@ -323,6 +328,12 @@ class SparseBackend(AttentionBackend):
             self.offload.plan_lagged(
                 None, meta.block_tables[:nd], meta.seq_lens[:nd], self.state.sel, rows, new_round=True
             )
+            # each layer's loads, then its event: layer L's attention waits for its own loads only, which
+            # run beside the layers before it (a fresh slot's step waits for all: _plan_fresh plans after)
+            for layer in range(self.dense_layers, self.ctx.num_layers):
+                self.offload.load_lagged(layer)
+                if self.side is not None:
+                    self.loaded.append(self.side.record_event())
 
     def _plan_fresh(self, layer, q, meta, cm, scale) -> None:
         """Lag + offload: decode rows with fresh state slots select their lists from their own
@@ -373,6 +384,7 @@ class SparseBackend(AttentionBackend):
         if self.pending:
             torch.cuda.current_stream(self.side.device).wait_stream(self.side)
             self.pending.clear()
+        self.loaded.clear()
 
     # ---- CUDA graphs -----------------------------------------------------------------------------
 

@@ -10,7 +10,9 @@ victims per set, hits, bypass counts, last-use stamps and statistics equal the r
 
 pool_read: one sparse layer's whole read of its decode lists under offload: the listed head
 blocks' keys, one plan per distinct key (repeats read their representative's slot) and the
-FlashH2D of the misses; three launches on the GPU. See docs/offload.md, "The pool plan's kernels".
+FlashH2D of the misses; three launches on the GPU. `defer` leaves the FlashH2D to the caller (a
+lagged read of every layer loads layer by layer, each beside the attention of the layers before
+it). See docs/offload.md, "The pool plan's kernels".
 """
 
 from __future__ import annotations
@@ -517,12 +519,15 @@ def pool_read_ref(
     lay: ListLayout,
     st: PoolState,
     touch: TouchState | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    defer: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """One sparse layer's read of its lists through the pool (list_keys' arguments): one plan
     per distinct key (repeats read their first occurrence's slot), then FlashH2D of the misses;
     `touch`: listed keys join their rows' working sets. Returns (loc, key) int64 [B, Hkv, cap]:
     each entry's slot (-1: bypass from host row key, or none). sel [L, S, Hkv, cap]: layers
-    lay.layer.. planned at once, (loc, key) [L, B, Hkv, cap]."""
+    lay.layer.. planned at once, (loc, key) [L, B, Hkv, cap]. defer: the misses are not loaded;
+    returns (loc, key, load), load like key: the slot each miss is to be loaded into from host
+    row key (FlashH2D), < 0 where none (a key listed twice loads once)."""
     trash_key = st.resident.numel() - 1
     if sel.dim() == 4:
         key = torch.stack(
@@ -553,11 +558,14 @@ def pool_read_ref(
     )
     if sel.dim() == 4:  # a layer step per layer, as the kernels count
         st.stats[3] += sel.shape[0] - 1
-    flash_h2d_ref(host_flat, pool_slots, unique, load)
+    if not defer:
+        flash_h2d_ref(host_flat, pool_slots, unique, load)
     if touch is not None:
         # lag: a row is slot + S * parity
         ws_slots = torch.where(row_slots >= 0, row_slots.long() % touch.hist.shape[0], -1)
         working_set_touch_ref(key.transpose(0, 1).flatten(1) if sel.dim() == 4 else key.flatten(1), ws_slots, *touch)
+    if defer:
+        return loc[rep].view_as(key), key, load.view_as(key)
     return loc[rep].view_as(key), key
 
 
@@ -571,7 +579,8 @@ def pool_read_triton(
     lay: ListLayout,
     st: PoolState,
     touch: TouchState | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    defer: bool = False,
+) -> tuple[torch.Tensor, ...]:
     layers = sel.shape[0] if sel.dim() == 4 else 1
     sel4 = sel if sel.dim() == 4 else sel[None]
     b, cap = row_slots.numel(), sel.shape[-1]
@@ -670,6 +679,9 @@ def pool_read_triton(
         PDL=pdl,
         launch_pdl=pdl,
     )
+    if defer:  # repeats (load -2) take their key's slot now; FlashH2D skips them
+        loc = torch.where(load == -2, st.resident[key.view(-1)], loc)
+        return loc.view_as(key), key, load.view_as(key)
     flash_h2d_triton(host_flat, pool_slots, key.view(-1), load, repeats=(st.resident, loc))
     return loc.view_as(key), key
 
@@ -684,11 +696,12 @@ def pool_read(
     lay: ListLayout,
     st: PoolState,
     touch: TouchState | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    defer: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """pool_read_ref's contract, up to the pairing of misses with victims and which repeat
     represents a key."""
     fn = pool_read_triton if use_triton(sel) else pool_read_ref
-    return fn(host_flat, pool_slots, sel, row_slots, tables, seq_lens, lay, st, touch)
+    return fn(host_flat, pool_slots, sel, row_slots, tables, seq_lens, lay, st, touch, defer)
 
 
 def invalidate_ref(

@@ -66,6 +66,7 @@ class OffloadCache:
         self.lag_loc: torch.Tensor | None = None  # lag: [sparse layers, list rows + 1, Hkv, cap]
         self.lag_key: torch.Tensor | None = None
         self.cap = 0  # blocks a selection lists (set by `build`)
+        self._lag_loads: tuple[torch.Tensor, torch.Tensor] | None = None  # the every-layer plan's (key, load)
         # token block -> device row (kvcache/device_space.py DeviceRowMap), the trash row where none
         dev = pool.resident.device
         self.row_of = torch.full((layout.token_blocks + 1,), layout.rows, dtype=torch.int32, device=dev)
@@ -370,9 +371,10 @@ class OffloadCache:
     ) -> None:
         """Reads the lists of list_rows (-1: none) through the pool as `read` does and keeps their
         views by list row: one layer's (sel [S', Hkv, cap]), or with layer None every sparse
-        layer's in one plan (sel: all layers' buffer). new_round: the step's first plan (no later
-        plan of the step evicts what it stamps; starts the working-set count). The trap: the host
-        rows must be in the store, i.e. after the step's fence."""
+        layer's in one plan (sel: all layers' buffer), whose loads wait for `load_lagged`, layer
+        by layer. new_round: the step's first plan (no later plan of the step evicts what it
+        stamps; starts the working-set count). The trap: the host rows must be in the store, i.e.
+        after the step's fence."""
         ws = self.working_set
         if new_round:
             self.pool.begin_round()
@@ -380,7 +382,7 @@ class OffloadCache:
                 ws.begin_step()
         if layer is None:
             sel = sel[self.dense_layers :]
-        loc, key = self.pool.read(
+        loc, key, *load = self.pool.read(
             self.host.flat(),
             self.dense_layers if layer is None else layer,
             sel,
@@ -391,14 +393,23 @@ class OffloadCache:
             self.block_size,
             None if ws is None else ws.touch_state(),
             lagged=True,
+            defer=layer is None,
         )
         dst = torch.where(list_rows >= 0, list_rows.long(), self.lag_loc.shape[1] - 1)
         if layer is None:
             self.lag_loc.index_copy_(1, dst, loc)
             self.lag_key.index_copy_(1, dst, key)
+            self._lag_loads = (key, load[0])
         else:
             self.lag_loc[layer - self.dense_layers].index_copy_(0, dst, loc)
             self.lag_key[layer - self.dense_layers].index_copy_(0, dst, key)
+
+    def load_lagged(self, layer: int) -> None:
+        """FlashH2D of one sparse layer's misses of the last every-layer `plan_lagged` (its views
+        name their slots already: a reader waits for this load, not for the whole plan's)."""
+        key, load = self._lag_loads
+        li = layer - self.dense_layers
+        flash_h2d(self.host.flat(), self.pool.slots, key[li].reshape(-1), load[li].reshape(-1))
 
     def lagged_view(self, layer: int) -> OffloadView:
         """The views `plan_lagged` kept, by list row (sparse_decode's view_by_slot)."""

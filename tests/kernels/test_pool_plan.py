@@ -288,10 +288,13 @@ def test_triton_read_matches_reference(hkv, cap, slots, ways, bypasses, shared):
     assert (repeats > 0) == (shared > 0) and pool.stats[0] > 0 and (bypass > 0) == bypasses  # the cases happened
 
 
-def test_triton_read_of_several_layers_matches_reference():
+@pytest.mark.parametrize("defer", [False, True])
+def test_triton_read_of_several_layers_matches_reference(defer):
     """One read of every layer's lists at once (sel [L, S, Hkv, cap], lagged selection's plan of a step): the
     keys are each layer's, every entry reads the host's block, and hits, loads, stamps and statistics (a layer step
-    per layer) are the reference's."""
+    per layer) are the reference's. defer: no slot is written until the caller's FlashH2D of `load`, layer by
+    layer; the views (repeats included) already name the slots."""
+    from sparseserve.kernels.flash_h2d import flash_h2d_ref
     from sparseserve.kernels.pool_plan import list_keys
     from sparseserve.kernels.sparse_decode import read_listed_ref
     from sparseserve.kvcache.host import HostKVStore
@@ -309,12 +312,19 @@ def test_triton_read_of_several_layers_matches_reference():
         for name in STATE:
             getattr(ref, name).copy_(getattr(pool, name))
         ref.slots.copy_(pool.slots)
-        before = pool.resident.clone()
+        before, slots_before = pool.resident.clone(), pool.slots.clone()
         with forced("torch"):
-            loc_r, key_r = ref.read(host.flat(), 1, sel, row_slots, tables, seq_lens, local, bs)
+            loc_r, key_r, *load_r = ref.read(host.flat(), 1, sel, row_slots, tables, seq_lens, local, bs, defer=defer)
         with forced("triton"):
-            loc, key = pool.read(host.flat(), 1, sel, row_slots, tables, seq_lens, local, bs)
+            loc, key, *load = pool.read(host.flat(), 1, sel, row_slots, tables, seq_lens, local, bs, defer=defer)
         assert key.shape == (2, row_slots.numel(), hkv, cap) and torch.equal(key, key_r)
+        if defer:
+            assert torch.equal(pool.slots, slots_before)  # nothing loaded yet
+            (load,), (load_r,) = load, load_r
+            assert torch.equal(load[load >= 0].sort().values, load_r[load_r >= 0].sort().values)
+            for p, ld in ((pool, load), (ref, load_r)):
+                for i in range(2):  # the caller's loads, a layer at a time
+                    flash_h2d_ref(host.flat(), p.slots, key[i].reshape(-1), ld[i].reshape(-1))
         with forced("torch"):
             for i in range(2):
                 assert torch.equal(
