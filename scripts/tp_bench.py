@@ -12,6 +12,10 @@ after another in one process (each engine is dropped before the next starts) and
         sparse (topk 2048) + KV offload under a per-GPU memory cap (host_kv_memory is per rank): requests of
         `context` tokens keep arriving; the most running at once, and the decode step there (TP=2 should run
         twice TP=1's requests at no worse a step).
+    python scripts/tp_bench.py message [--tp 2 4 --batch 32 --context 131072 --block-size 16]
+        rank 0's step message over the gloo group (CPU, no model): its size and broadcast time for `batch` decodes
+        at `context` tokens, carrying whole block tables (every step before) against a steady decode step's (the
+        entries added since each sequence's last step, engine/parallel.py SentTables).
     python scripts/tp_bench.py serve-report OUT
         gpu_serve_check.sh's results in OUT (configs NAME and NAME_tpN of one load): throughput, TTFT, TPOT of
         each TP=N against TP=1 of the same config.
@@ -239,6 +243,14 @@ def capacity(args, emit: Callable[[dict], None]) -> None:
 _TP = re.compile(r"^(?P<name>.+?)(?:_tp(?P<tp>\d+))?$")
 
 
+def message(args, emit: Callable[[dict], None]) -> None:
+    from sparseserve.bench.tp_message import measure
+
+    for tp in args.tp:
+        for row in measure(tp, args.batch, args.context, args.block_size):
+            emit({"tp": tp, **row})
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -294,8 +306,8 @@ def serve_report(args) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["parity", "step", "capacity", "serve-report"])
-    p.add_argument("model", help="the model directory (serve-report: the results folder)")
+    p.add_argument("what", choices=["parity", "step", "capacity", "message", "serve-report"])
+    p.add_argument("model", nargs="?", help="the model directory (serve-report: the results folder; message: none)")
     p.add_argument("--tp", type=int, nargs="+", default=[2], help="the TP sizes measured against TP=1")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--dtype", default="bfloat16", help="step, capacity")
@@ -303,7 +315,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=8, help="parity")
     p.add_argument("--prompt-len", type=int, default=1024, help="parity")
     p.add_argument("--max-tokens", type=int, default=64, help="parity")
-    p.add_argument("--batch", type=int, default=32, help="step")
+    p.add_argument("--batch", type=int, default=32, help="step, message")
+    p.add_argument("--block-size", type=int, default=16, help="message")
     p.add_argument("--context", type=int, default=None, help="step (8192), capacity (131072)")
     p.add_argument("--steps", type=int, default=40, help="step: decode steps timed")
     p.add_argument("--gpu-memory-gb", type=float, default=40.0, help="capacity: per GPU (0: the engine's default)")
@@ -317,6 +330,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.context = args.context or (8192 if args.what == "step" else 131072)
+    if args.model is None and args.what != "message":
+        p.error(f"{args.what} needs a model directory")
     return args
 
 
@@ -325,6 +340,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.what == "serve-report":
         serve_report(args)
         return []
+    if args.what == "message":
+        args.device = "cpu"  # gloo between processes of this host, no model
     if args.device == "cuda" and torch.cuda.device_count() < max(args.tp):
         raise SystemExit(f"needs {max(args.tp)} GPUs, {torch.cuda.device_count()} visible")
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
@@ -337,7 +354,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             info = {"device": device, "date": datetime.date.today().isoformat(), "args": vars(args), "rows": rows}
             Path(args.json).write_text(json.dumps(info, indent=1))
 
-    {"parity": parity, "step": step, "capacity": capacity}[args.what](args, emit)
+    {"parity": parity, "step": step, "capacity": capacity, "message": message}[args.what](args, emit)
     print_table(rows, f"tensor parallelism: {args.what} ({device}, TP=1 and {args.tp})")
     return rows
 

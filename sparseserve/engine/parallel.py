@@ -125,12 +125,14 @@ class SeqView:
     num_computed_tokens: int
     num_tokens: int
     step_token_ids: list[int]
-    table: np.ndarray  # int32: the block table
+    table: np.ndarray  # int32: the block table (in a step message: its entries from table_start on)
+    table_start: int = 0
 
     @classmethod
-    def of(cls, seq: Any, n: int) -> "SeqView":
+    def of(cls, seq: Any, n: int, table_start: int = 0) -> "SeqView":
         c = seq.num_computed_tokens
-        return cls(seq.seq_id, c, seq.num_tokens, seq.token_ids[c : c + n], seq.block_table_array())
+        table = seq.block_table_array()
+        return cls(seq.seq_id, c, seq.num_tokens, seq.token_ids[c : c + n], table[table_start:], table_start)
 
     @property
     def token_ids(self) -> _StepTokens:
@@ -142,6 +144,56 @@ class SeqView:
 
     def block_table_array(self) -> np.ndarray:
         return self.table
+
+
+class SentTables:
+    """Rank 0: how many entries of each sequence's block table the other ranks hold. Between two
+    releases a table only grows (Sequence.block_table_array), so a step message carries only the
+    entries added since the sequence's last step (one in 16-32 decode steps, against the whole
+    table of a 128K context); a release, paused or not, forgets the sequence: its next view is whole."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, int] = {}
+
+    def view(self, seq: Any, n: int) -> SeqView:
+        start = self.sent.get(seq.seq_id, 0)
+        size = len(seq.block_table_array())
+        if size < start:
+            raise RuntimeError(f"sequence {seq.seq_id}: its block table shrank without a release")
+        self.sent[seq.seq_id] = size
+        return SeqView.of(seq, n, start)
+
+    def forget(self, seq_id: int) -> None:
+        self.sent.pop(seq_id, None)
+
+
+class HeldTables:
+    """A worker: each sequence's block table, grown from the step messages' entries (SentTables)
+    in a buffer that doubles, so a step costs the new entries, not a copy of the table."""
+
+    def __init__(self) -> None:
+        self.tables: dict[int, tuple[np.ndarray, int]] = {}  # seq_id -> (buffer, entries held)
+
+    def complete(self, view: SeqView) -> None:
+        """Gives the view its whole table (from its entries and what the earlier steps sent)."""
+        buf, held = self.tables.get(view.seq_id, (None, 0))
+        if view.table_start != held and view.table_start != 0:
+            raise RuntimeError(
+                f"sequence {view.seq_id}: a step sent its block table from entry {view.table_start}, "
+                f"this rank holds {held}"
+            )
+        start, size = view.table_start, view.table_start + len(view.table)
+        if buf is None or start == 0 or len(buf) < size:
+            grown = np.empty(max(size, 2 * held, 16), dtype=np.int32)
+            if start:
+                grown[:start] = buf[:start]
+            buf = grown
+        buf[start:size] = view.table
+        self.tables[view.seq_id] = (buf, size)
+        view.table, view.table_start = buf[:size], 0
+
+    def forget(self, seq_id: int) -> None:
+        self.tables.pop(seq_id, None)
 
 
 @dataclass
@@ -289,6 +341,7 @@ class TPDriver:
         self._session = session
         session.channel = StepChannel(runner.tp)
         self._released: list[tuple[int, bool]] = []
+        self._tables = SentTables()
         self._finalizer = weakref.finalize(self, session.close)
 
     # rank 0's alone: the scheduler's side of the offload, and statistics
@@ -324,6 +377,7 @@ class TPDriver:
     def release(self, seq_id: int, paused: bool = False) -> None:
         self.runner.release(seq_id, paused)
         self._released.append((seq_id, paused))
+        self._tables.forget(seq_id)
 
     def execute(
         self, scheduled: list, segments: list = (), plan: OffloadPlan | None = None, feed: Any = None
@@ -334,7 +388,7 @@ class TPDriver:
         s.check()
         message = StepMessage(
             self._released,
-            [(SeqView.of(seq, n), n) for seq, n in scheduled],
+            [(self._tables.view(seq, n), n) for seq, n in scheduled],
             plan,
             segments=[SegmentView.segment(seg) for seg in segments],
         )
@@ -400,6 +454,7 @@ def _spawn(config: EngineConfig, model_dir: Path, device_type: str, profiler: Pr
 def serve(runner: ModelRunner, tp: TPGroup) -> None:
     """A worker's loop: rank 0's messages, in order, until it says stop."""
     channel = StepChannel(tp)
+    tables = HeldTables()
     while True:
         try:
             message: StepMessage = channel.recv()
@@ -409,6 +464,9 @@ def serve(runner: ModelRunner, tp: TPGroup) -> None:
             return
         for seq_id, paused in message.released:
             runner.release(seq_id, paused)
+            tables.forget(seq_id)
+        for view, _ in message.scheduled or []:
+            tables.complete(view)
         if message.scheduled or message.segments:  # rank 0's order: the batch, then the segments
             runner.execute(message.scheduled or [], message.segments, message.plan)
 

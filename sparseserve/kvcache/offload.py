@@ -410,6 +410,8 @@ class OffloadCache:
         key, load = self._lag_loads
         li = layer - self.dense_layers
         flash_h2d(self.host.flat(), self.pool.slots, key[li].reshape(-1), load[li].reshape(-1))
+        if li == key.shape[0] - 1:  # the last sparse layer's: the plan's buffers may go
+            self._lag_loads = None
 
     def lagged_view(self, layer: int) -> OffloadView:
         """The views `plan_lagged` kept, by list row (sparse_decode's view_by_slot)."""

@@ -109,3 +109,11 @@ def test_serve_report_ratios_against_tp1_and_dense(tmp_path, capsys):
     assert len(json.loads((tmp_path / "tp_serve.json").read_text())["rows"]) == 5
     with pytest.raises(SystemExit, match="no serve_"):
         tp_bench.main(["serve-report", str(tmp_path / "nothing")])
+
+
+def test_message_rows_whole_tables_against_a_steady_step():
+    """`message`: rank 0's step message over a 2-process gloo group, whole block tables against the entries a
+    steady decode step adds (none here): the steady one is a fraction of the size."""
+    rows = bench("message", "--tp", "2", "--batch", "4", "--context", "8192", "--block-size", "16")
+    assert [(r["tp"], r["message"]) for r in rows] == [(2, "whole tables"), (2, "steady decode")]
+    assert rows[0]["bytes"] > 4 * 512 * 4 > 5 * rows[1]["bytes"] and all(r["broadcast_ms"] > 0 for r in rows)

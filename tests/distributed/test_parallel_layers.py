@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -206,8 +207,11 @@ def test_the_offload_plan_keeps_ranks_identical(seed):
     hold-backs with tail saves, restores, finishes); rank 0's offload cache and a worker's, each executing the
     step's plan (the worker's after a pickling round trip, as the step message travels), end every step with
     the same ranges, host store and device cache, their step inputs over the step's sequences (the worker's
-    as SeqViews) are equal, and their ranges are the scheduler's."""
+    as SeqViews, whose block tables travel as the entries added since the sequence's last step) are equal,
+    and their ranges are the scheduler's."""
     import pickle
+
+    from sparseserve.engine.parallel import HeldTables, SentTables
 
     rng = random.Random(seed)
     rank0, worker = _offload_cache(), _offload_cache()
@@ -221,6 +225,8 @@ def test_the_offload_plan_keeps_ranks_identical(seed):
     sched = make_scheduler(cfg, BlockAllocator(rank0.num_token_blocks), 4, space, min_chunk=2)
     inputs0, inputs1 = StepInputs(4, torch.device("cpu"), rank0), StepInputs(4, torch.device("cpu"), worker)
     saves = restores = 0
+    sent, held = SentTables(), HeldTables()
+    deltas = 0  # views that carried part of their table
     for step in range(80):
         if rng.random() < 0.35:
             s = Sequence(
@@ -235,7 +241,10 @@ def test_the_offload_plan_keeps_ranks_identical(seed):
         if not out.is_empty:
             plan = out.offload
             saves, restores = saves + len(plan.saves), restores + len(plan.restores)
-            views = pickle.loads(pickle.dumps(StepMessage([], [(SeqView.of(q, n), n) for q, n in out.scheduled], plan)))
+            views = pickle.loads(pickle.dumps(StepMessage([], [(sent.view(q, n), n) for q, n in out.scheduled], plan)))
+            deltas += sum(v.table_start > 0 for v, _ in views.scheduled)
+            for v, _ in views.scheduled:
+                held.complete(v)
             for cache, inputs, msg in ((rank0, inputs0, plan), (worker, inputs1, views.plan)):
                 cache.begin_step(msg)
                 inputs.note_plan(msg)
@@ -250,9 +259,14 @@ def test_the_offload_plan_keeps_ranks_identical(seed):
                 seq.token_ids.append(1)
                 if seq.num_output_tokens >= seq.params.max_tokens:
                     sched.finish(seq)
+                    sent.forget(seq.seq_id)  # the engine's release, on both sides
+                    held.forget(seq.seq_id)
         if len(sched.running) > 1 and rng.random() < 0.2:  # as the working-set limit holds back the newest
-            sched.preempt(sched.running[-1], Preempt.HOLD_BACK, SchedulerOutput())
-    assert saves > 0 and restores > 0  # paused with partial tails, resumed
+            victim = sched.running[-1]
+            sched.preempt(victim, Preempt.HOLD_BACK, SchedulerOutput())
+            sent.forget(victim.seq_id)
+            held.forget(victim.seq_id)
+    assert saves > 0 and restores > 0 and deltas > 0  # paused with partial tails, resumed; tables in parts
 
 
 def test_seq_view_reads_like_the_sequence():
@@ -262,6 +276,43 @@ def test_seq_view_reads_like_the_sequence():
     view = SeqView.of(seq, 10)
     assert view.token_ids[16:26] == seq.token_ids[16:26] and view.num_tokens == seq.num_tokens
     assert list(view.block_table) == seq.block_table and view.block_table_array().tolist() == seq.block_table
+
+
+def test_block_tables_travel_as_what_each_step_added():
+    """A step message carries the block table entries added since the sequence's last step (SentTables), the
+    worker grows its copy from them (HeldTables) and reads the whole table; a release sends it whole again
+    (a recomputed sequence's new blocks), and a step whose entries do not follow what the rank holds fails."""
+    import pickle
+
+    from sparseserve.engine.parallel import HeldTables, SentTables
+
+    seq = Sequence(3, "r", 0, list(range(100)), SamplingParams())
+    sent, held = SentTables(), HeldTables()
+
+    def step(n: int = 1) -> SeqView:
+        view = pickle.loads(pickle.dumps(sent.view(seq, n)))
+        held.complete(view)
+        return view
+
+    seq.block_table = list(range(40, 60))  # a long context: 20 blocks
+    first = sent.view(seq, 1)
+    assert first.table_start == 0 and len(first.table) == 20
+    held.complete(pickle.loads(pickle.dumps(first)))
+    assert len(step().table) == 20 and sent.view(seq, 1).table.size == 0  # no new block: nothing travels
+    for b in range(60, 100):  # one block a step, past the buffer's first growth
+        seq.block_table.append(b)
+        wire = sent.view(seq, 1)
+        assert (wire.table_start, wire.table.tolist()) == (b - 40, [b])
+        held.complete(view := pickle.loads(pickle.dumps(wire)))
+        assert view.block_table_array().tolist() == seq.block_table and view.table_start == 0
+    sent.forget(3), held.forget(3)  # released (e.g. preempted to recompute): new blocks, sent whole
+    seq.block_table = [7, 8]
+    assert step().block_table_array().tolist() == [7, 8]
+    seq.block_table = [7]
+    with pytest.raises(RuntimeError, match="sequence 3: its block table shrank without a release"):
+        sent.view(seq, 1)
+    with pytest.raises(RuntimeError, match="sequence 4: a step sent its block table from entry 5, this rank holds 0"):
+        HeldTables().complete(SeqView(4, 0, 1, [1], np.zeros(1, dtype=np.int32), 5))
 
 
 def test_segment_view_reads_like_the_sequence():
