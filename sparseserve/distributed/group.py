@@ -18,11 +18,13 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pickle
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -36,6 +38,9 @@ MESSAGE_TIMEOUT_S = float(os.environ.get("SPARSESERVE_TP_MESSAGE_TIMEOUT", 120))
 # Seconds ending this process's groups may take before it goes on without them (an NCCL abort is
 # local; this bounds one that blocks anyway). Below WorkerProcesses.shutdown's wait for a worker.
 END_TIMEOUT_S = 20.0
+# A step message of up to this many pickled bytes, less 8 (a steady decode step's of 32 sequences
+# is ~3 KB), takes one broadcast; a longer one, two.
+MESSAGE_BYTES = 16384
 _END_LOCK = threading.Lock()  # one end or abort at a time (the watchdog's abort may race a shutdown)
 
 
@@ -45,6 +50,7 @@ class _Groups:
     def __init__(self, device_group: Any, cpu_group: Any, nccl: bool) -> None:
         self.device_group, self.cpu_group = device_group, cpu_group
         self.nccl = nccl  # the device group's backend: ended by an abort
+        self.message = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)  # TPGroup.broadcast_object's buffer
 
     def release(self) -> None:
         self.device_group = self.cpu_group = None
@@ -96,10 +102,27 @@ class TPGroup:
         return out.movedim(0, dim) if self.is_driver else None
 
     def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0's picklable obj on every rank (over the gloo group; waits at most its timeout)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
-        return box[0]
+        """Rank 0's picklable obj on every rank (over the gloo group; waits at most its timeout).
+        One broadcast of a fixed buffer (the length in its first 8 bytes, then the pickle) when the
+        pickle fits, as a steady decode step's message does; a longer one sends the rest in a second
+        (`dist.broadcast_object_list` always takes two)."""
+        group, buf = self.cpu_group, self.groups.message
+        head, room = buf[:8].view(torch.int64), buf.numel() - 8
+        if self.is_driver:
+            data = np.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=np.uint8)
+            head[0] = data.size
+            buf.numpy()[8 : 8 + min(data.size, room)] = data[:room]
+            dist.broadcast(buf, src=0, group=group)
+            if data.size > room:
+                dist.broadcast(torch.from_numpy(data[room:]), src=0, group=group)
+            return obj
+        dist.broadcast(buf, src=0, group=group)
+        size = int(head[0])
+        data = buf[8 : 8 + size].clone() if size <= room else torch.empty(size, dtype=torch.uint8)
+        if size > room:
+            data[:room] = buf[8:]
+            dist.broadcast(data[room:], src=0, group=group)
+        return pickle.loads(memoryview(data.numpy()))
 
     def min_int(self, value: int) -> int:
         """The ranks' smallest value (sizes all must agree on: KV blocks, host store rows)."""
