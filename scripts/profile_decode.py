@@ -1,7 +1,8 @@
 """Where a decode step's time goes on the GPU: torch profiler over full-batch decode steps of a
 random-weight model (load_format='dummy'): wall time per step, the GPU's busy and idle time, and each
-kernel's share of the GPU's critical path (summed kernel times overcount: kernels overlap under PDL).
-`--cprofile`: the host's Python time by function; `--trace`: the timeline for chrome://tracing.
+kernel's share of the GPU's critical path (summed kernel times overcount: kernels overlap under PDL), and
+under KV offload the loads a layer-step and FlashH2D's rate. `--cprofile`: the host's Python time by function;
+`--trace`: the timeline for chrome://tracing. Runs on CPU too (no GPU timeline there).
 
     python -m benchmarks.model_dir --config-only --out /tmp/cfg8b
     python scripts/profile_decode.py /tmp/cfg8b --batch 32 --input-len 8192
@@ -61,7 +62,8 @@ def main() -> None:
         engine.step()
     for _ in range(5):
         engine.step()
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     times = []
     for _ in range(args.steps):
@@ -74,9 +76,12 @@ def main() -> None:
         stats = cProfile.Profile()
         stats.runcall(lambda: [engine.step() for _ in range(args.steps)])
         pstats.Stats(stats).sort_stats("tottime").print_stats(args.rows)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    before = engine.get_stats(sync=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
         for _ in range(args.steps):
             engine.step()
+    after = engine.get_stats(sync=True)
     events = prof.key_averages()
     gpu_us = sum(e.self_device_time_total for e in events) / args.steps
     print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))
@@ -93,6 +98,17 @@ def main() -> None:
         f"batch {args.batch} input {args.input_len}: wall {wall:.2f} ms/step; GPU busy {busy / args.steps / 1e3:.2f}, "
         f"idle {idle / args.steps / 1e3:.2f} ms/step (kernel times summed: {gpu_us / 1e3:.2f})"
     )
+    layer_steps = after.offload_layer_steps - before.offload_layer_steps
+    if layer_steps:  # KV offload: the profiled steps' loads, and FlashH2D's rate on the critical path
+        loaded = after.offload_blocks_loaded - before.offload_blocks_loaded
+        hits = after.offload_hbm_hits - before.offload_hbm_hits
+        h2d = after.offload_h2d_bytes - before.offload_h2d_bytes
+        flash_us = sum(us for name, us in by_name.items() if "flash_h2d" in name)
+        rate = f", FlashH2D {h2d / flash_us / 1e3:.1f} GB/s on the critical path" if flash_us else ""
+        print(
+            f"offload: {loaded / layer_steps:.0f} head blocks loaded a layer-step, hit ratio "
+            f"{hits / max(hits + loaded, 1):.3f}, {h2d / args.steps / 1e6:.1f} MB a step{rate}"
+        )
 
 
 def critical_path(trace: list[dict]) -> tuple[float, float, collections.Counter]:
