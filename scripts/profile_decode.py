@@ -100,13 +100,14 @@ def main() -> None:
     )
     layer_steps = after.offload_layer_steps - before.offload_layer_steps
     if layer_steps:  # KV offload: the profiled steps' loads, and FlashH2D's rate on the critical path
-        loaded = after.offload_blocks_loaded - before.offload_blocks_loaded
+        loaded = after.offload_blocks_loaded - before.offload_blocks_loaded  # reads from the host (+ bypass)
+        loaded += after.offload_bypass_reads - before.offload_bypass_reads
         hits = after.offload_hbm_hits - before.offload_hbm_hits
         h2d = after.offload_h2d_bytes - before.offload_h2d_bytes
         flash_us = sum(us for name, us in by_name.items() if "flash_h2d" in name)
         rate = f", FlashH2D {h2d / flash_us / 1e3:.1f} GB/s on the critical path" if flash_us else ""
         print(
-            f"offload: {loaded / layer_steps:.0f} head blocks loaded a layer-step, hit ratio "
+            f"offload: {loaded / layer_steps:.0f} head blocks read from the host a layer-step, hit ratio "
             f"{hits / max(hits + loaded, 1):.3f}, {h2d / args.steps / 1e6:.1f} MB a step{rate}"
         )
 
