@@ -9,9 +9,9 @@ after another in one process (each engine is dropped before the next starts) and
         the decode step (engine.step() wall time, CUDA graphs, every rank's message included) of `batch` requests
         at `context` tokens: TP=N / TP=1 (the issue's targets on Llama-3.1-8B's shape: <= 0.6 at 2, <= 0.4 at 4).
     python scripts/tp_bench.py capacity MODEL [--tp 2 --context 131072 --gpu-memory-gb 40 --host-kv-gb 100]
-        sparse (topk 2048) + KV offload under a per-GPU memory cap (host_kv_memory is per rank): requests of
-        `context` tokens keep arriving; the most running at once, and the decode step there (TP=2 should run
-        twice TP=1's requests at no worse a step).
+        sparse (topk 2048) + KV offload under a per-GPU memory cap (host_kv_memory is per rank): requests
+        filling a `context`-token window (prompt + output) keep arriving; the most running at once, and the
+        decode step there (TP=2 should run twice TP=1's requests at no worse a step).
     python scripts/tp_bench.py message [--tp 2 4 --batch 32 --context 131072 --block-size 16]
         rank 0's step message over the gloo group (CPU, no model): its size and broadcast time for `batch` decodes
         at `context` tokens, carrying whole block tables (every step before) against a steady decode step's (the
@@ -42,6 +42,7 @@ import torch
 
 from sparseserve.bench.hardware import print_table
 from sparseserve.bench.steps import StepLog
+from sparseserve.distributed.group import exit_if_end_stuck
 from sparseserve.engine.engine import LLMEngine
 from sparseserve.sampling_params import SamplingParams
 
@@ -133,42 +134,52 @@ def parity(args, emit: Callable[[dict], None]) -> None:
 
 
 def step(args, emit: Callable[[dict], None]) -> None:
-    base = None
-    for tp in [1, *args.tp]:
-        log = StepLog()
-        e = engine(
-            args,
-            tp,
-            log,
-            load_format="dummy",
-            max_model_len=args.context + args.steps + 64,
-            max_num_seqs=args.batch,
-            max_num_batched_tokens=16384,
-        )
-        params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
-        for i, p in enumerate(prompts(args.batch, args.context, vocab=vocab_of(args.model))):
-            e.add_request(str(i), p, params)
-        times = []
-        while e.has_unfinished_requests() and len(times) < args.steps:
+    """Each scheduling mode's steady decode step at TP=1 then each TP=N, against its TP=1. sync: each
+    step timed alone (the host's work on the critical path); async: steps back to back with async
+    scheduling (the host schedules step N+1 while N runs), the time between two steps' ends."""
+    for mode in args.modes:
+        base = None
+        for tp in [1, *args.tp]:
+            log = StepLog()
+            e = engine(
+                args,
+                tp,
+                log,
+                load_format="dummy",
+                max_model_len=args.context + args.steps + 64,
+                max_num_seqs=args.batch,
+                max_num_batched_tokens=16384,
+                async_scheduling=mode == "async",
+            )
+            params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
+            for i, p in enumerate(prompts(args.batch, args.context, vocab=vocab_of(args.model))):
+                e.add_request(str(i), p, params)
+            times = []
             sync(args)
             t0 = time.perf_counter()
-            e.step()
-            dt = time.perf_counter() - t0
-            if log.last.pure_decode(args.batch):
-                times.append(dt)
-        drop(e)
-        e = None
-        times = sorted(times[3:])  # the first decode steps warm up
-        row = {
-            "tp": tp,
-            "batch": args.batch,
-            "context": args.context,
-            "steps": len(times),
-            "step_ms_median": 1e3 * times[len(times) // 2],
-            "step_ms_mean": 1e3 * sum(times) / len(times),
-        }
-        base = base or row["step_ms_median"]
-        emit({**row, "vs TP=1": row["step_ms_median"] / base})
+            while e.has_unfinished_requests() and len(times) < args.steps:
+                if mode == "sync":
+                    sync(args)
+                    t0 = time.perf_counter()
+                e.step()
+                t1 = time.perf_counter()
+                if log.last.pure_decode(args.batch):
+                    times.append(t1 - t0)
+                t0 = t1
+            drop(e)
+            e = None
+            times = sorted(times[3:])  # the first decode steps warm up
+            row = {
+                "mode": mode,
+                "tp": tp,
+                "batch": args.batch,
+                "context": args.context,
+                "steps": len(times),
+                "step_ms_median": 1e3 * times[len(times) // 2],
+                "step_ms_mean": 1e3 * sum(times) / len(times),
+            }
+            base = base or row["step_ms_median"]
+            emit({**row, "vs TP=1": row["step_ms_median"] / base})
 
 
 def capacity(args, emit: Callable[[dict], None]) -> None:
@@ -186,7 +197,7 @@ def capacity(args, emit: Callable[[dict], None]) -> None:
             tp,
             log,
             load_format="dummy",
-            max_model_len=args.context + args.output_len,
+            max_model_len=args.context,  # the model's window (Llama-3.1: 131072), the output inside it
             max_num_seqs=n,
             max_num_batched_tokens=16384,
             sparse_policy="topk",
@@ -197,7 +208,7 @@ def capacity(args, emit: Callable[[dict], None]) -> None:
             **cap,
         )
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-        for i, p in enumerate(prompts(n, args.context, vocab=vocab_of(args.model))):
+        for i, p in enumerate(prompts(n, args.context - args.output_len, vocab=vocab_of(args.model))):
             e.add_request(str(i), p, params)
         most, since, decode = 0, 0, []
         t0 = time.perf_counter()
@@ -317,8 +328,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64, help="parity")
     p.add_argument("--batch", type=int, default=32, help="step, message")
     p.add_argument("--block-size", type=int, default=16, help="message")
-    p.add_argument("--context", type=int, default=None, help="step (8192), capacity (131072)")
+    p.add_argument("--context", type=int, default=None, help="step (8192); capacity (131072: prompt + output)")
     p.add_argument("--steps", type=int, default=40, help="step: decode steps timed")
+    p.add_argument("--modes", nargs="+", choices=["sync", "async"], default=["sync", "async"], help="step")
     p.add_argument("--gpu-memory-gb", type=float, default=40.0, help="capacity: per GPU (0: the engine's default)")
     p.add_argument("--host-kv-gb", type=float, default=100.0, help="capacity: host store per rank (GB)")
     p.add_argument("--requests-tp1", type=int, default=8, help="capacity: requests offered to TP=1")
@@ -361,3 +373,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 if __name__ == "__main__":
     main()
+    exit_if_end_stuck()  # an NCCL group whose end blocked: exit without its destructors (they abort)

@@ -569,26 +569,11 @@ class EngineConfig:
                 "sparse_lag=1 with kv_offload needs sparse_reuse=1: each step plans the views of the "
                 "lists the next step reads, and a reused list's view would be older than one step"
             )
-        if self.scheduler_config.async_scheduling:
-            pc = self.parallel_config
-            clash = [
-                (name, why)
-                for name, on, why in (
-                    (
-                        "host_prefix_cache_memory",
-                        self.cache_config.host_prefix_cache_memory is not None,
-                        "its per-step host copies assume the previous step has landed",
-                    ),
-                    (
-                        "tensor_parallel_size > 1",
-                        pc.tensor_parallel_size > 1,
-                        "the workers' step messages assume the previous step has landed",
-                    ),
-                )
-                if on
-            ]
-            if clash:
-                raise ValueError(f"async_scheduling does not work with {clash[0][0]} yet: {clash[0][1]}")
+        if self.scheduler_config.async_scheduling and self.cache_config.host_prefix_cache_memory is not None:
+            raise ValueError(
+                "async_scheduling does not work with host_prefix_cache_memory yet: its per-step host copies "
+                "assume the previous step has landed"
+            )
         if sp.logical_page_size is not None and sp.logical_page_size > bs:
             raise ValueError(f"logical_page_size {sp.logical_page_size} exceeds block_size {bs}")
         if sp.enabled and sp.sparse_budget // bs < sp.sparse_sink_blocks + sp.sparse_local_blocks + 1:

@@ -19,7 +19,9 @@ import datetime
 import logging
 import os
 import pickle
+import sys
 import threading
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +44,7 @@ END_TIMEOUT_S = 20.0
 # is ~3 KB), takes one broadcast; a longer one, two.
 MESSAGE_BYTES = 16384
 _END_LOCK = threading.Lock()  # one end or abort at a time (the watchdog's abort may race a shutdown)
+_END_STUCK = False  # an end or abort of this process blocked past its timeout (exit_if_end_stuck)
 
 
 class _Groups:
@@ -100,6 +103,13 @@ class TPGroup:
         out = x.new_empty((self.world_size * x.shape[0], *x.shape[1:]))
         _all_gather_single(out, x, group=self.device_group)
         return out.movedim(0, dim) if self.is_driver else None
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x into every rank's x (same shape and dtype), in place, over the device group
+        (on CUDA: queued on the stream, no host sync)."""
+        if self.world_size > 1:
+            dist.broadcast(x, src=0, group=self.device_group)
+        return x
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's picklable obj on every rank (over the gloo group; waits at most its timeout).
@@ -240,9 +250,25 @@ def _bounded(fn: Callable[[], None], what: str, timeout_s: float | None) -> None
         return
     thread.join(timeout_s)
     if thread.is_alive():
+        global _END_STUCK
+        _END_STUCK = True
+        frame = sys._current_frames().get(thread.ident)
+        where = "".join(traceback.format_stack(frame)[-3:]) if frame is not None else "(unknown)\n"
         logger.warning(
             "%s did not end within %.0f s; this process goes on without waiting for it (a new "
-            "tensor-parallel engine cannot start in it)",
+            "tensor-parallel engine cannot start in it; exit with `exit_if_end_stuck`). It waits in:\n%s",
             what,
             timeout_s,
+            where.rstrip(),
         )
+
+
+def exit_if_end_stuck(status: int = 0) -> None:
+    """Exits now (os._exit, after flushing) if ending a group blocked: at a normal exit the stuck
+    communicators' C++ destructors would abort the process (SIGABRT) instead of exiting with status."""
+    if not _END_STUCK:
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

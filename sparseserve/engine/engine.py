@@ -321,7 +321,9 @@ class LLMEngine:
             launched = InflightStep.launch(sched, sampled, out, self._host_copies)
         outputs = []
         if prev is not None and prev.out is not None:
-            outputs = self._outputs(self._append_tokens(prev.sampled, prev.wait(), prev.placeholder))
+            landed = prev.wait()
+            self.model_runner.check()  # under tensor parallelism: no rank died while the step ran
+            outputs = self._outputs(self._append_tokens(prev.sampled, landed, prev.placeholder))
         if launched is not None:  # after prev landed: the tokens its blocks hash are real now
             self._advance(sched)
             launched.add_placeholders(self.max_model_len)

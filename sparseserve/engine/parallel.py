@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from sparseserve.config import EngineConfig
 from sparseserve.distributed.channel import StepChannel
-from sparseserve.distributed.group import TPGroup, abort_tp_group, destroy_tp_group, init_tp_group
+from sparseserve.distributed.group import TPGroup, abort_tp_group, destroy_tp_group, exit_if_end_stuck, init_tp_group
 from sparseserve.distributed.launch import (
     WorkerProcesses,
     check_devices,
@@ -38,6 +38,7 @@ from sparseserve.distributed.launch import (
     worker_setup,
 )
 from sparseserve.distributed.utils import divide, shard_heads
+from sparseserve.engine.overlap import TokenFeed
 from sparseserve.engine.runner import ModelRunner, resolve_device
 from sparseserve.engine.scheduler.segments import LayerSegment
 from sparseserve.kvcache.offload_plan import OffloadPlan
@@ -87,7 +88,9 @@ def build_runner(config: EngineConfig, model_dir: Path, profiler: Profiler | Non
     if tp.is_driver:
         return TPDriver(ModelRunner(config, model_dir, profiler), _Session(tp, None))
     try:
-        serve(ModelRunner(config, model_dir), tp)
+        runner = ModelRunner(config, model_dir)
+        serve(runner, tp)
+        runner.release_graphs()
     finally:
         # Before rank 0 leaves (it hosts the store and waits for every rank: _Session.close), and
         # not in the interpreter's teardown (docs/tensor_parallel.md, "Starting the ranks").
@@ -238,6 +241,9 @@ class StepMessage:
     plan: OffloadPlan | None = None  # KV offload: the step's plan
     stop: bool = False
     segments: list[LayerSegment] = field(default_factory=list)  # of SegmentViews, run after `scheduled`
+    # async scheduling: seq_id -> row of the previous step's sampled tokens, which rank 0 broadcast on the
+    # device after sampling them (ModelRunner.execute); they fill the views' placeholders (None: no feed)
+    feed_rows: dict[int, int] | None = None
 
 
 # ---- rank 0 --------------------------------------------------------------------------------------
@@ -252,6 +258,7 @@ class _Session:
 
     def __init__(self, tp: TPGroup, workers: WorkerProcesses | None) -> None:
         self.tp, self.workers = tp, workers
+        self.runner: ModelRunner | None = None  # rank 0's: its graphs go before the group does (close)
         self.channel: StepChannel | None = None  # set once every runner is built: heartbeats start
         self.failure: str | None = None
         self.closed = threading.Event()
@@ -292,8 +299,10 @@ class _Session:
             raise RuntimeError(f"{self.failure}; the tensor-parallel engine has stopped")
 
     def close(self) -> None:
-        """Tells the other ranks to stop, waits until they have left the process group (spawned
-        workers: joined), then leaves it (idempotent). Rank 0 leaves last: it hosts the store."""
+        """Tells the other ranks to stop and leaves the process group with them, then joins spawned
+        workers (idempotent). The ranks must end together: an NCCL abort waits for its peers on the
+        node, so rank 0 ending after its workers exited blocks. The store outlives the group (the
+        workers' handle holds it): a worker still leaving can reach it."""
         if self.closed.is_set():
             return
         healthy = self.failure is None
@@ -306,11 +315,14 @@ class _Session:
                 healthy = False
         if threading.current_thread() is not self._watchdog:
             self._watchdog.join(timeout=5.0)  # sees `closed` within POLL_S: no more heartbeats
+        if self.workers is None and healthy and self.channel is not None:
+            self._wait_for_ranks_to_leave()
+        if self.runner is not None:
+            self.runner.release_graphs()
+            self.runner = None
+        destroy_tp_group()
         if self.workers is not None:
             self.workers.shutdown()
-        elif healthy and self.channel is not None:
-            self._wait_for_ranks_to_leave()
-        destroy_tp_group()
 
     def _wait_for_ranks_to_leave(self) -> None:
         """torchrun's ranks > 0 leave the process group on the stop message (build_runner): a
@@ -339,6 +351,7 @@ class TPDriver:
     def __init__(self, runner: ModelRunner, session: _Session) -> None:
         self.runner = runner
         self._session = session
+        session.runner = runner
         session.channel = StepChannel(runner.tp)
         self._released: list[tuple[int, bool]] = []
         self._tables = SentTables()
@@ -382,8 +395,6 @@ class TPDriver:
     def execute(
         self, scheduled: list, segments: list = (), plan: OffloadPlan | None = None, feed: Any = None
     ) -> tuple[list, SamplerOutput | None]:
-        if feed is not None:
-            raise RuntimeError("async scheduling does not run under tensor parallelism")
         s = self._session
         s.check()
         message = StepMessage(
@@ -391,15 +402,16 @@ class TPDriver:
             [(self._tables.view(seq, n), n) for seq, n in scheduled],
             plan,
             segments=[SegmentView.segment(seg) for seg in segments],
+            feed_rows=None if feed is None else feed.rows,
         )
         self._released = []
         try:
             with s.channel.hold():
                 s.channel.send(message)
-                sampled, out = self.runner.execute(scheduled, segments, plan)
-                if self.runner.device.type == "cuda":
+                sampled, out = self.runner.execute(scheduled, segments, plan, feed=feed)
+                if feed is None and self.runner.device.type == "cuda":
                     # Waiting here lets a dead rank (the watchdog aborts NCCL) become an error,
-                    # not a step of garbage tokens the engine reads next.
+                    # not a step of garbage tokens the engine reads next (async scheduling: `check`).
                     torch.cuda.current_stream(self.runner.device).synchronize()
         except BaseException as e:  # also Ctrl-C: the ranks are out of step, stop them all
             if isinstance(e, Exception):
@@ -411,6 +423,11 @@ class TPDriver:
             raise RuntimeError(f"a tensor-parallel step failed ({e}); the engine has stopped") from e
         s.check()
         return sampled, out
+
+    def check(self) -> None:
+        """Raises if a rank is gone. Async scheduling calls it once a step's outputs landed: a rank that
+        died during the step (the watchdog, which noticed first, aborted NCCL) left them garbage."""
+        self._session.check()
 
     def shutdown(self) -> None:
         """Stops the workers and leaves the process group (also at exit or when collected)."""
@@ -455,6 +472,7 @@ def serve(runner: ModelRunner, tp: TPGroup) -> None:
     """A worker's loop: rank 0's messages, in order, until it says stop."""
     channel = StepChannel(tp)
     tables = HeldTables()
+    sampled_ids = None  # async scheduling: the last step's tokens, broadcast by rank 0 (the next feed)
     while True:
         try:
             message: StepMessage = channel.recv()
@@ -468,7 +486,10 @@ def serve(runner: ModelRunner, tp: TPGroup) -> None:
         for view, _ in message.scheduled or []:
             tables.complete(view)
         if message.scheduled or message.segments:  # rank 0's order: the batch, then the segments
-            runner.execute(message.scheduled or [], message.segments, message.plan)
+            feed = None if message.feed_rows is None else TokenFeed(sampled_ids, message.feed_rows)
+            _, out = runner.execute(message.scheduled or [], message.segments, message.plan, feed=feed)
+            if out is not None:
+                sampled_ids = out.token_ids
 
 
 def _worker_main(
@@ -489,8 +510,11 @@ def _worker_main(
             device_type=device_type,
             store=store,
         )
-        serve(ModelRunner(config, model_dir), tp)
+        runner = ModelRunner(config, model_dir)
+        serve(runner, tp)
+        runner.release_graphs()  # before the group ends (ModelRunner.release_graphs)
     except BaseException:
         report_worker_error(store, rank)
         os._exit(1)
     destroy_tp_group()
+    exit_if_end_stuck()

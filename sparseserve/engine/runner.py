@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -279,6 +280,17 @@ class ModelRunner:
         if self.offload is not None:
             self.offload.sync()
 
+    def release_graphs(self) -> None:
+        """Drops the captured decode graphs (eager from here on); before leaving an NCCL group, whose
+        communicators' end may wait for every graph that launches their collectives to be destroyed."""
+        self.graphs = None
+        gc.collect()  # graphs in reference cycles too
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def check(self) -> None:
+        """Raises if a landed step's outputs cannot be trusted (one rank: never; TPDriver: a rank is gone)."""
+
     def release(self, seq_id: int, paused: bool = False) -> None:
         """A sequence finished or was preempted (paused: it resumes with what it computed): the
         backend's per-sequence state is free again."""
@@ -436,8 +448,13 @@ class ModelRunner:
                     sampled.append(seg.seq)
             if not sampled:
                 return [], None
-            if not self.tp.is_driver:  # only rank 0 samples; its tokens come back in the next step's message
-                return sampled, None
+            if not self.tp.is_driver:  # only rank 0 samples; its tokens come in the next step's message ...
+                if feed is None:
+                    return sampled, None
+                # ... or, under async scheduling, here on the device: the next step's feed (engine/parallel.py)
+                return sampled, SamplerOutput(
+                    self.tp.broadcast(torch.empty(len(sampled), dtype=torch.int64, device=self.device))
+                )
             step_logits = logits[0] if len(logits) == 1 else torch.cat(logits)
             forced = None if self.profiler is None else self.profiler.on_logits(sampled, step_logits)
             meta = self.sampling_metadata(sampled)
@@ -447,4 +464,6 @@ class ModelRunner:
             if forced is not None:
                 forced = forced.to(out.token_ids.device)
                 out.token_ids = torch.where(forced >= 0, forced, out.token_ids)
+            if feed is not None:  # async scheduling: the other ranks' next feed (no-op at one rank)
+                self.tp.broadcast(out.token_ids)
         return sampled, out

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from sparseserve.config import REMOVED_ARGS, EngineConfig, parse_size
+from sparseserve.distributed.group import exit_if_end_stuck
 
 _TYPES = {"int": int, "float": float, "str": str}
 # `sparseserve bench NAME` runs module NAME's add_cli_args(parser) + main(args).
@@ -165,11 +166,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser(argv).parse_args(argv)
+    status = 0
     try:
         args.func(args)
     except (ValueError, FileNotFoundError, ImportError) as e:  # ImportError: a missing optional extra
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        status = 2
+    exit_if_end_stuck(status)  # a tensor-parallel group whose end blocked: exit without its destructors
+    if status:
+        sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,21 @@ def test_greedy_tokens_equal_one_rank(hf_models, variant, config):
         shutdown(llm)
 
 
+@pytest.mark.parametrize("variant, config", [("llama3-gqa-d128-tied-rope", "dense"), ("mistral-gqa", "offload")])
+def test_async_scheduling_equals_one_rank(hf_models, variant, config):
+    """Async scheduling under TP: each step's message leaves the sampled tokens as placeholders, rank 0
+    broadcasts its sampled tokens on the device and every worker fills them from there (no host round trip):
+    the tokens and logprobs of one synchronous rank."""
+    model_dir = hf_models[variant][0]
+    ref = generate(LLM(str(model_dir), **COMMON, **CONFIGS[config]))
+    llm = tp_engine(model_dir, **CONFIGS[config], async_scheduling=True)
+    try:
+        assert_same(ref, generate(llm))
+        assert llm.llm_engine.allocator.num_used == 0
+    finally:
+        shutdown(llm)
+
+
 def test_streaming_heads_name_global_kv_heads(hf_models, tmp_path):
     """The streaming-heads file names the model's KV heads; each rank applies the flags of its own."""
     spec = tmp_path / "streaming.json"
@@ -170,13 +185,20 @@ def unlimited(engine) -> None:
     engine.scheduler.working_set.ws.enabled = False
 
 
-def test_random_schedule_with_aborts_and_preemptions(hf_models):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_random_schedule_with_aborts_and_preemptions(hf_models, async_scheduling):
     """Arrivals (n up to 2), aborts, a device space and a host store small enough to preempt: every rank's
     offload cache and selection slots follow rank 0's scheduler, so each finished request's tokens equal one
-    rank's."""
+    rank's (async: rank 0 schedules a step while the last one runs, and the workers' tokens come from its
+    device broadcast)."""
     model_dir = hf_models["mistral-gqa"][0]
     kw = dict(
-        OFFLOAD, max_model_len=96, num_gpu_blocks_override=14, init_new_token_ratio=0.0, min_new_token_ratio=0.0
+        OFFLOAD,
+        max_model_len=96,
+        num_gpu_blocks_override=14,
+        init_new_token_ratio=0.0,
+        min_new_token_ratio=0.0,
+        async_scheduling=async_scheduling,
     )  # admit what fits now: preemptions happen
     host_block = host_block_bytes(2, 2, BS, 32, torch.float32)  # 2 layers, 2 KV heads of 32 (1 a rank)
 
@@ -278,10 +300,10 @@ def _wait_for_failure(llm: LLM) -> tuple[BaseException | None, float]:
     return (box[0] if box else None), time.monotonic() - t0
 
 
-@pytest.mark.parametrize("when", ["idle", "during generation"])
+@pytest.mark.parametrize("when", ["idle", "during generation", "during async generation"])
 def test_a_dead_worker_stops_rank_0_with_a_clear_error(hf_models, when):
     model_dir = hf_models["qwen2-gqa-bias"][0]
-    llm = tp_engine(model_dir)
+    llm = tp_engine(model_dir, async_scheduling=when == "during async generation")
     worker = llm.llm_engine.model_runner._session.workers.procs[0]
     if when == "idle":
         os.kill(worker.pid, signal.SIGKILL)

@@ -32,3 +32,20 @@ def test_two_gpus_equal_one(hf_models, variant, config):
         assert_same(expected, generate(llm))
     finally:
         llm.llm_engine.model_runner.shutdown()
+
+
+@pytest.mark.parametrize("config", ["dense", "offload"])
+def test_two_gpus_with_async_scheduling_equal_one(hf_models, config):
+    """Async scheduling at TP=2 on GPUs: the workers' placeholder tokens come from rank 0's NCCL broadcast of
+    its sampled tokens, while the host schedules the next step; the tokens of one synchronous GPU."""
+    model_dir = hf_models["llama3-gqa-d128-tied-rope"][0]
+    ref = LLM(str(model_dir), **GPU, **CONFIGS[config])
+    expected = generate(ref)
+    del ref
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = LLM(str(model_dir), **GPU, **CONFIGS[config], tensor_parallel_size=2, async_scheduling=True)
+    try:
+        assert_same(expected, generate(llm))
+    finally:
+        llm.llm_engine.model_runner.shutdown()

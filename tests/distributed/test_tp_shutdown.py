@@ -135,14 +135,56 @@ def test_an_end_that_blocks_returns_after_its_timeout_with_a_warning(nccl_like_g
         real_abort(group)
 
     monkeypatch.setattr(c10d, "_abort_process_group", stuck_abort)
+    monkeypatch.setattr(group, "_END_STUCK", False)  # restored after: a later in-process exit must not fire
+    exits = []
+    monkeypatch.setattr(group.os, "_exit", exits.append)
+    group.exit_if_end_stuck(3)
+    assert exits == []  # nothing blocked yet: a normal exit
     try:
         with caplog.at_level(logging.WARNING, logger=group.__name__):
             destroy_tp_group(timeout_s=0.2)
         assert "did not end within" in caplog.text
+        assert "stuck_abort" in caplog.text  # the warning says where the end waits
         assert dist.is_initialized() and get_tp_group().world_size == 1  # returned while the abort blocks
+        group.exit_if_end_stuck(3)
+        assert exits == [3]  # the status asked for, without the stuck communicators' destructors
     finally:
         release.set()
         for t in threading.enumerate():
             if t.name == "sparseserve-tp-end":
                 t.join(30)
     assert not dist.is_initialized()
+
+
+def test_rank_0_leaves_with_its_workers_then_joins_them(monkeypatch):
+    """Rank 0 ends its groups while its workers end theirs (after the stop message), and joins them only
+    then (joining first left it aborting alone), its decode graphs dropped before."""
+    from sparseserve.engine import parallel
+
+    order = []
+
+    class Workers:
+        def failure(self, wait_s: float = 0.0):
+            return None
+
+        def shutdown(self, timeout_s: float = 30.0):
+            order.append("join")
+
+    class Channel:
+        def close(self, message):
+            order.append("stop" if message.stop else "other")
+
+        def heartbeat(self):
+            pass
+
+    class Runner:
+        def release_graphs(self):
+            order.append("graphs")
+
+    monkeypatch.setattr(parallel, "destroy_tp_group", lambda *a, **k: order.append("leave"))
+    session = parallel._Session(TPGroup(), Workers())
+    session.channel, session.runner = Channel(), Runner()
+    session.close()
+    session.close()  # idempotent
+    # the captured graphs go first: an NCCL communicator's end may wait for the graphs that launch it
+    assert order == ["stop", "graphs", "leave", "join"]

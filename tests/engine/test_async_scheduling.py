@@ -230,8 +230,6 @@ def test_refused_where_it_does_not_work_yet(tiny_model_dir):
 
     with pytest.raises(ValueError, match="host_prefix_cache_memory"):
         EngineConfig.from_kwargs(async_scheduling=True, host_prefix_cache_memory="1MiB")
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig.from_kwargs(async_scheduling=True, tensor_parallel_size=2)
 
 
 def test_the_server_loop_with_async_scheduling():
