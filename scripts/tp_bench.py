@@ -9,9 +9,9 @@ after another in one process (each engine is dropped before the next starts) and
         the decode step (engine.step() wall time, CUDA graphs, every rank's message included) of `batch` requests
         at `context` tokens: TP=N / TP=1 (the issue's targets on Llama-3.1-8B's shape: <= 0.6 at 2, <= 0.4 at 4).
     python scripts/tp_bench.py capacity MODEL [--tp 2 --context 131072 --gpu-memory-gb 40 --host-kv-gb 100]
-        sparse (topk 2048) + KV offload under a per-GPU memory cap (host_kv_memory is per rank): requests
-        filling a `context`-token window (prompt + output) keep arriving; the most running at once, and the
-        decode step there (TP=2 should run twice TP=1's requests at no worse a step).
+        sparse (topk 2048) + KV offload + layer-segmented prefill under a per-GPU memory cap (host_kv_memory is
+        per rank): requests filling a `context`-token window (prompt + output) keep arriving; the most running
+        at once, and the decode step there (TP=2 should run twice TP=1's requests at no worse a step).
     python scripts/tp_bench.py message [--tp 2 4 --batch 32 --context 131072 --block-size 16]
         rank 0's step message over the gloo group (CPU, no model): its size and broadcast time for `batch` decodes
         at `context` tokens, carrying whole block tables (every step before) against a steady decode step's (the
@@ -205,6 +205,9 @@ def capacity(args, emit: Callable[[dict], None]) -> None:
             sparse_reuse=args.reuse,
             kv_offload=True,
             host_kv_memory=int(args.host_kv_gb * 1e9),
+            # SparseServe mode's prefill: a layer's KV at a time on the device (a plain chunked prefill of a 128K
+            # prompt holds every sparse layer's KV of it, 16 GB at TP=1, and leaves the pool one working set)
+            layer_segmented_prefill=not args.chunked_prefill,
             **cap,
         )
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -338,6 +341,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=4096, help="capacity: long enough that none finishes")
     p.add_argument("--plateau", type=int, default=48, help="capacity: decode steps without an admission = full")
     p.add_argument("--reuse", type=int, default=8, help="capacity: sparse_reuse")
+    p.add_argument(
+        "--chunked-prefill", action="store_true", help="capacity: plain chunked prefill (default: layer-segmented)"
+    )
     p.add_argument("--sparse-budget", type=int, default=2048, help="capacity: tokens a sparse decode reads")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

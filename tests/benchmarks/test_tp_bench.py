@@ -54,17 +54,18 @@ def test_parity_float32_equal_and_bf16_beside_the_spread(model4, tmp_path):
 @pytest.mark.slow
 def test_step_rows_for_each_tp_against_tp1(model4):
     rows = bench("step", str(model4), "--tp", "2", "--batch", "3", "--context", "48", "--steps", "7")
-    assert [r["tp"] for r in rows] == [1, 2]
+    assert [(r["mode"], r["tp"]) for r in rows] == [("sync", 1), ("sync", 2), ("async", 1), ("async", 2)]
     assert all(r["steps"] == 4 for r in rows)  # 7 pure decode steps of the whole batch, the first 3 warm up
-    assert rows[0]["vs TP=1"] == 1 and rows[1]["vs TP=1"] == rows[1]["step_ms_median"] / rows[0]["step_ms_median"]
+    for tp1, tp2 in (rows[:2], rows[2:]):  # each mode against its own TP=1
+        assert tp1["vs TP=1"] == 1 and tp2["vs TP=1"] == tp2["step_ms_median"] / tp1["step_ms_median"]
 
 
 @pytest.mark.slow
 def test_capacity_doubles_with_the_host_store_per_rank(model4):
-    # 4 layers x 2 KV heads x 128 x K,V x fp32 = 8 KiB a token at TP=1: about 2 requests of 576 tokens in 10 MiB,
-    # and every rank of TP=2 holds half the KV heads in its own 10 MiB
+    # 4 layers x 2 KV heads x 128 x K,V x fp32 = 8 KiB a token at TP=1: about 2 windows of 576 tokens (prompt +
+    # output) in 10 MiB, and every rank of TP=2 holds half the KV heads in its own 10 MiB
     rows = bench(
-        "capacity", str(model4), "--tp", "2", "--dtype", "float32", "--context", "512", "--output-len", "64",
+        "capacity", str(model4), "--tp", "2", "--dtype", "float32", "--context", "576", "--output-len", "64",
         "--sparse-budget", "256", "--host-kv-gb", str(10 * 2**20 / 1e9), "--requests-tp1", "4", "--plateau", "6",
         "--reuse", "1",
     )  # fmt: skip
