@@ -90,12 +90,17 @@ def run_all(e: LLMEngine, reqs: list[list[int]], params: SamplingParams) -> list
 
 def compare(a: list, b: list) -> dict:
     """Greedy outputs a vs b: tokens equal up to the first divergence; before it, the largest logprob difference
-    of the chosen token and of any token in both top-k lists, and the share of positions with the same top-k."""
-    first, dlp, dtop, same_top, positions, same = [], 0.0, 0.0, 0, 0, 0
+    of the chosen token and of any token in both top-k lists, and the share of positions with the same top-k; at
+    each divergence, the gap between a's two best logprobs there (a gap within the rounding of max_dlogprob is a
+    near tie flipped by that rounding, not a different computation)."""
+    first, dlp, dtop, same_top, positions, same, gaps = [], 0.0, 0.0, 0, 0, 0, []
     for x, y in zip(a, b, strict=True):
         n = next((i for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t), len(x.token_ids))
         first.append(n)
         same += n == len(x.token_ids) == len(y.token_ids)
+        if n < min(len(x.token_ids), len(y.token_ids)):
+            best = sorted((lp.logprob for lp in x.logprobs[n].values()), reverse=True)
+            gaps.append(best[0] - best[1] if len(best) > 1 else float("inf"))
         for i in range(n):
             lx, ly = x.logprobs[i], y.logprobs[i]
             t = x.token_ids[i]
@@ -111,6 +116,7 @@ def compare(a: list, b: list) -> dict:
         "max_dlogprob": dlp,
         "max_dlogprob_topk": dtop,
         "same_topk_share": same_top / positions if positions else None,
+        "divergence_gap_max": max(gaps) if gaps else None,
     }
 
 

@@ -31,6 +31,22 @@ def bench(*argv: str) -> list[dict]:
     return tp_bench.main([*argv, "--device", "cpu"])
 
 
+def test_compare_reports_the_gap_at_each_divergence():
+    """A flip where the reference's two best tokens are 1e-6 apart is a near tie: `divergence_gap_max` says so."""
+    from types import SimpleNamespace as NS
+
+    def out(tokens: list[int], tops: list[dict[int, float]]):
+        return NS(token_ids=tokens, logprobs=[{t: NS(logprob=v) for t, v in top.items()} for top in tops])
+
+    tie = {5: -0.693146, 6: -0.693147, 7: -3.0}
+    ref = [out([1, 5], [{1: -0.1, 2: -2.0}, tie]), out([3, 4], [{3: -0.2, 4: -1.0}, {4: -0.1, 9: -2.5}])]
+    got = [out([1, 6], [{1: -0.1, 2: -2.0}, tie]), out([3, 4], [{3: -0.2, 4: -1.0}, {4: -0.1, 9: -2.5}])]
+    row = tp_bench.compare(ref, got)
+    assert row["identical_seqs"] == "1/2" and row["first_divergence_min"] == 1
+    assert row["divergence_gap_max"] == pytest.approx(1e-6, abs=1e-9)
+    assert tp_bench.compare(ref, ref)["divergence_gap_max"] is None  # nothing diverged
+
+
 @pytest.mark.slow
 def test_parity_float32_equal_and_bf16_beside_the_spread(model4, tmp_path):
     out = tmp_path / "parity.json"
