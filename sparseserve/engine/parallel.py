@@ -299,10 +299,10 @@ class _Session:
             raise RuntimeError(f"{self.failure}; the tensor-parallel engine has stopped")
 
     def close(self) -> None:
-        """Tells the other ranks to stop and leaves the process group with them, then joins spawned
-        workers (idempotent). The ranks must end together: an NCCL abort waits for its peers on the
-        node, so rank 0 ending after its workers exited blocks. The store outlives the group (the
-        workers' handle holds it): a worker still leaving can reach it."""
+        """Tells the other ranks to stop, drops rank 0's decode graphs and leaves the process group
+        while they leave theirs, then joins spawned workers (idempotent). On GPUs rank 0's NCCL
+        abort blocked when it came after its workers had exited (docs/tensor_parallel.md). The store
+        outlives the group (the workers' handle holds it): a worker still leaving can reach it."""
         if self.closed.is_set():
             return
         healthy = self.failure is None
