@@ -15,7 +15,7 @@
 #   serve70b  Llama-3.1-70B shape, dummy bf16 weights: TP=4 (and TP=2 where each GPU has >= 120 GB), dense and
 #             SparseServe mode, N70 requests
 # SparseServe mode: topk 2048 + --kv-offload (working-set control included) + --layer-segmented-prefill
-# (gpu_serve_check.sh's `layerseg`) at every TP.
+# + async scheduling (gpu_serve_check.sh's `layerseg_async`) at every TP.
 #
 # Usage (project root; carry .whl (the server's wheels) and .data (the haystack)):
 #   bash scripts/gpu_tp_check.sh step tests parity      # then: serve70b; then: capacity serve
@@ -56,7 +56,7 @@ print(n, int(torch.cuda.get_device_properties(0).total_memory / 1e9) if n else 0
   [ "$NGPU" -ge 2 ] || { echo "needs 2 or more CUDA GPUs ($NGPU visible)"; exit 2; }
 fi
 echo "$NGPU GPUs of $GPU_GB GB; modes: $*; budget $BUDGET_S s"
-CONFIGS=${CONFIGS//sparseserve/layerseg}  # SparseServe mode, at every TP
+CONFIGS=${CONFIGS//sparseserve/layerseg_async}  # SparseServe mode, at every TP
 
 left() { echo $(( START + BUDGET_S - $(date +%s) )); }
 AVAIL_GB=$(awk '/MemAvailable/ {print int($2 / 1e6)}' /proc/meminfo)
