@@ -95,6 +95,7 @@ def build_runner(config: EngineConfig, model_dir: Path, profiler: Profiler | Non
         # Before rank 0 leaves (it hosts the store and waits for every rank: _Session.close), and
         # not in the interpreter's teardown (docs/tensor_parallel.md, "Starting the ranks").
         destroy_tp_group()
+    exit_if_end_stuck()  # as a spawned worker does: a blocked end must not abort the exit
     raise SystemExit(0)
 
 
