@@ -314,8 +314,16 @@ def full_budget_error(q, cache, meta, dense_out, scale, bs) -> float:
 
 
 def step_bench(
-    model_dir: str, ctx: int = 131056, batch: int = 4, budget: int = 2048, dense_layers: int = 2, steps: int = 20
+    model_dir: str,
+    ctx: int = 131056,
+    batch: int = 4,
+    budget: int = 2048,
+    dense_layers: int = 2,
+    steps: int = 20,
+    policies: dict[str, dict] | None = None,
 ) -> list[dict]:
+    """policies: label -> engine arguments, measured beside topk `budget` and dense instead of the built-in
+    variants (e.g. a candidate default against topk 2048)."""
     from benchmarks.common import free_memory
     from sparseserve.engine.engine import LLMEngine
     from sparseserve.engine.request import Sequence, SequenceStatus
@@ -335,7 +343,7 @@ def step_bench(
             dtype="bfloat16",
             max_model_len=max_len,
             max_num_seqs=batch,
-            num_gpu_blocks_override=batch * blocks_needed(max_len, 32) + 8,
+            num_gpu_blocks_override=batch * blocks_needed(max_len, sparse.get("block_size", 32)) + 8,
             **sparse,
         )
         runner, backend = engine.model_runner, engine.model_runner.attn_backend
@@ -368,14 +376,17 @@ def step_bench(
         }
 
     rows = [measure(f"sparse topk {budget} dense_layers={dense_layers}", **base)]
+    for label, kw in (policies or {}).items():
+        rows.append(measure(label, **kw))
     # sparse_lag with reuse is left out: at a fixed context every step would select (or none would).
-    for change in (
+    builtin = (
         {"sparse_reuse": 4},
         {"sparse_dense_layers": 0},
         {"sparse_dense_layers": 0, "sparse_reuse": 4},
         {"sparse_lag": 1},
         {"sparse_lag": 1, "sparse_dense_layers": 0},
-    ):
+    )
+    for change in () if policies else builtin:
         rows.append(
             measure(f"sparse topk {budget} " + " ".join(f"{k[7:]}={v}" for k, v in change.items()), **(base | change))
         )
@@ -393,6 +404,16 @@ def main() -> None:
     ap.add_argument("--json", help="Write the results here.")
     ap.add_argument("--sweep", action="store_true", help="--kernel: also time the parts over launch configurations.")
     ap.add_argument("--profile", action="store_true", help="--kernel: kernel times inside the topk graphs.")
+    ap.add_argument(
+        "--step-policies",
+        nargs="+",
+        default=None,
+        metavar="SPEC",
+        help="--step: these instead of the built-in variants, beside topk 2048 and dense; the accuracy "
+        "benchmark's specs, e.g. topp:sparse_budget=4096,sparse_top_p=0.99,block_size=16",
+    )
+    ap.add_argument("--contexts", type=int, nargs="+", default=[131056], help="--step: context lengths")
+    ap.add_argument("--batch", type=int, default=4, help="--step: decode batch")
     args = ap.parse_args()
     torch.manual_seed(0)
     result = {
@@ -406,7 +427,14 @@ def main() -> None:
         result["kernel"] = kernel_bench(sweep=args.sweep, profile=args.profile)
         print_table(result["kernel"], f"one layer, sparse vs dense decode attention ({result['device']})")
     if args.step:
-        result["step"] = step_bench(args.step)
+        from sparseserve.bench.accuracy import parse_policy
+
+        policies = None
+        if args.step_policies:
+            policies = {(p := parse_policy(spec)).name: dict(p.engine_args) for spec in args.step_policies}
+        result["step"] = [
+            row for ctx in args.contexts for row in step_bench(args.step, ctx, args.batch, policies=policies)
+        ]
         print_table(result["step"], f"decode step ({result['device']})")
     print(
         f"{result['date']}  torch {result['torch']}  triton {result['triton']}  "

@@ -239,6 +239,14 @@ class SparseConfig:
             "choices": [0, 1],
         },
     )
+    sparse_stickiness: float = field(
+        default=1.0,
+        metadata={
+            "help": "Hysteresis of the block lists: a block of a sequence's previous list ranks by its estimated "
+            "mass times 1 + this at the next selection (0: off). Steadier lists: smaller working sets and fewer "
+            'loads under KV offload (docs/sparse.md, "Stickiness").'
+        },
+    )
     sparse_dense_layers: int = field(default=2, metadata={"help": "The first N layers always attend densely."})
     sparse_sink_blocks: int = field(default=1, metadata={"help": "Leading token blocks always attended."})
     sparse_local_blocks: int = field(
@@ -306,6 +314,8 @@ class SparseConfig:
             raise ValueError(f"sparse_topp_heads must be mean or each, got {self.sparse_topp_heads!r}")
         if self.sparse_reuse < 1:
             raise ValueError(f"sparse_reuse must be >= 1, got {self.sparse_reuse}")
+        if not (0.0 <= self.sparse_stickiness < float("inf")):
+            raise ValueError(f"sparse_stickiness must be a finite number >= 0, got {self.sparse_stickiness}")
         if self.sparse_lag not in (0, 1):
             raise ValueError(f"sparse_lag must be 0 or 1, got {self.sparse_lag}")
         if self.sparse_lag and self.enabled and not SELECTION_POLICIES.get(self.sparse_policy).supports_lag:

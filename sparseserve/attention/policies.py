@@ -35,6 +35,7 @@ class TopK(SelectionPolicy):
             max_blocks=rows.max_blocks,
             scale=rows.scale,
             width=rows.width,
+            prev_slots=rows.prev_slots,
             **self.params.kernel_args(),
         )
 

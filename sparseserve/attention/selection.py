@@ -34,6 +34,7 @@ class SelectionParams:
     top_p: float = 1.0
     per_head: bool = False  # topp: each query head's mass reaches p (union), not the mean
     lag: bool = False  # lagged selection (step_slots): kernels then see no reuse
+    stickiness: float = 0.0  # a listed block ranks by its mass x (1 + this) at the next selection
 
     @classmethod
     def from_config(cls, cfg: Any, block_size: int) -> "SelectionParams":
@@ -49,6 +50,7 @@ class SelectionParams:
             top_p=cfg.sparse_top_p,
             per_head=cfg.sparse_topp_heads == "each",
             lag=bool(cfg.sparse_lag),
+            stickiness=cfg.sparse_stickiness,
         )
 
     def kernel_args(self) -> dict[str, Any]:
@@ -60,6 +62,7 @@ class SelectionParams:
             local=self.local,
             reuse=1 if self.lag else self.reuse,
             short_dense=self.short_dense,
+            stickiness=self.stickiness,
         )
 
 
@@ -74,6 +77,7 @@ class DecodeRows:
     max_blocks: int  # host-side bound of the contexts in blocks
     scale: float
     width: int = 0  # selection launch size (longest context in blocks; 0: max_blocks)
+    prev_slots: torch.Tensor | None = None  # int32 [B] rows of the previous lists (None: slots; -1: none)
 
 
 def load_streaming_heads(path: str | None, num_layers: int, num_kv_heads: int) -> torch.Tensor:
@@ -110,6 +114,11 @@ class SelectionState:
     ) -> None:
         self.num_slots = max_num_seqs
         rows = max_num_seqs * (2 if params.lag else 1)  # lag: attended + being written
+        self._rows_per_slot = rows // max_num_seqs
+        # Sticky lists are history: a new sequence's must not stick to another's, and a paused one's
+        # come back with it (its lists and counters, stashed on the device while it waits).
+        self._sticky = params.stickiness > 0
+        self._stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.sel = torch.full((num_layers, rows, num_kv_heads, params.cap), -1, dtype=torch.int32, device=device)
         self.counter = torch.zeros(num_layers, max_num_seqs, num_kv_heads, dtype=torch.int32, device=device)
         self.stats = torch.zeros(2, dtype=torch.int64, device=device)  # blocks selected, selections
@@ -118,38 +127,71 @@ class SelectionState:
         self._held: dict[int, int] = {}
         self._parked: dict[int, int] = {}  # `park`ed, oldest first
         self.fresh: list[int] = []  # the slots the last `assign` handed out anew
+        self.restored: list[int] = []  # of them, those whose sticky lists came back from the stash
         # (seq ids, slots) of the last `assign` while no slot changed hands since: a steady
         # decode batch asks the same every step
         self._last: tuple[list[int], list[int]] | None = None
 
     def assign(self, seq_ids: list[int]) -> list[int]:
         """Each sequence's state slot. One without gets a free slot, counters reset (`fresh` lists
-        them, for per-slot state kept elsewhere); a parked one gets its own back; with none free,
-        the longest-parked sequence gives its slot up."""
+        them, for per-slot state kept elsewhere; sticky lists: cleared, or a paused sequence's
+        restored); a parked one gets its own back; with none free, the longest-parked sequence
+        gives its slot up (sticky: stashing its lists)."""
         if self._last is not None and seq_ids == self._last[0]:
-            self.fresh = []
+            self.fresh = self.restored = []
             return self._last[1]
         self.fresh = fresh = []
+        self.restored = []
         for sid in seq_ids:
             if sid in self._parked:
                 self._held[sid] = self._parked.pop(sid)
         for sid in seq_ids:
             if sid not in self._held:
                 if not self._free:
-                    self._free.append(self._parked.pop(next(iter(self._parked))))
+                    oldest = next(iter(self._parked))
+                    self._stash_lists(oldest, self._parked[oldest])
+                    self._free.append(self._parked.pop(oldest))
                 self._held[sid] = slot = self._free.pop()
                 fresh.append(slot)
         if fresh:
-            self.counter[:, torch.tensor(fresh, device=self.counter.device)] = 0
+            idx = torch.tensor(fresh, device=self.counter.device)
+            self.counter[:, idx] = 0
+            if self._sticky:
+                self.sel[:, self._rows(idx)] = -1
+                for sid in seq_ids:
+                    if sid in self._stash:
+                        sel, counter = self._stash.pop(sid)
+                        slot = self._held[sid]
+                        self.sel[:, self._rows(torch.tensor([slot], device=idx.device))] = sel
+                        self.counter[:, slot] = counter
+                        self.restored.append(slot)
         slots = [self._held[sid] for sid in seq_ids]
         self._last = (list(seq_ids), slots)
         return slots
 
-    def release(self, seq_id: int) -> None:
+    def release(self, seq_id: int, paused: bool = False) -> None:
+        """The sequence leaves its slot: finished (paused False: any stash dropped) or paused
+        (sticky lists: stashed for its resume)."""
         self._last = None
         slot = self._held.pop(seq_id, self._parked.pop(seq_id, None))
+        self._stash.pop(seq_id, None)
         if slot is not None:
+            if paused:
+                self._stash_lists(seq_id, slot)
             self._free.append(slot)
+
+    def _rows(self, slots: torch.Tensor) -> torch.Tensor:
+        return torch.cat([slots + k * self.num_slots for k in range(self._rows_per_slot)])
+
+    def _stash_lists(self, seq_id: int, slot: int) -> None:
+        if self._sticky:
+            rows = self._rows(torch.tensor([slot], device=self.sel.device))
+            self._stash[seq_id] = (self.sel[:, rows].clone(), self.counter[:, slot].clone())
+
+    @property
+    def num_stashed(self) -> int:
+        """Paused sequences whose sticky lists wait for their resume (accounting)."""
+        return len(self._stash)
 
     def park(self, seq_id: int) -> None:
         """A paused sequence keeps its slot and lists while no other needs the slot (lag: on

@@ -98,7 +98,7 @@ class SparseBackend(AttentionBackend):
             self._slots = (slots, torch.tensor(slots, dtype=torch.int32))
         out = {"slots": self._slots[1]}
         if self.offload is not None and self.params.lag:  # decodes with fresh state slots
-            fresh = set(self.state.fresh).intersection(slots[:num_decodes])
+            fresh = set(self.state.fresh).difference(self.state.restored).intersection(slots[:num_decodes])
             if fresh:
                 out["fix_select"] = torch.tensor([s in fresh for s in slots[:num_decodes]])
         return out
@@ -120,8 +120,8 @@ class SparseBackend(AttentionBackend):
     def release(self, seq_id: int, paused: bool = False) -> None:
         if paused and self.params.lag:  # its next list is selected already: kept for its resume
             self.state.park(seq_id)
-        else:
-            self.state.release(seq_id)
+        else:  # sticky lists of a paused sequence wait for it
+            self.state.release(seq_id, paused)
 
     def counters(self) -> dict[str, torch.Tensor]:
         out = {"sparse_blocks_selected": self.state.stats[0], "sparse_selections": self.state.stats[1]}
@@ -369,6 +369,11 @@ class SparseBackend(AttentionBackend):
             self._max_blocks(meta),
             scale,
             self.width,
+            # stickiness: a decode's to the list this step attends; a prompt chunk's end selects afresh, so
+            # chunk boundaries (prefix-cache hits) change no list
+            prev_slots=torch.where(
+                torch.arange(meta.num_seqs, device=q.device) < meta.num_decodes, self.step_rows[0], -1
+            ),
         )
         stream = contextlib.nullcontext()
         if self.side is not None:

@@ -12,6 +12,8 @@ Selection of one (sequence, KV head) over its blocks 0..nb-1:
   top_p:  the fewest best others that bring the mass (forced included) to p, at most k (the
           topp policy selects topk here and prunes on real keys: kernels/topp_prune.py);
   streaming heads pick no other block.
+Stickiness b > 0 (hysteresis): a block of the row's previous list (`prev` row of sel) ranks by its
+mass times 1 + b (the mass target counts true masses), so lists change only where the masses do.
 A list is `cap` logical block indices (block-table positions), padded with -1. With reuse R a
 (slot, KV head) recomputes its list every R-th decode step (counter [S, Hkv]); the sparse
 kernel always adds the current local window.
@@ -116,9 +118,12 @@ def select_ref(
     local: int,
     short_dense: bool = True,
     top_p: float | None = None,
+    prev: torch.Tensor | None = None,
+    stickiness: float = 0.0,
 ) -> torch.Tensor:
     """The selection lists [B, Hkv, cap] (int32, -1 padded): forced blocks first, then the chosen
-    ones, each in block order. streaming: bool [Hkv]."""
+    ones, each in block order. streaming: bool [Hkv]; prev: [B, Hkv, cap] the previous lists
+    (with stickiness > 0)."""
     batch, _, mb = scores.shape
     hkv = streaming.numel()
     r = block_masses(scores, hkv)
@@ -129,9 +134,15 @@ def select_ref(
     cand = valid[:, None] & ~forced & ~streaming[None, :, None]
     n_forced = forced.sum(-1, keepdim=True)
     fmass = (r * forced).sum(-1, keepdim=True)
-    vals, order = torch.where(cand, r, -1.0).sort(dim=-1, descending=True, stable=True)
+    ranked = r
+    if stickiness > 0 and prev is not None:
+        listed = torch.zeros(batch, hkv, mb + 1, dtype=torch.bool, device=scores.device)
+        listed.scatter_(-1, torch.where(prev >= 0, prev.long(), mb).clamp(0, mb), True)
+        ranked = torch.where(listed[..., :mb], r * (1 + stickiness), r)
+    vals, order = torch.where(cand, ranked, -1.0).sort(dim=-1, descending=True, stable=True)
+    mass = torch.where(vals >= 0, r.gather(-1, order), 0.0)
     rank = torch.arange(mb, device=scores.device)
-    mass_before = vals.clamp_min(0).cumsum(-1) - vals.clamp_min(0)
+    mass_before = mass.cumsum(-1) - mass
     take = (vals >= 0) & (rank < cap - n_forced) & (fmass + mass_before < mass_target(top_p))
     chosen = torch.zeros_like(cand).scatter(-1, order, take)
     pos = torch.where(forced, forced.cumsum(-1) - 1, n_forced + chosen.cumsum(-1) - 1)
@@ -159,11 +170,18 @@ def select_blocks_ref(
     reuse: int = 1,
     short_dense: bool = True,
     top_p: float | None = None,
+    stickiness: float = 0.0,
+    prev_slots: torch.Tensor | None = None,
 ) -> None:
     """Writes new lists into sel [S, Hkv, cap] at the rows' state slots, for the (slot, KV head)
     pairs due a recomputation (all without reuse); counter [S, Hkv] counts decode steps; stats
-    int64 [2] += (blocks selected, selections). Padding rows and slot -1 change nothing."""
+    int64 [2] += (blocks selected, selections). Padding rows and slot -1 change nothing.
+    prev_slots: the sel rows holding each row's previous lists (None: its own slot; -1: none)."""
     rows = (seq_lens > 0) & (slots >= 0)  # slot -1 (lag: a reused step): none
+    prev = None
+    if stickiness > 0:
+        at = (slots if prev_slots is None else prev_slots)[rows].long()
+        prev = torch.where((at >= 0)[:, None, None], sel[at.clamp_min(0)], -1)
     lists = select_ref(
         scores[rows],
         seq_lens[rows],
@@ -174,6 +192,8 @@ def select_blocks_ref(
         local=local,
         short_dense=short_dense,
         top_p=top_p,
+        prev=prev,
+        stickiness=stickiness,
     )
     slots = slots[rows].long()
     # without reuse every row (the lag's slots index two list rows a slot: no counter row)
@@ -207,6 +227,8 @@ def score_and_select_ref(
     short_dense: bool = True,
     top_p: float | None = None,
     width: int = 0,
+    stickiness: float = 0.0,
+    prev_slots: torch.Tensor | None = None,
 ) -> None:
     """Scores then selects for the decode rows q [B, Hq, D] into sel (select_blocks_ref).
     max_blocks: host-side bound of the contexts in blocks; width: the launch's size hint only."""
@@ -226,6 +248,8 @@ def score_and_select_ref(
         reuse=reuse,
         short_dense=short_dense,
         top_p=top_p,
+        stickiness=stickiness,
+        prev_slots=prev_slots,
     )
 
 
@@ -379,11 +403,14 @@ def _select_kernel(
     scores_ptr,
     seq_lens_ptr,
     slots_ptr,
+    prev_slots_ptr,
+    listed_ptr,
     sel_ptr,
     counter_ptr,
     stats_ptr,
     streaming_ptr,
     mass_target,
+    sticky_factor,
     max_blocks,
     stride_ss,
     stride_cs,
@@ -398,9 +425,13 @@ def _select_kernel(
     WAYS: tl.constexpr,
     NB_PAD: tl.constexpr,
     HEADS: tl.constexpr,
+    STICKY: tl.constexpr,
+    CAP_PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (sequence, KV head): the selection list (reference: select_blocks_ref).
+    STICKY: the previous list's blocks are marked in this program's row of `listed` (zeroed by
+    the caller) and rank by their mass times sticky_factor.
 
     No sort: a search over the masses' bit patterns (non-negative floats order like their bits)
     finds the largest threshold t at which the candidates >= t number k = cap - #forced or (MASS)
@@ -449,7 +480,17 @@ def _select_kernel(
             r += tl.sum(e / tl.where(live, tl.sum(e, 1), 1.0)[:, None], 0)
         r = r / GROUP
         cand = valid & (forced == 0) & (tl.load(streaming_ptr + kvh) == 0)
-        bits = tl.where(cand, r.to(tl.int32, bitcast=True), -1)  # non-candidates: below all
+        ranked = r
+        if STICKY:
+            prev_slot = tl.load(prev_slots_ptr + b).to(tl.int64)  # -1: no previous list
+            c = tl.arange(0, CAP_PAD)
+            prev = tl.load(sel_ptr + tl.maximum(prev_slot, 0) * stride_ss + kvh * CAP + c, mask=c < CAP, other=-1)
+            prev = tl.where(prev_slot >= 0, prev, -1)
+            mark = listed_ptr + (b * tl.num_programs(1) + kvh).to(tl.int64) * NB_PAD
+            tl.store(mark + prev, tl.full([CAP_PAD], 1, tl.int8), mask=(prev >= 0) & (prev < nb))
+            tl.debug_barrier()  # this program's scatter, then its gather
+            ranked = tl.where(tl.load(mark + j) != 0, r * sticky_factor, r)
+        bits = tl.where(cand, ranked.to(tl.int32, bitcast=True), -1)  # non-candidates: below all
         k = CAP - n_forced
         top_ok = k <= 0  # does t above every candidate pass? then nothing is chosen
         if MASS:
@@ -590,6 +631,8 @@ def select_blocks_triton(
     top_p: float | None = None,
     config: SelectConfig | None = None,
     width: int = 0,
+    stickiness: float = 0.0,
+    prev_slots: torch.Tensor | None = None,
 ) -> None:
     """select_blocks_ref's contract. width: blocks the launch is sized for when more than the
     scores' (the model's longest context), so one compiled variant serves every step."""
@@ -604,15 +647,21 @@ def select_blocks_triton(
     assert sel.shape[-1] == cap and sel.stride(2) == 1 and counter.stride(1) == 1
     nb_pad = max(triton.next_power_of_2(max(max_blocks, width)), triton.next_power_of_2(cap), 16)
     pdl = use_pdl(scores.device)
+    sticky = stickiness > 0
+    # the marks of the previous lists (a memset in a captured step)
+    listed = torch.zeros(batch * hkv * nb_pad if sticky else 1, dtype=torch.int8, device=scores.device)
     _select_kernel[(batch, hkv)](
         scores,
         seq_lens,
         slots,
+        slots if prev_slots is None else prev_slots,
+        listed,
         sel,
         counter,
         stats,
         streaming.view(torch.uint8),
         mass_target(top_p),
+        1.0 + stickiness,
         max_blocks,
         sel.stride(0),
         counter.stride(0),
@@ -627,6 +676,8 @@ def select_blocks_triton(
         WAYS=config.ways,
         NB_PAD=nb_pad,
         HEADS=min(triton.next_power_of_2(num_q_heads // hkv), max(1, 16384 // nb_pad)),
+        STICKY=sticky,
+        CAP_PAD=triton.next_power_of_2(cap),
         num_warps=config.num_warps or min(16, max(4, nb_pad // 512)),
         PDL=pdl,
         launch_pdl=pdl,
@@ -655,6 +706,8 @@ def score_and_select_triton(
     short_dense: bool = True,
     top_p: float | None = None,
     width: int = 0,
+    stickiness: float = 0.0,
+    prev_slots: torch.Tensor | None = None,
 ) -> None:
     scores = block_scores_triton(
         q,
@@ -687,6 +740,8 @@ def score_and_select_triton(
         short_dense=short_dense,
         top_p=top_p,
         width=width,
+        stickiness=stickiness,
+        prev_slots=prev_slots,
     )
 
 

@@ -150,6 +150,40 @@ def test_full_budget_equals_dense(hf_models):
     assert llm.llm_engine.get_stats().sparse_selections >= 2 * 2 * 3 * GREEDY.max_tokens
 
 
+@pytest.mark.parametrize("lag", [0, 1])
+def test_stickiness_steadies_lists_and_forgets_other_sequences(tiny_model_dir, lag):
+    """sparse_stickiness: lists change less from step to step than without it, and a sequence never sticks
+    to the lists a state slot held for another: each prompt selects the same alone as after others ran."""
+    kw = {**COMMON, **dict(sparse_policy="topk", sparse_budget=4 * BS, sparse_dense_layers=0, sparse_lag=lag)}
+    kw |= dict(sparse_sink_blocks=1, sparse_local_blocks=1, max_num_seqs=1)  # one state slot, reused
+
+    def lists_of(stickiness: float, batch: list[list[int]]) -> list[torch.Tensor]:
+        """Layer 1's lists at every decode step (one sequence runs at a time)."""
+        llm = LLM(str(tiny_model_dir), **kw, sparse_stickiness=stickiness)
+        be = llm.llm_engine.model_runner.attn_backend
+        out: list[torch.Tensor] = []
+
+        def observe(layer, q, o, kv_cache, meta, scale) -> None:
+            # the lists the decode attends (a context within the budget attends all of it, with no list)
+            if layer == 1 and meta.num_decodes and meta.seq_lens[0] > 4 * BS:
+                rows = be.step_rows[0] if lag else meta.backend_meta.slots
+                out.append(be.state.sel[1][rows[: meta.num_decodes].long()].sort(-1).values)
+
+        be.observers.append(observe)
+        llm.generate(batch, GREEDY, use_tqdm=False)
+        return out
+
+    g = torch.Generator().manual_seed(1)
+    batch = [torch.randint(10, 2000, (n,), generator=g).tolist() for n in (80, 120, 110)]  # short ones first
+    changed = {}
+    for stickiness in (0.0, 8.0):
+        together = lists_of(stickiness, batch)
+        alone = [x for p in batch for x in lists_of(stickiness, [p])]
+        assert len(together) == len(alone) and all(torch.equal(a, b) for a, b in zip(together, alone)), stickiness
+        changed[stickiness] = sum(int((a != b).any()) for a, b in zip(alone, alone[1:]))
+    assert changed[8.0] < changed[0.0]
+
+
 def test_small_budget(tiny_model_dir, tmp_path):
     """Budgets far below the context: decodes attend less (probe mass < 1), outputs stay well formed,
     reuse, hierarchical pages and streaming heads run, every block comes back."""

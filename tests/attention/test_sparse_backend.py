@@ -131,6 +131,8 @@ def test_lagged_selection(impl, reuse):
             cap=p.cap,
             sink=p.sink,
             local=p.local,
+            prev=latest,  # sticky (the default) to the list this step attends
+            stickiness=p.stickiness,
         )
         due = live & ((step == 0) | (meta.seq_lens % reuse == 0))
         latest = torch.where(due[:, None, None], lists, latest)

@@ -162,7 +162,7 @@ def assert_no_leaks(engine: LLMEngine) -> None:
     assert engine.allocator.num_used == 0 and space.map.allocator.num_used == 0
     check_pool(offload)
     state = engine.model_runner.attn_backend.state
-    assert state.num_free_slots == state.num_slots and not state.held_slots()
+    assert state.num_free_slots == state.num_slots and not state.held_slots() and state.num_stashed == 0
     assert space.working_set.num_tracked == 0
 
 

@@ -17,6 +17,7 @@ from sparseserve.kernels.block_score import (
     score_and_select_triton,
     select_blocks_ref,
     select_blocks_triton,
+    select_ref,
     step_slots_ref,
     step_slots_triton,
 )
@@ -280,6 +281,62 @@ def test_select_blocks(policy, top_p, ways, hq, hkv):
     assert sorted(sel[0, 0].tolist()) == [-1, -1, -1, 0, 1, 2]  # 3 blocks <= cap: all of them
     if hkv > 1:
         assert sorted(sel[4, 1].tolist()) == [-1, -1, -1, 0, 38, 39]  # streaming head: sink + local only
+
+
+@pytest.mark.parametrize("policy,top_p", [("topk", 1.0), ("topp", 0.7)])
+@pytest.mark.parametrize("lagged", [False, True])
+def test_select_blocks_sticky(policy, top_p, lagged, hq=6, hkv=2):
+    """Stickiness: the kernel equals the reference over steps whose lists feed the next selection (from
+    the row's own slot, or with lag from another row or none), on fresh random masses."""
+    torch.manual_seed(5)
+    bs, cap, nslots, mb = 16, 8, 4, 48
+    lens = [40 * bs, 3 * bs, 0, 47 * bs + 5]
+    p = params(policy, cap, bs, top_p=top_p) | dict(stickiness=1.5)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    slots = torch.tensor([3, 0, 1, 2], dtype=torch.int32, device=DEV)
+    streaming = torch.zeros(hkv, dtype=torch.bool, device=DEV)
+    state = [
+        (
+            torch.full((2 * nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
+            torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV),
+            torch.zeros(2, dtype=torch.int64, device=DEV),
+        )
+        for _ in range(2)
+    ]
+    for step in range(4):
+        # lag: write one row of the slot, stick to the other (the row the step attends)
+        write = slots + nslots * (step % 2) if lagged else slots
+        prev = None
+        if lagged:  # row 1: a prompt chunk's end, with no previous list (-1)
+            prev = torch.where(torch.arange(4, device=DEV) == 1, -1, slots + nslots * ((step + 1) % 2)).int()
+        scores = 3 * torch.randn(len(lens), hq, mb, device=DEV)
+        scores.masked_fill_(torch.arange(mb, device=DEV)[None, None] >= -(-seq_lens[:, None, None] // bs), -torch.inf)
+        select_blocks_ref(scores, seq_lens, write, *state[0], streaming, **p, prev_slots=prev)
+        select_blocks_triton(scores, seq_lens, write, *state[1], streaming, **p, prev_slots=prev)
+        for a, b in zip(state[0], state[1]):
+            assert torch.equal(a.sort(-1).values if a.dim() == 3 else a, b.sort(-1).values if b.dim() == 3 else b), step
+
+
+def test_select_sticky_keeps_the_previous_list():
+    """A block of the previous list outranks any new one whose mass is less than 1 + stickiness times its
+    own; without stickiness the lists follow the masses alone."""
+    bs, cap = 16, 5  # sink 1 + local 2 + 2 chosen
+    seq_lens = torch.tensor([20 * bs], dtype=torch.int32)
+    scores = torch.zeros(1, 1, 20)
+    scores[0, 0, 5] = scores[0, 0, 6] = 2.0  # the best two now
+    scores[0, 0, 9] = scores[0, 0, 12] = 1.6  # listed before, exp(0.4) = 1.49x less mass
+    prev = torch.tensor([[[0, 9, 12, 18, 19]]], dtype=torch.int32)
+    kw = params("topk", cap, bs) | dict(prev=prev)
+    kw.pop("reuse")
+    streaming = torch.zeros(1, dtype=torch.bool)
+
+    def chosen(stickiness: float) -> list[int]:
+        lists = select_ref(scores, seq_lens, streaming, **kw, stickiness=stickiness)
+        return sorted(set(lists[0, 0].tolist()) - {0, 18, 19})
+
+    assert chosen(0.0) == [5, 6]
+    assert chosen(0.4) == [5, 6]  # 1.4 < 1.49: the new blocks win
+    assert chosen(0.6) == [9, 12]
 
 
 @pytest.mark.slow
