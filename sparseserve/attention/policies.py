@@ -44,6 +44,7 @@ class TopK(SelectionPolicy):
 class TopP(TopK):
     # Pruned lists fit the selecting query, not the next (docs/sparse.md, lagged selection).
     supports_lag = False
+    prunes = True
 
     def refine(
         self,

@@ -214,6 +214,7 @@ class SelectionPolicy(abc.ABC):
     """How a sparse layer picks the blocks each decode row attends (module docstring)."""
 
     supports_lag = True  # whether lists selected from an earlier query serve the next one
+    prunes = False  # whether it has a `refine` (called only then; KV offload reads only what it keeps)
 
     def __init__(self, params: SelectionParams) -> None:
         self.params = params
@@ -232,6 +233,7 @@ class SelectionPolicy(abc.ABC):
         state: SelectionState,
         offload: tuple | None,
     ) -> bool:
-        """Once the listed blocks are readable (offload: the pool view, kernels/sparse_decode.py),
-        may trim the lists just selected in place. Returns whether it changed them."""
+        """With `prunes`: once the listed blocks are readable (offload: a view of where each is,
+        pool or host, kernels/sparse_decode.py, before the pool reads the lists), may trim the
+        lists just selected in place. Returns whether it changed them."""
         return False

@@ -269,16 +269,17 @@ class SparseBackend(AttentionBackend):
         else:
             with self._phase("selection"):
                 self.policy.select(layer, q, rows, state, self.key_meta[layer])
-                if self.offload is None:
+                if self.offload is None and self.policy.prunes:
                     self.policy.refine(layer, q, kv_cache, rows, state, None)
         view = None
         if self.offload is not None and p.lag:  # planned by begin_step (fresh slots: _plan_fresh)
             view = self.offload.lagged_view(layer)
         elif self.offload is not None:
+            if self.policy.prunes:  # on the candidates' keys where they are (pool, else host): only what stays loads
+                where = self.offload.lookup(layer, tokens, rows.seq_lens, state.sel[layer][rows.slots.long()])
+                self.policy.refine(layer, q, kv_cache, rows, state, where)
             with self._phase("h2d"):
                 view = self.offload.read(layer, tokens, rows.seq_lens, state.sel[layer], rows.slots)
-            if self.policy.refine(layer, q, kv_cache, rows, state, view):
-                view = self.offload.lookup(layer, tokens, rows.seq_lens, state.sel[layer][rows.slots.long()])
         with self._phase("attention"):
             sparse_decode(
                 q,
@@ -382,7 +383,8 @@ class SparseBackend(AttentionBackend):
             self.pending.append(q)
         with stream:
             self.policy.select(layer, q, rows, self.state, self.key_meta[layer])
-            self.policy.refine(layer, q, kv_cache, rows, self.state, None)
+            if self.policy.prunes:
+                self.policy.refine(layer, q, kv_cache, rows, self.state, None)
 
     def end_step(self) -> None:
         """Joins the side stream into the current one (a graph capture must join every fork)."""

@@ -11,7 +11,7 @@ from sparseserve.attention.sparse import SparseStepMeta
 from sparseserve.kernels.dispatch import forced
 from sparseserve.kernels.flash_h2d import flash_h2d_ref, flash_h2d_triton, write_through_ref, write_through_triton
 from sparseserve.kernels.key_meta import rebuild_key_meta
-from sparseserve.kernels.sparse_decode import sparse_decode_ref
+from sparseserve.kernels.sparse_decode import listed_rows, sparse_decode_ref
 from sparseserve.kvcache.host import HostKVStore
 from sparseserve.kvcache.layout import OffloadLayout
 from sparseserve.kvcache.offload import OffloadCache, OffloadStep
@@ -92,7 +92,8 @@ def test_sparse_decode_through_pool(policy, budget, slots, hq, hkv):
     """Decode steps through SparseBackend with KV offload on the torch and the Triton path (scoring,
     selection, pool plan, FlashH2D, the sparse kernel reading slots / host rows / the window): both equal
     the backend without offload, although every block outside the local windows is poisoned in the
-    device cache of the offload runs. 8 slots: evictions and bypass reads; 64: hits."""
+    device cache of the offload runs. 8 slots: evictions and bypass reads; 64: hits. The pool reads the final
+    lists only: topp's candidates are pruned on their keys where they are, then only what stays is read."""
     torch.manual_seed(4)
     d, bs = 32, 16
     q, cache, meta = decode_batch([0, 150, 70, 33], hq, hkv, d, bs, torch.float32, slack=bs)
@@ -108,7 +109,8 @@ def test_sparse_decode_through_pool(policy, budget, slots, hq, hkv):
             poisoned[int(meta.block_tables[b, j])] = float("nan")
     outs, stats = [], []
     for impl, offload in (("torch", False), ("torch", True), ("triton", True)):
-        backend = sparse_backend(policy, budget, bs, hkv, d, torch.float32, cache.shape[0])
+        prune = {"sparse_top_p": 0.5} if policy == "topp" else {}  # lists shrink: fewer entries read
+        backend = sparse_backend(policy, budget, bs, hkv, d, torch.float32, cache.shape[0], **prune)
         c = cache.clone()
         with_slots(meta)
         if offload:
@@ -128,6 +130,10 @@ def test_sparse_decode_through_pool(policy, budget, slots, hq, hkv):
         if offload:
             pool.check()
             stats.append(pool.stats.tolist())
+            # the pool saw the final lists only (topp: pruned before the read), each step's the same
+            rows = backend.state.sel[0][meta.backend_meta.slots.long()]
+            listed = int(listed_rows(rows, meta.seq_lens, backend.params.local, bs).sum())
+            assert sum(stats[-1][:3]) == 3 * listed
     for step in range(3):
         assert torch.equal(outs[1][step], outs[0][step])
         assert torch.isfinite(outs[2][step]).all() and rel_err(outs[2][step], outs[0][step]) < 1e-5
