@@ -138,7 +138,7 @@ class SelectionState:
         restored); a parked one gets its own back; with none free, the longest-parked sequence
         gives its slot up (sticky: stashing its lists)."""
         if self._last is not None and seq_ids == self._last[0]:
-            self.fresh = self.restored = []
+            self.fresh, self.restored = [], []
             return self._last[1]
         self.fresh = fresh = []
         self.restored = []

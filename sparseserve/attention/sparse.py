@@ -67,6 +67,9 @@ class SparseBackend(AttentionBackend):
         self.pending: list[torch.Tensor] = []  # lag: the side stream's inputs, alive until end_step
         self.loaded: list[torch.cuda.Event] = []  # lag + offload: each sparse layer's loads done (side stream)
         self.step_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # lag: (read, write) rows
+        # lag + stickiness: the rows whose lists the step's selections stick to (a decode's read row; a
+        # prompt chunk's end selects afresh, -1, so chunk boundaries such as prefix-cache hits change no list)
+        self.stick_rows: torch.Tensor | None = None
         self._step_meta: AttentionMetadata | None = None
         # the last step's state slots (SelectionState.assign's list) and as a tensor (prepare)
         self._slots: tuple[list[int] | None, torch.Tensor | None] = (None, None)
@@ -312,6 +315,9 @@ class SparseBackend(AttentionBackend):
         dev = meta.seq_lens.device
         slots = sm.slots if sm is not None else torch.arange(meta.num_seqs, dtype=torch.int32, device=dev)
         self.step_rows = step_slots(meta.seq_lens, slots, meta.num_decodes, self.params.reuse, self.state.num_slots)
+        if self.params.stickiness > 0:  # once a step, not once a layer
+            decode = torch.arange(meta.num_seqs, device=dev) < meta.num_decodes
+            self.stick_rows = torch.where(decode, self.step_rows[0], -1)
         self._step_meta = meta
         nd = meta.num_decodes
         if self.offload is None or sm is None or nd == 0 or self.key_meta is None:
@@ -370,11 +376,7 @@ class SparseBackend(AttentionBackend):
             self._max_blocks(meta),
             scale,
             self.width,
-            # stickiness: a decode's to the list this step attends; a prompt chunk's end selects afresh, so
-            # chunk boundaries (prefix-cache hits) change no list
-            prev_slots=torch.where(
-                torch.arange(meta.num_seqs, device=q.device) < meta.num_decodes, self.step_rows[0], -1
-            ),
+            prev_slots=self.stick_rows,
         )
         stream = contextlib.nullcontext()
         if self.side is not None:
