@@ -73,7 +73,7 @@ class LayerPrefill:
         nb = blocks_needed(max_model_len, bs)
         self.scratch = torch.empty(2, nb, hkv, 2, bs, head_dim, dtype=dtype, device=device)
         self.hidden = torch.empty(2, max_model_len, hidden_size, dtype=dtype, device=device)  # x, res
-        host.layer_d2h = LayerD2H(host, nb, num_buffers=2)
+        host.layer_d2h = LayerD2H(host)
         self.events: list = [None, None]  # per scratch buffer: its last copy to the host (CUDA)
         self.current: _Prefill | None = None
 
@@ -207,7 +207,7 @@ class LayerPrefill:
         n = cur.window_blocks.numel()
         if n:
             self.kv_caches[layer].index_copy_(0, cur.window_blocks, cache[cur.window_start : cur.window_start + n])
-        self.events[buf] = self.offload.host.layer_d2h.submit(layer, buf, cache[c // bs : p // bs], cur.host_rows)
+        self.events[buf] = self.offload.host.layer_d2h.submit(layer, cache[c // bs : p // bs], cur.host_rows)
 
     def _restore_prefix(self, cur: _Prefill, layer: int, cache: torch.Tensor) -> None:
         """This layer's prefix K/V from its host rows into the scratch's first rows (FlashH2D)."""

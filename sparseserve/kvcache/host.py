@@ -16,6 +16,7 @@ import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from sparseserve.kernels.flash_h2d import write_through
@@ -76,13 +77,14 @@ class HostKVStore:
     def attach_d2h(self, max_tokens: int, max_seqs: int, num_threads: int = 4) -> None:
         self.d2h = D2HWriter(self, max_tokens, max_seqs, num_threads)
 
-    def fence(self) -> None:
-        """Waits until every FlashD2H write submitted so far is in the store."""
+    def fence(self, host: bool = False) -> None:
+        """Every FlashD2H write submitted so far is in the store before the current stream's next
+        kernel (host=True: before this returns, for a CPU reader)."""
         self.num_fences += 1
         if self.d2h is not None:
             self.d2h.fence()
         if self.layer_d2h is not None:
-            self.layer_d2h.fence()
+            self.layer_d2h.fence(host)
 
     def d2h_blocks_written(self) -> int:
         """Token blocks x layers the FlashD2H writers stored so far (host-side count)."""
@@ -217,57 +219,49 @@ class D2HWriter:
 
 class LayerD2H:
     """FlashD2H of layer-segmented prefill: one layer of one prompt at a time, a contiguous slice of
-    the scratch (no compaction), one copy into pinned staging on a side stream, then a CPU worker
-    writes the rows. `num_buffers` staging buffers alternate like the caller's scratch. The trap:
-    submit returns the copy's event (None on CPU), which the compute stream must wait for before
-    it overwrites those scratch rows. fence() waits for every write."""
+    the scratch copied by the copy engine straight into its store rows on a side stream, one copy
+    per run of consecutive host rows (the FIFO block allocator keeps a prompt's rows in few runs).
+    No staging and no CPU writer: at MHA sizes a CPU scatter of a layer's rows took longer than the
+    layer's compute (docs/offload.md, "Layer-segmented prefill"). The trap: submit returns the
+    copies' event (None on CPU), which the compute stream must wait for before it overwrites those
+    scratch rows; fence() orders the compute stream after every copy (no host wait)."""
 
-    def __init__(self, store: HostKVStore, max_blocks: int, num_buffers: int = 2, num_threads: int = 2) -> None:
-        _, _, hkv, _, bs, head_dim = store.data.shape
-        pin = store.data.is_pinned()
+    def __init__(self, store: HostKVStore) -> None:
         self.store = store
-        self.staging = torch.empty(
-            num_buffers, max_blocks, hkv, 2, bs, head_dim, dtype=store.data.dtype, pin_memory=pin
-        )
-        self.workers = ThreadPoolExecutor(num_threads, thread_name_prefix="sparseserve-layer-d2h")
-        self.busy: list[Future | None] = [None] * num_buffers
-        self.pending: list[Future] = []
         self.stream = None
+        self.last = None  # the event of the last copy not yet fenced
         self.blocks_written = 0  # token blocks x layers written (stats)
-        self._lock = threading.Lock()
 
-    def submit(self, layer: int, buf: int, src: torch.Tensor, host_rows: torch.Tensor):
+    def submit(self, layer: int, src: torch.Tensor, host_rows: torch.Tensor):
         """src: [n, Hkv, 2, bs, D] full blocks (device); host_rows: int64 [n] (CPU): their rows."""
         n = src.shape[0]
         if n == 0:
             return None
-        if n > self.staging.shape[1]:
-            raise ValueError(f"{n} blocks exceed the layer writer's staging of {self.staging.shape[1]} blocks")
-        if self.busy[buf] is not None:
-            self.busy[buf].result()  # its previous rows are in the store: the buffer is free
-        staged, event = self.staging[buf, :n], None
-        if src.is_cuda:
-            self.stream = self.stream or torch.cuda.Stream(src.device)
-            self.stream.wait_stream(torch.cuda.current_stream(src.device))
-            with torch.cuda.stream(self.stream):
-                staged.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            src.record_stream(self.stream)
-        else:
-            staged.copy_(src)
-        self.busy[buf] = future = self.workers.submit(self._write, layer, staged, host_rows, event)
-        self.pending.append(future)
+        rows = host_rows.numpy()
+        cuts = np.flatnonzero(np.diff(rows) != 1) + 1
+        runs = zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [n])).tolist())
+        dst = self.store.data[layer]
+        self.blocks_written += n
+        if not src.is_cuda:
+            for a, b in runs:
+                dst[rows[a] : rows[a] + b - a].copy_(src[a:b])
+            return None
+        self.stream = self.stream or torch.cuda.Stream(src.device)
+        self.stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(self.stream):
+            for a, b in runs:
+                dst[rows[a] : rows[a] + b - a].copy_(src[a:b], non_blocking=True)
+            self.last = event = torch.cuda.Event()
+            event.record(self.stream)
         return event
 
-    def _write(self, layer: int, staged: torch.Tensor, rows: torch.Tensor, event) -> None:
-        if event is not None:
-            event.synchronize()
-        self.store.data[layer].index_copy_(0, rows, staged)
-        with self._lock:
-            self.blocks_written += rows.numel()
-
-    def fence(self) -> None:
-        pending, self.pending = self.pending, []
-        for f in pending:
-            f.result()
+    def fence(self, host: bool = False) -> None:
+        """The current stream waits (on the device) for every copy submitted so far; host=True:
+        the caller waits (the rows are readable on the CPU)."""
+        last, self.last = self.last, None
+        if last is None:
+            return
+        if host:
+            last.synchronize()
+        else:
+            torch.cuda.current_stream(self.stream.device).wait_event(last)

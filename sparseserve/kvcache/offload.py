@@ -295,7 +295,7 @@ class OffloadCache:
 
     def sync(self) -> None:
         """Every FlashD2H write submitted so far is in the store (statistics, tests)."""
-        self.host.fence()
+        self.host.fence(host=True)
 
     # ---- the sparse backend, per layer -----------------------------------------------------------
 

@@ -12,7 +12,7 @@ from sparseserve.kernels.dispatch import forced
 from sparseserve.kernels.flash_h2d import flash_h2d_ref, flash_h2d_triton, write_through_ref, write_through_triton
 from sparseserve.kernels.key_meta import rebuild_key_meta
 from sparseserve.kernels.sparse_decode import listed_rows, sparse_decode_ref
-from sparseserve.kvcache.host import HostKVStore
+from sparseserve.kvcache.host import HostKVStore, LayerD2H
 from sparseserve.kvcache.layout import OffloadLayout
 from sparseserve.kvcache.offload import OffloadCache, OffloadStep
 from sparseserve.kvcache.pool import HBMPool
@@ -169,6 +169,26 @@ def test_d2h_writer_stores_completed_blocks(remap):
     assert torch.equal(out.data[:, rows], cache[:, [5, 1, 0]].cpu())
     assert not out.data[:, [r for r in range(blocks) if r not in rows]].any()
     assert out.bytes_written() == 3 * layers * hkv * 2 * bs * d * 4
+
+
+def test_layer_d2h_writes_runs_of_rows():
+    """Layer-segmented prefill's FlashD2H (one copy per run of consecutive host rows, no staging) puts
+    each scratch block at its row of the given layer and nothing anywhere else; fence(host=True) makes
+    the rows readable on the CPU; the returned event (GPU) orders the scratch's reuse."""
+    torch.manual_seed(3)
+    layers, blocks, hkv, bs, d = 3, 12, 2, 4, 8
+    store = HostKVStore(layers, blocks, hkv, bs, d, torch.float32, pin=ON_GPU, device=DEVICE)
+    store.layer_d2h = LayerD2H(store)
+    rows = torch.tensor([4, 5, 6, 0, 9, 10, 2])  # runs [4, 7), [0, 1), [9, 11), [2, 3)
+    src = torch.randn(len(rows), hkv, 2, bs, d, device=DEVICE)
+    event = store.layer_d2h.submit(1, src, rows)
+    assert (event is None) == (not ON_GPU)
+    assert store.layer_d2h.submit(2, src[:0], rows[:0]) is None  # nothing to write
+    store.fence(host=True)
+    expect = torch.zeros_like(store.data)
+    expect[1, rows] = src.cpu()
+    assert torch.equal(store.data, expect)
+    assert store.d2h_blocks_written() == len(rows)
 
 
 @pytest.mark.parametrize(
