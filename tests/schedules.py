@@ -124,12 +124,24 @@ class CachedBlockContents:
     """Checks that a block's contents never change while it stays cached under one hash: K/V of every layer
     and the key metadata (under KV offload the sparse layers' host store rows, the dense layers' K/V and the
     metadata where they are: the block's device row while one is mapped, else its host row). A snapshot is
-    taken when a block is first seen cached and dropped when it leaves the cache (evicted, maybe reused)."""
+    taken when a block is first seen cached and dropped when it leaves the cache (evicted, maybe reused: also
+    when a step evicts it, rewrites it for a new owner and caches it again under the same hash)."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
         self.seen: dict[int, tuple[bytes, list]] = {}
         self.num_checked = 0
+        self.evicted: set[int] = set()  # since the last check
+        cache = engine.allocator.cache
+        if cache is not None:
+            evict = cache.evict
+
+            def recorded():
+                block, h = evict()
+                self.evicted.add(block)
+                return block, h
+
+            cache.evict = recorded  # this engine's cache only
 
     def data(self, block: int) -> list:
         runner = self.engine.model_runner
@@ -157,8 +169,9 @@ class CachedBlockContents:
         if self.engine.model_runner.offload is not None:
             self.engine.model_runner.offload.sync()
         current = dict(cache._hash_of)
-        for b in [b for b, (h, _) in self.seen.items() if current.get(b) != h]:
+        for b in [b for b, (h, _) in self.seen.items() if current.get(b) != h or b in self.evicted]:
             del self.seen[b]
+        self.evicted.clear()
         for b, h in current.items():
             now = self.data(b)
             if b in self.seen:

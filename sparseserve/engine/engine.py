@@ -196,10 +196,9 @@ class LLMEngine:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ParameterError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         if params.prompt_logprobs is not None:
-            if self.config.parallel_config.tensor_parallel_size > 1 or self.model_runner.layer_prefill is not None:
+            if self.config.parallel_config.tensor_parallel_size > 1:
                 raise ParameterError(
-                    "prompt_logprobs is not supported with tensor_parallel_size > 1 or layer_segmented_prefill",
-                    "prompt_logprobs",
+                    "prompt_logprobs is not supported with tensor_parallel_size > 1", "prompt_logprobs"
                 )
             # every prompt token of every sequence computed, none served by the prefix cache
             salt = f"prompt-logprobs:{request_id}:{next(self._seq_ids)}"

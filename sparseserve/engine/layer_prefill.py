@@ -76,6 +76,7 @@ class LayerPrefill:
         host.layer_d2h = LayerD2H(host)
         self.events: list = [None, None]  # per scratch buffer: its last copy to the host (CUDA)
         self.current: _Prefill | None = None
+        self.finished_tokens = 0  # tokens of the last finished prefill (prompt_hidden)
 
     @staticmethod
     def device_bytes(
@@ -120,6 +121,14 @@ class LayerPrefill:
         self.current = None
         t = cur.tokens
         x, _ = self.model.model.norm(self.hidden[0, t - 1 : t], self.hidden[1, t - 1 : t])
+        self.finished_tokens = t
+        return x
+
+    def prompt_hidden(self) -> torch.Tensor:
+        """[T, hidden]: the final-normed hidden states of every token the prefill that `run` just
+        finished computed (prompt logprobs); valid until the next prefill begins."""
+        t = self.finished_tokens
+        x, _ = self.model.model.norm(self.hidden[0, :t], self.hidden[1, :t])
         return x
 
     def _begin(self, seq) -> _Prefill:

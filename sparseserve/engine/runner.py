@@ -443,6 +443,9 @@ class ModelRunner:
                     sampled += batch.sampled
             for seg in segments:
                 last = self.layer_prefill.run(seg)
+                if last is not None and self.tp.is_driver and seg.seq.prompt_logprobs is not None:
+                    hidden = self.layer_prefill.prompt_hidden()
+                    record_prompt_logprobs([(seg.seq, hidden.shape[0])], hidden, self.model.compute_logits)
                 if last is not None:
                     logits.append(self.model.compute_logits(last))
                     sampled.append(seg.seq)

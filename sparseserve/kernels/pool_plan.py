@@ -680,7 +680,8 @@ def pool_read_triton(
         launch_pdl=pdl,
     )
     if defer:  # repeats (load -2) take their key's slot now; FlashH2D skips them
-        loc = torch.where(load == -2, st.resident[key.view(-1)], loc)
+        rep = load == -2  # (only their keys index: the others' may be anything)
+        loc = torch.where(rep, st.resident[torch.where(rep, key.view(-1), st.resident.numel() - 1)], loc)
         return loc.view_as(key), key, load.view_as(key)
     flash_h2d_triton(host_flat, pool_slots, key.view(-1), load, repeats=(st.resident, loc))
     return loc.view_as(key), key

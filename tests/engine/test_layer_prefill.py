@@ -295,6 +295,32 @@ def test_first_token_logprobs_match_transformers(model4):
             assert abs(lp.logprob - float(expect[tid])) < 1e-4, (tid, lp.logprob, float(expect[tid]))
 
 
+def test_prompt_logprobs_layer_by_layer(model4):
+    """prompt_logprobs of a prompt prefilled one layer per step: every prompt token's logprob and rank equal
+    transformers' on the same weights, and equal chunked prefill's (the same entries, top alternatives too)."""
+    path, hf = model4
+    p = prompts((150,))[0]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), dim=-1)
+    outs = []
+    for segmented in (True, False):
+        llm = LLM(
+            str(path), **COMMON, layer_segmented_prefill=segmented, prefill_layer_segment=1 if segmented else None
+        )
+        out = llm.generate([p], params, use_tqdm=False)[0]
+        assert len(out.prompt_logprobs) == len(p) and out.prompt_logprobs[0] is None
+        for j in range(1, len(p)):
+            lp = out.prompt_logprobs[j][p[j]]
+            assert abs(lp.logprob - float(ref[j - 1, p[j]])) < 1e-4, j
+            assert lp.rank == int((ref[j - 1] > ref[j - 1, p[j]]).sum()) + 1
+        outs.append(out.prompt_logprobs)
+        assert llm.llm_engine.get_stats(sync=True).num_blocks_used == 0
+    for a, b in zip(outs[0][1:], outs[1][1:]):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 and a[t].rank == b[t].rank for t in a)
+
+
 @pytest.mark.parametrize(
     "how", ["pause", pytest.param("recompute", marks=pytest.mark.slow), pytest.param("abort", marks=pytest.mark.slow)]
 )
