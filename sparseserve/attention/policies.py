@@ -36,6 +36,7 @@ class TopK(SelectionPolicy):
             scale=rows.scale,
             width=rows.width,
             prev_slots=rows.prev_slots,
+            ahead=rows.ahead,
             **self.params.kernel_args(),
         )
 

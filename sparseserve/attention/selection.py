@@ -78,6 +78,7 @@ class DecodeRows:
     scale: float
     width: int = 0  # selection launch size (longest context in blocks; 0: max_blocks)
     prev_slots: torch.Tensor | None = None  # int32 [B] rows of the previous lists (None: slots; -1: none)
+    ahead: int = 0  # 1: the lists serve the next step (lagged selection), whose local window they force
 
 
 def load_streaming_heads(path: str | None, num_layers: int, num_kv_heads: int) -> torch.Tensor:

@@ -377,6 +377,7 @@ class SparseBackend(AttentionBackend):
             scale,
             self.width,
             prev_slots=self.stick_rows,
+            ahead=1,
         )
         stream = contextlib.nullcontext()
         if self.side is not None:

@@ -97,13 +97,23 @@ def block_masses(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def forced_blocks(
-    seq_lens: torch.Tensor, max_blocks: int, *, block_size: int, cap: int, sink: int, local: int, short_dense: bool
+    seq_lens: torch.Tensor,
+    max_blocks: int,
+    *,
+    block_size: int,
+    cap: int,
+    sink: int,
+    local: int,
+    short_dense: bool,
+    ahead: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(valid, forced) masks [B, MB]: blocks inside the context, and those always selected."""
+    """(valid, forced) masks [B, MB]: blocks inside the context, and those always selected. ahead:
+    the list serves the step `ahead` tokens later (lagged selection: 1), whose local window it forces."""
     nb = (seq_lens.long() + block_size - 1) // block_size
+    nb_read = (seq_lens.long() + ahead + block_size - 1) // block_size
     j = torch.arange(max_blocks, device=seq_lens.device)[None]
     valid = j < nb[:, None]
-    forced = valid & ((j < sink) | (j >= nb[:, None] - local) | ((nb[:, None] <= cap) & short_dense))
+    forced = valid & ((j < sink) | (j >= nb_read[:, None] - local) | ((nb[:, None] <= cap) & short_dense))
     return valid, forced
 
 
@@ -120,15 +130,16 @@ def select_ref(
     top_p: float | None = None,
     prev: torch.Tensor | None = None,
     stickiness: float = 0.0,
+    ahead: int = 0,
 ) -> torch.Tensor:
     """The selection lists [B, Hkv, cap] (int32, -1 padded): forced blocks first, then the chosen
     ones, each in block order. streaming: bool [Hkv]; prev: [B, Hkv, cap] the previous lists
-    (with stickiness > 0)."""
+    (with stickiness > 0); ahead: forced_blocks'."""
     batch, _, mb = scores.shape
     hkv = streaming.numel()
     r = block_masses(scores, hkv)
     valid, forced = forced_blocks(
-        seq_lens, mb, block_size=block_size, cap=cap, sink=sink, local=local, short_dense=short_dense
+        seq_lens, mb, block_size=block_size, cap=cap, sink=sink, local=local, short_dense=short_dense, ahead=ahead
     )
     forced = forced[:, None].expand(batch, hkv, mb)
     cand = valid[:, None] & ~forced & ~streaming[None, :, None]
@@ -172,11 +183,13 @@ def select_blocks_ref(
     top_p: float | None = None,
     stickiness: float = 0.0,
     prev_slots: torch.Tensor | None = None,
+    ahead: int = 0,
 ) -> None:
     """Writes new lists into sel [S, Hkv, cap] at the rows' state slots, for the (slot, KV head)
     pairs due a recomputation (all without reuse); counter [S, Hkv] counts decode steps; stats
     int64 [2] += (blocks selected, selections). Padding rows and slot -1 change nothing.
-    prev_slots: the sel rows holding each row's previous lists (None: its own slot; -1: none)."""
+    prev_slots: the sel rows holding each row's previous lists (None: its own slot; -1: none);
+    ahead: 1 when the lists serve the next step (forced_blocks)."""
     rows = (seq_lens > 0) & (slots >= 0)  # slot -1 (lag: a reused step): none
     prev = None
     if stickiness > 0:
@@ -194,6 +207,7 @@ def select_blocks_ref(
         top_p=top_p,
         prev=prev,
         stickiness=stickiness,
+        ahead=ahead,
     )
     slots = slots[rows].long()
     # without reuse every row (the lag's slots index two list rows a slot: no counter row)
@@ -229,6 +243,7 @@ def score_and_select_ref(
     width: int = 0,
     stickiness: float = 0.0,
     prev_slots: torch.Tensor | None = None,
+    ahead: int = 0,
 ) -> None:
     """Scores then selects for the decode rows q [B, Hq, D] into sel (select_blocks_ref).
     max_blocks: host-side bound of the contexts in blocks; width: the launch's size hint only."""
@@ -250,6 +265,7 @@ def score_and_select_ref(
         top_p=top_p,
         stickiness=stickiness,
         prev_slots=prev_slots,
+        ahead=ahead,
     )
 
 
@@ -398,7 +414,7 @@ def _score_kernel(
         tl.store(score_row[:, None] + nn[None, :], s, mask=(g < GROUP)[:, None] & (nn < n_end)[None, :])
 
 
-@triton.jit(do_not_specialize=["max_blocks"], do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr"])
+@triton.jit(do_not_specialize=["max_blocks", "ahead"], do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr"])
 def _select_kernel(
     scores_ptr,
     seq_lens_ptr,
@@ -412,6 +428,7 @@ def _select_kernel(
     mass_target,
     sticky_factor,
     max_blocks,
+    ahead,
     stride_ss,
     stride_cs,
     GROUP: tl.constexpr,
@@ -459,7 +476,8 @@ def _select_kernel(
     # Forced blocks are [0, sink_end) and [local_start, nb): ranked in closed form, no scan needed.
     all_forced = (nb <= CAP) & SHORT_DENSE
     sink_end = tl.where(all_forced, nb, tl.minimum(nb, SINK))
-    local_start = tl.maximum(nb - LOCAL, sink_end)
+    # the local window of the step the list serves (ahead: the next one, under lagged selection)
+    local_start = tl.maximum(tl.minimum(tl.cdiv(seq_len + ahead, BLOCK_SIZE) - LOCAL, nb), sink_end)
     forced = valid & ((j < sink_end) | (j >= local_start))
     n_forced = sink_end + nb - local_start
     chosen_hi = j < 0  # all false
@@ -633,6 +651,7 @@ def select_blocks_triton(
     width: int = 0,
     stickiness: float = 0.0,
     prev_slots: torch.Tensor | None = None,
+    ahead: int = 0,
 ) -> None:
     """select_blocks_ref's contract. width: blocks the launch is sized for when more than the
     scores' (the model's longest context), so one compiled variant serves every step."""
@@ -663,6 +682,7 @@ def select_blocks_triton(
         mass_target(top_p),
         1.0 + stickiness,
         max_blocks,
+        ahead,
         sel.stride(0),
         counter.stride(0),
         GROUP=num_q_heads // hkv,
@@ -708,6 +728,7 @@ def score_and_select_triton(
     width: int = 0,
     stickiness: float = 0.0,
     prev_slots: torch.Tensor | None = None,
+    ahead: int = 0,
 ) -> None:
     scores = block_scores_triton(
         q,
@@ -742,6 +763,7 @@ def score_and_select_triton(
         width=width,
         stickiness=stickiness,
         prev_slots=prev_slots,
+        ahead=ahead,
     )
 
 

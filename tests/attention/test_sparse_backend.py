@@ -133,6 +133,7 @@ def test_lagged_selection(impl, reuse):
             local=p.local,
             prev=latest,  # sticky (the default) to the list this step attends
             stickiness=p.stickiness,
+            ahead=1,  # forcing the local window of the next step, which reads the list
         )
         due = live & ((step == 0) | (meta.seq_lens % reuse == 0))
         latest = torch.where(due[:, None, None], lists, latest)

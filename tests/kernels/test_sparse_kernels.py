@@ -287,11 +287,12 @@ def test_select_blocks(policy, top_p, ways, hq, hkv):
 @pytest.mark.parametrize("lagged", [False, True])
 def test_select_blocks_sticky(policy, top_p, lagged, hq=6, hkv=2):
     """Stickiness: the kernel equals the reference over steps whose lists feed the next selection (from
-    the row's own slot, or with lag from another row or none), on fresh random masses."""
+    the row's own slot, or with lag from another row or none, forcing the next step's window), on fresh
+    random masses; a context at a block's end (40 blocks) is where the next step's window moves."""
     torch.manual_seed(5)
     bs, cap, nslots, mb = 16, 8, 4, 48
     lens = [40 * bs, 3 * bs, 0, 47 * bs + 5]
-    p = params(policy, cap, bs, top_p=top_p) | dict(stickiness=1.5)
+    p = params(policy, cap, bs, top_p=top_p) | dict(stickiness=1.5, ahead=int(lagged))
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
     slots = torch.tensor([3, 0, 1, 2], dtype=torch.int32, device=DEV)
     streaming = torch.zeros(hkv, dtype=torch.bool, device=DEV)
@@ -315,6 +316,25 @@ def test_select_blocks_sticky(policy, top_p, lagged, hq=6, hkv=2):
         select_blocks_triton(scores, seq_lens, write, *state[1], streaming, **p, prev_slots=prev)
         for a, b in zip(state[0], state[1]):
             assert torch.equal(a.sort(-1).values if a.dim() == 3 else a, b.sort(-1).values if b.dim() == 3 else b), step
+
+
+def test_select_ahead_forces_the_next_steps_window():
+    """A lagged list (ahead=1) forces the local window of the step that reads it: at a context that ends a
+    block the window moves on by one, so the block it leaves is no longer forced and competes by its mass
+    (block 18 loses to block 9), and one more chosen block fits; inside a block nothing changes."""
+    bs, cap = 16, 5  # sink 1 + local 2 + 2 chosen
+    scores = torch.zeros(1, 1, 21)
+    scores[0, 0, 5], scores[0, 0, 7], scores[0, 0, 9], scores[0, 0, 18] = 3.0, 2.0, 1.0, 0.5
+    kw = params("topk", cap, bs)
+    kw.pop("reuse")
+    streaming = torch.tensor([False])
+    end = torch.tensor([20 * bs], dtype=torch.int32)  # blocks 0..19 full: the next token opens block 20
+    assert select_ref(scores, end, streaming, **kw)[0, 0].tolist() == [0, 18, 19, 5, 7]
+    assert select_ref(scores, end, streaming, **kw, ahead=1)[0, 0].tolist() == [0, 19, 5, 7, 9]
+    inside = torch.tensor([20 * bs + 3], dtype=torch.int32)
+    assert torch.equal(
+        select_ref(scores, inside, streaming, **kw), select_ref(scores, inside, streaming, **kw, ahead=1)
+    )
 
 
 def test_select_sticky_keeps_the_previous_list():
