@@ -57,8 +57,9 @@ _SPARSE = dict(sparse_policy="topk", sparse_budget=2048)
 _LADDER = {
     "dense": {},
     "sparse": _SPARSE,
-    "offload": _SPARSE | dict(kv_offload=True),
-    "layerseg": _SPARSE | dict(kv_offload=True, layer_segmented_prefill=True),
+    # the ladder's rungs name what they add (KV offload's default lag is the last rung's)
+    "offload": _SPARSE | dict(kv_offload=True, sparse_lag=0),
+    "layerseg": _SPARSE | dict(kv_offload=True, layer_segmented_prefill=True, sparse_lag=0),
 }
 _LADDER["layerseg_lag"] = _LADDER["layerseg"] | dict(sparse_lag=1)
 CONFIGS = _LADDER | {f"{k}_async": v | dict(async_scheduling=True) for k, v in _LADDER.items()}

@@ -40,6 +40,7 @@ import torch
 from benchmarks.common import build_engine, free_memory
 from sparseserve.bench.hardware import _time_ms, print_table
 from sparseserve.bench.steps import StepLog
+from sparseserve.config import EngineConfig
 from sparseserve.kernels.flash_h2d import flash_h2d_triton
 
 DTYPE = torch.bfloat16
@@ -333,6 +334,8 @@ class RealRun:
             sparse_budget=budget,
             **engine_args,
         )
+        # the same selection with and without offload: KV offload's default lag, unless given
+        kw.setdefault("sparse_lag", EngineConfig.from_kwargs(**kw, kv_offload=True).sparse_config.sparse_lag)
         if offload:
             kw["kv_offload"] = True
             if pool_steps is not None:

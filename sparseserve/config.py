@@ -231,11 +231,12 @@ class SparseConfig:
         default=1,
         metadata={"help": "Recompute a sequence's block selection every this many decode steps (1: every step)."},
     )
-    sparse_lag: int = field(
-        default=0,
+    sparse_lag: int | None = field(
+        default=None,
         metadata={
             "help": "1 (topk): a decode step attends the blocks selected from the previous step's query, so "
-            "selection runs beside the attention (0: each step selects from its own query).",
+            "selection runs beside the attention (0: each step selects from its own query). Default: 1 with "
+            "kv_offload where the policy allows it (its loads then run beside the layers before them), else 0.",
             "choices": [0, 1],
         },
     )
@@ -316,7 +317,7 @@ class SparseConfig:
             raise ValueError(f"sparse_reuse must be >= 1, got {self.sparse_reuse}")
         if not (0.0 <= self.sparse_stickiness < float("inf")):
             raise ValueError(f"sparse_stickiness must be a finite number >= 0, got {self.sparse_stickiness}")
-        if self.sparse_lag not in (0, 1):
+        if self.sparse_lag not in (None, 0, 1):
             raise ValueError(f"sparse_lag must be 0 or 1, got {self.sparse_lag}")
         if self.sparse_lag and self.enabled and not SELECTION_POLICIES.get(self.sparse_policy).supports_lag:
             raise ValueError(
@@ -558,6 +559,9 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        if self.sparse_config.sparse_lag is None:  # the default: lagged selection under KV offload
+            lag = int(self.lags_by_default)
+            object.__setattr__(self, "sparse_config", dataclasses.replace(self.sparse_config, sparse_lag=lag))
         sp, bs = self.sparse_config, self.cache_config.block_size
         if self.offload_config.kv_offload and not sp.enabled:
             raise ValueError(
@@ -592,6 +596,18 @@ class EngineConfig:
                 f"tokens: need more than sink + local = "
                 f"{sp.sparse_sink_blocks + sp.sparse_local_blocks}"
             )
+
+    @property
+    def lags_by_default(self) -> bool:
+        """Whether sparse_lag's default is 1: KV offload, a policy whose lists serve the next query,
+        and lists selected every step (docs/offload.md, "Lagged reads")."""
+        sp = self.sparse_config
+        return (
+            self.offload_config.kv_offload
+            and sp.enabled
+            and SELECTION_POLICIES.get(sp.sparse_policy).supports_lag
+            and sp.sparse_reuse == 1
+        )
 
     @staticmethod
     def arg_fields() -> list[dataclasses.Field]:

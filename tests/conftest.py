@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
     # Triton kernels run on the CPU under the interpreter; must precede any @triton.jit.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from sparseserve.config import EngineConfig
 from sparseserve.models.loader import DEFAULT_MODEL_DIR
 
 VOCAB = 4096  # the embedded default tokenizer's size, so string prompts work on every test model
@@ -67,6 +68,12 @@ VARIANTS = {
         dict(num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_size=576, tie_word_embeddings=True),
     ),
 }
+
+
+def offload_lag(**kw) -> dict:
+    """kw with sparse_lag as KV offload resolves it for these engine options (its default lags with topk): what a
+    run without offload needs to select as the offloaded run it is compared with does."""
+    return {**kw, "sparse_lag": EngineConfig.from_kwargs(**{**kw, "kv_offload": True}).sparse_config.sparse_lag}
 
 
 def make_hf_model(path: Path, config_cls: str, seed: int = 0, **overrides):

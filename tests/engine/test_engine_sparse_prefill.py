@@ -13,7 +13,7 @@ import torch
 
 from sparseserve import LLM, SamplingParams
 from sparseserve.attention.prefill import load_prefill_thresholds
-from tests.conftest import make_hf_model
+from tests.conftest import make_hf_model, offload_lag
 from tests.kernel_utils import gpu_only
 
 # Chunks of 160 tokens: the 450-token prompt's later chunks start mid-context with middle tiles to select (key
@@ -68,6 +68,7 @@ def test_offload_threshold_zero_equals_dense(hf_models):
     sparse prefill at threshold 0 gives the tokens of dense prefill, with and without offload."""
     model = hf_models["qwen2-gqa-bias"][0]
     sparse = dict(sparse_policy="topk", sparse_budget=128, sparse_dense_layers=1, sparse_dense_context=0)
+    sparse["sparse_lag"] = offload_lag(**COMMON, **sparse)["sparse_lag"]
     base, _, _ = run(model, **sparse)
     got, stats, llm = run(model, **sparse, **SALE0, kv_offload=True, hbm_cache_blocks=24)
     assert got == base

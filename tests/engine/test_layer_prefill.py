@@ -38,6 +38,9 @@ COMMON = dict(
     max_num_seqs=4,
     max_num_batched_tokens=32,
     kv_offload=True,
+    # each step selects from its own query (KV offload's default lags): with the lag a chunked prefill's last
+    # chunk selects the first decode's list, a layer-segmented prefill leaves it to that decode
+    sparse_lag=0,
     **SPARSE,
 )
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -14,6 +14,7 @@ from sparseserve import LLM, SamplingParams
 from sparseserve.kvcache.blocks import blocks_needed
 from sparseserve.kvcache.device_space import DeviceRowMap
 from tests.kvcache.test_offload import BS, COMMON, SPARSE
+from tests.conftest import offload_lag
 
 
 class Seq:
@@ -142,7 +143,7 @@ def test_fewer_rows_than_token_blocks_keeps_the_tokens(hf_models):
     equal sparse decode without offload, float32, with prefix hits on finished requests' blocks (rows saved at
     release, restored at the hit) and a dense first layer; the split is reported; nothing leaks."""
     model_dir = hf_models["qwen2-gqa-bias"][0]
-    kw = {**COMMON, **SPARSE, "dtype": "float32", "max_model_len": 136, "sparse_dense_layers": 1}
+    kw = offload_lag(**{**COMMON, **SPARSE, "dtype": "float32", "max_model_len": 136, "sparse_dense_layers": 1})
     kw["enable_prefix_caching"] = True
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     prefix = torch.randint(10, 2000, (64,), generator=g).tolist()

@@ -28,6 +28,7 @@ from sparseserve.metrics import ServerMetrics, parse_metrics
 from tests.engine.sched_utils import LastSchedule
 from tests.kernel_utils import DEVICE
 from tests.schedules import check_pool, drive_random_schedule, held_blocks
+from tests.conftest import offload_lag
 
 BS = 8
 COMMON = dict(device="cpu", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
@@ -332,7 +333,7 @@ def test_device_cache_holds_the_working_set_only(hf_models):
     cache is smaller than the host store, the four requests decode together although their blocks would
     not fit the device cache whole, prefills wait for device blocks, and the tokens equal offload off."""
     model_dir = hf_models["qwen2-gqa-bias"][0]
-    kw = dict(SPARSE, max_model_len=136)
+    kw = offload_lag(**SPARSE, max_model_len=136)
     p = [x[:100] for x in prompts()] + [prompts()[1][:90]]  # 13 + 10 + 4 + 12 blocks with their outputs
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     base = [o.outputs[0].token_ids for o in LLM(str(model_dir), **{**COMMON, **kw}).generate(p, params, use_tqdm=False)]
@@ -473,7 +474,7 @@ def test_offload_equals_no_offload(hf_models, policy):
     max_model_len sequence (prompts wait for device blocks). A dense first layer keeps its own full-size
     device cache."""
     model_dir = hf_models["qwen2-gqa-bias"][0]
-    kw = {**SPARSE, **policy, "max_model_len": 136}
+    kw = offload_lag(**{**SPARSE, **policy, "max_model_len": 136})
     base, _ = run(model_dir, **kw)
     for slots, device_blocks in ((None, None), (24, None), (4, None), (24, 17)):
         got, llm = run(
