@@ -220,7 +220,7 @@ class D2HWriter:
 class LayerD2H:
     """FlashD2H of layer-segmented prefill: one layer of one prompt at a time, a contiguous slice of
     the scratch copied by the copy engine straight into its store rows on a side stream, one copy
-    per run of consecutive host rows (the FIFO block allocator keeps a prompt's rows in few runs).
+    per run of consecutive host rows (one a block where the rows are scattered).
     No staging and no CPU writer: at MHA sizes a CPU scatter of a layer's rows took longer than the
     layer's compute (docs/offload.md, "Layer-segmented prefill"). The trap: submit returns the
     copies' event (None on CPU), which the compute stream must wait for before it overwrites those
