@@ -235,8 +235,8 @@ class SparseConfig:
         default=None,
         metadata={
             "help": "1 (topk): a decode step attends the blocks selected from the previous step's query, so "
-            "selection runs beside the attention (0: each step selects from its own query). Default: 1 with "
-            "kv_offload where the policy allows it (its loads then run beside the layers before them), else 0.",
+            "selection runs beside the attention (0: each step selects from its own query; default: 1 with "
+            "kv_offload where the policy allows it, whose loads then run beside the layers before them, else 0).",
             "choices": [0, 1],
         },
     )
