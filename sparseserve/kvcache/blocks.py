@@ -56,8 +56,10 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int]:
         """n blocks with one reference each: never-cached free blocks first, then evicted cached
-        ones (the least recently freed). Callers that keep per-block state elsewhere learn of the
-        reuse from the returned ids (OffloadSpace.on_allocate)."""
+        ones (the least recently freed), in ascending order: evicted blocks come tail first, and a
+        prompt's ascending ids are runs the host store's per-layer copies take whole (kvcache/host.py
+        LayerD2H). Callers that keep per-block state elsewhere learn of the reuse from the returned
+        ids (OffloadSpace.on_allocate)."""
         if n > self.num_free:
             raise RuntimeError(f"out of KV blocks: asked for {n}, {self.num_free} free")
         blocks = []
@@ -66,7 +68,7 @@ class BlockAllocator:
             self._ref[b] = 1
             blocks.append(b)
         self._num_used += n
-        return blocks
+        return sorted(blocks)
 
     def share(self, blocks: Sequence[int]) -> None:
         """One more reference to each of these cached blocks (a prefix-cache hit); evictable ones

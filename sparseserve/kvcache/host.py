@@ -231,6 +231,7 @@ class LayerD2H:
         self.stream = None
         self.last = None  # the event of the last copy not yet fenced
         self.blocks_written = 0  # token blocks x layers written (stats)
+        self.num_copies = 0  # copies issued, one a run of rows (stats)
 
     def submit(self, layer: int, src: torch.Tensor, host_rows: torch.Tensor):
         """src: [n, Hkv, 2, bs, D] full blocks (device); host_rows: int64 [n] (CPU): their rows."""
@@ -242,6 +243,7 @@ class LayerD2H:
         runs = zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [n])).tolist())
         dst = self.store.data[layer]
         self.blocks_written += n
+        self.num_copies += len(cuts) + 1
         if not src.is_cuda:
             for a, b in runs:
                 dst[rows[a] : rows[a] + b - a].copy_(src[a:b])

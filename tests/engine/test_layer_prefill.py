@@ -298,6 +298,20 @@ def test_first_token_logprobs_match_transformers(model4):
             assert abs(lp.logprob - float(expect[tid])) < 1e-4, (tid, lp.logprob, float(expect[tid]))
 
 
+def test_layer_copies_take_runs_of_rows(model4):
+    """Prompts one after another until the host store reuses evicted cached blocks: each finished layer still
+    leaves in a run or two of host rows (allocations are ascending; evicted blocks come tail first)."""
+    llm = LLM(str(model4[0]), **COMMON, layer_segmented_prefill=True)
+    host = llm.llm_engine.model_runner.offload.host
+    g = torch.Generator().manual_seed(4)
+    for _ in range(7):  # 7 x 25 blocks through a store of 128
+        llm.generate([torch.randint(10, 2000, (200,), generator=g).tolist()], GREEDY, use_tqdm=False)
+    d2h = host.layer_d2h
+    submits = d2h.blocks_written // 25  # a layer of one prompt each
+    assert llm.llm_engine.get_stats().offload_host_blocks == 128 and submits == 7 * 4
+    assert d2h.num_copies <= 2 * submits, d2h.num_copies
+
+
 def test_prompt_logprobs_layer_by_layer(model4):
     """prompt_logprobs of a prompt prefilled one layer per step: every prompt token's logprob and rank equal
     transformers' on the same weights, and equal chunked prefill's (the same entries, top alternatives too)."""
