@@ -14,6 +14,7 @@ from sparseserve.kernels.key_meta import rebuild_key_meta
 from sparseserve.kernels.sparse_decode import listed_rows, sparse_decode_ref
 from sparseserve.kvcache.host import HostKVStore, LayerD2H
 from sparseserve.kvcache.layout import OffloadLayout
+from tests.conftest import offload_lag
 from sparseserve.kvcache.offload import OffloadCache, OffloadStep
 from sparseserve.kvcache.pool import HBMPool
 from tests.attention.test_sparse_backend import sparse_backend, with_slots
@@ -251,18 +252,18 @@ def test_offload_decode_cuda_graph():
 @pytest.mark.parametrize("enforce_eager", [True, False])
 @pytest.mark.parametrize(
     "policy",
-    [dict(), dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_reuse=2), dict(sparse_lag=1)],
+    [dict(sparse_lag=0), dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_reuse=2), dict()],
 )
 def test_engine_offload_equals_no_offload_on_gpu(hf_models, enforce_eager, policy):
     """On the GPU (Triton kernels, pinned store over UVA, CUDA graphs unless eager): offload on == off,
     token for token, under the same sparse policy (topk; topp pruning through the pool, with reuse; topk with
-    lagged selection, whose next lists the pool reads a step ahead on the side stream), with a roomy pool and with
-    a 4-slot pool (the working-set limit off: evictions every step, bypass reads)."""
+    KV offload's default lagged selection, whose next lists the pool reads a step ahead on the side stream), with
+    a roomy pool and with a 4-slot pool (the working-set limit off: evictions every step, bypass reads)."""
     from sparseserve import LLM
     from tests.kvcache.test_offload import GREEDY, SPARSE, prompts
 
     model_dir = hf_models["qwen2-gqa-bias"][0]
-    common = dict(
+    common = offload_lag(  # the base selects as KV offload's default does (it lags with topk)
         device="cuda",
         dtype="float32",
         max_model_len=256,
