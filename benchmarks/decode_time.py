@@ -18,8 +18,9 @@ device time of the step launched in the earlier one, which is the step that prod
         --num-requests 24 --output-len 1024 --configs dense sparse_async layerseg_async
 
 Configurations (the serving ladder's, scripts/gpu_serve_check.sh): dense; sparse (topk 2048); offload (+
-kv_offload, working-set control included); layerseg (+ layer_segmented_prefill); layerseg_lag (+ sparse_lag 1);
-NAME_async (+ async_scheduling).
+kv_offload, working-set control included, chunked prefill); layerseg (+ layer_segmented_prefill); offload_lag,
+layerseg_lag (+ sparse_lag 1); kvoffload (`kv_offload` with its defaults: on these shapes layerseg_lag); NAME_async
+(+ async_scheduling).
 `--model 8b` (or a benchmarks/model_dir.py preset: mha7b, gqa8b): those shapes over the embedded tokenizer's
 vocabulary, dummy bf16 weights, GPU memory capped at --gpu-memory-gb. `--dataset longbench`: LongBench v1's mix
 (the SparseServe paper's serving workload) instead of the conversation trace. Any model directory works; on CPU
@@ -58,10 +59,12 @@ _LADDER = {
     "dense": {},
     "sparse": _SPARSE,
     # the ladder's rungs name what they add (KV offload's default lag is the last rung's)
-    "offload": _SPARSE | dict(kv_offload=True, sparse_lag=0),
+    "offload": _SPARSE | dict(kv_offload=True, sparse_lag=0, layer_segmented_prefill=False),
     "layerseg": _SPARSE | dict(kv_offload=True, layer_segmented_prefill=True, sparse_lag=0),
 }
+_LADDER["offload_lag"] = _LADDER["offload"] | dict(sparse_lag=1)
 _LADDER["layerseg_lag"] = _LADDER["layerseg"] | dict(sparse_lag=1)
+_LADDER["kvoffload"] = _SPARSE | dict(kv_offload=True)  # as a user turns it on: its defaults
 CONFIGS = _LADDER | {f"{k}_async": v | dict(async_scheduling=True) for k, v in _LADDER.items()}
 
 

@@ -51,10 +51,10 @@ declare -A FLAGS=(
   [dense]=""
   [sparse]="$SPARSE"
   # KV offload is the full system: working-set control and prefill ahead are part of it (docs/working_set.md)
-  [offload]="$SPARSE --kv-offload --sparse-lag 0"
+  [offload]="$SPARSE --kv-offload --sparse-lag 0 --no-layer-segmented-prefill"
   [layerseg]="$SPARSE --kv-offload --layer-segmented-prefill --sparse-lag 0"
   # without prefill ahead: requests over the limit wait unprefilled (to compare side by side)
-  [offload_wait]="$SPARSE --kv-offload --sparse-lag 0 --max-prefilled-waiting 0"
+  [offload_wait]="$SPARSE --kv-offload --sparse-lag 0 --no-layer-segmented-prefill --max-prefilled-waiting 0"
   [layerseg_wait]="$SPARSE --kv-offload --layer-segmented-prefill --sparse-lag 0 --max-prefilled-waiting 0"
   # prefill ahead's horizon: none (requests park as soon as prefilled, the rule before max_park_steps), or longer
   [layerseg_unbounded]="$SPARSE --kv-offload --layer-segmented-prefill --sparse-lag 0 --max-prefilled-waiting 16 \
@@ -63,6 +63,8 @@ declare -A FLAGS=(
   # lagged selection: the pool reads each step's next lists beside it (docs/offload.md, "Lagged reads"); KV
   # offload's default (the rungs above turn it off to name what each adds)
   [layerseg_lag]="$SPARSE --kv-offload --layer-segmented-prefill --sparse-lag 1"
+  # SparseServe mode as a user turns it on: --kv-offload with its defaults (on these shapes: layerseg_lag)
+  [kvoffload]="$SPARSE --kv-offload"
 )
 for name in "${!FLAGS[@]}"; do  # NAME_async: the same with async scheduling
   FLAGS[${name}_async]="${FLAGS[$name]} --async-scheduling"

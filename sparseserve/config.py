@@ -349,6 +349,11 @@ class SparseConfig:
         return self.sparse_policy != "dense"
 
 
+# Layers a segment step gives a layer-segmented prefill by default: short steps beside the decodes they delay
+# (docs/offload.md, "Layer-segmented prefill": TPOT against segments as long as the budget allows).
+PREFILL_LAYER_SEGMENT = 4
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """Hierarchical KV cache (docs/architecture.md, principles 4 and 5): every full head block
@@ -378,11 +383,12 @@ class OffloadConfig:
             "step's selections of max_num_seqs sequences, at most half the device KV memory left)."
         },
     )
-    layer_segmented_prefill: bool = field(
-        default=False,
+    layer_segmented_prefill: bool | None = field(
+        default=None,
         metadata={
             "help": "KV offload: prefill a prompt longer than layer_segment_min_tokens a few layers at a time, "
-            "each layer's K/V written through to the host store, so prefill HBM is one layer's scratch."
+            "each layer's K/V written through to the host store, so prefill HBM is one layer's scratch (default: "
+            "on with kv_offload where that scratch takes less memory than a whole prompt's KV: all but tiny models)."
         },
     )
     layer_segment_min_tokens: int = field(
@@ -397,8 +403,8 @@ class OffloadConfig:
     prefill_layer_segment: int | None = field(
         default=None,
         metadata={
-            "help": "Layer-segmented prefill: at most this many layers per step (default: as many as the step's "
-            "token budget allows)."
+            "help": f"Layer-segmented prefill: at most this many layers per step, fewer where the step's token "
+            f"budget allows fewer (default: {PREFILL_LAYER_SEGMENT}: a segment's step delays the decodes beside it)."
         },
     )
     working_set_window: int = field(
@@ -425,8 +431,11 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         if self.prefill_layer_segment is not None and self.prefill_layer_segment < 1:
             raise ValueError(f"prefill_layer_segment must be >= 1, got {self.prefill_layer_segment}")
-        if self.prefill_layer_segment is not None and not self.layer_segmented_prefill:
-            raise ValueError("prefill_layer_segment needs layer_segmented_prefill")
+        if self.prefill_layer_segment is not None and self.layer_segmented_prefill is False:
+            raise ValueError(
+                "prefill_layer_segment needs layer_segmented_prefill (off: turned off, or by default on a model "
+                "too small for it to save memory)"
+            )
         if self.layer_segmented_prefill and not self.kv_offload:
             raise ValueError(
                 "layer_segmented_prefill needs kv_offload: each finished layer's K/V goes to the host "
@@ -453,6 +462,20 @@ class OffloadConfig:
                     f"host_kv_memory={self.host_kv_memory} bytes exceeds the host's available "
                     f"memory ({available} bytes): lower it"
                 )
+
+    def resolve_layer_segments(self, *, layer_kv: int, hidden_size: int, sparse_layers: int) -> "OffloadConfig":
+        """layer_segmented_prefill's default (None) for a model: on under KV offload where its buffers (two layers'
+        scratch K/V and the hidden states; layer_kv: a layer's K/V elements a token, per rank) take no more device
+        memory than chunked prefill's reserve of a whole prompt in the sparse layers: all but tiny models."""
+        if self.layer_segmented_prefill is not None:
+            return self
+        on = self.kv_offload and 2 * layer_kv + 2 * hidden_size <= sparse_layers * layer_kv
+        return dataclasses.replace(self, layer_segmented_prefill=on)
+
+    @property
+    def segment_layers(self) -> int:
+        """The most layers a layer-segmented prefill runs in one step."""
+        return self.prefill_layer_segment or PREFILL_LAYER_SEGMENT
 
     def segment_min_tokens(self, max_num_batched_tokens: int) -> int:
         """Prompts longer than this prefill layer by layer (with layer_segmented_prefill); the device

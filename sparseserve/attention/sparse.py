@@ -38,7 +38,7 @@ class SparseStepMeta:
     # Lag + offload: decode rows with fresh state slots, which select their own lists first and
     # plan them layer by layer (bool [num_decodes]; None: none; such a step runs eagerly).
     fix_select: torch.Tensor | None = None
-    selects: bool = True  # False: rows without state slots (layer-segmented prefill) select nothing
+    selects: bool = True  # False: rows that select nothing (a layer-segmented prefill's chunks but its last)
     # KV offload: the step by device row (dense layers' cache, key metadata); made at first use
     rows: AttentionMetadata | None = None
 
@@ -105,6 +105,16 @@ class SparseBackend(AttentionBackend):
             if fresh:
                 out["fix_select"] = torch.tensor([s in fresh for s in slots[:num_decodes]])
         return out
+
+    def prefill_state_slot(self, seq_id: int) -> int | None:
+        """A layer-segmented prefill's state slot under lagged selection, held from its first segment: its last
+        chunk selects the first decode's lists into it, as a chunked prefill's last chunk does (None: no lag)."""
+        if not self.params.lag:
+            return None
+        slot = self.state.assign([seq_id])[0]
+        if self.offload is not None and self.offload.working_set is not None:
+            self.offload.working_set.reset_slots(self.state.fresh)
+        return slot
 
     def prepare(self, scheduled, meta: AttentionMetadata, dev: dict[str, torch.Tensor]) -> None:
         super().prepare(scheduled, meta, dev)

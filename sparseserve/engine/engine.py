@@ -13,6 +13,7 @@ import torch
 
 from sparseserve.config import EngineConfig
 from sparseserve.engine.detokenizer import Detokenizer, check_stop
+from sparseserve.engine.kv_memory import with_offload_defaults
 from sparseserve.engine.overlap import HostCopies, InflightStep, TokenFeed
 from sparseserve.engine.parallel import build_runner
 from sparseserve.engine.request import Sequence, SequenceStatus
@@ -50,10 +51,10 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig, profiler: Profiler | None = None) -> None:
         """profiler: optional hooks for benchmarks and probes (sparseserve/profiler.py)."""
-        self.config = config
         self.profiler = profiler
         mc = config.model_config
         model_dir = resolve_model_dir(mc.model)
+        self.config = config = with_offload_defaults(config, model_dir)  # those that depend on the model
         # A GGUF file or a known model name is served under its own name, not its directory's.
         self.model_name = "sparseserve-default" if mc.model is None else os.path.basename(os.path.normpath(mc.model))
         self.model_runner = build_runner(config, model_dir, profiler)  # refuses bad models first

@@ -5,14 +5,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+from pathlib import Path
 
 import torch
 
 from sparseserve.attention.backend import AttentionMetadata
 from sparseserve.config import EngineConfig, OffloadConfig, available_host_memory
+from sparseserve.distributed.utils import shard_heads
 from sparseserve.kvcache.blocks import blocks_needed
 from sparseserve.kvcache.host import host_block_bytes
 from sparseserve.models.config import ArchConfig
+from sparseserve.models.loader import load_hf_config
 
 
 @torch.inference_mode()
@@ -87,3 +90,19 @@ def rank_offload_config(
     if avail is not None:
         rows = min(rows, avail // 2 // tp.local_world_size // hbb)
     return dataclasses.replace(oc, host_kv_memory=tp.min_int(rows) * hbb)
+
+
+def with_offload_defaults(config: EngineConfig, model_dir: Path) -> EngineConfig:
+    """The offload options whose defaults depend on the model resolved (OffloadConfig.resolve_layer_segments;
+    docs/offload.md, "Layer-segmented prefill")."""
+    oc = config.offload_config
+    if oc.layer_segmented_prefill is not None:
+        return config
+    a = ArchConfig.from_hf(load_hf_config(model_dir))
+    tp = config.parallel_config.tensor_parallel_size
+    oc = oc.resolve_layer_segments(
+        layer_kv=shard_heads(a.num_heads, a.num_kv_heads, tp).num_kv_heads * 2 * a.head_dim,
+        hidden_size=a.hidden_size,
+        sparse_layers=a.num_layers - min(config.sparse_config.sparse_dense_layers, a.num_layers),
+    )
+    return dataclasses.replace(config, offload_config=oc)

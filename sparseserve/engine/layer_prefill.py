@@ -149,6 +149,7 @@ class LayerPrefill:
         token_table = torch.from_numpy(table.astype(np.int32))[None].to(dev, non_blocking=True)
         scratch_table = torch.arange(len(table), dtype=torch.int32, device=dev)[None]
         chunks = []
+        slot = self.backend.prefill_state_slot(seq.seq_id)  # lag: the last chunk selects the first decode's lists
         for a in range(0, t, self.chunk_tokens):
             b = min(a + self.chunk_tokens, t)
             qsl = torch.tensor([0, b - a], dtype=torch.int32, device=dev)
@@ -170,9 +171,9 @@ class LayerPrefill:
                 max_seq_len=c + b,
                 prefill_meta=meta.prefill_meta,
             )
-            # No state slot: under lagged selection its first decode selects its own list.
+            last = slot is not None and b == t
             meta.backend_meta = SparseStepMeta(
-                torch.zeros(1, dtype=torch.int32, device=dev), scratch, None, selects=False
+                torch.tensor([slot if last else 0], dtype=torch.int32, device=dev), scratch, None, selects=last
             )
             chunks.append((a, b, meta))
         start, blocks = self.offload.range_of(seq.seq_id)

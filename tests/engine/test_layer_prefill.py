@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparseserve import LLM, SamplingParams
-from sparseserve.config import EngineConfig, OffloadConfig
+from sparseserve.config import PREFILL_LAYER_SEGMENT, EngineConfig, OffloadConfig
 from sparseserve.engine.request import Sequence
 from sparseserve.engine.scheduler import Preempt, Scheduler, SchedulerOutput, SegmentPlanner
 from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
@@ -37,10 +37,7 @@ COMMON = dict(
     max_model_len=256,
     max_num_seqs=4,
     max_num_batched_tokens=32,
-    kv_offload=True,
-    # each step selects from its own query (KV offload's default lags): with the lag a chunked prefill's last
-    # chunk selects the first decode's list, a layer-segmented prefill leaves it to that decode
-    sparse_lag=0,
+    kv_offload=True,  # lags by default: a chunked or layer-segmented prefill's last chunk selects the first lists
     **SPARSE,
 )
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -71,7 +68,8 @@ def prompts(lengths=(120, 75, 30, 200)) -> list[list[int]]:
 def test_config_flags_and_refusals():
     cfg = EngineConfig.from_kwargs(kv_offload=True, layer_segmented_prefill=True, prefill_layer_segment=2, **SPARSE)
     assert cfg.offload_config.layer_segmented_prefill and cfg.offload_config.prefill_layer_segment == 2
-    assert not OffloadConfig().layer_segmented_prefill  # off by default
+    assert OffloadConfig().layer_segmented_prefill is None  # the default depends on the model (below)
+    assert OffloadConfig().segment_layers == PREFILL_LAYER_SEGMENT == 4 and cfg.offload_config.segment_layers == 2
     args = build_parser(["generate"]).parse_args(
         [
             "generate",
@@ -91,6 +89,31 @@ def test_config_flags_and_refusals():
         EngineConfig.from_kwargs(kv_offload=True, layer_segmented_prefill=True, prefill_layer_segment=0, **SPARSE)
     # under tensor parallelism too (tests/distributed/test_tensor_parallel.py)
     EngineConfig.from_kwargs(kv_offload=True, layer_segmented_prefill=True, tensor_parallel_size=2, **SPARSE)
+
+
+def test_default_where_it_saves_device_memory(model4, tmp_path):
+    """Its default: on under KV offload where two layers' scratch K/V and the hidden states take no more device
+    memory than a whole prompt's K/V in the sparse layers (all but tiny models); an explicit choice stays; off
+    without KV offload. The engine resolves it before anything reads it."""
+    oc = OffloadConfig(kv_offload=True)
+    sizes = dict(layer_kv=2 * 8 * 128, hidden_size=4096)  # Llama-3.1-8B: 8 KV heads of 128
+    assert oc.resolve_layer_segments(**sizes, sparse_layers=30).layer_segmented_prefill is True
+    assert oc.resolve_layer_segments(**sizes, sparse_layers=5).layer_segmented_prefill is False
+    assert (
+        OffloadConfig(kv_offload=True, layer_segmented_prefill=False)
+        .resolve_layer_segments(**sizes, sparse_layers=30)
+        .layer_segmented_prefill
+        is False
+    )
+    assert OffloadConfig().resolve_layer_segments(**sizes, sparse_layers=30).layer_segmented_prefill is False
+    # model4: 4 layers, 2 KV heads of 32, hidden 128: 2 x 128 + 2 x 128 <= 4 x 128, not with a dense layer
+    kw = {k: v for k, v in COMMON.items() if k != "sparse_dense_layers"}
+    for dense, on in ((0, True), (1, False)):
+        engine = LLM(str(model4[0]), **kw, sparse_dense_layers=dense).llm_engine
+        assert engine.config.offload_config.layer_segmented_prefill is on
+        assert (engine.model_runner.layer_prefill is not None) is on and (engine.scheduler.segments is not None) is on
+    with pytest.raises(ValueError, match="prefill_layer_segment needs layer_segmented_prefill .* too small"):
+        LLM(str(model4[0]), **kw, sparse_dense_layers=1, prefill_layer_segment=2)
 
 
 def test_segment_planner():
@@ -192,16 +215,23 @@ def check_segmented(engine) -> None:
     "dense_layers, segment",
     [pytest.param(0, None, marks=pytest.mark.slow), (1, 1), pytest.param(2, 3, marks=pytest.mark.slow)],
 )
-def test_layer_segmented_equals_chunked(model4, dense_layers, segment):
+def test_layer_segmented_equals_chunked(model4, dense_layers, segment, monkeypatch):
     """Prompts longer than one step's budget (and one shorter), several at once: the same greedy tokens as
-    chunked prefill with KV offload; segments ran beside decodes, one prefill at a time, each holding only its
-    window on the device; the layer-progress gauges show on /metrics; nothing leaks."""
+    chunked prefill with KV offload and its lagged selection (the last chunk selects the first decode's lists, so
+    no decode selects its own: no step's eager fix); segments ran beside decodes, one prefill at a time, each
+    holding only its window on the device; the layer-progress gauges show on /metrics; nothing leaks."""
     kw = dict(COMMON, sparse_dense_layers=dense_layers)
     base, _ = drive(LLM(str(model4[0]), **kw, profiler=LastSchedule()), prompts(), GREEDY)
     llm = LLM(
         str(model4[0]), **kw, layer_segmented_prefill=True, prefill_layer_segment=segment, profiler=LastSchedule()
     )
     engine = llm.llm_engine
+    backend = engine.model_runner.attn_backend
+    assert backend.params.lag
+    step_inputs, fixes = backend.step_inputs, []
+    monkeypatch.setattr(
+        backend, "step_inputs", lambda *a: fixes.append("fix_select" in (out := step_inputs(*a))) or out
+    )
     seen_progress = []
 
     def check(engine):
@@ -215,6 +245,7 @@ def test_layer_segmented_equals_chunked(model4, dense_layers, segment):
 
     got, schedules = drive(llm, prompts(), GREEDY, check)
     assert got == base
+    assert fixes and not any(fixes)
     segs = [seg for s in schedules for seg in s.segments]
     assert {seg.seq.prompt_token_ids.__len__() for seg in segs} == {120, 75, 200}  # 30 tokens: chunked
     assert any(s.segments and any(n == 1 for _, n in s.scheduled) for s in schedules)  # beside decodes

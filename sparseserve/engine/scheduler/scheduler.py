@@ -273,6 +273,6 @@ def build_scheduler(config: EngineConfig, kv: KVCacheManager, *, num_layers: int
     control = WorkingSetControl(ws, oc.max_prefilled_waiting, oc.max_park_steps) if ws is not None else None
     segments = None
     if oc.layer_segmented_prefill:
-        planner = SegmentPlanner(num_layers, oc.segment_min_tokens(sc.max_num_batched_tokens), oc.prefill_layer_segment)
+        planner = SegmentPlanner(num_layers, oc.segment_min_tokens(sc.max_num_batched_tokens), oc.segment_layers)
         segments = LayerSegmentedPrefill(planner)
     return Scheduler(sc, kv, SchedulerPolicies(long, control, segments, RequestFairness()))
