@@ -388,7 +388,8 @@ class OffloadConfig:
         metadata={
             "help": "KV offload: prefill a prompt longer than layer_segment_min_tokens a few layers at a time, "
             "each layer's K/V written through to the host store, so prefill HBM is one layer's scratch (default: "
-            "on with kv_offload where that scratch takes less memory than a whole prompt's KV: all but tiny models)."
+            "on with kv_offload where that needs less device memory than chunked prefill's whole prompt: all but "
+            "tiny models and short max_model_len)."
         },
     )
     layer_segment_min_tokens: int = field(
@@ -433,8 +434,8 @@ class OffloadConfig:
             raise ValueError(f"prefill_layer_segment must be >= 1, got {self.prefill_layer_segment}")
         if self.prefill_layer_segment is not None and self.layer_segmented_prefill is False:
             raise ValueError(
-                "prefill_layer_segment needs layer_segmented_prefill (off: turned off, or by default on a model "
-                "too small for it to save memory)"
+                "prefill_layer_segment needs layer_segmented_prefill (off: turned off, or by default where it "
+                "would not save device memory: a tiny model or a short max_model_len)"
             )
         if self.layer_segmented_prefill and not self.kv_offload:
             raise ValueError(
@@ -463,14 +464,14 @@ class OffloadConfig:
                     f"memory ({available} bytes): lower it"
                 )
 
-    def resolve_layer_segments(self, *, layer_kv: int, hidden_size: int, sparse_layers: int) -> "OffloadConfig":
-        """layer_segmented_prefill's default (None) for a model: on under KV offload where its buffers (two layers'
-        scratch K/V and the hidden states; layer_kv: a layer's K/V elements a token, per rank) take no more device
-        memory than chunked prefill's reserve of a whole prompt in the sparse layers: all but tiny models."""
+    def resolve_layer_segments(self, *, segmented_bytes: int, chunked_bytes: int) -> "OffloadConfig":
+        """layer_segmented_prefill's default (None) for a model: on under KV offload where the device memory it
+        needs (its scratch and hidden states, one step's short prompts and a window in the device block cache) is
+        at most chunked prefill's (a whole max_model_len prompt in the device block cache): all but tiny models
+        or short max_model_len."""
         if self.layer_segmented_prefill is not None:
             return self
-        on = self.kv_offload and 2 * layer_kv + 2 * hidden_size <= sparse_layers * layer_kv
-        return dataclasses.replace(self, layer_segmented_prefill=on)
+        return dataclasses.replace(self, layer_segmented_prefill=self.kv_offload and segmented_bytes <= chunked_bytes)
 
     @property
     def segment_layers(self) -> int:

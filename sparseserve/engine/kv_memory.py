@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import logging
 from pathlib import Path
 
 import torch
@@ -16,6 +17,8 @@ from sparseserve.kvcache.blocks import blocks_needed
 from sparseserve.kvcache.host import host_block_bytes
 from sparseserve.models.config import ArchConfig
 from sparseserve.models.loader import load_hf_config
+
+logger = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
@@ -93,16 +96,38 @@ def rank_offload_config(
 
 
 def with_offload_defaults(config: EngineConfig, model_dir: Path) -> EngineConfig:
-    """The offload options whose defaults depend on the model resolved (OffloadConfig.resolve_layer_segments;
-    docs/offload.md, "Layer-segmented prefill")."""
+    """The offload options whose defaults depend on the model, resolved: layer_segmented_prefill by the device
+    memory each prefill needs (OffloadConfig.resolve_layer_segments; the minimums OffloadCache.build asks of the
+    device block cache, LayerPrefill's buffers; docs/offload.md, "Layer-segmented prefill")."""
     oc = config.offload_config
     if oc.layer_segmented_prefill is not None:
         return config
+    from sparseserve.engine.layer_prefill import LayerPrefill
+
     a = ArchConfig.from_hf(load_hf_config(model_dir))
-    tp = config.parallel_config.tensor_parallel_size
-    oc = oc.resolve_layer_segments(
-        layer_kv=shard_heads(a.num_heads, a.num_kv_heads, tp).num_kv_heads * 2 * a.head_dim,
-        hidden_size=a.hidden_size,
-        sparse_layers=a.num_layers - min(config.sparse_config.sparse_dense_layers, a.num_layers),
+    bs, sc = config.cache_config.block_size, config.scheduler_config
+    hkv = shard_heads(a.num_heads, a.num_kv_heads, config.parallel_config.tensor_parallel_size).num_kv_heads
+    max_len = config.model_config.max_model_len or a.max_position_embeddings
+    sparse_layers = a.num_layers - min(config.sparse_config.sparse_dense_layers, a.num_layers)
+    block = sparse_layers * hkv * 2 * bs * a.head_dim  # a device block's elements (one dtype cancels out)
+    step = blocks_needed(min(oc.segment_min_tokens(sc.max_num_batched_tokens), max_len), bs)
+    segmented = (
+        LayerPrefill.device_bytes(
+            num_kv_heads=hkv,
+            head_dim=a.head_dim,
+            hidden_size=a.hidden_size,
+            block_size=bs,
+            max_model_len=max_len,
+            dtype=torch.uint8,
+        )
+        + (step + config.sparse_config.sparse_local_blocks + 1) * block
     )
+    chunked = blocks_needed(max_len, bs) * block
+    oc = oc.resolve_layer_segments(segmented_bytes=segmented, chunked_bytes=chunked)
+    if oc.layer_segmented_prefill:
+        logger.info(
+            "KV offload: layer-segmented prefill on by default (its device memory for prefill: %.2fx chunked "
+            "prefill's; --no-layer-segmented-prefill turns it off)",
+            segmented / chunked,
+        )
     return dataclasses.replace(config, offload_config=oc)

@@ -92,28 +92,25 @@ def test_config_flags_and_refusals():
 
 
 def test_default_where_it_saves_device_memory(model4, tmp_path):
-    """Its default: on under KV offload where two layers' scratch K/V and the hidden states take no more device
-    memory than a whole prompt's K/V in the sparse layers (all but tiny models); an explicit choice stays; off
-    without KV offload. The engine resolves it before anything reads it."""
+    """Its default: on under KV offload where the device memory it needs (scratch, hidden states, one step's short
+    prompts and a window) is at most chunked prefill's whole-prompt reserve: off on model4 (4 layers: a token's
+    scratch and hidden states take as much as its K/V), on with 8 layers; an explicit choice stays; off without KV
+    offload; the engine resolves it before the runner and the scheduler read it."""
     oc = OffloadConfig(kv_offload=True)
-    sizes = dict(layer_kv=2 * 8 * 128, hidden_size=4096)  # Llama-3.1-8B: 8 KV heads of 128
-    assert oc.resolve_layer_segments(**sizes, sparse_layers=30).layer_segmented_prefill is True
-    assert oc.resolve_layer_segments(**sizes, sparse_layers=5).layer_segmented_prefill is False
-    assert (
-        OffloadConfig(kv_offload=True, layer_segmented_prefill=False)
-        .resolve_layer_segments(**sizes, sparse_layers=30)
-        .layer_segmented_prefill
-        is False
-    )
-    assert OffloadConfig().resolve_layer_segments(**sizes, sparse_layers=30).layer_segmented_prefill is False
-    # model4: 4 layers, 2 KV heads of 32, hidden 128: 2 x 128 + 2 x 128 <= 4 x 128, not with a dense layer
-    kw = {k: v for k, v in COMMON.items() if k != "sparse_dense_layers"}
-    for dense, on in ((0, True), (1, False)):
-        engine = LLM(str(model4[0]), **kw, sparse_dense_layers=dense).llm_engine
+    assert oc.resolve_layer_segments(segmented_bytes=1, chunked_bytes=2).layer_segmented_prefill is True
+    assert oc.resolve_layer_segments(segmented_bytes=3, chunked_bytes=2).layer_segmented_prefill is False
+    explicit = OffloadConfig(kv_offload=True, layer_segmented_prefill=False)
+    assert explicit.resolve_layer_segments(segmented_bytes=1, chunked_bytes=2).layer_segmented_prefill is False
+    assert OffloadConfig().resolve_layer_segments(segmented_bytes=1, chunked_bytes=2).layer_segmented_prefill is False
+    model8 = tmp_path / "llama8"
+    shapes = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, hidden_size=128, tie_word_embeddings=False)
+    make_hf_model(model8, "LlamaConfig", num_hidden_layers=8, **shapes)
+    for path, on in ((model4[0], False), (model8, True)):
+        engine = LLM(str(path), **COMMON).llm_engine
         assert engine.config.offload_config.layer_segmented_prefill is on
         assert (engine.model_runner.layer_prefill is not None) is on and (engine.scheduler.segments is not None) is on
-    with pytest.raises(ValueError, match="prefill_layer_segment needs layer_segmented_prefill .* too small"):
-        LLM(str(model4[0]), **kw, sparse_dense_layers=1, prefill_layer_segment=2)
+    with pytest.raises(ValueError, match="prefill_layer_segment needs layer_segmented_prefill .* would not save"):
+        LLM(str(model4[0]), **COMMON, prefill_layer_segment=2)
 
 
 def test_segment_planner():
