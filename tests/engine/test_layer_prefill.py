@@ -260,6 +260,26 @@ def test_layer_segmented_equals_chunked(model4, dense_layers, segment, monkeypat
     assert stats.num_prompt_tokens == sum(map(len, prompts()))
 
 
+def test_short_prompts_pass_one_waiting_for_the_layer_by_layer_prefill(model4):
+    """While a prompt prefills layer by layer, a short prompt (prefilled whole) behind a second long one is admitted
+    at once; the long one starts as soon as the first has ended and a step's budget has room for its segment (the
+    running short prompt's chunk comes first); the same greedy tokens as chunked prefill."""
+    reqs = prompts((120, 75, 30))
+    base, _ = drive(LLM(str(model4[0]), **COMMON, profiler=LastSchedule()), reqs, GREEDY)
+    llm = LLM(str(model4[0]), **COMMON, layer_segmented_prefill=True, profiler=LastSchedule())
+    got, schedules = drive(llm, reqs, GREEDY, check_segmented)
+    assert got == base
+
+    def steps(n, what):
+        return [i for i, s in enumerate(schedules) if any(len(x.prompt_token_ids) == n for x in what(s))]
+
+    segments, chunks = (lambda s: [g.seq for g in s.segments]), (lambda s: [q for q, _ in s.scheduled])
+    first, free = steps(75, segments)[0], steps(120, segments)[-1] + 1
+    assert steps(30, chunks)[0] < free <= first
+    cost = schedules[first].segments[0].cost
+    assert all(sum(n for _, n in schedules[i].scheduled) + cost > 32 for i in range(free, first))
+
+
 def test_segment_threshold_below_the_budget(model4):
     """layer_segment_min_tokens below the step's budget: a 30-token prompt (over 24, under the budget of 32)
     goes layer by layer too; the same greedy tokens as chunked prefill; refused below 1."""

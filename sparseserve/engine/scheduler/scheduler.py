@@ -122,7 +122,8 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """FCFS while budget, batch slots and blocks allow (not after a preemption: admitting
-        would only evict again); shorter prompts may pass one waiting for a long-prompt slot.
+        would only evict again); shorter prompts may pass one waiting for a long-prompt slot or for
+        the layer-by-layer prefill in progress.
         With fairness, first the sequences of requests with nothing running, then the others (n > 1)."""
         ws = self.working_set
         if not self.waiting or (ws.stops_admission(out) if ws is not None else out.num_evicted > 0):
@@ -153,6 +154,9 @@ class Scheduler:
             if self.segments is not None and self.segments.wants(seq):
                 seg = self.segments.admit(seq, budget, out)
                 if seg is None:
+                    if self.segments.passable():
+                        j += 1
+                        continue
                     return None
                 out.segments.append(seg)
                 budget -= seg.cost

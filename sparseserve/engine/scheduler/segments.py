@@ -72,6 +72,11 @@ class LayerSegmentedPrefill(SchedulerPolicy):
     def wants(self, seq: Sequence) -> bool:
         return self.planner.wants(seq)
 
+    def passable(self) -> bool:
+        """A prompt that waits for the one layer-by-layer prefill in progress may be passed by prompts that
+        prefill whole (it goes first once that prefill ends: no starvation)."""
+        return bool(self.layers_done)
+
     def next_segment(self, seq: Sequence, budget: int, out: SchedulerOutput) -> LayerSegment | None:
         left = seq.num_tokens - seq.num_computed_tokens
         return self.planner.segment(seq, left, self.layers_done[seq.seq_id], budget, only_decodes(out))
