@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from sparseserve.kvcache.transfer import to_device
+
 
 @dataclass(frozen=True)
 class SelectionParams:
@@ -155,7 +157,7 @@ class SelectionState:
                 self._held[sid] = slot = self._free.pop()
                 fresh.append(slot)
         if fresh:
-            idx = torch.tensor(fresh, device=self.counter.device)
+            idx = to_device(torch.tensor(fresh), self.counter.device)  # pinned staging: no wait on the device
             self.counter[:, idx] = 0
             if self._sticky:
                 self.sel[:, self._rows(idx)] = -1
@@ -163,7 +165,7 @@ class SelectionState:
                     if sid in self._stash:
                         sel, counter = self._stash.pop(sid)
                         slot = self._held[sid]
-                        self.sel[:, self._rows(torch.tensor([slot], device=idx.device))] = sel
+                        self.sel[:, self._rows(to_device(torch.tensor([slot]), idx.device))] = sel
                         self.counter[:, slot] = counter
                         self.restored.append(slot)
         slots = [self._held[sid] for sid in seq_ids]
@@ -186,7 +188,7 @@ class SelectionState:
 
     def _stash_lists(self, seq_id: int, slot: int) -> None:
         if self._sticky:
-            rows = self._rows(torch.tensor([slot], device=self.sel.device))
+            rows = self._rows(to_device(torch.tensor([slot]), self.sel.device))
             self._stash[seq_id] = (self.sel[:, rows].clone(), self.counter[:, slot].clone())
 
     @property

@@ -22,6 +22,7 @@ from sparseserve.engine.scheduler.segments import LayerSegment
 from sparseserve.kernels.flash_h2d import flash_h2d
 from sparseserve.kvcache.blocks import blocks_needed
 from sparseserve.kvcache.host import LayerD2H
+from sparseserve.kvcache.transfer import to_device_many
 
 
 @dataclass
@@ -141,19 +142,30 @@ class LayerPrefill:
         t = p - c
         table = np.asarray(seq.block_table[: blocks_needed(p, bs)], dtype=np.int64)
         pos = np.arange(c, p)
-        token_slots = torch.from_numpy(table[pos // bs] * bs + pos % bs).to(dev, non_blocking=True)
+        start, blocks = self.offload.range_of(seq.seq_id)
+        slot = self.backend.prefill_state_slot(seq.seq_id)  # lag: the last chunk selects the first decode's lists
+        bounds = [(a, min(a + self.chunk_tokens, t)) for a in range(0, t, self.chunk_tokens)]
+        # One upload through pinned staging (a pageable copy waits for the stream's queued work). Per chunk:
+        # query_start_loc, seq_lens, and the state slot its selection writes.
+        per_chunk = [[0, b - a, c + b, slot if slot is not None and b == t else 0] for a, b in bounds]
+        token_slots, ids, token_table, prefix, window, per_chunk = to_device_many(
+            [
+                torch.from_numpy(table[pos // bs] * bs + pos % bs),
+                torch.tensor(seq.token_ids[c:p], dtype=torch.long),
+                torch.from_numpy(table.astype(np.int32))[None],
+                torch.from_numpy(table[: c // bs]),
+                torch.tensor(blocks, dtype=torch.long),
+                torch.tensor(per_chunk, dtype=torch.int32),
+            ],
+            dev,
+        )
         positions = torch.arange(c, p, device=dev)
-        ids = torch.tensor(seq.token_ids[c:p], dtype=torch.long).to(dev, non_blocking=True)
         self.hidden[0, :t] = self.model.model.embed_tokens(ids)
         rope = self.model.model.rotary_emb(positions, self.hidden.dtype)
-        token_table = torch.from_numpy(table.astype(np.int32))[None].to(dev, non_blocking=True)
         scratch_table = torch.arange(len(table), dtype=torch.int32, device=dev)[None]
         chunks = []
-        slot = self.backend.prefill_state_slot(seq.seq_id)  # lag: the last chunk selects the first decode's lists
-        for a in range(0, t, self.chunk_tokens):
-            b = min(a + self.chunk_tokens, t)
-            qsl = torch.tensor([0, b - a], dtype=torch.int32, device=dev)
-            seq_lens = torch.tensor([c + b], dtype=torch.int32, device=dev)
+        for (a, b), row in zip(bounds, per_chunk):
+            qsl, seq_lens = row[0:2], row[2:3]
             meta = AttentionMetadata(
                 token_slots[a:b], qsl, seq_lens, token_table, num_decodes=0, max_query_len=b - a, max_seq_len=c + b
             )
@@ -172,12 +184,8 @@ class LayerPrefill:
                 prefill_meta=meta.prefill_meta,
             )
             last = slot is not None and b == t
-            meta.backend_meta = SparseStepMeta(
-                torch.tensor([slot if last else 0], dtype=torch.int32, device=dev), scratch, None, selects=last
-            )
+            meta.backend_meta = SparseStepMeta(row[3:4], scratch, None, selects=last)
             chunks.append((a, b, meta))
-        start, blocks = self.offload.range_of(seq.seq_id)
-        prefix = torch.from_numpy(table[: c // bs]).to(dev, non_blocking=True) if c else None
         return _Prefill(
             seq.seq_id,
             c,
@@ -185,10 +193,10 @@ class LayerPrefill:
             0,
             rope,
             chunks,
-            prefix,
+            prefix if c else None,
             torch.from_numpy(table[c // bs : p // bs]),
             start,
-            torch.tensor(blocks, dtype=torch.long).to(dev, non_blocking=True),
+            window,
         )
 
     def _layer(self, cur: _Prefill, layer: int) -> None:

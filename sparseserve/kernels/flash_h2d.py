@@ -28,8 +28,9 @@ def flash_h2d_ref(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tenso
 
 
 def flash_h2d(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, load: torch.Tensor) -> None:
-    """flash_h2d_ref's contract."""
-    (flash_h2d_triton if use_triton(slots) else flash_h2d_ref)(host_flat, slots, key, load)
+    """flash_h2d_ref's contract, either way: slots may be the pinned host side (a save, written over UVA). The
+    trap: dispatch on both sides; the reference on a save ran a CPU scatter behind a pageable, blocking copy."""
+    (flash_h2d_triton if use_triton(slots) or use_triton(host_flat) else flash_h2d_ref)(host_flat, slots, key, load)
 
 
 def write_through_ref(

@@ -15,6 +15,7 @@ import torch
 from sparseserve.kernels.flash_h2d import flash_h2d_ref, flash_h2d_triton
 from sparseserve.kvcache.host import pinned_zeros
 from sparseserve.kvcache.prefix_cache import BlockHash
+from sparseserve.kvcache.transfer import to_device_many
 
 
 def layer_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -35,7 +36,7 @@ def _copy_rows(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst
     gather reading or writing pinned host rows over UVA (no host sync)."""
     if src.is_cuda or dst.is_cuda:
         dev = src.device if src.is_cuda else dst.device
-        flash_h2d_triton(src, dst, src_rows.to(dev, non_blocking=True), dst_rows.to(dev, non_blocking=True))
+        flash_h2d_triton(src, dst, *to_device_many([src_rows, dst_rows], dev))
     else:
         flash_h2d_ref(src, dst, src_rows, dst_rows)
 

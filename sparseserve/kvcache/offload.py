@@ -232,9 +232,10 @@ class OffloadCache:
         self.host.fence()
         if plan is None:
             return
-        dl = self.dense_layers
-        for row, dev in plan.saves:
-            self.host.data[dl:, row].copy_(self.sparse_cache[:, dev])
+        if plan.saves:  # one UVA launch (a strided copy_ per block went through pageable memory, blocking)
+            rows = torch.tensor([r for r, _ in plan.saves], dtype=torch.int64)
+            devs = torch.tensor([d for _, d in plan.saves], dtype=torch.int64)
+            self._copy_rows(self.sparse_cache, self.host.data[self.dense_layers :], devs, rows)
         if plan.row_saves:
             self._move_rows(plan.row_saves, save=True)
         for sid, rng in plan.ranges.items():

@@ -192,6 +192,30 @@ def test_layer_d2h_writes_runs_of_rows():
     assert store.d2h_blocks_written() == len(rows)
 
 
+def test_flash_h2d_saves_to_the_pinned_host_with_the_kernel(monkeypatch):
+    """A save (device rows -> the pinned host store: KV offload's tail and row saves) runs the Triton kernel over
+    UVA on a GPU; the reference there went through pageable memory and blocked the host. Exactly the listed rows
+    are written; a load of -1 writes nothing."""
+    import sparseserve.kernels.flash_h2d as fh
+
+    calls = []
+    kernel = fh.flash_h2d_triton
+    monkeypatch.setattr(fh, "flash_h2d_triton", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    torch.manual_seed(4)
+    src = torch.randn(6, 2, 4, 8, device=DEVICE)
+    store = HostKVStore(1, 9, 1, 4, 8, torch.float32, pin=ON_GPU)
+    dst = store.flat()
+    key = torch.tensor([5, 0, 3, 2], device=DEVICE)
+    load = torch.tensor([1, 7, -1, 4], device=DEVICE)
+    fh.flash_h2d(src, dst, key, load)
+    if ON_GPU:
+        torch.cuda.synchronize()
+    expect = torch.zeros_like(dst)
+    expect[[1, 7, 4]] = src[[5, 0, 2]].cpu()
+    assert torch.equal(dst, expect)
+    assert len(calls) == int(ON_GPU)
+
+
 @pytest.mark.parametrize(
     "dtype, hkv", [(torch.float32, 2), (torch.float16, 2), pytest.param(torch.float32, 3, id="group-3kv")]
 )
