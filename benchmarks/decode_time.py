@@ -17,6 +17,10 @@ device time of the step launched in the earlier one, which is the step that prod
     python -m benchmarks.decode_time --model mha7b --dataset longbench --longbench-tokenizer llama2 \
         --num-requests 24 --output-len 1024 --configs dense sparse_async layerseg_async
 
+`--profile-window START N` torch-profiles those steps of each config: the GPU's critical path by kind of work and
+the host calls that blocked, with the engine functions that made them (bench/gpu_trace.py; how the pageable
+saves of docs/offload.md, "Saves through the kernel", were found).
+
 Configurations (the serving ladder's, scripts/gpu_serve_check.sh): dense; sparse (topk 2048); offload (+
 kv_offload, working-set control included, chunked prefill); layerseg (+ layer_segmented_prefill); offload_lag,
 layerseg_lag (+ sparse_lag 1); kvoffload (`kv_offload` with its defaults: on these shapes layerseg_lag); NAME_async
@@ -49,6 +53,7 @@ from benchmarks.common import (
     workload_jobs,
 )
 from sparseserve.bench.accuracy import parse_engine_args
+from sparseserve.bench.gpu_trace import WindowProfile, WindowReport
 from sparseserve.bench.hardware import print_table
 from sparseserve.profiler import Profiler
 
@@ -88,10 +93,14 @@ class StepRecord:
 class Timeline(Profiler):
     """The engine's profiler and the `on_step` hook of `replay`: a StepRecord per engine step (async scheduling:
     a step's tokens come out one call later, with the schedule launched in the call before). A step's duration
-    leaves out the time the replay slept before it with nothing to run (no request was decoding then)."""
+    leaves out the time the replay slept before it with nothing to run (no request was decoding then).
+    window (start, n): torch-profiles steps [start, start + n) (bench/gpu_trace.py; `profiled` its report)."""
 
-    def __init__(self, async_scheduling: bool) -> None:
+    def __init__(self, async_scheduling: bool, window: tuple[int, int] | None = None) -> None:
         self.async_scheduling = async_scheduling
+        self.window = window
+        self._trace: WindowProfile | None = None
+        self.profiled: WindowReport | None = None
         self.steps: list[StepRecord] = []
         self._sched: tuple[int, int, int] = (0, 0, 0)  # the newest schedule's decode rows, prompt tokens, segments
         self._launched: tuple[int, int, int] | None = None
@@ -114,6 +123,13 @@ class Timeline(Profiler):
         got = frozenset(o.request_id for o in outputs if any(c.token_ids for c in o.outputs))
         self.steps.append(StepRecord(t, t - self._last_t - idle, *produced, got))
         self._last_t = t
+        if self.window is not None:
+            start, n = self.window
+            if len(self.steps) == start:
+                self._trace = WindowProfile()
+                self._trace.start()
+            elif len(self.steps) == start + n and self._trace is not None:
+                self.profiled, self._trace = self._trace.stop(), None
 
 
 def decompose(steps: list[StepRecord]) -> dict:
@@ -152,10 +168,12 @@ def decompose(steps: list[StepRecord]) -> dict:
     return out
 
 
-def run_config(model: str, name: str, jobs: list[Job], engine_kw: dict) -> tuple[dict, list[StepRecord]]:
-    """The config's row and its timeline."""
+def run_config(
+    model: str, name: str, jobs: list[Job], engine_kw: dict, window: tuple[int, int] | None = None
+) -> tuple[dict, list[StepRecord]]:
+    """The config's row and its timeline; with a profiled window the row's "profile" is its report."""
     config = CONFIGS[name] | engine_kw  # --engine-arg overrides
-    timeline = Timeline(bool(config.get("async_scheduling")))
+    timeline = Timeline(bool(config.get("async_scheduling")), window)
     with fresh_engine(timeline, model=model, **config) as engine:
         summary = replay(engine, jobs, on_step=timeline)
         stats = engine.get_stats(sync=True)
@@ -179,6 +197,15 @@ def run_config(model: str, name: str, jobs: list[Job], engine_kw: dict) -> tuple
         row["ws_limit"] = stats.working_set_limit
         row["ws_growth"] = stats.working_set_growth
     logger.info("%s", row)
+    if timeline.profiled is not None:
+        start, n = window
+        win = timeline.steps[start : start + n]
+        print(
+            f"{name}, steps {start}..{start + n} profiled: {sum(s.segments > 0 for s in win)} with a layer segment, "
+            f"{sum(s.prompt_tokens for s in win)} prompt tokens, {sum(s.decodes for s in win)} decode rows"
+        )
+        print("\n".join(timeline.profiled.lines()))
+        row["profile"] = timeline.profiled.as_dict()
     return row, timeline.steps
 
 
@@ -194,6 +221,15 @@ def main(argv: list[str] | None = None) -> dict:
         metavar="KEY=VALUE",
         help="extra engine argument for every config (repeatable), e.g. host_kv_memory=88GB",
     )
+    p.add_argument(
+        "--profile-window",
+        nargs=2,
+        type=int,
+        default=None,
+        metavar=("START", "N"),
+        help="torch-profile steps [START, START + N) of each config: the GPU's critical path by kind of work and "
+        "the blocking host calls with their callers (slows those steps)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     from transformers import AutoTokenizer
@@ -203,10 +239,11 @@ def main(argv: list[str] | None = None) -> dict:
         jobs = workload_jobs(tokenizer, args)
         kw = engine_kwargs(args, args.max_input_len + max_output_len(args))
         kw.update(parse_engine_args(args.engine_arg))
-        runs = {c: run_config(model, c, jobs, kw) for c in args.configs}
+        window = tuple(args.profile_window) if args.profile_window else None
+        runs = {c: run_config(model, c, jobs, kw, window) for c in args.configs}
     rows = [row for row, _ in runs.values()]
     print_table(
-        rows,
+        [{k: v for k, v in row.items() if k != "profile"} for row in rows],
         (
             f"longbench ({args.longbench_tokenizer} lengths), {args.num_requests} requests at {args.request_rate:g}/s"
             if args.dataset == "longbench"

@@ -13,7 +13,6 @@ under KV offload the loads a layer-step and FlashH2D's rate. `--cprofile`: the h
 from __future__ import annotations
 
 import argparse
-import collections
 import cProfile
 import json
 import os
@@ -25,6 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from sparseserve.bench.accuracy import parse_engine_args
+from sparseserve.bench.gpu_trace import critical_path
 from sparseserve.bench.steps import StepLog
 from sparseserve.engine.engine import LLMEngine
 from sparseserve.sampling_params import SamplingParams
@@ -110,29 +110,6 @@ def main() -> None:
             f"offload: {loaded / layer_steps:.0f} head blocks read from the host a layer-step, hit ratio "
             f"{hits / max(hits + loaded, 1):.3f}, {h2d / args.steps / 1e6:.1f} MB a step{rate}"
         )
-
-
-def critical_path(trace: list[dict]) -> tuple[float, float, collections.Counter]:
-    """(busy us, idle us, us by kernel name) of the GPU's timeline in a Chrome trace: each kernel or
-    copy counts only past the end of what ran before it, so kernels that overlap (programmatic
-    dependent launch starts one before its predecessor ends) are not counted twice."""
-    ops = sorted(
-        (e["ts"], e["ts"] + e["dur"], e["name"])
-        for e in trace
-        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-    )
-    by_name: collections.Counter = collections.Counter()
-    if not ops:
-        return 0.0, 0.0, by_name
-    busy = idle = 0.0
-    last = ops[0][0]
-    for start, end, name in ops:
-        idle += max(0.0, start - last)
-        own = max(0.0, end - max(start, last))
-        by_name[name] += own
-        busy += own
-        last = max(last, end)
-    return busy, idle, by_name
 
 
 if __name__ == "__main__":

@@ -85,9 +85,14 @@ def test_decode_time_smoke(tiny_model_dir, tmp_path):
             "sparse_dense_layers=1",
             "--json",
             str(out),
+            "--profile-window",
+            "3",
+            "4",
         ]
     )
     assert json.loads(out.read_text())["rows"] == report["rows"]
+    for row in report["rows"]:  # the window's torch profile (CPU: no GPU timeline)
+        assert set(row["profile"]) >= {"gpu_busy_ms", "critical_path_ms_by_kind", "blocking_host_calls"}
     assert [r["config"] for r in report["rows"]] == ["dense", "layerseg_async"]
     for row in report["rows"]:
         # the parts add up to the TPOT of the token times themselves

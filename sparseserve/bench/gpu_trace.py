@@ -1,0 +1,144 @@
+"""Where a window of engine steps spends its time (torch profiler): the GPU's critical path by kernel and by kind
+of work, and the host calls that blocked, with the engine functions that made them. A blocking copy (one through
+pageable memory, a `.tolist()`) shows as a long `cudaMemcpyAsync` and, under async scheduling, as GPU time with
+nothing beside it (docs/architecture.md, principle 5). Used by scripts/profile_decode.py and
+`benchmarks.decode_time --profile-window`."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+
+# kernel or copy name fragment -> kind of work (first match; lower case)
+KINDS = (
+    ("device -> pageable", "d2h pageable"),
+    ("pageable -> device", "h2d pageable"),
+    ("dtoh", "d2h"),
+    ("htod", "h2d copy"),
+    ("dtod", "d2d"),
+    ("flash_h2d", "flash_h2d"),
+    ("write_through", "flash_h2d"),
+    ("sparse_", "sparse attention"),
+    ("decode_", "decode attention"),
+    ("prefill", "prefill attention"),
+    ("pool", "pool plan"),
+    ("score", "selection"),
+    ("select", "selection"),
+    ("gemm", "gemm"),
+    ("nvjet", "gemm"),
+    ("cutlass", "gemm"),
+    ("splitk", "gemm"),
+)
+BLOCKING = ("cudaMemcpyAsync", "cudaMemcpy", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    return next((k for frag, k in KINDS if frag in low), "other")
+
+
+def critical_path(trace: list[dict]) -> tuple[float, float, collections.Counter]:
+    """(busy us, idle us, us by kernel name) of the GPU's timeline in a Chrome trace: each kernel or
+    copy counts only past the end of what ran before it, so kernels that overlap (programmatic
+    dependent launch starts one before its predecessor ends; side streams) are not counted twice."""
+    ops = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"])
+        for e in trace
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    by_name: collections.Counter = collections.Counter()
+    if not ops:
+        return 0.0, 0.0, by_name
+    busy = idle = 0.0
+    last = ops[0][0]
+    for start, end, name in ops:
+        idle += max(0.0, start - last)
+        own = max(0.0, end - max(start, last))
+        by_name[name] += own
+        busy += own
+        last = max(last, end)
+    return busy, idle, by_name
+
+
+@dataclass
+class WindowReport:
+    """A profiled window: GPU busy and idle ms, critical-path ms by kind and by kernel, and the blocking host
+    calls by (call, the innermost engine functions above it): [count, ms]."""
+
+    busy_ms: float
+    idle_ms: float
+    by_kind: dict[str, float]
+    by_kernel: dict[str, float]
+    blocking: dict[tuple[str, tuple[str, ...]], list] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {
+            "gpu_busy_ms": self.busy_ms,
+            "gpu_idle_ms": self.idle_ms,
+            "critical_path_ms_by_kind": self.by_kind,
+            "critical_path_ms_by_kernel": self.by_kernel,
+            "blocking_host_calls": [
+                {"call": call, "callers": list(where), "count": n, "ms": ms}
+                for (call, where), (n, ms) in self.blocking.items()
+            ],
+        }
+
+    def lines(self, kernels: int = 12, callers: int = 8) -> list[str]:
+        out = [f"GPU busy {self.busy_ms:.1f} ms, idle {self.idle_ms:.1f} ms; critical path by kind (ms):"]
+        out += [f"  {k:20s} {ms:9.1f}" for k, ms in sorted(self.by_kind.items(), key=lambda kv: -kv[1])]
+        out.append("critical path by kernel (ms):")
+        top = sorted(self.by_kernel.items(), key=lambda kv: -kv[1])[:kernels]
+        out += [f"  {name[:80]:80s} {ms:9.1f}" for name, ms in top]
+        out.append("blocking host calls (count, ms; the engine functions above them):")
+        rows = sorted(self.blocking.items(), key=lambda kv: -kv[1][1])[:callers]
+        for (call, where), (n, ms) in rows:
+            out.append(f"  {call} x{n}: {ms:.1f} ms  <- {' <- '.join(where) or '?'}")
+        return out
+
+
+def _callers(event, depth: int = 3) -> tuple[str, ...]:
+    """The innermost `depth` Python frames of sparseserve/ or benchmarks/ above a profiler event."""
+    found, e = [], event.cpu_parent
+    while e is not None and len(found) < depth:
+        if "sparseserve/" in e.name or "benchmarks/" in e.name:
+            found.append(e.name.rsplit("/", 1)[-1])
+        e = e.cpu_parent
+    return tuple(found)
+
+
+class WindowProfile:
+    """torch.profiler over the steps between `start()` and `stop()`; CUDA activity where there is a GPU."""
+
+    def __init__(self) -> None:
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self._prof = torch.profiler.profile(activities=acts, with_stack=True)
+
+    def start(self) -> None:
+        self._prof.start()
+
+    def stop(self) -> WindowReport:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._prof.stop()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            self._prof.export_chrome_trace(path)
+            with open(path) as f:
+                busy, idle, by_name = critical_path(json.load(f)["traceEvents"])
+        by_kind: collections.Counter = collections.Counter()
+        for name, us in by_name.items():
+            by_kind[kind(name)] += us / 1e3
+        blocking: dict = {}
+        for e in self._prof.events():
+            if e.name in BLOCKING:
+                row = blocking.setdefault((e.name, _callers(e)), [0, 0.0])
+                row[0] += 1
+                row[1] += e.cpu_time_total / 1e3
+        return WindowReport(busy / 1e3, idle / 1e3, dict(by_kind), {n: us / 1e3 for n, us in by_name.items()}, blocking)
