@@ -404,8 +404,9 @@ class OffloadConfig:
     prefill_layer_segment: int | None = field(
         default=None,
         metadata={
-            "help": f"Layer-segmented prefill: at most this many layers per step, fewer where the step's token "
-            f"budget allows fewer (default: {PREFILL_LAYER_SEGMENT}: a segment's step delays the decodes beside it)."
+            "help": f"Layer-segmented prefill: at most this many layers per step while other requests decode (a "
+            f"segment's step delays their tokens; alone, as many as the step's token budget allows), fewer where the "
+            f"budget allows fewer (default: {PREFILL_LAYER_SEGMENT})."
         },
     )
     working_set_window: int = field(

@@ -97,9 +97,10 @@ class LayerPrefill:
 
     def release(self, seq_id: int) -> None:
         """A sequence finished, was aborted or preempted: its prefill's progress is gone (a resumed
-        prefill starts again at layer 0)."""
+        prefill starts again at layer 0), and the next step fences its copies (its rows may get new owners)."""
         if self.current is not None and self.current.seq_id == seq_id:
             self.current = None
+            self.offload.host.layer_d2h.held = False
 
     @torch.inference_mode()
     def run(self, seg: LayerSegment) -> torch.Tensor | None:
@@ -117,6 +118,9 @@ class LayerPrefill:
         for layer in range(seg.start, seg.end):
             self._layer(cur, layer)
         cur.layers_done = seg.end
+        # Until it finishes, the next steps need not wait for its copies: only its own later layers (the scratch
+        # buffers' events) and its first decode (after the fence once it is done) read what they write.
+        self.offload.host.layer_d2h.held = seg.end < self.num_layers
         if seg.end < self.num_layers:
             return None
         self.current = None

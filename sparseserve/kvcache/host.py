@@ -224,12 +224,15 @@ class LayerD2H:
     No staging and no CPU writer: at MHA sizes a CPU scatter of a layer's rows took longer than the
     layer's compute (docs/offload.md, "Layer-segmented prefill"). The trap: submit returns the
     copies' event (None on CPU), which the compute stream must wait for before it overwrites those
-    scratch rows; fence() orders the compute stream after every copy (no host wait)."""
+    scratch rows; fence() orders the compute stream after every copy (no host wait), except while
+    `held`: the copies are the rows of a prefill in progress, which nothing reads or rewrites before
+    it finishes or is released (its owner then clears `held`, and the next step's fence waits)."""
 
     def __init__(self, store: HostKVStore) -> None:
         self.store = store
         self.stream = None
         self.last = None  # the event of the last copy not yet fenced
+        self.held = False  # set by the prefill in progress (engine/layer_prefill.py) between its steps
         self.blocks_written = 0  # token blocks x layers written (stats)
         self.num_copies = 0  # copies issued, one a run of rows (stats)
 
@@ -258,8 +261,10 @@ class LayerD2H:
         return event
 
     def fence(self, host: bool = False) -> None:
-        """The current stream waits (on the device) for every copy submitted so far; host=True:
-        the caller waits (the rows are readable on the CPU)."""
+        """The current stream waits (on the device) for every copy submitted so far, unless `held`;
+        host=True: the caller waits (the rows are readable on the CPU), held or not."""
+        if self.held and not host:
+            return
         last, self.last = self.last, None
         if last is None:
             return

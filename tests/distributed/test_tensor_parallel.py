@@ -255,7 +255,7 @@ def test_random_schedule_preempts_and_aborts_layer_segmented_prefills(hf_models)
             done.update({o.request_id: [c.token_ids for c in o.outputs] for o in outs if o.finished})
 
         drive_random_schedule(
-            engine, random.Random(13), steps=40, max_new=12, after_step=collect, greedy=True, prompts=prompt
+            engine, random.Random(16), steps=40, max_new=12, after_step=collect, greedy=True, prompts=prompt
         )
         while engine.has_unfinished_requests():
             collect(engine.step())

@@ -192,6 +192,26 @@ def test_layer_d2h_writes_runs_of_rows():
     assert store.d2h_blocks_written() == len(rows)
 
 
+@gpu_only
+def test_layer_d2h_fence_skipped_while_held():
+    """While the prefill that wrote them is in progress (`held`) a step's fence leaves its copies pending; a host
+    fence waits for them anyway, and once released the next fence takes them."""
+    store = HostKVStore(2, 8, 1, 4, 8, torch.float32, device=DEVICE)
+    store.layer_d2h = LayerD2H(store)
+    src = torch.randn(3, 1, 2, 4, 8, device=DEVICE)
+    store.layer_d2h.submit(0, src, torch.tensor([1, 2, 3]))
+    store.layer_d2h.held = True
+    store.fence()
+    assert store.layer_d2h.last is not None
+    store.layer_d2h.held = False
+    store.fence()
+    assert store.layer_d2h.last is None
+    store.layer_d2h.submit(1, src, torch.tensor([4, 5, 6]))
+    store.layer_d2h.held = True
+    store.fence(host=True)
+    assert store.layer_d2h.last is None and torch.equal(store.data[1, 4:7], src.cpu())
+
+
 def test_flash_h2d_saves_to_the_pinned_host_with_the_kernel(monkeypatch):
     """A save (device rows -> the pinned host store: KV offload's tail and row saves) runs the Triton kernel over
     UVA on a GPU; the reference there went through pageable memory and blocked the host. Exactly the listed rows

@@ -40,10 +40,15 @@ class SegmentPlanner:
     def cost(self, tokens: int, layers: int) -> int:
         return -(-tokens * layers // self.num_layers)
 
-    def segment(self, seq: Sequence, tokens: int, done: int, budget: int, alone: bool) -> LayerSegment | None:
+    def segment(
+        self, seq: Sequence, tokens: int, done: int, budget: int, alone: bool, decodes: bool = True
+    ) -> LayerSegment | None:
         """The next segment of a `tokens`-token prefill with `done` layers done, within `budget`
-        (None: none fits). alone: at least one layer runs, even over the budget."""
-        k = min(self.num_layers - done, self.max_layers, budget * self.num_layers // max(tokens, 1))
+        (None: none fits). alone: at least one layer runs, even over the budget. decodes: other
+        requests decode beside it, and wait for its step: at most `max_layers` (without them, as
+        many as the budget allows)."""
+        cap = self.max_layers if decodes else self.num_layers
+        k = min(self.num_layers - done, cap, budget * self.num_layers // max(tokens, 1))
         if k <= 0:
             if not alone:
                 return None
@@ -79,7 +84,12 @@ class LayerSegmentedPrefill(SchedulerPolicy):
 
     def next_segment(self, seq: Sequence, budget: int, out: SchedulerOutput) -> LayerSegment | None:
         left = seq.num_tokens - seq.num_computed_tokens
-        return self.planner.segment(seq, left, self.layers_done[seq.seq_id], budget, only_decodes(out))
+        done = self.layers_done[seq.seq_id]
+        return self.planner.segment(seq, left, done, budget, only_decodes(out), self._beside_decodes(seq))
+
+    def _beside_decodes(self, seq: Sequence) -> bool:
+        """Another running request is decoding (its next token waits for this step)."""
+        return any(s is not seq and s.num_computed_tokens + 1 >= s.num_tokens for s in self.sched.running)
 
     def admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> LayerSegment | None:
         """Admits the head of the queue if it fits (None: it waits): its prefix-cache hit taken (a
@@ -95,7 +105,9 @@ class LayerSegmentedPrefill(SchedulerPolicy):
             hit = kv.lookup(seq, host=False)
             parked, computed = hit.parked, len(hit.blocks) * bs
         held = len(seq.block_table) if hit is None else len(hit.blocks)
-        seg = self.planner.segment(seq, seq.num_tokens - computed, 0, budget, only_decodes(out))
+        seg = self.planner.segment(
+            seq, seq.num_tokens - computed, 0, budget, only_decodes(out), self._beside_decodes(seq)
+        )
         need = blocks_needed(seq.num_tokens, bs) - held
         if (
             seg is None
