@@ -204,6 +204,11 @@ def _offload_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable
     yield counter("offload_hbm_hits", "Listed head blocks found in the HBM pool.", hits)
     yield counter("offload_head_blocks_loaded", "Head blocks copied host -> HBM pool (FlashH2D).", loads)
     yield counter("offload_bypass_reads", "Head blocks read straight from the host store (set full).", bypass)
+    yield counter(
+        "offload_head_blocks_seeded",
+        "Head blocks a layer-segmented prefill put in the HBM pool for its first decode (no FlashH2D).",
+        getattr(stats, "offload_blocks_seeded", 0),
+    )
     yield gauge(
         "offload_hbm_hit_ratio",
         "HBM pool hits / listed head blocks read, since start.",

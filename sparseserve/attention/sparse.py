@@ -399,6 +399,17 @@ class SparseBackend(AttentionBackend):
             if self.policy.prunes:
                 self.policy.refine(layer, q, kv_cache, rows, self.state, None)
 
+    def seed_first_lists(self, layer: int, meta: AttentionMetadata, scratch: torch.Tensor) -> None:
+        """Layer-segmented prefill under KV offload with lagged selection, after a sparse layer's selecting
+        chunk (meta): the lists it selected for the first decode go into the HBM pool from the layer's scratch
+        K/V (OffloadCache.seed), which that decode then finds there instead of loading them from the host."""
+        if self.offload is None or not self.params.lag or self.key_meta is None or layer < self.dense_layers:
+            return
+        if self.side is not None:  # the selection ran there
+            torch.cuda.current_stream(scratch.device).wait_stream(self.side)
+        row = self.step_rows[1][:1].long()  # the chunk's write row: the first decode reads it
+        self.offload.seed(layer, meta.block_tables[:1], meta.seq_lens[:1] + 1, self.state.sel[layer][row], scratch)
+
     def end_step(self) -> None:
         """Joins the side stream into the current one (a graph capture must join every fork)."""
         if self.pending:

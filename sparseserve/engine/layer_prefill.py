@@ -225,6 +225,9 @@ class LayerPrefill:
             res[a:b] = out_res
         if not sparse:
             return
+        last = cur.chunks[-1][2]
+        if last.backend_meta.selects:  # its first decode's lists: into the pool from here, not over PCIe
+            self.backend.seed_first_lists(layer, last, cache)
         bs, c, p = self.block_size, cur.computed, cur.computed + cur.tokens
         n = cur.window_blocks.numel()
         if n:

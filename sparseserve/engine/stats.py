@@ -36,6 +36,7 @@ class EngineStats:
     offload_blocks_loaded: int = 0  # head blocks copied host -> HBM pool (FlashH2D)
     offload_bypass_reads: int = 0  # misses read from the host store (no free way in the set)
     offload_layer_steps: int = 0  # (decode step, sparse layer) pairs read through the pool
+    offload_blocks_seeded: int = 0  # head blocks put in the pool by layer-segmented prefill (no FlashH2D)
     offload_host_blocks: int = 0  # token blocks of the host store (gauge)
     offload_hbm_slots: int = 0  # head-block slots of the HBM pool (gauge)
     offload_h2d_bytes: int = 0  # bytes loaded host -> HBM pool
@@ -82,6 +83,7 @@ class EngineStats:
             "offload_blocks_loaded",
             "offload_bypass_reads",
             "offload_layer_steps",
+            "offload_blocks_seeded",
             "offload_h2d_bytes",
             "offload_d2h_bytes",
             "prefill_tiles_computed",

@@ -74,6 +74,7 @@ class OffloadCache:
         self.key_meta = None  # the sparse backend's, by device row (attach_key_meta)
         self.host_meta: tuple[torch.Tensor, torch.Tensor] | None = None  # its copy by host row
         self.num_row_moves = [0, 0]  # device rows saved, restored (stats)
+        self.seed_stats = torch.zeros(4, dtype=torch.int64, device=dev)  # `seed`'s plans (as the pool's stats)
 
     @classmethod
     def build(
@@ -328,6 +329,21 @@ class OffloadCache:
         blocks = torch.where(listed, tables.gather(1, sel_rows.clamp_min(0).flatten(1).long()).view_as(sel_rows), -1)
         return self.pool.keys(layer, blocks)
 
+    def seed(
+        self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel_rows: torch.Tensor, scratch: torch.Tensor
+    ) -> None:
+        """Lists a layer-segmented prefill selected for its first decode, into the pool straight from the
+        layer's scratch K/V (device to device), so that decode reads them without FlashH2D: sel_rows [1, Hkv,
+        cap] token blocks (-1: none), tables [1, W] their host rows, seq_lens [1] the first decode's length,
+        scratch [blocks, Hkv, 2, bs, D] by token block. Planned as a lagged read (the step's lists stay); its
+        installs count apart (`seed_stats`), not as loads."""
+        key = self.keys(layer, tables, seq_lens, sel_rows)
+        _, load = self.pool.plan(key.reshape(-1), lagged=True, stats=self.seed_stats)
+        heads = torch.arange(sel_rows.shape[1], device=sel_rows.device)[:, None].expand_as(sel_rows[0])
+        src = scratch[sel_rows[0].clamp_min(0).long(), heads]  # [Hkv, cap, 2, bs, D]
+        dst = torch.where(load >= 0, load, self.pool.trash_slot)  # the trash slot takes what is not installed
+        self.pool.slots.index_copy_(0, dst, src.reshape(-1, *src.shape[2:]))
+
     def read(
         self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel: torch.Tensor, row_slots: torch.Tensor
     ) -> OffloadView:
@@ -435,6 +451,7 @@ class OffloadCache:
             "offload_blocks_loaded": s[1],
             "offload_bypass_reads": s[2],
             "offload_layer_steps": s[3],
+            "offload_blocks_seeded": self.seed_stats[1],
             "offload_blocks_written": self.host.blocks_written,
         }
 

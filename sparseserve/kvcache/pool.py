@@ -79,18 +79,21 @@ class HBMPool:
     def set_of(self, key: torch.Tensor) -> torch.Tensor:
         return set_of(key, self.num_sets, _HASH)
 
-    def plan(self, key: torch.Tensor, lagged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def plan(
+        self, key: torch.Tensor, lagged: bool = False, stats: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's step: residency lookup of the head blocks key [N] (int64; the trash key:
         no request; each at most once), victims and installs for the misses
         (kernels/pool_plan.py). Returns (loc, load): the slot each request reads (-1: bypass or
-        none) and the slot each miss is loaded into (-1: none). lagged: as in `read`."""
+        none) and the slot each miss is loaded into (-1: none). lagged: as in `read`. stats:
+        where the plan counts (default the pool's: hits, loads, bypass reads, layer steps)."""
         return pool_plan(
             key,
             self.resident,
             self.owner,
             self.last_use,
             self.clock,
-            self.stats,
+            self.stats if stats is None else stats,
             self.set_misses,
             self.set_queue,
             self.plan_cur,

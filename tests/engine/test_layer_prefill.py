@@ -305,6 +305,24 @@ def test_short_prompts_pass_one_waiting_for_the_layer_by_layer_prefill(model4):
     assert all(sum(n for _, n in schedules[i].scheduled) + cost > 32 for i in range(free, first))
 
 
+def test_first_lists_go_into_the_pool_from_the_prefill(model4):
+    """Under lagged selection a layer-segmented prefill puts the lists it selects for the first decode into the
+    HBM pool from each layer's scratch: that decode loads none of its head blocks from the host (the tokens equal
+    chunked prefill's: test_layer_segmented_equals_chunked)."""
+    llm = LLM(str(model4[0]), **COMMON, layer_segmented_prefill=True, prefill_layer_segment=1)
+    engine = llm.llm_engine
+    engine.add_request("0", prompts()[3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    while not any(o.outputs[0].token_ids for o in engine.step()):  # the prefill, to its first token
+        pass
+    before = engine.get_stats(sync=True)
+    engine.step()  # the first decode
+    after = engine.get_stats(sync=True)
+    assert before.offload_blocks_seeded > 0 and before.offload_layer_steps == 0
+    assert after.offload_layer_steps > 0
+    assert after.offload_blocks_loaded == 0 and after.offload_bypass_reads == 0
+    assert after.offload_hbm_hits >= before.offload_blocks_seeded  # every listed block, each layer and head
+
+
 def test_segment_threshold_below_the_budget(model4):
     """layer_segment_min_tokens below the step's budget: a 30-token prompt (over 24, under the budget of 32)
     goes layer by layer too; the same greedy tokens as chunked prefill; refused below 1."""
