@@ -19,13 +19,10 @@ from typing import Any
 
 import torch
 
+# small uploads through the pinned staging ring: a pageable copy waits for the stream's queued work (the forward)
+from sparseserve.kvcache.transfer import to_device
+
 PLACEHOLDER = -1  # engine/overlap.py's (layers/ does not import the engine)
-
-
-def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device` through pinned memory: a copy from pageable memory waits for the stream's
-    queued work (under async scheduling: the forward pass just launched)."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -95,11 +92,11 @@ class LogitsProcessors:
             return None
         proc = cls(vocab_size, device, penalty_rows=penalty_rows, min_rows=min_rows, grammar_rows=grammar_rows)
         rows = {"penalty": penalty_rows, "min": min_rows, "grammar": grammar_rows}
-        proc._rows = {k: _upload(torch.tensor(v, dtype=torch.long), device) for k, v in rows.items() if v}
+        proc._rows = {k: to_device(torch.tensor(v, dtype=torch.long), device) for k, v in rows.items() if v}
         if penalty_rows:
             pp = [ps[i] for i in penalty_rows]
             proc.penalty_params = tuple(
-                _upload(torch.tensor([getattr(p, name) for p in pp], dtype=torch.float32), device)
+                to_device(torch.tensor([getattr(p, name) for p in pp], dtype=torch.float32), device)
                 for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")
             )
             if any(p.repetition_penalty != 1.0 for p in pp):
@@ -112,15 +109,15 @@ class LogitsProcessors:
                     t.append(tid)
                     v.append(val)
             proc.bias = (
-                _upload(torch.tensor(r), device),
-                _upload(torch.tensor(t), device),
-                _upload(torch.tensor(v, dtype=torch.float32), device),
+                to_device(torch.tensor(r), device),
+                to_device(torch.tensor(t), device),
+                to_device(torch.tensor(v, dtype=torch.float32), device),
             )
         if min_rows:
             stops = [sorted(ps[i].all_stop_token_ids | set(ps[i].stop_token_ids)) for i in min_rows]
             width = max(1, max(map(len, stops)))
             padded = [s + [vocab_size] * (width - len(s)) for s in stops]
-            proc.min_stop_ids = _upload(torch.tensor(padded, dtype=torch.long), device)
+            proc.min_stop_ids = to_device(torch.tensor(padded, dtype=torch.long), device)
         return proc
 
     def begin_step(self, seqs: list[Any], feed: Any = None) -> None:
@@ -134,7 +131,7 @@ class LogitsProcessors:
         if self.min_rows:
             lens = [len(seqs[i].token_ids) - len(seqs[i].prompt_token_ids) for i in self.min_rows]
             mins = [seqs[i].params.min_tokens for i in self.min_rows]
-            self.min_active = _upload(torch.tensor([n < m for n, m in zip(lens, mins)]), self.device)
+            self.min_active = to_device(torch.tensor([n < m for n, m in zip(lens, mins)]), self.device)
         if self.grammar_rows:
             from sparseserve.structured.bitmask import fill_bitmask
 
@@ -158,9 +155,9 @@ class LogitsProcessors:
         outs = [s.token_ids[len(s.prompt_token_ids) :] for s in seqs]
         width = max(1, max(map(len, outs)))
         pad = self.vocab_size  # a column past the vocabulary, dropped
-        ids = _upload(torch.tensor([o + [pad] * (width - len(o)) for o in outs], dtype=torch.long), self.device)
+        ids = to_device(torch.tensor([o + [pad] * (width - len(o)) for o in outs], dtype=torch.long), self.device)
         if feed_tokens is not None and any(o and o[-1] == PLACEHOLDER for o in outs):
-            src = _upload(torch.tensor([feed_rows.get(s.seq_id, 0) for s in seqs]), self.device)
+            src = to_device(torch.tensor([feed_rows.get(s.seq_id, 0) for s in seqs]), self.device)
             ids = torch.where(ids == PLACEHOLDER, feed_tokens[src][:, None], ids)
         counts = torch.zeros(len(seqs), self.vocab_size + 1, dtype=torch.int32, device=self.device)
         counts.scatter_add_(1, ids.clamp_(0, pad), torch.ones_like(ids, dtype=torch.int32))
@@ -188,7 +185,7 @@ class LogitsProcessors:
 def token_mask(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """bool [len(token_lists), vocab]: which tokens each list holds."""
     width = max(1, max(map(len, token_lists)))
-    ids = _upload(torch.tensor([t + [vocab_size] * (width - len(t)) for t in token_lists], dtype=torch.long), device)
+    ids = to_device(torch.tensor([t + [vocab_size] * (width - len(t)) for t in token_lists], dtype=torch.long), device)
     mask = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.bool, device=device)
     mask.scatter_(1, ids, True)
     return mask[:, :vocab_size]
