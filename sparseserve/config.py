@@ -234,9 +234,10 @@ class SparseConfig:
     sparse_lag: int | None = field(
         default=None,
         metadata={
-            "help": "1 (topk): a decode step attends the blocks selected from the previous step's query, so "
-            "selection runs beside the attention (0: each step selects from its own query; default: 1 with "
-            "kv_offload where the policy allows it, whose loads then run beside the layers before them, else 0).",
+            "help": "1: a decode step attends the blocks selected from the previous step's query (topp: prunes "
+            "those candidates with its own, not under kv_offload), so selection runs beside the attention (0: "
+            "each step selects from its own query; default: 1 with kv_offload where the policy allows it, whose "
+            "loads then run beside the layers before them, else 0).",
             "choices": [0, 1],
         },
     )
@@ -352,6 +353,8 @@ class SparseConfig:
 # Layers a segment step gives a layer-segmented prefill by default: short steps beside the decodes they delay
 # (docs/offload.md, "Layer-segmented prefill": TPOT against segments as long as the budget allows).
 PREFILL_LAYER_SEGMENT = 4
+# Steps of the decodes alone after a segment beside them (docs/offload.md, "Decode steps between segments").
+SEGMENT_DECODE_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -409,6 +412,13 @@ class OffloadConfig:
             f"budget allows fewer (default: {PREFILL_LAYER_SEGMENT})."
         },
     )
+    segment_decode_steps: int = field(
+        default=SEGMENT_DECODE_STEPS,
+        metadata={
+            "help": "Layer-segmented prefill: steps of the decodes alone after each segment that ran beside them "
+            "(their tokens come more often, the prefill finishes later; 0: back to back)."
+        },
+    )
     working_set_window: int = field(
         default=12, metadata={"help": "Decode steps over which a request's working set is the union of its selections."}
     )
@@ -443,6 +453,8 @@ class OffloadConfig:
                 "layer_segmented_prefill needs kv_offload: each finished layer's K/V goes to the host "
                 "KV store, which only KV offload has"
             )
+        if self.segment_decode_steps < 0:
+            raise ValueError(f"segment_decode_steps must be >= 0, got {self.segment_decode_steps}")
         if self.layer_segment_min_tokens < 1:
             raise ValueError(f"layer_segment_min_tokens must be >= 1, got {self.layer_segment_min_tokens}")
         if self.working_set_window < 1:
@@ -603,6 +615,12 @@ class EngineConfig:
                 "host_prefix_cache_memory does not work with tensor_parallel_size > 1 yet: the host "
                 "tier copies rank 0's KV only (KV offload's host store, per rank, does work)"
             )
+        lags_offloaded = not sp.enabled or SELECTION_POLICIES.get(sp.sparse_policy).lags_with_offload
+        if self.offload_config.kv_offload and sp.sparse_lag and not lags_offloaded:
+            raise ValueError(
+                f"sparse_lag=1 with kv_offload does not work with sparse_policy={sp.sparse_policy}: the loads are "
+                f"planned a step ahead, from lists it still prunes at the step"
+            )
         if self.offload_config.kv_offload and sp.sparse_lag and sp.sparse_reuse > 1:
             raise ValueError(
                 "sparse_lag=1 with kv_offload needs sparse_reuse=1: each step plans the views of the "
@@ -630,7 +648,7 @@ class EngineConfig:
         return (
             self.offload_config.kv_offload
             and sp.enabled
-            and SELECTION_POLICIES.get(sp.sparse_policy).supports_lag
+            and SELECTION_POLICIES.get(sp.sparse_policy).lags_with_offload
             and sp.sparse_reuse == 1
         )
 

@@ -2,7 +2,9 @@
 
 topk: a fixed budget, the best blocks by their key bounds (kernels/block_score.py).
 topp: Twilight's select-then-prune: topk picks `cap` candidates, then the fewest whose mass on
-their real keys brings the list to sparse_top_p stay (kernels/topp_prune.py). It does not lag.
+their real keys brings the list to sparse_top_p stay (kernels/topp_prune.py). Lagged, the
+candidates come from the previous query and each step prunes them for its own, into a row of its
+own (the candidates stay for the next selection); not under KV offload.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class TopK(SelectionPolicy):
             rows.slots,
             state.sel[layer],
             state.counter[layer],
-            state.stats,
+            self._select_stats(state),
             state.streaming[layer],
             max_blocks=rows.max_blocks,
             scale=rows.scale,
@@ -40,12 +42,19 @@ class TopK(SelectionPolicy):
             **self.params.kernel_args(),
         )
 
+    def _select_stats(self, state: SelectionState) -> torch.Tensor:
+        return state.stats
+
 
 @SELECTION_POLICIES.register("topp")
 class TopP(TopK):
-    # Pruned lists fit the selecting query, not the next (docs/sparse.md, lagged selection).
-    supports_lag = False
+    # Lagged: pruned lists fit the pruning query only, so each step prunes the candidates itself.
+    lags_with_offload = False
     prunes = True
+
+    def _select_stats(self, state: SelectionState) -> torch.Tensor:
+        # lagged, the step's prune counts what it keeps (kernels/topp_prune.py)
+        return state.uncounted if self.params.lag else state.stats
 
     def refine(
         self,
@@ -55,6 +64,7 @@ class TopP(TopK):
         rows: DecodeRows,
         state: SelectionState,
         offload: tuple | None,
+        out: torch.Tensor | None = None,
     ) -> bool:
         p, args = self.params, self.params.kernel_args()
         topp_prune(
@@ -74,5 +84,6 @@ class TopP(TopK):
             short_dense=p.short_dense,
             per_head=p.per_head,
             offload=offload,
+            out=out,
         )
         return True

@@ -125,6 +125,7 @@ class SelectionState:
         self.sel = torch.full((num_layers, rows, num_kv_heads, params.cap), -1, dtype=torch.int32, device=device)
         self.counter = torch.zeros(num_layers, max_num_seqs, num_kv_heads, dtype=torch.int32, device=device)
         self.stats = torch.zeros(2, dtype=torch.int64, device=device)  # blocks selected, selections
+        self.uncounted = torch.zeros(2, dtype=torch.int64, device=device)  # selections a later refine counts
         self.streaming = streaming.to(device)
         self._free = list(range(max_num_seqs - 1, -1, -1))
         self._held: dict[int, int] = {}
@@ -217,6 +218,7 @@ class SelectionPolicy(abc.ABC):
     """How a sparse layer picks the blocks each decode row attends (module docstring)."""
 
     supports_lag = True  # whether lists selected from an earlier query serve the next one
+    lags_with_offload = True  # whether it lags under KV offload too (whose reads are planned a step ahead)
     prunes = False  # whether it has a `refine` (called only then; KV offload reads only what it keeps)
 
     def __init__(self, params: SelectionParams) -> None:
@@ -235,8 +237,10 @@ class SelectionPolicy(abc.ABC):
         rows: DecodeRows,
         state: SelectionState,
         offload: tuple | None,
+        out: torch.Tensor | None = None,
     ) -> bool:
         """With `prunes`: once the listed blocks are readable (offload: a view of where each is,
         pool or host, kernels/sparse_decode.py, before the pool reads the lists), may trim the
-        lists just selected in place. Returns whether it changed them."""
+        lists just selected in place, or (out: lagged selection) write row i's trimmed list into
+        out[i], the lists left as they are. Returns whether it changed them."""
         return False

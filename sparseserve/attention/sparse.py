@@ -64,6 +64,12 @@ class SparseBackend(AttentionBackend):
         self.key_meta: KeyMeta | None = None
         self.offload: OffloadCache | None = None
         self.side = torch.cuda.Stream(ctx.device) if p.lag and ctx.device.type == "cuda" else None
+        # lag + a refining policy: each step's refined lists, row i for decode row i (the candidates stay)
+        self.refined: tuple[torch.Tensor, torch.Tensor] | None = None
+        if p.lag and self.policy.prunes:
+            shape = (ctx.max_num_seqs, ctx.num_kv_heads, p.cap)
+            ids = torch.arange(ctx.max_num_seqs, dtype=torch.int32, device=ctx.device)
+            self.refined = (torch.full(shape, -1, dtype=torch.int32, device=ctx.device), ids)
         self.pending: list[torch.Tensor] = []  # lag: the side stream's inputs, alive until end_step
         self.loaded: list[torch.cuda.Event] = []  # lag + offload: each sparse layer's loads done (side stream)
         self.step_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # lag: (read, write) rows
@@ -248,7 +254,7 @@ class SparseBackend(AttentionBackend):
                 torch.cuda.current_stream(q.device).wait_stream(self.side)  # the whole plan
             if sm is not None and sm.fix_select is not None:
                 self._plan_fresh(layer, q, meta, cm, scale)
-            self._select_next(layer, q, kv_cache, meta, cm, scale)
+            self._select_next(layer, q, meta, cm, scale)
         out = self.attend(layer, q, kv_cache, meta, scale)
         if layer == self.ctx.num_layers - 1:
             self.end_step()
@@ -277,8 +283,13 @@ class SparseBackend(AttentionBackend):
             scale,
             self.width,
         )
+        sel = state.sel[layer]
         if p.lag:  # lists selected at an earlier step; _select_next selects the next ones beside
             rows.slots = self.step_rows[0][:nd]
+            if self.refined is not None:  # refined for this step's query, into rows of their own
+                with self._phase("selection"):
+                    self.policy.refine(layer, q, kv_cache, rows, state, None, out=self.refined[0])
+                sel, rows.slots = self.refined[0], self.refined[1][:nd]
         else:
             with self._phase("selection"):
                 self.policy.select(layer, q, rows, state, self.key_meta[layer])
@@ -299,7 +310,7 @@ class SparseBackend(AttentionBackend):
                 kv_cache,
                 rows.cache_tables,
                 rows.seq_lens,
-                state.sel[layer],
+                sel,
                 rows.slots,
                 p.local,
                 scale,
@@ -372,7 +383,7 @@ class SparseBackend(AttentionBackend):
         self.policy.select(layer, q[:nd], rows, self.state, self.key_meta[layer])
         self.offload.plan_lagged(layer, tables, seq_lens, self.state.sel[layer], rows.slots)
 
-    def _select_next(self, layer, q, kv_cache, meta, cm, scale) -> None:
+    def _select_next(self, layer, q, meta, cm, scale) -> None:
         """Selects from each sequence's last query token into its write row (decodes every R-th
         step; a prompt's last token for the first decode), in every step of a sparse layer, dense
         ones too. Side stream: the main stream writes nothing it reads before the join."""
@@ -394,10 +405,8 @@ class SparseBackend(AttentionBackend):
             self.side.wait_stream(torch.cuda.current_stream(q.device))
             stream = torch.cuda.stream(self.side)
             self.pending.append(q)
-        with stream:
+        with stream:  # (a refining policy refines at the step that reads the lists: attend)
             self.policy.select(layer, q, rows, self.state, self.key_meta[layer])
-            if self.policy.prunes:
-                self.policy.refine(layer, q, kv_cache, rows, self.state, None)
 
     def seed_first_lists(self, layer: int, meta: AttentionMetadata, scratch: torch.Tensor) -> None:
         """Layer-segmented prefill under KV offload with lagged selection, after a sparse layer's selecting
@@ -449,5 +458,9 @@ class SparseBackend(AttentionBackend):
             return (torch.arange(mb, device=nb.device)[None] < nb[:, None])[:, None].expand(
                 -1, self.ctx.num_kv_heads, -1
             )
-        slots = self.step_rows[0][:nd] if self.params.lag else meta.backend_meta.slots[:nd]
-        return attended_blocks(self.state.sel[layer][slots.long()], seq_lens, self.params.local, bs, mb)
+        if self.refined is not None:  # this layer's refined lists: the probe calls after each layer
+            lists = self.refined[0][:nd]
+        else:
+            slots = self.step_rows[0][:nd] if self.params.lag else meta.backend_meta.slots[:nd]
+            lists = self.state.sel[layer][slots.long()]
+        return attended_blocks(lists, seq_lens, self.params.local, bs, mb)

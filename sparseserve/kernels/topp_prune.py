@@ -8,7 +8,10 @@ the forced blocks and the top candidates. Here:
      (forced entries included), averaged over the group (per_head: each head, union kept);
      keeps the forced entries and the candidates of mass >= t, for the largest t at which they
      reach p (ties at t kept; all when the total stays below p), compacts the list in place and
-     takes the dropped entries off stats[0]. A bit-pattern search, no sort.
+     takes the dropped entries off stats[0]. A bit-pattern search, no sort. With `out` (lagged
+     selection: the candidates stay, a step's query prunes them for itself) row b's result goes to
+     out[b] instead, padding rows get -1, and the prune counts what it keeps (stats[0] += kept,
+     stats[1] += 1 per live list): the candidates' selection counted nothing.
 Both skip padding rows, rows that fit the cap and, with reuse, lists kept this step, so the
 grid follows shapes only (capturable). Under KV offload keys are read through the pool view
 (`offload`, as in kernels/sparse_decode.py).
@@ -112,11 +115,14 @@ def topp_prune_ref(
     short_dense: bool = True,
     per_head: bool = False,
     offload: tuple | None = None,
+    out: torch.Tensor | None = None,
 ) -> None:
     """Right after the first stage wrote lists into sel [S, Hkv, cap] for the decode rows q
     [B, Hq, D]: prunes in place the lists recomputed this step (counter - 1 a multiple of R:
     the first stage already counted the step); stats[0] -= dropped entries. offload: as for
-    kernels/sparse_decode.py."""
+    kernels/sparse_decode.py. out (int32 [>= B, Hkv, cap]): row b's list pruned (or kept
+    whole when the prune skips it; -1 for padding rows) into out[b], sel untouched, stats[0] +=
+    kept entries and stats[1] += live lists (module docstring)."""
     block_size = kv_cache.shape[3]
     slots = slots.long()
     live = (seq_lens > 0)[:, None].expand(-1, sel.shape[1])
@@ -138,8 +144,14 @@ def topp_prune_ref(
         short_dense=short_dense,
         per_head=per_head,
     )
-    sel[slots] = torch.where(due[..., None], pruned, lists)
-    stats[0] -= (((lists >= 0).sum(-1) - (pruned >= 0).sum(-1)) * due).sum()
+    result = torch.where(due[..., None], pruned, lists)
+    if out is None:
+        sel[slots] = result
+        stats[0] -= ((lists >= 0).sum(-1) - (result >= 0).sum(-1)).sum()
+        return
+    out[: len(slots)] = torch.where(live[..., None], result, -1)
+    stats[0] += ((result >= 0) & live[..., None]).sum()
+    stats[1] += live.sum()
 
 
 def topp_prune(
@@ -313,9 +325,11 @@ def _prune_kernel(
     sel_ptr,
     counter_ptr,
     stats_ptr,
+    out_ptr,
     top_p,
     stride_ss,
     stride_cs,
+    stride_ob,
     GROUP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     CAP: tl.constexpr,
@@ -328,19 +342,23 @@ def _prune_kernel(
     CAP_PAD: tl.constexpr,
     WAYS: tl.constexpr,
     ITERS: tl.constexpr,
+    OUT: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Prunes the list of (b, kvh) in place (reference: prune_ref)."""
+    """Prunes the list of (b, kvh) in place, or with OUT into out row b (reference: topp_prune_ref)."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    if _skip(seq_lens_ptr, slots_ptr, counter_ptr, b, kvh, stride_cs, BLOCK_SIZE, CAP, REUSE, SHORT_DENSE):
-        return
-    nb = tl.cdiv(tl.load(seq_lens_ptr + b), BLOCK_SIZE)
+    skip = _skip(seq_lens_ptr, slots_ptr, counter_ptr, b, kvh, stride_cs, BLOCK_SIZE, CAP, REUSE, SHORT_DENSE)
+    if not OUT:
+        if skip:
+            return
+    seq_len = tl.load(seq_lens_ptr + b)
+    nb = tl.cdiv(seq_len, BLOCK_SIZE)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     e = tl.arange(0, CAP_PAD)
     sel_row = sel_ptr + slot * stride_ss + kvh * CAP
-    j = tl.load(sel_row + e, mask=e < CAP, other=-1)
+    j = tl.load(sel_row + e, mask=e < tl.where(seq_len > 0, CAP, 0), other=-1)  # a padding row's slot: any list
     listed = j >= 0
     forced = listed & ((j < SINK) | (j >= nb - LOCAL))
     cand = listed & ~forced
@@ -364,11 +382,18 @@ def _prune_kernel(
             )
     else:
         keep = keep | _keep_top_p(tl.sum(probs, 0) / GROUP, forced, cand, top_p, WAYS, ITERS)
+    if OUT:  # a skipped list (its lse unwritten) is kept whole; the prune counts what it keeps
+        keep = tl.where(skip, listed, keep)
+        sel_row = out_ptr + b.to(tl.int64) * stride_ob + kvh * CAP
     count = tl.sum(keep.to(tl.int32), 0)
     pos = tl.cumsum(keep.to(tl.int32), 0) - 1
     tl.store(sel_row + pos, j, mask=keep)  # pos <= e: every entry was read before any store
     tl.store(sel_row + e, tl.full([CAP_PAD], -1, tl.int32), mask=(e >= count) & (e < CAP))
-    tl.atomic_add(stats_ptr, (count - tl.sum(listed.to(tl.int32), 0)).to(tl.int64))
+    if OUT:
+        tl.atomic_add(stats_ptr, count.to(tl.int64))
+        tl.atomic_add(stats_ptr + 1, (seq_len > 0).to(tl.int64))
+    else:
+        tl.atomic_add(stats_ptr, (count - tl.sum(listed.to(tl.int32), 0)).to(tl.int64))
 
 
 def block_lse_triton(
@@ -460,9 +485,10 @@ def prune_lists_triton(
     short_dense: bool = True,
     per_head: bool = False,
     ways: int = 4,
+    out: torch.Tensor | None = None,
 ) -> None:
     """Prunes sel[slots] in place from their blocks' lse [B, Hq, cap] (prune_ref); stats[0] -=
-    dropped entries."""
+    dropped entries. out: topp_prune_ref's."""
     batch, num_q_heads, cap = lse.shape
     num_kv_heads = sel.shape[1]
     if batch == 0:
@@ -470,6 +496,9 @@ def prune_lists_triton(
     if cap > MAX_PRUNE_CAP:
         raise ValueError(f"topp prunes lists of up to {MAX_PRUNE_CAP} blocks, got {cap}: lower sparse_budget")
     assert cap == sel.shape[-1] and sel.stride(2) == 1 and counter.stride(1) == 1 and lse.is_contiguous()
+    if out is not None:
+        assert out.shape[0] >= batch and out.shape[1:] == sel.shape[1:] and out.stride(2) == 1
+        assert out.stride(1) == cap
     group = num_q_heads // num_kv_heads
     pdl = use_pdl(lse.device)
     _prune_kernel[(batch, num_kv_heads)](
@@ -479,9 +508,11 @@ def prune_lists_triton(
         sel,
         counter,
         stats,
+        sel if out is None else out,
         prune_target(top_p),
         sel.stride(0),
         counter.stride(0),
+        0 if out is None else out.stride(0),
         GROUP=group,
         BLOCK_SIZE=block_size,
         CAP=cap,
@@ -494,6 +525,7 @@ def prune_lists_triton(
         CAP_PAD=max(16, triton.next_power_of_2(cap)),
         WAYS=ways,
         ITERS=-(-31 // (ways.bit_length() - 1)) + 1,
+        OUT=out is not None,
         num_warps=4,
         PDL=pdl,
         launch_pdl=pdl,
@@ -518,6 +550,7 @@ def topp_prune_triton(
     short_dense: bool = True,
     per_head: bool = False,
     offload: tuple | None = None,
+    out: torch.Tensor | None = None,
 ) -> None:
     lse = block_lse_triton(
         q,
@@ -547,4 +580,5 @@ def topp_prune_triton(
         reuse=reuse,
         short_dense=short_dense,
         per_head=per_head,
+        out=out,
     )

@@ -81,7 +81,7 @@ def test_config_and_flags():
         dict(sparse_policy="topk", sparse_budget=128, block_size=32),  # 4 blocks: no room past sink + local
         dict(sparse_lag=2),
         dict(sparse_policy="topk", sparse_lag=1, sparse_reuse=2, kv_offload=True),
-        dict(sparse_policy="topp", sparse_lag=1),
+        dict(sparse_policy="topp", sparse_lag=1, kv_offload=True),
     ]
     for kwargs in bad:
         with pytest.raises(ValueError):
@@ -148,6 +148,11 @@ def test_full_budget_equals_dense(hf_models):
     assert lagged == dense
     # every decode, and every prefill chunk's end (at least one a sequence)
     assert llm.llm_engine.get_stats().sparse_selections >= 2 * 2 * 3 * GREEDY.max_tokens
+    # lagged topp: candidates from the step before, pruned by each decode's own query, which counts them
+    lagged, llm, probe = run(model_dir, probe=True, sparse_policy="topp", sparse_top_p=1.0, sparse_lag=1, **forced)
+    assert lagged == dense
+    assert all(r["mass_min"] > 1 - 1e-6 for r in probe.values())
+    assert llm.llm_engine.get_stats().sparse_selections == 2 * 2 * 3 * (GREEDY.max_tokens - 1)
 
 
 @pytest.mark.parametrize("lag", [0, 1])

@@ -13,6 +13,7 @@ from sparseserve.kernels.block_score import block_scores_ref, select_ref
 from sparseserve.kernels.dispatch import forced
 from sparseserve.kernels.key_meta import rebuild_key_meta
 from sparseserve.kernels.sparse_decode import sparse_decode_ref
+from sparseserve.kernels.topp_prune import block_lse_ref, prune_ref
 from tests.kernel_utils import DEVICE as DEV
 from tests.kernel_utils import gpu_only, rel_err
 from tests.kernels.test_sparse_kernels import decode_batch
@@ -88,17 +89,19 @@ def _extend(cache: torch.Tensor, meta: AttentionMetadata, steps: int, bs: int) -
 
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-@pytest.mark.parametrize("reuse", [1, 2])
-def test_lagged_selection(impl, reuse):
+@pytest.mark.parametrize("policy,reuse", [("topk", 1), ("topk", 2), ("topp", 1), ("topp", 2)])
+def test_lagged_selection(impl, policy, reuse):
     """sparse_lag=1 through SparseBackend.forward: a prefill's last token selects, then decode steps. Each decode
     attends the list of the latest earlier selection (the prefill's end, then each decode at a context that is
-    a multiple of R), recomputed here from the references on the queries and key metadata of that step."""
+    a multiple of R), recomputed here from the references on the queries and key metadata of that step; topp
+    prunes those candidates with each step's own query (the counters report what the steps attended)."""
     torch.manual_seed(9)
     hq, hkv, d, bs, steps, scale = 8, 2, 32, 16, 4, 32**-0.5
     q, cache, meta = decode_batch([158, 0, 95, 200], hq, hkv, d, bs, torch.float32, slack=steps + 1)
     cache = _extend(cache, meta, steps, bs)
+    topp = dict(sparse_top_p=0.7) if policy == "topp" else {}
     backend = sparse_backend(
-        "topk", 6 * bs, bs, hkv, d, torch.float32, cache.shape[0], sparse_reuse=reuse, sparse_lag=1
+        policy, 6 * bs, bs, hkv, d, torch.float32, cache.shape[0], sparse_reuse=reuse, sparse_lag=1, **topp
     )
     rebuild_key_meta(cache[None], backend.key_meta.codes, backend.key_meta.scale, bs)
     with_slots(meta)
@@ -106,7 +109,7 @@ def test_lagged_selection(impl, reuse):
     live = meta.seq_lens > 0
     latest = torch.full((4, hkv, p.cap), -1, dtype=torch.int32, device=DEV)
     rows = torch.arange(4, device=DEV)
-    selections = 0
+    selections = attended = candidates = 0
     for step in range(steps + 1):  # step 0: a prefill chunk of one token a sequence; then decodes
         if step:
             meta.seq_lens += live.to(torch.int32)
@@ -115,11 +118,19 @@ def test_lagged_selection(impl, reuse):
         meta.slot_mapping = torch.where(
             live, meta.block_tables.long().gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs, -1
         )
-        q, k, v = (torch.randn(4, h, d, device=DEV) for h in (hq, hkv, hkv))
+        q, k, v = (3 * torch.randn(4, h, d, device=DEV) for h in (hq, hkv, hkv))
         with forced(impl):
             out = backend.forward(0, q, k, v, cache, meta, scale)
         if step:
-            ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, latest, rows, p.local, scale)
+            lists = latest
+            if policy == "topp":
+                lse = block_lse_ref(q, cache, meta.block_tables, meta.seq_lens, latest, scale)
+                kw = dict(sink=p.sink, local=p.local, top_p=p.top_p, short_dense=p.short_dense)
+                lists = prune_ref(lse, latest, meta.seq_lens, block_size=bs, **kw)
+                selections += int(live.sum()) * hkv
+                attended += int((lists[live] >= 0).sum())
+                candidates += int((latest[live] >= 0).sum())
+            ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, lists, rows, p.local, scale)
             assert rel_err(out[live], ref[live]) < 1e-5, step
         km = backend.key_meta[0]
         scores = block_scores_ref(q, km.codes, km.scale, meta.block_tables, meta.seq_lens, mb, bs, scale)
@@ -131,14 +142,17 @@ def test_lagged_selection(impl, reuse):
             cap=p.cap,
             sink=p.sink,
             local=p.local,
-            prev=latest,  # sticky (the default) to the list this step attends
+            prev=latest,  # sticky (the default) to the list this step attends (topp: the candidates)
             stickiness=p.stickiness,
             ahead=1,  # forcing the local window of the next step, which reads the list
         )
         due = live & ((step == 0) | (meta.seq_lens % reuse == 0))
         latest = torch.where(due[:, None, None], lists, latest)
-        selections += int(due.sum()) * hkv
+        if policy == "topk":
+            selections += int(due.sum()) * hkv
     assert int(backend.state.stats[1]) == selections
+    if policy == "topp":
+        assert int(backend.state.stats[0]) == attended < candidates  # pruned, and counted once a step
 
 
 @gpu_only

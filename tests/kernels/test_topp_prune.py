@@ -243,3 +243,38 @@ def test_topp_prune_offload(hq, hkv):
     for a, b in zip(*states):
         assert torch.equal(a, b)
     assert int(states[1][2][0]) < int(state[2][0])  # something was pruned
+
+
+@pytest.mark.parametrize("hq,hkv,per_head", [(8, 2, False), pytest.param(9, 3, True, id="group3-each")])
+def test_topp_prune_into_rows(hq, hkv, per_head):
+    """Lagged topp: the prune writes row b's result to out[b] (a padding row: -1), leaves the candidates as they
+    are and counts what it keeps; both kernels equal the reference, and equal the in-place prune's lists."""
+    torch.manual_seed(4)
+    d, bs, cap, nslots, top_p = 32, 16, 8, 6, 0.7
+    q, cache, tables, seq_lens = batch(LENS, hq, hkv, d, bs, torch.float32, sharp=3.0)
+    slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
+    p = params(cap, bs, top_p, per_head=per_head)
+    state = (
+        torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
+        torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV),
+        torch.zeros(2, dtype=torch.int64, device=DEV),
+    )
+    streaming = torch.zeros(hkv, dtype=torch.bool, device=DEV)
+    candidates(seq_lens, slots, state, streaming, p, random_scores(seq_lens, hq, bs))
+    kw = dict(sink=1, local=2, top_p=top_p, scale=d**-0.5, per_head=per_head)
+    in_place = tuple(t.clone() for t in state)
+    topp_prune_ref(q, cache, tables, seq_lens, slots, *in_place, **kw)
+    live = seq_lens > 0
+    outs = []
+    for fn in (topp_prune_ref, topp_prune_triton):
+        sel, counter, _ = (t.clone() for t in state)
+        stats = torch.zeros(2, dtype=torch.int64, device=DEV)
+        out = torch.full((len(LENS) + 1, hkv, cap), 7, dtype=torch.int32, device=DEV)  # one spare row
+        fn(q, cache, tables, seq_lens, slots, sel, counter, stats, out=out, **kw)
+        assert torch.equal(sel, state[0])  # the candidates stay
+        assert (out[: len(LENS)][~live] == -1).all() and (out[len(LENS)] == 7).all()
+        assert torch.equal(out[: len(LENS)][live], in_place[0][slots.long()][live])
+        assert int(stats[0]) == int((out[: len(LENS)] >= 0).sum()) and int(stats[1]) == int(live.sum()) * hkv
+        outs.append((out, stats))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert int(outs[0][1][0]) < int((state[0][slots.long()][live] >= 0).sum())  # something was pruned

@@ -3,7 +3,9 @@
 A prefill whose context is longer than `OffloadConfig.segment_min_tokens` (at most one step's
 budget) is admitted with every token block of its context and only its first decode's window on
 the device, and runs a few layers per step for all its tokens: a segment of L layers over T
-tokens costs T*L/num_layers of the budget. One at a time, FCFS."""
+tokens costs T*L/num_layers of the budget. One at a time, FCFS. With `decode_steps` N, each segment
+that ran beside decodes is followed by N steps of theirs without one (their tokens come more often,
+the prefill later)."""
 
 from __future__ import annotations
 
@@ -63,9 +65,11 @@ def only_decodes(out: SchedulerOutput) -> bool:
 
 
 class LayerSegmentedPrefill(SchedulerPolicy):
-    def __init__(self, planner: SegmentPlanner) -> None:
+    def __init__(self, planner: SegmentPlanner, decode_steps: int = 0) -> None:
         self.planner = planner
         self.layers_done: dict[int, int] = {}  # seq_id -> layers done of its prefill
+        self.decode_steps = decode_steps
+        self.owed = 0  # decode steps still owed to the decodes a segment delayed
 
     @property
     def num_layers(self) -> int:
@@ -85,7 +89,10 @@ class LayerSegmentedPrefill(SchedulerPolicy):
     def next_segment(self, seq: Sequence, budget: int, out: SchedulerOutput) -> LayerSegment | None:
         left = seq.num_tokens - seq.num_computed_tokens
         done = self.layers_done[seq.seq_id]
-        return self.planner.segment(seq, left, done, budget, only_decodes(out), self._beside_decodes(seq))
+        beside = self._beside_decodes(seq)
+        if beside and self.owed:
+            return None
+        return self.planner.segment(seq, left, done, budget, only_decodes(out), beside)
 
     def _beside_decodes(self, seq: Sequence) -> bool:
         """Another running request is decoding (its next token waits for this step)."""
@@ -105,9 +112,10 @@ class LayerSegmentedPrefill(SchedulerPolicy):
             hit = kv.lookup(seq, host=False)
             parked, computed = hit.parked, len(hit.blocks) * bs
         held = len(seq.block_table) if hit is None else len(hit.blocks)
-        seg = self.planner.segment(
-            seq, seq.num_tokens - computed, 0, budget, only_decodes(out), self._beside_decodes(seq)
-        )
+        beside = self._beside_decodes(seq)
+        if beside and self.owed:
+            return None
+        seg = self.planner.segment(seq, seq.num_tokens - computed, 0, budget, only_decodes(out), beside)
         need = blocks_needed(seq.num_tokens, bs) - held
         if (
             seg is None
@@ -127,6 +135,13 @@ class LayerSegmentedPrefill(SchedulerPolicy):
         kv.device_space.schedule_segmented(seq)
         self.layers_done[seq.seq_id] = 0
         return seg
+
+    def end_step(self, out: SchedulerOutput) -> None:
+        """A segment beside decodes owes them `decode_steps` steps; a step of decodes alone pays one."""
+        if out.segments and any(n == 1 for _, n in out.scheduled):
+            self.owed = self.decode_steps
+        elif out.scheduled and not out.segments:
+            self.owed = max(self.owed - 1, 0)
 
     def finish_segment(self, seg: LayerSegment) -> bool:
         """After the step that ran it; True when that completes the prefill."""
