@@ -137,10 +137,11 @@ class LayerSegmentedPrefill(SchedulerPolicy):
         return seg
 
     def end_step(self, out: SchedulerOutput) -> None:
-        """A segment beside decodes owes them `decode_steps` steps; a step of decodes alone pays one."""
+        """A segment beside decodes owes them `decode_steps` steps; any step without a segment pays one (so a
+        prefill waits at most that many steps, whatever runs)."""
         if out.segments and any(n == 1 for _, n in out.scheduled):
             self.owed = self.decode_steps
-        elif out.scheduled and not out.segments:
+        elif not out.segments:
             self.owed = max(self.owed - 1, 0)
 
     def finish_segment(self, seg: LayerSegment) -> bool:
