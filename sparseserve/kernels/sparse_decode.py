@@ -324,6 +324,10 @@ def _sparse_split_tma_kernel(
     sel_ptr,
     part_out_ptr,
     part_lse_ptr,
+    pool_desc,
+    host_ptr,
+    loc_ptr,
+    key_ptr,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -340,12 +344,16 @@ def _sparse_split_tma_kernel(
     SPLIT_E: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    OFFLOAD: tl.constexpr,
+    VIEW_BY_SLOT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """The split kernel with the block gather done by TMA: a descriptor over the layer's cache as
     [blocks x Hkv x 2 x block_size, D] rows, one [block_size, D] box for K and one for V. A
     program loads its SPLIT_E entries' blocks up front, then loops over valid entries only, so
-    no load depends on another (docs/sparse.md, "Kernel notes")."""
+    no load depends on another (docs/sparse.md, "Kernel notes"). OFFLOAD: the listed entries in
+    pool slots through a second descriptor over the pool ([slots x 2 x block_size, D] rows), those
+    read from their host rows (bypass) by pointer, the window from the cache."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -365,21 +373,46 @@ def _sparse_split_tma_kernel(
     j = tl.load(sel_ptr + slot * stride_ss + kvh * CAP + e, mask=listed, other=-1)
     j = tl.where(listed, j, local_start + e - CAP)
     ok = tl.where(listed, (j >= 0) & (j < local_start), j < nb) & (e < CAP + LOCAL)
-    blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + j, mask=ok, other=0)
-    rank = tl.where(ok, tl.cumsum(ok.to(tl.int32), 0) - 1, -1)  # the loop's i-th block: rank i
+    cached = ok
+    if OFFLOAD:  # listed entries: a pool slot, or (-1) the host row; the window: the device cache
+        lrow = ((slot if VIEW_BY_SLOT else b.to(tl.int64)) * NUM_KV_HEADS + kvh) * CAP
+        in_list = ok & listed
+        pslot = tl.load(loc_ptr + lrow + e, mask=in_list, other=-1)
+        hkey = tl.load(key_ptr + lrow + e, mask=in_list, other=0).to(tl.int64)
+        cached = ok & ~listed
+    blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + j, mask=cached, other=0)
+    rank = tl.where(cached, tl.cumsum(cached.to(tl.int32), 0) - 1, -1)  # the loop's i-th block: rank i
     # the block's K rows, V after them (int32: TMA coordinates)
     row0 = (blk * NUM_KV_HEADS + kvh) * (2 * BLOCK_SIZE)
     tok = tl.arange(0, BLOCK_SIZE)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    for i in tl.range(0, tl.sum(ok.to(tl.int32), 0), num_stages=NUM_STAGES):
+    for i in tl.range(0, tl.sum(cached.to(tl.int32), 0), num_stages=NUM_STAGES):
         pick = rank == i
         r = tl.sum(tl.where(pick, row0, 0), 0)
         first = tl.sum(tl.where(pick, j, 0), 0) * BLOCK_SIZE
         k = kv_desc.load([r, 0])
         v = kv_desc.load([r + BLOCK_SIZE, 0])
         m_i, l_i, acc = _attend_tile(q, k, v, first + tok < seq_len, m_i, l_i, acc, qk_scale, DOT_PREC)
+    if OFFLOAD:
+        pooled = in_list & (pslot >= 0)
+        prank = tl.where(pooled, tl.cumsum(pooled.to(tl.int32), 0) - 1, -1)
+        prow = (tl.maximum(pslot, 0) * (2 * BLOCK_SIZE)).to(tl.int32)
+        for i in tl.range(0, tl.sum(pooled.to(tl.int32), 0), num_stages=NUM_STAGES):
+            r = tl.sum(tl.where(prank == i, prow, 0), 0)
+            k = pool_desc.load([r, 0])
+            v = pool_desc.load([r + BLOCK_SIZE, 0])  # a listed block lies before the window: every row valid
+            m_i, l_i, acc = _attend_tile(q, k, v, tok < BLOCK_SIZE, m_i, l_i, acc, qk_scale, DOT_PREC)
+        hosted = in_list & (pslot < 0)
+        hrank = tl.where(hosted, tl.cumsum(hosted.to(tl.int32), 0) - 1, -1)
+        kv_mask = (tok < BLOCK_SIZE)[:, None] & (dims < HEAD_DIM)[None, :]
+        for i in range(0, tl.sum(hosted.to(tl.int32), 0)):  # rare (the pool's bypass reads): by pointer, UVA
+            base = host_ptr + tl.sum(tl.where(hrank == i, hkey, 0), 0) * (2 * BLOCK_SIZE * HEAD_DIM)
+            k_ptrs = base + (tok * HEAD_DIM)[:, None] + dims[None, :]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(k_ptrs + BLOCK_SIZE * HEAD_DIM, mask=kv_mask, other=0.0)
+            m_i, l_i, acc = _attend_tile(q, k, v, tok < BLOCK_SIZE, m_i, l_i, acc, qk_scale, DOT_PREC)
     _store_partial(part_out_ptr, part_lse_ptr, b, heads, split, dims, g, q_mask, m_i, l_i, acc, GROUP, BLOCK_D)
 
 
@@ -422,7 +455,7 @@ class SparseDecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     tiles: int = 0  # tiles a program loops over (0: as many as target_programs leaves)
-    tma: bool = False  # gather with TMA (capability 9+, no offload): tiles x tile_n tokens
+    tma: bool = False  # gather with TMA (capability 9+; offload: the pool's too): tiles x tile_n tokens
 
 
 # bf16/fp16, offload too: a few tiles a program, 3 stages.
@@ -432,15 +465,19 @@ TMA_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=2, num_stages=3, tiles=4, 
 
 
 def default_config(kv_cache: torch.Tensor, offload) -> SparseDecodeConfig:
-    """TMA_CONFIG on a GPU where TMA applies, else FAST_CONFIG (the interpreter: plain kernel)."""
+    """TMA_CONFIG on a GPU where TMA applies without offload, else FAST_CONFIG (the interpreter: plain
+    kernel). Under offload the TMA gather is built and tested, not yet measured: only asked for."""
     on_gpu = kv_cache.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-    return TMA_CONFIG if on_gpu and tma_capable(kv_cache, offload) else FAST_CONFIG
+    return TMA_CONFIG if on_gpu and offload is None and tma_capable(kv_cache, offload) else FAST_CONFIG
 
 
 def tma_capable(kv_cache: torch.Tensor, offload) -> bool:
-    """A 2-D descriptor over the cache works: one contiguous tensor, no offload, a GPU of
-    compute capability 9+ or the interpreter."""
-    if offload is not None or not kv_cache.is_contiguous():
+    """2-D descriptors over the cache (and the pool) work: contiguous tensors whose head_dim is a power
+    of two, a GPU of compute capability 9+ or the interpreter."""
+    head_dim = kv_cache.shape[-1]
+    if not kv_cache.is_contiguous() or head_dim & (head_dim - 1):
+        return False
+    if offload is not None and not offload[0].is_contiguous():
         return False
     return kv_cache.device.type != "cuda" or torch.cuda.get_device_capability(kv_cache.device)[0] >= 9
 
@@ -527,7 +564,9 @@ def sparse_decode_triton(
     if config.tma and tma_capable(kv_cache, offload) and per_split & (per_split - 1) == 0:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        kv_desc = TensorDescriptor.from_tensor(kv_cache.view(-1, head_dim), [block_size, head_dim])
+        box = [block_size, head_dim]
+        kv_desc = TensorDescriptor.from_tensor(kv_cache.view(-1, head_dim), box)
+        pool_desc = kv_desc if offload is None else TensorDescriptor.from_tensor(pool_slots.view(-1, head_dim), box)
         _sparse_split_tma_kernel[(batch, num_kv_heads, num_splits)](
             q,
             kv_desc,
@@ -537,6 +576,10 @@ def sparse_decode_triton(
             sel,
             part_out,
             part_lse,
+            pool_desc,
+            host_flat,
+            loc,
+            key,
             scale * LOG2E,
             q.stride(0),
             q.stride(1),
@@ -545,6 +588,8 @@ def sparse_decode_triton(
             NUM_KV_HEADS=num_kv_heads,
             SPLIT_E=per_split,
             NUM_STAGES=config.num_stages,
+            OFFLOAD=offload is not None,
+            VIEW_BY_SLOT=view_by_slot,
             **common,
         )
     else:
