@@ -17,6 +17,9 @@ device time of the step launched in the earlier one, which is the step that prod
     python -m benchmarks.decode_time --model mha7b --dataset longbench --longbench-tokenizer llama2 \
         --num-requests 24 --output-len 1024 --configs dense sparse_async layerseg_async
 
+With `dense` among the configs a second table (and the JSON's `against_dense`) gives each config's throughput,
+mean TTFT (times lower) and TPOT as ratios to it, in the same call.
+
 `--profile-window START N` torch-profiles those steps of each config: the GPU's critical path by kind of work and
 the host calls that blocked, with the engine functions that made them (bench/gpu_trace.py; how the pageable
 saves of docs/offload.md, "Saves through the kernel", were found).
@@ -264,11 +267,15 @@ def main(argv: list[str] | None = None) -> dict:
         + ": "
         "TPOT = decode + with_prefill + waiting (ms per output token)",
     )
+    ratios = against(rows)
+    if ratios:
+        print_table(ratios, "against dense in this call (TTFT: how many times lower)")
     report = {
         "date": datetime.date.today().isoformat(),
         "model": args.model,
         "args": vars(args),
         "rows": rows,
+        "against_dense": ratios,
         "timelines": {
             c: [dataclasses.asdict(s) | {"requests": sorted(s.requests)} for s in steps]
             for c, (_, steps) in runs.items()
@@ -277,6 +284,27 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return report
+
+
+def against(rows: list[dict], base: str = "dense") -> list[dict]:
+    """Each config's throughput, mean TTFT (times lower) and TPOT as ratios to `base` of the same call; [] without
+    it (the issue's targets are such ratios)."""
+    ref = next((r for r in rows if r["config"] == base), None)
+    if ref is None:
+        return []
+
+    def ratio(a: float, b: float) -> float | None:
+        return a / b if b else None
+
+    return [
+        {
+            "config": r["config"],
+            "x_tok_s": ratio(r["output_tok_s"], ref["output_tok_s"]),
+            "ttft_x_lower": ratio(ref["mean_ttft_s"], r["mean_ttft_s"]),
+            "x_tpot": ratio(r["tpot_ms"], ref["tpot_ms"]),
+        }
+        for r in rows
+    ]
 
 
 if __name__ == "__main__":

@@ -106,6 +106,13 @@ def test_decode_time_smoke(tiny_model_dir, tmp_path):
         assert row["decode_ms"] + row["with_prefill_ms"] + row["waiting_ms"] == pytest.approx(row["tpot_ms"])
         assert row["decode_steps"] > 0 and row["output_tok_s"] > 0
     assert "hbm_hit" in report["rows"][1]
+    dense, seg = report["rows"]
+    ratios = {r["config"]: r for r in report["against_dense"]}  # the ratios, against dense of this call
+    assert ratios["dense"] == {"config": "dense", "x_tok_s": 1.0, "ttft_x_lower": 1.0, "x_tpot": 1.0}
+    assert ratios["layerseg_async"]["x_tok_s"] == pytest.approx(seg["output_tok_s"] / dense["output_tok_s"])
+    assert ratios["layerseg_async"]["ttft_x_lower"] == pytest.approx(dense["mean_ttft_s"] / seg["mean_ttft_s"])
+    assert ratios["layerseg_async"]["x_tpot"] == pytest.approx(seg["tpot_ms"] / dense["tpot_ms"])
+    assert D.against(report["rows"][1:]) == []  # no dense in the call: no ratios
 
 
 @pytest.fixture
