@@ -88,15 +88,14 @@ class LayerSegmentedPrefill(SchedulerPolicy):
 
     def next_segment(self, seq: Sequence, budget: int, out: SchedulerOutput) -> LayerSegment | None:
         left = seq.num_tokens - seq.num_computed_tokens
-        done = self.layers_done[seq.seq_id]
-        beside = self._beside_decodes(seq)
-        if beside and self.owed:
-            return None
-        return self.planner.segment(seq, left, done, budget, only_decodes(out), beside)
+        return self._segment(seq, left, self.layers_done[seq.seq_id], budget, out)
 
-    def _beside_decodes(self, seq: Sequence) -> bool:
-        """Another running request is decoding (its next token waits for this step)."""
-        return any(s is not seq and s.num_computed_tokens + 1 >= s.num_tokens for s in self.sched.running)
+    def _segment(self, seq: Sequence, tokens: int, done: int, budget: int, out: SchedulerOutput) -> LayerSegment | None:
+        """The planner's next segment; none while decode steps are owed to the requests decoding beside it."""
+        decodes = any(s is not seq and s.num_computed_tokens + 1 >= s.num_tokens for s in self.sched.running)
+        if decodes and self.owed:
+            return None
+        return self.planner.segment(seq, tokens, done, budget, only_decodes(out), decodes)
 
     def admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> LayerSegment | None:
         """Admits the head of the queue if it fits (None: it waits): its prefix-cache hit taken (a
@@ -112,10 +111,7 @@ class LayerSegmentedPrefill(SchedulerPolicy):
             hit = kv.lookup(seq, host=False)
             parked, computed = hit.parked, len(hit.blocks) * bs
         held = len(seq.block_table) if hit is None else len(hit.blocks)
-        beside = self._beside_decodes(seq)
-        if beside and self.owed:
-            return None
-        seg = self.planner.segment(seq, seq.num_tokens - computed, 0, budget, only_decodes(out), beside)
+        seg = self._segment(seq, seq.num_tokens - computed, 0, budget, out)
         need = blocks_needed(seq.num_tokens, bs) - held
         if (
             seg is None
