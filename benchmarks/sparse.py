@@ -43,12 +43,14 @@ from sparseserve.kvcache.metadata import key_meta_block_bytes
 DTYPE = torch.bfloat16
 
 
-def backend(cfg: SparseConfig, layers: int, hkv: int, d: int, bs: int, batch: int, caches) -> SparseBackend:
+def backend(
+    cfg: SparseConfig, layers: int, hkv: int, d: int, bs: int, batch: int, caches, dtype: torch.dtype = DTYPE
+) -> SparseBackend:
     """A sparse backend over given caches (one [NB, Hkv, 2, bs, D] a layer), its key metadata built from them."""
     num_blocks = caches[0].shape[0]
-    sp = SparseBackend(BackendContext(layers, hkv, d, bs, DTYPE, caches[0].device, batch, 1 << 30, cfg))
+    sp = SparseBackend(BackendContext(layers, hkv, d, bs, dtype, caches[0].device, batch, 1 << 30, cfg))
     sp.allocate(num_blocks)
-    rebuild_key_meta(caches, sp.key_meta.codes, sp.key_meta.scale, bs)
+    rebuild_key_meta(caches, sp.key_meta.codes, sp.key_meta.scale, sp.params.page_size)
     return sp
 
 

@@ -458,17 +458,17 @@ class SparseDecodeConfig:
     tma: bool = False  # gather with TMA (capability 9+; offload: the pool's too): tiles x tile_n tokens
 
 
-# bf16/fp16, offload too: a few tiles a program, 3 stages.
+# bf16/fp16 where TMA does not apply: a few tiles a program, 3 stages.
 FAST_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=4, num_stages=3, tiles=4)
-# Where TMA applies (bf16/fp16, capability 9+, no offload): 16 blocks a program, 2 warps.
+# Where TMA applies (bf16/fp16, capability 9+; offload too): 16 blocks a program, 2 warps.
 TMA_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=2, num_stages=3, tiles=4, tma=True)
 
 
 def default_config(kv_cache: torch.Tensor, offload) -> SparseDecodeConfig:
-    """TMA_CONFIG on a GPU where TMA applies without offload, else FAST_CONFIG (the interpreter: plain
-    kernel). Under offload the TMA gather is built and tested, not yet measured: only asked for."""
+    """TMA_CONFIG on a GPU where TMA applies (with or without offload), else FAST_CONFIG (the interpreter:
+    plain kernel)."""
     on_gpu = kv_cache.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-    return TMA_CONFIG if on_gpu and offload is None and tma_capable(kv_cache, offload) else FAST_CONFIG
+    return TMA_CONFIG if on_gpu and tma_capable(kv_cache, offload) else FAST_CONFIG
 
 
 def tma_capable(kv_cache: torch.Tensor, offload) -> bool:

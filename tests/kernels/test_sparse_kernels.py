@@ -30,7 +30,7 @@ from sparseserve.kernels.key_meta import (
 )
 from sparseserve.kernels.paged_decode import MERGE_TILE
 from sparseserve.kernels.sparse_decode import (
-    TMA_CONFIG,
+    FAST_CONFIG,
     SparseDecodeConfig,
     read_listed_ref,
     sparse_decode_ref,
@@ -680,10 +680,10 @@ def test_sparse_decode_splits_odd_groups(hq, hkv, offload):
 @gpu_only
 @pytest.mark.parametrize("offload", [False, True])
 def test_large_decode_group3_gpu(offload):
-    """SmolLM2-135M's attention shape (9 query / 3 KV heads, D=64) in bf16 at 8K contexts with the default launch
-    configs (the TMA gather on Hopper without offload): the scores against their reference, and the sparse kernel
-    on the lists the selection kernel left against the reference (offloaded: through pool slots and host rows,
-    the device cache before each window poisoned)."""
+    """SmolLM2-135M's attention shape (9 query / 3 KV heads, D=64) in bf16 at 8K contexts: the scores against
+    their reference, and the sparse kernel on the lists the selection kernel left against the reference, with the
+    default launch config (the TMA gather on Hopper, offloaded or not) and the pointer gather (offloaded: through
+    pool slots and host rows, the device cache before each window poisoned)."""
     torch.manual_seed(11)
     hq, hkv, d, bs, cap, local = 9, 3, 64, 32, 64, 2
     lens = [8192, 5000, 0, 8000 - 7]
@@ -731,18 +731,13 @@ def test_large_decode_group3_gpu(offload):
     kw = {}
     if offload:
         kw["offload"], _, cache = offload_inputs(cache, meta.block_tables, meta.seq_lens, sel, local)
-    else:
-        assert tma_capable(cache, None)
+    assert tma_capable(cache, kw.get("offload"))  # so the default is the TMA gather
     ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, scale, **kw)
-    out = torch.full_like(q, float("nan"))
-    sparse_decode_triton(q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, scale, out=out, **kw)
-    assert torch.isfinite(out).all() and rel_err(out, ref) < TOL[torch.bfloat16]
-    if offload:  # the TMA gather of the pool (asked for: not the default under offload yet)
-        assert tma_capable(cache, kw["offload"])
+    args = (q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, scale)
+    for config in (None, FAST_CONFIG):  # the default, then the pointer gather (where TMA does not apply)
         out = torch.full_like(q, float("nan"))
-        args = (q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, scale)
-        sparse_decode_triton(*args, out=out, config=TMA_CONFIG, **kw)
-        assert torch.isfinite(out).all() and rel_err(out, ref) < TOL[torch.bfloat16]
+        sparse_decode_triton(*args, out=out, config=config, **kw)
+        assert torch.isfinite(out).all() and rel_err(out, ref) < TOL[torch.bfloat16], config
 
 
 def test_step_slots():

@@ -1,0 +1,155 @@
+"""Issue 40: where a selection policy's decode layer spends its time, stage by stage, each stage in a CUDA graph
+of its own: scoring and selection (as the engine calls them), and for topp the candidates' block lse and the
+prune over launch variants (the lse's tile, the prune's `ways`; the first of each is the default), then the
+attention over the final lists. One layer at Llama-3.1-8B's attention shape (32 query / 8 KV heads, D=128,
+bf16) over random keys and queries, batch B at each context: attention is flat, so topp keeps nearly every
+candidate, as with the dummy weights of `benchmarks.sparse --step`.
+
+    python -m benchmarks.topp_parts --contexts 32768 131072 --batch 4 --policies topk:sparse_budget=2048 \\
+        topp:sparse_budget=4096,sparse_top_p=0.99,logical_page_size=16 [--json out.json]
+
+A spec is the accuracy benchmark's (`block_size=16` sets the cache's block size; default 32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from collections.abc import Callable
+
+import torch
+import triton
+
+from benchmarks.sparse import DTYPE, backend, graph_ms
+from sparseserve.attention.selection import DecodeRows
+from sparseserve.bench.hardware import print_table
+from sparseserve.config import SparseConfig
+from sparseserve.kernels.sparse_decode import sparse_decode_triton
+from sparseserve.kernels.topp_prune import block_lse_triton, prune_lists_triton
+
+HQ, HKV, D = 32, 8, 128
+LSE_TILES = (128, 64, 256)  # tokens a block-lse program reads (the default first)
+PRUNE_WAYS = (4, 8, 16, 32)  # thresholds a prune round tests (the default first)
+
+Stage = tuple[str, str, Callable[[], None]]  # (stage, variant, call)
+
+
+def layer_stages(
+    spec: str, ctx: int, batch: int, device: str = "cuda", dtype: torch.dtype = DTYPE
+) -> tuple[list[Stage], torch.Tensor]:
+    """One sparse layer of the policy `spec` over random K/V: its stages in the order the engine runs them, each
+    call leaving the inputs of the next (run them once in order before timing any), and the lists the attention
+    reads (topp: the prune's output; the candidates stay, so every call prunes the same lists)."""
+    from sparseserve.bench.accuracy import parse_policy
+
+    args = dict(parse_policy(spec).engine_args)
+    bs = int(args.pop("block_size", 32))
+    cfg = SparseConfig(**args, sparse_dense_layers=0, sparse_dense_context=0)
+    per_seq = triton.cdiv(ctx, bs)
+    cache = torch.randn(1, batch * per_seq, HKV, 2, bs, D, device=device, dtype=dtype)
+    tables = torch.randperm(batch * per_seq, device=device).to(torch.int32).view(batch, per_seq)
+    seq_lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
+    q = torch.randn(batch, HQ, D, device=device, dtype=dtype)
+    scale, out = D**-0.5, torch.empty_like(q)
+    sp = backend(cfg, 1, HKV, D, bs, batch, cache, dtype=dtype)
+    p, st, policy = sp.params, sp.state, sp.policy
+    slots = torch.arange(batch, dtype=torch.int32, device=device)
+    rows = DecodeRows(seq_lens, tables, tables, slots, per_seq, scale)
+    sel, cnt = st.sel[0], st.counter[0]
+    stages: list[Stage] = [("select", "default", lambda: policy.select(0, q, rows, st, sp.key_meta[0]))]
+    lists = sel
+    if policy.prunes:
+        lse = {}
+        pruned = torch.full_like(sel[:batch], -1)
+        shared = dict(reuse=p.kernel_args()["reuse"], short_dense=p.short_dense)
+        for t in LSE_TILES:
+            lse[t] = lambda t=t: block_lse_triton(
+                q, cache[0], tables, seq_lens, slots, sel, cnt, local=p.local, scale=scale, tile_n=t, **shared
+            )
+            stages.append(("block lse", f"tile_n={t}", lse[t]))
+        held = {"lse": None}
+
+        def keep_lse() -> None:
+            held["lse"] = lse[LSE_TILES[0]]()
+
+        stages.append(("block lse", "(kept for the prune)", keep_lse))
+        for w in PRUNE_WAYS:
+            stages.append(
+                (
+                    "prune",
+                    f"ways={w}",
+                    lambda w=w: prune_lists_triton(
+                        held["lse"],
+                        seq_lens,
+                        slots,
+                        sel,
+                        cnt,
+                        st.stats,
+                        block_size=bs,
+                        sink=p.sink,
+                        local=p.local,
+                        top_p=p.top_p,
+                        per_head=p.per_head,
+                        ways=w,
+                        out=pruned,
+                        **shared,
+                    ),
+                )
+            )
+        lists = pruned
+    stages.append(
+        (
+            "attention",
+            "default",
+            lambda: sparse_decode_triton(q, cache[0], tables, seq_lens, lists, slots, p.local, scale, out=out),
+        )
+    )
+    return stages, lists
+
+
+def measure(
+    specs: list[str],
+    contexts: list[int],
+    batch: int,
+    timer: Callable[[Callable[[], None]], float] = graph_ms,
+    device: str = "cuda",
+    dtype: torch.dtype = DTYPE,
+) -> list[dict]:
+    """A row a (context, policy, stage, variant): the stage's time in us (timer: ms of one call)."""
+    rows = []
+    for ctx in contexts:
+        for spec in specs:
+            stages, _ = layer_stages(spec, ctx, batch, device, dtype)
+            for _, _, call in stages:  # each stage's inputs, as the engine's order leaves them
+                call()
+            for stage, variant, call in stages:
+                if variant.startswith("("):
+                    continue
+                us = 1e3 * timer(call)
+                rows.append({"context": ctx, "policy": spec, "stage": stage, "variant": variant, "us": us})
+                print(f"{ctx} {spec} {stage} {variant}: {us:.1f} us", flush=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policies", nargs="+", required=True, metavar="SPEC")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--json", help="Write the rows here.")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rows = measure(args.policies, args.contexts, args.batch)
+    device = torch.cuda.get_device_name()
+    print_table(rows, f"one sparse layer by stage, batch {args.batch} ({device})")
+    if args.json:
+        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "date": date, "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
