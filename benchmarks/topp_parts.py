@@ -1,9 +1,9 @@
 """Issue 40: where a selection policy's decode layer spends its time, stage by stage, each stage in a CUDA graph
 of its own: scoring and selection (as the engine calls them), and for topp the candidates' block lse and the
-prune over launch variants (the lse's tile, the prune's `ways`; the first of each is the default), then the
-attention over the final lists. One layer at Llama-3.1-8B's attention shape (32 query / 8 KV heads, D=128,
-bf16) over random keys and queries, batch B at each context: attention is flat, so topp keeps nearly every
-candidate, as with the dummy weights of `benchmarks.sparse --step`.
+prune over variants (the lse's tile; the prune's rounds of `ways` thresholds or a sort; the first of each is the
+default), then the attention over the final lists. One layer at Llama-3.1-8B's attention shape (32 query / 8 KV
+heads, D=128, bf16) over random keys and queries, batch B at each context: attention is flat, so topp keeps nearly
+every candidate, as with the dummy weights of `benchmarks.sparse --step`.
 
     python -m benchmarks.topp_parts --contexts 32768 131072 --batch 4 --policies topk:sparse_budget=2048 \\
         topp:sparse_budget=4096,sparse_top_p=0.99,logical_page_size=16 [--json out.json]
@@ -30,7 +30,8 @@ from sparseserve.kernels.topp_prune import block_lse_triton, prune_lists_triton
 
 HQ, HKV, D = 32, 8, 128
 LSE_TILES = (128, 64, 256)  # tokens a block-lse program reads (the default first)
-PRUNE_WAYS = (4, 8, 16, 32)  # thresholds a prune round tests (the default first)
+# the prune's threshold search: rounds of `ways` thresholds (4: the default, first) or a sort of the masses
+PRUNE_SEARCHES = ({"ways": 4}, {"ways": 8}, {"ways": 16}, {"ways": 32}, {"sort": True})
 
 Stage = tuple[str, str, Callable[[], None]]  # (stage, variant, call)
 
@@ -74,12 +75,12 @@ def layer_stages(
             held["lse"] = lse[LSE_TILES[0]]()
 
         stages.append(("block lse", "(kept for the prune)", keep_lse))
-        for w in PRUNE_WAYS:
+        for search in PRUNE_SEARCHES:
             stages.append(
                 (
                     "prune",
-                    f"ways={w}",
-                    lambda w=w: prune_lists_triton(
+                    ",".join(f"{k}={v}" for k, v in search.items()),
+                    lambda search=search: prune_lists_triton(
                         held["lse"],
                         seq_lens,
                         slots,
@@ -91,9 +92,9 @@ def layer_stages(
                         local=p.local,
                         top_p=p.top_p,
                         per_head=p.per_head,
-                        ways=w,
                         out=pruned,
                         **shared,
+                        **search,
                     ),
                 )
             )

@@ -8,7 +8,7 @@ the forced blocks and the top candidates. Here:
      (forced entries included), averaged over the group (per_head: each head, union kept);
      keeps the forced entries and the candidates of mass >= t, for the largest t at which they
      reach p (ties at t kept; all when the total stays below p), compacts the list in place and
-     takes the dropped entries off stats[0]. A bit-pattern search, no sort. With `out` (lagged
+     takes the dropped entries off stats[0]. A bit-pattern search (or, asked for, a sort). With `out` (lagged
      selection: the candidates stay, a step's query prunes them for itself) row b's result goes to
      out[b] instead, padding rows get -1, and the prune counts what it keeps (stats[0] += kept,
      stats[1] += 1 per live list): the candidates' selection counted nothing.
@@ -318,6 +318,29 @@ def _keep_top_p(r, forced, cand, top_p, WAYS: tl.constexpr, ITERS: tl.constexpr)
 
 
 @triton.jit
+def _keep_top_p_sorted(r, forced, cand, top_p, CAP_PAD: tl.constexpr):
+    """_keep_top_p's set by prune_ref's route: the candidates sorted by mass, the threshold the first whose
+    running sum (after the forced) reaches top_p (one bitonic sort instead of the serial rounds)."""
+    fmass = tl.sum(tl.where(forced, r, 0.0), 0)
+    vals = tl.sort(tl.where(cand, r, -1.0), descending=True)
+    reach = (fmass + tl.cumsum(tl.maximum(vals, 0.0), 0) >= top_p) & (vals >= 0)
+    idx = tl.arange(0, CAP_PAD)
+    first = tl.min(tl.where(reach, idx, CAP_PAD), 0)
+    t = tl.where(first < CAP_PAD, tl.sum(tl.where(idx == first, vals, 0.0), 0), 0.0)
+    t = tl.where(fmass >= top_p, float("inf"), t)
+    return cand & (r >= t)
+
+
+@triton.jit
+def _keep(r, forced, cand, top_p, WAYS: tl.constexpr, ITERS: tl.constexpr, SORT: tl.constexpr, CAP_PAD: tl.constexpr):
+    if SORT:
+        keep = _keep_top_p_sorted(r, forced, cand, top_p, CAP_PAD)
+    else:
+        keep = _keep_top_p(r, forced, cand, top_p, WAYS, ITERS)
+    return keep
+
+
+@triton.jit
 def _prune_kernel(
     lse_ptr,
     seq_lens_ptr,
@@ -342,6 +365,7 @@ def _prune_kernel(
     CAP_PAD: tl.constexpr,
     WAYS: tl.constexpr,
     ITERS: tl.constexpr,
+    SORT: tl.constexpr,
     OUT: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -377,11 +401,11 @@ def _prune_kernel(
     keep = forced
     if PER_HEAD:
         for h in tl.static_range(GROUP):
-            keep = keep | _keep_top_p(
-                tl.sum(tl.where(g[:, None] == h, probs, 0.0), 0), forced, cand, top_p, WAYS, ITERS
+            keep = keep | _keep(
+                tl.sum(tl.where(g[:, None] == h, probs, 0.0), 0), forced, cand, top_p, WAYS, ITERS, SORT, CAP_PAD
             )
     else:
-        keep = keep | _keep_top_p(tl.sum(probs, 0) / GROUP, forced, cand, top_p, WAYS, ITERS)
+        keep = keep | _keep(tl.sum(probs, 0) / GROUP, forced, cand, top_p, WAYS, ITERS, SORT, CAP_PAD)
     if OUT:  # a skipped list (its lse unwritten) is kept whole; the prune counts what it keeps
         keep = tl.where(skip, listed, keep)
         sel_row = out_ptr + b.to(tl.int64) * stride_ob + kvh * CAP
@@ -485,10 +509,12 @@ def prune_lists_triton(
     short_dense: bool = True,
     per_head: bool = False,
     ways: int = 4,
+    sort: bool = False,
     out: torch.Tensor | None = None,
 ) -> None:
     """Prunes sel[slots] in place from their blocks' lse [B, Hq, cap] (prune_ref); stats[0] -=
-    dropped entries. out: topp_prune_ref's."""
+    dropped entries. out: topp_prune_ref's. ways: thresholds a round of the search tests; sort: a
+    sort of the masses instead of the search (the same lists; which is faster: benchmarks/topp_parts.py)."""
     batch, num_q_heads, cap = lse.shape
     num_kv_heads = sel.shape[1]
     if batch == 0:
@@ -525,6 +551,7 @@ def prune_lists_triton(
         CAP_PAD=max(16, triton.next_power_of_2(cap)),
         WAYS=ways,
         ITERS=-(-31 // (ways.bit_length() - 1)) + 1,
+        SORT=sort,
         OUT=out is not None,
         num_warps=4,
         PDL=pdl,

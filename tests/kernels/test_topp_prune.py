@@ -120,10 +120,12 @@ PRUNE_CASES = [
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("search", [{}, {"ways": 16}, {"sort": True}], ids=["ways4", "ways16", "sort"])
 @pytest.mark.parametrize("top_p,per_head,hq,hkv", PRUNE_CASES)
-def test_prune_lists(top_p, per_head, hq, hkv):
+def test_prune_lists(top_p, per_head, hq, hkv, search):
     """Given the same lse, the kernel's lists equal prune_ref's, order included, over reuse steps; stats[0]
-    loses exactly the dropped entries."""
+    loses exactly the dropped entries; whichever search finds the threshold (the default's rounds of 4, of 16,
+    or a sort)."""
     torch.manual_seed(1)
     bs, cap, nslots = 16, 9, 6
     seq_lens = torch.tensor(LENS, dtype=torch.int32, device=DEV)
@@ -140,7 +142,7 @@ def test_prune_lists(top_p, per_head, hq, hkv):
         candidates(seq_lens, slots, state, streaming, p, random_scores(seq_lens, hq, bs))
         before = [t.clone() for t in state]
         lse = 4 * torch.randn(len(LENS), hq, cap, device=DEV)  # peaked masses; -1 entries are ignored
-        prune_lists_triton(lse, seq_lens, slots, *state, **{k: v for k, v in p.items() if k != "cap"})
+        prune_lists_triton(lse, seq_lens, slots, *state, **{k: v for k, v in p.items() if k != "cap"}, **search)
         sel, counter, stats = before
         due = (seq_lens > 0)[:, None] & ((counter[slots.long()] - 1) % p["reuse"] == 0)
         lists = sel[slots.long()]
