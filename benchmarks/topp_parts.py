@@ -117,19 +117,28 @@ def measure(
     device: str = "cuda",
     dtype: torch.dtype = DTYPE,
 ) -> list[dict]:
-    """A row a (context, policy, stage, variant): the stage's time in us (timer: ms of one call)."""
+    """A row a (context, policy, stage, variant): the stage's time in us (timer: ms of one call), or the error
+    of a variant that does not build or run (the others go on)."""
     rows = []
     for ctx in contexts:
         for spec in specs:
             stages, _ = layer_stages(spec, ctx, batch, device, dtype)
-            for _, _, call in stages:  # each stage's inputs, as the engine's order leaves them
-                call()
+            failed = {}
+            for stage, variant, call in stages:  # each stage's inputs, as the engine's order leaves them
+                try:
+                    call()
+                except Exception as e:  # a launch variant out of registers or shared memory: recorded
+                    failed[(stage, variant)] = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
             for stage, variant, call in stages:
                 if variant.startswith("("):
                     continue
-                us = 1e3 * timer(call)
-                rows.append({"context": ctx, "policy": spec, "stage": stage, "variant": variant, "us": us})
-                print(f"{ctx} {spec} {stage} {variant}: {us:.1f} us", flush=True)
+                row = {"context": ctx, "policy": spec, "stage": stage, "variant": variant}
+                if (stage, variant) in failed:
+                    rows.append(row | {"error": failed[stage, variant]})
+                    print(f"{ctx} {spec} {stage} {variant}: {failed[stage, variant]}", flush=True)
+                    continue
+                rows.append(row | {"us": 1e3 * timer(call)})
+                print(f"{ctx} {spec} {stage} {variant}: {rows[-1]['us']:.1f} us", flush=True)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return rows

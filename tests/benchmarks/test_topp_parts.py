@@ -12,6 +12,7 @@ def test_stages_run_in_the_engine_order():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     specs = ["topk:sparse_budget=256", "topp:sparse_budget=256,sparse_top_p=0.9,logical_page_size=16"]
     rows = bench.measure(specs, [1024], 2, timer=lambda call: (call(), 0.0)[1], device=device, dtype=torch.float32)
+    assert not [r for r in rows if "error" in r]
     got = [(r["policy"].split(":")[0], r["stage"], r["variant"]) for r in rows]
     topp = [("topp", "select", "default")]
     topp += [("topp", "block lse", f"tile_n={t}") for t in bench.LSE_TILES]
