@@ -61,27 +61,24 @@ def layer_stages(
     stages: list[Stage] = [("select", "default", lambda: policy.select(0, q, rows, st, sp.key_meta[0]))]
     lists = sel
     if policy.prunes:
-        lse = {}
+        lse: dict[int, torch.Tensor] = {}  # tile -> its block lse (the prune reads the default's)
         pruned = torch.full_like(sel[:batch], -1)
         shared = dict(reuse=p.kernel_args()["reuse"], short_dense=p.short_dense)
         for t in LSE_TILES:
-            lse[t] = lambda t=t: block_lse_triton(
-                q, cache[0], tables, seq_lens, slots, sel, cnt, local=p.local, scale=scale, tile_n=t, **shared
-            )
-            stages.append(("block lse", f"tile_n={t}", lse[t]))
-        held = {"lse": None}
 
-        def keep_lse() -> None:
-            held["lse"] = lse[LSE_TILES[0]]()
+            def block_lse(t: int = t) -> None:
+                lse[t] = block_lse_triton(
+                    q, cache[0], tables, seq_lens, slots, sel, cnt, local=p.local, scale=scale, tile_n=t, **shared
+                )
 
-        stages.append(("block lse", "(kept for the prune)", keep_lse))
+            stages.append(("block lse", f"tile_n={t}", block_lse))
         for search in PRUNE_SEARCHES:
             stages.append(
                 (
                     "prune",
                     ",".join(f"{k}={v}" for k, v in search.items()),
                     lambda search=search: prune_lists_triton(
-                        held["lse"],
+                        lse[LSE_TILES[0]],
                         seq_lens,
                         slots,
                         sel,
@@ -130,8 +127,6 @@ def measure(
                 except Exception as e:  # a launch variant out of registers or shared memory: recorded
                     failed[(stage, variant)] = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
             for stage, variant, call in stages:
-                if variant.startswith("("):
-                    continue
                 row = {"context": ctx, "policy": spec, "stage": stage, "variant": variant}
                 if (stage, variant) in failed:
                     rows.append(row | {"error": failed[stage, variant]})
