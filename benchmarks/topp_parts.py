@@ -1,6 +1,6 @@
 """Issue 40: where a selection policy's decode layer spends its time, stage by stage, each stage in a CUDA graph
 of its own: scoring and selection (as the engine calls them), and for topp the candidates' block lse and the
-prune over variants (the lse's tile; the prune's rounds of `ways` thresholds or a sort; the first of each is the
+prune over variants (the lse's tile; the prune's sort or rounds of `ways` thresholds; the first of each is the
 default), then the attention over the final lists. One layer at Llama-3.1-8B's attention shape (32 query / 8 KV
 heads, D=128, bf16) over random keys and queries, batch B at each context: attention is flat, so topp keeps nearly
 every candidate, as with the dummy weights of `benchmarks.sparse --step`.
@@ -30,8 +30,8 @@ from sparseserve.kernels.topp_prune import block_lse_triton, prune_lists_triton
 
 HQ, HKV, D = 32, 8, 128
 LSE_TILES = (128, 64, 256)  # tokens a block-lse program reads (the default first)
-# the prune's threshold search: rounds of `ways` thresholds (4: the default, first) or a sort of the masses
-PRUNE_SEARCHES = ({"ways": 4}, {"ways": 8}, {"ways": 16}, {"ways": 32}, {"sort": True})
+# the prune's threshold search: a sort of the masses (the default up to SORT_MAX_CAP, first) or rounds of `ways`
+PRUNE_SEARCHES = ({"sort": True}, {"sort": False, "ways": 4}, {"sort": False, "ways": 8}, {"sort": False, "ways": 16})
 
 Stage = tuple[str, str, Callable[[], None]]  # (stage, variant, call)
 
@@ -76,7 +76,7 @@ def layer_stages(
             stages.append(
                 (
                     "prune",
-                    ",".join(f"{k}={v}" for k, v in search.items()),
+                    "sort" if search["sort"] else f"ways={search['ways']}",
                     lambda search=search: prune_lists_triton(
                         lse[LSE_TILES[0]],
                         seq_lens,

@@ -355,6 +355,9 @@ class SparseConfig:
 PREFILL_LAYER_SEGMENT = 4
 # Steps of the decodes alone after a segment beside them (docs/offload.md, "Decode steps between segments").
 SEGMENT_DECODE_STEPS = 2
+# Prompts waiting to prefill beyond which the two above are off: a burst, whose TTFT is its queue (docs/offload.md,
+# "A burst's queue").
+SEGMENT_PACING_MAX_WAITING = 4
 
 
 @dataclass(frozen=True)
@@ -419,6 +422,14 @@ class OffloadConfig:
             "(their tokens come more often, the prefill finishes later; 0: back to back)."
         },
     )
+    segment_pacing_max_waiting: int = field(
+        default=SEGMENT_PACING_MAX_WAITING,
+        metadata={
+            "help": "Layer-segmented prefill: the per-step layer cap and the decode steps between segments hold "
+            "while at most this many prompts wait to prefill; a longer queue (a burst) gets the step's whole "
+            "budget, as chunked prefill gives it (its TTFT is the queue's)."
+        },
+    )
     working_set_window: int = field(
         default=12, metadata={"help": "Decode steps over which a request's working set is the union of its selections."}
     )
@@ -455,6 +466,8 @@ class OffloadConfig:
             )
         if self.segment_decode_steps < 0:
             raise ValueError(f"segment_decode_steps must be >= 0, got {self.segment_decode_steps}")
+        if self.segment_pacing_max_waiting < 0:
+            raise ValueError(f"segment_pacing_max_waiting must be >= 0, got {self.segment_pacing_max_waiting}")
         if self.layer_segment_min_tokens < 1:
             raise ValueError(f"layer_segment_min_tokens must be >= 1, got {self.layer_segment_min_tokens}")
         if self.working_set_window < 1:

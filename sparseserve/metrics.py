@@ -221,6 +221,11 @@ def _offload_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable
     )
     # Cumulative bytes: rate() gives transfer throughput over wall time (not the link bandwidth).
     yield counter("offload_h2d_bytes", "Bytes loaded host -> HBM pool.", stats.offload_h2d_bytes)
+    yield counter(
+        "offload_uva_bytes",
+        "Bytes read straight from the host store: bypass reads and topp's candidate keys (its prune).",
+        getattr(stats, "offload_uva_bytes", 0),
+    )
     yield counter("offload_d2h_bytes", "Bytes written through to the host store.", stats.offload_d2h_bytes)
     yield gauge("offload_host_blocks_used", "Token blocks of the host KV store in use.", stats.num_blocks_used)
     yield gauge("offload_host_blocks_total", "Token blocks of the host KV store.", stats.offload_host_blocks)

@@ -65,6 +65,7 @@ class TopP(TopK):
         state: SelectionState,
         offload: tuple | None,
         out: torch.Tensor | None = None,
+        host_reads: torch.Tensor | None = None,
     ) -> bool:
         p, args = self.params, self.params.kernel_args()
         topp_prune(
@@ -84,6 +85,7 @@ class TopP(TopK):
             short_dense=p.short_dense,
             per_head=p.per_head,
             offload=offload,
+            host_reads=host_reads,
             out=out,
         )
         return True

@@ -238,9 +238,11 @@ class SelectionPolicy(abc.ABC):
         state: SelectionState,
         offload: tuple | None,
         out: torch.Tensor | None = None,
+        host_reads: torch.Tensor | None = None,
     ) -> bool:
         """With `prunes`: once the listed blocks are readable (offload: a view of where each is,
         pool or host, kernels/sparse_decode.py, before the pool reads the lists), may trim the
         lists just selected in place, or (out: lagged selection) write row i's trimmed list into
-        out[i], the lists left as they are. Returns whether it changed them."""
+        out[i], the lists left as they are. Returns whether it changed them. host_reads (offload):
+        += the listed blocks whose keys it read from the host."""
         return False

@@ -301,7 +301,7 @@ class SparseBackend(AttentionBackend):
         elif self.offload is not None:
             if self.policy.prunes:  # on the candidates' keys where they are (pool, else host): only what stays loads
                 where = self.offload.lookup(layer, tokens, rows.seq_lens, state.sel[layer][rows.slots.long()])
-                self.policy.refine(layer, q, kv_cache, rows, state, where)
+                self.policy.refine(layer, q, kv_cache, rows, state, where, host_reads=self.offload.prune_key_reads)
             with self._phase("h2d"):
                 view = self.offload.read(layer, tokens, rows.seq_lens, state.sel[layer], rows.slots)
         with self._phase("attention"):

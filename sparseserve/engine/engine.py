@@ -281,6 +281,8 @@ class LLMEngine:
         if "offload_head_block_bytes" in values:
             hbb = values["offload_head_block_bytes"]
             values["offload_h2d_bytes"] = values["offload_blocks_loaded"] * hbb
+            keys = values.get("offload_prune_key_reads", 0) * (hbb // 2)  # K: a head block's first half
+            values["offload_uva_bytes"] = values["offload_bypass_reads"] * hbb + keys
             written = values["offload_blocks_written"] + values["offload_d2h_blocks_written"]
             values["offload_d2h_bytes"] = written * hbb * runner.arch.num_kv_heads
         stats = EngineStats.from_values(values)

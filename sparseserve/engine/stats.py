@@ -37,9 +37,11 @@ class EngineStats:
     offload_bypass_reads: int = 0  # misses read from the host store (no free way in the set)
     offload_layer_steps: int = 0  # (decode step, sparse layer) pairs read through the pool
     offload_blocks_seeded: int = 0  # head blocks put in the pool by layer-segmented prefill (no FlashH2D)
+    offload_prune_key_reads: int = 0  # topp's candidate head blocks whose keys its prune read from the host
     offload_host_blocks: int = 0  # token blocks of the host store (gauge)
     offload_hbm_slots: int = 0  # head-block slots of the HBM pool (gauge)
     offload_h2d_bytes: int = 0  # bytes loaded host -> HBM pool
+    offload_uva_bytes: int = 0  # bytes read straight from the host store (bypass reads, the prune's keys)
     offload_d2h_bytes: int = 0  # bytes written through to the host store
     offload_device_blocks_used: int = 0  # device block cache: blocks mapped (gauge)
     offload_device_blocks: int = 0  # device block cache: blocks (gauge)
@@ -84,7 +86,9 @@ class EngineStats:
             "offload_bypass_reads",
             "offload_layer_steps",
             "offload_blocks_seeded",
+            "offload_prune_key_reads",
             "offload_h2d_bytes",
+            "offload_uva_bytes",
             "offload_d2h_bytes",
             "prefill_tiles_computed",
             "prefill_tiles_dense",

@@ -23,9 +23,10 @@ import torch
 
 from sparseserve.kernels.dispatch import tl, triton, use_triton
 from sparseserve.kernels.pdl import pdl_wait, use_pdl
-from sparseserve.kernels.sparse_decode import offload_context_ref
+from sparseserve.kernels.sparse_decode import listed_rows, offload_context_ref
 
 MAX_PRUNE_CAP = 4096  # one prune program holds a list in registers
+SORT_MAX_CAP = 128  # the prune's default search: a sort up to lists this long, rounds of 4 above (docs/sparse.md)
 
 
 def prune_target(top_p: float) -> float:
@@ -115,13 +116,15 @@ def topp_prune_ref(
     short_dense: bool = True,
     per_head: bool = False,
     offload: tuple | None = None,
+    host_reads: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> None:
     """Right after the first stage wrote lists into sel [S, Hkv, cap] for the decode rows q
     [B, Hq, D]: prunes in place the lists recomputed this step (counter - 1 a multiple of R:
     the first stage already counted the step); stats[0] -= dropped entries. offload: as for
-    kernels/sparse_decode.py. out (int32 [>= B, Hkv, cap]): row b's list pruned (or kept
-    whole when the prune skips it; -1 for padding rows) into out[b], sel untouched, stats[0] +=
+    kernels/sparse_decode.py; host_reads (int64 [1]) += the entries of the pruned lists whose keys
+    it read from the host (not in the pool). out (int32 [>= B, Hkv, cap]): row b's list pruned (or
+    kept whole when the prune skips it; -1 for padding rows) into out[b], sel untouched, stats[0] +=
     kept entries and stats[1] += live lists (module docstring)."""
     block_size = kv_cache.shape[3]
     slots = slots.long()
@@ -129,6 +132,10 @@ def topp_prune_ref(
     due = live & ((counter[slots] - 1) % reuse == 0) if reuse > 1 else live
     lists = sel[slots]
     if offload is not None:  # every block a list may keep, as [B * MB] logical blocks
+        if host_reads is not None:
+            nb = (seq_lens.long() + block_size - 1) // block_size
+            runs = due & ~((nb <= sel.shape[-1]) & short_dense)[:, None]  # the kernel's _skip
+            host_reads += (listed_rows(lists, seq_lens, local, block_size) & (offload[2] < 0) & runs[..., None]).sum()
         ctx = offload_context_ref(kv_cache, block_tables, seq_lens, lists, local, offload)
         kv_cache = ctx.flatten(0, 1)
         block_tables = torch.arange(kv_cache.shape[0], device=q.device).view(ctx.shape[:2])
@@ -214,6 +221,7 @@ def _block_lse_kernel(
     host_ptr,
     loc_ptr,
     key_ptr,
+    reads_ptr,
     stride_qt,
     stride_qh,
     stride_cb,
@@ -232,11 +240,13 @@ def _block_lse_kernel(
     TILE_E: tl.constexpr,
     DOT_PREC: tl.constexpr,
     OFFLOAD: tl.constexpr,
+    COUNT_READS: tl.constexpr,
     LOCAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """lse[b, kvh * GROUP + g, e] for this program's TILE_E entries (reference: block_lse_ref).
-    OFFLOAD: entries before the local window read K as the sparse decode kernel does."""
+    OFFLOAD: entries before the local window read K as the sparse decode kernel does, and COUNT_READS adds
+    to reads_ptr[0] those read from the host."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -279,6 +289,8 @@ def _block_lse_kernel(
             mask=(listed & (pslot < 0))[:, None] & dmask,
             other=0.0,
         )
+        if COUNT_READS:  # an entry's first token row stands for it
+            tl.atomic_add(reads_ptr, tl.sum((listed & (pslot < 0) & (off == 0)).to(tl.int64), 0))
     else:
         blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + j, mask=ok, other=0).to(tl.int64)
         k = tl.load(
@@ -435,8 +447,10 @@ def block_lse_triton(
     short_dense: bool = True,
     tile_n: int = 128,
     offload: tuple | None = None,
+    host_reads: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """float32 [B, Hq, cap]: block_lse_ref of sel[slots], written for the rows that prune."""
+    """float32 [B, Hq, cap]: block_lse_ref of sel[slots], written for the rows that prune; host_reads
+    (int64 [1], offload only) += the entries whose keys came from the host."""
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     cap = sel.shape[-1]
@@ -467,6 +481,7 @@ def block_lse_triton(
         host_flat,
         loc,
         key,
+        lse if host_reads is None else host_reads,
         q.stride(0),
         q.stride(1),
         kv_cache.stride(0),
@@ -485,6 +500,7 @@ def block_lse_triton(
         TILE_E=tile_e,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         OFFLOAD=offload is not None,
+        COUNT_READS=offload is not None and host_reads is not None,
         LOCAL=local,
         num_warps=4,
         PDL=pdl,
@@ -509,13 +525,15 @@ def prune_lists_triton(
     short_dense: bool = True,
     per_head: bool = False,
     ways: int = 4,
-    sort: bool = False,
+    sort: bool | None = None,
     out: torch.Tensor | None = None,
 ) -> None:
     """Prunes sel[slots] in place from their blocks' lse [B, Hq, cap] (prune_ref); stats[0] -=
-    dropped entries. out: topp_prune_ref's. ways: thresholds a round of the search tests; sort: a
-    sort of the masses instead of the search (the same lists; which is faster: benchmarks/topp_parts.py)."""
+    dropped entries. out: topp_prune_ref's. sort: one sort of the masses finds the threshold, else rounds
+    of `ways` thresholds (the same lists; None: a sort up to SORT_MAX_CAP; benchmarks/topp_parts.py)."""
     batch, num_q_heads, cap = lse.shape
+    if sort is None:
+        sort = cap <= SORT_MAX_CAP
     num_kv_heads = sel.shape[1]
     if batch == 0:
         return
@@ -577,6 +595,7 @@ def topp_prune_triton(
     short_dense: bool = True,
     per_head: bool = False,
     offload: tuple | None = None,
+    host_reads: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> None:
     lse = block_lse_triton(
@@ -592,6 +611,7 @@ def topp_prune_triton(
         reuse=reuse,
         short_dense=short_dense,
         offload=offload,
+        host_reads=host_reads,
     )
     prune_lists_triton(
         lse,

@@ -75,6 +75,7 @@ class OffloadCache:
         self.host_meta: tuple[torch.Tensor, torch.Tensor] | None = None  # its copy by host row
         self.num_row_moves = [0, 0]  # device rows saved, restored (stats)
         self.seed_stats = torch.zeros(4, dtype=torch.int64, device=dev)  # `seed`'s plans (as the pool's stats)
+        self.prune_key_reads = torch.zeros(1, dtype=torch.int64, device=dev)  # topp's candidate keys from the host
 
     @classmethod
     def build(
@@ -444,7 +445,8 @@ class OffloadCache:
 
     def counters(self) -> dict[str, torch.Tensor]:
         """Cumulative device counters: pool hits, head blocks loaded (FlashH2D), bypass reads,
-        layer steps, and token blocks x layers written through by decode steps."""
+        layer steps, candidate head blocks whose keys a prune read from the host (over UVA, not
+        loaded), and token blocks x layers written through by decode steps."""
         s = self.pool.stats
         return {
             "offload_hbm_hits": s[0],
@@ -452,6 +454,7 @@ class OffloadCache:
             "offload_bypass_reads": s[2],
             "offload_layer_steps": s[3],
             "offload_blocks_seeded": self.seed_stats[1],
+            "offload_prune_key_reads": self.prune_key_reads[0],
             "offload_blocks_written": self.host.blocks_written,
         }
 

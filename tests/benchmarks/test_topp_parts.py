@@ -16,7 +16,7 @@ def test_stages_run_in_the_engine_order():
     got = [(r["policy"].split(":")[0], r["stage"], r["variant"]) for r in rows]
     topp = [("topp", "select", "default")]
     topp += [("topp", "block lse", f"tile_n={t}") for t in bench.LSE_TILES]
-    topp += [("topp", "prune", v) for v in ("ways=4", "ways=8", "ways=16", "ways=32", "sort=True")]
+    topp += [("topp", "prune", v) for v in ("sort", "ways=4", "ways=8", "ways=16")]
     assert got == [("topk", "select", "default"), ("topk", "attention", "default")] + topp + [
         ("topp", "attention", "default")
     ]

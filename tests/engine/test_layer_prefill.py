@@ -188,6 +188,41 @@ def test_decode_steps_between_segments(model4):
         LLM(str(model4[0]), **COMMON, segment_decode_steps=-1)
 
 
+def test_burst_unpaced(model4):
+    """More prompts waiting than segment_pacing_max_waiting: the layer-by-layer prefill takes the step's whole
+    budget (3 of 4 layers here) with no decode steps after; once the queue is that short, the cap of one layer
+    and the two decode steps return. The tokens are the same as with pacing throughout."""
+    outs = {}
+    for max_waiting in (1, 8):
+        llm = LLM(
+            str(model4[0]),
+            **COMMON,
+            layer_segmented_prefill=True,
+            prefill_layer_segment=1,
+            segment_decode_steps=2,
+            segment_pacing_max_waiting=max_waiting,
+            profiler=LastSchedule(),
+        )
+        engine = llm.llm_engine
+        engine.add_request("short", list(range(1, 11)), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        engine.step()
+        for i in range(3):
+            engine.add_request(f"long{i}", list(range(2 + i, 42 + i)), GREEDY)
+        pattern, tokens = [], {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                tokens[o.request_id] = o.outputs[0].token_ids
+            segs = engine.profiler.out.segments
+            pattern.append(",".join(f"{s.seq.request_id}:{s.start}-{s.end}" for s in segs) or "D")
+        outs[max_waiting] = tokens
+        paced = "long1:0-1 D D long1:1-2 D D long1:2-3 D D long1:3-4 D D"
+        first = "long0:0-3 long0:3-4" if max_waiting == 1 else "long0:0-1 D D long0:1-2 D D long0:2-3 D D long0:3-4 D D"
+        assert " ".join(pattern).startswith(f"{first} {paced}"), pattern
+    assert outs[1] == outs[8]
+    with pytest.raises(ValueError, match="segment_pacing_max_waiting"):
+        LLM(str(model4[0]), **COMMON, segment_pacing_max_waiting=-1)
+
+
 def test_reserve_freed_for_the_pool():
     """With layer-segmented prefill the device block cache keeps no whole max_model_len prefill: its blocks go
     to the HBM pool, and a device cache smaller than one max_model_len sequence is allowed."""

@@ -120,12 +120,13 @@ PRUNE_CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("search", [{}, {"ways": 16}, {"sort": True}], ids=["ways4", "ways16", "sort"])
+@pytest.mark.parametrize(
+    "search", [{"sort": False}, {"sort": False, "ways": 16}, {"sort": True}], ids=["ways4", "ways16", "sort"]
+)
 @pytest.mark.parametrize("top_p,per_head,hq,hkv", PRUNE_CASES)
 def test_prune_lists(top_p, per_head, hq, hkv, search):
     """Given the same lse, the kernel's lists equal prune_ref's, order included, over reuse steps; stats[0]
-    loses exactly the dropped entries; whichever search finds the threshold (the default's rounds of 4, of 16,
-    or a sort)."""
+    loses exactly the dropped entries; whichever search finds the threshold (rounds of 4, of 16, or a sort)."""
     torch.manual_seed(1)
     bs, cap, nslots = 16, 9, 6
     seq_lens = torch.tensor(LENS, dtype=torch.int32, device=DEV)
@@ -240,11 +241,20 @@ def test_topp_prune_offload(hq, hkv):
     offload, _, poisoned = offload_inputs(cache, tables, seq_lens, state[0][slots.long()], p["local"])
     kw = dict(sink=1, local=2, top_p=top_p, scale=d**-0.5, offload=offload)
     states = [tuple(t.clone() for t in state) for _ in range(2)]
-    topp_prune_ref(q, poisoned, tables, seq_lens, slots, *states[0], **kw)
-    topp_prune_triton(q, poisoned, tables, seq_lens, slots, *states[1], **kw)
+    reads = [torch.full((1,), 5, dtype=torch.int64, device=DEV) for _ in range(2)]
+    topp_prune_ref(q, poisoned, tables, seq_lens, slots, *states[0], host_reads=reads[0], **kw)
+    topp_prune_triton(q, poisoned, tables, seq_lens, slots, *states[1], host_reads=reads[1], **kw)
     for a, b in zip(*states):
         assert torch.equal(a, b)
     assert int(states[1][2][0]) < int(state[2][0])  # something was pruned
+    # the keys read from the host: listed full blocks before the window, not in the pool, of lists over the cap
+    lists, expected = state[0][slots.long()], 5
+    for b, n in enumerate(seq_lens.tolist()):
+        nb = -(-n // bs)
+        if n and nb > cap:
+            listed = (lists[b] >= 0) & (lists[b] < nb - 2)
+            expected += int((listed & (offload[2][b] < 0)).sum())
+    assert expected > 5 and reads[0].item() == reads[1].item() == expected
 
 
 @pytest.mark.parametrize("hq,hkv,per_head", [(8, 2, False), pytest.param(9, 3, True, id="group3-each")])

@@ -514,6 +514,10 @@ def test_offload_equals_no_offload(hf_models, policy):
         assert 0 <= got_metrics["sparseserve:offload_hbm_hit_ratio"] <= 1
         head_block = 2 * BS * 64 * 4  # K and V, head_dim 64, float32
         assert stats.offload_h2d_bytes == stats.offload_blocks_loaded * head_block
+        keys = stats.offload_prune_key_reads
+        assert stats.offload_uva_bytes == stats.offload_bypass_reads * head_block + keys * head_block // 2
+        assert got_metrics["sparseserve:offload_uva_bytes_total"] == stats.offload_uva_bytes
+        assert (keys > 0) == (policy.get("sparse_policy") == "topp")  # a cold pool: some candidates on the host
         assert stats.offload_d2h_bytes == got_metrics["sparseserve:offload_d2h_bytes_total"] > 0
 
 

@@ -278,5 +278,5 @@ def build_scheduler(config: EngineConfig, kv: KVCacheManager, *, num_layers: int
     segments = None
     if oc.layer_segmented_prefill:
         planner = SegmentPlanner(num_layers, oc.segment_min_tokens(sc.max_num_batched_tokens), oc.segment_layers)
-        segments = LayerSegmentedPrefill(planner, oc.segment_decode_steps)
+        segments = LayerSegmentedPrefill(planner, oc.segment_decode_steps, oc.segment_pacing_max_waiting)
     return Scheduler(sc, kv, SchedulerPolicies(long, control, segments, RequestFairness()))

@@ -5,7 +5,9 @@ budget) is admitted with every token block of its context and only its first dec
 the device, and runs a few layers per step for all its tokens: a segment of L layers over T
 tokens costs T*L/num_layers of the budget. One at a time, FCFS. With `decode_steps` N, each segment
 that ran beside decodes is followed by N steps of theirs without one (their tokens come more often,
-the prefill later)."""
+the prefill later). The layer cap and those steps hold while at most `max_waiting` prompts, or no
+more than the requests decoding, wait to prefill; a longer queue (a burst) is served first, as
+chunked prefill serves it (docs/offload.md, "A burst's queue")."""
 
 from __future__ import annotations
 
@@ -65,10 +67,11 @@ def only_decodes(out: SchedulerOutput) -> bool:
 
 
 class LayerSegmentedPrefill(SchedulerPolicy):
-    def __init__(self, planner: SegmentPlanner, decode_steps: int = 0) -> None:
+    def __init__(self, planner: SegmentPlanner, decode_steps: int = 0, max_waiting: int | None = None) -> None:
         self.planner = planner
         self.layers_done: dict[int, int] = {}  # seq_id -> layers done of its prefill
         self.decode_steps = decode_steps
+        self.max_waiting = max_waiting  # None: paced whatever waits
         self.owed = 0  # decode steps still owed to the decodes a segment delayed
 
     @property
@@ -93,9 +96,18 @@ class LayerSegmentedPrefill(SchedulerPolicy):
     def _segment(self, seq: Sequence, tokens: int, done: int, budget: int, out: SchedulerOutput) -> LayerSegment | None:
         """The planner's next segment; none while decode steps are owed to the requests decoding beside it."""
         decodes = any(s is not seq and s.num_computed_tokens + 1 >= s.num_tokens for s in self.sched.running)
-        if decodes and self.owed:
+        paced = decodes and not self._burst(seq)
+        if paced and self.owed:
             return None
-        return self.planner.segment(seq, tokens, done, budget, only_decodes(out), decodes)
+        return self.planner.segment(seq, tokens, done, budget, only_decodes(out), paced)
+
+    def _burst(self, seq: Sequence | None = None) -> bool:
+        """More prompts other than `seq` wait to prefill (a paused or parked decode is not one) than both
+        `max_waiting` and the requests decoding: a decode step would delay more prompts than it gives tokens."""
+        if self.max_waiting is None or len(self.sched.waiting) <= self.max_waiting:
+            return False
+        n = sum(s is not seq and s.num_computed_tokens + 1 < s.num_tokens for s in self.sched.waiting)
+        return n > self.max_waiting and n > sum(s.num_computed_tokens + 1 >= s.num_tokens for s in self.sched.running)
 
     def admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> LayerSegment | None:
         """Admits the head of the queue if it fits (None: it waits): its prefix-cache hit taken (a
@@ -133,10 +145,10 @@ class LayerSegmentedPrefill(SchedulerPolicy):
         return seg
 
     def end_step(self, out: SchedulerOutput) -> None:
-        """A segment beside decodes owes them `decode_steps` steps; any step without a segment pays one (so a
-        prefill waits at most that many steps, whatever runs)."""
+        """A segment beside decodes owes them `decode_steps` steps (none in a burst); any step without a segment
+        pays one (so a prefill waits at most that many steps, whatever runs)."""
         if out.segments and any(n == 1 for _, n in out.scheduled):
-            self.owed = self.decode_steps
+            self.owed = 0 if self._burst() else self.decode_steps
         elif not out.segments:
             self.owed = max(self.owed - 1, 0)
 
