@@ -155,70 +155,57 @@ def test_segments_longer_with_nothing_decoding(model4):
     assert spans[:4] == [(0, 1), (1, 2), (2, 3), (3, 4)]
 
 
+def segment_schedule(model_dir, longs: int, short_tokens: int, **kw) -> tuple[str, dict]:
+    """One-layer segments: a short request decoding, then `longs` long prompts at once. Returns each step's
+    segments ("long0:0-1", comma-joined) or "D" for a step without one, space-joined, and the tokens."""
+    llm = LLM(
+        str(model_dir), **COMMON, layer_segmented_prefill=True, prefill_layer_segment=1, profiler=LastSchedule(), **kw
+    )
+    engine = llm.llm_engine
+    engine.add_request(
+        "short", list(range(1, 11)), SamplingParams(temperature=0.0, max_tokens=short_tokens, ignore_eos=True)
+    )
+    engine.step()
+    for i in range(longs):
+        engine.add_request(f"long{i}", list(range(2 + i, 42 + i)), GREEDY)
+    pattern, tokens = [], {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens[o.request_id] = o.outputs[0].token_ids
+        segs = engine.profiler.out.segments
+        pattern.append(",".join(f"{s.seq.request_id}:{s.start}-{s.end}" for s in segs) or "D")
+    return " ".join(pattern), tokens
+
+
 def test_decode_steps_between_segments(model4):
     """segment_decode_steps=2: a segment that ran beside a decoding request is followed by two steps of its
     decodes alone; without decodes the segments run back to back. The tokens are the same as without."""
     outs = {}
     for steps in (0, 2):
-        llm = LLM(
-            str(model4[0]),
-            **COMMON,
-            layer_segmented_prefill=True,
-            prefill_layer_segment=1,
-            segment_decode_steps=steps,
-            profiler=LastSchedule(),
-        )
-        engine = llm.llm_engine
-        engine.add_request("short", list(range(1, 11)), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
-        engine.step()
-        engine.add_request("long", list(range(2, 42)), GREEDY)
-        pattern, tokens = [], {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                tokens[o.request_id] = o.outputs[0].token_ids
-            out = engine.profiler.out
-            pattern.append("S" if out.segments else "D")
-        outs[steps] = tokens
-        if steps:
-            assert "".join(pattern).startswith("SDDSDDSDDS"), pattern  # four layers, two decode steps after each
+        pattern, outs[steps] = segment_schedule(model4[0], 1, 30, segment_decode_steps=steps)
+        if steps:  # four layers, two decode steps after each
+            assert pattern.startswith("long0:0-1 D D long0:1-2 D D long0:2-3 D D long0:3-4"), pattern
         else:
-            assert "".join(pattern).startswith("SSSS"), pattern
+            assert pattern.startswith("long0:0-1 long0:1-2 long0:2-3 long0:3-4"), pattern
     assert outs[0] == outs[2]
     with pytest.raises(ValueError, match="segment_decode_steps"):
         LLM(str(model4[0]), **COMMON, segment_decode_steps=-1)
 
 
 def test_burst_unpaced(model4):
-    """More prompts waiting than segment_pacing_max_waiting: the layer-by-layer prefill takes the step's whole
-    budget (3 of 4 layers here) with no decode steps after; once the queue is that short, the cap of one layer
-    and the two decode steps return. The tokens are the same as with pacing throughout."""
+    """More prompts waiting than segment_pacing_max_waiting and than the requests decoding: the layer-by-layer
+    prefill takes the step's whole budget (3 of 4 layers here) with no decode steps after; once the queue is that
+    short, the cap of one layer and the two decode steps return (with 0 too: one waits, one decodes). The tokens
+    are the same as with pacing."""
     outs = {}
-    for max_waiting in (1, 8):
-        llm = LLM(
-            str(model4[0]),
-            **COMMON,
-            layer_segmented_prefill=True,
-            prefill_layer_segment=1,
-            segment_decode_steps=2,
-            segment_pacing_max_waiting=max_waiting,
-            profiler=LastSchedule(),
+    for max_waiting in (0, 1, 8):
+        pattern, outs[max_waiting] = segment_schedule(
+            model4[0], 3, 40, segment_decode_steps=2, segment_pacing_max_waiting=max_waiting
         )
-        engine = llm.llm_engine
-        engine.add_request("short", list(range(1, 11)), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-        engine.step()
-        for i in range(3):
-            engine.add_request(f"long{i}", list(range(2 + i, 42 + i)), GREEDY)
-        pattern, tokens = [], {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                tokens[o.request_id] = o.outputs[0].token_ids
-            segs = engine.profiler.out.segments
-            pattern.append(",".join(f"{s.seq.request_id}:{s.start}-{s.end}" for s in segs) or "D")
-        outs[max_waiting] = tokens
         paced = "long1:0-1 D D long1:1-2 D D long1:2-3 D D long1:3-4 D D"
-        first = "long0:0-3 long0:3-4" if max_waiting == 1 else "long0:0-1 D D long0:1-2 D D long0:2-3 D D long0:3-4 D D"
-        assert " ".join(pattern).startswith(f"{first} {paced}"), pattern
-    assert outs[1] == outs[8]
+        first = "long0:0-3 long0:3-4" if max_waiting < 8 else "long0:0-1 D D long0:1-2 D D long0:2-3 D D long0:3-4 D D"
+        assert pattern.startswith(f"{first} {paced}"), pattern
+    assert outs[0] == outs[1] == outs[8]
     with pytest.raises(ValueError, match="segment_pacing_max_waiting"):
         LLM(str(model4[0]), **COMMON, segment_pacing_max_waiting=-1)
 
