@@ -278,6 +278,7 @@ def capacity_run(
         out["hbm_hit_ratio"] = stats.offload_hbm_hits / lookups if lookups else None
         out["bypass_reads"] = stats.offload_bypass_reads
         out["h2d_GB"] = stats.offload_h2d_bytes / 1e9
+        out["uva_GB"] = stats.offload_uva_bytes / 1e9  # bypass reads and topp's candidate keys
         out["hbm_pool_GiB"] = stats.offload_hbm_slots * _head_block_gib(engine)
         out["device_blocks"] = stats.offload_device_blocks
         out["working_set_hold_backs"] = stats.working_set_hold_backs
@@ -425,6 +426,7 @@ class RealRun:
                 blocks_loaded=stats.offload_blocks_loaded,
                 bypass_reads=stats.offload_bypass_reads,
                 h2d_GB=stats.offload_h2d_bytes / 1e9,
+                uva_GB=stats.offload_uva_bytes / 1e9,  # bypass reads and topp's candidate keys
                 hbm_pool_GiB=stats.offload_hbm_slots * _head_block_gib(engine),
             )
         if self.host_profile is not None:

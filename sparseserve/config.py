@@ -355,8 +355,8 @@ class SparseConfig:
 PREFILL_LAYER_SEGMENT = 4
 # Steps of the decodes alone after a segment beside them (docs/offload.md, "Decode steps between segments").
 SEGMENT_DECODE_STEPS = 2
-# Prompts waiting to prefill beyond which the two above are off: a burst, whose TTFT is its queue (docs/offload.md,
-# "A burst's queue").
+# Prompts waiting to prefill beyond which, when they also outnumber the requests decoding, the two above are off: a
+# burst, whose TTFT is its queue (docs/offload.md, "A burst's queue").
 SEGMENT_PACING_MAX_WAITING = 4
 
 
@@ -426,8 +426,8 @@ class OffloadConfig:
         default=SEGMENT_PACING_MAX_WAITING,
         metadata={
             "help": "Layer-segmented prefill: the per-step layer cap and the decode steps between segments hold "
-            "while at most this many prompts wait to prefill; a longer queue (a burst) gets the step's whole "
-            "budget, as chunked prefill gives it (its TTFT is the queue's)."
+            "while at most this many prompts, or no more than the requests decoding, wait to prefill; a longer "
+            "queue (a burst) gets the step's whole budget, as chunked prefill gives it (its TTFT is the queue's)."
         },
     )
     working_set_window: int = field(
