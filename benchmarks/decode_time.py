@@ -27,7 +27,8 @@ saves of docs/offload.md, "Saves through the kernel", were found).
 Configurations (the serving ladder's, scripts/gpu_serve_check.sh): dense; sparse (topk 2048); offload (+
 kv_offload, working-set control included, chunked prefill); layerseg (+ layer_segmented_prefill); offload_lag,
 layerseg_lag (+ sparse_lag 1); kvoffload (`kv_offload` with its defaults: on these shapes layerseg_lag); NAME_async
-(+ async_scheduling).
+(+ async_scheduling). A config may carry engine arguments of its own, so variants run beside dense in one call:
+`--configs dense kvoffload_async kvoffload_async:segment_decode_steps=1` (each row is named by its spec).
 `--model 8b` (or a benchmarks/model_dir.py preset: mha7b, gqa8b): those shapes over the embedded tokenizer's
 vocabulary, dummy bf16 weights, GPU memory capped at --gpu-memory-gb. `--dataset longbench`: LongBench v1's mix
 (the SparseServe paper's serving workload) instead of the conversation trace. Any model directory works; on CPU
@@ -181,11 +182,28 @@ def decompose(steps: list[StepRecord]) -> dict:
     return out
 
 
+def config_kwargs(spec: str, engine_kw: dict) -> dict:
+    """A config spec's engine arguments: NAME of CONFIGS, or NAME:KEY=VALUE,... whose own arguments override
+    --engine-arg's (`engine_kw`), which override the config's."""
+    name, _, own = spec.partition(":")
+    if name not in CONFIGS:
+        raise ValueError(f"config {spec!r}: {name!r} is none of {', '.join(CONFIGS)}")
+    return CONFIGS[name] | engine_kw | (parse_engine_args(own.split(",")) if own else {})
+
+
+def _config_spec(spec: str) -> str:
+    try:
+        config_kwargs(spec, {})
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
 def run_config(
     model: str, name: str, jobs: list[Job], engine_kw: dict, window: tuple[int, int] | None = None
 ) -> tuple[dict, list[StepRecord]]:
     """The config's row and its timeline; with a profiled window the row's "profile" is its report."""
-    config = CONFIGS[name] | engine_kw  # --engine-arg overrides
+    config = config_kwargs(name, engine_kw)
     timeline = Timeline(bool(config.get("async_scheduling")), window)
     with fresh_engine(timeline, model=model, **config) as engine:
         summary = replay(engine, jobs, on_step=timeline)
@@ -227,7 +245,15 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_replay_args(p)
     add_workload_args(p)
-    p.add_argument("--configs", nargs="+", default=["dense", "layerseg_async"], choices=list(CONFIGS))
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=["dense", "layerseg_async"],
+        type=_config_spec,
+        metavar="NAME[:KEY=VALUE,...]",
+        help=f"configs, one after the other ({', '.join(CONFIGS)}), each with engine arguments of its own, e.g. "
+        "kvoffload_async:segment_decode_steps=1",
+    )
     p.add_argument(
         "--engine-arg",
         action="append",

@@ -155,3 +155,15 @@ def test_longbench_replay_jobs(tiny_model_dir, filler_haystack):
     assert max_output_len(args) == max(d.max_gen for d in longbench.DATASETS)
     arrivals = [j.arrival_s for j in workload_jobs(tok, args)]
     assert arrivals == sorted(arrivals) and arrivals[-1] > 0
+
+
+def test_config_specs():
+    """A config may carry engine arguments of its own, over --engine-arg's, over the config's; a name that is no
+    config is refused by the parser."""
+    got = D.config_kwargs("kvoffload_async:segment_decode_steps=1,sparse_budget=1024", {"sparse_budget": 512, "a": 1})
+    assert got == D.CONFIGS["kvoffload_async"] | {"a": 1, "sparse_budget": 1024, "segment_decode_steps": 1}
+    assert D.config_kwargs("dense", {"a": 1}) == {"a": 1}
+    with pytest.raises(ValueError, match="'densest' is none of"):
+        D.config_kwargs("densest:a=1", {})
+    with pytest.raises(SystemExit):
+        D.main(["--configs", "dense", "nope"])
