@@ -529,12 +529,15 @@ def test_random_schedules_preempt_and_abort_mid_prefill(model4, monkeypatch, see
     every block is selected; an aborted request's tokens agree up to where either run cut it), accounting and
     the host store equal to the device cache after every step; these seeds preempt or abort prefills after
     some of their layers ran (seed 2 with the working-set limit off inside the engine: the preemption it makes
-    mid-prefill is one the limit avoids)."""
+    mid-prefill is one the limit avoids); each has bursts (pacing off: docs/offload.md, "A burst's queue") and
+    paced stretches."""
     from sparseserve.engine.engine import LLMEngine
+    from sparseserve.engine.scheduler.segments import LayerSegmentedPrefill
     from tests.kvcache.test_offload import random_schedule
 
-    interrupted, aborted, current = [], set(), []
+    interrupted, aborted, current, bursts = [], set(), [], []
     init, preempt, finish, abort = Scheduler.__init__, Scheduler.preempt, Scheduler.finish, LLMEngine.abort_request
+    burst = LayerSegmentedPrefill._burst
 
     def mid_prefill(sched, seq) -> bool:
         return sched.segments is not None and sched.segments.layers_done.get(seq.seq_id, 0) > 0
@@ -557,7 +560,12 @@ def test_random_schedules_preempt_and_abort_mid_prefill(model4, monkeypatch, see
         aborted.add(request_id)
         abort(self, request_id)
 
+    def burst_spy(self, seq=None):
+        bursts.append(burst(self, seq))
+        return bursts[-1]
+
     for cls, name, spy in (
+        (LayerSegmentedPrefill, "_burst", burst_spy),
         (Scheduler, "__init__", init_spy),
         (Scheduler, "preempt", preempt_spy),
         (Scheduler, "finish", finish_spy),
@@ -579,6 +587,7 @@ def test_random_schedules_preempt_and_abort_mid_prefill(model4, monkeypatch, see
         model4[0], seed, check=True, layer_segmented_prefill=True, prefill_layer_segment=1, control=control, **covering
     )
     assert interrupted, "no prefill was interrupted after some of its layers"
+    assert True in bursts and False in bursts
     assert set(on) | aborted == set(off) | aborted
     for rid in set(on) | set(off):
         a, b = on.get(rid, []), off.get(rid, [])
