@@ -8,10 +8,11 @@ the forced blocks and the top candidates. Here:
      (forced entries included), averaged over the group (per_head: each head, union kept);
      keeps the forced entries and the candidates of mass >= t, for the largest t at which they
      reach p (ties at t kept; all when the total stays below p), compacts the list in place and
-     takes the dropped entries off stats[0]. A bit-pattern search (or, asked for, a sort). With `out` (lagged
-     selection: the candidates stay, a step's query prunes them for itself) row b's result goes to
-     out[b] instead, padding rows get -1, and the prune counts what it keeps (stats[0] += kept,
-     stats[1] += 1 per live list): the candidates' selection counted nothing.
+     takes the dropped entries off stats[0]. A sort up to SORT_MAX_CAP blocks, else a bit-pattern
+     search. With `out` (lagged selection: the candidates stay, a step's query prunes them for
+     itself) row b's result goes to out[b] instead, padding rows get -1, and the prune counts what
+     it keeps (stats[0] += kept, stats[1] += 1 per live list): the candidates' selection counted
+     nothing.
 Both skip padding rows, rows that fit the cap and, with reuse, lists kept this step, so the
 grid follows shapes only (capturable). Under KV offload keys are read through the pool view
 (`offload`, as in kernels/sparse_decode.py).

@@ -39,7 +39,7 @@ class SegmentPlanner:
 
     def wants(self, seq: Sequence) -> bool:
         """A prefill (not a paused decode) whose context is longer than `min_context`."""
-        return seq.num_tokens > self.min_context and seq.num_computed_tokens + 1 < seq.num_tokens
+        return seq.num_tokens > self.min_context and not decoding(seq)
 
     def cost(self, tokens: int, layers: int) -> int:
         return -(-tokens * layers // self.num_layers)
@@ -58,6 +58,11 @@ class SegmentPlanner:
                 return None
             k = 1
         return LayerSegment(seq, done, done + k, self.cost(tokens, k))
+
+
+def decoding(seq: Sequence) -> bool:
+    """Past its prefill: its next step is a decode."""
+    return seq.num_computed_tokens + 1 >= seq.num_tokens
 
 
 def only_decodes(out: SchedulerOutput) -> bool:
@@ -95,7 +100,7 @@ class LayerSegmentedPrefill(SchedulerPolicy):
 
     def _segment(self, seq: Sequence, tokens: int, done: int, budget: int, out: SchedulerOutput) -> LayerSegment | None:
         """The planner's next segment; none while decode steps are owed to the requests decoding beside it."""
-        decodes = any(s is not seq and s.num_computed_tokens + 1 >= s.num_tokens for s in self.sched.running)
+        decodes = any(s is not seq and decoding(s) for s in self.sched.running)
         paced = decodes and not self._burst(seq)
         if paced and self.owed:
             return None
@@ -106,8 +111,8 @@ class LayerSegmentedPrefill(SchedulerPolicy):
         `max_waiting` and the requests decoding: a decode step would delay more prompts than it gives tokens."""
         if self.max_waiting is None or len(self.sched.waiting) <= self.max_waiting:
             return False
-        n = sum(s is not seq and s.num_computed_tokens + 1 < s.num_tokens for s in self.sched.waiting)
-        return n > self.max_waiting and n > sum(s.num_computed_tokens + 1 >= s.num_tokens for s in self.sched.running)
+        n = sum(s is not seq and not decoding(s) for s in self.sched.waiting)
+        return n > self.max_waiting and n > sum(decoding(s) for s in self.sched.running)
 
     def admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> LayerSegment | None:
         """Admits the head of the queue if it fits (None: it waits): its prefix-cache hit taken (a
