@@ -48,6 +48,7 @@ CONFIGS = {
     ),
 }
 CONFIGS["layerseg_lag_async"] = dict(CONFIGS["layerseg_async"], sparse_lag=1)  # the best measured serving config
+CONFIGS["topp"] = dict(SPARSE, sparse_policy="topp", sparse_top_p=0.8)
 MAX_MODEL_LEN = 320
 
 
