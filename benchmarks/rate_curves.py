@@ -24,11 +24,13 @@ from sparseserve.bench.hardware import print_table
 
 def curve_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (rate, config) of decode_time reports, ordered by rate; ratios against the dense row of the
-    same report (None without one)."""
+    same report, throughput also against its sparse-only row (sparse or sparse_async: the paper's vLLM-S); None
+    without one."""
     rows = []
     for report in sorted(reports, key=lambda r: r["args"]["request_rate"]):
         rate = report["args"]["request_rate"]
         dense = next((r for r in report["rows"] if r["config"] == "dense"), None)
+        sparse = next((r for r in report["rows"] if r["config"] in ("sparse", "sparse_async")), None)
         for r in report["rows"]:
             rows.append(
                 {
@@ -36,6 +38,7 @@ def curve_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "config": r["config"],
                     "out tok/s": r["output_tok_s"],
                     "x dense": _ratio(r["output_tok_s"], dense and dense["output_tok_s"]),
+                    "x sparse-only": _ratio(r["output_tok_s"], sparse and sparse["output_tok_s"]),
                     "TTFT s": r["mean_ttft_s"],
                     "TTFT x lower": _ratio(dense and dense["mean_ttft_s"], r["mean_ttft_s"]),
                     "TPOT ms": r["tpot_ms"],

@@ -21,7 +21,14 @@ def _row(config, tok_s, ttft, tpot, hit=None):
 
 def test_rows_are_ratios_within_each_report(tmp_path):
     reports = [
-        _report(2.0, [_row("dense", 200.0, 8.0, 10.0), _row("kvoffload_async", 260.0, 2.0, 15.0, 0.98)]),
+        _report(
+            2.0,
+            [
+                _row("dense", 200.0, 8.0, 10.0),
+                _row("sparse_async", 208.0, 4.0, 9.0),
+                _row("kvoffload_async", 260.0, 2.0, 15.0, 0.98),
+            ],
+        ),
         _report(0.5, [_row("kvoffload_async", 90.0, 0.5, 12.0, 0.99), _row("dense", 100.0, 1.0, 11.0)]),
     ]
     files = []
@@ -33,10 +40,12 @@ def test_rows_are_ratios_within_each_report(tmp_path):
         (0.5, "kvoffload_async"),
         (0.5, "dense"),
         (2.0, "dense"),
+        (2.0, "sparse_async"),
         (2.0, "kvoffload_async"),
     ]
-    kv2 = rows[3]
+    kv2 = rows[4]
     assert kv2["x dense"] == pytest.approx(1.3) and kv2["TTFT x lower"] == pytest.approx(4.0)
+    assert kv2["x sparse-only"] == pytest.approx(1.25) and rows[0]["x sparse-only"] is None
     assert kv2["TPOT / dense"] == pytest.approx(1.5) and kv2["hit"] == 0.98
     assert rows[0]["x dense"] == pytest.approx(0.9) and rows[1]["hit"] is None
     assert json.loads((tmp_path / "curves.json").read_text()) == rows
