@@ -5,8 +5,8 @@ Reads `benchmarks.decode_time --dataset longbench --request-rate R --json F` res
 config of a file ran in one process, one after the other, so each ratio is within one call), prints one table
 and writes curves.json and curves.png beside the first file (or --out):
 
-    for r in 0.5 1 1.5 2; do python -m benchmarks.decode_time --model mha7b --dataset longbench \\
-        --longbench-tokenizer llama2 --num-requests 32 --request-rate $r --gpu-memory-gb 40 \\
+    for r in 1 1.5 2 3; do python -m benchmarks.decode_time --model mha7b --dataset longbench \\
+        --longbench-tokenizer llama2 --num-requests 24 --request-rate $r --gpu-memory-gb 40 \\
         --engine-arg host_kv_memory=90GB --configs dense sparse_async kvoffload_async --json rate$r.json; done
     python -m benchmarks.rate_curves rate*.json
 """
