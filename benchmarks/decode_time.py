@@ -280,7 +280,11 @@ def main(argv: list[str] | None = None) -> dict:
         kw = engine_kwargs(args, args.max_input_len + max_output_len(args))
         kw.update(parse_engine_args(args.engine_arg))
         window = tuple(args.profile_window) if args.profile_window else None
-        runs = {c: run_config(model, c, jobs, kw, window) for c in args.configs}
+        runs: dict[str, tuple[dict, list[StepRecord]]] = {}
+        for c in args.configs:
+            runs[c] = run_config(model, c, jobs, kw, window)
+            if args.json:  # after each config: a run cut off by a time limit keeps the configs that finished
+                Path(args.json).write_text(json.dumps(build_report(args, runs), indent=2))
     rows = [row for row, _ in runs.values()]
     print_table(
         [{k: v for k, v in row.items() if k != "profile"} for row in rows],
@@ -293,23 +297,26 @@ def main(argv: list[str] | None = None) -> dict:
         + ": "
         "TPOT = decode + with_prefill + waiting (ms per output token)",
     )
-    ratios = against(rows)
-    if ratios:
-        print_table(ratios, "against dense in this call (TTFT: how many times lower)")
-    report = {
+    report = build_report(args, runs)
+    if report["against_dense"]:
+        print_table(report["against_dense"], "against dense in this call (TTFT: how many times lower)")
+    return report
+
+
+def build_report(args: argparse.Namespace, runs: dict[str, tuple[dict, list[StepRecord]]]) -> dict:
+    """The JSON report of the configs run so far: rows, ratios against dense, timelines."""
+    rows = [row for row, _ in runs.values()]
+    return {
         "date": datetime.date.today().isoformat(),
         "model": args.model,
         "args": vars(args),
         "rows": rows,
-        "against_dense": ratios,
+        "against_dense": against(rows),
         "timelines": {
             c: [dataclasses.asdict(s) | {"requests": sorted(s.requests)} for s in steps]
             for c, (_, steps) in runs.items()
         },
     }
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    return report
 
 
 def against(rows: list[dict], base: str = "dense") -> list[dict]:
