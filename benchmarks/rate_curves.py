@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serve_ladder import plot
+from benchmarks.serve_ladder import plot, ratio
 from sparseserve.bench.hardware import print_table
 
 
@@ -37,20 +37,16 @@ def curve_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "rate": rate,
                     "config": r["config"],
                     "out tok/s": r["output_tok_s"],
-                    "x dense": _ratio(r["output_tok_s"], dense and dense["output_tok_s"]),
-                    "x sparse-only": _ratio(r["output_tok_s"], sparse and sparse["output_tok_s"]),
+                    "x dense": ratio(r["output_tok_s"], dense and dense["output_tok_s"]),
+                    "x sparse-only": ratio(r["output_tok_s"], sparse and sparse["output_tok_s"]),
                     "TTFT s": r["mean_ttft_s"],
-                    "TTFT x lower": _ratio(dense and dense["mean_ttft_s"], r["mean_ttft_s"]),
+                    "TTFT x lower": ratio(dense and dense["mean_ttft_s"], r["mean_ttft_s"]),
                     "TPOT ms": r["tpot_ms"],
-                    "TPOT / dense": _ratio(r["tpot_ms"], dense and dense["tpot_ms"]),
+                    "TPOT / dense": ratio(r["tpot_ms"], dense and dense["tpot_ms"]),
                     "hit": r.get("hbm_hit"),
                 }
             )
     return rows
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def as_ladder_runs(rows: list[dict[str, Any]], outputs: str) -> list[dict[str, Any]]:

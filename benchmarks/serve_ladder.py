@@ -191,7 +191,8 @@ def load_runs(folder: Path) -> list[dict[str, Any]]:
     return runs
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b; None where either is missing or b is 0 (a run without the baseline)."""
     return a / b if a is not None and b else None
 
 
@@ -223,20 +224,20 @@ def ladder_rows(runs: list[dict[str, Any]], bounds: dict[str, float] | None = No
             "config": run["config"],
             "done": f"{s['completed']}/{s['completed'] + s['failed']}",
             "out tok/s": s["output_throughput"],
-            "x dense": _ratio(s["output_throughput"], dense and dense["output_throughput"]),
-            "step gain": _ratio(s["output_throughput"], prev and prev["out tok/s"]),
+            "x dense": ratio(s["output_throughput"], dense and dense["output_throughput"]),
+            "step gain": ratio(s["output_throughput"], prev and prev["out tok/s"]),
             "TTFT s": s["ttft_ms"]["mean"] / 1e3,
-            "TTFT x lower": _ratio(dense and dense["ttft_ms"]["mean"], s["ttft_ms"]["mean"]),
+            "TTFT x lower": ratio(dense and dense["ttft_ms"]["mean"], s["ttft_ms"]["mean"]),
             "p99 TTFT s": s["ttft_ms"]["p99"] / 1e3,
             "TPOT ms": s["tpot_ms"]["mean"],
-            "TPOT / dense": _ratio(s["tpot_ms"]["mean"], dense and dense["tpot_ms"]["mean"]),
+            "TPOT / dense": ratio(s["tpot_ms"]["mean"], dense and dense["tpot_ms"]["mean"]),
             "E2E s": s["e2e_ms"]["mean"] / 1e3,
-            "E2E x lower": _ratio(dense and dense["e2e_ms"]["mean"], s["e2e_ms"]["mean"]),
+            "E2E x lower": ratio(dense and dense["e2e_ms"]["mean"], s["e2e_ms"]["mean"]),
             "goodput req/s": s["goodput"],
-            "goodput x dense": _ratio(s["goodput"], dense and dense["goodput"]),
+            "goodput x dense": ratio(s["goodput"], dense and dense["goodput"]),
             "hit ratio": hits / (hits + loads + bypass) if hits is not None and hits + loads + bypass else None,
             "preempt": _metric(m, "num_preemptions_total"),
-            "computed/prompt": _ratio(computed, s["total_input_tokens"]),
+            "computed/prompt": ratio(computed, s["total_input_tokens"]),
             "hold-backs": _metric(m, "working_set_hold_backs_total"),
             "prefills ahead": _metric(m, "working_set_prefill_aheads_total"),
         }
