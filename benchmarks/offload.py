@@ -17,11 +17,13 @@ request counts: the most requests running at once and the decode throughput; wit
 enforce_eager=true` the offload runs also split the decode step into selection, H2D and attention (CUDA events
 around each phase, the engine's profiler, on a few decode steps in the middle of the run).
 --real MODEL: KV offload on a real model (e.g. smollm2) with real prompts (essays, so consecutive decode queries
-have the locality of real text), at each of --batches requests: topk (--budget, default 1024) with every block in
-HBM against the same policy with kv_offload, side by side per batch size: decode time per output token (the
-wall time of an engine step in which every request decodes), HBM hit ratio (listed head blocks found in the pool),
-head blocks loaded and bypass reads. Runs on CPU too (a smoke test on a tiny model). --repeats N: each pair N
-times, medians; --host-profile DIR: a cProfile of each engine's decode steps and where the host's time goes.
+have the locality of real text), at each of --batches requests: topk (--budget, default 1024; or --policy SPEC,
+e.g. topp with blocks of 16) with every block in HBM against the same policy with kv_offload, side by side per
+batch size: decode time per output token (the wall time of an engine step in which every request decodes), HBM
+hit ratio (listed head blocks found in the pool), head blocks loaded and bypass reads, and the KV attended and the
+bytes over PCIe per output token (FlashH2D's loads, bypass reads and topp's candidate keys). Runs on CPU too (a
+smoke test on a tiny model). --repeats N: each pair N times, medians; --host-profile DIR: a cProfile of each
+engine's decode steps and where the host's time goes.
 """
 
 from __future__ import annotations
@@ -174,10 +176,14 @@ def prefill_bench(model: str, tokens: int = 32768, reps: int = 3) -> list[dict]:
     return rows
 
 
-def _head_block_gib(engine) -> float:
-    """GiB of one pool slot: a KV head's K and V of one token block."""
+def _head_block_bytes(engine) -> int:
+    """Bytes of one pool slot: a KV head's K and V of one token block."""
     runner = engine.model_runner
-    return 2 * runner.block_size * runner.arch.head_dim * runner.dtype.itemsize / 2**30
+    return 2 * runner.block_size * runner.arch.head_dim * runner.dtype.itemsize
+
+
+def _head_block_gib(engine) -> float:
+    return _head_block_bytes(engine) / 2**30
 
 
 def capacity_run(
@@ -297,9 +303,17 @@ def real_prompts(model: str, n: int, length: int, seed: int = 0) -> list[list[in
     return [haystack_token_ids(tok, length, f"offload-real:{seed}:{i}") for i in range(n)]
 
 
+def policy_label(policy: dict) -> str:
+    """`topk 1024`, or with the arguments that shape a topp / finer-block selection: `topp 4096, p=0.95, blocks 16`."""
+    names = {"sparse_top_p": "p", "block_size": "blocks", "logical_page_size": "pages"}
+    extra = "".join(f", {short}={policy[k]}" for k, short in names.items() if k in policy)
+    return f"{policy['sparse_policy']} {policy['sparse_budget']}{extra}"
+
+
 class RealRun:
     """One engine of the real-model comparison, stepped by the caller: all prompts at once (max_num_seqs = their
-    number), greedy, `output_len` tokens each (EOS ignored), topk at `budget` with or without kv_offload. Decode
+    number), greedy, `output_len` tokens each (EOS ignored), topk at `budget` (or the policy that engine_args
+    name, e.g. topp's sparse_policy / sparse_budget / sparse_top_p / block_size) with or without kv_offload. Decode
     time per output token is the mean wall time of the timed engine steps in which every request decodes (TPOT:
     each request gets one token per step), and their median (robust to the host's occasional stalls); on a GPU
     also the GPU time of those steps' decode graphs (CUDA events around the replay: what the device spends on
@@ -324,16 +338,16 @@ class RealRun:
         from sparseserve.sampling_params import SamplingParams
 
         self.n, self.prompt_len = len(prompts), max(len(p) for p in prompts)
-        self.offload, self.budget, self.output_len, self.margins = offload, budget, output_len, margins
+        self.offload, self.output_len, self.margins = offload, output_len, margins
+        policy = {"sparse_policy": "topk", "sparse_budget": budget} | engine_args
+        self.label = policy_label(policy)
         kw = dict(
             model=model,
             device=device,
             dtype=dtype,
             max_model_len=self.prompt_len + output_len,
             max_num_seqs=self.n,
-            sparse_policy="topk",
-            sparse_budget=budget,
-            **engine_args,
+            **policy,
         )
         # the same selection with and without offload: KV offload's default lag, unless given
         kw.setdefault("sparse_lag", EngineConfig.from_kwargs(**kw, kv_offload=True).sparse_config.sparse_lag)
@@ -346,7 +360,14 @@ class RealRun:
                 a = ArchConfig.from_hf(load_hf_config(resolve_model_dir(model)))
                 sparse_layers = a.num_layers - kw.get("sparse_dense_layers", 2)
                 kw["hbm_cache_blocks"] = max(
-                    1, int(pool_steps * self.n * sparse_layers * a.num_kv_heads * (budget // kw.get("block_size", 32)))
+                    1,
+                    int(
+                        pool_steps
+                        * self.n
+                        * sparse_layers
+                        * a.num_kv_heads
+                        * (kw["sparse_budget"] // kw.get("block_size", 32))
+                    ),
                 )
         # the engine's profiler: each step's schedule, and the decode graphs' GPU time (CUDA graphs only)
         self.log = StepLog(timing=True)
@@ -400,9 +421,10 @@ class RealRun:
     def result(self) -> dict:
         engine, n, steps = self.engine, self.n, self.step_s
         stats = engine.get_stats(sync=True)
+        tokens = max(stats.num_generation_tokens, 1)
         graph = self.log.times_ms("graph", self.graph_events)
         out = {
-            "config": f"topk {self.budget}" + (" + KV offload" if self.offload else ", all KV in HBM"),
+            "config": self.label + (" + KV offload" if self.offload else ", all KV in HBM"),
             "batch": n,
             "prompt_len": self.prompt_len,
             "output_len": self.output_len,
@@ -418,6 +440,8 @@ class RealRun:
             )
             if stats.sparse_selections
             else None,
+            # the KV the sparse layers attend per output token (per sequence-step), wherever it is read from
+            "attended_KB_per_token": stats.sparse_blocks_selected * _head_block_bytes(engine) / tokens / 1e3,
         }
         if self.offload:
             lookups = stats.offload_hbm_hits + stats.offload_blocks_loaded + stats.offload_bypass_reads
@@ -427,8 +451,14 @@ class RealRun:
                 bypass_reads=stats.offload_bypass_reads,
                 h2d_GB=stats.offload_h2d_bytes / 1e9,
                 uva_GB=stats.offload_uva_bytes / 1e9,  # bypass reads and topp's candidate keys
+                prune_key_reads=stats.offload_prune_key_reads,
+                # what crosses PCIe per output token, and as a share of what is attended: a selection whose
+                # loads follow the kept lists (not the candidates) keeps this near 1 - the hit ratio
+                pcie_KB_per_token=(stats.offload_h2d_bytes + stats.offload_uva_bytes) / tokens / 1e3,
                 hbm_pool_GiB=stats.offload_hbm_slots * _head_block_gib(engine),
             )
+            if out["attended_KB_per_token"]:
+                out["pcie_of_attended"] = out["pcie_KB_per_token"] / out["attended_KB_per_token"]
         if self.host_profile is not None:
             out["host_profile_steps"] = self.profiled_steps
             out["_host_profile"] = self.host_profile
@@ -716,6 +746,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", default="1,2,4,8,16,32", help="request counts (--real)")
     p.add_argument("--budget", type=int, default=1024, help="topk sparse_budget (--real)")
     p.add_argument(
+        "--policy",
+        default=None,
+        metavar="SPEC",
+        help="--real: the selection instead of topk --budget, as the accuracy benchmark names it, e.g. "
+        "topp:sparse_budget=4096,sparse_top_p=0.95,block_size=16,logical_page_size=8 (--engine-arg overrides it)",
+    )
+    p.add_argument(
         "--pool-steps",
         type=float,
         default=None,
@@ -774,6 +811,11 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
     }
     if args.real:
+        from sparseserve.bench.accuracy import parse_policy
+
+        policy = {"sparse_policy": "topk", "sparse_budget": args.budget}
+        policy |= dict(parse_policy(args.policy).engine_args) if args.policy else {}
+        policy |= parse_engine_args(args.engine_arg)
         rows = real_bench(
             args.real,
             [int(b) for b in args.batches.split(",") if b],
@@ -787,12 +829,12 @@ def main(argv: list[str] | None = None) -> None:
             args.interleave,
             args.repeats,
             args.host_profile,
-            **parse_engine_args(args.engine_arg),
+            **policy,
         )
         result["real"] = rows
         print_table(
             _flat(rows),
-            f"{args.real}: topk {args.budget}, all KV in HBM vs KV offload; TPOT = decode time "
+            f"{args.real}: {policy_label(policy)}, all KV in HBM vs KV offload; TPOT = decode time "
             f"per output token (steps where every request decodes)",
         )
     if args.transfers:

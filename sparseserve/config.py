@@ -235,9 +235,9 @@ class SparseConfig:
         default=None,
         metadata={
             "help": "1: a decode step attends the blocks selected from the previous step's query (topp: prunes "
-            "those candidates with its own, not under kv_offload), so selection runs beside the attention (0: "
-            "each step selects from its own query; default: 1 with kv_offload where the policy allows it, whose "
-            "loads then run beside the layers before them, else 0).",
+            "those candidates with its own), so selection runs beside the attention (0: each step selects from "
+            "its own query; default: 1 with kv_offload and sparse_reuse 1, whose loads then run beside the "
+            "layers before them, else 0).",
             "choices": [0, 1],
         },
     )
@@ -628,12 +628,6 @@ class EngineConfig:
                 "host_prefix_cache_memory does not work with tensor_parallel_size > 1 yet: the host "
                 "tier copies rank 0's KV only (KV offload's host store, per rank, does work)"
             )
-        lags_offloaded = not sp.enabled or SELECTION_POLICIES.get(sp.sparse_policy).lags_with_offload
-        if self.offload_config.kv_offload and sp.sparse_lag and not lags_offloaded:
-            raise ValueError(
-                f"sparse_lag=1 with kv_offload does not work with sparse_policy={sp.sparse_policy}: the loads are "
-                f"planned a step ahead, from lists it still prunes at the step"
-            )
         if self.offload_config.kv_offload and sp.sparse_lag and sp.sparse_reuse > 1:
             raise ValueError(
                 "sparse_lag=1 with kv_offload needs sparse_reuse=1: each step plans the views of the "
@@ -661,7 +655,7 @@ class EngineConfig:
         return (
             self.offload_config.kv_offload
             and sp.enabled
-            and SELECTION_POLICIES.get(sp.sparse_policy).lags_with_offload
+            and SELECTION_POLICIES.get(sp.sparse_policy).supports_lag
             and sp.sparse_reuse == 1
         )
 

@@ -4,7 +4,8 @@ topk: a fixed budget, the best blocks by their key bounds (kernels/block_score.p
 topp: Twilight's select-then-prune: topk picks `cap` candidates, then the fewest whose mass on
 their real keys brings the list to sparse_top_p stay (kernels/topp_prune.py). Lagged, the
 candidates come from the previous query and each step prunes them for its own, into a row of its
-own (the candidates stay for the next selection); not under KV offload.
+own (the candidates stay for the next selection). Under KV offload the candidates go through the HBM
+pool (lagged: planned and loaded a step ahead, as topk's lists), so the prune reads their keys there.
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ class TopK(SelectionPolicy):
 @SELECTION_POLICIES.register("topp")
 class TopP(TopK):
     # Lagged: pruned lists fit the pruning query only, so each step prunes the candidates itself.
-    lags_with_offload = False
     prunes = True
 
     def _select_stats(self, state: SelectionState) -> torch.Tensor:
@@ -66,6 +66,7 @@ class TopP(TopK):
         offload: tuple | None,
         out: torch.Tensor | None = None,
         host_reads: torch.Tensor | None = None,
+        **view_kw,
     ) -> bool:
         p, args = self.params, self.params.kernel_args()
         topp_prune(
@@ -87,5 +88,6 @@ class TopP(TopK):
             offload=offload,
             host_reads=host_reads,
             out=out,
+            **view_kw,
         )
         return True

@@ -218,8 +218,7 @@ class SelectionPolicy(abc.ABC):
     """How a sparse layer picks the blocks each decode row attends (module docstring)."""
 
     supports_lag = True  # whether lists selected from an earlier query serve the next one
-    lags_with_offload = True  # whether it lags under KV offload too (whose reads are planned a step ahead)
-    prunes = False  # whether it has a `refine` (called only then; KV offload reads only what it keeps)
+    prunes = False  # whether it has a `refine` (called only then; KV offload reads its candidates first)
 
     def __init__(self, params: SelectionParams) -> None:
         self.params = params
@@ -239,10 +238,12 @@ class SelectionPolicy(abc.ABC):
         offload: tuple | None,
         out: torch.Tensor | None = None,
         host_reads: torch.Tensor | None = None,
+        **view_kw,
     ) -> bool:
         """With `prunes`: once the listed blocks are readable (offload: a view of where each is,
-        pool or host, kernels/sparse_decode.py, before the pool reads the lists), may trim the
+        pool or host, kernels/sparse_decode.py, after the pool read the lists), may trim the
         lists just selected in place, or (out: lagged selection) write row i's trimmed list into
         out[i], the lists left as they are. Returns whether it changed them. host_reads (offload):
-        += the listed blocks whose keys it read from the host."""
+        += the listed blocks whose keys it read from the host. view_kw (lag + offload): view_by_slot
+        (the view's rows are the lists' slots) and out_view (loc, key: the kept entries' view by row i)."""
         return False

@@ -66,6 +66,7 @@ class SparseBackend(AttentionBackend):
         self.side = torch.cuda.Stream(ctx.device) if p.lag and ctx.device.type == "cuda" else None
         # lag + a refining policy: each step's refined lists, row i for decode row i (the candidates stay)
         self.refined: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.refined_view: tuple[torch.Tensor, torch.Tensor] | None = None  # lag + offload: their view
         if p.lag and self.policy.prunes:
             shape = (ctx.max_num_seqs, ctx.num_kv_heads, p.cap)
             ids = torch.arange(ctx.max_num_seqs, dtype=torch.int32, device=ctx.device)
@@ -94,6 +95,9 @@ class SparseBackend(AttentionBackend):
             offload.attach_key_meta(self.key_meta)
         if offload is not None and self.params.lag:
             offload.init_lagged(self.state.sel.shape[1], self.params.cap)
+            if self.refined is not None:  # the refined lists' view (pool slot, host row) by decode row
+                shape = self.refined[0].shape
+                self.refined_view = tuple(torch.full(shape, -1, dtype=torch.int64, device=c.device) for _ in "lk")
 
     def step_inputs(self, scheduled, num_decodes: int) -> dict[str, torch.Tensor]:
         """Each row's selection-state slot; under lag + offload the decodes with fresh slots."""
@@ -283,27 +287,33 @@ class SparseBackend(AttentionBackend):
             scale,
             self.width,
         )
-        sel = state.sel[layer]
+        sel, view = state.sel[layer], None
         if p.lag:  # lists selected at an earlier step; _select_next selects the next ones beside
             rows.slots = self.step_rows[0][:nd]
+            if self.offload is not None:  # planned by begin_step (fresh slots: _plan_fresh), by list row
+                view = self.offload.lagged_view(layer)
             if self.refined is not None:  # refined for this step's query, into rows of their own
+                # under offload on the candidates' keys in the pool (their view by slot), writing the kept
+                # entries' view beside them (by decode row)
+                kw = {}
+                if view is not None:
+                    kw = dict(host_reads=self.offload.prune_key_reads, view_by_slot=True, out_view=self.refined_view)
                 with self._phase("selection"):
-                    self.policy.refine(layer, q, kv_cache, rows, state, None, out=self.refined[0])
+                    self.policy.refine(layer, q, kv_cache, rows, state, view, out=self.refined[0], **kw)
                 sel, rows.slots = self.refined[0], self.refined[1][:nd]
+                if view is not None:
+                    view = (*view[:2], self.refined_view[0][:nd], self.refined_view[1][:nd])
         else:
             with self._phase("selection"):
                 self.policy.select(layer, q, rows, state, self.key_meta[layer])
                 if self.offload is None and self.policy.prunes:
                     self.policy.refine(layer, q, kv_cache, rows, state, None)
-        view = None
-        if self.offload is not None and p.lag:  # planned by begin_step (fresh slots: _plan_fresh)
-            view = self.offload.lagged_view(layer)
-        elif self.offload is not None:
-            if self.policy.prunes:  # on the candidates' keys where they are (pool, else host): only what stays loads
-                where = self.offload.lookup(layer, tokens, rows.seq_lens, state.sel[layer][rows.slots.long()])
-                self.policy.refine(layer, q, kv_cache, rows, state, where, host_reads=self.offload.prune_key_reads)
-            with self._phase("h2d"):
+        if self.offload is not None and not p.lag:
+            with self._phase("h2d"):  # a refining policy's candidates load: the prune reads their keys in HBM
                 view = self.offload.read(layer, tokens, rows.seq_lens, state.sel[layer], rows.slots)
+            if self.policy.prunes:  # (docs/offload.md, "topp under KV offload"); the kept lists' view after
+                self.policy.refine(layer, q, kv_cache, rows, state, view, host_reads=self.offload.prune_key_reads)
+                view = self.offload.lookup(layer, tokens, rows.seq_lens, state.sel[layer][rows.slots.long()])
         with self._phase("attention"):
             sparse_decode(
                 q,
@@ -316,7 +326,7 @@ class SparseBackend(AttentionBackend):
                 scale,
                 out=out[:nd],
                 offload=view,
-                view_by_slot=p.lag,
+                view_by_slot=p.lag and self.refined is None,
             )
         return out
 

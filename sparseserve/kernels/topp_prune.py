@@ -12,10 +12,12 @@ the forced blocks and the top candidates. Here:
      search. With `out` (lagged selection: the candidates stay, a step's query prunes them for
      itself) row b's result goes to out[b] instead, padding rows get -1, and the prune counts what
      it keeps (stats[0] += kept, stats[1] += 1 per live list): the candidates' selection counted
-     nothing.
+     nothing; with `out_view` also each kept entry's pool view (slot, host row) at its new position,
+     so the attention reads the pruned lists through the candidates' view (no second pool lookup).
 Both skip padding rows, rows that fit the cap and, with reuse, lists kept this step, so the
 grid follows shapes only (capturable). Under KV offload keys are read through the pool view
-(`offload`, as in kernels/sparse_decode.py).
+(`offload`, as in kernels/sparse_decode.py; `view_by_slot`: its rows by state slot, as lagged
+plans keep them, instead of by decode row).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from sparseserve.kernels.pdl import pdl_wait, use_pdl
 from sparseserve.kernels.sparse_decode import listed_rows, offload_context_ref
 
 MAX_PRUNE_CAP = 4096  # one prune program holds a list in registers
-SORT_MAX_CAP = 128  # the prune's default search: a sort up to lists this long, rounds of 4 above (docs/sparse.md)
+SORT_MAX_CAP = 256  # the prune's default search: a sort up to lists this long, rounds of 4 above (docs/sparse.md)
 
 
 def prune_target(top_p: float) -> float:
@@ -63,7 +65,21 @@ def block_lse_ref(
     return torch.logsumexp(s, -1).reshape(batch, num_q_heads, cap)
 
 
-def prune_ref(
+def compact_ref(values: torch.Tensor, keep: torch.Tensor, fill: int = -1) -> torch.Tensor:
+    """values' kept entries (keep: the same shape) moved to the front of the last dim, in order, then fill."""
+    cap = values.shape[-1]
+    out = torch.full((*values.shape[:-1], cap + 1), fill, dtype=values.dtype, device=values.device)
+    out.scatter_(-1, torch.where(keep, keep.long().cumsum(-1) - 1, cap), values)  # column cap: the dropped
+    return out[..., :cap]
+
+
+def prune_ref(lse: torch.Tensor, lists: torch.Tensor, seq_lens: torch.Tensor, **kw) -> torch.Tensor:
+    """The pruned lists [B, Hkv, cap] from the blocks' lse [B, Hq, cap] (module docstring,
+    step 2): the kept entries in list order, then -1. kw: prune_keep_ref's."""
+    return compact_ref(lists, prune_keep_ref(lse, lists, seq_lens, **kw))
+
+
+def prune_keep_ref(
     lse: torch.Tensor,
     lists: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -75,8 +91,7 @@ def prune_ref(
     short_dense: bool = True,
     per_head: bool = False,
 ) -> torch.Tensor:
-    """The pruned lists [B, Hkv, cap] from the blocks' lse [B, Hq, cap] (module docstring,
-    step 2): the kept entries in list order, then -1."""
+    """bool [B, Hkv, cap]: the entries of lists the prune keeps (prune_ref's before compaction)."""
     batch, num_kv_heads, cap = lists.shape
     listed = lists >= 0
     logits = lse.view(batch, num_kv_heads, -1, cap).masked_fill(~listed[:, :, None], float("-inf"))
@@ -93,10 +108,7 @@ def prune_ref(
     threshold = torch.where(
         forced_reach, float("inf"), torch.where(first < cap, vals.gather(-1, first.clamp_max(cap - 1)), 0.0)
     )
-    keep = (forced | (cand & (mass >= threshold))).any(2)
-    out = torch.full((batch, num_kv_heads, cap + 1), -1, dtype=lists.dtype, device=lists.device)
-    out.scatter_(-1, torch.where(keep, keep.cumsum(-1) - 1, cap), lists)  # column cap: the dropped
-    return out[..., :cap]
+    return (forced | (cand & (mass >= threshold))).any(2)
 
 
 def topp_prune_ref(
@@ -119,6 +131,8 @@ def topp_prune_ref(
     offload: tuple | None = None,
     host_reads: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    view_by_slot: bool = False,
+    out_view: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Right after the first stage wrote lists into sel [S, Hkv, cap] for the decode rows q
     [B, Hq, D]: prunes in place the lists recomputed this step (counter - 1 a multiple of R:
@@ -126,9 +140,13 @@ def topp_prune_ref(
     kernels/sparse_decode.py; host_reads (int64 [1]) += the entries of the pruned lists whose keys
     it read from the host (not in the pool). out (int32 [>= B, Hkv, cap]): row b's list pruned (or
     kept whole when the prune skips it; -1 for padding rows) into out[b], sel untouched, stats[0] +=
-    kept entries and stats[1] += live lists (module docstring)."""
+    kept entries and stats[1] += live lists (module docstring). view_by_slot: offload's loc and key
+    rows by state slot. out_view (with out and offload: int64 loc, key [>= B, Hkv, cap]): row b's kept
+    entries' loc and key at their positions in out[b], then -1."""
     block_size = kv_cache.shape[3]
     slots = slots.long()
+    if offload is not None and view_by_slot:  # the reference reads the view by decode row
+        offload = (*offload[:2], offload[2][slots], offload[3][slots])
     live = (seq_lens > 0)[:, None].expand(-1, sel.shape[1])
     due = live & ((counter[slots] - 1) % reuse == 0) if reuse > 1 else live
     lists = sel[slots]
@@ -141,7 +159,7 @@ def topp_prune_ref(
         kv_cache = ctx.flatten(0, 1)
         block_tables = torch.arange(kv_cache.shape[0], device=q.device).view(ctx.shape[:2])
     lse = block_lse_ref(q, kv_cache, block_tables, seq_lens, lists, scale)
-    pruned = prune_ref(
+    keep = prune_keep_ref(
         lse,
         lists,
         seq_lens,
@@ -152,7 +170,11 @@ def topp_prune_ref(
         short_dense=short_dense,
         per_head=per_head,
     )
-    result = torch.where(due[..., None], pruned, lists)
+    keep = torch.where(due[..., None], keep, lists >= 0)  # a list the prune skips stays whole
+    result = compact_ref(lists, keep)
+    if out_view is not None:
+        for buf, v in zip(out_view, offload[2:]):
+            buf[: len(slots)] = compact_ref(v, keep & live[..., None])
     if out is None:
         sel[slots] = result
         stats[0] -= ((lists >= 0).sum(-1) - (result >= 0).sum(-1)).sum()
@@ -243,6 +265,7 @@ def _block_lse_kernel(
     OFFLOAD: tl.constexpr,
     COUNT_READS: tl.constexpr,
     LOCAL: tl.constexpr,
+    VIEW_BY_SLOT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """lse[b, kvh * GROUP + g, e] for this program's TILE_E entries (reference: block_lse_ref).
@@ -271,7 +294,10 @@ def _block_lse_kernel(
     dmask = (dims < HEAD_DIM)[None, :]
     if OFFLOAD:
         listed = ok & (j < tl.maximum(tl.cdiv(seq_len, BLOCK_SIZE) - LOCAL, 0))
-        lrow = (b.to(tl.int64) * tl.num_programs(1) + kvh) * CAP
+        vrow = b.to(tl.int64)
+        if VIEW_BY_SLOT:
+            vrow = slot
+        lrow = (vrow * tl.num_programs(1) + kvh) * CAP
         pslot = tl.load(loc_ptr + lrow + e, mask=listed & (e < CAP), other=-1)
         hkey = tl.load(key_ptr + lrow + e, mask=listed & (e < CAP), other=0)
         in_cache = ok & ~listed
@@ -362,6 +388,10 @@ def _prune_kernel(
     counter_ptr,
     stats_ptr,
     out_ptr,
+    view_loc_ptr,
+    view_key_ptr,
+    out_loc_ptr,
+    out_key_ptr,
     top_p,
     stride_ss,
     stride_cs,
@@ -380,9 +410,12 @@ def _prune_kernel(
     ITERS: tl.constexpr,
     SORT: tl.constexpr,
     OUT: tl.constexpr,
+    VIEW: tl.constexpr,
+    VIEW_BY_SLOT: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Prunes the list of (b, kvh) in place, or with OUT into out row b (reference: topp_prune_ref)."""
+    """Prunes the list of (b, kvh) in place, or with OUT into out row b (reference: topp_prune_ref); with VIEW
+    (OUT only) also the kept entries' view (loc, key) into out_loc / out_key row b."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -426,6 +459,17 @@ def _prune_kernel(
     pos = tl.cumsum(keep.to(tl.int32), 0) - 1
     tl.store(sel_row + pos, j, mask=keep)  # pos <= e: every entry was read before any store
     tl.store(sel_row + e, tl.full([CAP_PAD], -1, tl.int32), mask=(e >= count) & (e < CAP))
+    if VIEW:
+        vrow = b.to(tl.int64)
+        if VIEW_BY_SLOT:
+            vrow = slot
+        vrow = (vrow * tl.num_programs(1) + kvh) * CAP
+        orow = (b.to(tl.int64) * tl.num_programs(1) + kvh) * CAP
+        tail, fill = (e >= count) & (e < CAP), tl.full([CAP_PAD], -1, tl.int64)
+        tl.store(out_loc_ptr + orow + pos, tl.load(view_loc_ptr + vrow + e, mask=keep, other=-1), mask=keep)
+        tl.store(out_loc_ptr + orow + e, fill, mask=tail)
+        tl.store(out_key_ptr + orow + pos, tl.load(view_key_ptr + vrow + e, mask=keep, other=-1), mask=keep)
+        tl.store(out_key_ptr + orow + e, fill, mask=tail)
     if OUT:
         tl.atomic_add(stats_ptr, count.to(tl.int64))
         tl.atomic_add(stats_ptr + 1, (seq_len > 0).to(tl.int64))
@@ -449,9 +493,11 @@ def block_lse_triton(
     tile_n: int = 128,
     offload: tuple | None = None,
     host_reads: torch.Tensor | None = None,
+    view_by_slot: bool = False,
 ) -> torch.Tensor:
     """float32 [B, Hq, cap]: block_lse_ref of sel[slots], written for the rows that prune; host_reads
-    (int64 [1], offload only) += the entries whose keys came from the host."""
+    (int64 [1], offload only) += the entries whose keys came from the host; view_by_slot: offload's
+    rows by state slot."""
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     cap = sel.shape[-1]
@@ -503,6 +549,7 @@ def block_lse_triton(
         OFFLOAD=offload is not None,
         COUNT_READS=offload is not None and host_reads is not None,
         LOCAL=local,
+        VIEW_BY_SLOT=view_by_slot,
         num_warps=4,
         PDL=pdl,
         launch_pdl=pdl,
@@ -528,10 +575,14 @@ def prune_lists_triton(
     ways: int = 4,
     sort: bool | None = None,
     out: torch.Tensor | None = None,
+    view: tuple[torch.Tensor, torch.Tensor] | None = None,
+    view_by_slot: bool = False,
+    out_view: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Prunes sel[slots] in place from their blocks' lse [B, Hq, cap] (prune_ref); stats[0] -=
-    dropped entries. out: topp_prune_ref's. sort: one sort of the masses finds the threshold, else rounds
-    of `ways` thresholds (the same lists; None: a sort up to SORT_MAX_CAP; benchmarks/topp_parts.py)."""
+    dropped entries. out, out_view: topp_prune_ref's, from the candidates' view (loc, key; by state
+    slot with view_by_slot). sort: one sort of the masses finds the threshold, else rounds of `ways`
+    thresholds (the same lists; None: a sort up to SORT_MAX_CAP; benchmarks/topp_parts.py)."""
     batch, num_q_heads, cap = lse.shape
     if sort is None:
         sort = cap <= SORT_MAX_CAP
@@ -544,6 +595,12 @@ def prune_lists_triton(
     if out is not None:
         assert out.shape[0] >= batch and out.shape[1:] == sel.shape[1:] and out.stride(2) == 1
         assert out.stride(1) == cap
+    if out_view is not None:
+        assert out is not None and view is not None
+        for t in (*view, *out_view):
+            assert t.is_contiguous() and t.shape[1:] == sel.shape[1:] and t.dtype == torch.int64
+    loc, key = view if out_view is not None else (sel, sel)  # (unused without VIEW)
+    out_loc, out_key = out_view if out_view is not None else (sel, sel)
     group = num_q_heads // num_kv_heads
     pdl = use_pdl(lse.device)
     _prune_kernel[(batch, num_kv_heads)](
@@ -554,6 +611,10 @@ def prune_lists_triton(
         counter,
         stats,
         sel if out is None else out,
+        loc,
+        key,
+        out_loc,
+        out_key,
         prune_target(top_p),
         sel.stride(0),
         counter.stride(0),
@@ -572,6 +633,8 @@ def prune_lists_triton(
         ITERS=-(-31 // (ways.bit_length() - 1)) + 1,
         SORT=sort,
         OUT=out is not None,
+        VIEW=out_view is not None,
+        VIEW_BY_SLOT=view_by_slot,
         num_warps=4,
         PDL=pdl,
         launch_pdl=pdl,
@@ -598,6 +661,8 @@ def topp_prune_triton(
     offload: tuple | None = None,
     host_reads: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    view_by_slot: bool = False,
+    out_view: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     lse = block_lse_triton(
         q,
@@ -613,6 +678,7 @@ def topp_prune_triton(
         short_dense=short_dense,
         offload=offload,
         host_reads=host_reads,
+        view_by_slot=view_by_slot,
     )
     prune_lists_triton(
         lse,
@@ -629,4 +695,7 @@ def topp_prune_triton(
         short_dense=short_dense,
         per_head=per_head,
         out=out,
+        view=None if offload is None else offload[2:],
+        view_by_slot=view_by_slot,
+        out_view=out_view,
     )

@@ -81,11 +81,13 @@ def test_config_and_flags():
         dict(sparse_policy="topk", sparse_budget=128, block_size=32),  # 4 blocks: no room past sink + local
         dict(sparse_lag=2),
         dict(sparse_policy="topk", sparse_lag=1, sparse_reuse=2, kv_offload=True),
-        dict(sparse_policy="topp", sparse_lag=1, kv_offload=True),
+        dict(sparse_policy="topp", sparse_lag=1, sparse_reuse=2, kv_offload=True),
     ]
     for kwargs in bad:
         with pytest.raises(ValueError):
             EngineConfig.from_kwargs(**kwargs)
+    # topp lags under KV offload by default, as topk does: its candidates are planned into the pool a step ahead
+    assert EngineConfig.from_kwargs(sparse_policy="topp", kv_offload=True).sparse_config.sparse_lag == 1
 
 
 def test_selection_reference():

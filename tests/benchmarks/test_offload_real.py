@@ -103,3 +103,30 @@ def test_real_run_keeps_each_tokens_top2_margin(tiny_model_dir):
     )
     assert [len(m) for m in run["_margins"]] == [5, 5]  # one per output token
     assert all(m >= 0 for ms in run["_margins"] for m in ms)
+
+
+def test_real_mode_runs_a_topp_policy_and_counts_its_pcie_bytes(tiny_model_dir, tmp_path):
+    """--policy: topp with blocks of 16 on both sides; the offload row's PCIe bytes per output token are FlashH2D's
+    loads plus the UVA reads, and their share of the attended KV is that over the attended bytes."""
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(400)] for i in range(2)]
+    policy = dict(sparse_policy="topp", sparse_budget=192, sparse_top_p=0.9, block_size=16, logical_page_size=8)
+    base, off = offload.real_pair(
+        str(tiny_model_dir), prompts, 6, device="cpu", dtype="float32", sparse_dense_layers=0, **policy
+    )
+    assert base["config"] == "topp 192, p=0.9, blocks=16, pages=8, all KV in HBM"
+    assert off["config"] == "topp 192, p=0.9, blocks=16, pages=8 + KV offload"
+    assert base["_tokens"] == off["_tokens"]  # offload never changes a token, under topp either
+    # topp attends at most its cap: the engine's selection counters, the same on both sides
+    assert 0 < off["tokens_attended"] <= 192 and off["tokens_attended"] == base["tokens_attended"]
+    assert off["attended_KB_per_token"] == base["attended_KB_per_token"] > 0
+    tokens = 2 * 6
+    pcie = (off["h2d_GB"] + off["uva_GB"]) * 1e9 / tokens / 1e3
+    assert off["pcie_KB_per_token"] == pytest.approx(pcie) and off["pcie_KB_per_token"] > 0
+    assert off["pcie_of_attended"] == pytest.approx(off["pcie_KB_per_token"] / off["attended_KB_per_token"])
+    assert off["prune_key_reads"] >= 0 and "pcie_KB_per_token" not in base
+
+
+def test_policy_label_names_the_selection():
+    assert offload.policy_label({"sparse_policy": "topk", "sparse_budget": 2048}) == "topk 2048"
+    spec = dict(sparse_policy="topp", sparse_budget=4096, sparse_top_p=0.95, block_size=16)
+    assert offload.policy_label(spec) == "topp 4096, p=0.95, blocks=16"

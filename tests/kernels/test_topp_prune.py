@@ -41,6 +41,15 @@ def batch(lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype: torch.dtyp
     return q.to(DEV), cache.to(DEV), tables.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
 
 
+def empty_state(nslots: int, hkv: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Selection state with no lists yet: (sel, counter, stats)."""
+    return (
+        torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
+        torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV),
+        torch.zeros(2, dtype=torch.int64, device=DEV),
+    )
+
+
 def candidates(
     seq_lens: torch.Tensor, slots: torch.Tensor, state, streaming: torch.Tensor, p: dict, scores: torch.Tensor
 ) -> None:
@@ -133,11 +142,7 @@ def test_prune_lists(top_p, per_head, hq, hkv, search):
     slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
     streaming = torch.arange(hkv, device=DEV) == 1  # KV head 1 (if any) streams
     p = params(cap, bs, top_p, reuse=2, per_head=per_head)
-    state = (
-        torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
-        torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV),
-        torch.zeros(2, dtype=torch.int64, device=DEV),
-    )
+    state = empty_state(nslots, hkv, cap)
     pruned_any = kept_any = False
     for step in range(3):
         candidates(seq_lens, slots, state, streaming, p, random_scores(seq_lens, hq, bs))
@@ -161,6 +166,28 @@ def test_prune_lists(top_p, per_head, hq, hkv, search):
     if hkv > 1:
         assert sorted(state[0][4, 1].tolist()) == [-1] * (cap - 3) + [0, 38, 39]
     assert sorted(state[0][0, 0].tolist()) == [-1] * (cap - 3) + [0, 1, 2]
+
+
+@pytest.mark.parametrize("search", [{}, {"sort": False}], ids=["default", "ways4"])
+def test_prune_lists_of_256_blocks(search):
+    """The engine's lists under topp with blocks of 16 at a cap of 4096 tokens (256 entries; the default search
+    sorts them, SORT_MAX_CAP): the kernel's lists equal prune_ref's, whichever search."""
+    torch.manual_seed(2)
+    bs, cap, hq, hkv = 16, 256, 4, 2
+    seq_lens = torch.tensor([300 * bs + 5, 0, 280 * bs], dtype=torch.int32, device=DEV)
+    slots = torch.tensor([1, 0, 2], dtype=torch.int32, device=DEV)
+    p = params(cap, bs, 0.95)
+    state = empty_state(3, hkv, cap)
+    streaming = torch.zeros(hkv, dtype=torch.bool, device=DEV)
+    candidates(seq_lens, slots, state, streaming, p, random_scores(seq_lens, hq, bs))
+    lists = state[0][slots.long()].clone()
+    lse = torch.randn(3, hq, cap, device=DEV)  # mildly peaked: the 0.95 threshold falls inside the list
+    prune_lists_triton(lse, seq_lens, slots, *state, **{k: v for k, v in p.items() if k != "cap"}, **search)
+    want = prune_ref(lse, lists, seq_lens, block_size=bs, sink=1, local=2, top_p=0.95)
+    got = state[0][slots.long()]
+    assert torch.equal(got[seq_lens > 0], want[seq_lens > 0])
+    kept = (got[0] >= 0).sum(-1)
+    assert ((kept > 3) & (kept < (lists[0] >= 0).sum(-1))).all()  # pruned, and not down to the forced entries
 
 
 @pytest.mark.slow
@@ -212,6 +239,25 @@ def test_topp_prune_vs_reference(dtype, top_p, reuse, per_head, hq, hkv):
         n_listed = int(states[1][2][0])
 
 
+OFFLOAD_CASE = (32, 16, 8, 0.6)  # head_dim, block size, cap (blocks), top_p
+
+
+def offload_case(hq: int, hkv: int, seed: int):
+    """Candidates over LENS (OFFLOAD_CASE) and their pool view as offload_inputs spreads them (pool slots, host
+    rows), the device cache poisoned before each window: (q, cache, tables, seq_lens, slots, state, offload)."""
+    torch.manual_seed(seed)
+    d, bs, cap, top_p = OFFLOAD_CASE
+    q, cache, tables, seq_lens = batch(LENS, hq, hkv, d, bs, torch.float32, sharp=3.0)
+    slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
+    p = params(cap, bs, top_p)
+    state = empty_state(6, hkv, cap)
+    candidates(
+        seq_lens, slots, state, torch.zeros(hkv, dtype=torch.bool, device=DEV), p, random_scores(seq_lens, hq, bs)
+    )
+    offload, _, poisoned = offload_inputs(cache, tables, seq_lens, state[0][slots.long()], p["local"])
+    return q, poisoned, tables, seq_lens, slots, state, offload
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "hq,hkv",
@@ -225,20 +271,8 @@ def test_topp_prune_vs_reference(dtype, top_p, reuse, per_head, hq, hkv):
 def test_topp_prune_offload(hq, hkv):
     """Under KV offload the candidates' keys come through the HBM pool view (pool slots, host rows for bypass
     reads) and the device cache before each local window is poisoned: both kernels equal topp_prune_ref."""
-    torch.manual_seed(3)
-    d, bs, cap, nslots, top_p = 32, 16, 8, 6, 0.6
-    q, cache, tables, seq_lens = batch(LENS, hq, hkv, d, bs, torch.float32, sharp=3.0)
-    slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
-    p = params(cap, bs, top_p)
-    state = (
-        torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
-        torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV),
-        torch.zeros(2, dtype=torch.int64, device=DEV),
-    )
-    candidates(
-        seq_lens, slots, state, torch.zeros(hkv, dtype=torch.bool, device=DEV), p, random_scores(seq_lens, hq, bs)
-    )
-    offload, _, poisoned = offload_inputs(cache, tables, seq_lens, state[0][slots.long()], p["local"])
+    q, poisoned, tables, seq_lens, slots, state, offload = offload_case(hq, hkv, seed=3)
+    d, bs, cap, top_p = OFFLOAD_CASE
     kw = dict(sink=1, local=2, top_p=top_p, scale=d**-0.5, offload=offload)
     states = [tuple(t.clone() for t in state) for _ in range(2)]
     reads = [torch.full((1,), 5, dtype=torch.int64, device=DEV) for _ in range(2)]
@@ -266,11 +300,7 @@ def test_topp_prune_into_rows(hq, hkv, per_head):
     q, cache, tables, seq_lens = batch(LENS, hq, hkv, d, bs, torch.float32, sharp=3.0)
     slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
     p = params(cap, bs, top_p, per_head=per_head)
-    state = (
-        torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
-        torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV),
-        torch.zeros(2, dtype=torch.int64, device=DEV),
-    )
+    state = empty_state(nslots, hkv, cap)
     streaming = torch.zeros(hkv, dtype=torch.bool, device=DEV)
     candidates(seq_lens, slots, state, streaming, p, random_scores(seq_lens, hq, bs))
     kw = dict(sink=1, local=2, top_p=top_p, scale=d**-0.5, per_head=per_head)
@@ -290,3 +320,43 @@ def test_topp_prune_into_rows(hq, hkv, per_head):
         outs.append((out, stats))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert int(outs[0][1][0]) < int((state[0][slots.long()][live] >= 0).sum())  # something was pruned
+
+
+@pytest.mark.parametrize("view_by_slot", [False, True], ids=["by_row", "by_slot"])
+def test_topp_prune_into_rows_with_the_candidates_view(view_by_slot, hq=8, hkv=2):
+    """Lagged topp under KV offload: the candidates' keys come through their pool view (by decode row, or by
+    state slot as a lagged plan keeps it), and the prune writes each kept entry's view (pool slot, host row)
+    next to it in out_view, so the attention reads the pruned lists without a second lookup; both kernels equal
+    the reference, and out_view[b] holds, at each kept entry's new position, the view at its old one."""
+    q, poisoned, tables, seq_lens, slots, state, (pool, host, loc, key) = offload_case(hq, hkv, seed=5)
+    d, bs, cap, top_p = OFFLOAD_CASE
+    nslots, lists = state[0].shape[0], state[0][slots.long()]
+    view = (loc, key)
+    if view_by_slot:  # rows of other slots hold garbage the prune must not read
+        view = tuple(torch.randint(0, 99, (nslots, hkv, cap), device=DEV) for _ in range(2))
+        view[0][slots.long()], view[1][slots.long()] = loc, key
+    outs = []
+    for fn in (topp_prune_ref, topp_prune_triton):
+        sel, counter, stats = (t.clone() for t in state)
+        out = torch.full((len(LENS), hkv, cap), 7, dtype=torch.int32, device=DEV)
+        out_view = tuple(torch.full((len(LENS), hkv, cap), 7, dtype=torch.int64, device=DEV) for _ in range(2))
+        reads = torch.zeros(1, dtype=torch.int64, device=DEV)
+        fn(
+            q, poisoned, tables, seq_lens, slots, sel, counter, stats,
+            sink=1, local=2, top_p=top_p, scale=d**-0.5, offload=(pool, host, *view), host_reads=reads,
+            out=out, view_by_slot=view_by_slot, out_view=out_view,
+        )  # fmt: skip
+        assert torch.equal(sel, state[0])  # the candidates stay
+        outs.append((out, *out_view, stats, reads))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    out, out_loc, out_key = outs[0][:3]
+    assert int((out >= 0).sum()) < int((lists[seq_lens > 0] >= 0).sum())  # something was pruned
+    for b in range(len(LENS)):
+        for h in range(hkv):
+            kept = out[b, h][out[b, h] >= 0].tolist()
+            old = [lists[b, h].tolist().index(j) for j in kept]
+            assert out_loc[b, h, : len(kept)].tolist() == loc[b, h, old].tolist()
+            assert out_key[b, h, : len(kept)].tolist() == key[b, h, old].tolist()
+            assert (out_loc[b, h, len(kept) :] == -1).all() and (out_key[b, h, len(kept) :] == -1).all()
+    assert int(outs[0][4]) > 0  # keys of bypassed candidates came from the host
