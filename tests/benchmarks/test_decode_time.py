@@ -115,9 +115,10 @@ def test_decode_time_smoke(tiny_model_dir, tmp_path):
     assert D.against(report["rows"][1:]) == []  # no dense in the call: no ratios
 
 
-def test_a_cut_off_run_keeps_the_configs_that_finished(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_cut_off_run_keeps_the_configs_that_finished(tiny_model_dir, tmp_path, monkeypatch, filler_haystack):
     """The JSON is written after each config: a call stopped by a time limit in its second config still has the
-    first's row (a device call's results come back only from files)."""
+    first's row (a device call's results come back only from files). The LongBench mix over filler text: no data
+    folder needed."""
     out, real = tmp_path / "cut.json", D.run_config
 
     def second_config_stops(model, name, *a, **kw):
@@ -127,7 +128,7 @@ def test_a_cut_off_run_keeps_the_configs_that_finished(tiny_model_dir, tmp_path,
 
     monkeypatch.setattr(D, "run_config", second_config_stops)
     args = ["--model", str(tiny_model_dir), "--device", "cpu", "--num-gpu-blocks", "64", "--num-requests", "2"]
-    args += ["--time-scale", "0", "--max-input-len", "200", "--max-output-len", "4", "--json", str(out)]
+    args += ["--dataset", "longbench", "--max-input-len", "200", "--output-len", "4", "--json", str(out)]
     with pytest.raises(TimeoutError):
         D.main(args + ["--configs", "dense", "sparse", "--engine-arg", "block_size=16"])
     report = json.loads(out.read_text())
