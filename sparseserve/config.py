@@ -434,7 +434,11 @@ class OffloadConfig:
         default=12, metadata={"help": "Decode steps over which a request's working set is the union of its selections."}
     )
     working_set_margin: float = field(
-        default=0.1, metadata={"help": "Fraction of the HBM pool the decoding requests' working sets leave free."}
+        default=0.1,
+        metadata={
+            "help": "Fraction of the HBM pool the decoding requests' working sets leave free (none when the pool "
+            "holds every head block of the host store: it never evicts)."
+        },
     )
     max_prefilled_waiting: int = field(
         default=8,

@@ -373,3 +373,28 @@ def test_new_requests_are_estimated_as_the_measured_windows_grew():
     assert est.growth == g  # nor does its whole window teach the growth anything
     est.on_pause(a)  # a paused: its estimate stands as the floor of its new slot until a whole window
     assert est.estimates([a]) == [max(30, int(one_list * est.growth))]
+
+
+def test_a_pool_of_every_head_block_holds_nothing_back(tiny_model_dir):
+    """Six requests whose lists name nearly their whole contexts, which nearly fill max_model_len: their working
+    sets reach ~94% of every head block of the host store. A pool that holds every head block never evicts, so
+    the limit is the whole pool (no margin) and all six decode at once; one block row short of that, the margin
+    holds some back (the same tokens either way)."""
+    g = torch.Generator().manual_seed(3)
+    reqs = [(f"r{i}", torch.randint(10, 2000, (228 + i,), generator=g).tolist(), 20) for i in range(6)]
+    kw = {**ENGINE, "sparse_budget": 30 * BS}
+    probe = make_engine(tiny_model_dir, **kw)
+    layout = probe.model_runner.offload.layout
+    every = layout.token_blocks * 2 * 2  # 2 sparse layers x 2 KV heads
+    del probe
+    runs = {}
+    for slots in (every, every - 4):
+        engine = make_engine(tiny_model_dir, hbm_cache_blocks=slots, **kw)
+        runs[slots] = drive(engine, {0: reqs})
+        assert_no_leaks(engine)
+    full, short = runs[every]["stats"], runs[every - 4]["stats"]
+    assert full.working_set_capacity == every and full.working_set_limit == every
+    assert full.working_set_hold_backs == 0 and runs[every]["most"] == 6
+    assert short.working_set_capacity < every and short.working_set_limit == int(0.9 * short.working_set_capacity)
+    assert short.working_set_hold_backs > 0
+    assert runs[every]["tokens"] == runs[every - 4]["tokens"]
