@@ -452,6 +452,7 @@ class RealRun:
                 h2d_GB=stats.offload_h2d_bytes / 1e9,
                 uva_GB=stats.offload_uva_bytes / 1e9,  # bypass reads and topp's candidate keys
                 prune_key_reads=stats.offload_prune_key_reads,
+                hold_backs=stats.working_set_hold_backs,  # requests the working-set limit paused
                 # what crosses PCIe per output token, and as a share of what is attended: a selection whose
                 # loads follow the kept lists (not the candidates) keeps this near 1 - the hit ratio
                 pcie_KB_per_token=(stats.offload_h2d_bytes + stats.offload_uva_bytes) / tokens / 1e3,

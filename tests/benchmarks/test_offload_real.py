@@ -123,7 +123,7 @@ def test_real_mode_runs_a_topp_policy_and_counts_its_pcie_bytes(tiny_model_dir, 
     pcie = (off["h2d_GB"] + off["uva_GB"]) * 1e9 / tokens / 1e3
     assert off["pcie_KB_per_token"] == pytest.approx(pcie) and off["pcie_KB_per_token"] > 0
     assert off["pcie_of_attended"] == pytest.approx(off["pcie_KB_per_token"] / off["attended_KB_per_token"])
-    assert off["prune_key_reads"] >= 0 and "pcie_KB_per_token" not in base
+    assert off["prune_key_reads"] >= 0 and off["hold_backs"] >= 0 and "pcie_KB_per_token" not in base
 
 
 def test_policy_label_names_the_selection():
