@@ -304,7 +304,7 @@ def real_prompts(model: str, n: int, length: int, seed: int = 0) -> list[list[in
 
 
 def policy_label(policy: dict) -> str:
-    """`topk 1024`, or with the arguments that shape a topp / finer-block selection: `topp 4096, p=0.95, blocks 16`."""
+    """`topk 1024`, or with the arguments that shape a topp / finer-block selection: `topp 4096, p=0.95, blocks=16`."""
     names = {"sparse_top_p": "p", "block_size": "blocks", "logical_page_size": "pages"}
     extra = "".join(f", {short}={policy[k]}" for k, short in names.items() if k in policy)
     return f"{policy['sparse_policy']} {policy['sparse_budget']}{extra}"
@@ -453,8 +453,8 @@ class RealRun:
                 uva_GB=stats.offload_uva_bytes / 1e9,  # bypass reads and topp's candidate keys
                 prune_key_reads=stats.offload_prune_key_reads,
                 hold_backs=stats.working_set_hold_backs,  # requests the working-set limit paused
-                # what crosses PCIe per output token, and as a share of what is attended: a selection whose
-                # loads follow the kept lists (not the candidates) keeps this near 1 - the hit ratio
+                # what crosses PCIe per output token, and as a share of what is attended (topk: about 1 - the
+                # hit ratio; topp: its candidates' misses over the kept entries)
                 pcie_KB_per_token=(stats.offload_h2d_bytes + stats.offload_uva_bytes) / tokens / 1e3,
                 hbm_pool_GiB=stats.offload_hbm_slots * _head_block_gib(engine),
             )
