@@ -182,10 +182,6 @@ def _head_block_bytes(engine) -> int:
     return 2 * runner.block_size * runner.arch.head_dim * runner.dtype.itemsize
 
 
-def _head_block_gib(engine) -> float:
-    return _head_block_bytes(engine) / 2**30
-
-
 def capacity_run(
     model: str,
     n: int,
@@ -285,7 +281,7 @@ def capacity_run(
         out["bypass_reads"] = stats.offload_bypass_reads
         out["h2d_GB"] = stats.offload_h2d_bytes / 1e9
         out["uva_GB"] = stats.offload_uva_bytes / 1e9  # bypass reads and topp's candidate keys
-        out["hbm_pool_GiB"] = stats.offload_hbm_slots * _head_block_gib(engine)
+        out["hbm_pool_GiB"] = stats.offload_hbm_slots * _head_block_bytes(engine) / 2**30
         out["device_blocks"] = stats.offload_device_blocks
         out["working_set_hold_backs"] = stats.working_set_hold_backs
         out["working_set_limit"] = stats.working_set_limit
@@ -456,7 +452,7 @@ class RealRun:
                 # what crosses PCIe per output token, and as a share of what is attended (topk: about 1 - the
                 # hit ratio; topp: its candidates' misses over the kept entries)
                 pcie_KB_per_token=(stats.offload_h2d_bytes + stats.offload_uva_bytes) / tokens / 1e3,
-                hbm_pool_GiB=stats.offload_hbm_slots * _head_block_gib(engine),
+                hbm_pool_GiB=stats.offload_hbm_slots * _head_block_bytes(engine) / 2**30,
             )
             if out["attended_KB_per_token"]:
                 out["pcie_of_attended"] = out["pcie_KB_per_token"] / out["attended_KB_per_token"]

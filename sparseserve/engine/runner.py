@@ -248,16 +248,14 @@ class ModelRunner:
 
         off, oc = self.offload, self.config.offload_config
         layout = off.layout
-        lists = (self.arch.num_layers - layout.dense_layers) * self.num_kv_heads
-        # a pool of every head block of the host store never evicts: whatever runs fits, so no margin holds back
-        holds_all = off.pool.num_slots >= layout.token_blocks * lists
         estimate = WorkingSetEstimate(
             off.working_set,
             window=oc.working_set_window,
             capacity=off.pool.num_slots,
-            margin=0.0 if holds_all else oc.working_set_margin,
+            # a pool that never evicts fits whatever runs: no margin holds back
+            margin=0.0 if off.pool.num_slots >= layout.head_blocks else oc.working_set_margin,
             enabled=oc.working_set_control,
-            lists=lists,
+            lists=(self.arch.num_layers - layout.dense_layers) * self.num_kv_heads,
             cap=off.cap,
             local=off.local_blocks,
             block_size=self.block_size,

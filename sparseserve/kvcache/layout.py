@@ -114,6 +114,12 @@ class OffloadLayout:
             )
         return layout
 
+    @property
+    def head_blocks(self) -> int:
+        """Every head block of the host store (sparse layers x KV heads a token block): a pool this large never
+        evicts."""
+        return self.token_blocks * (self.device_block_bytes // self.head_block_bytes)
+
     def split(self) -> dict[str, int]:
         """Device bytes by part (the start-up log and /metrics)."""
         dense = (self.rows + 1) * self.dense_row_bytes
