@@ -23,7 +23,8 @@ batch size: decode time per output token (the wall time of an engine step in whi
 hit ratio (listed head blocks found in the pool), head blocks loaded and bypass reads, and the KV attended and the
 bytes over PCIe per output token (FlashH2D's loads, bypass reads and topp's candidate keys). Runs on CPU too (a
 smoke test on a tiny model). --repeats N: each pair N times, medians; --host-profile DIR: a cProfile of each
-engine's decode steps and where the host's time goes.
+engine's decode steps and where the host's time goes; --offload-arg KEY=VALUE: the offload side's alone (e.g.
+layer-segmented prefill unpaced, so that a large batch of long prompts all decode at once).
 """
 
 from __future__ import annotations
@@ -334,6 +335,8 @@ class RealRun:
         from sparseserve.sampling_params import SamplingParams
 
         self.n, self.prompt_len = len(prompts), max(len(p) for p in prompts)
+        offload_args = engine_args.pop("offload_engine_args", None) or {}  # the offload side's alone
+        self.offload_note = "".join(f", {k}={v}" for k, v in offload_args.items())
         self.offload, self.output_len, self.margins = offload, output_len, margins
         policy = {"sparse_policy": "topk", "sparse_budget": budget} | engine_args
         self.label = policy_label(policy)
@@ -348,7 +351,7 @@ class RealRun:
         # the same selection with and without offload: KV offload's default lag, unless given
         kw.setdefault("sparse_lag", EngineConfig.from_kwargs(**kw, kv_offload=True).sparse_config.sparse_lag)
         if offload:
-            kw["kv_offload"] = True
+            kw |= offload_args | {"kv_offload": True}
             if pool_steps is not None:
                 from sparseserve.models.config import ArchConfig
                 from sparseserve.models.loader import load_hf_config, resolve_model_dir
@@ -420,7 +423,7 @@ class RealRun:
         tokens = max(stats.num_generation_tokens, 1)
         graph = self.log.times_ms("graph", self.graph_events)
         out = {
-            "config": self.label + (" + KV offload" if self.offload else ", all KV in HBM"),
+            "config": self.label + (" + KV offload" + self.offload_note if self.offload else ", all KV in HBM"),
             "batch": n,
             "prompt_len": self.prompt_len,
             "output_len": self.output_len,
@@ -764,6 +767,14 @@ def main(argv: list[str] | None = None) -> None:
         help="extra engine argument (repeatable), e.g. sparse_reuse=4: of both sides with --real, of the "
         "offload runs with --capacity",
     )
+    p.add_argument(
+        "--offload-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="--real: engine argument of the offload side only (repeatable), e.g. segment_decode_steps=0 with "
+        "prefill_layer_segment=64, so that every prompt is prefilled before the first request ends",
+    )
     p.add_argument("--dtype", default=None, help="model dtype (--real; default: bfloat16 on a GPU, else auto)")
     p.add_argument(
         "--prompt-len",
@@ -813,6 +824,8 @@ def main(argv: list[str] | None = None) -> None:
         policy = {"sparse_policy": "topk", "sparse_budget": args.budget}
         policy |= dict(parse_policy(args.policy).engine_args) if args.policy else {}
         policy |= parse_engine_args(args.engine_arg)
+        if args.offload_arg:
+            policy["offload_engine_args"] = parse_engine_args(args.offload_arg)
         rows = real_bench(
             args.real,
             [int(b) for b in args.batches.split(",") if b],

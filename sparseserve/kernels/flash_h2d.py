@@ -70,6 +70,10 @@ def write_through(
     )
 
 
+# Elements a FlashH2D program copies at once: several head blocks of a few KB each (docs/offload.md, "FlashH2D's grid").
+TILE_ELEMS = 8192
+
+
 # Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(do_not_specialize=["n"])
 def _flash_h2d_kernel(
@@ -83,6 +87,7 @@ def _flash_h2d_kernel(
     n,
     ELEMS: tl.constexpr,
     CHUNK: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     REPEATS: tl.constexpr,
     PDL: tl.constexpr,
@@ -104,14 +109,16 @@ def _flash_h2d_kernel(
         if count > 0:
             tl.store(todo + tl.cumsum(loads, 0) - 1, idx, mask=loads > 0)
             tl.debug_barrier()  # the list is read back by other threads of the program
-            for j in range(count):
-                i = tl.load(todo + j)
-                src_base = host_ptr + tl.load(key_ptr + i) * ELEMS
-                dst_base = slots_ptr + tl.load(load_ptr + i) * ELEMS
+            for j0 in range(0, count, ROWS):  # ROWS head blocks in flight at once (a read over PCIe is slow)
+                jj = j0 + tl.arange(0, ROWS)
+                jm = jj < count
+                i = tl.load(todo + jj, mask=jm, other=0)
+                src_base = host_ptr + tl.load(key_ptr + i, mask=jm, other=0) * ELEMS
+                dst_base = slots_ptr + tl.load(load_ptr + i, mask=jm, other=0) * ELEMS
                 for start in range(0, ELEMS, CHUNK):
                     c = start + cols
-                    m = c < ELEMS
-                    tl.store(dst_base + c, tl.load(src_base + c, mask=m), mask=m)
+                    m = jm[:, None] & (c < ELEMS)[None, :]
+                    tl.store(dst_base[:, None] + c[None, :], tl.load(src_base[:, None] + c[None, :], mask=m), mask=m)
             tl.debug_barrier()  # list read by all before it is rewritten
 
 
@@ -152,6 +159,7 @@ def flash_h2d_triton(
         n,
         ELEMS=elems,
         CHUNK=chunk,
+        ROWS=max(1, TILE_ELEMS // chunk),
         BLOCK=block,
         REPEATS=repeats is not None,
         num_warps=num_warps,

@@ -302,22 +302,20 @@ def _block_lse_kernel(
         hkey = tl.load(key_ptr + lrow + e, mask=listed & (e < CAP), other=0)
         in_cache = ok & ~listed
         blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + j, mask=in_cache, other=0).to(tl.int64)
-        row = (off * HEAD_DIM)[:, None] + dims[None, :]  # K: first half of a head block
-        k = tl.load(
-            cache_ptr + (blk * stride_cb + kvh * stride_ch)[:, None] + row, mask=in_cache[:, None] & dmask, other=0.0
+        # One pointer per token row (a select, not three masked loads): pool, host (UVA) or cache; K is the
+        # first half of a head block.
+        k_rows = tl.where(
+            listed & (pslot >= 0),
+            pool_ptr + tl.maximum(pslot, 0) * (2 * BLOCK_SIZE * HEAD_DIM),
+            tl.where(
+                listed, host_ptr + hkey * (2 * BLOCK_SIZE * HEAD_DIM), cache_ptr + blk * stride_cb + kvh * stride_ch
+            ),
         )
-        k += tl.load(
-            pool_ptr + (tl.maximum(pslot, 0) * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row,
-            mask=(listed & (pslot >= 0))[:, None] & dmask,
-            other=0.0,
-        )
-        k += tl.load(
-            host_ptr + (hkey * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row,
-            mask=(listed & (pslot < 0))[:, None] & dmask,
-            other=0.0,
-        )
-        if COUNT_READS:  # an entry's first token row stands for it
-            tl.atomic_add(reads_ptr, tl.sum((listed & (pslot < 0) & (off == 0)).to(tl.int64), 0))
+        k = tl.load((k_rows + off * HEAD_DIM)[:, None] + dims[None, :], mask=ok[:, None] & dmask, other=0.0)
+        if COUNT_READS:  # an entry's first token row stands for it; no atomic for none (most programs)
+            reads = tl.sum((listed & (pslot < 0) & (off == 0)).to(tl.int64), 0)
+            if reads > 0:
+                tl.atomic_add(reads_ptr, reads)
     else:
         blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + j, mask=ok, other=0).to(tl.int64)
         k = tl.load(
@@ -430,6 +428,13 @@ def _prune_kernel(
     sel_row = sel_ptr + slot * stride_ss + kvh * CAP
     j = tl.load(sel_row + e, mask=e < tl.where(seq_len > 0, CAP, 0), other=-1)  # a padding row's slot: any list
     listed = j >= 0
+    if VIEW:  # the candidates' view, loaded before the prune needs it (its latency beside the lse's)
+        vrow = b.to(tl.int64)
+        if VIEW_BY_SLOT:
+            vrow = slot
+        vrow = (vrow * tl.num_programs(1) + kvh) * CAP
+        vloc = tl.load(view_loc_ptr + vrow + e, mask=listed, other=-1)
+        vkey = tl.load(view_key_ptr + vrow + e, mask=listed, other=-1)
     forced = listed & ((j < SINK) | (j >= nb - LOCAL))
     cand = listed & ~forced
     # Per query head: softmax over the listed entries; then the group's mean (or each head).
@@ -460,15 +465,11 @@ def _prune_kernel(
     tl.store(sel_row + pos, j, mask=keep)  # pos <= e: every entry was read before any store
     tl.store(sel_row + e, tl.full([CAP_PAD], -1, tl.int32), mask=(e >= count) & (e < CAP))
     if VIEW:
-        vrow = b.to(tl.int64)
-        if VIEW_BY_SLOT:
-            vrow = slot
-        vrow = (vrow * tl.num_programs(1) + kvh) * CAP
         orow = (b.to(tl.int64) * tl.num_programs(1) + kvh) * CAP
         tail, fill = (e >= count) & (e < CAP), tl.full([CAP_PAD], -1, tl.int64)
-        tl.store(out_loc_ptr + orow + pos, tl.load(view_loc_ptr + vrow + e, mask=keep, other=-1), mask=keep)
+        tl.store(out_loc_ptr + orow + pos, vloc, mask=keep)
         tl.store(out_loc_ptr + orow + e, fill, mask=tail)
-        tl.store(out_key_ptr + orow + pos, tl.load(view_key_ptr + vrow + e, mask=keep, other=-1), mask=keep)
+        tl.store(out_key_ptr + orow + pos, vkey, mask=keep)
         tl.store(out_key_ptr + orow + e, fill, mask=tail)
     if OUT:
         tl.atomic_add(stats_ptr, count.to(tl.int64))

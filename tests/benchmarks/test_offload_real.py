@@ -126,6 +126,21 @@ def test_real_mode_runs_a_topp_policy_and_counts_its_pcie_bytes(tiny_model_dir, 
     assert off["prune_key_reads"] >= 0 and off["hold_backs"] >= 0 and "pcie_KB_per_token" not in base
 
 
+def test_offload_args_reach_the_offload_engine_alone(tiny_model_dir):
+    """--offload-arg: engine arguments of the offload side only (the HBM engine would refuse them), named in its
+    row's config."""
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(300)] for i in range(2)]
+    kw = dict(device="cpu", dtype="float32", sparse_dense_layers=0, offload_engine_args={"hbm_cache_blocks": 96})
+    hbm = offload.RealRun(str(tiny_model_dir), prompts, 2, False, 192, **kw)
+    off = offload.RealRun(str(tiny_model_dir), prompts, 2, True, 192, **kw)
+    assert off.engine.config.offload_config.hbm_cache_blocks == 96 and off.engine.config.offload_config.kv_offload
+    assert hbm.engine.config.offload_config.hbm_cache_blocks is None
+    assert not hbm.engine.config.offload_config.kv_offload
+    while not off.done:
+        off.step()
+    assert off.result()["config"] == "topk 192 + KV offload, hbm_cache_blocks=96"
+
+
 def test_policy_label_names_the_selection():
     assert offload.policy_label({"sparse_policy": "topk", "sparse_budget": 2048}) == "topk 2048"
     spec = dict(sparse_policy="topp", sparse_budget=4096, sparse_top_p=0.95, block_size=16)

@@ -59,11 +59,12 @@ def test_flash_h2d_matches_gather(dtype, bs, d, hkv):
             assert torch.equal(out.slots[slot].cpu(), host.flat()[k])
 
 
-@pytest.mark.parametrize("block", [4, 64])
-def test_flash_h2d_few_loads_among_many_requests(block):
+@pytest.mark.parametrize("block, chunk", [(4, 4096), (64, 4096), (64, 64)])
+def test_flash_h2d_few_loads_among_many_requests(block, chunk):
     """A decode step's shape: many requests, few of them loading, some repeats (load -2) and padding; each
-    program walks several blocks of requests (block 4), or finds several loads in one block (64): the slots
-    equal the gather's and every repeat reads its key's slot."""
+    program walks several blocks of requests (block 4), or finds several loads in one block (64), copying
+    several head blocks at once, each whole or in chunks (chunk 64: two): the slots equal the gather's and
+    every repeat reads its key's slot."""
     g = torch.Generator().manual_seed(block)
     rows, num_slots, n = 50, 24, 300
     host = torch.randn(rows, 2, 4, 16, generator=g)
@@ -79,7 +80,9 @@ def test_flash_h2d_few_loads_among_many_requests(block):
     flash_h2d_ref(host, want_slots, key, load)
     want_loc[load == -2] = resident[key[load == -2]]
     got_slots, loc = slots.to(DEVICE), torch.full((n,), -7, dtype=torch.int64, device=DEVICE)
-    flash_h2d_triton(host, got_slots, key.to(DEVICE), load.to(DEVICE), repeats=(resident.to(DEVICE), loc), block=block)
+    flash_h2d_triton(
+        host, got_slots, key.to(DEVICE), load.to(DEVICE), chunk=chunk, repeats=(resident.to(DEVICE), loc), block=block
+    )
     assert torch.equal(got_slots.cpu(), want_slots)
     assert torch.equal(loc.cpu(), want_loc)
 
