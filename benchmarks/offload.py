@@ -23,8 +23,9 @@ batch size: decode time per output token (the wall time of an engine step in whi
 hit ratio (listed head blocks found in the pool), head blocks loaded and bypass reads, and the KV attended and the
 bytes over PCIe per output token (FlashH2D's loads, bypass reads and topp's candidate keys). Runs on CPU too (a
 smoke test on a tiny model). --repeats N: each pair N times, medians; --host-profile DIR: a cProfile of each
-engine's decode steps and where the host's time goes; --offload-arg KEY=VALUE: the offload side's alone (e.g.
-layer-segmented prefill unpaced, so that a large batch of long prompts all decode at once).
+engine's decode steps and where the host's time goes; --gpu-profile STEPS: a torch profile of that many warm
+decode steps of each engine, the kernels whose GPU time differs most; --offload-arg KEY=VALUE: the offload
+side's alone (e.g. layer-segmented prefill unpaced, so that a large batch of long prompts all decode at once).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import build_engine, free_memory
+from sparseserve.bench.gpu_trace import WindowProfile, WindowReport
 from sparseserve.bench.hardware import _time_ms, print_table
 from sparseserve.bench.steps import StepLog
 from sparseserve.config import EngineConfig
@@ -307,6 +309,33 @@ def policy_label(policy: dict) -> str:
     return f"{policy['sparse_policy']} {policy['sparse_budget']}{extra}"
 
 
+class GpuWindow:
+    """A torch profile of the GPU timeline (bench/gpu_trace.py) over `steps` decode steps run back to back (RealRun.
+    profile: the profiler sees the whole process, so another engine must not step inside it), once `skip` timed
+    steps in which every request decoded have run (warm); the profiled steps stay out of TPOT."""
+
+    def __init__(self, steps: int, skip: int = 12) -> None:
+        self.steps, self.skip = steps, skip
+        self.full_steps = self.profiled = 0
+        self.report: WindowReport | None = None
+
+    def wants(self) -> bool:
+        return self.report is None and self.full_steps >= self.skip
+
+    def result(self) -> dict | None:
+        """Per profiled step: the GPU's busy and idle ms and each kernel's us on the critical path (None: no step
+        was profiled)."""
+        if self.report is None or not self.profiled:
+            return None
+        n, r = self.profiled, self.report
+        return {
+            "steps": n,
+            "gpu_busy_ms": r.busy_ms / n,
+            "gpu_idle_ms": r.idle_ms / n,
+            "kernel_us": {k: 1e3 * ms / n for k, ms in sorted(r.by_kernel.items(), key=lambda kv: -kv[1])},
+        }
+
+
 class RealRun:
     """One engine of the real-model comparison, stepped by the caller: all prompts at once (max_num_seqs = their
     number), greedy, `output_len` tokens each (EOS ignored), topk at `budget` (or the policy that engine_args
@@ -385,6 +414,7 @@ class RealRun:
         # which every request decoded; their wall times then include the profiler's overhead.
         self.host_profile: cProfile.Profile | None = None
         self.profiled_steps = 0
+        self.gpu_window: GpuWindow | None = None  # the caller's, as host_profile
         self._decoding = False
 
     @property
@@ -415,7 +445,22 @@ class RealRun:
         if full and timed:
             self.step_s.append(te - ts)
             self.graph_events += [e for e in self.log.events if e[0] == "graph"]
+            if self.gpu_window is not None:
+                self.gpu_window.full_steps += 1
         self._decoding = full
+
+    def profile(self) -> None:
+        """The GPU window's steps, back to back, once it wants them and the last step had every request decoding
+        (the caller calls it before each step; nothing otherwise)."""
+        w = self.gpu_window
+        if w is None or not self._decoding or not w.wants():
+            return
+        prof = WindowProfile()
+        prof.start()
+        while w.profiled < w.steps and not self.done:
+            self.step(timed=False)
+            w.profiled += 1
+        w.report = prof.stop()
 
     def result(self) -> dict:
         engine, n, steps = self.engine, self.n, self.step_s
@@ -462,6 +507,8 @@ class RealRun:
         if self.host_profile is not None:
             out["host_profile_steps"] = self.profiled_steps
             out["_host_profile"] = self.host_profile
+        if self.gpu_window is not None:
+            out["gpu_profile"] = self.gpu_window.result()
         out["_tokens"] = [self.tokens[f"r{i}"] for i in range(n)]  # for the side-by-side check; not printed
         if self.margins:
             out["_margins"] = [self.top2.get(f"r{i}", []) for i in range(n)]
@@ -479,13 +526,17 @@ def real_run(
     dtype: str = "auto",
     margins: bool = False,
     host_profile: bool = False,
+    gpu_profile: int = 0,
     **engine_args,
 ) -> dict:
-    """One engine alone, run to the end (RealRun; host_profile: a cProfile of its decode steps)."""
+    """One engine alone, run to the end (RealRun; host_profile: a cProfile of its decode steps; gpu_profile: a GPU
+    profile of that many of them, GpuWindow)."""
     free_memory()
     run = RealRun(model, prompts, output_len, offload, budget, pool_steps, device, dtype, margins, **engine_args)
     run.host_profile = cProfile.Profile() if host_profile else None
+    run.gpu_window = GpuWindow(gpu_profile) if gpu_profile else None
     while not run.done:
+        run.profile()
         run.step()
     return run.result()
 
@@ -502,6 +553,7 @@ def real_pair(
     block: int = 1,
     skip: int = 0,
     host_profile: bool = False,
+    gpu_profile: int = 0,
     **engine_args,
 ) -> tuple[dict, dict]:
     """All KV in HBM and KV offload side by side in one process, both engines alive, stepped in turn `block` steps
@@ -529,9 +581,11 @@ def real_pair(
     ]
     for run in runs:
         run.host_profile = cProfile.Profile() if host_profile else None
+        run.gpu_window = GpuWindow(gpu_profile) if gpu_profile else None
     while not all(r.done for r in runs):
         for run in runs:
             for i in range(block):
+                run.profile()
                 if run.done:
                     break
                 run.step(timed=i >= skip)
@@ -562,7 +616,7 @@ def divergence(
 
 def _flat(rows: list[dict]) -> list[dict]:
     """The rows for a table: the divergence detail (lists) stays in the JSON."""
-    return [{k: v for k, v in r.items() if k not in ("divergence", "repeats")} for r in rows]
+    return [{k: v for k, v in r.items() if k not in ("divergence", "repeats", "gpu_profile")} for r in rows]
 
 
 def real_bench(
@@ -578,6 +632,7 @@ def real_bench(
     interleave: bool = True,
     repeats: int = 1,
     host_profile: str | None = None,
+    gpu_profile: int = 0,
     **engine_args,
 ) -> list[dict]:
     """Per batch size: topk with every block in HBM and with KV offload, on the same prompts, side by side
@@ -587,7 +642,8 @@ def real_bench(
     ratios) and the repeats themselves (`repeats`): a busy host moves a whole process's times by tens of
     percent. host_profile: a folder for a cProfile of each engine's decode steps (`host_{hbm,offload}_b{batch}_
     r{repeat}.prof`, and a table of the functions taking the most host time a step); the times in the rows then
-    include the profiler's overhead."""
+    include the profiler's overhead. gpu_profile: that many decode steps of each engine under the torch profiler
+    (GpuWindow; `gpu_profile` in the rows, and a table of the kernels whose time differs most)."""
     if prompt_len is None:
         from sparseserve.bench.accuracy import model_context
 
@@ -609,6 +665,7 @@ def real_bench(
                 margins,
                 interleave,
                 host_profile and str(Path(host_profile) / f"host_{{}}_b{b}_r{r}.prof"),
+                gpu_profile,
                 **engine_args,
             )
             for r in range(repeats)
@@ -630,6 +687,7 @@ def _real_compared(
     margins: bool,
     interleave: bool,
     profile_path: str | None,
+    gpu_profile: int = 0,
     **engine_args,
 ) -> list[dict]:
     """One HBM / offload pair of real_bench, the offload row with its ratios and the token check; profile_path:
@@ -648,6 +706,7 @@ def _real_compared(
                 block=32 if engine_args.get("async_scheduling") else 1,
                 skip=2 if engine_args.get("async_scheduling") else 0,
                 host_profile=bool(profile_path),
+                gpu_profile=gpu_profile,
                 **engine_args,
             )
         )
@@ -664,6 +723,7 @@ def _real_compared(
                 dtype,
                 margins,
                 host_profile=bool(profile_path),
+                gpu_profile=gpu_profile,
                 **engine_args,
             )
             for off in (False, True)
@@ -677,6 +737,11 @@ def _real_compared(
                 f"{name}, batch {len(prompts)}: host time a decode step under cProfile",
             )
     base, off = pair
+    if base.get("gpu_profile") and off.get("gpu_profile"):
+        print_table(
+            kernel_diff_table(base["gpu_profile"], off["gpu_profile"]),
+            f"batch {len(prompts)}: GPU time a decode step (critical path, us), the kernels that differ most",
+        )
     off["tpot_vs_hbm"] = off["tpot_ms"] / base["tpot_ms"] if off["tpot_ms"] and base["tpot_ms"] else None
     if off["tpot_median_ms"] and base["tpot_median_ms"]:
         off["median_vs_hbm"] = off["tpot_median_ms"] / base["tpot_median_ms"]
@@ -691,6 +756,18 @@ def _real_compared(
         off["divergence"] = divergence(base_tokens, base_margins, off_tokens)
         print(f"batch {len(prompts)}: tokens differ: {off['divergence']}")
     return pair
+
+
+def kernel_diff_table(hbm: dict, offload: dict, top: int = 15) -> list[dict]:
+    """GpuWindow results of the two engines side by side: the GPU's busy time a step, then the kernels whose
+    critical-path time a step differs most (offload minus HBM)."""
+    rows = [{"kernel": "(GPU busy)", "hbm_us": 1e3 * hbm["gpu_busy_ms"], "offload_us": 1e3 * offload["gpu_busy_ms"]}]
+    a, b = hbm["kernel_us"], offload["kernel_us"]
+    names = sorted(set(a) | set(b), key=lambda n: -abs(b.get(n, 0.0) - a.get(n, 0.0)))[:top]
+    rows += [{"kernel": n[:70], "hbm_us": a.get(n, 0.0), "offload_us": b.get(n, 0.0)} for n in names]
+    for r in rows:
+        r["diff_us"] = r["offload_us"] - r["hbm_us"]
+    return rows
 
 
 def host_profile_table(stats: pstats.Stats, steps: int, top: int = 15) -> list[dict]:
@@ -808,6 +885,14 @@ def main(argv: list[str] | None = None) -> None:
         help="--real: a cProfile of each engine's decode steps into DIR, and a table of where the host's "
         "time goes (the rows' times then include the profiler's overhead)",
     )
+    p.add_argument(
+        "--gpu-profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="--real: torch-profile STEPS warm full-batch decode steps of each engine (left out of TPOT) and print "
+        "the kernels whose GPU time differs most",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     on_gpu = torch.cuda.is_available() and args.device != "cpu"
@@ -839,6 +924,7 @@ def main(argv: list[str] | None = None) -> None:
             args.interleave,
             args.repeats,
             args.host_profile,
+            args.gpu_profile,
             **policy,
         )
         result["real"] = rows

@@ -141,6 +141,30 @@ def test_offload_args_reach_the_offload_engine_alone(tiny_model_dir):
     assert off.result()["config"] == "topk 192 + KV offload, hbm_cache_blocks=96"
 
 
+def test_gpu_profile_takes_warm_decode_steps_out_of_tpot(tiny_model_dir):
+    """--gpu-profile: each engine profiles that many full-batch decode steps after 12 warm ones; those steps are
+    not in its TPOT (decode_steps), and a run with fewer steps than that profiles none."""
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(300)] for i in range(2)]
+    kw = dict(device="cpu", dtype="float32", sparse_dense_layers=0, gpu_profile=3)
+    plain = offload.real_run(
+        str(tiny_model_dir), prompts, 20, True, 192, device="cpu", dtype="float32", sparse_dense_layers=0
+    )
+    base, off = offload.real_pair(str(tiny_model_dir), prompts, 20, 192, **kw)
+    for row in (base, off):
+        assert row["gpu_profile"]["steps"] == 3 and row["gpu_profile"]["gpu_busy_ms"] >= 0
+        assert row["decode_steps"] == plain["decode_steps"] - 3  # the profiled steps are left out
+    short = offload.real_run(str(tiny_model_dir), prompts, 6, True, 192, **kw)
+    assert short["gpu_profile"] is None
+
+
+def test_kernel_diff_table_puts_the_largest_differences_first():
+    hbm = {"gpu_busy_ms": 1.0, "kernel_us": {"gemm": 500.0, "prune": 100.0, "lse": 70.0}}
+    off = {"gpu_busy_ms": 1.2, "kernel_us": {"gemm": 490.0, "prune": 130.0, "lse": 70.0, "flash_h2d": 50.0}}
+    rows = offload.kernel_diff_table(hbm, off, top=3)
+    assert [r["kernel"] for r in rows] == ["(GPU busy)", "flash_h2d", "prune", "gemm"]
+    assert rows[0]["diff_us"] == pytest.approx(200.0) and rows[1]["hbm_us"] == 0.0 and rows[3]["diff_us"] == -10.0
+
+
 def test_policy_label_names_the_selection():
     assert offload.policy_label({"sparse_policy": "topk", "sparse_budget": 2048}) == "topk 2048"
     spec = dict(sparse_policy="topp", sparse_budget=4096, sparse_top_p=0.95, block_size=16)
