@@ -311,8 +311,9 @@ def policy_label(policy: dict) -> str:
 
 class GpuWindow:
     """A torch profile of the GPU timeline (bench/gpu_trace.py) over `steps` decode steps run back to back (RealRun.
-    profile: the profiler sees the whole process, so another engine must not step inside it), once `skip` timed
-    steps in which every request decoded have run (warm); the profiled steps stay out of TPOT."""
+    profile: the profiler sees the whole process, so another engine must not step inside it; under async
+    scheduling the other engine's step in flight may still show at the start), once `skip` timed steps in which
+    every request decoded have run (warm); the profiled steps stay out of TPOT."""
 
     def __init__(self, steps: int, skip: int = 12) -> None:
         self.steps, self.skip = steps, skip
