@@ -66,7 +66,9 @@ class SparseBackend(AttentionBackend):
         self.side = torch.cuda.Stream(ctx.device) if p.lag and ctx.device.type == "cuda" else None
         # lag + a refining policy: each step's refined lists, row i for decode row i (the candidates stay)
         self.refined: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.refined_view: tuple[torch.Tensor, torch.Tensor] | None = None  # lag + offload: their view
+        # offload + a refining policy: the pruned lists' view (pool slot, host row) by decode row, which the
+        # prune writes (lagged: beside self.refined; else beside the lists it shrinks in place)
+        self.refined_view: tuple[torch.Tensor, torch.Tensor] | None = None
         if p.lag and self.policy.prunes:
             shape = (ctx.max_num_seqs, ctx.num_kv_heads, p.cap)
             ids = torch.arange(ctx.max_num_seqs, dtype=torch.int32, device=ctx.device)
@@ -95,9 +97,9 @@ class SparseBackend(AttentionBackend):
             offload.attach_key_meta(self.key_meta)
         if offload is not None and self.params.lag:
             offload.init_lagged(self.state.sel.shape[1], self.params.cap)
-            if self.refined is not None:  # the refined lists' view (pool slot, host row) by decode row
-                shape = self.refined[0].shape
-                self.refined_view = tuple(torch.full(shape, -1, dtype=torch.int64, device=c.device) for _ in "lk")
+        if offload is not None and self.policy.prunes:
+            shape = (c.max_num_seqs, c.num_kv_heads, self.params.cap)
+            self.refined_view = tuple(torch.full(shape, -1, dtype=torch.int64, device=c.device) for _ in "lk")
 
     def step_inputs(self, scheduled, num_decodes: int) -> dict[str, torch.Tensor]:
         """Each row's selection-state slot; under lag + offload the decodes with fresh slots."""
@@ -311,9 +313,12 @@ class SparseBackend(AttentionBackend):
         if self.offload is not None and not p.lag:
             with self._phase("h2d"):  # a refining policy's candidates load: the prune reads their keys in HBM
                 view = self.offload.read(layer, tokens, rows.seq_lens, state.sel[layer], rows.slots)
-            if self.policy.prunes:  # (docs/offload.md, "topp under KV offload"); the kept lists' view after
-                self.policy.refine(layer, q, kv_cache, rows, state, view, host_reads=self.offload.prune_key_reads)
-                view = self.offload.lookup(layer, tokens, rows.seq_lens, state.sel[layer][rows.slots.long()])
+            if self.policy.prunes:  # in place, with the kept entries' view (docs/offload.md, "topp under KV offload")
+                rv = self.refined_view
+                self.policy.refine(
+                    layer, q, kv_cache, rows, state, view, host_reads=self.offload.prune_key_reads, out_view=rv
+                )
+                view = (*view[:2], rv[0][:nd], rv[1][:nd])
         with self._phase("attention"):
             sparse_decode(
                 q,

@@ -12,8 +12,8 @@ the forced blocks and the top candidates. Here:
      search. With `out` (lagged selection: the candidates stay, a step's query prunes them for
      itself) row b's result goes to out[b] instead, padding rows get -1, and the prune counts what
      it keeps (stats[0] += kept, stats[1] += 1 per live list): the candidates' selection counted
-     nothing; with `out_view` also each kept entry's pool view (slot, host row) at its new position,
-     so the attention reads the pruned lists through the candidates' view (no second pool lookup).
+     nothing. `out_view` (either way): each kept entry's pool view (slot, host row) at its new position
+     by decode row, so the attention reads the pruned lists without a second pool lookup.
 Both skip padding rows, rows that fit the cap and, with reuse, lists kept this step, so the
 grid follows shapes only (capturable). Under KV offload keys are read through the pool view
 (`offload`, as in kernels/sparse_decode.py; `view_by_slot`: its rows by state slot, as lagged
@@ -141,8 +141,9 @@ def topp_prune_ref(
     it read from the host (not in the pool). out (int32 [>= B, Hkv, cap]): row b's list pruned (or
     kept whole when the prune skips it; -1 for padding rows) into out[b], sel untouched, stats[0] +=
     kept entries and stats[1] += live lists (module docstring). view_by_slot: offload's loc and key
-    rows by state slot. out_view (with out and offload: int64 loc, key [>= B, Hkv, cap]): row b's kept
-    entries' loc and key at their positions in out[b], then -1."""
+    rows by state slot. out_view (with offload: int64 loc, key [>= B, Hkv, cap]): row b's kept entries'
+    loc and key at their positions in out[b] (in place: in row b's list), then -1. The trap (in place):
+    lists are compact (the selection's and the prune's are), so a skipped list is its own compaction."""
     block_size = kv_cache.shape[3]
     slots = slots.long()
     if offload is not None and view_by_slot:  # the reference reads the view by decode row
@@ -413,14 +414,15 @@ def _prune_kernel(
     PDL: tl.constexpr,
 ):
     """Prunes the list of (b, kvh) in place, or with OUT into out row b (reference: topp_prune_ref); with VIEW
-    (OUT only) also the kept entries' view (loc, key) into out_loc / out_key row b."""
+    also the kept entries' view (loc, key) into out_loc / out_key row b (in place: a skipped list's whole)."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     skip = _skip(seq_lens_ptr, slots_ptr, counter_ptr, b, kvh, stride_cs, BLOCK_SIZE, CAP, REUSE, SHORT_DENSE)
     if not OUT:
-        if skip:
-            return
+        if not VIEW:
+            if skip:
+                return
     seq_len = tl.load(seq_lens_ptr + b)
     nb = tl.cdiv(seq_len, BLOCK_SIZE)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -460,10 +462,18 @@ def _prune_kernel(
     if OUT:  # a skipped list (its lse unwritten) is kept whole; the prune counts what it keeps
         keep = tl.where(skip, listed, keep)
         sel_row = out_ptr + b.to(tl.int64) * stride_ob + kvh * CAP
-    count = tl.sum(keep.to(tl.int32), 0)
-    pos = tl.cumsum(keep.to(tl.int32), 0) - 1
-    tl.store(sel_row + pos, j, mask=keep)  # pos <= e: every entry was read before any store
-    tl.store(sel_row + e, tl.full([CAP_PAD], -1, tl.int32), mask=(e >= count) & (e < CAP))
+    if VIEW and not OUT:  # in place: a skipped list is not rewritten (a padding row's slot is another row's) and
+        keep = tl.where(skip, listed, keep)  # gets its whole view (lists are compact: its own compaction)
+        count = tl.sum(keep.to(tl.int32), 0)
+        pos = tl.cumsum(keep.to(tl.int32), 0) - 1
+        stay = tl.where(skip, listed | ~listed, e < 0)
+        tl.store(sel_row + pos, j, mask=keep & ~stay)
+        tl.store(sel_row + e, tl.full([CAP_PAD], -1, tl.int32), mask=(e >= count) & (e < CAP) & ~stay)
+    else:
+        count = tl.sum(keep.to(tl.int32), 0)
+        pos = tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(sel_row + pos, j, mask=keep)  # pos <= e: every entry was read before any store
+        tl.store(sel_row + e, tl.full([CAP_PAD], -1, tl.int32), mask=(e >= count) & (e < CAP))
     if VIEW:
         orow = (b.to(tl.int64) * tl.num_programs(1) + kvh) * CAP
         tail, fill = (e >= count) & (e < CAP), tl.full([CAP_PAD], -1, tl.int64)
@@ -597,7 +607,7 @@ def prune_lists_triton(
         assert out.shape[0] >= batch and out.shape[1:] == sel.shape[1:] and out.stride(2) == 1
         assert out.stride(1) == cap
     if out_view is not None:
-        assert out is not None and view is not None
+        assert view is not None
         for t in (*view, *out_view):
             assert t.is_contiguous() and t.shape[1:] == sel.shape[1:] and t.dtype == torch.int64
     loc, key = view if out_view is not None else (sel, sel)  # (unused without VIEW)

@@ -436,11 +436,6 @@ class OffloadCache:
         li = layer - self.dense_layers
         return self.pool.slots, self.host.flat(), self.lag_loc[li], self.lag_key[li]
 
-    def lookup(self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel_rows: torch.Tensor) -> OffloadView:
-        """The view of lists that shrank in place after `read` (no state change, nothing loaded)."""
-        key = self.keys(layer, tables, seq_lens, sel_rows)
-        return self.pool.slots, self.host.flat(), self.pool.resident[key], key
-
     # ---- statistics ------------------------------------------------------------------------------
 
     def counters(self) -> dict[str, torch.Tensor]:

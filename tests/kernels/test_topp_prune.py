@@ -322,6 +322,44 @@ def test_topp_prune_into_rows(hq, hkv, per_head):
     assert int(outs[0][1][0]) < int((state[0][slots.long()][live] >= 0).sum())  # something was pruned
 
 
+@pytest.mark.parametrize("reuse", [1, 2])
+def test_topp_prune_in_place_with_the_candidates_view(reuse, hq=8, hkv=2):
+    """topp under KV offload without the lag: the prune shrinks the lists in place and writes the kept entries'
+    view by decode row, so the attention needs no lookup after it; a list the prune skips (not due under
+    sparse_reuse, within the cap, a padding row) stays as it is and gets its whole view. Both kernels equal the
+    reference, and out_view[b] holds, at each kept entry's new position, the view at its old one."""
+    q, poisoned, tables, seq_lens, slots, state, (pool, host, loc, key) = offload_case(hq, hkv, seed=7)
+    d, bs, cap, top_p = OFFLOAD_CASE
+    if reuse > 1:  # rows due this step (the counter counts selections), but row 0 (slot 4): it keeps its list
+        state[1].fill_(1)
+        state[1][4] = 2
+    lists = state[0][slots.long()]
+    outs = []
+    for fn in (topp_prune_ref, topp_prune_triton):
+        sel, counter, stats = (t.clone() for t in state)
+        out_view = tuple(torch.full((len(LENS), hkv, cap), 7, dtype=torch.int64, device=DEV) for _ in range(2))
+        fn(
+            q, poisoned, tables, seq_lens, slots, sel, counter, stats,
+            sink=1, local=2, top_p=top_p, scale=d**-0.5, reuse=reuse, offload=(pool, host, loc, key),
+            out_view=out_view,
+        )  # fmt: skip
+        outs.append((sel, *out_view, stats))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    sel, out_loc, out_key = outs[0][:3]
+    pruned = sel[slots.long()]
+    assert int((pruned >= 0).sum()) < int((lists >= 0).sum())  # something was pruned
+    if reuse > 1:
+        assert torch.equal(pruned[0], lists[0])
+    for b in range(len(LENS)):
+        for h in range(hkv):
+            kept = pruned[b, h][pruned[b, h] >= 0].tolist()
+            old = [lists[b, h].tolist().index(j) for j in kept]
+            assert out_loc[b, h, : len(kept)].tolist() == loc[b, h, old].tolist()
+            assert out_key[b, h, : len(kept)].tolist() == key[b, h, old].tolist()
+            assert (out_loc[b, h, len(kept) :] == -1).all() and (out_key[b, h, len(kept) :] == -1).all()
+
+
 @pytest.mark.parametrize("view_by_slot", [False, True], ids=["by_row", "by_slot"])
 def test_topp_prune_into_rows_with_the_candidates_view(view_by_slot, hq=8, hkv=2):
     """Lagged topp under KV offload: the candidates' keys come through their pool view (by decode row, or by
