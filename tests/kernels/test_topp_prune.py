@@ -322,6 +322,18 @@ def test_topp_prune_into_rows(hq, hkv, per_head):
     assert int(outs[0][1][0]) < int((state[0][slots.long()][live] >= 0).sum())  # something was pruned
 
 
+def assert_view_follows(lists, pruned, view, out_view) -> None:
+    """out_view [B, Hkv, cap] holds, at each kept entry's position in pruned, the view (loc, key) at its position
+    in lists, then -1."""
+    for b in range(lists.shape[0]):
+        for h in range(lists.shape[1]):
+            kept = pruned[b, h][pruned[b, h] >= 0].tolist()
+            old = [lists[b, h].tolist().index(j) for j in kept]
+            for got, want in zip(out_view, view):
+                assert got[b, h, : len(kept)].tolist() == want[b, h, old].tolist()
+                assert (got[b, h, len(kept) :] == -1).all()
+
+
 @pytest.mark.parametrize("reuse", [1, 2])
 def test_topp_prune_in_place_with_the_candidates_view(reuse, hq=8, hkv=2):
     """topp under KV offload without the lag: the prune shrinks the lists in place and writes the kept entries'
@@ -351,13 +363,7 @@ def test_topp_prune_in_place_with_the_candidates_view(reuse, hq=8, hkv=2):
     assert int((pruned >= 0).sum()) < int((lists >= 0).sum())  # something was pruned
     if reuse > 1:
         assert torch.equal(pruned[0], lists[0])
-    for b in range(len(LENS)):
-        for h in range(hkv):
-            kept = pruned[b, h][pruned[b, h] >= 0].tolist()
-            old = [lists[b, h].tolist().index(j) for j in kept]
-            assert out_loc[b, h, : len(kept)].tolist() == loc[b, h, old].tolist()
-            assert out_key[b, h, : len(kept)].tolist() == key[b, h, old].tolist()
-            assert (out_loc[b, h, len(kept) :] == -1).all() and (out_key[b, h, len(kept) :] == -1).all()
+    assert_view_follows(lists, pruned, (loc, key), (out_loc, out_key))
 
 
 @pytest.mark.parametrize("view_by_slot", [False, True], ids=["by_row", "by_slot"])
@@ -390,11 +396,5 @@ def test_topp_prune_into_rows_with_the_candidates_view(view_by_slot, hq=8, hkv=2
         assert torch.equal(a, b)
     out, out_loc, out_key = outs[0][:3]
     assert int((out >= 0).sum()) < int((lists[seq_lens > 0] >= 0).sum())  # something was pruned
-    for b in range(len(LENS)):
-        for h in range(hkv):
-            kept = out[b, h][out[b, h] >= 0].tolist()
-            old = [lists[b, h].tolist().index(j) for j in kept]
-            assert out_loc[b, h, : len(kept)].tolist() == loc[b, h, old].tolist()
-            assert out_key[b, h, : len(kept)].tolist() == key[b, h, old].tolist()
-            assert (out_loc[b, h, len(kept) :] == -1).all() and (out_key[b, h, len(kept) :] == -1).all()
+    assert_view_follows(lists, out, (loc, key), (out_loc, out_key))
     assert int(outs[0][4]) > 0  # keys of bypassed candidates came from the host
