@@ -462,21 +462,21 @@ def _prune_kernel(
     if OUT:  # a skipped list (its lse unwritten) is kept whole; the prune counts what it keeps
         keep = tl.where(skip, listed, keep)
         sel_row = out_ptr + b.to(tl.int64) * stride_ob + kvh * CAP
-    if VIEW and not OUT:  # in place: a skipped list is not rewritten (a padding row's slot is another row's) and
-        keep = tl.where(skip, listed, keep)  # gets its whole view (lists are compact: its own compaction)
-        count = tl.sum(keep.to(tl.int32), 0)
-        pos = tl.cumsum(keep.to(tl.int32), 0) - 1
-        stay = tl.where(skip, listed | ~listed, e < 0)
-        tl.store(sel_row + pos, j, mask=keep & ~stay)
-        tl.store(sel_row + e, tl.full([CAP_PAD], -1, tl.int32), mask=(e >= count) & (e < CAP) & ~stay)
+    elif VIEW:  # in place, a skipped list gets its whole view (lists are compact: it is its own compaction)
+        keep = tl.where(skip, listed, keep)
+    count = tl.sum(keep.to(tl.int32), 0)
+    pos = tl.cumsum(keep.to(tl.int32), 0) - 1
+    tail = (e >= count) & (e < CAP)
+    if VIEW and not OUT:  # ... and is not rewritten (a padding row's slot is another row's)
+        none = e < 0
+        tl.store(sel_row + pos, j, mask=tl.where(skip, none, keep))
+        tl.store(sel_row + e, tl.full([CAP_PAD], -1, tl.int32), mask=tl.where(skip, none, tail))
     else:
-        count = tl.sum(keep.to(tl.int32), 0)
-        pos = tl.cumsum(keep.to(tl.int32), 0) - 1
         tl.store(sel_row + pos, j, mask=keep)  # pos <= e: every entry was read before any store
-        tl.store(sel_row + e, tl.full([CAP_PAD], -1, tl.int32), mask=(e >= count) & (e < CAP))
+        tl.store(sel_row + e, tl.full([CAP_PAD], -1, tl.int32), mask=tail)
     if VIEW:
         orow = (b.to(tl.int64) * tl.num_programs(1) + kvh) * CAP
-        tail, fill = (e >= count) & (e < CAP), tl.full([CAP_PAD], -1, tl.int64)
+        fill = tl.full([CAP_PAD], -1, tl.int64)
         tl.store(out_loc_ptr + orow + pos, vloc, mask=keep)
         tl.store(out_loc_ptr + orow + e, fill, mask=tail)
         tl.store(out_key_ptr + orow + pos, vkey, mask=keep)
