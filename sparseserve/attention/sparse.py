@@ -23,6 +23,7 @@ from sparseserve.attention.backend import (
 from sparseserve.attention.selection import DecodeRows, SelectionParams, SelectionState, load_streaming_heads
 from sparseserve.kernels.block_score import step_slots
 from sparseserve.kernels.key_meta import store_kv_key_meta
+from sparseserve.kernels.pdl import beside_the_step
 from sparseserve.kernels.sparse_decode import attended_blocks, sparse_decode
 from sparseserve.kernels.store_kv import store_kv
 from sparseserve.kvcache.metadata import KeyMeta, allocate_key_meta, key_meta_block_bytes
@@ -362,12 +363,7 @@ class SparseBackend(AttentionBackend):
         if sm.fix_select is not None:
             plan &= ~sm.fix_select
         rows = torch.where(plan, self.step_rows[0][:nd], -1)
-        stream = contextlib.nullcontext()
-        if self.side is not None:
-            self.side.wait_stream(torch.cuda.current_stream(dev))
-            stream = torch.cuda.stream(self.side)
-            self.pending.append(rows)
-        with stream:
+        with self._beside(rows):
             self.offload.plan_lagged(
                 None, meta.block_tables[:nd], meta.seq_lens[:nd], self.state.sel, rows, new_round=True
             )
@@ -415,13 +411,20 @@ class SparseBackend(AttentionBackend):
             prev_slots=self.stick_rows,
             ahead=1,
         )
-        stream = contextlib.nullcontext()
-        if self.side is not None:
-            self.side.wait_stream(torch.cuda.current_stream(q.device))
-            stream = torch.cuda.stream(self.side)
-            self.pending.append(q)
-        with stream:  # (a refining policy refines at the step that reads the lists: attend)
+        with self._beside(q):  # (a refining policy refines at the step that reads the lists: attend)
             self.policy.select(layer, q, rows, self.state, self.key_meta[layer])
+
+    @contextlib.contextmanager
+    def _beside(self, keep: torch.Tensor):
+        """Work beside the step: on the side stream after the current stream's work so far, its kernels
+        without PDL (kernels/pdl.py); `keep` (an input) lives until end_step. No side stream: in line."""
+        if self.side is None:
+            yield
+            return
+        self.side.wait_stream(torch.cuda.current_stream(keep.device))
+        self.pending.append(keep)
+        with torch.cuda.stream(self.side), beside_the_step():
+            yield
 
     def seed_first_lists(self, layer: int, meta: AttentionMetadata, scratch: torch.Tensor) -> None:
         """Layer-segmented prefill under KV offload with lagged selection, after a sparse layer's selecting

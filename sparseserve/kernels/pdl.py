@@ -7,10 +7,14 @@ Before `pdl_wait` a kernel may load only what its predecessor does not write (th
 sequence lengths, state slots, slot mappings, earlier steps' reuse counters); it writes nothing
 and reads no activation there. The trap: every kernel of the chain must call `pdl_wait` on every
 path, early returns included, or its successor runs ahead of the grid before it.
+Work beside the step's chain (a side stream) launches without PDL (`beside_the_step`): its early
+programs would wait on the SMs the chain's kernels want (docs/offload.md, "Side-stream work").
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 
@@ -34,9 +38,22 @@ def _capable(device: torch.device) -> bool:
     )
 
 
+_BESIDE = contextvars.ContextVar("sparseserve_pdl_beside", default=False)
+
+
+@contextlib.contextmanager
+def beside_the_step():
+    """Kernels launched inside run without PDL (work on a side stream, beside the step's chain)."""
+    token = _BESIDE.set(True)
+    try:
+        yield
+    finally:
+        _BESIDE.reset(token)
+
+
 def use_pdl(device: torch.device) -> bool:
     """Pass as the kernel's PDL constexpr and as `launch_pdl=` of its launch."""
-    return ENABLED and _capable(device)
+    return ENABLED and not _BESIDE.get() and _capable(device)
 
 
 @triton.jit

@@ -77,11 +77,18 @@ def touch_keys(
     """One row's valid keys touched at clock t; prev = stamp[key] (-1 where not valid), loaded by
     the caller. Moves each key out of its previous bucket (if that touch is in the window and
     newer than its slot's `since`); returns how many the row's bucket
-    (slot, t % WINDOW) gains, for the caller's one atomic add."""
+    (slot, t % WINDOW) gains, for the caller's one atomic add. The trap: most keys leave one bucket, the
+    row's own of one step back; they leave it in one atomic (an atomic a key on one address serializes
+    the plan's programs)."""
     step0 = tl.where(prev >= 0, prev // NUM_SLOTS, 0)
     owner = tl.where(prev >= 0, prev % NUM_SLOTS, 0)
     since = tl.load(since_ptr + owner, mask=valid, other=0)
     live = valid & (prev >= 0) & (t - step0 < WINDOW) & (step0 > since)
-    tl.atomic_add(hist_ptr + owner * WINDOW + step0 % WINDOW, tl.full(key.shape, -1, tl.int32), mask=live)
+    bucket = owner * WINDOW + step0 % WINDOW
+    last = slot * WINDOW + (t + WINDOW - 1) % WINDOW
+    same = live & (bucket == last)
+    leaving = tl.sum(same.to(tl.int32), axis=0)
+    tl.atomic_add(hist_ptr + last, -leaving, mask=leaving > 0)
+    tl.atomic_add(hist_ptr + bucket, tl.full(key.shape, -1, tl.int32), mask=live & ~same)
     tl.store(stamp_ptr + key, t * NUM_SLOTS + slot, mask=valid)
     return tl.sum(valid.to(tl.int32), axis=0)

@@ -12,6 +12,7 @@ import torch
 
 from sparseserve.config import OffloadConfig, available_host_memory
 from sparseserve.kernels.flash_h2d import flash_h2d
+from sparseserve.kernels.row_view import row_view
 from sparseserve.kernels.sparse_decode import listed_rows
 from sparseserve.kvcache.blocks import blocks_needed
 from sparseserve.kvcache.host import HostKVStore, host_block_bytes, pinned_zeros
@@ -209,11 +210,8 @@ class OffloadCache:
 
     def row_view(self, tables: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block tables, slot mapping) by token block -> by device row (fixed shapes: CUDA
-        graphs capture it; -1 slots stay -1)."""
-        bs = self.block_size
-        rows = self.row_of[tables.long()]
-        row_slots = self.row_of[(slots // bs).clamp_min(0)].long() * bs + slots % bs
-        return rows, torch.where(slots >= 0, row_slots, -1)
+        graphs capture it; -1 slots stay -1; one launch: kernels/row_view.py)."""
+        return row_view(self.row_of, tables, slots, self.block_size)
 
     def offloads(self, layer: int) -> bool:
         """Whether a layer's blocks live in the host store (dense layers keep theirs on device)."""

@@ -21,3 +21,22 @@ def test_unspecialized_names_are_parameters():
                     f"{fn.fn.__name__}: {key} names {entry!r}, not a parameter"
                 )
     assert seen >= 20  # the lists are where the hook looks for them
+
+
+def test_work_beside_the_step_launches_without_pdl(monkeypatch):
+    """kernels/pdl.py: a PDL-capable device launches with PDL except inside `beside_the_step` (side-stream work),
+    nested or not, and again after it."""
+    import torch
+
+    from sparseserve.kernels import pdl
+
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setattr(pdl, "_capable", lambda device: True)
+    dev = torch.device("cuda", 0)
+    assert pdl.use_pdl(dev)
+    with pdl.beside_the_step():
+        assert not pdl.use_pdl(dev)
+        with pdl.beside_the_step():
+            assert not pdl.use_pdl(dev)
+        assert not pdl.use_pdl(dev)
+    assert pdl.use_pdl(dev)

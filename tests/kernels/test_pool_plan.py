@@ -288,6 +288,40 @@ def test_triton_read_matches_reference(hkv, cap, slots, ways, bypasses, shared):
     assert (repeats > 0) == (shared > 0) and pool.stats[0] > 0 and (bypass > 0) == bypasses  # the cases happened
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_triton_read_moves_keys_out_of_several_buckets(seed):
+    """The working-set count in pool_read when a row's keys were last touched by several slots and steps (most
+    by one: the kernel moves those in one atomic, the rest one by one): buckets and stamps equal the reference's."""
+    g = torch.Generator().manual_seed(seed)
+    hkv, cap, slots, blocks, window, num_slots = 2, 8, 64, 48, 3, 8
+    from sparseserve.kvcache.host import HostKVStore
+
+    host = HostKVStore(1, blocks, hkv, 4, 4, torch.float32, pin=ON_GPU)
+    pools = [HBMPool(1, blocks, hkv, 4, 4, slots, torch.float32, DEVICE, ways=8) for _ in range(2)]
+    sel, row_slots, tables, seq_lens = lists(g, 4, num_slots, hkv, cap, blocks, 0)
+    n = pools[0].num_keys + 1
+    clock = 5
+    # a previous touch for most keys: mostly by the row's own slot one step back, else any slot up to 4 steps back
+    own = torch.zeros(n, dtype=torch.long)
+    for r in range(3):  # (the last row pads)
+        keys = pools[0].keys(0, tables[r].cpu()[sel[int(row_slots[r])].cpu().clamp_min(0).long()])
+        own[keys.reshape(-1)] = int(row_slots[r])
+    step0 = torch.where(torch.rand(n, generator=g) < 0.6, clock - 1, clock - torch.randint(1, 5, (n,), generator=g))
+    owner = torch.where(torch.rand(n, generator=g) < 0.6, own, torch.randint(0, num_slots, (n,), generator=g))
+    stamp = torch.where(torch.rand(n, generator=g) < 0.9, step0 * num_slots + owner, -1)
+    since = torch.randint(0, 3, (num_slots,), generator=g)
+    hist = torch.randint(50, 100, (num_slots, window), generator=g, dtype=torch.int32)
+    states = [
+        TouchState(*(t.clone().to(DEVICE) for t in (stamp, hist, since)), torch.tensor([clock], device=DEVICE))
+        for _ in range(2)
+    ]
+    for pool, touch, backend in zip(pools, states, ("torch", "triton")):
+        with forced(backend):
+            pool.read(host.flat(), 0, sel, row_slots, tables, seq_lens, 1, 4, touch)
+    assert not torch.equal(states[1].hist.cpu(), hist)  # keys moved
+    assert torch.equal(states[1].hist, states[0].hist) and torch.equal(states[1].stamp[:-1], states[0].stamp[:-1])
+
+
 @pytest.mark.parametrize("defer", [False, True])
 def test_triton_read_of_several_layers_matches_reference(defer):
     """One read of every layer's lists at once (sel [L, S, Hkv, cap], lagged selection's plan of a step): the
