@@ -24,8 +24,10 @@ hit ratio (listed head blocks found in the pool), head blocks loaded and bypass 
 bytes over PCIe per output token (FlashH2D's loads, bypass reads and topp's candidate keys). Runs on CPU too (a
 smoke test on a tiny model). --repeats N: each pair N times, medians; --host-profile DIR: a cProfile of each
 engine's decode steps and where the host's time goes; --gpu-profile STEPS: a torch profile of that many warm
-decode steps of each engine, the kernels whose GPU time differs most; --offload-arg KEY=VALUE: the offload
-side's alone (e.g. layer-segmented prefill unpaced, so that a large batch of long prompts all decode at once).
+decode steps of each engine, the kernels whose GPU time differs most (the profiler's hooks outlive it: later
+host times of the process include their overhead, so TPOT rows come from a run without it); --offload-arg
+KEY=VALUE: the offload side's alone (e.g. layer-segmented prefill unpaced, so that a large batch of long prompts
+all decode at once).
 """
 
 from __future__ import annotations
@@ -892,7 +894,7 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         metavar="STEPS",
         help="--real: torch-profile STEPS warm full-batch decode steps of each engine (left out of TPOT) and print "
-        "the kernels whose GPU time differs most",
+        "the kernels whose GPU time differs most (the later rows' host times include the profiler's overhead)",
     )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)

