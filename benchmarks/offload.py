@@ -24,10 +24,10 @@ hit ratio (listed head blocks found in the pool), head blocks loaded and bypass 
 bytes over PCIe per output token (FlashH2D's loads, bypass reads and topp's candidate keys). Runs on CPU too (a
 smoke test on a tiny model). --repeats N: each pair N times, medians; --host-profile DIR: a cProfile of each
 engine's decode steps and where the host's time goes; --gpu-profile STEPS: a torch profile of that many warm
-decode steps of each engine, the kernels whose GPU time differs most (the profiler's hooks outlive it: later
-host times of the process include their overhead, so TPOT rows come from a run without it); --offload-arg
-KEY=VALUE: the offload side's alone (e.g. layer-segmented prefill unpaced, so that a large batch of long prompts
-all decode at once).
+decode steps of each engine, the kernels whose GPU time differs most and each decoder layer's time (the
+profiler's hooks outlive it: later host times of the process include their overhead, so TPOT rows come from a
+run without it); --offload-arg KEY=VALUE: the offload side's alone (e.g. layer-segmented prefill unpaced, so
+that a large batch of long prompts all decode at once).
 """
 
 from __future__ import annotations
@@ -321,6 +321,7 @@ class GpuWindow:
         self.steps, self.skip = steps, skip
         self.full_steps = self.profiled = 0
         self.report: WindowReport | None = None
+        self.dense_layers = 0  # the engine's sparse_dense_layers (RealRun.profile)
 
     def wants(self) -> bool:
         return self.report is None and self.full_steps >= self.skip
@@ -336,6 +337,8 @@ class GpuWindow:
             "gpu_busy_ms": r.busy_ms / n,
             "gpu_idle_ms": r.idle_ms / n,
             "kernel_us": {k: 1e3 * ms / n for k, ms in sorted(r.by_kernel.items(), key=lambda kv: -kv[1])},
+            "layer_us": r.layer_us,
+            "dense_layers": self.dense_layers,
         }
 
 
@@ -463,7 +466,8 @@ class RealRun:
         while w.profiled < w.steps and not self.done:
             self.step(timed=False)
             w.profiled += 1
-        w.report = prof.stop()
+        w.report = prof.stop(self.engine.model_runner.arch.num_layers)
+        w.dense_layers = self.engine.config.sparse_config.sparse_dense_layers
 
     def result(self) -> dict:
         engine, n, steps = self.engine, self.n, self.step_s
@@ -745,6 +749,9 @@ def _real_compared(
             kernel_diff_table(base["gpu_profile"], off["gpu_profile"]),
             f"batch {len(prompts)}: GPU time a decode step (critical path, us), the kernels that differ most",
         )
+        layers = layer_table(base["gpu_profile"], off["gpu_profile"])
+        if layers:
+            print_table(layers, f"batch {len(prompts)}: GPU time a decoder layer (us, start to start, median step)")
     off["tpot_vs_hbm"] = off["tpot_ms"] / base["tpot_ms"] if off["tpot_ms"] and base["tpot_ms"] else None
     if off["tpot_median_ms"] and base["tpot_median_ms"]:
         off["median_vs_hbm"] = off["tpot_median_ms"] / base["tpot_median_ms"]
@@ -768,6 +775,29 @@ def kernel_diff_table(hbm: dict, offload: dict, top: int = 15) -> list[dict]:
     a, b = hbm["kernel_us"], offload["kernel_us"]
     names = sorted(set(a) | set(b), key=lambda n: -abs(b.get(n, 0.0) - a.get(n, 0.0)))[:top]
     rows += [{"kernel": n[:70], "hbm_us": a.get(n, 0.0), "offload_us": b.get(n, 0.0)} for n in names]
+    for r in rows:
+        r["diff_us"] = r["offload_us"] - r["hbm_us"]
+    return rows
+
+
+def layer_table(hbm: dict, offload: dict) -> list[dict]:
+    """GpuWindow results side by side by decoder layer position (bench/gpu_trace.py layer_times): each dense layer
+    and the first sparse one (the lag's plan of the step runs beside them), then the other sparse layers' mean
+    (the last layer is not measured). [] without both engines' layer times."""
+    a, b = hbm.get("layer_us"), offload.get("layer_us")
+    if not a or not b or len(a) != len(b):
+        return []
+    first = min(offload.get("dense_layers", 0) + 1, len(a))
+    rows = [{"layers": f"layer {i}", "hbm_us": a[i], "offload_us": b[i]} for i in range(first)]
+    if first < len(a):
+        n = len(a) - first
+        rows.append(
+            {
+                "layers": f"layers {first}-{len(a) - 1}, mean",
+                "hbm_us": sum(a[first:]) / n,
+                "offload_us": sum(b[first:]) / n,
+            }
+        )
     for r in rows:
         r["diff_us"] = r["offload_us"] - r["hbm_us"]
     return rows
@@ -894,7 +924,8 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         metavar="STEPS",
         help="--real: torch-profile STEPS warm full-batch decode steps of each engine (left out of TPOT) and print "
-        "the kernels whose GPU time differs most (the later rows' host times include the profiler's overhead)",
+        "the kernels whose GPU time differs most and each decoder layer's GPU time (the later rows' host times "
+        "include the profiler's overhead)",
     )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)

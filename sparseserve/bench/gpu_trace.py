@@ -65,16 +65,38 @@ def critical_path(trace: list[dict]) -> tuple[float, float, collections.Counter]
     return busy, idle, by_name
 
 
+LAYER_MARK = "_rotary_kernel"  # launched once a decoder layer (layers/rotary.py): the layers' clock
+
+
+def layer_times(trace: list[dict], num_layers: int, mark: str = LAYER_MARK) -> list[float] | None:
+    """Per decoder layer position 0..num_layers-2: the median us from its marker kernel's start to the next layer's,
+    over the whole steps in a Chrome trace (each step launches the marker once a layer; a leading partial step, e.g.
+    another engine's step in flight, is dropped). The last layer runs into the step's tail: not measured. None: no
+    whole step."""
+    starts = sorted(e["ts"] for e in trace if e.get("ph") == "X" and e.get("cat") == "kernel" and e["name"] == mark)
+    steps = len(starts) // num_layers if num_layers > 1 else 0
+    if steps == 0:
+        return None
+    starts = starts[len(starts) - steps * num_layers :]
+    per = [
+        sorted(starts[s * num_layers + i + 1] - starts[s * num_layers + i] for s in range(steps))
+        for i in range(num_layers - 1)
+    ]
+    return [(v[(steps - 1) // 2] + v[steps // 2]) / 2 for v in per]
+
+
 @dataclass
 class WindowReport:
     """A profiled window: GPU busy and idle ms, critical-path ms by kind and by kernel, and the blocking host
-    calls by (call, the innermost engine functions above it): [count, ms]."""
+    calls by (call, the innermost engine functions above it): [count, ms]; with the model's layer count, each
+    layer position's time (layer_times)."""
 
     busy_ms: float
     idle_ms: float
     by_kind: dict[str, float]
     by_kernel: dict[str, float]
     blocking: dict[tuple[str, tuple[str, ...]], list] = field(default_factory=dict)
+    layer_us: list[float] | None = None
 
     def as_dict(self) -> dict:
         return {
@@ -86,6 +108,7 @@ class WindowReport:
                 {"call": call, "callers": list(where), "count": n, "ms": ms}
                 for (call, where), (n, ms) in self.blocking.items()
             ],
+            "layer_us": self.layer_us,
         }
 
     def lines(self, kernels: int = 12, callers: int = 8) -> list[str]:
@@ -123,7 +146,8 @@ class WindowProfile:
     def start(self) -> None:
         self._prof.start()
 
-    def stop(self) -> WindowReport:
+    def stop(self, num_layers: int = 0) -> WindowReport:
+        """num_layers: the model's, for the per-layer times (0: none)."""
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self._prof.stop()
@@ -131,7 +155,8 @@ class WindowProfile:
             path = os.path.join(tmp, "trace.json")
             self._prof.export_chrome_trace(path)
             with open(path) as f:
-                busy, idle, by_name = critical_path(json.load(f)["traceEvents"])
+                trace = json.load(f)["traceEvents"]
+        busy, idle, by_name = critical_path(trace)
         by_kind: collections.Counter = collections.Counter()
         for name, us in by_name.items():
             by_kind[kind(name)] += us / 1e3
@@ -141,4 +166,6 @@ class WindowProfile:
                 row = blocking.setdefault((e.name, _callers(e)), [0, 0.0])
                 row[0] += 1
                 row[1] += e.cpu_time_total / 1e3
-        return WindowReport(busy / 1e3, idle / 1e3, dict(by_kind), {n: us / 1e3 for n, us in by_name.items()}, blocking)
+        by_kernel = {n: us / 1e3 for n, us in by_name.items()}
+        layers = layer_times(trace, num_layers) if num_layers else None
+        return WindowReport(busy / 1e3, idle / 1e3, dict(by_kind), by_kernel, blocking, layers)

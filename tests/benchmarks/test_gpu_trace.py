@@ -4,7 +4,7 @@ past the end of what ran before it; gaps are idle time."""
 
 from __future__ import annotations
 
-from sparseserve.bench.gpu_trace import critical_path, kind
+from sparseserve.bench.gpu_trace import LAYER_MARK, critical_path, kind, layer_times
 
 
 def event(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
@@ -33,3 +33,16 @@ def test_kinds_of_work():
     assert kind("nvjet_sm90_tst_256x8_64x6_4x1_v_bz_TNT") == "gemm"
     assert kind("_sparse_split_tma_kernel") == "sparse attention"
     assert kind("_add_rmsnorm_kernel") == "other"
+
+
+def test_layer_times_take_each_positions_median_over_whole_steps():
+    """Three layers a step: the marker's start-to-start time per layer position, the median over the steps; a
+    leading partial step (another engine's step in flight) is dropped; fewer markers than a step: None."""
+    trace = [event(LAYER_MARK, 0, 1), event("other", 1, 1)]  # a partial step first
+    t = 100.0
+    for gaps in ((10, 20), (12, 26), (11, 21)):  # per step: layer 0 -> 1, layer 1 -> 2
+        trace += [event(LAYER_MARK, t + dt, 1) for dt in (0, gaps[0], gaps[0] + gaps[1])]
+        trace.append(event("gemm", t + 2, 3))
+        t += 100
+    assert layer_times(trace, 3) == [11, 21]
+    assert layer_times(trace[:4], 4) is None and layer_times(trace, 1) is None

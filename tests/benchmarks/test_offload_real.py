@@ -165,6 +165,15 @@ def test_kernel_diff_table_puts_the_largest_differences_first():
     assert rows[0]["diff_us"] == pytest.approx(200.0) and rows[1]["hbm_us"] == 0.0 and rows[3]["diff_us"] == -10.0
 
 
+def test_layer_table_shows_the_dense_layers_the_first_sparse_one_and_the_rest():
+    hbm = {"layer_us": [40.0, 45.0, 50.0, 50.0, 52.0]}
+    off = {"layer_us": [60.0, 70.0, 51.0, 53.0, 55.0], "dense_layers": 2}
+    rows = offload.layer_table(hbm, off)
+    assert [r["layers"] for r in rows] == ["layer 0", "layer 1", "layer 2", "layers 3-4, mean"]
+    assert rows[1]["diff_us"] == 25.0 and rows[3]["hbm_us"] == 51.0 and rows[3]["diff_us"] == 3.0
+    assert offload.layer_table(hbm, {"layer_us": None}) == []
+
+
 def test_policy_label_names_the_selection():
     assert offload.policy_label({"sparse_policy": "topk", "sparse_budget": 2048}) == "topk 2048"
     spec = dict(sparse_policy="topp", sparse_budget=4096, sparse_top_p=0.95, block_size=16)
