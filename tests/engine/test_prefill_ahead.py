@@ -495,3 +495,41 @@ def test_layer_segmented_prefill_ahead(tiny_model_dir):
     parked = parked_steps(firsts, seconds)
     assert went_ahead and max(parked[r] for r in went_ahead) <= 2 and set(over) <= {0, 1}
     assert_no_leaks(e)
+
+
+def test_a_request_that_decoded_keeps_its_share_before_older_ones_that_did_not():
+    """Decode shares go in share_order: requests that have decoded first, then the rest, each in arrival. A short
+    prompt passes two long ones at admission (one long-prompt slot) and decodes; when the working sets grow, the
+    long one still prefilling gives its share back (it goes on ahead, nothing paused) instead of the decoding short
+    one being parked; when that one is parked later, it waits in front of the older long ones and resumes first.
+    Before, decode shares went in arrival order alone: the short one was parked and waited behind every older long
+    prompt, for as long as they took to prefill and decode (docs/working_set.md)."""
+    ws = AheadWorkingSet(10, {0: 4, 1: 4, 2: 4, 3: 1})
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_long_partial_prefills=1)
+    sched = make_scheduler(
+        cfg,
+        BlockAllocator(64),
+        BS,
+        Space(100, ws),
+        long_prefill_token_threshold=16,
+        max_prefilled_waiting=8,
+        max_park_steps=NO_HORIZON,
+    )
+    a, l1, l2, s = seq(0), seq(1, prompt_len=40), seq(2, prompt_len=40), seq(3)
+    for x in (a, l1, l2, s):
+        sched.add(x)
+    out = run_step(sched)
+    assert [(x.seq_id, n) for x, n in out.scheduled] == [(0, 6), (1, 16), (3, 6)]  # s passes l2 (no long slot)
+    run_step(sched)
+    ws.est[3] = 3  # 4 + 4 + 3 > 10: l1, still prefilling, gives its share back; s keeps decoding
+    out = run_step(sched)
+    assert (s, 1) in out.scheduled and not out.held_back and sched.working_set.ahead == {1}
+    out = run_step(sched)  # l1's prefill is done: no room, parked
+    assert ids(out.held_back) == [1] and (s, 1) in out.scheduled
+    ws.est[3] = 7  # a + s over the limit: s (the newest that decoded) is parked, in front of the older l1
+    out = run_step(sched)
+    assert ids(out.held_back) == [3] and ids(sched.waiting)[:2] == [3, 1]
+    sched.finish(a)
+    out = run_step(sched)  # room for s (7), not for l1 beside it (11): s resumes first
+    assert (s, 1) in out.scheduled and l1 not in [x for x, _ in out.scheduled]
+    assert sched.num_preemptions == 0

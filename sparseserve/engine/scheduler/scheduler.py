@@ -16,7 +16,7 @@ from sparseserve.engine.scheduler.kv_cache import KVCacheManager
 from sparseserve.engine.scheduler.output import Preempt, SchedulerOutput
 from sparseserve.engine.scheduler.policies import LongPrefillLimit, SchedulerPolicy
 from sparseserve.engine.scheduler.segments import LayerSegmentedPrefill, SegmentPlanner
-from sparseserve.engine.scheduler.working_set import Admission, WorkingSetControl
+from sparseserve.engine.scheduler.working_set import Admission, WorkingSetControl, share_order
 
 RUNNING, WAITING = SequenceStatus.RUNNING, SequenceStatus.WAITING
 FREE = Admission(0, False)
@@ -220,7 +220,7 @@ class Scheduler:
     def preempt(self, seq: Sequence, why: Preempt, out: SchedulerOutput) -> None:
         """Takes a running sequence out of the batch. RECOMPUTE gives its blocks back (full ones
         stay cached); the others pause it with its K/V in the host store. Requeued at the front,
-        a parked one in arrival order (parked sequences resume oldest first)."""
+        a parked one in share_order (parked sequences resume in that order)."""
         if self.running and self.running[-1] is seq:
             self.running.pop()
         else:
@@ -234,7 +234,8 @@ class Scheduler:
             self.kv.pause(seq)
         seq.status = WAITING
         if why is Preempt.PARK:
-            at = next((k for k, w in enumerate(self.waiting) if w.seq_id > seq.seq_id), len(self.waiting))
+            key = share_order(seq)
+            at = next((k for k, w in enumerate(self.waiting) if share_order(w) > key), len(self.waiting))
             self.waiting.insert(at, seq)
         else:
             self.waiting.appendleft(seq)

@@ -4,9 +4,10 @@ A decode batch runs only while the running sequences' working sets fit the HBM p
 newest are held back (never the last), a waiting sequence is admitted only if its estimate fits.
 With prefill ahead (max_prefilled_waiting > 0) the limit governs decode, not prefill: a sequence
 that does not fit is still prefilled (one at a time), then parked until a decode share frees;
-shares go in arrival order, so the oldest request always makes progress. A sequence goes ahead
-only if its share is expected to open at most max_park_steps steps after its prefill ends
-(decodes finishing at their max_tokens, estimates unchanged): a bound on its first-token gap."""
+shares go in share_order (those that have decoded, then the rest, by arrival), so the first
+request in it always makes progress. A sequence goes ahead only if its share is expected to open
+at most max_park_steps steps after its prefill ends (decodes finishing at their max_tokens,
+estimates unchanged): a bound on its first-token gap."""
 
 from __future__ import annotations
 
@@ -39,13 +40,18 @@ class Admission(NamedTuple):
 WAIT = Admission(None, False)
 
 
-def _arrival(seq: Sequence) -> int:
-    return seq.seq_id  # the engine numbers sequences as requests arrive
+def share_order(seq: Sequence) -> tuple[int, int]:
+    """Decode shares go in this order: first the sequences that have decoded (a token after their
+    first), then the rest, each in arrival (the engine numbers sequences as requests arrive). A
+    sequence given its share back mid-decode resumes before any that has not decoded yet, which
+    may be older (a short prompt passes long ones at admission): else it waited seconds between
+    two tokens (docs/working_set.md)."""
+    return (0 if seq.num_output_tokens > 1 else 1, seq.seq_id)
 
 
 def share_opens(free: int, decoding: list[tuple[int, int]], queue: list[tuple[int, int]], need: int) -> int:
-    """Steps until a sequence needing `need` takes a decode share behind `queue` (older ones waiting:
-    (need, steps they decode once they have it)), in arrival order, if each of `decoding` ((steps
+    """Steps until a sequence needing `need` takes a decode share behind `queue` (the ones before it
+    waiting: (need, steps they decode once they have it)), in share order, if each of `decoding` ((steps
     left, need)) frees its need when it ends; free: the limit less the decoding needs. A share
     is taken when its need fits, or by the first sequence of an empty batch."""
     heap = list(decoding)
@@ -63,7 +69,7 @@ def share_opens(free: int, decoding: list[tuple[int, int]], queue: list[tuple[in
 class _ShareQueue(NamedTuple):
     """The sequences without a decode share that wait for one (ahead or parked)."""
 
-    oldest: int | None  # the oldest one's arrival
+    oldest: tuple[int, int] | None  # the first one's share_order
     waiting: int  # how many
     prefilling_ahead: bool  # one admitted ahead is still prefilling
 
@@ -186,12 +192,12 @@ class WorkingSetControl(SchedulerPolicy):
         return bool(seq.block_table) and self._prefilled(seq)
 
     def _share_out(self, out: SchedulerOutput) -> None:
-        """Over the limit the newest shares are given back (never the oldest): a decoding
+        """Over the limit the last shares in share order are given back (never the first): a decoding
         sequence is parked, a prefilling one becomes ahead. Then each ahead sequence whose
-        prefill is done, oldest first, takes a share if it fits and no older one waits, or is
+        prefill is done, in share order, takes a share if it fits and none before it waits, or is
         parked."""
         ws, sched = self.ws, self.sched
-        sharing = sorted((s for s in sched.running if s.seq_id not in self.ahead), key=_arrival)
+        sharing = sorted((s for s in sched.running if s.seq_id not in self.ahead), key=share_order)
         est = ws.estimates(sharing)
         total = sum(est)
         while len(sharing) > 1 and total > ws.limit:
@@ -202,7 +208,7 @@ class WorkingSetControl(SchedulerPolicy):
             else:
                 self.ahead.add(seq.seq_id)
         done = [s for s in sched.running if s.seq_id in self.ahead and self._prefilled(s)]
-        done.sort(key=_arrival)
+        done.sort(key=share_order)
         for seq, need in zip(done, ws.estimates(done)):
             # a fresh scan per sequence: the one before it got a share or was parked
             if not self._blocked(seq, self._share_queue()) and (not sharing or total + need <= ws.limit):
@@ -214,16 +220,16 @@ class WorkingSetControl(SchedulerPolicy):
         self.total = total
 
     def _resumable(self) -> int:
-        """Parked sequences whose decode share is free now, oldest first up to the first that does
-        not fit (or an older one still prefilling ahead)."""
+        """Parked sequences whose decode share is free now, in share order up to the first that does
+        not fit (or one before it still prefilling ahead)."""
         sched = self.sched
-        oldest_ahead = min((_arrival(s) for s in sched.running if s.seq_id in self.ahead), default=None)
+        oldest_ahead = min((share_order(s) for s in sched.running if s.seq_id in self.ahead), default=None)
         parked = sorted(
-            (w for w in sched.waiting if self._is_parked(w) and w.seq_id not in self._parked_now), key=_arrival
+            (w for w in sched.waiting if self._is_parked(w) and w.seq_id not in self._parked_now), key=share_order
         )
         free, sharing, n = self.ws.limit - self.total, len(sched.running) > len(self.ahead), 0
         for seq, need in zip(parked, self.ws.estimates(parked)):
-            if (oldest_ahead is not None and oldest_ahead < _arrival(seq)) or (sharing and need > free):
+            if (oldest_ahead is not None and oldest_ahead < share_order(seq)) or (sharing and need > free):
                 break
             free, sharing, n = free - need, True, n + 1
         return n
@@ -235,15 +241,15 @@ class WorkingSetControl(SchedulerPolicy):
     def _share_queue(self) -> _ShareQueue:
         sched = self.sched
         ahead = [s for s in sched.running if s.seq_id in self.ahead]
-        parked = [_arrival(w) for w in sched.waiting if self._is_parked(w)]
-        oldest = min([_arrival(s) for s in ahead] + parked, default=None)
+        parked = [share_order(w) for w in sched.waiting if self._is_parked(w)]
+        oldest = min([share_order(s) for s in ahead] + parked, default=None)
         prefilling = any(not self._prefilled(s) for s in ahead)
         return _ShareQueue(oldest, len(self.ahead) + len(parked), prefilling)
 
     @staticmethod
     def _blocked(seq: Sequence, queue: _ShareQueue) -> bool:
-        """An older sequence waits for a decode share."""
-        return queue.oldest is not None and queue.oldest < _arrival(seq)
+        """A sequence before it in share order waits for a decode share."""
+        return queue.oldest is not None and queue.oldest < share_order(seq)
 
     def _decode_share(self, seq: Sequence, queue: _ShareQueue) -> Admission:
         """(need, False): a decode share; (need, True): ahead, for its prefill only; (None, True):
@@ -291,6 +297,7 @@ class WorkingSetControl(SchedulerPolicy):
         sched, ws = self.sched, self.ws
         sharing = [s for s in sched.running if s.seq_id not in self.ahead]
         decoding = [(self._steps_left(s), n) for s, n in zip(sharing, ws.estimates(sharing))]
-        older = sorted((w for w in sched.waiting if self._is_parked(w) and _arrival(w) < _arrival(seq)), key=_arrival)
+        older = [w for w in sched.waiting if self._is_parked(w) and share_order(w) < share_order(seq)]
+        older.sort(key=share_order)
         queue = [(n, self._steps_left(w)) for w, n in zip(older, ws.estimates(older))]
         return share_opens(self.ws.limit - self.total, decoding, queue, need) - self._prefill_steps(seq)
