@@ -267,11 +267,13 @@ def _block_lse_kernel(
     COUNT_READS: tl.constexpr,
     LOCAL: tl.constexpr,
     VIEW_BY_SLOT: tl.constexpr,
+    K_ALIGNED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """lse[b, kvh * GROUP + g, e] for this program's TILE_E entries (reference: block_lse_ref).
     OFFLOAD: entries before the local window read K as the sparse decode kernel does, and COUNT_READS adds
-    to reads_ptr[0] those read from the host."""
+    to reads_ptr[0] those read from the host. K_ALIGNED (the launcher checks it: k_rows_aligned): every
+    token row's start is 16-byte aligned, so the picked rows load in 16-byte vectors, not 2-byte ones."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -312,6 +314,8 @@ def _block_lse_kernel(
                 listed, host_ptr + hkey * (2 * BLOCK_SIZE * HEAD_DIM), cache_ptr + blk * stride_cb + kvh * stride_ch
             ),
         )
+        if K_ALIGNED:  # the select loses the bases' alignment (docs/kernels.md, "Design notes")
+            k_rows = tl.multiple_of(k_rows, 16)
         k = tl.load((k_rows + off * HEAD_DIM)[:, None] + dims[None, :], mask=ok[:, None] & dmask, other=0.0)
         if COUNT_READS:  # an entry's first token row stands for it; no atomic for none (most programs)
             reads = tl.sum((listed & (pslot < 0) & (off == 0)).to(tl.int64), 0)
@@ -488,6 +492,14 @@ def _prune_kernel(
         tl.atomic_add(stats_ptr, (count - tl.sum(listed.to(tl.int32), 0)).to(tl.int64))
 
 
+def k_rows_aligned(kv_cache: torch.Tensor, *bases: torch.Tensor) -> bool:
+    """Whether every K token row an offloaded read can pick starts 16-byte aligned: the cache's
+    and each base's (pool, host store) start, and the cache's block, head and row strides."""
+    es = kv_cache.element_size()
+    strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(3))
+    return all(t.data_ptr() % 16 == 0 for t in (kv_cache, *bases)) and all(st * es % 16 == 0 for st in strides)
+
+
 def block_lse_triton(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -522,7 +534,9 @@ def block_lse_triton(
     if offload is not None:
         pool_slots, host_flat, loc, key = offload
         assert pool_slots.is_contiguous() and host_flat.is_contiguous() and loc.is_contiguous() and key.is_contiguous()
+        aligned = k_rows_aligned(kv_cache, pool_slots, host_flat)
     else:
+        aligned = False
         pool_slots = host_flat = loc = key = kv_cache  # unused (OFFLOAD=False)
     pdl = use_pdl(q.device)
     _block_lse_kernel[(batch, num_kv_heads, triton.cdiv(cap, tile_e))](
@@ -561,6 +575,7 @@ def block_lse_triton(
         COUNT_READS=offload is not None and host_reads is not None,
         LOCAL=local,
         VIEW_BY_SLOT=view_by_slot,
+        K_ALIGNED=aligned,
         num_warps=4,
         PDL=pdl,
         launch_pdl=pdl,

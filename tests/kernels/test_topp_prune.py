@@ -10,6 +10,7 @@ from sparseserve.kernels.block_score import select_blocks_ref
 from sparseserve.kernels.topp_prune import (
     block_lse_ref,
     block_lse_triton,
+    k_rows_aligned,
     prune_lists_triton,
     prune_ref,
     topp_prune_ref,
@@ -268,10 +269,16 @@ def offload_case(hq: int, hkv: int, seed: int):
         pytest.param(7, 1, id="group7-7q1kv"),
     ],
 )
-def test_topp_prune_offload(hq, hkv):
+@pytest.mark.parametrize("aligned", [True, False])
+def test_topp_prune_offload(hq, hkv, aligned):
     """Under KV offload the candidates' keys come through the HBM pool view (pool slots, host rows for bypass
-    reads) and the device cache before each local window is poisoned: both kernels equal topp_prune_ref."""
+    reads) and the device cache before each local window is poisoned: both kernels equal topp_prune_ref; also
+    with the cache one element off 16 bytes, which the lse kernel must read without the aligned loads."""
     q, poisoned, tables, seq_lens, slots, state, offload = offload_case(hq, hkv, seed=3)
+    if not aligned:
+        buf = torch.empty(poisoned.numel() + 1, dtype=poisoned.dtype, device=DEV)
+        poisoned = buf[1:].view_as(poisoned).copy_(poisoned)
+    assert k_rows_aligned(poisoned, *offload[:2]) == aligned
     d, bs, cap, top_p = OFFLOAD_CASE
     kw = dict(sink=1, local=2, top_p=top_p, scale=d**-0.5, offload=offload)
     states = [tuple(t.clone() for t in state) for _ in range(2)]
