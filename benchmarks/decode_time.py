@@ -9,7 +9,8 @@ its output tokens - 1:
 - decode: intervals whose producing step ran decodes only;
 - with prefill: the producing step also ran prompt tokens (a prefill chunk, or a layer-segmented prefill's
   segment): the decode waited for them;
-- waiting: steps of the interval that produced no token for it.
+- waiting: steps of the interval that produced no token for it; `waiting_mid_answer` is its part after the
+  request's second token (held back or parked mid-answer; the rest is the first-to-second gap of prefill ahead).
 Under async scheduling a step's tokens come out of the next `step()` call: the time between two calls is the
 device time of the step launched in the earlier one, which is the step that produced them.
 
@@ -154,15 +155,19 @@ def decompose(steps: list[StepRecord]) -> dict:
         for r in s.requests:
             token_steps.setdefault(r, []).append(i)
     parts = {"decode": [], "with_prefill": [], "waiting": []}
+    mid_answer = []  # of waiting: after the request's second token
     for idx in token_steps.values():
         if len(idx) < 2:
             continue
-        acc = dict.fromkeys(parts, 0.0)
-        for a, b in zip(idx, idx[1:]):
+        acc = dict.fromkeys([*parts, "mid"], 0.0)
+        for i, (a, b) in enumerate(zip(idx, idx[1:])):
             acc["with_prefill" if steps[b].prefills else "decode"] += steps[b].duration
-            acc["waiting"] += sum(steps[k].duration for k in range(a + 1, b))
+            waited = sum(steps[k].duration for k in range(a + 1, b))
+            acc["waiting"] += waited
+            acc["mid"] += waited if i else 0.0
         for k in parts:
             parts[k].append(acc[k] / (len(idx) - 1))
+        mid_answer.append(acc["mid"] / (len(idx) - 1))
     mean = lambda v: 1e3 * statistics.fmean(v) if v else 0.0  # noqa: E731
     dec = [s for s in steps if s.requests and not s.prefills]
     mix = [s for s in steps if s.requests and s.prefills]
@@ -170,6 +175,7 @@ def decompose(steps: list[StepRecord]) -> dict:
         "requests_decoded": len(parts["decode"]),
         "tpot_ms": sum(mean(v) for v in parts.values()),
         **{f"{k}_ms": mean(v) for k, v in parts.items()},
+        "waiting_mid_answer_ms": mean(mid_answer),
         "decode_steps": len(dec),
         "decode_step_ms": mean([s.duration for s in dec]),
         "decode_batch": statistics.fmean([s.decodes for s in dec]) if dec else 0.0,

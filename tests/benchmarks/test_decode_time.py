@@ -34,6 +34,7 @@ def test_split_of_a_hand_built_timeline():
     assert out["requests_decoded"] == 2
     assert out["decode_ms"] == pytest.approx((10 / 2 + 5 / 2) / 2)
     assert out["waiting_ms"] == pytest.approx((5 / 2 + 5 / 2) / 2)
+    assert out["waiting_mid_answer_ms"] == pytest.approx((5 / 2 + 0) / 2)  # a's after its 2nd token; b's its 1st gap
     assert out["with_prefill_ms"] == pytest.approx((20 / 2 + 20 / 2) / 2)
     assert out["tpot_ms"] == pytest.approx(((45 - 10) / 2 + (50 - 20) / 2) / 2)
     assert out["decode_steps"] == 2 and out["prefill_steps"] == 2
