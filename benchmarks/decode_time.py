@@ -16,10 +16,13 @@ device time of the step launched in the earlier one, which is the step that prod
 
     python -m benchmarks.decode_time --configs dense layerseg_async [--time-scale 1] [--json out.json]
     python -m benchmarks.decode_time --model mha7b --dataset longbench --longbench-tokenizer llama2 \
-        --num-requests 24 --output-len 1024 --configs dense sparse_async layerseg_async
+        --num-requests 48 --output-len 1024 --gpu-memory-gb 40 --engine-arg host_kv_memory=90GB \
+        --configs dense sparse_async kvoffload_async --fresh-process     # issue 38's decode-heavy load
 
 With `dense` among the configs a second table (and the JSON's `against_dense`) gives each config's throughput,
-mean TTFT (times lower) and TPOT as ratios to it, in the same call.
+mean TTFT (times lower) and TPOT as ratios to it, in the same call. `--fresh-process` runs each config in a Python
+process of its own, as a fresh server would (one process: a config after another can run slower,
+docs/benchmarks/serving.md, thirteenth session).
 
 `--profile-window START N` torch-profiles those steps of each config: the GPU's critical path by kind of work and
 the host calls that blocked, with the engine functions that made them (bench/gpu_trace.py; how the pageable
@@ -43,7 +46,11 @@ import dataclasses
 import datetime
 import json
 import logging
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 from benchmarks.common import (
@@ -268,6 +275,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="extra engine argument for every config (repeatable), e.g. host_kv_memory=88GB",
     )
     p.add_argument(
+        "--fresh-process",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run each config in a Python process of its own (a fresh server's memory, caches and allocator)",
+    )
+    p.add_argument(
         "--profile-window",
         nargs=2,
         type=int,
@@ -276,8 +289,15 @@ def main(argv: list[str] | None = None) -> dict:
         help="torch-profile steps [START, START + N) of each config: the GPU's critical path by kind of work and "
         "the blocking host calls with their callers (slows those steps)",
     )
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
+    if args.fresh_process:
+        runs: dict[str, tuple[dict, list[StepRecord]]] = {}
+        for c in args.configs:
+            runs[c] = run_in_process(argv, c)
+            save_report(args, runs)
+        return report_runs(args, runs)
     from transformers import AutoTokenizer
 
     with model_dir(args) as model:
@@ -286,11 +306,35 @@ def main(argv: list[str] | None = None) -> dict:
         kw = engine_kwargs(args, args.max_input_len + max_output_len(args))
         kw.update(parse_engine_args(args.engine_arg))
         window = tuple(args.profile_window) if args.profile_window else None
-        runs: dict[str, tuple[dict, list[StepRecord]]] = {}
+        runs = {}
         for c in args.configs:
             runs[c] = run_config(model, c, jobs, kw, window)
-            if args.json:  # after each config: a run cut off by a time limit keeps the configs that finished
-                Path(args.json).write_text(json.dumps(build_report(args, runs), indent=2))
+            save_report(args, runs)
+    return report_runs(args, runs)
+
+
+def save_report(args: argparse.Namespace, runs: dict[str, tuple[dict, list[StepRecord]]]) -> None:
+    """After each config: a run cut off by a time limit keeps the configs that finished."""
+    if args.json:
+        Path(args.json).write_text(json.dumps(build_report(args, runs), indent=2))
+
+
+def run_in_process(argv: list[str], config: str) -> tuple[dict, list[StepRecord]]:
+    """One config run by a child process of this module (the later --configs and --json override argv's)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        cmd = [sys.executable, "-m", "benchmarks.decode_time", *argv, "--no-fresh-process", "--configs", config]
+        root = str(Path(__file__).resolve().parents[1])
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        subprocess.run([*cmd, "--json", str(out)], check=True, env=env)
+        report = json.loads(out.read_text())
+    row = report["rows"][0]
+    steps = [StepRecord(**(s | {"requests": frozenset(s["requests"])})) for s in report["timelines"][config]]
+    return row, steps
+
+
+def report_runs(args: argparse.Namespace, runs: dict[str, tuple[dict, list[StepRecord]]]) -> dict:
+    """Prints the rows (and the ratios against dense) and returns the report."""
     rows = [row for row, _ in runs.values()]
     print_table(
         [{k: v for k, v in row.items() if k != "profile"} for row in rows],

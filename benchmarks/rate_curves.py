@@ -1,13 +1,15 @@
 """The SparseServe paper's figures 10-12 from in-process replays: mean TTFT, throughput and TPOT (TBT) against
 the request rate, one line per config, each rate's ratios against dense of the same replay.
 
-Reads `benchmarks.decode_time --dataset longbench --request-rate R --json F` results, one file per rate (every
-config of a file ran in one process, one after the other, so each ratio is within one call), prints one table
-and writes curves.json and curves.png beside the first file (or --out):
+Reads `benchmarks.decode_time --dataset longbench --request-rate R --json F` results, one file per rate (the
+configs of a file ran one after the other in one call, each in a process of its own with `--fresh-process`, so
+each ratio is within one call), prints one table and writes curves.json and curves.png beside the first file (or
+--out):
 
     for r in 1 1.5 2 3; do python -m benchmarks.decode_time --model mha7b --dataset longbench \\
         --longbench-tokenizer llama2 --num-requests 24 --request-rate $r --gpu-memory-gb 40 \\
-        --engine-arg host_kv_memory=90GB --configs dense sparse_async kvoffload_async --json rate$r.json; done
+        --engine-arg host_kv_memory=90GB --configs dense sparse_async kvoffload_async --fresh-process \\
+        --json rate$r.json; done
     python -m benchmarks.rate_curves rate*.json
 """
 

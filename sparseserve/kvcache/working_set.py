@@ -98,6 +98,9 @@ class WorkingSetCounter:
 
 
 GROWTH_SAMPLES = 64  # the growth's running mean weighs about the last this many whole-window counts
+# The growth before any request has counted a whole window: above every growth measured (1.2-2.8 lists,
+# docs/working_set.md). Too low, the first requests all take shares and are parked when they grow.
+GROWTH_PRIOR = 3.0
 
 
 class WorkingSetEstimate:
@@ -125,8 +128,9 @@ class WorkingSetEstimate:
         self._reported = -math.inf
         self._measured: dict[int, tuple[int, int]] = {}  # seq_id -> (blocks, decode steps counted)
         # a whole window's working set over one step's list, of the requests that counted one (running
-        # mean): what a new request's estimate grows to (its first steps see only part of the window)
-        self.growth = 1.0
+        # mean): what a new request's estimate grows to (its first steps see only part of the window);
+        # the first sample replaces the prior
+        self.growth = min(GROWTH_PRIOR, float(window))
         self._growth_samples = 0
         self._floor: dict[int, int] = {}  # seq_id -> its estimate when it was paused
         # the scheduler's accounting (statistics): running estimates summed, requests the limit

@@ -137,6 +137,31 @@ def test_a_cut_off_run_keeps_the_configs_that_finished(tiny_model_dir, tmp_path,
     assert report["against_dense"][0]["x_tok_s"] == 1.0 and list(report["timelines"]) == ["dense"]
 
 
+def test_fresh_process_runs_each_config_apart(tiny_model_dir, tmp_path, monkeypatch, filler_haystack):
+    """--fresh-process: each config runs in a child process of its own (the parent runs none), and makes the same
+    schedule as in one process; the report and its ratios are built as in one process."""
+    args = ["--model", str(tiny_model_dir), "--device", "cpu", "--num-gpu-blocks", "64", "--num-requests", "3"]
+    args += ["--dataset", "longbench", "--max-input-len", "200", "--output-len", "4", "--engine-arg", "block_size=16"]
+    together = D.main(args + ["--configs", "dense", "sparse"])
+
+    def not_here(*a, **kw):
+        raise AssertionError("a config ran in the parent process")
+
+    monkeypatch.setattr(D, "run_config", not_here)
+    out = tmp_path / "fresh.json"
+    apart = D.main(args + ["--configs", "dense", "sparse", "--fresh-process", "--json", str(out)])
+    assert [r["config"] for r in apart["rows"]] == ["dense", "sparse"]
+    assert json.loads(out.read_text())["rows"] == apart["rows"]
+
+    def schedule(report, config):
+        return [(s["decodes"], s["prompt_tokens"], s["segments"], s["requests"]) for s in report["timelines"][config]]
+
+    for c in ("dense", "sparse"):
+        assert schedule(apart, c) == schedule(together, c) and len(schedule(apart, c)) > 2
+    dense, sparse = apart["rows"]
+    assert apart["against_dense"][1]["x_tok_s"] == pytest.approx(sparse["output_tok_s"] / dense["output_tok_s"])
+
+
 @pytest.fixture
 def filler_haystack(tmp_path, monkeypatch):
     """A haystack of the built-in filler sentences (a clone without ../shared/data has no essays)."""

@@ -149,7 +149,8 @@ def test_layer_segmented_prefill_equals_one_rank(hf_models):
     """SparseServe mode (topk + KV offload + layer-segmented prefill): prompts longer than a step's budget run
     one layer per step on every rank (layer 0 dense, layer 1 sparse through the scratch and the host store), one
     of them after a 40-token prefix-cache hit restored from the host store; the same segments, greedy tokens
-    and logprobs as one rank, and rank 0's gauges show the prefill's progress."""
+    and logprobs as one rank, and rank 0's gauges show the prefill's progress. The working-set limit is off in
+    both (`unlimited`: each rank's pool holds its share of the KV heads, so TP=2 would admit more at once)."""
     model_dir = hf_models["mistral-gqa"][0]
     kw = dict(OFFLOAD, layer_segmented_prefill=True, prefill_layer_segment=1)
     g = torch.Generator().manual_seed(1)  # ids over the whole vocabulary: both ranks' embedding rows
@@ -159,6 +160,7 @@ def test_layer_segmented_prefill_equals_one_rank(hf_models):
     def run(llm: LLM) -> tuple[list, SegmentLog, list]:
         log = llm.llm_engine.profiler
         log.engine = llm.llm_engine
+        unlimited(llm.llm_engine)
         outs = llm.generate(reqs, GREEDY, use_tqdm=False)
         return [o.outputs[0] for o in outs], log, [o.num_cached_tokens for o in outs]
 

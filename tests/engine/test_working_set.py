@@ -345,7 +345,7 @@ def test_new_requests_are_estimated_as_the_measured_windows_grew():
     """A request's first steps count only part of its window: before it has counted a whole window its estimate
     is at least one step's list times the growth the requests with a whole window showed (whole window over one
     list, a running mean), so admission does not take in what the next steps will hold back."""
-    from sparseserve.kvcache.working_set import WorkingSetEstimate
+    from sparseserve.kvcache.working_set import GROWTH_PRIOR, WorkingSetEstimate
 
     src = LandingSource()
     est = WorkingSetEstimate(
@@ -353,7 +353,8 @@ def test_new_requests_are_estimated_as_the_measured_windows_grew():
     )
     a, b = seq(0, prompt_len=20 * BS), seq(1, prompt_len=20 * BS)
     one_list = (6 - 1) * 4
-    assert est.estimates([a, b]) == [one_list, one_list] and est.growth == 1.0  # nothing learned yet
+    prior = int(one_list * GROWTH_PRIOR)  # nothing learned yet: above any growth measured (window 3 allows it)
+    assert est.estimates([a, b]) == [prior, prior] and est.growth == GROWTH_PRIOR
     for count in (20, 28, 36):  # a's lists change: its window grows to 36 = 1.8 lists
         src.land({0: count})
         got = est.estimates([a, b])
@@ -373,6 +374,37 @@ def test_new_requests_are_estimated_as_the_measured_windows_grew():
     assert est.growth == g  # nor does its whole window teach the growth anything
     est.on_pause(a)  # a paused: its estimate stands as the floor of its new slot until a whole window
     assert est.estimates([a]) == [max(30, int(one_list * est.growth))]
+
+
+@pytest.mark.parametrize("prior", [1.0, None])
+def test_the_first_requests_are_not_paused_mid_answer_before_the_growth_is_learned(tiny_model_dir, monkeypatch, prior):
+    """Before any request has counted a whole window the growth is a prior above every growth measured, so a
+    burst's first requests take decode shares at no less than their windows grow to: none is paused after its
+    first tokens until the growth is learned (the tiny model's: ~1.9 lists). A prior of one list (the rule before,
+    prior=1.0) let them all in and paused some mid-answer as their windows filled."""
+    import sparseserve.kvcache.working_set as W
+
+    default = W.GROWTH_PRIOR
+    if prior is not None:
+        monkeypatch.setattr(W, "GROWTH_PRIOR", prior)
+    engine = make_engine(tiny_model_dir, **{**ENGINE, "hbm_cache_blocks": 96})
+    est = engine.scheduler.kv.device_space.working_set
+    start = est.growth
+    paused_mid_answer, learned_at, step = [], None, 0
+
+    def check(e, _):
+        nonlocal learned_at, step
+        step += 1
+        if learned_at is None and est.growth != start:
+            learned_at = step
+        paused_mid_answer.extend(step for s in e.profiler.out.held_back if s.num_output_tokens > 1)
+
+    arrivals = {0: [(f"r{i}", p, 30) for i, p in enumerate(prompts(6, seed=1))]}
+    drive(engine, arrivals, check)
+    assert learned_at is not None and 1.5 < est.growth < default
+    early = [s for s in paused_mid_answer if s < learned_at]
+    assert (len(early) > 0) if prior == 1.0 else (early == [] and paused_mid_answer), (learned_at, paused_mid_answer)
+    assert_no_leaks(engine)
 
 
 def test_a_pool_of_every_head_block_holds_nothing_back(tiny_model_dir):
