@@ -15,6 +15,7 @@ import json
 import random
 import statistics
 
+from sparseserve.bench.hardware import print_table
 from sparseserve.engine.engine import LLMEngine
 from sparseserve.models.loader import DEFAULT_MODEL_DIR
 from sparseserve.sampling_params import SamplingParams
@@ -76,10 +77,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     rows = [run(s, pool, args.num_requests, args.output_len) for s in args.seeds for pool in args.pools]
-    keys = list(rows[0])
-    print(" ".join(f"{k:>17}" for k in keys))
-    for r in rows:
-        print(" ".join(f"{r[k]:>17.3f}" if isinstance(r[k], float) else f"{r[k]:>17}" for k in keys))
+    print_table(rows, "steps without a token: waiting_after_2nd a token, worst_request its, first_gap a request")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"engine": ENGINE, "rows": rows}, f, indent=1)
