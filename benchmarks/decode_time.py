@@ -24,14 +24,19 @@ mean TTFT (times lower) and TPOT as ratios to it, in the same call. `--fresh-pro
 process of its own, as a fresh server would (one process: a config after another can run slower,
 docs/benchmarks/serving.md, thirteenth session).
 
+`--gauges-every N` samples the engine's gauges every N steps (running and waiting requests; with KV offload the
+device rows, device blocks and working sets held against what each may take): where the device budget sits
+(docs/benchmarks/serving.md, fourteenth session); the row gets their maxima, the JSON every sample.
+
 `--profile-window START N` torch-profiles those steps of each config: the GPU's critical path by kind of work and
 the host calls that blocked, with the engine functions that made them (bench/gpu_trace.py; how the pageable
 saves of docs/offload.md, "Saves through the kernel", were found).
 
 Configurations (the serving ladder's, scripts/gpu_serve_check.sh): dense; sparse (topk 2048); offload (+
 kv_offload, working-set control included, chunked prefill); layerseg (+ layer_segmented_prefill); offload_lag,
-layerseg_lag (+ sparse_lag 1); kvoffload (`kv_offload` with its defaults: on these shapes layerseg_lag); NAME_async
-(+ async_scheduling). A config may carry engine arguments of its own, so variants run beside dense in one call:
+layerseg_lag (+ sparse_lag 1); kvoffload (`kv_offload` with its defaults: on these shapes layerseg_lag); each
+synchronous, NAME_async with async_scheduling (`kvoffload_async`: a user's `--kv-offload` on CUDA). A config
+may carry engine arguments of its own, so variants run beside dense in one call:
 `--configs dense kvoffload_async kvoffload_async:segment_decode_steps=1` (each row is named by its spec).
 `--model 8b` (or a benchmarks/model_dir.py preset: mha7b, gqa8b): those shapes over the embedded tokenizer's
 vocabulary, dummy bf16 weights, GPU memory capped at --gpu-memory-gb. `--dataset longbench`: LongBench v1's mix
@@ -81,7 +86,9 @@ _LADDER = {
 }
 _LADDER["offload_lag"] = _LADDER["offload"] | dict(sparse_lag=1)
 _LADDER["layerseg_lag"] = _LADDER["layerseg"] | dict(sparse_lag=1)
-_LADDER["kvoffload"] = _SPARSE | dict(kv_offload=True)  # as a user turns it on: its defaults
+_LADDER["kvoffload"] = _SPARSE | dict(kv_offload=True)  # as a user turns it on: its defaults (synchronous here)
+# NAME: synchronous scheduling (KV offload's default on CUDA is async, so its rungs say so); NAME_async: async
+_LADDER = {k: v | dict(async_scheduling=False) if v.get("kv_offload") else v for k, v in _LADDER.items()}
 CONFIGS = _LADDER | {f"{k}_async": v | dict(async_scheduling=True) for k, v in _LADDER.items()}
 
 
@@ -154,6 +161,54 @@ class Timeline(Profiler):
                 logger.warning("profile window past the replay's end (%d steps): no report (%s)", len(self.steps), e)
 
 
+# Engine gauges that show where the device budget sits (--gauges-every).
+GAUGES = (
+    "num_running",
+    "num_waiting",
+    "num_blocks_used",
+    "num_blocks_total",
+    "offload_device_rows",
+    "offload_device_rows_used",
+    "offload_device_blocks",
+    "offload_device_blocks_used",
+    "working_set_blocks",
+    "working_set_limit",
+    "working_set_parked",
+    "working_set_held_back",
+)
+
+
+class GaugeLog:
+    """The replay's on_step hook around the timeline: every `every` steps, the step's index and time and the
+    engine's GAUGES (get_stats without a sync: the device's as of the newest landed step)."""
+
+    def __init__(self, engine, timeline: Timeline, every: int) -> None:
+        self.engine, self.timeline, self.every = engine, timeline, every
+        self.samples: list[dict] = []
+
+    def __call__(self, outputs: list, t: float, idle: float = 0.0) -> None:
+        self.timeline(outputs, t, idle)
+        n = len(self.timeline.steps)
+        if n % self.every == 0:
+            stats = self.engine.get_stats()
+            self.samples.append({"step": n, "t": t} | {k: getattr(stats, k) for k in GAUGES})
+
+    def summary(self) -> dict:
+        """The most of each budget part held, and the working sets' mean share of their limit while requests waited
+        (the pool binds where it is near 1)."""
+        if not self.samples:
+            return {}
+        out = {f"{k}_max": max(s[k] for s in self.samples) for k in GAUGES if k.endswith("_used")}
+        held = [
+            s["working_set_blocks"] / s["working_set_limit"]
+            for s in self.samples
+            if s["num_waiting"] and s["working_set_limit"]
+        ]
+        if held:
+            out["working_set_share_while_waiting"] = statistics.fmean(held)
+        return out
+
+
 def decompose(steps: list[StepRecord]) -> dict:
     """Mean TPOT over the requests with two or more tokens and its three parts (module docstring), in ms; the
     producing steps' counts and durations."""
@@ -213,13 +268,21 @@ def _config_spec(spec: str) -> str:
 
 
 def run_config(
-    model: str, name: str, jobs: list[Job], engine_kw: dict, window: tuple[int, int] | None = None
+    model: str,
+    name: str,
+    jobs: list[Job],
+    engine_kw: dict,
+    window: tuple[int, int] | None = None,
+    gauges_every: int = 0,
 ) -> tuple[dict, list[StepRecord]]:
-    """The config's row and its timeline; with a profiled window the row's "profile" is its report."""
+    """The config's row and its timeline; with a profiled window the row's "profile" is its report, with
+    gauges_every its "gauges" (GaugeLog's samples) and their summary."""
     config = config_kwargs(name, engine_kw)
-    timeline = Timeline(bool(config.get("async_scheduling")), window)
+    timeline = Timeline(False, window)
     with fresh_engine(timeline, model=model, **config) as engine:
-        summary = replay(engine, jobs, on_step=timeline)
+        timeline.async_scheduling = engine.async_scheduling  # resolved: on by default with KV offload on CUDA
+        gauges = GaugeLog(engine, timeline, gauges_every) if gauges_every else None
+        summary = replay(engine, jobs, on_step=gauges or timeline)
         timeline.close()
         stats = engine.get_stats(sync=True)
     row = {
@@ -241,7 +304,9 @@ def run_config(
         row["pool_gb"] = stats.offload_hbm_bytes_pool / 1e9
         row["ws_limit"] = stats.working_set_limit
         row["ws_growth"] = stats.working_set_growth
-    logger.info("%s", row)
+    if gauges is not None:
+        row |= gauges.summary() | {"gauges": gauges.samples}
+    logger.info("%s", {k: v for k, v in row.items() if k != "gauges"})
     if timeline.profiled is not None:
         start, n = window
         win = timeline.steps[start : start + n]
@@ -281,6 +346,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="run each config in a Python process of its own (a fresh server's memory, caches and allocator)",
     )
     p.add_argument(
+        "--gauges-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="sample the engine's gauges every N steps (where the device budget sits; 0: none)",
+    )
+    p.add_argument(
         "--profile-window",
         nargs=2,
         type=int,
@@ -291,6 +363,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
+    if args.gauges_every < 0:
+        p.error(f"--gauges-every must be >= 0, got {args.gauges_every}")
     logging.basicConfig(level=logging.INFO)
     if args.fresh_process:
         runs: dict[str, tuple[dict, list[StepRecord]]] = {}
@@ -308,7 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
         window = tuple(args.profile_window) if args.profile_window else None
         runs = {}
         for c in args.configs:
-            runs[c] = run_config(model, c, jobs, kw, window)
+            runs[c] = run_config(model, c, jobs, kw, window, args.gauges_every)
             save_report(args, runs)
     return report_runs(args, runs)
 
@@ -337,7 +411,7 @@ def report_runs(args: argparse.Namespace, runs: dict[str, tuple[dict, list[StepR
     """Prints the rows (and the ratios against dense) and returns the report."""
     rows = [row for row, _ in runs.values()]
     print_table(
-        [{k: v for k, v in row.items() if k != "profile"} for row in rows],
+        [{k: v for k, v in row.items() if k not in ("profile", "gauges")} for row in rows],
         (
             f"longbench ({args.longbench_tokenizer} lengths), {args.num_requests} requests at {args.request_rate:g}/s"
             if args.dataset == "longbench"

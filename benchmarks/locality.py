@@ -175,6 +175,7 @@ def measure(
         sparse_policy="topk",
         sparse_budget=budget,
         enforce_eager=True,
+        async_scheduling=False,  # unless engine_args ask (as measured)
     )
     engine = LLMEngine.from_kwargs(**{**kw, **engine_args})
     runner = engine.model_runner

@@ -28,6 +28,8 @@ decode steps of each engine, the kernels whose GPU time differs most and each de
 profiler's hooks outlive it: later host times of the process include their overhead, so TPOT rows come from a
 run without it); --offload-arg KEY=VALUE: the offload side's alone (e.g. layer-segmented prefill unpaced, so
 that a large batch of long prompts all decode at once).
+Every engine here schedules synchronously, each step timed alone, unless `--engine-arg async_scheduling=true` (a
+user's `--kv-offload` on CUDA has it; --real then steps each engine in blocks).
 """
 
 from __future__ import annotations
@@ -135,8 +137,10 @@ def d2h_bench(tokens: int = 32768, hkv: int = 8, d: int = 128, bs: int = 32) -> 
 
 
 def _engine(model: str, profiler: StepLog | None = None, **kw):
-    """A fresh engine on random weights, after the previous one's memory (the caller dropped it) is back."""
+    """A fresh engine on random weights, after the previous one's memory (the caller dropped it) is back;
+    synchronous scheduling unless kw asks (each step is timed alone)."""
     free_memory()
+    kw.setdefault("async_scheduling", False)
     return build_engine(profiler, model=model, load_format="dummy", dtype="bfloat16", **kw)
 
 
@@ -385,6 +389,7 @@ class RealRun:
         )
         # the same selection with and without offload: KV offload's default lag, unless given
         kw.setdefault("sparse_lag", EngineConfig.from_kwargs(**kw, kv_offload=True).sparse_config.sparse_lag)
+        kw.setdefault("async_scheduling", False)  # both sides synchronous unless asked (each step is timed)
         if offload:
             kw |= offload_args | {"kv_offload": True}
             if pool_steps is not None:
@@ -557,8 +562,8 @@ def real_pair(
     device: str = "auto",
     dtype: str = "auto",
     margins: bool = False,
-    block: int = 1,
-    skip: int = 0,
+    block: int | None = None,
+    skip: int | None = None,
     host_profile: bool = False,
     gpu_profile: int = 0,
     **engine_args,
@@ -566,7 +571,8 @@ def real_pair(
     """All KV in HBM and KV offload side by side in one process, both engines alive, stepped in turn `block` steps
     at a time (the first `skip` of each block untimed: under async scheduling a block's first steps overlap the
     other engine's step in flight): a shared machine's slow and fast periods then fall on both alike. Each engine
-    gets half of the GPU memory the engine would take alone."""
+    gets half of the GPU memory the engine would take alone. block, skip: by default 32 and 2 where either engine
+    schedules async, else 1 and 0."""
     free_memory()
     util = engine_args.pop("gpu_memory_utilization", 0.9)
     # The second engine's share counts the first's memory as used (runner: total * utilization - used).
@@ -589,6 +595,9 @@ def real_pair(
     for run in runs:
         run.host_profile = cProfile.Profile() if host_profile else None
         run.gpu_window = GpuWindow(gpu_profile) if gpu_profile else None
+    overlapped = any(r.engine.async_scheduling for r in runs)  # resolved by each engine
+    block = (32 if overlapped else 1) if block is None else block
+    skip = (2 if overlapped else 0) if skip is None else skip
     while not all(r.done for r in runs):
         for run in runs:
             for i in range(block):
@@ -710,8 +719,6 @@ def _real_compared(
                 device,
                 dtype,
                 margins,
-                block=32 if engine_args.get("async_scheduling") else 1,
-                skip=2 if engine_args.get("async_scheduling") else 0,
                 host_profile=bool(profile_path),
                 gpu_profile=gpu_profile,
                 **engine_args,

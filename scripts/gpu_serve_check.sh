@@ -63,11 +63,12 @@ declare -A FLAGS=(
   # lagged selection: the pool reads each step's next lists beside it (docs/offload.md, "Lagged reads"); KV
   # offload's default (the rungs above turn it off to name what each adds)
   [layerseg_lag]="$SPARSE --kv-offload --layer-segmented-prefill --sparse-lag 1"
-  # SparseServe mode as a user turns it on: --kv-offload with its defaults (on these shapes: layerseg_lag)
+  # --kv-offload with its defaults (on these shapes: layerseg_lag); kvoffload_async is a user's --kv-offload on CUDA
   [kvoffload]="$SPARSE --kv-offload"
 )
-for name in "${!FLAGS[@]}"; do  # NAME_async: the same with async scheduling
-  FLAGS[${name}_async]="${FLAGS[$name]} --async-scheduling"
+for name in "${!FLAGS[@]}"; do  # NAME_async: the same with async scheduling; NAME: synchronous (KV offload's
+  FLAGS[${name}_async]="${FLAGS[$name]} --async-scheduling"  # default on CUDA is async, so its configs say so)
+  [[ ${FLAGS[$name]} == *--kv-offload* ]] && FLAGS[$name]="${FLAGS[$name]} --no-async-scheduling"
 done
 if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \

@@ -50,7 +50,7 @@ def main() -> None:
         max_model_len=args.input_len + 256,
         max_num_seqs=args.batch,
         max_num_batched_tokens=32768,
-        **parse_engine_args(args.engine_arg),
+        **{"async_scheduling": False, **parse_engine_args(args.engine_arg)},  # each step timed alone unless asked
     )
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)

@@ -9,9 +9,10 @@ after another in one process (each engine is dropped before the next starts) and
         the decode step (engine.step() wall time, CUDA graphs, every rank's message included) of `batch` requests
         at `context` tokens: TP=N / TP=1 (the issue's targets on Llama-3.1-8B's shape: <= 0.6 at 2, <= 0.4 at 4).
     python scripts/tp_bench.py capacity MODEL [--tp 2 --context 131072 --gpu-memory-gb 40 --host-kv-gb 100]
-        sparse (topk 2048) + KV offload + layer-segmented prefill under a per-GPU memory cap (host_kv_memory is
-        per rank): requests filling a `context`-token window (prompt + output) keep arriving; the most running
-        at once, and the decode step there (TP=2 should run twice TP=1's requests at no worse a step).
+        sparse (topk 2048) + KV offload + layer-segmented prefill, synchronous scheduling, under a per-GPU memory
+        cap (host_kv_memory is per rank): requests filling a `context`-token window (prompt + output) keep
+        arriving; the most running at once, and the decode step there (TP=2 should run twice TP=1's requests at no
+        worse a step).
     python scripts/tp_bench.py message [--tp 2 4 --batch 32 --context 131072 --block-size 16]
         rank 0's step message over the gloo group (CPU, no model): its size and broadcast time for `batch` decodes
         at `context` tokens, carrying whole block tables (every step before) against a steady decode step's (the
@@ -214,6 +215,7 @@ def capacity(args, emit: Callable[[dict], None]) -> None:
             # SparseServe mode's prefill: a layer's KV at a time on the device (a plain chunked prefill of a 128K
             # prompt holds every sparse layer's KV of it, 16 GB at TP=1, and leaves the pool one working set)
             layer_segmented_prefill=not args.chunked_prefill,
+            async_scheduling=False,  # each decode step timed alone
             **cap,
         )
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

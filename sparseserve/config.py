@@ -64,11 +64,12 @@ class SchedulerConfig:
             "the oldest first."
         },
     )
-    async_scheduling: bool = field(
-        default=False,
+    async_scheduling: bool | None = field(
+        default=None,
         metadata={
             "help": "Schedule and prepare the next step while the device runs the current one (stop checks run "
-            "one step late; greedy and seeded outputs are unchanged)."
+            "one step late; greedy and seeded outputs are unchanged; default: on with kv_offload on a CUDA device, "
+            "off otherwise: on CPU the step is the host's own work)."
         },
     )
 
@@ -637,7 +638,7 @@ class EngineConfig:
                 "sparse_lag=1 with kv_offload needs sparse_reuse=1: each step plans the views of the "
                 "lists the next step reads, and a reused list's view would be older than one step"
             )
-        if self.scheduler_config.async_scheduling and self.cache_config.host_prefix_cache_memory is not None:
+        if self.scheduler_config.async_scheduling is True and self.cache_config.host_prefix_cache_memory is not None:
             raise ValueError(
                 "async_scheduling does not work with host_prefix_cache_memory yet: its per-step host copies "
                 "assume the previous step has landed"
@@ -662,6 +663,13 @@ class EngineConfig:
             and SELECTION_POLICIES.get(sp.sparse_policy).supports_lag
             and sp.sparse_reuse == 1
         )
+
+    def schedules_async(self, device_type: str) -> bool:
+        """async_scheduling resolved for the device: its default (None) is on with KV offload on CUDA (every
+        SparseServe-mode figure ran with it), off otherwise (on CPU the step is the host's own work)."""
+        if self.scheduler_config.async_scheduling is not None:
+            return self.scheduler_config.async_scheduling
+        return self.offload_config.kv_offload and device_type == "cuda"
 
     @staticmethod
     def arg_fields() -> list[dataclasses.Field]:

@@ -79,7 +79,10 @@ class LLMEngine:
         )
         self.scheduler = build_scheduler(config, kv, num_layers=runner.arch.num_layers, device_type=runner.device.type)
         self.counters = DeviceCounters(runner.counters())
-        self.async_scheduling = config.scheduler_config.async_scheduling
+        # resolved: its default is on with KV offload on CUDA (readers use this, not the config's field)
+        self.async_scheduling = config.schedules_async(runner.device.type)
+        if self.async_scheduling and config.scheduler_config.async_scheduling is None:
+            logger.info("KV offload: async scheduling on by default (--no-async-scheduling turns it off)")
         self._inflight: InflightStep | None = None  # async scheduling: the step not yet landed
         self._host_copies = HostCopies()  # ... and the pinned buffers its outputs are copied into
         eos = set(self.model_runner.arch.eos_token_ids)

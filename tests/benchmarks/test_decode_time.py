@@ -214,3 +214,28 @@ def test_config_specs():
         D.config_kwargs("densest:a=1", {})
     with pytest.raises(SystemExit):
         D.main(["--configs", "dense", "nope"])
+
+
+def test_gauges_show_where_the_budget_sits(tiny_model_dir, filler_haystack):
+    """--gauges-every N: the engine's gauges every N steps (a used part never above its size); the row holds each
+    used part's maximum and the working sets' mean share of their limit while requests waited."""
+    args = ["--model", str(tiny_model_dir), "--device", "cpu", "--num-gpu-blocks", "64", "--num-requests", "5"]
+    args += ["--dataset", "longbench", "--max-input-len", "200", "--output-len", "6", "--gauges-every", "2"]
+    for kv in ("block_size=16", "sparse_budget=128", "sparse_dense_layers=1", "max_num_seqs=2"):
+        args += ["--engine-arg", kv]
+    report = D.main(args + ["--configs", "kvoffload_async"])
+    row = report["rows"][0]
+    samples = row["gauges"]
+    assert [s["step"] for s in samples] == [
+        2 * (i + 1) for i in range(len(report["timelines"]["kvoffload_async"]) // 2)
+    ]
+    for s in samples:
+        assert set(s) == {"step", "t", *D.GAUGES}
+        assert 0 <= s["offload_device_rows_used"] <= s["offload_device_rows"]
+        assert 0 <= s["offload_device_blocks_used"] <= s["offload_device_blocks"]
+        assert s["num_running"] <= 2 and s["working_set_limit"] > 0
+    assert row["offload_device_rows_used_max"] == max(s["offload_device_rows_used"] for s in samples) > 0
+    held = [s["working_set_blocks"] / s["working_set_limit"] for s in samples if s["num_waiting"]]
+    assert held and row["working_set_share_while_waiting"] == pytest.approx(statistics.fmean(held))
+    with pytest.raises(SystemExit):
+        D.main(args[:-2] + ["--gauges-every", "-1", "--configs", "dense"])

@@ -136,6 +136,8 @@ def test_offload_args_reach_the_offload_engine_alone(tiny_model_dir):
     assert off.engine.config.offload_config.hbm_cache_blocks == 96 and off.engine.config.offload_config.kv_offload
     assert hbm.engine.config.offload_config.hbm_cache_blocks is None
     assert not hbm.engine.config.offload_config.kv_offload
+    for run in (hbm, off):  # both sides synchronous unless asked (each step is timed)
+        assert run.engine.config.scheduler_config.async_scheduling is False and not run.engine.async_scheduling
     while not off.done:
         off.step()
     assert off.result()["config"] == "topk 192 + KV offload, hbm_cache_blocks=96"

@@ -231,6 +231,25 @@ def test_refused_where_it_does_not_work_yet(tiny_model_dir):
 
     with pytest.raises(ValueError, match="host_prefix_cache_memory"):
         EngineConfig.from_kwargs(async_scheduling=True, host_prefix_cache_memory="1MiB")
+    EngineConfig.from_kwargs(host_prefix_cache_memory="1MiB")  # the default is off without KV offload: no refusal
+    EngineConfig.from_kwargs(async_scheduling=False, host_prefix_cache_memory="1MiB")
+
+
+def test_default_is_on_with_kv_offload_on_cuda():
+    """async_scheduling's default (None), resolved for the device: on with KV offload on CUDA, off on CPU and
+    without KV offload; an explicit value wins either way."""
+    from sparseserve.config import EngineConfig
+
+    sparse = dict(sparse_policy="topk")
+    offload = dict(sparse, kv_offload=True)
+    assert EngineConfig().scheduler_config.async_scheduling is None
+    assert EngineConfig.from_kwargs(**offload).schedules_async("cuda") is True
+    assert EngineConfig.from_kwargs(**offload).schedules_async("cpu") is False
+    assert EngineConfig.from_kwargs(**sparse).schedules_async("cuda") is False
+    assert EngineConfig().schedules_async("cuda") is False
+    assert EngineConfig.from_kwargs(**offload, async_scheduling=False).schedules_async("cuda") is False
+    assert EngineConfig.from_kwargs(**sparse, async_scheduling=True).schedules_async("cuda") is True
+    assert EngineConfig.from_kwargs(async_scheduling=True).schedules_async("cpu") is True
 
 
 def test_the_server_loop_with_async_scheduling():

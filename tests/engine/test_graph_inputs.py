@@ -31,7 +31,9 @@ CONFIGS = {
     "topk": SPARSE,
     "topk-lag": dict(SPARSE, sparse_lag=1),
     "topp-lag": dict(SPARSE, sparse_policy="topp", sparse_top_p=0.8, sparse_lag=1),
-    "offload-lag": dict(SPARSE, sparse_lag=1, kv_offload=True, hbm_cache_blocks=16, num_gpu_blocks_override=40),
+    "offload-lag": dict(
+        SPARSE, sparse_lag=1, kv_offload=True, hbm_cache_blocks=16, num_gpu_blocks_override=40, async_scheduling=False
+    ),
     "offload-async": dict(SPARSE, kv_offload=True, hbm_cache_blocks=16, async_scheduling=True),
 }
 

@@ -605,7 +605,8 @@ def test_layer_segmented_on_gpu(model4, eager):
     the same greedy tokens as chunked prefill with several requests mixing with decodes and a prefix-cache hit
     restored layer by layer; the first token's logprobs equal transformers' (CPU, float32)."""
     path, hf = model4
-    kw = dict(COMMON, device="cuda", enforce_eager=eager, sparse_dense_layers=1)
+    # synchronous: check_segmented reads the host store after each step
+    kw = dict(COMMON, device="cuda", enforce_eager=eager, sparse_dense_layers=1, async_scheduling=False)
     reqs = prompts() + [prompts()[3][:64] + prompts()[0][:100]]
     base, _ = drive(LLM(str(path), **kw, profiler=LastSchedule()), reqs, GREEDY)
     llm = LLM(str(path), **kw, layer_segmented_prefill=True, prefill_layer_segment=1, profiler=LastSchedule())

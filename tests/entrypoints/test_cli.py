@@ -93,6 +93,20 @@ def test_every_flag_states_one_default():
             assert "default: None" not in text, (name, action.option_strings, text)
 
 
+def test_async_scheduling_flags_and_default():
+    """--async-scheduling and --no-async-scheduling; neither: None, the engine's default for its device (on with
+    KV offload on CUDA), which the help states."""
+    for argv, want in (([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
+        args = build_parser([]).parse_args(["generate", "--kv-offload", "--sparse-policy", "topk", *argv])
+        kw = engine_kwargs_from_args(args)
+        assert kw["async_scheduling"] is want
+        assert EngineConfig.from_kwargs(**kw).schedules_async("cuda") is (want is not False)
+    generate = _parsers()["generate"]
+    action = next(a for a in generate._actions if a.dest == "async_scheduling")
+    assert action.option_strings == ["--async-scheduling", "--no-async-scheduling"]
+    assert "default: on with kv_offload on a CUDA device" in generate._get_formatter()._expand_help(action)
+
+
 def test_sizes_and_vllm_flag_names():
     args = build_parser([]).parse_args(
         [
