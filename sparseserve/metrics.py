@@ -244,7 +244,7 @@ def _offload_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable
         "Device rows restored from the host store (resumes, hits).",
         stats.offload_rows_restored,
     )
-    for part in ("pool", "dense_layers", "metadata", "device_block_cache"):
+    for part in ("pool", "dense_layers", "metadata", "device_block_cache", "buffers"):
         yield gauge(
             f"offload_hbm_bytes_{part}",
             f"KV offload's device memory: {part.replace('_', ' ')} (bytes).",

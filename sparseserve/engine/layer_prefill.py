@@ -87,6 +87,11 @@ class LayerPrefill:
         tokens = blocks_needed(max_model_len, block_size) * block_size
         return (2 * tokens * num_kv_heads * 2 * head_dim + 2 * max_model_len * hidden_size) * dtype.itemsize
 
+    @property
+    def nbytes(self) -> int:
+        """Device memory its buffers hold (the scratch and the hidden states): `device_bytes`, as allocated."""
+        return sum(t.numel() * t.element_size() for t in (self.scratch, self.hidden))
+
     def progress(self) -> dict[str, int]:
         """Prefills in progress and the layers they have done (statistics)."""
         cur = self.current

@@ -164,6 +164,11 @@ class ModelRunner:
                 dtype=self.dtype,
                 device=self.device,
             )
+            logger.info(
+                "KV offload: layer-segmented prefill buffers %.2f GiB (two layers' scratch K/V, the prompt's hidden "
+                "states)",
+                self.layer_prefill.nbytes / 2**30,
+            )
         self.graphs = None
         if self.device.type == "cuda" and not mc.enforce_eager and self.kernel_impl != "torch":
             with self._kernels():
@@ -273,7 +278,7 @@ class ModelRunner:
         """Host-side values of the KV offload and the layer-segmented prefill."""
         out = {} if self.offload is None else self.offload.gauges()
         if self.layer_prefill is not None:
-            out |= self.layer_prefill.progress()
+            out |= self.layer_prefill.progress() | {"offload_hbm_bytes_buffers": self.layer_prefill.nbytes}
         return out
 
     def sync(self) -> None:

@@ -56,6 +56,7 @@ class EngineStats:
     offload_hbm_bytes_dense_layers: int = 0
     offload_hbm_bytes_metadata: int = 0
     offload_hbm_bytes_device_block_cache: int = 0
+    offload_hbm_bytes_buffers: int = 0  # ... layer-segmented prefill's scratch and hidden states
     layer_prefills_running: int = 0  # layer-segmented prefills in progress (gauge)
     layer_prefill_layers_done: int = 0  # ... and the layers they have done (gauge)
     working_set_blocks: int = 0  # KV offload: the running working sets, head blocks (gauge)

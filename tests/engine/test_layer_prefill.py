@@ -11,6 +11,7 @@ import torch
 
 from sparseserve import LLM, SamplingParams
 from sparseserve.config import PREFILL_LAYER_SEGMENT, EngineConfig, OffloadConfig
+from sparseserve.engine.layer_prefill import LayerPrefill
 from sparseserve.engine.request import Sequence
 from sparseserve.engine.scheduler import Preempt, Scheduler, SchedulerOutput, SegmentPlanner
 from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
@@ -247,6 +248,28 @@ def test_reserve_freed_for_the_pool():
     assert build(True, None, small).layout.device_blocks == small
     with pytest.raises(ValueError, match="device block cache needs at least"):
         build(False, None, small)
+
+
+def test_buffers_in_the_device_split(model4):
+    """Its buffers (two layers' scratch K/V, the prompt's hidden states) are what the KV budget gave up for them
+    (LayerPrefill.device_bytes), reported beside the offload's split in the stats and on /metrics."""
+    engine = LLM(str(model4[0]), **COMMON, layer_segmented_prefill=True).llm_engine
+    runner, a = engine.model_runner, engine.model_runner.arch
+    want = LayerPrefill.device_bytes(
+        num_kv_heads=runner.num_kv_heads,
+        head_dim=a.head_dim,
+        hidden_size=a.hidden_size,
+        block_size=runner.block_size,
+        max_model_len=runner.max_model_len,
+        dtype=runner.dtype,
+    )
+    stats = engine.get_stats()
+    assert stats.offload_hbm_bytes_buffers == runner.layer_prefill.nbytes == want > 0
+    metrics = parse_metrics(ServerMetrics(lambda: stats, "m").render().decode())
+    assert metrics["sparseserve:offload_hbm_bytes_buffers"] == want
+    assert metrics["sparseserve:offload_hbm_bytes_pool"] == stats.offload_hbm_bytes_pool > 0
+    chunked = LLM(str(model4[0]), **COMMON, layer_segmented_prefill=False).llm_engine.get_stats()
+    assert chunked.offload_hbm_bytes_buffers == 0
 
 
 def drive(llm, reqs: list[list[int]], params: SamplingParams, check=None) -> tuple[list[list[int]], list]:
