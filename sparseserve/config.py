@@ -228,6 +228,14 @@ class SparseConfig:
             "choices": ["mean", "each"],
         },
     )
+    sparse_topp_flat_share: float = field(
+        default=0.75,
+        metadata={
+            "help": "topp: a candidate list whose estimated masses are this flat or flatter (the share of its mass "
+            "under its mean entry's, about the share of it the prune would keep) is attended whole, without the "
+            "prune's pass over its keys, which would drop little of it (1: prune every list)."
+        },
+    )
     sparse_reuse: int = field(
         default=1,
         metadata={"help": "Recompute a sequence's block selection every this many decode steps (1: every step)."},
@@ -315,6 +323,8 @@ class SparseConfig:
             raise ValueError(f"sparse_top_p must be in (0, 1], got {self.sparse_top_p}")
         if self.sparse_topp_heads not in ("mean", "each"):
             raise ValueError(f"sparse_topp_heads must be mean or each, got {self.sparse_topp_heads!r}")
+        if not 0.0 < self.sparse_topp_flat_share <= 1.0:
+            raise ValueError(f"sparse_topp_flat_share must be in (0, 1], got {self.sparse_topp_flat_share}")
         if self.sparse_reuse < 1:
             raise ValueError(f"sparse_reuse must be >= 1, got {self.sparse_reuse}")
         if not (0.0 <= self.sparse_stickiness < float("inf")):

@@ -2,7 +2,8 @@
 
 topk: a fixed budget, the best blocks by their key bounds (kernels/block_score.py).
 topp: Twilight's select-then-prune: topk picks `cap` candidates, then the fewest whose mass on
-their real keys brings the list to sparse_top_p stay (kernels/topp_prune.py). Lagged, the
+their real keys brings the list to sparse_top_p stay (kernels/topp_prune.py); a list whose estimated
+masses are flat (sparse_topp_flat_share) stays whole, the prune would drop little of it. Lagged, the
 candidates come from the previous query and each step prunes them for its own, into a row of its
 own (the candidates stay for the next selection). Under KV offload the candidates go through the HBM
 pool (lagged: planned and loaded a step ahead, as topk's lists), so the prune reads their keys there.
@@ -41,10 +42,14 @@ class TopK(SelectionPolicy):
             prev_slots=rows.prev_slots,
             ahead=rows.ahead,
             **self.params.kernel_args(),
+            **self._flat_args(layer, state),
         )
 
     def _select_stats(self, state: SelectionState) -> torch.Tensor:
         return state.stats
+
+    def _flat_args(self, layer: int, state: SelectionState) -> dict[str, Any]:
+        return {}
 
 
 @SELECTION_POLICIES.register("topp")
@@ -55,6 +60,14 @@ class TopP(TopK):
     def _select_stats(self, state: SelectionState) -> torch.Tensor:
         # lagged, the step's prune counts what it keeps (kernels/topp_prune.py)
         return state.uncounted if self.params.lag else state.stats
+
+    def _flat(self, layer: int, state: SelectionState) -> torch.Tensor | None:
+        # lists whose estimate is flat skip the prune: it would drop little of them (docs/sparse.md)
+        return state.flat[layer] if self.params.flat_share < 1.0 else None
+
+    def _flat_args(self, layer: int, state: SelectionState) -> dict[str, Any]:
+        flat = self._flat(layer, state)
+        return {} if flat is None else dict(flat=flat, flat_share=self.params.flat_share)
 
     def refine(
         self,
@@ -88,6 +101,7 @@ class TopP(TopK):
             offload=offload,
             host_reads=host_reads,
             out=out,
+            flat=self._flat(layer, state),
             **view_kw,
         )
         return True

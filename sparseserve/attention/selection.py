@@ -7,8 +7,9 @@ row's state slot (slot -1: none this step); `refine` may trim them once the bloc
 Kernels: kernels/block_score.py (selection), kernels/sparse_decode.py (attention).
 
 SelectionState owns what persists across steps, in fixed device buffers indexed by state slot:
-every layer's lists, reuse counters, streaming-head masks and counters. With lagged selection a
-slot keeps two lists (attended, being written; kernels/block_score.py step_slots).
+every layer's lists (with topp's flat flags), reuse counters, streaming-head masks and counters.
+With lagged selection a slot keeps two lists (attended, being written; kernels/block_score.py
+step_slots).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class SelectionParams:
     per_head: bool = False  # topp: each query head's mass reaches p (union), not the mean
     lag: bool = False  # lagged selection (step_slots): kernels then see no reuse
     stickiness: float = 0.0  # a listed block ranks by its mass x (1 + this) at the next selection
+    flat_share: float = 1.0  # topp: lists at least this flat skip the prune (1: none do)
 
     @classmethod
     def from_config(cls, cfg: Any, block_size: int) -> "SelectionParams":
@@ -53,6 +55,7 @@ class SelectionParams:
             per_head=cfg.sparse_topp_heads == "each",
             lag=bool(cfg.sparse_lag),
             stickiness=cfg.sparse_stickiness,
+            flat_share=cfg.sparse_topp_flat_share,
         )
 
     def kernel_args(self) -> dict[str, Any]:
@@ -121,9 +124,11 @@ class SelectionState:
         # Sticky lists are history: a new sequence's must not stick to another's, and a paused one's
         # come back with it (its lists and counters, stashed on the device while it waits).
         self._sticky = params.stickiness > 0
-        self._stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stash: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.sel = torch.full((num_layers, rows, num_kv_heads, params.cap), -1, dtype=torch.int32, device=device)
         self.counter = torch.zeros(num_layers, max_num_seqs, num_kv_heads, dtype=torch.int32, device=device)
+        # with each list: whether its estimated masses are flat (topp then attends it unpruned)
+        self.flat = torch.zeros(num_layers, rows, num_kv_heads, dtype=torch.int8, device=device)
         self.stats = torch.zeros(2, dtype=torch.int64, device=device)  # blocks selected, selections
         self.uncounted = torch.zeros(2, dtype=torch.int64, device=device)  # selections a later refine counts
         self.streaming = streaming.to(device)
@@ -162,11 +167,13 @@ class SelectionState:
             self.counter[:, idx] = 0
             if self._sticky:
                 self.sel[:, self._rows(idx)] = -1
+                self.flat[:, self._rows(idx)] = 0
                 for sid in seq_ids:
                     if sid in self._stash:
-                        sel, counter = self._stash.pop(sid)
+                        sel, counter, flat = self._stash.pop(sid)
                         slot = self._held[sid]
-                        self.sel[:, self._rows(to_device(torch.tensor([slot]), idx.device))] = sel
+                        rows = self._rows(to_device(torch.tensor([slot]), idx.device))
+                        self.sel[:, rows], self.flat[:, rows] = sel, flat
                         self.counter[:, slot] = counter
                         self.restored.append(slot)
         slots = [self._held[sid] for sid in seq_ids]
@@ -190,7 +197,7 @@ class SelectionState:
     def _stash_lists(self, seq_id: int, slot: int) -> None:
         if self._sticky:
             rows = self._rows(to_device(torch.tensor([slot]), self.sel.device))
-            self._stash[seq_id] = (self.sel[:, rows].clone(), self.counter[:, slot].clone())
+            self._stash[seq_id] = (self.sel[:, rows].clone(), self.counter[:, slot].clone(), self.flat[:, rows].clone())
 
     @property
     def num_stashed(self) -> int:

@@ -165,6 +165,17 @@ def select_ref(
     return out[..., :cap]
 
 
+def flat_share_ref(r: torch.Tensor, lists: torch.Tensor) -> torch.Tensor:
+    """float32 [B, Hkv]: how flat each list's estimated masses r [B, Hkv, MB] are: the share of the
+    list's mass under its mean entry's (sum of min(m, mean) / sum of m), about the share of the list
+    a top-p prune keeps (docs/sparse.md, "When topp prunes"); 0 for a list without mass."""
+    m = torch.where(lists >= 0, r.gather(-1, lists.clamp_min(0).long()), 0.0)
+    total = m.sum(-1)
+    mean = total / (lists >= 0).sum(-1).clamp_min(1)
+    below = torch.minimum(m, mean[..., None]).sum(-1)
+    return torch.where(total > 0, below / torch.where(total > 0, total, 1.0), 0.0)
+
+
 def select_blocks_ref(
     scores: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -184,12 +195,15 @@ def select_blocks_ref(
     stickiness: float = 0.0,
     prev_slots: torch.Tensor | None = None,
     ahead: int = 0,
+    flat: torch.Tensor | None = None,
+    flat_share: float = 1.0,
 ) -> None:
     """Writes new lists into sel [S, Hkv, cap] at the rows' state slots, for the (slot, KV head)
     pairs due a recomputation (all without reuse); counter [S, Hkv] counts decode steps; stats
     int64 [2] += (blocks selected, selections). Padding rows and slot -1 change nothing.
     prev_slots: the sel rows holding each row's previous lists (None: its own slot; -1: none);
-    ahead: 1 when the lists serve the next step (forced_blocks)."""
+    ahead: 1 when the lists serve the next step (forced_blocks). flat (int8 [S, Hkv], with each new
+    list): 1 where its flat_share_ref >= flat_share (contexts within the cap, never scored: 0)."""
     rows = (seq_lens > 0) & (slots >= 0)  # slot -1 (lag: a reused step): none
     prev = None
     if stickiness > 0:
@@ -213,6 +227,12 @@ def select_blocks_ref(
     # without reuse every row (the lag's slots index two list rows a slot: no counter row)
     due = counter[slots] % reuse == 0 if reuse > 1 else torch.ones_like(lists[..., 0], dtype=torch.bool)
     sel[slots] = torch.where(due[..., None], lists, sel[slots])
+    if flat is not None:
+        nb = (seq_lens[rows].long() + block_size - 1) // block_size
+        scored = (nb > cap) | (not short_dense)
+        share = flat_share_ref(block_masses(scores[rows], streaming.numel()), lists)
+        flag = (scored[:, None] & (share >= flat_share)).to(flat.dtype)
+        flat[slots] = torch.where(due, flag, flat[slots])
     if reuse > 1:
         counter[slots] += 1
     stats[0] += ((lists >= 0).sum(-1) * due).sum()
@@ -244,6 +264,8 @@ def score_and_select_ref(
     stickiness: float = 0.0,
     prev_slots: torch.Tensor | None = None,
     ahead: int = 0,
+    flat: torch.Tensor | None = None,
+    flat_share: float = 1.0,
 ) -> None:
     """Scores then selects for the decode rows q [B, Hq, D] into sel (select_blocks_ref).
     max_blocks: host-side bound of the contexts in blocks; width: the launch's size hint only."""
@@ -266,6 +288,8 @@ def score_and_select_ref(
         stickiness=stickiness,
         prev_slots=prev_slots,
         ahead=ahead,
+        flat=flat,
+        flat_share=flat_share,
     )
 
 
@@ -425,8 +449,10 @@ def _select_kernel(
     counter_ptr,
     stats_ptr,
     streaming_ptr,
+    flat_ptr,
     mass_target,
     sticky_factor,
+    flat_share,
     max_blocks,
     ahead,
     stride_ss,
@@ -444,11 +470,13 @@ def _select_kernel(
     HEADS: tl.constexpr,
     STICKY: tl.constexpr,
     CAP_PAD: tl.constexpr,
+    FLAT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (sequence, KV head): the selection list (reference: select_blocks_ref).
     STICKY: the previous list's blocks are marked in this program's row of `listed` (zeroed by
-    the caller) and rank by their mass times sticky_factor.
+    the caller) and rank by their mass times sticky_factor. FLAT: flat_ptr[slot, kvh] = whether the
+    list's estimated masses are flat (flat_share_ref).
 
     No sort: a search over the masses' bit patterns (non-negative floats order like their bits)
     finds the largest threshold t at which the candidates >= t number k = cap - #forced or (MASS)
@@ -482,10 +510,10 @@ def _select_kernel(
     n_forced = sink_end + nb - local_start
     chosen_hi = j < 0  # all false
     chosen_eq = j < 0
+    r = tl.zeros([NB_PAD], tl.float32)
     if (nb > CAP) | (not SHORT_DENSE):
         # Estimated mass: mean over the group's query heads of each head's softmax over the blocks,
         # HEADS rows of scores at a time ([HEADS, NB_PAD]: two reductions for all of them).
-        r = tl.zeros([NB_PAD], tl.float32)
         h = tl.arange(0, HEADS)
         for g0 in tl.static_range(0, GROUP, HEADS):
             live = g0 + h < GROUP
@@ -558,6 +586,11 @@ def _select_kernel(
     row = sel_ptr + slot * stride_ss + kvh * CAP
     tl.store(row + pos, j, mask=keep)
     tl.store(row + j, tl.full([NB_PAD], -1, tl.int32), mask=(j >= count) & (j < CAP))
+    if FLAT:  # unscored rows (all forced) have r = 0: not flat
+        lm = tl.where(keep, r, 0.0)
+        lmass = tl.sum(lm, 0)
+        below = tl.sum(tl.minimum(lm, lmass / tl.maximum(count, 1)), 0)
+        tl.store(flat_ptr + slot * tl.num_programs(1) + kvh, ((lmass > 0) & (below >= flat_share * lmass)).to(tl.int8))
     tl.atomic_add(stats_ptr, count.to(tl.int64))
     tl.atomic_add(stats_ptr + 1, 1)
 
@@ -652,6 +685,8 @@ def select_blocks_triton(
     stickiness: float = 0.0,
     prev_slots: torch.Tensor | None = None,
     ahead: int = 0,
+    flat: torch.Tensor | None = None,
+    flat_share: float = 1.0,
 ) -> None:
     """select_blocks_ref's contract. width: blocks the launch is sized for when more than the
     scores' (the model's longest context), so one compiled variant serves every step."""
@@ -664,6 +699,7 @@ def select_blocks_triton(
             f"{max_blocks}: raise block_size or lower max_model_len"
         )
     assert sel.shape[-1] == cap and sel.stride(2) == 1 and counter.stride(1) == 1
+    assert flat is None or (flat.shape == sel.shape[:2] and flat.is_contiguous())
     nb_pad = max(triton.next_power_of_2(max(max_blocks, width)), triton.next_power_of_2(cap), 16)
     pdl = use_pdl(scores.device)
     sticky = stickiness > 0
@@ -679,8 +715,10 @@ def select_blocks_triton(
         counter,
         stats,
         streaming.view(torch.uint8),
+        stats if flat is None else flat,
         mass_target(top_p),
         1.0 + stickiness,
+        flat_share,
         max_blocks,
         ahead,
         sel.stride(0),
@@ -698,6 +736,7 @@ def select_blocks_triton(
         HEADS=min(triton.next_power_of_2(num_q_heads // hkv), max(1, 16384 // nb_pad)),
         STICKY=sticky,
         CAP_PAD=triton.next_power_of_2(cap),
+        FLAT=flat is not None,
         num_warps=config.num_warps or min(16, max(4, nb_pad // 512)),
         PDL=pdl,
         launch_pdl=pdl,
@@ -729,6 +768,8 @@ def score_and_select_triton(
     stickiness: float = 0.0,
     prev_slots: torch.Tensor | None = None,
     ahead: int = 0,
+    flat: torch.Tensor | None = None,
+    flat_share: float = 1.0,
 ) -> None:
     scores = block_scores_triton(
         q,
@@ -764,6 +805,8 @@ def score_and_select_triton(
         stickiness=stickiness,
         prev_slots=prev_slots,
         ahead=ahead,
+        flat=flat,
+        flat_share=flat_share,
     )
 
 

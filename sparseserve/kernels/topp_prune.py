@@ -133,6 +133,7 @@ def topp_prune_ref(
     out: torch.Tensor | None = None,
     view_by_slot: bool = False,
     out_view: tuple[torch.Tensor, torch.Tensor] | None = None,
+    flat: torch.Tensor | None = None,
 ) -> None:
     """Right after the first stage wrote lists into sel [S, Hkv, cap] for the decode rows q
     [B, Hq, D]: prunes in place the lists recomputed this step (counter - 1 a multiple of R:
@@ -143,13 +144,16 @@ def topp_prune_ref(
     kept entries and stats[1] += live lists (module docstring). view_by_slot: offload's loc and key
     rows by state slot. out_view (with offload: int64 loc, key [>= B, Hkv, cap]): row b's kept entries'
     loc and key at their positions in out[b] (in place: in row b's list), then -1. The trap (in place):
-    lists are compact (the selection's and the prune's are), so a skipped list is its own compaction."""
+    lists are compact (the selection's and the prune's are), so a skipped list is its own compaction.
+    flat (int8 [S, Hkv], the first stage's: kernels/block_score.py): lists flagged there stay whole."""
     block_size = kv_cache.shape[3]
     slots = slots.long()
     if offload is not None and view_by_slot:  # the reference reads the view by decode row
         offload = (*offload[:2], offload[2][slots], offload[3][slots])
     live = (seq_lens > 0)[:, None].expand(-1, sel.shape[1])
     due = live & ((counter[slots] - 1) % reuse == 0) if reuse > 1 else live
+    if flat is not None:
+        due = due & (flat[slots] == 0)
     lists = sel[slots]
     if offload is not None:  # every block a list may keep, as [B * MB] logical blocks
         if host_reads is not None:
@@ -211,6 +215,7 @@ def _skip(
     seq_lens_ptr,
     slots_ptr,
     counter_ptr,
+    flat_ptr,
     b,
     kvh,
     stride_cs,
@@ -218,11 +223,17 @@ def _skip(
     CAP: tl.constexpr,
     REUSE: tl.constexpr,
     SHORT_DENSE: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
-    """Whether row b's list for kvh stays: a padding row, a context within the cap, or a list
-    kept this step (recomputed iff (counter - 1) % REUSE == 0: selection already counted it)."""
+    """Whether row b's list for kvh stays: a padding row, a context within the cap, a list
+    kept this step (recomputed iff (counter - 1) % REUSE == 0: selection already counted it),
+    or (FLAT) one its selection flagged flat."""
     seq_len = tl.load(seq_lens_ptr + b)
     skip = (seq_len == 0) | ((tl.cdiv(seq_len, BLOCK_SIZE) <= CAP) & SHORT_DENSE)
+    if FLAT:
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        row = tl.maximum(slot, 0) * tl.num_programs(1) + kvh
+        skip = skip | (tl.load(flat_ptr + row, mask=(seq_len > 0) & (slot >= 0), other=0) != 0)
     if REUSE > 1:
         slot = tl.load(slots_ptr + b).to(tl.int64)
         skip = skip | ((tl.load(counter_ptr + slot * stride_cs + kvh) - 1) % REUSE != 0)
@@ -239,6 +250,7 @@ def _block_lse_kernel(
     slots_ptr,
     sel_ptr,
     counter_ptr,
+    flat_ptr,
     lse_ptr,
     scale,
     pool_ptr,
@@ -259,6 +271,7 @@ def _block_lse_kernel(
     CAP: tl.constexpr,
     REUSE: tl.constexpr,
     SHORT_DENSE: tl.constexpr,
+    FLAT: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TILE_E: tl.constexpr,
@@ -277,7 +290,9 @@ def _block_lse_kernel(
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    if _skip(seq_lens_ptr, slots_ptr, counter_ptr, b, kvh, stride_cs, BLOCK_SIZE, CAP, REUSE, SHORT_DENSE):
+    if _skip(
+        seq_lens_ptr, slots_ptr, counter_ptr, flat_ptr, b, kvh, stride_cs, BLOCK_SIZE, CAP, REUSE, SHORT_DENSE, FLAT
+    ):
         return
     seq_len = tl.load(seq_lens_ptr + b)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -389,6 +404,7 @@ def _prune_kernel(
     slots_ptr,
     sel_ptr,
     counter_ptr,
+    flat_ptr,
     stats_ptr,
     out_ptr,
     view_loc_ptr,
@@ -406,6 +422,7 @@ def _prune_kernel(
     LOCAL: tl.constexpr,
     REUSE: tl.constexpr,
     SHORT_DENSE: tl.constexpr,
+    FLAT: tl.constexpr,
     PER_HEAD: tl.constexpr,
     BLOCK_G: tl.constexpr,
     CAP_PAD: tl.constexpr,
@@ -422,7 +439,9 @@ def _prune_kernel(
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    skip = _skip(seq_lens_ptr, slots_ptr, counter_ptr, b, kvh, stride_cs, BLOCK_SIZE, CAP, REUSE, SHORT_DENSE)
+    skip = _skip(
+        seq_lens_ptr, slots_ptr, counter_ptr, flat_ptr, b, kvh, stride_cs, BLOCK_SIZE, CAP, REUSE, SHORT_DENSE, FLAT
+    )
     if not OUT:
         if not VIEW:
             if skip:
@@ -517,10 +536,11 @@ def block_lse_triton(
     offload: tuple | None = None,
     host_reads: torch.Tensor | None = None,
     view_by_slot: bool = False,
+    flat: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """float32 [B, Hq, cap]: block_lse_ref of sel[slots], written for the rows that prune; host_reads
     (int64 [1], offload only) += the entries whose keys came from the host; view_by_slot: offload's
-    rows by state slot."""
+    rows by state slot; flat: topp_prune_ref's."""
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     cap = sel.shape[-1]
@@ -547,6 +567,7 @@ def block_lse_triton(
         slots,
         sel,
         counter,
+        counter if flat is None else flat,
         lse,
         scale,
         pool_slots,
@@ -567,6 +588,7 @@ def block_lse_triton(
         CAP=cap,
         REUSE=reuse,
         SHORT_DENSE=short_dense,
+        FLAT=flat is not None,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         TILE_E=tile_e,
@@ -604,6 +626,7 @@ def prune_lists_triton(
     view: tuple[torch.Tensor, torch.Tensor] | None = None,
     view_by_slot: bool = False,
     out_view: tuple[torch.Tensor, torch.Tensor] | None = None,
+    flat: torch.Tensor | None = None,
 ) -> None:
     """Prunes sel[slots] in place from their blocks' lse [B, Hq, cap] (prune_ref); stats[0] -=
     dropped entries. out, out_view: topp_prune_ref's, from the candidates' view (loc, key; by state
@@ -635,6 +658,7 @@ def prune_lists_triton(
         slots,
         sel,
         counter,
+        counter if flat is None else flat,
         stats,
         sel if out is None else out,
         loc,
@@ -652,6 +676,7 @@ def prune_lists_triton(
         LOCAL=local,
         REUSE=reuse,
         SHORT_DENSE=short_dense,
+        FLAT=flat is not None,
         PER_HEAD=per_head,
         BLOCK_G=triton.next_power_of_2(group),
         CAP_PAD=max(16, triton.next_power_of_2(cap)),
@@ -689,7 +714,10 @@ def topp_prune_triton(
     out: torch.Tensor | None = None,
     view_by_slot: bool = False,
     out_view: tuple[torch.Tensor, torch.Tensor] | None = None,
+    flat: torch.Tensor | None = None,
 ) -> None:
+    if flat is not None:
+        assert flat.shape == sel.shape[:2] and flat.is_contiguous()
     lse = block_lse_triton(
         q,
         kv_cache,
@@ -705,6 +733,7 @@ def topp_prune_triton(
         offload=offload,
         host_reads=host_reads,
         view_by_slot=view_by_slot,
+        flat=flat,
     )
     prune_lists_triton(
         lse,
@@ -724,4 +753,5 @@ def topp_prune_triton(
         view=None if offload is None else offload[2:],
         view_by_slot=view_by_slot,
         out_view=out_view,
+        flat=flat,
     )

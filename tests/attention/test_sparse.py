@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sparseserve import LLM, SamplingParams
+from sparseserve.attention.selection import SelectionParams, SelectionState
 from sparseserve.bench.attention_probe import AttentionProbe
 from sparseserve.config import EngineConfig
 from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
@@ -74,6 +75,8 @@ def test_config_and_flags():
         dict(sparse_policy="quest"),
         dict(sparse_top_p=0.0),
         dict(sparse_topp_heads="max"),
+        dict(sparse_topp_flat_share=0.0),
+        dict(sparse_topp_flat_share=1.5),
         dict(sparse_reuse=0),
         dict(sparse_local_blocks=0),
         dict(logical_page_size=48),
@@ -131,6 +134,23 @@ def test_prune_reference():
 
 
 @pytest.mark.slow
+def test_flat_flags_follow_their_lists():
+    """topp's flat flags live beside the lists: a state slot handed to a new sequence starts with none, and a
+    paused sequence's sticky lists come back with their flags, in whatever slot it resumes in."""
+    params = SelectionParams(cap=4, sink=1, local=1, reuse=1, block_size=BS, page_size=BS, stickiness=1.0)
+    state = SelectionState(params, 2, 2, 2, torch.zeros(2, 2, dtype=torch.bool), torch.device("cpu"))
+    (a,) = state.assign([10])
+    state.sel[:, a] = torch.randint(0, 9, (2, 2, 4), dtype=torch.int32)
+    state.flat[:, a] = torch.tensor([[1, 0], [0, 1]], dtype=torch.int8)
+    lists, flags = state.sel[:, a].clone(), state.flat[:, a].clone()
+    state.release(10, paused=True)
+    (b,) = state.assign([11])  # the paused sequence's slot, handed to another
+    assert b == a and (state.flat[:, b] == 0).all() and (state.sel[:, b] == -1).all()
+    state.flat[:, b] = 1
+    (c,) = state.assign([11, 10])[1:]
+    assert c != b and torch.equal(state.sel[:, c], lists) and torch.equal(state.flat[:, c], flags)
+
+
 def test_full_budget_equals_dense(hf_models):
     """Chunked prefill mixed with decodes; the sparse runs score, select and run the sparse attention
     for every decode (sparse_dense_context=0) with a budget covering every block. An untied model: its

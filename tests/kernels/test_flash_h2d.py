@@ -114,7 +114,8 @@ def test_sparse_decode_through_pool(policy, budget, slots, hq, hkv):
             poisoned[int(meta.block_tables[b, j])] = float("nan")
     outs, stats = [], []
     for impl, offload in (("torch", False), ("torch", True), ("triton", True)):
-        prune = {"sparse_top_p": 0.5} if policy == "topp" else {}  # lists shrink: fewer entries read
+        # lists shrink: fewer entries read (every list pruned, even where random keys make its estimate flat)
+        prune = {"sparse_top_p": 0.5, "sparse_topp_flat_share": 1.0} if policy == "topp" else {}
         backend = sparse_backend(policy, budget, bs, hkv, d, torch.float32, cache.shape[0], **prune)
         c = cache.clone()
         with_slots(meta)

@@ -12,12 +12,14 @@ from sparseserve.attention.backend import AttentionMetadata
 from sparseserve.kernels.block_score import (
     ScoreConfig,
     SelectConfig,
+    block_masses,
     block_scores_ref,
     block_scores_triton,
     score_and_select_triton,
     select_blocks_ref,
     select_blocks_triton,
     select_ref,
+    flat_share_ref,
     step_slots_ref,
     step_slots_triton,
 )
@@ -317,6 +319,50 @@ def test_select_blocks_sticky(policy, top_p, lagged, hq=6, hkv=2):
         select_blocks_triton(scores, seq_lens, write, *state[1], streaming, **p, prev_slots=prev)
         for a, b in zip(state[0], state[1]):
             assert torch.equal(a.sort(-1).values if a.dim() == 3 else a, b.sort(-1).values if b.dim() == 3 else b), step
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), pytest.param(9, 3, id="group3-9q3kv")])
+def test_select_flags_flat_lists(hq, hkv):
+    """With each new list the selection flags whether its estimated masses are flat (flat_share_ref >= the
+    share): near-constant scores are, peaked ones are not, a context within the cap (never scored) is not; a
+    reused step keeps the flags; kernel and reference agree over steps."""
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    bs, cap, nslots, mb = 16, 8, 6, 64
+    lens = [40 * bs, 3 * bs, 0, 47 * bs + 5, 64 * bs]
+    p = params("topk", cap, bs, reuse=2) | dict(flat_share=0.75)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
+    streaming = torch.zeros(hkv, dtype=torch.bool, device=DEV)
+    states = [
+        (
+            torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
+            torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV),
+            torch.zeros(2, dtype=torch.int64, device=DEV),
+            torch.full((nslots, hkv), 7, dtype=torch.int8, device=DEV),  # 7: not written
+        )
+        for _ in range(2)
+    ]
+    for step in range(3):
+        scores = 4 * torch.randn(len(lens), hq, mb, device=DEV)
+        scores[:, :, 10] += 30.0  # peaked: one block holds nearly all the mass
+        scores[0] = 0.01 * torch.randn(hq, mb, device=DEV)  # flat
+        scores[1] = 0.0  # flat, but within the cap
+        scores[3, : hq // hkv] = 0.01 * torch.randn(hq // hkv, mb, device=DEV)  # row 3: KV head 0 flat
+        scores.masked_fill_(torch.arange(mb, device=DEV)[None, None] >= -(-seq_lens[:, None, None] // bs), -torch.inf)
+        for fn, (sel, counter, stats, flat) in zip((select_blocks_ref, select_blocks_triton), states):
+            fn(scores, seq_lens, slots, sel, counter, stats, streaming, **p, flat=flat)
+        for a, b in zip(states[0], states[1]):
+            assert torch.equal(a.sort(-1).values if a.dim() == 3 else a, b.sort(-1).values if b.dim() == 3 else b)
+        flat = states[1][3]
+        if step == 0:
+            assert flat[4].tolist() == [1] * hkv and flat[0].tolist() == [0] * hkv and flat[5].tolist() == [7] * hkv
+            assert flat[2].tolist() == [1] + [0] * (hkv - 1) and flat[1].tolist() == [0] * hkv
+            first = flat.clone()
+        elif step == 1:  # reuse 2: no list recomputed, the flags stay
+            assert torch.equal(flat, first)
+    lists = states[0][0][slots.long()]
+    share = flat_share_ref(block_masses(scores, hkv), lists)
+    assert share.shape == (len(lens), hkv) and ((share >= 0) & (share <= 1 + 1e-6)).all()
 
 
 def test_select_ahead_forces_the_next_steps_window():

@@ -240,6 +240,44 @@ def test_topp_prune_vs_reference(dtype, top_p, reuse, per_head, hq, hkv):
         n_listed = int(states[1][2][0])
 
 
+@pytest.mark.parametrize("into_rows", [False, True], ids=["in_place", "into_rows"])
+def test_topp_prune_keeps_flat_lists_whole(into_rows, hq=8, hkv=2):
+    """Lists the first stage flagged flat stay whole (in place, or copied whole into out rows); the others are
+    pruned as without flags; both kernels equal the reference."""
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    d, bs, cap, nslots, top_p = 32, 16, 8, 6, 0.6
+    q, cache, tables, seq_lens = batch(LENS, hq, hkv, d, bs, torch.float32, sharp=3.0)
+    slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
+    state = empty_state(nslots, hkv, cap)
+    candidates(
+        seq_lens,
+        slots,
+        state,
+        torch.zeros(hkv, dtype=torch.bool, device=DEV),
+        params(cap, bs, top_p),
+        random_scores(seq_lens, hq, bs),
+    )
+    flat = torch.zeros(nslots, hkv, dtype=torch.int8, device=DEV)
+    flat[4, 0] = flat[2, 1] = flat[1] = 1  # rows 0 (head 0), 3 (head 1) and 4 (both)
+    kw = dict(sink=1, local=2, top_p=top_p, scale=d**-0.5)
+    unflagged = tuple(t.clone() for t in state)
+    topp_prune_ref(q, cache, tables, seq_lens, slots, *unflagged, **kw)
+    results = []
+    for fn in (topp_prune_ref, topp_prune_triton):
+        sel, counter, stats = (t.clone() for t in state)
+        out = torch.full((len(LENS), hkv, cap), 7, dtype=torch.int32, device=DEV) if into_rows else None
+        fn(q, cache, tables, seq_lens, slots, sel, counter, stats, out=out, flat=flat, **kw)
+        results.append((sel if out is None else out, stats))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    got = results[0][0] if into_rows else results[0][0][slots.long()]
+    whole, pruned = state[0][slots.long()], unflagged[0][slots.long()]
+    flagged = flat[slots.long()] != 0
+    live = (seq_lens > 0)[:, None].expand_as(flagged)
+    assert torch.equal(got[flagged & live], whole[flagged & live])
+    assert torch.equal(got[~flagged & live], pruned[~flagged & live])
+    assert not torch.equal(whole[flagged & live], pruned[flagged & live])  # the flags kept what a prune drops
+
+
 OFFLOAD_CASE = (32, 16, 8, 0.6)  # head_dim, block size, cap (blocks), top_p
 
 
