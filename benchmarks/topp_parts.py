@@ -1,5 +1,6 @@
 """Issue 40: where a selection policy's decode layer spends its time, stage by stage, each stage in a CUDA graph
-of its own: scoring and selection (as the engine calls them), and for topp the candidates' block lse and the
+of its own: the scoring alone over launch variants (`ScoreConfig`), scoring and selection (as the engine calls
+them), and for topp the candidates' block lse and the
 prune over variants (the lse's tile; the prune's sort or rounds of `ways` thresholds; the first of each is the
 default), then the attention over the final lists. One layer at Llama-3.1-8B's attention shape (32 query / 8 KV
 heads, D=128, bf16) over random keys and queries, batch B at each context: attention is flat, so topp keeps nearly
@@ -25,6 +26,7 @@ from benchmarks.sparse import DTYPE, backend, graph_ms
 from sparseserve.attention.selection import DecodeRows
 from sparseserve.bench.hardware import print_table
 from sparseserve.config import SparseConfig
+from sparseserve.kernels.block_score import ScoreConfig, block_scores_triton
 from sparseserve.kernels.sparse_decode import sparse_decode_triton
 from sparseserve.kernels.topp_prune import block_lse_triton, prune_lists_triton
 
@@ -33,7 +35,19 @@ LSE_TILES = (128, 64, 256)  # tokens a block-lse program reads (the default firs
 # the prune's threshold search: a sort of the masses (the default up to SORT_MAX_CAP, first) or rounds of `ways`
 PRUNE_SEARCHES = ({"sort": True}, {"sort": False, "ways": 4}, {"sort": False, "ways": 8}, {"sort": False, "ways": 16})
 
-Stage = tuple[str, str, Callable[[], None]]  # (stage, variant, call)
+# the scoring launch: (metadata rows a tile, warps, pipeline stages, tiles a program); the default first
+SCORE_CONFIGS = (
+    ScoreConfig(),
+    ScoreConfig(rows=256),
+    ScoreConfig(num_warps=8),
+    ScoreConfig(num_stages=3),
+    ScoreConfig(tiles=4),
+    ScoreConfig(tiles=8),
+    ScoreConfig(rows=64, tiles=4),
+    ScoreConfig(rows=256, num_warps=8, num_stages=3),
+)
+
+Stage = tuple[str, str, Callable[[], object]]  # (stage, variant, call)
 
 
 def layer_stages(
@@ -57,8 +71,21 @@ def layer_stages(
     p, st, policy = sp.params, sp.state, sp.policy
     slots = torch.arange(batch, dtype=torch.int32, device=device)
     rows = DecodeRows(seq_lens, tables, tables, slots, per_seq, scale)
-    sel, cnt = st.sel[0], st.counter[0]
-    stages: list[Stage] = [("select", "default", lambda: policy.select(0, q, rows, st, sp.key_meta[0]))]
+    sel, cnt, km = st.sel[0], st.counter[0], sp.key_meta[0]
+    score_kw = dict(
+        max_blocks=per_seq, block_size=bs, cap=p.cap, reuse=p.kernel_args()["reuse"], short_dense=p.short_dense
+    )
+    stages: list[Stage] = [
+        (
+            "score",
+            "rows={rows},warps={num_warps},stages={num_stages},tiles={tiles}".format(**vars(c)),
+            lambda c=c: block_scores_triton(
+                q, km.codes, km.scale, tables, seq_lens, slots, cnt, **score_kw, scale=scale, config=c
+            ),
+        )
+        for c in SCORE_CONFIGS
+    ]
+    stages.append(("select", "default", lambda: policy.select(0, q, rows, st, km)))
     lists = sel
     if policy.prunes:
         lse: dict[int, torch.Tensor] = {}  # tile -> its block lse (the prune reads the default's)
