@@ -1,7 +1,8 @@
 """Issue 40: where a selection policy's decode layer spends its time, stage by stage, each stage in a CUDA graph
 of its own: the scoring alone over launch variants (`ScoreConfig`), scoring and selection (as the engine calls
 them), and for topp the candidates' block lse and the prune over variants (the lse's tile; the prune's sort or
-rounds of `ways` thresholds; the first of each is the default), then the attention over the final lists. One
+rounds of `ways` thresholds; the first of each is the default), then the attention over the final lists (over
+launch variants: `ATTENTION_CONFIGS`). One
 layer at Llama-3.1-8B's attention shape (32 query / 8 KV heads, D=128, bf16) over random keys and queries, batch B
 at each context: attention is flat, so topp keeps nearly every candidate, as with the dummy weights of
 `benchmarks.sparse --step`.
@@ -18,6 +19,7 @@ import argparse
 import datetime
 import json
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import triton
@@ -27,7 +29,7 @@ from sparseserve.attention.selection import DecodeRows
 from sparseserve.bench.hardware import print_table
 from sparseserve.config import SparseConfig
 from sparseserve.kernels.block_score import ScoreConfig, block_scores_triton
-from sparseserve.kernels.sparse_decode import sparse_decode_triton
+from sparseserve.kernels.sparse_decode import FAST_CONFIG, TMA_CONFIG, SparseDecodeConfig, sparse_decode_triton
 from sparseserve.kernels.topp_prune import block_lse_triton, prune_lists_triton
 
 HQ, HKV, D = 32, 8, 128
@@ -45,6 +47,25 @@ SCORE_CONFIGS = (
     ScoreConfig(tiles=8),
     ScoreConfig(rows=64, tiles=4),
     ScoreConfig(rows=256, num_warps=8, num_stages=3),
+    ScoreConfig(rows=256, tiles=4),
+    ScoreConfig(num_stages=3, tiles=4),
+    ScoreConfig(num_stages=4, tiles=8),
+    ScoreConfig(rows=64, num_warps=2, tiles=8),
+    ScoreConfig(rows=512, num_warps=8),
+    ScoreConfig(rows=256, num_warps=8, tiles=4),
+)
+
+# the attention's split kernel: the default (sparse_decode.default_config) first, then variants of
+# each gather (plain: tile_n tokens a tile, whole blocks; TMA: a box a block)
+ATTENTION_CONFIGS: tuple[tuple[str, SparseDecodeConfig | None], ...] = (
+    ("default", None),
+    ("plain", FAST_CONFIG),
+    ("plain,tile_n=64", replace(FAST_CONFIG, tile_n=64)),
+    ("plain,tile_n=256,tiles=2", replace(FAST_CONFIG, tile_n=256, tiles=2)),
+    ("plain,tiles=2", replace(FAST_CONFIG, tiles=2)),
+    ("plain,warps=8", replace(FAST_CONFIG, num_warps=8)),
+    ("tma,warps=4", replace(TMA_CONFIG, num_warps=4)),
+    ("tma,tiles=8", replace(TMA_CONFIG, tiles=8)),
 )
 
 Stage = tuple[str, str, Callable[[], object]]  # (stage, variant, call)
@@ -123,13 +144,16 @@ def layer_stages(
                 )
             )
         lists = pruned
-    stages.append(
+    stages += [
         (
             "attention",
-            "default",
-            lambda: sparse_decode_triton(q, cache[0], tables, seq_lens, lists, slots, p.local, scale, out=out),
+            name,
+            lambda c=c: sparse_decode_triton(
+                q, cache[0], tables, seq_lens, lists, slots, p.local, scale, out=out, config=c
+            ).clone(),
         )
-    )
+        for name, c in ATTENTION_CONFIGS
+    ]
     return stages, lists
 
 

@@ -231,9 +231,18 @@ class SparseConfig:
     sparse_topp_flat_share: float = field(
         default=0.75,
         metadata={
-            "help": "topp: a candidate list whose estimated masses are this flat or flatter (the share of its mass "
-            "under its mean entry's, about the share of it the prune would keep) is attended whole, without the "
-            "prune's pass over its keys, which would drop little of it (1: prune every list)."
+            "help": "topp: where the blocks a (sequence, KV head) selects among have estimated masses this flat or "
+            "flatter (the share of their mass under their mean), its list is attended whole, without the prune, "
+            "and takes sparse_topp_flat_budget tokens where sparse_budget cannot reach sparse_top_p of such masses "
+            "either (1: never)."
+        },
+    )
+    sparse_topp_flat_budget: int | None = field(
+        default=None,
+        metadata={
+            "size": True,
+            "help": "topp: the tokens a flat list takes (sparse_topp_flat_share; default: half of sparse_budget; "
+            "at least one block past the sink and local window).",
         },
     )
     sparse_reuse: int = field(
@@ -245,8 +254,8 @@ class SparseConfig:
         metadata={
             "help": "1: a decode step attends the blocks selected from the previous step's query (topp: prunes "
             "those candidates with its own), so selection runs beside the attention (0: each step selects from "
-            "its own query; default: 1 with kv_offload and sparse_reuse 1, whose loads then run beside the "
-            "layers before them, else 0).",
+            "its own query; default: 1 with kv_offload, topk and sparse_reuse 1, whose loads then run beside "
+            "the layers before them, else 0: lagged topp loses answers).",
             "choices": [0, 1],
         },
     )
@@ -325,6 +334,11 @@ class SparseConfig:
             raise ValueError(f"sparse_topp_heads must be mean or each, got {self.sparse_topp_heads!r}")
         if not 0.0 < self.sparse_topp_flat_share <= 1.0:
             raise ValueError(f"sparse_topp_flat_share must be in (0, 1], got {self.sparse_topp_flat_share}")
+        if self.sparse_topp_flat_budget is not None and not 1 <= self.sparse_topp_flat_budget <= self.sparse_budget:
+            raise ValueError(
+                f"sparse_topp_flat_budget must be in [1, sparse_budget={self.sparse_budget}], "
+                f"got {self.sparse_topp_flat_budget}"
+            )
         if self.sparse_reuse < 1:
             raise ValueError(f"sparse_reuse must be >= 1, got {self.sparse_reuse}")
         if not (0.0 <= self.sparse_stickiness < float("inf")):
@@ -664,13 +678,13 @@ class EngineConfig:
 
     @property
     def lags_by_default(self) -> bool:
-        """Whether sparse_lag's default is 1: KV offload, a policy whose lists serve the next query,
-        and lists selected every step (docs/offload.md, "Lagged reads")."""
+        """Whether sparse_lag's default is 1: KV offload, a policy whose lagged lists keep its answers
+        (topk; not topp), and lists selected every step (docs/offload.md, "Lagged reads")."""
         sp = self.sparse_config
         return (
             self.offload_config.kv_offload
             and sp.enabled
-            and SELECTION_POLICIES.get(sp.sparse_policy).supports_lag
+            and SELECTION_POLICIES.get(sp.sparse_policy).lags_by_default
             and sp.sparse_reuse == 1
         )
 

@@ -142,6 +142,13 @@ class _EngineStatsCollector:
                 "Mean tokens per sparse decode selection (the budget used).",
                 stats.sparse_blocks_selected * stats.sparse_block_size / selections,
             )
+            flat = getattr(stats, "sparse_flat_lists", 0)
+            yield counter("sparse_flat_lists", "topp selections whose candidates were flat (kept unpruned).", flat)
+            yield gauge(
+                "sparse_flat_list_share",
+                "Share of sparse decode selections whose candidates were flat.",
+                flat / selections,
+            )
         if getattr(stats, "offload_hbm_slots", 0):
             yield from _offload_metrics(stats, gauge, counter)
             yield gauge(

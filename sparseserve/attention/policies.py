@@ -2,8 +2,9 @@
 
 topk: a fixed budget, the best blocks by their key bounds (kernels/block_score.py).
 topp: Twilight's select-then-prune: topk picks `cap` candidates, then the fewest whose mass on
-their real keys brings the list to sparse_top_p stay (kernels/topp_prune.py); a list whose estimated
-masses are flat (sparse_topp_flat_share) stays whole, the prune would drop little of it. Lagged, the
+their real keys brings the list to sparse_top_p stay (kernels/topp_prune.py). Where the estimated
+masses are flat (sparse_topp_flat_share) no mass target is in reach: the list takes
+sparse_topp_flat_budget tokens and stays whole, the prune would drop little of it. Lagged, the
 candidates come from the previous query and each step prunes them for its own, into a row of its
 own (the candidates stay for the next selection). Under KV offload the candidates go through the HBM
 pool (lagged: planned and loaded a step ahead, as topk's lists), so the prune reads their keys there.
@@ -56,18 +57,25 @@ class TopK(SelectionPolicy):
 class TopP(TopK):
     # Lagged: pruned lists fit the pruning query only, so each step prunes the candidates itself.
     prunes = True
+    # candidates from the previous query lose answers (SmolLM2: -3.5 points, docs/benchmarks/accuracy.md)
+    lags_by_default = False
 
     def _select_stats(self, state: SelectionState) -> torch.Tensor:
         # lagged, the step's prune counts what it keeps (kernels/topp_prune.py)
         return state.uncounted if self.params.lag else state.stats
 
     def _flat(self, layer: int, state: SelectionState) -> torch.Tensor | None:
-        # lists whose estimate is flat skip the prune: it would drop little of them (docs/sparse.md)
+        # flat lists take flat_cap blocks and skip the prune, which would drop little of them (docs/sparse.md)
         return state.flat[layer] if self.params.flat_share < 1.0 else None
 
     def _flat_args(self, layer: int, state: SelectionState) -> dict[str, Any]:
         flat = self._flat(layer, state)
-        return {} if flat is None else dict(flat=flat, flat_share=self.params.flat_share)
+        if flat is None:
+            return {}
+        p = self.params
+        return dict(
+            flat=flat, flat_share=p.flat_share, flat_mass=p.top_p, flat_cap=p.flat_cap, flat_count=state.flat_lists
+        )
 
     def refine(
         self,

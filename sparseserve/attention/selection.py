@@ -38,7 +38,8 @@ class SelectionParams:
     per_head: bool = False  # topp: each query head's mass reaches p (union), not the mean
     lag: bool = False  # lagged selection (step_slots): kernels then see no reuse
     stickiness: float = 0.0  # a listed block ranks by its mass x (1 + this) at the next selection
-    flat_share: float = 1.0  # topp: lists at least this flat skip the prune (1: none do)
+    flat_share: float = 1.0  # topp: lists whose candidates are at least this flat stay unpruned (1: none)
+    flat_cap: int = 0  # blocks such a list takes where cap blocks cannot reach top_p on flat masses (<= cap)
 
     @classmethod
     def from_config(cls, cfg: Any, block_size: int) -> "SelectionParams":
@@ -56,6 +57,13 @@ class SelectionParams:
             lag=bool(cfg.sparse_lag),
             stickiness=cfg.sparse_stickiness,
             flat_share=cfg.sparse_topp_flat_share,
+            flat_cap=min(
+                cfg.sparse_budget // block_size,
+                max(
+                    (cfg.sparse_topp_flat_budget or cfg.sparse_budget // 2) // block_size,
+                    cfg.sparse_sink_blocks + cfg.sparse_local_blocks + 1,  # room past the forced blocks, as cap
+                ),
+            ),
         )
 
     def kernel_args(self) -> dict[str, Any]:
@@ -131,6 +139,7 @@ class SelectionState:
         self.flat = torch.zeros(num_layers, rows, num_kv_heads, dtype=torch.int8, device=device)
         self.stats = torch.zeros(2, dtype=torch.int64, device=device)  # blocks selected, selections
         self.uncounted = torch.zeros(2, dtype=torch.int64, device=device)  # selections a later refine counts
+        self.flat_lists = torch.zeros(1, dtype=torch.int64, device=device)  # topp: new lists flagged flat
         self.streaming = streaming.to(device)
         self._free = list(range(max_num_seqs - 1, -1, -1))
         self._held: dict[int, int] = {}
@@ -225,6 +234,7 @@ class SelectionPolicy(abc.ABC):
     """How a sparse layer picks the blocks each decode row attends (module docstring)."""
 
     supports_lag = True  # whether lists selected from an earlier query serve the next one
+    lags_by_default = True  # whether KV offload turns the lag on (EngineConfig.lags_by_default)
     prunes = False  # whether it has a `refine` (called only then; KV offload reads its candidates first)
 
     def __init__(self, params: SelectionParams) -> None:

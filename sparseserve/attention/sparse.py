@@ -150,7 +150,11 @@ class SparseBackend(AttentionBackend):
             self.state.release(seq_id, paused)
 
     def counters(self) -> dict[str, torch.Tensor]:
-        out = {"sparse_blocks_selected": self.state.stats[0], "sparse_selections": self.state.stats[1]}
+        out = {
+            "sparse_blocks_selected": self.state.stats[0],
+            "sparse_selections": self.state.stats[1],
+            "sparse_flat_lists": self.state.flat_lists[0],
+        }
         return out | super().counters() | (self.offload.counters() if self.offload is not None else {})
 
     @staticmethod

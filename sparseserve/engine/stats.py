@@ -31,6 +31,7 @@ class EngineStats:
     host_prefix_cache_evictions: int = 0
     sparse_blocks_selected: int = 0  # sparse decode: blocks in all selections so far
     sparse_selections: int = 0  # one per (decode sequence, sparse layer, KV head)
+    sparse_flat_lists: int = 0  # topp: selections whose candidates were flat (attended unpruned)
     sparse_block_size: int = 0
     offload_hbm_hits: int = 0  # KV offload: listed head blocks found in the HBM pool
     offload_blocks_loaded: int = 0  # head blocks copied host -> HBM pool (FlashH2D)
@@ -82,6 +83,7 @@ class EngineStats:
             "host_prefix_cache_evictions",
             "sparse_blocks_selected",
             "sparse_selections",
+            "sparse_flat_lists",
             "offload_hbm_hits",
             "offload_blocks_loaded",
             "offload_bypass_reads",

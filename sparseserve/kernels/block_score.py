@@ -11,6 +11,9 @@ Selection of one (sequence, KV head) over its blocks 0..nb-1:
   topk (top_p None): the k = cap - #forced best other blocks;
   top_p:  the fewest best others that bring the mass (forced included) to p, at most k (the
           topp policy selects topk here and prunes on real keys: kernels/topp_prune.py);
+  flat:   (topp) where the others' estimated masses are flat (flat_share_ref >= flat_share) the
+          list is flagged; if on such masses cap blocks cannot reach flat_mass either, it takes
+          flat_cap blocks (flat_rows_ref);
   streaming heads pick no other block.
 Stickiness b > 0 (hysteresis): a block of the row's previous list (`prev` row of sel) ranks by its
 mass times 1 + b (the mass target counts true masses), so lists change only where the masses do.
@@ -131,19 +134,29 @@ def select_ref(
     prev: torch.Tensor | None = None,
     stickiness: float = 0.0,
     ahead: int = 0,
+    short: torch.Tensor | None = None,
+    flat_cap: int = 0,
 ) -> torch.Tensor:
     """The selection lists [B, Hkv, cap] (int32, -1 padded): forced blocks first, then the chosen
     ones, each in block order. streaming: bool [Hkv]; prev: [B, Hkv, cap] the previous lists
-    (with stickiness > 0); ahead: forced_blocks'."""
+    (with stickiness > 0); ahead: forced_blocks'; short: bool [B, Hkv] (flat_rows_ref), lists that
+    take flat_cap blocks."""
     batch, _, mb = scores.shape
     hkv = streaming.numel()
     r = block_masses(scores, hkv)
-    valid, forced = forced_blocks(
-        seq_lens, mb, block_size=block_size, cap=cap, sink=sink, local=local, short_dense=short_dense, ahead=ahead
+    valid, forced, cand = candidates_ref(
+        seq_lens,
+        streaming,
+        mb,
+        block_size=block_size,
+        cap=cap,
+        sink=sink,
+        local=local,
+        short_dense=short_dense,
+        ahead=ahead,
     )
-    forced = forced[:, None].expand(batch, hkv, mb)
-    cand = valid[:, None] & ~forced & ~streaming[None, :, None]
     n_forced = forced.sum(-1, keepdim=True)
+    row_cap = torch.full_like(n_forced, cap) if short is None else torch.where(short, flat_cap, cap)[..., None]
     fmass = (r * forced).sum(-1, keepdim=True)
     ranked = r
     if stickiness > 0 and prev is not None:
@@ -154,10 +167,10 @@ def select_ref(
     mass = torch.where(vals >= 0, r.gather(-1, order), 0.0)
     rank = torch.arange(mb, device=scores.device)
     mass_before = mass.cumsum(-1) - mass
-    take = (vals >= 0) & (rank < cap - n_forced) & (fmass + mass_before < mass_target(top_p))
+    take = (vals >= 0) & (rank < row_cap - n_forced) & (fmass + mass_before < mass_target(top_p))
     chosen = torch.zeros_like(cand).scatter(-1, order, take)
     pos = torch.where(forced, forced.cumsum(-1) - 1, n_forced + chosen.cumsum(-1) - 1)
-    keep = forced | chosen
+    keep = (forced | chosen) & (pos < row_cap)
     out = torch.full((batch, hkv, cap + 1), -1, dtype=torch.int32, device=scores.device)
     blocks = torch.arange(mb, dtype=torch.int32, device=scores.device).expand(batch, hkv, mb)
     out.scatter_(-1, torch.where(keep, pos, cap).clamp_max(cap), blocks)  # column cap: the dropped
@@ -165,15 +178,42 @@ def select_ref(
     return out[..., :cap]
 
 
-def flat_share_ref(r: torch.Tensor, lists: torch.Tensor) -> torch.Tensor:
-    """float32 [B, Hkv]: how flat each list's estimated masses r [B, Hkv, MB] are: the share of the
-    list's mass under its mean entry's (sum of min(m, mean) / sum of m), about the share of the list
-    a top-p prune keeps (docs/sparse.md, "When topp prunes"); 0 for a list without mass."""
-    m = torch.where(lists >= 0, r.gather(-1, lists.clamp_min(0).long()), 0.0)
+def candidates_ref(
+    seq_lens: torch.Tensor, streaming: torch.Tensor, max_blocks: int, **kw
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(valid, forced, candidates) bool [B, Hkv, MB]: forced_blocks' masks (kw: its keywords) by KV head,
+    and the blocks selection chooses among (valid, not forced, not of a streaming head)."""
+    valid, forced = forced_blocks(seq_lens, max_blocks, **kw)
+    shape = (seq_lens.shape[0], streaming.numel(), max_blocks)
+    valid, forced = valid[:, None].expand(shape), forced[:, None].expand(shape)
+    return valid, forced, valid & ~forced & ~streaming[None, :, None]
+
+
+def flat_share_ref(r: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """float32 [B, Hkv]: how flat the estimated masses r [B, Hkv, MB] of each row's candidates (cand)
+    are: the share of their mass under their mean (sum of min(m, mean) / sum of m); 0 without mass.
+    On a list of the best of them it tracks what a top-p prune keeps (docs/sparse.md, "When topp
+    prunes")."""
+    m = torch.where(cand, r, 0.0)
     total = m.sum(-1)
-    mean = total / (lists >= 0).sum(-1).clamp_min(1)
+    mean = total / cand.sum(-1).clamp_min(1)
     below = torch.minimum(m, mean[..., None]).sum(-1)
     return torch.where(total > 0, below / torch.where(total > 0, total, 1.0), 0.0)
+
+
+def flat_rows_ref(
+    scores: torch.Tensor, seq_lens: torch.Tensor, streaming: torch.Tensor, *, flat_share: float, flat_mass: float, **kw
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat, short) bool [B, Hkv]: the rows whose candidates' estimated masses are flat (flat_share_ref
+    >= flat_share > 0; a row without candidates, as one within the cap, is not), and those of them whose
+    cap cannot reach flat_mass on equal masses (fewer candidates fit than there are, and the forced
+    mass plus the fitting share of the candidates' < flat_mass): they take flat_cap. kw: candidates_ref's."""
+    _, forced, cand = candidates_ref(seq_lens, streaming, scores.shape[-1], **kw)
+    r = block_masses(scores, streaming.numel())
+    flat = flat_share_ref(r, cand) >= flat_share
+    n_cand, fit = cand.sum(-1), kw["cap"] - forced.sum(-1)
+    reach = (r * forced).sum(-1) + (r * cand).sum(-1) * fit / n_cand.clamp_min(1)
+    return flat, flat & (fit < n_cand) & (reach < flat_mass)
 
 
 def select_blocks_ref(
@@ -197,18 +237,28 @@ def select_blocks_ref(
     ahead: int = 0,
     flat: torch.Tensor | None = None,
     flat_share: float = 1.0,
+    flat_mass: float = 1.0,
+    flat_cap: int = 0,
+    flat_count: torch.Tensor | None = None,
 ) -> None:
     """Writes new lists into sel [S, Hkv, cap] at the rows' state slots, for the (slot, KV head)
     pairs due a recomputation (all without reuse); counter [S, Hkv] counts decode steps; stats
     int64 [2] += (blocks selected, selections). Padding rows and slot -1 change nothing.
     prev_slots: the sel rows holding each row's previous lists (None: its own slot; -1: none);
     ahead: 1 when the lists serve the next step (forced_blocks). flat (int8 [S, Hkv], with each new
-    list): 1 where its flat_share_ref >= flat_share (contexts within the cap, never scored: 0)."""
+    list): 1 where the row is flat (flat_rows_ref, with flat_mass; its short rows take flat_cap blocks);
+    flat_count (int64 [1]) += the new lists flagged."""
     rows = (seq_lens > 0) & (slots >= 0)  # slot -1 (lag: a reused step): none
     prev = None
     if stickiness > 0:
         at = (slots if prev_slots is None else prev_slots)[rows].long()
         prev = torch.where((at >= 0)[:, None, None], sel[at.clamp_min(0)], -1)
+    kw = dict(block_size=block_size, cap=cap, sink=sink, local=local, short_dense=short_dense, ahead=ahead)
+    flags = short = None
+    if flat is not None:
+        flags, short = flat_rows_ref(
+            scores[rows], seq_lens[rows], streaming, flat_share=flat_share, flat_mass=flat_mass, **kw
+        )
     lists = select_ref(
         scores[rows],
         seq_lens[rows],
@@ -222,17 +272,17 @@ def select_blocks_ref(
         prev=prev,
         stickiness=stickiness,
         ahead=ahead,
+        short=short,
+        flat_cap=flat_cap,
     )
     slots = slots[rows].long()
     # without reuse every row (the lag's slots index two list rows a slot: no counter row)
     due = counter[slots] % reuse == 0 if reuse > 1 else torch.ones_like(lists[..., 0], dtype=torch.bool)
     sel[slots] = torch.where(due[..., None], lists, sel[slots])
-    if flat is not None:
-        nb = (seq_lens[rows].long() + block_size - 1) // block_size
-        scored = (nb > cap) | (not short_dense)
-        share = flat_share_ref(block_masses(scores[rows], streaming.numel()), lists)
-        flag = (scored[:, None] & (share >= flat_share)).to(flat.dtype)
-        flat[slots] = torch.where(due, flag, flat[slots])
+    if flags is not None:
+        flat[slots] = torch.where(due, flags.to(flat.dtype), flat[slots])
+        if flat_count is not None:
+            flat_count += (flags & due).sum()
     if reuse > 1:
         counter[slots] += 1
     stats[0] += ((lists >= 0).sum(-1) * due).sum()
@@ -266,6 +316,9 @@ def score_and_select_ref(
     ahead: int = 0,
     flat: torch.Tensor | None = None,
     flat_share: float = 1.0,
+    flat_mass: float = 1.0,
+    flat_cap: int = 0,
+    flat_count: torch.Tensor | None = None,
 ) -> None:
     """Scores then selects for the decode rows q [B, Hq, D] into sel (select_blocks_ref).
     max_blocks: host-side bound of the contexts in blocks; width: the launch's size hint only."""
@@ -290,6 +343,9 @@ def score_and_select_ref(
         ahead=ahead,
         flat=flat,
         flat_share=flat_share,
+        flat_mass=flat_mass,
+        flat_cap=flat_cap,
+        flat_count=flat_count,
     )
 
 
@@ -438,7 +494,9 @@ def _score_kernel(
         tl.store(score_row[:, None] + nn[None, :], s, mask=(g < GROUP)[:, None] & (nn < n_end)[None, :])
 
 
-@triton.jit(do_not_specialize=["max_blocks", "ahead"], do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr"])
+@triton.jit(
+    do_not_specialize=["max_blocks", "ahead", "flat_cap"], do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr"]
+)
 def _select_kernel(
     scores_ptr,
     seq_lens_ptr,
@@ -450,9 +508,12 @@ def _select_kernel(
     stats_ptr,
     streaming_ptr,
     flat_ptr,
+    flat_count_ptr,
     mass_target,
     sticky_factor,
     flat_share,
+    flat_mass,
+    flat_cap,
     max_blocks,
     ahead,
     stride_ss,
@@ -476,12 +537,13 @@ def _select_kernel(
     """Program (sequence, KV head): the selection list (reference: select_blocks_ref).
     STICKY: the previous list's blocks are marked in this program's row of `listed` (zeroed by
     the caller) and rank by their mass times sticky_factor. FLAT: flat_ptr[slot, kvh] = whether the
-    list's estimated masses are flat (flat_share_ref).
+    candidates' estimated masses are flat (counted in flat_count_ptr), and a short one (flat_rows_ref)
+    takes flat_cap blocks.
 
     No sort: a search over the masses' bit patterns (non-negative floats order like their bits)
-    finds the largest threshold t at which the candidates >= t number k = cap - #forced or (MASS)
-    reach the target mass; each round tests WAYS thresholds in [lo, hi) and it stops once at most
-    one candidate lies there. Candidates above t, then ties at t, follow the forced blocks, in
+    finds the largest threshold t at which the candidates >= t number k = the row's cap - #forced or
+    (MASS) reach the target mass; each round tests WAYS thresholds in [lo, hi) and it stops once at
+    most one candidate lies there. Candidates above t, then ties at t, follow the forced blocks, in
     block order (docs/sparse.md, "Kernel notes").
     """
     b = tl.program_id(0)
@@ -511,6 +573,8 @@ def _select_kernel(
     chosen_hi = j < 0  # all false
     chosen_eq = j < 0
     r = tl.zeros([NB_PAD], tl.float32)
+    row_cap = CAP + nb * 0
+    is_flat = nb < 0
     if (nb > CAP) | (not SHORT_DENSE):
         # Estimated mass: mean over the group's query heads of each head's softmax over the blocks,
         # HEADS rows of scores at a time ([HEADS, NB_PAD]: two reductions for all of them).
@@ -537,7 +601,16 @@ def _select_kernel(
             tl.debug_barrier()  # this program's scatter, then its gather
             ranked = tl.where(tl.load(mark + j) != 0, r * sticky_factor, r)
         bits = tl.where(cand, ranked.to(tl.int32, bitcast=True), -1)  # non-candidates: below all
-        k = CAP - n_forced
+        if FLAT:  # flat candidates out of the cap's reach: the list takes flat_cap blocks
+            cm = tl.where(cand, r, 0.0)
+            cmass = tl.sum(cm, 0)
+            n_cand = tl.sum(cand.to(tl.int32), 0)
+            below = tl.sum(tl.minimum(cm, cmass / tl.maximum(n_cand, 1)), 0)
+            is_flat = (cmass > 0) & (below >= flat_share * cmass)
+            fit = CAP - n_forced
+            reach = tl.sum(tl.where(forced, r, 0.0), 0) + cmass * fit.to(tl.float32) / tl.maximum(n_cand, 1)
+            row_cap = tl.where(is_flat & (fit < n_cand) & (reach < flat_mass), flat_cap, CAP)
+        k = row_cap - n_forced
         top_ok = k <= 0  # does t above every candidate pass? then nothing is chosen
         if MASS:
             fmass = tl.sum(tl.where(forced, r, 0.0), 0)
@@ -581,16 +654,14 @@ def _select_kernel(
         tl.where(j < sink_end, j, sink_end + j - local_start),
         tl.where(chosen_hi, n_forced + (rank & 0xFFFF) - 1, n_forced + n_hi + (rank >> 16) - 1),
     )
-    keep = ((forced.to(tl.int32) + packed) != 0) & (pos < CAP)
-    count = tl.minimum(n_forced + n_hi + (total >> 16), CAP)
+    keep = ((forced.to(tl.int32) + packed) != 0) & (pos < row_cap)
+    count = tl.minimum(n_forced + n_hi + (total >> 16), row_cap)
     row = sel_ptr + slot * stride_ss + kvh * CAP
     tl.store(row + pos, j, mask=keep)
     tl.store(row + j, tl.full([NB_PAD], -1, tl.int32), mask=(j >= count) & (j < CAP))
-    if FLAT:  # unscored rows (all forced) have r = 0: not flat
-        lm = tl.where(keep, r, 0.0)
-        lmass = tl.sum(lm, 0)
-        below = tl.sum(tl.minimum(lm, lmass / tl.maximum(count, 1)), 0)
-        tl.store(flat_ptr + slot * tl.num_programs(1) + kvh, ((lmass > 0) & (below >= flat_share * lmass)).to(tl.int8))
+    if FLAT:  # unscored rows (all forced): not flat
+        tl.store(flat_ptr + slot * tl.num_programs(1) + kvh, is_flat.to(tl.int8))
+        tl.atomic_add(flat_count_ptr, 1, mask=is_flat)
     tl.atomic_add(stats_ptr, count.to(tl.int64))
     tl.atomic_add(stats_ptr + 1, 1)
 
@@ -687,6 +758,9 @@ def select_blocks_triton(
     ahead: int = 0,
     flat: torch.Tensor | None = None,
     flat_share: float = 1.0,
+    flat_mass: float = 1.0,
+    flat_cap: int = 0,
+    flat_count: torch.Tensor | None = None,
 ) -> None:
     """select_blocks_ref's contract. width: blocks the launch is sized for when more than the
     scores' (the model's longest context), so one compiled variant serves every step."""
@@ -700,6 +774,8 @@ def select_blocks_triton(
         )
     assert sel.shape[-1] == cap and sel.stride(2) == 1 and counter.stride(1) == 1
     assert flat is None or (flat.shape == sel.shape[:2] and flat.is_contiguous())
+    if flat is not None and flat_count is None:  # the count goes nowhere
+        flat_count = torch.zeros(1, dtype=torch.int64, device=scores.device)
     nb_pad = max(triton.next_power_of_2(max(max_blocks, width)), triton.next_power_of_2(cap), 16)
     pdl = use_pdl(scores.device)
     sticky = stickiness > 0
@@ -716,9 +792,12 @@ def select_blocks_triton(
         stats,
         streaming.view(torch.uint8),
         stats if flat is None else flat,
+        stats if flat_count is None else flat_count,
         mass_target(top_p),
         1.0 + stickiness,
         flat_share,
+        flat_mass,
+        flat_cap,
         max_blocks,
         ahead,
         sel.stride(0),
@@ -770,6 +849,9 @@ def score_and_select_triton(
     ahead: int = 0,
     flat: torch.Tensor | None = None,
     flat_share: float = 1.0,
+    flat_mass: float = 1.0,
+    flat_cap: int = 0,
+    flat_count: torch.Tensor | None = None,
 ) -> None:
     scores = block_scores_triton(
         q,
@@ -807,6 +889,9 @@ def score_and_select_triton(
         ahead=ahead,
         flat=flat,
         flat_share=flat_share,
+        flat_mass=flat_mass,
+        flat_cap=flat_cap,
+        flat_count=flat_count,
     )
 
 

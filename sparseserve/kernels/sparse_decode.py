@@ -464,11 +464,17 @@ FAST_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=4, num_stages=3, tiles=4)
 TMA_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=2, num_stages=3, tiles=4, tma=True)
 
 
+# Blocks smaller than this, without offload, take the plain kernel even where TMA applies: its tile gathers several
+# blocks, where TMA copies a box a block (docs/sparse.md, "Kernel notes").
+TMA_MIN_BLOCK = 32
+
+
 def default_config(kv_cache: torch.Tensor, offload) -> SparseDecodeConfig:
-    """TMA_CONFIG on a GPU where TMA applies (with or without offload), else FAST_CONFIG (the interpreter:
-    plain kernel)."""
+    """TMA_CONFIG on a GPU where TMA applies (offloaded, or blocks of TMA_MIN_BLOCK tokens or more), else
+    FAST_CONFIG (the interpreter: plain kernel)."""
     on_gpu = kv_cache.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-    return TMA_CONFIG if on_gpu and tma_capable(kv_cache, offload) else FAST_CONFIG
+    big_blocks = offload is not None or kv_cache.shape[3] >= TMA_MIN_BLOCK
+    return TMA_CONFIG if on_gpu and big_blocks and tma_capable(kv_cache, offload) else FAST_CONFIG
 
 
 def tma_capable(kv_cache: torch.Tensor, offload) -> bool:

@@ -77,6 +77,8 @@ def test_config_and_flags():
         dict(sparse_topp_heads="max"),
         dict(sparse_topp_flat_share=0.0),
         dict(sparse_topp_flat_share=1.5),
+        dict(sparse_topp_flat_budget=0),
+        dict(sparse_topp_flat_budget=4096, sparse_budget=2048),
         dict(sparse_reuse=0),
         dict(sparse_local_blocks=0),
         dict(logical_page_size=48),
@@ -89,8 +91,11 @@ def test_config_and_flags():
     for kwargs in bad:
         with pytest.raises(ValueError):
             EngineConfig.from_kwargs(**kwargs)
-    # topp lags under KV offload by default, as topk does: its candidates are planned into the pool a step ahead
-    assert EngineConfig.from_kwargs(sparse_policy="topp", kv_offload=True).sparse_config.sparse_lag == 1
+    # topk lags under KV offload by default; topp does not (lagged candidates lose answers), unless asked to
+    assert EngineConfig.from_kwargs(sparse_policy="topk", kv_offload=True).sparse_config.sparse_lag == 1
+    assert EngineConfig.from_kwargs(sparse_policy="topp", kv_offload=True).sparse_config.sparse_lag == 0
+    topp_lag = EngineConfig.from_kwargs(sparse_policy="topp", kv_offload=True, sparse_lag=1)
+    assert topp_lag.sparse_config.sparse_lag == 1
 
 
 def test_selection_reference():
@@ -213,7 +218,8 @@ def test_stickiness_steadies_lists_and_forgets_other_sequences(tiny_model_dir, l
 
 def test_small_budget(tiny_model_dir, tmp_path):
     """Budgets far below the context: decodes attend less (probe mass < 1), outputs stay well formed,
-    reuse, hierarchical pages and streaming heads run, every block comes back."""
+    reuse, hierarchical pages and streaming heads run, every block comes back; the counters and /metrics
+    agree (topp's flat lists among them)."""
     heads = tmp_path / "heads.json"
     heads.write_text(json.dumps({"streaming_heads": {"1": [0]}}))
     cases = [
@@ -240,10 +246,13 @@ def test_small_budget(tiny_model_dir, tmp_path):
         assert 0 < stats.sparse_blocks_selected <= stats.sparse_selections * kw["sparse_budget"] // BS
         if kw["sparse_policy"] == "topp":  # the counters report the pruned lists, shorter than the candidates
             assert stats.sparse_blocks_selected < stats.sparse_selections * kw["sparse_budget"] // BS
+        assert 0 <= stats.sparse_flat_lists <= stats.sparse_selections  # topk: none
         text = ServerMetrics(lambda: stats, "m").render().decode()
         got = parse_metrics(text)
         assert got["sparseserve:sparse_mean_budget_tokens"] <= kw["sparse_budget"]
         assert got["sparseserve:sparse_selections_total"] == stats.sparse_selections
+        assert got["sparseserve:sparse_flat_lists_total"] == stats.sparse_flat_lists
+        assert got["sparseserve:sparse_flat_list_share"] == stats.sparse_flat_lists / stats.sparse_selections
 
 
 def test_calibrate_streaming_heads(tiny_model_dir, tmp_path):

@@ -9,7 +9,7 @@ import torch
 from sparseserve.attention.backend import AttentionMetadata, BackendContext, attend_paged
 from sparseserve.attention.sparse import SparseBackend, SparseStepMeta
 from sparseserve.config import SparseConfig
-from sparseserve.kernels.block_score import block_scores_ref, select_ref
+from sparseserve.kernels.block_score import block_scores_ref, flat_rows_ref, select_ref
 from sparseserve.kernels.dispatch import forced
 from sparseserve.kernels.key_meta import rebuild_key_meta
 from sparseserve.kernels.sparse_decode import sparse_decode_ref
@@ -94,12 +94,15 @@ def test_lagged_selection(impl, policy, reuse):
     """sparse_lag=1 through SparseBackend.forward: a prefill's last token selects, then decode steps. Each decode
     attends the list of the latest earlier selection (the prefill's end, then each decode at a context that is
     a multiple of R), recomputed here from the references on the queries and key metadata of that step; topp
-    prunes those candidates with each step's own query (the counters report what the steps attended)."""
+    prunes those candidates with each step's own query, except lists whose candidates were flat, which take
+    flat_cap blocks where the cap cannot reach p on them, unpruned (the counters report what the steps
+    attended)."""
     torch.manual_seed(9)
     hq, hkv, d, bs, steps, scale = 8, 2, 32, 16, 4, 32**-0.5
     q, cache, meta = decode_batch([158, 0, 95, 200], hq, hkv, d, bs, torch.float32, slack=steps + 1)
     cache = _extend(cache, meta, steps, bs)
-    topp = dict(sparse_top_p=0.7) if policy == "topp" else {}
+    # a flat share at which some lists are flat, some of them short, and others are not (random keys)
+    topp = dict(sparse_top_p=0.7, sparse_topp_flat_share=0.5) if policy == "topp" else {}
     backend = sparse_backend(
         policy, 6 * bs, bs, hkv, d, torch.float32, cache.shape[0], sparse_reuse=reuse, sparse_lag=1, **topp
     )
@@ -108,8 +111,10 @@ def test_lagged_selection(impl, policy, reuse):
     p, mb = backend.params, -(-meta.max_seq_len // bs)
     live = meta.seq_lens > 0
     latest = torch.full((4, hkv, p.cap), -1, dtype=torch.int32, device=DEV)
+    latest_flat = torch.zeros(4, hkv, dtype=torch.bool, device=DEV)
     rows = torch.arange(4, device=DEV)
     selections = attended = candidates = 0
+    seen = torch.zeros(3, dtype=torch.int64, device=DEV)  # selected lists: flat, short, not flat
     for step in range(steps + 1):  # step 0: a prefill chunk of one token a sequence; then decodes
         if step:
             meta.seq_lens += live.to(torch.int32)
@@ -126,7 +131,9 @@ def test_lagged_selection(impl, policy, reuse):
             if policy == "topp":
                 lse = block_lse_ref(q, cache, meta.block_tables, meta.seq_lens, latest, scale)
                 kw = dict(sink=p.sink, local=p.local, top_p=p.top_p, short_dense=p.short_dense)
-                lists = prune_ref(lse, latest, meta.seq_lens, block_size=bs, **kw)
+                lists = torch.where(
+                    latest_flat[..., None], latest, prune_ref(lse, latest, meta.seq_lens, block_size=bs, **kw)
+                )
                 selections += int(live.sum()) * hkv
                 attended += int((lists[live] >= 0).sum())
                 candidates += int((latest[live] >= 0).sum())
@@ -134,25 +141,35 @@ def test_lagged_selection(impl, policy, reuse):
             assert rel_err(out[live], ref[live]) < 1e-5, step
         km = backend.key_meta[0]
         scores = block_scores_ref(q, km.codes, km.scale, meta.block_tables, meta.seq_lens, mb, bs, scale)
+        streaming = torch.zeros(hkv, dtype=torch.bool, device=DEV)
+        # forcing the local window of the next step, which reads the list
+        kw = dict(block_size=bs, cap=p.cap, sink=p.sink, local=p.local, short_dense=p.short_dense, ahead=1)
+        flat = short = torch.zeros(4, hkv, dtype=torch.bool, device=DEV)
+        if policy == "topp":
+            flat, short = flat_rows_ref(
+                scores, meta.seq_lens, streaming, flat_share=p.flat_share, flat_mass=p.top_p, **kw
+            )
+        # sticky (the default) to the list this step attends (topp: the candidates)
         lists = select_ref(
             scores,
             meta.seq_lens,
-            torch.zeros(hkv, dtype=torch.bool, device=DEV),
-            block_size=bs,
-            cap=p.cap,
-            sink=p.sink,
-            local=p.local,
-            prev=latest,  # sticky (the default) to the list this step attends (topp: the candidates)
+            streaming,
+            prev=latest,
             stickiness=p.stickiness,
-            ahead=1,  # forcing the local window of the next step, which reads the list
+            short=short,
+            flat_cap=p.flat_cap,
+            **kw,
         )
         due = live & ((step == 0) | (meta.seq_lens % reuse == 0))
         latest = torch.where(due[:, None, None], lists, latest)
+        latest_flat = torch.where(due[:, None], flat, latest_flat)
+        seen += torch.stack([(flat & due[:, None]).sum(), (short & due[:, None]).sum(), (~flat & due[:, None]).sum()])
         if policy == "topk":
             selections += int(due.sum()) * hkv
     assert int(backend.state.stats[1]) == selections
     if policy == "topp":
         assert int(backend.state.stats[0]) == attended < candidates  # pruned, and counted once a step
+        assert (seen > 0).all(), seen
 
 
 @gpu_only

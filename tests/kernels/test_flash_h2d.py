@@ -305,7 +305,7 @@ def test_offload_decode_cuda_graph():
     [
         dict(sparse_lag=0),
         dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_reuse=2),
-        dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64),  # lagged: the candidates a step ahead
+        dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_lag=1),  # the candidates a step ahead
         dict(),
     ],
 )

@@ -19,6 +19,8 @@ from sparseserve.kernels.block_score import (
     select_blocks_ref,
     select_blocks_triton,
     select_ref,
+    candidates_ref,
+    flat_rows_ref,
     flat_share_ref,
     step_slots_ref,
     step_slots_triton,
@@ -323,15 +325,17 @@ def test_select_blocks_sticky(policy, top_p, lagged, hq=6, hkv=2):
 
 @pytest.mark.parametrize("hq,hkv", [(8, 2), pytest.param(9, 3, id="group3-9q3kv")])
 def test_select_flags_flat_lists(hq, hkv):
-    """With each new list the selection flags whether its estimated masses are flat (flat_share_ref >= the
-    share): near-constant scores are, peaked ones are not, a context within the cap (never scored) is not; a
-    reused step keeps the flags; kernel and reference agree over steps."""
+    """With each new list the selection flags whether the estimated masses it chose among are flat
+    (flat_share_ref >= the share), and a flagged list whose cap cannot reach flat_mass on them takes flat_cap
+    blocks: near-constant scores are flat, peaked ones are not, a context within the cap (never scored) is not;
+    9 flat blocks, 8 of which fit (0.89 of their mass), keep the cap; a reused step keeps the flags and lists;
+    kernel and reference agree over steps."""
     torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
-    bs, cap, nslots, mb = 16, 8, 6, 64
-    lens = [40 * bs, 3 * bs, 0, 47 * bs + 5, 64 * bs]
-    p = params("topk", cap, bs, reuse=2) | dict(flat_share=0.75)
+    bs, cap, flat_cap, nslots, mb = 16, 8, 5, 6, 64
+    lens = [40 * bs, 3 * bs, 0, 47 * bs + 5, 64 * bs, 9 * bs]
+    p = params("topk", cap, bs, reuse=2) | dict(flat_share=0.75, flat_mass=0.85, flat_cap=flat_cap)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    slots = torch.tensor([4, 0, 5, 2, 1], dtype=torch.int32, device=DEV)
+    slots = torch.tensor([4, 0, 5, 2, 1, 3], dtype=torch.int32, device=DEV)
     streaming = torch.zeros(hkv, dtype=torch.bool, device=DEV)
     states = [
         (
@@ -339,30 +343,44 @@ def test_select_flags_flat_lists(hq, hkv):
             torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV),
             torch.zeros(2, dtype=torch.int64, device=DEV),
             torch.full((nslots, hkv), 7, dtype=torch.int8, device=DEV),  # 7: not written
+            torch.zeros(1, dtype=torch.int64, device=DEV),  # lists flagged so far
         )
         for _ in range(2)
     ]
+    flagged = 0
     for step in range(3):
         scores = 4 * torch.randn(len(lens), hq, mb, device=DEV)
         scores[:, :, 10] += 30.0  # peaked: one block holds nearly all the mass
         scores[0] = 0.01 * torch.randn(hq, mb, device=DEV)  # flat
+        scores[5] = 0.01 * torch.randn(hq, mb, device=DEV)  # flat, and nearly within the cap
         scores[1] = 0.0  # flat, but within the cap
         scores[3, : hq // hkv] = 0.01 * torch.randn(hq // hkv, mb, device=DEV)  # row 3: KV head 0 flat
         scores.masked_fill_(torch.arange(mb, device=DEV)[None, None] >= -(-seq_lens[:, None, None] // bs), -torch.inf)
-        for fn, (sel, counter, stats, flat) in zip((select_blocks_ref, select_blocks_triton), states):
-            fn(scores, seq_lens, slots, sel, counter, stats, streaming, **p, flat=flat)
+        for fn, (sel, counter, stats, flat, count) in zip((select_blocks_ref, select_blocks_triton), states):
+            fn(scores, seq_lens, slots, sel, counter, stats, streaming, **p, flat=flat, flat_count=count)
         for a, b in zip(states[0], states[1]):
             assert torch.equal(a.sort(-1).values if a.dim() == 3 else a, b.sort(-1).values if b.dim() == 3 else b)
         flat = states[1][3]
+        if step != 1:  # reuse 2: step 1 selects nothing
+            flagged += int((flat[slots[seq_lens > 0].long()] == 1).sum())
+        assert int(states[1][4]) == flagged
+        sizes = (states[1][0] >= 0).sum(-1)
         if step == 0:
             assert flat[4].tolist() == [1] * hkv and flat[0].tolist() == [0] * hkv and flat[5].tolist() == [7] * hkv
             assert flat[2].tolist() == [1] + [0] * (hkv - 1) and flat[1].tolist() == [0] * hkv
-            first = flat.clone()
-        elif step == 1:  # reuse 2: no list recomputed, the flags stay
-            assert torch.equal(flat, first)
-    lists = states[0][0][slots.long()]
-    share = flat_share_ref(block_masses(scores, hkv), lists)
+            # flat lists take flat_cap blocks, the others over the cap take cap; row 1 (3 blocks) all of them
+            assert sizes[4].tolist() == [flat_cap] * hkv and sizes[2].tolist() == [flat_cap] + [cap] * (hkv - 1)
+            assert sizes[1].tolist() == [cap] * hkv and sizes[0].tolist() == [3] * hkv
+            assert flat[3].tolist() == [1] * hkv and sizes[3].tolist() == [cap] * hkv
+            first = (flat.clone(), states[1][0].clone())
+        elif step == 1:  # reuse 2: no list recomputed, the flags and lists stay
+            assert torch.equal(flat, first[0]) and torch.equal(states[1][0], first[1])
+    kw = dict(block_size=bs, cap=cap, sink=1, local=2, short_dense=True)
+    _, _, cand = candidates_ref(seq_lens, streaming, mb, **kw)
+    share = flat_share_ref(block_masses(scores, hkv), cand)
     assert share.shape == (len(lens), hkv) and ((share >= 0) & (share <= 1 + 1e-6)).all()
+    flags, short = flat_rows_ref(scores, seq_lens, streaming, flat_share=0.75, flat_mass=0.85, **kw)
+    assert torch.equal(flags, share >= 0.75) and torch.equal(short, flags & (seq_lens > 9 * bs)[:, None])
 
 
 def test_select_ahead_forces_the_next_steps_window():

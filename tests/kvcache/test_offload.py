@@ -459,7 +459,8 @@ def run(model_dir, control: bool = True, **kw):
     [
         dict(),
         dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=6 * BS, sparse_reuse=2),
-        dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=6 * BS, sparse_dense_layers=1),
+        dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=6 * BS, sparse_dense_layers=1),  # not lagged
+        dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=6 * BS, sparse_dense_layers=1, sparse_lag=1),
         dict(sparse_dense_layers=1, sparse_stickiness=0),
         dict(sparse_lag=1),
         dict(sparse_lag=1, sparse_dense_layers=1, sparse_stickiness=0),
