@@ -2,10 +2,9 @@
 of its own: the scoring alone over launch variants (`ScoreConfig`), scoring and selection (as the engine calls
 them), and for topp the candidates' block lse and the prune over variants (the lse's tile; the prune's sort or
 rounds of `ways` thresholds; the first of each is the default), then the attention over the final lists (over
-launch variants: `ATTENTION_CONFIGS`). One
-layer at Llama-3.1-8B's attention shape (32 query / 8 KV heads, D=128, bf16) over random keys and queries, batch B
-at each context: attention is flat, so topp keeps nearly every candidate, as with the dummy weights of
-`benchmarks.sparse --step`.
+launch variants: `ATTENTION_CONFIGS`). One layer at Llama-3.1-8B's attention shape (32 query / 8 KV heads, D=128,
+bf16) over random keys and queries, batch B at each context: attention is flat, so a topp list is flat (it takes
+half the cap, unpruned), as with the dummy weights of `benchmarks.sparse --step`.
 
     python -m benchmarks.topp_parts --contexts 32768 131072 --batch 4 --policies topk:sparse_budget=2048 \\
         topp:sparse_budget=4096,sparse_top_p=0.99,logical_page_size=16 [--json out.json]

@@ -684,6 +684,7 @@ class EngineConfig:
         return (
             self.offload_config.kv_offload
             and sp.enabled
+            and SELECTION_POLICIES.get(sp.sparse_policy).supports_lag
             and SELECTION_POLICIES.get(sp.sparse_policy).lags_by_default
             and sp.sparse_reuse == 1
         )
