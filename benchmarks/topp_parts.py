@@ -1,10 +1,11 @@
 """Issue 40: where a selection policy's decode layer spends its time, stage by stage, each stage in a CUDA graph
 of its own: the scoring alone over launch variants (`ScoreConfig`), scoring and selection (as the engine calls
 them), and for topp the candidates' block lse and the prune over variants (the lse's tile; the prune's sort or
-rounds of `ways` thresholds; the first of each is the default), then the attention over the final lists (over
-launch variants: `ATTENTION_CONFIGS`). One layer at Llama-3.1-8B's attention shape (32 query / 8 KV heads, D=128,
-bf16) over random keys and queries, batch B at each context: attention is flat, so a topp list is flat (it takes
-half the cap, unpruned), as with the dummy weights of `benchmarks.sparse --step`.
+rounds of `ways` thresholds; the first of each is the default; then as the engine runs flagged flat lists, whose
+programs return at once), then the attention over the final lists (over launch variants: `ATTENTION_CONFIGS`). One
+layer at Llama-3.1-8B's attention shape (32 query / 8 KV heads, D=128, bf16) over random keys and queries, batch B
+at each context: attention is flat, so a topp list is flat (it takes half the cap, unpruned), as with the dummy
+weights of `benchmarks.sparse --step`.
 
     python -m benchmarks.topp_parts --contexts 32768 131072 --batch 4 --policies topk:sparse_budget=2048 \\
         topp:sparse_budget=4096,sparse_top_p=0.99,logical_page_size=16 [--json out.json]
@@ -119,6 +120,18 @@ def layer_stages(
                 )
 
             stages.append(("block lse", f"tile_n={t}", block_lse))
+        # as the engine runs a flat list (flagged by the selection): every program returns at once
+        flat = st.flat[0] if p.flat_share < 1.0 else None
+        if flat is not None:
+            stages.append(
+                (
+                    "block lse",
+                    "flat lists skipped",
+                    lambda: block_lse_triton(
+                        q, cache[0], tables, seq_lens, slots, sel, cnt, local=p.local, scale=scale, flat=flat, **shared
+                    ),
+                )
+            )
         for search in PRUNE_SEARCHES:
             stages.append(
                 (
@@ -139,6 +152,30 @@ def layer_stages(
                         out=pruned,
                         **shared,
                         **search,
+                    ),
+                )
+            )
+        if flat is not None:
+            skipped = torch.full_like(pruned, -1)  # the prune's rows (as lagged topp's): sel stays whole
+            stages.append(
+                (
+                    "prune",
+                    "flat lists skipped",
+                    lambda: prune_lists_triton(
+                        lse[LSE_TILES[0]],
+                        seq_lens,
+                        slots,
+                        sel,
+                        cnt,
+                        st.stats,
+                        block_size=bs,
+                        sink=p.sink,
+                        local=p.local,
+                        top_p=p.top_p,
+                        per_head=p.per_head,
+                        out=skipped,
+                        flat=flat,
+                        **shared,
                     ),
                 )
             )

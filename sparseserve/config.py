@@ -229,7 +229,7 @@ class SparseConfig:
         },
     )
     sparse_topp_flat_share: float = field(
-        default=0.75,
+        default=0.5,
         metadata={
             "help": "topp: where the blocks a (sequence, KV head) selects among have estimated masses this flat or "
             "flatter (the share of their mass under their mean), its list is attended whole, without the prune, "

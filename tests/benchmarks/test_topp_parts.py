@@ -27,7 +27,8 @@ def test_stages_run_in_the_engine_order():
     got = [g for g in got if g[1] not in ("score", "attention")]
     topp = [("topp", "select", "default")]
     topp += [("topp", "block lse", f"tile_n={t}") for t in bench.LSE_TILES]
-    topp += [("topp", "prune", v) for v in ("sort", "ways=4", "ways=8", "ways=16")]
+    topp += [("topp", "block lse", "flat lists skipped")]  # as the engine runs flagged lists
+    topp += [("topp", "prune", v) for v in ("sort", "ways=4", "ways=8", "ways=16", "flat lists skipped")]
     assert got == [("topk", "select", "default")] + topp
 
 
