@@ -444,6 +444,9 @@ def test_decode_write_through_to_host_rows_apart_from_metadata_rows():
     assert codes[[4, 1, 3]].any() and not codes[[0, 2]].any()  # metadata at the device rows only
 
 
+TOPP_PRUNES = dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=6 * BS, sparse_topp_flat_share=1.0)
+
+
 def run(model_dir, control: bool = True, **kw):
     """control=False: KV offload's working-set limit off inside the engine (no configuration does that)."""
     llm = LLM(str(model_dir), **{**COMMON, **kw})
@@ -458,9 +461,11 @@ def run(model_dir, control: bool = True, **kw):
     "policy",
     [
         dict(),
-        dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=6 * BS, sparse_reuse=2),
-        dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=6 * BS, sparse_dense_layers=1),  # not lagged
-        dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=6 * BS, sparse_dense_layers=1, sparse_lag=1),
+        # topp pruning every list (random weights' lists are flat enough to be flagged at the default share)
+        dict(TOPP_PRUNES, sparse_reuse=2),
+        dict(TOPP_PRUNES, sparse_dense_layers=1),  # not lagged
+        dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_lag=1),
+        dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_topp_flat_share=0.5),  # flat lists flagged, unpruned
         dict(sparse_dense_layers=1, sparse_stickiness=0),
         dict(sparse_lag=1),
         dict(sparse_lag=1, sparse_dense_layers=1, sparse_stickiness=0),
@@ -519,10 +524,10 @@ def test_offload_equals_no_offload(hf_models, policy):
         assert stats.offload_uva_bytes == stats.offload_bypass_reads * head_block + keys * head_block // 2
         assert got_metrics["sparseserve:offload_uva_bytes_total"] == stats.offload_uva_bytes
         # topp's candidates go through the pool before its prune: only those bypassing it (no free way) have
-        # their keys read from the host
-        assert keys <= stats.offload_bypass_reads and (keys > 0) == (
-            policy.get("sparse_policy") == "topp" and slots == 4
-        )
+        # their keys read from the host (by a prune: flagged flat lists are not pruned)
+        assert keys <= stats.offload_bypass_reads
+        if policy.get("sparse_topp_flat_share", 1.0) == 1.0:
+            assert (keys > 0) == (policy.get("sparse_policy") == "topp" and slots == 4)
         assert stats.offload_d2h_bytes == got_metrics["sparseserve:offload_d2h_bytes_total"] > 0
 
 
