@@ -304,8 +304,9 @@ def test_offload_decode_cuda_graph():
     "policy",
     [
         dict(sparse_lag=0),
-        dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_reuse=2),
-        dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_lag=1),  # the candidates a step ahead
+        # topp always pruning (sparse_topp_flat_share 1: random weights' lists would be flagged flat, unpruned)
+        dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_reuse=2, sparse_topp_flat_share=1.0),
+        dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_lag=1, sparse_topp_flat_share=1.0),
         dict(),
     ],
 )

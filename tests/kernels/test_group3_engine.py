@@ -20,7 +20,7 @@ SPARSE = dict(
 )
 MODES = {
     "dense": {},
-    "topp": dict(sparse_policy="topp", sparse_top_p=0.7, **SPARSE),
+    "topp": dict(sparse_policy="topp", sparse_top_p=0.7, sparse_topp_flat_share=1.0, **SPARSE),  # always prunes
     "topk-offload": dict(sparse_policy="topk", kv_offload=True, hbm_cache_blocks=6, **SPARSE),
 }
 
