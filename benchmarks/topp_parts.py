@@ -112,73 +112,45 @@ def layer_stages(
         lse: dict[int, torch.Tensor] = {}  # tile -> its block lse (the prune reads the default's)
         pruned = torch.full_like(sel[:batch], -1)
         shared = dict(reuse=p.kernel_args()["reuse"], short_dense=p.short_dense)
-        for t in LSE_TILES:
-
-            def block_lse(t: int = t) -> None:
-                lse[t] = block_lse_triton(
-                    q, cache[0], tables, seq_lens, slots, sel, cnt, local=p.local, scale=scale, tile_n=t, **shared
-                )
-
-            stages.append(("block lse", f"tile_n={t}", block_lse))
         # as the engine runs a flat list (flagged by the selection): every program returns at once
         flat = st.flat[0] if p.flat_share < 1.0 else None
-        if flat is not None:
-            stages.append(
-                (
-                    "block lse",
-                    "flat lists skipped",
-                    lambda: block_lse_triton(
-                        q, cache[0], tables, seq_lens, slots, sel, cnt, local=p.local, scale=scale, flat=flat, **shared
-                    ),
-                )
+        skipped = torch.full_like(pruned, -1)  # the flat variant's rows (as lagged topp's): sel stays whole
+
+        def block_lse(**kw) -> torch.Tensor:
+            return block_lse_triton(
+                q, cache[0], tables, seq_lens, slots, sel, cnt, local=p.local, scale=scale, **shared, **kw
             )
+
+        def prune(**kw) -> None:
+            prune_lists_triton(
+                lse[LSE_TILES[0]],
+                seq_lens,
+                slots,
+                sel,
+                cnt,
+                st.stats,
+                block_size=bs,
+                sink=p.sink,
+                local=p.local,
+                top_p=p.top_p,
+                per_head=p.per_head,
+                **shared,
+                **kw,
+            )
+
+        for t in LSE_TILES:
+
+            def lse_tile(t: int = t) -> None:
+                lse[t] = block_lse(tile_n=t)
+
+            stages.append(("block lse", f"tile_n={t}", lse_tile))
+        if flat is not None:
+            stages.append(("block lse", "flat lists skipped", lambda: block_lse(flat=flat)))
         for search in PRUNE_SEARCHES:
-            stages.append(
-                (
-                    "prune",
-                    "sort" if search["sort"] else f"ways={search['ways']}",
-                    lambda search=search: prune_lists_triton(
-                        lse[LSE_TILES[0]],
-                        seq_lens,
-                        slots,
-                        sel,
-                        cnt,
-                        st.stats,
-                        block_size=bs,
-                        sink=p.sink,
-                        local=p.local,
-                        top_p=p.top_p,
-                        per_head=p.per_head,
-                        out=pruned,
-                        **shared,
-                        **search,
-                    ),
-                )
-            )
+            variant = "sort" if search["sort"] else f"ways={search['ways']}"
+            stages.append(("prune", variant, lambda search=search: prune(out=pruned, **search)))
         if flat is not None:
-            skipped = torch.full_like(pruned, -1)  # the prune's rows (as lagged topp's): sel stays whole
-            stages.append(
-                (
-                    "prune",
-                    "flat lists skipped",
-                    lambda: prune_lists_triton(
-                        lse[LSE_TILES[0]],
-                        seq_lens,
-                        slots,
-                        sel,
-                        cnt,
-                        st.stats,
-                        block_size=bs,
-                        sink=p.sink,
-                        local=p.local,
-                        top_p=p.top_p,
-                        per_head=p.per_head,
-                        out=skipped,
-                        flat=flat,
-                        **shared,
-                    ),
-                )
-            )
+            stages.append(("prune", "flat lists skipped", lambda: prune(out=skipped, flat=flat)))
         lists = pruned
     stages += [
         (
