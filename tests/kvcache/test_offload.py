@@ -528,6 +528,8 @@ def test_offload_equals_no_offload(hf_models, policy):
         assert keys <= stats.offload_bypass_reads
         if policy.get("sparse_topp_flat_share", 1.0) == 1.0:
             assert (keys > 0) == (policy.get("sparse_policy") == "topp" and slots == 4)
+        else:  # the case is what it says: lists were flagged
+            assert stats.sparse_flat_lists > 0
         assert stats.offload_d2h_bytes == got_metrics["sparseserve:offload_d2h_bytes_total"] > 0
 
 
