@@ -298,7 +298,7 @@ def run_config(
     }
     if stats.offload_layer_steps:
         hits, loaded = stats.offload_hbm_hits, stats.offload_blocks_loaded + stats.offload_bypass_reads
-        row["hbm_hit"] = hits / max(hits + loaded, 1)
+        row["hbm_hit"] = hits / max(hits + stats.offload_hbm_misses, 1)
         row["loaded_per_layer_step"] = loaded / stats.offload_layer_steps
         row["rows_saved"], row["rows_restored"] = stats.offload_rows_saved, stats.offload_rows_restored
         row["pool_gb"] = stats.offload_hbm_bytes_pool / 1e9

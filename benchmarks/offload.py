@@ -285,7 +285,7 @@ def capacity_run(
         "preemptions": stats.num_preemptions,
     }
     if offload:
-        lookups = stats.offload_hbm_hits + stats.offload_blocks_loaded + stats.offload_bypass_reads
+        lookups = stats.offload_hbm_hits + stats.offload_hbm_misses
         out["hbm_hit_ratio"] = stats.offload_hbm_hits / lookups if lookups else None
         out["bypass_reads"] = stats.offload_bypass_reads
         out["h2d_GB"] = stats.offload_h2d_bytes / 1e9
@@ -500,7 +500,7 @@ class RealRun:
             "attended_KB_per_token": stats.sparse_blocks_selected * _head_block_bytes(engine) / tokens / 1e3,
         }
         if self.offload:
-            lookups = stats.offload_hbm_hits + stats.offload_blocks_loaded + stats.offload_bypass_reads
+            lookups = stats.offload_hbm_hits + stats.offload_hbm_misses
             out.update(
                 hbm_hit_ratio=stats.offload_hbm_hits / lookups if lookups else None,
                 blocks_loaded=stats.offload_blocks_loaded,

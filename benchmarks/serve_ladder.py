@@ -217,6 +217,9 @@ def ladder_rows(runs: list[dict[str, Any]], bounds: dict[str, float] | None = No
         prev = rows[-1] if rows and (rows[-1]["outputs"], rows[-1]["load"]) == key else None
         hits, loads = _metric(m, "offload_hbm_hits_total"), _metric(m, "offload_head_blocks_loaded_total")
         bypass = _metric(m, "offload_bypass_reads_total") or 0.0
+        misses = _metric(m, "offload_hbm_misses_total")
+        if misses is None and hits is not None:  # a server from before the counter: every miss loaded or bypassed
+            misses = (loads or 0.0) + bypass
         computed = _metric(m, "prompt_tokens_total")
         row = {
             "outputs": run["outputs"],
@@ -235,7 +238,7 @@ def ladder_rows(runs: list[dict[str, Any]], bounds: dict[str, float] | None = No
             "E2E x lower": ratio(dense and dense["e2e_ms"]["mean"], s["e2e_ms"]["mean"]),
             "goodput req/s": s["goodput"],
             "goodput x dense": ratio(s["goodput"], dense and dense["goodput"]),
-            "hit ratio": hits / (hits + loads + bypass) if hits is not None and hits + loads + bypass else None,
+            "hit ratio": hits / (hits + misses) if hits is not None and hits + misses else None,
             "preempt": _metric(m, "num_preemptions_total"),
             "computed/prompt": ratio(computed, s["total_input_tokens"]),
             "hold-backs": _metric(m, "working_set_hold_backs_total"),

@@ -103,12 +103,13 @@ def main() -> None:
         loaded = after.offload_blocks_loaded - before.offload_blocks_loaded  # reads from the host (+ bypass)
         loaded += after.offload_bypass_reads - before.offload_bypass_reads
         hits = after.offload_hbm_hits - before.offload_hbm_hits
+        misses = after.offload_hbm_misses - before.offload_hbm_misses
         h2d = after.offload_h2d_bytes - before.offload_h2d_bytes
         flash_us = sum(us for name, us in by_name.items() if "flash_h2d" in name)
         rate = f", FlashH2D {h2d / flash_us / 1e3:.1f} GB/s on the critical path" if flash_us else ""
         print(
             f"offload: {loaded / layer_steps:.0f} head blocks read from the host a layer-step, hit ratio "
-            f"{hits / max(hits + loaded, 1):.3f}, {h2d / args.steps / 1e6:.1f} MB a step{rate}"
+            f"{hits / max(hits + misses, 1):.3f}, {h2d / args.steps / 1e6:.1f} MB a step{rate}"
         )
 
 

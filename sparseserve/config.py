@@ -414,6 +414,16 @@ class OffloadConfig:
             "step's selections of max_num_seqs sequences, at most half the device KV memory left)."
         },
     )
+    offload_prefetch: bool = field(
+        default=False,
+        metadata={
+            "help": "KV offload with topp not lagged (sparse_lag=0, its default, and sparse_reuse=1): each step "
+            "selects from its own query and reads its candidates where they are, the HBM pool, which loads the "
+            "previous step's candidates beside the step, or host memory over UVA (off: each layer loads its misses "
+            "before it prunes). Faster where attention moves little between steps, slower where it churns "
+            '(docs/offload.md, "Prefetching reads").'
+        },
+    )
     layer_segmented_prefill: bool | None = field(
         default=None,
         metadata={
@@ -662,6 +672,12 @@ class EngineConfig:
                 "sparse_lag=1 with kv_offload needs sparse_reuse=1: each step plans the views of the "
                 "lists the next step reads, and a reused list's view would be older than one step"
             )
+        if self.offload_config.offload_prefetch and not self.prefetches:
+            raise ValueError(
+                "offload_prefetch needs kv_offload, a pruning sparse_policy (topp: its candidates are prefetched), "
+                "sparse_lag=0 (lagged selection loads a step ahead already) and sparse_reuse=1 (each step's "
+                "candidates are the next step's prefetch)"
+            )
         if self.scheduler_config.async_scheduling is True and self.cache_config.host_prefix_cache_memory is not None:
             raise ValueError(
                 "async_scheduling does not work with host_prefix_cache_memory yet: its per-step host copies "
@@ -675,6 +691,19 @@ class EngineConfig:
                 f"tokens: need more than sink + local = "
                 f"{sp.sparse_sink_blocks + sp.sparse_local_blocks}"
             )
+
+    @property
+    def prefetches(self) -> bool:
+        """Whether KV offload's reads are prefetching ones (OffloadConfig.offload_prefetch, where it applies)."""
+        oc, sp = self.offload_config, self.sparse_config
+        return (
+            oc.offload_prefetch
+            and oc.kv_offload
+            and sp.enabled
+            and not sp.sparse_lag
+            and sp.sparse_reuse == 1
+            and SELECTION_POLICIES.get(sp.sparse_policy).prunes
+        )
 
     @property
     def lags_by_default(self) -> bool:

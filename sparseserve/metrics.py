@@ -207,10 +207,15 @@ def _offload_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable
     """KV offload: HBM pool hit ratio, blocks loaded per (step, sparse layer), host store use."""
     hits, loads = stats.offload_hbm_hits, stats.offload_blocks_loaded
     bypass, layer_steps = stats.offload_bypass_reads, stats.offload_layer_steps
-    requests = hits + loads + bypass
+    requests = hits + getattr(stats, "offload_hbm_misses", loads + bypass)
     yield counter("offload_hbm_hits", "Listed head blocks found in the HBM pool.", hits)
     yield counter("offload_head_blocks_loaded", "Head blocks copied host -> HBM pool (FlashH2D).", loads)
-    yield counter("offload_bypass_reads", "Head blocks read straight from the host store (set full).", bypass)
+    yield counter("offload_hbm_misses", "Listed head blocks not found in the HBM pool.", requests - hits)
+    yield counter(
+        "offload_bypass_reads",
+        "Head blocks the attention read straight from the host store (set full; prefetching reads: not prefetched).",
+        bypass,
+    )
     yield counter(
         "offload_head_blocks_seeded",
         "Head blocks a layer-segmented prefill put in the HBM pool for its first decode (no FlashH2D).",

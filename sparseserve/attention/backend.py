@@ -103,6 +103,7 @@ class BackendContext:
     sparse: Any = None  # config.SparseConfig (sparse decode, sparse prefill)
     num_q_heads: int | None = None  # per-query-head settings (sparse prefill thresholds) need it
     profiler: Any = None  # sparseserve/profiler.py Profiler (None: no timing)
+    offload_prefetch: bool = False  # KV offload's prefetching reads (config.EngineConfig.prefetches)
 
 
 class AttentionBackend(abc.ABC):

@@ -40,10 +40,13 @@ class SelectionParams:
     stickiness: float = 0.0  # a listed block ranks by its mass x (1 + this) at the next selection
     flat_share: float = 1.0  # topp: lists whose candidates are at least this flat stay unpruned (1: none)
     flat_cap: int = 0  # blocks such a list takes where cap blocks cannot reach top_p on flat masses (<= cap)
+    # with lag: each step selects from its own query into its write row and attends that list; only the KV
+    # offload pool's loads lag (a prefetch of the previous step's lists: docs/offload.md, "Prefetching reads")
+    prefetch: bool = False
 
     @classmethod
-    def from_config(cls, cfg: Any, block_size: int) -> "SelectionParams":
-        """cfg: config.SparseConfig."""
+    def from_config(cls, cfg: Any, block_size: int, prefetch: bool = False) -> "SelectionParams":
+        """cfg: config.SparseConfig; prefetch: KV offload's prefetching reads (the lag machinery, lists fresh)."""
         return cls(
             cap=cfg.sparse_budget // block_size,
             sink=cfg.sparse_sink_blocks,
@@ -54,7 +57,8 @@ class SelectionParams:
             short_dense=cfg.sparse_dense_context != 0,
             top_p=cfg.sparse_top_p,
             per_head=cfg.sparse_topp_heads == "each",
-            lag=bool(cfg.sparse_lag),
+            lag=bool(cfg.sparse_lag) or prefetch,
+            prefetch=prefetch,
             stickiness=cfg.sparse_stickiness,
             flat_share=cfg.sparse_topp_flat_share,
             flat_cap=min(

@@ -27,7 +27,7 @@ from sparseserve.kernels.pdl import beside_the_step
 from sparseserve.kernels.sparse_decode import attended_blocks, sparse_decode
 from sparseserve.kernels.store_kv import store_kv
 from sparseserve.kvcache.metadata import KeyMeta, allocate_key_meta, key_meta_block_bytes
-from sparseserve.kvcache.offload import OffloadCache, OffloadStep
+from sparseserve.kvcache.offload import OffloadCache, OffloadStep, OffloadView
 from sparseserve.registry import SELECTION_POLICIES
 
 
@@ -49,11 +49,11 @@ class SparseBackend(AttentionBackend):
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         cfg = ctx.sparse
-        self.params = p = SelectionParams.from_config(cfg, ctx.block_size)
+        self.params = p = SelectionParams.from_config(cfg, ctx.block_size, ctx.offload_prefetch)
         # Every selection launches at the graphs' width: an eager step compiles nothing new.
         self.width = -(-ctx.max_model_len // ctx.block_size)
         self.policy = SELECTION_POLICIES.get(cfg.sparse_policy)(p)
-        if p.lag and not self.policy.supports_lag:
+        if cfg.sparse_lag and not self.policy.supports_lag:
             raise ValueError(
                 f"sparse_lag=1 does not work with sparse_policy={cfg.sparse_policy!r}: its lists fit the "
                 f"query that selected them, not the next one"
@@ -70,7 +70,7 @@ class SparseBackend(AttentionBackend):
         # offload + a refining policy: the pruned lists' view (pool slot, host row) by decode row, which the
         # prune writes (lagged: beside self.refined; else beside the lists it shrinks in place)
         self.refined_view: tuple[torch.Tensor, torch.Tensor] | None = None
-        if p.lag and self.policy.prunes:
+        if p.lag and self.policy.prunes and not p.prefetch:
             shape = (ctx.max_num_seqs, ctx.num_kv_heads, p.cap)
             ids = torch.arange(ctx.max_num_seqs, dtype=torch.int32, device=ctx.device)
             self.refined = (torch.full(shape, -1, dtype=torch.int32, device=ctx.device), ids)
@@ -97,7 +97,7 @@ class SparseBackend(AttentionBackend):
         if offload is not None:
             offload.attach_key_meta(self.key_meta)
         if offload is not None and self.params.lag:
-            offload.init_lagged(self.state.sel.shape[1], self.params.cap)
+            offload.init_lagged(self.state.sel.shape[1], self.params.cap, self.params.prefetch)
         if offload is not None and self.policy.prunes:
             shape = (c.max_num_seqs, c.num_kv_heads, self.params.cap)
             self.refined_view = tuple(torch.full(shape, -1, dtype=torch.int64, device=c.device) for _ in "lk")
@@ -259,17 +259,26 @@ class SparseBackend(AttentionBackend):
         sm: SparseStepMeta | None = meta.backend_meta
         cm = meta if sm is None else sm.cache
         if self.params.lag and self.key_meta is not None and layer >= self.dense_layers and (sm is None or sm.selects):
-            if self.loaded and (sm is None or sm.fix_select is None):  # begin_step's plan, this layer's loads
-                torch.cuda.current_stream(q.device).wait_event(self.loaded[layer - self.dense_layers])
-            elif self.offload is not None and layer == self.dense_layers and self.side is not None:
-                torch.cuda.current_stream(q.device).wait_stream(self.side)  # the whole plan
-            if sm is not None and sm.fix_select is not None:
-                self._plan_fresh(layer, q, meta, cm, scale)
-            self._select_next(layer, q, meta, cm, scale)
+            if self.params.prefetch:  # this step's lists, then the prefetch its lookup reads (no plan of its own)
+                self._select_next(layer, q, meta, cm, scale)
+                self._wait_loads(layer, sm, q.device)
+            else:
+                self._wait_loads(layer, sm, q.device)
+                if sm is not None and sm.fix_select is not None:
+                    self._plan_fresh(layer, q, meta, cm, scale)
+                self._select_next(layer, q, meta, cm, scale)
         out = self.attend(layer, q, kv_cache, meta, scale)
         if layer == self.ctx.num_layers - 1:
             self.end_step()
         return out
+
+    def _wait_loads(self, layer: int, sm: SparseStepMeta | None, device: torch.device) -> None:
+        """Lag + offload: the current stream waits for begin_step's plan and this layer's loads (a step with
+        fresh slots, for the whole plan at its first sparse layer: _plan_fresh plans after it)."""
+        if self.loaded and (sm is None or sm.fix_select is None):
+            torch.cuda.current_stream(device).wait_event(self.loaded[layer - self.dense_layers])
+        elif self.offload is not None and layer == self.dense_layers and self.side is not None:
+            torch.cuda.current_stream(device).wait_stream(self.side)
 
     def attend(
         self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
@@ -295,7 +304,9 @@ class SparseBackend(AttentionBackend):
             self.width,
         )
         sel, view = state.sel[layer], None
-        if p.lag:  # lists selected at an earlier step; _select_next selects the next ones beside
+        if p.prefetch:  # this step's candidates (write rows) pruned into the read rows: _prefetched
+            view = self._prefetched(layer, q, kv_cache, rows, tokens)
+        elif p.lag:  # lists selected at an earlier step; _select_next selects the next ones beside
             rows.slots = self.step_rows[0][:nd]
             if self.offload is not None:  # planned by begin_step (fresh slots: _plan_fresh), by list row
                 view = self.offload.lagged_view(layer)
@@ -336,9 +347,36 @@ class SparseBackend(AttentionBackend):
                 scale,
                 out=out[:nd],
                 offload=view,
-                view_by_slot=p.lag and self.refined is None,
+                view_by_slot=p.lag and self.refined is None and not p.prefetch,  # (prefetch: by decode row)
             )
         return out
+
+    def _prefetched(self, layer, q, kv_cache, rows: DecodeRows, tokens) -> OffloadView:
+        """Prefetching reads (docs/offload.md): the candidates this step selected (write rows) are looked up
+        in the pool, which holds what begin_step prefetched, and pruned on their keys into the read rows, by
+        whose kept lists the attention goes (the candidates stay: the next step prefetches them; the kept
+        lists are the next selection's sticky ones, in place, as without offload). Returns the kept view."""
+        nd, state = len(rows.slots), self.state
+        rows.slots = self.step_rows[1][:nd]  # (-1: padding rows, which read and write nothing)
+        with self._phase("h2d"):
+            view = self.offload.lookup(layer, tokens, rows.seq_lens, state.sel[layer], rows.slots)
+        rv = self.refined_view
+        with self._phase("selection"):
+            self.policy.refine(
+                layer,
+                q,
+                kv_cache,
+                rows,
+                state,
+                view,
+                out=state.sel[layer],
+                host_reads=self.offload.prune_key_reads,
+                out_view=rv,
+                out_rows=self.step_rows[0][:nd],
+                host_attended=self.offload.lookup_stats[2:],
+            )
+        rows.slots = self.step_rows[0][:nd]
+        return (*view[:2], rv[0][:nd], rv[1][:nd])
 
     def _max_blocks(self, meta: AttentionMetadata) -> int:
         return max(1, -(-meta.max_seq_len // self.params.block_size))
@@ -358,7 +396,8 @@ class SparseBackend(AttentionBackend):
         self.step_rows = step_slots(meta.seq_lens, slots, meta.num_decodes, self.params.reuse, self.state.num_slots)
         if self.params.stickiness > 0:  # once a step, not once a layer
             decode = torch.arange(meta.num_seqs, device=dev) < meta.num_decodes
-            self.stick_rows = torch.where(decode, self.step_rows[0], -1)
+            # (prefetch: the kept lists the previous step's prune wrote into this step's write rows)
+            self.stick_rows = torch.where(decode, self.step_rows[1 if self.params.prefetch else 0], -1)
         self._step_meta = meta
         nd = meta.num_decodes
         if self.offload is None or sm is None or nd == 0 or self.key_meta is None:
@@ -404,6 +443,7 @@ class SparseBackend(AttentionBackend):
         ones too. Side stream: the main stream writes nothing it reads before the join."""
         if meta.num_seqs > meta.num_decodes:
             q = q[meta.query_start_loc[1:].long() - 1]
+        beside = contextlib.nullcontext() if self.params.prefetch else self._beside(q)  # prefetch: this step's
         rows = DecodeRows(
             meta.seq_lens,
             self._rows(meta).block_tables,
@@ -413,10 +453,14 @@ class SparseBackend(AttentionBackend):
             scale,
             self.width,
             prev_slots=self.stick_rows,
-            ahead=1,
+            ahead=0 if self.params.prefetch else 1,  # prefetch: the lists serve this step
         )
-        with self._beside(q):  # (a refining policy refines at the step that reads the lists: attend)
+        with beside:  # (a refining policy refines at the step that reads the lists: attend)
             self.policy.select(layer, q, rows, self.state, self.key_meta[layer])
+        if self.params.prefetch and meta.num_seqs > meta.num_decodes:
+            # a prompt's first decode prunes into its write row, whose kept list its next step sticks to: none
+            # yet, as without offload (an earlier chunk may have selected into it)
+            self.state.sel[layer].index_fill_(0, self.step_rows[0][meta.num_decodes :].long(), -1)
 
     @contextlib.contextmanager
     def _beside(self, keep: torch.Tensor):

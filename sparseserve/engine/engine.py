@@ -283,6 +283,7 @@ class LLMEngine:
         values.update(s.kv.gauges())
         if "offload_head_block_bytes" in values:
             hbb = values["offload_head_block_bytes"]
+            values.setdefault("offload_hbm_misses", values["offload_blocks_loaded"] + values["offload_bypass_reads"])
             values["offload_h2d_bytes"] = values["offload_blocks_loaded"] * hbb
             keys = values.get("offload_prune_key_reads", 0) * (hbb // 2)  # K: a head block's first half
             values["offload_uva_bytes"] = values["offload_bypass_reads"] * hbb + keys

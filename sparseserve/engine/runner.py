@@ -112,6 +112,7 @@ class ModelRunner:
             sparse,
             num_q_heads=heads.num_heads,
             profiler=profiler,
+            offload_prefetch=config.prefetches,
         )
         self.attn_backend = create_backend("sparse" if sparse.enabled else "dense", ctx)
         if streaming is not None:

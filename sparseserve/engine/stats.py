@@ -34,6 +34,7 @@ class EngineStats:
     sparse_flat_lists: int = 0  # topp: selections whose candidates were flat (attended unpruned)
     sparse_block_size: int = 0
     offload_hbm_hits: int = 0  # KV offload: listed head blocks found in the HBM pool
+    offload_hbm_misses: int = 0  # ... and not found (loaded, or read from the host)
     offload_blocks_loaded: int = 0  # head blocks copied host -> HBM pool (FlashH2D)
     offload_bypass_reads: int = 0  # misses read from the host store (no free way in the set)
     offload_layer_steps: int = 0  # (decode step, sparse layer) pairs read through the pool
@@ -85,6 +86,7 @@ class EngineStats:
             "sparse_selections",
             "sparse_flat_lists",
             "offload_hbm_hits",
+            "offload_hbm_misses",
             "offload_blocks_loaded",
             "offload_bypass_reads",
             "offload_layer_steps",

@@ -134,6 +134,8 @@ def topp_prune_ref(
     view_by_slot: bool = False,
     out_view: tuple[torch.Tensor, torch.Tensor] | None = None,
     flat: torch.Tensor | None = None,
+    host_attended: torch.Tensor | None = None,
+    out_rows: torch.Tensor | None = None,
 ) -> None:
     """Right after the first stage wrote lists into sel [S, Hkv, cap] for the decode rows q
     [B, Hq, D]: prunes in place the lists recomputed this step (counter - 1 a multiple of R:
@@ -145,7 +147,10 @@ def topp_prune_ref(
     rows by state slot. out_view (with offload: int64 loc, key [>= B, Hkv, cap]): row b's kept entries'
     loc and key at their positions in out[b] (in place: in row b's list), then -1. The trap (in place):
     lists are compact (the selection's and the prune's are), so a skipped list is its own compaction.
-    flat (int8 [S, Hkv], the first stage's: kernels/block_score.py): lists flagged there stay whole."""
+    flat (int8 [S, Hkv], the first stage's: kernels/block_score.py): lists flagged there stay whole.
+    host_attended (with out_view, int64 [1]) += kept entries before the local window that the attention
+    will read from the host (loc < 0). out_rows (int [B], with out): row b's list goes to out[out_rows[b]]
+    instead, padding rows' nowhere (prefetching reads: into the lists' read rows)."""
     block_size = kv_cache.shape[3]
     slots = slots.long()
     if offload is not None and view_by_slot:  # the reference reads the view by decode row
@@ -180,11 +185,18 @@ def topp_prune_ref(
     if out_view is not None:
         for buf, v in zip(out_view, offload[2:]):
             buf[: len(slots)] = compact_ref(v, keep & live[..., None])
+        if host_attended is not None:
+            kept = keep & live[..., None] & listed_rows(lists, seq_lens, local, block_size)
+            host_attended += (kept & (offload[2] < 0)).sum()
     if out is None:
         sel[slots] = result
         stats[0] -= ((lists >= 0).sum(-1) - (result >= 0).sum(-1)).sum()
         return
-    out[: len(slots)] = torch.where(live[..., None], result, -1)
+    if out_rows is not None:
+        on = seq_lens > 0
+        out[out_rows.long()[on]] = result[on]
+    else:
+        out[: len(slots)] = torch.where(live[..., None], result, -1)
     stats[0] += ((result >= 0) & live[..., None]).sum()
     stats[1] += live.sum()
 
@@ -411,6 +423,8 @@ def _prune_kernel(
     view_key_ptr,
     out_loc_ptr,
     out_key_ptr,
+    host_ptr,
+    out_rows_ptr,
     top_p,
     stride_ss,
     stride_cs,
@@ -432,6 +446,8 @@ def _prune_kernel(
     OUT: tl.constexpr,
     VIEW: tl.constexpr,
     VIEW_BY_SLOT: tl.constexpr,
+    COUNT_HOST: tl.constexpr,
+    OUT_ROWS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Prunes the list of (b, kvh) in place, or with OUT into out row b (reference: topp_prune_ref); with VIEW
@@ -484,7 +500,11 @@ def _prune_kernel(
         keep = keep | _keep(tl.sum(probs, 0) / GROUP, forced, cand, top_p, WAYS, ITERS, SORT, CAP_PAD)
     if OUT:  # a skipped list (its lse unwritten) is kept whole; the prune counts what it keeps
         keep = tl.where(skip, listed, keep)
-        sel_row = out_ptr + b.to(tl.int64) * stride_ob + kvh * CAP
+        if OUT_ROWS:  # out row out_rows[b]; a padding row (nothing listed) writes nowhere
+            orow_b = tl.load(out_rows_ptr + b).to(tl.int64)
+            sel_row = out_ptr + tl.maximum(orow_b, 0) * stride_ob + kvh * CAP
+        else:
+            sel_row = out_ptr + b.to(tl.int64) * stride_ob + kvh * CAP
     elif VIEW:  # in place, a skipped list gets its whole view (lists are compact: it is its own compaction)
         keep = tl.where(skip, listed, keep)
     count = tl.sum(keep.to(tl.int32), 0)
@@ -494,6 +514,10 @@ def _prune_kernel(
         none = e < 0
         tl.store(sel_row + pos, j, mask=tl.where(skip, none, keep))
         tl.store(sel_row + e, tl.full([CAP_PAD], -1, tl.int32), mask=tl.where(skip, none, tail))
+    elif OUT_ROWS:
+        tl.store(sel_row + pos, j, mask=keep)
+        live = (tl.zeros([CAP_PAD], tl.int32) + seq_len) > 0
+        tl.store(sel_row + e, tl.full([CAP_PAD], -1, tl.int32), mask=tail & live)
     else:
         tl.store(sel_row + pos, j, mask=keep)  # pos <= e: every entry was read before any store
         tl.store(sel_row + e, tl.full([CAP_PAD], -1, tl.int32), mask=tail)
@@ -504,6 +528,9 @@ def _prune_kernel(
         tl.store(out_loc_ptr + orow + e, fill, mask=tail)
         tl.store(out_key_ptr + orow + pos, vkey, mask=keep)
         tl.store(out_key_ptr + orow + e, fill, mask=tail)
+        if COUNT_HOST:  # kept entries before the window the attention reads from the host
+            host = keep & (j < nb - LOCAL) & (vloc < 0)
+            tl.atomic_add(host_ptr, tl.sum(host.to(tl.int64), 0), sem="relaxed")
     if OUT:
         tl.atomic_add(stats_ptr, count.to(tl.int64))
         tl.atomic_add(stats_ptr + 1, (seq_len > 0).to(tl.int64))
@@ -627,10 +654,12 @@ def prune_lists_triton(
     view_by_slot: bool = False,
     out_view: tuple[torch.Tensor, torch.Tensor] | None = None,
     flat: torch.Tensor | None = None,
+    host_attended: torch.Tensor | None = None,
+    out_rows: torch.Tensor | None = None,
 ) -> None:
     """Prunes sel[slots] in place from their blocks' lse [B, Hq, cap] (prune_ref); stats[0] -=
-    dropped entries. out, out_view: topp_prune_ref's, from the candidates' view (loc, key; by state
-    slot with view_by_slot). sort: one sort of the masses finds the threshold, else rounds of `ways`
+    dropped entries. out, out_view, host_attended, out_rows: topp_prune_ref's, from the candidates' view
+    (loc, key; by state slot with view_by_slot). sort: one sort of the masses finds the threshold, else rounds of `ways`
     thresholds (the same lists; None: a sort up to SORT_MAX_CAP; benchmarks/topp_parts.py)."""
     batch, num_q_heads, cap = lse.shape
     if sort is None:
@@ -665,6 +694,8 @@ def prune_lists_triton(
         key,
         out_loc,
         out_key,
+        stats if host_attended is None else host_attended,
+        seq_lens if out_rows is None else out_rows,
         prune_target(top_p),
         sel.stride(0),
         counter.stride(0),
@@ -686,6 +717,8 @@ def prune_lists_triton(
         OUT=out is not None,
         VIEW=out_view is not None,
         VIEW_BY_SLOT=view_by_slot,
+        COUNT_HOST=out_view is not None and host_attended is not None,
+        OUT_ROWS=out is not None and out_rows is not None,
         num_warps=4,
         PDL=pdl,
         launch_pdl=pdl,
@@ -715,6 +748,8 @@ def topp_prune_triton(
     view_by_slot: bool = False,
     out_view: tuple[torch.Tensor, torch.Tensor] | None = None,
     flat: torch.Tensor | None = None,
+    host_attended: torch.Tensor | None = None,
+    out_rows: torch.Tensor | None = None,
 ) -> None:
     if flat is not None:
         assert flat.shape == sel.shape[:2] and flat.is_contiguous()
@@ -754,4 +789,6 @@ def topp_prune_triton(
         view_by_slot=view_by_slot,
         out_view=out_view,
         flat=flat,
+        host_attended=host_attended,
+        out_rows=out_rows,
     )

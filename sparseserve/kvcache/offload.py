@@ -18,6 +18,7 @@ from sparseserve.kvcache.blocks import blocks_needed
 from sparseserve.kvcache.host import HostKVStore, host_block_bytes, pinned_zeros
 from sparseserve.kvcache.layout import OffloadLayout
 from sparseserve.kvcache.offload_plan import OffloadPlan
+from sparseserve.kernels.pool_plan import ListLayout, pool_lookup
 from sparseserve.kvcache.pool import HBMPool
 from sparseserve.kvcache.transfer import to_device_many
 from sparseserve.kvcache.working_set import WorkingSetCounter
@@ -77,6 +78,10 @@ class OffloadCache:
         self.num_row_moves = [0, 0]  # device rows saved, restored (stats)
         self.seed_stats = torch.zeros(4, dtype=torch.int64, device=dev)  # `seed`'s plans (as the pool's stats)
         self.prune_key_reads = torch.zeros(1, dtype=torch.int64, device=dev)  # topp's candidate keys from the host
+        # Prefetching reads (`lookup`): listed head blocks found in the pool, not found, and of those the ones
+        # the attention reads from the host. `prefetch` (init_lagged): the reads are lookups, the plans prefetch.
+        self.lookup_stats = torch.zeros(3, dtype=torch.int64, device=dev)
+        self.prefetch = False
 
     @classmethod
     def build(
@@ -367,10 +372,23 @@ class OffloadCache:
         )
         return self.pool.slots, host_flat, loc, key
 
-    def init_lagged(self, list_rows: int, cap: int) -> None:
+    def lookup(
+        self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel: torch.Tensor, row_slots: torch.Tensor
+    ) -> OffloadView:
+        """The prefetching read (docs/offload.md, "Prefetching reads"): where each listed head block
+        is now, by decode row, planning and loading nothing; the pool holds what the step's plan of the
+        previous step's lists loaded (`plan_lagged`, beside the step) and the rest is read from the
+        host over UVA (topp's prune counts the host reads it keeps into `lookup_stats[2:]`). `read`'s
+        arguments."""
+        lay = ListLayout(layer, self.pool.num_blocks, self.pool.num_kv_heads, self.local_blocks, self.block_size)
+        loc, key = pool_lookup(sel, row_slots, tables, seq_lens, lay, self.pool.resident, self.lookup_stats[:2])
+        return self.pool.slots, self.host.flat(), loc, key
+
+    def init_lagged(self, list_rows: int, cap: int, prefetch: bool = False) -> None:
         """Lagged selection: a view buffer per sparse layer with a row per list row (state slot
         and parity, kernels/block_score.py step_slots) and a scratch row for rows that plan
-        nothing."""
+        nothing. prefetch: the lagged plans only prefetch; the step's reads are `lookup`s."""
+        self.prefetch = prefetch
         shape = (len(self.kv_caches) - self.dense_layers, list_rows + 1, self.host.data.shape[2], cap)
         dev = self.pool.resident.device
         self.lag_loc = torch.full(shape, -1, dtype=torch.int64, device=dev)
@@ -437,14 +455,19 @@ class OffloadCache:
     # ---- statistics ------------------------------------------------------------------------------
 
     def counters(self) -> dict[str, torch.Tensor]:
-        """Cumulative device counters: pool hits, head blocks loaded (FlashH2D), bypass reads,
+        """Cumulative device counters: the listed head blocks found in the pool and not (hit ratio),
+        head blocks loaded (FlashH2D), bypass reads (head blocks the attention read from the host),
         layer steps, candidate head blocks whose keys a prune read from the host (over UVA, not
         loaded), and token blocks x layers written through by decode steps."""
         s = self.pool.stats
+        # prefetching reads: the step's reads are lookups; the plans' own hits and bypasses read nothing
+        # (without: every miss is loaded or bypassed, and the engine adds them up; these tensors are read later)
+        hits, misses, bypass = self.lookup_stats if self.prefetch else (s[0], None, s[2])
         return {
-            "offload_hbm_hits": s[0],
+            "offload_hbm_hits": hits,
+            **({} if misses is None else {"offload_hbm_misses": misses}),
             "offload_blocks_loaded": s[1],
-            "offload_bypass_reads": s[2],
+            "offload_bypass_reads": bypass,
             "offload_layer_steps": s[3],
             "offload_blocks_seeded": self.seed_stats[1],
             "offload_prune_key_reads": self.prune_key_reads[0],

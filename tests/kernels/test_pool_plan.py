@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sparseserve.kernels.dispatch import forced
-from sparseserve.kernels.pool_plan import ListLayout
+from sparseserve.kernels.pool_plan import ListLayout, list_keys, pool_lookup
 from sparseserve.kernels.working_set import TouchState, working_set_begin_step
 from sparseserve.kvcache.pool import HBMPool
 from tests.kernel_utils import DEVICE, ON_GPU, gpu_only
@@ -211,7 +211,6 @@ def test_triton_read_matches_reference(hkv, cap, slots, ways, bypasses, shared):
     Triton kernels against the torch reference from the same state, over steps with repeats across rows (shared prefix
     blocks), padding rows, entries inside the local window and bypass reads: every entry reads the host's
     block, the hits, victims, bypass reads per set, statistics and clock stamps are the reference's."""
-    from sparseserve.kernels.pool_plan import list_keys
     from sparseserve.kernels.sparse_decode import read_listed_ref
     from sparseserve.kvcache.host import HostKVStore
 
@@ -378,3 +377,44 @@ def test_triton_read_of_several_layers_matches_reference(defer):
             assert torch.equal(getattr(pool, name), getattr(ref, name)), name
         pool.check()
     assert pool.stats[0] > 0 and pool.stats[1] > 0 and pool.stats[3] == 12
+
+
+def test_lookup_matches_reference_and_plans_nothing():
+    """pool_lookup (the prefetching read): after a plan of some lists filled part of the pool, the lookup of
+    other lists (padding row, entries inside the window or past the context, shared prefix blocks) on the Triton
+    kernel equals the torch reference: every listed entry reads the host's block through its view (pool slot or
+    host row), unlisted ones name the trash key, the counts are (found, not found), and the pool's state is
+    untouched."""
+    from sparseserve.kernels.sparse_decode import read_listed_ref
+    from sparseserve.kvcache.host import HostKVStore
+
+    g = torch.Generator().manual_seed(11)
+    hkv, cap, layers, blocks, local, bs = 3, 6, 2, 48, 1, 4
+    host = HostKVStore(layers, blocks, hkv, bs, 4, torch.float32, pin=ON_GPU)
+    host.data.copy_(torch.randn(host.data.shape, generator=g))
+    pool = HBMPool(layers, blocks, hkv, bs, 4, 40, torch.float32, DEVICE, ways=8)
+    sel, row_slots, tables, seq_lens = lists(g, 5, 8, hkv, cap, blocks, 3)
+    with forced("torch"):  # the prefetch: half the lists' rows
+        pool.read(host.flat(), 1, sel, torch.where(row_slots % 2 == 0, row_slots, -1), tables, seq_lens, local, bs)
+    state = {name: getattr(pool, name).clone() for name in STATE}
+    lay = ListLayout(1, blocks, hkv, local, bs)
+    outs = []
+    for impl in ("torch", "triton"):
+        stats = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+        with forced(impl):
+            loc, key = pool_lookup(sel, row_slots, tables, seq_lens, lay, pool.resident, stats)
+        outs.append((loc, key, stats))
+        for name, t in state.items():
+            assert torch.equal(getattr(pool, name), t), name
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    loc, key, stats = outs[0]
+    with forced("torch"):
+        assert torch.equal(key, list_keys(sel, row_slots, tables, seq_lens, lay, pool.trash_key))
+    need = key != pool.trash_key
+    flat = host.flat()
+    got = read_listed_ref((pool.slots, flat, loc, key))
+    assert torch.equal(got[need].cpu(), flat[key[need].cpu()]) and (loc[~need] == -1).all()
+    hits, misses = int((need & (loc >= 0)).sum()), int((need & (loc < 0)).sum())
+    assert hits > 0 and misses > 0  # both cases happened
+    assert stats.tolist() == [hits, misses]

@@ -443,3 +443,43 @@ def test_topp_prune_into_rows_with_the_candidates_view(view_by_slot, hq=8, hkv=2
     assert int((out >= 0).sum()) < int((lists[seq_lens > 0] >= 0).sum())  # something was pruned
     assert_view_follows(lists, out, (loc, key), (out_loc, out_key))
     assert int(outs[0][4]) > 0  # keys of bypassed candidates came from the host
+
+
+def test_topp_prune_into_read_rows_counts_the_host_reads_it_keeps(hq=8, hkv=2):
+    """Prefetching reads: the prune writes row b's kept list into out[out_rows[b]] (a padding row, slot -1,
+    nowhere), the candidates stay, the kept entries' view goes by decode row, and host_attended counts the kept
+    entries before the window the attention will read from the host; both kernels equal the reference, and
+    equal the in-place prune's lists."""
+    q, poisoned, tables, seq_lens, slots, state, (pool, host, loc, key) = offload_case(hq, hkv, seed=9)
+    d, bs, cap, top_p = OFFLOAD_CASE
+    live = seq_lens > 0
+    slots = torch.where(live, slots, -1).to(torch.int32)  # (write rows: -1 for padding rows)
+    out_rows = (torch.arange(len(LENS), device=DEV) * 2 + 1).to(torch.int32)  # every other row of out
+    kw = dict(sink=1, local=2, top_p=top_p, scale=d**-0.5, offload=(pool, host, loc, key))
+    in_place = tuple(t.clone() for t in state)
+    topp_prune_ref(q, poisoned, tables, seq_lens, slots.clamp_min(0), *in_place, **kw)
+    outs = []
+    for fn in (topp_prune_ref, topp_prune_triton):
+        sel, counter, stats = (t.clone() for t in state)
+        out = torch.full((2 * len(LENS), hkv, cap), 7, dtype=torch.int32, device=DEV)
+        out_view = tuple(torch.full((len(LENS), hkv, cap), 7, dtype=torch.int64, device=DEV) for _ in range(2))
+        attended = torch.zeros(1, dtype=torch.int64, device=DEV)
+        fn(
+            q, poisoned, tables, seq_lens, slots, sel, counter, stats, **kw,
+            out=out, out_rows=out_rows, out_view=out_view, host_attended=attended,
+        )  # fmt: skip
+        assert torch.equal(sel, state[0])  # the candidates stay
+        assert (out[0::2] == 7).all() and (out[out_rows[~live].long()] == 7).all()  # nothing else written
+        assert torch.equal(out[out_rows[live].long()], in_place[0][slots[live].long()])
+        outs.append((out, *out_view, stats, attended))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    pruned = outs[0][0][out_rows.long()]
+    assert int((pruned[live] >= 0).sum()) < int((state[0][slots[live].long()] >= 0).sum())  # something was pruned
+    lists = torch.where(live[:, None, None], state[0][slots.clamp_min(0).long()], -1)
+    pruned = torch.where(live[:, None, None], pruned, -1)
+    assert_view_follows(lists, pruned, (loc, key), outs[0][1:3])
+    nb = (seq_lens.long() + bs - 1) // bs
+    before_window = (pruned >= 0) & (pruned < (nb - 2)[:, None, None])
+    expected = int((before_window & (outs[0][1] < 0)).sum())
+    assert expected > 0 and int(outs[0][4]) == expected

@@ -73,6 +73,13 @@ def test_config_flags_and_refusals(tiny_model_dir):
     for bad in (dict(hbm_cache_blocks=0), dict(host_kv_memory=0)):
         with pytest.raises(ValueError):
             EngineConfig.from_kwargs(kv_offload=True, **SPARSE, **bad)
+    # prefetching reads: topp not lagged under KV offload only
+    topp = {**SPARSE, "sparse_policy": "topp"}
+    assert EngineConfig.from_kwargs(kv_offload=True, offload_prefetch=True, **topp).prefetches
+    assert not EngineConfig.from_kwargs(kv_offload=True, **topp).prefetches  # (off by default)
+    for bad in (dict(kv_offload=True, **SPARSE), dict(kv_offload=True, sparse_lag=1, **topp), dict(**topp)):
+        with pytest.raises(ValueError, match="offload_prefetch needs"):
+            EngineConfig.from_kwargs(offload_prefetch=True, **bad)
     # A host store too small for one max_model_len sequence is refused when the engine starts.
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(str(tiny_model_dir), **COMMON, kv_offload=True, host_kv_memory=4096, **SPARSE)
@@ -463,9 +470,11 @@ def run(model_dir, control: bool = True, **kw):
         dict(),
         # topp pruning every list (random weights' lists are flat enough to be flagged at the default share)
         dict(TOPP_PRUNES, sparse_reuse=2),
-        dict(TOPP_PRUNES, sparse_dense_layers=1),  # not lagged
+        dict(TOPP_PRUNES, sparse_dense_layers=1),  # not lagged: each layer loads its misses
+        dict(TOPP_PRUNES, sparse_dense_layers=1, offload_prefetch=True),  # not lagged, prefetching reads
         dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_lag=1),
         dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_topp_flat_share=0.5),  # flat lists flagged, unpruned
+        dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_topp_flat_share=0.5, offload_prefetch=True),
         dict(sparse_dense_layers=1, sparse_stickiness=0),
         dict(sparse_lag=1),
         dict(sparse_lag=1, sparse_dense_layers=1, sparse_stickiness=0),
@@ -480,6 +489,8 @@ def test_offload_equals_no_offload(hf_models, policy):
     max_model_len sequence (prompts wait for device blocks). A dense first layer keeps its own full-size
     device cache."""
     model_dir = hf_models["qwen2-gqa-bias"][0]
+    policy = dict(policy)
+    prefetch = {"offload_prefetch": policy.pop("offload_prefetch", False)}  # the offloaded runs'
     kw = offload_lag(**{**SPARSE, **policy, "max_model_len": 136})
     base, _ = run(model_dir, **kw)
     for slots, device_blocks in ((None, None), (24, None), (4, None), (24, 17)):
@@ -490,6 +501,7 @@ def test_offload_equals_no_offload(hf_models, policy):
             hbm_cache_blocks=slots,
             num_gpu_blocks_override=device_blocks,
             **kw,
+            **prefetch,
         )
         assert got == base, f"hbm_cache_blocks={slots}, device blocks {device_blocks}"
         runner = llm.llm_engine.model_runner
@@ -523,12 +535,20 @@ def test_offload_equals_no_offload(hf_models, policy):
         keys = stats.offload_prune_key_reads
         assert stats.offload_uva_bytes == stats.offload_bypass_reads * head_block + keys * head_block // 2
         assert got_metrics["sparseserve:offload_uva_bytes_total"] == stats.offload_uva_bytes
-        # topp's candidates go through the pool before its prune: only those bypassing it (no free way) have
-        # their keys read from the host (by a prune: flagged flat lists are not pruned)
-        assert keys <= stats.offload_bypass_reads
-        if policy.get("sparse_topp_flat_share", 1.0) == 1.0:
-            assert (keys > 0) == (policy.get("sparse_policy") == "topp" and slots == 4)
-        else:  # the case is what it says: lists were flagged
+        flat = policy.get("sparse_topp_flat_share", 1.0) < 1.0
+        if engine.config.prefetches:
+            # the step's candidates not prefetched (a first decode's, the new ones) are read from the host: the
+            # prune their keys, the attention the kept ones' K and V
+            assert stats.offload_bypass_reads <= stats.offload_hbm_misses and keys <= stats.offload_hbm_misses
+            assert stats.offload_bypass_reads > 0 and (keys > 0) != flat
+        else:
+            # topp's candidates go through the pool before its prune: only those bypassing it (no free way) have
+            # their keys read from the host (by a prune: flagged flat lists are not pruned)
+            assert stats.offload_hbm_misses == stats.offload_blocks_loaded + stats.offload_bypass_reads
+            assert keys <= stats.offload_bypass_reads
+            if not flat:
+                assert (keys > 0) == (policy.get("sparse_policy") == "topp" and slots == 4)
+        if flat:  # the case is what it says: lists were flagged
             assert stats.sparse_flat_lists > 0
         assert stats.offload_d2h_bytes == got_metrics["sparseserve:offload_d2h_bytes_total"] > 0
 
@@ -668,7 +688,8 @@ HOST_16 = 16 * 2 * 2 * 2 * BS * 128 * 4  # 16 token blocks of the tiny model in 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "seed, triton_plan, lag",
-    [(0, False, 0), (2, False, 1)] + ([(1, True, 0)] if os.environ.get("TRITON_INTERPRET") == "1" else []),
+    [(0, False, 0), (2, False, 1), (3, False, "topp")]
+    + ([(1, True, 0)] if os.environ.get("TRITON_INTERPRET") == "1" else []),
 )
 def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, triton_plan, lag):
     """16 token blocks both ways (host store with offload); with offload first as many device blocks and the
@@ -678,8 +699,11 @@ def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, tri
     a decode, attended sparsely: with a smaller budget its tokens would depend on the schedule; an aborted
     request got as far as its schedule let it: a prefix); every block still goes through scoring, selection
     and the pool (its torch plan, or its Triton plan). lag: lagged selection, whose next lists the pool reads
-    a step ahead (paused sequences resume with fresh state slots, which select and read in their step)."""
-    off, _ = random_schedule(tiny_model_dir, seed, check=False, num_gpu_blocks_override=16, sparse_lag=lag)
+    a step ahead (paused sequences resume with fresh state slots, which select and read in their step); "topp":
+    topp pruning every list, not lagged, with prefetching reads."""
+    extra = TOPP_PRUNES | {"sparse_lag": 0} if lag == "topp" else {"sparse_lag": lag}
+    prefetch = {"offload_prefetch": True} if lag == "topp" else {}  # the offloaded runs'
+    off, _ = random_schedule(tiny_model_dir, seed, check=False, num_gpu_blocks_override=16, **extra)
     on, preemptions = random_schedule(
         tiny_model_dir,
         seed,
@@ -688,11 +712,12 @@ def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, tri
         hbm_cache_blocks=16,
         host_kv_memory=HOST_16,
         triton_plan=triton_plan,
-        sparse_lag=lag,
         control=False,
+        **extra,
+        **prefetch,
     )
     assert on == off and preemptions > 0
-    covering = dict(greedy=True, sparse_budget=12 * BS, sparse_lag=lag)
+    covering = {**extra, "greedy": True, "sparse_budget": 12 * BS}
     aborted: set[str] = set()
     off, _ = random_schedule(tiny_model_dir, seed, check=False, num_gpu_blocks_override=16, **covering)
     on, _ = random_schedule(
@@ -706,6 +731,7 @@ def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, tri
         triton_plan=triton_plan,
         aborted=aborted,
         **covering,
+        **prefetch,
     )
     assert set(on) | aborted == set(off) | aborted
     for rid in set(on) | set(off):
