@@ -1,8 +1,9 @@
 """Where a decode step's time goes on the GPU: torch profiler over full-batch decode steps of a
-random-weight model (load_format='dummy'): wall time per step, the GPU's busy and idle time, and each
-kernel's share of the GPU's critical path (summed kernel times overcount: kernels overlap under PDL), and
-under KV offload the loads a layer-step and FlashH2D's rate. `--cprofile`: the host's Python time by function;
-`--trace`: the timeline for chrome://tracing. Runs on CPU too (no GPU timeline there).
+random-weight model (load_format='dummy'; `--engine-arg load_format=auto`: its own weights): wall time
+per step, the GPU's busy and idle time, and each kernel's share of the GPU's critical path (summed kernel
+times overcount: kernels overlap under PDL), and under KV offload the loads a layer-step and FlashH2D's rate.
+`--cprofile`: the host's Python time by function; `--trace`: the timeline for chrome://tracing. Runs on CPU
+too (no GPU timeline there).
 
     python -m benchmarks.model_dir --config-only --out /tmp/cfg8b
     python scripts/profile_decode.py /tmp/cfg8b --batch 32 --input-len 8192
@@ -45,12 +46,12 @@ def main() -> None:
     engine = LLMEngine.from_kwargs(
         log,
         model=args.model,
-        load_format="dummy",
         dtype="bfloat16",
         max_model_len=args.input_len + 256,
         max_num_seqs=args.batch,
         max_num_batched_tokens=32768,
-        **{"async_scheduling": False, **parse_engine_args(args.engine_arg)},  # each step timed alone unless asked
+        # each step timed alone unless asked; random weights unless asked (load_format=auto: the model's own)
+        **{"async_scheduling": False, "load_format": "dummy", **parse_engine_args(args.engine_arg)},
     )
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)

@@ -464,16 +464,19 @@ FAST_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=4, num_stages=3, tiles=4)
 TMA_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=2, num_stages=3, tiles=4, tma=True)
 
 
-# Blocks smaller than this, without offload, take the plain kernel even where TMA applies: its tile gathers several
-# blocks, where TMA copies a box a block (docs/sparse.md, "Kernel notes").
+# Blocks smaller than this take the plain kernel even where TMA applies: its tile gathers several blocks, where
+# TMA copies a box a block; under offload, boxes (block x head_dim elements) smaller than TMA_MIN_BOX do
+# (docs/sparse.md, "Kernel notes").
 TMA_MIN_BLOCK = 32
+TMA_MIN_BOX = 2048
 
 
 def default_config(kv_cache: torch.Tensor, offload) -> SparseDecodeConfig:
-    """TMA_CONFIG on a GPU where TMA applies (offloaded, or blocks of TMA_MIN_BLOCK tokens or more), else
-    FAST_CONFIG (the interpreter: plain kernel)."""
+    """TMA_CONFIG on a GPU where TMA applies (blocks of TMA_MIN_BLOCK tokens or more; offloaded, boxes of
+    TMA_MIN_BOX elements or more), else FAST_CONFIG (the interpreter: plain kernel)."""
     on_gpu = kv_cache.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-    big_blocks = offload is not None or kv_cache.shape[3] >= TMA_MIN_BLOCK
+    block_size, head_dim = kv_cache.shape[3], kv_cache.shape[-1]
+    big_blocks = block_size >= TMA_MIN_BLOCK or (offload is not None and block_size * head_dim >= TMA_MIN_BOX)
     return TMA_CONFIG if on_gpu and big_blocks and tma_capable(kv_cache, offload) else FAST_CONFIG
 
 

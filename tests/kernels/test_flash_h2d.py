@@ -307,19 +307,22 @@ def test_offload_decode_cuda_graph():
         # topp always pruning (sparse_topp_flat_share 1: random weights' lists would be flagged flat, unpruned)
         dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_reuse=2, sparse_topp_flat_share=1.0),
         dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_lag=1, sparse_topp_flat_share=1.0),
+        dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_topp_flat_share=1.0, offload_prefetch=1),
         dict(),
     ],
 )
 def test_engine_offload_equals_no_offload_on_gpu(hf_models, enforce_eager, policy):
     """On the GPU (Triton kernels, pinned store over UVA, CUDA graphs unless eager): offload on == off,
     token for token, under the same sparse policy (topk; topp pruning through the pool, with reuse, and with KV
-    offload's default lagged selection; topk lagged: the pool reads the next lists a step ahead on the side
-    stream), with a roomy pool and with a 4-slot pool (the working-set limit off: evictions every step, bypass
-    reads)."""
+    offload's default lagged selection, and with prefetching reads (the side stream loads the previous step's
+    candidates); topk lagged: the pool reads the next lists a step ahead on the side stream), with a roomy pool
+    and with a 4-slot pool (the working-set limit off: evictions every step, bypass reads)."""
     from sparseserve import LLM
     from tests.kvcache.test_offload import GREEDY, SPARSE, prompts
 
     model_dir = hf_models["qwen2-gqa-bias"][0]
+    policy = dict(policy)
+    prefetch = policy.pop("offload_prefetch", False)  # the offloaded runs'
     common = offload_lag(  # the base selects as KV offload's default does (it lags with topk)
         device="cuda",
         dtype="float32",
@@ -340,7 +343,7 @@ def test_engine_offload_equals_no_offload_on_gpu(hf_models, enforce_eager, polic
 
     base, _ = tokens()
     for slots in (None, 4):
-        got, engine = tokens(control=slots is None, kv_offload=True, hbm_cache_blocks=slots)
+        got, engine = tokens(control=slots is None, kv_offload=True, hbm_cache_blocks=slots, offload_prefetch=prefetch)
         assert got == base, f"hbm_cache_blocks={slots}"
         stats = engine.get_stats(sync=True)  # the device counters of every step
         assert stats.offload_blocks_loaded > 0 and stats.num_blocks_used == 0
