@@ -40,8 +40,9 @@ class SelectionParams:
     stickiness: float = 0.0  # a listed block ranks by its mass x (1 + this) at the next selection
     flat_share: float = 1.0  # topp: lists whose candidates are at least this flat stay unpruned (1: none)
     flat_cap: int = 0  # blocks such a list takes where cap blocks cannot reach top_p on flat masses (<= cap)
-    # with lag: each step selects from its own query into its write row and attends that list; only the KV
-    # offload pool's loads lag (a prefetch of the previous step's lists: docs/offload.md, "Prefetching reads")
+    # with lag: each step selects its candidates from its own query into its write row and prunes them into its
+    # read row, which it attends; only the KV offload pool's loads lag (a prefetch of the previous step's
+    # candidates: docs/offload.md, "Prefetching reads")
     prefetch: bool = False
 
     @classmethod

@@ -36,7 +36,7 @@ class EngineStats:
     offload_hbm_hits: int = 0  # KV offload: listed head blocks found in the HBM pool
     offload_hbm_misses: int = 0  # ... and not found (loaded, or read from the host)
     offload_blocks_loaded: int = 0  # head blocks copied host -> HBM pool (FlashH2D)
-    offload_bypass_reads: int = 0  # misses read from the host store (no free way in the set)
+    offload_bypass_reads: int = 0  # misses the attention read from the host store (no free way; not prefetched)
     offload_layer_steps: int = 0  # (decode step, sparse layer) pairs read through the pool
     offload_blocks_seeded: int = 0  # head blocks put in the pool by layer-segmented prefill (no FlashH2D)
     offload_prune_key_reads: int = 0  # topp's candidate head blocks whose keys its prune read from the host

@@ -10,10 +10,11 @@ the forced blocks and the top candidates. Here:
      reach p (ties at t kept; all when the total stays below p), compacts the list in place and
      takes the dropped entries off stats[0]. A sort up to SORT_MAX_CAP blocks, else a bit-pattern
      search. With `out` (lagged selection: the candidates stay, a step's query prunes them for
-     itself) row b's result goes to out[b] instead, padding rows get -1, and the prune counts what
-     it keeps (stats[0] += kept, stats[1] += 1 per live list): the candidates' selection counted
-     nothing. `out_view` (either way): each kept entry's pool view (slot, host row) at its new position
-     by decode row, so the attention reads the pruned lists without a second pool lookup.
+     itself) row b's result goes to out[b] instead (out_rows, prefetching reads: to out[out_rows[b]],
+     padding rows nowhere), padding rows get -1, and the prune counts what it keeps (stats[0] +=
+     kept, stats[1] += 1 per live list): the candidates' selection counted nothing. `out_view` (either
+     way): each kept entry's pool view (slot, host row) at its new position by decode row, so the
+     attention reads the pruned lists without a second pool lookup.
 Both skip padding rows, rows that fit the cap and, with reuse, lists kept this step, so the
 grid follows shapes only (capturable). Under KV offload keys are read through the pool view
 (`offload`, as in kernels/sparse_decode.py; `view_by_slot`: its rows by state slot, as lagged
