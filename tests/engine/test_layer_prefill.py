@@ -401,6 +401,34 @@ def test_first_lists_go_into_the_pool_from_the_prefill(model4):
     assert after.offload_hbm_hits >= before.offload_blocks_seeded  # every listed block, each layer and head
 
 
+TOPP = dict(sparse_policy="topp", sparse_budget=8 * BS, sparse_top_p=0.7, sparse_topp_flat_share=1.0)
+
+
+@pytest.mark.slow
+def test_prefetching_reads_after_a_layer_segmented_prefill(model4):
+    """topp with prefetching reads (KV offload, not lagged): layer-segmented and chunked prefill give the tokens
+    of topp without offload; a segmented prefill's last chunk selects the first decode's candidates, which go into
+    the pool from the scratch, so that decode's prefetch loads nothing and its own candidates are mostly found."""
+    reqs = prompts()
+    plain = {**COMMON, **TOPP, "kv_offload": False}
+    base, _ = drive(LLM(str(model4[0]), **plain, profiler=LastSchedule()), reqs, GREEDY)
+    for segmented in (False, True):
+        kw = {**COMMON, **TOPP, "offload_prefetch": True, "layer_segmented_prefill": segmented}
+        llm = LLM(str(model4[0]), **kw, profiler=LastSchedule())
+        assert llm.llm_engine.model_runner.attn_backend.params.prefetch
+        got, _ = drive(llm, reqs, GREEDY, check_segmented if segmented else None)
+        assert got == base, f"layer-segmented {segmented}"
+    engine = LLM(str(model4[0]), **kw, prefill_layer_segment=1).llm_engine
+    engine.add_request("0", reqs[3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    while not any(o.outputs[0].token_ids for o in engine.step()):  # the prefill, to its first token
+        pass
+    before = engine.get_stats(sync=True)
+    engine.step()  # the first decode
+    after = engine.get_stats(sync=True)
+    assert before.offload_blocks_seeded > 0 and after.offload_blocks_loaded == 0
+    assert after.offload_hbm_hits > after.offload_hbm_misses
+
+
 def test_segment_threshold_below_the_budget(model4):
     """layer_segment_min_tokens below the step's budget: a 30-token prompt (over 24, under the budget of 32)
     goes layer by layer too; the same greedy tokens as chunked prefill; refused below 1."""
