@@ -80,6 +80,8 @@ class SparseBackend(AttentionBackend):
         # lag + stickiness: the rows whose lists the step's selections stick to (a decode's read row; a
         # prompt chunk's end selects afresh, -1, so chunk boundaries such as prefix-cache hits change no list)
         self.stick_rows: torch.Tensor | None = None
+        # prefetch: the read rows of the step's prompt chunks, cleared for their first decodes (_select_next)
+        self.chunk_rows: torch.Tensor | None = None
         self._step_meta: AttentionMetadata | None = None
         # the last step's state slots (SelectionState.assign's list) and as a tensor (prepare)
         self._slots: tuple[list[int] | None, torch.Tensor | None] = (None, None)
@@ -400,6 +402,8 @@ class SparseBackend(AttentionBackend):
             self.stick_rows = torch.where(decode, self.step_rows[1 if self.params.prefetch else 0], -1)
         self._step_meta = meta
         nd = meta.num_decodes
+        if self.params.prefetch:  # once a step, not once a layer
+            self.chunk_rows = self.step_rows[0][nd:].long() if meta.num_seqs > nd else None
         if self.offload is None or sm is None or nd == 0 or self.key_meta is None:
             return
         plan = meta.seq_lens[:nd] > 0  # padding rows of CUDA graphs plan nothing
@@ -457,10 +461,10 @@ class SparseBackend(AttentionBackend):
         )
         with beside:  # (a refining policy refines at the step that reads the lists: attend)
             self.policy.select(layer, q, rows, self.state, self.key_meta[layer])
-        if self.params.prefetch and meta.num_seqs > meta.num_decodes:
+        if self.params.prefetch and self.chunk_rows is not None:
             # a prompt's first decode prunes into its write row, whose kept list its next step sticks to: none
             # yet, as without offload (an earlier chunk may have selected into it)
-            self.state.sel[layer].index_fill_(0, self.step_rows[0][meta.num_decodes :].long(), -1)
+            self.state.sel[layer].index_fill_(0, self.chunk_rows, -1)
 
     @contextlib.contextmanager
     def _beside(self, keep: torch.Tensor):

@@ -383,18 +383,22 @@ def test_short_prompts_pass_one_waiting_for_the_layer_by_layer_prefill(model4):
     assert all(sum(n for _, n in schedules[i].scheduled) + cost > 32 for i in range(free, first))
 
 
+def first_decode_stats(engine, prompt: list[int]):
+    """One request prefilled to its first token, then its first decode: the stats after each."""
+    engine.add_request("0", prompt, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    while not any(o.outputs[0].token_ids for o in engine.step()):  # the prefill, to its first token
+        pass
+    before = engine.get_stats(sync=True)
+    engine.step()  # the first decode
+    return before, engine.get_stats(sync=True)
+
+
 def test_first_lists_go_into_the_pool_from_the_prefill(model4):
     """Under lagged selection a layer-segmented prefill puts the lists it selects for the first decode into the
     HBM pool from each layer's scratch: that decode loads none of its head blocks from the host (the tokens equal
     chunked prefill's: test_layer_segmented_equals_chunked)."""
     llm = LLM(str(model4[0]), **COMMON, layer_segmented_prefill=True, prefill_layer_segment=1)
-    engine = llm.llm_engine
-    engine.add_request("0", prompts()[3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    while not any(o.outputs[0].token_ids for o in engine.step()):  # the prefill, to its first token
-        pass
-    before = engine.get_stats(sync=True)
-    engine.step()  # the first decode
-    after = engine.get_stats(sync=True)
+    before, after = first_decode_stats(llm.llm_engine, prompts()[3])
     assert before.offload_blocks_seeded > 0 and before.offload_layer_steps == 0
     assert after.offload_layer_steps > 0
     assert after.offload_blocks_loaded == 0 and after.offload_bypass_reads == 0
@@ -418,13 +422,7 @@ def test_prefetching_reads_after_a_layer_segmented_prefill(model4):
         assert llm.llm_engine.model_runner.attn_backend.params.prefetch
         got, _ = drive(llm, reqs, GREEDY, check_segmented if segmented else None)
         assert got == base, f"layer-segmented {segmented}"
-    engine = LLM(str(model4[0]), **kw, prefill_layer_segment=1).llm_engine
-    engine.add_request("0", reqs[3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    while not any(o.outputs[0].token_ids for o in engine.step()):  # the prefill, to its first token
-        pass
-    before = engine.get_stats(sync=True)
-    engine.step()  # the first decode
-    after = engine.get_stats(sync=True)
+    before, after = first_decode_stats(LLM(str(model4[0]), **kw, prefill_layer_segment=1).llm_engine, reqs[3])
     assert before.offload_blocks_seeded > 0 and after.offload_blocks_loaded == 0
     assert after.offload_hbm_hits > after.offload_hbm_misses
 
