@@ -17,7 +17,8 @@ Selection of one (sequence, KV head) over its blocks 0..nb-1:
   streaming heads pick no other block.
 Stickiness b > 0 (hysteresis): a block of the row's previous list (`prev` row of sel) ranks by its
 mass times 1 + b (the mass target counts true masses), so lists change only where the masses do.
-A list is `cap` logical block indices (block-table positions), padded with -1. With reuse R a
+A list is `cap` logical block indices (block-table positions), its entries first, then -1 padding (the
+sparse kernels skip a padding tail: every writer keeps this order). With reuse R a
 (slot, KV head) recomputes its list every R-th decode step (counter [S, Hkv]); the sparse
 kernel always adds the current local window.
 

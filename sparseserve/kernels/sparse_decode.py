@@ -273,6 +273,10 @@ def _sparse_split_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     e_start = split * entries_per_split
     e_end = tl.minimum(e_start + entries_per_split, CAP + LOCAL)
+    # Lists hold their entries first, then -1: a split whose first listed entry is padding skips
+    # to the window (adaptive lists fill a fraction of the cap).
+    first = tl.load(sel_row + e_start, mask=e_start < CAP, other=0)
+    e_start = tl.where(first < 0, tl.maximum(e_start, CAP), e_start)
     # config.tiles tiles a program, software-pipelined. No branch on empty tiles: it would stop
     # the pipelining, and masked-off entries load nothing anyway.
     for e0 in range(e_start, e_end, TILE_E):
@@ -280,7 +284,7 @@ def _sparse_split_kernel(
         listed = e < CAP
         j = tl.load(sel_row + e, mask=listed, other=-1)
         j = tl.where(listed, j, local_start + e - CAP)
-        ok = tl.where(listed, (j >= 0) & (j < local_start), j < nb) & (e < CAP + LOCAL)
+        ok = tl.where(listed, (j >= 0) & (j < local_start), j < nb) & (e < e_end)
         ok = ok & (j * BLOCK_SIZE + off < seq_len)
         if OFFLOAD:  # listed: pool slot or host row (bypass); the window: the device cache
             in_list = ok & listed

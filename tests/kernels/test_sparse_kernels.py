@@ -642,10 +642,11 @@ def test_sparse_decode_view_by_slot(dtype, hq=6, hkv=2):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("offload", [False, True])
-@pytest.mark.parametrize("tile_n,tiles,splits", [(16, 1, 7), (32, 2, 2), (128, 0, 1)])
+@pytest.mark.parametrize("tile_n,tiles,splits", [(16, 1, 7), (32, 2, 2), (32, 1, 4), (128, 0, 1)])
 def test_sparse_decode_splits(dtype, offload, tile_n, tiles, splits, hq=6, hkv=2):
     """The split kernel and its merge match the reference over several splits (and one), offloaded (listed
-    blocks from pool slots or host rows, the device cache before the window poisoned) or not."""
+    blocks from pool slots or host rows, the device cache before the window poisoned) or not; (32, 1, 4): a
+    split whose list part is padding skips to the window, mid-tile, and leaves the next split's entries."""
     torch.manual_seed(9)
     d, bs, cap, local = 32, 16, 5, 2
     lens = [0, 1, 5 * bs, 13 * bs + 7, 9 * bs + 1]
