@@ -7,7 +7,9 @@ then -1, as the engine's do.
     python -m benchmarks.list_fill [--batch 4] [--kernel-file OTHER/sparseserve/kernels/sparse_decode.py] [--json F]
 
 --kernel-file: also times that file's kernels (another commit's `kernels/sparse_decode.py`) beside this tree's, in
-the same process (`tree` column: "this" or "other").
+the same process (`tree` column: "this" or "other"). --offload SHARE: also as under KV offload (`pool` column): the
+listed blocks in HBM pool slots but SHARE of them read from a pinned host store over UVA (the pool's bypass reads),
+the window from the cache.
 """
 
 from __future__ import annotations
@@ -63,6 +65,30 @@ def inputs(batch: int, shape: tuple, case: tuple, device: str, dtype: torch.dtyp
     return q, cache, tables, seq_lens, sel, slots
 
 
+def offloaded(cache: torch.Tensor, tables: torch.Tensor, sel: torch.Tensor, host_share: float, seed: int = 0) -> tuple:
+    """The kernels' offload view of the listed blocks: (pool slots, host rows, loc, key) as the HBM pool gives
+    it, each listed block in a pool slot of its own, or (host_share of them) read from its host row; the host
+    store pinned on a GPU (UVA)."""
+    batch, hkv, cap = sel.shape
+    gen = torch.Generator(device=sel.device).manual_seed(seed + 1)
+    heads = torch.arange(hkv, device=sel.device)[None, :, None]
+    blocks = tables.long().gather(1, sel.clamp_min(0).flatten(1).long()).view_as(sel)
+    listed_kv = cache[blocks, heads].flatten(0, 2)  # [B * Hkv * cap, 2, bs, D]
+    n = listed_kv.shape[0]
+    loc = torch.randperm(n, device=sel.device, generator=gen)
+    key = torch.randperm(n, device=sel.device, generator=gen)
+    pool = torch.empty_like(listed_kv)
+    pool[loc] = listed_kv
+    host = torch.empty_like(listed_kv)
+    host[key] = listed_kv
+    if sel.is_cuda:
+        from sparseserve.kvcache.host import pinned_zeros
+
+        host = pinned_zeros(tuple(host.shape), host.dtype).copy_(host)
+    loc = torch.where(torch.rand(n, device=sel.device, generator=gen) < host_share, -1, loc)
+    return pool, host, loc.view(batch, hkv, cap), key.view(batch, hkv, cap)
+
+
 def measure(
     batch: int,
     shapes: dict[str, tuple],
@@ -71,9 +97,10 @@ def measure(
     timer: Callable[[Callable[[], object]], float],
     device: str = "cuda",
     dtype: torch.dtype = torch.bfloat16,
+    host_share: float | None = None,
 ) -> list[dict]:
-    """A row per (shape, case, tree, config): us a call (timer: ms of one call) and the error against the
-    reference."""
+    """A row per (shape, case, pool, tree, config): us a call (timer: ms of one call) and the error against the
+    reference. host_share: also each case under KV offload (`offloaded`)."""
     rows = []
     for name, shape in shapes.items():
         for case in cases:
@@ -81,20 +108,23 @@ def measure(
             scale = shape[2] ** -0.5
             ref = sparse_decode.sparse_decode_ref(q, cache, tables, seq_lens, sel, slots, LOCAL, scale).float()
             out = torch.empty_like(q)
-            for tree, mod in kernels.items():
-                configs = {"default": mod.default_config(cache, None), "plain": mod.FAST_CONFIG, "tma": mod.TMA_CONFIG}
-                for label, config in configs.items():
+            views = {"hbm": None} | ({} if host_share is None else {"pool": offloaded(cache, tables, sel, host_share)})
+            for pool, view in views.items():
+                for tree, mod in kernels.items():
+                    configs = {"default": mod.default_config(cache, view), "plain": mod.FAST_CONFIG}
+                    configs["tma"] = mod.TMA_CONFIG
 
-                    def call(mod=mod, config=config) -> None:
+                    def call(mod=mod, config=None, view=view) -> None:
                         mod.sparse_decode_triton(
-                            q, cache, tables, seq_lens, sel, slots, LOCAL, scale, out=out, config=config
+                            q, cache, tables, seq_lens, sel, slots, LOCAL, scale, out=out, offload=view, config=config
                         )
 
-                    ms = timer(call)
-                    err = ((out.float() - ref).norm() / ref.norm()).item()
-                    block, tokens, cap = case
-                    case_row = dict(shape=name, block=block, tokens=tokens, cap=cap)
-                    rows.append(case_row | dict(tree=tree, config=label, us=1e3 * ms, err=err))
+                    for label, config in configs.items():
+                        ms = timer(lambda config=config: call(config=config))
+                        err = ((out.float() - ref).norm() / ref.norm()).item()
+                        block, tokens, cap = case
+                        case_row = dict(shape=name, block=block, tokens=tokens, cap=cap, pool=pool)
+                        rows.append(case_row | dict(tree=tree, config=label, us=1e3 * ms, err=err))
     return rows
 
 
@@ -102,12 +132,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--kernel-file", help="another tree's kernels/sparse_decode.py, timed beside this tree's")
+    ap.add_argument("--offload", type=float, metavar="SHARE", help="also under KV offload, SHARE read from the host")
     ap.add_argument("--json", help="Write the rows here.")
     args = ap.parse_args()
     from benchmarks.sparse import graph_ms
 
     kernels = {"this": sparse_decode} | ({"other": load_kernels(args.kernel_file)} if args.kernel_file else {})
-    rows = measure(args.batch, SHAPES, CASES, kernels, graph_ms)
+    rows = measure(args.batch, SHAPES, CASES, kernels, graph_ms, host_share=args.offload)
     when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     print_table(rows, f"sparse decode by list fill, batch {args.batch} ({torch.cuda.get_device_name()}, {when})")
     if args.json:
