@@ -221,6 +221,11 @@ def _offload_metrics(stats: Any, gauge: Callable, counter: Callable) -> Iterable
         "Head blocks a layer-segmented prefill put in the HBM pool for its first decode (no FlashH2D).",
         getattr(stats, "offload_blocks_seeded", 0),
     )
+    yield counter(
+        "offload_head_blocks_filled",
+        "Head blocks a layer-segmented prefill put in free HBM pool slots beyond its first decode's lists.",
+        getattr(stats, "offload_blocks_filled", 0),
+    )
     yield gauge(
         "offload_hbm_hit_ratio",
         "HBM pool hits / listed head blocks read, since start.",

@@ -489,6 +489,16 @@ class SparseBackend(AttentionBackend):
         row = self.step_rows[1][:1].long()  # the chunk's write row: the first decode reads it
         self.offload.seed(layer, meta.block_tables[:1], meta.seq_lens[:1] + 1, self.state.sel[layer][row], scratch)
 
+    def fill_pool(self, layer: int, meta: AttentionMetadata, scratch: torch.Tensor) -> None:
+        """Layer-segmented prefill under KV offload, after a sparse layer's last chunk (meta): the prompt's other
+        head blocks into the HBM pool's free slots from the layer's scratch K/V (OffloadCache.fill), any
+        selection mode; after `seed_first_lists`, whose lists take victims if need be."""
+        if self.offload is None or self.key_meta is None or layer < self.dense_layers:
+            return
+        if self.side is not None:  # the pool's plans may run there
+            torch.cuda.current_stream(scratch.device).wait_stream(self.side)
+        self.offload.fill(layer, meta.block_tables[:1], meta.seq_lens[:1] + 1, scratch)
+
     def end_step(self) -> None:
         """Joins the side stream into the current one (a graph capture must join every fork)."""
         if self.pending:

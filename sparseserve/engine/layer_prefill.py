@@ -233,6 +233,7 @@ class LayerPrefill:
         last = cur.chunks[-1][2]
         if last.backend_meta.selects:  # its first decode's lists: into the pool from here, not over PCIe
             self.backend.seed_first_lists(layer, last, cache)
+        self.backend.fill_pool(layer, last, cache)  # the rest, where the pool has free slots
         bs, c, p = self.block_size, cur.computed, cur.computed + cur.tokens
         n = cur.window_blocks.numel()
         if n:

@@ -39,6 +39,7 @@ class EngineStats:
     offload_bypass_reads: int = 0  # misses the attention read from the host store (no free way; not prefetched)
     offload_layer_steps: int = 0  # (decode step, sparse layer) pairs read through the pool
     offload_blocks_seeded: int = 0  # head blocks put in the pool by layer-segmented prefill (no FlashH2D)
+    offload_blocks_filled: int = 0  # ... into free slots, beyond the first decode's lists
     offload_prune_key_reads: int = 0  # topp's candidate head blocks whose keys its prune read from the host
     offload_host_blocks: int = 0  # token blocks of the host store (gauge)
     offload_hbm_slots: int = 0  # head-block slots of the HBM pool (gauge)
@@ -91,6 +92,7 @@ class EngineStats:
             "offload_bypass_reads",
             "offload_layer_steps",
             "offload_blocks_seeded",
+            "offload_blocks_filled",
             "offload_prune_key_reads",
             "offload_h2d_bytes",
             "offload_uva_bytes",

@@ -77,6 +77,7 @@ class OffloadCache:
         self.host_meta: tuple[torch.Tensor, torch.Tensor] | None = None  # its copy by host row
         self.num_row_moves = [0, 0]  # device rows saved, restored (stats)
         self.seed_stats = torch.zeros(4, dtype=torch.int64, device=dev)  # `seed`'s plans (as the pool's stats)
+        self.fill_stats = torch.zeros(4, dtype=torch.int64, device=dev)  # `fill`'s plans
         self.prune_key_reads = torch.zeros(1, dtype=torch.int64, device=dev)  # topp's candidate keys from the host
         # Prefetching reads (`lookup`): listed head blocks found in the pool, not found, and of those the ones
         # the attention reads from the host. `prefetch` (init_lagged): the reads are lookups, the plans prefetch.
@@ -348,6 +349,20 @@ class OffloadCache:
         dst = torch.where(load >= 0, load, self.pool.trash_slot)  # the trash slot takes what is not installed
         self.pool.slots.index_copy_(0, dst, src.reshape(-1, *src.shape[2:]))
 
+    def fill(self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, scratch: torch.Tensor) -> None:
+        """A layer-segmented prompt's head blocks before the first decode's window into the pool's free slots,
+        from the layer's scratch K/V (device to device), evicting nothing, stamped as the first victims: where
+        the pool has room, what later steps list is there instead of crossing PCIe (docs/offload.md, "Filling
+        free slots"). `seed`'s arguments; counted apart (`fill_stats`)."""
+        num_kv_heads, width = scratch.shape[1], tables.shape[1]
+        blocks = torch.arange(width, dtype=torch.int32, device=tables.device).expand(1, num_kv_heads, width)
+        key = self.keys(layer, tables, seq_lens, blocks)
+        _, load = self.pool.plan(key.reshape(-1), stats=self.fill_stats, free_only=True)
+        heads = torch.arange(num_kv_heads, device=tables.device)[:, None]
+        rows = (blocks[0].long() * num_kv_heads + heads).reshape(-1)  # the scratch's flat rows
+        flash_h2d(scratch.view(-1, *scratch.shape[2:]), self.pool.slots, rows, load)
+        self.pool.mark_unused(load)
+
     def read(
         self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel: torch.Tensor, row_slots: torch.Tensor
     ) -> OffloadView:
@@ -470,6 +485,7 @@ class OffloadCache:
             "offload_bypass_reads": bypass,
             "offload_layer_steps": s[3],
             "offload_blocks_seeded": self.seed_stats[1],
+            "offload_blocks_filled": self.fill_stats[1],
             "offload_prune_key_reads": self.prune_key_reads[0],
             "offload_blocks_written": self.host.blocks_written,
         }

@@ -61,6 +61,7 @@ class HBMPool:
         self.claim = torch.full((self.num_keys + 1,), -1, dtype=torch.int64, device=device)  # repeats
         # Lagged reads (`begin_round`): the oldest stamp no victim may carry (the step's start).
         self.floor = torch.zeros(1, dtype=torch.int64, device=device)
+        self.free_floor = torch.zeros(1, dtype=torch.int64, device=device)  # 0: only free slots (-1) are victims
 
     @property
     def trash_slot(self) -> int:
@@ -80,13 +81,15 @@ class HBMPool:
         return set_of(key, self.num_sets, _HASH)
 
     def plan(
-        self, key: torch.Tensor, lagged: bool = False, stats: torch.Tensor | None = None
+        self, key: torch.Tensor, lagged: bool = False, stats: torch.Tensor | None = None, free_only: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's step: residency lookup of the head blocks key [N] (int64; the trash key:
         no request; each at most once), victims and installs for the misses
         (kernels/pool_plan.py). Returns (loc, load): the slot each request reads (-1: bypass or
         none) and the slot each miss is loaded into (-1: none). lagged: as in `read`. stats:
-        where the plan counts (default the pool's: hits, loads, bypass reads, layer steps)."""
+        where the plan counts (default the pool's: hits, loads, bypass reads, layer steps).
+        free_only: misses go into free slots only, evicting nothing."""
+        floor = self.free_floor if free_only else self.floor if lagged else None
         return pool_plan(
             key,
             self.resident,
@@ -100,8 +103,14 @@ class HBMPool:
             ways=self.ways,
             num_sets=self.num_sets,
             hash_mult=_HASH,
-            floor=self.floor if lagged else None,
+            floor=floor,
         )
+
+    def mark_unused(self, slots: torch.Tensor) -> None:
+        """Slots (-1: none) filled for no request: stamped older than any use, so they are the first victims
+        (a device op, no sync)."""
+        self.last_use.index_fill_(0, torch.where(slots >= 0, slots, self.trash_slot), 0)
+        self.last_use[self.trash_slot].fill_(-1)
 
     def read(
         self,

@@ -396,10 +396,12 @@ def first_decode_stats(engine, prompt: list[int]):
 def test_first_lists_go_into_the_pool_from_the_prefill(model4):
     """Under lagged selection a layer-segmented prefill puts the lists it selects for the first decode into the
     HBM pool from each layer's scratch: that decode loads none of its head blocks from the host (the tokens equal
-    chunked prefill's: test_layer_segmented_equals_chunked)."""
+    chunked prefill's: test_layer_segmented_equals_chunked). The prompt's other head blocks before the window go
+    into the (roomy) pool's free slots too, counted apart."""
     llm = LLM(str(model4[0]), **COMMON, layer_segmented_prefill=True, prefill_layer_segment=1)
     before, after = first_decode_stats(llm.llm_engine, prompts()[3])
     assert before.offload_blocks_seeded > 0 and before.offload_layer_steps == 0
+    assert before.offload_blocks_filled > 0 and after.offload_blocks_filled == before.offload_blocks_filled
     assert after.offload_layer_steps > 0
     assert after.offload_blocks_loaded == 0 and after.offload_bypass_reads == 0
     assert after.offload_hbm_hits >= before.offload_blocks_seeded  # every listed block, each layer and head
@@ -412,7 +414,8 @@ TOPP = dict(sparse_policy="topp", sparse_budget=8 * BS, sparse_top_p=0.7, sparse
 def test_prefetching_reads_after_a_layer_segmented_prefill(model4):
     """topp with prefetching reads (KV offload, not lagged): layer-segmented and chunked prefill give the tokens
     of topp without offload; a segmented prefill's last chunk selects the first decode's candidates, which go into
-    the pool from the scratch, so that decode's prefetch loads nothing and its own candidates are mostly found."""
+    the pool from the scratch with the rest of the prompt (free slots of a roomy pool), so that decode's prefetch
+    loads nothing and its own candidates are all found."""
     reqs = prompts()
     plain = {**COMMON, **TOPP, "kv_offload": False}
     base, _ = drive(LLM(str(model4[0]), **plain, profiler=LastSchedule()), reqs, GREEDY)
@@ -424,7 +427,7 @@ def test_prefetching_reads_after_a_layer_segmented_prefill(model4):
         assert got == base, f"layer-segmented {segmented}"
     before, after = first_decode_stats(LLM(str(model4[0]), **kw, prefill_layer_segment=1).llm_engine, reqs[3])
     assert before.offload_blocks_seeded > 0 and after.offload_blocks_loaded == 0
-    assert after.offload_hbm_hits > after.offload_hbm_misses
+    assert before.offload_blocks_filled > 0 and after.offload_hbm_hits > 0 == after.offload_hbm_misses
 
 
 def test_segment_threshold_below_the_budget(model4):

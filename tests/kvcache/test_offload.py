@@ -139,6 +139,27 @@ def test_pool_hand_built_lru():
     pool.check()
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_pool_fill_takes_free_slots_only_as_first_victims(impl):
+    """A free_only plan (OffloadCache.fill) installs misses into free slots only, evicting nothing; mark_unused
+    stamps those slots older than any use, so the next plan's misses take them before slots a request used
+    (torch and Triton plans)."""
+    pool = make_pool(4, 4, device=DEVICE if impl == "triton" else torch.device("cpu"))
+    k = lambda blocks: pool.keys(0, torch.tensor([blocks], device=pool.resident.device))[0]  # noqa: E731
+    with forced(impl):
+        pool.plan(k([0, 1]))
+        pool.plan(k([1, 0]))  # slots 0 and 1 used twice
+        loc, load = pool.plan(k([2, 3, 4, 0]), free_only=True)  # 2, 3: the free slots; 4: none left; 0 hits
+        assert load.tolist() == [2, 3, -1, -1] and loc.tolist() == [2, 3, -1, 0]
+        pool.mark_unused(load)
+        assert pool.last_use[:4].tolist() == [2, 1, 0, 0] and pool.last_use[pool.trash_slot].item() == -1
+        loc, load = pool.plan(k([5, 6]))  # the filled slots, not the used ones
+        assert sorted(load.tolist()) == [2, 3]
+        loc, load = pool.plan(k([7]), free_only=True)  # no free slot: nothing evicted
+        assert load.tolist() == [-1] and (pool.resident[k([0, 1, 5, 6])] >= 0).all() and pool.resident[k([7])] < 0
+    pool.check()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("seed", [0, 1])
