@@ -1,8 +1,8 @@
 """Sparse decode attention over lists that fill part of their cap (adaptive budgets: a topp list flagged flat takes
 half the cap, a pruned one a fraction): one layer's kernel time by fill, plain and TMA kernels (`config`), each
-call in a CUDA graph, against the same tokens in full lists. Shapes: MHA 7B (32 / 32 heads, D=128) at 10K and GQA 8B
-(32 / 8) at 128K, batch B, bf16, random keys, random blocks of a shuffled cache. Lists hold their entries first,
-then -1, as the engine's do.
+call in a CUDA graph, against the same tokens in full lists. Shapes: MHA 7B (32 / 32 heads, D=128) at 10K, GQA 8B
+(32 / 8) at 128K and SmolLM2 (9 / 3, D=64) at 8K, batch B, bf16, random keys, random blocks of a shuffled cache.
+Lists hold their entries first, then -1, as the engine's do.
 
     python -m benchmarks.list_fill [--batch 4] [--kernel-file OTHER/sparseserve/kernels/sparse_decode.py] [--json F]
 
@@ -27,7 +27,8 @@ import torch
 from sparseserve.bench.hardware import print_table
 from sparseserve.kernels import sparse_decode
 
-SHAPES = {"mha7b 10K": (32, 32, 128, 10000), "gqa8b 128K": (32, 8, 128, 131056)}  # Hq, Hkv, D, context
+# Hq, Hkv, D, context
+SHAPES = {"mha7b 10K": (32, 32, 128, 10000), "gqa8b 128K": (32, 8, 128, 131056), "smollm2 8K": (9, 3, 64, 8064)}
 # (block size, tokens listed, cap in tokens): full lists of blocks of 32 and 16, then lists of blocks of 16 that
 # fill half and a quarter of topp's cap
 CASES = ((32, 2048, 2048), (16, 2048, 2048), (16, 2048, 4096), (16, 1024, 4096))
