@@ -635,13 +635,15 @@ def random_schedule(
     triton_plan: bool = False,
     control: bool = True,
     aborted: set[str] | None = None,
+    engines: list | None = None,
     **kw,
 ) -> dict[str, list[list[int]]]:
     """Random arrivals, aborts and steps with a KV pool small enough to preempt; returns every request's
     tokens; with check, after every step: the block, host and HBM accounting, and the host store holding
     every full block of the running sequences (FlashD2H + write-through) exactly as the device cache.
     triton_plan: the HBM pool plans with its Triton kernels (under the interpreter without CUDA).
-    control=False: KV offload's working-set limit off inside the engine; aborted: collects the ids aborts named."""
+    control=False: KV offload's working-set limit off inside the engine; aborted: collects the ids aborts named;
+    engines: collects the engine."""
     rng = random.Random(seed)
     llm = LLM(
         str(model_dir),
@@ -653,6 +655,8 @@ def random_schedule(
         **{**SPARSE, "init_new_token_ratio": 0.0, "min_new_token_ratio": 0.0, **kw},
     )  # greedy admission
     engine = llm.llm_engine
+    if engines is not None:
+        engines.append(engine)
     if not control:
         engine.scheduler.working_set.ws.enabled = False
     results: dict[str, list[list[int]]] = {}
@@ -854,3 +858,38 @@ def test_one_host_fence_per_step(tiny_model_dir, kw):
             work = [work[0] + len(plan.saves), work[1] + len(plan.restores), work[2] + len(plan.stale)]
     assert ran > 10 and engine.get_stats().num_generation_tokens == 6 * GREEDY.max_tokens
     assert all(work)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lag", [1, "topp"])
+def test_random_schedules_layer_segmented_fill(tiny_model_dir, lag):
+    """Layer-segmented prefill under KV offload puts each prompt's head blocks into the HBM pool's free slots
+    (OffloadCache.fill) while a pool of 40 slots (the prompts' head blocks need up to 64) has room at first and
+    evicts later: greedy tokens equal offload off (an aborted request's: a prefix), the block, host and pool
+    accounting holds after every step, fills and loads both happened (lagged topk; topp with prefetching reads)."""
+    extra = TOPP_PRUNES | {"sparse_lag": 0} if lag == "topp" else {"sparse_lag": lag}
+    prefetch = {"offload_prefetch": True} if lag == "topp" else {}
+    covering = {**extra, "greedy": True, "sparse_budget": 5 * BS}  # lists leave blocks to fill
+    off, _ = random_schedule(tiny_model_dir, 5, check=False, num_gpu_blocks_override=16, **covering)
+    aborted: set[str] = set()
+    engines: list = []
+    on, _ = random_schedule(
+        tiny_model_dir,
+        5,
+        check=True,
+        kv_offload=True,
+        hbm_cache_blocks=40,
+        host_kv_memory=HOST_16,
+        num_gpu_blocks_override=12,
+        layer_segmented_prefill=True,
+        layer_segment_min_tokens=8,
+        aborted=aborted,
+        engines=engines,
+        **covering,
+        **prefetch,
+    )
+    for rid in set(on) | set(off):
+        a, b = on.get(rid, []), off.get(rid, [])
+        assert a == b or (rid in aborted and all(x == y[: len(x)] for x, y in zip(a, b))), rid
+    stats = engines[0].get_stats(sync=True)
+    assert stats.offload_blocks_filled > 0 and stats.offload_blocks_loaded > 0
