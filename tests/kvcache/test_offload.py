@@ -743,26 +743,35 @@ def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, tri
     )
     assert on == off and preemptions > 0
     covering = {**extra, "greedy": True, "sparse_budget": 12 * BS}
+    greedy_offload_matches(tiny_model_dir, seed, covering, hbm_cache_blocks=16, triton_plan=triton_plan, **prefetch)
+
+
+def greedy_offload_matches(model_dir, seed: int, covering: dict, **offload_kw):
+    """Greedy random schedules (`covering`: random_schedule's arguments of both runs) without KV offload (16 device
+    blocks) and with it (12, the working-set limit on, offload_kw): every request's tokens equal, an aborted
+    request's up to where either run stopped; the accounting checked after every step of the offloaded run.
+    Returns its engine."""
     aborted: set[str] = set()
-    off, _ = random_schedule(tiny_model_dir, seed, check=False, num_gpu_blocks_override=16, **covering)
+    engines: list = []
+    off, _ = random_schedule(model_dir, seed, check=False, num_gpu_blocks_override=16, **covering)
     on, _ = random_schedule(
-        tiny_model_dir,
+        model_dir,
         seed,
         check=True,
         kv_offload=True,
-        hbm_cache_blocks=16,
         host_kv_memory=HOST_16,
         num_gpu_blocks_override=12,
-        triton_plan=triton_plan,
         aborted=aborted,
+        engines=engines,
         **covering,
-        **prefetch,
+        **offload_kw,
     )
     assert set(on) | aborted == set(off) | aborted
     for rid in set(on) | set(off):
         a, b = on.get(rid, []), off.get(rid, [])
         assert a == b or rid in aborted, rid
         assert all(x[: len(y)] == y[: len(x)] for x, y in zip(a, b)), rid
+    return engines[0]
 
 
 def test_stale_blocks_move_with_a_step_only_when_some_leave(tiny_model_dir, monkeypatch):
@@ -870,26 +879,7 @@ def test_random_schedules_layer_segmented_fill(tiny_model_dir, lag):
     extra = TOPP_PRUNES | {"sparse_lag": 0} if lag == "topp" else {"sparse_lag": lag}
     prefetch = {"offload_prefetch": True} if lag == "topp" else {}
     covering = {**extra, "greedy": True, "sparse_budget": 5 * BS}  # lists leave blocks to fill
-    off, _ = random_schedule(tiny_model_dir, 5, check=False, num_gpu_blocks_override=16, **covering)
-    aborted: set[str] = set()
-    engines: list = []
-    on, _ = random_schedule(
-        tiny_model_dir,
-        5,
-        check=True,
-        kv_offload=True,
-        hbm_cache_blocks=40,
-        host_kv_memory=HOST_16,
-        num_gpu_blocks_override=12,
-        layer_segmented_prefill=True,
-        layer_segment_min_tokens=8,
-        aborted=aborted,
-        engines=engines,
-        **covering,
-        **prefetch,
-    )
-    for rid in set(on) | set(off):
-        a, b = on.get(rid, []), off.get(rid, [])
-        assert a == b or (rid in aborted and all(x == y[: len(x)] for x, y in zip(a, b))), rid
-    stats = engines[0].get_stats(sync=True)
+    segmented = dict(layer_segmented_prefill=True, layer_segment_min_tokens=8)
+    engine = greedy_offload_matches(tiny_model_dir, 5, covering, hbm_cache_blocks=40, **segmented, **prefetch)
+    stats = engine.get_stats(sync=True)
     assert stats.offload_blocks_filled > 0 and stats.offload_blocks_loaded > 0
