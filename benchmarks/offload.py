@@ -504,6 +504,7 @@ class RealRun:
             out.update(
                 hbm_hit_ratio=stats.offload_hbm_hits / lookups if lookups else None,
                 blocks_loaded=stats.offload_blocks_loaded,
+                blocks_filled=stats.offload_blocks_filled,  # from layer-segmented prefills, into free slots
                 bypass_reads=stats.offload_bypass_reads,
                 h2d_GB=stats.offload_h2d_bytes / 1e9,
                 uva_GB=stats.offload_uva_bytes / 1e9,  # bypass reads and topp's candidate keys

@@ -57,6 +57,7 @@ def test_real_mode_smoke(tiny_model_dir, tmp_path, capsys, scheduling, repeats):
     for base, off in zip(rows[::2], rows[1::2]):
         assert off["same_tokens"] is True and "divergence" not in off  # offload never changes a token
         assert 0.0 <= off["hbm_hit_ratio"] <= 1.0 and off["blocks_loaded"] > 0
+        assert off["blocks_filled"] == 0  # chunked prefill here: no layer-segmented prompt fills the pool
         assert off["uva_GB"] >= 0 and off["h2d_GB"] > 0  # topk: only bypass reads go over UVA
         assert off["tpot_ms"] > 0 and base["tpot_ms"] > 0 and off["tpot_vs_hbm"] > 0
         assert 0 < base["tpot_median_ms"]
