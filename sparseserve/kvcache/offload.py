@@ -342,12 +342,7 @@ class OffloadCache:
         cap] token blocks (-1: none), tables [1, W] their host rows, seq_lens [1] the first decode's length,
         scratch [blocks, Hkv, 2, bs, D] by token block. Planned as a lagged read (the step's lists stay); its
         installs count apart (`seed_stats`), not as loads."""
-        key = self.keys(layer, tables, seq_lens, sel_rows)
-        _, load = self.pool.plan(key.reshape(-1), lagged=True, stats=self.seed_stats)
-        heads = torch.arange(sel_rows.shape[1], device=sel_rows.device)[:, None].expand_as(sel_rows[0])
-        src = scratch[sel_rows[0].clamp_min(0).long(), heads]  # [Hkv, cap, 2, bs, D]
-        dst = torch.where(load >= 0, load, self.pool.trash_slot)  # the trash slot takes what is not installed
-        self.pool.slots.index_copy_(0, dst, src.reshape(-1, *src.shape[2:]))
+        self._install(layer, tables, seq_lens, sel_rows, scratch, self.seed_stats, lagged=True)
 
     def fill(self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, scratch: torch.Tensor) -> None:
         """A layer-segmented prompt's head blocks before the first decode's window into the pool's free slots,
@@ -356,12 +351,27 @@ class OffloadCache:
         free slots"). `seed`'s arguments; counted apart (`fill_stats`)."""
         num_kv_heads, width = scratch.shape[1], tables.shape[1]
         blocks = torch.arange(width, dtype=torch.int32, device=tables.device).expand(1, num_kv_heads, width)
-        key = self.keys(layer, tables, seq_lens, blocks)
-        _, load = self.pool.plan(key.reshape(-1), stats=self.fill_stats, free_only=True)
-        heads = torch.arange(num_kv_heads, device=tables.device)[:, None]
-        rows = (blocks[0].long() * num_kv_heads + heads).reshape(-1)  # the scratch's flat rows
-        flash_h2d(scratch.view(-1, *scratch.shape[2:]), self.pool.slots, rows, load)
+        load = self._install(layer, tables, seq_lens, blocks, scratch, self.fill_stats, free_only=True)
         self.pool.mark_unused(load)
+
+    def _install(
+        self,
+        layer: int,
+        tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        blocks: torch.Tensor,
+        scratch: torch.Tensor,
+        stats: torch.Tensor,
+        **plan_kw,
+    ) -> torch.Tensor:
+        """Plans blocks [1, Hkv, K] (token blocks, -1: none; those before the window) into the pool and copies
+        what it installs from the scratch (one FlashH2D launch, device to device). Returns the plan's `load`."""
+        key = self.keys(layer, tables, seq_lens, blocks)
+        _, load = self.pool.plan(key.reshape(-1), stats=stats, **plan_kw)
+        heads = torch.arange(blocks.shape[1], device=blocks.device)[:, None]
+        rows = (blocks[0].clamp_min(0).long() * blocks.shape[1] + heads).reshape(-1)  # the scratch's flat rows
+        flash_h2d(scratch.view(-1, *scratch.shape[2:]), self.pool.slots, rows, load)
+        return load
 
     def read(
         self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel: torch.Tensor, row_slots: torch.Tensor
