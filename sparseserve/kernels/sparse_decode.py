@@ -246,8 +246,11 @@ def _sparse_split_kernel(
     DOT_PREC: tl.constexpr,
     OFFLOAD: tl.constexpr,
     VIEW_BY_SLOT: tl.constexpr,
+    ALIGNED: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """One split of a row's list and window (plain gather). ALIGNED (the launcher checks it: kv_rows_aligned):
+    under OFFLOAD every K and V token row starts 16-byte aligned, so the picked rows load in 16-byte vectors."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -292,21 +295,19 @@ def _sparse_split_kernel(
             pslot = tl.load(loc_ptr + lrow + e, mask=in_list, other=-1)
             hkey = tl.load(key_ptr + lrow + e, mask=in_list, other=0)
             blk = tl.load(table_row + j, mask=ok & ~listed, other=0).to(tl.int64)
-            row = (off * HEAD_DIM)[:, None] + dims[None, :]
-            # One pointer per entry (a select, not three masked loads): pool, host (UVA) or cache.
-            k_ptrs = tl.where(
-                (in_list & (pslot >= 0))[:, None],
-                pool_ptr + (tl.maximum(pslot, 0) * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row,
-                tl.where(
-                    in_list[:, None],
-                    host_ptr + (hkey * (2 * BLOCK_SIZE * HEAD_DIM))[:, None] + row,
-                    kv_base + (blk * stride_cb)[:, None] + row,
-                ),
-            )
-            v_ptrs = k_ptrs + tl.where(in_list, BLOCK_SIZE * HEAD_DIM, stride_ckv)[:, None]
+            # One pointer per token row (a select, not three masked loads): pool, host (UVA) or cache.
+            k_rows = tl.where(
+                in_list & (pslot >= 0),
+                pool_ptr + tl.maximum(pslot, 0) * (2 * BLOCK_SIZE * HEAD_DIM),
+                tl.where(in_list, host_ptr + hkey * (2 * BLOCK_SIZE * HEAD_DIM), kv_base + blk * stride_cb),
+            ) + off * HEAD_DIM
+            v_rows = k_rows + tl.where(in_list, BLOCK_SIZE * HEAD_DIM, stride_ckv)
+            if ALIGNED:  # the select loses the bases' alignment (docs/kernels.md, "Design notes")
+                k_rows = tl.multiple_of(k_rows, 16)
+                v_rows = tl.multiple_of(v_rows, 16)
             kv_mask = ok[:, None] & (dims[None, :] < HEAD_DIM)
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+            k = tl.load(k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         else:
             blk = tl.load(table_row + j, mask=ok, other=0).to(tl.int64)
             k_ptrs = kv_base + (blk * stride_cb + off * HEAD_DIM)[:, None] + dims[None, :]
@@ -495,6 +496,15 @@ def tma_capable(kv_cache: torch.Tensor, offload) -> bool:
     return kv_cache.device.type != "cuda" or torch.cuda.get_device_capability(kv_cache.device)[0] >= 9
 
 
+def kv_rows_aligned(kv_cache: torch.Tensor, *bases: torch.Tensor) -> bool:
+    """Whether every K and V token row an offloaded read can pick starts 16-byte aligned: the cache's and each
+    base's (pool, host store) start, and the cache's block, head, K/V and row strides."""
+    es = kv_cache.element_size()
+    return all(t.data_ptr() % 16 == 0 for t in (kv_cache, *bases)) and all(
+        kv_cache.stride(i) * es % 16 == 0 for i in range(4)
+    )
+
+
 @functools.lru_cache(maxsize=8)
 def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -631,6 +641,7 @@ def sparse_decode_triton(
             TILE_E=tile_e,
             OFFLOAD=offload is not None,
             VIEW_BY_SLOT=view_by_slot,
+            ALIGNED=offload is not None and kv_rows_aligned(kv_cache, pool_slots, host_flat),
             **common,
         )
     _sparse_merge_kernel[(batch, num_q_heads)](

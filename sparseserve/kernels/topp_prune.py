@@ -27,7 +27,7 @@ import torch
 
 from sparseserve.kernels.dispatch import tl, triton, use_triton
 from sparseserve.kernels.pdl import pdl_wait, use_pdl
-from sparseserve.kernels.sparse_decode import listed_rows, offload_context_ref
+from sparseserve.kernels.sparse_decode import kv_rows_aligned, listed_rows, offload_context_ref
 
 MAX_PRUNE_CAP = 4096  # one prune program holds a list in registers
 SORT_MAX_CAP = 256  # the prune's default search: a sort up to lists this long, rounds of 4 above (docs/sparse.md)
@@ -298,7 +298,7 @@ def _block_lse_kernel(
 ):
     """lse[b, kvh * GROUP + g, e] for this program's TILE_E entries (reference: block_lse_ref).
     OFFLOAD: entries before the local window read K as the sparse decode kernel does, and COUNT_READS adds
-    to reads_ptr[0] those read from the host. K_ALIGNED (the launcher checks it: k_rows_aligned): every
+    to reads_ptr[0] those read from the host. K_ALIGNED (the launcher checks it: kv_rows_aligned): every
     token row's start is 16-byte aligned, so the picked rows load in 16-byte vectors, not 2-byte ones."""
     pdl_wait(PDL)
     b = tl.program_id(0)
@@ -539,14 +539,6 @@ def _prune_kernel(
         tl.atomic_add(stats_ptr, (count - tl.sum(listed.to(tl.int32), 0)).to(tl.int64))
 
 
-def k_rows_aligned(kv_cache: torch.Tensor, *bases: torch.Tensor) -> bool:
-    """Whether every K token row an offloaded read can pick starts 16-byte aligned: the cache's
-    and each base's (pool, host store) start, and the cache's block, head and row strides."""
-    es = kv_cache.element_size()
-    strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(3))
-    return all(t.data_ptr() % 16 == 0 for t in (kv_cache, *bases)) and all(st * es % 16 == 0 for st in strides)
-
-
 def block_lse_triton(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -582,7 +574,7 @@ def block_lse_triton(
     if offload is not None:
         pool_slots, host_flat, loc, key = offload
         assert pool_slots.is_contiguous() and host_flat.is_contiguous() and loc.is_contiguous() and key.is_contiguous()
-        aligned = k_rows_aligned(kv_cache, pool_slots, host_flat)
+        aligned = kv_rows_aligned(kv_cache, pool_slots, host_flat)
     else:
         aligned = False
         pool_slots = host_flat = loc = key = kv_cache  # unused (OFFLOAD=False)

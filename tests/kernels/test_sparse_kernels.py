@@ -36,6 +36,7 @@ from sparseserve.kernels.paged_decode import MERGE_TILE
 from sparseserve.kernels.sparse_decode import (
     FAST_CONFIG,
     SparseDecodeConfig,
+    kv_rows_aligned,
     read_listed_ref,
     sparse_decode_ref,
     sparse_decode_triton,
@@ -641,11 +642,12 @@ def test_sparse_decode_view_by_slot(dtype, hq=6, hkv=2):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("offload", [False, True, "misaligned"])
 @pytest.mark.parametrize("tile_n,tiles,splits", [(16, 1, 7), (32, 2, 2), (32, 1, 4), (128, 0, 1)])
 def test_sparse_decode_splits(dtype, offload, tile_n, tiles, splits, hq=6, hkv=2):
     """The split kernel and its merge match the reference over several splits (and one), offloaded (listed
-    blocks from pool slots or host rows, the device cache before the window poisoned) or not; (32, 1, 4): a
+    blocks from pool slots or host rows, the device cache before the window poisoned; "misaligned": the cache
+    one element off 16 bytes, which the kernel must read without its aligned loads) or not; (32, 1, 4): a
     split whose list part is padding skips to the window, mid-tile, and leaves the next split's entries."""
     torch.manual_seed(9)
     d, bs, cap, local = 32, 16, 5, 2
@@ -657,6 +659,9 @@ def test_sparse_decode_splits(dtype, offload, tile_n, tiles, splits, hq=6, hkv=2
     if offload:
         kw["offload"], listed_kv, cache = offload_inputs(cache, meta.block_tables, meta.seq_lens, sel, local)
         assert torch.equal(read_listed_ref(kw["offload"]), listed_kv)  # the view serves the listed blocks
+        if offload == "misaligned":
+            cache = torch.empty(cache.numel() + 1, dtype=dtype, device=DEV)[1:].view_as(cache).copy_(cache)
+        assert kv_rows_aligned(cache, *kw["offload"][:2]) == (offload is True)
     ref = sparse_decode_ref(q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, d**-0.5, **kw)
     if offload:  # the poisoned blocks before the window were never read
         assert torch.isfinite(ref).all()

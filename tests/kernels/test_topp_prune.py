@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from sparseserve.kernels.block_score import select_blocks_ref
+from sparseserve.kernels.sparse_decode import kv_rows_aligned
 from sparseserve.kernels.topp_prune import (
     block_lse_ref,
     block_lse_triton,
-    k_rows_aligned,
     prune_lists_triton,
     prune_ref,
     topp_prune_ref,
@@ -316,7 +316,7 @@ def test_topp_prune_offload(hq, hkv, aligned):
     if not aligned:
         buf = torch.empty(poisoned.numel() + 1, dtype=poisoned.dtype, device=DEV)
         poisoned = buf[1:].view_as(poisoned).copy_(poisoned)
-    assert k_rows_aligned(poisoned, *offload[:2]) == aligned
+    assert kv_rows_aligned(poisoned, *offload[:2]) == aligned
     d, bs, cap, top_p = OFFLOAD_CASE
     kw = dict(sink=1, local=2, top_p=top_p, scale=d**-0.5, offload=offload)
     states = [tuple(t.clone() for t in state) for _ in range(2)]
