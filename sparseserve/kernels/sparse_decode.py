@@ -296,11 +296,14 @@ def _sparse_split_kernel(
             hkey = tl.load(key_ptr + lrow + e, mask=in_list, other=0)
             blk = tl.load(table_row + j, mask=ok & ~listed, other=0).to(tl.int64)
             # One pointer per token row (a select, not three masked loads): pool, host (UVA) or cache.
-            k_rows = tl.where(
-                in_list & (pslot >= 0),
-                pool_ptr + tl.maximum(pslot, 0) * (2 * BLOCK_SIZE * HEAD_DIM),
-                tl.where(in_list, host_ptr + hkey * (2 * BLOCK_SIZE * HEAD_DIM), kv_base + blk * stride_cb),
-            ) + off * HEAD_DIM
+            k_rows = (
+                tl.where(
+                    in_list & (pslot >= 0),
+                    pool_ptr + tl.maximum(pslot, 0) * (2 * BLOCK_SIZE * HEAD_DIM),
+                    tl.where(in_list, host_ptr + hkey * (2 * BLOCK_SIZE * HEAD_DIM), kv_base + blk * stride_cb),
+                )
+                + off * HEAD_DIM
+            )
             v_rows = k_rows + tl.where(in_list, BLOCK_SIZE * HEAD_DIM, stride_ckv)
             if ALIGNED:  # the select loses the bases' alignment (docs/kernels.md, "Design notes")
                 k_rows = tl.multiple_of(k_rows, 16)
