@@ -495,6 +495,31 @@ def _score_kernel(
         tl.store(score_row[:, None] + nn[None, :], s, mask=(g < GROUP)[:, None] & (nn < n_end)[None, :])
 
 
+@triton.jit
+def _search(bits2, r2, lo, hi, c_lo, k, fmass, mass_target, w, WAYS: tl.constexpr, MASS: tl.constexpr):
+    """Rounds of WAYS thresholds in [lo, hi) over the bit patterns bits2 [1, N] (c_lo of them >= lo)
+    until at most one lies there: (lo, hi) around the largest t at which >= k of them, or (MASS) of
+    mass r2 with fmass >= mass_target, lie at or above t."""
+    c_hi = c_lo * 0
+    while (c_lo - c_hi > 1) & (hi - lo > 1):
+        gap = tl.cdiv(hi - lo, WAYS + 1)
+        th = lo + (w + 1) * gap
+        inside = th < hi
+        ge = bits2 >= th[:, None]  # [WAYS, N]
+        cnt = tl.sum(ge.to(tl.int32), 1)
+        ok = cnt >= k
+        if MASS:
+            ok = ok | (fmass + tl.sum(tl.where(ge, r2, 0.0), 1) >= mass_target)
+        ok = ok & inside  # monotone in t: the passing thresholds are a prefix
+        fail = inside & (ok == 0)
+        n_ok = tl.sum(ok.to(tl.int32), 0)
+        c_lo = tl.min(tl.where(ok, cnt, c_lo), 0)
+        c_hi = tl.max(tl.where(fail, cnt, c_hi), 0)
+        hi = tl.minimum(lo + (n_ok + 1) * gap, hi)
+        lo = lo + n_ok * gap
+    return lo, hi
+
+
 @triton.jit(
     do_not_specialize=["max_blocks", "ahead", "flat_cap"], do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr"]
 )
@@ -544,8 +569,10 @@ def _select_kernel(
     No sort: a search over the masses' bit patterns (non-negative floats order like their bits)
     finds the largest threshold t at which the candidates >= t number k = the row's cap - #forced or
     (MASS) reach the target mass; each round tests WAYS thresholds in [lo, hi) and it stops once at
-    most one candidate lies there. Candidates above t, then ties at t, follow the forced blocks, in
-    block order (docs/sparse.md, "Kernel notes").
+    most one candidate lies there; it starts at the least candidate. A row flagged flat searches by
+    count alone (one reduction a round) and, only where the mass passes at that t, by count and mass
+    above it. Candidates above t, then ties at t, follow the forced blocks, in block order
+    (docs/sparse.md, "Kernel notes").
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -588,7 +615,7 @@ def _select_kernel(
             )
             # rows past the group: exp(-inf) = 0
             e = tl.exp(s - tl.where(live, tl.max(s, 1), 0.0)[:, None])
-            r += tl.sum(e / tl.where(live, tl.sum(e, 1), 1.0)[:, None], 0)
+            r += tl.sum(e * (1.0 / tl.where(live, tl.sum(e, 1), 1.0))[:, None], 0)  # a division a row
         r = r / GROUP
         cand = valid & (forced == 0) & (tl.load(streaming_ptr + kvh) == 0)
         ranked = r
@@ -602,6 +629,9 @@ def _select_kernel(
             tl.debug_barrier()  # this program's scatter, then its gather
             ranked = tl.where(tl.load(mark + j) != 0, r * sticky_factor, r)
         bits = tl.where(cand, ranked.to(tl.int32, bitcast=True), -1)  # non-candidates: below all
+        fmass = 0.0
+        if MASS or FLAT:
+            fmass = tl.sum(tl.where(forced, r, 0.0), 0)
         if FLAT:  # flat candidates out of the cap's reach: the list takes flat_cap blocks
             cm = tl.where(cand, r, 0.0)
             cmass = tl.sum(cm, 0)
@@ -609,39 +639,34 @@ def _select_kernel(
             below = tl.sum(tl.minimum(cm, cmass / tl.maximum(n_cand, 1)), 0)
             is_flat = (cmass > 0) & (below >= flat_share * cmass)
             fit = CAP - n_forced
-            reach = tl.sum(tl.where(forced, r, 0.0), 0) + cmass * fit.to(tl.float32) / tl.maximum(n_cand, 1)
+            reach = fmass + cmass * fit.to(tl.float32) / tl.maximum(n_cand, 1)
             row_cap = tl.where(is_flat & (fit < n_cand) & (reach < flat_mass), flat_cap, CAP)
         k = row_cap - n_forced
-        top_ok = k <= 0  # does t above every candidate pass? then nothing is chosen
-        if MASS:
-            fmass = tl.sum(tl.where(forced, r, 0.0), 0)
-            top_ok = top_ok | (fmass >= mass_target)
+        # A flat row's estimated mass rarely binds: it searches by count alone first.
+        mass_now = is_flat == 0
+        top_ok = (k <= 0) | (mass_now & (fmass >= mass_target))  # t above every candidate passes: none chosen
         hi = tl.max(bits, 0) + 1
-        lo = tl.where(top_ok, hi, 0)
+        lo = tl.where(top_ok, hi, tl.minimum(tl.min(tl.where(cand, bits, 0x7FFFFFFF), 0), hi))
         c_lo = tl.where(top_ok, 0, tl.sum(cand.to(tl.int32), 0))  # candidates >= lo, and >= hi
-        c_hi = c_lo * 0
         w = tl.arange(0, WAYS)
         bits2 = bits[None, :]
+        r2 = r[None, :]
         if MASS:
-            r2 = r[None, :]
-        while (c_lo - c_hi > 1) & (hi - lo > 1):
-            gap = tl.cdiv(hi - lo, WAYS + 1)
-            th = lo + (w + 1) * gap
-            inside = th < hi
-            ge = bits2 >= th[:, None]  # [WAYS, NB_PAD]
-            cnt = tl.sum(ge.to(tl.int32), 1)
-            ok = cnt >= k
-            if MASS:
-                ok = ok | (fmass + tl.sum(tl.where(ge, r2, 0.0), 1) >= mass_target)
-            ok = ok & inside  # monotone in t: the passing thresholds are a prefix
-            fail = inside & (ok == 0)
-            n_ok = tl.sum(ok.to(tl.int32), 0)
-            c_lo = tl.min(tl.where(ok, cnt, c_lo), 0)
-            c_hi = tl.max(tl.where(fail, cnt, c_hi), 0)
-            hi = tl.minimum(lo + (n_ok + 1) * gap, hi)
-            lo = lo + n_ok * gap
+            if mass_now:
+                lo, hi_t = _search(bits2, r2, lo, hi, c_lo, k, fmass, mass_target, w, WAYS=WAYS, MASS=True)
+            else:
+                lo, hi_t = _search(bits2, r2, lo, hi, c_lo, k, fmass, mass_target, w, WAYS=WAYS, MASS=False)
+        else:
+            lo, hi_t = _search(bits2, r2, lo, hi, c_lo, k, fmass, mass_target, w, WAYS=WAYS, MASS=False)
         # At most one candidate in [lo, hi) (or hi = lo + 1): t is it, or lo.
-        t = tl.maximum(lo, tl.max(tl.where(bits < hi, bits, -1), 0))
+        t = tl.maximum(lo, tl.max(tl.where(bits < hi_t, bits, -1), 0))
+        if MASS:
+            if mass_now == 0:  # counted alone: above t only the mass passes; search there if it passes at t
+                if fmass + tl.sum(tl.where(bits >= t, r, 0.0), 0) >= mass_target:
+                    lo = tl.where(fmass >= mass_target, hi, t)  # the forced blocks' mass alone: none chosen
+                    c_lo = tl.sum((bits >= lo).to(tl.int32), 0)
+                    lo, hi = _search(bits2, r2, lo, hi, c_lo, k, fmass, mass_target, w, WAYS=WAYS, MASS=True)
+                    t = tl.maximum(lo, tl.max(tl.where(bits < hi, bits, -1), 0))
         chosen_hi = bits > t
         chosen_eq = cand & (bits == t)
     # One scan ranks both chosen sets: chosen_hi in the low 16 bits, chosen_eq in the high ones

@@ -324,17 +324,19 @@ def test_select_blocks_sticky(policy, top_p, lagged, hq=6, hkv=2):
             assert torch.equal(a.sort(-1).values if a.dim() == 3 else a, b.sort(-1).values if b.dim() == 3 else b), step
 
 
+@pytest.mark.parametrize("policy", ["topk", "topp"])
 @pytest.mark.parametrize("hq,hkv", [(8, 2), pytest.param(9, 3, id="group3-9q3kv")])
-def test_select_flags_flat_lists(hq, hkv):
+def test_select_flags_flat_lists(hq, hkv, policy):
     """With each new list the selection flags whether the estimated masses it chose among are flat
     (flat_share_ref >= the share), and a flagged list whose cap cannot reach flat_mass on them takes flat_cap
     blocks: near-constant scores are flat, peaked ones are not, a context within the cap (never scored) is not;
     9 flat blocks, 8 of which fit (0.89 of their mass), keep the cap; a reused step keeps the flags and lists;
-    kernel and reference agree over steps."""
+    kernel and reference agree over steps. topp (p 0.5): a flat row searches by count first, and where the
+    mass binds there (the 9 flat blocks: 3 forced, 2 chosen reach 0.5) by mass above it."""
     torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
     bs, cap, flat_cap, nslots, mb = 16, 8, 5, 6, 64
     lens = [40 * bs, 3 * bs, 0, 47 * bs + 5, 64 * bs, 9 * bs]
-    p = params("topk", cap, bs, reuse=2) | dict(flat_share=0.75, flat_mass=0.85, flat_cap=flat_cap)
+    p = params(policy, cap, bs, reuse=2, top_p=0.5) | dict(flat_share=0.75, flat_mass=0.85, flat_cap=flat_cap)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
     slots = torch.tensor([4, 0, 5, 2, 1, 3], dtype=torch.int32, device=DEV)
     streaming = torch.zeros(hkv, dtype=torch.bool, device=DEV)
@@ -366,7 +368,13 @@ def test_select_flags_flat_lists(hq, hkv):
             flagged += int((flat[slots[seq_lens > 0].long()] == 1).sum())
         assert int(states[1][4]) == flagged
         sizes = (states[1][0] >= 0).sum(-1)
-        if step == 0:
+        if step == 0 and policy == "topp":
+            # slot 1 (peaked): the mass binds at block 10; slot 3 (9 flat blocks, flagged): after the count's
+            # search, the mass's above it (3 forced + 2); slot 0 (3 blocks): all of them
+            assert sizes[1].tolist() == [4] * hkv and sizes[3].tolist() == [5] * hkv and flat[3].tolist() == [1] * hkv
+            assert sizes[0].tolist() == [3] * hkv
+            first = (flat.clone(), states[1][0].clone())
+        elif step == 0:
             assert flat[4].tolist() == [1] * hkv and flat[0].tolist() == [0] * hkv and flat[5].tolist() == [7] * hkv
             assert flat[2].tolist() == [1] + [0] * (hkv - 1) and flat[1].tolist() == [0] * hkv
             # flat lists take flat_cap blocks, the others over the cap take cap; row 1 (3 blocks) all of them
