@@ -647,7 +647,11 @@ def _select_kernel(
         top_ok = (k <= 0) | (mass_now & (fmass >= mass_target))  # t above every candidate passes: none chosen
         hi = tl.max(bits, 0) + 1
         lo = tl.where(top_ok, hi, tl.minimum(tl.min(tl.where(cand, bits, 0x7FFFFFFF), 0), hi))
-        c_lo = tl.where(top_ok, 0, tl.sum(cand.to(tl.int32), 0))  # candidates >= lo, and >= hi
+        if FLAT:
+            n_all = n_cand
+        else:
+            n_all = tl.sum(cand.to(tl.int32), 0)
+        c_lo = tl.where(top_ok, 0, n_all)  # candidates >= lo, and >= hi
         w = tl.arange(0, WAYS)
         bits2 = bits[None, :]
         r2 = r[None, :]

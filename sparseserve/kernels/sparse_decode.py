@@ -212,7 +212,7 @@ def _store_partial(
 
 
 # The tables' width and the split's length follow the step: not specialized on.
-@triton.jit(do_not_specialize=["entries_per_split", "stride_tb"])
+@triton.jit(do_not_specialize=["stride_tb"])
 def _sparse_split_kernel(
     q_ptr,
     cache_ptr,
@@ -227,7 +227,6 @@ def _sparse_split_kernel(
     loc_ptr,
     key_ptr,
     qk_scale,
-    entries_per_split,
     stride_qt,
     stride_qh,
     stride_cb,
@@ -243,6 +242,7 @@ def _sparse_split_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TILE_E: tl.constexpr,
+    CAP_PAD: tl.constexpr,
     DOT_PREC: tl.constexpr,
     OFFLOAD: tl.constexpr,
     VIEW_BY_SLOT: tl.constexpr,
@@ -274,20 +274,23 @@ def _sparse_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    e_start = split * entries_per_split
-    e_end = tl.minimum(e_start + entries_per_split, CAP + LOCAL)
-    # Lists hold their entries first, then -1: a split whose first listed entry is padding skips
-    # to the window (adaptive lists fill a fraction of the cap).
-    first = tl.load(sel_row + e_start, mask=e_start < CAP, other=0)
-    e_start = tl.where(first < 0, tl.maximum(e_start, CAP), e_start)
+    # Lists hold their entries first, then -1 (adaptive lists fill a fraction of the cap): the
+    # splits share the row's n listed entries and its window, entry v < n the list's, v >= n the
+    # window's, so every program of the fixed grid works however full the list is.
+    c = tl.arange(0, CAP_PAD)
+    n = tl.max(tl.where(tl.load(sel_row + c, mask=c < CAP, other=-1) >= 0, c + 1, 0), 0)  # past the last entry
+    per = tl.cdiv(tl.cdiv(n + LOCAL, TILE_E), tl.num_programs(2)) * TILE_E
+    v_start = split * per
+    v_end = tl.minimum(v_start + per, n + LOCAL)
     # config.tiles tiles a program, software-pipelined. No branch on empty tiles: it would stop
     # the pipelining, and masked-off entries load nothing anyway.
-    for e0 in range(e_start, e_end, TILE_E):
-        e = e0 + t // BLOCK_SIZE
-        listed = e < CAP
+    for v0 in range(v_start, v_end, TILE_E):
+        v = v0 + t // BLOCK_SIZE
+        listed = v < n
+        e = tl.where(listed, v, CAP + v - n)  # the entry: list position, or CAP + window position
         j = tl.load(sel_row + e, mask=listed, other=-1)
         j = tl.where(listed, j, local_start + e - CAP)
-        ok = tl.where(listed, (j >= 0) & (j < local_start), j < nb) & (e < e_end)
+        ok = tl.where(listed, (j >= 0) & (j < local_start), j < nb) & (v < v_end)
         ok = ok & (j * BLOCK_SIZE + off < seq_len)
         if OFFLOAD:  # listed: pool slot or host row (bypass); the window: the device cache
             in_list = ok & listed
@@ -633,7 +636,6 @@ def sparse_decode_triton(
             loc,
             key,
             scale * LOG2E,
-            per_split,
             q.stride(0),
             q.stride(1),
             kv_cache.stride(0),
@@ -642,6 +644,7 @@ def sparse_decode_triton(
             block_tables.stride(0),
             sel.stride(0),
             TILE_E=tile_e,
+            CAP_PAD=triton.next_power_of_2(cap),
             OFFLOAD=offload is not None,
             VIEW_BY_SLOT=view_by_slot,
             ALIGNED=offload is not None and kv_rows_aligned(kv_cache, pool_slots, host_flat),

@@ -655,13 +655,16 @@ def test_sparse_decode_view_by_slot(dtype, hq=6, hkv=2):
 def test_sparse_decode_splits(dtype, offload, tile_n, tiles, splits, hq=6, hkv=2):
     """The split kernel and its merge match the reference over several splits (and one), offloaded (listed
     blocks from pool slots or host rows, the device cache before the window poisoned; "misaligned": the cache
-    one element off 16 bytes, which the kernel must read without its aligned loads) or not; (32, 1, 4): a
-    split whose list part is padding skips to the window, mid-tile, and leaves the next split's entries."""
+    one element off 16 bytes, which the kernel must read without its aligned loads) or not. The splits share a
+    row's entries up to its last listed one and its window, however full the list (a tile holds both), and a
+    hole before the last entry is skipped, not taken for the list's end."""
     torch.manual_seed(9)
     d, bs, cap, local = 32, 16, 5, 2
     lens = [0, 1, 5 * bs, 13 * bs + 7, 9 * bs + 1]
     q, cache, meta = decode_batch(lens, hq, hkv, d, bs, dtype, slack=2 * bs)
     sel = random_lists(lens, hkv, bs, cap)[: len(lens)]
+    sel[3, 0] = torch.randperm(12, device=DEV)[:cap].to(torch.int32)
+    sel[3, 0, 1] = -1
     slots = torch.arange(len(lens), dtype=torch.int32, device=DEV)
     kw = {}
     if offload:
