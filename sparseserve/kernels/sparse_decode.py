@@ -211,7 +211,7 @@ def _store_partial(
     tl.store(part_lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=g < GROUP)
 
 
-# The tables' width and the split's length follow the step: not specialized on.
+# The tables' width follows the step: not specialized on.
 @triton.jit(do_not_specialize=["stride_tb"])
 def _sparse_split_kernel(
     q_ptr,
