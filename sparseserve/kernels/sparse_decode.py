@@ -1,10 +1,11 @@
 """Sparse paged decode: one query token per sequence over its list of selected blocks.
 
 Each (sequence, KV head) attends the listed blocks (sel[slot, kvh], logical indices, -1 padded)
-before the current local window, plus that window (the last `local` blocks). Kernel 1 splits
-the cap + local entries over (sequence, KV head, split) programs, each serving the whole GQA
-group and writing a partial output and its log-sum-exp; kernel 2 merges. Padding and in-window
-entries load nothing. With TMA (compute capability 9+, no offload) a twin of kernel 1 gathers.
+before the current local window, plus that window (the last `local` blocks). Kernel 1 runs a
+grid of (sequence, KV head, split) programs sized for the cap + local entries; its splits share
+the row's listed entries and window, each serving the whole GQA group and writing a partial
+output and its log-sum-exp; kernel 2 merges. Padding and in-window entries load nothing. With
+TMA (compute capability 9+) a twin of kernel 1 gathers, its splits over the cap's entries.
 
 Under KV offload, `offload` = (pool slots [N, 2, bs, D], host rows [R, 2, bs, D], loc, key:
 int64 [B, Hkv, cap]): listed blocks come from pool slot `loc`, or from host row `key` over UVA
