@@ -27,10 +27,16 @@ def flash_h2d_ref(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tenso
     slots[load[todo]] = host_flat[key[todo].to(host_flat.device)].to(slots.device)
 
 
-def flash_h2d(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, load: torch.Tensor) -> None:
+def flash_h2d(
+    host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, load: torch.Tensor, programs_per_sm: float = 1.0
+) -> None:
     """flash_h2d_ref's contract, either way: slots may be the pinned host side (a save, written over UVA). The
-    trap: dispatch on both sides; the reference on a save ran a CPU scatter behind a pageable, blocking copy."""
-    (flash_h2d_triton if use_triton(slots) or use_triton(host_flat) else flash_h2d_ref)(host_flat, slots, key, load)
+    trap: dispatch on both sides; the reference on a save ran a CPU scatter behind a pageable, blocking copy.
+    programs_per_sm: flash_h2d_triton's grid bound (loads beside the layers take fewer SMs)."""
+    if use_triton(slots) or use_triton(host_flat):
+        flash_h2d_triton(host_flat, slots, key, load, programs_per_sm=programs_per_sm)
+    else:
+        flash_h2d_ref(host_flat, slots, key, load)
 
 
 def write_through_ref(

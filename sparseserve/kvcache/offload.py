@@ -25,6 +25,10 @@ from sparseserve.kvcache.working_set import WorkingSetCounter
 
 logger = logging.getLogger(__name__)
 
+# FlashH2D beside the layers (the lagged per-layer loads): a program holds its SM while it waits on PCIe, so
+# these loads take a quarter of the SMs: less of the link, still ahead of the layers (docs/offload.md).
+BESIDE_PROGRAMS_PER_SM = 0.25
+
 # A view of a layer's selected blocks for the sparse kernels: (pool slots, host rows, loc, key).
 OffloadView = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -468,7 +472,7 @@ class OffloadCache:
         name their slots already: a reader waits for this load, not for the whole plan's)."""
         key, load = self._lag_loads
         li = layer - self.dense_layers
-        flash_h2d(self.host.flat(), self.pool.slots, key[li].reshape(-1), load[li].reshape(-1))
+        flash_h2d(self.host.flat(), self.pool.slots, key[li].reshape(-1), load[li].reshape(-1), BESIDE_PROGRAMS_PER_SM)
         if li == key.shape[0] - 1:  # the last sparse layer's: the plan's buffers may go
             self._lag_loads = None
 
