@@ -149,6 +149,8 @@ class ModelRunner:
             self.attn_backend.allocate(self.num_blocks)
         else:
             self.attn_backend.allocate(self.offload.layout.rows, self.offload)  # metadata by device row
+            with self._kernels():  # row saves and restores compile here, not at serving's first
+                self.offload.warm_up()
         self.inputs = StepInputs(self.block_size, self.device, self.offload)  # a step's host inputs
         self.layer_prefill = None  # engine/layer_prefill.py: prompts prefilled layer by layer
         if config.offload_config.layer_segmented_prefill:

@@ -274,6 +274,9 @@ class OffloadCache:
         self.num_row_moves[0 if save else 1] += len(pairs)
         blocks = torch.tensor([b for b, _ in pairs], dtype=torch.int64)
         rows = torch.tensor([r for _, r in pairs], dtype=torch.int64)
+        self._copy_row_tensors(blocks, rows, save)
+
+    def _copy_row_tensors(self, blocks: torch.Tensor, rows: torch.Tensor, save: bool) -> None:
         dl = self.dense_layers
         moves = [(self.host.data[:dl], self.dense_cache)] if dl else []
         if self.key_meta is not None:
@@ -284,6 +287,15 @@ class OffloadCache:
                 self._copy_rows(device, host, rows, blocks)
             else:
                 self._copy_rows(host, device, blocks, rows)
+
+    def warm_up(self) -> None:
+        """Saves and restores the trash rows (device and host: nothing reads them), so that a serving step's
+        first row save or restore compiles no kernel: the warm-up's requests have rows to spare and move none
+        (docs/engine.md, "The warm-up"). Counts nothing."""
+        blocks = torch.tensor([self.layout.token_blocks], dtype=torch.int64)
+        rows = torch.tensor([self.layout.rows], dtype=torch.int64)
+        for save in (True, False):
+            self._copy_row_tensors(blocks, rows, save)
 
     def _copy_rows(self, src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
         """dst[:, dst_rows[i]] = src[:, src_rows[i]] for every layer and KV head of [layers, rows,

@@ -11,7 +11,8 @@ are the same, the interpreter's cost is not paid a second time.
 
 The workload mixes what serving meets and a warm-up round may not: prompts of every length up to the model's
 limit, decodes beside chunks of several prompts, prefix-cache hits, an abort, and with KV offload a small HBM
-pool (working-set hold-backs, prefills ahead, parked requests resumed)."""
+pool (working-set hold-backs, prefills ahead, parked requests resumed) or fewer device rows than token blocks (rows
+saved to the host while serving)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,11 @@ CONFIGS = {
     ),
 }
 CONFIGS["layerseg_lag_async"] = dict(CONFIGS["layerseg_async"], sparse_lag=1)  # the best measured serving config
+# fewer device rows than token blocks (a KV budget, not a block count) and a dense layer: serving saves rows (its KV
+# and the metadata), the warm-up saves none
+FEW_ROWS = dict(kv_cache_memory=6_000_000, host_kv_memory=20_000_000, sparse_dense_layers=1)
+CONFIGS["layerseg_lag_few_rows"] = {k: v for k, v in CONFIGS["layerseg_lag_async"].items() if k != "hbm_cache_blocks"}
+CONFIGS["layerseg_lag_few_rows"].update(FEW_ROWS)
 CONFIGS["topp"] = dict(SPARSE, sparse_policy="topp", sparse_top_p=0.8)
 MAX_MODEL_LEN = 320
 
@@ -91,9 +97,10 @@ def test_serving_compiles_nothing_after_the_warm_up(tiny_model_dir, name):
         max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=64,
         attention_backend="triton",
-        num_gpu_blocks_override=256,  # a small cache: engines one after another on a GPU
         **CONFIGS[name],
     )
+    if "kv_cache_memory" not in kw:
+        kw["num_gpu_blocks_override"] = 256  # a small cache: engines one after another on a GPU
     with Specializations() as spec:
         llm = LLM(str(tiny_model_dir), **kw)
         if not ON_GPU:  # on CUDA the engine warms up when it is built
@@ -108,6 +115,8 @@ def test_serving_compiles_nothing_after_the_warm_up(tiny_model_dir, name):
     assert not new, f"compiled while serving ({steps} steps):\n" + "\n".join(new)
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests() and engine.allocator.num_used == 0
+    if "kv_cache_memory" in kw:  # the rows serving moved: none before it, some while it ran
+        assert engine.get_stats(sync=True).offload_rows_saved > 0
     engine.allocator.check()
     if CONFIGS[name].get("kv_offload"):  # the pool was small enough for the working-set control's paths to run
         stats = engine.get_stats(sync=True)
