@@ -12,7 +12,9 @@ its output tokens - 1:
 - waiting: steps of the interval that produced no token for it; `waiting_mid_answer` is its part after the
   request's second token (held back or parked mid-answer; the rest is the first-to-second gap of prefill ahead).
 Under async scheduling a step's tokens come out of the next `step()` call: the time between two calls is the
-device time of the step launched in the earlier one, which is the step that produced them.
+device time of the step launched in the earlier one, which is the step that produced them. `decode_stalls` /
+`decode_stall_s`: decode-only steps over 20x the median one (a kernel compiled while serving, a batch's first
+loads; docs/benchmarks/serving.md, twenty-third session).
 
     python -m benchmarks.decode_time --configs dense layerseg_async [--time-scale 1] [--json out.json]
     python -m benchmarks.decode_time --model mha7b --dataset longbench --longbench-tokenizer llama2 \
@@ -209,6 +211,9 @@ class GaugeLog:
         return out
 
 
+STALL = 20  # a decode-only step this many times the median is a stall (decompose)
+
+
 def decompose(steps: list[StepRecord]) -> dict:
     """Mean TPOT over the requests with two or more tokens and its three parts (module docstring), in ms; the
     producing steps' counts and durations."""
@@ -233,6 +238,9 @@ def decompose(steps: list[StepRecord]) -> dict:
     mean = lambda v: 1e3 * statistics.fmean(v) if v else 0.0  # noqa: E731
     dec = [s for s in steps if s.requests and not s.prefills]
     mix = [s for s in steps if s.requests and s.prefills]
+    # decode-only steps over STALL x the median: a kernel compiled while serving, a batch's first loads
+    median = statistics.median([s.duration for s in dec]) if dec else 0.0
+    stalls = [s.duration for s in dec if s.duration > STALL * median]
     out = {
         "requests_decoded": len(parts["decode"]),
         "tpot_ms": sum(mean(v) for v in parts.values()),
@@ -241,6 +249,8 @@ def decompose(steps: list[StepRecord]) -> dict:
         "decode_steps": len(dec),
         "decode_step_ms": mean([s.duration for s in dec]),
         "decode_batch": statistics.fmean([s.decodes for s in dec]) if dec else 0.0,
+        "decode_stalls": len(stalls),
+        "decode_stall_s": sum(stalls),
         "prefill_steps": len(mix),
         "prefill_step_ms": mean([s.duration for s in mix]),
         "prefill_s": sum(s.duration for s in mix),

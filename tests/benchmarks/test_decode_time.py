@@ -38,6 +38,16 @@ def test_split_of_a_hand_built_timeline():
     assert out["with_prefill_ms"] == pytest.approx((20 / 2 + 20 / 2) / 2)
     assert out["tpot_ms"] == pytest.approx(((45 - 10) / 2 + (50 - 20) / 2) / 2)
     assert out["decode_steps"] == 2 and out["prefill_steps"] == 2
+    assert out["decode_stalls"] == 0 and out["decode_stall_s"] == 0
+
+
+def test_stalls_are_decode_steps_far_over_the_median():
+    steps = [_step(0.01 * i, 0.010, requests=["a"]) for i in range(1, 6)]
+    steps.append(_step(0.3, 0.250, requests=["a"]))  # 25x the median: a stall
+    steps.append(_step(0.4, 0.100, requests=["a"]))  # 10x: not one
+    steps.append(_step(0.9, 0.500, segments=1, requests=["a"]))  # with a prefill: never one
+    out = D.decompose(steps)
+    assert out["decode_stalls"] == 1 and out["decode_stall_s"] == pytest.approx(0.250)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
