@@ -178,10 +178,13 @@ class SelectionState:
                 fresh.append(slot)
         if fresh:
             idx = to_device(torch.tensor(fresh), self.counter.device)  # pinned staging: no wait on the device
-            self.counter[:, idx] = 0
+            # index_fill_, not `t[:, idx] = 0`: index_put_ copies its scalar from pageable memory, which waits for
+            # the device's queue (docs/engine.md, "The host never waits inside a step")
+            self.counter.index_fill_(1, idx, 0)
             if self._sticky:
-                self.sel[:, self._rows(idx)] = -1
-                self.flat[:, self._rows(idx)] = 0
+                rows = self._rows(idx)
+                self.sel.index_fill_(1, rows, -1)
+                self.flat.index_fill_(1, rows, 0)
                 for sid in seq_ids:
                     if sid in self._stash:
                         sel, counter, flat = self._stash.pop(sid)
