@@ -8,13 +8,15 @@ after a prefill ahead, preempted, or not scheduled). So a request's TPOT is the 
 its output tokens - 1:
 - decode: intervals whose producing step ran decodes only;
 - with prefill: the producing step also ran prompt tokens (a prefill chunk, or a layer-segmented prefill's
-  segment): the decode waited for them;
+  segment), or under async scheduling the step launched beside it did: the decode waited for them;
 - waiting: steps of the interval that produced no token for it; `waiting_mid_answer` is its part after the
   request's second token (held back or parked mid-answer; the rest is the first-to-second gap of prefill ahead).
 Under async scheduling a step's tokens come out of the next `step()` call: the time between two calls is the
-device time of the step launched in the earlier one, which is the step that produced them. `decode_stalls` /
-`decode_stall_s`: decode-only steps over 40x the median one (a kernel compiled while serving; a step before a
-prefill segment carries that segment's setup, up to ~20x; docs/benchmarks/serving.md, twenty-third session).
+device time of the step launched in the earlier one, which is the step that produced them, unless the later call
+launches a prefill: a launch of more kernels than the launch queue holds (~1,000: a layer-segmented prefill's
+segment) returns only when the device nears that step's end, so that call carries the prefill's time and counts
+as one with prefill (docs/benchmarks/serving.md, twenty-fourth session). `decode_stalls` / `decode_stall_s`:
+decode-only steps over 40x the median one (a kernel compiled while serving).
 
     python -m benchmarks.decode_time --configs dense layerseg_async [--time-scale 1] [--json out.json]
     python -m benchmarks.decode_time --model mha7b --dataset longbench --longbench-tokenizer llama2 \
@@ -97,7 +99,9 @@ CONFIGS = _LADDER | {f"{k}_async": v | dict(async_scheduling=True) for k, v in _
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
     """One `step()` call: when it returned, the seconds since the call before, the step that produced its tokens
-    (decode rows, prompt tokens, layer segments) and the requests that got a token."""
+    (decode rows, prompt tokens, layer segments) and the requests that got a token; launches_prefill: under async
+    scheduling, whether the step the call launched (the next one) ran prompt tokens (its launch may block the
+    call for most of that step's device time: the launch queue holds ~1,000 kernels)."""
 
     t: float
     duration: float
@@ -105,21 +109,26 @@ class StepRecord:
     prompt_tokens: int
     segments: int
     requests: frozenset[str]
+    launches_prefill: bool = False
 
     @property
     def prefills(self) -> bool:
-        return self.prompt_tokens > 0 or self.segments > 0
+        """The interval waited for prompt work: the producing step's, or (async) the launched step's."""
+        return self.prompt_tokens > 0 or self.segments > 0 or self.launches_prefill
 
 
 class Timeline(Profiler):
     """The engine's profiler and the `on_step` hook of `replay`: a StepRecord per engine step (async scheduling:
     a step's tokens come out one call later, with the schedule launched in the call before). A step's duration
     leaves out the time the replay slept before it with nothing to run (no request was decoding then).
-    window (start, n): torch-profiles steps [start, start + n) (bench/gpu_trace.py; `profiled` its report)."""
+    window (start, n): torch-profiles steps [start, start + n) (bench/gpu_trace.py; `profiled` its report), its
+    Chrome trace gzipped to trace_path if given."""
 
-    def __init__(self, async_scheduling: bool, window: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self, async_scheduling: bool, window: tuple[int, int] | None = None, trace_path: str | None = None
+    ) -> None:
         self.async_scheduling = async_scheduling
-        self.window = window
+        self.window, self.trace_path = window, trace_path
         self._trace: WindowProfile | None = None
         self.profiled: WindowReport | None = None
         self.steps: list[StepRecord] = []
@@ -138,16 +147,17 @@ class Timeline(Profiler):
 
     def __call__(self, outputs: list, t: float, idle: float = 0.0) -> None:
         launched, self._sched = self._sched, (0, 0, 0)
-        produced = launched
+        produced, blocked = launched, False
         if self.async_scheduling:
             produced, self._launched = self._launched or (0, 0, 0), launched
+            blocked = launched[1] > 0 or launched[2] > 0
         got = frozenset(o.request_id for o in outputs if any(c.token_ids for c in o.outputs))
-        self.steps.append(StepRecord(t, t - self._last_t - idle, *produced, got))
+        self.steps.append(StepRecord(t, t - self._last_t - idle, *produced, got, blocked))
         self._last_t = t
         if self.window is not None:
             start, n = self.window
             if len(self.steps) == start:
-                self._trace = WindowProfile()
+                self._trace = WindowProfile(self.trace_path)
                 self._trace.start()
             elif len(self.steps) == start + n and self._trace is not None:
                 self.profiled, self._trace = self._trace.stop(), None
@@ -238,7 +248,7 @@ def decompose(steps: list[StepRecord]) -> dict:
     mean = lambda v: 1e3 * statistics.fmean(v) if v else 0.0  # noqa: E731
     dec = [s for s in steps if s.requests and not s.prefills]
     mix = [s for s in steps if s.requests and s.prefills]
-    # decode-only steps over STALL x the median: a kernel compiled while serving (a prefill segment's setup: ~20x)
+    # decode-only steps over STALL x the median: a kernel compiled while serving
     median = statistics.median([s.duration for s in dec]) if dec else 0.0
     stalls = [s.duration for s in dec if s.duration > STALL * median]
     out = {
@@ -284,11 +294,14 @@ def run_config(
     engine_kw: dict,
     window: tuple[int, int] | None = None,
     gauges_every: int = 0,
+    trace_dir: str | None = None,
 ) -> tuple[dict, list[StepRecord]]:
-    """The config's row and its timeline; with a profiled window the row's "profile" is its report, with
-    gauges_every its "gauges" (GaugeLog's samples) and their summary."""
+    """The config's row and its timeline; with a profiled window the row's "profile" is its report (and with
+    trace_dir its Chrome trace there, NAME.trace.json.gz), with gauges_every its "gauges" (GaugeLog's samples)
+    and their summary."""
     config = config_kwargs(name, engine_kw)
-    timeline = Timeline(False, window)
+    trace = str(Path(trace_dir) / f"{name.replace(':', '_')}.trace.json.gz") if trace_dir and window else None
+    timeline = Timeline(False, window, trace)
     with fresh_engine(timeline, model=model, **config) as engine:
         timeline.async_scheduling = engine.async_scheduling  # resolved: on by default with KV offload on CUDA
         gauges = GaugeLog(engine, timeline, gauges_every) if gauges_every else None
@@ -371,6 +384,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="torch-profile steps [START, START + N) of each config: the GPU's critical path by kind of work and "
         "the blocking host calls with their callers (slows those steps)",
     )
+    p.add_argument(
+        "--profile-trace",
+        default=None,
+        metavar="DIR",
+        help="with --profile-window: also write each config's Chrome trace of the window to DIR/CONFIG.trace.json.gz",
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     if args.gauges_every < 0:
@@ -392,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
         window = tuple(args.profile_window) if args.profile_window else None
         runs = {}
         for c in args.configs:
-            runs[c] = run_config(model, c, jobs, kw, window, args.gauges_every)
+            runs[c] = run_config(model, c, jobs, kw, window, args.gauges_every, args.profile_trace)
             save_report(args, runs)
     return report_runs(args, runs)
 

@@ -7,8 +7,10 @@ nothing beside it (docs/architecture.md, principle 5). Used by scripts/profile_d
 from __future__ import annotations
 
 import collections
+import gzip
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 
@@ -135,9 +137,11 @@ def _callers(event, depth: int = 3) -> tuple[str, ...]:
 
 
 class WindowProfile:
-    """torch.profiler over the steps between `start()` and `stop()`; CUDA activity where there is a GPU."""
+    """torch.profiler over the steps between `start()` and `stop()`; CUDA activity where there is a GPU.
+    trace_path: where `stop` also writes the Chrome trace, gzipped (Perfetto opens it), or None."""
 
-    def __init__(self) -> None:
+    def __init__(self, trace_path: str | None = None) -> None:
+        self.trace_path = trace_path
         acts = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -154,6 +158,9 @@ class WindowProfile:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "trace.json")
             self._prof.export_chrome_trace(path)
+            if self.trace_path:
+                with open(path, "rb") as f, gzip.open(self.trace_path, "wb") as g:
+                    shutil.copyfileobj(f, g)
             with open(path) as f:
                 trace = json.load(f)["traceEvents"]
         busy, idle, by_name = critical_path(trace)

@@ -4,6 +4,7 @@ the token times."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import statistics
 from types import SimpleNamespace
@@ -56,14 +57,19 @@ def test_tokens_are_booked_to_the_step_that_produced_them(async_scheduling):
     decode = SimpleNamespace(scheduled=[(None, 1), (None, 1)], segments=[])
     timeline = D.Timeline(async_scheduling)
     out = [SimpleNamespace(request_id="r", outputs=[SimpleNamespace(token_ids=[7])])]
-    for t, sched, outputs, idle in ((1.0, prefill, [], 0.5), (2.0, decode, out, 0.0), (3.0, decode, out, 0.0)):
+    segment = SimpleNamespace(scheduled=[(None, 1)], segments=[object()])
+    calls = ((1.0, prefill, [], 0.5), (2.0, decode, out, 0.0), (3.0, decode, out, 0.0), (4.0, segment, out, 0.0))
+    for t, sched, outputs, idle in calls:
         timeline.on_schedule(sched)  # the engine calls it before the step runs
         timeline(outputs if async_scheduling else out, t, idle)
-    first, second = timeline.steps[1], timeline.steps[2]
+    first, second, third = timeline.steps[1:]
     # async: the call at t=2 lands the prefill step launched at t=1; sync: each call lands its own
     assert first.prefills == async_scheduling and first.prompt_tokens == (300 if async_scheduling else 0)
     assert not second.prefills and second.decodes == 2 and second.duration == pytest.approx(1.0)
     assert timeline.steps[0].duration == pytest.approx(0.5)  # the replay's sleep before the first step left out
+    # the call at t=4 launched a segment: async, it lands a decode step but waited on that launch (a prefill's time)
+    assert third.segments == (0 if async_scheduling else 1) and third.prefills
+    assert third.launches_prefill == async_scheduling and D.decompose(timeline.steps)["prefill_steps"] == 2
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason=f"Mooncake trace not found at {TRACE} (../shared/data)")
@@ -99,8 +105,13 @@ def test_decode_time_smoke(tiny_model_dir, tmp_path):
             "--profile-window",
             "3",
             "4",
+            "--profile-trace",
+            str(tmp_path),
         ]
     )
+    for name in ("dense", "layerseg_async"):  # the window's Chrome trace, gzipped
+        with gzip.open(tmp_path / f"{name}.trace.json.gz") as f:
+            assert json.load(f)["traceEvents"]
     assert json.loads(out.read_text())["rows"] == report["rows"]
     for row in report["rows"]:  # the window's torch profile (CPU: no GPU timeline)
         assert set(row["profile"]) >= {"gpu_busy_ms", "critical_path_ms_by_kind", "blocking_host_calls"}
