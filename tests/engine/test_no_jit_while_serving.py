@@ -57,6 +57,22 @@ CONFIGS["topp"] = dict(SPARSE, sparse_policy="topp", sparse_top_p=0.8)
 MAX_MODEL_LEN = 320
 
 
+def engine_kwargs(name: str) -> dict:
+    """The LLM arguments of a config: a tiny fp32 engine on the GPU where there is one."""
+    kw = dict(
+        device="cuda" if ON_GPU else "cpu",
+        dtype="float32",
+        block_size=16,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=64,
+        attention_backend="triton",
+        **CONFIGS[name],
+    )
+    if "kv_cache_memory" not in kw:
+        kw["num_gpu_blocks_override"] = 256  # a small cache: engines one after another on a GPU
+    return kw
+
+
 def serve(llm: LLM, seed: int = 0, num_requests: int = 16) -> int:
     """Requests arriving every other step until all finished; returns the steps run."""
     engine, rng = llm.llm_engine, random.Random(seed)
@@ -89,17 +105,7 @@ def serve(llm: LLM, seed: int = 0, num_requests: int = 16) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_serving_compiles_nothing_after_the_warm_up(tiny_model_dir, name):
-    kw = dict(
-        device="cuda" if ON_GPU else "cpu",
-        dtype="float32",
-        block_size=16,
-        max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=64,
-        attention_backend="triton",
-        **CONFIGS[name],
-    )
-    if "kv_cache_memory" not in kw:
-        kw["num_gpu_blocks_override"] = 256  # a small cache: engines one after another on a GPU
+    kw = engine_kwargs(name)
     with Specializations() as spec:
         llm = LLM(str(tiny_model_dir), **kw)
         if not ON_GPU:  # on CUDA the engine warms up when it is built

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from sparseserve import LLM
-from tests.engine.test_no_jit_while_serving import CONFIGS, MAX_MODEL_LEN, serve
+from tests.engine.test_no_jit_while_serving import engine_kwargs, serve
 from tests.kernel_utils import gpu_only
 
 ASYNC = ["layerseg_async", "layerseg_lag_async", "layerseg_lag_few_rows"]
@@ -53,18 +53,7 @@ class SyncSites:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ASYNC)
 def test_async_steps_never_wait_for_the_device(tiny_model_dir, name):
-    kw = dict(
-        device="cuda",
-        dtype="float32",
-        block_size=16,
-        max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=64,
-        attention_backend="triton",
-        **CONFIGS[name],
-    )
-    if "kv_cache_memory" not in kw:
-        kw["num_gpu_blocks_override"] = 256
-    llm = LLM(str(tiny_model_dir), **kw)
+    llm = LLM(str(tiny_model_dir), **engine_kwargs(name))
     engine = llm.llm_engine
     assert engine.async_scheduling
     with SyncSites() as syncs:
