@@ -6,9 +6,11 @@ nothing beside it (docs/architecture.md, principle 5). Used by scripts/profile_d
 
 from __future__ import annotations
 
+import bisect
 import collections
 import gzip
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -87,11 +89,21 @@ def layer_times(trace: list[dict], num_layers: int, mark: str = LAYER_MARK) -> l
     return [(v[(steps - 1) // 2] + v[steps // 2]) / 2 for v in per]
 
 
+def by_stream(trace: list[dict]) -> dict[str, dict[str, float]]:
+    """ms of GPU work by stream and kind, each op's whole duration (beside other streams' work or not): the
+    compute stream's own time and what the side streams (copies, CUDA graphs' branches) ran beside it."""
+    out: dict = collections.defaultdict(collections.Counter)
+    for e in trace:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            out[str(e.get("args", {}).get("stream", e.get("tid")))][kind(e["name"])] += e["dur"] / 1e3
+    return {k: dict(v) for k, v in out.items()}
+
+
 @dataclass
 class WindowReport:
-    """A profiled window: GPU busy and idle ms, critical-path ms by kind and by kernel, and the blocking host
+    """A profiled window: GPU busy and idle ms, critical-path ms by kind and by kernel, the blocking host
     calls by (call, the innermost engine functions above it): [count, ms]; with the model's layer count, each
-    layer position's time (layer_times)."""
+    layer position's time (layer_times); ms by stream and kind (by_stream)."""
 
     busy_ms: float
     idle_ms: float
@@ -99,6 +111,7 @@ class WindowReport:
     by_kernel: dict[str, float]
     blocking: dict[tuple[str, tuple[str, ...]], list] = field(default_factory=dict)
     layer_us: list[float] | None = None
+    streams: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {
@@ -111,14 +124,19 @@ class WindowReport:
                 for (call, where), (n, ms) in self.blocking.items()
             ],
             "layer_us": self.layer_us,
+            "ms_by_stream_and_kind": self.streams,
         }
 
-    def lines(self, kernels: int = 12, callers: int = 8) -> list[str]:
+    def lines(self, kernels: int = 12, callers: int = 8, streams: int = 4) -> list[str]:
         out = [f"GPU busy {self.busy_ms:.1f} ms, idle {self.idle_ms:.1f} ms; critical path by kind (ms):"]
         out += [f"  {k:20s} {ms:9.1f}" for k, ms in sorted(self.by_kind.items(), key=lambda kv: -kv[1])]
         out.append("critical path by kernel (ms):")
         top = sorted(self.by_kernel.items(), key=lambda kv: -kv[1])[:kernels]
         out += [f"  {name[:80]:80s} {ms:9.1f}" for name, ms in top]
+        out.append("streams by their work (ms; each op whole, beside other streams or not):")
+        for sid, kinds in sorted(self.streams.items(), key=lambda kv: -sum(kv[1].values()))[:streams]:
+            top = ", ".join(f"{k} {ms:.1f}" for k, ms in sorted(kinds.items(), key=lambda kv: -kv[1])[:5])
+            out.append(f"  stream {sid:>6s} {sum(kinds.values()):9.1f}: {top}")
         out.append("blocking host calls (count, ms; the engine functions above them):")
         rows = sorted(self.blocking.items(), key=lambda kv: -kv[1][1])[:callers]
         for (call, where), (n, ms) in rows:
@@ -126,14 +144,34 @@ class WindowReport:
         return out
 
 
-def _callers(event, depth: int = 3) -> tuple[str, ...]:
-    """The innermost `depth` Python frames of sparseserve/ or benchmarks/ above a profiler event."""
-    found, e = [], event.cpu_parent
-    while e is not None and len(found) < depth:
-        if "sparseserve/" in e.name or "benchmarks/" in e.name:
-            found.append(e.name.rsplit("/", 1)[-1])
-        e = e.cpu_parent
-    return tuple(found)
+def blocking_calls(trace: list[dict], depth: int = 3, reach: int = 20000) -> dict[tuple[str, tuple[str, ...]], list]:
+    """The blocking host calls (BLOCKING) of a Chrome trace by (call, the innermost `depth` Python frames of
+    sparseserve/ or benchmarks/ that enclose it on its thread): [count, ms]. From the trace's times, not the
+    profiler's parent links: a CUDA runtime call has none to its Python frames. reach: the frames looked back."""
+    frames: dict = collections.defaultdict(list)  # tid -> [(start, end, file(line): function)]
+    calls = []
+    for e in trace:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") == "python_function" and ("sparseserve/" in e["name"] or "benchmarks/" in e["name"]):
+            frames[e["tid"]].append((e["ts"], e["ts"] + e["dur"], e["name"].rsplit("/", 1)[-1]))
+        elif e["name"] in BLOCKING:
+            calls.append(e)
+    for f in frames.values():
+        f.sort()
+    out: dict = {}
+    for c in calls:
+        f, end, found = frames.get(c["tid"], []), c["ts"] + c["dur"], []
+        i = bisect.bisect_right(f, (c["ts"], math.inf, ""))
+        for start, stop, name in reversed(f[max(0, i - reach) : i]):  # the latest-starting encloser is innermost
+            if stop >= end and start <= c["ts"]:
+                found.append(name)
+                if len(found) == depth:
+                    break
+        row = out.setdefault((c["name"], tuple(found)), [0, 0.0])
+        row[0] += 1
+        row[1] += c["dur"] / 1e3
+    return out
 
 
 class WindowProfile:
@@ -167,12 +205,7 @@ class WindowProfile:
         by_kind: collections.Counter = collections.Counter()
         for name, us in by_name.items():
             by_kind[kind(name)] += us / 1e3
-        blocking: dict = {}
-        for e in self._prof.events():
-            if e.name in BLOCKING:
-                row = blocking.setdefault((e.name, _callers(e)), [0, 0.0])
-                row[0] += 1
-                row[1] += e.cpu_time_total / 1e3
+        blocking = blocking_calls(trace)
         by_kernel = {n: us / 1e3 for n, us in by_name.items()}
         layers = layer_times(trace, num_layers) if num_layers else None
-        return WindowReport(busy / 1e3, idle / 1e3, dict(by_kind), by_kernel, blocking, layers)
+        return WindowReport(busy / 1e3, idle / 1e3, dict(by_kind), by_kernel, blocking, layers, by_stream(trace))
