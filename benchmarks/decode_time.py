@@ -34,7 +34,8 @@ device rows, device blocks and working sets held against what each may take): wh
 
 `--profile-window START N` torch-profiles those steps of each config: the GPU's critical path by kind of work and
 the host calls that blocked, with the engine functions that made them (bench/gpu_trace.py; how the pageable
-saves of docs/offload.md, "Saves through the kernel", were found).
+saves of docs/offload.md, "Saves through the kernel", were found). `--no-profile-stack` records no Python frames (no
+callers then), whose host cost would show a host-bound step's GPU idle time larger than it is.
 
 Configurations (the serving ladder's, scripts/gpu_serve_check.sh): dense; sparse (topk 2048); offload (+
 kv_offload, working-set control included, chunked prefill); layerseg (+ layer_segmented_prefill); offload_lag,
@@ -122,13 +123,17 @@ class Timeline(Profiler):
     a step's tokens come out one call later, with the schedule launched in the call before). A step's duration
     leaves out the time the replay slept before it with nothing to run (no request was decoding then).
     window (start, n): torch-profiles steps [start, start + n) (bench/gpu_trace.py; `profiled` its report), its
-    Chrome trace gzipped to trace_path if given."""
+    Chrome trace gzipped to trace_path if given, Python frames recorded if stack."""
 
     def __init__(
-        self, async_scheduling: bool, window: tuple[int, int] | None = None, trace_path: str | None = None
+        self,
+        async_scheduling: bool,
+        window: tuple[int, int] | None = None,
+        trace_path: str | None = None,
+        stack: bool = True,
     ) -> None:
         self.async_scheduling = async_scheduling
-        self.window, self.trace_path = window, trace_path
+        self.window, self.trace_path, self.stack = window, trace_path, stack
         self._trace: WindowProfile | None = None
         self.profiled: WindowReport | None = None
         self.steps: list[StepRecord] = []
@@ -157,7 +162,7 @@ class Timeline(Profiler):
         if self.window is not None:
             start, n = self.window
             if len(self.steps) == start:
-                self._trace = WindowProfile(self.trace_path)
+                self._trace = WindowProfile(self.trace_path, self.stack)
                 self._trace.start()
             elif len(self.steps) == start + n and self._trace is not None:
                 self.profiled, self._trace = self._trace.stop(), None
@@ -295,13 +300,14 @@ def run_config(
     window: tuple[int, int] | None = None,
     gauges_every: int = 0,
     trace_dir: str | None = None,
+    stack: bool = True,
 ) -> tuple[dict, list[StepRecord]]:
     """The config's row and its timeline; with a profiled window the row's "profile" is its report (and with
-    trace_dir its Chrome trace there, NAME.trace.json.gz), with gauges_every its "gauges" (GaugeLog's samples)
-    and their summary."""
+    trace_dir its Chrome trace there, NAME.trace.json.gz; stack: with Python frames), with gauges_every its
+    "gauges" (GaugeLog's samples) and their summary."""
     config = config_kwargs(name, engine_kw)
     trace = str(Path(trace_dir) / f"{name.replace(':', '_')}.trace.json.gz") if trace_dir and window else None
-    timeline = Timeline(False, window, trace)
+    timeline = Timeline(False, window, trace, stack)
     with fresh_engine(timeline, model=model, **config) as engine:
         timeline.async_scheduling = engine.async_scheduling  # resolved: on by default with KV offload on CUDA
         gauges = GaugeLog(engine, timeline, gauges_every) if gauges_every else None
@@ -390,6 +396,13 @@ def main(argv: list[str] | None = None) -> dict:
         metavar="DIR",
         help="with --profile-window: also write each config's Chrome trace of the window to DIR/CONFIG.trace.json.gz",
     )
+    p.add_argument(
+        "--profile-stack",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --profile-window: record Python frames (the blocking calls' callers); --no-profile-stack adds far "
+        "less host time a launch, so the GPU idle it reports is close to the unprofiled run's (host-bound steps)",
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     if args.gauges_every < 0:
@@ -411,7 +424,7 @@ def main(argv: list[str] | None = None) -> dict:
         window = tuple(args.profile_window) if args.profile_window else None
         runs = {}
         for c in args.configs:
-            runs[c] = run_config(model, c, jobs, kw, window, args.gauges_every, args.profile_trace)
+            runs[c] = run_config(model, c, jobs, kw, window, args.gauges_every, args.profile_trace, args.profile_stack)
             save_report(args, runs)
     return report_runs(args, runs)
 

@@ -176,14 +176,16 @@ def blocking_calls(trace: list[dict], depth: int = 3, reach: int = 20000) -> dic
 
 class WindowProfile:
     """torch.profiler over the steps between `start()` and `stop()`; CUDA activity where there is a GPU.
-    trace_path: where `stop` also writes the Chrome trace, gzipped (Perfetto opens it), or None."""
+    trace_path: where `stop` also writes the Chrome trace, gzipped (Perfetto opens it), or None. stack: record
+    Python frames (the blocking calls' callers); the trap: they cost the host tens of us a call, so a host-bound
+    stretch shows GPU idle that the unprofiled run does not have (stack=False keeps the idle time closer to it)."""
 
-    def __init__(self, trace_path: str | None = None) -> None:
+    def __init__(self, trace_path: str | None = None, stack: bool = True) -> None:
         self.trace_path = trace_path
         acts = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             acts.append(torch.profiler.ProfilerActivity.CUDA)
-        self._prof = torch.profiler.profile(activities=acts, with_stack=True)
+        self._prof = torch.profiler.profile(activities=acts, with_stack=stack)
 
     def start(self) -> None:
         self._prof.start()

@@ -107,11 +107,13 @@ def test_decode_time_smoke(tiny_model_dir, tmp_path):
             "4",
             "--profile-trace",
             str(tmp_path),
+            "--no-profile-stack",
         ]
     )
-    for name in ("dense", "layerseg_async"):  # the window's Chrome trace, gzipped
+    for name in ("dense", "layerseg_async"):  # the window's Chrome trace, gzipped: torch's ops, no Python frames
         with gzip.open(tmp_path / f"{name}.trace.json.gz") as f:
-            assert json.load(f)["traceEvents"]
+            cats = {e.get("cat") for e in json.load(f)["traceEvents"]}
+        assert "cpu_op" in cats and "python_function" not in cats
     assert json.loads(out.read_text())["rows"] == report["rows"]
     for row in report["rows"]:  # the window's torch profile (CPU: no GPU timeline)
         assert set(row["profile"]) >= {"gpu_busy_ms", "critical_path_ms_by_kind", "blocking_host_calls"}

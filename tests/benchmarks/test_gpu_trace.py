@@ -5,8 +5,14 @@ enclose it on its own thread (a CUDA runtime event has no parent link to them); 
 
 from __future__ import annotations
 
+import gzip
+import json
+
+import torch
+
 from sparseserve.bench.gpu_trace import (
     LAYER_MARK,
+    WindowProfile,
     WindowReport,
     blocking_calls,
     by_stream,
@@ -110,3 +116,22 @@ def test_by_stream_books_each_op_whole_to_its_stream():
     lines = WindowReport(0.0, 0.0, {}, {}, streams=streams).lines(streams=2)
     shown = [line for line in lines if line.startswith("  stream")]
     assert len(shown) == 2 and "25" in shown[0] and "gemm 1.0, prefill attention 0.5" in shown[1]
+
+
+def _python_frames(tmp_path, stack: bool) -> int:
+    def inner(x):
+        return (x @ x).relu()
+
+    path = tmp_path / f"t{int(stack)}.json.gz"
+    prof = WindowProfile(str(path), stack=stack)
+    prof.start()
+    inner(torch.randn(8, 8))
+    prof.stop()
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    return sum(e.get("cat") == "python_function" and "inner" in e.get("name", "") for e in events)
+
+
+def test_window_profile_records_python_frames_only_with_stack(tmp_path):
+    assert _python_frames(tmp_path, stack=True) > 0
+    assert _python_frames(tmp_path, stack=False) == 0
