@@ -16,7 +16,10 @@ device time of the step launched in the earlier one, which is the step that prod
 launches a prefill: a launch of more kernels than the launch queue holds (~1,000: a layer-segmented prefill's
 segment) returns only when the device nears that step's end, so that call carries the prefill's time and counts
 as one with prefill (docs/benchmarks/serving.md, twenty-fourth session). `decode_stalls` / `decode_stall_s`:
-decode-only steps over 40x the median one (a kernel compiled while serving).
+decode-only steps over 40x the median one (a kernel compiled while serving). `prefill_fixed_ms`,
+`prefill_ms_per_ktok`, `prefill_ms_per_ktok2`: a prompt's prefill time fitted as a + b K + c K^2 (K: thousands of
+its tokens) over the time booked to each prompt's work (the JSON's `prefill_by_prompt`: tokens, seconds), the
+decode rows beside it included: the per-prompt constant against the per-token cost.
 
     python -m benchmarks.decode_time --configs dense layerseg_async [--time-scale 1] [--json out.json]
     python -m benchmarks.decode_time --model mha7b --dataset longbench --longbench-tokenizer llama2 \
@@ -63,6 +66,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks.common import (
     Job,
     add_replay_args,
@@ -102,7 +107,9 @@ class StepRecord:
     """One `step()` call: when it returned, the seconds since the call before, the step that produced its tokens
     (decode rows, prompt tokens, layer segments) and the requests that got a token; launches_prefill: under async
     scheduling, whether the step the call launched (the next one) ran prompt tokens (its launch may block the
-    call for most of that step's device time: the launch queue holds ~1,000 kernels)."""
+    call for most of that step's device time: the launch queue holds ~1,000 kernels). prompt_work: (request,
+    prompt tokens) of the steps the duration is booked to: the producing one's and, where launches_prefill, the
+    launched one's; a layer segment counts its share of the prompt (tokens x its layers / the model's)."""
 
     t: float
     duration: float
@@ -111,6 +118,7 @@ class StepRecord:
     segments: int
     requests: frozenset[str]
     launches_prefill: bool = False
+    prompt_work: tuple[tuple[str, int], ...] = ()
 
     @property
     def prefills(self) -> bool:
@@ -138,7 +146,9 @@ class Timeline(Profiler):
         self.profiled: WindowReport | None = None
         self.steps: list[StepRecord] = []
         self._sched: tuple[int, int, int] = (0, 0, 0)  # the newest schedule's decode rows, prompt tokens, segments
+        self._work: tuple[tuple[str, int], ...] = ()  # the newest schedule's prompt work (StepRecord.prompt_work)
         self._launched: tuple[int, int, int] | None = None
+        self._launched_work: tuple[tuple[str, int], ...] = ()
         self._last_t = 0.0
 
     def on_schedule(self, out) -> None:
@@ -149,15 +159,20 @@ class Timeline(Profiler):
             sum(n for _, n in out.scheduled if n > 1),
             len(out.segments),
         )
+        work = [(seq.request_id, n) for seq, n in out.scheduled if n > 1]
+        self._work = tuple(work + [(seg.seq.request_id, seg.cost) for seg in out.segments])
 
     def __call__(self, outputs: list, t: float, idle: float = 0.0) -> None:
         launched, self._sched = self._sched, (0, 0, 0)
+        work, self._work = self._work, ()
         produced, blocked = launched, False
         if self.async_scheduling:
             produced, self._launched = self._launched or (0, 0, 0), launched
             blocked = launched[1] > 0 or launched[2] > 0
+            produced_work, self._launched_work = self._launched_work, work
+            work = produced_work + (work if blocked else ())
         got = frozenset(o.request_id for o in outputs if any(c.token_ids for c in o.outputs))
-        self.steps.append(StepRecord(t, t - self._last_t - idle, *produced, got, blocked))
+        self.steps.append(StepRecord(t, t - self._last_t - idle, *produced, got, blocked, work))
         self._last_t = t
         if self.window is not None:
             start, n = self.window
@@ -227,6 +242,7 @@ class GaugeLog:
 
 
 STALL = 40  # a decode-only step this many times the median is a stall (decompose)
+DETAIL = ("profile", "gauges", "prefill_by_prompt")  # row fields for the JSON, not the printed table
 
 
 def decompose(steps: list[StepRecord]) -> dict:
@@ -275,6 +291,29 @@ def decompose(steps: list[StepRecord]) -> dict:
     return out
 
 
+def prefill_by_prompt(steps: list[StepRecord]) -> dict[str, tuple[int, float]]:
+    """Each request's prompt tokens computed and the seconds booked to them: a record's duration split over its
+    prompt work by tokens (the decode rows beside them included)."""
+    out: dict[str, tuple[int, float]] = {}
+    for s in steps:
+        total = sum(n for _, n in s.prompt_work)
+        for r, n in s.prompt_work:
+            tokens, sec = out.get(r, (0, 0.0))
+            out[r] = (tokens + n, sec + s.duration * n / total)
+    return out
+
+
+def prefill_fit(per_prompt: dict[str, tuple[int, float]]) -> dict[str, float]:
+    """A prompt's prefill time as a + b K + c K^2 (K: thousands of its tokens; c: attention's quadratic part), least
+    squares over `per_prompt`; a is the per-prompt constant (ms). {} for fewer than four prompts."""
+    if len(per_prompt) < 4:
+        return {}
+    k = np.array([n for n, _ in per_prompt.values()], dtype=float) / 1e3
+    y = np.array([sec for _, sec in per_prompt.values()]) * 1e3
+    a, b, c = np.linalg.lstsq(np.stack([np.ones_like(k), k, k * k], 1), y, rcond=None)[0]
+    return {"prefill_fixed_ms": float(a), "prefill_ms_per_ktok": float(b), "prefill_ms_per_ktok2": float(c)}
+
+
 def config_kwargs(spec: str, engine_kw: dict) -> dict:
     """A config spec's engine arguments: NAME of CONFIGS, or NAME:KEY=VALUE,... whose own arguments override
     --engine-arg's (`engine_kw`), which override the config's."""
@@ -319,6 +358,7 @@ def run_config(
         "output_tok_s": summary["output_tok_s"],
         "mean_ttft_s": summary["mean_ttft_s"],
         **decompose(timeline.steps),
+        **prefill_fit(per_prompt := prefill_by_prompt(timeline.steps)),
         "computed_per_prompt": summary["computed_per_prompt"],
         "prefix_hit_rate": summary["hit_rate"],
         "preemptions": summary["preemptions"],
@@ -333,9 +373,10 @@ def run_config(
         row["pool_gb"] = stats.offload_hbm_bytes_pool / 1e9
         row["ws_limit"] = stats.working_set_limit
         row["ws_growth"] = stats.working_set_growth
+    row["prefill_by_prompt"] = {r: list(v) for r, v in sorted(per_prompt.items())}
     if gauges is not None:
         row |= gauges.summary() | {"gauges": gauges.samples}
-    logger.info("%s", {k: v for k, v in row.items() if k != "gauges"})
+    logger.info("%s", {k: v for k, v in row.items() if k not in DETAIL})
     if timeline.profiled is not None:
         start, n = window
         win = timeline.steps[start : start + n]
@@ -445,7 +486,10 @@ def run_in_process(argv: list[str], config: str) -> tuple[dict, list[StepRecord]
         subprocess.run([*cmd, "--json", str(out)], check=True, env=env)
         report = json.loads(out.read_text())
     row = report["rows"][0]
-    steps = [StepRecord(**(s | {"requests": frozenset(s["requests"])})) for s in report["timelines"][config]]
+    steps = [
+        StepRecord(**(s | {"requests": frozenset(s["requests"]), "prompt_work": tuple(map(tuple, s["prompt_work"]))}))
+        for s in report["timelines"][config]
+    ]
     return row, steps
 
 
@@ -453,7 +497,7 @@ def report_runs(args: argparse.Namespace, runs: dict[str, tuple[dict, list[StepR
     """Prints the rows (and the ratios against dense) and returns the report."""
     rows = [row for row, _ in runs.values()]
     print_table(
-        [{k: v for k, v in row.items() if k not in ("profile", "gauges")} for row in rows],
+        [{k: v for k, v in row.items() if k not in DETAIL} for row in rows],
         (
             f"longbench ({args.longbench_tokenizer} lengths), {args.num_requests} requests at {args.request_rate:g}/s"
             if args.dataset == "longbench"

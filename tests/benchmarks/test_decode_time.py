@@ -17,8 +17,8 @@ from sparseserve.workloads.datasets import data_dir
 TRACE = data_dir() / "traces" / "mooncake_conversation.jsonl"
 
 
-def _step(t, duration, prompt_tokens=0, segments=0, requests=(), decodes=1):
-    return D.StepRecord(t, duration, decodes, prompt_tokens, segments, frozenset(requests))
+def _step(t, duration, prompt_tokens=0, segments=0, requests=(), decodes=1, work=()):
+    return D.StepRecord(t, duration, decodes, prompt_tokens, segments, frozenset(requests), prompt_work=tuple(work))
 
 
 def test_split_of_a_hand_built_timeline():
@@ -51,13 +51,17 @@ def test_stalls_are_decode_steps_far_over_the_median():
     assert out["decode_stalls"] == 1 and out["decode_stall_s"] == pytest.approx(0.450)
 
 
+def _seq(request_id):
+    return SimpleNamespace(request_id=request_id)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_tokens_are_booked_to_the_step_that_produced_them(async_scheduling):
-    prefill = SimpleNamespace(scheduled=[(None, 300), (None, 1)], segments=[])
-    decode = SimpleNamespace(scheduled=[(None, 1), (None, 1)], segments=[])
+    prefill = SimpleNamespace(scheduled=[(_seq("p"), 300), (_seq("r"), 1)], segments=[])
+    decode = SimpleNamespace(scheduled=[(_seq("r"), 1), (_seq("p"), 1)], segments=[])
     timeline = D.Timeline(async_scheduling)
     out = [SimpleNamespace(request_id="r", outputs=[SimpleNamespace(token_ids=[7])])]
-    segment = SimpleNamespace(scheduled=[(None, 1)], segments=[object()])
+    segment = SimpleNamespace(scheduled=[(_seq("r"), 1)], segments=[SimpleNamespace(seq=_seq("q"), cost=50)])
     calls = ((1.0, prefill, [], 0.5), (2.0, decode, out, 0.0), (3.0, decode, out, 0.0), (4.0, segment, out, 0.0))
     for t, sched, outputs, idle in calls:
         timeline.on_schedule(sched)  # the engine calls it before the step runs
@@ -70,6 +74,32 @@ def test_tokens_are_booked_to_the_step_that_produced_them(async_scheduling):
     # the call at t=4 launched a segment: async, it lands a decode step but waited on that launch (a prefill's time)
     assert third.segments == (0 if async_scheduling else 1) and third.prefills
     assert third.launches_prefill == async_scheduling and D.decompose(timeline.steps)["prefill_steps"] == 2
+    # prompt work: sync, each call's own; async, the landed step's, plus the launched one's where the launch blocked
+    zeroth = timeline.steps[0]
+    if async_scheduling:
+        assert [s.prompt_work for s in timeline.steps] == [(("p", 300),), (("p", 300),), (), (("q", 50),)]
+    else:
+        assert [s.prompt_work for s in timeline.steps] == [(("p", 300),), (), (), (("q", 50),)]
+    assert zeroth.prompt_tokens == (0 if async_scheduling else 300)
+
+
+def test_prefill_booked_by_prompt_and_fitted():
+    steps = [
+        _step(0.1, 0.100, work=[("a", 1000)]),
+        _step(0.2, 0.060, work=[("a", 1000), ("b", 2000)]),  # 20 ms to a, 40 to b
+        _step(0.3, 0.010),  # decode only: nobody's prefill
+        _step(0.4, 0.050, work=[("c", 4000)]),
+    ]
+    per = D.prefill_by_prompt(steps)
+    assert per.keys() == {"a", "b", "c"}
+    assert per["a"][0] == 2000 and per["a"][1] == pytest.approx(0.120)
+    assert per["b"] == (2000, pytest.approx(0.040)) and per["c"] == (4000, pytest.approx(0.050))
+    # a prompt of K thousand tokens taking 30 + 20 K + 0.5 K^2 ms: the fit finds the three terms
+    exact = {f"r{k}": (k * 1000, (30 + 20 * k + 0.5 * k * k) / 1e3) for k in (1, 2, 4, 8, 16)}
+    fit = D.prefill_fit(exact)
+    assert fit["prefill_fixed_ms"] == pytest.approx(30) and fit["prefill_ms_per_ktok"] == pytest.approx(20)
+    assert fit["prefill_ms_per_ktok2"] == pytest.approx(0.5)
+    assert D.prefill_fit(dict(list(exact.items())[:3])) == {}  # too few prompts for three terms and a check
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason=f"Mooncake trace not found at {TRACE} (../shared/data)")
@@ -117,6 +147,11 @@ def test_decode_time_smoke(tiny_model_dir, tmp_path):
     assert json.loads(out.read_text())["rows"] == report["rows"]
     for row in report["rows"]:  # the window's torch profile (CPU: no GPU timeline)
         assert set(row["profile"]) >= {"gpu_busy_ms", "critical_path_ms_by_kind", "blocking_host_calls"}
+        # every request's prompt booked (chunked or layer by layer), with time, and the per-prompt fit
+        requests = {r for s in report["timelines"][row["config"]] for r in s["requests"]}
+        assert row["prefill_by_prompt"].keys() == requests and len(requests) == 5
+        assert all(n > 0 and sec > 0 for n, sec in row["prefill_by_prompt"].values())
+        assert {"prefill_fixed_ms", "prefill_ms_per_ktok", "prefill_ms_per_ktok2"} <= row.keys()
     assert [r["config"] for r in report["rows"]] == ["dense", "layerseg_async"]
     for row in report["rows"]:
         # the parts add up to the TPOT of the token times themselves
