@@ -1,6 +1,6 @@
 """The decode-time breakdown (benchmarks/decode_time.py): its split on a hand-built timeline, the async attribution of a
-step's tokens to the schedule launched one call earlier, and a CPU smoke run whose parts add up to the TPOT of
-the token times."""
+step's tokens (and prompt work) to the schedule launched one call earlier, each prompt's prefill time and its fit,
+and a CPU smoke run whose parts add up to the TPOT of the token times."""
 
 from __future__ import annotations
 
