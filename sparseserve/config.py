@@ -260,7 +260,7 @@ class SparseConfig:
         },
     )
     sparse_stickiness: float = field(
-        default=1.0,
+        default=2.0,
         metadata={
             "help": "Hysteresis of the block lists: a block of a sequence's previous list ranks by its estimated "
             "mass times 1 + this at the next selection (0: off). Steadier lists: smaller working sets and fewer "

@@ -473,7 +473,10 @@ def test_layer_segmented_prefill_ahead(tiny_model_dir):
     costs more than the budget); with prefill ahead they prefill beyond the limit and park at most the horizon:
     tokens equal the run without the control."""
     arrivals = {0: [(f"r{i}", p, 24) for i, p in enumerate(prompts(5, seed=4))]}
-    kw = dict(layer_segmented_prefill=True, max_num_batched_tokens=64, long_prefill_token_threshold=0)
+    # stickiness 1: lists that move enough to outgrow their estimates here (hold-backs); the default's fit them
+    kw = dict(
+        layer_segmented_prefill=True, max_num_batched_tokens=64, long_prefill_token_threshold=0, sparse_stickiness=1.0
+    )
     off = drive(engine(tiny_model_dir, control=False, **kw), arrivals)
     e = engine(tiny_model_dir, max_park_steps=2, **kw)
     segmented, seen, went_ahead = [], set(), set()

@@ -383,13 +383,14 @@ def test_the_first_requests_are_not_paused_mid_answer_before_the_growth_is_learn
     """Before any request has counted a whole window the growth is a prior above every growth measured, so a
     burst's first requests take decode shares at no less than their windows grow to: none is paused after its
     first tokens until the growth is learned (the tiny model's: ~1.9 lists). A prior of one list (the rule before,
-    prior=1.0) let them all in and paused some mid-answer as their windows filled."""
+    prior=1.0) let them all in and paused some mid-answer as their windows filled. Stickiness 1: lists that move
+    enough for pauses after the growth is learned (the default's steadier lists fit their estimates here)."""
     import sparseserve.kvcache.working_set as W
 
     default = W.GROWTH_PRIOR
     if prior is not None:
         monkeypatch.setattr(W, "GROWTH_PRIOR", prior)
-    engine = make_engine(tiny_model_dir, **{**ENGINE, "hbm_cache_blocks": 96})
+    engine = make_engine(tiny_model_dir, **{**ENGINE, "hbm_cache_blocks": 96, "sparse_stickiness": 1.0})
     est = engine.scheduler.kv.device_space.working_set
     start = est.growth
     paused_mid_answer, learned_at, step = [], None, 0
