@@ -16,10 +16,10 @@ device time of the step launched in the earlier one, which is the step that prod
 launches a prefill: a launch of more kernels than the launch queue holds (~1,000: a layer-segmented prefill's
 segment) returns only when the device nears that step's end, so that call carries the prefill's time and counts
 as one with prefill (docs/benchmarks/serving.md, twenty-fourth session). `decode_stalls` / `decode_stall_s`:
-decode-only steps over 40x the median one (a kernel compiled while serving). `prefill_fixed_ms`,
-`prefill_ms_per_ktok`, `prefill_ms_per_ktok2`: a prompt's prefill time fitted as a + b K + c K^2 (K: thousands of
-its tokens) over the time booked to each prompt's work (the JSON's `prefill_by_prompt`: tokens, seconds), the
-decode rows beside it included: the per-prompt constant against the per-token cost.
+decode-only steps over 40x the median one (a kernel compiled while serving). The JSON's `prefill_by_prompt`: each
+prompt's tokens and the seconds booked to its work, the decode rows beside it included (a fit of a per-prompt
+constant and per-token costs over them did not separate the two on the GPU: docs/benchmarks/serving.md,
+twenty-sixth session).
 
     python -m benchmarks.decode_time --configs dense layerseg_async [--time-scale 1] [--json out.json]
     python -m benchmarks.decode_time --model mha7b --dataset longbench --longbench-tokenizer llama2 \
@@ -65,8 +65,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-import numpy as np
 
 from benchmarks.common import (
     Job,
@@ -303,17 +301,6 @@ def prefill_by_prompt(steps: list[StepRecord]) -> dict[str, tuple[int, float]]:
     return out
 
 
-def prefill_fit(per_prompt: dict[str, tuple[int, float]]) -> dict[str, float]:
-    """A prompt's prefill time as a + b K + c K^2 (K: thousands of its tokens; c: attention's quadratic part), least
-    squares over `per_prompt`; a is the per-prompt constant (ms). {} for fewer than four prompts."""
-    if len(per_prompt) < 4:
-        return {}
-    k = np.array([n for n, _ in per_prompt.values()], dtype=float) / 1e3
-    y = np.array([sec for _, sec in per_prompt.values()]) * 1e3
-    a, b, c = np.linalg.lstsq(np.stack([np.ones_like(k), k, k * k], 1), y, rcond=None)[0]
-    return {"prefill_fixed_ms": float(a), "prefill_ms_per_ktok": float(b), "prefill_ms_per_ktok2": float(c)}
-
-
 def config_kwargs(spec: str, engine_kw: dict) -> dict:
     """A config spec's engine arguments: NAME of CONFIGS, or NAME:KEY=VALUE,... whose own arguments override
     --engine-arg's (`engine_kw`), which override the config's."""
@@ -358,7 +345,6 @@ def run_config(
         "output_tok_s": summary["output_tok_s"],
         "mean_ttft_s": summary["mean_ttft_s"],
         **decompose(timeline.steps),
-        **prefill_fit(per_prompt := prefill_by_prompt(timeline.steps)),
         "computed_per_prompt": summary["computed_per_prompt"],
         "prefix_hit_rate": summary["hit_rate"],
         "preemptions": summary["preemptions"],
@@ -373,7 +359,7 @@ def run_config(
         row["pool_gb"] = stats.offload_hbm_bytes_pool / 1e9
         row["ws_limit"] = stats.working_set_limit
         row["ws_growth"] = stats.working_set_growth
-    row["prefill_by_prompt"] = {r: list(v) for r, v in sorted(per_prompt.items())}
+    row["prefill_by_prompt"] = {r: list(v) for r, v in sorted(prefill_by_prompt(timeline.steps).items())}
     if gauges is not None:
         row |= gauges.summary() | {"gauges": gauges.samples}
     logger.info("%s", {k: v for k, v in row.items() if k not in DETAIL})
