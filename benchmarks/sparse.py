@@ -34,6 +34,7 @@ from sparseserve.attention.sparse import SparseBackend, SparseStepMeta
 from sparseserve.bench.hardware import hbm_bandwidth, print_table
 from sparseserve.bench.steps import StepLog
 from sparseserve.config import SparseConfig
+from sparseserve.engine.cuda_graph import collector_paused
 from sparseserve.kernels.block_score import ScoreConfig, SelectConfig, block_scores_triton, select_blocks_triton
 from sparseserve.kernels.key_meta import rebuild_key_meta
 from sparseserve.kernels.paged_decode import paged_decode
@@ -71,7 +72,7 @@ def graph_ms(fn, calls: int = 1) -> float:
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collector_paused(), torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
     return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") / calls
@@ -213,7 +214,7 @@ def kernel_profile(fn, calls: int) -> list[dict]:
     """Mean GPU time per step of each kernel of fn's CUDA graph (R calls), from the PyTorch profiler:
     what the graph replay's time holds besides the kernels is launch gaps."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collector_paused(), torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
     graph.replay()

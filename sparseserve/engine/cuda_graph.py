@@ -10,7 +10,9 @@ captured step eagerly over the same inputs.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
+from collections.abc import Iterator
 
 import torch
 
@@ -25,6 +27,21 @@ logger = logging.getLogger(__name__)
 def batch_buckets(max_batch: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
     return sorted(set(sizes))
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's garbage collector off (after one full collection) for a CUDA graph capture. The trap: a
+    collection inside a capture runs finalizers, and one that calls CUDA (an earlier engine's host store
+    unregistering its pinned memory) invalidates the capture and leaks that registration."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class DecodeGraphs:
@@ -46,6 +63,11 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph | _EagerStep] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.profiler = profiler  # each replay is its phase "graph"
+        with collector_paused() if dev.type == "cuda" else contextlib.nullcontext():
+            self._capture(model, backend, kv_caches, dev)
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def _capture(self, model, backend: AttentionBackend, kv_caches: list[torch.Tensor], dev: torch.device) -> None:
         pool = None
         for b in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory pool
             views = self.inputs.views(b)
@@ -66,7 +88,6 @@ class DecodeGraphs:
                 self.logits[b] = step()
             pool = graph.pool()
             self.graphs[b] = graph
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest captured batch size that holds num_seqs rows (None: none does)."""

@@ -28,11 +28,12 @@ def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     t = torch.zeros(shape, dtype=dtype)
     cudart = torch.cuda.cudart()
     nbytes = t.numel() * t.element_size()
-    err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
-    if int(getattr(err, "value", err)) != 0:
+    res = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
+    err = int(getattr(res, "value", res))
+    if err != 0:  # 2: out of page-lockable memory (the common case); 712: the range is already registered
         raise MemoryError(
             f"could not page-lock {nbytes / 2**30:.1f} GiB of host memory for the KV store "
-            f"(cudaHostRegister: {err}): lower host_kv_memory"
+            f"(cudaHostRegister: CUDA error {err}): lower host_kv_memory"
         )
     weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
     return t
