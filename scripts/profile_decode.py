@@ -43,24 +43,28 @@ def main() -> None:
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", help="engine option (repeatable)")
     args = ap.parse_args()
     log = StepLog()  # each step's schedule: the profiled steps start once the whole batch decodes
+    # settle: steps until the whole batch decodes, at most (a batch the engine never runs whole must not hang).
+    # No request may finish before the profiled steps: under KV offload, layer-segmented prefill runs decode
+    # steps between a prompt's segments, so the first requests decode for hundreds of steps before the last joins.
+    settle = args.batch * (args.input_len // 256 + 64)
+    max_tokens = settle + 3 * args.steps + 16
     engine = LLMEngine.from_kwargs(
         log,
         model=args.model,
         dtype="bfloat16",
-        max_model_len=args.input_len + 256,
+        max_model_len=args.input_len + max_tokens,
         max_num_seqs=args.batch,
         max_num_batched_tokens=32768,
         # each step timed alone unless asked; random weights unless asked (load_format=auto: the model's own)
         **{"async_scheduling": False, "load_format": "dummy", **parse_engine_args(args.engine_arg)},
     )
     g = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     high = min(30000, engine.model_runner.arch.vocab_size)
     for i in range(args.batch):
         engine.add_request(str(i), torch.randint(10, high, (args.input_len,), generator=g).tolist(), params)
     engine.step()
-    # a batch the engine never runs whole (its KV limits it) must not hang here: prefill takes far fewer steps
-    for _ in range(args.batch * (args.input_len // 256 + 64)):
+    for _ in range(settle):
         if log.last.pure_decode(args.batch):
             break
         engine.step()
