@@ -2,14 +2,15 @@
 at decode steps of a dense engine, for each layer and KV head, how much of the dense softmax mass the top
 blocks ranked by an estimator hold (its candidates' cover), against the block oracle at the same count, and
 what a prune on the estimator's own block masses keeps (tokens, true mass) -- the prune that would let only the
-kept blocks cross PCIe under KV offload. Estimators are summaries a KV-offloaded engine could keep in HBM for
-every token; their bytes a token and KV head are listed beside (the KV itself: 4 * head_dim in bf16).
+kept blocks cross PCIe under KV offload. Estimators are summaries an engine could keep for every token (in HBM, or
+pooled for the candidates: docs/offload.md); their bytes a token and KV head are listed beside (its K/V: 4 *
+head_dim in bf16).
 
     python -m benchmarks.estimator_probe smollm2 --length 8128 --samples 3 --steps 3 --json /tmp/est.json
 
-Runs on CPU (SmolLM2-135M at 8K: a few minutes for 15 prompts). The figures are the estimators' ranking and mass
-quality on that model's real attention, not the engine's kernels (those quantize the min / max bounds as
-kernels/key_meta.py does; the other sketches are evaluated in float32).
+On two CPU cores 15 SmolLM2 prompts of 8K take about ten minutes; with `--device cuda` 50 take four. The figures
+are the estimators' ranking and mass quality on that model's real attention, not the engine's kernels (the min /
+max bounds are quantized as kernels/key_meta.py does; the other sketches are evaluated in float32).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ TOP_P = 0.99
 
 # ---- estimators: keys [H, n, D] float32, q [H, G, D] float32 (scale applied) -> est. block lse [H, G, nb] ----
 
+Estimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 def _pages(keys: torch.Tensor, page: int) -> torch.Tensor:
     h, n, d = keys.shape
@@ -42,7 +45,7 @@ def _pages(keys: torch.Tensor, page: int) -> torch.Tensor:
     return k.view(h, -1, page, d)  # [H, np, page, D], NaN past the end
 
 
-def quest(page: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def quest(page: int) -> Estimator:
     """Upper bound of q.k per page from int8 min / max codes (kernels/key_meta.py), + log(tokens): as a mass."""
 
     def est(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -59,7 +62,7 @@ def quest(page: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     return est
 
 
-def centroid(var: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def centroid(var: bool) -> Estimator:
     """Mean key of each block (var: and a Gaussian's second-order term from the per-channel variance)."""
 
     def est(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -75,9 +78,6 @@ def centroid(var: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         return lse
 
     return est
-
-
-Estimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def token_sketch(approx: Callable[[torch.Tensor], torch.Tensor]) -> Estimator:
@@ -117,7 +117,7 @@ def low_rank(rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return approx
 
 
-def channels(count: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def channels(count: int) -> Estimator:
     """Double Sparsity's label channels: the `count` channels of largest mean |q_i k_i| (here from this query and
     the context: an upper bound of what a calibrated choice would reach), scaled to the full dot product."""
 
@@ -163,7 +163,7 @@ def _bytes(d: int) -> dict[str, float]:
     }
 
 
-ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+ESTIMATORS: dict[str, Estimator] = {
     "quest p16": quest(16),
     "quest p8": quest(8),
     "centroid": centroid(False),
