@@ -179,6 +179,14 @@ ESTIMATORS: dict[str, Estimator] = {
 }
 
 
+# The offloaded design's pairs (docs/offload.md): candidates ranked by the first name's estimate (the key metadata,
+# as today), pruned on the second's (a sketch pooled for the candidates) -- label -> (ranker, pruner)
+DESIGNS: dict[str, tuple[str, str]] = {
+    "min/max p16 -> int4": ("quest p16", "int4"),
+    "min/max p16 -> int3": ("quest p16", "int3"),
+}
+
+
 # ---- the observer ----
 
 
@@ -218,10 +226,13 @@ class Study:
             forced[:SINK] = True
             forced[-LOCAL:] = True
             self._record("oracle", mass, mass, forced, n)
+            weights = {}
             for name, est in ESTIMATORS.items():
                 lse = est(keys, qb)  # [H, G, nb]
-                weight = torch.softmax(lse, -1).mean(1)  # the group's mean estimated block mass
+                weights[name] = weight = torch.softmax(lse, -1).mean(1)  # the group's mean estimated block mass
                 self._record(name, weight, mass, forced, n)
+            for name, (ranker, pruner) in DESIGNS.items():
+                self._record_design(name, weights[ranker], weights[pruner], mass, forced, n)
 
     def _record(self, name: str, weight: torch.Tensor, mass: torch.Tensor, forced: torch.Tensor, n: int) -> None:
         w = torch.where(forced, torch.inf, weight)
@@ -247,6 +258,24 @@ class Study:
             ekeep = ((ecum < TOP_P * ew.sum(-1, keepdim=True)).sum(-1) + 1).clamp(min(fk, k), k)
             self.values[f"{name}|est prune {cap} tokens"] += (ekeep * BLOCK).clamp_max(n).tolist()
             self.values[f"{name}|est prune {cap} mass"] += cum.gather(1, (ekeep - 1)[:, None])[:, 0].tolist()
+
+    def _record_design(
+        self, name: str, rank: torch.Tensor, prune: torch.Tensor, mass: torch.Tensor, forced: torch.Tensor, n: int
+    ) -> None:
+        """Candidates: the cap's top blocks by `rank` (forced first); kept: forced, then the candidates by `prune`'s
+        masses until those reach p of the candidates' (the prune's own estimate, as the key-free prune)."""
+        order = torch.where(forced, torch.inf, rank).argsort(-1, descending=True)
+        fk, nb = int(forced.sum()), mass.shape[1]
+        for cap in CAPS[1:]:
+            k = min(cap // BLOCK, nb)
+            cand = order[:, :k]
+            pw, pm = prune.gather(1, cand), mass.gather(1, cand)
+            rest = pw[:, fk:].argsort(-1, descending=True) + fk
+            idx = torch.cat([torch.arange(fk, device=rest.device).expand(rest.shape[0], fk), rest], -1)
+            pw, pm = pw.gather(1, idx), pm.gather(1, idx)
+            keep = ((pw.cumsum(-1) < TOP_P * pw.sum(-1, keepdim=True)).sum(-1) + 1).clamp(min(fk, k), k)
+            self.values[f"{name}|pruned {cap} tokens"] += (keep * BLOCK).clamp_max(n).tolist()
+            self.values[f"{name}|pruned {cap} mass"] += pm.cumsum(-1).gather(1, (keep - 1)[:, None])[:, 0].tolist()
 
     def report(self) -> dict[str, dict[str, float]]:
         out: dict[str, dict[str, float]] = defaultdict(dict)
@@ -295,18 +324,26 @@ def format_report(study: Study) -> str:
         f"{BLOCK}; p {TOP_P}; bytes a token and KV head (its K/V: {4 * study.head_dim})",
         f"{'estimator':<14}{'B/tok':>6}" + "".join(f"{'cover ' + str(c) + ' mean/p10':>22}" for c in CAPS),
     ]
-    for name, r in rep.items():
+    singles = {name: r for name, r in rep.items() if name not in DESIGNS}
+    for name, r in singles.items():
         row = f"{name:<14}{sizes.get(name, math.nan):>6.1f}"
         lines.append(row + "".join(f"{r[f'cover {c}']:>16.4f}/{r[f'cover {c} p10']:.3f}" for c in CAPS))
     lines.append("prunes at p: mass mean / min / share of head-steps under 0.8 @ tokens kept")
     lines.append(f"{'estimator':<14}" + "".join(f"{k + ' ' + str(c):>30}" for c in CAPS[1:] for k in ("exact", "est")))
-    for name, r in rep.items():
+    for name, r in singles.items():
         row = f"{name:<14}"
         for c in CAPS[1:]:
             for kind in ("exact", "est"):
                 m = f"{kind} prune {c} mass"
                 tokens = r[f"{kind} prune {c} tokens"]
                 row += f"{r[m]:>10.4f}/{r[m + ' min']:.3f}/{r[m + ' under 0.8']:.3f}@{tokens:<5.0f}"
+        lines.append(row)
+    lines.append("candidates by one estimate, pruned on another's masses: mass mean / min / under 0.8 @ tokens kept")
+    for name in DESIGNS:
+        r, row = rep[name], f"{name:<22}"
+        for c in CAPS[1:]:
+            m = f"pruned {c} mass"
+            row += f"{r[m]:>10.4f}/{r[m + ' min']:.3f}/{r[m + ' under 0.8']:.3f}@{r[f'pruned {c} tokens']:<5.0f}"
         lines.append(row)
     return "\n".join(lines)
 

@@ -62,6 +62,30 @@ def test_exact_keys_reproduce_the_oracle():
     assert rep["oracle"]["cover 4096"] == pytest.approx(1.0)  # 200 blocks of 16 fit a cap of 4,096
 
 
+def test_a_design_pruned_on_true_masses_is_the_exact_prune():
+    """Candidates by the min/max estimate, pruned on the true block masses: the ranker's exact prune, kept blocks and
+    mass alike; pruned on its own estimate: its key-free prune."""
+    torch.manual_seed(3)
+    n = 16 * 300 + 7
+    keys, q = torch.randn(2, n, 32) * 1.5, torch.randn(2, 4, 32)
+    probs = torch.softmax(torch.einsum("hgd,hnd->hgn", q, keys), -1).mean(1)
+    mass = torch.nn.functional.pad(probs, (0, -n % 16)).view(2, -1, 16).sum(-1)
+    forced = torch.zeros(mass.shape[1], dtype=torch.bool)
+    forced[:1] = forced[-4:] = True
+    rank = torch.softmax(E.quest(16)(keys, q), -1).mean(1)
+    study = E.Study(0)
+    study._record("quest", rank, mass, forced, n)
+    study._record_design("on true masses", rank, mass, mass, forced, n)
+    study._record_design("on its own", rank, rank, mass, forced, n)
+    rep = study.report()
+    for cap in E.CAPS[1:]:
+        for stat in ("mass", "tokens"):
+            assert rep["on true masses"][f"pruned {cap} {stat}"] == pytest.approx(
+                rep["quest"][f"exact prune {cap} {stat}"]
+            )
+            assert rep["on its own"][f"pruned {cap} {stat}"] == pytest.approx(rep["quest"][f"est prune {cap} {stat}"])
+
+
 def test_probe_observes_the_engine_decode_queries():
     """Through a dense engine on the embedded model: one query a prompt and decode step, every estimator reported,
     and a cap over the whole context covers all of it."""
@@ -69,8 +93,10 @@ def test_probe_observes_the_engine_decode_queries():
     study = E.run(None, 512, samples=1, steps=2)
     assert study.num_prompts == 5 and study.num_queries == 10
     rep = study.report()
-    assert set(rep) == {"oracle", *E.ESTIMATORS}
-    for name, r in rep.items():
-        assert r["cover 1024"] == pytest.approx(1.0, abs=1e-4), name
-        assert r["est prune 2048 mass"] <= r["cover 2048"] + 1e-6
+    assert set(rep) == {"oracle", *E.ESTIMATORS, *E.DESIGNS}
+    for name in ("oracle", *E.ESTIMATORS):
+        assert rep[name]["cover 1024"] == pytest.approx(1.0, abs=1e-4), name
+        assert rep[name]["est prune 2048 mass"] <= rep[name]["cover 2048"] + 1e-6
+    for name in E.DESIGNS:  # every block a candidate: the pruner's masses alone decide
+        assert rep[name]["pruned 2048 mass"] == pytest.approx(rep[E.DESIGNS[name][1]]["est prune 2048 mass"])
     assert "int4" in E.format_report(study)
