@@ -245,6 +245,16 @@ class SparseConfig:
             "at least one block past the sink and local window).",
         },
     )
+    sparse_topp_flat_hold: int = field(
+        default=0,
+        metadata={
+            "help": "topp: a list flagged flat (sparse_topp_flat_share) is kept for this many more decode steps "
+            "before its (sequence, layer, KV head) selects again: flat masses do not follow the query, so a fresh "
+            "selection each step only changes which blocks the step reads (under KV offload: reads over PCIe "
+            'inside the step; docs/sparse.md, "Holding flat lists"). Needs sparse_reuse=1 and sparse_lag=0 '
+            "(0: every step selects)."
+        },
+    )
     sparse_reuse: int = field(
         default=1,
         metadata={"help": "Recompute a sequence's block selection every this many decode steps (1: every step)."},
@@ -341,6 +351,23 @@ class SparseConfig:
             )
         if self.sparse_reuse < 1:
             raise ValueError(f"sparse_reuse must be >= 1, got {self.sparse_reuse}")
+        if self.sparse_topp_flat_hold < 0:
+            raise ValueError(f"sparse_topp_flat_hold must be >= 0, got {self.sparse_topp_flat_hold}")
+        if (
+            self.sparse_topp_flat_hold
+            and self.enabled
+            and (
+                not SELECTION_POLICIES.get(self.sparse_policy).prunes
+                or self.sparse_topp_flat_share >= 1.0
+                or self.sparse_reuse != 1
+                or self.sparse_lag
+            )
+        ):
+            raise ValueError(
+                "sparse_topp_flat_hold needs a pruning sparse_policy (topp) that flags flat lists "
+                "(sparse_topp_flat_share < 1), sparse_reuse=1 and sparse_lag=0: a held list is the one its "
+                "last selection wrote for its own step"
+            )
         if not (0.0 <= self.sparse_stickiness < float("inf")):
             raise ValueError(f"sparse_stickiness must be a finite number >= 0, got {self.sparse_stickiness}")
         if self.sparse_lag not in (None, 0, 1):

@@ -144,6 +144,10 @@ class _EngineStatsCollector:
             )
             flat = getattr(stats, "sparse_flat_lists", 0)
             yield counter("sparse_flat_lists", "topp selections whose candidates were flat (kept unpruned).", flat)
+            held = getattr(stats, "sparse_held_lists", 0)
+            yield counter(
+                "sparse_held_lists", "topp flat lists kept instead of selected (sparse_topp_flat_hold).", held
+            )
             yield gauge(
                 "sparse_flat_list_share",
                 "Share of sparse decode selections whose candidates were flat.",

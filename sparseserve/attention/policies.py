@@ -4,7 +4,8 @@ topk: a fixed budget, the best blocks by their key bounds (kernels/block_score.p
 topp: Twilight's select-then-prune: topk picks `cap` candidates, then the fewest whose mass on
 their real keys brings the list to sparse_top_p stay (kernels/topp_prune.py). Where the estimated
 masses are flat (sparse_topp_flat_share) no mass target is in reach: the list takes
-sparse_topp_flat_budget tokens and stays whole, the prune would drop little of it. Lagged, the
+sparse_topp_flat_budget tokens and stays whole, the prune would drop little of it; with
+sparse_topp_flat_hold H it is kept for the next H steps (selection and scoring skip it). Lagged, the
 candidates come from the previous query and each step prunes them for its own, into a row of its
 own (the candidates stay for the next selection). Under KV offload the candidates go through the HBM
 pool (lagged: planned and loaded a step ahead, as topk's lists), so the prune reads their keys there.
@@ -43,13 +44,13 @@ class TopK(SelectionPolicy):
             prev_slots=rows.prev_slots,
             ahead=rows.ahead,
             **self.params.kernel_args(),
-            **self._flat_args(layer, state),
+            **self._flat_args(layer, rows, state),
         )
 
     def _select_stats(self, state: SelectionState) -> torch.Tensor:
         return state.stats
 
-    def _flat_args(self, layer: int, state: SelectionState) -> dict[str, Any]:
+    def _flat_args(self, layer: int, rows: DecodeRows, state: SelectionState) -> dict[str, Any]:
         return {}
 
 
@@ -68,13 +69,19 @@ class TopP(TopK):
         # flat lists take flat_cap blocks and skip the prune, which would drop little of them (docs/sparse.md)
         return state.flat[layer] if self.params.flat_share < 1.0 else None
 
-    def _flat_args(self, layer: int, state: SelectionState) -> dict[str, Any]:
+    def _flat_args(self, layer: int, rows: DecodeRows, state: SelectionState) -> dict[str, Any]:
         flat = self._flat(layer, state)
         if flat is None:
             return {}
         p = self.params
+        hold = dict(hold=p.flat_hold, hold_rows=rows.decodes) if p.flat_hold else {}
         return dict(
-            flat=flat, flat_share=p.flat_share, flat_mass=p.top_p, flat_cap=p.flat_cap, flat_count=state.flat_lists
+            flat=flat,
+            flat_share=p.flat_share,
+            flat_mass=p.top_p,
+            flat_cap=p.flat_cap,
+            flat_count=state.flat_lists,
+            **hold,
         )
 
     def refine(

@@ -7,7 +7,7 @@ row's state slot (slot -1: none this step); `refine` may trim them once the bloc
 Kernels: kernels/block_score.py (selection), kernels/sparse_decode.py (attention).
 
 SelectionState owns what persists across steps, in fixed device buffers indexed by state slot:
-every layer's lists (with topp's flat flags), reuse counters, streaming-head masks and counters.
+every layer's lists (with topp's flat flags), reuse (or flat hold) counters, streaming-head masks and counters.
 With lagged selection a slot keeps two lists (attended, being written; kernels/block_score.py
 step_slots).
 """
@@ -40,6 +40,7 @@ class SelectionParams:
     stickiness: float = 0.0  # a listed block ranks by its mass x (1 + this) at the next selection
     flat_share: float = 1.0  # topp: lists whose candidates are at least this flat stay unpruned (1: none)
     flat_cap: int = 0  # blocks such a list takes where cap blocks cannot reach top_p on flat masses (<= cap)
+    flat_hold: int = 0  # topp: decode steps a list flagged flat is kept before its row selects again
     # with lag: each step selects its candidates from its own query into its write row and prunes them into its
     # read row, which it attends; only the KV offload pool's loads lag (a prefetch of the previous step's
     # candidates: docs/offload.md, "Prefetching reads")
@@ -62,6 +63,7 @@ class SelectionParams:
             prefetch=prefetch,
             stickiness=cfg.sparse_stickiness,
             flat_share=cfg.sparse_topp_flat_share,
+            flat_hold=cfg.sparse_topp_flat_hold,
             flat_cap=min(
                 cfg.sparse_budget // block_size,
                 max(
@@ -97,6 +99,7 @@ class DecodeRows:
     width: int = 0  # selection launch size (longest context in blocks; 0: max_blocks)
     prev_slots: torch.Tensor | None = None  # int32 [B] rows of the previous lists (None: slots; -1: none)
     ahead: int = 0  # 1: the lists serve the next step (lagged selection), whose local window they force
+    decodes: int | None = None  # rows before this are decodes (the rest: prefill chunks' last tokens); None: all
 
 
 def load_streaming_heads(path: str | None, num_layers: int, num_kv_heads: int) -> torch.Tensor:
@@ -144,7 +147,8 @@ class SelectionState:
         self.flat = torch.zeros(num_layers, rows, num_kv_heads, dtype=torch.int8, device=device)
         self.stats = torch.zeros(2, dtype=torch.int64, device=device)  # blocks selected, selections
         self.uncounted = torch.zeros(2, dtype=torch.int64, device=device)  # selections a later refine counts
-        self.flat_lists = torch.zeros(1, dtype=torch.int64, device=device)  # topp: new lists flagged flat
+        # topp: new lists flagged flat, lists held (SelectionParams.flat_hold)
+        self.flat_lists = torch.zeros(2, dtype=torch.int64, device=device)
         self.streaming = streaming.to(device)
         self._free = list(range(max_num_seqs - 1, -1, -1))
         self._held: dict[int, int] = {}

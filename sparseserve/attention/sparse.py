@@ -156,6 +156,7 @@ class SparseBackend(AttentionBackend):
             "sparse_blocks_selected": self.state.stats[0],
             "sparse_selections": self.state.stats[1],
             "sparse_flat_lists": self.state.flat_lists[0],
+            "sparse_held_lists": self.state.flat_lists[1],
         }
         return out | super().counters() | (self.offload.counters() if self.offload is not None else {})
 
@@ -458,6 +459,7 @@ class SparseBackend(AttentionBackend):
             self.width,
             prev_slots=self.stick_rows,
             ahead=0 if self.params.prefetch else 1,  # prefetch: the lists serve this step
+            decodes=meta.num_decodes,  # (a chunk's list never holds: its first decode selects)
         )
         with beside:  # (a refining policy refines at the step that reads the lists: attend)
             self.policy.select(layer, q, rows, self.state, self.key_meta[layer])

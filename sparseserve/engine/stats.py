@@ -32,6 +32,7 @@ class EngineStats:
     sparse_blocks_selected: int = 0  # sparse decode: blocks in all selections so far
     sparse_selections: int = 0  # one per (decode sequence, sparse layer, KV head)
     sparse_flat_lists: int = 0  # topp: selections whose candidates were flat (attended unpruned)
+    sparse_held_lists: int = 0  # topp: flat lists kept instead of selected (sparse_topp_flat_hold)
     sparse_block_size: int = 0
     offload_hbm_hits: int = 0  # KV offload: listed head blocks found in the HBM pool
     offload_hbm_misses: int = 0  # ... and not found (loaded, or read from the host)
@@ -86,6 +87,7 @@ class EngineStats:
             "sparse_blocks_selected",
             "sparse_selections",
             "sparse_flat_lists",
+            "sparse_held_lists",
             "offload_hbm_hits",
             "offload_hbm_misses",
             "offload_blocks_loaded",

@@ -20,7 +20,9 @@ mass times 1 + b (the mass target counts true masses), so lists change only wher
 A list is `cap` logical block indices (block-table positions), its entries first, then -1 padding (the
 sparse kernels skip a padding tail: every writer keeps this order). With reuse R a
 (slot, KV head) recomputes its list every R-th decode step (counter [S, Hkv]); the sparse
-kernel always adds the current local window.
+kernel always adds the current local window. With a flat hold H (topp, R = 1) a list flagged flat
+stays for the next H steps of its (state slot, KV head): the counter counts them down, the held
+row's selection and scoring return at once (docs/sparse.md, "Holding flat lists").
 
 Grids follow shapes and host-side bounds only; programs with nothing to do (past the end,
 padding rows, slot -1, reused pairs) return at once, so a decode step is capturable.
@@ -241,6 +243,8 @@ def select_blocks_ref(
     flat_mass: float = 1.0,
     flat_cap: int = 0,
     flat_count: torch.Tensor | None = None,
+    hold: int = 0,
+    hold_rows: int | None = None,
 ) -> None:
     """Writes new lists into sel [S, Hkv, cap] at the rows' state slots, for the (slot, KV head)
     pairs due a recomputation (all without reuse); counter [S, Hkv] counts decode steps; stats
@@ -248,8 +252,17 @@ def select_blocks_ref(
     prev_slots: the sel rows holding each row's previous lists (None: its own slot; -1: none);
     ahead: 1 when the lists serve the next step (forced_blocks). flat (int8 [S, Hkv], with each new
     list): 1 where the row is flat (flat_rows_ref, with flat_mass; its short rows take flat_cap blocks);
-    flat_count (int64 [1]) += the new lists flagged."""
+    flat_count (int64 [1]; [2] with hold) += the new lists flagged (and the lists held).
+    hold (with flat, reuse 1): a list flagged flat in one of the first hold_rows rows (None: all; the decodes,
+    whose next steps hold it) is held for the next `hold` selections of its counter row, slot mod
+    counter.shape[0] (lag rows: two lists a slot): counter = hold, else 0; a held row (counter > 0) keeps
+    the list in sel at its slot (the caller keeps it there), is flagged flat again, counter -= 1."""
     rows = (seq_lens > 0) & (slots >= 0)  # slot -1 (lag: a reused step): none
+    if hold:
+        assert flat is not None and reuse == 1 and flat_count is not None and flat_count.numel() >= 2
+        decode = torch.arange(len(slots), device=slots.device) < (len(slots) if hold_rows is None else hold_rows)
+        crow = slots[rows].long().remainder(counter.shape[0])  # counter rows
+        held = decode[rows][:, None] & (counter[crow] > 0)
     prev = None
     if stickiness > 0:
         at = (slots if prev_slots is None else prev_slots)[rows].long()
@@ -279,11 +292,15 @@ def select_blocks_ref(
     slots = slots[rows].long()
     # without reuse every row (the lag's slots index two list rows a slot: no counter row)
     due = counter[slots] % reuse == 0 if reuse > 1 else torch.ones_like(lists[..., 0], dtype=torch.bool)
+    if hold:  # a held row's list stays, flagged flat again
+        due = ~held
+        counter[crow] = torch.where(held, counter[crow] - 1, (flags & decode[rows][:, None]).to(counter.dtype) * hold)
+        flat_count[1] += held.sum()
     sel[slots] = torch.where(due[..., None], lists, sel[slots])
     if flags is not None:
-        flat[slots] = torch.where(due, flags.to(flat.dtype), flat[slots])
+        flat[slots] = torch.where(due, flags.to(flat.dtype), 1 if hold else flat[slots])
         if flat_count is not None:
-            flat_count += (flags & due).sum()
+            flat_count[:1] += (flags & due).sum()
     if reuse > 1:
         counter[slots] += 1
     stats[0] += ((lists >= 0).sum(-1) * due).sum()
@@ -320,6 +337,8 @@ def score_and_select_ref(
     flat_mass: float = 1.0,
     flat_cap: int = 0,
     flat_count: torch.Tensor | None = None,
+    hold: int = 0,
+    hold_rows: int | None = None,
 ) -> None:
     """Scores then selects for the decode rows q [B, Hq, D] into sel (select_blocks_ref).
     max_blocks: host-side bound of the contexts in blocks; width: the launch's size hint only."""
@@ -347,6 +366,8 @@ def score_and_select_ref(
         flat_mass=flat_mass,
         flat_cap=flat_cap,
         flat_count=flat_count,
+        hold=hold,
+        hold_rows=hold_rows,
     )
 
 
@@ -402,7 +423,7 @@ def step_slots(
 
 # Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
 @triton.jit(
-    do_not_specialize=["stride_sb", "stride_sh", "stride_tb", "max_blocks", "blocks_per_split"],
+    do_not_specialize=["stride_sb", "stride_sh", "stride_tb", "max_blocks", "blocks_per_split", "hold_rows"],
     do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "slots_ptr"],
 )
 def _score_kernel(
@@ -426,12 +447,15 @@ def _score_kernel(
     stride_cs,
     max_blocks,
     blocks_per_split,
+    hold_rows,
+    num_counters,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     PAGES: tl.constexpr,
     CAP: tl.constexpr,
     REUSE: tl.constexpr,
+    HOLD: tl.constexpr,
     SHORT_DENSE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -455,6 +479,9 @@ def _score_kernel(
     idle = (n_start >= nb) | ((nb <= CAP) & SHORT_DENSE) | (slot < 0)
     if REUSE > 1:
         idle = idle | (tl.load(counter_ptr + slot * stride_cs + kvh, mask=slot >= 0, other=0) % REUSE != 0)
+    if HOLD:  # a held flat list (select_blocks_ref)
+        held_at = counter_ptr + (tl.maximum(slot, 0) % num_counters) * stride_cs + kvh
+        idle = idle | (tl.load(held_at, mask=(slot >= 0) & (b < hold_rows), other=0) > 0)
     pdl_wait(PDL)
     if idle:
         return
@@ -521,7 +548,8 @@ def _search(bits2, r2, lo, hi, c_lo, k, fmass, mass_target, w, WAYS: tl.constexp
 
 
 @triton.jit(
-    do_not_specialize=["max_blocks", "ahead", "flat_cap"], do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr"]
+    do_not_specialize=["max_blocks", "ahead", "flat_cap", "hold_rows"],
+    do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr"],
 )
 def _select_kernel(
     scores_ptr,
@@ -544,12 +572,15 @@ def _select_kernel(
     ahead,
     stride_ss,
     stride_cs,
+    hold_rows,
+    num_counters,
     GROUP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     CAP: tl.constexpr,
     SINK: tl.constexpr,
     LOCAL: tl.constexpr,
     REUSE: tl.constexpr,
+    HOLD: tl.constexpr,
     SHORT_DENSE: tl.constexpr,
     MASS: tl.constexpr,
     WAYS: tl.constexpr,
@@ -564,7 +595,8 @@ def _select_kernel(
     STICKY: the previous list's blocks are marked in this program's row of `listed` (zeroed by
     the caller) and rank by their mass times sticky_factor. FLAT: flat_ptr[slot, kvh] = whether the
     candidates' estimated masses are flat (counted in flat_count_ptr), and a short one (flat_rows_ref)
-    takes flat_cap blocks.
+    takes flat_cap blocks. HOLD (> 0, with FLAT): a flat list of a row below hold_rows is held HOLD
+    steps (its counter row: slot mod num_counters; select_blocks_ref).
 
     No sort: a search over the masses' bit patterns (non-negative floats order like their bits)
     finds the largest threshold t at which the candidates >= t number k = the row's cap - #forced or
@@ -581,12 +613,22 @@ def _select_kernel(
     selects = (seq_len > 0) & (slot >= 0)  # slot -1: no selection this step (sparse_lag)
     if REUSE > 1:
         step = tl.load(counter_ptr + slot * stride_cs + kvh, mask=selects, other=0)
+    if HOLD > 0:
+        held_at = counter_ptr + (tl.maximum(slot, 0) % num_counters) * stride_cs + kvh
+        may_hold = selects & (b < hold_rows)
+        left = tl.load(held_at, mask=may_hold, other=0)
     pdl_wait(PDL)
     if not selects:
         return
     if REUSE > 1:
         tl.store(counter_ptr + slot * stride_cs + kvh, step + 1)  # after the wait: scoring reads it
         if step % REUSE != 0:
+            return
+    if HOLD > 0:
+        if left > 0:  # held: the list stays, flagged flat again (after the wait: scoring read the counter)
+            tl.store(held_at, left - 1)
+            tl.store(flat_ptr + slot * tl.num_programs(1) + kvh, tl.full([], 1, tl.int8))
+            tl.atomic_add(flat_count_ptr + 1, 1)
             return
     nb = tl.cdiv(seq_len, BLOCK_SIZE)
     j = tl.arange(0, NB_PAD)
@@ -692,6 +734,8 @@ def _select_kernel(
     if FLAT:  # unscored rows (all forced): not flat
         tl.store(flat_ptr + slot * tl.num_programs(1) + kvh, is_flat.to(tl.int8))
         tl.atomic_add(flat_count_ptr, 1, mask=is_flat)
+        if HOLD > 0:
+            tl.store(held_at, tl.where(is_flat & may_hold, HOLD, 0))
     tl.atomic_add(stats_ptr, count.to(tl.int64))
     tl.atomic_add(stats_ptr + 1, 1)
 
@@ -712,9 +756,11 @@ def block_scores_triton(
     short_dense: bool,
     scale: float,
     config: ScoreConfig | None = None,
+    hold: int = 0,
+    hold_rows: int | None = None,
 ) -> torch.Tensor:
     """float32 [B, Hq, max_blocks] (block_scores_ref), written only where selection reads it:
-    rows over cap blocks that recompute this step, blocks inside the context."""
+    rows over cap blocks that recompute this step (not held: select_blocks_ref), blocks inside the context."""
     batch, num_q_heads, head_dim = q.shape
     _, hkv, _, pages, _ = codes.shape
     assert counter.stride(1) == 1 and codes.stride(-1) == 1 and codes.stride(-2) == head_dim
@@ -746,12 +792,15 @@ def block_scores_triton(
         counter.stride(0),
         max_blocks,
         per_split,
+        batch if hold_rows is None else hold_rows,
+        counter.shape[0],
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         PAGES=pages,
         CAP=cap,
         REUSE=reuse,
+        HOLD=hold > 0,
         SHORT_DENSE=short_dense,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim),
@@ -791,6 +840,8 @@ def select_blocks_triton(
     flat_mass: float = 1.0,
     flat_cap: int = 0,
     flat_count: torch.Tensor | None = None,
+    hold: int = 0,
+    hold_rows: int | None = None,
 ) -> None:
     """select_blocks_ref's contract. width: blocks the launch is sized for when more than the
     scores' (the model's longest context), so one compiled variant serves every step."""
@@ -804,6 +855,7 @@ def select_blocks_triton(
         )
     assert sel.shape[-1] == cap and sel.stride(2) == 1 and counter.stride(1) == 1
     assert flat is None or (flat.shape == sel.shape[:2] and flat.is_contiguous())
+    assert not hold or (flat is not None and reuse == 1 and flat_count is not None and flat_count.numel() >= 2)
     if flat is not None and flat_count is None:  # the count goes nowhere
         flat_count = torch.zeros(1, dtype=torch.int64, device=scores.device)
     nb_pad = max(triton.next_power_of_2(max(max_blocks, width)), triton.next_power_of_2(cap), 16)
@@ -832,12 +884,15 @@ def select_blocks_triton(
         ahead,
         sel.stride(0),
         counter.stride(0),
+        batch if hold_rows is None else hold_rows,
+        counter.shape[0],
         GROUP=num_q_heads // hkv,
         BLOCK_SIZE=block_size,
         CAP=cap,
         SINK=sink,
         LOCAL=local,
         REUSE=reuse,
+        HOLD=hold,
         SHORT_DENSE=short_dense,
         MASS=top_p is not None,
         WAYS=config.ways,
@@ -882,6 +937,8 @@ def score_and_select_triton(
     flat_mass: float = 1.0,
     flat_cap: int = 0,
     flat_count: torch.Tensor | None = None,
+    hold: int = 0,
+    hold_rows: int | None = None,
 ) -> None:
     scores = block_scores_triton(
         q,
@@ -897,6 +954,8 @@ def score_and_select_triton(
         reuse=reuse,
         short_dense=short_dense,
         scale=scale,
+        hold=hold,
+        hold_rows=hold_rows,
     )
     select_blocks_triton(
         scores,
@@ -922,6 +981,8 @@ def score_and_select_triton(
         flat_mass=flat_mass,
         flat_cap=flat_cap,
         flat_count=flat_count,
+        hold=hold,
+        hold_rows=hold_rows,
     )
 
 

@@ -87,6 +87,11 @@ def test_config_and_flags():
         dict(sparse_lag=2),
         dict(sparse_policy="topk", sparse_lag=1, sparse_reuse=2, kv_offload=True),
         dict(sparse_policy="topp", sparse_lag=1, sparse_reuse=2, kv_offload=True),
+        dict(sparse_policy="topp", sparse_topp_flat_hold=-1),
+        dict(sparse_policy="topk", sparse_topp_flat_hold=2),  # no flat lists
+        dict(sparse_policy="topp", sparse_topp_flat_hold=2, sparse_topp_flat_share=1.0),  # none flagged
+        dict(sparse_policy="topp", sparse_topp_flat_hold=2, sparse_reuse=2),
+        dict(sparse_policy="topp", sparse_topp_flat_hold=2, sparse_lag=1, kv_offload=True),
     ]
     for kwargs in bad:
         with pytest.raises(ValueError):
@@ -253,6 +258,30 @@ def test_small_budget(tiny_model_dir, tmp_path):
         assert got["sparseserve:sparse_selections_total"] == stats.sparse_selections
         assert got["sparseserve:sparse_flat_lists_total"] == stats.sparse_flat_lists
         assert got["sparseserve:sparse_flat_list_share"] == stats.sparse_flat_lists / stats.sparse_selections
+
+
+def test_flat_hold_keeps_flat_lists(tiny_model_dir):
+    """sparse_topp_flat_hold: on random weights (flat masses: lists flagged) a flat list is kept for the next
+    H steps of its (sequence, layer, KV head) instead of selected, so fewer lists are selected and flagged and
+    the held ones are counted apart (/metrics too); a hold longer than the run selects each list once a decode.
+    Outputs stay well formed, every block comes back."""
+    base = dict(sparse_policy="topp", sparse_budget=6 * BS, sparse_top_p=0.7, sparse_dense_layers=1)
+    base |= dict(sparse_dense_context=0, sparse_topp_flat_share=0.5)
+    counts = {}
+    for hold in (0, 2, 100):
+        outs, llm, _ = run(tiny_model_dir, sparse_topp_flat_hold=hold, **base)
+        assert all(len(o) == GREEDY.max_tokens for o in outs)
+        engine = llm.llm_engine
+        stats = engine.get_stats()
+        assert stats.num_blocks_used == 0 and not engine.has_unfinished_requests()
+        engine.allocator.check()
+        counts[hold] = (stats.sparse_flat_lists, stats.sparse_held_lists, stats.sparse_selections)
+        got = parse_metrics(ServerMetrics(lambda: stats, "m").render().decode())
+        assert got["sparseserve:sparse_held_lists_total"] == stats.sparse_held_lists
+    assert counts[0][0] > 0 and counts[0][1] == 0  # flagged, none held
+    assert counts[2][1] > 0 and counts[2][0] < counts[0][0] and counts[2][2] < counts[0][2]
+    # held 100 steps: each (decode sequence, layer, KV head) flags at most once after its prompt
+    assert counts[100][1] > counts[2][1] and counts[100][0] < counts[2][0]
 
 
 def test_calibrate_streaming_heads(tiny_model_dir, tmp_path):

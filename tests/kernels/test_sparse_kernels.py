@@ -392,6 +392,86 @@ def test_select_flags_flat_lists(hq, hkv, policy):
     assert torch.equal(flags, share >= 0.75) and torch.equal(short, flags & (seq_lens > 9 * bs)[:, None])
 
 
+def test_select_holds_flat_lists():
+    """Flat hold 2 over lag rows (two list rows a slot, counters by slot): a list flagged flat in a decode row
+    (below hold_rows) is kept for its slot's next two selections, whichever of its rows they write (the caller
+    keeps it there: copied here as the prune's out rows would), flagged flat again, counted apart; neither
+    scored nor selected, so even changed scores leave it; a peaked list and a flat one in the chunk row (at
+    hold_rows) are never held; the third selection is fresh. Kernel (scores too: a held row's stay unwritten)
+    and reference agree at every step."""
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    bs, cap, flat_cap, nslots, mb, hq, hkv, hold = 16, 8, 5, 4, 48, 4, 2, 2
+    lens = [40 * bs, 44 * bs, 0, 30 * bs]  # row 3: a prompt's chunk (hold_rows 3)
+    p = params("topp", cap, bs, top_p=0.5) | dict(flat_share=0.75, flat_mass=0.85, flat_cap=flat_cap)
+    p |= dict(stickiness=1.0)  # sticking to the kept lists in place, as prefetching reads do
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    base = torch.tensor([2, 0, 1, 3], dtype=torch.int32, device=DEV)
+    streaming = torch.zeros(hkv, dtype=torch.bool, device=DEV)
+    states = [
+        (
+            torch.full((2 * nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
+            torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV),
+            torch.zeros(2, dtype=torch.int64, device=DEV),
+            torch.zeros(2 * nslots, hkv, dtype=torch.int8, device=DEV),
+            torch.zeros(2, dtype=torch.int64, device=DEV),  # new flat lists, held lists
+        )
+        for _ in range(2)
+    ]
+    held_total = 0
+    for step in range(4):
+        write = base + nslots * (step % 2)
+        read = base + nslots * ((step + 1) % 2)
+        scores = 4 * torch.randn(len(lens), hq, mb, device=DEV)
+        scores[:, :, 10 + step] += 30.0  # peaked, at a block that moves each step
+        scores[0] = 0.01 * torch.randn(hq, mb, device=DEV)  # flat
+        scores[3] = 0.01 * torch.randn(hq, mb, device=DEV)  # flat, a chunk's
+        scores[1, : hq // hkv] = 0.01 * torch.randn(hq // hkv, mb, device=DEV)  # row 1: KV head 0 flat
+        scores.masked_fill_(torch.arange(mb, device=DEV)[None, None] >= -(-seq_lens[:, None, None] // bs), -torch.inf)
+        for state in states:  # the kept lists sit where the next selection writes (prefetching reads' prune)
+            state[0][write.long()] = state[0][read.long()]
+        before = states[1][0][write.long()].clone()
+        sel_kw = dict(p, hold=hold, hold_rows=3, prev_slots=write)
+        select_blocks_ref(
+            scores, seq_lens, write, *states[0][:3], streaming, flat=states[0][3], flat_count=states[0][4], **sel_kw
+        )
+        q = torch.randn(len(lens), hq, 32, device=DEV)
+        codes = torch.randint(-127, 128, (mb, hkv, 2, 1, 32), dtype=torch.int8, device=DEV)
+        tables = torch.arange(mb, dtype=torch.int32, device=DEV).expand(len(lens), -1).contiguous()
+        page_scale = torch.rand(mb, hkv, 1, device=DEV) + 0.5
+        score_kw = dict(max_blocks=mb, block_size=bs, scale=0.1)
+        hold_kw = dict(cap=cap, reuse=1, short_dense=True, hold=hold, hold_rows=3)
+        got = block_scores_triton(q, codes, page_scale, tables, seq_lens, write, states[1][1], **score_kw, **hold_kw)
+        want = block_scores_ref(q, codes, page_scale, tables, seq_lens, **score_kw)
+        held = states[1][1][base.long()] > 0  # before this step's selection: by row
+        held[2:] = False  # the padding row; the chunk row (at hold_rows) is never held
+        assert held.any() == (step in (1, 2))
+        scored = (~held).repeat_interleave(hq // hkv, 1)[:, :, None] & (want > -torch.inf)
+        assert torch.allclose(got[scored], want[scored], rtol=1e-4, atol=1e-4)
+        for b, h in held.nonzero().tolist():  # a held row's programs return at once: its scores stay unwritten
+            heads = slice(h * (hq // hkv), (h + 1) * (hq // hkv))
+            assert not torch.allclose(got[b, heads, : lens[b] // bs], want[b, heads, : lens[b] // bs])
+        select_blocks_triton(
+            scores, seq_lens, write, *states[1][:3], streaming, flat=states[1][3], flat_count=states[1][4], **sel_kw
+        )
+        for a, b in zip(states[0], states[1]):
+            assert torch.equal(a.sort(-1).values if a.dim() == 3 else a, b.sort(-1).values if b.dim() == 3 else b)
+        sel, counter, _, flat, count = states[1]
+        w = write.long()
+        held_total += int(held.sum())
+        assert int(count[1]) == held_total
+        if step == 0:  # row 0 flat, both heads; row 1 KV head 0; the chunk row and the peaked ones not held
+            assert counter[2].tolist() == [hold] * hkv and counter[0].tolist() == [hold, 0]
+            assert counter[3].tolist() == [0] * hkv and flat[w[3]].tolist() == [1] * hkv
+        elif step in (1, 2):  # held: list and flag as they were, whatever the scores
+            assert held[0].tolist() == [True] * hkv and held[1].tolist() == [True, False]
+            assert torch.equal(sel[w[0]], before[0]) and torch.equal(sel[w[1], 0], before[1, 0])
+            assert flat[w[0]].tolist() == [1] * hkv and flat[w[1], 0] == 1
+            assert counter[2].tolist() == [hold - step] * hkv
+        else:  # fresh again, and held again after it
+            assert not held.any() and counter[2].tolist() == [hold] * hkv
+    assert held_total == 2 * 3  # rows 0 (two heads) and 1 (one), two steps each
+
+
 def test_select_ahead_forces_the_next_steps_window():
     """A lagged list (ahead=1) forces the local window of the step that reads it: at a context that ends a
     block the window moves on by one, so the block it leaves is no longer forced and competes by its mass

@@ -496,6 +496,15 @@ def run(model_dir, control: bool = True, **kw):
         dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_lag=1),
         dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_topp_flat_share=0.5),  # flat lists flagged, unpruned
         dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_topp_flat_share=0.5, offload_prefetch=True),
+        # flat lists held two steps (not selected), with and without prefetching reads
+        dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_topp_flat_share=0.5, sparse_topp_flat_hold=2),
+        dict(
+            TOPP_PRUNES,
+            sparse_dense_layers=1,
+            sparse_topp_flat_share=0.5,
+            sparse_topp_flat_hold=2,
+            offload_prefetch=True,
+        ),
         dict(sparse_dense_layers=1, sparse_stickiness=0),
         dict(sparse_lag=1),
         dict(sparse_lag=1, sparse_dense_layers=1, sparse_stickiness=0),
@@ -569,8 +578,9 @@ def test_offload_equals_no_offload(hf_models, policy):
             assert keys <= stats.offload_bypass_reads
             if not flat:
                 assert (keys > 0) == (policy.get("sparse_policy") == "topp" and slots == 4)
-        if flat:  # the case is what it says: lists were flagged
+        if flat:  # the case is what it says: lists were flagged (and held)
             assert stats.sparse_flat_lists > 0
+            assert (stats.sparse_held_lists > 0) == bool(policy.get("sparse_topp_flat_hold"))
         assert stats.offload_d2h_bytes == got_metrics["sparseserve:offload_d2h_bytes_total"] > 0
 
 
