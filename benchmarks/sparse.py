@@ -372,10 +372,13 @@ def step_bench(
             runner.execute(scheduled)
             torch.cuda.synchronize()
             walls.append(1e3 * (time.perf_counter() - t0))
-        return {
+        graphs = log.times_ms("graph")
+        return {  # (means beside the medians: with sparse_topp_flat_hold most steps hold, the median hides a fresh one)
             "case": f"{label} step B={batch} L={ctx}",
-            "graph_ms": statistics.median(log.times_ms("graph")),
+            "graph_ms": statistics.median(graphs),
             "engine_step_ms": statistics.median(walls),
+            "graph_ms_mean": statistics.mean(graphs) if graphs else float("nan"),
+            "engine_step_ms_mean": statistics.mean(walls),
         }
 
     rows = [measure(f"sparse topk {budget} dense_layers={dense_layers}", **base)]

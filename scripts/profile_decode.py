@@ -51,12 +51,16 @@ def main() -> None:
     engine = LLMEngine.from_kwargs(
         log,
         model=args.model,
-        dtype="bfloat16",
         max_model_len=args.input_len + max_tokens,
         max_num_seqs=args.batch,
         max_num_batched_tokens=32768,
         # each step timed alone unless asked; random weights unless asked (load_format=auto: the model's own)
-        **{"async_scheduling": False, "load_format": "dummy", **parse_engine_args(args.engine_arg)},
+        **{
+            "dtype": "bfloat16",
+            "async_scheduling": False,
+            "load_format": "dummy",
+            **parse_engine_args(args.engine_arg),
+        },
     )
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -110,16 +114,18 @@ def main() -> None:
     )
     layer_steps = after.offload_layer_steps - before.offload_layer_steps
     if layer_steps:  # KV offload: the profiled steps' loads, and FlashH2D's rate on the critical path
-        loaded = after.offload_blocks_loaded - before.offload_blocks_loaded  # reads from the host (+ bypass)
-        loaded += after.offload_bypass_reads - before.offload_bypass_reads
+        bypass = after.offload_bypass_reads - before.offload_bypass_reads  # read over UVA inside the step
+        loaded = after.offload_blocks_loaded - before.offload_blocks_loaded + bypass  # reads from the host
+        held = after.sparse_held_lists - before.sparse_held_lists
         hits = after.offload_hbm_hits - before.offload_hbm_hits
         misses = after.offload_hbm_misses - before.offload_hbm_misses
         h2d = after.offload_h2d_bytes - before.offload_h2d_bytes
         flash_us = sum(us for name, us in by_name.items() if "flash_h2d" in name)
         rate = f", FlashH2D {h2d / flash_us / 1e3:.1f} GB/s on the critical path" if flash_us else ""
         print(
-            f"offload: {loaded / layer_steps:.0f} head blocks read from the host a layer-step, hit ratio "
-            f"{hits / max(hits + misses, 1):.3f}, {h2d / args.steps / 1e6:.1f} MB a step{rate}"
+            f"offload: {loaded / layer_steps:.2f} head blocks read from the host a layer-step "
+            f"({bypass / layer_steps:.2f} of them inside the step), hit ratio {hits / max(hits + misses, 1):.4f}, "
+            f"{h2d / args.steps / 1e6:.1f} MB a step{rate}; {held} lists held"
         )
 
 
