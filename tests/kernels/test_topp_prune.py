@@ -483,3 +483,55 @@ def test_topp_prune_into_read_rows_counts_the_host_reads_it_keeps(hq=8, hkv=2):
     before_window = (pruned >= 0) & (pruned < (nb - 2)[:, None, None])
     expected = int((before_window & (outs[0][1] < 0)).sum())
     assert expected > 0 and int(outs[0][4]) == expected
+
+
+def test_topp_prune_flat_lag_attends_the_read_rows(hq=8, hkv=2):
+    """offload_flat_lag: where a row's fresh list (its write row) and its read row are both flagged flat, the read
+    row stays as it is (the previous step's selection) and its kept view is the read row's planned one (flat_lag,
+    by list row), counted as kept and, where that view names the host, as a host read; every other row is pruned
+    into its read row as without flat_lag. Write and read rows share one buffer, as the engine's lag rows do; both
+    kernels equal the reference."""
+    q, poisoned, tables, seq_lens, slots, state, (pool, host, loc, key) = offload_case(hq, hkv, seed=13)
+    d, bs, cap, top_p = OFFLOAD_CASE
+    live = seq_lens > 0
+    nrows = state[0].shape[0]  # write rows 0..5, read rows 6..11
+    write = torch.where(live, slots, -1).to(torch.int32)
+    read = (slots.long() + nrows).to(torch.int32)
+    lists = torch.full((2 * nrows, hkv, cap), -1, dtype=torch.int32, device=DEV)
+    lists[:nrows] = state[0]
+    prev = state[0].clone()  # the previous step's selection: the candidates less their last entry
+    count = (prev >= 0).sum(-1, keepdim=True)
+    prev.scatter_(-1, (count - 1).clamp_min(0).long(), -1)
+    lists[nrows:] = prev
+    flat = torch.zeros(2 * nrows, hkv, dtype=torch.int8, device=DEV)
+    s, r = slots.long(), read.long()
+    flat[s[0]] = flat[r[0]] = 1  # row 0: both flat, both heads: lagging
+    flat[s[1]] = 1  # row 1: fresh flat, read row not: copied whole
+    flat[r[3]] = 1  # row 3: read row flat, fresh not: pruned
+    flat[s[4], 1] = flat[r[4], 1] = 1  # row 4: KV head 1 lagging
+    lag_view = tuple(torch.randint(-3, 50, (2 * nrows, hkv, cap), dtype=torch.int64, device=DEV) for _ in "lk")
+    kw = dict(sink=1, local=2, top_p=top_p, scale=d**-0.5, offload=(pool, host, loc, key), flat=flat, out_rows=read)
+    outs = []
+    for fn, lag in ((topp_prune_ref, None), (topp_prune_ref, lag_view), (topp_prune_triton, lag_view)):
+        sel, counter, stats = lists.clone(), state[1].clone(), state[2].clone()
+        out_view = tuple(torch.full((len(LENS), hkv, cap), 7, dtype=torch.int64, device=DEV) for _ in range(2))
+        attended = torch.zeros(1, dtype=torch.int64, device=DEV)
+        fn(q, poisoned, tables, seq_lens, write, sel, counter, stats, **kw, out=sel, out_view=out_view,
+           host_attended=attended, flat_lag=lag)  # fmt: skip
+        assert torch.equal(sel[:nrows], state[0])  # the candidates stay
+        outs.append((sel, *out_view, stats, attended))
+    for a, b in zip(outs[1], outs[2]):
+        assert torch.equal(a, b)
+    lagging = torch.zeros(len(LENS), hkv, dtype=torch.bool, device=DEV)
+    lagging[0], lagging[4, 1] = True, True
+    got, base = outs[1][0][r], outs[0][0][r]
+    assert torch.equal(got[lagging], prev[s][lagging]) and torch.equal(got[~lagging], base[~lagging])
+    assert not torch.equal(base[lagging], prev[s][lagging])  # without it those rows took the fresh lists
+    for v, lv, bv in zip(outs[1][1:3], lag_view, outs[0][1:3]):
+        n = (prev[s] >= 0).sum(-1)
+        for b, h in lagging.nonzero().tolist():
+            assert torch.equal(v[b, h, : n[b, h]], lv[r[b], h, : n[b, h]]) and (v[b, h, n[b, h] :] == -1).all()
+        assert torch.equal(v[~lagging], bv[~lagging])
+    kept = int((prev[s][lagging] >= 0).sum()) - int((base[lagging] >= 0).sum())
+    assert int(outs[1][3][0]) - int(outs[0][3][0]) == kept  # stats: what the lagging rows keep
+    assert int(outs[1][4]) != int(outs[0][4])  # host reads counted from the read rows' views
