@@ -451,15 +451,6 @@ class OffloadConfig:
             '(docs/offload.md, "Prefetching reads").'
         },
     )
-    offload_flat_lag: bool = field(
-        default=False,
-        metadata={
-            "help": "With offload_prefetch: a list whose candidates are flagged flat (sparse_topp_flat_share), as the "
-            "previous step's were, attends the previous step's selection, which the HBM pool prefetched beside the "
-            "step, instead of its own: no flat list reads host memory inside the step, and it follows its query a "
-            'step late (docs/offload.md, "Flat lists from the previous step"). Peaked lists select fresh.'
-        },
-    )
     layer_segmented_prefill: bool | None = field(
         default=None,
         metadata={
@@ -714,11 +705,6 @@ class EngineConfig:
                 "sparse_lag=0 (lagged selection loads a step ahead already) and sparse_reuse=1 (each step's "
                 "candidates are the next step's prefetch)"
             )
-        if self.offload_config.offload_flat_lag and not (self.prefetches and sp.sparse_topp_flat_share < 1.0):
-            raise ValueError(
-                "offload_flat_lag needs offload_prefetch (and what that needs) and lists flagged flat "
-                "(sparse_topp_flat_share < 1)"
-            )
         if self.scheduler_config.async_scheduling is True and self.cache_config.host_prefix_cache_memory is not None:
             raise ValueError(
                 "async_scheduling does not work with host_prefix_cache_memory yet: its per-step host copies "
@@ -732,11 +718,6 @@ class EngineConfig:
                 f"tokens: need more than sink + local = "
                 f"{sp.sparse_sink_blocks + sp.sparse_local_blocks}"
             )
-
-    @property
-    def flat_lags(self) -> bool:
-        """Whether flat lists attend the previous step's prefetched selection (OffloadConfig.offload_flat_lag)."""
-        return self.offload_config.offload_flat_lag and self.prefetches
 
     @property
     def prefetches(self) -> bool:

@@ -104,7 +104,6 @@ class BackendContext:
     num_q_heads: int | None = None  # per-query-head settings (sparse prefill thresholds) need it
     profiler: Any = None  # sparseserve/profiler.py Profiler (None: no timing)
     offload_prefetch: bool = False  # KV offload's prefetching reads (config.EngineConfig.prefetches)
-    offload_flat_lag: bool = False  # ... flat lists from the previous step's selection (EngineConfig.flat_lags)
 
 
 class AttentionBackend(abc.ABC):

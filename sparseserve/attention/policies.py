@@ -74,7 +74,7 @@ class TopP(TopK):
         if flat is None:
             return {}
         p = self.params
-        hold = dict(hold=p.flat_hold, hold_rows=rows.decodes, hold_copy=p.flat_lag) if p.flat_hold else {}
+        hold = dict(hold=p.flat_hold, hold_rows=rows.decodes) if p.flat_hold else {}
         return dict(
             flat=flat,
             flat_share=p.flat_share,

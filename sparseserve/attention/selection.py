@@ -45,16 +45,10 @@ class SelectionParams:
     # read row, which it attends; only the KV offload pool's loads lag (a prefetch of the previous step's
     # candidates: docs/offload.md, "Prefetching reads")
     prefetch: bool = False
-    # with prefetch: a list flagged flat, as its read row's was, attends its read row (the previous step's selection,
-    # prefetched) instead of its own (docs/offload.md, "Flat lists from the previous step")
-    flat_lag: bool = False
 
     @classmethod
-    def from_config(
-        cls, cfg: Any, block_size: int, prefetch: bool = False, flat_lag: bool = False
-    ) -> "SelectionParams":
-        """cfg: config.SparseConfig; prefetch: KV offload's prefetching reads (the lag machinery, lists fresh);
-        flat_lag: SelectionParams.flat_lag."""
+    def from_config(cls, cfg: Any, block_size: int, prefetch: bool = False) -> "SelectionParams":
+        """cfg: config.SparseConfig; prefetch: KV offload's prefetching reads (the lag machinery, lists fresh)."""
         return cls(
             cap=cfg.sparse_budget // block_size,
             sink=cfg.sparse_sink_blocks,
@@ -67,7 +61,6 @@ class SelectionParams:
             per_head=cfg.sparse_topp_heads == "each",
             lag=bool(cfg.sparse_lag) or prefetch,
             prefetch=prefetch,
-            flat_lag=flat_lag and prefetch,
             stickiness=cfg.sparse_stickiness,
             flat_share=cfg.sparse_topp_flat_share,
             flat_hold=cfg.sparse_topp_flat_hold,
@@ -192,11 +185,10 @@ class SelectionState:
             # index_fill_, not `t[:, idx] = 0`: index_put_ copies its scalar from pageable memory, which waits for
             # the device's queue (docs/engine.md, "The host never waits inside a step")
             self.counter.index_fill_(1, idx, 0)
-            rows = self._rows(idx)
-            # another sequence's flags: a flagged read row would hand its list over (offload_flat_lag)
-            self.flat.index_fill_(1, rows, 0)
             if self._sticky:
+                rows = self._rows(idx)
                 self.sel.index_fill_(1, rows, -1)
+                self.flat.index_fill_(1, rows, 0)
                 for sid in seq_ids:
                     if sid in self._stash:
                         sel, counter, flat = self._stash.pop(sid)

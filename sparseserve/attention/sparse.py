@@ -49,7 +49,7 @@ class SparseBackend(AttentionBackend):
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         cfg = ctx.sparse
-        self.params = p = SelectionParams.from_config(cfg, ctx.block_size, ctx.offload_prefetch, ctx.offload_flat_lag)
+        self.params = p = SelectionParams.from_config(cfg, ctx.block_size, ctx.offload_prefetch)
         # Every selection launches at the graphs' width: an eager step compiles nothing new.
         self.width = -(-ctx.max_model_len // ctx.block_size)
         self.policy = SELECTION_POLICIES.get(cfg.sparse_policy)(p)
@@ -377,8 +377,6 @@ class SparseBackend(AttentionBackend):
                 out_view=rv,
                 out_rows=self.step_rows[0][:nd],
                 host_attended=self.offload.lookup_stats[2:],
-                # flat lists whose read rows are flat too: those rows, by begin_step's plan (offload_flat_lag)
-                flat_lag=self.offload.lagged_view(layer)[2:] if self.params.flat_lag else None,
             )
         rows.slots = self.step_rows[0][:nd]
         return (*view[:2], rv[0][:nd], rv[1][:nd])

@@ -113,7 +113,6 @@ class ModelRunner:
             num_q_heads=heads.num_heads,
             profiler=profiler,
             offload_prefetch=config.prefetches,
-            offload_flat_lag=config.flat_lags,
         )
         self.attn_backend = create_backend("sparse" if sparse.enabled else "dense", ctx)
         if streaming is not None:

@@ -245,7 +245,6 @@ def select_blocks_ref(
     flat_count: torch.Tensor | None = None,
     hold: int = 0,
     hold_rows: int | None = None,
-    hold_copy: bool = False,
 ) -> None:
     """Writes new lists into sel [S, Hkv, cap] at the rows' state slots, for the (slot, KV head)
     pairs due a recomputation (all without reuse); counter [S, Hkv] counts decode steps; stats
@@ -257,8 +256,7 @@ def select_blocks_ref(
     hold (with flat, reuse 1): a list flagged flat in one of the first hold_rows rows (None: all; the decodes,
     whose next steps hold it) is held for the next `hold` selections of its counter row, slot mod
     counter.shape[0] (lag rows: two lists a slot): counter = hold, else 0; a held row (counter > 0) keeps
-    the list in sel at its slot (the caller keeps it there; hold_copy, lag rows: copied from the slot's other row),
-    is flagged flat again, counter -= 1."""
+    the list in sel at its slot (the caller keeps it there), is flagged flat again, counter -= 1."""
     rows = (seq_lens > 0) & (slots >= 0)  # slot -1 (lag: a reused step): none
     if hold:
         assert flat is not None and reuse == 1 and flat_count is not None and flat_count.numel() >= 2
@@ -298,10 +296,7 @@ def select_blocks_ref(
         due = ~held
         counter[crow] = torch.where(held, counter[crow] - 1, (flags & decode[rows][:, None]).to(counter.dtype) * hold)
         flat_count[1] += held.sum()
-    kept = sel[slots]
-    if hold_copy:  # the other row of the slot (slot +- counter rows)
-        kept = sel[torch.where(slots < counter.shape[0], slots + counter.shape[0], slots - counter.shape[0])]
-    sel[slots] = torch.where(due[..., None], lists, kept)
+    sel[slots] = torch.where(due[..., None], lists, sel[slots])
     if flags is not None:
         flat[slots] = torch.where(due, flags.to(flat.dtype), 1 if hold else flat[slots])
         if flat_count is not None:
@@ -344,7 +339,6 @@ def score_and_select_ref(
     flat_count: torch.Tensor | None = None,
     hold: int = 0,
     hold_rows: int | None = None,
-    hold_copy: bool = False,
 ) -> None:
     """Scores then selects for the decode rows q [B, Hq, D] into sel (select_blocks_ref).
     max_blocks: host-side bound of the contexts in blocks; width: the launch's size hint only."""
@@ -374,7 +368,6 @@ def score_and_select_ref(
         flat_count=flat_count,
         hold=hold,
         hold_rows=hold_rows,
-        hold_copy=hold_copy,
     )
 
 
@@ -588,7 +581,6 @@ def _select_kernel(
     LOCAL: tl.constexpr,
     REUSE: tl.constexpr,
     HOLD: tl.constexpr,
-    HOLD_COPY: tl.constexpr,
     SHORT_DENSE: tl.constexpr,
     MASS: tl.constexpr,
     WAYS: tl.constexpr,
@@ -604,8 +596,7 @@ def _select_kernel(
     the caller) and rank by their mass times sticky_factor. FLAT: flat_ptr[slot, kvh] = whether the
     candidates' estimated masses are flat (counted in flat_count_ptr), and a short one (flat_rows_ref)
     takes flat_cap blocks. HOLD (> 0, with FLAT): a flat list of a row below hold_rows is held HOLD
-    steps (its counter row: slot mod num_counters; HOLD_COPY: its list copied from the slot's other row;
-    select_blocks_ref).
+    steps (its counter row: slot mod num_counters; select_blocks_ref).
 
     No sort: a search over the masses' bit patterns (non-negative floats order like their bits)
     finds the largest threshold t at which the candidates >= t number k = the row's cap - #forced or
@@ -636,11 +627,6 @@ def _select_kernel(
     if HOLD > 0:
         if left > 0:  # held: the list stays, flagged flat again (after the wait: scoring read the counter)
             tl.store(held_at, left - 1)
-            if HOLD_COPY:
-                other = tl.where(slot < num_counters, slot + num_counters, slot - num_counters)
-                c = tl.arange(0, CAP_PAD)
-                kept = tl.load(sel_ptr + other * stride_ss + kvh * CAP + c, mask=c < CAP, other=-1)
-                tl.store(sel_ptr + slot * stride_ss + kvh * CAP + c, kept, mask=c < CAP)
             tl.store(flat_ptr + slot * tl.num_programs(1) + kvh, tl.full([], 1, tl.int8))
             tl.atomic_add(flat_count_ptr + 1, 1)
             return
@@ -856,7 +842,6 @@ def select_blocks_triton(
     flat_count: torch.Tensor | None = None,
     hold: int = 0,
     hold_rows: int | None = None,
-    hold_copy: bool = False,
 ) -> None:
     """select_blocks_ref's contract. width: blocks the launch is sized for when more than the
     scores' (the model's longest context), so one compiled variant serves every step."""
@@ -908,7 +893,6 @@ def select_blocks_triton(
         LOCAL=local,
         REUSE=reuse,
         HOLD=hold,
-        HOLD_COPY=hold_copy,
         SHORT_DENSE=short_dense,
         MASS=top_p is not None,
         WAYS=config.ways,
@@ -955,7 +939,6 @@ def score_and_select_triton(
     flat_count: torch.Tensor | None = None,
     hold: int = 0,
     hold_rows: int | None = None,
-    hold_copy: bool = False,
 ) -> None:
     scores = block_scores_triton(
         q,
@@ -1000,7 +983,6 @@ def score_and_select_triton(
         flat_count=flat_count,
         hold=hold,
         hold_rows=hold_rows,
-        hold_copy=hold_copy,
     )
 
 

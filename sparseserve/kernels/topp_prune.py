@@ -137,7 +137,6 @@ def topp_prune_ref(
     flat: torch.Tensor | None = None,
     host_attended: torch.Tensor | None = None,
     out_rows: torch.Tensor | None = None,
-    flat_lag: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Right after the first stage wrote lists into sel [S, Hkv, cap] for the decode rows q
     [B, Hq, D]: prunes in place the lists recomputed this step (counter - 1 a multiple of R:
@@ -152,20 +151,11 @@ def topp_prune_ref(
     flat (int8 [S, Hkv], the first stage's: kernels/block_score.py): lists flagged there stay whole.
     host_attended (with out_view, int64 [1]) += kept entries before the local window that the attention
     will read from the host (loc < 0). out_rows (int [B], with out): row b's list goes to out[out_rows[b]]
-    instead, padding rows' nowhere (prefetching reads: into the lists' read rows). flat_lag (with out_rows,
-    out_view and flat: the out rows' views, loc and key by out row): where row b's list and its out row's are both
-    flagged flat, its out row stays as it is and its view comes from flat_lag (offload_flat_lag)."""
+    instead, padding rows' nowhere (prefetching reads: into the lists' read rows)."""
     block_size = kv_cache.shape[3]
     slots = slots.long()
     if offload is not None and view_by_slot:  # the reference reads the view by decode row
         offload = (*offload[:2], offload[2][slots], offload[3][slots])
-    if flat_lag is not None:  # such a row's list and view become its out row's
-        orows = out_rows.long().clamp_min(0)
-        ok = (seq_lens > 0) & (slots >= 0) & (out_rows >= 0)
-        lag = ok[:, None] & (flat[slots.clamp_min(0)] != 0) & (flat[orows] != 0)
-        sel = sel.clone()
-        sel[slots] = torch.where(lag[..., None], out[orows], sel[slots])
-        offload = (*offload[:2], *(torch.where(lag[..., None], v[orows], w) for v, w in zip(flat_lag, offload[2:])))
     live = (seq_lens > 0)[:, None].expand(-1, sel.shape[1])
     due = live & ((counter[slots] - 1) % reuse == 0) if reuse > 1 else live
     if flat is not None:
@@ -436,8 +426,6 @@ def _prune_kernel(
     out_key_ptr,
     host_ptr,
     out_rows_ptr,
-    lag_loc_ptr,
-    lag_key_ptr,
     top_p,
     stride_ss,
     stride_cs,
@@ -461,13 +449,10 @@ def _prune_kernel(
     VIEW_BY_SLOT: tl.constexpr,
     COUNT_HOST: tl.constexpr,
     OUT_ROWS: tl.constexpr,
-    FLAT_LAG: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Prunes the list of (b, kvh) in place, or with OUT into out row b (reference: topp_prune_ref); with VIEW
-    also the kept entries' view (loc, key) into out_loc / out_key row b (in place: a skipped list's whole).
-    FLAT_LAG (OUT_ROWS, VIEW, FLAT): a flat list whose out row is flagged flat too keeps its out row, whose view
-    comes from lag_loc / lag_key by out row."""
+    also the kept entries' view (loc, key) into out_loc / out_key row b (in place: a skipped list's whole)."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -483,13 +468,6 @@ def _prune_kernel(
     slot = tl.load(slots_ptr + b).to(tl.int64)
     e = tl.arange(0, CAP_PAD)
     sel_row = sel_ptr + slot * stride_ss + kvh * CAP
-    if FLAT_LAG:  # the out row's list and its planned view instead (both flagged flat)
-        orow_l = tl.load(out_rows_ptr + b).to(tl.int64)
-        ok = (seq_len > 0) & (slot >= 0) & (orow_l >= 0)
-        fw = tl.load(flat_ptr + tl.maximum(slot, 0) * tl.num_programs(1) + kvh, mask=ok, other=0)
-        fr = tl.load(flat_ptr + tl.maximum(orow_l, 0) * tl.num_programs(1) + kvh, mask=ok, other=0)
-        lagging = ok & (fw != 0) & (fr != 0)
-        sel_row = tl.where(lagging, out_ptr + tl.maximum(orow_l, 0) * stride_ob + kvh * CAP, sel_row)
     j = tl.load(sel_row + e, mask=e < tl.where(seq_len > 0, CAP, 0), other=-1)  # a padding row's slot: any list
     listed = j >= 0
     if VIEW:  # the candidates' view, loaded before the prune needs it (its latency beside the lse's)
@@ -497,14 +475,8 @@ def _prune_kernel(
         if VIEW_BY_SLOT:
             vrow = slot
         vrow = (vrow * tl.num_programs(1) + kvh) * CAP
-        loc_row = view_loc_ptr + vrow
-        key_row = view_key_ptr + vrow
-        if FLAT_LAG:
-            lrow = (tl.maximum(orow_l, 0) * tl.num_programs(1) + kvh) * CAP
-            loc_row = tl.where(lagging, lag_loc_ptr + lrow, loc_row)
-            key_row = tl.where(lagging, lag_key_ptr + lrow, key_row)
-        vloc = tl.load(loc_row + e, mask=listed, other=-1)
-        vkey = tl.load(key_row + e, mask=listed, other=-1)
+        vloc = tl.load(view_loc_ptr + vrow + e, mask=listed, other=-1)
+        vkey = tl.load(view_key_ptr + vrow + e, mask=listed, other=-1)
     forced = listed & ((j < SINK) | (j >= nb - LOCAL))
     cand = listed & ~forced
     # Per query head: softmax over the listed entries; then the group's mean (or each head).
@@ -677,10 +649,9 @@ def prune_lists_triton(
     flat: torch.Tensor | None = None,
     host_attended: torch.Tensor | None = None,
     out_rows: torch.Tensor | None = None,
-    flat_lag: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Prunes sel[slots] in place from their blocks' lse [B, Hq, cap] (prune_ref); stats[0] -=
-    dropped entries. out, out_view, host_attended, out_rows, flat_lag: topp_prune_ref's, from the candidates' view
+    dropped entries. out, out_view, host_attended, out_rows: topp_prune_ref's, from the candidates' view
     (loc, key; by state slot with view_by_slot). sort: one sort of the masses finds the threshold, else rounds of `ways`
     thresholds (the same lists; None: a sort up to SORT_MAX_CAP; benchmarks/topp_parts.py)."""
     batch, num_q_heads, cap = lse.shape
@@ -701,10 +672,6 @@ def prune_lists_triton(
             assert t.is_contiguous() and t.shape[1:] == sel.shape[1:] and t.dtype == torch.int64
     loc, key = view if out_view is not None else (sel, sel)  # (unused without VIEW)
     out_loc, out_key = out_view if out_view is not None else (sel, sel)
-    if flat_lag is not None:
-        assert out is not None and out_rows is not None and out_view is not None and flat is not None
-        for t in flat_lag:
-            assert t.is_contiguous() and t.shape[1:] == sel.shape[1:] and t.dtype == torch.int64
     group = num_q_heads // num_kv_heads
     pdl = use_pdl(lse.device)
     _prune_kernel[(batch, num_kv_heads)](
@@ -722,7 +689,6 @@ def prune_lists_triton(
         out_key,
         stats if host_attended is None else host_attended,
         seq_lens if out_rows is None else out_rows,
-        *(flat_lag if flat_lag is not None else (loc, key)),
         prune_target(top_p),
         sel.stride(0),
         counter.stride(0),
@@ -746,7 +712,6 @@ def prune_lists_triton(
         VIEW_BY_SLOT=view_by_slot,
         COUNT_HOST=out_view is not None and host_attended is not None,
         OUT_ROWS=out is not None and out_rows is not None,
-        FLAT_LAG=flat_lag is not None,
         num_warps=4,
         PDL=pdl,
         launch_pdl=pdl,
@@ -778,7 +743,6 @@ def topp_prune_triton(
     flat: torch.Tensor | None = None,
     host_attended: torch.Tensor | None = None,
     out_rows: torch.Tensor | None = None,
-    flat_lag: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     if flat is not None:
         assert flat.shape == sel.shape[:2] and flat.is_contiguous()
@@ -820,5 +784,4 @@ def topp_prune_triton(
         flat=flat,
         host_attended=host_attended,
         out_rows=out_rows,
-        flat_lag=flat_lag,
     )

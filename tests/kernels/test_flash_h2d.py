@@ -358,29 +358,3 @@ def test_engine_offload_equals_no_offload_on_gpu(hf_models, enforce_eager, polic
         assert stats.offload_blocks_loaded > 0 and stats.num_blocks_used == 0
         assert slots is None or stats.offload_bypass_reads > 0
         engine.model_runner.offload.pool.check()
-
-
-@gpu_only
-def test_flat_lag_on_gpu(hf_models):
-    """offload_flat_lag on the GPU (Triton kernels, prefetching reads, flat lists held 2 steps): CUDA graphs give
-    the eager run's tokens, and the kept entries read from the host inside the step fall against the same run
-    without it (tests/kvcache/test_offload.py's test on the CPU references); nothing leaks."""
-    from sparseserve import LLM
-    from tests.kvcache.test_offload import GREEDY, SPARSE, TOPP_PRUNES, prompts
-
-    model_dir = hf_models["qwen2-gqa-bias"][0]
-    common = dict(
-        device="cuda", dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
-        kv_cache_memory=64 << 20, kv_offload=True, offload_prefetch=True,
-        **{**SPARSE, **TOPP_PRUNES, "sparse_topp_flat_share": 0.5, "sparse_topp_flat_hold": 2},
-    )  # fmt: skip
-    runs = {}
-    for lag, eager in ((False, False), (True, True), (True, False)):
-        llm = LLM(str(model_dir), **common, offload_flat_lag=lag, enforce_eager=eager)
-        outs = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
-        stats = llm.llm_engine.get_stats(sync=True)
-        assert stats.num_blocks_used == 0 and stats.sparse_flat_lists > 0
-        llm.llm_engine.model_runner.offload.pool.check()
-        runs[lag, eager] = (outs, stats.offload_bypass_reads)
-    assert runs[True, True][0] == runs[True, False][0]
-    assert runs[True, False][1] < runs[False, False][1]

@@ -392,12 +392,10 @@ def test_select_flags_flat_lists(hq, hkv, policy):
     assert torch.equal(flags, share >= 0.75) and torch.equal(short, flags & (seq_lens > 9 * bs)[:, None])
 
 
-@pytest.mark.parametrize("copy", [False, True], ids=["kept", "copied"])
-def test_select_holds_flat_lists(copy):
+def test_select_holds_flat_lists():
     """Flat hold 2 over lag rows (two list rows a slot, counters by slot): a list flagged flat in a decode row
     (below hold_rows) is kept for its slot's next two selections, whichever of its rows they write (the caller
-    keeps it there: copied here as the prune's out rows would; `copied`, hold_copy: the kernel copies the slot's
-    other row, whose list differs here), flagged flat again, counted apart; neither
+    keeps it there: copied here as the prune's out rows would), flagged flat again, counted apart; neither
     scored nor selected, so even changed scores leave it; a peaked list and a flat one in the chunk row (at
     hold_rows) are never held; the third selection is fresh. Kernel (scores too: a held row's stay unwritten)
     and reference agree at every step."""
@@ -430,12 +428,9 @@ def test_select_holds_flat_lists(copy):
         scores[1, : hq // hkv] = 0.01 * torch.randn(hq // hkv, mb, device=DEV)  # row 1: KV head 0 flat
         scores.masked_fill_(torch.arange(mb, device=DEV)[None, None] >= -(-seq_lens[:, None, None] // bs), -torch.inf)
         for state in states:  # the kept lists sit where the next selection writes (prefetching reads' prune)
-            if copy:  # ... or not (offload_flat_lag): the held row's list comes from its read row
-                state[0][read.long(), :, :2] = state[0][read.long(), :, :2].flip(-1)  # (still compact)
-            else:
-                state[0][write.long()] = state[0][read.long()]
-        before = states[1][0][(read if copy else write).long()].clone()
-        sel_kw = dict(p, hold=hold, hold_rows=3, prev_slots=write, hold_copy=copy)
+            state[0][write.long()] = state[0][read.long()]
+        before = states[1][0][write.long()].clone()
+        sel_kw = dict(p, hold=hold, hold_rows=3, prev_slots=write)
         select_blocks_ref(
             scores, seq_lens, write, *states[0][:3], streaming, flat=states[0][3], flat_count=states[0][4], **sel_kw
         )

@@ -80,12 +80,6 @@ def test_config_flags_and_refusals(tiny_model_dir):
     for bad in (dict(kv_offload=True, **SPARSE), dict(kv_offload=True, sparse_lag=1, **topp), dict(**topp)):
         with pytest.raises(ValueError, match="offload_prefetch needs"):
             EngineConfig.from_kwargs(offload_prefetch=True, **bad)
-    # flat lists from the previous step: prefetching reads whose lists are flagged flat
-    assert EngineConfig.from_kwargs(kv_offload=True, offload_prefetch=True, offload_flat_lag=True, **topp).flat_lags
-    for bad in (dict(kv_offload=True, **topp), dict(kv_offload=True, offload_prefetch=True, **topp,
-                sparse_topp_flat_share=1.0)):  # fmt: skip
-        with pytest.raises(ValueError, match="offload_flat_lag needs"):
-            EngineConfig.from_kwargs(offload_flat_lag=True, **bad)
     # A host store too small for one max_model_len sequence is refused when the engine starts.
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(str(tiny_model_dir), **COMMON, kv_offload=True, host_kv_memory=4096, **SPARSE)
@@ -588,27 +582,6 @@ def test_offload_equals_no_offload(hf_models, policy):
             assert stats.sparse_flat_lists > 0
             assert (stats.sparse_held_lists > 0) == bool(policy.get("sparse_topp_flat_hold"))
         assert stats.offload_d2h_bytes == got_metrics["sparseserve:offload_d2h_bytes_total"] > 0
-
-
-@pytest.mark.parametrize("hold", [0, 2])
-def test_flat_lag_reads_no_flat_list_inside_the_step(hf_models, hold):
-    """offload_flat_lag (prefetching reads, topp, random weights: most lists flagged flat): a flat list whose
-    previous selection was flat too attends that one, which the pool prefetched, so the kept entries read from
-    the host inside the step fall against the same run without it (with a flat hold too); every request
-    completes, no block leaks, the pool's accounting holds."""
-    model_dir = hf_models["qwen2-gqa-bias"][0]
-    kw = dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_topp_flat_share=0.5, sparse_topp_flat_hold=hold)
-    kw = {**SPARSE, **kw, "max_model_len": 136, "kv_offload": True, "offload_prefetch": True}
-    reads = {}
-    for lag in (False, True):
-        outs, llm = run(model_dir, offload_flat_lag=lag, **kw)
-        assert all(len(o) == GREEDY.max_tokens for o in outs)
-        engine = llm.llm_engine
-        stats = engine.get_stats(sync=True)
-        assert stats.num_blocks_used == 0 and stats.sparse_flat_lists > 0
-        engine.model_runner.offload.pool.check()
-        reads[lag] = stats.offload_bypass_reads
-    assert reads[True] < reads[False]
 
 
 def test_lagged_views_name_the_host_blocks(hf_models):
