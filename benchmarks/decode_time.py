@@ -351,6 +351,10 @@ def run_config(
         "hold_backs": stats.working_set_hold_backs,
         "prefill_aheads": stats.working_set_prefill_aheads,
     }
+    if stats.sparse_selections:  # what the lists attended, and (topp) how many were flat or held
+        n = stats.sparse_selections
+        row["tokens_per_list"] = stats.sparse_blocks_selected * stats.sparse_block_size / n
+        row["flat_share"], row["held_share"] = stats.sparse_flat_lists / n, stats.sparse_held_lists / n
     if stats.offload_layer_steps:
         hits, loaded = stats.offload_hbm_hits, stats.offload_blocks_loaded + stats.offload_bypass_reads
         row["hbm_hit"] = hits / max(hits + stats.offload_hbm_misses, 1)

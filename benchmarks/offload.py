@@ -387,8 +387,10 @@ class RealRun:
             max_num_seqs=self.n,
             **policy,
         )
-        # the same selection with and without offload: KV offload's default lag, unless given
-        kw.setdefault("sparse_lag", EngineConfig.from_kwargs(**kw, kv_offload=True).sparse_config.sparse_lag)
+        # the same selection with and without offload: KV offload's default lag and topp's hold, unless given
+        offloaded = EngineConfig.from_kwargs(**kw, kv_offload=True, **offload_args).sparse_config
+        kw.setdefault("sparse_lag", offloaded.sparse_lag)
+        kw.setdefault("sparse_topp_flat_hold", offloaded.sparse_topp_flat_hold)
         kw.setdefault("async_scheduling", False)  # both sides synchronous unless asked (each step is timed)
         if offload:
             kw |= offload_args | {"kv_offload": True}
@@ -397,17 +399,10 @@ class RealRun:
                 from sparseserve.models.loader import load_hf_config, resolve_model_dir
 
                 a = ArchConfig.from_hf(load_hf_config(resolve_model_dir(model)))
-                sparse_layers = a.num_layers - kw.get("sparse_dense_layers", 2)
-                kw["hbm_cache_blocks"] = max(
-                    1,
-                    int(
-                        pool_steps
-                        * self.n
-                        * sparse_layers
-                        * a.num_kv_heads
-                        * (kw["sparse_budget"] // kw.get("block_size", 32))
-                    ),
-                )
+                c = EngineConfig.from_kwargs(**kw)  # the policy's budget and block size where not given
+                per_list = c.sparse_config.sparse_budget // c.cache_config.block_size
+                sparse_layers = a.num_layers - c.sparse_config.sparse_dense_layers
+                kw["hbm_cache_blocks"] = max(1, int(pool_steps * self.n * sparse_layers * a.num_kv_heads * per_list))
         # the engine's profiler: each step's schedule, and the decode graphs' GPU time (CUDA graphs only)
         self.log = StepLog(timing=True)
         self.engine = build_engine(self.log, **kw)

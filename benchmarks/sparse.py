@@ -33,7 +33,7 @@ from sparseserve.attention.backend import AttentionMetadata, BackendContext
 from sparseserve.attention.sparse import SparseBackend, SparseStepMeta
 from sparseserve.bench.hardware import hbm_bandwidth, print_table
 from sparseserve.bench.steps import StepLog
-from sparseserve.config import SparseConfig
+from sparseserve.config import SparseConfig, policy_default
 from sparseserve.engine.cuda_graph import collector_paused
 from sparseserve.kernels.block_score import ScoreConfig, SelectConfig, block_scores_triton, select_blocks_triton
 from sparseserve.kernels.key_meta import rebuild_key_meta
@@ -339,6 +339,7 @@ def step_bench(
     def measure(label: str, **sparse) -> dict:
         free_memory()
         log = StepLog(timing=True)
+        bs = sparse.get("block_size") or policy_default(sparse.get("sparse_policy", "dense"), "block_size")
         engine = LLMEngine.from_kwargs(
             log,
             model=model_dir,
@@ -346,7 +347,7 @@ def step_bench(
             dtype="bfloat16",
             max_model_len=max_len,
             max_num_seqs=batch,
-            num_gpu_blocks_override=batch * blocks_needed(max_len, sparse.get("block_size", 32)) + 8,
+            num_gpu_blocks_override=batch * blocks_needed(max_len, bs) + 8,
             **sparse,
         )
         runner, backend = engine.model_runner, engine.model_runner.attn_backend

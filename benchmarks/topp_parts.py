@@ -27,7 +27,7 @@ import triton
 from benchmarks.sparse import DTYPE, backend, graph_ms
 from sparseserve.attention.selection import DecodeRows
 from sparseserve.bench.hardware import print_table
-from sparseserve.config import SparseConfig
+from sparseserve.config import SparseConfig, policy_default
 from sparseserve.kernels.block_score import ScoreConfig, block_scores_triton
 from sparseserve.kernels.sparse_decode import FAST_CONFIG, TMA_CONFIG, SparseDecodeConfig, sparse_decode_triton
 from sparseserve.kernels.topp_prune import block_lse_triton, prune_lists_triton
@@ -80,7 +80,7 @@ def layer_stages(
     from sparseserve.bench.accuracy import parse_policy
 
     args = dict(parse_policy(spec).engine_args)
-    bs = int(args.pop("block_size", 32))
+    bs = int(args.pop("block_size", None) or policy_default(args.get("sparse_policy", "dense"), "block_size"))
     cfg = SparseConfig(**args, sparse_dense_layers=0, sparse_dense_context=0)
     per_seq = triton.cdiv(ctx, bs)
     cache = torch.randn(1, batch * per_seq, HKV, 2, bs, D, device=device, dtype=dtype)

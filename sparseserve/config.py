@@ -17,6 +17,19 @@ from sparseserve.registry import SELECTION_POLICIES
 
 # long_prefill_token_threshold's default on CPU (docs/scheduler.md says why).
 CPU_LONG_PREFILL_TOKENS = 512
+# What the options a sparse policy may set (SelectionPolicy.defaults) take where neither it nor the user does.
+POLICY_FALLBACKS: dict[str, Any] = {
+    "sparse_budget": 2048,
+    "sparse_top_p": 0.95,
+    "sparse_topp_flat_hold": 0,
+    "block_size": 32,
+}
+
+
+def policy_default(policy: str, name: str) -> Any:
+    """The default of option `name` under sparse_policy `policy` (dense: POLICY_FALLBACKS)."""
+    own = SELECTION_POLICIES.get(policy).defaults if policy in SELECTION_POLICIES else {}
+    return own.get(name, POLICY_FALLBACKS[name])
 
 
 @dataclass(frozen=True)
@@ -103,7 +116,9 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = field(default=32, metadata={"help": "Tokens per KV token block."})
+    block_size: int | None = field(
+        default=None, metadata={"help": "Tokens per KV token block (default: 32; 16 with sparse_policy topp)."}
+    )
     gpu_memory_utilization: float = field(
         default=0.9, metadata={"help": "Fraction of GPU memory the engine may use (weights, activations, KV)."}
     )
@@ -138,7 +153,7 @@ class CacheConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -209,17 +224,20 @@ class SparseConfig:
             "(adaptive budget, mass p)."
         },
     )
-    sparse_budget: int = field(
-        default=2048,
+    sparse_budget: int | None = field(
+        default=None,
         metadata={
             "size": True,
             "help": "Tokens each (sequence, KV head) attends per decode step, sink and local window included "
-            "(topp: the candidates it prunes).",
+            "(topp: the candidates it prunes; default: 2048, topp 4096).",
         },
     )
-    sparse_top_p: float = field(
-        default=0.95,
-        metadata={"help": "topp: the softmax mass the kept blocks must reach, estimated on the candidates' keys."},
+    sparse_top_p: float | None = field(
+        default=None,
+        metadata={
+            "help": "topp: the softmax mass the kept blocks must reach, estimated on the candidates' keys "
+            "(default: 0.99)."
+        },
     )
     sparse_topp_heads: str = field(
         default="mean",
@@ -245,14 +263,15 @@ class SparseConfig:
             "at least one block past the sink and local window).",
         },
     )
-    sparse_topp_flat_hold: int = field(
-        default=0,
+    sparse_topp_flat_hold: int | None = field(
+        default=None,
         metadata={
             "help": "topp: a list flagged flat (sparse_topp_flat_share) is kept for this many more decode steps "
             "before its (sequence, layer, KV head) selects again: flat masses do not follow the query, so a fresh "
             "selection each step only changes which blocks the step reads (under KV offload: reads over PCIe "
             'inside the step; docs/sparse.md, "Holding flat lists"). Needs sparse_reuse=1 and sparse_lag=0 '
-            "(0: every step selects)."
+            "(0: every step selects; default: 4 where topp allows it, except under kv_offload without "
+            "offload_prefetch, else 0)."
         },
     )
     sparse_reuse: int = field(
@@ -336,6 +355,9 @@ class SparseConfig:
                 f"sparse_policy must be dense or one of {', '.join(SELECTION_POLICIES.names())}, "
                 f"got {self.sparse_policy!r}"
             )
+        for name in ("sparse_budget", "sparse_top_p"):  # unset: the policy's own
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, policy_default(self.sparse_policy, name))
         if self.sparse_budget < 1:
             raise ValueError(f"sparse_budget must be >= 1, got {self.sparse_budget}")
         if not 0.0 < self.sparse_top_p <= 1.0:
@@ -351,7 +373,7 @@ class SparseConfig:
             )
         if self.sparse_reuse < 1:
             raise ValueError(f"sparse_reuse must be >= 1, got {self.sparse_reuse}")
-        if self.sparse_topp_flat_hold < 0:
+        if self.sparse_topp_flat_hold is not None and self.sparse_topp_flat_hold < 0:
             raise ValueError(f"sparse_topp_flat_hold must be >= 0, got {self.sparse_topp_flat_hold}")
         if (
             self.sparse_topp_flat_hold
@@ -678,6 +700,14 @@ class EngineConfig:
         if self.sparse_config.sparse_lag is None:  # the default: lagged selection under KV offload
             lag = int(self.lags_by_default)
             object.__setattr__(self, "sparse_config", dataclasses.replace(self.sparse_config, sparse_lag=lag))
+        if self.sparse_config.sparse_topp_flat_hold is None:
+            hold = policy_default(self.sparse_config.sparse_policy, "sparse_topp_flat_hold") if self._holds else 0
+            object.__setattr__(
+                self, "sparse_config", dataclasses.replace(self.sparse_config, sparse_topp_flat_hold=hold)
+            )
+        if self.cache_config.block_size is None:  # unset: the sparse policy's (topp: 16)
+            bs = policy_default(self.sparse_config.sparse_policy, "block_size")
+            object.__setattr__(self, "cache_config", dataclasses.replace(self.cache_config, block_size=bs))
         sp, bs = self.sparse_config, self.cache_config.block_size
         if self.offload_config.kv_offload and not sp.enabled:
             raise ValueError(
@@ -731,6 +761,15 @@ class EngineConfig:
             and sp.sparse_reuse == 1
             and SELECTION_POLICIES.get(sp.sparse_policy).prunes
         )
+
+    @property
+    def _holds(self) -> bool:
+        """Whether sparse_topp_flat_hold's default is the policy's: a hold can run (unlagged, reuse 1, flat lists
+        flagged), and under KV offload only with prefetching reads (with plain reads a hold thrashes the HBM pool:
+        docs/sparse.md, "topp's defaults")."""
+        sp = self.sparse_config
+        unlagged = sp.enabled and not sp.sparse_lag and sp.sparse_reuse == 1 and sp.sparse_topp_flat_share < 1.0
+        return unlagged and (not self.offload_config.kv_offload or self.prefetches)
 
     @property
     def lags_by_default(self) -> bool:

@@ -25,6 +25,8 @@ from sparseserve.registry import SELECTION_POLICIES
 
 @SELECTION_POLICIES.register("topk")
 class TopK(SelectionPolicy):
+    defaults = {"sparse_budget": 2048}
+
     def select(self, layer: int, q: torch.Tensor, rows: DecodeRows, state: SelectionState, key_meta: Any) -> None:
         # topp's first stage is this topk: candidates, pruned in refine
         score_and_select(
@@ -60,6 +62,9 @@ class TopP(TopK):
     prunes = True
     # candidates from the previous query lose answers (SmolLM2: -3.5 points, docs/benchmarks/accuracy.md)
     lags_by_default = False
+    # the setting that keeps a spread-attention model's answers (SmolLM2 at 8K; blocks of 32 do not), flat lists
+    # held (EngineConfig drops the hold where it cannot run or does not pay; docs/sparse.md, "topp's defaults")
+    defaults = {"sparse_budget": 4096, "sparse_top_p": 0.99, "sparse_topp_flat_hold": 4, "block_size": 16}
 
     def _select_stats(self, state: SelectionState) -> torch.Tensor:
         # lagged, the step's prune counts what it keeps (kernels/topp_prune.py)

@@ -18,7 +18,7 @@ import abc
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -63,7 +63,7 @@ class SelectionParams:
             prefetch=prefetch,
             stickiness=cfg.sparse_stickiness,
             flat_share=cfg.sparse_topp_flat_share,
-            flat_hold=cfg.sparse_topp_flat_hold,
+            flat_hold=cfg.sparse_topp_flat_hold or 0,  # unset outside EngineConfig: none
             flat_cap=min(
                 cfg.sparse_budget // block_size,
                 max(
@@ -248,6 +248,9 @@ class SelectionPolicy(abc.ABC):
     supports_lag = True  # whether lists selected from an earlier query serve the next one
     lags_by_default = True  # whether KV offload turns the lag on (EngineConfig.lags_by_default)
     prunes = False  # whether it has a `refine` (called only then; KV offload reads its candidates first)
+    # engine options this policy sets where the user leaves them unset (None): SparseConfig's fields and
+    # block_size (EngineConfig); what is not named here takes POLICY_FALLBACKS (config.py)
+    defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, params: SelectionParams) -> None:
         self.params = params

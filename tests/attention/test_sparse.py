@@ -103,6 +103,31 @@ def test_config_and_flags():
     assert topp_lag.sparse_config.sparse_lag == 1
 
 
+def _defaults(**kw) -> tuple:
+    c = EngineConfig.from_kwargs(**kw)
+    s = c.sparse_config
+    return c.cache_config.block_size, s.sparse_budget, s.sparse_top_p, s.sparse_topp_flat_hold, s.logical_page_size
+
+
+def test_policy_defaults():
+    """A policy sets what the user leaves unset: topp its accurate setting (cap 4096, p 0.99, blocks of 16) with the
+    hold where it can run and pays (not lagged, no reuse, flat lists flagged; under KV offload only with prefetching
+    reads); what the user gives stays. Dense and topk keep the engine's (blocks of 32, budget 2048)."""
+    assert _defaults() == (32, 2048, 0.95, 0, None)
+    assert _defaults(sparse_policy="topk") == (32, 2048, 0.95, 0, None)
+    assert _defaults(sparse_policy="topp") == (16, 4096, 0.99, 4, None)
+    assert _defaults(sparse_policy="topp", kv_offload=True) == (16, 4096, 0.99, 0, None)
+    assert _defaults(sparse_policy="topp", kv_offload=True, offload_prefetch=True) == (16, 4096, 0.99, 4, None)
+    for no_hold in (dict(sparse_lag=1), dict(sparse_reuse=2), dict(sparse_topp_flat_share=1.0)):
+        assert _defaults(sparse_policy="topp", **no_hold)[3] == 0
+    given = dict(block_size=32, sparse_budget=2048, sparse_top_p=0.9, sparse_topp_flat_hold=2, logical_page_size=8)
+    assert _defaults(sparse_policy="topp", **given) == (32, 2048, 0.9, 2, 8)
+    assert _defaults(sparse_policy="topp", kv_offload=True, sparse_topp_flat_hold=2)[3] == 2
+    # the CLI passes every flag, unset ones as None: `--sparse-policy topp` alone gets the same setting
+    args = build_parser(["generate"]).parse_args(["generate", "--sparse-policy", "topp"])
+    assert _defaults(**engine_kwargs_from_args(args)) == (16, 4096, 0.99, 4, None)
+
+
 def test_selection_reference():
     """topk keeps the k best masses; topp the fewest best reaching p; sink and local always."""
     p = dict(cap=4, sink=1, local=1, block_size=1)

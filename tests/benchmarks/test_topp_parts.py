@@ -36,7 +36,7 @@ def test_prune_variants_agree():
     """Every search keeps the same lists (the bit-pattern rounds are exact, as the sort): the variants time one
     result."""
     device, dtype, _ = launch_dtype()
-    spec = "topp:sparse_budget=256,sparse_top_p=0.5,sparse_topp_flat_share=1.0"  # random keys are flat: prune all
+    spec = "topp:sparse_budget=256,sparse_top_p=0.5,sparse_topp_flat_share=1.0,block_size=32"  # flat: prune all
     stages, lists = bench.layer_stages(spec, 1024, 2, device, dtype)
     results = []
     for stage, _, call in stages:

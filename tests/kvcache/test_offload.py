@@ -494,8 +494,15 @@ def run(model_dir, control: bool = True, **kw):
         dict(TOPP_PRUNES, sparse_dense_layers=1),  # not lagged: each layer loads its misses
         dict(TOPP_PRUNES, sparse_dense_layers=1, offload_prefetch=True),  # not lagged, prefetching reads
         dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_lag=1),
-        dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_topp_flat_share=0.5),  # flat lists flagged, unpruned
-        dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_topp_flat_share=0.5, offload_prefetch=True),
+        # flat lists flagged, unpruned (not held: the hold's default differs with and without offload)
+        dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_topp_flat_share=0.5, sparse_topp_flat_hold=0),
+        dict(
+            TOPP_PRUNES,
+            sparse_dense_layers=1,
+            sparse_topp_flat_share=0.5,
+            sparse_topp_flat_hold=0,
+            offload_prefetch=True,
+        ),
         # flat lists held two steps (not selected), with and without prefetching reads
         dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_topp_flat_share=0.5, sparse_topp_flat_hold=2),
         dict(
