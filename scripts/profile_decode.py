@@ -68,12 +68,19 @@ def main() -> None:
     for i in range(args.batch):
         engine.add_request(str(i), torch.randint(10, high, (args.input_len,), generator=g).tolist(), params)
     engine.step()
+    most = 0  # the largest batch that decoded alone: what the engine's memory runs together
     for _ in range(settle):
         if log.last.pure_decode(args.batch):
             break
+        most = max(most, log.last.rows if log.last.pure_decode() else 0)
         engine.step()
     else:
-        raise SystemExit(f"the {args.batch} requests never decoded together: the engine's memory runs fewer")
+        s = engine.get_stats()
+        raise SystemExit(
+            f"the {args.batch} requests never decoded together in {settle} steps (at most {most} did): running "
+            f"{s.num_running}, waiting {s.num_waiting} ({s.working_set_held_back} held back by the working set), "
+            f"{s.num_preemptions} preemptions, {s.num_blocks_used} of {s.num_blocks_total} device blocks used"
+        )
     for _ in range(5):
         engine.step()
     if torch.cuda.is_available():
