@@ -388,9 +388,9 @@ class RealRun:
             **policy,
         )
         # the same selection with and without offload: KV offload's default lag and topp's hold, unless given
-        offloaded = EngineConfig.from_kwargs(**kw, kv_offload=True, **offload_args).sparse_config
-        kw.setdefault("sparse_lag", offloaded.sparse_lag)
-        kw.setdefault("sparse_topp_flat_hold", offloaded.sparse_topp_flat_hold)
+        offloaded = EngineConfig.from_kwargs(**kw, kv_offload=True, **offload_args)
+        kw.setdefault("sparse_lag", offloaded.sparse_config.sparse_lag)
+        kw.setdefault("sparse_topp_flat_hold", offloaded.sparse_config.sparse_topp_flat_hold)
         kw.setdefault("async_scheduling", False)  # both sides synchronous unless asked (each step is timed)
         if offload:
             kw |= offload_args | {"kv_offload": True}
@@ -399,9 +399,9 @@ class RealRun:
                 from sparseserve.models.loader import load_hf_config, resolve_model_dir
 
                 a = ArchConfig.from_hf(load_hf_config(resolve_model_dir(model)))
-                c = EngineConfig.from_kwargs(**kw)  # the policy's budget and block size where not given
-                per_list = c.sparse_config.sparse_budget // c.cache_config.block_size
-                sparse_layers = a.num_layers - c.sparse_config.sparse_dense_layers
+                sp = offloaded.sparse_config  # the policy's budget and block size where not given
+                per_list = sp.sparse_budget // offloaded.cache_config.block_size
+                sparse_layers = a.num_layers - sp.sparse_dense_layers
                 kw["hbm_cache_blocks"] = max(1, int(pool_steps * self.n * sparse_layers * a.num_kv_heads * per_list))
         # the engine's profiler: each step's schedule, and the decode graphs' GPU time (CUDA graphs only)
         self.log = StepLog(timing=True)
