@@ -111,13 +111,13 @@ def _defaults(**kw) -> tuple:
 
 def test_policy_defaults():
     """A policy sets what the user leaves unset: topp its accurate setting (cap 4096, p 0.99, blocks of 16) with the
-    hold where it can run and pays (not lagged, no reuse, flat lists flagged; under KV offload only with prefetching
-    reads); what the user gives stays. Dense and topk keep the engine's (blocks of 32, budget 2048)."""
+    hold where it can run (not lagged, no reuse, flat lists flagged) and KV offload is off; what the user gives
+    stays. Dense and topk keep the engine's (blocks of 32, budget 2048)."""
     assert _defaults() == (32, 2048, 0.95, 0, None)
     assert _defaults(sparse_policy="topk") == (32, 2048, 0.95, 0, None)
     assert _defaults(sparse_policy="topp") == (16, 4096, 0.99, 4, None)
     assert _defaults(sparse_policy="topp", kv_offload=True) == (16, 4096, 0.99, 0, None)
-    assert _defaults(sparse_policy="topp", kv_offload=True, offload_prefetch=True) == (16, 4096, 0.99, 4, None)
+    assert _defaults(sparse_policy="topp", kv_offload=True, offload_prefetch=True) == (16, 4096, 0.99, 0, None)
     for no_hold in (dict(sparse_lag=1), dict(sparse_reuse=2), dict(sparse_topp_flat_share=1.0)):
         assert _defaults(sparse_policy="topp", **no_hold)[3] == 0
     given = dict(block_size=32, sparse_budget=2048, sparse_top_p=0.9, sparse_topp_flat_hold=2, logical_page_size=8)

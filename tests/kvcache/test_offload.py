@@ -763,6 +763,31 @@ def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, tri
     greedy_offload_matches(tiny_model_dir, seed, covering, hbm_cache_blocks=16, triton_plan=triton_plan, **prefetch)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_random_schedules_hold_flat_lists_under_offload(tiny_model_dir, prefetch):
+    """topp with flat lists held (flagged at a flat share of 0.3 on random weights) under KV offload, plain or
+    prefetching reads: the random schedule with preemptions, sampled tokens included, equals offload off, the
+    accounting holds after every step, and lists were held."""
+    extra = TOPP_PRUNES | dict(sparse_lag=0, sparse_topp_flat_share=0.3, sparse_topp_flat_hold=4)
+    off, _ = random_schedule(tiny_model_dir, 5, check=False, num_gpu_blocks_override=16, **extra)
+    engines: list = []
+    on, preemptions = random_schedule(
+        tiny_model_dir,
+        5,
+        check=True,
+        kv_offload=True,
+        hbm_cache_blocks=16,
+        host_kv_memory=HOST_16,
+        control=False,
+        engines=engines,
+        offload_prefetch=prefetch,
+        **extra,
+    )
+    assert on == off and preemptions > 0
+    assert engines[0].get_stats(sync=True).sparse_held_lists > 0
+
+
 def greedy_offload_matches(model_dir, seed: int, covering: dict, **offload_kw):
     """Greedy random schedules (`covering`: random_schedule's arguments of both runs) without KV offload (16 device
     blocks) and with it (12, the working-set limit on, offload_kw): every request's tokens equal, an aborted
