@@ -161,7 +161,7 @@ def test_decode_time_smoke(tiny_model_dir, tmp_path):
     dense, seg = report["rows"]
     # what the lists attended: within topk's budget of 128 tokens, none flat or held (topp's counters)
     assert "tokens_per_list" not in dense and 0 < seg["tokens_per_list"] <= 128
-    assert seg["flat_share"] == seg["held_share"] == 0
+    assert seg["flat_share"] == seg["held_share"] == seg["flat_steps"] == 0
     ratios = {r["config"]: r for r in report["against_dense"]}  # the ratios, against dense of this call
     assert ratios["dense"] == {"config": "dense", "x_tok_s": 1.0, "ttft_x_lower": 1.0, "x_tpot": 1.0}
     assert ratios["layerseg_async"]["x_tok_s"] == pytest.approx(seg["output_tok_s"] / dense["output_tok_s"])

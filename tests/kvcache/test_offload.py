@@ -745,20 +745,7 @@ def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, tri
     topp pruning every list, not lagged, with prefetching reads."""
     extra = TOPP_PRUNES | {"sparse_lag": 0} if lag == "topp" else {"sparse_lag": lag}
     prefetch = {"offload_prefetch": True} if lag == "topp" else {}  # the offloaded runs'
-    off, _ = random_schedule(tiny_model_dir, seed, check=False, num_gpu_blocks_override=16, **extra)
-    on, preemptions = random_schedule(
-        tiny_model_dir,
-        seed,
-        check=True,
-        kv_offload=True,
-        hbm_cache_blocks=16,
-        host_kv_memory=HOST_16,
-        triton_plan=triton_plan,
-        control=False,
-        **extra,
-        **prefetch,
-    )
-    assert on == off and preemptions > 0
+    sampled_offload_matches(tiny_model_dir, seed, extra, triton_plan=triton_plan, **prefetch)
     covering = {**extra, "greedy": True, "sparse_budget": 12 * BS}
     greedy_offload_matches(tiny_model_dir, seed, covering, hbm_cache_blocks=16, triton_plan=triton_plan, **prefetch)
 
@@ -770,22 +757,30 @@ def test_random_schedules_hold_flat_lists_under_offload(tiny_model_dir, prefetch
     prefetching reads: the random schedule with preemptions, sampled tokens included, equals offload off, the
     accounting holds after every step, and lists were held."""
     extra = TOPP_PRUNES | dict(sparse_lag=0, sparse_topp_flat_share=0.3, sparse_topp_flat_hold=4)
-    off, _ = random_schedule(tiny_model_dir, 5, check=False, num_gpu_blocks_override=16, **extra)
+    engine = sampled_offload_matches(tiny_model_dir, 5, extra, offload_prefetch=prefetch)
+    assert engine.get_stats(sync=True).sparse_held_lists > 0
+
+
+def sampled_offload_matches(model_dir, seed: int, extra: dict, **offload_kw):
+    """A random schedule (`extra`: both runs' engine options) without KV offload (16 device blocks) and with it (16
+    pool slots, the working-set limit off, offload_kw): the same schedule and sampled tokens, preemptions, the
+    accounting checked after every step of the offloaded run. Returns its engine."""
+    off, _ = random_schedule(model_dir, seed, check=False, num_gpu_blocks_override=16, **extra)
     engines: list = []
     on, preemptions = random_schedule(
-        tiny_model_dir,
-        5,
+        model_dir,
+        seed,
         check=True,
         kv_offload=True,
         hbm_cache_blocks=16,
         host_kv_memory=HOST_16,
         control=False,
         engines=engines,
-        offload_prefetch=prefetch,
         **extra,
+        **offload_kw,
     )
     assert on == off and preemptions > 0
-    assert engines[0].get_stats(sync=True).sparse_held_lists > 0
+    return engines[0]
 
 
 def greedy_offload_matches(model_dir, seed: int, covering: dict, **offload_kw):
