@@ -473,6 +473,7 @@ def test_decode_write_through_to_host_rows_apart_from_metadata_rows():
 
 
 TOPP_PRUNES = dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=6 * BS, sparse_topp_flat_share=1.0)
+TOPP_FLAT = dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_topp_flat_share=0.5)  # random weights: lists flagged
 
 
 def run(model_dir, control: bool = True, **kw):
@@ -494,24 +495,9 @@ def run(model_dir, control: bool = True, **kw):
         dict(TOPP_PRUNES, sparse_dense_layers=1),  # not lagged: each layer loads its misses
         dict(TOPP_PRUNES, sparse_dense_layers=1, offload_prefetch=True),  # not lagged, prefetching reads
         dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_lag=1),
-        # flat lists flagged, unpruned (not held: the hold's default differs with and without offload)
-        dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_topp_flat_share=0.5, sparse_topp_flat_hold=0),
-        dict(
-            TOPP_PRUNES,
-            sparse_dense_layers=1,
-            sparse_topp_flat_share=0.5,
-            sparse_topp_flat_hold=0,
-            offload_prefetch=True,
-        ),
-        # flat lists held two steps (not selected), with and without prefetching reads
-        dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_topp_flat_share=0.5, sparse_topp_flat_hold=2),
-        dict(
-            TOPP_PRUNES,
-            sparse_dense_layers=1,
-            sparse_topp_flat_share=0.5,
-            sparse_topp_flat_hold=2,
-            offload_prefetch=True,
-        ),
+        # flat lists flagged, unpruned (not held: the hold's default differs with and without offload), then held
+        # two steps (not selected), with and without prefetching reads
+        *(dict(TOPP_FLAT, sparse_topp_flat_hold=h, offload_prefetch=p) for h in (0, 2) for p in (False, True)),
         dict(sparse_dense_layers=1, sparse_stickiness=0),
         dict(sparse_lag=1),
         dict(sparse_lag=1, sparse_dense_layers=1, sparse_stickiness=0),
