@@ -92,6 +92,8 @@ def test_config_and_flags():
         dict(sparse_policy="topp", sparse_topp_flat_hold=2, sparse_topp_flat_share=1.0),  # none flagged
         dict(sparse_policy="topp", sparse_topp_flat_hold=2, sparse_reuse=2),
         dict(sparse_policy="topp", sparse_topp_flat_hold=2, sparse_lag=1, kv_offload=True),
+        # held lists under prefetching reads stopped a served load (docs/offload.md)
+        dict(sparse_policy="topp", sparse_topp_flat_hold=2, kv_offload=True, offload_prefetch=True),
     ]
     for kwargs in bad:
         with pytest.raises(ValueError):
