@@ -355,9 +355,8 @@ def run_config(
         n = stats.sparse_selections
         row["tokens_per_list"] = stats.sparse_blocks_selected * stats.sparse_block_size / n
         row["flat_share"], row["held_share"] = stats.sparse_flat_lists / n, stats.sparse_held_lists / n
-        # of every list a step attended (fresh or held), the share attended flat: a held list is a flat one
-        held = stats.sparse_held_lists
-        row["flat_steps"] = (stats.sparse_flat_lists + held) / (n + held)
+        # selections count every list a step attended, fresh or held: the share attended flat (a held list is one)
+        row["flat_steps"] = (stats.sparse_flat_lists + stats.sparse_held_lists) / n
     if stats.offload_layer_steps:
         hits, loaded = stats.offload_hbm_hits, stats.offload_blocks_loaded + stats.offload_bypass_reads
         row["hbm_hit"] = hits / max(hits + stats.offload_hbm_misses, 1)

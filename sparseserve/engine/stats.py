@@ -30,7 +30,7 @@ class EngineStats:
     host_prefix_cache_blocks: int = 0  # host tier blocks in use (gauge)
     host_prefix_cache_evictions: int = 0
     sparse_blocks_selected: int = 0  # sparse decode: blocks in all selections so far
-    sparse_selections: int = 0  # one per (decode sequence, sparse layer, KV head)
+    sparse_selections: int = 0  # one per (decode sequence, sparse layer, KV head) list selected or held
     sparse_flat_lists: int = 0  # topp: selections whose candidates were flat (attended unpruned)
     sparse_held_lists: int = 0  # topp: flat lists kept instead of selected (sparse_topp_flat_hold)
     sparse_block_size: int = 0

@@ -252,7 +252,8 @@ def select_blocks_ref(
     prev_slots: the sel rows holding each row's previous lists (None: its own slot; -1: none);
     ahead: 1 when the lists serve the next step (forced_blocks). flat (int8 [S, Hkv], with each new
     list): 1 where the row is flat (flat_rows_ref, with flat_mass; its short rows take flat_cap blocks);
-    flat_count (int64 [1]; [2] with hold) += the new lists flagged (and the lists held).
+    flat_count (int64 [1]; [2] with hold) += the new lists flagged (and the lists held; stats count a held list
+    as a selection of its length).
     hold (with flat, reuse 1): a list flagged flat in one of the first hold_rows rows (None: all; the decodes,
     whose next steps hold it) is held for the next `hold` selections of its counter row, slot mod
     counter.shape[0] (lag rows: two lists a slot): counter = hold, else 0; a held row (counter > 0) keeps
@@ -303,8 +304,9 @@ def select_blocks_ref(
             flat_count[:1] += (flags & due).sum()
     if reuse > 1:
         counter[slots] += 1
-    stats[0] += ((lists >= 0).sum(-1) * due).sum()
-    stats[1] += due.sum()
+    # a held list counts as a selection of its length (the counters' mean is what a step attends)
+    stats[0] += (sel[slots] >= 0).sum() if hold else ((lists >= 0).sum(-1) * due).sum()
+    stats[1] += due.numel() if hold else due.sum()
 
 
 def score_and_select_ref(
@@ -618,6 +620,11 @@ def _select_kernel(
         may_hold = selects & (b < hold_rows)
         left = tl.load(held_at, mask=may_hold, other=0)
     pdl_wait(PDL)
+    if REUSE > 1 or HOLD > 0:
+        # The trap: a program's threads each read its counter, and below they write it back. Without the
+        # barrier a warp can read another's write, return where the others go on, and the reductions past
+        # that point read a half program (garbage lists, a misaligned access: docs/sparse.md, "Kernel notes").
+        tl.debug_barrier()
     if not selects:
         return
     if REUSE > 1:
@@ -629,6 +636,11 @@ def _select_kernel(
             tl.store(held_at, left - 1)
             tl.store(flat_ptr + slot * tl.num_programs(1) + kvh, tl.full([], 1, tl.int8))
             tl.atomic_add(flat_count_ptr + 1, 1)
+            # counted as a selection of its length: the counters' mean is what a step attends
+            c = tl.arange(0, CAP_PAD)
+            kept = tl.load(sel_ptr + slot * stride_ss + kvh * CAP + c, mask=c < CAP, other=-1)
+            tl.atomic_add(stats_ptr, tl.sum((kept >= 0).to(tl.int64), 0))
+            tl.atomic_add(stats_ptr + 1, 1)
             return
     nb = tl.cdiv(seq_len, BLOCK_SIZE)
     j = tl.arange(0, NB_PAD)
@@ -657,7 +669,10 @@ def _select_kernel(
             )
             # rows past the group: exp(-inf) = 0
             e = tl.exp(s - tl.where(live, tl.max(s, 1), 0.0)[:, None])
-            r += tl.sum(e * (1.0 / tl.where(live, tl.sum(e, 1), 1.0))[:, None], 0)  # a division a row
+            prob = e * (1.0 / tl.where(live, tl.sum(e, 1), 1.0))[:, None]  # a division a row
+            # a head with an inf or NaN score has no softmax: it adds nothing (block_masses), and no NaN
+            # reaches the search (a NaN's bit pattern + 1, its bound, can overflow)
+            r += tl.sum(tl.where(prob == prob, prob, 0.0), 0)
         r = r / GROUP
         cand = valid & (forced == 0) & (tl.load(streaming_ptr + kvh) == 0)
         ranked = r
@@ -713,7 +728,7 @@ def _select_kernel(
                     c_lo = tl.sum((bits >= lo).to(tl.int32), 0)
                     lo, hi = _search(bits2, r2, lo, hi, c_lo, k, fmass, mass_target, w, WAYS=WAYS, MASS=True)
                     t = tl.maximum(lo, tl.max(tl.where(bits < hi, bits, -1), 0))
-        chosen_hi = bits > t
+        chosen_hi = cand & (bits > t)
         chosen_eq = cand & (bits == t)
     # One scan ranks both chosen sets: chosen_hi in the low 16 bits, chosen_eq in the high ones
     # (NB_PAD <= MAX_SELECT_BLOCKS < 2**15).

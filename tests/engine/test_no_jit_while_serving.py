@@ -54,9 +54,10 @@ CONFIGS["layerseg_lag_async"] = dict(CONFIGS["layerseg_async"], sparse_lag=1)  #
 FEW_ROWS = dict(kv_cache_memory=4_500_000, host_kv_memory=20_000_000, sparse_dense_layers=1)
 CONFIGS["layerseg_lag_few_rows"] = dict(CONFIGS["layerseg_lag_async"], **FEW_ROWS)
 CONFIGS["topp"] = dict(SPARSE, sparse_policy="topp", sparse_top_p=0.8)
-# prefetching reads; plain reads with flat lists held (the hold's counter rows and decode rows are launch arguments)
-CONFIGS["topp_prefetch"] = dict(CONFIGS["topp"], kv_offload=True, offload_prefetch=True, hbm_cache_blocks=32)
-CONFIGS["topp_offload_hold"] = dict(CONFIGS["topp"], kv_offload=True, sparse_topp_flat_hold=2, hbm_cache_blocks=32)
+# prefetching reads, flat lists held (the hold's counter rows and decode rows are launch arguments, not keys)
+CONFIGS["topp_prefetch_hold"] = dict(
+    CONFIGS["topp"], kv_offload=True, offload_prefetch=True, sparse_topp_flat_hold=2, hbm_cache_blocks=32
+)
 MAX_MODEL_LEN = 320
 
 

@@ -315,9 +315,10 @@ def test_offload_decode_cuda_graph():
         dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_reuse=2, sparse_topp_flat_share=1.0),
         dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_lag=1, sparse_topp_flat_share=1.0),
         dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_topp_flat_share=1.0, offload_prefetch=1),
-        # flat lists flagged and held two steps (the held rows' selection programs return at once; plain reads:
-        # prefetching ones refuse a hold)
+        # flat lists flagged and held two steps (the held rows' selection programs return at once), plain and
+        # prefetching reads
         dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_topp_flat_hold=2),
+        dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_topp_flat_hold=2, offload_prefetch=1),
         dict(),
     ],
 )
@@ -325,9 +326,9 @@ def test_engine_offload_equals_no_offload_on_gpu(hf_models, enforce_eager, polic
     """On the GPU (Triton kernels, pinned store over UVA, CUDA graphs unless eager): offload on == off,
     token for token, under the same sparse policy (topk; topp pruning through the pool, with reuse, and with KV
     offload's default lagged selection, and with prefetching reads (the side stream loads the previous step's
-    candidates), flat lists held (plain reads); topk lagged: the pool reads the next lists a step ahead on the side
-    stream), with a roomy pool and with a 4-slot pool (the working-set limit off: evictions every step, bypass
-    reads)."""
+    candidates), flat lists held (plain and prefetching reads); topk lagged: the pool reads the next lists a step
+    ahead on the side stream), with a roomy pool and with a 4-slot pool (the working-set limit off: evictions every
+    step, bypass reads)."""
     from sparseserve import LLM
     from tests.kvcache.test_offload import GREEDY, SPARSE, prompts
 

@@ -289,6 +289,40 @@ def test_select_blocks(policy, top_p, ways, hq, hkv):
         assert sorted(sel[4, 1].tolist()) == [-1, -1, -1, 0, 38, 39]  # streaming head: sink + local only
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_select_blocks_heads_without_softmax(bad, hq=6, hkv=2):
+    """A query head with an inf or NaN score has no softmax: it adds no mass (block_masses), in the kernel as in
+    the reference (before, its NaN masses outranked every block, and the search's bound, the top bit pattern + 1,
+    can overflow), and the lists stay inside the context, on fresh random scores over steps with sticky lists."""
+    torch.manual_seed(11)
+    bs, cap, nslots, mb = 16, 8, 4, 48
+    lens = [40 * bs, 3 * bs, 0, 47 * bs + 5]
+    p = dict(params("topk", cap, bs), stickiness=1.0)
+    slots = torch.tensor([2, 0, 3, 1], dtype=torch.int32, device=DEV)
+    streaming = torch.zeros(hkv, dtype=torch.bool, device=DEV)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    state = [
+        (
+            torch.full((nslots, hkv, cap), -1, dtype=torch.int32, device=DEV),
+            torch.zeros(nslots, hkv, dtype=torch.int32, device=DEV),
+            torch.zeros(2, dtype=torch.int64, device=DEV),
+        )
+        for _ in range(2)
+    ]
+    past_end = torch.arange(mb, device=DEV)[None, None] >= -(-seq_lens[:, None, None] // bs)
+    for step in range(3):
+        scores = 4 * torch.randn(len(lens), hq, mb, device=DEV)
+        scores[0, 1, 5] = bad  # one head of KV head 0's group
+        scores[3, 3:, 7 + step] = bad  # every head of KV head 1's group: no mass at all (forced blocks, then ties)
+        scores.masked_fill_(past_end, float("-inf"))
+        select_blocks_ref(scores, seq_lens, slots, *state[0], streaming, **p)
+        select_blocks_triton(scores, seq_lens, slots, *state[1], streaming, **p, width=200)
+        for a, b in zip(*state):  # the same blocks (ties at the threshold follow the others)
+            assert torch.equal(a.sort(-1).values if a.dim() == 3 else a, b.sort(-1).values if b.dim() == 3 else b), step
+        nb = -(-seq_lens.long() // bs)
+        assert (state[1][0][slots.long()] < nb[:, None, None]).all()
+
+
 @pytest.mark.parametrize("policy,top_p", [("topk", 1.0), ("topp", 0.7)])
 @pytest.mark.parametrize("lagged", [False, True])
 def test_select_blocks_sticky(policy, top_p, lagged, hq=6, hkv=2):

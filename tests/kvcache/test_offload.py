@@ -495,9 +495,9 @@ def run(model_dir, control: bool = True, **kw):
         dict(TOPP_PRUNES, sparse_dense_layers=1),  # not lagged: each layer loads its misses
         dict(TOPP_PRUNES, sparse_dense_layers=1, offload_prefetch=True),  # not lagged, prefetching reads
         dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_lag=1),
-        # flat lists flagged, unpruned (not held: the hold's default differs with and without offload), with and
-        # without prefetching reads, then held two steps (not selected; plain reads: prefetching ones refuse it)
-        *(dict(TOPP_FLAT, sparse_topp_flat_hold=h, offload_prefetch=p) for h, p in ((0, False), (0, True), (2, False))),
+        # flat lists flagged, unpruned (not held: the hold's default differs with and without offload), then held
+        # two steps (not selected), with and without prefetching reads
+        *(dict(TOPP_FLAT, sparse_topp_flat_hold=h, offload_prefetch=p) for h in (0, 2) for p in (False, True)),
         dict(sparse_dense_layers=1, sparse_stickiness=0),
         dict(sparse_lag=1),
         dict(sparse_lag=1, sparse_dense_layers=1, sparse_stickiness=0),
@@ -737,12 +737,13 @@ def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, tri
 
 
 @pytest.mark.slow
-def test_random_schedules_hold_flat_lists_under_offload(tiny_model_dir):
-    """topp with flat lists held (flagged at a flat share of 0.3 on random weights) under KV offload (plain reads:
-    prefetching ones refuse a hold): the random schedule with preemptions, sampled tokens included, equals offload
-    off, the accounting holds after every step, and lists were held."""
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_random_schedules_hold_flat_lists_under_offload(tiny_model_dir, prefetch):
+    """topp with flat lists held (flagged at a flat share of 0.3 on random weights) under KV offload, plain or
+    prefetching reads: the random schedule with preemptions, sampled tokens included, equals offload off, the
+    accounting holds after every step, and lists were held."""
     extra = TOPP_PRUNES | dict(sparse_lag=0, sparse_topp_flat_share=0.3, sparse_topp_flat_hold=4)
-    engine = sampled_offload_matches(tiny_model_dir, 5, extra)
+    engine = sampled_offload_matches(tiny_model_dir, 5, extra, offload_prefetch=prefetch)
     assert engine.get_stats(sync=True).sparse_held_lists > 0
 
 
