@@ -764,8 +764,9 @@ class EngineConfig:
     @property
     def _holds(self) -> bool:
         """Whether sparse_topp_flat_hold's default is the policy's: a hold can run (unlagged, reuse 1, flat lists
-        flagged) and KV offload is off (with plain reads a hold thrashes the HBM pool, with prefetching reads it
-        slowed the MHA 7B LongBench load: docs/sparse.md, "topp's defaults")."""
+        flagged) and KV offload is off (with plain reads it thrashed the HBM pool, measured before the selection
+        kernel's race was fixed; with prefetching reads it slowed the MHA 7B LongBench load: docs/sparse.md,
+        "topp's defaults")."""
         sp = self.sparse_config
         unlagged = sp.enabled and not sp.sparse_lag and sp.sparse_reuse == 1 and sp.sparse_topp_flat_share < 1.0
         return unlagged and not self.offload_config.kv_offload
