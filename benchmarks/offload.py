@@ -308,6 +308,18 @@ def real_prompts(model: str, n: int, length: int, seed: int = 0) -> list[list[in
     return [haystack_token_ids(tok, length, f"offload-real:{seed}:{i}") for i in range(n)]
 
 
+def real_policy(spec: str | None, budget: int | None, engine_args: list[str]) -> dict:
+    """--real's selection: --policy SPEC (the accuracy benchmark's names) or topk, then --engine-arg; the budget
+    from the spec, else --budget, else topk's 1024 here and any other policy's own (topp: its cap of 4096)."""
+    from sparseserve.bench.accuracy import parse_engine_args, parse_policy
+
+    policy = {"sparse_policy": "topk"} | (dict(parse_policy(spec).engine_args) if spec else {})
+    policy |= parse_engine_args(engine_args)
+    if "sparse_budget" not in policy and (budget is not None or policy["sparse_policy"] == "topk"):
+        policy["sparse_budget"] = budget or 1024
+    return policy
+
+
 def policy_label(policy: dict) -> str:
     """`topk 1024`, or with the arguments that shape a topp / finer-block selection: `topp 4096, p=0.95, blocks=16`."""
     names = {"sparse_top_p": "p", "block_size": "blocks", "logical_page_size": "pages"}
@@ -364,7 +376,7 @@ class RealRun:
         prompts: list[list[int]],
         output_len: int,
         offload: bool,
-        budget: int = 1024,
+        budget: int | None = 1024,
         pool_steps: float | None = None,
         device: str = "auto",
         dtype: str = "auto",
@@ -377,8 +389,8 @@ class RealRun:
         offload_args = engine_args.pop("offload_engine_args", None) or {}  # the offload side's alone
         self.offload_note = "".join(f", {k}={v}" for k, v in offload_args.items())
         self.offload, self.output_len, self.margins = offload, output_len, margins
-        policy = {"sparse_policy": "topk", "sparse_budget": budget} | engine_args
-        self.label = policy_label(policy)
+        # budget None: the policy's own (topp's cap 4096), else topk --budget's
+        policy = {"sparse_policy": "topk"} | ({} if budget is None else {"sparse_budget": budget}) | engine_args
         kw = dict(
             model=model,
             device=device,
@@ -389,6 +401,7 @@ class RealRun:
         )
         # the same selection with and without offload: KV offload's default lag and topp's hold, unless given
         offloaded = EngineConfig.from_kwargs(**kw, kv_offload=True, **offload_args)
+        self.label = policy_label(policy | {"sparse_budget": offloaded.sparse_config.sparse_budget})
         kw.setdefault("sparse_lag", offloaded.sparse_config.sparse_lag)
         kw.setdefault("sparse_topp_flat_hold", offloaded.sparse_config.sparse_topp_flat_hold)
         kw.setdefault("async_scheduling", False)  # both sides synchronous unless asked (each step is timed)
@@ -528,7 +541,7 @@ def real_run(
     prompts: list[list[int]],
     output_len: int,
     offload: bool,
-    budget: int = 1024,
+    budget: int | None = 1024,
     pool_steps: float | None = None,
     device: str = "auto",
     dtype: str = "auto",
@@ -553,7 +566,7 @@ def real_pair(
     model: str,
     prompts: list[list[int]],
     output_len: int,
-    budget: int = 1024,
+    budget: int | None = 1024,
     pool_steps: float | None = None,
     device: str = "auto",
     dtype: str = "auto",
@@ -636,7 +649,7 @@ def real_bench(
     batches: list[int],
     prompt_len: int | None,
     output_len: int,
-    budget: int = 1024,
+    budget: int | None = 1024,
     pool_steps: float | None = None,
     device: str = "auto",
     dtype: str = "auto",
@@ -692,7 +705,7 @@ def _real_compared(
     model: str,
     prompts: list[list[int]],
     output_len: int,
-    budget: int,
+    budget: int | None,
     pool_steps: float | None,
     device: str,
     dtype: str,
@@ -857,7 +870,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host-kv-gb", type=float, default=100.0, help="host KV store size (--capacity)")
     p.add_argument("--real", metavar="MODEL", help="KV offload on a real model (e.g. smollm2) vs all KV in HBM")
     p.add_argument("--batches", default="1,2,4,8,16,32", help="request counts (--real)")
-    p.add_argument("--budget", type=int, default=1024, help="topk sparse_budget (--real)")
+    p.add_argument(
+        "--budget", type=int, default=None, help="sparse_budget (--real; default: topk's 1024, a --policy's own)"
+    )
     p.add_argument(
         "--policy",
         default=None,
@@ -941,11 +956,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
     }
     if args.real:
-        from sparseserve.bench.accuracy import parse_policy
-
-        policy = {"sparse_policy": "topk", "sparse_budget": args.budget}
-        policy |= dict(parse_policy(args.policy).engine_args) if args.policy else {}
-        policy |= parse_engine_args(args.engine_arg)
+        policy = real_policy(args.policy, args.budget, args.engine_arg)
         if args.offload_arg:
             policy["offload_engine_args"] = parse_engine_args(args.offload_arg)
         rows = real_bench(
@@ -953,7 +964,7 @@ def main(argv: list[str] | None = None) -> None:
             [int(b) for b in args.batches.split(",") if b],
             args.prompt_len,
             args.output_len,
-            args.budget,
+            None,  # the budget: in the policy
             args.pool_steps,
             args.device,
             args.dtype or ("bfloat16" if on_gpu else "auto"),
@@ -967,7 +978,7 @@ def main(argv: list[str] | None = None) -> None:
         result["real"] = rows
         print_table(
             _flat(rows),
-            f"{args.real}: {policy_label(policy)}, all KV in HBM vs KV offload; TPOT = decode time "
+            f"{args.real}: all KV in HBM vs KV offload; TPOT = decode time "
             f"per output token (steps where every request decodes)",
         )
     if args.transfers:

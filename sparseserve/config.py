@@ -269,8 +269,9 @@ class SparseConfig:
             "help": "topp: a list flagged flat (sparse_topp_flat_share) is kept for this many more decode steps "
             "before its (sequence, layer, KV head) selects again: flat masses do not follow the query, so a fresh "
             "selection each step only changes which blocks the step reads (under KV offload: reads over PCIe "
-            'inside the step; docs/sparse.md, "Holding flat lists"). Needs sparse_reuse=1 and sparse_lag=0 '
-            "(0: every step selects; default: 4 where topp allows it and kv_offload is off, else 0)."
+            'inside the step; docs/sparse.md, "Holding flat lists"). Needs sparse_reuse=1, sparse_lag=0 and, '
+            "under kv_offload, offload_prefetch (0: every step selects; default: 4 where topp allows it and "
+            "kv_offload is off, else 0)."
         },
     )
     sparse_reuse: int = field(
@@ -734,6 +735,13 @@ class EngineConfig:
                 "sparse_lag=0 (lagged selection loads a step ahead already) and sparse_reuse=1 (each step's "
                 "candidates are the next step's prefetch)"
             )
+        if self.offload_config.kv_offload and sp.sparse_topp_flat_hold and not self.prefetches:
+            raise ValueError(
+                "sparse_topp_flat_hold under kv_offload needs offload_prefetch=true: with plain reads a hold "
+                "thrashes the HBM pool on a served load (0.71x the throughput of hold 0, 6.4x its loads; "
+                'docs/offload.md, "With plain reads the hold thrashes the pool"); set sparse_topp_flat_hold=0 '
+                "or turn offload_prefetch on"
+            )
         if self.scheduler_config.async_scheduling is True and self.cache_config.host_prefix_cache_memory is not None:
             raise ValueError(
                 "async_scheduling does not work with host_prefix_cache_memory yet: its per-step host copies "
@@ -764,9 +772,8 @@ class EngineConfig:
     @property
     def _holds(self) -> bool:
         """Whether sparse_topp_flat_hold's default is the policy's: a hold can run (unlagged, reuse 1, flat lists
-        flagged) and KV offload is off (with plain reads it thrashed the HBM pool, measured before the selection
-        kernel's race was fixed; with prefetching reads it slowed the MHA 7B LongBench load: docs/sparse.md,
-        "topp's defaults")."""
+        flagged) and KV offload is off (plain reads refuse a hold; with prefetching reads it served within a few
+        percent of hold 0: docs/sparse.md, "topp's defaults")."""
         sp = self.sparse_config
         unlagged = sp.enabled and not sp.sparse_lag and sp.sparse_reuse == 1 and sp.sparse_topp_flat_share < 1.0
         return unlagged and not self.offload_config.kv_offload

@@ -70,10 +70,12 @@ VARIANTS = {
 }
 
 
-def offload_lag(**kw) -> dict:
+def offload_lag(offload_args: dict | None = None, **kw) -> dict:
     """kw with sparse_lag as KV offload resolves it for these engine options (its default lags with topk): what a
-    run without offload needs to select as the offloaded run it is compared with does."""
-    return {**kw, "sparse_lag": EngineConfig.from_kwargs(**{**kw, "kv_offload": True}).sparse_config.sparse_lag}
+    run without offload needs to select as the offloaded run it is compared with does. offload_args: the
+    offloaded run's own (offload_prefetch)."""
+    offloaded = EngineConfig.from_kwargs(**{**kw, "kv_offload": True, **(offload_args or {})})
+    return {**kw, "sparse_lag": offloaded.sparse_config.sparse_lag}
 
 
 def make_hf_model(path: Path, config_cls: str, seed: int = 0, **overrides):

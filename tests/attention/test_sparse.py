@@ -92,6 +92,7 @@ def test_config_and_flags():
         dict(sparse_policy="topp", sparse_topp_flat_hold=2, sparse_topp_flat_share=1.0),  # none flagged
         dict(sparse_policy="topp", sparse_topp_flat_hold=2, sparse_reuse=2),
         dict(sparse_policy="topp", sparse_topp_flat_hold=2, sparse_lag=1, kv_offload=True),
+        dict(sparse_policy="topp", sparse_topp_flat_hold=2, kv_offload=True),  # plain reads: the pool thrashes
     ]
     for kwargs in bad:
         with pytest.raises(ValueError):
@@ -122,7 +123,7 @@ def test_policy_defaults():
         assert _defaults(sparse_policy="topp", **no_hold)[3] == 0
     given = dict(block_size=32, sparse_budget=2048, sparse_top_p=0.9, sparse_topp_flat_hold=2, logical_page_size=8)
     assert _defaults(sparse_policy="topp", **given) == (32, 2048, 0.9, 2, 8)
-    assert _defaults(sparse_policy="topp", kv_offload=True, sparse_topp_flat_hold=2)[3] == 2
+    assert _defaults(sparse_policy="topp", kv_offload=True, offload_prefetch=True, sparse_topp_flat_hold=2)[3] == 2
     # the CLI passes every flag, unset ones as None: `--sparse-policy topp` alone gets the same setting
     args = build_parser(["generate"]).parse_args(["generate", "--sparse-policy", "topp"])
     assert _defaults(**engine_kwargs_from_args(args)) == (16, 4096, 0.99, 4, None)

@@ -127,6 +127,21 @@ def test_real_mode_runs_a_topp_policy_and_counts_its_pcie_bytes(tiny_model_dir, 
     assert off["prune_key_reads"] >= 0 and off["hold_backs"] >= 0 and "pcie_KB_per_token" not in base
 
 
+def test_a_policy_without_a_budget_runs_its_own(tiny_model_dir):
+    """--policy topp without --budget: topp's own cap (4096), not --real's topk 1024; --budget or the spec's
+    budget where given."""
+    assert offload.real_policy(None, None, []) == {"sparse_policy": "topk", "sparse_budget": 1024}
+    assert offload.real_policy("topp", None, []) == {"sparse_policy": "topp"}
+    assert offload.real_policy("topp", 2048, [])["sparse_budget"] == 2048
+    assert offload.real_policy("topp:sparse_budget=512", 2048, [])["sparse_budget"] == 512
+    assert offload.real_policy(None, None, ["sparse_budget=256"])["sparse_budget"] == 256
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(300)] for i in range(2)]
+    run = offload.RealRun(
+        str(tiny_model_dir), prompts, 2, False, None, device="cpu", dtype="float32", sparse_policy="topp"
+    )
+    assert run.engine.config.sparse_config.sparse_budget == 4096 and run.label == "topp 4096"
+
+
 def test_offload_args_reach_the_offload_engine_alone(tiny_model_dir):
     """--offload-arg: engine arguments of the offload side only (the HBM engine would refuse them), named in its
     row's config."""

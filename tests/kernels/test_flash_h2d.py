@@ -315,9 +315,8 @@ def test_offload_decode_cuda_graph():
         dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_reuse=2, sparse_topp_flat_share=1.0),
         dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_lag=1, sparse_topp_flat_share=1.0),
         dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_topp_flat_share=1.0, offload_prefetch=1),
-        # flat lists flagged and held two steps (the held rows' selection programs return at once), plain and
-        # prefetching reads
-        dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_topp_flat_hold=2),
+        # flat lists flagged and held two steps (the held rows' selection programs return at once), prefetching
+        # reads (plain reads refuse a hold)
         dict(sparse_policy="topp", sparse_top_p=0.7, sparse_budget=64, sparse_topp_flat_hold=2, offload_prefetch=1),
         dict(),
     ],
@@ -326,7 +325,7 @@ def test_engine_offload_equals_no_offload_on_gpu(hf_models, enforce_eager, polic
     """On the GPU (Triton kernels, pinned store over UVA, CUDA graphs unless eager): offload on == off,
     token for token, under the same sparse policy (topk; topp pruning through the pool, with reuse, and with KV
     offload's default lagged selection, and with prefetching reads (the side stream loads the previous step's
-    candidates), flat lists held (plain and prefetching reads); topk lagged: the pool reads the next lists a step
+    candidates), flat lists held (prefetching reads); topk lagged: the pool reads the next lists a step
     ahead on the side stream), with a roomy pool and with a 4-slot pool (the working-set limit off: evictions every
     step, bypass reads)."""
     from sparseserve import LLM
@@ -336,6 +335,7 @@ def test_engine_offload_equals_no_offload_on_gpu(hf_models, enforce_eager, polic
     policy = dict(policy)
     prefetch = policy.pop("offload_prefetch", False)  # the offloaded runs'
     common = offload_lag(  # the base selects as KV offload's default does (it lags with topk)
+        {"offload_prefetch": prefetch},
         device="cuda",
         dtype="float32",
         max_model_len=256,

@@ -495,9 +495,9 @@ def run(model_dir, control: bool = True, **kw):
         dict(TOPP_PRUNES, sparse_dense_layers=1),  # not lagged: each layer loads its misses
         dict(TOPP_PRUNES, sparse_dense_layers=1, offload_prefetch=True),  # not lagged, prefetching reads
         dict(TOPP_PRUNES, sparse_dense_layers=1, sparse_lag=1),
-        # flat lists flagged, unpruned (not held: the hold's default differs with and without offload), then held
-        # two steps (not selected), with and without prefetching reads
-        *(dict(TOPP_FLAT, sparse_topp_flat_hold=h, offload_prefetch=p) for h in (0, 2) for p in (False, True)),
+        # flat lists flagged, unpruned (not held: the hold's default differs with and without offload), with and
+        # without prefetching reads; then held two steps (not selected: prefetching reads, which a hold needs)
+        *(dict(TOPP_FLAT, sparse_topp_flat_hold=h, offload_prefetch=p) for h, p in ((0, False), (0, True), (2, True))),
         dict(sparse_dense_layers=1, sparse_stickiness=0),
         dict(sparse_lag=1),
         dict(sparse_lag=1, sparse_dense_layers=1, sparse_stickiness=0),
@@ -514,7 +514,7 @@ def test_offload_equals_no_offload(hf_models, policy):
     model_dir = hf_models["qwen2-gqa-bias"][0]
     policy = dict(policy)
     prefetch = {"offload_prefetch": policy.pop("offload_prefetch", False)}  # the offloaded runs'
-    kw = offload_lag(**{**SPARSE, **policy, "max_model_len": 136})
+    kw = offload_lag(prefetch, **{**SPARSE, **policy, "max_model_len": 136})
     base, _ = run(model_dir, **kw)
     for slots, device_blocks in ((None, None), (24, None), (4, None), (24, 17)):
         got, llm = run(
@@ -737,13 +737,12 @@ def test_random_schedules_offload_matches_and_accounts(tiny_model_dir, seed, tri
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_random_schedules_hold_flat_lists_under_offload(tiny_model_dir, prefetch):
-    """topp with flat lists held (flagged at a flat share of 0.3 on random weights) under KV offload, plain or
-    prefetching reads: the random schedule with preemptions, sampled tokens included, equals offload off, the
-    accounting holds after every step, and lists were held."""
+def test_random_schedules_hold_flat_lists_under_offload(tiny_model_dir):
+    """topp with flat lists held (flagged at a flat share of 0.3 on random weights) under KV offload's prefetching
+    reads (plain reads refuse a hold): the random schedule with preemptions, sampled tokens included, equals
+    offload off, the accounting holds after every step, and lists were held."""
     extra = TOPP_PRUNES | dict(sparse_lag=0, sparse_topp_flat_share=0.3, sparse_topp_flat_hold=4)
-    engine = sampled_offload_matches(tiny_model_dir, 5, extra, offload_prefetch=prefetch)
+    engine = sampled_offload_matches(tiny_model_dir, 5, extra, offload_prefetch=True)
     assert engine.get_stats(sync=True).sparse_held_lists > 0
 
 
