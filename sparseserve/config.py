@@ -738,9 +738,8 @@ class EngineConfig:
         if self.offload_config.kv_offload and sp.sparse_topp_flat_hold and not self.prefetches:
             raise ValueError(
                 "sparse_topp_flat_hold under kv_offload needs offload_prefetch=true: with plain reads a hold "
-                "thrashes the HBM pool on a served load (0.71x the throughput of hold 0, 6.4x its loads; "
-                'docs/offload.md, "With plain reads the hold thrashes the pool"); set sparse_topp_flat_hold=0 '
-                "or turn offload_prefetch on"
+                'thrashes the HBM pool under load (docs/offload.md, "With plain reads the hold thrashes the '
+                'pool"); set sparse_topp_flat_hold=0 or turn offload_prefetch on'
             )
         if self.scheduler_config.async_scheduling is True and self.cache_config.host_prefix_cache_memory is not None:
             raise ValueError(
