@@ -28,13 +28,18 @@ def flash_h2d_ref(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tenso
 
 
 def flash_h2d(
-    host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, load: torch.Tensor, programs_per_sm: float = 1.0
+    host_flat: torch.Tensor,
+    slots: torch.Tensor,
+    key: torch.Tensor,
+    load: torch.Tensor,
+    programs_per_sm: float = 1.0,
+    block: int = 64,
 ) -> None:
     """flash_h2d_ref's contract, either way: slots may be the pinned host side (a save, written over UVA). The
     trap: dispatch on both sides; the reference on a save ran a CPU scatter behind a pageable, blocking copy.
-    programs_per_sm: flash_h2d_triton's grid bound (loads beside the layers take fewer SMs)."""
+    programs_per_sm, block: flash_h2d_triton's grid bound (loads beside the layers take fewer SMs) and scan."""
     if use_triton(slots) or use_triton(host_flat):
-        flash_h2d_triton(host_flat, slots, key, load, programs_per_sm=programs_per_sm)
+        flash_h2d_triton(host_flat, slots, key, load, programs_per_sm=programs_per_sm, block=block)
     else:
         flash_h2d_ref(host_flat, slots, key, load)
 

@@ -168,7 +168,9 @@ def pool_plan(
 
 
 BLOCK_LOOKUP = 512
-BLOCK_EVICT = 64
+# Kernel 2 takes 256 requests a program: a decode step's plan of every layer is ~10^5-10^6 requests, mostly
+# hits; 64 a program put tens of thousands of programs on the GPU beside the step's first layers.
+BLOCK_EVICT = 256
 
 
 @triton.jit
@@ -204,9 +206,14 @@ def _lookup(
     tl.store(rank_ptr + i, rank, mask=inb)
     tl.store(loc_ptr + i, tl.where(hit, slot, -1), mask=inb)
     tl.store(load_ptr + i, load_other, mask=inb)
-    tl.atomic_add(stats_ptr + 0, tl.sum(hit.to(tl.int64), axis=0), sem="relaxed")
-    # kernel 2 moves the loads out of the misses
-    tl.atomic_add(stats_ptr + 2, tl.sum(miss.to(tl.int64), axis=0), sem="relaxed")
+    # The trap: an atomic a program on one address serializes across thousands of programs; add only
+    # what is not zero (a pool that hits leaves the miss count alone).
+    hits = tl.sum(hit.to(tl.int64), axis=0)
+    if hits > 0:
+        tl.atomic_add(stats_ptr + 0, hits, sem="relaxed")
+    misses = tl.sum(miss.to(tl.int64), axis=0)
+    if misses > 0:  # kernel 2 moves the loads out of the misses
+        tl.atomic_add(stats_ptr + 2, misses, sem="relaxed")
 
 
 # Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
@@ -421,8 +428,9 @@ def _evict_kernel(
         loads += take.to(tl.int64)
     tl.store(count_ptr + set_id, tl.zeros_like(count), mask=lead)
     total = tl.sum(loads, axis=0)
-    tl.atomic_add(stats_ptr + 1, total, sem="relaxed")
-    tl.atomic_add(stats_ptr + 2, -total, sem="relaxed")
+    if total > 0:  # (most programs hold no set's first miss: no atomic, see _lookup)
+        tl.atomic_add(stats_ptr + 1, total, sem="relaxed")
+        tl.atomic_add(stats_ptr + 2, -total, sem="relaxed")
     if pid == 0:
         tl.store(clock_ptr, clock + 1)
 
@@ -523,14 +531,16 @@ def pool_read_ref(
     st: PoolState,
     touch: TouchState | None = None,
     defer: bool = False,
-) -> tuple[torch.Tensor, ...]:
+    views: bool = True,
+) -> tuple[torch.Tensor | None, ...]:
     """One sparse layer's read of its lists through the pool (list_keys' arguments): one plan
     per distinct key (repeats read their first occurrence's slot), then FlashH2D of the misses;
     `touch`: listed keys join their rows' working sets. Returns (loc, key) int64 [B, Hkv, cap]:
     each entry's slot (-1: bypass from host row key, or none). sel [L, S, Hkv, cap]: layers
     lay.layer.. planned at once, (loc, key) [L, B, Hkv, cap]. defer: the misses are not loaded;
     returns (loc, key, load), load like key: the slot each miss is to be loaded into from host
-    row key (FlashH2D), < 0 where none (a key listed twice loads once)."""
+    row key (FlashH2D), < 0 where none (a key listed twice loads once). views=False (with defer): a caller that
+    only loads (prefetching reads look their lists up later): loc is None, which saves resolving the repeats."""
     trash_key = st.resident.numel() - 1
     if sel.dim() == 4:
         key = torch.stack(
@@ -568,7 +578,7 @@ def pool_read_ref(
         ws_slots = torch.where(row_slots >= 0, row_slots.long() % touch.hist.shape[0], -1)
         working_set_touch_ref(key.transpose(0, 1).flatten(1) if sel.dim() == 4 else key.flatten(1), ws_slots, *touch)
     if defer:
-        return loc[rep].view_as(key), key, load.view_as(key)
+        return loc[rep].view_as(key) if views else None, key, load.view_as(key)
     return loc[rep].view_as(key), key
 
 
@@ -583,7 +593,8 @@ def pool_read_triton(
     st: PoolState,
     touch: TouchState | None = None,
     defer: bool = False,
-) -> tuple[torch.Tensor, ...]:
+    views: bool = True,
+) -> tuple[torch.Tensor | None, ...]:
     layers = sel.shape[0] if sel.dim() == 4 else 1
     sel4 = sel if sel.dim() == 4 else sel[None]
     b, cap = row_slots.numel(), sel.shape[-1]
@@ -682,6 +693,8 @@ def pool_read_triton(
         PDL=pdl,
         launch_pdl=pdl,
     )
+    if defer and not views:
+        return None, key, load.view_as(key)
     if defer:  # repeats (load -2) take their key's slot now; FlashH2D skips them
         rep = load == -2  # (only their keys index: the others' may be anything)
         loc = torch.where(rep, st.resident[torch.where(rep, key.view(-1), st.resident.numel() - 1)], loc)
@@ -701,11 +714,12 @@ def pool_read(
     st: PoolState,
     touch: TouchState | None = None,
     defer: bool = False,
-) -> tuple[torch.Tensor, ...]:
+    views: bool = True,
+) -> tuple[torch.Tensor | None, ...]:
     """pool_read_ref's contract, up to the pairing of misses with victims and which repeat
     represents a key."""
     fn = pool_read_triton if use_triton(sel) else pool_read_ref
-    return fn(host_flat, pool_slots, sel, row_slots, tables, seq_lens, lay, st, touch, defer)
+    return fn(host_flat, pool_slots, sel, row_slots, tables, seq_lens, lay, st, touch, defer, views)
 
 
 def pool_lookup_ref(

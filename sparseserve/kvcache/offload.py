@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 # FlashH2D beside the layers (the lagged per-layer loads): a program holds its SM while it waits on PCIe, so
 # these loads take a quarter of the SMs: less of the link, still ahead of the layers (docs/offload.md).
 BESIDE_PROGRAMS_PER_SM = 0.25
+# ... and scan 512 requests at a time: a step's lists at batch 32 are tens of thousands of requests a layer,
+# mostly hits, and each 64-request scan waits a memory round trip (docs/offload.md, "FlashH2D's grid").
+BESIDE_SCAN_BLOCK = 512
 
 # A view of a layer's selected blocks for the sparse kernels: (pool slots, host rows, loc, key).
 OffloadView = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -448,8 +451,8 @@ class OffloadCache:
         views by list row: one layer's (sel [S', Hkv, cap]), or with layer None every sparse
         layer's in one plan (sel: all layers' buffer), whose loads wait for `load_lagged`, layer
         by layer. new_round: the step's first plan (no later plan of the step evicts what it
-        stamps; starts the working-set count). The trap: the host rows must be in the store, i.e.
-        after the step's fence."""
+        stamps; starts the working-set count). Prefetching reads keep no views of the every-layer
+        plan (their reads are lookups). The trap: the host rows must be in the store, i.e. after the step's fence."""
         ws = self.working_set
         if new_round:
             self.pool.begin_round()
@@ -469,7 +472,11 @@ class OffloadCache:
             None if ws is None else ws.touch_state(),
             lagged=True,
             defer=layer is None,
+            views=not (self.prefetch and layer is None),
         )
+        if self.prefetch and layer is None:
+            self._lag_loads = (key, load[0])
+            return
         dst = torch.where(list_rows >= 0, list_rows.long(), self.lag_loc.shape[1] - 1)
         if layer is None:
             self.lag_loc.index_copy_(1, dst, loc)
@@ -484,7 +491,14 @@ class OffloadCache:
         name their slots already: a reader waits for this load, not for the whole plan's)."""
         key, load = self._lag_loads
         li = layer - self.dense_layers
-        flash_h2d(self.host.flat(), self.pool.slots, key[li].reshape(-1), load[li].reshape(-1), BESIDE_PROGRAMS_PER_SM)
+        flash_h2d(
+            self.host.flat(),
+            self.pool.slots,
+            key[li].reshape(-1),
+            load[li].reshape(-1),
+            BESIDE_PROGRAMS_PER_SM,
+            BESIDE_SCAN_BLOCK,
+        )
         if li == key.shape[0] - 1:  # the last sparse layer's: the plan's buffers may go
             self._lag_loads = None
 

@@ -125,14 +125,15 @@ class HBMPool:
         touch: TouchState | None = None,
         lagged: bool = False,
         defer: bool = False,
-    ) -> tuple[torch.Tensor, ...]:
+        views: bool = True,
+    ) -> tuple[torch.Tensor | None, ...]:
         """One layer's decode lists read through the pool (kernels/pool_plan.py pool_read).
         sel: int32 [S, Hkv, cap] the lists by state slot; row_slots [B]: each row's slot; tables
         [B, W]: token block tables (host rows); seq_lens [B]. Misses load from host_flat; touch:
         the working-set count the listed keys join in the same pass. Returns (loc, key)
         [B, Hkv, cap]: each entry's slot (-1: read host row `key`, or no request). lagged: a read
         beside the step in flight, which keeps every slot stamped since `begin_round`. defer:
-        (loc, key, load), the misses' FlashH2D left to the caller (kernels/pool_plan.py)."""
+        (loc, key, load), the misses' FlashH2D left to the caller; views=False: loc None (kernels/pool_plan.py)."""
         state = PoolState(
             self.resident,
             self.owner,
@@ -149,7 +150,7 @@ class HBMPool:
             self.floor if lagged else None,
         )
         lay = ListLayout(layer, self.num_blocks, self.num_kv_heads, local, block_size)
-        return pool_read(host_flat, self.slots, sel, row_slots, tables, seq_lens, lay, state, touch, defer)
+        return pool_read(host_flat, self.slots, sel, row_slots, tables, seq_lens, lay, state, touch, defer, views)
 
     def begin_round(self) -> None:
         """Lagged reads: a step starts planning its lists, every layer's before its first sparse

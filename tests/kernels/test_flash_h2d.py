@@ -59,12 +59,15 @@ def test_flash_h2d_matches_gather(dtype, bs, d, hkv):
             assert torch.equal(out.slots[slot].cpu(), host.flat()[k])
 
 
-@pytest.mark.parametrize("block, chunk, per_sm", [(4, 4096, 1.0), (64, 4096, 1.0), (64, 64, 1.0), (4, 4096, 0.25)])
+@pytest.mark.parametrize(
+    "block, chunk, per_sm", [(4, 4096, 1.0), (64, 4096, 1.0), (64, 64, 1.0), (4, 4096, 0.25), (512, 4096, 0.25)]
+)
 def test_flash_h2d_few_loads_among_many_requests(block, chunk, per_sm):
     """A decode step's shape: many requests, few of them loading, some repeats (load -2) and padding; each
     program walks several blocks of requests (block 4), or finds several loads in one block (64), copying
     several head blocks at once, each whole or in chunks (chunk 64: two); a grid of a quarter of the SMs
-    (per_sm 0.25, the loads beside the layers): the slots equal the gather's and every repeat reads its key's slot."""
+    (per_sm 0.25, the loads beside the layers; block 512, their scan: one block holds every request): the slots
+    equal the gather's and every repeat reads its key's slot."""
     g = torch.Generator().manual_seed(block)
     rows, num_slots, n = 50, 24, 300
     host = torch.randn(rows, 2, 4, 16, generator=g)

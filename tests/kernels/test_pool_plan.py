@@ -77,7 +77,8 @@ def compare_step(pool: HBMPool, ref: HBMPool, key: torch.Tensor, lagged: bool = 
         (8, 4, 6, 2, True, 2),  # two sets: many misses per set, bypass reads every step
         (6, 8, 3, 2, True, 2),  # ways clipped to 6 slots: one set, ways not a power of two
         (1, 8, 2, 2, True, 2),  # a single slot
-        (64, 8, 10, 8, True, 2),  # 160 requests: several programs in kernel 2
+        (64, 8, 10, 8, True, 2),  # 160 requests: one program of kernel 2 (BLOCK_EVICT)
+        (256, 8, 40, 16, True, 2),  # 1,280 requests: several programs in kernel 2
         (16, 8, 3, 1, False, 2),  # few misses per set: which free / equally old ways go first matters
         pytest.param(24, 8, 4, 3, True, 3, id="group-3kv"),  # 3 KV heads (SmolLM2): keys of (layer, block, head)
     ],
@@ -321,12 +322,13 @@ def test_triton_read_moves_keys_out_of_several_buckets(seed):
     assert torch.equal(states[1].hist, states[0].hist) and torch.equal(states[1].stamp[:-1], states[0].stamp[:-1])
 
 
-@pytest.mark.parametrize("defer", [False, True])
-def test_triton_read_of_several_layers_matches_reference(defer):
+@pytest.mark.parametrize("defer, views", [(False, True), (True, True), (True, False)])
+def test_triton_read_of_several_layers_matches_reference(defer, views):
     """One read of every layer's lists at once (sel [L, S, Hkv, cap], lagged selection's plan of a step): the
     keys are each layer's, every entry reads the host's block, and hits, loads, stamps and statistics (a layer step
     per layer) are the reference's. defer: no slot is written until the caller's FlashH2D of `load`, layer by
-    layer; the views (repeats included) already name the slots."""
+    layer; the views (repeats included) already name the slots. views=False (the prefetching reads' plan): no
+    views, the same plan and loads (the views are then looked up after the loads)."""
     from sparseserve.kernels.flash_h2d import flash_h2d_ref
     from sparseserve.kernels.pool_plan import list_keys
     from sparseserve.kernels.sparse_decode import read_listed_ref
@@ -347,9 +349,13 @@ def test_triton_read_of_several_layers_matches_reference(defer):
         ref.slots.copy_(pool.slots)
         before, slots_before = pool.resident.clone(), pool.slots.clone()
         with forced("torch"):
-            loc_r, key_r, *load_r = ref.read(host.flat(), 1, sel, row_slots, tables, seq_lens, local, bs, defer=defer)
+            loc_r, key_r, *load_r = ref.read(
+                host.flat(), 1, sel, row_slots, tables, seq_lens, local, bs, defer=defer, views=views
+            )
         with forced("triton"):
-            loc, key, *load = pool.read(host.flat(), 1, sel, row_slots, tables, seq_lens, local, bs, defer=defer)
+            loc, key, *load = pool.read(
+                host.flat(), 1, sel, row_slots, tables, seq_lens, local, bs, defer=defer, views=views
+            )
         assert key.shape == (2, row_slots.numel(), hkv, cap) and torch.equal(key, key_r)
         if defer:
             assert torch.equal(pool.slots, slots_before)  # nothing loaded yet
@@ -367,6 +373,9 @@ def test_triton_read_of_several_layers_matches_reference(defer):
                     ),
                 )
         need = key != pool.trash_key
+        if not views:
+            assert loc is None and loc_r is None
+            loc, loc_r = (p.resident[key].masked_fill(~need, -1) for p in (pool, ref))  # the lookups' view
         for p, lc in ((pool, loc), (ref, loc_r)):
             assert torch.equal(
                 read_listed_ref((p.slots, host.flat(), lc, key))[need].cpu(), host.flat()[key[need].cpu()]
