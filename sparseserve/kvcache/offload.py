@@ -460,6 +460,7 @@ class OffloadCache:
                 ws.begin_step()
         if layer is None:
             sel = sel[self.dense_layers :]
+        views = not (self.prefetch and layer is None)
         loc, key, *load = self.pool.read(
             self.host.flat(),
             self.dense_layers if layer is None else layer,
@@ -472,16 +473,16 @@ class OffloadCache:
             None if ws is None else ws.touch_state(),
             lagged=True,
             defer=layer is None,
-            views=not (self.prefetch and layer is None),
+            views=views,
         )
-        if self.prefetch and layer is None:
+        if layer is None:
             self._lag_loads = (key, load[0])
+        if not views:
             return
         dst = torch.where(list_rows >= 0, list_rows.long(), self.lag_loc.shape[1] - 1)
         if layer is None:
             self.lag_loc.index_copy_(1, dst, loc)
             self.lag_key.index_copy_(1, dst, key)
-            self._lag_loads = (key, load[0])
         else:
             self.lag_loc[layer - self.dense_layers].index_copy_(0, dst, loc)
             self.lag_key[layer - self.dense_layers].index_copy_(0, dst, key)
