@@ -18,12 +18,20 @@ from sparseserve.kernels.dispatch import tl, triton, use_triton
 from sparseserve.kernels.pdl import pdl_wait, use_pdl
 
 
-def flash_h2d_ref(host_flat: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, load: torch.Tensor) -> None:
-    """slots[load[i]] = host_flat[key[i]] for every i with load[i] >= 0.
+def flash_h2d_ref(
+    host_flat: torch.Tensor,
+    slots: torch.Tensor,
+    key: torch.Tensor,
+    load: torch.Tensor,
+    count: torch.Tensor | None = None,
+) -> None:
+    """slots[load[i]] = host_flat[key[i]] for every i with load[i] >= 0 (and i < count, int32 [1], if given).
 
     host_flat: [R, 2, bs, D] (pinned on a GPU host); slots: [S, 2, bs, D] on the device;
     key, load: int64 [N]."""
     todo = load >= 0
+    if count is not None:
+        todo &= torch.arange(load.numel(), device=load.device) < count.to(load.device)
     slots[load[todo]] = host_flat[key[todo].to(host_flat.device)].to(slots.device)
 
 
@@ -34,14 +42,15 @@ def flash_h2d(
     load: torch.Tensor,
     programs_per_sm: float = 1.0,
     block: int = 64,
+    count: torch.Tensor | None = None,
 ) -> None:
     """flash_h2d_ref's contract, either way: slots may be the pinned host side (a save, written over UVA). The
     trap: dispatch on both sides; the reference on a save ran a CPU scatter behind a pageable, blocking copy.
     programs_per_sm, block: flash_h2d_triton's grid bound (loads beside the layers take fewer SMs) and scan."""
     if use_triton(slots) or use_triton(host_flat):
-        flash_h2d_triton(host_flat, slots, key, load, programs_per_sm=programs_per_sm, block=block)
+        flash_h2d_triton(host_flat, slots, key, load, programs_per_sm=programs_per_sm, block=block, count=count)
     else:
-        flash_h2d_ref(host_flat, slots, key, load)
+        flash_h2d_ref(host_flat, slots, key, load, count)
 
 
 def write_through_ref(
@@ -95,16 +104,20 @@ def _flash_h2d_kernel(
     resident_ptr,
     loc_ptr,
     todo_ptr,
+    count_ptr,
     n,
     ELEMS: tl.constexpr,
     CHUNK: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     REPEATS: tl.constexpr,
+    COUNTED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # load and loc are the pool plan's output
     pid = tl.program_id(0)
+    if COUNTED:  # the requests are the first count[0] (a compact list of loads)
+        n = tl.minimum(tl.load(count_ptr), n)
     offs = tl.arange(0, BLOCK)
     cols = tl.arange(0, CHUNK)
     todo = todo_ptr + pid * BLOCK  # this program's list of the block's requests that load
@@ -143,10 +156,12 @@ def flash_h2d_triton(
     repeats: tuple[torch.Tensor, torch.Tensor] | None = None,
     block: int = 64,
     programs_per_sm: float = 1.0,
+    count: torch.Tensor | None = None,
 ) -> None:
     """repeats = (resident, loc) (pool_plan.pool_read): where load is -2 the entry repeats a key
     planned elsewhere, and loc[i] = resident[key[i]] is written in the same launch. block:
-    requests a program scans at a time (a power of two); programs_per_sm bounds the grid."""
+    requests a program scans at a time (a power of two); programs_per_sm bounds the grid. count
+    (int32 [1] on the device): only the first count requests (the grid still follows key's size)."""
     assert host_flat.is_contiguous() and slots.is_contiguous() and host_flat.shape[1:] == slots.shape[1:]
     assert host_flat.dtype == slots.dtype
     n = key.numel()
@@ -156,7 +171,7 @@ def flash_h2d_triton(
     chunk = min(triton.next_power_of_2(elems), chunk)
     resident, loc = repeats if repeats is not None else (load, load)  # unused without repeats
     dev = key.device  # slots may be pinned host memory (the host prefix cache)
-    grid = min(triton.cdiv(n, block), max(1, int(programs_per_sm * _num_sms(dev))))
+    grid = min(triton.cdiv(n, block), max(1, int(programs_per_sm * num_sms(dev))))
     todo = torch.empty(grid * block, dtype=torch.int32, device=dev)
     pdl = use_pdl(slots.device)
     _flash_h2d_kernel[(grid,)](
@@ -167,12 +182,14 @@ def flash_h2d_triton(
         resident,
         loc,
         todo,
+        todo if count is None else count,
         n,
         ELEMS=elems,
         CHUNK=chunk,
         ROWS=max(1, TILE_ELEMS // chunk),
         BLOCK=block,
         REPEATS=repeats is not None,
+        COUNTED=count is not None,
         num_warps=num_warps,
         PDL=pdl,
         launch_pdl=pdl,
@@ -180,9 +197,10 @@ def flash_h2d_triton(
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """The device's SMs (4 under the interpreter: a test's requests span several blocks a program)."""
     if device.type != "cuda":
-        return 4  # interpreter: a test's requests span several blocks per program
+        return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 

@@ -1,9 +1,9 @@
 """HBM pool plan (docs/architecture.md, principles 2 and 4): residency lookup, set-associative
 LRU victims, eviction and install for one layer's requested head blocks (state and policy:
-kvcache/pool.py). On the GPU two fixed-grid kernels (capturable): 1 looks keys up and queues
-each set's misses by atomic rank; 2 has each set's rank-0 miss give the queued misses the
-set's least recently used evictable ways. Misses left without a way read from the host
-(loc = load = -1: bypass).
+kvcache/pool.py). On the GPU two fixed-grid kernels (capturable): 1 looks keys up, queues
+each set's misses by atomic rank and lists each set's rank-0 miss (its leader); 2 walks that
+list, each leader giving its set's queued misses the least recently used evictable ways.
+Misses left without a way read from the host (loc = load = -1: bypass).
 
 The trap: atomic ranks pair a set's misses with its victims in a GPU-dependent order; the
 victims per set, hits, bypass counts, last-use stamps and statistics equal the reference's.
@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from sparseserve.kernels.dispatch import tl, triton, use_triton
-from sparseserve.kernels.flash_h2d import flash_h2d_ref, flash_h2d_triton
+from sparseserve.kernels.flash_h2d import flash_h2d_ref, flash_h2d_triton, num_sms
 from sparseserve.kernels.pdl import pdl_wait, use_pdl
 from sparseserve.kernels.working_set import TouchState, touch_keys, working_set_touch_ref
 
@@ -44,6 +44,7 @@ class PoolState(NamedTuple):
     set_queue: torch.Tensor  # int32 [num_slots]
     plan_cur: torch.Tensor  # int64 [1]
     claim: torch.Tensor  # int64 [num_keys + 1], -1 at first: repeat detection (scratch)
+    leaders: torch.Tensor  # int32 [2 + num_sets], zeros at first: kernel 2's work list (scratch, pool_plan)
     ways: int
     num_sets: int
     hash_mult: int
@@ -137,6 +138,7 @@ def pool_plan(
     set_misses: torch.Tensor,
     set_queue: torch.Tensor,
     plan_cur: torch.Tensor,
+    leaders: torch.Tensor,
     *,
     ways: int,
     num_sets: int,
@@ -145,7 +147,8 @@ def pool_plan(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """pool_plan_ref's contract, up to the pairing of a set's misses with its victims. Scratch:
     set_misses int32 [num_sets] (zero between calls), set_queue int32 [num_slots],
-    plan_cur int64 [1]."""
+    plan_cur int64 [1], leaders int32 [2 + num_sets] (zeros at first): the calls' leader counts by
+    the clock's parity (kernel 2 zeroes the next call's), then this call's leaders."""
     if use_triton(key):
         return pool_plan_triton(
             key,
@@ -157,20 +160,24 @@ def pool_plan(
             set_misses,
             set_queue,
             plan_cur,
+            leaders,
             ways=ways,
             num_sets=num_sets,
             hash_mult=hash_mult,
             floor=floor,
         )
+    leaders[:2].zero_()  # the torch plan lists no leaders: a Triton plan after it starts from none
     return pool_plan_ref(
         key, resident, owner, last_use, clock, stats, ways=ways, num_sets=num_sets, hash_mult=hash_mult, floor=floor
     )
 
 
 BLOCK_LOOKUP = 512
-# Kernel 2 takes 256 requests a program: a decode step's plan of every layer is ~10^5-10^6 requests, mostly
-# hits; 64 a program put tens of thousands of programs on the GPU beside the step's first layers.
-BLOCK_EVICT = 256
+# Kernel 2 walks the sets' leaders (kernel 1 lists them), 32 a program, on at most 2 programs an SM: a
+# decode step's plan of every layer is ~10^5-10^6 requests with a few hundred misses; a program per chunk of
+# requests put thousands of programs, nearly all without a leader, beside the step's first layers.
+BLOCK_EVICT = 32
+EVICT_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -185,7 +192,7 @@ def _lookup(
     stats_ptr,
     count_ptr,
     queue_ptr,
-    rank_ptr,
+    lead_ptr,
     loc_ptr,
     load_ptr,
     num_sets,
@@ -195,7 +202,8 @@ def _lookup(
 ):
     """Kernel 1's lookup of the requested keys (need) at positions i (inb: in bounds); the
     caller loaded slot = resident[key]. load_other: `load` where kernel 2 installs nothing
-    (-1; pool_read marks repeats -2). A hit's last_use = clock marks it in use this step."""
+    (-1; pool_read marks repeats -2). A hit's last_use = clock marks it in use this step; a
+    set's rank-0 miss joins the leaders (the count at lead_ptr[clock % 2], the list after two)."""
     hit = need & (slot >= 0)
     miss = need & (slot < 0)
     tl.store(last_use_ptr + slot, tl.zeros_like(slot) + clock, mask=hit)
@@ -203,7 +211,11 @@ def _lookup(
     rank = tl.atomic_add(count_ptr + set_id, tl.full(key.shape, 1, tl.int32), mask=miss, sem="relaxed")
     rank = tl.where(miss, rank, -1)
     tl.store(queue_ptr + set_id * WAYS + rank, i.to(tl.int32), mask=miss & (rank < WAYS))
-    tl.store(rank_ptr + i, rank, mask=inb)
+    lead = (rank == 0).to(tl.int32)
+    leads = tl.sum(lead, axis=0)
+    if leads > 0:  # (most programs hold no set's first miss: no atomic)
+        pos = tl.atomic_add(lead_ptr + (clock & 1), leads, sem="relaxed") + tl.cumsum(lead, 0) - 1
+        tl.store(lead_ptr + 2 + pos, i.to(tl.int32), mask=lead > 0)
     tl.store(loc_ptr + i, tl.where(hit, slot, -1), mask=inb)
     tl.store(load_ptr + i, load_other, mask=inb)
     # The trap: an atomic a program on one address serializes across thousands of programs; add only
@@ -227,7 +239,7 @@ def _lookup_kernel(
     stats_ptr,
     count_ptr,
     queue_ptr,
-    rank_ptr,
+    lead_ptr,
     loc_ptr,
     load_ptr,
     n,
@@ -257,7 +269,7 @@ def _lookup_kernel(
         stats_ptr,
         count_ptr,
         queue_ptr,
-        rank_ptr,
+        lead_ptr,
         loc_ptr,
         load_ptr,
         num_sets,
@@ -286,7 +298,7 @@ def _list_lookup_kernel(
     stats_ptr,
     count_ptr,
     queue_ptr,
-    rank_ptr,
+    lead_ptr,
     loc_ptr,
     load_ptr,
     stamp_ptr,
@@ -351,7 +363,7 @@ def _list_lookup_kernel(
         stats_ptr,
         count_ptr,
         queue_ptr,
-        rank_ptr,
+        lead_ptr,
         loc_ptr,
         load_ptr,
         num_sets,
@@ -371,11 +383,12 @@ def _list_lookup_kernel(
             tl.store(cur_ptr, clock)
 
 
-# Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
-@triton.jit(do_not_specialize=["n"])
+# Nothing step-shaped is specialized on (docs/architecture.md, "kernels/"): the list's row length follows the
+# batch, and a per-layer plan's first layer is its layer.
+@triton.jit(do_not_specialize=["layer_keys", "first_layer", "per_layer"])
 def _evict_kernel(
     key_ptr,
-    rank_ptr,
+    lead_ptr,
     resident_ptr,
     owner_ptr,
     last_use_ptr,
@@ -387,52 +400,76 @@ def _evict_kernel(
     queue_ptr,
     loc_ptr,
     load_ptr,
-    n,
+    ckey_ptr,
+    cload_ptr,
+    ccount_ptr,
+    layer_keys,
+    first_layer,
+    per_layer,
     num_sets,
     WAYS: tl.constexpr,
     WAYS_P2: tl.constexpr,
     HASH: tl.constexpr,
     BLOCK: tl.constexpr,
+    COMPACT: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Kernel 2: the programs share kernel 1's leaders, BLOCK at a time (a fixed grid, however many).
+    COMPACT: each install is also listed by layer (key // layer_keys - first_layer): (key, slot) at
+    ckey / cload [layer * per_layer + i] for i below ccount[layer] (zeros at first)."""
     pdl_wait(PDL)
     pid = tl.program_id(0)
-    i = pid * BLOCK + tl.arange(0, BLOCK)
-    lead = tl.load(rank_ptr + i, mask=i < n, other=-1) == 0
-    key = tl.load(key_ptr + i, mask=lead, other=0)
-    set_id = (key * HASH) % num_sets
-    count = tl.load(count_ptr + set_id, mask=lead, other=0)
     clock = tl.load(cur_ptr)
     floor = tl.load(floor_ptr)  # <= clock (the call's own clock without a lag)
+    num_leads = tl.load(lead_ptr + (clock & 1))
     w = tl.arange(0, WAYS_P2)
-    valid = lead[:, None] & (w[None, :] < WAYS)
-    # padding ways: in use
-    age = tl.load(last_use_ptr + set_id[:, None] * WAYS + w[None, :], mask=valid, other=clock)
-    # Round r gives the rank-r miss the least recently used way left (argmin: the first of
-    # equally old ways, as the reference's stable sort) while it is older than the floor.
     loads = tl.zeros([BLOCK], tl.int64)
-    for r in range(0, tl.max(tl.minimum(count, WAYS), 0)):
-        way = tl.argmin(age, 1)
-        take = lead & (r < count) & (tl.min(age, 1) < floor)
-        slot = set_id * WAYS + way
-        j = tl.load(queue_ptr + set_id * WAYS + r, mask=take, other=0)
-        new = tl.load(key_ptr + j, mask=take, other=0)
-        old = tl.load(owner_ptr + slot, mask=take, other=-1)
-        tl.store(resident_ptr + old, tl.full(old.shape, -1, tl.int64), mask=take & (old >= 0))
-        tl.store(owner_ptr + slot, new, mask=take)
-        tl.store(resident_ptr + new, slot, mask=take)
-        tl.store(last_use_ptr + slot, tl.zeros_like(slot) + clock, mask=take)
-        tl.store(loc_ptr + j, slot, mask=take)
-        tl.store(load_ptr + j, slot, mask=take)
-        age = tl.where(w[None, :] == way[:, None], clock, age)
-        loads += take.to(tl.int64)
-    tl.store(count_ptr + set_id, tl.zeros_like(count), mask=lead)
+    for start in range(pid * BLOCK, num_leads, tl.num_programs(0) * BLOCK):
+        li = start + tl.arange(0, BLOCK)
+        lead = li < num_leads
+        i = tl.load(lead_ptr + 2 + li, mask=lead, other=0)
+        key = tl.load(key_ptr + i, mask=lead, other=0)
+        set_id = (key * HASH) % num_sets
+        count = tl.load(count_ptr + set_id, mask=lead, other=0)
+        valid = lead[:, None] & (w[None, :] < WAYS)
+        # padding ways: in use
+        age = tl.load(last_use_ptr + set_id[:, None] * WAYS + w[None, :], mask=valid, other=clock)
+        # Round r gives the rank-r miss the least recently used way left (argmin: the first of
+        # equally old ways, as the reference's stable sort) while it is older than the floor.
+        for r in range(0, tl.max(tl.minimum(count, WAYS), 0)):
+            way = tl.argmin(age, 1)
+            take = lead & (r < count) & (tl.min(age, 1) < floor)
+            slot = set_id * WAYS + way
+            j = tl.load(queue_ptr + set_id * WAYS + r, mask=take, other=0)
+            new = tl.load(key_ptr + j, mask=take, other=0)
+            old = tl.load(owner_ptr + slot, mask=take, other=-1)
+            tl.store(resident_ptr + old, tl.full(old.shape, -1, tl.int64), mask=take & (old >= 0))
+            tl.store(owner_ptr + slot, new, mask=take)
+            tl.store(resident_ptr + new, slot, mask=take)
+            tl.store(last_use_ptr + slot, tl.zeros_like(slot) + clock, mask=take)
+            tl.store(loc_ptr + j, slot, mask=take)
+            tl.store(load_ptr + j, slot, mask=take)
+            if COMPACT:
+                lyr = tl.where(take, new // layer_keys - first_layer, 0)
+                at = lyr * per_layer + tl.atomic_add(ccount_ptr + lyr, 1, mask=take, sem="relaxed")
+                tl.store(ckey_ptr + at, new, mask=take)
+                tl.store(cload_ptr + at, slot, mask=take)
+            age = tl.where(w[None, :] == way[:, None], clock, age)
+            loads += take.to(tl.int64)
+        tl.store(count_ptr + set_id, tl.zeros_like(count), mask=lead)
     total = tl.sum(loads, axis=0)
-    if total > 0:  # (most programs hold no set's first miss: no atomic, see _lookup)
+    if total > 0:  # (most programs install nothing: no atomic, see _lookup)
         tl.atomic_add(stats_ptr + 1, total, sem="relaxed")
         tl.atomic_add(stats_ptr + 2, -total, sem="relaxed")
-    if pid == 0:
+    if pid == 0:  # the next call's clock, and its (other parity's) leader count
         tl.store(clock_ptr, clock + 1)
+        tl.store(lead_ptr + 1 - (clock & 1), 0)
+
+
+def _evict_grid(n: int, num_sets: int, device: torch.device) -> tuple[int]:
+    """At most one leader a set and a request: a grid fixed by shapes (a CUDA graph replays it)."""
+    most = max(1, int(EVICT_PROGRAMS_PER_SM * num_sms(device)))
+    return (max(1, min(triton.cdiv(min(n, num_sets), BLOCK_EVICT), most)),)
 
 
 def pool_plan_triton(
@@ -445,6 +482,7 @@ def pool_plan_triton(
     set_misses: torch.Tensor,
     set_queue: torch.Tensor,
     plan_cur: torch.Tensor,
+    leaders: torch.Tensor,
     *,
     ways: int,
     num_sets: int,
@@ -453,7 +491,6 @@ def pool_plan_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     key = key.contiguous()
     n = key.numel()
-    rank = torch.empty(n, dtype=torch.int32, device=key.device)
     loc = torch.empty(n, dtype=torch.int64, device=key.device)
     load = torch.empty(n, dtype=torch.int64, device=key.device)
     pdl = use_pdl(key.device)
@@ -468,7 +505,7 @@ def pool_plan_triton(
         stats,
         set_misses,
         set_queue,
-        rank,
+        leaders,
         loc,
         load,
         n,
@@ -477,9 +514,9 @@ def pool_plan_triton(
         BLOCK=BLOCK_LOOKUP,
         **common,
     )
-    _evict_kernel[(max(triton.cdiv(n, BLOCK_EVICT), 1),)](
+    _evict_kernel[_evict_grid(n, num_sets, key.device)](
         key,
-        rank,
+        leaders,
         resident,
         owner,
         last_use,
@@ -491,10 +528,16 @@ def pool_plan_triton(
         set_queue,
         loc,
         load,
-        n,
+        loc,  # (unused without COMPACT)
+        loc,
+        set_misses,
+        1,
+        0,
+        0,
         num_sets,
         WAYS_P2=triton.next_power_of_2(ways),
         BLOCK=BLOCK_EVICT,
+        COMPACT=False,
         **common,
     )
     return loc, load
@@ -538,8 +581,9 @@ def pool_read_ref(
     `touch`: listed keys join their rows' working sets. Returns (loc, key) int64 [B, Hkv, cap]:
     each entry's slot (-1: bypass from host row key, or none). sel [L, S, Hkv, cap]: layers
     lay.layer.. planned at once, (loc, key) [L, B, Hkv, cap]. defer: the misses are not loaded;
-    returns (loc, key, load), load like key: the slot each miss is to be loaded into from host
-    row key (FlashH2D), < 0 where none (a key listed twice loads once). views=False (with defer): a caller that
+    returns (loc, key, loads), loads = (key, load, count) by layer ([L, loads_width(N / L)] x 2, int32 [L];
+    L = 1 for one layer): layer l's misses are its first count[l] entries, each to be loaded into slot load from
+    host row key (FlashH2D; a key listed twice loads once). views=False (with defer): a caller that
     only loads (prefetching reads look their lists up later): loc is None, which saves resolving the repeats."""
     trash_key = st.resident.numel() - 1
     if sel.dim() == 4:
@@ -578,8 +622,28 @@ def pool_read_ref(
         ws_slots = torch.where(row_slots >= 0, row_slots.long() % touch.hist.shape[0], -1)
         working_set_touch_ref(key.transpose(0, 1).flatten(1) if sel.dim() == 4 else key.flatten(1), ws_slots, *touch)
     if defer:
-        return loc[rep].view_as(key) if views else None, key, load.view_as(key)
+        loads = _by_layer(unique, load, sel.shape[0] if sel.dim() == 4 else 1)
+        return loc[rep].view_as(key) if views else None, key, loads
     return loc[rep].view_as(key), key
+
+
+def loads_width(per_layer: int) -> int:
+    """The row length of pool_read's loads by layer: even (16-byte aligned int64 rows: FlashH2D takes a row
+    with the alignment its kernel was compiled for), with a column past the requests."""
+    return (per_layer + 2) // 2 * 2
+
+
+def _by_layer(key: torch.Tensor, load: torch.Tensor, layers: int) -> tuple[torch.Tensor, ...]:
+    """pool_read's deferred loads (key, load [N], the layers' requests in turn) listed by layer: (key, load)
+    [L, loads_width(N / L)], each layer's loads first, and their counts (int32 [L])."""
+    key, load = key.view(layers, -1), load.view(layers, -1)
+    todo = load >= 0
+    at = torch.where(todo, todo.long().cumsum(1) - 1, load.shape[1])  # column N / L: the rest
+    width = loads_width(load.shape[1])
+    out = [torch.full((layers, width), -1, dtype=torch.int64, device=load.device) for _ in "kl"]
+    for o, v in zip(out, (key, load)):
+        o.scatter_(1, at, v)
+    return out[0], out[1], todo.sum(1, dtype=torch.int32)
 
 
 def pool_read_triton(
@@ -602,9 +666,15 @@ def pool_read_triton(
     assert tables.stride(1) == 1
     n, dev = layers * b * lay.num_kv_heads * cap, sel.device
     key = torch.empty(*sel.shape[:-3], b, lay.num_kv_heads, cap, dtype=torch.int64, device=dev)
-    rank = torch.empty(n, dtype=torch.int32, device=dev)
     loc = torch.empty(n, dtype=torch.int64, device=dev)
     load = torch.empty(n, dtype=torch.int64, device=dev)
+    per_layer = loads_width(n // layers)
+    if defer:  # the loads listed by layer (pool_read_ref)
+        loads = (
+            torch.empty(layers, per_layer, dtype=torch.int64, device=dev),
+            torch.empty(layers, per_layer, dtype=torch.int64, device=dev),
+            torch.zeros(layers, dtype=torch.int32, device=dev),
+        )
     pdl = use_pdl(dev)
     if b:
         ws = touch if touch is not None else TouchState(loc, loc, loc, loc)  # unused without TOUCH
@@ -622,7 +692,7 @@ def pool_read_triton(
             st.stats,
             st.set_misses,
             st.set_queue,
-            rank,
+            st.leaders,
             loc,
             load,
             *ws,
@@ -656,7 +726,7 @@ def pool_read_triton(
             st.stats,
             st.set_misses,
             st.set_queue,
-            rank,
+            st.leaders,
             loc,
             load,
             0,
@@ -670,9 +740,9 @@ def pool_read_triton(
         )
         if layers > 1:
             st.stats[3:].add_(layers - 1)
-    _evict_kernel[(max(triton.cdiv(n, BLOCK_EVICT), 1),)](
+    _evict_kernel[_evict_grid(n, st.num_sets, dev)](
         key,
-        rank,
+        st.leaders,
         st.resident,
         st.owner,
         st.last_use,
@@ -684,21 +754,25 @@ def pool_read_triton(
         st.set_queue,
         loc,
         load,
-        n,
+        *(loads if defer else (loc, loc, st.set_misses)),  # (unused without COMPACT)
+        (lay.num_blocks + 1) * lay.num_kv_heads,
+        lay.layer,
+        per_layer,
         st.num_sets,
         WAYS=st.ways,
         WAYS_P2=triton.next_power_of_2(st.ways),
         HASH=st.hash_mult,
         BLOCK=BLOCK_EVICT,
+        COMPACT=defer,
         PDL=pdl,
         launch_pdl=pdl,
     )
     if defer and not views:
-        return None, key, load.view_as(key)
+        return None, key, loads
     if defer:  # repeats (load -2) take their key's slot now; FlashH2D skips them
         rep = load == -2  # (only their keys index: the others' may be anything)
         loc = torch.where(rep, st.resident[torch.where(rep, key.view(-1), st.resident.numel() - 1)], loc)
-        return loc.view_as(key), key, load.view_as(key)
+        return loc.view_as(key), key, loads
     flash_h2d_triton(host_flat, pool_slots, key.view(-1), load, repeats=(st.resident, loc))
     return loc.view_as(key), key
 
@@ -718,6 +792,8 @@ def pool_read(
 ) -> tuple[torch.Tensor | None, ...]:
     """pool_read_ref's contract, up to the pairing of misses with victims and which repeat
     represents a key."""
+    if not use_triton(sel):
+        st.leaders[:2].zero_()  # (as in pool_plan)
     fn = pool_read_triton if use_triton(sel) else pool_read_ref
     return fn(host_flat, pool_slots, sel, row_slots, tables, seq_lens, lay, st, touch, defer, views)
 

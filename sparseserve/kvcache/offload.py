@@ -28,9 +28,9 @@ logger = logging.getLogger(__name__)
 # FlashH2D beside the layers (the lagged per-layer loads): a program holds its SM while it waits on PCIe, so
 # these loads take a quarter of the SMs: less of the link, still ahead of the layers (docs/offload.md).
 BESIDE_PROGRAMS_PER_SM = 0.25
-# ... and scan 512 requests at a time: a step's lists at batch 32 are tens of thousands of requests a layer,
-# mostly hits, and each 64-request scan waits a memory round trip (docs/offload.md, "FlashH2D's grid").
-BESIDE_SCAN_BLOCK = 512
+# ... and take 4 loads at a time: the plan lists a layer's loads apart (a few of tens of thousands of
+# requests), so a small block spreads them over those programs (docs/offload.md, "FlashH2D's grid").
+BESIDE_SCAN_BLOCK = 4
 
 # A view of a layer's selected blocks for the sparse kernels: (pool slots, host rows, loc, key).
 OffloadView = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -75,7 +75,8 @@ class OffloadCache:
         self.lag_loc: torch.Tensor | None = None  # lag: [sparse layers, list rows + 1, Hkv, cap]
         self.lag_key: torch.Tensor | None = None
         self.cap = 0  # blocks a selection lists (set by `build`)
-        self._lag_loads: tuple[torch.Tensor, torch.Tensor] | None = None  # the every-layer plan's (key, load)
+        # the every-layer plan's loads by layer: (key, load, count), kernels/pool_plan.py pool_read
+        self._lag_loads: tuple[torch.Tensor, ...] | None = None
         # token block -> device row (kvcache/device_space.py DeviceRowMap), the trash row where none
         dev = pool.resident.device
         self.row_of = torch.full((layout.token_blocks + 1,), layout.rows, dtype=torch.int32, device=dev)
@@ -461,7 +462,7 @@ class OffloadCache:
         if layer is None:
             sel = sel[self.dense_layers :]
         views = not (self.prefetch and layer is None)
-        loc, key, *load = self.pool.read(
+        loc, key, *loads = self.pool.read(
             self.host.flat(),
             self.dense_layers if layer is None else layer,
             sel,
@@ -476,7 +477,7 @@ class OffloadCache:
             views=views,
         )
         if layer is None:
-            self._lag_loads = (key, load[0])
+            self._lag_loads = loads[0]
         if not views:
             return
         dst = torch.where(list_rows >= 0, list_rows.long(), self.lag_loc.shape[1] - 1)
@@ -490,15 +491,16 @@ class OffloadCache:
     def load_lagged(self, layer: int) -> None:
         """FlashH2D of one sparse layer's misses of the last every-layer `plan_lagged` (its views
         name their slots already: a reader waits for this load, not for the whole plan's)."""
-        key, load = self._lag_loads
+        key, load, count = self._lag_loads
         li = layer - self.dense_layers
         flash_h2d(
             self.host.flat(),
             self.pool.slots,
-            key[li].reshape(-1),
-            load[li].reshape(-1),
+            key[li],
+            load[li],
             BESIDE_PROGRAMS_PER_SM,
             BESIDE_SCAN_BLOCK,
+            count[li : li + 1],
         )
         if li == key.shape[0] - 1:  # the last sparse layer's: the plan's buffers may go
             self._lag_loads = None

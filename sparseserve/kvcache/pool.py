@@ -59,6 +59,7 @@ class HBMPool:
         self.set_queue = torch.zeros(n, dtype=torch.int32, device=device)
         self.plan_cur = torch.zeros(1, dtype=torch.int64, device=device)
         self.claim = torch.full((self.num_keys + 1,), -1, dtype=torch.int64, device=device)  # repeats
+        self.leaders = torch.zeros(2 + self.num_sets, dtype=torch.int32, device=device)  # kernel 2's work list
         # Lagged reads (`begin_round`): the oldest stamp no victim may carry (the step's start).
         self.floor = torch.zeros(1, dtype=torch.int64, device=device)
         self.free_floor = torch.zeros(1, dtype=torch.int64, device=device)  # 0: only free slots (-1) are victims
@@ -100,6 +101,7 @@ class HBMPool:
             self.set_misses,
             self.set_queue,
             self.plan_cur,
+            self.leaders,
             ways=self.ways,
             num_sets=self.num_sets,
             hash_mult=_HASH,
@@ -133,7 +135,8 @@ class HBMPool:
         the working-set count the listed keys join in the same pass. Returns (loc, key)
         [B, Hkv, cap]: each entry's slot (-1: read host row `key`, or no request). lagged: a read
         beside the step in flight, which keeps every slot stamped since `begin_round`. defer:
-        (loc, key, load), the misses' FlashH2D left to the caller; views=False: loc None (kernels/pool_plan.py)."""
+        (loc, key, loads), the misses' FlashH2D left to the caller, loads listed by layer; views=False:
+        loc None (kernels/pool_plan.py)."""
         state = PoolState(
             self.resident,
             self.owner,
@@ -144,6 +147,7 @@ class HBMPool:
             self.set_queue,
             self.plan_cur,
             self.claim,
+            self.leaders,
             self.ways,
             self.num_sets,
             _HASH,
@@ -175,6 +179,8 @@ class HBMPool:
         holds two blocks, the trash entries stay empty, the Triton plan's miss counters are back
         to zero."""
         assert not self.set_misses.any(), "a set's miss counter was not reset"
+        parity = int(self.clock) % 2  # the next plan's leader count starts at zero (torch plans list none)
+        assert self.leaders[parity].item() == 0, "the next plan's leader count was not reset"
         owner, resident = self.owner[: self.num_slots].cpu(), self.resident.cpu()
         assert self.owner[self.trash_slot].item() == -1 and resident[self.trash_key].item() == -1
         held = owner >= 0

@@ -66,7 +66,7 @@ def test_flash_h2d_few_loads_among_many_requests(block, chunk, per_sm):
     """A decode step's shape: many requests, few of them loading, some repeats (load -2) and padding; each
     program walks several blocks of requests (block 4), or finds several loads in one block (64), copying
     several head blocks at once, each whole or in chunks (chunk 64: two); a grid of a quarter of the SMs
-    (per_sm 0.25, the loads beside the layers; block 512, their scan: one block holds every request): the slots
+    (per_sm 0.25, as the loads beside the layers take; block 512: one block holds every request): the slots
     equal the gather's and every repeat reads its key's slot."""
     g = torch.Generator().manual_seed(block)
     rows, num_slots, n = 50, 24, 300
@@ -95,6 +95,29 @@ def test_flash_h2d_few_loads_among_many_requests(block, chunk, per_sm):
     )
     assert torch.equal(got_slots.cpu(), want_slots)
     assert torch.equal(loc.cpu(), want_loc)
+
+
+@pytest.mark.parametrize("block, per_sm", [(4, 0.25), (16, 1.0)])
+def test_flash_h2d_counted_list(block, per_sm):
+    """The loads beside the layers (kvcache/offload.py load_lagged): a compact list whose first `count` entries
+    load (a device count); the entries after it, valid-looking loads included, copy nothing. The slots equal
+    the reference's, which the count bounds the same way."""
+    g = torch.Generator().manual_seed(block)
+    rows, num_slots, n, count = 50, 40, 120, 37
+    host = torch.randn(rows, 2, 4, 16, generator=g)
+    host = host.pin_memory() if ON_GPU else host
+    key = torch.randint(0, rows, (n,), generator=g)
+    load = torch.randint(0, num_slots, (n,), generator=g)  # past the count: stale entries of any value
+    load[:count] = torch.randperm(num_slots, generator=g)[:count]
+    slots = torch.randn(num_slots + 1, 2, 4, 16, generator=g)
+    want = slots.clone()
+    flash_h2d_ref(host, want, key, load, torch.tensor([count], dtype=torch.int32))
+    changed = (want != slots).flatten(1).any(1)
+    assert torch.equal(changed.nonzero()[:, 0].sort().values, load[:count].sort().values)
+    got = slots.to(DEVICE)
+    count_dev = torch.tensor([count], dtype=torch.int32, device=DEVICE)
+    flash_h2d_triton(host, got, key.to(DEVICE), load.to(DEVICE), block=block, programs_per_sm=per_sm, count=count_dev)
+    assert torch.equal(got.cpu(), want)
 
 
 @pytest.mark.slow

@@ -77,8 +77,9 @@ def compare_step(pool: HBMPool, ref: HBMPool, key: torch.Tensor, lagged: bool = 
         (8, 4, 6, 2, True, 2),  # two sets: many misses per set, bypass reads every step
         (6, 8, 3, 2, True, 2),  # ways clipped to 6 slots: one set, ways not a power of two
         (1, 8, 2, 2, True, 2),  # a single slot
-        (64, 8, 10, 8, True, 2),  # 160 requests: one program of kernel 2 (BLOCK_EVICT)
-        (256, 8, 40, 16, True, 2),  # 1,280 requests: several programs in kernel 2
+        (64, 8, 10, 8, True, 2),  # 160 requests: one program of kernel 1
+        (256, 8, 40, 16, True, 2),  # 1,280 requests: several programs in kernel 1
+        (1024, 2, 40, 16, True, 2),  # 512 sets: more leaders than kernel 2's grid takes at once (it loops)
         (16, 8, 3, 1, False, 2),  # few misses per set: which free / equally old ways go first matters
         pytest.param(24, 8, 4, 3, True, 3, id="group-3kv"),  # 3 KV heads (SmolLM2): keys of (layer, block, head)
     ],
@@ -359,11 +360,18 @@ def test_triton_read_of_several_layers_matches_reference(defer, views):
         assert key.shape == (2, row_slots.numel(), hkv, cap) and torch.equal(key, key_r)
         if defer:
             assert torch.equal(pool.slots, slots_before)  # nothing loaded yet
-            (load,), (load_r,) = load, load_r
-            assert torch.equal(load[load >= 0].sort().values, load_r[load_r >= 0].sort().values)
-            for p, ld in ((pool, load), (ref, load_r)):
+            (loads,), (loads_r,) = load, load_r
+            assert torch.equal(loads[2], loads_r[2])  # each layer's loads, listed apart
+            slots_of = [torch.cat([ld[i, : int(c[i])] for i in range(2)]) for _, ld, c in (loads, loads_r)]
+            assert torch.equal(*(v.sort().values for v in slots_of))  # the same victims (atomic order pairs them)
+            for i in range(2):
+                n = int(loads[2][i])
+                for p, (lk, ld, _) in ((pool, loads), (ref, loads_r)):  # the installs of layer i only
+                    assert (ld[i, :n] >= 0).all() and torch.equal(p.resident[lk[i, :n]], ld[i, :n])
+                    assert (lk[i, :n] // ((blocks + 1) * hkv) == 1 + i).all()
+            for p, (lk, ld, count) in ((pool, loads), (ref, loads_r)):
                 for i in range(2):  # the caller's loads, a layer at a time
-                    flash_h2d_ref(host.flat(), p.slots, key[i].reshape(-1), ld[i].reshape(-1))
+                    flash_h2d_ref(host.flat(), p.slots, lk[i], ld[i], count[i : i + 1])
         with forced("torch"):
             for i in range(2):
                 assert torch.equal(
