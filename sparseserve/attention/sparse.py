@@ -361,8 +361,7 @@ class SparseBackend(AttentionBackend):
         lists are the next selection's sticky ones, in place, as without offload). Returns the kept view."""
         nd, state = len(rows.slots), self.state
         rows.slots = self.step_rows[1][:nd]  # (-1: padding rows, which read and write nothing)
-        with self._phase("h2d"):
-            view = self.offload.lookup(layer, tokens, rows.seq_lens, state.sel[layer], rows.slots)
+        view, lookup = self.offload.lookup(layer, tokens, state.sel.shape[-1])
         rv = self.refined_view
         with self._phase("selection"):
             self.policy.refine(
@@ -377,6 +376,7 @@ class SparseBackend(AttentionBackend):
                 out_view=rv,
                 out_rows=self.step_rows[0][:nd],
                 host_attended=self.offload.lookup_stats[2:],
+                lookup=lookup,
             )
         rows.slots = self.step_rows[0][:nd]
         return (*view[:2], rv[0][:nd], rv[1][:nd])

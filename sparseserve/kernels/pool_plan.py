@@ -14,8 +14,9 @@ FlashH2D of the misses; three launches on the GPU. `defer` leaves the FlashH2D t
 lagged read of every layer loads layer by layer, each beside the attention of the layers before
 it). See docs/offload.md, "The pool plan's kernels".
 
-pool_lookup: where a layer's listed head blocks are, planning nothing (one launch): the prefetching
-read, whose pool a plan of the previous step's lists filled beside the step.
+pool_lookup_ref: where a layer's listed head blocks are, planning nothing: the prefetching read,
+whose pool a plan of the previous step's lists filled beside the step. On the GPU it has no kernel
+of its own: topp's lse kernel does it (kernels/topp_prune.py, `ListLookup`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,16 @@ class ListLayout(NamedTuple):
     num_kv_heads: int
     local: int  # local window blocks: read from the device cache, never the pool
     block_size: int
+
+
+class ListLookup(NamedTuple):
+    """A layer's lists to look up in the pool inside another kernel (kernels/topp_prune.py: the prefetching
+    read's lookup is its lse kernel's): pool_lookup_ref's tables, layout, resident and stats."""
+
+    tables: torch.Tensor
+    layout: ListLayout
+    resident: torch.Tensor
+    stats: torch.Tensor
 
 
 def set_of(key: torch.Tensor, num_sets: int, hash_mult: int) -> torch.Tensor:
@@ -818,105 +829,6 @@ def pool_lookup_ref(
     hit = listed & (slot >= 0)
     stats += torch.stack([hit.sum(), (listed & ~hit).sum()])
     return torch.where(hit, slot, -1), key
-
-
-# Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
-@triton.jit(do_not_specialize=["stride_tb"])
-def _pool_lookup_kernel(
-    sel_ptr,
-    row_slots_ptr,
-    tables_ptr,
-    seq_lens_ptr,
-    resident_ptr,
-    loc_ptr,
-    key_ptr,
-    stats_ptr,
-    stride_ss,
-    stride_tb,
-    key_base,
-    trash_key,
-    HKV: tl.constexpr,
-    CAP: tl.constexpr,
-    CAP_P2: tl.constexpr,
-    LOCAL: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Program (row, KV head): its list's keys and where each is (pool_lookup_ref)."""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    row_slot = tl.load(row_slots_ptr + b).to(tl.int64)  # step inputs: before the wait (kernels/pdl.py)
-    seq_len = tl.load(seq_lens_ptr + b)
-    pdl_wait(PDL)  # the lists are the selection kernel's output
-    lim = tl.maximum(tl.cdiv(seq_len, BLOCK_SIZE) - LOCAL, 0)
-    c = tl.arange(0, CAP_P2)
-    inb = c < CAP
-    on = inb & ((tl.zeros([CAP_P2], tl.int64) + row_slot) >= 0)  # padding row (-1): none
-    entry = tl.load(sel_ptr + row_slot * stride_ss + h * CAP + c, mask=on, other=-1)
-    listed = (entry >= 0) & (entry < lim)
-    blk = tl.load(tables_ptr + b * stride_tb + entry, mask=listed, other=0).to(tl.int64)
-    key = tl.where(listed, (key_base + blk) * HKV + h, trash_key)
-    slot = tl.load(resident_ptr + key, mask=listed, other=-1)
-    hit = listed & (slot >= 0)
-    i = (b * HKV + h) * CAP + c
-    tl.store(loc_ptr + i, tl.where(hit, slot, -1), mask=inb)
-    tl.store(key_ptr + i, key, mask=inb)
-    tl.atomic_add(stats_ptr + 0, tl.sum(hit.to(tl.int64), axis=0), sem="relaxed")
-    tl.atomic_add(stats_ptr + 1, tl.sum((listed & ~hit).to(tl.int64), axis=0), sem="relaxed")
-
-
-def pool_lookup_triton(
-    sel: torch.Tensor,
-    row_slots: torch.Tensor,
-    tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    lay: ListLayout,
-    resident: torch.Tensor,
-    stats: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    b, cap = row_slots.numel(), sel.shape[-1]
-    assert sel.shape[1] == lay.num_kv_heads and sel.stride(2) == 1 and sel.stride(1) == cap
-    assert tables.stride(1) == 1
-    loc = torch.empty(b, lay.num_kv_heads, cap, dtype=torch.int64, device=sel.device)
-    key = torch.empty_like(loc)
-    if b:
-        pdl = use_pdl(sel.device)
-        _pool_lookup_kernel[(b, lay.num_kv_heads)](
-            sel,
-            row_slots,
-            tables,
-            seq_lens,
-            resident,
-            loc,
-            key,
-            stats,
-            sel.stride(0),
-            tables.stride(0),
-            lay.layer * (lay.num_blocks + 1),
-            resident.numel() - 1,
-            HKV=lay.num_kv_heads,
-            CAP=cap,
-            CAP_P2=triton.next_power_of_2(cap),
-            LOCAL=lay.local,
-            BLOCK_SIZE=lay.block_size,
-            PDL=pdl,
-            launch_pdl=pdl,
-        )
-    return loc, key
-
-
-def pool_lookup(
-    sel: torch.Tensor,
-    row_slots: torch.Tensor,
-    tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    lay: ListLayout,
-    resident: torch.Tensor,
-    stats: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """pool_lookup_ref's contract, one launch."""
-    fn = pool_lookup_triton if use_triton(sel) else pool_lookup_ref
-    return fn(sel, row_slots, tables, seq_lens, lay, resident, stats)
 
 
 def invalidate_ref(

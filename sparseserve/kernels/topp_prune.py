@@ -27,6 +27,7 @@ import torch
 
 from sparseserve.kernels.dispatch import tl, triton, use_triton
 from sparseserve.kernels.pdl import pdl_wait, use_pdl
+from sparseserve.kernels.pool_plan import ListLookup, pool_lookup_ref
 from sparseserve.kernels.sparse_decode import kv_rows_aligned, listed_rows, offload_context_ref
 
 MAX_PRUNE_CAP = 4096  # one prune program holds a list in registers
@@ -137,6 +138,7 @@ def topp_prune_ref(
     flat: torch.Tensor | None = None,
     host_attended: torch.Tensor | None = None,
     out_rows: torch.Tensor | None = None,
+    lookup: ListLookup | None = None,
 ) -> None:
     """Right after the first stage wrote lists into sel [S, Hkv, cap] for the decode rows q
     [B, Hq, D]: prunes in place the lists recomputed this step (counter - 1 a multiple of R:
@@ -151,8 +153,15 @@ def topp_prune_ref(
     flat (int8 [S, Hkv], the first stage's: kernels/block_score.py): lists flagged there stay whole.
     host_attended (with out_view, int64 [1]) += kept entries before the local window that the attention
     will read from the host (loc < 0). out_rows (int [B], with out): row b's list goes to out[out_rows[b]]
-    instead, padding rows' nowhere (prefetching reads: into the lists' read rows)."""
+    instead, padding rows' nowhere (prefetching reads: into the lists' read rows). lookup (with out_view,
+    prefetching reads): offload's loc and key [B, Hkv, cap] are not given but written: the lists' view by
+    decode row as pool_lookup_ref finds it (its statistics to lookup.stats), which the Triton path does in
+    its lse kernel."""
     block_size = kv_cache.shape[3]
+    if lookup is not None:
+        loc, key = pool_lookup_ref(sel, slots, lookup.tables, seq_lens, lookup.layout, lookup.resident, lookup.stats)
+        offload[2].copy_(loc)
+        offload[3].copy_(key)
     slots = slots.long()
     if offload is not None and view_by_slot:  # the reference reads the view by decode row
         offload = (*offload[:2], offload[2][slots], offload[3][slots])
@@ -254,7 +263,7 @@ def _skip(
 
 
 # Nothing step-shaped is specialized on (docs/architecture.md, "kernels/").
-@triton.jit(do_not_specialize=["stride_tb"])
+@triton.jit(do_not_specialize=["stride_tb", "stride_kt"])
 def _block_lse_kernel(
     q_ptr,
     cache_ptr,
@@ -271,6 +280,8 @@ def _block_lse_kernel(
     loc_ptr,
     key_ptr,
     reads_ptr,
+    tok_ptr,
+    resident_ptr,
     stride_qt,
     stride_qh,
     stride_cb,
@@ -278,6 +289,9 @@ def _block_lse_kernel(
     stride_tb,
     stride_ss,
     stride_cs,
+    stride_kt,
+    key_base,
+    trash_key,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -294,21 +308,39 @@ def _block_lse_kernel(
     LOCAL: tl.constexpr,
     VIEW_BY_SLOT: tl.constexpr,
     K_ALIGNED: tl.constexpr,
+    LOOKUP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """lse[b, kvh * GROUP + g, e] for this program's TILE_E entries (reference: block_lse_ref).
     OFFLOAD: entries before the local window read K as the sparse decode kernel does, and COUNT_READS adds
     to reads_ptr[0] those read from the host. K_ALIGNED (the launcher checks it: kv_rows_aligned): every
-    token row's start is 16-byte aligned, so the picked rows load in 16-byte vectors, not 2-byte ones."""
+    token row's start is 16-byte aligned, so the picked rows load in 16-byte vectors, not 2-byte ones.
+    LOOKUP (prefetching reads): the view is this kernel's output, not its input: each entry's key from the
+    token table tok_ptr and its slot resident[key], written to loc / key by decode row for every row, the
+    rows it skips included (the prune reads the view of every list)."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    if _skip(
+    skip = _skip(
         seq_lens_ptr, slots_ptr, counter_ptr, flat_ptr, b, kvh, stride_cs, BLOCK_SIZE, CAP, REUSE, SHORT_DENSE, FLAT
-    ):
-        return
+    )
     seq_len = tl.load(seq_lens_ptr + b)
     slot = tl.load(slots_ptr + b).to(tl.int64)
+    t = tl.arange(0, TILE_E * BLOCK_SIZE)  # token t: entry t // BLOCK_SIZE, row t % BLOCK_SIZE
+    e = tl.program_id(2) * TILE_E + t // BLOCK_SIZE
+    off = t % BLOCK_SIZE
+    if LOOKUP:  # (pool_plan.pool_lookup_ref, one lane an entry stores)
+        live = (e < CAP) & ((tl.zeros_like(e) + seq_len) > 0) & ((tl.zeros_like(e).to(tl.int64) + slot) >= 0)
+        jv = tl.load(sel_ptr + tl.maximum(slot, 0) * stride_ss + kvh * CAP + e, mask=live, other=-1)
+        vlisted = (jv >= 0) & (jv < tl.maximum(tl.cdiv(seq_len, BLOCK_SIZE) - LOCAL, 0))
+        tok = tl.load(tok_ptr + b.to(tl.int64) * stride_kt + jv, mask=vlisted, other=0).to(tl.int64)
+        vkey = tl.where(vlisted, (key_base + tok) * tl.num_programs(1) + kvh, trash_key)
+        vloc = tl.load(resident_ptr + vkey, mask=vlisted, other=-1)
+        vbase = (b.to(tl.int64) * tl.num_programs(1) + kvh) * CAP
+        tl.store(loc_ptr + vbase + e, vloc, mask=(off == 0) & (e < CAP))
+        tl.store(key_ptr + vbase + e, vkey, mask=(off == 0) & (e < CAP))
+    if skip:
+        return
     g = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
@@ -317,9 +349,6 @@ def _block_lse_kernel(
         mask=(g < GROUP)[:, None] & (dims < HEAD_DIM)[None, :],
         other=0.0,
     )
-    t = tl.arange(0, TILE_E * BLOCK_SIZE)  # token t: entry t // BLOCK_SIZE, row t % BLOCK_SIZE
-    e = tl.program_id(2) * TILE_E + t // BLOCK_SIZE
-    off = t % BLOCK_SIZE
     j = tl.load(sel_ptr + slot * stride_ss + kvh * CAP + e, mask=e < CAP, other=-1)
     ok = (j >= 0) & (j * BLOCK_SIZE + off < seq_len)
     dmask = (dims < HEAD_DIM)[None, :]
@@ -329,8 +358,12 @@ def _block_lse_kernel(
         if VIEW_BY_SLOT:
             vrow = slot
         lrow = (vrow * tl.num_programs(1) + kvh) * CAP
-        pslot = tl.load(loc_ptr + lrow + e, mask=listed & (e < CAP), other=-1)
-        hkey = tl.load(key_ptr + lrow + e, mask=listed & (e < CAP), other=0)
+        if LOOKUP:  # this kernel's own lookup (above)
+            pslot = tl.where(listed, vloc, -1)
+            hkey = vkey
+        else:
+            pslot = tl.load(loc_ptr + lrow + e, mask=listed & (e < CAP), other=-1)
+            hkey = tl.load(key_ptr + lrow + e, mask=listed & (e < CAP), other=0)
         in_cache = ok & ~listed
         blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + j, mask=in_cache, other=0).to(tl.int64)
         # One pointer per token row (a select, not three masked loads): pool, host (UVA) or cache; K is the
@@ -426,6 +459,7 @@ def _prune_kernel(
     out_key_ptr,
     host_ptr,
     out_rows_ptr,
+    lookup_stats_ptr,
     top_p,
     stride_ss,
     stride_cs,
@@ -449,10 +483,13 @@ def _prune_kernel(
     VIEW_BY_SLOT: tl.constexpr,
     COUNT_HOST: tl.constexpr,
     OUT_ROWS: tl.constexpr,
+    COUNT_LOOKUP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Prunes the list of (b, kvh) in place, or with OUT into out row b (reference: topp_prune_ref); with VIEW
-    also the kept entries' view (loc, key) into out_loc / out_key row b (in place: a skipped list's whole)."""
+    also the kept entries' view (loc, key) into out_loc / out_key row b (in place: a skipped list's whole).
+    COUNT_LOOKUP: the listed entries before the window found in the pool and not go to lookup_stats[0:2]
+    (the lse kernel looked them up: a count a list here, not an atomic a tile there)."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -477,6 +514,11 @@ def _prune_kernel(
         vrow = (vrow * tl.num_programs(1) + kvh) * CAP
         vloc = tl.load(view_loc_ptr + vrow + e, mask=listed, other=-1)
         vkey = tl.load(view_key_ptr + vrow + e, mask=listed, other=-1)
+        if COUNT_LOOKUP:
+            looked = listed & (j < nb - LOCAL) & ((tl.zeros([CAP_PAD], tl.int64) + slot) >= 0)
+            found = tl.sum((looked & (vloc >= 0)).to(tl.int64), 0)
+            tl.atomic_add(lookup_stats_ptr, found, sem="relaxed")
+            tl.atomic_add(lookup_stats_ptr + 1, tl.sum(looked.to(tl.int64), 0) - found, sem="relaxed")
     forced = listed & ((j < SINK) | (j >= nb - LOCAL))
     cand = listed & ~forced
     # Per query head: softmax over the listed entries; then the group's mean (or each head).
@@ -557,10 +599,12 @@ def block_lse_triton(
     host_reads: torch.Tensor | None = None,
     view_by_slot: bool = False,
     flat: torch.Tensor | None = None,
+    lookup: ListLookup | None = None,
 ) -> torch.Tensor:
     """float32 [B, Hq, cap]: block_lse_ref of sel[slots], written for the rows that prune; host_reads
     (int64 [1], offload only) += the entries whose keys came from the host; view_by_slot: offload's
-    rows by state slot; flat: topp_prune_ref's."""
+    rows by state slot; flat: topp_prune_ref's; lookup: offload's loc and key are written, not read
+    (topp_prune_ref)."""
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     cap = sel.shape[-1]
@@ -578,6 +622,14 @@ def block_lse_triton(
     else:
         aligned = False
         pool_slots = host_flat = loc = key = kv_cache  # unused (OFFLOAD=False)
+    if lookup is not None:
+        assert offload is not None and not view_by_slot and lookup.tables.stride(1) == 1
+        assert loc.shape == key.shape == (batch, num_kv_heads, cap)
+        tok, resident, lay = lookup.tables, lookup.resident, lookup.layout
+        key_base, trash_key = lay.layer * (lay.num_blocks + 1), resident.numel() - 1
+    else:
+        tok = resident = block_tables  # unused (LOOKUP=False)
+        key_base = trash_key = 0
     pdl = use_pdl(q.device)
     _block_lse_kernel[(batch, num_kv_heads, triton.cdiv(cap, tile_e))](
         q,
@@ -595,6 +647,8 @@ def block_lse_triton(
         loc,
         key,
         lse if host_reads is None else host_reads,
+        tok,
+        resident,
         q.stride(0),
         q.stride(1),
         kv_cache.stride(0),
@@ -602,6 +656,9 @@ def block_lse_triton(
         block_tables.stride(0),
         sel.stride(0),
         counter.stride(0),
+        tok.stride(0),
+        key_base,
+        trash_key,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
@@ -618,6 +675,7 @@ def block_lse_triton(
         LOCAL=local,
         VIEW_BY_SLOT=view_by_slot,
         K_ALIGNED=aligned,
+        LOOKUP=lookup is not None,
         num_warps=4,
         PDL=pdl,
         launch_pdl=pdl,
@@ -649,11 +707,13 @@ def prune_lists_triton(
     flat: torch.Tensor | None = None,
     host_attended: torch.Tensor | None = None,
     out_rows: torch.Tensor | None = None,
+    lookup_stats: torch.Tensor | None = None,
 ) -> None:
     """Prunes sel[slots] in place from their blocks' lse [B, Hq, cap] (prune_ref); stats[0] -=
     dropped entries. out, out_view, host_attended, out_rows: topp_prune_ref's, from the candidates' view
-    (loc, key; by state slot with view_by_slot). sort: one sort of the masses finds the threshold, else rounds of `ways`
-    thresholds (the same lists; None: a sort up to SORT_MAX_CAP; benchmarks/topp_parts.py)."""
+    (loc, key; by state slot with view_by_slot); lookup_stats (with out_view): ListLookup.stats. sort: one
+    sort of the masses finds the threshold, else rounds of `ways` thresholds (the same lists; None: a sort up
+    to SORT_MAX_CAP; benchmarks/topp_parts.py)."""
     batch, num_q_heads, cap = lse.shape
     if sort is None:
         sort = cap <= SORT_MAX_CAP
@@ -689,6 +749,7 @@ def prune_lists_triton(
         out_key,
         stats if host_attended is None else host_attended,
         seq_lens if out_rows is None else out_rows,
+        stats if lookup_stats is None else lookup_stats,
         prune_target(top_p),
         sel.stride(0),
         counter.stride(0),
@@ -712,6 +773,7 @@ def prune_lists_triton(
         VIEW_BY_SLOT=view_by_slot,
         COUNT_HOST=out_view is not None and host_attended is not None,
         OUT_ROWS=out is not None and out_rows is not None,
+        COUNT_LOOKUP=out_view is not None and lookup_stats is not None,
         num_warps=4,
         PDL=pdl,
         launch_pdl=pdl,
@@ -743,9 +805,11 @@ def topp_prune_triton(
     flat: torch.Tensor | None = None,
     host_attended: torch.Tensor | None = None,
     out_rows: torch.Tensor | None = None,
+    lookup: ListLookup | None = None,
 ) -> None:
     if flat is not None:
         assert flat.shape == sel.shape[:2] and flat.is_contiguous()
+    assert lookup is None or out_view is not None
     lse = block_lse_triton(
         q,
         kv_cache,
@@ -762,6 +826,7 @@ def topp_prune_triton(
         host_reads=host_reads,
         view_by_slot=view_by_slot,
         flat=flat,
+        lookup=lookup,
     )
     prune_lists_triton(
         lse,
@@ -784,4 +849,5 @@ def topp_prune_triton(
         flat=flat,
         host_attended=host_attended,
         out_rows=out_rows,
+        lookup_stats=None if lookup is None else lookup.stats,
     )

@@ -18,7 +18,7 @@ from sparseserve.kvcache.blocks import blocks_needed
 from sparseserve.kvcache.host import HostKVStore, host_block_bytes, pinned_zeros
 from sparseserve.kvcache.layout import OffloadLayout
 from sparseserve.kvcache.offload_plan import OffloadPlan
-from sparseserve.kernels.pool_plan import ListLayout, pool_lookup
+from sparseserve.kernels.pool_plan import ListLayout, ListLookup
 from sparseserve.kvcache.pool import HBMPool
 from sparseserve.kvcache.transfer import to_device_many
 from sparseserve.kvcache.working_set import WorkingSetCounter
@@ -417,17 +417,19 @@ class OffloadCache:
         )
         return self.pool.slots, host_flat, loc, key
 
-    def lookup(
-        self, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor, sel: torch.Tensor, row_slots: torch.Tensor
-    ) -> OffloadView:
+    def lookup(self, layer: int, tables: torch.Tensor, cap: int) -> tuple[OffloadView, ListLookup]:
         """The prefetching read (docs/offload.md, "Prefetching reads"): where each listed head block
         is now, by decode row, planning and loading nothing; the pool holds what the step's plan of the
         previous step's lists loaded (`plan_lagged`, beside the step) and the rest is read from the
-        host over UVA (topp's prune counts the host reads it keeps into `lookup_stats[2:]`). `read`'s
-        arguments."""
+        host over UVA (topp's prune counts the host reads it keeps into `lookup_stats[2:]`). Returns
+        the view to be written and the lookup that writes it: topp's prune does it in its first kernel
+        (kernels/topp_prune.py `lookup`), one launch a layer less. tables: the decode rows' token block
+        tables [B, W]; cap: the lists' length."""
         lay = ListLayout(layer, self.pool.num_blocks, self.pool.num_kv_heads, self.local_blocks, self.block_size)
-        loc, key = pool_lookup(sel, row_slots, tables, seq_lens, lay, self.pool.resident, self.lookup_stats[:2])
-        return self.pool.slots, self.host.flat(), loc, key
+        shape = (tables.shape[0], self.pool.num_kv_heads, cap)
+        loc, key = (torch.empty(shape, dtype=torch.int64, device=tables.device) for _ in range(2))
+        view = (self.pool.slots, self.host.flat(), loc, key)
+        return view, ListLookup(tables, lay, self.pool.resident, self.lookup_stats[:2])
 
     def init_lagged(self, list_rows: int, cap: int, prefetch: bool = False) -> None:
         """Lagged selection: a view buffer per sparse layer with a row per list row (state slot

@@ -483,3 +483,66 @@ def test_topp_prune_into_read_rows_counts_the_host_reads_it_keeps(hq=8, hkv=2):
     before_window = (pruned >= 0) & (pruned < (nb - 2)[:, None, None])
     expected = int((before_window & (outs[0][1] < 0)).sum())
     assert expected > 0 and int(outs[0][4]) == expected
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), pytest.param(9, 3, id="group3-9q3kv")])
+def test_topp_prune_looks_the_candidates_up_itself(hq, hkv):
+    """Prefetching reads (`lookup`): the candidates' view is not given but found, each listed entry's key from
+    the token tables and its slot in the pool's `resident` (half the keys are in the pool, the rest read from
+    the host), by the lse kernel for every row (a padding row and one within the cap, which the prune skips,
+    included); the prune counts what was found and not. The Triton path equals the reference, which looks up
+    with pool_lookup_ref first: the view written, the kept lists and their view, and every count."""
+    from sparseserve.kernels.pool_plan import ListLayout, ListLookup, pool_lookup_ref
+
+    torch.manual_seed(13)
+    d, bs, cap, top_p = OFFLOAD_CASE
+    q, cache, tables, seq_lens = batch(LENS, hq, hkv, d, bs, torch.float32, sharp=3.0)
+    live = seq_lens > 0
+    slots = torch.tensor([4, 0, -1, 2, 1], dtype=torch.int32, device=DEV)  # write rows; -1: the padding row
+    state = empty_state(6, hkv, cap)
+    candidates(
+        seq_lens,
+        slots.clamp_min(0),
+        state,
+        torch.zeros(hkv, dtype=torch.bool, device=DEV),
+        params(cap, bs, top_p),
+        random_scores(seq_lens, hq, bs),
+    )
+    state[0][2].fill_(-1)  # (slot 2 was the padding row's stand-in)
+    num_blocks = tables.shape[0] * tables.shape[1]
+    tokens = torch.randperm(num_blocks, device=DEV).view_as(tables).to(torch.int32)  # host rows (token blocks)
+    lay = ListLayout(1, num_blocks, hkv, 2, bs)
+    num_keys = 2 * (num_blocks + 1) * hkv
+    host = torch.randn(num_keys + 1, 2, bs, d, device=DEV)
+    resident = torch.full((num_keys + 1,), -1, dtype=torch.int64, device=DEV)
+    pooled = torch.randperm(num_keys, device=DEV)[: num_keys // 2]
+    resident[pooled] = torch.randperm(len(pooled), device=DEV)
+    pool = torch.randn(len(pooled) + 1, 2, bs, d, device=DEV)
+    pool[resident[pooled]] = host[pooled]
+    poisoned = cache.clone()
+    for b, nb in enumerate(((seq_lens + bs - 1) // bs).tolist()):
+        poisoned[tables[b, : max(0, nb - 2)].long()] = float("nan")
+    out_rows = (torch.arange(len(LENS), device=DEV) * 2 + 1).to(torch.int32)
+    outs = []
+    for fn in (topp_prune_ref, topp_prune_triton):
+        sel, counter, stats = (t.clone() for t in state)
+        view = tuple(torch.full((len(LENS), hkv, cap), 7, dtype=torch.int64, device=DEV) for _ in range(2))
+        out = torch.full((2 * len(LENS), hkv, cap), 7, dtype=torch.int32, device=DEV)
+        out_view = tuple(torch.full((len(LENS), hkv, cap), 7, dtype=torch.int64, device=DEV) for _ in range(2))
+        counts = torch.zeros(5, dtype=torch.int64, device=DEV)  # found, not found, attended from host, key reads
+        fn(
+            q, poisoned, tables, seq_lens, slots, sel, counter, stats, sink=1, local=2, top_p=top_p,
+            scale=d**-0.5, offload=(pool, host, *view), host_reads=counts[3:4], out=out, out_rows=out_rows,
+            out_view=out_view, host_attended=counts[2:3], lookup=ListLookup(tokens, lay, resident, counts[:2]),
+        )  # fmt: skip
+        assert torch.equal(sel, state[0])  # the candidates stay
+        outs.append((*view, out, *out_view, stats, counts))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    found = torch.zeros(2, dtype=torch.int64, device=DEV)
+    want = pool_lookup_ref(state[0], slots, tokens, seq_lens, lay, resident, found)
+    assert torch.equal(outs[0][0], want[0]) and torch.equal(outs[0][1], want[1])
+    counts = outs[0][-1].tolist()
+    assert counts[:2] == found.tolist() and min(counts[:4]) > 0  # in the pool and not; kept and read from host
+    pruned = outs[0][2][out_rows.long()]
+    assert int((pruned[live] >= 0).sum()) < int((state[0][slots[live].long()] >= 0).sum())  # something was pruned
