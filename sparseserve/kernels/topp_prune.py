@@ -14,7 +14,8 @@ the forced blocks and the top candidates. Here:
      padding rows nowhere), padding rows get -1, and the prune counts what it keeps (stats[0] +=
      kept, stats[1] += 1 per live list): the candidates' selection counted nothing. `out_view` (either
      way): each kept entry's pool view (slot, host row) at its new position by decode row, so the
-     attention reads the pruned lists without a second pool lookup.
+     attention reads the pruned lists without a second pool lookup. `lookup` (prefetching reads): the
+     candidates' view is not given; kernel 1 looks each entry up in the pool itself and writes it.
 Both skip padding rows, rows that fit the cap and, with reuse, lists kept this step, so the
 grid follows shapes only (capturable). Under KV offload keys are read through the pool view
 (`offload`, as in kernels/sparse_decode.py; `view_by_slot`: its rows by state slot, as lagged
