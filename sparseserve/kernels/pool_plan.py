@@ -210,10 +210,12 @@ def _lookup(
     load_other,
     WAYS: tl.constexpr,
     HASH: tl.constexpr,
+    STORE: tl.constexpr = True,
 ):
     """Kernel 1's lookup of the requested keys (need) at positions i (inb: in bounds); the
     caller loaded slot = resident[key]. load_other: `load` where kernel 2 installs nothing
-    (-1; pool_read marks repeats -2). A hit's last_use = clock marks it in use this step; a
+    (-1; pool_read marks repeats -2); STORE False: no loc and load a request (a caller that
+    reads neither). A hit's last_use = clock marks it in use this step; a
     set's rank-0 miss joins the leaders (the count at lead_ptr[clock % 2], the list after two)."""
     hit = need & (slot >= 0)
     miss = need & (slot < 0)
@@ -227,8 +229,9 @@ def _lookup(
     if leads > 0:  # (most programs hold no set's first miss: no atomic)
         pos = tl.atomic_add(lead_ptr + (clock & 1), leads, sem="relaxed") + tl.cumsum(lead, 0) - 1
         tl.store(lead_ptr + 2 + pos, i.to(tl.int32), mask=lead > 0)
-    tl.store(loc_ptr + i, tl.where(hit, slot, -1), mask=inb)
-    tl.store(load_ptr + i, load_other, mask=inb)
+    if STORE:
+        tl.store(loc_ptr + i, tl.where(hit, slot, -1), mask=inb)
+        tl.store(load_ptr + i, load_other, mask=inb)
     # The trap: an atomic a program on one address serializes across thousands of programs; add only
     # what is not zero (a pool that hits leaves the miss count alone).
     hits = tl.sum(hit.to(tl.int64), axis=0)
@@ -333,11 +336,15 @@ def _list_lookup_kernel(
     TOUCH: tl.constexpr,
     NUM_SLOTS: tl.constexpr,
     WINDOW: tl.constexpr,
+    VIEWS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (row, KV head, layer of the call): its list's keys, the claim of each (an atomic
     exchange of the clock: the first claimant represents the key), the lookup of the
-    representatives; TOUCH: the keys join the row's working set (kernels/working_set.py)."""
+    representatives; TOUCH: the keys join the row's working set (kernels/working_set.py). VIEWS
+    False (a deferred read without views): only the misses are claimed and keep their keys (a
+    hit listed twice is two hits), and no request's loc or load is written: kernel 2 and the
+    loads by layer need nothing else."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     li = tl.program_id(2).to(tl.int64)
@@ -357,12 +364,19 @@ def _list_lookup_kernel(
     blk = tl.load(tables_ptr + b * stride_tb + entry, mask=listed, other=0).to(tl.int64)
     key = tl.where(listed, (key_base + li * key_step + blk) * HKV + h, trash_key)
     i = ((li * tl.num_programs(0) + b) * HKV + h) * CAP + c
-    tl.store(key_out_ptr + i, key, mask=inb)
-    old = tl.atomic_xchg(claim_ptr + key, tl.zeros_like(key) + clock, mask=listed, sem="relaxed")
-    slot = tl.load(resident_ptr + key, mask=listed, other=-1)  # read for repeats too (unused there)
+    if VIEWS:
+        tl.store(key_out_ptr + i, key, mask=inb)
+        old = tl.atomic_xchg(claim_ptr + key, tl.zeros_like(key) + clock, mask=listed, sem="relaxed")
+        slot = tl.load(resident_ptr + key, mask=listed, other=-1)  # read for repeats too (unused there)
+        repeat = listed & (old == clock)
+    else:
+        slot = tl.load(resident_ptr + key, mask=listed, other=-1)
+        missing = listed & (slot < 0)
+        tl.store(key_out_ptr + i, key, mask=missing)
+        old = tl.atomic_xchg(claim_ptr + key, tl.zeros_like(key) + clock, mask=missing, sem="relaxed")
+        repeat = missing & (old == clock)
     if TOUCH:
         prev = tl.load(stamp_ptr + key, mask=listed, other=-1)
-    repeat = listed & (old == clock)
     _lookup(
         key,
         listed & ~repeat,
@@ -381,6 +395,7 @@ def _list_lookup_kernel(
         tl.where(repeat, -2, -1).to(tl.int64),
         WAYS=WAYS,
         HASH=HASH,
+        STORE=VIEWS,
     )
     if TOUCH:
         ws_slot = row_slot % NUM_SLOTS  # a lagged list's row is its state slot + num_slots * parity
@@ -595,7 +610,8 @@ def pool_read_ref(
     returns (loc, key, loads), loads = (key, load, count) by layer ([L, loads_width(N / L)] x 2, int32 [L];
     L = 1 for one layer): layer l's misses are its first count[l] entries, each to be loaded into slot load from
     host row key (FlashH2D; a key listed twice loads once). views=False (with defer): a caller that
-    only loads (prefetching reads look their lists up later): loc is None, which saves resolving the repeats."""
+    only loads (prefetching reads look their lists up later): loc is None, key names the misses only (the
+    others may be anything), and a hit listed twice counts as two hits (the kernels claim only misses)."""
     trash_key = st.resident.numel() - 1
     if sel.dim() == 4:
         key = torch.stack(
@@ -612,6 +628,8 @@ def pool_read_ref(
     first = torch.full_like(pos, flat.numel()).scatter_reduce_(0, inverse, pos, "amin")
     rep = first[inverse]  # the first occurrence of each key represents it
     unique = torch.where(rep == pos, flat, trash_key)
+    if defer and not views:  # the kernels count a hit listed twice as two (they claim only the misses)
+        hit_repeats = ((rep != pos) & (flat != trash_key) & (st.resident[flat] >= 0)).sum()
     loc, load = pool_plan_ref(
         unique,
         st.resident,
@@ -626,6 +644,8 @@ def pool_read_ref(
     )
     if sel.dim() == 4:  # a layer step per layer, as the kernels count
         st.stats[3] += sel.shape[0] - 1
+    if defer and not views:
+        st.stats[0] += hit_repeats
     if not defer:
         flash_h2d_ref(host_flat, pool_slots, unique, load)
     if touch is not None:
@@ -724,6 +744,7 @@ def pool_read_triton(
             TOUCH=touch is not None,
             NUM_SLOTS=ws.hist.shape[0] if touch is not None else 1,
             WINDOW=ws.hist.shape[1] if touch is not None else 1,
+            VIEWS=views or not defer,
             PDL=pdl,
             launch_pdl=pdl,
         )
