@@ -515,11 +515,6 @@ def _prune_kernel(
         vrow = (vrow * tl.num_programs(1) + kvh) * CAP
         vloc = tl.load(view_loc_ptr + vrow + e, mask=listed, other=-1)
         vkey = tl.load(view_key_ptr + vrow + e, mask=listed, other=-1)
-        if COUNT_LOOKUP:
-            looked = listed & (j < nb - LOCAL) & ((tl.zeros([CAP_PAD], tl.int64) + slot) >= 0)
-            found = tl.sum((looked & (vloc >= 0)).to(tl.int64), 0)
-            tl.atomic_add(lookup_stats_ptr, found, sem="relaxed")
-            tl.atomic_add(lookup_stats_ptr + 1, tl.sum(looked.to(tl.int64), 0) - found, sem="relaxed")
     forced = listed & ((j < SINK) | (j >= nb - LOCAL))
     cand = listed & ~forced
     # Per query head: softmax over the listed entries; then the group's mean (or each head).
@@ -551,7 +546,18 @@ def _prune_kernel(
             sel_row = out_ptr + b.to(tl.int64) * stride_ob + kvh * CAP
     elif VIEW:  # in place, a skipped list gets its whole view (lists are compact: it is its own compaction)
         keep = tl.where(skip, listed, keep)
-    count = tl.sum(keep.to(tl.int32), 0)
+    if VIEW:  # every count in one reduction (each is a round of barriers), 16 bits each: CAP < 2**16
+        packed = keep.to(tl.int64)
+        before = listed & (j < nb - LOCAL)
+        if COUNT_HOST:  # kept entries before the window the attention reads from the host
+            packed += (keep & before & (vloc < 0)).to(tl.int64) << 16
+        if COUNT_LOOKUP:  # the listed entries before the window found in the pool, and those not
+            looked = before & ((tl.zeros([CAP_PAD], tl.int64) + slot) >= 0)
+            packed += ((looked & (vloc >= 0)).to(tl.int64) << 32) + ((looked & (vloc < 0)).to(tl.int64) << 48)
+        packed = tl.sum(packed, 0)
+        count = (packed & 0xFFFF).to(tl.int32)
+    else:
+        count = tl.sum(keep.to(tl.int32), 0)
     pos = tl.cumsum(keep.to(tl.int32), 0) - 1
     tail = (e >= count) & (e < CAP)
     if VIEW and not OUT:  # ... and is not rewritten (a padding row's slot is another row's)
@@ -572,9 +578,15 @@ def _prune_kernel(
         tl.store(out_loc_ptr + orow + e, fill, mask=tail)
         tl.store(out_key_ptr + orow + pos, vkey, mask=keep)
         tl.store(out_key_ptr + orow + e, fill, mask=tail)
-        if COUNT_HOST:  # kept entries before the window the attention reads from the host
-            host = keep & (j < nb - LOCAL) & (vloc < 0)
-            tl.atomic_add(host_ptr, tl.sum(host.to(tl.int64), 0), sem="relaxed")
+        if COUNT_HOST:
+            host = (packed >> 16) & 0xFFFF
+            if host > 0:
+                tl.atomic_add(host_ptr, host, sem="relaxed")
+        if COUNT_LOOKUP:
+            tl.atomic_add(lookup_stats_ptr, (packed >> 32) & 0xFFFF, sem="relaxed")
+            missing = (packed >> 48) & 0xFFFF
+            if missing > 0:
+                tl.atomic_add(lookup_stats_ptr + 1, missing, sem="relaxed")
     if OUT:
         tl.atomic_add(stats_ptr, count.to(tl.int64))
         tl.atomic_add(stats_ptr + 1, (seq_len > 0).to(tl.int64))
