@@ -470,8 +470,10 @@ class SparseDecodeConfig:
     tma: bool = False  # gather with TMA (capability 9+; offload: the pool's too): tiles x tile_n tokens
 
 
-# bf16/fp16 where TMA does not apply: a few tiles a program, 3 stages.
+# bf16/fp16 where TMA does not apply: a few tiles a program, 3 stages; 2 under offload, whose pointer select
+# holds more registers a stage (at 3, fewer programs fit an SM: docs/offload.md).
 FAST_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=4, num_stages=3, tiles=4)
+FAST_OFFLOAD_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=4, num_stages=2, tiles=4)
 # Where TMA applies (bf16/fp16, capability 9+; offload too): 16 blocks a program, 2 warps.
 TMA_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=2, num_stages=3, tiles=4, tma=True)
 
@@ -485,11 +487,13 @@ TMA_MIN_BOX = 2048
 
 def default_config(kv_cache: torch.Tensor, offload) -> SparseDecodeConfig:
     """TMA_CONFIG on a GPU where TMA applies (blocks of TMA_MIN_BLOCK tokens or more; offloaded, boxes of
-    TMA_MIN_BOX elements or more), else FAST_CONFIG (the interpreter: plain kernel)."""
+    TMA_MIN_BOX elements or more), else FAST_CONFIG, or FAST_OFFLOAD_CONFIG offloaded (the interpreter: plain)."""
     on_gpu = kv_cache.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
     block_size, head_dim = kv_cache.shape[3], kv_cache.shape[-1]
     big_blocks = block_size >= TMA_MIN_BLOCK or (offload is not None and block_size * head_dim >= TMA_MIN_BOX)
-    return TMA_CONFIG if on_gpu and big_blocks and tma_capable(kv_cache, offload) else FAST_CONFIG
+    if on_gpu and big_blocks and tma_capable(kv_cache, offload):
+        return TMA_CONFIG
+    return FAST_CONFIG if offload is None else FAST_OFFLOAD_CONFIG
 
 
 def tma_capable(kv_cache: torch.Tensor, offload) -> bool:
