@@ -16,14 +16,13 @@ keeps part of the candidates, as on a real model (at the default 5, about 2,000 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from benchmarks.sparse import DTYPE, graph_ms
+from benchmarks.topp_parts import write_rows
 from sparseserve.attention.selection import SelectionParams
 from sparseserve.bench.hardware import print_table
 from sparseserve.config import SparseConfig
@@ -184,9 +183,7 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     print_table(rows, f"topp's layer, in HBM and offloaded (prefetching reads), us ({device})")
     if args.json:
-        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        with open(args.json, "w") as f:
-            json.dump({"device": device, "date": date, "torch": torch.__version__, "rows": rows}, f, indent=1)
+        write_rows(args.json, device, rows)
 
 
 if __name__ == "__main__":

@@ -210,9 +210,14 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     print_table(rows, f"one sparse layer by stage, batch {args.batch} ({device})")
     if args.json:
-        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        with open(args.json, "w") as f:
-            json.dump({"device": device, "date": date, "torch": torch.__version__, "rows": rows}, f, indent=1)
+        write_rows(args.json, device, rows)
+
+
+def write_rows(path: str, device: str, rows: list[dict]) -> None:
+    """The rows as JSON, with the device, the date (UTC) and torch's version."""
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    with open(path, "w") as f:
+        json.dump({"device": device, "date": date, "torch": torch.__version__, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
