@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -473,7 +473,7 @@ class SparseDecodeConfig:
 # bf16/fp16 where TMA does not apply: a few tiles a program, 3 stages; 2 under offload, whose pointer select
 # holds more registers a stage (at 3, fewer programs fit an SM: docs/offload.md).
 FAST_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=4, num_stages=3, tiles=4)
-FAST_OFFLOAD_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=4, num_stages=2, tiles=4)
+FAST_OFFLOAD_CONFIG = replace(FAST_CONFIG, num_stages=2)
 # Where TMA applies (bf16/fp16, capability 9+; offload too): 16 blocks a program, 2 warps.
 TMA_CONFIG = SparseDecodeConfig(tile_n=128, num_warps=2, num_stages=3, tiles=4, tma=True)
 
