@@ -67,7 +67,7 @@ def inputs(batch: int, shape: tuple, case: tuple, device: str, dtype: torch.dtyp
 
 
 def offloaded(cache: torch.Tensor, tables: torch.Tensor, sel: torch.Tensor, host_share: float, seed: int = 0) -> tuple:
-    """The kernels' offload view of the listed blocks: (pool slots, host rows, loc, key) as the HBM pool gives
+    """The kernels' offload view of the listed blocks: (pool slots, host rows, loc) as the HBM pool gives
     it, each listed block in a pool slot of its own, or (host_share of them) read from its host row; the host
     store pinned on a GPU (UVA)."""
     batch, hkv, cap = sel.shape
@@ -86,8 +86,8 @@ def offloaded(cache: torch.Tensor, tables: torch.Tensor, sel: torch.Tensor, host
         from sparseserve.kvcache.host import pinned_zeros
 
         host = pinned_zeros(tuple(host.shape), host.dtype).copy_(host)
-    loc = torch.where(torch.rand(n, device=sel.device, generator=gen) < host_share, -1, loc)
-    return pool, host, loc.view(batch, hkv, cap), key.view(batch, hkv, cap)
+    loc = torch.where(torch.rand(n, device=sel.device, generator=gen) < host_share, -1 - key, loc)
+    return pool, host, loc.view(batch, hkv, cap)
 
 
 def measure(

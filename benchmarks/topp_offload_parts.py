@@ -50,8 +50,8 @@ class Layer:
     pool: torch.Tensor
     host: torch.Tensor
     lookup: ListLookup
-    view: tuple[torch.Tensor, torch.Tensor]  # the candidates' view (the lse writes it)
-    kept_view: tuple[torch.Tensor, torch.Tensor]  # the kept lists' (the prune writes it)
+    view: torch.Tensor  # the candidates' view (the lse writes it)
+    kept_view: torch.Tensor  # the kept lists' (the prune writes it)
     counts: torch.Tensor  # the kept entries the attention reads from the host, the keys the lse read there
     params: SelectionParams
 
@@ -78,7 +78,7 @@ def build(batch: int, ctx: int, sharpness: float, device: str = "cuda", dtype: t
     resident[keys.flatten()] = torch.randperm(keys.numel(), generator=g).to(device)
     pool = torch.empty(keys.numel() + 1, 2, BS, D, dtype=dtype, device=device)
     pool[resident[keys]] = cache[tables.long()]  # [B, nb, Hkv, 2, bs, D]: each listed head block
-    view = [torch.full((batch, HKV, p.cap), -1, dtype=torch.int64, device=device) for _ in range(4)]
+    view = [torch.full((batch, HKV, p.cap), -1, dtype=torch.int64, device=device) for _ in range(2)]
     return Layer(
         q=(torch.randn(batch, HQ, D, generator=g) * sharpness).to(device, dtype),
         cache=cache,
@@ -91,8 +91,8 @@ def build(batch: int, ctx: int, sharpness: float, device: str = "cuda", dtype: t
         pool=pool,
         host=torch.zeros(1, 2, BS, D, dtype=dtype, device=device),  # (nothing is read from the host)
         lookup=ListLookup(tokens, lay, resident, torch.zeros(2, dtype=torch.int64, device=device)),
-        view=(view[0], view[1]),
-        kept_view=(view[2], view[3]),
+        view=view[0],
+        kept_view=view[1],
         counts=torch.zeros(2, dtype=torch.int64, device=device),
         params=p,
     )
@@ -115,13 +115,13 @@ def stages(x: Layer) -> tuple[dict[str, Callable[[], object]], torch.Tensor]:
 
     def prune_offload() -> None:
         topp_prune_triton(
-            *args, writes, x.sel, x.counter, x.stats, **common, offload=(x.pool, x.host, *x.view),
+            *args, writes, x.sel, x.counter, x.stats, **common, offload=(x.pool, x.host, x.view),
             host_reads=x.counts[1:], out=x.sel, out_rows=reads, out_view=x.kept_view, host_attended=x.counts[:1],
             lookup=x.lookup,
         )  # fmt: skip
 
     out = torch.empty_like(x.q)
-    kept = (x.pool, x.host, *x.kept_view)
+    kept = (x.pool, x.host, x.kept_view)
     calls = {
         "restore": restore,
         "lse + prune, HBM": prune_hbm,

@@ -277,5 +277,5 @@ class SelectionPolicy(abc.ABC):
         lists just selected in place, or (out: lagged selection) write row i's trimmed list into
         out[i], the lists left as they are. Returns whether it changed them. host_reads (offload):
         += the listed blocks whose keys it read from the host. view_kw (lag + offload): view_by_slot
-        (the view's rows are the lists' slots) and out_view (loc, key: the kept entries' view by row i)."""
+        (the view's rows are the lists' slots) and out_view (loc: the kept entries' view by row i)."""
         return False

@@ -67,9 +67,9 @@ class SparseBackend(AttentionBackend):
         self.side = torch.cuda.Stream(ctx.device) if p.lag and ctx.device.type == "cuda" else None
         # lag + a refining policy: each step's refined lists, row i for decode row i (the candidates stay)
         self.refined: tuple[torch.Tensor, torch.Tensor] | None = None
-        # offload + a refining policy: the pruned lists' view (pool slot, host row) by decode row, which the
-        # prune writes (lagged: beside self.refined; else beside the lists it shrinks in place)
-        self.refined_view: tuple[torch.Tensor, torch.Tensor] | None = None
+        # offload + a refining policy: the pruned lists' view (loc: pool slot or host row) by decode row, which
+        # the prune writes (lagged: beside self.refined; else beside the lists it shrinks in place)
+        self.refined_view: torch.Tensor | None = None
         if p.lag and self.policy.prunes and not p.prefetch:
             shape = (ctx.max_num_seqs, ctx.num_kv_heads, p.cap)
             ids = torch.arange(ctx.max_num_seqs, dtype=torch.int32, device=ctx.device)
@@ -102,7 +102,7 @@ class SparseBackend(AttentionBackend):
             offload.init_lagged(self.state.sel.shape[1], self.params.cap, self.params.prefetch)
         if offload is not None and self.policy.prunes:
             shape = (c.max_num_seqs, c.num_kv_heads, self.params.cap)
-            self.refined_view = tuple(torch.full(shape, -1, dtype=torch.int64, device=c.device) for _ in "lk")
+            self.refined_view = torch.full(shape, -1, dtype=torch.int64, device=c.device)
 
     def step_inputs(self, scheduled, num_decodes: int) -> dict[str, torch.Tensor]:
         """Each row's selection-state slot; under lag + offload the decodes with fresh slots."""
@@ -323,7 +323,7 @@ class SparseBackend(AttentionBackend):
                     self.policy.refine(layer, q, kv_cache, rows, state, view, out=self.refined[0], **kw)
                 sel, rows.slots = self.refined[0], self.refined[1][:nd]
                 if view is not None:
-                    view = (*view[:2], self.refined_view[0][:nd], self.refined_view[1][:nd])
+                    view = (*view[:2], self.refined_view[:nd])
         else:
             with self._phase("selection"):
                 self.policy.select(layer, q, rows, state, self.key_meta[layer])
@@ -337,7 +337,7 @@ class SparseBackend(AttentionBackend):
                 self.policy.refine(
                     layer, q, kv_cache, rows, state, view, host_reads=self.offload.prune_key_reads, out_view=rv
                 )
-                view = (*view[:2], rv[0][:nd], rv[1][:nd])
+                view = (*view[:2], rv[:nd])
         with self._phase("attention"):
             sparse_decode(
                 q,
@@ -379,7 +379,7 @@ class SparseBackend(AttentionBackend):
                 lookup=lookup,
             )
         rows.slots = self.step_rows[0][:nd]
-        return (*view[:2], rv[0][:nd], rv[1][:nd])
+        return (*view[:2], rv[:nd])
 
     def _max_blocks(self, meta: AttentionMetadata) -> int:
         return max(1, -(-meta.max_seq_len // self.params.block_size))

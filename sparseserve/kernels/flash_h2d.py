@@ -124,10 +124,11 @@ def _flash_h2d_kernel(
     for first in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
         idx = first + offs
         dst = tl.load(load_ptr + idx, mask=idx < n, other=-1)
-        if REPEATS:  # a repeat of a key planned elsewhere in the call: its slot after the plan
+        if REPEATS:  # a repeat of a key planned elsewhere in the call: its slot after the plan, if any
             rep = dst == -2
             rkey = tl.load(key_ptr + idx, mask=rep, other=0)
-            tl.store(loc_ptr + idx, tl.load(resident_ptr + rkey, mask=rep), mask=rep)
+            rslot = tl.load(resident_ptr + rkey, mask=rep, other=-1)
+            tl.store(loc_ptr + idx, rslot, mask=rep & (rslot >= 0))
         loads = (dst >= 0).to(tl.int32)
         count = tl.sum(loads, 0)
         if count > 0:
@@ -159,7 +160,8 @@ def flash_h2d_triton(
     count: torch.Tensor | None = None,
 ) -> None:
     """repeats = (resident, loc) (pool_plan.pool_read): where load is -2 the entry repeats a key
-    planned elsewhere, and loc[i] = resident[key[i]] is written in the same launch. block:
+    planned elsewhere, and loc[i] = resident[key[i]] is written in the same launch where that is a
+    slot (>= 0; else loc[i] stays: the plan wrote the bypass's host row there). block:
     requests a program scans at a time (a power of two); programs_per_sm bounds the grid. count
     (int32 [1] on the device): only the first count requests (the grid still follows key's size)."""
     assert host_flat.is_contiguous() and slots.is_contiguous() and host_flat.shape[1:] == slots.shape[1:]

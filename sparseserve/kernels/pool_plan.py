@@ -10,7 +10,8 @@ victims per set, hits, bypass counts, last-use stamps and statistics equal the r
 
 pool_read: one sparse layer's whole read of its decode lists under offload: the listed head
 blocks' keys, one plan per distinct key (repeats read their representative's slot) and the
-FlashH2D of the misses; three launches on the GPU. `defer` leaves the FlashH2D to the caller (a
+FlashH2D of the misses; three launches on the GPU. Its view of an entry is one int64 (`view_loc`):
+the pool slot where >= 0, else -(host row + 1), the host row being the key. `defer` leaves the FlashH2D to the caller (a
 lagged read of every layer loads layer by layer, each beside the attention of the layers before
 it). See docs/offload.md, "The pool plan's kernels".
 
@@ -74,6 +75,12 @@ class ListLookup(NamedTuple):
     layout: ListLayout
     resident: torch.Tensor
     stats: torch.Tensor
+
+
+def view_loc(slot: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The sparse kernels' view of an entry (kernels/sparse_decode.py): its pool slot, or where it
+    has none (-1) -(key + 1), read from host row key (the trash key: no entry)."""
+    return torch.where(slot >= 0, slot, -1 - key)
 
 
 def set_of(key: torch.Tensor, num_sets: int, hash_mult: int) -> torch.Tensor:
@@ -211,12 +218,14 @@ def _lookup(
     WAYS: tl.constexpr,
     HASH: tl.constexpr,
     STORE: tl.constexpr = True,
+    WORD: tl.constexpr = False,
 ):
     """Kernel 1's lookup of the requested keys (need) at positions i (inb: in bounds); the
     caller loaded slot = resident[key]. load_other: `load` where kernel 2 installs nothing
     (-1; pool_read marks repeats -2); STORE False: no loc and load a request (a caller that
-    reads neither). A hit's last_use = clock marks it in use this step; a
-    set's rank-0 miss joins the leaders (the count at lead_ptr[clock % 2], the list after two)."""
+    reads neither); WORD: a request without a slot gets loc -(key + 1) (view_loc), not -1. A
+    hit's last_use = clock marks it in use this step; a set's rank-0 miss joins the leaders
+    (the count at lead_ptr[clock % 2], the list after two)."""
     hit = need & (slot >= 0)
     miss = need & (slot < 0)
     tl.store(last_use_ptr + slot, tl.zeros_like(slot) + clock, mask=hit)
@@ -230,7 +239,10 @@ def _lookup(
         pos = tl.atomic_add(lead_ptr + (clock & 1), leads, sem="relaxed") + tl.cumsum(lead, 0) - 1
         tl.store(lead_ptr + 2 + pos, i.to(tl.int32), mask=lead > 0)
     if STORE:
-        tl.store(loc_ptr + i, tl.where(hit, slot, -1), mask=inb)
+        if WORD:
+            tl.store(loc_ptr + i, tl.where(hit, slot, -1 - key), mask=inb)
+        else:
+            tl.store(loc_ptr + i, tl.where(hit, slot, -1), mask=inb)
         tl.store(load_ptr + i, load_other, mask=inb)
     # The trap: an atomic a program on one address serializes across thousands of programs; add only
     # what is not zero (a pool that hits leaves the miss count alone).
@@ -396,6 +408,7 @@ def _list_lookup_kernel(
         WAYS=WAYS,
         HASH=HASH,
         STORE=VIEWS,
+        WORD=True,
     )
     if TOUCH:
         ws_slot = row_slot % NUM_SLOTS  # a lagged list's row is its state slot + num_slots * parity
@@ -605,13 +618,14 @@ def pool_read_ref(
     """One sparse layer's read of its lists through the pool (list_keys' arguments): one plan
     per distinct key (repeats read their first occurrence's slot), then FlashH2D of the misses;
     `touch`: listed keys join their rows' working sets. Returns (loc, key) int64 [B, Hkv, cap]:
-    each entry's slot (-1: bypass from host row key, or none). sel [L, S, Hkv, cap]: layers
-    lay.layer.. planned at once, (loc, key) [L, B, Hkv, cap]. defer: the misses are not loaded;
-    returns (loc, key, loads), loads = (key, load, count) by layer ([L, loads_width(N / L)] x 2, int32 [L];
-    L = 1 for one layer): layer l's misses are its first count[l] entries, each to be loaded into slot load from
-    host row key (FlashH2D; a key listed twice loads once). views=False (with defer): a caller that
-    only loads (prefetching reads look their lists up later): loc is None, key names the misses only (the
-    others may be anything), and a hit listed twice counts as two hits (the kernels claim only misses)."""
+    each entry's view_loc (its slot, or -(key + 1): a bypass from host row key, or none) and key.
+    sel [L, S, Hkv, cap]: layers lay.layer.. planned at once, (loc, key) [L, B, Hkv, cap]. defer: the
+    misses are not loaded; returns (loc, key, loads), loads = (key, load, count) by layer
+    ([L, loads_width(N / L)] x 2, int32 [L]; L = 1 for one layer): layer l's misses are its first
+    count[l] entries, each to be loaded into slot load from host row key (FlashH2D; a key listed twice
+    loads once). views=False (with defer): a caller that only loads (prefetching reads look their lists
+    up later): loc is None, key names the misses only (the others may be anything), and a hit listed
+    twice counts as two hits (the kernels claim only misses)."""
     trash_key = st.resident.numel() - 1
     if sel.dim() == 4:
         key = torch.stack(
@@ -654,8 +668,8 @@ def pool_read_ref(
         working_set_touch_ref(key.transpose(0, 1).flatten(1) if sel.dim() == 4 else key.flatten(1), ws_slots, *touch)
     if defer:
         loads = _by_layer(unique, load, sel.shape[0] if sel.dim() == 4 else 1)
-        return loc[rep].view_as(key) if views else None, key, loads
-    return loc[rep].view_as(key), key
+        return view_loc(loc[rep].view_as(key), key) if views else None, key, loads
+    return view_loc(loc[rep].view_as(key), key), key
 
 
 def loads_width(per_layer: int) -> int:
@@ -801,9 +815,10 @@ def pool_read_triton(
     )
     if defer and not views:
         return None, key, loads
-    if defer:  # repeats (load -2) take their key's slot now; FlashH2D skips them
+    if defer:  # repeats (load -2) take their key's slot now, if it has one; FlashH2D skips them
         rep = load == -2  # (only their keys index: the others' may be anything)
-        loc = torch.where(rep, st.resident[torch.where(rep, key.view(-1), st.resident.numel() - 1)], loc)
+        slot = st.resident[torch.where(rep, key.view(-1), st.resident.numel() - 1)]
+        loc = torch.where(rep & (slot >= 0), slot, loc)
         return loc.view_as(key), key, loads
     flash_h2d_triton(host_flat, pool_slots, key.view(-1), load, repeats=(st.resident, loc))
     return loc.view_as(key), key
@@ -838,18 +853,18 @@ def pool_lookup_ref(
     lay: ListLayout,
     resident: torch.Tensor,
     stats: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Where a layer's listed head blocks are now, planning nothing (list_keys' arguments; the
-    prefetching read, kvcache/offload.py): (loc, key) int64 [B, Hkv, cap], loc the pool slot or -1
-    (read host row key over UVA; the trash key: no request). stats int64 [2] += listed entries found
-    in the pool, and not."""
+    prefetching read, kvcache/offload.py): loc int64 [B, Hkv, cap], each entry's view_loc (the pool
+    slot, or -(key + 1): read host row key over UVA; the trash key: no request). stats int64 [2] +=
+    listed entries found in the pool, and not."""
     trash_key = resident.numel() - 1
     key = list_keys(sel, row_slots, tables, seq_lens, lay, trash_key)
     slot = resident[key]
     listed = key != trash_key
     hit = listed & (slot >= 0)
     stats += torch.stack([hit.sum(), (listed & ~hit).sum()])
-    return torch.where(hit, slot, -1), key
+    return view_loc(torch.where(hit, slot, -1), key)
 
 
 def invalidate_ref(

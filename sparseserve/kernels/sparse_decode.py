@@ -7,10 +7,10 @@ the row's listed entries and window, each serving the whole GQA group and writin
 output and its log-sum-exp; kernel 2 merges. Padding and in-window entries load nothing. With
 TMA (compute capability 9+) a twin of kernel 1 gathers, its splits over the cap's entries.
 
-Under KV offload, `offload` = (pool slots [N, 2, bs, D], host rows [R, 2, bs, D], loc, key:
-int64 [B, Hkv, cap]): listed blocks come from pool slot `loc`, or from host row `key` over UVA
-where loc < 0 (bypass); the window still comes from kv_cache. With `view_by_slot` loc and key
-are indexed by the lists' rows (as sel), not the batch rows (lagged reads, kvcache/offload.py).
+Under KV offload, `offload` = (pool slots [N, 2, bs, D], host rows [R, 2, bs, D], loc: int64
+[B, Hkv, cap]): a listed block comes from pool slot `loc` where loc >= 0, else from host row
+-(loc + 1) over UVA (bypass); the window still comes from kv_cache. With `view_by_slot` loc is
+indexed by the lists' rows (as sel), not the batch rows (lagged reads, kvcache/offload.py).
 Design notes: docs/sparse.md, "Kernel notes".
 """
 
@@ -55,11 +55,11 @@ def attended_blocks(
 
 
 def read_listed_ref(offload: tuple) -> torch.Tensor:
-    """[B, Hkv, cap, 2, bs, D]: each entry's head block from pool slot loc, or from host row key
-    where loc < 0 (unlisted entries read something masked later)."""
-    pool_slots, host_flat, loc, key = offload
+    """[B, Hkv, cap, 2, bs, D]: each entry's head block from pool slot loc, or from host row
+    -(loc + 1) where loc < 0 (unlisted entries read something masked later)."""
+    pool_slots, host_flat, loc = offload
     from_pool = pool_slots[loc.clamp_min(0)]
-    from_host = host_flat[key.clamp(0, host_flat.shape[0] - 1).to(host_flat.device)].to(pool_slots.device)
+    from_host = host_flat[(-1 - loc).clamp(0, host_flat.shape[0] - 1).to(host_flat.device)].to(pool_slots.device)
     return torch.where((loc >= 0)[..., None, None, None], from_pool, from_host)
 
 
@@ -137,8 +137,8 @@ def sparse_decode_ref(
         kv = kv_cache[block_tables[:, :mb].long()].float()  # [B, MB, Hkv, 2, bs, D]
     else:
         if view_by_slot:
-            pool_slots, host_flat, loc, key = offload
-            offload = (pool_slots, host_flat, loc[slots.long()], key[slots.long()])
+            pool_slots, host_flat, loc = offload
+            offload = (pool_slots, host_flat, loc[slots.long()])
         kv = offload_context_ref(kv_cache, block_tables, seq_lens, sel_rows, local, offload)
     res = attend_blocks_ref(q, kv, seq_lens, blocks, scale)
     if out is None:
@@ -226,7 +226,6 @@ def _sparse_split_kernel(
     pool_ptr,
     host_ptr,
     loc_ptr,
-    key_ptr,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -297,14 +296,13 @@ def _sparse_split_kernel(
             in_list = ok & listed
             lrow = ((slot if VIEW_BY_SLOT else b.to(tl.int64)) * tl.num_programs(1) + kvh) * CAP
             pslot = tl.load(loc_ptr + lrow + e, mask=in_list, other=-1)
-            hkey = tl.load(key_ptr + lrow + e, mask=in_list, other=0)
             blk = tl.load(table_row + j, mask=ok & ~listed, other=0).to(tl.int64)
             # One pointer per token row (a select, not three masked loads): pool, host (UVA) or cache.
             k_rows = (
                 tl.where(
                     in_list & (pslot >= 0),
                     pool_ptr + tl.maximum(pslot, 0) * (2 * BLOCK_SIZE * HEAD_DIM),
-                    tl.where(in_list, host_ptr + hkey * (2 * BLOCK_SIZE * HEAD_DIM), kv_base + blk * stride_cb),
+                    tl.where(in_list, host_ptr + (-1 - pslot) * (2 * BLOCK_SIZE * HEAD_DIM), kv_base + blk * stride_cb),
                 )
                 + off * HEAD_DIM
             )
@@ -339,7 +337,6 @@ def _sparse_split_tma_kernel(
     pool_desc,
     host_ptr,
     loc_ptr,
-    key_ptr,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -386,11 +383,10 @@ def _sparse_split_tma_kernel(
     j = tl.where(listed, j, local_start + e - CAP)
     ok = tl.where(listed, (j >= 0) & (j < local_start), j < nb) & (e < CAP + LOCAL)
     cached = ok
-    if OFFLOAD:  # listed entries: a pool slot, or (-1) the host row; the window: the device cache
+    if OFFLOAD:  # listed entries: a pool slot, or -(host row + 1); the window: the device cache
         lrow = ((slot if VIEW_BY_SLOT else b.to(tl.int64)) * NUM_KV_HEADS + kvh) * CAP
         in_list = ok & listed
-        pslot = tl.load(loc_ptr + lrow + e, mask=in_list, other=-1)
-        hkey = tl.load(key_ptr + lrow + e, mask=in_list, other=0).to(tl.int64)
+        pslot = tl.load(loc_ptr + lrow + e, mask=in_list, other=-1).to(tl.int64)
         cached = ok & ~listed
     blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + j, mask=cached, other=0)
     rank = tl.where(cached, tl.cumsum(cached.to(tl.int32), 0) - 1, -1)  # the loop's i-th block: rank i
@@ -420,7 +416,7 @@ def _sparse_split_tma_kernel(
         hrank = tl.where(hosted, tl.cumsum(hosted.to(tl.int32), 0) - 1, -1)
         kv_mask = (tok < BLOCK_SIZE)[:, None] & (dims < HEAD_DIM)[None, :]
         for i in range(0, tl.sum(hosted.to(tl.int32), 0)):  # rare (the pool's bypass reads): by pointer, UVA
-            base = host_ptr + tl.sum(tl.where(hrank == i, hkey, 0), 0) * (2 * BLOCK_SIZE * HEAD_DIM)
+            base = host_ptr + tl.sum(tl.where(hrank == i, -1 - pslot, 0), 0) * (2 * BLOCK_SIZE * HEAD_DIM)
             k_ptrs = base + (tok * HEAD_DIM)[:, None] + dims[None, :]
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             v = tl.load(k_ptrs + BLOCK_SIZE * HEAD_DIM, mask=kv_mask, other=0.0)
@@ -572,13 +568,13 @@ def sparse_decode_triton(
     part_out = torch.empty(batch, num_q_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     if offload is not None:
-        pool_slots, host_flat, loc, key = offload
+        pool_slots, host_flat, loc = offload
         assert pool_slots.is_contiguous() and host_flat.is_contiguous() and pool_slots.dtype == kv_cache.dtype
         rows = sel.shape[0] if view_by_slot else batch  # by slot: a scratch row may follow
-        assert loc.shape == key.shape and loc.shape[1:] == (num_kv_heads, cap) and loc.shape[0] >= rows
-        assert loc.is_contiguous() and key.is_contiguous()
+        assert loc.shape[1:] == (num_kv_heads, cap) and loc.shape[0] >= rows and loc.is_contiguous()
+        assert loc.dtype == torch.int64
     else:
-        pool_slots = host_flat = loc = key = kv_cache  # unused (OFFLOAD=False)
+        pool_slots = host_flat = loc = kv_cache  # unused (OFFLOAD=False)
     pdl = use_pdl(q.device)
     common = dict(
         GROUP=group,
@@ -613,7 +609,6 @@ def sparse_decode_triton(
             pool_desc,
             host_flat,
             loc,
-            key,
             scale * LOG2E,
             q.stride(0),
             q.stride(1),
@@ -639,7 +634,6 @@ def sparse_decode_triton(
             pool_slots,
             host_flat,
             loc,
-            key,
             scale * LOG2E,
             q.stride(0),
             q.stride(1),

@@ -13,7 +13,7 @@ the forced blocks and the top candidates. Here:
      itself) row b's result goes to out[b] instead (out_rows, prefetching reads: to out[out_rows[b]],
      padding rows nowhere), padding rows get -1, and the prune counts what it keeps (stats[0] +=
      kept, stats[1] += 1 per live list): the candidates' selection counted nothing. `out_view` (either
-     way): each kept entry's pool view (slot, host row) at its new position by decode row, so the
+     way): each kept entry's pool view (its loc: slot, or -(host row + 1)) at its new position by decode row, so the
      attention reads the pruned lists without a second pool lookup. `lookup` (prefetching reads): the
      candidates' view is not given; kernel 1 looks each entry up in the pool itself and writes it.
 Both skip padding rows, rows that fit the cap and, with reuse, lists kept this step, so the
@@ -135,7 +135,7 @@ def topp_prune_ref(
     host_reads: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     view_by_slot: bool = False,
-    out_view: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_view: torch.Tensor | None = None,
     flat: torch.Tensor | None = None,
     host_attended: torch.Tensor | None = None,
     out_rows: torch.Tensor | None = None,
@@ -147,25 +147,25 @@ def topp_prune_ref(
     kernels/sparse_decode.py; host_reads (int64 [1]) += the entries of the pruned lists whose keys
     it read from the host (not in the pool). out (int32 [>= B, Hkv, cap]): row b's list pruned (or
     kept whole when the prune skips it; -1 for padding rows) into out[b], sel untouched, stats[0] +=
-    kept entries and stats[1] += live lists (module docstring). view_by_slot: offload's loc and key
-    rows by state slot. out_view (with offload: int64 loc, key [>= B, Hkv, cap]): row b's kept entries'
-    loc and key at their positions in out[b] (in place: in row b's list), then -1. The trap (in place):
+    kept entries and stats[1] += live lists (module docstring). view_by_slot: offload's loc
+    rows by state slot. out_view (with offload: int64 loc [>= B, Hkv, cap]): row b's kept entries'
+    loc at their positions in out[b] (in place: in row b's list), then -1. The trap (in place):
     lists are compact (the selection's and the prune's are), so a skipped list is its own compaction.
     flat (int8 [S, Hkv], the first stage's: kernels/block_score.py): lists flagged there stay whole.
     host_attended (with out_view, int64 [1]) += kept entries before the local window that the attention
     will read from the host (loc < 0). out_rows (int [B], with out): row b's list goes to out[out_rows[b]]
     instead, padding rows' nowhere (prefetching reads: into the lists' read rows). lookup (with out_view,
-    prefetching reads): offload's loc and key [B, Hkv, cap] are not given but written: the lists' view by
+    prefetching reads): offload's loc [B, Hkv, cap] is not given but written: the lists' view by
     decode row as pool_lookup_ref finds it (its statistics to lookup.stats), which the Triton path does in
     its lse kernel."""
     block_size = kv_cache.shape[3]
     if lookup is not None:
-        loc, key = pool_lookup_ref(sel, slots, lookup.tables, seq_lens, lookup.layout, lookup.resident, lookup.stats)
-        offload[2].copy_(loc)
-        offload[3].copy_(key)
+        offload[2].copy_(
+            pool_lookup_ref(sel, slots, lookup.tables, seq_lens, lookup.layout, lookup.resident, lookup.stats)
+        )
     slots = slots.long()
     if offload is not None and view_by_slot:  # the reference reads the view by decode row
-        offload = (*offload[:2], offload[2][slots], offload[3][slots])
+        offload = (*offload[:2], offload[2][slots])
     live = (seq_lens > 0)[:, None].expand(-1, sel.shape[1])
     due = live & ((counter[slots] - 1) % reuse == 0) if reuse > 1 else live
     if flat is not None:
@@ -194,8 +194,7 @@ def topp_prune_ref(
     keep = torch.where(due[..., None], keep, lists >= 0)  # a list the prune skips stays whole
     result = compact_ref(lists, keep)
     if out_view is not None:
-        for buf, v in zip(out_view, offload[2:]):
-            buf[: len(slots)] = compact_ref(v, keep & live[..., None])
+        out_view[: len(slots)] = compact_ref(offload[2], keep & live[..., None])
         if host_attended is not None:
             kept = keep & live[..., None] & listed_rows(lists, seq_lens, local, block_size)
             host_attended += (kept & (offload[2] < 0)).sum()
@@ -279,7 +278,6 @@ def _block_lse_kernel(
     pool_ptr,
     host_ptr,
     loc_ptr,
-    key_ptr,
     reads_ptr,
     tok_ptr,
     resident_ptr,
@@ -317,8 +315,8 @@ def _block_lse_kernel(
     to reads_ptr[0] those read from the host. K_ALIGNED (the launcher checks it: kv_rows_aligned): every
     token row's start is 16-byte aligned, so the picked rows load in 16-byte vectors, not 2-byte ones.
     LOOKUP (prefetching reads): the view is this kernel's output, not its input: each entry's key from the
-    token table tok_ptr and its slot resident[key], written to loc / key by decode row for every row, the
-    rows it skips included (the prune reads the view of every list)."""
+    token table tok_ptr and its slot resident[key], written to loc (the slot, or -(key + 1)) by decode row
+    for every row, the rows it skips included (the prune reads the view of every list)."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -337,9 +335,9 @@ def _block_lse_kernel(
         tok = tl.load(tok_ptr + b.to(tl.int64) * stride_kt + jv, mask=vlisted, other=0).to(tl.int64)
         vkey = tl.where(vlisted, (key_base + tok) * tl.num_programs(1) + kvh, trash_key)
         vloc = tl.load(resident_ptr + vkey, mask=vlisted, other=-1)
+        vloc = tl.where(vloc >= 0, vloc, -1 - vkey)  # the host row is the key
         vbase = (b.to(tl.int64) * tl.num_programs(1) + kvh) * CAP
         tl.store(loc_ptr + vbase + e, vloc, mask=(off == 0) & (e < CAP))
-        tl.store(key_ptr + vbase + e, vkey, mask=(off == 0) & (e < CAP))
     if skip:
         return
     g = tl.arange(0, BLOCK_G)
@@ -361,10 +359,8 @@ def _block_lse_kernel(
         lrow = (vrow * tl.num_programs(1) + kvh) * CAP
         if LOOKUP:  # this kernel's own lookup (above)
             pslot = tl.where(listed, vloc, -1)
-            hkey = vkey
         else:
             pslot = tl.load(loc_ptr + lrow + e, mask=listed & (e < CAP), other=-1)
-            hkey = tl.load(key_ptr + lrow + e, mask=listed & (e < CAP), other=0)
         in_cache = ok & ~listed
         blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + j, mask=in_cache, other=0).to(tl.int64)
         # One pointer per token row (a select, not three masked loads): pool, host (UVA) or cache; K is the
@@ -373,7 +369,9 @@ def _block_lse_kernel(
             listed & (pslot >= 0),
             pool_ptr + tl.maximum(pslot, 0) * (2 * BLOCK_SIZE * HEAD_DIM),
             tl.where(
-                listed, host_ptr + hkey * (2 * BLOCK_SIZE * HEAD_DIM), cache_ptr + blk * stride_cb + kvh * stride_ch
+                listed,
+                host_ptr + (-1 - pslot) * (2 * BLOCK_SIZE * HEAD_DIM),
+                cache_ptr + blk * stride_cb + kvh * stride_ch,
             ),
         )
         if K_ALIGNED:  # the select loses the bases' alignment (docs/kernels.md, "Design notes")
@@ -455,12 +453,11 @@ def _prune_kernel(
     stats_ptr,
     out_ptr,
     view_loc_ptr,
-    view_key_ptr,
     out_loc_ptr,
-    out_key_ptr,
     host_ptr,
     out_rows_ptr,
     lookup_stats_ptr,
+    key_reads_ptr,
     top_p,
     stride_ss,
     stride_cs,
@@ -485,12 +482,14 @@ def _prune_kernel(
     COUNT_HOST: tl.constexpr,
     OUT_ROWS: tl.constexpr,
     COUNT_LOOKUP: tl.constexpr,
+    COUNT_KEY_READS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Prunes the list of (b, kvh) in place, or with OUT into out row b (reference: topp_prune_ref); with VIEW
-    also the kept entries' view (loc, key) into out_loc / out_key row b (in place: a skipped list's whole).
+    also the kept entries' view (loc) into out_loc row b (in place: a skipped list's whole).
     COUNT_LOOKUP: the listed entries before the window found in the pool and not go to lookup_stats[0:2]
-    (the lse kernel looked them up: a count a list here, not an atomic a tile there)."""
+    (the lse kernel looked them up: a count a list here, not an atomic a tile there); COUNT_KEY_READS
+    (with it): those not found of a list the lse read also go to key_reads[0] (the keys it read from the host)."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -514,7 +513,6 @@ def _prune_kernel(
             vrow = slot
         vrow = (vrow * tl.num_programs(1) + kvh) * CAP
         vloc = tl.load(view_loc_ptr + vrow + e, mask=listed, other=-1)
-        vkey = tl.load(view_key_ptr + vrow + e, mask=listed, other=-1)
     forced = listed & ((j < SINK) | (j >= nb - LOCAL))
     cand = listed & ~forced
     # Per query head: softmax over the listed entries; then the group's mean (or each head).
@@ -576,8 +574,6 @@ def _prune_kernel(
         fill = tl.full([CAP_PAD], -1, tl.int64)
         tl.store(out_loc_ptr + orow + pos, vloc, mask=keep)
         tl.store(out_loc_ptr + orow + e, fill, mask=tail)
-        tl.store(out_key_ptr + orow + pos, vkey, mask=keep)
-        tl.store(out_key_ptr + orow + e, fill, mask=tail)
         if COUNT_HOST:
             host = (packed >> 16) & 0xFFFF
             if host > 0:
@@ -587,6 +583,9 @@ def _prune_kernel(
             missing = (packed >> 48) & 0xFFFF
             if missing > 0:
                 tl.atomic_add(lookup_stats_ptr + 1, missing, sem="relaxed")
+                if COUNT_KEY_READS:
+                    if not skip:
+                        tl.atomic_add(key_reads_ptr, missing, sem="relaxed")
     if OUT:
         tl.atomic_add(stats_ptr, count.to(tl.int64))
         tl.atomic_add(stats_ptr + 1, (seq_len > 0).to(tl.int64))
@@ -616,7 +615,7 @@ def block_lse_triton(
 ) -> torch.Tensor:
     """float32 [B, Hq, cap]: block_lse_ref of sel[slots], written for the rows that prune; host_reads
     (int64 [1], offload only) += the entries whose keys came from the host; view_by_slot: offload's
-    rows by state slot; flat: topp_prune_ref's; lookup: offload's loc and key are written, not read
+    rows by state slot; flat: topp_prune_ref's; lookup: offload's loc is written, not read
     (topp_prune_ref)."""
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
@@ -629,15 +628,15 @@ def block_lse_triton(
         return lse
     tile_e = max(1, tile_n // block_size, 16 // block_size)  # tl.dot needs 16 rows
     if offload is not None:
-        pool_slots, host_flat, loc, key = offload
-        assert pool_slots.is_contiguous() and host_flat.is_contiguous() and loc.is_contiguous() and key.is_contiguous()
+        pool_slots, host_flat, loc = offload
+        assert pool_slots.is_contiguous() and host_flat.is_contiguous() and loc.is_contiguous()
         aligned = kv_rows_aligned(kv_cache, pool_slots, host_flat)
     else:
         aligned = False
-        pool_slots = host_flat = loc = key = kv_cache  # unused (OFFLOAD=False)
+        pool_slots = host_flat = loc = kv_cache  # unused (OFFLOAD=False)
     if lookup is not None:
         assert offload is not None and not view_by_slot and lookup.tables.stride(1) == 1
-        assert loc.shape == key.shape == (batch, num_kv_heads, cap)
+        assert loc.shape == (batch, num_kv_heads, cap)
         tok, resident, lay = lookup.tables, lookup.resident, lookup.layout
         key_base, trash_key = lay.layer * (lay.num_blocks + 1), resident.numel() - 1
     else:
@@ -658,7 +657,6 @@ def block_lse_triton(
         pool_slots,
         host_flat,
         loc,
-        key,
         lse if host_reads is None else host_reads,
         tok,
         resident,
@@ -684,7 +682,7 @@ def block_lse_triton(
         TILE_E=tile_e,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         OFFLOAD=offload is not None,
-        COUNT_READS=offload is not None and host_reads is not None,
+        COUNT_READS=offload is not None and host_reads is not None and lookup is None,  # (else the prune counts)
         LOCAL=local,
         VIEW_BY_SLOT=view_by_slot,
         K_ALIGNED=aligned,
@@ -714,17 +712,19 @@ def prune_lists_triton(
     ways: int = 4,
     sort: bool | None = None,
     out: torch.Tensor | None = None,
-    view: tuple[torch.Tensor, torch.Tensor] | None = None,
+    view: torch.Tensor | None = None,
     view_by_slot: bool = False,
-    out_view: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_view: torch.Tensor | None = None,
     flat: torch.Tensor | None = None,
     host_attended: torch.Tensor | None = None,
     out_rows: torch.Tensor | None = None,
     lookup_stats: torch.Tensor | None = None,
+    key_reads: torch.Tensor | None = None,
 ) -> None:
     """Prunes sel[slots] in place from their blocks' lse [B, Hq, cap] (prune_ref); stats[0] -=
     dropped entries. out, out_view, host_attended, out_rows: topp_prune_ref's, from the candidates' view
-    (loc, key; by state slot with view_by_slot); lookup_stats (with out_view): ListLookup.stats. sort: one
+    (loc; by state slot with view_by_slot); lookup_stats (with out_view): ListLookup.stats; key_reads (with
+    lookup_stats): topp_prune_ref's host_reads, which a looked-up list's missing entries are. sort: one
     sort of the masses finds the threshold, else rounds of `ways` thresholds (the same lists; None: a sort up
     to SORT_MAX_CAP; benchmarks/topp_parts.py)."""
     batch, num_q_heads, cap = lse.shape
@@ -741,10 +741,9 @@ def prune_lists_triton(
         assert out.stride(1) == cap
     if out_view is not None:
         assert view is not None
-        for t in (*view, *out_view):
+        for t in (view, out_view):
             assert t.is_contiguous() and t.shape[1:] == sel.shape[1:] and t.dtype == torch.int64
-    loc, key = view if out_view is not None else (sel, sel)  # (unused without VIEW)
-    out_loc, out_key = out_view if out_view is not None else (sel, sel)
+    loc, out_loc = (view, out_view) if out_view is not None else (sel, sel)  # (unused without VIEW)
     group = num_q_heads // num_kv_heads
     pdl = use_pdl(lse.device)
     _prune_kernel[(batch, num_kv_heads)](
@@ -757,12 +756,11 @@ def prune_lists_triton(
         stats,
         sel if out is None else out,
         loc,
-        key,
         out_loc,
-        out_key,
         stats if host_attended is None else host_attended,
         seq_lens if out_rows is None else out_rows,
         stats if lookup_stats is None else lookup_stats,
+        stats if key_reads is None else key_reads,
         prune_target(top_p),
         sel.stride(0),
         counter.stride(0),
@@ -787,6 +785,7 @@ def prune_lists_triton(
         COUNT_HOST=out_view is not None and host_attended is not None,
         OUT_ROWS=out is not None and out_rows is not None,
         COUNT_LOOKUP=out_view is not None and lookup_stats is not None,
+        COUNT_KEY_READS=out_view is not None and lookup_stats is not None and key_reads is not None,
         num_warps=4,
         PDL=pdl,
         launch_pdl=pdl,
@@ -814,7 +813,7 @@ def topp_prune_triton(
     host_reads: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     view_by_slot: bool = False,
-    out_view: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_view: torch.Tensor | None = None,
     flat: torch.Tensor | None = None,
     host_attended: torch.Tensor | None = None,
     out_rows: torch.Tensor | None = None,
@@ -856,11 +855,12 @@ def topp_prune_triton(
         short_dense=short_dense,
         per_head=per_head,
         out=out,
-        view=None if offload is None else offload[2:],
+        view=None if offload is None else offload[2],
         view_by_slot=view_by_slot,
         out_view=out_view,
         flat=flat,
         host_attended=host_attended,
         out_rows=out_rows,
         lookup_stats=None if lookup is None else lookup.stats,
+        key_reads=None if lookup is None else host_reads,
     )

@@ -32,8 +32,9 @@ BESIDE_PROGRAMS_PER_SM = 0.25
 # requests), so a small block spreads them over those programs (docs/offload.md, "FlashH2D's grid").
 BESIDE_SCAN_BLOCK = 4
 
-# A view of a layer's selected blocks for the sparse kernels: (pool slots, host rows, loc, key).
-OffloadView = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# A view of a layer's selected blocks for the sparse kernels: (pool slots, host rows, loc), loc an entry's
+# slot, or -(host row + 1) (kernels/pool_plan.py view_loc).
+OffloadView = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -73,7 +74,6 @@ class OffloadCache:
         self.ranges: dict[int, tuple[int, list[int]]] = {}
         self.num_restored_blocks = 0  # token blocks restored into the device block cache (stats)
         self.lag_loc: torch.Tensor | None = None  # lag: [sparse layers, list rows + 1, Hkv, cap]
-        self.lag_key: torch.Tensor | None = None
         self.cap = 0  # blocks a selection lists (set by `build`)
         # the every-layer plan's loads by layer: (key, load, count), kernels/pool_plan.py pool_read
         self._lag_loads: tuple[torch.Tensor, ...] | None = None
@@ -404,7 +404,7 @@ class OffloadCache:
         if ws is not None and layer == self.dense_layers:  # the first sparse layer starts the count
             ws.begin_step()
         host_flat = self.host.flat()
-        loc, key = self.pool.read(
+        loc, _ = self.pool.read(
             host_flat,
             layer,
             sel,
@@ -415,7 +415,7 @@ class OffloadCache:
             self.block_size,
             None if ws is None else ws.touch_state(),
         )
-        return self.pool.slots, host_flat, loc, key
+        return self.pool.slots, host_flat, loc
 
     def lookup(self, layer: int, tables: torch.Tensor, cap: int) -> tuple[OffloadView, ListLookup]:
         """The prefetching read (docs/offload.md, "Prefetching reads"): where each listed head block
@@ -427,8 +427,8 @@ class OffloadCache:
         tables [B, W]; cap: the lists' length."""
         lay = ListLayout(layer, self.pool.num_blocks, self.pool.num_kv_heads, self.local_blocks, self.block_size)
         shape = (tables.shape[0], self.pool.num_kv_heads, cap)
-        loc, key = (torch.empty(shape, dtype=torch.int64, device=tables.device) for _ in range(2))
-        view = (self.pool.slots, self.host.flat(), loc, key)
+        loc = torch.empty(shape, dtype=torch.int64, device=tables.device)
+        view = (self.pool.slots, self.host.flat(), loc)
         return view, ListLookup(tables, lay, self.pool.resident, self.lookup_stats[:2])
 
     def init_lagged(self, list_rows: int, cap: int, prefetch: bool = False) -> None:
@@ -439,7 +439,6 @@ class OffloadCache:
         shape = (len(self.kv_caches) - self.dense_layers, list_rows + 1, self.host.data.shape[2], cap)
         dev = self.pool.resident.device
         self.lag_loc = torch.full(shape, -1, dtype=torch.int64, device=dev)
-        self.lag_key = torch.full(shape, self.pool.trash_key, dtype=torch.int64, device=dev)
 
     def plan_lagged(
         self,
@@ -464,7 +463,7 @@ class OffloadCache:
         if layer is None:
             sel = sel[self.dense_layers :]
         views = not (self.prefetch and layer is None)
-        loc, key, *loads = self.pool.read(
+        loc, _, *loads = self.pool.read(
             self.host.flat(),
             self.dense_layers if layer is None else layer,
             sel,
@@ -485,10 +484,8 @@ class OffloadCache:
         dst = torch.where(list_rows >= 0, list_rows.long(), self.lag_loc.shape[1] - 1)
         if layer is None:
             self.lag_loc.index_copy_(1, dst, loc)
-            self.lag_key.index_copy_(1, dst, key)
         else:
             self.lag_loc[layer - self.dense_layers].index_copy_(0, dst, loc)
-            self.lag_key[layer - self.dense_layers].index_copy_(0, dst, key)
 
     def load_lagged(self, layer: int) -> None:
         """FlashH2D of one sparse layer's misses of the last every-layer `plan_lagged` (its views
@@ -510,7 +507,7 @@ class OffloadCache:
     def lagged_view(self, layer: int) -> OffloadView:
         """The views `plan_lagged` kept, by list row (sparse_decode's view_by_slot)."""
         li = layer - self.dense_layers
-        return self.pool.slots, self.host.flat(), self.lag_loc[li], self.lag_key[li]
+        return self.pool.slots, self.host.flat(), self.lag_loc[li]
 
     # ---- statistics ------------------------------------------------------------------------------
 

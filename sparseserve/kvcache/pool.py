@@ -133,8 +133,8 @@ class HBMPool:
         sel: int32 [S, Hkv, cap] the lists by state slot; row_slots [B]: each row's slot; tables
         [B, W]: token block tables (host rows); seq_lens [B]. Misses load from host_flat; touch:
         the working-set count the listed keys join in the same pass. Returns (loc, key)
-        [B, Hkv, cap]: each entry's slot (-1: read host row `key`, or no request). lagged: a read
-        beside the step in flight, which keeps every slot stamped since `begin_round`. defer:
+        [B, Hkv, cap]: each entry's slot, or -(key + 1) where it has none (read host row `key`, or no
+        request). lagged: a read beside the step in flight, which keeps every slot stamped since `begin_round`. defer:
         (loc, key, loads), the misses' FlashH2D left to the caller, loads listed by layer; views=False:
         loc None (kernels/pool_plan.py)."""
         state = PoolState(

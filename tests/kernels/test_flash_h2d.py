@@ -67,7 +67,7 @@ def test_flash_h2d_few_loads_among_many_requests(block, chunk, per_sm):
     program walks several blocks of requests (block 4), or finds several loads in one block (64), copying
     several head blocks at once, each whole or in chunks (chunk 64: two); a grid of a quarter of the SMs
     (per_sm 0.25, as the loads beside the layers take; block 512: one block holds every request): the slots
-    equal the gather's and every repeat reads its key's slot."""
+    equal the gather's, every repeat reads its key's slot, and a repeat of a key without one keeps its loc."""
     g = torch.Generator().manual_seed(block)
     rows, num_slots, n = 50, 24, 300
     host = torch.randn(rows, 2, 4, 16, generator=g)
@@ -77,11 +77,12 @@ def test_flash_h2d_few_loads_among_many_requests(block, chunk, per_sm):
     pos = torch.randperm(n, generator=g)
     load[pos[:num_slots]] = torch.randperm(num_slots, generator=g)  # 24 loads into distinct slots
     load[pos[num_slots : num_slots + 30]] = -2  # repeats
-    resident = torch.randint(0, num_slots, (rows + 1,), generator=g)
+    resident = torch.randint(-1, num_slots, (rows + 1,), generator=g)  # -1: a bypassed key
     slots = torch.randn(num_slots + 1, 2, 4, 16, generator=g)
     want_slots, want_loc = slots.clone(), torch.full((n,), -7, dtype=torch.int64)
     flash_h2d_ref(host, want_slots, key, load)
-    want_loc[load == -2] = resident[key[load == -2]]
+    rep = (load == -2) & (resident[key] >= 0)
+    want_loc[rep] = resident[key[rep]]
     got_slots, loc = slots.to(DEVICE), torch.full((n,), -7, dtype=torch.int64, device=DEVICE)
     flash_h2d_triton(
         host,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sparseserve.kernels.dispatch import forced
-from sparseserve.kernels.pool_plan import ListLayout, list_keys, pool_lookup_ref
+from sparseserve.kernels.pool_plan import ListLayout, list_keys, pool_lookup_ref, view_loc
 from sparseserve.kernels.working_set import TouchState, working_set_begin_step
 from sparseserve.kvcache.pool import HBMPool
 from tests.kernel_utils import DEVICE, ON_GPU, gpu_only
@@ -269,9 +269,9 @@ def test_triton_read_matches_reference(hkv, cap, slots, ways, bypasses, shared):
             )
         flat = host.flat()
         for p, lc in ((pool, loc), (ref, loc_r)):
-            got = read_listed_ref((p.slots, flat, lc, key))
+            got = read_listed_ref((p.slots, flat, lc))
             assert torch.equal(got[need].cpu(), flat[key[need].cpu()])
-            assert (lc[~need] == -1).all()
+            assert (lc[~need] == -1 - pool.trash_key).all()  # (view_loc of the trash key)
         hit = need & (before[key] >= 0)
         assert torch.equal(loc[hit], before[key][hit]) and torch.equal(loc_r[hit], before[key][hit])
         # as many loads; which misses of an overflowing set bypass follows the kernel's atomic ranks on a GPU
@@ -390,11 +390,9 @@ def test_triton_read_of_several_layers_matches_reference(defer, views):
         need = key != pool.trash_key
         if not views:
             assert loc is None and loc_r is None
-            loc, loc_r = (p.resident[key].masked_fill(~need, -1) for p in (pool, ref))  # the lookups' view
+            loc, loc_r = (view_loc(p.resident[key], key) for p in (pool, ref))  # the lookups' view
         for p, lc in ((pool, loc), (ref, loc_r)):
-            assert torch.equal(
-                read_listed_ref((p.slots, host.flat(), lc, key))[need].cpu(), host.flat()[key[need].cpu()]
-            )
+            assert torch.equal(read_listed_ref((p.slots, host.flat(), lc))[need].cpu(), host.flat()[key[need].cpu()])
         hit = need & (before[key] >= 0)
         assert torch.equal(loc[hit], before[key][hit]) and int((loc >= 0).sum()) == int((loc_r >= 0).sum())
         for name in ("last_use", "clock", "stats"):
@@ -423,15 +421,15 @@ def test_lookup_reads_every_listed_block_and_plans_nothing():
     state = {name: getattr(pool, name).clone() for name in STATE}
     lay = ListLayout(1, blocks, hkv, local, bs)
     stats = torch.zeros(2, dtype=torch.int64, device=DEVICE)
-    loc, key = pool_lookup_ref(sel, row_slots, tables, seq_lens, lay, pool.resident, stats)
+    loc = pool_lookup_ref(sel, row_slots, tables, seq_lens, lay, pool.resident, stats)
     for name, t in state.items():
         assert torch.equal(getattr(pool, name), t), name
     with forced("torch"):
-        assert torch.equal(key, list_keys(sel, row_slots, tables, seq_lens, lay, pool.trash_key))
+        key = list_keys(sel, row_slots, tables, seq_lens, lay, pool.trash_key)
     need = key != pool.trash_key
     flat = host.flat()
-    got = read_listed_ref((pool.slots, flat, loc, key))
-    assert torch.equal(got[need].cpu(), flat[key[need].cpu()]) and (loc[~need] == -1).all()
+    got = read_listed_ref((pool.slots, flat, loc))
+    assert torch.equal(got[need].cpu(), flat[key[need].cpu()]) and (loc[~need] == -1 - pool.trash_key).all()
     hits, misses = int((need & (loc >= 0)).sum()), int((need & (loc < 0)).sum())
     assert hits > 0 and misses > 0  # both cases happened
     assert stats.tolist() == [hits, misses]

@@ -718,7 +718,7 @@ def random_lists(lens: list[int], hkv: int, bs: int, cap: int) -> torch.Tensor:
 
 
 def offload_inputs(cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, sel: torch.Tensor, local: int):
-    """Listed K/V (fresh random data) spread over pool slots and host rows (loc -1: bypass); every block before
+    """Listed K/V (fresh random data) spread over pool slots and host rows (loc -(row + 1): bypass); every block before
     a window poisoned in the device cache. Returns (offload tuple, listed_kv, poisoned cache)."""
     batch, hkv, cap = sel.shape
     bs, d = cache.shape[3], cache.shape[4]
@@ -726,14 +726,14 @@ def offload_inputs(cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Te
     n = batch * hkv * cap
     loc, key = torch.randperm(n, device=DEV), torch.randperm(n, device=DEV)
     bypass = torch.rand(n, device=DEV) < 0.5
-    loc[bypass] = -1
+    loc[bypass] = -1 - key[bypass]
     pool, host = torch.zeros_like(listed_kv).view(n, 2, bs, d), torch.zeros_like(listed_kv).view(n, 2, bs, d)
     pool[loc[~bypass]] = listed_kv.view(n, 2, bs, d)[~bypass]
     host[key[bypass]] = listed_kv.view(n, 2, bs, d)[bypass]
     poisoned = cache.clone()
     for b, nb in enumerate(((seq_lens + bs - 1) // bs).tolist()):
         poisoned[tables[b, : max(0, nb - local)].long()] = float("nan")
-    return (pool, host, loc.view(batch, hkv, cap), key.view(batch, hkv, cap)), listed_kv, poisoned
+    return (pool, host, loc.view(batch, hkv, cap)), listed_kv, poisoned
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -745,19 +745,18 @@ def test_sparse_decode_view_by_slot(dtype, hq=6, hkv=2):
     lens = [5 * bs, 13 * bs + 7, 9 * bs + 1]
     q, cache, meta = decode_batch(lens, hq, hkv, d, bs, dtype, slack=2 * bs)
     listed = random_lists(lens, hkv, bs, cap)[: len(lens)]
-    (pool, host, loc, key), _, cache = offload_inputs(cache, meta.block_tables, meta.seq_lens, listed, local)
+    (pool, host, loc), _, cache = offload_inputs(cache, meta.block_tables, meta.seq_lens, listed, local)
     slots = torch.tensor([5, 0, 3], dtype=torch.int32, device=DEV)
     sel = torch.full((rows, hkv, cap), -1, dtype=torch.int32, device=DEV)
     sel[slots.long()] = listed
     loc_s = torch.full((rows + 1, hkv, cap), 10**9, dtype=torch.int64, device=DEV)  # out of range if read
-    key_s = torch.full_like(loc_s, 10**9)
-    loc_s[slots.long()], key_s[slots.long()] = loc, key
+    loc_s[slots.long()] = loc
     args = (q, cache, meta.block_tables, meta.seq_lens, sel, slots, local, d**-0.5)
-    by_row = sparse_decode_ref(*args, offload=(pool, host, loc, key))
+    by_row = sparse_decode_ref(*args, offload=(pool, host, loc))
     assert torch.isfinite(by_row).all()
-    assert torch.equal(sparse_decode_ref(*args, offload=(pool, host, loc_s, key_s), view_by_slot=True), by_row)
+    assert torch.equal(sparse_decode_ref(*args, offload=(pool, host, loc_s), view_by_slot=True), by_row)
     out = sparse_decode_triton(
-        *args, offload=(pool, host, loc_s, key_s), view_by_slot=True, config=SparseDecodeConfig(tile_n=32)
+        *args, offload=(pool, host, loc_s), view_by_slot=True, config=SparseDecodeConfig(tile_n=32)
     )
     assert rel_err(out, by_row) < TOL[dtype]
 
@@ -820,13 +819,12 @@ def test_sparse_decode_offload_tma(dtype, view_by_slot, hq, hkv):
     kw = dict(offload=offload)
     if view_by_slot:  # rows by slot, the batch in another order, one spare row of the view never read
         order = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32, device=DEV)
-        pool, host, loc, key = offload
+        pool, host, loc = offload
         loc_s = torch.full((len(lens) + 1, hkv, cap), 10**9, dtype=loc.dtype, device=DEV)
-        key_s = torch.full_like(loc_s, 10**9)
         sel_s = torch.full((len(lens) + 1, hkv, cap), -1, dtype=torch.int32, device=DEV)
-        loc_s[order.long()], key_s[order.long()], sel_s[order.long()] = loc, key, sel
+        loc_s[order.long()], sel_s[order.long()] = loc, sel
         args = (q, cache, meta.block_tables, meta.seq_lens, sel_s, order, local, d**-0.5)
-        kw = dict(offload=(pool, host, loc_s, key_s), view_by_slot=True)
+        kw = dict(offload=(pool, host, loc_s), view_by_slot=True)
     config = SparseDecodeConfig(tile_n=32, tiles=2, num_stages=3, tma=True)
     assert tma_capable(cache, kw["offload"])
     outs = []

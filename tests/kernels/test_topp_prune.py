@@ -368,15 +368,14 @@ def test_topp_prune_into_rows(hq, hkv, per_head):
 
 
 def assert_view_follows(lists, pruned, view, out_view) -> None:
-    """out_view [B, Hkv, cap] holds, at each kept entry's position in pruned, the view (loc, key) at its position
-    in lists, then -1."""
+    """out_view [B, Hkv, cap] holds, at each kept entry's position in pruned, the view (loc) at its position in
+    lists, then -1."""
     for b in range(lists.shape[0]):
         for h in range(lists.shape[1]):
             kept = pruned[b, h][pruned[b, h] >= 0].tolist()
             old = [lists[b, h].tolist().index(j) for j in kept]
-            for got, want in zip(out_view, view):
-                assert got[b, h, : len(kept)].tolist() == want[b, h, old].tolist()
-                assert (got[b, h, len(kept) :] == -1).all()
+            assert out_view[b, h, : len(kept)].tolist() == view[b, h, old].tolist()
+            assert (out_view[b, h, len(kept) :] == -1).all()
 
 
 @pytest.mark.parametrize("reuse", [1, 2])
@@ -385,7 +384,7 @@ def test_topp_prune_in_place_with_the_candidates_view(reuse, hq=8, hkv=2):
     view by decode row, so the attention needs no lookup after it; a list the prune skips (not due under
     sparse_reuse, within the cap, a padding row) stays as it is and gets its whole view. Both kernels equal the
     reference, and out_view[b] holds, at each kept entry's new position, the view at its old one."""
-    q, poisoned, tables, seq_lens, slots, state, (pool, host, loc, key) = offload_case(hq, hkv, seed=7)
+    q, poisoned, tables, seq_lens, slots, state, (pool, host, loc) = offload_case(hq, hkv, seed=7)
     d, bs, cap, top_p = OFFLOAD_CASE
     if reuse > 1:  # rows due this step (the counter counts selections), but row 0 (slot 4): it keeps its list
         state[1].fill_(1)
@@ -394,55 +393,55 @@ def test_topp_prune_in_place_with_the_candidates_view(reuse, hq=8, hkv=2):
     outs = []
     for fn in (topp_prune_ref, topp_prune_triton):
         sel, counter, stats = (t.clone() for t in state)
-        out_view = tuple(torch.full((len(LENS), hkv, cap), 7, dtype=torch.int64, device=DEV) for _ in range(2))
+        out_view = torch.full((len(LENS), hkv, cap), 7, dtype=torch.int64, device=DEV)
         fn(
             q, poisoned, tables, seq_lens, slots, sel, counter, stats,
-            sink=1, local=2, top_p=top_p, scale=d**-0.5, reuse=reuse, offload=(pool, host, loc, key),
+            sink=1, local=2, top_p=top_p, scale=d**-0.5, reuse=reuse, offload=(pool, host, loc),
             out_view=out_view,
         )  # fmt: skip
-        outs.append((sel, *out_view, stats))
+        outs.append((sel, out_view, stats))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
-    sel, out_loc, out_key = outs[0][:3]
+    sel, out_loc = outs[0][:2]
     pruned = sel[slots.long()]
     assert int((pruned >= 0).sum()) < int((lists >= 0).sum())  # something was pruned
     if reuse > 1:
         assert torch.equal(pruned[0], lists[0])
-    assert_view_follows(lists, pruned, (loc, key), (out_loc, out_key))
+    assert_view_follows(lists, pruned, loc, out_loc)
 
 
 @pytest.mark.parametrize("view_by_slot", [False, True], ids=["by_row", "by_slot"])
 def test_topp_prune_into_rows_with_the_candidates_view(view_by_slot, hq=8, hkv=2):
     """Lagged topp under KV offload: the candidates' keys come through their pool view (by decode row, or by
-    state slot as a lagged plan keeps it), and the prune writes each kept entry's view (pool slot, host row)
+    state slot as a lagged plan keeps it), and the prune writes each kept entry's view (pool slot or host row)
     next to it in out_view, so the attention reads the pruned lists without a second lookup; both kernels equal
     the reference, and out_view[b] holds, at each kept entry's new position, the view at its old one."""
-    q, poisoned, tables, seq_lens, slots, state, (pool, host, loc, key) = offload_case(hq, hkv, seed=5)
+    q, poisoned, tables, seq_lens, slots, state, (pool, host, loc) = offload_case(hq, hkv, seed=5)
     d, bs, cap, top_p = OFFLOAD_CASE
     nslots, lists = state[0].shape[0], state[0][slots.long()]
-    view = (loc, key)
+    view = loc
     if view_by_slot:  # rows of other slots hold garbage the prune must not read
-        view = tuple(torch.randint(0, 99, (nslots, hkv, cap), device=DEV) for _ in range(2))
-        view[0][slots.long()], view[1][slots.long()] = loc, key
+        view = torch.randint(0, 99, (nslots, hkv, cap), device=DEV)
+        view[slots.long()] = loc
     outs = []
     for fn in (topp_prune_ref, topp_prune_triton):
         sel, counter, stats = (t.clone() for t in state)
         out = torch.full((len(LENS), hkv, cap), 7, dtype=torch.int32, device=DEV)
-        out_view = tuple(torch.full((len(LENS), hkv, cap), 7, dtype=torch.int64, device=DEV) for _ in range(2))
+        out_view = torch.full((len(LENS), hkv, cap), 7, dtype=torch.int64, device=DEV)
         reads = torch.zeros(1, dtype=torch.int64, device=DEV)
         fn(
             q, poisoned, tables, seq_lens, slots, sel, counter, stats,
-            sink=1, local=2, top_p=top_p, scale=d**-0.5, offload=(pool, host, *view), host_reads=reads,
+            sink=1, local=2, top_p=top_p, scale=d**-0.5, offload=(pool, host, view), host_reads=reads,
             out=out, view_by_slot=view_by_slot, out_view=out_view,
         )  # fmt: skip
         assert torch.equal(sel, state[0])  # the candidates stay
-        outs.append((out, *out_view, stats, reads))
+        outs.append((out, out_view, stats, reads))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
-    out, out_loc, out_key = outs[0][:3]
+    out, out_loc = outs[0][:2]
     assert int((out >= 0).sum()) < int((lists[seq_lens > 0] >= 0).sum())  # something was pruned
-    assert_view_follows(lists, out, (loc, key), (out_loc, out_key))
-    assert int(outs[0][4]) > 0  # keys of bypassed candidates came from the host
+    assert_view_follows(lists, out, loc, out_loc)
+    assert int(outs[0][3]) > 0  # keys of bypassed candidates came from the host
 
 
 def test_topp_prune_into_read_rows_counts_the_host_reads_it_keeps(hq=8, hkv=2):
@@ -450,19 +449,19 @@ def test_topp_prune_into_read_rows_counts_the_host_reads_it_keeps(hq=8, hkv=2):
     nowhere), the candidates stay, the kept entries' view goes by decode row, and host_attended counts the kept
     entries before the window the attention will read from the host; both kernels equal the reference, and
     equal the in-place prune's lists."""
-    q, poisoned, tables, seq_lens, slots, state, (pool, host, loc, key) = offload_case(hq, hkv, seed=9)
+    q, poisoned, tables, seq_lens, slots, state, (pool, host, loc) = offload_case(hq, hkv, seed=9)
     d, bs, cap, top_p = OFFLOAD_CASE
     live = seq_lens > 0
     slots = torch.where(live, slots, -1).to(torch.int32)  # (write rows: -1 for padding rows)
     out_rows = (torch.arange(len(LENS), device=DEV) * 2 + 1).to(torch.int32)  # every other row of out
-    kw = dict(sink=1, local=2, top_p=top_p, scale=d**-0.5, offload=(pool, host, loc, key))
+    kw = dict(sink=1, local=2, top_p=top_p, scale=d**-0.5, offload=(pool, host, loc))
     in_place = tuple(t.clone() for t in state)
     topp_prune_ref(q, poisoned, tables, seq_lens, slots.clamp_min(0), *in_place, **kw)
     outs = []
     for fn in (topp_prune_ref, topp_prune_triton):
         sel, counter, stats = (t.clone() for t in state)
         out = torch.full((2 * len(LENS), hkv, cap), 7, dtype=torch.int32, device=DEV)
-        out_view = tuple(torch.full((len(LENS), hkv, cap), 7, dtype=torch.int64, device=DEV) for _ in range(2))
+        out_view = torch.full((len(LENS), hkv, cap), 7, dtype=torch.int64, device=DEV)
         attended = torch.zeros(1, dtype=torch.int64, device=DEV)
         fn(
             q, poisoned, tables, seq_lens, slots, sel, counter, stats, **kw,
@@ -471,18 +470,18 @@ def test_topp_prune_into_read_rows_counts_the_host_reads_it_keeps(hq=8, hkv=2):
         assert torch.equal(sel, state[0])  # the candidates stay
         assert (out[0::2] == 7).all() and (out[out_rows[~live].long()] == 7).all()  # nothing else written
         assert torch.equal(out[out_rows[live].long()], in_place[0][slots[live].long()])
-        outs.append((out, *out_view, stats, attended))
+        outs.append((out, out_view, stats, attended))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     pruned = outs[0][0][out_rows.long()]
     assert int((pruned[live] >= 0).sum()) < int((state[0][slots[live].long()] >= 0).sum())  # something was pruned
     lists = torch.where(live[:, None, None], state[0][slots.clamp_min(0).long()], -1)
     pruned = torch.where(live[:, None, None], pruned, -1)
-    assert_view_follows(lists, pruned, (loc, key), outs[0][1:3])
+    assert_view_follows(lists, pruned, loc, outs[0][1])
     nb = (seq_lens.long() + bs - 1) // bs
     before_window = (pruned >= 0) & (pruned < (nb - 2)[:, None, None])
     expected = int((before_window & (outs[0][1] < 0)).sum())
-    assert expected > 0 and int(outs[0][4]) == expected
+    assert expected > 0 and int(outs[0][3]) == expected
 
 
 @pytest.mark.parametrize("hq,hkv", [(8, 2), pytest.param(9, 3, id="group3-9q3kv")])
@@ -526,23 +525,23 @@ def test_topp_prune_looks_the_candidates_up_itself(hq, hkv):
     outs = []
     for fn in (topp_prune_ref, topp_prune_triton):
         sel, counter, stats = (t.clone() for t in state)
-        view = tuple(torch.full((len(LENS), hkv, cap), 7, dtype=torch.int64, device=DEV) for _ in range(2))
+        view = torch.full((len(LENS), hkv, cap), 7, dtype=torch.int64, device=DEV)
         out = torch.full((2 * len(LENS), hkv, cap), 7, dtype=torch.int32, device=DEV)
-        out_view = tuple(torch.full((len(LENS), hkv, cap), 7, dtype=torch.int64, device=DEV) for _ in range(2))
+        out_view = torch.full((len(LENS), hkv, cap), 7, dtype=torch.int64, device=DEV)
         counts = torch.zeros(5, dtype=torch.int64, device=DEV)  # found, not found, attended from host, key reads
         fn(
             q, poisoned, tables, seq_lens, slots, sel, counter, stats, sink=1, local=2, top_p=top_p,
-            scale=d**-0.5, offload=(pool, host, *view), host_reads=counts[3:4], out=out, out_rows=out_rows,
+            scale=d**-0.5, offload=(pool, host, view), host_reads=counts[3:4], out=out, out_rows=out_rows,
             out_view=out_view, host_attended=counts[2:3], lookup=ListLookup(tokens, lay, resident, counts[:2]),
         )  # fmt: skip
         assert torch.equal(sel, state[0])  # the candidates stay
-        outs.append((*view, out, *out_view, stats, counts))
+        outs.append((view, out, out_view, stats, counts))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     found = torch.zeros(2, dtype=torch.int64, device=DEV)
     want = pool_lookup_ref(state[0], slots, tokens, seq_lens, lay, resident, found)
-    assert torch.equal(outs[0][0], want[0]) and torch.equal(outs[0][1], want[1])
+    assert torch.equal(outs[0][0], want)
     counts = outs[0][-1].tolist()
     assert counts[:2] == found.tolist() and min(counts[:4]) > 0  # in the pool and not; kept and read from host
-    pruned = outs[0][2][out_rows.long()]
+    pruned = outs[0][1][out_rows.long()]
     assert int((pruned[live] >= 0).sum()) < int((state[0][slots[live].long()] >= 0).sum())  # something was pruned

@@ -19,6 +19,7 @@ from sparseserve.engine.request import Sequence
 from sparseserve.entrypoints.cli import build_parser, engine_kwargs_from_args
 from sparseserve.kernels.dispatch import forced
 from sparseserve.kernels.flash_h2d import flash_h2d
+from sparseserve.kernels.pool_plan import view_loc
 from sparseserve.kernels.sparse_decode import read_listed_ref, sparse_decode_ref
 from sparseserve.kvcache.device_space import DeviceBlockMap, StaleBlocks
 from sparseserve.kvcache.host import HostKVStore
@@ -185,7 +186,7 @@ def test_pool_random_requests(seed, impl):
             used = loc[loc >= 0]
             assert used.numel() == used.unique().numel()
             assert not ((loc >= 0) & ~need).any() and not ((load >= 0) & (load != loc)).any()
-            got = read_listed_ref((pool.slots, host.flat(), loc, key))
+            got = read_listed_ref((pool.slots, host.flat(), view_loc(loc, key)))
             assert torch.equal(got[need].cpu(), host.flat()[key[need].cpu()])
             pool.check()
             if step % 7 == 6:
@@ -209,14 +210,14 @@ def test_offload_decode_reference_reads_only_the_window_from_the_device():
     listed_kv = torch.stack(
         [torch.stack([cache[tables[i, sel[i, h].clamp_min(0).long()].long(), h] for h in range(hkv)]) for i in range(b)]
     )  # [B, Hkv, cap, 2, bs, D]
-    # half the entries from pool slots, half straight from host rows (loc -1)
+    # half the entries from pool slots, half straight from host rows (loc -(row + 1))
     n = listed_kv[:, :, :, 0, 0, 0].numel()
-    loc = torch.arange(n).view(sel.shape)
-    loc[:, :, ::2] = -1
     key = torch.randperm(n).view(sel.shape)
+    loc = torch.arange(n).view(sel.shape)
+    loc[:, :, ::2] = -1 - key[:, :, ::2]
     host = torch.zeros(n, 2, bs, d)
     host[key.flatten()] = listed_kv.reshape(n, 2, bs, d)
-    offload = (listed_kv.reshape(n, 2, bs, d).clone(), host, loc, key)
+    offload = (listed_kv.reshape(n, 2, bs, d).clone(), host, loc)
     offload[0][loc[loc < 0].new_tensor(list(range(0, n, 2)))] = float("nan")  # slots the bypass entries never read
     poisoned = cache.clone()
     nb = (seq_lens + bs - 1) // bs
@@ -618,10 +619,10 @@ def test_lagged_views_name_the_host_blocks(hf_models):
             lens = torch.tensor([ctx], dtype=torch.int32, device=DEVICE)
             for li in range(off.lag_loc.shape[0]):
                 layer = off.dense_layers + li
-                loc, key = off.lag_loc[li, row], off.lag_key[li, row]
-                want = off.keys(layer, tables, lens, backend.state.sel[layer][row][None])[0]
-                assert torch.equal(key, want), (seq.seq_id, layer)
-                held_slots = loc >= 0
+                loc = off.lag_loc[li, row]
+                key = off.keys(layer, tables, lens, backend.state.sel[layer][row][None])[0]
+                held_slots = loc >= 0  # else a bypass or none: -(key + 1) (view_loc)
+                assert torch.equal(torch.where(held_slots, -1 - key, loc), -1 - key), (seq.seq_id, layer)
                 assert torch.equal(off.pool.slots[loc[held_slots]].cpu(), off.host.flat()[key[held_slots].cpu()])
                 checked += int(held_slots.sum())
     stats = engine.get_stats(sync=True)
